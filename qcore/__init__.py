@@ -1,0 +1,35 @@
+"""qcore: capture, pt2e-style prepare/convert, streaming observers and the numeric suite, free of torch.ao."""
+from .calibrate import CalibrationError, calibrate
+from .capture import CaptureError, capture
+from .convert import convert, quantize
+from .graph import QuantizableOp, find_quantizable_ops
+from .observers import (
+    DerivedObserver,
+    FixedQParamsObserver,
+    HistogramObserver,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    ObserverBase,
+    PerChannelMinMaxObserver,
+    PlaceholderObserver,
+)
+from .prepare import QuantizationConfigError, get_edge_or_node_to_group_id, prepare
+from .quantizer import (
+    DerivedQuantizationSpec,
+    FixedQParamsQuantizationSpec,
+    Int8StaticQuantizer,
+    QuantizationAnnotation,
+    QuantizationSpec,
+    QuantizationSpecBase,
+    Quantizer,
+    SharedQuantizationSpec,
+)
+
+__all__ = [
+    "CalibrationError", "CaptureError", "DerivedObserver", "DerivedQuantizationSpec", "FixedQParamsObserver",
+    "FixedQParamsQuantizationSpec", "HistogramObserver", "Int8StaticQuantizer", "MinMaxObserver",
+    "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
+    "QuantizableOp", "QuantizationAnnotation", "QuantizationConfigError", "QuantizationSpec",
+    "QuantizationSpecBase", "Quantizer", "SharedQuantizationSpec", "calibrate", "capture", "convert",
+    "find_quantizable_ops", "get_edge_or_node_to_group_id", "prepare", "quantize",
+]

@@ -1,0 +1,36 @@
+"""Run calibration batches through a prepared model."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .inputs import call_model, move_to
+
+
+class CalibrationError(RuntimeError):
+    """Calibration could not run (no batches, or the model failed on a batch)."""
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (CPU if it has none)."""
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def calibrate(model: nn.Module, batches: Iterable[Any]) -> int:
+    """Feed every batch to `model` under no_grad, on the model's device; returns the batch count."""
+    device = model_device(model)
+    count = 0
+    with torch.no_grad():
+        for index, batch in enumerate(batches):
+            try:
+                call_model(model, move_to(batch, device))
+            except Exception as error:  # noqa: BLE001 - re-raised with the batch index
+                raise CalibrationError(f"calibration batch {index} failed: {type(error).__name__}: {error}") from error
+            count += 1
+    if count == 0:
+        raise CalibrationError("no calibration batches: give at least one batch")
+    return count

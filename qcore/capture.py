@@ -1,0 +1,141 @@
+"""Capture an nn.Module as a GraphModule: torch.export first, torch.fx.symbolic_trace as the fallback."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .graph import FQN_KEY, HANDLE_KEY
+from .inputs import as_args_kwargs
+
+
+class CaptureError(RuntimeError):
+    """Neither torch.export nor torch.fx could capture the model."""
+
+
+class _TraceThroughLayers(fx.Tracer):
+    """FX tracer that traces into Linear/Conv so that their weights become get_attr nodes, like export."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def capture(model: nn.Module, example_inputs: Any, name: str | None = None, method: str = "auto") -> fx.GraphModule:
+    """Capture `model` called on `example_inputs` (a tensor, a tuple of args, or a dict of kwargs).
+
+    `method` is "auto" (torch.export, then FX on failure), "export" or "fx".
+
+    Every op node gets meta[FQN_KEY] (its module's fully qualified name) and meta[HANDLE_KEY]
+    (a debug handle, unique and stable in graph order) that later rewrites keep.
+    """
+    if isinstance(model, fx.GraphModule) and _is_annotated(model):
+        return model
+    label = name or type(model).__name__
+    args, kwargs = as_args_kwargs(example_inputs)
+    was_training = model.training
+    model.eval()
+    if method not in ("auto", "export", "fx"):
+        raise ValueError(f"capture method must be 'auto', 'export' or 'fx', not {method!r}")
+    export_error: BaseException | None = None
+    try:
+        try:
+            if method == "fx":
+                raise CaptureError("export skipped (method='fx')")
+            gm = _export(model, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - any export failure means: try FX
+            export_error = error
+            try:
+                if method == "export":
+                    raise CaptureError("FX skipped (method='export')")
+                gm = _fx_trace(model)
+            except Exception as fx_error:  # noqa: BLE001
+                raise CaptureError(
+                    f"model {label!r} could not be captured.\n"
+                    f"  torch.export failed: {_first_line(export_error)}\n"
+                    f"  torch.fx.symbolic_trace failed: {_first_line(fx_error)}\n"
+                    "  Fix: make the failing construct export-friendly (for example replace data-dependent Python "
+                    "control flow with torch.cond or tensor ops), or pass example inputs that match forward()."
+                ) from fx_error
+    finally:
+        model.train(was_training)
+    annotate_fqns_and_handles(gm)
+    gm.meta["qcore_model_name"] = label
+    gm.meta["qcore_capture_method"] = "fx" if export_error is not None else "export"
+    return gm
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    try:
+        exported = torch.export.export(model, args, kwargs, dynamic_shapes=_auto_batch_dims(args, kwargs), strict=False)
+    except Exception:  # noqa: BLE001 - a model that refuses a dynamic batch dim still exports statically
+        exported = torch.export.export(model, args, kwargs, strict=False)
+    gm = exported.module()
+    for node in list(gm.graph.nodes):  # the input-guard submodule is not part of the model's computation
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.recompile()
+    return gm
+
+
+def _auto_batch_dims(args: tuple, kwargs: dict):
+    auto = torch.export.Dim.AUTO
+
+    def spec(value):
+        return {0: auto} if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+
+    return {"args": tuple(spec(a) for a in args), "kwargs": {k: spec(v) for k, v in kwargs.items()}} if kwargs else tuple(
+        spec(a) for a in args
+    )
+
+
+def _fx_trace(model: nn.Module) -> fx.GraphModule:
+    graph = _TraceThroughLayers().trace(model)
+    return fx.GraphModule(model, graph, class_name=type(model).__name__)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _is_annotated(gm: fx.GraphModule) -> bool:
+    return any(HANDLE_KEY in n.meta for n in gm.graph.nodes)
+
+
+def module_fqn(node: fx.Node) -> str:
+    """The FQN of the innermost module a node was called from ('' for the top level)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return _normalize_path(str(path))
+    if node.op == "call_module":
+        return str(node.target)
+    return ""
+
+
+def _normalize_path(path: str) -> str:
+    for prefix in ("L['self'].", "L__self__.", "L['self']", "L__self__"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return path.lstrip(".")
+
+
+def annotate_fqns_and_handles(gm: fx.GraphModule) -> None:
+    """Give every op node its FQN and a debug handle, numbering in graph order."""
+    handle = 0
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            node.meta.setdefault(FQN_KEY, module_fqn(node))
+            node.meta.setdefault(HANDLE_KEY, handle)
+            handle += 1
+
+
+def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """Deep copy of a captured GraphModule, node meta (FQNs, handles) included."""
+    return copy.deepcopy(gm)

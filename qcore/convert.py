@@ -1,0 +1,130 @@
+"""Convert: observers become quantize->dequantize (fake-quant) with the observed qparams."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+import torch
+from torch import fx, nn
+
+from .calibrate import calibrate
+from .capture import capture
+from .graph import FQN_KEY, INSERTED_KEY
+from .observers import ObserverBase
+from .prepare import prepare
+from .qparams import fake_quantize_dynamic, fake_quantize_per_channel, fake_quantize_per_tensor
+from .quantizer import Int8StaticQuantizer, Quantizer
+
+QPARAMS_KEY = "qcore_qparams"
+
+
+def convert(prepared: fx.GraphModule) -> fx.GraphModule:
+    """Replace every observer node of `prepared` by fake quantization with its observed qparams (in place).
+
+    Weights (observed get_attr values) are quantized once, here, and stored as buffers; activations get
+    quantize->dequantize nodes.
+    """
+    graph = prepared.graph
+    weight_cache: dict[tuple[str, str], str] = {}
+    for node in list(graph.nodes):
+        if node.meta.get(INSERTED_KEY) != "observer":
+            continue
+        observer = prepared.get_submodule(str(node.target))
+        source = node.args[0]
+        with graph.inserting_before(node):
+            if isinstance(source, fx.Node) and source.op == "get_attr" and not observer.is_dynamic:
+                replacement = _quantized_weight_node(prepared, source, node.target, observer, weight_cache)
+            else:
+                replacement = _qdq_node(prepared, node, source, observer)
+        replacement.meta.update({k: v for k, v in node.meta.items() if k.startswith("qcore_") or k == "val"})
+        replacement.meta[INSERTED_KEY] = "qdq"
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+    for node in list(graph.nodes):  # float weights that only fed weight observers
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    for name, module in list(prepared.named_children()):
+        if isinstance(module, ObserverBase):
+            delattr(prepared, name)
+    graph.lint()
+    prepared.recompile()
+    return prepared
+
+
+def _qparams_meta(observer: ObserverBase, scale, zero_point) -> dict[str, Any]:
+    return {"dtype": str(observer.dtype), "quant_min": observer.quant_min, "quant_max": observer.quant_max,
+            "qscheme": str(observer.qscheme), "ch_axis": observer.ch_axis,
+            "scale": scale.detach().cpu().reshape(-1).tolist(), "zero_point": zero_point.detach().cpu().reshape(-1).tolist()}
+
+
+def fake_quantize_with(observer: ObserverBase, value: torch.Tensor) -> torch.Tensor:
+    """Fake-quantize a tensor with an observer's qparams (per tensor or per channel)."""
+    scale, zero_point = observer.calculate_qparams()
+    if observer.per_channel:
+        return fake_quantize_per_channel(value, scale, zero_point, observer.ch_axis or 0, observer.quant_min,
+                                         observer.quant_max)
+    return fake_quantize_per_tensor(value, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]),
+                                    observer.quant_min, observer.quant_max)
+
+
+def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) -> fx.Node:
+    key = (str(source.target), str(observer_name))
+    if key not in cache:
+        weight = _fetch_attr(gm, str(source.target))
+        with torch.no_grad():
+            quantized = fake_quantize_with(observer, weight.detach())
+        name = "qcore_fq_" + str(source.target).replace(".", "_")
+        while hasattr(gm, name):
+            name += "_"
+        gm.register_buffer(name, quantized)
+        cache[key] = name
+    node = gm.graph.get_attr(cache[key])
+    scale, zero_point = observer.calculate_qparams()
+    node.meta[QPARAMS_KEY] = _qparams_meta(observer, scale, zero_point)
+    node.meta["qcore_float_weight"] = str(source.target)
+    return node
+
+
+def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
+    if observer.is_dynamic:
+        new = gm.graph.call_function(fake_quantize_dynamic, (source, observer.quant_min, observer.quant_max,
+                                                             observer.symmetric))
+        new.meta[QPARAMS_KEY] = {"dynamic": True, "quant_min": observer.quant_min, "quant_max": observer.quant_max}
+        return new
+    scale, zero_point = observer.calculate_qparams()
+    if observer.per_channel:
+        base = f"qcore_qparams_{node.name}"
+        gm.register_buffer(base + "_scale", scale.detach().float().clone())
+        gm.register_buffer(base + "_zero_point", zero_point.detach().clone())
+        args = (source, gm.graph.get_attr(base + "_scale"), gm.graph.get_attr(base + "_zero_point"),
+                observer.ch_axis or 0, observer.quant_min, observer.quant_max)
+        new = gm.graph.call_function(fake_quantize_per_channel, args)
+    else:
+        args = (source, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), observer.quant_min,
+                observer.quant_max)
+        new = gm.graph.call_function(fake_quantize_per_tensor, args)
+    new.meta[QPARAMS_KEY] = _qparams_meta(observer, scale, zero_point)
+    return new
+
+
+def _fetch_attr(gm: nn.Module, target: str) -> torch.Tensor:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def quantize(
+    model: nn.Module,
+    example_inputs: Any,
+    calibration: Iterable[Any],
+    quantizer: Quantizer | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Capture, prepare, calibrate and convert in one call; returns (float_gm, quant_gm)."""
+    float_gm = capture(model, example_inputs)
+    prepared = prepare(copy.deepcopy(float_gm), quantizer or Int8StaticQuantizer())
+    calibrate(prepared, calibration)
+    return float_gm, convert(prepared)
+
+
+__all__ = ["convert", "quantize", "fake_quantize_with", "QPARAMS_KEY", "FQN_KEY"]

@@ -1,0 +1,169 @@
+"""The quantizable ops of a captured graph, the same way for torch.export (aten) and FX graphs."""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+FQN_KEY = "qcore_fqn"
+HANDLE_KEY = "qcore_debug_handle"
+INSERTED_KEY = "qcore_inserted"  # "observer" or "qdq" on nodes that qcore adds
+
+aten = torch.ops.aten
+
+# kind -> (call_function targets, call_method names)
+_OP_TABLE: dict[str, tuple[set, set]] = {
+    "linear": ({aten.linear.default, F.linear}, set()),
+    "conv": (
+        {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
+         aten.conv1d.padding, aten.conv2d.padding, F.conv1d, F.conv2d, F.conv3d},
+        set(),
+    ),
+    "matmul": ({aten.matmul.default, aten.mm.default, torch.matmul, torch.mm, operator.matmul}, {"matmul", "mm"}),
+    "bmm": ({aten.bmm.default, torch.bmm}, {"bmm"}),
+    "addmm": ({aten.addmm.default, torch.addmm}, {"addmm"}),
+    "add": ({aten.add.Tensor, aten.add_.Tensor, torch.add, operator.add, operator.iadd}, {"add", "add_"}),
+    "mul": ({aten.mul.Tensor, aten.mul_.Tensor, torch.mul, operator.mul, operator.imul}, {"mul", "mul_"}),
+    "cat": ({aten.cat.default, torch.cat, torch.concat}, set()),
+    "relu": ({aten.relu.default, aten.relu_.default, F.relu, torch.relu}, {"relu", "relu_"}),
+    "passthrough": (
+        {aten.max_pool2d.default, aten.max_pool1d.default, aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default,
+         aten.adaptive_avg_pool1d.default, aten.flatten.using_ints, aten.view.default, aten.reshape.default,
+         aten.permute.default, aten.transpose.int, aten.t.default, aten.squeeze.dim, aten.squeeze.dims,
+         aten.unsqueeze.default, aten.contiguous.default, aten.clone.default, aten.dropout.default,
+         aten.hardtanh.default, aten.hardtanh_.default,
+         aten.mean.dim, aten._unsafe_view.default, aten.slice.Tensor, aten.expand.default,
+         F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.dropout, F.hardtanh, F.relu6, torch.flatten,
+         torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze, torch.mean},
+        {"view", "reshape", "permute", "transpose", "flatten", "squeeze", "unsqueeze", "contiguous", "t", "mean",
+         "expand"},
+    ),
+}
+_MODULE_KINDS: dict[type, str] = {
+    torch.nn.ReLU: "relu",
+    torch.nn.MaxPool2d: "passthrough", torch.nn.MaxPool1d: "passthrough", torch.nn.AvgPool2d: "passthrough",
+    torch.nn.AdaptiveAvgPool2d: "passthrough", torch.nn.AdaptiveAvgPool1d: "passthrough",
+    torch.nn.Flatten: "passthrough", torch.nn.Dropout: "passthrough", torch.nn.Identity: "passthrough",
+    torch.nn.Hardtanh: "passthrough", torch.nn.ReLU6: "passthrough",
+}
+WEIGHTED_KINDS = ("linear", "conv", "addmm")
+QUANTIZABLE_KINDS = ("linear", "conv", "matmul", "bmm", "addmm")
+
+
+def op_kind(node: fx.Node, gm: fx.GraphModule | None = None) -> str | None:
+    """Classify a node: 'linear', 'conv', 'matmul', 'bmm', 'addmm', 'add', 'mul', 'cat', 'relu', 'passthrough'."""
+    if node.op == "call_function":
+        for kind, (targets, _) in _OP_TABLE.items():
+            if node.target in targets:
+                return kind
+    elif node.op == "call_method":
+        for kind, (_, methods) in _OP_TABLE.items():
+            if node.target in methods:
+                return kind
+    elif node.op == "call_module" and gm is not None and not node.meta.get(INSERTED_KEY):
+        try:
+            module = gm.get_submodule(str(node.target))
+        except AttributeError:
+            return None
+        return _MODULE_KINDS.get(type(module))
+    return None
+
+
+@dataclass
+class QuantizableOp:
+    """One linear/conv/matmul-like op: where it is, what it reads, and where its result leaves."""
+
+    node: fx.Node
+    kind: str
+    fqn: str
+    layer: str
+    handle: int
+    activation_inputs: list[fx.Node] = field(default_factory=list)
+    weight: fx.Node | None = None
+    bias: fx.Node | None = None
+    output: fx.Node | None = None  # the node whose value is the layer's result (a fused relu, else the op)
+
+
+def is_inserted(node: object) -> bool:
+    """True for observer and quantize/dequantize nodes that qcore inserted."""
+    return isinstance(node, fx.Node) and bool(node.meta.get(INSERTED_KEY))
+
+
+def original_input(node: fx.Node) -> fx.Node:
+    """Walk back through inserted observer/qdq nodes to the value they stand for."""
+    while is_inserted(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _operands(node: fx.Node, kind: str) -> tuple[list, fx.Node | None, fx.Node | None]:
+    args = list(node.args)
+    if kind in ("linear", "conv"):
+        weight = args[1] if len(args) > 1 else node.kwargs.get("weight")
+        bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
+        return [args[0]], weight, bias
+    if kind == "addmm":
+        bias, mat1, mat2 = args[0], args[1], args[2]
+        return [mat1], mat2, bias
+    return args[:2], None, None
+
+
+def _is_parameter(node: object) -> bool:
+    return isinstance(node, fx.Node) and node.op == "get_attr"
+
+
+def fused_output(node: fx.Node, gm: fx.GraphModule) -> fx.Node:
+    """The relu that directly and solely follows `node`, else `node` itself."""
+    users = [u for u in node.users if not is_inserted(u)]
+    if len(users) == 1 and len(node.users) == 1 and op_kind(users[0], gm) == "relu":
+        return users[0]
+    return node
+
+
+def find_quantizable_ops(gm: fx.GraphModule) -> list[QuantizableOp]:
+    """Every quantizable op in graph order, with a layer name that is unique within the graph."""
+    found: list[QuantizableOp] = []
+    for node in gm.graph.nodes:
+        if is_inserted(node):
+            continue
+        kind = op_kind(node, gm)
+        if kind not in QUANTIZABLE_KINDS:
+            continue
+        inputs, weight, bias = _operands(node, kind)
+        activations = [original_input(a) if isinstance(a, fx.Node) else a for a in inputs]
+        if kind in ("matmul", "bmm"):
+            params = [a for a in activations if _is_parameter(a)]
+            activations = [a for a in activations if isinstance(a, fx.Node) and not _is_parameter(a)]
+            weight = params[0] if params else None
+        else:
+            activations = [a for a in activations if isinstance(a, fx.Node)]
+        weight = original_input(weight) if isinstance(weight, fx.Node) else None
+        found.append(
+            QuantizableOp(
+                node=node, kind=kind, fqn=node.meta.get(FQN_KEY, ""), layer="",
+                handle=node.meta.get(HANDLE_KEY, -1), activation_inputs=activations,
+                weight=weight, bias=bias if isinstance(bias, fx.Node) else None,
+                output=fused_output(node, gm),
+            )
+        )
+    _assign_layer_names(found)
+    return found
+
+
+def _assign_layer_names(ops: list[QuantizableOp]) -> None:
+    per_fqn: dict[str, list[QuantizableOp]] = {}
+    for op in ops:
+        per_fqn.setdefault(op.fqn, []).append(op)
+    for fqn, group in per_fqn.items():
+        if len(group) == 1 and fqn:
+            group[0].layer = fqn
+            continue
+        counts: dict[str, int] = {}
+        for op in group:
+            index = counts.get(op.kind, 0)
+            counts[op.kind] = index + 1
+            suffix = op.kind if index == 0 else f"{op.kind}_{index}"
+            op.layer = f"{fqn}.{suffix}" if fqn else suffix

@@ -1,0 +1,246 @@
+"""Streaming observers: statistics that stay on the tensor's device, with no per-batch host copies."""
+from __future__ import annotations
+
+import abc
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .qparams import FLOAT32_EPS, calculate_qparams, is_per_channel, is_symmetric, resolve_quant_range
+
+
+class ObserverBase(nn.Module, abc.ABC):
+    """Common fields of every observer: dtype, range, qscheme and channel axis."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.int8,
+        quant_min: int | None = None,
+        quant_max: int | None = None,
+        qscheme: torch.qscheme = torch.per_tensor_affine,
+        ch_axis: int | None = None,
+        is_dynamic: bool = False,
+        eps: float = FLOAT32_EPS,
+    ) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.quant_min, self.quant_max = resolve_quant_range(dtype, quant_min, quant_max)
+        self.qscheme = qscheme
+        self.ch_axis = ch_axis
+        self.is_dynamic = is_dynamic
+        self.eps = eps
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether the qscheme is symmetric."""
+        return is_symmetric(self.qscheme)
+
+    @property
+    def per_channel(self) -> bool:
+        """Whether the qscheme is per-channel."""
+        return is_per_channel(self.qscheme)
+
+    @abc.abstractmethod
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (scale, zero_point) from what was observed."""
+
+    def extra_repr(self) -> str:
+        return f"dtype={self.dtype}, quant_range=[{self.quant_min}, {self.quant_max}], qscheme={self.qscheme}"
+
+
+class _RangeObserver(ObserverBase):
+    """Observers that keep a running min/max and derive qparams from it."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("min_val", torch.tensor(float("inf")))
+        self.register_buffer("max_val", torch.tensor(float("-inf")))
+
+    @property
+    def has_observed(self) -> bool:
+        """True once at least one batch was seen (a host sync: call after calibration only)."""
+        return bool(torch.isfinite(self.min_val).all()) and self.min_val.numel() > 0
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (scale, zero_point) covering the observed range."""
+        if not self.has_observed:
+            raise RuntimeError(f"{type(self).__name__} has observed no data: run calibration batches before convert")
+        return calculate_qparams(self.min_val, self.max_val, self.quant_min, self.quant_max, self.symmetric, self.eps)
+
+
+class MinMaxObserver(_RangeObserver):
+    """Running minimum and maximum of every value seen."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        low, high = torch.aminmax(x.detach())
+        self.min_val = torch.minimum(self.min_val.to(low.device), low.float())
+        self.max_val = torch.maximum(self.max_val.to(high.device), high.float())
+        return x
+
+
+class MovingAverageMinMaxObserver(_RangeObserver):
+    """Exponential moving average of each batch's min and max."""
+
+    def __init__(self, averaging_constant: float = 0.01, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.averaging_constant = averaging_constant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        low, high = torch.aminmax(x.detach())
+        old_min, old_max = self.min_val.to(low.device), self.max_val.to(high.device)
+        c = self.averaging_constant
+        first = torch.isinf(old_min)
+        self.min_val = torch.where(first, low.float(), old_min + c * (low.float() - old_min))
+        self.max_val = torch.where(first, high.float(), old_max + c * (high.float() - old_max))
+        return x
+
+
+class PerChannelMinMaxObserver(_RangeObserver):
+    """Running min/max per slice along ch_axis (weights use ch_axis=0)."""
+
+    def __init__(self, ch_axis: int = 0, qscheme: torch.qscheme = torch.per_channel_symmetric, **kwargs) -> None:
+        super().__init__(ch_axis=ch_axis, qscheme=qscheme, **kwargs)
+        self.min_val = torch.empty(0)
+        self.max_val = torch.empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        flat = x.detach().movedim(self.ch_axis, 0).reshape(x.shape[self.ch_axis], -1)
+        low, high = torch.aminmax(flat, dim=1)
+        if self.min_val.numel() == 0:
+            self.min_val, self.max_val = low.float(), high.float()
+        else:
+            self.min_val = torch.minimum(self.min_val.to(low.device), low.float())
+            self.max_val = torch.maximum(self.max_val.to(high.device), high.float())
+        return x
+
+
+class HistogramObserver(_RangeObserver):
+    """Streaming histogram; the clipping range minimizes the expected L2 quantization error."""
+
+    def __init__(self, bins: int = 2048, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.bins = bins
+        self.register_buffer("histogram", torch.zeros(bins, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        values = x.detach().float().reshape(-1)
+        low, high = torch.aminmax(values)
+        old_min, old_max = self.min_val.to(values.device), self.max_val.to(values.device)
+        new_min, new_max = torch.minimum(old_min, low), torch.maximum(old_max, high)
+        width = torch.clamp(new_max - new_min, min=FLOAT32_EPS)
+        histogram = _rebin(self.histogram.to(values.device), old_min, old_max, new_min, width, self.bins)
+        index = ((values - new_min) / width * self.bins).long().clamp_(0, self.bins - 1)
+        histogram.index_add_(0, index, torch.ones_like(values, dtype=torch.float64))
+        self.histogram, self.min_val, self.max_val = histogram, new_min, new_max
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (scale, zero_point) for the clipping range with the lowest expected error."""
+        if not self.has_observed:
+            raise RuntimeError("HistogramObserver has observed no data: run calibration batches before convert")
+        low, high = _best_clipping_range(
+            self.histogram, self.min_val, self.max_val, self.quant_max - self.quant_min, self.symmetric
+        )
+        return calculate_qparams(low, high, self.quant_min, self.quant_max, self.symmetric, self.eps)
+
+
+def _rebin(histogram: torch.Tensor, old_min, old_max, new_min, new_width, bins: int) -> torch.Tensor:
+    """Spread an old histogram over the new range by interpolating its cumulative counts."""
+    finite = torch.isfinite(old_min)
+    old_width = torch.where(finite, torch.clamp(old_max - old_min, min=FLOAT32_EPS), torch.ones_like(old_min))
+    old_min = torch.where(finite, old_min, new_min)
+    cumulative = torch.cat([histogram.new_zeros(1), histogram.cumsum(0)])
+    new_edges = new_min + new_width * torch.arange(bins + 1, device=histogram.device) / bins
+    position = ((new_edges - old_min) / old_width * bins).clamp(0, bins).double()
+    left = position.floor().long().clamp(max=bins - 1)
+    fraction = position - left
+    at_edges = cumulative[left] + fraction * (cumulative[left + 1] - cumulative[left])
+    return at_edges.diff()
+
+
+def _best_clipping_range(histogram, min_val, max_val, levels: int, symmetric: bool):
+    """Search clipping ranges on the histogram's bin edges for the least expected squared error."""
+    bins = histogram.numel()
+    counts = histogram.double()
+    width = (max_val - min_val).double() / bins
+    centers = min_val.double() + width * (torch.arange(bins, device=counts.device, dtype=torch.float64) + 0.5)
+    edges = min_val.double() + width * torch.arange(bins + 1, device=counts.device, dtype=torch.float64)
+    if symmetric:
+        magnitude = torch.maximum(-min_val, max_val).double()
+        limits = magnitude * torch.linspace(1.0 / 512, 1.0, 512, device=counts.device, dtype=torch.float64)
+        step = 2 * limits / levels
+        over = torch.clamp(centers.abs()[None, :] - limits[:, None], min=0.0)
+        inside = (over == 0).double()
+        error = (counts * (inside * step[:, None] ** 2 / 12 + over**2)).sum(1)
+        best = limits[torch.argmin(error)]
+        return (-best).float(), best.float()
+    # Affine: error(lo, hi) = rounding noise of the values inside + clipping error of the values outside,
+    # from prefix sums, for every pair of bin edges at once.
+    n, s1, s2 = (torch.cat([counts.new_zeros(1), t.cumsum(0)]) for t in (counts, counts * centers, counts * centers**2))
+    total_n, total_s1, total_s2 = n[-1], s1[-1], s2[-1]
+    below = s2 - 2 * edges * s1 + edges**2 * n  # clipping error of the values under each edge
+    above = (total_s2 - s2) - 2 * edges * (total_s1 - s1) + edges**2 * (total_n - n)
+    lo, hi = edges[:, None], edges[None, :]
+    span = torch.clamp(hi, min=0.0) - torch.clamp(lo, max=0.0)
+    inside = total_n - n[:, None] - (total_n - n)[None, :]
+    error = below[:, None] + above[None, :] + torch.clamp(inside, min=0.0) * (span / levels) ** 2 / 12
+    error = torch.where(lo < hi, error, torch.full_like(error, float("inf")))
+    flat = torch.argmin(error)
+    return edges[flat // (bins + 1)].float(), edges[flat % (bins + 1)].float()
+
+
+class PlaceholderObserver(ObserverBase):
+    """Records nothing: for dynamic specs, whose qparams are chosen per tensor at run time."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic observers have no static qparams."""
+        raise RuntimeError("a dynamic (placeholder) observer has no static qparams")
+
+
+class FixedQParamsObserver(ObserverBase):
+    """Returns the scale and zero point it was given (sigmoid/tanh-style outputs)."""
+
+    def __init__(self, scale: float, zero_point: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("scale", torch.tensor([float(scale)]))
+        self.register_buffer("zero_point", torch.tensor([int(zero_point)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed (scale, zero_point)."""
+        return self.scale, self.zero_point
+
+
+class DerivedObserver(ObserverBase):
+    """Qparams computed from other observers (for example bias scale = input scale x weight scale)."""
+
+    def __init__(
+        self,
+        observers: Sequence[nn.Module],
+        derive_qparams_fn: Callable[[list], tuple[torch.Tensor, torch.Tensor]],
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._sources = list(observers)  # plain list: the sources are owned by their own graph nodes
+        self.derive_qparams_fn = derive_qparams_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ask derive_qparams_fn for the qparams, given the source observers."""
+        return self.derive_qparams_fn(self._sources)

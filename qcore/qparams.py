@@ -1,0 +1,114 @@
+"""Quantization parameters and fake quantization (quantize then dequantize), vectorized."""
+from __future__ import annotations
+
+import struct
+
+import torch
+
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+
+_RANGES: dict[torch.dtype, tuple[int, int]] = {
+    torch.int8: (-128, 127),
+    torch.uint8: (0, 255),
+}
+if hasattr(torch, "int4"):
+    _RANGES[torch.int4] = (-8, 7)
+
+PER_TENSOR_SCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
+PER_CHANNEL_SCHEMES = (torch.per_channel_affine, torch.per_channel_symmetric)
+SYMMETRIC_SCHEMES = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
+
+
+def default_quant_range(dtype: torch.dtype) -> tuple[int, int]:
+    """Return the (quant_min, quant_max) of an integer dtype (int8, uint8, int4)."""
+    try:
+        return _RANGES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported quantized dtype {dtype}; use torch.int8, torch.uint8 or torch.int4") from None
+
+
+def resolve_quant_range(dtype: torch.dtype, quant_min: int | None, quant_max: int | None) -> tuple[int, int]:
+    """Fill a missing quant_min/quant_max from the dtype and check the range is valid."""
+    low, high = default_quant_range(dtype)
+    quant_min = low if quant_min is None else int(quant_min)
+    quant_max = high if quant_max is None else int(quant_max)
+    if not (low <= quant_min < quant_max <= high):
+        raise ValueError(f"quant range [{quant_min}, {quant_max}] does not fit {dtype} [{low}, {high}]")
+    return quant_min, quant_max
+
+
+def is_symmetric(qscheme: torch.qscheme) -> bool:
+    """True for the symmetric qschemes."""
+    return qscheme in SYMMETRIC_SCHEMES
+
+
+def is_per_channel(qscheme: torch.qscheme) -> bool:
+    """True for the per-channel qschemes."""
+    return qscheme in PER_CHANNEL_SCHEMES
+
+
+def calculate_qparams(
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    symmetric: bool,
+    eps: float = FLOAT32_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point that cover [min_val, max_val] (extended to include 0), elementwise.
+
+    Same formulas as torch.ao's observers: symmetric ranges are centred on zero with
+    scale = max|x| / ((quant_max - quant_min) / 2); affine ranges map min..max onto quant_min..quant_max.
+    """
+    min_neg = torch.clamp(min_val.float(), max=0.0)
+    max_pos = torch.clamp(max_val.float(), min=0.0)
+    if symmetric:
+        max_abs = torch.maximum(-min_neg, max_pos)
+        scale = torch.clamp(max_abs / ((quant_max - quant_min) / 2), min=eps)
+        mid = 0 if quant_min < 0 else (quant_min + quant_max + 1) // 2
+        zero_point = torch.full_like(scale, mid, dtype=torch.int64)
+    else:
+        scale = torch.clamp((max_pos - min_neg) / float(quant_max - quant_min), min=eps)
+        zero_point = quant_min - torch.round(min_neg / scale).to(torch.int64)
+        zero_point = torch.clamp(zero_point, quant_min, quant_max)
+    return scale, zero_point
+
+
+def _float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def fake_quantize_per_tensor(
+    x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int
+) -> torch.Tensor:
+    """Quantize then dequantize with one scale and zero point (float32 arithmetic, round half to even)."""
+    inv_scale = _float32(1.0 / _float32(scale))
+    q = torch.clamp(torch.round(x * inv_scale) + zero_point, quant_min, quant_max)
+    return (q - zero_point) * scale
+
+
+def fake_quantize_per_channel(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+) -> torch.Tensor:
+    """Quantize then dequantize with one scale and zero point per slice along `axis`."""
+    shape = [1] * x.dim()
+    shape[axis] = -1
+    scale = scale.to(device=x.device, dtype=torch.float32).reshape(shape)
+    zero_point = zero_point.to(device=x.device).reshape(shape).to(x.dtype)
+    inv_scale = 1.0 / scale
+    q = torch.clamp(torch.round(x * inv_scale) + zero_point, quant_min, quant_max)
+    return (q - zero_point) * scale
+
+
+def fake_quantize_dynamic(x: torch.Tensor, quant_min: int, quant_max: int, symmetric: bool) -> torch.Tensor:
+    """Fake-quantize with qparams chosen from this tensor's own range (dynamic quantization)."""
+    min_val, max_val = torch.aminmax(x.detach())
+    scale, zero_point = calculate_qparams(min_val, max_val, quant_min, quant_max, symmetric)
+    inv_scale = 1.0 / scale
+    q = torch.clamp(torch.round(x * inv_scale) + zero_point, quant_min, quant_max)
+    return (q - zero_point) * scale
