@@ -1,1 +1,21 @@
+"""qcore.numeric: the FX numeric suite on qcore graphs, plus a streaming comparison."""
+from .compare import compare
+from .loggers import ActivationStash, OutputLogger, StreamingComparator
+from .matching import LayerMatchError, LayerPair, match_layers
+from .metrics import compute_cosine_similarity, compute_normalized_l2_error, compute_sqnr
+from .suite import (
+    NSResultsType,
+    add_loggers,
+    add_shadow_loggers,
+    extend_logger_results_with_comparison,
+    extract_logger_info,
+    extract_shadow_logger_info,
+    extract_weights,
+)
 
+__all__ = [
+    "ActivationStash", "LayerMatchError", "LayerPair", "NSResultsType", "OutputLogger", "StreamingComparator",
+    "add_loggers", "add_shadow_loggers", "compare", "compute_cosine_similarity", "compute_normalized_l2_error",
+    "compute_sqnr", "extend_logger_results_with_comparison", "extract_logger_info", "extract_shadow_logger_info",
+    "extract_weights", "match_layers",
+]

@@ -1,0 +1,91 @@
+"""Streaming float-vs-quantized comparison: per-layer sums on the device, memory flat in the batch count."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from ..calibrate import model_device
+from ..inputs import call_model, move_to
+from .instrument import attach_after, copy_layer_into
+from .loggers import ActivationStash, StreamingComparator
+from .matching import layer_value, match_layers
+
+_SHADOW_PREFIX = "qcore_shadow_b"
+
+
+def compare(
+    float_model: fx.GraphModule,
+    quant_model: fx.GraphModule,
+    batches: Iterable[Any],
+    propagate: bool = True,
+) -> list[dict]:
+    """One record per matched layer: fqn, layer, op, sqnr_db, normalized_l2, cosine, batches.
+
+    propagate=True runs both models end to end (each layer inherits upstream error) and adds one record
+    per output leaf (op "output"). propagate=False is the shadow mode: each quantized layer gets the float
+    model's input, so it shows the layer's own error.
+    """
+    if propagate:
+        pairs, runner, comparators, outputs = _propagated(float_model, quant_model)
+    else:
+        pairs, runner, comparators, outputs = _shadowed(float_model, quant_model)
+    device = model_device(float_model)
+    count = 0
+    with torch.no_grad():
+        for batch in batches:
+            runner(move_to(batch, device))
+            count += 1
+    if count == 0:
+        raise ValueError("compare needs at least one batch")
+    records = []
+    for pair, comparator in zip(pairs, comparators):
+        records.append({"layer": pair.layer, "fqn": pair.a.fqn, "op": pair.a.kind, **comparator.result()})
+    for index, comparator in enumerate(outputs):
+        name = "output" if len(outputs) == 1 else f"output.{index}"
+        records.append({"layer": name, "fqn": "", "op": "output", **comparator.result()})
+    return records
+
+
+def _propagated(float_model, quant_model):
+    gm_a, gm_b = copy.deepcopy(float_model), copy.deepcopy(quant_model)
+    pairs = match_layers(gm_a, gm_b)
+    comparators = []
+    for index, pair in enumerate(pairs):
+        stash = ActivationStash()
+        attach_after(gm_a, layer_value(pair.a), f"qcore_stash_{index}", stash)
+        comparator = StreamingComparator(stash)
+        attach_after(gm_b, layer_value(pair.b), f"qcore_compare_{index}", comparator)
+        comparators.append(comparator)
+    gm_a.recompile()
+    gm_b.recompile()
+    outputs: list[StreamingComparator] = []
+
+    def run(batch):
+        out_a = pytree.tree_leaves(call_model(gm_a, batch))
+        out_b = pytree.tree_leaves(call_model(gm_b, batch))
+        tensors = [(a, b) for a, b in zip(out_a, out_b) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        while len(outputs) < len(tensors):
+            outputs.append(StreamingComparator())
+        for comparator, (a, b) in zip(outputs, tensors):
+            comparator.update(a, b)
+
+    return pairs, run, comparators, outputs
+
+
+def _shadowed(float_model, quant_model):
+    gm_a, gm_b = copy.deepcopy(float_model), copy.deepcopy(quant_model)
+    gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
+    pairs = match_layers(gm_a, gm_b)
+    comparators = []
+    for index, pair in enumerate(pairs):
+        shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
+        comparator = StreamingComparator()
+        attach_after(gm_a, shadow_value, f"qcore_compare_{index}", comparator, layer_value(pair.a))
+        comparators.append(comparator)
+    gm_a.graph.lint()
+    gm_a.recompile()
+    return pairs, (lambda batch: call_model(gm_a, batch)), comparators, []

@@ -1,0 +1,96 @@
+"""Loggers: OutputLogger stores activations like the reference; the streaming ones keep only sums."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .metrics import sqnr_from_sums
+
+
+class OutputLogger(nn.Module):
+    """Stores every value it sees (as torch.ao's OutputLogger does); memory grows with the batches."""
+
+    def __init__(
+        self,
+        ref_node_name: str,
+        prev_node_name: str,
+        model_name: str,
+        ref_name: str,
+        prev_node_target_type: str,
+        ref_node_target_type: str,
+        results_type: str,
+        index_within_arg: int,
+        index_of_arg: int,
+        fqn: str | None,
+        qconfig_str: str | None = "",
+    ) -> None:
+        super().__init__()
+        self.stats: list[torch.Tensor] = []
+        self.ref_node_name = ref_node_name
+        self.prev_node_name = prev_node_name
+        self.model_name = model_name
+        self.ref_name = ref_name
+        self.prev_node_target_type = prev_node_target_type
+        self.ref_node_target_type = ref_node_target_type
+        self.results_type = results_type
+        self.index_within_arg = index_within_arg
+        self.index_of_arg = index_of_arg
+        self.fqn = fqn
+        self.qconfig_str = qconfig_str
+        self.enabled = True
+        self.save_activations = True
+
+    def forward(self, x):
+        if self.enabled and self.save_activations and isinstance(x, torch.Tensor):
+            self.stats.append(x.detach())
+        return x
+
+    def extra_repr(self) -> str:
+        return f"model_name={self.model_name}, ref_name={self.ref_name}, results_type={self.results_type}"
+
+
+class ActivationStash(nn.Module):
+    """Holds the latest value only, for a comparator in another model to read within the same batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value: torch.Tensor | None = None
+
+    def forward(self, x):
+        self.value = x.detach()
+        return x
+
+
+class StreamingComparator(nn.Module):
+    """Accumulates sum(ref^2), sum(act^2), sum(ref*act) and sum((ref-act)^2) on the device, in float64."""
+
+    def __init__(self, stash: ActivationStash | None = None) -> None:
+        super().__init__()
+        self._stash = [stash] if stash is not None else []  # a list, so the stash is not a submodule here
+        self.register_buffer("sums", torch.zeros(4, dtype=torch.float64))
+        self.batches = 0
+
+    def forward(self, actual, reference=None):
+        if reference is None:
+            reference = self._stash[0].value
+            self._stash[0].value = None
+        self.update(reference, actual)
+        return actual
+
+    def update(self, reference: torch.Tensor, actual: torch.Tensor) -> None:
+        """Add one batch (no host sync)."""
+        ref = reference.detach().double()
+        act = actual.detach().double().to(ref.device)
+        sums = torch.stack([(ref * ref).sum(), (act * act).sum(), (ref * act).sum(), ((ref - act) ** 2).sum()])
+        self.sums = self.sums.to(ref.device) + sums
+        self.batches += 1
+
+    def result(self) -> dict[str, float]:
+        """sqnr_db, normalized_l2, cosine and the batch count, as plain floats (one host copy)."""
+        ref_sq, act_sq, dot, err_sq = self.sums.cpu().tolist()
+        cosine = dot / math.sqrt(ref_sq * act_sq) if ref_sq > 0 and act_sq > 0 else (1.0 if err_sq == 0 else 0.0)
+        normalized_l2 = math.sqrt(err_sq / ref_sq) if ref_sq > 0 else (0.0 if err_sq == 0 else math.inf)
+        return {"sqnr_db": sqnr_from_sums(ref_sq, err_sq), "normalized_l2": normalized_l2, "cosine": cosine,
+                "batches": self.batches}

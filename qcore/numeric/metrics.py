@@ -1,0 +1,53 @@
+"""Comparison metrics, with the formulas of the FX numeric suite."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def _elementwise(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """Apply a metric to tensors, or pairwise to tuples/lists of tensors (dequantizing quantized tensors)."""
+
+    def wrapper(x, y):
+        if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+            return [wrapper(a, b) for a, b in zip(x, y)]
+        if x.is_quantized:
+            x = x.dequantize()
+        if y.is_quantized:
+            y = y.dequantize()
+        return fn(x, y)
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+@_elementwise
+def compute_sqnr(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Signal-to-quantization-noise ratio in dB: 20*log10(||x|| / ||x - y||); identical tensors give inf."""
+    return 20 * torch.log10(torch.linalg.vector_norm(x) / torch.linalg.vector_norm(x - y))
+
+
+@_elementwise
+def compute_normalized_l2_error(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sqrt(sum((x - y)^2) / sum(x^2))."""
+    return torch.sqrt(((x - y) ** 2).sum() / (x**2).sum())
+
+
+@_elementwise
+def compute_cosine_similarity(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of the flattened tensors."""
+    return F.cosine_similarity(x.reshape(1, -1), y.reshape(1, -1))
+
+
+def sqnr_from_sums(signal_sq: float, noise_sq: float) -> float:
+    """SQNR in dB from accumulated sum(x^2) and sum((x - y)^2)."""
+    import math
+
+    if noise_sq == 0:
+        return math.inf
+    if signal_sq == 0:
+        return -math.inf
+    return 10 * math.log10(signal_sq / noise_sq)

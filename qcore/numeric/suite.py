@@ -1,0 +1,190 @@
+"""The FX numeric suite API (extract_weights, add_loggers, add_shadow_loggers, ...) on qcore graphs.
+
+Signatures and the result structure follow torch.ao.ns._numeric_suite_fx:
+{layer_name: {result_type: {model_name: [{"type", "values", "ref_node_name", ...}]}}}.
+Layer names are qcore layer names (module FQNs where they are unique).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import fx, nn
+
+from .instrument import attach_after, copy_layer_into
+from .matching import LayerPair, layer_value, match_layers, target_type
+
+NSResultsType = dict[str, dict[str, dict[str, list[dict]]]]
+_SHADOW_PREFIX = "qcore_shadow_b"
+
+
+def _require_graph(model: nn.Module, role: str) -> fx.GraphModule:
+    if not isinstance(model, fx.GraphModule):
+        raise TypeError(f"{role} must be a GraphModule from qcore.capture/qcore.quantize, got {type(model).__name__}")
+    return model
+
+
+def _weight_result(gm: fx.GraphModule, pair_op, model_name: str) -> dict:
+    weight = _fetch(gm, str(pair_op.weight.target))
+    return {
+        "type": "weight", "values": [weight.detach()], "ref_node_name": pair_op.node.name,
+        "ref_node_target_type": target_type(pair_op.node, gm), "prev_node_name": pair_op.node.name,
+        "prev_node_target_type": target_type(pair_op.node, gm), "index_within_arg": 0, "index_of_arg": 0,
+        "fqn": pair_op.fqn, "qconfig_str": "", "comparisons": [], "comparison_fn_name": "",
+    }
+
+
+def _fetch(module: nn.Module, target: str) -> torch.Tensor:
+    value = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def extract_weights(
+    model_name_a: str,
+    model_a: nn.Module,
+    model_name_b: str,
+    model_b: nn.Module,
+    base_name_to_sets_of_related_ops=None,
+    unmatchable_types_map=None,
+    op_to_type_to_weight_extraction_fn=None,
+) -> NSResultsType:
+    """Weights of every matched weighted layer of A and B (B's are the fake-quantized ones)."""
+    gm_a, gm_b = _require_graph(model_a, "model_a"), _require_graph(model_b, "model_b")
+    results: NSResultsType = {}
+    for pair in match_layers(gm_a, gm_b):
+        if pair.a.weight is None or pair.b.weight is None:
+            continue
+        results[pair.layer] = {"weight": {model_name_a: [_weight_result(gm_a, pair.a, model_name_a)],
+                                          model_name_b: [_weight_result(gm_b, pair.b, model_name_b)]}}
+    return results
+
+
+def _make_logger(logger_cls, pair_op, gm, model_name: str, layer: str, results_type: str, index_of_arg=0):
+    node = pair_op.node
+    return logger_cls(node.name, layer_value(pair_op).name if results_type == "node_output" else node.name,
+                      model_name, layer, target_type(node, gm), target_type(node, gm), results_type, 0,
+                      index_of_arg, pair_op.fqn)
+
+
+def _add_layer_loggers(gm: fx.GraphModule, pairs: list[LayerPair], side: str, model_name: str, logger_cls,
+                       should_log_inputs: bool) -> None:
+    for index, pair in enumerate(pairs):
+        op = getattr(pair, side)
+        if should_log_inputs:
+            for arg_index, arg in enumerate(op.node.all_input_nodes[:1]):
+                logger = _make_logger(logger_cls, op, gm, model_name, pair.layer, "node_input", arg_index)
+                attach_after(gm, arg, f"qcore_logger_{side}_in_{index}", logger)
+        logger = _make_logger(logger_cls, op, gm, model_name, pair.layer, "node_output")
+        attach_after(gm, layer_value(op), f"qcore_logger_{side}_{index}", logger)
+    gm.recompile()
+
+
+def add_loggers(
+    name_a: str,
+    model_a: nn.Module,
+    name_b: str,
+    model_b: nn.Module,
+    logger_cls: Callable,
+    should_log_inputs: bool = False,
+    base_name_to_sets_of_related_ops=None,
+    unmatchable_types_map=None,
+) -> tuple[nn.Module, nn.Module]:
+    """Copies of A and B with a logger after every matched layer (activations with error propagation)."""
+    gm_a = copy.deepcopy(_require_graph(model_a, "model_a"))
+    gm_b = copy.deepcopy(_require_graph(model_b, "model_b"))
+    pairs = match_layers(gm_a, gm_b)
+    _add_layer_loggers(gm_a, pairs, "a", name_a, logger_cls, should_log_inputs)
+    _add_layer_loggers(gm_b, pairs, "b", name_b, logger_cls, should_log_inputs)
+    return gm_a, gm_b
+
+
+def _collect(named_modules, logger_cls, results: NSResultsType) -> None:
+    for _, module in named_modules:
+        if not isinstance(module, logger_cls) or not hasattr(module, "ref_name"):
+            continue
+        per_type = results.setdefault(module.ref_name, {}).setdefault(module.results_type, {})
+        entries = per_type.setdefault(module.model_name, [])
+        entries.append({
+            "type": module.results_type, "values": module.stats, "ref_node_name": module.ref_node_name,
+            "ref_node_target_type": module.ref_node_target_type, "prev_node_name": module.prev_node_name,
+            "prev_node_target_type": module.prev_node_target_type, "index_within_arg": module.index_within_arg,
+            "index_of_arg": module.index_of_arg, "fqn": module.fqn, "qconfig_str": module.qconfig_str,
+            "comparisons": [], "comparison_fn_name": "",
+        })
+        entries.sort(key=lambda r: (r["index_of_arg"], r["index_within_arg"]))
+
+
+def extract_logger_info(
+    model_a: nn.Module, model_b: nn.Module, logger_cls: Callable, model_name_to_use_for_layer_names: str
+) -> NSResultsType:
+    """Everything the loggers of A and B recorded, keyed by layer name."""
+    results: NSResultsType = {}
+    _collect(model_a.named_modules(), logger_cls, results)
+    _collect(model_b.named_modules(), logger_cls, results)
+    return results
+
+
+def add_shadow_loggers(
+    name_a: str,
+    model_a: nn.Module,
+    name_b: str,
+    model_b: nn.Module,
+    logger_cls: Callable,
+    should_log_inputs: bool = False,
+    base_name_to_sets_of_related_ops=None,
+    node_type_to_io_type_map=None,
+    unmatchable_types_map=None,
+) -> nn.Module:
+    """One model: A, plus a copy of each quantized layer of B fed with A's float input (no error propagation)."""
+    gm_a = copy.deepcopy(_require_graph(model_a, "model_a"))
+    gm_b = copy.deepcopy(_require_graph(model_b, "model_b"))
+    gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
+    pairs = match_layers(gm_a, gm_b)
+    for index, pair in enumerate(pairs):
+        shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
+        logger_b = _make_logger(logger_cls, pair.b, gm_b, name_b, pair.layer, "node_output")
+        attach_after(gm_a, shadow_value, f"qcore_logger_b_{index}", logger_b)
+        logger_a = _make_logger(logger_cls, pair.a, gm_a, name_a, pair.layer, "node_output")
+        attach_after(gm_a, layer_value(pair.a), f"qcore_logger_a_{index}", logger_a)
+    gm_a.graph.lint()
+    gm_a.recompile()
+    return gm_a
+
+
+def extract_shadow_logger_info(
+    model_a_shadows_b: nn.Module, logger_cls: Callable, model_name_to_use_for_layer_names: str
+) -> NSResultsType:
+    """Everything the loggers of a shadow model recorded, keyed by layer name."""
+    results: NSResultsType = {}
+    own = ((n, m) for n, m in model_a_shadows_b.named_modules() if not n.startswith(_SHADOW_PREFIX))
+    _collect(own, logger_cls, results)
+    return results
+
+
+def extend_logger_results_with_comparison(
+    results: NSResultsType,
+    model_name_1: str,
+    model_name_2: str,
+    comparison_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    comparison_name: str,
+) -> None:
+    """Compare model_name_2's values with model_name_1's, storing the list under comparison_name (in place)."""
+    for per_type in results.values():
+        for per_model in per_type.values():
+            if model_name_1 not in per_model or model_name_2 not in per_model:
+                missing = model_name_1 if model_name_1 not in per_model else model_name_2
+                raise KeyError(f"{missing!r} not found in results (models: {sorted(per_model)})")
+            for result_2 in per_model[model_name_2]:
+                result_1 = next(
+                    (r for r in per_model[model_name_1]
+                     if (r["index_of_arg"], r["index_within_arg"]) == (result_2["index_of_arg"],
+                                                                       result_2["index_within_arg"])),
+                    None,
+                )
+                if result_1 is None:
+                    raise KeyError(f"no {model_name_1!r} result for {result_2['ref_node_name']}")
+                result_2[comparison_name] = [comparison_fn(v1, v2) for v1, v2 in zip(result_1["values"],
+                                                                                     result_2["values"])]
