@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -138,4 +139,6 @@ def annotate_fqns_and_handles(gm: fx.GraphModule) -> None:
 
 def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """Deep copy of a captured GraphModule, node meta (FQNs, handles) included."""
-    return copy.deepcopy(gm)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return copy.deepcopy(gm)

@@ -1,12 +1,12 @@
 """Convert: observers become quantize->dequantize (fake-quant) with the observed qparams."""
 from __future__ import annotations
 
-import copy
 from typing import Any, Iterable
 
 import torch
 from torch import fx, nn
 
+from .capture import clone_graph_module
 from .calibrate import calibrate
 from .capture import capture
 from .graph import FQN_KEY, INSERTED_KEY
@@ -122,7 +122,7 @@ def quantize(
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Capture, prepare, calibrate and convert in one call; returns (float_gm, quant_gm)."""
     float_gm = capture(model, example_inputs)
-    prepared = prepare(copy.deepcopy(float_gm), quantizer or Int8StaticQuantizer())
+    prepared = prepare(clone_graph_module(float_gm), quantizer or Int8StaticQuantizer())
     calibrate(prepared, calibration)
     return float_gm, convert(prepared)
 

@@ -1,13 +1,13 @@
 """Streaming float-vs-quantized comparison: per-layer sums on the device, memory flat in the batch count."""
 from __future__ import annotations
 
-import copy
 from typing import Any, Iterable
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from ..capture import clone_graph_module
 from ..calibrate import model_device
 from ..inputs import call_model, move_to
 from .instrument import attach_after, copy_layer_into
@@ -51,7 +51,7 @@ def compare(
 
 
 def _propagated(float_model, quant_model):
-    gm_a, gm_b = copy.deepcopy(float_model), copy.deepcopy(quant_model)
+    gm_a, gm_b = clone_graph_module(float_model), clone_graph_module(quant_model)
     pairs = match_layers(gm_a, gm_b)
     comparators = []
     for index, pair in enumerate(pairs):
@@ -77,7 +77,7 @@ def _propagated(float_model, quant_model):
 
 
 def _shadowed(float_model, quant_model):
-    gm_a, gm_b = copy.deepcopy(float_model), copy.deepcopy(quant_model)
+    gm_a, gm_b = clone_graph_module(float_model), clone_graph_module(quant_model)
     gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
     pairs = match_layers(gm_a, gm_b)
     comparators = []

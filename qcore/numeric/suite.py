@@ -6,12 +6,12 @@ Layer names are qcore layer names (module FQNs where they are unique).
 """
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import torch
 from torch import fx, nn
 
+from ..capture import clone_graph_module
 from .instrument import attach_after, copy_layer_into
 from .matching import LayerPair, layer_value, match_layers, target_type
 
@@ -93,8 +93,8 @@ def add_loggers(
     unmatchable_types_map=None,
 ) -> tuple[nn.Module, nn.Module]:
     """Copies of A and B with a logger after every matched layer (activations with error propagation)."""
-    gm_a = copy.deepcopy(_require_graph(model_a, "model_a"))
-    gm_b = copy.deepcopy(_require_graph(model_b, "model_b"))
+    gm_a = clone_graph_module(_require_graph(model_a, "model_a"))
+    gm_b = clone_graph_module(_require_graph(model_b, "model_b"))
     pairs = match_layers(gm_a, gm_b)
     _add_layer_loggers(gm_a, pairs, "a", name_a, logger_cls, should_log_inputs)
     _add_layer_loggers(gm_b, pairs, "b", name_b, logger_cls, should_log_inputs)
@@ -139,8 +139,8 @@ def add_shadow_loggers(
     unmatchable_types_map=None,
 ) -> nn.Module:
     """One model: A, plus a copy of each quantized layer of B fed with A's float input (no error propagation)."""
-    gm_a = copy.deepcopy(_require_graph(model_a, "model_a"))
-    gm_b = copy.deepcopy(_require_graph(model_b, "model_b"))
+    gm_a = clone_graph_module(_require_graph(model_a, "model_a"))
+    gm_b = clone_graph_module(_require_graph(model_b, "model_b"))
     gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
     pairs = match_layers(gm_a, gm_b)
     for index, pair in enumerate(pairs):

@@ -1,0 +1,85 @@
+"""`qmodel`: declare a model for the quality gate; the function stays a normal pytest fixture."""
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+
+_UNSET: Any = None
+
+
+@dataclass
+class ModelDeclaration:
+    """One declared model and the settings given in its qmodel(...) call (None = not given)."""
+
+    name: str
+    factory: Callable[[], Any]
+    source_file: str
+    calibration: Any = None
+    example_inputs: Any = None
+    quantizer: Any = None
+    sqnr_min_db: float | None = None
+    model_sqnr_min_db: float | None = None
+    weight_sqnr_min_db: float | None = None
+    layers: list[str] | None = None
+    skip_layers: list[str] | None = None
+    checks: list[str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, list[ModelDeclaration]] = {}
+
+
+def declarations_in(path: str | os.PathLike) -> list[ModelDeclaration]:
+    """The models declared in one file, in declaration order."""
+    return list(_REGISTRY.get(os.path.realpath(os.fspath(path)), []))
+
+
+def _as_list(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return [str(v) for v in value]
+
+
+def qmodel(
+    calibration: Any = None,
+    *,
+    example_inputs: Any = None,
+    quantizer: Any = None,
+    sqnr_min_db: float | None = None,
+    model_sqnr_min_db: float | None = None,
+    weight_sqnr_min_db: float | None = None,
+    layers: Any = None,
+    skip_layers: Any = None,
+    checks: Any = None,
+    name: str | None = None,
+    **extra: Any,
+) -> Callable[[Callable[[], Any]], Any]:
+    """Declare a model factory for `pytest --qreport`; the decorated function is also a fixture.
+
+    calibration: a fixture name, a callable returning batches, or an iterable of batches (each batch a
+    tensor, a tuple of args or a dict of kwargs). example_inputs: defaults to the first batch.
+    quantizer: a qcore Quantizer, a factory of one, or a name ("int8", "int8_per_tensor", "int8_histogram").
+    sqnr_min_db / model_sqnr_min_db / weight_sqnr_min_db: thresholds in dB. layers / skip_layers: globs.
+    checks: which checks to run (default: all).
+    """
+
+    def decorate(factory: Callable[[], Any]) -> Any:
+        source = inspect.getsourcefile(factory) or inspect.getfile(factory)
+        declaration = ModelDeclaration(
+            name=name or factory.__name__, factory=factory, source_file=os.path.realpath(source),
+            calibration=calibration, example_inputs=example_inputs, quantizer=quantizer,
+            sqnr_min_db=sqnr_min_db, model_sqnr_min_db=model_sqnr_min_db, weight_sqnr_min_db=weight_sqnr_min_db,
+            layers=_as_list(layers), skip_layers=_as_list(skip_layers), checks=_as_list(checks), extra=dict(extra),
+        )
+        registered = _REGISTRY.setdefault(declaration.source_file, [])
+        registered[:] = [d for d in registered if d.name != declaration.name] + [declaration]
+        fixture = pytest.fixture(name=declaration.name)(factory)
+        return fixture
+
+    return decorate

@@ -1,0 +1,48 @@
+"""The dedicated JUnit XML file: one testsuite per model, written atomically."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+from junit_xml import TestCase, TestSuite, to_xml_report_string
+
+from .summary import format_value
+
+
+def build_suites(rows: list[dict]) -> list[TestSuite]:
+    """One TestSuite per model, one TestCase per (check, layer)."""
+    by_model: dict[str, list[TestCase]] = {}
+    for row in rows:
+        case = TestCase(
+            name=f"{row['check']}/{row['layer']}" if row["layer"] else row["check"],
+            classname=f"qreport.{row['model']}.{row['check']}",
+            elapsed_sec=row.get("duration", 0.0),
+            stdout="\n".join(f"{k}={row[k]}" for k in ("model", "check", "layer", "metric", "value", "threshold")),
+        )
+        text = f"{format_value(row['value'], row['metric'])} (threshold {format_value(row['threshold'], row['metric'])})"
+        if row["verdict"] == "fail":
+            case.add_failure_info(message=text, output=row["message"])
+        elif row["verdict"] == "error":
+            case.add_error_info(message="model could not be analysed", output=row["message"])
+        by_model.setdefault(row["model"], []).append(case)
+    return [TestSuite(f"qreport.{model}", cases) for model, cases in by_model.items()]
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=".qreport-", suffix=".xml", dir=directory)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def write_junit(path: str, rows: list[dict]) -> None:
+    """Write the dedicated JUnit XML report for `rows`."""
+    write_atomically(path, to_xml_report_string(build_suites(rows), prettyprint=True))
