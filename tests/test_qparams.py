@@ -1,0 +1,88 @@
+"""Fake quantization and qparams, cross-checked with torch's kernels and torch.ao's observers."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.ao.quantization import observer as ao
+
+from qcore.qparams import (
+    calculate_qparams,
+    default_quant_range,
+    fake_quantize_dynamic,
+    fake_quantize_per_channel,
+    fake_quantize_per_tensor,
+)
+
+RANGES = [(-128, 127), (0, 255), (-8, 7), (-127, 127)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(1e-4, 10.0), zp_frac=st.floats(0, 1),
+       qrange=st.sampled_from(RANGES))
+def test_per_tensor_matches_torch_kernel(seed, scale, zp_frac, qrange):
+    quant_min, quant_max = qrange
+    scale = float(torch.tensor(scale, dtype=torch.float32))
+    zero_point = int(quant_min + zp_frac * (quant_max - quant_min))
+    x = torch.randn(257, generator=torch.Generator().manual_seed(seed)) * scale * 100
+    ours = fake_quantize_per_tensor(x, scale, zero_point, quant_min, quant_max)
+    ref = torch.fake_quantize_per_tensor_affine(x, scale, zero_point, quant_min, quant_max)
+    assert torch.equal(ours, ref)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), channels=st.integers(1, 8), axis=st.integers(0, 2),
+       qrange=st.sampled_from(RANGES))
+def test_per_channel_matches_torch_kernel(seed, channels, axis, qrange):
+    quant_min, quant_max = qrange
+    g = torch.Generator().manual_seed(seed)
+    shape = [3, 5, 4]
+    shape[axis] = channels
+    x = torch.randn(shape, generator=g) * 4
+    scale = torch.rand(channels, generator=g) * 0.1 + 1e-3
+    zero_point = torch.randint(quant_min, quant_max + 1, (channels,), generator=g, dtype=torch.int32)
+    ours = fake_quantize_per_channel(x, scale, zero_point, axis, quant_min, quant_max)
+    ref = torch.fake_quantize_per_channel_affine(x, scale, zero_point, axis, quant_min, quant_max)
+    assert torch.equal(ours, ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=64),
+       qrange=st.sampled_from(RANGES), symmetric=st.booleans())
+def test_roundtrip_error_at_most_half_a_step(values, qrange, symmetric):
+    """Every observed value moves by at most scale/2 (clipping at the range ends included)."""
+    quant_min, quant_max = qrange
+    x = torch.tensor(values, dtype=torch.float32)
+    scale, zero_point = calculate_qparams(x.min(), x.max(), quant_min, quant_max, symmetric)
+    y = fake_quantize_per_tensor(x, float(scale), int(zero_point), quant_min, quant_max)
+    tolerance = float(scale) / 2 * (1 + 1e-5) + 1e-6 * float(x.abs().max())
+    assert float((x - y).abs().max()) <= tolerance
+
+
+@pytest.mark.parametrize("dtype,qscheme", [
+    (torch.qint8, torch.per_tensor_affine), (torch.quint8, torch.per_tensor_affine),
+    (torch.qint8, torch.per_tensor_symmetric), (torch.quint8, torch.per_tensor_symmetric),
+])
+def test_qparams_match_torch_ao_minmax(dtype, qscheme):
+    x = torch.randn(1000) * 3 + 0.5
+    reference = ao.MinMaxObserver(dtype=dtype, qscheme=qscheme)
+    reference(x)
+    ref_scale, ref_zp = reference.calculate_qparams()
+    ours_dtype = torch.int8 if dtype == torch.qint8 else torch.uint8
+    quant_min, quant_max = default_quant_range(ours_dtype)
+    scale, zp = calculate_qparams(x.min(), x.max(), quant_min, quant_max, qscheme == torch.per_tensor_symmetric)
+    torch.testing.assert_close(scale.reshape(-1), ref_scale.reshape(-1), rtol=1e-6, atol=0)
+    assert int(zp) == int(ref_zp)
+
+
+def test_dynamic_fake_quant_uses_own_range():
+    x = torch.linspace(-2, 6, 101)
+    y = fake_quantize_dynamic(x, -128, 127, symmetric=False)
+    scale = 8 / 255
+    assert (x - y).abs().max() <= scale / 2 + 1e-6
+
+
+def test_bad_range_is_rejected():
+    from qcore.qparams import resolve_quant_range
+
+    with pytest.raises(ValueError, match="does not fit"):
+        resolve_quant_range(torch.int8, -200, 127)
