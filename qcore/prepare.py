@@ -65,8 +65,24 @@ def _root_qspec(qspec, mapping, forest: UnionFind) -> QuantizationSpecBase:
     return qspec
 
 
-def _same_attr(a, b, name: str) -> bool:
-    return hasattr(a, name) and hasattr(b, name) and getattr(a, name) == getattr(b, name)
+_IMPLICIT_SHARING_ATTRS = ("dtype", "is_dynamic", "quant_min", "quant_max", "qscheme", "ch_axis", "scale", "zero_point")
+
+
+def _compatible(a, b) -> bool:
+    """Root specs that may share an observer: equal on every quantization attribute both or neither have."""
+    for name in _IMPLICIT_SHARING_ATTRS:
+        has_a, has_b = hasattr(a, name), hasattr(b, name)
+        if has_a != has_b or (has_a and getattr(a, name) != getattr(b, name)):
+            return False
+    return True
+
+
+def _union(forest: UnionFind, mapping, parent, child) -> None:
+    """pt2e's union: the parent's group leads, unless its leader's spec shares with the child's leader."""
+    leader_parent, leader_child = forest.leader(parent), forest.leader(child)
+    spec = mapping[leader_parent]
+    child_leads = isinstance(spec, SharedQuantizationSpec) and spec.edge_or_node == leader_child
+    forest.union(parent, child, child_leads=child_leads)
 
 
 def get_edge_or_node_to_group_id(edge_or_node_to_qspec: dict[EdgeOrNode, QuantizationSpecBase]) -> dict[EdgeOrNode, int]:
@@ -74,12 +90,15 @@ def get_edge_or_node_to_group_id(edge_or_node_to_qspec: dict[EdgeOrNode, Quantiz
 
     Explicit: a SharedQuantizationSpec joins its key with its target. Implicit (when the consumer's
     annotation allows it): an input edge joins the producer's other user edges and then the producer's
-    output, when their root specs agree on dtype and is_dynamic. Edges are joined with the other users
-    first and with the output second, as pt2e does. The find is iterative, so chains of any length work,
+    output, when their root specs agree on dtype, is_dynamic, quant range, qscheme, ch_axis and fixed
+    qparams. Edges are joined with the other users first and with the output second, as pt2e does
+    (torchao 0.18 semantics). The find is iterative, so chains of any length work,
     and sharing targets may come before or after their users.
     """
     mapping = edge_or_node_to_qspec
-    return _sharing_forest(mapping).group_ids(mapping.keys())
+    group_ids = _sharing_forest(mapping).group_ids(mapping.keys())
+    group_specs(mapping, group_ids)
+    return group_ids
 
 
 def _sharing_forest(mapping: dict[EdgeOrNode, QuantizationSpecBase]) -> UnionFind:
@@ -89,8 +108,8 @@ def _sharing_forest(mapping: dict[EdgeOrNode, QuantizationSpecBase]) -> UnionFin
         if other not in mapping:
             return
         other_root = _root_qspec(mapping[other], mapping, forest)
-        if _same_attr(other_root, edge_root, "dtype") and _same_attr(other_root, edge_root, "is_dynamic"):
-            forest.union(other, edge)
+        if _compatible(other_root, edge_root):
+            _union(forest, mapping, other, edge)
 
     for key, qspec in mapping.items():
         if isinstance(key, tuple):
@@ -108,10 +127,23 @@ def _sharing_forest(mapping: dict[EdgeOrNode, QuantizationSpecBase]) -> UnionFin
                     f"{_describe(key)} shares with {_describe(qspec.edge_or_node)}, which has no spec. "
                     "Fix: annotate the target, or point the SharedQuantizationSpec at an annotated edge/node."
                 )
-            forest.union(qspec.edge_or_node, key)
-    for key in mapping:  # every group must reach a concrete spec
-        _root_qspec(mapping[key], mapping, forest)
+            _union(forest, mapping, qspec.edge_or_node, key)
     return forest
+
+
+def group_specs(mapping: dict, group_ids: dict) -> dict[int, QuantizationSpecBase]:
+    """Each group's spec: its first non-shared spec in key order (the one pt2e builds the observer from)."""
+    specs: dict[int, QuantizationSpecBase] = {}
+    for key, qspec in mapping.items():
+        if not isinstance(qspec, SharedQuantizationSpec):
+            specs.setdefault(group_ids[key], qspec)
+    for key in mapping:
+        if group_ids[key] not in specs:
+            raise QuantizationConfigError(
+                f"{_describe(key)} belongs to a group of SharedQuantizationSpecs that only point at each other "
+                "(a cycle with no concrete spec). Fix: give one member of the group a QuantizationSpec."
+            )
+    return specs
 
 
 def _observer_for(qspec: QuantizationSpecBase, sources: list[nn.Module]) -> nn.Module:
@@ -136,12 +168,9 @@ def _observer_for(qspec: QuantizationSpecBase, sources: list[nn.Module]) -> nn.M
     raise QuantizationConfigError(f"unsupported spec type {type(qspec).__name__}")
 
 
-def create_group_observers(mapping, forest: UnionFind, group_ids) -> dict[int, nn.Module]:
+def create_group_observers(mapping, group_ids) -> dict[int, nn.Module]:
     """One observer per group; derived groups are built after the groups they derive from."""
-    pending: dict[int, QuantizationSpecBase] = {}
-    for key, qspec in mapping.items():
-        if group_ids[key] not in pending:
-            pending[group_ids[key]] = _root_qspec(qspec, mapping, forest)
+    pending = group_specs(mapping, group_ids)
     observers: dict[int, nn.Module] = {}
     while pending:
         progressed = False
@@ -178,9 +207,8 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     quantizer.annotate(gm)
     quantizer.validate(gm)
     mapping = get_edge_or_node_to_qspec(gm)
-    forest = _sharing_forest(mapping)
-    group_ids = forest.group_ids(mapping.keys())
-    observers = create_group_observers(mapping, forest, group_ids)
+    group_ids = get_edge_or_node_to_group_id(mapping)
+    observers = create_group_observers(mapping, group_ids)
     names = {}
     for gid, observer in observers.items():
         names[gid] = f"{OBSERVER_PREFIX}{gid}"

@@ -44,12 +44,13 @@ class UnionFind(Generic[K]):
         """The key that leads `key`'s set: the parent side of the unions that built it."""
         return self._leader[self.find(key)]
 
-    def union(self, parent: K, child: K) -> None:
-        """Merge `child`'s set into `parent`'s set; the merged set keeps the parent's leader."""
+    def union(self, parent: K, child: K, child_leads: bool = False) -> None:
+        """Merge `child`'s set into `parent`'s set; the merged set keeps the parent's leader
+        (the child's, when child_leads is True)."""
         root_parent, root_child = self.find(parent), self.find(child)
         if root_parent == root_child:
             return
-        leader = self._leader[root_parent]
+        leader = self._leader[root_child if child_leads else root_parent]
         if self._size[root_parent] < self._size[root_child]:
             root_parent, root_child = root_child, root_parent
         self._parent[root_child] = root_parent
