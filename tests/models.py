@@ -1,0 +1,72 @@
+"""Small models for the tests."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SmallMLP(nn.Module):
+    def __init__(self, features=32, hidden=64, classes=8):
+        super().__init__()
+        self.fc1 = nn.Linear(features, hidden)
+        self.relu1 = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.relu2 = nn.ReLU()
+        self.fc3 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc3(self.relu2(self.fc2(self.relu1(self.fc1(x)))))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.relu2 = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.relu2(self.conv2(self.relu1(self.conv1(x))))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class CatModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.a(x), self.b(x)], dim=1))
+
+
+class KwargsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, input_ids, attention_mask):
+        x = self.embed(input_ids) * attention_mask[..., None]
+        return self.proj(x)
+
+
+class DataDependent(nn.Module):
+    """Python control flow on a tensor value: neither export nor symbolic_trace can capture it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return x
+
+
+def batches(shape, n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(n)]

@@ -1,0 +1,54 @@
+"""Capture: export first, FX fallback, FQNs and debug handles that survive prepare and convert."""
+import pytest
+import torch
+
+import qcore
+from qcore.graph import FQN_KEY, HANDLE_KEY, find_quantizable_ops
+from tests.models import CatModel, DataDependent, KwargsModel, SmallCNN, SmallMLP, batches
+
+
+def test_export_path_names_layers_by_fqn():
+    gm = qcore.capture(SmallCNN().eval(), torch.randn(2, 3, 16, 16))
+    assert gm.meta["qcore_capture_method"] == "export"
+    assert [op.layer for op in find_quantizable_ops(gm)] == ["conv1", "conv2", "fc"]
+
+
+def test_fx_and_export_agree_on_layers_and_handles():
+    model = SmallMLP().eval()
+    x = torch.randn(4, 32)
+    exported = find_quantizable_ops(qcore.capture(model, x, method="export"))
+    traced = find_quantizable_ops(qcore.capture(model, x, method="fx"))
+    assert [(o.layer, o.kind) for o in exported] == [(o.layer, o.kind) for o in traced]
+
+
+def test_kwargs_inputs():
+    model = KwargsModel().eval()
+    inputs = {"input_ids": torch.randint(0, 50, (2, 5)), "attention_mask": torch.ones(2, 5)}
+    gm = qcore.capture(model, inputs)
+    torch.testing.assert_close(gm(**inputs), model(**inputs))
+    assert [op.layer for op in find_quantizable_ops(gm)] == ["proj"]
+
+
+def test_dynamic_batch_dimension():
+    model = SmallMLP().eval()
+    gm = qcore.capture(model, torch.randn(4, 32))
+    x = torch.randn(7, 32)
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_uncapturable_model_names_model_and_construct():
+    with pytest.raises(qcore.CaptureError) as info:
+        qcore.capture(DataDependent().eval(), torch.randn(2, 4), name="my_model")
+    text = str(info.value)
+    assert "my_model" in text and "torch.export failed" in text and "symbolic_trace failed" in text
+
+
+def test_handles_and_fqns_survive_prepare_and_convert():
+    model = CatModel().eval()
+    data = batches((4, 8))
+    float_gm, quant_gm = qcore.quantize(model, data[0], data)
+    before = {n.meta[HANDLE_KEY]: n.meta[FQN_KEY] for n in float_gm.graph.nodes if HANDLE_KEY in n.meta}
+    after = {n.meta[HANDLE_KEY]: n.meta[FQN_KEY] for n in quant_gm.graph.nodes
+             if HANDLE_KEY in n.meta and not n.meta.get("qcore_inserted")}
+    assert after == before
+    assert len(set(before)) == len(before)

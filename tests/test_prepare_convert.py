@@ -1,0 +1,110 @@
+"""Prepare/convert: observers per group, sharing, fake-quant numerics, and parity with torch.ao's FX flow."""
+import copy
+
+import pytest
+import torch
+from torch.ao.quantization import QConfig, QConfigMapping
+from torch.ao.quantization import observer as ao
+from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+import qcore
+from qcore.numeric import compute_sqnr
+from qcore.numeric.compare import compare
+from qcore.prepare import get_edge_or_node_to_qspec
+from tests.models import CatModel, SmallCNN, SmallMLP, batches
+
+
+def _observer_nodes(gm):
+    return [n for n in gm.graph.nodes if n.meta.get("qcore_inserted") == "observer"]
+
+
+def test_one_observer_instance_per_group_and_cat_shares():
+    gm = qcore.capture(CatModel().eval(), torch.randn(2, 8))
+    group_ids = qcore.get_edge_or_node_to_group_id(get_edge_or_node_to_qspec(qcore.Int8StaticQuantizer().annotate(
+        copy.deepcopy(gm))))
+    prepared = qcore.prepare(gm, qcore.Int8StaticQuantizer())
+    cat = next(n for n in prepared.graph.nodes if n.target == torch.ops.aten.cat.default)
+    a_out, b_out = cat.args[0]
+    # both cat inputs and its output are one group, so a single observer module watches all three
+    assert a_out.target == b_out.target
+    observers = {n.target for n in _observer_nodes(prepared)}
+    assert len(observers) == len(set(group_ids.values()))
+
+
+def test_weights_match_torch_per_channel_fake_quant():
+    model = SmallMLP().eval()
+    data = batches((8, 32))
+    _, quant_gm = qcore.quantize(model, data[0], data)
+    weight = model.fc1.weight.detach()
+    scale = weight.abs().amax(1) / 127
+    reference = torch.fake_quantize_per_channel_affine(weight, scale, torch.zeros(64, dtype=torch.int32), 0, -127, 127)
+    torch.testing.assert_close(quant_gm.qcore_fq_fc1_weight, reference)
+
+
+def test_per_tensor_quantizer_and_layer_overrides():
+    model = SmallMLP().eval()
+    data = batches((8, 32))
+    quantizer = qcore.Int8StaticQuantizer(per_channel=False, layer_overrides={"fc3": {"skip": True}})
+    float_gm, quant_gm = qcore.quantize(model, data[0], data, quantizer)
+    layers = [r["layer"] for r in compare(float_gm, quant_gm, data) if r["op"] != "output"]
+    w = quant_gm.qcore_fq_fc1_weight
+    assert torch.unique(w / (model.fc1.weight.abs().max() / 127)).round().numel() <= 255
+    assert not hasattr(quant_gm, "qcore_fq_fc3_weight")
+    assert "fc3" in layers  # still compared, just not quantized
+
+
+def test_dynamic_override_quantizes_per_batch():
+    model = SmallMLP().eval()
+    data = batches((8, 32))
+    quantizer = qcore.Int8StaticQuantizer(layer_overrides={"fc1": {"is_dynamic": True}})
+    _, quant_gm = qcore.quantize(model, data[0], data, quantizer)
+    assert any(getattr(n.target, "__name__", "") == "fake_quantize_dynamic" for n in quant_gm.graph.nodes)
+
+
+def test_quantized_model_is_close_to_float():
+    model = SmallCNN().eval()
+    data = batches((4, 3, 16, 16))
+    float_gm, quant_gm = qcore.quantize(model, data[0], data)
+    assert float(compute_sqnr(float_gm(data[0]), quant_gm(data[0]))) > 25
+
+
+def _torch_ao_layer_sqnr(model, data, hook_names):
+    """Per-layer SQNR of torch.ao's prepare_fx/convert_fx int8 model, via forward hooks."""
+    qconfig = QConfig(
+        activation=ao.MinMaxObserver.with_args(dtype=torch.quint8, qscheme=torch.per_tensor_affine),
+        weight=ao.PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric,
+                                                     quant_min=-127, quant_max=127))
+    prepared = prepare_fx(copy.deepcopy(model), QConfigMapping().set_global(qconfig), (data[0],))
+    for batch in data:
+        prepared(batch)
+    quantized = convert_fx(prepared)
+    captured = {"float": {}, "quant": {}}
+
+    def hook(store, key):
+        def save(module, inputs, output):
+            store.setdefault(key, []).append(output.dequantize() if output.is_quantized else output.detach())
+        return save
+
+    for layer, float_name in hook_names.items():
+        dict(model.named_modules())[float_name].register_forward_hook(hook(captured["float"], layer))
+        dict(quantized.named_modules())[layer].register_forward_hook(hook(captured["quant"], layer))
+    with torch.no_grad():
+        for batch in data:
+            model(batch)
+            quantized(batch)
+    return {layer: float(compute_sqnr(torch.cat(captured["float"][layer]), torch.cat(captured["quant"][layer])))
+            for layer in hook_names}
+
+
+@pytest.mark.parametrize("model_cls,shape,hooks", [
+    (SmallMLP, (16, 32), {"fc1": "relu1", "fc2": "relu2", "fc3": "fc3"}),
+    (SmallCNN, (4, 3, 16, 16), {"conv1": "relu1", "conv2": "relu2", "fc": "fc"}),
+])
+def test_layer_sqnr_within_1db_of_torch_ao(model_cls, shape, hooks):
+    model = model_cls().eval()
+    data = batches(shape, n=6)
+    reference = _torch_ao_layer_sqnr(model, data, hooks)
+    float_gm, quant_gm = qcore.quantize(model, data[0], data)
+    ours = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, data)}
+    for layer, value in reference.items():
+        assert abs(ours[layer] - value) <= 1.0, (layer, ours[layer], value)
