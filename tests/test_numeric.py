@@ -1,0 +1,120 @@
+"""The numeric suite: metrics equal torch.ao's, the reference API's structure, and the streaming compare."""
+import math
+
+import pytest
+import torch
+from torch.ao.ns.fx import utils as ao_utils
+
+import qcore
+from qcore import numeric as ns
+from tests.models import SmallCNN, SmallMLP, batches
+
+
+@pytest.fixture(scope="module")
+def quantized_mlp():
+    model = SmallMLP().eval()
+    data = batches((16, 32), n=5)
+    float_gm, quant_gm = qcore.quantize(model, data[0], data)
+    return float_gm, quant_gm, data
+
+
+@pytest.mark.parametrize("ours,ref", [
+    (ns.compute_sqnr, ao_utils.compute_sqnr),
+    (ns.compute_normalized_l2_error, ao_utils.compute_normalized_l2_error),
+    (ns.compute_cosine_similarity, ao_utils.compute_cosine_similarity),
+])
+def test_metrics_equal_torch_ao(ours, ref):
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(7, 9, generator=g)
+        y = x + 0.05 * torch.randn(7, 9, generator=g)
+        assert abs(float(ours(x, y)) - float(ref(x, y))) <= 1e-6
+    pair = ([x, x], [y, y])
+    assert [float(v) for v in ours(*pair)] == pytest.approx([float(v) for v in ref(*pair)], abs=1e-6)
+
+
+def test_sqnr_of_identical_tensors_is_inf():
+    x = torch.randn(10)
+    assert math.isinf(float(ns.compute_sqnr(x, x)))
+
+
+def test_extract_weights_structure_and_values(quantized_mlp):
+    float_gm, quant_gm, _ = quantized_mlp
+    results = ns.extract_weights("fp32", float_gm, "int8", quant_gm)
+    assert list(results) == ["fc1", "fc2", "fc3"]
+    entry = results["fc1"]["weight"]["int8"][0]
+    assert {"type", "values", "ref_node_name", "prev_node_name", "ref_node_target_type", "prev_node_target_type",
+            "index_within_arg", "index_of_arg", "fqn"} <= set(entry)
+    assert entry["type"] == "weight" and entry["fqn"] == "fc1"
+    ns.extend_logger_results_with_comparison(results, "fp32", "int8", ns.compute_sqnr, "sqnr")
+    assert 40 < float(results["fc1"]["weight"]["int8"][0]["sqnr"][0]) < 60
+
+
+def test_add_loggers_matches_streaming_compare(quantized_mlp):
+    float_gm, quant_gm, data = quantized_mlp
+    logged_a, logged_b = ns.add_loggers("fp32", float_gm, "int8", quant_gm, ns.OutputLogger)
+    for batch in data:
+        logged_a(batch)
+        logged_b(batch)
+    results = ns.extract_logger_info(logged_a, logged_b, ns.OutputLogger, "int8")
+    assert list(results) == ["fc1", "fc2", "fc3"]
+    assert len(results["fc2"]["node_output"]["int8"][0]["values"]) == len(data)
+    streamed = {r["layer"]: r for r in ns.compare(float_gm, quant_gm, data)}
+    for layer, per_type in results.items():
+        a = torch.cat(per_type["node_output"]["fp32"][0]["values"])
+        b = torch.cat(per_type["node_output"]["int8"][0]["values"])
+        assert streamed[layer]["sqnr_db"] == pytest.approx(float(ns.compute_sqnr(a, b)), abs=1e-3)
+        assert streamed[layer]["cosine"] == pytest.approx(float(ns.compute_cosine_similarity(a, b)), abs=1e-5)
+        assert streamed[layer]["normalized_l2"] == pytest.approx(float(ns.compute_normalized_l2_error(a, b)),
+                                                                 rel=1e-4)
+        assert streamed[layer]["batches"] == len(data)
+
+
+def test_shadow_loggers_match_shadow_compare(quantized_mlp):
+    float_gm, quant_gm, data = quantized_mlp
+    shadow = ns.add_shadow_loggers("fp32", float_gm, "int8", quant_gm, ns.OutputLogger)
+    for batch in data:
+        shadow(batch)
+    results = ns.extract_shadow_logger_info(shadow, ns.OutputLogger, "int8")
+    ns.extend_logger_results_with_comparison(results, "fp32", "int8", ns.compute_sqnr, "sqnr")
+    streamed = {r["layer"]: r for r in ns.compare(float_gm, quant_gm, data, propagate=False)}
+    for layer, per_type in results.items():
+        a = torch.cat(per_type["node_output"]["fp32"][0]["values"])
+        b = torch.cat(per_type["node_output"]["int8"][0]["values"])
+        assert streamed[layer]["sqnr_db"] == pytest.approx(float(ns.compute_sqnr(a, b)), abs=1e-3)
+    # the first layer sees the same input either way
+    assert streamed["fc1"]["sqnr_db"] == pytest.approx({r["layer"]: r for r in ns.compare(
+        float_gm, quant_gm, data)}["fc1"]["sqnr_db"], abs=1e-6)
+
+
+def test_shadow_isolates_a_bad_layer():
+    """A noisy layer upstream drags later propagated SQNRs down; the shadow SQNR of later layers stays high."""
+    model = SmallCNN().eval()
+    data = batches((4, 3, 16, 16), n=4)
+    float_gm, quant_gm = qcore.quantize(model, data[0], data)
+    with torch.no_grad():
+        weight = quant_gm.qcore_fq_conv1_weight
+        weight += 0.3 * weight.abs().max() * torch.randn_like(weight)
+    propagated = {r["layer"]: r["sqnr_db"] for r in ns.compare(float_gm, quant_gm, data)}
+    shadow = {r["layer"]: r["sqnr_db"] for r in ns.compare(float_gm, quant_gm, data, propagate=False)}
+    assert propagated["conv1"] < 15 and shadow["conv1"] < 15
+    assert shadow["conv2"] > propagated["conv2"] + 10
+
+
+def test_streaming_compare_is_flat_in_batches_and_never_copies_to_host(quantized_mlp, forbid_host_sync,
+                                                                       monkeypatch):
+    float_gm, quant_gm, data = quantized_mlp
+    from qcore.numeric import loggers
+
+    states = []
+    real_result = loggers.StreamingComparator.result
+
+    def checked_result(self):
+        states.append(tuple(b.numel() for b in self.buffers()))
+        monkeypatch.undo()  # allow the single final host copy
+        return real_result(self)
+
+    monkeypatch.setattr(loggers.StreamingComparator, "result", checked_result)
+    many = data * 20
+    ns.compare(float_gm, quant_gm, many)
+    assert states and all(s == (4,) for s in states)

@@ -1,0 +1,36 @@
+"""A BERT-style transformers model (random weights, kwargs inputs): every Linear gets an sqnr finding."""
+import pytest
+import torch
+
+import qcore
+from qcore.findings import measure_sqnr, quantized_layers
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def bert():
+    config = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(3):
+        mask = torch.ones(4, 16, dtype=torch.long)
+        mask[:, 12:] = 0
+        data.append({"input_ids": torch.randint(0, 128, (4, 16), generator=g), "attention_mask": mask})
+    return model, data
+
+
+def test_every_linear_of_bert_gets_an_sqnr_record(bert):
+    model, data = bert
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    float_gm = qcore.capture(model, data[0], name="bert")
+    layers = [entry["layer"] for entry in quantized_layers(float_gm)]
+    assert set(linears) <= set(layers)
+    measured = measure_sqnr(float_gm, data)
+    for name in linears:
+        assert measured["layers"][name]["sqnr_db"] > 10
+        assert measured["layers"][name]["weight_sqnr_db"] > 30
+    assert measured["outputs"]
