@@ -106,6 +106,12 @@ class QReportItem(pytest.Function):
             return str(excinfo.value)
         return super().repr_failure(excinfo, style=style)
 
+    def _repr_failure_py(self, excinfo, style=None):
+        # setup errors are rendered here, not by repr_failure
+        if isinstance(excinfo.value, QReportError):
+            return str(excinfo.value)
+        return super()._repr_failure_py(excinfo, style=style)
+
     def reportinfo(self):
         return self.path, None, self.name
 

@@ -1,0 +1,233 @@
+"""The plugin end to end with pytester: items, verdicts, errors, summary, JUnit, settings, and xdist."""
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+
+
+CONFTEST = '''
+import pytest
+import torch
+from torch import nn
+from pytest_qreport import qmodel
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return x
+
+
+@pytest.fixture
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 8, generator=g) for _ in range(4)]
+
+
+@pytest.fixture
+def wrong_batches():
+    return [torch.randn(16, 8), torch.randn(16, 5)]
+
+
+@qmodel(calibration="batches", {options})
+def tiny():
+    torch.manual_seed(0)
+    return Tiny().eval()
+{extra}
+'''
+
+BROKEN_CAPTURE = '''
+
+@qmodel(calibration="batches")
+def branchy():
+    return Branchy().eval()
+'''
+
+BROKEN_CALIBRATION = '''
+
+@qmodel(calibration="wrong_batches", example_inputs=torch.randn(16, 8))
+def tiny_bad_data():
+    torch.manual_seed(0)
+    return Tiny().eval()
+'''
+
+
+def _project(pytester, options="", extra="", ini=""):
+    pytester.makeconftest(CONFTEST.replace("{options}", options).replace("{extra}", extra))
+    if ini:
+        pytester.makeini("[pytest]\n" + ini)
+    return pytester
+
+
+def _outcomes(result):
+    """{node id: outcome} from -v output, serial ("id OUTCOME") or xdist ("OUTCOME id")."""
+    text = result.stdout.str()
+    found = dict(re.findall(r"(conftest\.py::qreport/\S+) (PASSED|FAILED|ERROR)", text))
+    found.update({node: outcome for outcome, node in re.findall(r"(PASSED|FAILED|ERROR) (conftest\.py::qreport/\S+)", text)})
+    return found
+
+
+def _summary(result):
+    text = result.stdout.str()
+    start = text.index("qreport summary")
+    return text[start:text.index("\n=", start)]
+
+
+def test_items_per_model_check_layer(pytester):
+    _project(pytester)
+    result = pytester.runpytest("--qreport", "--collect-only", "-q")
+    names = [line.split("::")[1] for line in result.outlines if "::qreport/" in line]
+    assert names == ["qreport/tiny/sqnr/fc1", "qreport/tiny/sqnr/fc2", "qreport/tiny/weight_sqnr/fc1",
+                     "qreport/tiny/weight_sqnr/fc2", "qreport/tiny/model_sqnr/output"]
+
+
+COUNTING = """
+
+import pytest_qreport.runner as _runner
+_real_measure = _runner.measure_sqnr
+
+
+def _counting_measure(*args, **kwargs):
+    with open("analyses.txt", "a") as log:
+        log.write("x")
+    return _real_measure(*args, **kwargs)
+
+
+_runner.measure_sqnr = _counting_measure
+"""
+
+
+def test_collection_does_not_calibrate_and_analysis_runs_once(pytester):
+    _project(pytester, extra=COUNTING)
+    pytester.runpytest("--qreport", "--collect-only")
+    assert not (pytester.path / "analyses.txt").exists()
+    pytester.runpytest("--qreport").assert_outcomes(passed=5)
+    assert (pytester.path / "analyses.txt").read_text() == "x"
+
+
+def test_passing_run_prints_summary(pytester):
+    _project(pytester)
+    result = pytester.runpytest("--qreport")
+    result.assert_outcomes(passed=5)
+    result.stdout.fnmatch_lines(["*qreport summary*", "all qreport checks passed", "5 pass"])
+
+
+def test_failing_threshold_fails_with_value_threshold_and_shadow(pytester):
+    _project(pytester)
+    result = pytester.runpytest("--qreport", "--qreport-sqnr-min-db", "90", "-v")
+    result.assert_outcomes(passed=3, failed=2)
+    result.stdout.fnmatch_lines(["*SQNR * dB < 90.0 dB (shadow SQNR * dB)*"])
+    summary = _summary(result)
+    assert re.search(r"tiny\s+sqnr\s+fc1\s+\S+ dB\s+90.0 dB\s+FAIL", summary)
+    assert "weight_sqnr" not in summary  # passing rows are not listed by default
+    assert "weight_sqnr" in _summary(pytester.runpytest("--qreport", "--qreport-table=all"))
+
+
+@pytest.mark.parametrize("options,ini,cli,failed", [
+    ("sqnr_min_db=90.0", "", [], 2),                                        # qmodel argument
+    ("sqnr_min_db=90.0", "", ["--qreport-sqnr-min-db", "1"], 0),            # CLI beats qmodel
+    ("", "qreport_sqnr_min_db = 90", [], 2),                                # ini default
+    ("sqnr_min_db=1.0", "qreport_sqnr_min_db = 90", [], 0),                 # qmodel beats ini
+    ("model_sqnr_min_db=90.0", "", [], 1),
+    ("layers=['fc2']", "", [], 0),
+])
+def test_settings_precedence(pytester, options, ini, cli, failed):
+    _project(pytester, options=options, ini=ini)
+    result = pytester.runpytest("--qreport", *cli)
+    assert result.parseoutcomes().get("failed", 0) == failed
+
+
+def test_layer_globs_and_checks_select_items(pytester):
+    _project(pytester, options="skip_layers='fc1'")
+    result = pytester.runpytest("--qreport", "--collect-only", "-q", "--qreport-checks", "sqnr,model_sqnr")
+    names = [line.split("::")[1] for line in result.outlines if "::qreport/" in line]
+    assert names == ["qreport/tiny/sqnr/fc2", "qreport/tiny/model_sqnr/output"]
+
+
+def test_keyword_selection(pytester):
+    _project(pytester)
+    result = pytester.runpytest("--qreport", "-k", "tiny and weight_sqnr")
+    result.assert_outcomes(passed=2)
+
+
+def test_uncapturable_model_errors_and_others_run_on(pytester):
+    _project(pytester, extra=BROKEN_CAPTURE)
+    result = pytester.runpytest("--qreport", "-v")
+    result.assert_outcomes(passed=5, errors=1)
+    result.stdout.fnmatch_lines(["*qreport/branchy/capture ERROR*", "*model 'branchy' could not be captured*"])
+    assert re.search(r"branchy\s+capture\s+.*ERROR", _summary(result))
+
+
+def test_calibration_failure_errors_that_model_only(pytester):
+    _project(pytester, extra=BROKEN_CALIBRATION)
+    result = pytester.runpytest("--qreport")
+    result.assert_outcomes(passed=5, errors=5)
+    result.stdout.fnmatch_lines(["*tiny_bad_data*calibration*failed*"])
+
+
+def test_bad_setting_is_reported_on_the_model(pytester):
+    _project(pytester, options="sqnr_min_db='loud'")
+    result = pytester.runpytest("--qreport", "-v")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*sqnr_min_db must be a number*"])
+
+
+def test_junit_outputs(pytester):
+    _project(pytester, extra=BROKEN_CAPTURE)
+    result = pytester.runpytest("--qreport", "--qreport-sqnr-min-db", "90", "--junitxml=pytest.xml",
+                                "--qreport-junitxml=reports/qreport.xml")
+    assert result.ret == 1
+    cases = ET.parse(pytester.path / "pytest.xml").getroot().iter("testcase")
+    props = {c.get("name"): {p.get("name"): p.get("value") for p in c.iter("property")} for c in cases}
+    assert props["qreport/tiny/sqnr/fc1"]["threshold"] == "90.0"
+    assert set(props["qreport/tiny/sqnr/fc1"]) >= {"model", "check", "layer", "metric", "value", "threshold"}
+    root = ET.parse(pytester.path / "reports" / "qreport.xml").getroot()
+    suites = {s.get("name"): s for s in root.iter("testsuite")}
+    assert set(suites) == {"qreport.tiny", "qreport.branchy"}
+    assert suites["qreport.tiny"].get("failures") == "2" and suites["qreport.branchy"].get("errors") == "1"
+    assert not list((pytester.path / "reports").glob(".qreport-*"))  # no temporary file left behind
+
+
+def test_without_flag_nothing_is_collected_and_torch_is_not_imported(pytester):
+    pytester.makeconftest('''
+from pytest_qreport import qmodel
+
+@qmodel(calibration="batches")
+def lazy():
+    import torch
+    return torch.nn.Linear(2, 2)
+''')
+    pytester.makepyfile(test_probe='''
+import sys
+
+def test_probe():
+    assert "torch" not in sys.modules and "qcore" not in sys.modules
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_xdist_gives_same_items_outcomes_and_summary(pytester):
+    _project(pytester, extra=BROKEN_CAPTURE)
+    args = ("--qreport", "--qreport-sqnr-min-db", "45", "--qreport-table=all", "-v", "-p", "no:cacheprovider")
+    serial = pytester.runpytest_subprocess(*args)
+    parallel = pytester.runpytest_subprocess(*args, "-n", "2")
+    assert _outcomes(serial) and _outcomes(serial) == _outcomes(parallel)
+    counts = ("passed", "failed", "errors")
+    assert [serial.parseoutcomes().get(k) for k in counts] == [parallel.parseoutcomes().get(k) for k in counts]
+    assert _summary(serial) == _summary(parallel)
