@@ -87,7 +87,7 @@ def collect_model(declaration, settings: ModelSettings, fixture_at_collection: C
         state.float_gm = qcore.capture(model, example, name=declaration.name)
         state.layers = quantized_layers(state.float_gm, make_quantizer(settings.quantizer))
     except Exception as error:  # noqa: BLE001 - reported on the model's item
-        state.collect_error = _explain(declaration.name, "capture", error)
+        state.collect_error = _explain(declaration.name, "capture/set-up", error)
         return state
     names = select_layers([l["layer"] for l in state.layers], settings.layers, settings.skip_layers)
     weighted = {l["layer"] for l in state.layers if l["weighted"]}

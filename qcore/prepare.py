@@ -175,13 +175,13 @@ def create_group_observers(mapping, group_ids) -> dict[int, nn.Module]:
     while pending:
         progressed = False
         for gid, qspec in list(pending.items()):
-            deps = [group_ids[k] for k in getattr(qspec, "derived_from", [])]
             missing = [k for k in getattr(qspec, "derived_from", []) if k not in group_ids]
             if missing:
                 raise QuantizationConfigError(
                     f"DerivedQuantizationSpec derives from {_describe(missing[0])}, which has no spec. "
                     "Fix: annotate that edge/node."
                 )
+            deps = [group_ids[k] for k in getattr(qspec, "derived_from", [])]
             if all(d in observers for d in deps):
                 observers[gid] = _observer_for(qspec, [observers[d] for d in deps])
                 del pending[gid]

@@ -10,6 +10,7 @@ FLOAT32_EPS = torch.finfo(torch.float32).eps
 _RANGES: dict[torch.dtype, tuple[int, int]] = {
     torch.int8: (-128, 127),
     torch.uint8: (0, 255),
+    torch.int32: (-(2**31), 2**31 - 1),
 }
 if hasattr(torch, "int4"):
     _RANGES[torch.int4] = (-8, 7)

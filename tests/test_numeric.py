@@ -10,11 +10,11 @@ from qcore import numeric as ns
 from tests.models import SmallCNN, SmallMLP, batches
 
 
-@pytest.fixture(scope="module")
-def quantized_mlp():
+@pytest.fixture(scope="module", params=["export", "fx"])
+def quantized_mlp(request):
     model = SmallMLP().eval()
     data = batches((16, 32), n=5)
-    float_gm, quant_gm = qcore.quantize(model, data[0], data)
+    float_gm, quant_gm = qcore.quantize(qcore.capture(model, data[0], method=request.param), data[0], data)
     return float_gm, quant_gm, data
 
 

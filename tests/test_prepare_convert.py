@@ -65,7 +65,8 @@ def test_quantized_model_is_close_to_float():
     model = SmallCNN().eval()
     data = batches((4, 3, 16, 16))
     float_gm, quant_gm = qcore.quantize(model, data[0], data)
-    assert float(compute_sqnr(float_gm(data[0]), quant_gm(data[0]))) > 25
+    with torch.no_grad():
+        assert float(compute_sqnr(float_gm(data[0]), quant_gm(data[0]))) > 25
 
 
 def _torch_ao_layer_sqnr(model, data, hook_names):
@@ -108,3 +109,68 @@ def test_layer_sqnr_within_1db_of_torch_ao(model_cls, shape, hooks):
     ours = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, data)}
     for layer, value in reference.items():
         assert abs(ours[layer] - value) <= 1.0, (layer, ours[layer], value)
+
+
+class _BiasAndSigmoidQuantizer(qcore.Quantizer):
+    """Linear with an int32 bias whose scale derives from input x weight scales; sigmoid with fixed qparams."""
+
+    def annotate(self, gm):
+        from qcore.quantizer import int8_activation_spec, int8_weight_spec
+
+        for node in gm.graph.nodes:
+            if node.target == torch.ops.aten.linear.default:
+                x, weight, bias = node.args
+                act, wspec = int8_activation_spec(), int8_weight_spec(per_channel=False)
+
+                def derive(observers):
+                    (s_in, _), (s_w, _) = (o.calculate_qparams() for o in observers)
+                    scale = (s_in * s_w).reshape(-1)
+                    return scale, torch.zeros_like(scale, dtype=torch.int64)
+
+                bias_spec = qcore.DerivedQuantizationSpec(derived_from=[(x, node), (weight, node)],
+                                                          derive_qparams_fn=derive, dtype=torch.int32,
+                                                          qscheme=torch.per_tensor_symmetric)
+                node.meta["quantization_annotation"] = qcore.QuantizationAnnotation(
+                    input_qspec_map={x: act, weight: wspec, bias: bias_spec}, output_qspec=int8_activation_spec())
+            if node.target == torch.ops.aten.sigmoid.default:
+                node.meta["quantization_annotation"] = qcore.QuantizationAnnotation(
+                    output_qspec=qcore.FixedQParamsQuantizationSpec(torch.uint8, 1.0 / 256, 0))
+        return gm
+
+
+class _LinearSigmoid(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc(x))
+
+
+def test_derived_bias_and_fixed_qparams_specs():
+    model = _LinearSigmoid().eval()
+    data = batches((4, 8))
+    _, quant_gm = qcore.quantize(model, data[0], data, _BiasAndSigmoidQuantizer())
+    fq = {n.name: n.meta.get("qcore_qparams") for n in quant_gm.graph.nodes if n.meta.get("qcore_qparams")}
+    bias = next(v for v in fq.values() if v["dtype"] == "torch.int32")
+    inputs = next(v for v in fq.values() if v["dtype"] == "torch.int8" and v["qscheme"] == "torch.per_tensor_affine")
+    weight = next(v for v in fq.values() if v["qscheme"] == "torch.per_tensor_symmetric" and v["dtype"] == "torch.int8")
+    assert bias["scale"][0] == pytest.approx(inputs["scale"][0] * weight["scale"][0], rel=1e-6)
+    assert any(v["dtype"] == "torch.uint8" and v["scale"] == [1.0 / 256] for v in fq.values())
+
+
+def test_derived_spec_on_unannotated_key_is_a_clear_error():
+    from qcore.prepare import QuantizationConfigError
+
+    class Broken(_BiasAndSigmoidQuantizer):
+        def annotate(self, gm):
+            super().annotate(gm)
+            linear = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default)
+            annotation = linear.meta["quantization_annotation"]
+            bias = linear.args[2]
+            annotation.input_qspec_map[bias].derived_from = [linear.args[0]]  # a node with no spec
+            return gm
+
+    gm = qcore.capture(_LinearSigmoid().eval(), torch.randn(2, 8))
+    with pytest.raises(QuantizationConfigError, match="has no spec"):
+        qcore.prepare(gm, Broken())

@@ -34,3 +34,17 @@ def test_every_linear_of_bert_gets_an_sqnr_record(bert):
         assert measured["layers"][name]["sqnr_db"] > 10
         assert measured["layers"][name]["weight_sqnr_db"] > 30
     assert measured["outputs"]
+
+
+def test_plugin_collects_an_sqnr_item_for_every_bert_linear(bert):
+    from pytest_qreport.declare import ModelDeclaration
+    from pytest_qreport.options import ModelSettings
+    from pytest_qreport.runner import collect_model
+
+    model, data = bert
+    declaration = ModelDeclaration(name="bert", factory=lambda: model, source_file="conftest.py")
+    settings = ModelSettings(20.0, 20.0, 30.0, None, None, ["sqnr"], data, None, "int8")
+    state = collect_model(declaration, settings, fixture_at_collection=lambda name: None)
+    assert state.collect_error is None
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    assert set(linears) <= set(state.items["sqnr"])
