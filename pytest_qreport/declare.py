@@ -8,8 +8,6 @@ from typing import Any, Callable
 
 import pytest
 
-_UNSET: Any = None
-
 
 @dataclass
 class ModelDeclaration:

@@ -9,7 +9,7 @@ import pytest
 
 from .declare import declarations_in
 from .options import resolve_settings
-from .runner import QReportCheckFailed, QReportError, QReportModelError, analyze, collect_model
+from .runner import ModelState, QReportCheckFailed, QReportError, QReportModelError, analyze, collect_model
 
 CHECK_ORDER = ("capture", "sqnr", "weight_sqnr", "model_sqnr")
 
@@ -29,7 +29,7 @@ class QReportFile(pytest.File):
                 try:
                     settings = resolve_settings(self.config, declaration)
                 except ValueError as error:
-                    model = _failed_state(declaration.name, f"model {declaration.name!r}: {error}")
+                    model = ModelState(declaration.name, collect_error=f"model {declaration.name!r}: {error}")
                 else:
                     model = collect_model(declaration, settings, lambda name: self._fixture_value(name))
                 state.models[key] = model
@@ -56,12 +56,6 @@ class QReportFile(pytest.File):
                 "pass qmodel(example_inputs=...) a tensor, tuple or dict instead")
         value = function()
         return next(value) if inspect.isgenerator(value) else value
-
-
-def _failed_state(name: str, message: str):
-    from .runner import ModelState
-
-    return ModelState(name, collect_error=message)
 
 
 class QReportItem(pytest.Function):

@@ -6,9 +6,8 @@ from typing import Any, Iterable
 import torch
 from torch import fx, nn
 
-from .capture import clone_graph_module
 from .calibrate import calibrate
-from .capture import capture
+from .capture import capture, clone_graph_module
 from .graph import FQN_KEY, INSERTED_KEY
 from .observers import ObserverBase
 from .prepare import prepare

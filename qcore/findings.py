@@ -78,14 +78,15 @@ def finding(model: str, check: str, layer: str, metric: str, value: float, thres
             "order": order}
 
 
-def sqnr_message(layer: str, value: float, threshold: float, shadow: float) -> str:
+def sqnr_message(layer: str, value: float, threshold: float, shadow: float, weighted: bool = True) -> str:
     """Explain a low propagated SQNR, telling inherited error from the layer's own."""
     text = f"layer {layer}: SQNR {value:.1f} dB < {threshold:.1f} dB (shadow SQNR {shadow:.1f} dB)."
     if not math.isnan(shadow) and shadow >= threshold:
         return text + (" With float inputs the layer is fine: it inherits its error from upstream layers. "
                        "Fix the first failing layer upstream, or skip it with skip_layers.")
-    return text + (" The layer's own quantization error is too large: use per-channel weights, a histogram "
-                   "activation observer, or keep the layer in float with skip_layers.")
+    advice = "use per-channel weights, " if weighted else ""
+    return text + (f" The layer's own quantization error is too large: {advice}a histogram activation observer "
+                   "(quantizer='int8_histogram'), or keep the layer in float with skip_layers.")
 
 
 def sqnr_findings(model: str, measured: dict, checks: dict[str, list[str]], thresholds: dict[str, float]) -> list[dict]:
@@ -100,7 +101,8 @@ def sqnr_findings(model: str, measured: dict, checks: dict[str, list[str]], thre
             results.append(_missing(model, "sqnr", layer, thresholds["sqnr"], order))
             continue
         value, threshold = entry["sqnr_db"], thresholds["sqnr"]
-        message = "" if value >= threshold else sqnr_message(layer, value, threshold, entry["shadow_sqnr_db"])
+        message = "" if value >= threshold else sqnr_message(layer, value, threshold, entry["shadow_sqnr_db"],
+                                                             "weight_sqnr_db" in entry)
         details = {k: entry[k] for k in ("shadow_sqnr_db", "normalized_l2", "cosine", "batches", "op", "fqn")}
         results.append(finding(model, "sqnr", layer, "sqnr_db", value, threshold, message, details, order))
     for order, layer in enumerate(checks.get("weight_sqnr", [])):
