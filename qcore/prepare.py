@@ -79,10 +79,10 @@ def _compatible(a, b) -> bool:
 
 def _union(forest: UnionFind, mapping, parent, child) -> None:
     """pt2e's union: the parent's group leads, unless its leader's spec shares with the child's leader."""
-    leader_parent, leader_child = forest.leader(parent), forest.leader(child)
-    spec = mapping[leader_parent]
-    child_leads = isinstance(spec, SharedQuantizationSpec) and spec.edge_or_node == leader_child
-    forest.union(parent, child, child_leads=child_leads)
+    root_parent, root_child = forest.find(parent), forest.find(child)
+    spec = mapping[forest.leader_of_root(root_parent)]
+    child_leads = isinstance(spec, SharedQuantizationSpec) and spec.edge_or_node == forest.leader_of_root(root_child)
+    forest.link(root_parent, root_child, child_leads=child_leads)
 
 
 def get_edge_or_node_to_group_id(edge_or_node_to_qspec: dict[EdgeOrNode, QuantizationSpecBase]) -> dict[EdgeOrNode, int]:

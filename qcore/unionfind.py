@@ -47,7 +47,14 @@ class UnionFind(Generic[K]):
     def union(self, parent: K, child: K, child_leads: bool = False) -> None:
         """Merge `child`'s set into `parent`'s set; the merged set keeps the parent's leader
         (the child's, when child_leads is True)."""
-        root_parent, root_child = self.find(parent), self.find(child)
+        self.link(self.find(parent), self.find(child), child_leads)
+
+    def leader_of_root(self, root: K) -> K:
+        """The leader of the set whose tree root is `root` (no find)."""
+        return self._leader[root]
+
+    def link(self, root_parent: K, root_child: K, child_leads: bool = False) -> None:
+        """union() for two keys already known to be tree roots."""
         if root_parent == root_child:
             return
         leader = self._leader[root_child if child_leads else root_parent]
