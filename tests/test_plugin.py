@@ -231,3 +231,31 @@ def test_xdist_gives_same_items_outcomes_and_summary(pytester):
     counts = ("passed", "failed", "errors")
     assert [serial.parseoutcomes().get(k) for k in counts] == [parallel.parseoutcomes().get(k) for k in counts]
     assert _summary(serial) == _summary(parallel)
+
+
+CALLABLE_CALIBRATION = '''
+
+def _make_batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(16, 8, generator=g) for _ in range(3)]
+
+
+@qmodel(calibration=_make_batches, checks="model_sqnr")
+def from_callable():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration=_make_batches(), checks=["model_sqnr"], name="from_list")
+def from_iterable():
+    torch.manual_seed(0)
+    return Tiny().eval()
+'''
+
+
+def test_calibration_as_callable_or_iterable(pytester):
+    _project(pytester, extra=CALLABLE_CALIBRATION)
+    result = pytester.runpytest("--qreport", "-v", "-k", "from_")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*qreport/from_callable/model_sqnr/output PASSED*",
+                                 "*qreport/from_list/model_sqnr/output PASSED*"])
