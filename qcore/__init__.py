@@ -14,6 +14,7 @@ from .observers import (
     PlaceholderObserver,
 )
 from .prepare import QuantizationConfigError, get_edge_or_node_to_group_id, prepare
+from .report import ModelReport
 from .quantizer import (
     DerivedQuantizationSpec,
     FixedQParamsQuantizationSpec,
@@ -28,7 +29,7 @@ from .quantizer import (
 __all__ = [
     "CalibrationError", "CaptureError", "DerivedObserver", "DerivedQuantizationSpec", "FixedQParamsObserver",
     "FixedQParamsQuantizationSpec", "HistogramObserver", "Int8StaticQuantizer", "MinMaxObserver",
-    "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
+    "ModelReport", "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
     "QuantizableOp", "QuantizationAnnotation", "QuantizationConfigError", "QuantizationSpec",
     "QuantizationSpecBase", "Quantizer", "SharedQuantizationSpec", "calibrate", "capture", "convert",
     "find_quantizable_ops", "get_edge_or_node_to_group_id", "prepare", "quantize",

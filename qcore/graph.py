@@ -118,7 +118,8 @@ def _is_parameter(node: object) -> bool:
 def fused_output(node: fx.Node, gm: fx.GraphModule) -> fx.Node:
     """The relu that directly and solely follows `node`, else `node` itself."""
     users = [u for u in node.users if not is_inserted(u)]
-    if len(users) == 1 and len(node.users) == 1 and op_kind(users[0], gm) == "relu":
+    observed = [u for u in node.users if u.meta.get(INSERTED_KEY) in ("observer", "qdq")]
+    if len(users) == 1 and not observed and op_kind(users[0], gm) == "relu":
         return users[0]
     return node
 

@@ -1,0 +1,412 @@
+"""Detectors: where to observe, and what the statistics recommend (torch.ao's four, on qcore graphs).
+
+Report dictionaries keep torch.ao's feature keys. Differences, on purpose: each layer's channel axis is
+its feature axis (last for linear/matmul inputs, so [batch, tokens, features] works; `ch_axis` for conv);
+an all-zero channel is not an outlier; a constant activation is reported as constant instead of raising;
+reports never modify observer state; DynamicStaticDetector also covers conv.
+"""
+from __future__ import annotations
+
+import abc
+import re
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..graph import QuantizableOp, find_quantizable_ops
+from ..quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
+from .observer import ReportObserver
+
+DETECTOR_TARGET_NODE_KEY = "target_node"
+DETECTOR_OBS_TO_INSERT_KEY = "observer_to_insert"
+DETECTOR_IS_POST_OBS_KEY = "is_post_observer"
+DETECTOR_OBS_ARGS_KEY = "observer_args"
+
+
+def observer_name(layer: str, detector: str, position: str) -> str:
+    """A flat submodule name for a detector's observer before ('pre') or after ('post') a layer."""
+    return "qcore_report__" + re.sub(r"\W", "_", layer) + f"__{detector}__{position}"
+
+
+def channel_axis(op: QuantizableOp, conv_axis: int) -> int:
+    """The feature axis of a layer's input: `conv_axis` for conv, the last axis otherwise."""
+    return conv_axis if op.kind == "conv" else -1
+
+
+class DetectorQConfigInfo:
+    """What one detector recommends for one layer."""
+
+    def __init__(self, module_fqn: str) -> None:
+        self.module_fqn = module_fqn
+        self.is_activation_dynamic = False
+        self.is_weight_per_channel = False
+        self.is_equalization_recommended = False
+
+    def as_override(self) -> dict[str, bool]:
+        """The Int8StaticQuantizer layer override that applies the recommendation."""
+        return {"per_channel": self.is_weight_per_channel, "is_dynamic": self.is_activation_dynamic}
+
+
+class DetectorBase(abc.ABC):
+    """A detector picks observer points, then turns the observed statistics into a report."""
+
+    def __init__(self) -> None:
+        self.detector_config_info = None
+
+    @abc.abstractmethod
+    def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
+        """{observer name: {target_node, observer_to_insert, is_post_observer, observer_args}}."""
+
+    @abc.abstractmethod
+    def get_detector_name(self) -> str:
+        """A unique name; it keys the report."""
+
+    @abc.abstractmethod
+    def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
+        """(text report, {layer fqn: {feature: value}})."""
+
+    def get_qconfig_info(self, model: fx.GraphModule) -> dict[str, DetectorQConfigInfo]:
+        """Per-layer recommendations; the default recommends nothing."""
+        return {}
+
+    def layers(self, model: fx.GraphModule) -> list[QuantizableOp]:
+        """The layers this detector looks at (linear and conv by default)."""
+        return [op for op in find_quantizable_ops(model) if op.kind in ("linear", "conv", "addmm")]
+
+    def _observer(self, model: fx.GraphModule, layer: str, position: str) -> ReportObserver | None:
+        try:
+            return model.get_submodule(observer_name(layer, self.get_detector_name(), position))
+        except AttributeError:
+            return None
+
+    def _point(self, node: fx.Node, observed: fx.Node, observer, post: bool) -> dict[str, Any]:
+        return {DETECTOR_TARGET_NODE_KEY: node, DETECTOR_OBS_TO_INSERT_KEY: observer,
+                DETECTOR_IS_POST_OBS_KEY: post, DETECTOR_OBS_ARGS_KEY: (observed,)}
+
+
+def _tolist(t: torch.Tensor) -> list:
+    return t.detach().cpu().tolist()
+
+
+class PerChannelDetector(DetectorBase):
+    """Recommends per-channel weights for linear/conv layers quantized per tensor."""
+
+    BACKEND_KEY = "backend"
+    PER_CHAN_SUPPORTED_KEY = "per_channel_quantization_supported"
+    PER_CHAN_USED_KEY = "per_channel_quantization_used"
+    SUPPORTED_BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn", "qcore")
+
+    def __init__(self, backend: str = "x86", quantizer: Quantizer | None = None) -> None:
+        super().__init__()
+        if backend not in self.SUPPORTED_BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {self.SUPPORTED_BACKENDS}")
+        self.backend_chosen = backend
+        self.quantizer = quantizer
+
+    def get_detector_name(self) -> str:
+        return "per_channel_detector"
+
+    def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
+        return {}  # decided from the quantizer's weight specs, no data needed
+
+    def _weights_per_channel(self, model: fx.GraphModule) -> dict[str, bool]:
+        annotated = _annotated_copy(model, self.quantizer or Int8StaticQuantizer())
+        used = {}
+        for op in find_quantizable_ops(annotated):
+            annotation = op.node.meta.get(ANNOTATION_KEY)
+            spec = annotation.input_qspec_map.get(op.weight) if annotation and op.weight is not None else None
+            used[op.layer] = spec is not None and getattr(spec, "qscheme", None) in (
+                torch.per_channel_symmetric, torch.per_channel_affine)
+        return used
+
+    def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
+        used = self._weights_per_channel(model)
+        return {op.layer: {self.PER_CHAN_SUPPORTED_KEY: op.weight is not None,
+                           self.PER_CHAN_USED_KEY: used.get(op.layer, False), self.BACKEND_KEY: self.backend_chosen}
+                for op in self.layers(model)}
+
+    def get_qconfig_info(self, model: fx.GraphModule) -> dict[str, DetectorQConfigInfo]:
+        result = {}
+        for layer, info in self._info(model).items():
+            result[layer] = DetectorQConfigInfo(layer)
+            result[layer].is_weight_per_channel = info[self.PER_CHAN_SUPPORTED_KEY]
+        return result
+
+    def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
+        info = self._info(model)
+        lines = [f"Per-channel quantization report (backend {self.backend_chosen}):"]
+        missing = [l for l, v in info.items() if v[self.PER_CHAN_SUPPORTED_KEY] and not v[self.PER_CHAN_USED_KEY]]
+        for layer in missing:
+            lines.append(f"\t{layer}: per-channel weight quantization is supported but not used.")
+        lines.append("Use a per-channel weight observer for these layers." if missing
+                     else "Every supported layer already uses per-channel weights.")
+        return "\n".join(lines) + "\n", info
+
+
+def _annotated_copy(model: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
+    from ..capture import clone_graph_module
+
+    copy_ = clone_graph_module(model)
+    for node in copy_.graph.nodes:
+        node.meta.pop(ANNOTATION_KEY, None)
+    quantizer.annotate(copy_)
+    return copy_
+
+
+class DynamicStaticDetector(DetectorBase):
+    """S = mean batch range / epoch range, before and after each layer; dynamic if S_post <= tolerance."""
+
+    STATIONARY_STR = "stationary"
+    NON_STATIONARY_STR = "non-stationary"
+    CONSTANT_STR = "constant"
+    INPUT_ACTIVATION_PREFIX = "input_activation_"
+    OUTPUT_ACTIVATION_PREFIX = "output_activation_"
+    TOLERANCE_KEY = "dynamic_static_tolerance"
+    DEFAULT_DYNAMIC_REC_KEY = "dynamic_recommended"
+    PRE_OBS_COMP_STAT_KEY = INPUT_ACTIVATION_PREFIX + "dynamic_static_comp_stat"
+    POST_OBS_COMP_STAT_KEY = OUTPUT_ACTIVATION_PREFIX + "dynamic_static_comp_stat"
+    PRE_OBS_DATA_DIST_KEY = INPUT_ACTIVATION_PREFIX + "dynamic_static_data_classification"
+    POST_OBS_DATA_DIST_KEY = OUTPUT_ACTIVATION_PREFIX + "dynamic_static_data_classification"
+    IS_CURRENTLY_SUPPORTED_KEY = "is_dynamic_supported"
+
+    def __init__(self, tolerance: float = 0.5) -> None:
+        super().__init__()
+        self.tolerance = tolerance
+
+    def get_detector_name(self) -> str:
+        return "dynamic_vs_static_detector"
+
+    def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
+        points = {}
+        for op in self.layers(model):
+            if not op.activation_inputs:
+                continue
+            name = self.get_detector_name()
+            points[observer_name(op.layer, name, "pre")] = self._point(
+                op.node, op.activation_inputs[0], ReportObserver(per_channel=False), post=False)
+            points[observer_name(op.layer, name, "post")] = self._point(
+                op.node, op.node, ReportObserver(per_channel=False), post=True)
+        return points
+
+    def _classify(self, stat: float) -> str:
+        if stat != stat:
+            return self.CONSTANT_STR
+        return self.STATIONARY_STR if stat > self.tolerance else self.NON_STATIONARY_STR
+
+    def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
+        info = {}
+        for op in self.layers(model):
+            pre, post = self._observer(model, op.layer, "pre"), self._observer(model, op.layer, "post")
+            if pre is None or post is None or post.num_batches_tracked == 0:
+                continue
+            pre_stat, post_stat = pre.batch_to_epoch_ratio(), post.batch_to_epoch_ratio()
+            info[op.layer] = {
+                self.TOLERANCE_KEY: self.tolerance,
+                self.DEFAULT_DYNAMIC_REC_KEY: bool(post_stat <= self.tolerance),  # nan (constant): static
+                self.PRE_OBS_COMP_STAT_KEY: pre_stat, self.PRE_OBS_DATA_DIST_KEY: self._classify(pre_stat),
+                self.POST_OBS_COMP_STAT_KEY: post_stat, self.POST_OBS_DATA_DIST_KEY: self._classify(post_stat),
+                self.IS_CURRENTLY_SUPPORTED_KEY: True,
+            }
+        return info
+
+    def get_qconfig_info(self, model: fx.GraphModule) -> dict[str, DetectorQConfigInfo]:
+        result = {}
+        for layer, info in self._info(model).items():
+            result[layer] = DetectorQConfigInfo(layer)
+            result[layer].is_activation_dynamic = info[self.DEFAULT_DYNAMIC_REC_KEY]
+        return result
+
+    def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
+        info = self._info(model)
+        lines = ["Dynamic vs. static quantization suggestions:"]
+        for layer, entry in info.items():
+            kind = "dynamic" if entry[self.DEFAULT_DYNAMIC_REC_KEY] else "static"
+            lines.append(f"\t{layer}: {kind} quantization is recommended; the data before it is "
+                         f"{entry[self.PRE_OBS_DATA_DIST_KEY]} (S={entry[self.PRE_OBS_COMP_STAT_KEY]:.3f}) and after it "
+                         f"{entry[self.POST_OBS_DATA_DIST_KEY]} (S={entry[self.POST_OBS_COMP_STAT_KEY]:.3f}), "
+                         f"tolerance {self.tolerance}.")
+        if not info:
+            lines.append("\tNo linear or conv layers were observed.")
+        return "\n".join(lines) + "\n", info
+
+
+class InputWeightEqualizationDetector(DetectorBase):
+    """s_c = sqrt(w_c/W) / sqrt(i_c/I); a channel qualifies if t <= s_c <= 1/t, a layer if >= 40% do."""
+
+    WEIGHT_PREFIX = "weight_"
+    ACTIVATION_PREFIX = "input_activation_"
+    PER_CHANNEL_MAX_KEY = "per_channel_max"
+    PER_CHANNEL_MIN_KEY = "per_channel_min"
+    GLOBAL_MAX_KEY = "global_max"
+    GLOBAL_MIN_KEY = "global_min"
+    RECOMMENDED_KEY = "input_weight_equalization_recommended"
+    COMP_METRIC_KEY = "input_weight_channel_comparison_metrics"
+    THRESHOLD_KEY = "input_weight_threshold"
+    CHANNEL_KEY = "input_weight_channel_axis"
+    DEFAULT_RECOMMEND_INPUT_WEIGHT_CHANNEL_RATIO = 0.4
+
+    def __init__(self, ratio_threshold: float, ch_axis: int = 1) -> None:
+        super().__init__()
+        if not 0 < ratio_threshold < 1:
+            raise ValueError("ratio_threshold must be > 0 and < 1")
+        self.ratio_threshold = ratio_threshold
+        self.ch_axis = ch_axis
+
+    def get_detector_name(self) -> str:
+        return "input_weight_equalization_detector"
+
+    def layers(self, model: fx.GraphModule) -> list[QuantizableOp]:
+        return [op for op in find_quantizable_ops(model) if op.kind in ("linear", "conv") and op.weight is not None]
+
+    def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
+        points = {}
+        for op in self.layers(model):
+            if op.activation_inputs:
+                observer = ReportObserver(ch_axis=channel_axis(op, self.ch_axis))
+                points[observer_name(op.layer, self.get_detector_name(), "pre")] = self._point(
+                    op.node, op.activation_inputs[0], observer, post=False)
+        return points
+
+    def _weight_ranges(self, model: fx.GraphModule, op: QuantizableOp) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = _fetch(model, str(op.weight.target)).detach().float()
+        rows = weight.movedim(1, 0).reshape(weight.shape[1], -1)  # weight input channels are axis 1
+        return torch.aminmax(rows, dim=1)
+
+    def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
+        info = {}
+        for op in self.layers(model):
+            observer = self._observer(model, op.layer, "pre")
+            if observer is None or observer.min_val.numel() == 0:
+                continue
+            in_min, in_max = observer.min_val.clone(), observer.max_val.clone()
+            w_min, w_max = self._weight_ranges(model, op)
+            weight_ratio = (w_max - w_min) / (w_max.max() - w_min.min())
+            input_ratio = (in_max - in_min) / (in_max.max() - in_min.min())
+            if input_ratio.numel() != weight_ratio.numel():  # grouped conv: weight holds in/groups channels
+                weight_ratio = weight_ratio.repeat(input_ratio.numel() // weight_ratio.numel())
+            comparison = torch.sqrt(weight_ratio) / torch.sqrt(input_ratio)
+            recommended = _tolist((comparison >= self.ratio_threshold) & (comparison <= 1 / self.ratio_threshold))
+            info[op.layer] = {
+                self.RECOMMENDED_KEY: recommended, self.COMP_METRIC_KEY: comparison,
+                self.THRESHOLD_KEY: self.ratio_threshold, self.CHANNEL_KEY: self.ch_axis,
+                self.ACTIVATION_PREFIX + self.PER_CHANNEL_MAX_KEY: in_max,
+                self.ACTIVATION_PREFIX + self.PER_CHANNEL_MIN_KEY: in_min,
+                self.ACTIVATION_PREFIX + self.GLOBAL_MAX_KEY: in_max.max(),
+                self.ACTIVATION_PREFIX + self.GLOBAL_MIN_KEY: in_min.min(),
+                self.WEIGHT_PREFIX + self.PER_CHANNEL_MAX_KEY: w_max, self.WEIGHT_PREFIX + self.PER_CHANNEL_MIN_KEY: w_min,
+                self.WEIGHT_PREFIX + self.GLOBAL_MAX_KEY: w_max.max(), self.WEIGHT_PREFIX + self.GLOBAL_MIN_KEY: w_min.min(),
+            }
+        return info
+
+    def is_layer_recommended(self, entry: dict[str, Any]) -> bool:
+        """At least 40% of the layer's channels qualify."""
+        flags = entry[self.RECOMMENDED_KEY]
+        return bool(flags) and sum(flags) / len(flags) >= self.DEFAULT_RECOMMEND_INPUT_WEIGHT_CHANNEL_RATIO
+
+    def get_qconfig_info(self, model: fx.GraphModule) -> dict[str, DetectorQConfigInfo]:
+        result = {}
+        for layer, entry in self._info(model).items():
+            result[layer] = DetectorQConfigInfo(layer)
+            result[layer].is_equalization_recommended = self.is_layer_recommended(entry)
+        return result
+
+    def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
+        info = self._info(model)
+        lines = ["Input-weight equalization suggestions:"]
+        for layer, entry in info.items():
+            flags = entry[self.RECOMMENDED_KEY]
+            verdict = "use" if self.is_layer_recommended(entry) else "do not use"
+            lines.append(f"\t{layer}: {verdict} input-weight equalization; {sum(flags)}/{len(flags)} channels have "
+                         f"a comparison metric within [{self.ratio_threshold}, {1 / self.ratio_threshold:.3f}].")
+        if not info:
+            lines.append("\tNo linear or conv layers were observed.")
+        return "\n".join(lines) + "\n", info
+
+
+class OutlierDetector(DetectorBase):
+    """A channel has outliers when its mean q100/q_ref ratio exceeds ratio_threshold."""
+
+    INPUT_ACTIVATION_PREFIX = "input_activation_"
+    OUTLIER_KEY = "outliers_detected"
+    NUM_BATCHES_KEY = "outlier_detection_batches_used"
+    IS_SUFFICIENT_BATCHES_KEY = "outlier_detection_is_sufficient_batches"
+    COMP_METRIC_KEY = "outlier_detection_percentile_ratios"
+    RATIO_THRES_KEY = "outlier_detection_ratio_threshold"
+    REF_PERCENTILE_KEY = "outlier_detection_reference_percentile"
+    CHANNEL_AXIS_KEY = "outlier_detection_channel_axis"
+    MAX_VALS_KEY = INPUT_ACTIVATION_PREFIX + "per_channel_max"
+    CONSTANT_COUNTS_KEY = "constant_batch_counts"
+
+    def __init__(self, ratio_threshold: float = 3.5, reference_percentile: float = 0.975,
+                 fraction_batches_used_threshold: float = 0.95, ch_axis: int = 1) -> None:
+        super().__init__()
+        if not 0 <= reference_percentile <= 1:
+            raise ValueError("reference_percentile must be between 0 and 1")
+        if not 0 <= fraction_batches_used_threshold <= 1:
+            raise ValueError("fraction_batches_used_threshold must be between 0 and 1")
+        self.ratio_threshold = ratio_threshold
+        self.reference_percentile = reference_percentile
+        self.fraction_batches_used_threshold = fraction_batches_used_threshold
+        self.ch_axis = ch_axis
+
+    def get_detector_name(self) -> str:
+        return "outlier_detector"
+
+    def layers(self, model: fx.GraphModule) -> list[QuantizableOp]:
+        return [op for op in find_quantizable_ops(model) if op.activation_inputs]
+
+    def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
+        points = {}
+        for op in self.layers(model):
+            observer = ReportObserver(ch_axis=channel_axis(op, self.ch_axis), percentiles=(self.reference_percentile,))
+            points[observer_name(op.layer, self.get_detector_name(), "pre")] = self._point(
+                op.node, op.activation_inputs[0], observer, post=False)
+        return points
+
+    def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
+        info = {}
+        for op in self.layers(model):
+            observer = self._observer(model, op.layer, "pre")
+            if observer is None or observer.min_val.numel() == 0:
+                continue
+            ratios = observer.average_ratios(self.reference_percentile).abs()
+            ratios = torch.where(ratios < 1, 1 / ratios, ratios)  # magnitude either way; nan stays nan
+            used = observer.batches_used(self.reference_percentile).clone()
+            total = observer.num_batches_tracked
+            info[op.layer] = {
+                self.CHANNEL_AXIS_KEY: self.ch_axis, self.REF_PERCENTILE_KEY: self.reference_percentile,
+                self.RATIO_THRES_KEY: self.ratio_threshold, self.COMP_METRIC_KEY: ratios,
+                self.NUM_BATCHES_KEY: used,
+                self.OUTLIER_KEY: _tolist(ratios > self.ratio_threshold),  # nan (all-zero channel) is no outlier
+                self.IS_SUFFICIENT_BATCHES_KEY: _tolist(used / max(total, 1) >= self.fraction_batches_used_threshold),
+                self.CONSTANT_COUNTS_KEY: observer.constant_channels.clone(),
+                self.MAX_VALS_KEY: observer.max_val.clone(),
+            }
+        return info
+
+    def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
+        info = self._info(model)
+        lines = ["Outlier detection report:"]
+        found = False
+        for layer, entry in info.items():
+            for channel, outlier in enumerate(entry[self.OUTLIER_KEY]):
+                if outlier:
+                    found = True
+                    lines.append(f"\t{layer}, channel {channel}: outliers in the input (max value "
+                                 f"{float(entry[self.MAX_VALS_KEY][channel]):.4g}, ratio "
+                                 f"{float(entry[self.COMP_METRIC_KEY][channel]):.3g} > {self.ratio_threshold}).")
+            constant = [c for c, n in enumerate(_tolist(entry[self.CONSTANT_COUNTS_KEY])) if n]
+            if constant:
+                found = True
+                lines.append(f"\t{layer}: channels {constant} were constant in some batches.")
+        lines.append("Outlier detection is reliable for stationary inputs; check them with DynamicStaticDetector."
+                     if found else "No outliers were found in the activations.")
+        return "\n".join(lines) + "\n", info
+
+
+def _fetch(module: torch.nn.Module, target: str) -> torch.Tensor:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value

@@ -1,0 +1,159 @@
+"""ModelReport: insert the detectors' observers, calibrate, and turn the statistics into reports."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from torch import fx, nn
+
+from ..capture import capture
+from ..graph import INSERTED_KEY
+from .detectors import (
+    DETECTOR_IS_POST_OBS_KEY,
+    DETECTOR_OBS_ARGS_KEY,
+    DETECTOR_OBS_TO_INSERT_KEY,
+    DetectorBase,
+    DetectorQConfigInfo,
+    InputWeightEqualizationDetector,
+)
+from .observer import ReportObserver
+
+
+class ModelReportError(RuntimeError):
+    """ModelReport methods called out of order."""
+
+
+class ModelReport:
+    """Diagnose a model's quantization friendliness with a set of detectors.
+
+    `model` is an nn.Module (captured with qcore.capture on `example_inputs`) or a qcore GraphModule.
+    Flow: prepare_detailed_calibration() -> run batches -> generate_model_report(...).
+    Observers that several detectors want at the same place are shared: one observer computes every
+    requested percentile.
+    """
+
+    def __init__(self, model: nn.Module, detectors: Iterable[DetectorBase], example_inputs: Any = None) -> None:
+        detectors = list(detectors)
+        if not detectors:
+            raise ValueError("ModelReport needs at least one detector")
+        names = [d.get_detector_name() for d in detectors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"detector names must be unique, got {names}")
+        if not isinstance(model, fx.GraphModule):
+            if example_inputs is None:
+                raise ValueError("pass example_inputs to capture an nn.Module (or pass a qcore GraphModule)")
+            model = capture(model, example_inputs)
+        self._model: fx.GraphModule = model
+        self._desired_report_detectors = detectors
+        self._desired_detector_names = set(names)
+        self._detector_name_to_observer_fqns: dict[str, set[str]] = {name: set() for name in names}
+        self._prepared_flag = False
+        self._removed_observers = False
+        self._generated_reports: dict[str, dict] = {}
+
+    def get_desired_reports_names(self) -> set[str]:
+        """Names of the requested detectors."""
+        return set(self._desired_detector_names)
+
+    def get_observers_of_interest(self) -> dict[str, set[str]]:
+        """Detector name -> names of the observers it reads."""
+        return {k: set(v) for k, v in self._detector_name_to_observer_fqns.items()}
+
+    @property
+    def model(self) -> fx.GraphModule:
+        """The GraphModule observers are inserted into."""
+        return self._model
+
+    def prepare_detailed_calibration(self) -> fx.GraphModule:
+        """Insert every detector's observers (sharing equal ones) and return the model to calibrate."""
+        if self._prepared_flag:
+            raise ModelReportError("prepare_detailed_calibration was already called on this ModelReport; "
+                                   "calibrate and generate the report next")
+        shared: dict[tuple, tuple[str, nn.Module]] = {}
+        for detector in self._desired_report_detectors:
+            points = detector.determine_observer_insert_points(self._model)
+            self._detector_name_to_observer_fqns[detector.get_detector_name()] = set(points)
+            for name, point in points.items():
+                observed = point[DETECTOR_OBS_ARGS_KEY][0]
+                observer = point[DETECTOR_OBS_TO_INSERT_KEY]
+                key = (observed, point[DETECTOR_IS_POST_OBS_KEY], getattr(observer, "ch_axis", None),
+                       type(observer))
+                if isinstance(observer, ReportObserver) and key in shared:
+                    existing = shared[key][1]
+                    existing.add_percentiles(observer.percentiles)
+                    existing.per_channel = existing.per_channel or observer.per_channel
+                    self._model.add_submodule(name, existing)  # an alias for the detector to find
+                    continue
+                self._insert(name, observer, observed)
+                shared[key] = (name, observer)
+        self._model.recompile()
+        self._prepared_flag = True
+        return self._model
+
+    def _insert(self, name: str, observer: nn.Module, observed: fx.Node) -> None:
+        self._model.add_submodule(name, observer)
+        with self._model.graph.inserting_after(observed):
+            node = self._model.graph.call_module(name, (observed,))
+        node.meta[INSERTED_KEY] = "report"
+
+    def _check_ready(self, action: str) -> None:
+        if not self._prepared_flag:
+            raise ModelReportError(f"cannot {action} before prepare_detailed_calibration() and calibration")
+        if self._removed_observers:
+            raise ModelReportError(f"cannot {action}: the observers were removed by "
+                                   "generate_model_report(remove_inserted_observers=True)")
+
+    def generate_model_report(self, remove_inserted_observers: bool) -> dict[str, tuple[str, dict]]:
+        """{detector name: (text report, {layer fqn: {feature: value}})}; observer state is left untouched."""
+        self._check_ready("generate a report")
+        reports = {d.get_detector_name(): d.generate_detector_report(self._model)
+                   for d in self._desired_report_detectors}
+        self._generated_reports = {name: report[1] for name, report in reports.items()}
+        if remove_inserted_observers:
+            self._remove_observers()
+        return reports
+
+    def _remove_observers(self) -> None:
+        for node in list(self._model.graph.nodes):
+            if node.meta.get(INSERTED_KEY) == "report":
+                self._model.graph.erase_node(node)
+        for names in self._detector_name_to_observer_fqns.values():
+            for name in names:
+                if hasattr(self._model, name):
+                    delattr(self._model, name)
+        self._model.recompile()
+        self._removed_observers = True
+
+    def generate_visualizer(self):
+        """A ModelReportVisualizer over the last generated report."""
+        from .visualizer import ModelReportVisualizer
+
+        if not self._generated_reports:
+            raise ModelReportError("generate_model_report() must run before generate_visualizer()")
+        merged: dict[str, dict[str, Any]] = {}
+        for report in self._generated_reports.values():
+            for fqn, features in report.items():
+                merged.setdefault(fqn, {}).update(features)
+        return ModelReportVisualizer(merged)
+
+    def _combined_info(self) -> dict[str, DetectorQConfigInfo]:
+        self._check_ready("generate a mapping")
+        combined: dict[str, DetectorQConfigInfo] = {}
+        for detector in self._desired_report_detectors:
+            for fqn, info in detector.get_qconfig_info(self._model).items():
+                entry = combined.setdefault(fqn, DetectorQConfigInfo(fqn))
+                entry.is_activation_dynamic |= info.is_activation_dynamic
+                entry.is_weight_per_channel |= info.is_weight_per_channel
+                entry.is_equalization_recommended |= info.is_equalization_recommended
+        return combined
+
+    def generate_qconfig_mapping(self) -> dict[str, dict[str, bool]]:
+        """Per-layer overrides {fqn: {"per_channel": bool, "is_dynamic": bool}}, for
+        Int8StaticQuantizer(layer_overrides=...)."""
+        return {fqn: info.as_override() for fqn, info in self._combined_info().items()}
+
+    def generate_equalization_mapping(self) -> dict[str, dict[str, bool]]:
+        """{fqn: {"equalize": True}} for the layers where input-weight equalization is recommended."""
+        if not any(isinstance(d, InputWeightEqualizationDetector) for d in self._desired_report_detectors):
+            raise ModelReportError("generate_equalization_mapping needs an InputWeightEqualizationDetector")
+        return {fqn: {"equalize": True} for fqn, info in self._combined_info().items()
+                if info.is_equalization_recommended}

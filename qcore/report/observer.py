@@ -1,0 +1,180 @@
+"""The report observer: range, per-channel and percentile statistics, streaming and on-device.
+
+Per batch it keeps (like torch.ao's ModelReportObserver): the epoch min/max, the mean of each batch's
+range, per-channel min/max, per-channel q100/qp ratios averaged over the batches where a channel is not
+all zero, and a per-channel count of constant batches. Unlike it, it never copies to the host, never sorts
+the whole activation, and has no size limit per channel.
+
+Percentiles: q100 and q0 are exact (per-channel max/min). qp comes from a fixed random sample of at most
+`sample_size` values per channel per batch (all values when a channel has fewer, so it is then exact,
+with torch.quantile's "lower" interpolation). With m sampled values the estimate's rank lies within
+p +/- eps of the exact one with probability at least 1 - 2*exp(-2*m*eps^2): for m = 4096 and eps = 0.03,
+at least 1 - 1e-3 per batch, and the per-batch ratios are then averaged.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+DEFAULT_SAMPLE_SIZE = 4096
+
+
+class ReportObserver(nn.Module):
+    """Streaming statistics of one activation; `percentiles` may be empty (range statistics only)."""
+
+    def __init__(self, ch_axis: int = 1, percentiles: tuple[float, ...] = (), per_channel: bool = True,
+                 sample_size: int = DEFAULT_SAMPLE_SIZE, seed: int = 0) -> None:
+        super().__init__()
+        self.ch_axis = ch_axis
+        self.per_channel = per_channel or bool(percentiles)
+        self.percentiles: tuple[float, ...] = tuple(sorted(set(percentiles)))
+        self.sample_size = sample_size
+        self.seed = seed
+        self.num_batches_tracked = 0
+        # [-min, max] of the whole tensor: running maximum, and sum over batches (for the mean batch range)
+        self.register_buffer("extremes", torch.full((2,), float("-inf")))
+        self.register_buffer("extreme_sums", torch.zeros(2, dtype=torch.float64))
+        for name in ("min_val", "max_val", "ratio_sums", "ratio_counts", "constant_channels"):
+            self.register_buffer(name, torch.empty(0))
+        self._sample_key: tuple | None = None
+        self._sample_index: torch.Tensor | None = None
+
+    def add_percentiles(self, percentiles) -> None:
+        """Also track these percentiles (for observers shared between detectors, before calibration)."""
+        if self.num_batches_tracked:
+            raise RuntimeError("percentiles can only be added before calibration")
+        self.percentiles = tuple(sorted(set(self.percentiles) | set(percentiles)))
+        self.per_channel = self.per_channel or bool(self.percentiles)
+
+    @property
+    def epoch_activation_min(self) -> torch.Tensor:
+        """Smallest value seen."""
+        return -self.extremes[0]
+
+    @property
+    def epoch_activation_max(self) -> torch.Tensor:
+        """Largest value seen."""
+        return self.extremes[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
+            return x
+        values = x.detach()
+        if not self.per_channel:
+            low, high = torch.aminmax(values)
+            self._update_range(torch.stack([-low, high]).float())
+            return x
+        axis = self.ch_axis % values.dim()
+        others = [d for d in range(values.dim()) if d != axis]
+        low_c, high_c = values.amin(dim=others).float(), values.amax(dim=others).float()
+        if self.min_val.numel() == 0:
+            self._init_channels(low_c.numel(), low_c.device)
+        self._update_range(torch.stack([-low_c, high_c]).amax(dim=1))
+        torch.minimum(self.min_val, low_c, out=self.min_val)
+        torch.maximum(self.max_val, high_c, out=self.max_val)
+        self.constant_channels += high_c == low_c
+        if self.percentiles:
+            self._update_ratios(values, axis, high_c)
+        return x
+
+    def _init_channels(self, channels: int, device) -> None:
+        self.min_val = torch.full((channels,), float("inf"), device=device)
+        self.max_val = torch.full((channels,), float("-inf"), device=device)
+        self.ratio_sums = torch.zeros(len(self.percentiles), channels, dtype=torch.float64, device=device)
+        self.ratio_counts = torch.zeros(len(self.percentiles), channels, device=device)
+        self.constant_channels = torch.zeros(channels, device=device)
+
+    def _update_range(self, extremes: torch.Tensor) -> None:
+        self.extremes = torch.maximum(self.extremes.to(extremes.device), extremes)
+        self.extreme_sums = self.extreme_sums.to(extremes.device) + extremes
+        self.num_batches_tracked += 1
+
+    def _sample_positions(self, shape: torch.Size, axis: int, device) -> torch.Tensor:
+        """[channels, m] flat (row-major) indices: the same m positions in every channel."""
+        key = ("take", tuple(shape), axis, str(device))
+        if key != self._sample_key:
+            strides = torch.ones(len(shape), dtype=torch.int64)
+            for d in range(len(shape) - 2, -1, -1):
+                strides[d] = strides[d + 1] * shape[d + 1]
+            others = [d for d in range(len(shape)) if d != axis]
+            count = 1
+            for d in others:
+                count *= shape[d]
+            positions = torch.arange(count)
+            if count > self.sample_size:
+                generator = torch.Generator().manual_seed(self.seed + count)
+                positions = torch.randperm(count, generator=generator)[: self.sample_size].sort().values
+            offsets = torch.zeros_like(positions)
+            for d in reversed(others):  # decode the flat position over the non-channel dims
+                offsets += (positions % shape[d]) * strides[d]
+                positions = positions // shape[d]
+            channel = torch.arange(shape[axis]) * strides[axis]
+            self._sample_index = (channel[:, None] + offsets[None, :]).to(device)
+            self._sample_key = key
+        return self._sample_index
+
+    def _update_ratios(self, values: torch.Tensor, axis: int, high_c: torch.Tensor) -> None:
+        if axis == values.dim() - 1 and values.is_contiguous():
+            rows = values.reshape(-1, values.shape[-1])  # a view: [positions, channels]
+            if rows.shape[0] > self.sample_size:
+                rows = rows.index_select(0, self._row_sample(rows.shape[0], rows.device))
+            quantiles = _column_quantiles(rows.float(), self.percentiles, dim=0)
+        else:
+            sample = values.take(self._sample_positions(values.shape, axis, values.device)).float()
+            quantiles = _column_quantiles(sample, self.percentiles, dim=1)
+        self.ratio_sums += torch.nan_to_num(high_c / quantiles)  # 0/0 -> 0: all-zero channels add nothing
+        self.ratio_counts += torch.logical_or(quantiles, high_c)
+
+    def _row_sample(self, count: int, device) -> torch.Tensor:
+        key = ("rows", count, str(device))
+        if key != self._sample_key:
+            generator = torch.Generator().manual_seed(self.seed + count)
+            self._sample_index = torch.randperm(count, generator=generator)[: self.sample_size].sort().values.to(device)
+            self._sample_key = key
+        return self._sample_index
+
+
+    # ---- read-only views for detectors (host copies happen here, after calibration) ----
+
+    def batch_to_epoch_ratio(self) -> float:
+        """Mean batch range / epoch range; nan when the activation was constant or never observed."""
+        if self.num_batches_tracked == 0:
+            return float("nan")
+        epoch_range = float(self.extremes.sum())
+        if epoch_range == 0 or epoch_range != epoch_range:
+            return float("nan")
+        return float(self.extreme_sums.sum()) / self.num_batches_tracked / epoch_range
+
+    def is_constant(self) -> bool:
+        """True when every value seen was the same."""
+        return self.num_batches_tracked > 0 and float(self.extremes.sum()) == 0
+
+    def average_ratios(self, percentile: float) -> torch.Tensor:
+        """Per-channel mean of q100/q_percentile over the batches where the channel was not all zero
+        (nan for channels that were always zero)."""
+        row = self.percentiles.index(percentile)
+        counts = self.ratio_counts[row].double()
+        return torch.where(counts > 0, self.ratio_sums[row] / counts.clamp(min=1), torch.full_like(counts, float("nan")))
+
+    def batches_used(self, percentile: float) -> torch.Tensor:
+        """Per-channel number of batches that contributed a ratio."""
+        return self.ratio_counts[self.percentiles.index(percentile)]
+
+    def extra_repr(self) -> str:
+        return f"ch_axis={self.ch_axis}, percentiles={self.percentiles}, per_channel={self.per_channel}"
+
+
+def _column_quantiles(sample: torch.Tensor, percentiles: tuple[float, ...], dim: int) -> torch.Tensor:
+    """[len(percentiles), channels]: torch.quantile(..., interpolation="lower") of each channel's sample.
+
+    High percentiles are read from a top-k (cheaper than a selection over every value); others use kthvalue.
+    """
+    count = sample.shape[dim]
+    ranks = [int(p * (count - 1)) + 1 for p in percentiles]  # 1-based, ascending
+    largest = max(count - r + 1 for r in ranks)
+    if largest * 4 <= count:
+        top = torch.topk(sample, largest, dim=dim, sorted=True).values  # descending
+        picks = [count - r for r in ranks]  # index into the descending top-k
+        return top.index_select(dim, torch.tensor(picks, device=sample.device)).movedim(dim, 0)
+    rows = [torch.kthvalue(sample, r, dim=dim).values for r in ranks]
+    return torch.stack(rows)
