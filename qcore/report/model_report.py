@@ -18,6 +18,17 @@ from .detectors import (
 from .observer import ReportObserver
 
 
+def _merge(existing: ReportObserver, wanted: ReportObserver) -> bool:
+    """Fold `wanted` into `existing` when one observer can serve both; True if it did."""
+    if existing.per_channel and wanted.per_channel and existing.ch_axis != wanted.ch_axis:
+        return False
+    if wanted.per_channel and not existing.per_channel:
+        existing.ch_axis = wanted.ch_axis
+    existing.per_channel = existing.per_channel or wanted.per_channel
+    existing.add_percentiles(wanted.percentiles)
+    return True
+
+
 class ModelReportError(RuntimeError):
     """ModelReport methods called out of order."""
 
@@ -68,23 +79,21 @@ class ModelReport:
         if self._prepared_flag:
             raise ModelReportError("prepare_detailed_calibration was already called on this ModelReport; "
                                    "calibrate and generate the report next")
-        shared: dict[tuple, tuple[str, nn.Module]] = {}
+        shared: dict[tuple, list[ReportObserver]] = {}
         for detector in self._desired_report_detectors:
             points = detector.determine_observer_insert_points(self._model)
             self._detector_name_to_observer_fqns[detector.get_detector_name()] = set(points)
             for name, point in points.items():
                 observed = point[DETECTOR_OBS_ARGS_KEY][0]
                 observer = point[DETECTOR_OBS_TO_INSERT_KEY]
-                key = (observed, point[DETECTOR_IS_POST_OBS_KEY], getattr(observer, "ch_axis", None),
-                       type(observer))
-                if isinstance(observer, ReportObserver) and key in shared:
-                    existing = shared[key][1]
-                    existing.add_percentiles(observer.percentiles)
-                    existing.per_channel = existing.per_channel or observer.per_channel
-                    self._model.add_submodule(name, existing)  # an alias for the detector to find
-                    continue
+                if isinstance(observer, ReportObserver):
+                    candidates = shared.setdefault((observed, point[DETECTOR_IS_POST_OBS_KEY]), [])
+                    existing = next((o for o in candidates if _merge(o, observer)), None)
+                    if existing is not None:
+                        self._model.add_submodule(name, existing)  # an alias for the detector to find
+                        continue
+                    candidates.append(observer)
                 self._insert(name, observer, observed)
-                shared[key] = (name, observer)
         self._model.recompile()
         self._prepared_flag = True
         return self._model

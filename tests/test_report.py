@@ -1,0 +1,321 @@
+"""ModelReport and detectors against torch.ao's, on FX-traceable models, plus the fixed bugs."""
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
+from torch.ao.quantization.fx._model_report import detector as ao_detector
+from torch.ao.quantization.fx._model_report.model_report import ModelReport as AOModelReport
+from torch.ao.quantization.qconfig import default_qconfig
+from torch.ao.quantization.quantize_fx import prepare_fx
+
+import qcore
+from qcore.report import (
+    DynamicStaticDetector,
+    InputWeightEqualizationDetector,
+    ModelReport,
+    ModelReportError,
+    OutlierDetector,
+    PerChannelDetector,
+)
+
+
+class TanhMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.act = nn.Tanh()
+        self.fc2 = nn.Linear(32, 32)
+        self.fc3 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+class TanhCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.act = nn.Tanh()
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.fc = nn.Linear(8 * 8 * 8, 5)
+
+    def forward(self, x):
+        x = self.act(self.conv2(self.act(self.conv1(x))))
+        return self.fc(torch.flatten(x, 1))
+
+
+def _mlp_data(nonstationary=False, zero_column=False):
+    g = torch.Generator().manual_seed(4)
+    out = []
+    for i in range(8):
+        x = torch.randn(64, 16, generator=g)
+        x[:, 3] *= 8  # a wide channel
+        x[torch.randint(0, 64, (2,), generator=g), 5] = 40.0  # rare spikes: outliers in channel 5
+        if nonstationary:
+            x = x * (0.2 + 3 * (i % 2))
+        if zero_column:
+            x[:, 7] = 0.0
+        out.append(x)
+    return out
+
+
+def _cnn_data():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(4, 3, 8, 8, generator=g) for _ in range(6)]
+
+
+CASES = {
+    "mlp": (TanhMLP, _mlp_data),
+    "mlp_nonstationary": (TanhMLP, lambda: _mlp_data(nonstationary=True)),
+    "cnn": (TanhCNN, _cnn_data),
+}
+
+
+def _torch_ao_report(model, data, detector):
+    prepared = prepare_fx(model, get_default_qconfig_mapping("x86"), (data[0],))
+    report = AOModelReport(prepared, {detector})
+    observed = report.prepare_detailed_calibration()
+    with torch.no_grad():
+        for batch in data:
+            observed(batch)
+    return report.generate_model_report(remove_inserted_observers=False)[detector.get_detector_name()][1]
+
+
+def _our_report(model, data, detector):
+    report = ModelReport(model, [detector], example_inputs=data[0])
+    observed = report.prepare_detailed_calibration()
+    with torch.no_grad():
+        for batch in data:
+            observed(batch)
+    return report.generate_model_report(remove_inserted_observers=False)[detector.get_detector_name()][1]
+
+
+def _close(a, b, rel=1e-4):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return torch.allclose(a, b, rtol=rel, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dynamic_static_matches_torch_ao(case):
+    make, data_fn = CASES[case]
+    torch.manual_seed(0)
+    model, data = make().eval(), data_fn()
+    ours = _our_report(model, data, DynamicStaticDetector(tolerance=0.5))
+    theirs = _torch_ao_report(model, data, ao_detector.DynamicStaticDetector(tolerance=0.5))
+    assert set(theirs) <= set(ours)  # torch.ao covers linear only; we add conv
+    for fqn, entry in theirs.items():
+        for key in ("dynamic_recommended", "input_activation_dynamic_static_data_classification",
+                    "output_activation_dynamic_static_data_classification"):
+            assert ours[fqn][key] == entry[key], (fqn, key)
+        for key in ("input_activation_dynamic_static_comp_stat", "output_activation_dynamic_static_comp_stat"):
+            assert _close(ours[fqn][key], entry[key]), (fqn, key)
+    if case == "mlp_nonstationary":
+        assert ours["fc1"]["dynamic_recommended"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_input_weight_equalization_matches_torch_ao(case):
+    make, data_fn = CASES[case]
+    torch.manual_seed(0)
+    model, data = make().eval(), data_fn()
+    ours = _our_report(model, data, InputWeightEqualizationDetector(ratio_threshold=0.6))
+    theirs = _torch_ao_report(model, data, ao_detector.InputWeightEqualizationDetector(ratio_threshold=0.6))
+    assert set(theirs) and set(theirs) == set(ours)
+    for fqn, entry in theirs.items():
+        assert ours[fqn]["input_weight_equalization_recommended"] == entry["input_weight_equalization_recommended"]
+        for key in ("input_weight_channel_comparison_metrics", "input_activation_per_channel_max",
+                    "input_activation_per_channel_min", "weight_per_channel_max", "weight_per_channel_min"):
+            assert _close(ours[fqn][key], entry[key]), (fqn, key)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_outlier_detector_matches_torch_ao(case):
+    make, data_fn = CASES[case]
+    torch.manual_seed(0)
+    model, data = make().eval(), data_fn()
+    ours = _our_report(model, data, OutlierDetector(reference_percentile=0.95))
+    theirs = _torch_ao_report(model, data, ao_detector.OutlierDetector(reference_percentile=0.95))
+    common = set(theirs) & set(ours)  # torch.ao also reports leaf modules such as Tanh
+    assert common == {"fc1", "fc2", "fc3"} or common == {"conv1", "conv2", "fc"}
+    for fqn in common:
+        assert ours[fqn]["outliers_detected"] == theirs[fqn]["outliers_detected"], fqn
+        assert _close(ours[fqn]["outlier_detection_percentile_ratios"],
+                      theirs[fqn]["outlier_detection_percentile_ratios"]), fqn
+        assert _close(ours[fqn]["input_activation_per_channel_max"], theirs[fqn]["input_activation_per_channel_max"])
+        assert _close(ours[fqn]["constant_batch_counts"], theirs[fqn]["constant_batch_counts"])
+    if case == "mlp":
+        assert ours["fc1"]["outliers_detected"][5]
+
+
+def test_per_channel_detector_matches_torch_ao():
+    model, data = TanhMLP().eval(), _mlp_data()
+    for ao_mapping, per_channel in ((get_default_qconfig_mapping("x86"), True),
+                                    (QConfigMapping().set_global(default_qconfig), False)):
+        prepared = prepare_fx(model, ao_mapping, (data[0],))
+        theirs = ao_detector.PerChannelDetector("x86").generate_detector_report(prepared)[1]
+        detector = PerChannelDetector("x86", quantizer=qcore.Int8StaticQuantizer(per_channel=per_channel))
+        ours = detector.generate_detector_report(qcore.capture(model, data[0]))[1]
+        for fqn in ("fc1", "fc2", "fc3"):
+            assert ours[fqn] == theirs[fqn]
+
+
+# ---- the torch.ao bugs we do not copy ----
+
+def test_all_zero_channel_is_not_an_outlier():
+    model, data = TanhMLP().eval(), _mlp_data(zero_column=True)
+    ours = _our_report(model, data, OutlierDetector())
+    theirs = _torch_ao_report(model, data, ao_detector.OutlierDetector())
+    assert theirs["fc1"]["outliers_detected"][7]  # torch.ao: ratio inf, flagged
+    assert not ours["fc1"]["outliers_detected"][7]
+    assert math.isnan(float(ours["fc1"]["outlier_detection_percentile_ratios"][7]))
+
+
+class ConstantInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(torch.zeros_like(x) + 1.0)
+
+
+def test_constant_activation_is_reported_not_raised():
+    model, data = ConstantInput().eval(), [torch.randn(8, 4) for _ in range(3)]
+    with pytest.raises(ValueError, match="Range for Epoch is 0"):
+        _torch_ao_report(model, data, ao_detector.DynamicStaticDetector())
+    ours = _our_report(model, data, DynamicStaticDetector())
+    assert ours["fc"]["input_activation_dynamic_static_data_classification"] == "constant"
+    assert ours["fc"]["dynamic_recommended"] is False
+
+
+def test_shared_observer_serves_every_detector_with_its_own_settings():
+    model, data = TanhMLP().eval(), _mlp_data()
+    detectors = [OutlierDetector(reference_percentile=0.9), InputWeightEqualizationDetector(0.6),
+                 DynamicStaticDetector()]
+    report = ModelReport(model, detectors, example_inputs=data[0])
+    observed = report.prepare_detailed_calibration()
+    with torch.no_grad():
+        for batch in data:
+            observed(batch)
+    together = report.generate_model_report(False)
+    inserted = [n for n in observed.graph.nodes if n.meta.get("qcore_inserted") == "report"]
+    assert len(inserted) == 2 * 3  # one shared pre observer and one post observer per layer
+    alone = {
+        "outlier_detector": _our_report(model, data, OutlierDetector(reference_percentile=0.9)),
+        "input_weight_equalization_detector": _our_report(model, data, InputWeightEqualizationDetector(0.6)),
+        "dynamic_vs_static_detector": _our_report(model, data, DynamicStaticDetector()),
+    }
+    for name, expected in alone.items():
+        for fqn, features in expected.items():
+            for key, value in features.items():
+                got = together[name][1][fqn][key]
+                assert _close(got, value) if isinstance(value, torch.Tensor) else got == value, (name, fqn, key)
+
+
+def test_generating_twice_gives_the_same_report():
+    model, data = TanhMLP().eval(), _mlp_data()
+    report = ModelReport(model, [OutlierDetector(), InputWeightEqualizationDetector(0.6)], example_inputs=data[0])
+    observed = report.prepare_detailed_calibration()
+    with torch.no_grad():
+        for batch in data:
+            observed(batch)
+    first = report.generate_model_report(False)
+    second = report.generate_model_report(False)
+    for name in first:
+        for fqn, features in first[name][1].items():
+            for key, value in features.items():
+                other = second[name][1][fqn][key]
+                assert _close(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+def test_misuse_is_a_clear_error():
+    model, data = TanhMLP().eval(), _mlp_data()
+    report = ModelReport(model, [OutlierDetector()], example_inputs=data[0])
+    with pytest.raises(ModelReportError, match="before prepare"):
+        report.generate_model_report(False)
+    report.prepare_detailed_calibration()
+    with pytest.raises(ModelReportError, match="already called"):
+        report.prepare_detailed_calibration()
+    report.generate_model_report(remove_inserted_observers=True)
+    with pytest.raises(ModelReportError, match="removed"):
+        report.generate_model_report(False)
+    assert not any(n.meta.get("qcore_inserted") == "report" for n in report.model.graph.nodes)
+
+
+def test_attention_style_inputs_use_the_feature_axis():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.q(x)
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(2, 10, 16, generator=g) for _ in range(4)]
+    for batch in data:
+        batch[..., 2] *= 50
+    ours = _our_report(Attention().eval(), data, OutlierDetector())
+    assert len(ours["q"]["outliers_detected"]) == 16  # features, not tokens
+    report = _our_report(Attention().eval(), data, InputWeightEqualizationDetector(0.6))
+    assert report["q"]["input_activation_per_channel_max"].shape == (16,)
+
+
+def test_qconfig_mapping_feeds_the_quantizer():
+    model, data = TanhMLP().eval(), _mlp_data(nonstationary=True)
+    report = ModelReport(model, [DynamicStaticDetector(), PerChannelDetector()], example_inputs=data[0])
+    observed = report.prepare_detailed_calibration()
+    with torch.no_grad():
+        for batch in data:
+            observed(batch)
+    report.generate_model_report(False)
+    mapping = report.generate_qconfig_mapping()
+    assert mapping["fc1"] == {"per_channel": True, "is_dynamic": True}
+    float_gm, quant_gm = qcore.quantize(model, data[0], data, qcore.Int8StaticQuantizer(layer_overrides=mapping))
+    assert any(getattr(n.target, "__name__", "") == "fake_quantize_dynamic" for n in quant_gm.graph.nodes)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "conv"])
+def test_sampled_percentile_within_stated_rank_bound(layout):
+    """Channels with more than sample_size values use a sample: the estimate stays between the exact
+    quantiles at p - 0.03 and p + 0.03 (the documented bound)."""
+    from qcore.report.observer import ReportObserver
+
+    g = torch.Generator().manual_seed(0)
+    if layout == "conv":
+        x = torch.randn(8, 6, 40, 40, generator=g) ** 3
+        observer, rows = ReportObserver(ch_axis=1, percentiles=(0.975,)), x.movedim(1, -1).reshape(-1, 6)
+    else:
+        x = torch.randn(12_000, 6, generator=g) ** 3
+        observer, rows = ReportObserver(ch_axis=-1, percentiles=(0.975,)), x
+    observer(x)
+    estimate = rows.amax(0) / observer.average_ratios(0.975).float()
+    low = torch.quantile(rows, 0.945, dim=0, interpolation="lower")
+    high = torch.quantile(rows, 1.0, dim=0, interpolation="lower")
+    assert rows.shape[0] > observer.sample_size
+    assert torch.all(estimate >= low) and torch.all(estimate <= high)
+    mid_low = torch.quantile(rows, 0.945, dim=0)
+    mid_high = torch.quantile(rows, 0.995, dim=0)
+    assert torch.all((estimate >= mid_low) & (estimate <= mid_high))
+
+
+def test_report_observer_streams_without_host_copies(forbid_host_sync):
+    from qcore.report.observer import ReportObserver
+
+    observer = ReportObserver(ch_axis=1, percentiles=(0.9, 0.975))
+    sizes = None
+    for _ in range(5):
+        observer(torch.randn(4, 3, 80, 80))
+        current = [tuple(b.shape) for b in observer.buffers()]
+        assert sizes is None or current == sizes
+        sizes = current
+
+
+def test_more_than_2_pow_24_values_in_one_channel():
+    from qcore.report.observer import ReportObserver
+
+    observer = ReportObserver(ch_axis=1, percentiles=(0.975,))
+    observer(torch.randn(1, 1, 2**24 + 8))
+    assert observer.num_batches_tracked == 1 and math.isfinite(float(observer.average_ratios(0.975)[0]))
