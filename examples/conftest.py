@@ -1,9 +1,19 @@
-"""Example model repository: three models declared for `pytest --qreport examples/`."""
+"""Example model repository: three models declared for `pytest --qreport examples/`.
+
+Set QREPORT_EXAMPLES_FAILING=1 to also declare `spiky_mlp`, whose input has a channel with rare huge
+spikes: its outlier (and SQNR) items fail for that real reason, which shows the gate at work.
+"""
+import os
+
 import pytest
 import torch
 
 from models import MLP, TinyEncoder, TinyResNet, seeded, settle_batchnorm
 from pytest_qreport import qmodel
+
+# torch.ao's input-weight equalization detector recommends equalization for almost every well-balanced
+# layer; nothing here equalizes, so its items are advisory (warn) in this repository.
+ADVISORY = {"input_weight_equalization": "warn"}
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -34,17 +44,37 @@ def token_batches():
     return batches
 
 
-@qmodel(calibration="image_batches")
+@qmodel(calibration="image_batches", severity=ADVISORY)
 def tiny_resnet():
     g = _generator(10)
     return settle_batchnorm(seeded(TinyResNet), [torch.randn(16, 3, 32, 32, generator=g) for _ in range(4)])
 
 
-@qmodel(calibration="feature_batches")
+# ReLU outputs are sparse: their 97.5th percentile is tiny next to the max, which the outlier detector
+# flags; a histogram observer clips such ranges by error, so this model uses one (as the outlier items advise).
+@qmodel(calibration="feature_batches", quantizer="int8_histogram", severity=ADVISORY)
 def mlp():
     return seeded(MLP)
 
 
-@qmodel(calibration="token_batches")
+@qmodel(calibration="token_batches", quantizer="int8_histogram", severity=ADVISORY)
 def tiny_encoder():
     return seeded(TinyEncoder)
+
+
+@pytest.fixture
+def spiky_batches():
+    g = _generator(3)
+    batches = []
+    for _ in range(8):
+        x = torch.randn(32, 64, generator=g)
+        x[torch.randint(0, 32, (1,), generator=g), 7] = 150.0  # rare spikes in input channel 7
+        batches.append(x)
+    return batches
+
+
+if os.environ.get("QREPORT_EXAMPLES_FAILING") == "1":
+
+    @qmodel(calibration="spiky_batches", severity=ADVISORY)
+    def spiky_mlp():
+        return seeded(MLP)

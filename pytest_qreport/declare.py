@@ -25,6 +25,8 @@ class ModelDeclaration:
     layers: list[str] | None = None
     skip_layers: list[str] | None = None
     checks: list[str] | None = None
+    severity: Any = None
+    detector_options: dict[str, dict] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -55,6 +57,8 @@ def qmodel(
     layers: Any = None,
     skip_layers: Any = None,
     checks: Any = None,
+    severity: Any = None,
+    detector_options: dict[str, dict] | None = None,
     name: str | None = None,
     **extra: Any,
 ) -> Callable[[Callable[[], Any]], Any]:
@@ -64,7 +68,9 @@ def qmodel(
     tensor, a tuple of args or a dict of kwargs). example_inputs: defaults to the first batch.
     quantizer: a qcore Quantizer, a factory of one, or a name ("int8", "int8_per_tensor", "int8_histogram").
     sqnr_min_db / model_sqnr_min_db / weight_sqnr_min_db: thresholds in dB. layers / skip_layers: globs.
-    checks: which checks to run (default: all).
+    checks: which checks to run (default: all). severity: {check: "fail" | "warn" | "off"} or
+    "outlier=warn,per_channel=off". detector_options: constructor arguments per detector check, e.g.
+    {"outlier": {"ratio_threshold": 5.0}}.
     """
 
     def decorate(factory: Callable[[], Any]) -> Any:
@@ -73,7 +79,8 @@ def qmodel(
             name=name or factory.__name__, factory=factory, source_file=os.path.realpath(source),
             calibration=calibration, example_inputs=example_inputs, quantizer=quantizer,
             sqnr_min_db=sqnr_min_db, model_sqnr_min_db=model_sqnr_min_db, weight_sqnr_min_db=weight_sqnr_min_db,
-            layers=_as_list(layers), skip_layers=_as_list(skip_layers), checks=_as_list(checks), extra=dict(extra),
+            layers=_as_list(layers), skip_layers=_as_list(skip_layers), checks=_as_list(checks), severity=severity,
+            detector_options=detector_options, extra=dict(extra),
         )
         registered = _REGISTRY.setdefault(declaration.source_file, [])
         registered[:] = [d for d in registered if d.name != declaration.name] + [declaration]

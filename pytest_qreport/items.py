@@ -11,7 +11,8 @@ from .declare import declarations_in
 from .options import resolve_settings
 from .runner import ModelState, QReportCheckFailed, QReportError, QReportModelError, analyze, collect_model
 
-CHECK_ORDER = ("capture", "sqnr", "weight_sqnr", "model_sqnr")
+CHECK_ORDER = ("capture", "sqnr", "weight_sqnr", "model_sqnr", "per_channel", "dynamic_static",
+               "input_weight_equalization", "outlier")
 
 
 def qreport_check(request) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ALL_CHECKS = ("sqnr", "weight_sqnr", "model_sqnr")
+SQNR_CHECKS = ("sqnr", "weight_sqnr", "model_sqnr")
+DETECTOR_CHECKS = ("per_channel", "dynamic_static", "input_weight_equalization", "outlier")
+ALL_CHECKS = SQNR_CHECKS + DETECTOR_CHECKS
+SEVERITIES = ("fail", "warn", "off")
 
 # setting -> (cli flag, ini key, default, help)
 SETTINGS: dict[str, tuple[str, str, Any, str]] = {
@@ -24,6 +27,8 @@ SETTINGS: dict[str, tuple[str, str, Any, str]] = {
                        "fixture name giving example inputs (default: the first calibration batch)"),
     "quantizer": ("--qreport-quantizer", "qreport_quantizer", "int8",
                   "int8, int8_per_tensor, int8_histogram, or module:attribute of a Quantizer (factory)"),
+    "severity": ("--qreport-severity", "qreport_severity", None,
+                 "per-check severity, e.g. 'outlier=warn,per_channel=off' (fail, warn or off; default fail)"),
 }
 _FLOATS = {"sqnr_min_db", "model_sqnr_min_db", "weight_sqnr_min_db"}
 _LISTS = {"layers", "skip_layers", "checks"}
@@ -57,6 +62,8 @@ class ModelSettings:
     calibration: Any
     example_inputs: Any
     quantizer: Any
+    severity: dict[str, str]
+    detector_options: dict[str, dict]
 
 
 def _parse(setting: str, value: Any) -> Any:
@@ -74,10 +81,33 @@ def _parse(setting: str, value: Any) -> Any:
     return value
 
 
+def parse_severity(value: Any) -> dict[str, str]:
+    """{check: level} from a dict or 'check=level' pairs separated by commas, spaces or newlines."""
+    if value is None:
+        return {}
+    pairs = value.items() if isinstance(value, dict) else (
+        part.split("=", 1) if "=" in part else (part, "") for part in str(value).replace(",", " ").split())
+    result = {}
+    for check, level in pairs:
+        check, level = str(check).strip(), str(level).strip()
+        if check not in ALL_CHECKS:
+            raise ValueError(f"severity for unknown check {check!r}; known checks: {', '.join(ALL_CHECKS)}")
+        if level not in SEVERITIES:
+            raise ValueError(f"severity of {check} must be one of {', '.join(SEVERITIES)}, not {level!r}")
+        result[check] = level
+    return result
+
+
 def resolve_settings(config, declaration) -> ModelSettings:
     """Merge CLI, the qmodel(...) arguments, ini and defaults for one declared model."""
     values = {}
+    severity = {check: "fail" for check in ALL_CHECKS}  # merged key by key: ini, then qmodel, then CLI
+    for source in (config.getini("qreport_severity") or None, declaration.severity,
+                   config.getoption("qreport_severity")):
+        severity.update(parse_severity(source))
     for setting, (_flag, ini, default, _text) in SETTINGS.items():
+        if setting == "severity":
+            continue
         cli = config.getoption(f"qreport_{setting}")
         ini_value = config.getini(ini) or None
         chosen = next((v for v in (cli, getattr(declaration, setting), ini_value) if v is not None), default)
@@ -86,7 +116,9 @@ def resolve_settings(config, declaration) -> ModelSettings:
     unknown = [c for c in checks if c not in ALL_CHECKS]
     if unknown:
         raise ValueError(f"unknown qreport check(s) {unknown}; known checks: {', '.join(ALL_CHECKS)}")
-    values["checks"] = checks
+    values["checks"] = [c for c in checks if severity[c] != "off"]
+    values["severity"] = severity
+    values["detector_options"] = dict(declaration.detector_options or {})
     return ModelSettings(**values)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import qcore
+from qcore.detector_findings import DETECTOR_CHECKS, apply_severity, detector_findings, detector_layers, measure_detectors
 from qcore.findings import measure_sqnr, quantized_layers, select_layers, sqnr_findings
 
 from .options import ModelSettings
@@ -85,7 +86,10 @@ def collect_model(declaration, settings: ModelSettings, fixture_at_collection: C
         model = _build(declaration)
         example = _example_inputs(declaration, settings, fixture_at_collection)
         state.float_gm = qcore.capture(model, example, name=declaration.name)
-        state.layers = quantized_layers(state.float_gm, make_quantizer(settings.quantizer))
+        quantizer = make_quantizer(settings.quantizer)
+        state.layers = quantized_layers(state.float_gm, quantizer)
+        wanted_detectors = [c for c in settings.checks if c in DETECTOR_CHECKS]
+        by_detector = detector_layers(state.float_gm, quantizer, settings.detector_options) if wanted_detectors else {}
     except Exception as error:  # noqa: BLE001 - reported on the model's item
         state.collect_error = _explain(declaration.name, "capture/set-up", error)
         return state
@@ -98,6 +102,8 @@ def collect_model(declaration, settings: ModelSettings, fixture_at_collection: C
             state.items[check] = [n for n in names if n in weighted]
         elif check == "model_sqnr":
             state.items[check] = ["output"]
+        else:
+            state.items[check] = [n for n in by_detector.get(check, []) if n in names]
     return state
 
 
@@ -143,11 +149,20 @@ def analyze(state: ModelState, get_fixture: Callable[[str], Any]) -> None:
         return
     try:
         batches = calibration_batches(state, get_fixture)
-        measured = measure_sqnr(state.float_gm, batches, make_quantizer(state.settings.quantizer))
-        thresholds = {"sqnr": state.settings.sqnr_min_db, "weight_sqnr": state.settings.weight_sqnr_min_db,
-                      "model_sqnr": state.settings.model_sqnr_min_db}
-        found = sqnr_findings(state.name, measured, state.items, thresholds)
-        state.findings = {(f["check"], f["layer"]): f for f in found}
+        settings = state.settings
+        found = []
+        if any(state.items.get(c) for c in ("sqnr", "weight_sqnr", "model_sqnr")):
+            measured = measure_sqnr(state.float_gm, batches, make_quantizer(settings.quantizer))
+            thresholds = {"sqnr": settings.sqnr_min_db, "weight_sqnr": settings.weight_sqnr_min_db,
+                          "model_sqnr": settings.model_sqnr_min_db}
+            found += sqnr_findings(state.name, measured, state.items, thresholds)
+        detector_checks = [c for c in DETECTOR_CHECKS if state.items.get(c)]
+        if detector_checks:
+            observed = measure_detectors(state.float_gm, batches, make_quantizer(settings.quantizer), detector_checks,
+                                         settings.detector_options)
+            found += detector_findings(state.name, observed, state.items)
+        state.findings = {(f["check"], f["layer"]): apply_severity(f, settings.severity.get(f["check"], "fail"))
+                          for f in found}
     except Exception as error:  # noqa: BLE001 - reported on every item of the model
         state.analysis_error = _explain(state.name, "calibration/analysis", error)
 

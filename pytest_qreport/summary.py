@@ -10,8 +10,9 @@ def format_value(value: float, metric: str) -> str:
     """A metric value for people: dB values with one decimal."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if isinstance(value, float) and math.isinf(value):
-        return "inf dB" if metric.endswith("_db") else str(value)
+    if isinstance(value, float) and (math.isinf(value) or abs(value) >= 1e30):  # nan_to_num'd infinities too
+        sign = "-" if value < 0 else ""
+        return f"{sign}inf dB" if metric.endswith("_db") else f"{sign}inf"
     return f"{value:.1f} dB" if metric.endswith("_db") else f"{value:.4g}"
 
 

@@ -67,7 +67,10 @@ def tiny_bad_data():
 '''
 
 
-def _project(pytester, options="", extra="", ini=""):
+SQNR_ONLY = "qreport_checks = sqnr,weight_sqnr,model_sqnr\n"
+
+
+def _project(pytester, options="", extra="", ini=SQNR_ONLY):
     pytester.makeconftest(CONFTEST.replace("{options}", options).replace("{extra}", extra))
     if ini:
         pytester.makeini("[pytest]\n" + ini)
@@ -139,12 +142,12 @@ def test_failing_threshold_fails_with_value_threshold_and_shadow(pytester):
 
 
 @pytest.mark.parametrize("options,ini,cli,failed", [
-    ("sqnr_min_db=90.0", "", [], 2),                                        # qmodel argument
-    ("sqnr_min_db=90.0", "", ["--qreport-sqnr-min-db", "1"], 0),            # CLI beats qmodel
-    ("", "qreport_sqnr_min_db = 90", [], 2),                                # ini default
-    ("sqnr_min_db=1.0", "qreport_sqnr_min_db = 90", [], 0),                 # qmodel beats ini
-    ("model_sqnr_min_db=90.0", "", [], 1),
-    ("layers=['fc2']", "", [], 0),
+    ("sqnr_min_db=90.0", SQNR_ONLY, [], 2),                                 # qmodel argument
+    ("sqnr_min_db=90.0", SQNR_ONLY, ["--qreport-sqnr-min-db", "1"], 0),     # CLI beats qmodel
+    ("", SQNR_ONLY + "qreport_sqnr_min_db = 90", [], 2),                    # ini default
+    ("sqnr_min_db=1.0", SQNR_ONLY + "qreport_sqnr_min_db = 90", [], 0),     # qmodel beats ini
+    ("model_sqnr_min_db=90.0", SQNR_ONLY, [], 1),
+    ("layers=['fc2']", SQNR_ONLY, [], 0),
 ])
 def test_settings_precedence(pytester, options, ini, cli, failed):
     _project(pytester, options=options, ini=ini)
@@ -259,3 +262,70 @@ def test_calibration_as_callable_or_iterable(pytester):
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*qreport/from_callable/model_sqnr/output PASSED*",
                                  "*qreport/from_list/model_sqnr/output PASSED*"])
+
+
+DETECTOR_NAMES = ["per_channel", "dynamic_static", "input_weight_equalization", "outlier"]
+
+
+def test_detector_items_per_model_and_layer(pytester):
+    _project(pytester, ini="")
+    result = pytester.runpytest("--qreport", "--collect-only", "-q")
+    names = [line.split("::")[1] for line in result.outlines if "::qreport/" in line]
+    for check in DETECTOR_NAMES:
+        assert [n for n in names if f"/{check}/" in n] == [f"qreport/tiny/{check}/fc1", f"qreport/tiny/{check}/fc2"]
+
+
+def test_detector_failure_says_what_to_change(pytester):
+    _project(pytester, options="quantizer='int8_per_tensor', checks='per_channel'", ini="")
+    result = pytester.runpytest("--qreport")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*weights are quantized per tensor but per-channel is supported*per_channel*True*"])
+    assert re.search(r"tiny\s+per_channel\s+fc1\s+0\s+1\s+FAIL", _summary(result))
+
+
+@pytest.mark.parametrize("options,ini,cli,outcome", [
+    ("", "qreport_severity = per_channel=warn", [], {"passed": 2, "warnings": 2}),
+    ("severity={'per_channel': 'warn'}", "qreport_severity = per_channel=fail", [], {"passed": 2, "warnings": 2}),
+    ("severity={'per_channel': 'warn'}", "", ["--qreport-severity", "per_channel=fail"], {"failed": 2}),
+    ("", "", ["--qreport-severity", "per_channel=off"], {}),
+])
+def test_severity_fail_warn_off(pytester, options, ini, cli, outcome):
+    _project(pytester, options="quantizer='int8_per_tensor', checks='per_channel'" + (", " + options if options else ""),
+             ini=ini)
+    result = pytester.runpytest("--qreport", *cli)
+    counts = {k: v for k, v in result.parseoutcomes().items() if k in ("passed", "failed", "warnings")}
+    assert counts == outcome
+    if outcome.get("warnings"):
+        assert re.search(r"tiny\s+per_channel\s+fc1\s+.*WARN", _summary(result))
+
+
+def test_outlier_items_fail_for_spiky_inputs_and_pass_with_a_clipping_observer(pytester):
+    spiky = """
+
+@pytest.fixture
+def spiky():
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(4):
+        x = torch.randn(64, 8, generator=g)
+        x[3, 2] = 200.0
+        out.append(x)
+    return out
+
+
+@qmodel(calibration="spiky", checks="outlier", layers="fc1")
+def spiky_default():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration="spiky", checks="outlier", layers="fc1", quantizer="int8_histogram")
+def spiky_histogram():
+    torch.manual_seed(0)
+    return Tiny().eval()
+"""
+    _project(pytester, extra=spiky, ini="")
+    result = pytester.runpytest("--qreport", "-v", "-k", "spiky")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*spiky_default/outlier/fc1 FAILED*", "*spiky_histogram/outlier/fc1 PASSED*",
+                                 "*input channels 2 have outliers*int8_histogram*"])

@@ -43,8 +43,29 @@ def test_plugin_collects_an_sqnr_item_for_every_bert_linear(bert):
 
     model, data = bert
     declaration = ModelDeclaration(name="bert", factory=lambda: model, source_file="conftest.py")
-    settings = ModelSettings(20.0, 20.0, 30.0, None, None, ["sqnr"], data, None, "int8")
+    settings = ModelSettings(20.0, 20.0, 30.0, None, None, ["sqnr", "outlier"], data, None, "int8",
+                             severity={}, detector_options={})
     state = collect_model(declaration, settings, fixture_at_collection=lambda name: None)
     assert state.collect_error is None
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     assert set(linears) <= set(state.items["sqnr"])
+    assert set(linears) <= set(state.items["outlier"])
+
+
+def test_model_report_covers_every_bert_linear(bert):
+    from qcore.inputs import call_model
+    from qcore.report import DynamicStaticDetector, InputWeightEqualizationDetector, ModelReport, OutlierDetector
+
+    model, data = bert
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    report = ModelReport(model, [DynamicStaticDetector(), InputWeightEqualizationDetector(0.5), OutlierDetector()],
+                         example_inputs=data[0])
+    observed = report.prepare_detailed_calibration()
+    with torch.no_grad():
+        for batch in data:
+            call_model(observed, batch)
+    reports = report.generate_model_report(remove_inserted_observers=True)
+    for name, (_, per_layer) in reports.items():
+        assert set(linears) <= set(per_layer), name
+    hidden = model.config.hidden_size
+    assert len(reports["outlier_detector"][1]["encoder.layer.0.attention.self.query"]["outliers_detected"]) == hidden
