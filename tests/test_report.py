@@ -319,3 +319,70 @@ def test_more_than_2_pow_24_values_in_one_channel():
     observer = ReportObserver(ch_axis=1, percentiles=(0.975,))
     observer(torch.randn(1, 1, 2**24 + 8))
     assert observer.num_batches_tracked == 1 and math.isfinite(float(observer.average_ratios(0.975)[0]))
+
+
+def _calibrated_report(detectors, model=None, data=None):
+    model, data = model or TanhMLP().eval(), data or _mlp_data()
+    report = ModelReport(model, detectors, example_inputs=data[0])
+    observed = report.prepare_detailed_calibration()
+    with torch.no_grad():
+        for batch in data:
+            observed(batch)
+    return report
+
+
+def test_visualizer_tables_and_plots():
+    report = _calibrated_report([OutlierDetector(), DynamicStaticDetector()])
+    report.generate_model_report(False)
+    visualizer = report.generate_visualizer()
+    assert visualizer.get_all_unique_module_fqns() == {"fc1", "fc2", "fc3"}
+    assert "outlier_detection_percentile_ratios" in visualizer.get_all_unique_feature_names()
+    tables = visualizer.generate_filtered_tables(feature_filter="ratio", module_fqn_filter="fc2")
+    headers, rows = tables["channel_level_info"]
+    assert headers[:3] == ["idx", "layer_fqn", "channel"] and len(rows) == 32 and rows[0][1] == "fc2"
+    assert "fc2" in visualizer.generate_table_visualization(feature_filter="dynamic")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pip install"):
+            visualizer.generate_plot_visualization("percentile_ratios")
+    else:
+        import os
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            path = visualizer.generate_histogram_visualization("percentile_ratios", path=os.path.join(folder, "h.png"))
+            assert os.path.getsize(path) > 0
+
+
+def test_custom_detector_subclass_works_the_same_way():
+    from qcore.report import DetectorBase, ReportObserver
+    from qcore.report.detectors import observer_name
+
+    class MeanAbsDetector(DetectorBase):
+        """Flags layers whose input range exceeds a bound."""
+
+        def __init__(self, bound):
+            super().__init__()
+            self.bound = bound
+
+        def get_detector_name(self):
+            return "range_detector"
+
+        def determine_observer_insert_points(self, model):
+            return {observer_name(op.layer, self.get_detector_name(), "pre"):
+                    self._point(op.node, op.activation_inputs[0], ReportObserver(per_channel=False), post=False)
+                    for op in self.layers(model)}
+
+        def generate_detector_report(self, model):
+            info = {}
+            for op in self.layers(model):
+                observer = self._observer(model, op.layer, "pre")
+                span = float(observer.epoch_activation_max - observer.epoch_activation_min)
+                info[op.layer] = {"input_range": span, "too_wide": span > self.bound}
+            return "ranges", info
+
+    report = _calibrated_report([MeanAbsDetector(bound=10.0), OutlierDetector()])
+    reports = report.generate_model_report(remove_inserted_observers=True)
+    assert reports["range_detector"][1]["fc1"]["too_wide"] is True  # the inputs have spikes of 40
+    assert reports["range_detector"][1]["fc2"]["too_wide"] is False  # tanh outputs stay in [-1, 1]
