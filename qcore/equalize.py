@@ -1,0 +1,359 @@
+"""Input-weight equalization (calibrated) and cross-layer equalization (data-free) as graph rewrites.
+
+Input-weight equalization, per input channel j of a layer: s_j = sqrt(weight range_j / input range_j)
+(inf/nan/0 become 1); weight columns are divided by s_j and the input is multiplied by s_j, so the float
+result is unchanged while the input the quantizer sees is better balanced. When the input comes straight
+from another linear/conv (through at most a relu, which is positively homogeneous), that layer's weight rows
+and bias absorb s instead of a mul node.
+
+Cross-layer equalization (Nagel et al. 2019): for conv/linear -> (relu) -> conv/linear pairs,
+s_i = sqrt(r1_i * r2_i) / r2_i; the first layer's output channel i is divided by s_i and the second layer's
+input channel i multiplied by s_i.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import namedtuple
+from typing import Any, Iterable
+
+import torch
+from torch import fx, nn
+
+from .calibrate import calibrate
+from .capture import clone_graph_module
+from .graph import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, op_kind
+
+
+class EqualizationError(ValueError):
+    """A layer cannot be equalized (names the layer and the reason)."""
+
+
+def _minmax_along(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    axis = axis % x.dim()
+    others = [d for d in range(x.dim()) if d != axis]
+    return x.amin(dim=others).float(), x.amax(dim=others).float()
+
+
+class InputEqualizationObserver(nn.Module):
+    """Running min/max per input channel (the feature axis: 1 for conv, last for linear)."""
+
+    def __init__(self, dtype: torch.dtype = torch.uint8, qscheme: torch.qscheme = torch.per_tensor_affine,
+                 quant_min: int | None = None, quant_max: int | None = None, ch_axis: int = 1) -> None:
+        super().__init__()
+        if qscheme not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            raise TypeError("input qscheme must be per-tensor")
+        self.dtype, self.qscheme, self.quant_min, self.quant_max, self.ch_axis = dtype, qscheme, quant_min, quant_max, ch_axis
+        self.register_buffer("min_val", torch.empty(0))
+        self.register_buffer("max_val", torch.empty(0))
+        self.equalization_scale = torch.tensor(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.dim() > 5:
+            raise ValueError("InputEqualizationObserver supports linear and conv inputs (2 to 5 dims)")
+        low, high = _minmax_along(x.detach(), self.ch_axis)
+        if self.min_val.numel() == 0:
+            self.min_val, self.max_val = low, high
+        else:
+            torch.minimum(self.min_val, low, out=self.min_val)
+            torch.maximum(self.max_val, high, out=self.max_val)
+        return x
+
+    def get_input_minmax(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel (min, max)."""
+        return self.min_val, self.max_val
+
+    def set_equalization_scale(self, equalization_scale: torch.Tensor) -> None:
+        """Remember the scale (for calculate_scaled_minmax)."""
+        self.equalization_scale = equalization_scale
+
+    def calculate_scaled_minmax(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The overall (min, max) of the input after scaling, for the next quantization observer."""
+        if self.equalization_scale.numel() == 1 and float(self.equalization_scale) == 1.0:
+            warnings.warn("call calculate_equalization_scale before calculate_scaled_minmax", stacklevel=2)
+            return None, None
+        return (self.min_val * self.equalization_scale).min(), (self.max_val * self.equalization_scale).max()
+
+
+class WeightEqualizationObserver(nn.Module):
+    """Min/max per weight column (input channel, axis 1)."""
+
+    def __init__(self, dtype: torch.dtype = torch.int8, qscheme: torch.qscheme = torch.per_tensor_affine,
+                 quant_min: int | None = None, quant_max: int | None = None) -> None:
+        super().__init__()
+        self.dtype, self.qscheme, self.quant_min, self.quant_max, self.ch_axis = dtype, qscheme, quant_min, quant_max, 1
+        self.register_buffer("min_val", torch.empty(0))
+        self.register_buffer("max_val", torch.empty(0))
+        self.equalization_scale = torch.tensor(1.0)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if w.dim() < 2 or w.dim() > 5:
+            raise ValueError("WeightEqualizationObserver supports linear and conv weights (2 to 5 dims)")
+        low, high = _minmax_along(w.detach(), 1)
+        if self.min_val.numel() == 0:
+            self.min_val, self.max_val = low, high
+        else:
+            self.min_val, self.max_val = torch.minimum(self.min_val, low), torch.maximum(self.max_val, high)
+        return w
+
+    def get_weight_col_minmax(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-column (min, max)."""
+        return self.min_val, self.max_val
+
+    def set_equalization_scale(self, equalization_scale: torch.Tensor) -> None:
+        """Remember the scale."""
+        self.equalization_scale = equalization_scale
+
+
+def calculate_equalization_scale(input_obs: InputEqualizationObserver,
+                                 weight_obs: WeightEqualizationObserver) -> torch.Tensor:
+    """sqrt((max_w - min_w) / (max_x - min_x)) per column; 0, nan and inf become 1."""
+    min_inputs, max_inputs = input_obs.get_input_minmax()
+    min_weights, max_weights = weight_obs.get_weight_col_minmax()
+    if min_inputs.numel() == 0 or min_weights.numel() == 0:
+        warnings.warn("run the observers before calculate_equalization_scale; returning scale 1", stacklevel=2)
+        return torch.tensor(1)
+    if min_inputs.shape != min_weights.shape:
+        raise ValueError(f"input and weight must have the same number of columns, got {tuple(min_inputs.shape)} "
+                         f"and {tuple(min_weights.shape)}")
+    scale = torch.sqrt((max_weights - min_weights) / (max_inputs - min_inputs))
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+EqualizationQConfig = namedtuple("EqualizationQConfig", ["input_activation", "weight"])
+EqualizationQConfig.__doc__ = "Observer factories for input-weight equalization (input columns, weight columns)."
+default_equalization_qconfig = EqualizationQConfig(InputEqualizationObserver, WeightEqualizationObserver)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# graph helpers
+
+
+def _fetch(module: nn.Module, target: str) -> torch.Tensor:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _assign(module: nn.Module, target: str, value: torch.Tensor) -> None:
+    *path, name = target.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    old = getattr(owner, name)
+    new = nn.Parameter(value, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value
+    setattr(owner, name, new)
+
+
+def _groups(op: QuantizableOp) -> int:
+    if op.kind != "conv":
+        return 1
+    node = op.node
+    if node.target == torch.ops.aten.convolution.default:
+        return int(node.args[8])
+    if "groups" in node.kwargs:
+        return int(node.kwargs["groups"])
+    return int(node.args[6]) if len(node.args) > 6 else 1
+
+
+def _check_layer(gm: fx.GraphModule, op: QuantizableOp) -> None:
+    if op.kind not in ("linear", "conv") or op.weight is None or op.weight.op != "get_attr":
+        raise EqualizationError(f"layer {op.layer}: only linear and conv layers with a weight parameter can be "
+                                "equalized; remove it from the equalization mapping")
+    users = [n for n in gm.graph.nodes if op.weight in n.all_input_nodes]
+    if len(users) > 1:
+        raise EqualizationError(f"layer {op.layer}: its weight is shared with other ops (tied weights); "
+                                "equalizing it would change them too. Remove it from the mapping")
+    weight = _fetch(gm, str(op.weight.target))
+    if op.kind == "conv" and weight.dim() not in (3, 4):
+        raise EqualizationError(f"layer {op.layer}: only Conv1d and Conv2d are supported, got a {weight.dim() - 2}-d conv")
+    if op.node.op == "call_function" and op.kind == "conv" and node_is_transposed(op.node):
+        raise EqualizationError(f"layer {op.layer}: transposed convolutions are not supported")
+
+
+def node_is_transposed(node: fx.Node) -> bool:
+    """True for aten.convolution nodes with transposed=True."""
+    return node.target == torch.ops.aten.convolution.default and bool(node.args[6])
+
+
+def _input_channel_scale(op: QuantizableOp, scale: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The per-input-channel scale laid out over the weight: [out, in/groups, ...] broadcastable."""
+    groups = _groups(op)
+    out_channels, in_per_group = weight.shape[0], weight.shape[1]
+    per_group = scale.reshape(groups, in_per_group)  # input channel g * in_per_group + j
+    expanded = per_group.repeat_interleave(out_channels // groups, dim=0)  # row o belongs to group o // (out/groups)
+    return expanded.reshape(out_channels, in_per_group, *([1] * (weight.dim() - 2)))
+
+
+def _scale_weight_columns(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool) -> None:
+    target = str(op.weight.target)
+    weight = _fetch(gm, target).detach()
+    factor = _input_channel_scale(op, scale.to(weight), weight)
+    _assign(gm, target, weight / factor if inverse else weight * factor)
+
+
+def _scale_output_rows(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool) -> None:
+    for node in (op.weight, op.bias):
+        if node is None:
+            continue
+        target = str(node.target)
+        value = _fetch(gm, target).detach()
+        factor = scale.to(value).reshape(-1, *([1] * (value.dim() - 1)))
+        _assign(gm, target, value / factor if inverse else value * factor)
+
+
+def _producer_layer(gm: fx.GraphModule, op: QuantizableOp, layers: dict[fx.Node, QuantizableOp]):
+    """The linear/conv whose output feeds `op` directly (or through one relu) and nothing else."""
+    node = op.activation_inputs[0] if op.activation_inputs else None
+    if node is None:
+        return None
+    if op_kind(node, gm) == "relu" and len(node.users) == 1:
+        node = node.args[0]
+    producer = layers.get(node)
+    if producer is None or len(node.users) != 1 or producer.weight is None:
+        return None
+    return producer
+
+
+def _channel_axis(op: QuantizableOp) -> int:
+    return 1 if op.kind == "conv" else -1
+
+
+def resolve_layers(gm: fx.GraphModule, equalization_mapping: Any) -> list[QuantizableOp]:
+    """The layers named by a ModelReport equalization mapping, a dict or a list of FQNs (graph order)."""
+    if isinstance(equalization_mapping, dict):
+        names = [k for k, v in equalization_mapping.items() if v is not None and v is not False and
+                 not (isinstance(v, dict) and v.get("equalize") is False)]
+    else:
+        names = list(equalization_mapping)
+    ops = {op.layer: op for op in find_quantizable_ops(gm)}
+    ops.update({op.fqn: op for op in ops.values() if op.fqn not in ops})
+    missing = [n for n in names if n not in ops]
+    if missing:
+        raise EqualizationError(f"layer(s) {missing} are not quantizable ops of this graph; known layers: "
+                                f"{sorted(op.layer for op in find_quantizable_ops(gm))}")
+    chosen = {id(ops[n].node): ops[n] for n in names}
+    return [op for op in find_quantizable_ops(gm) if id(op.node) in chosen]
+
+
+def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterable[Any]) -> fx.GraphModule:
+    """A float-equivalent copy of `gm` with input-weight equalization applied to the mapped layers."""
+    result = clone_graph_module(gm)
+    ops = resolve_layers(result, equalization_mapping)
+    for op in ops:
+        _check_layer(result, op)
+    observers = {}
+    for index, op in enumerate(ops):
+        observer = InputEqualizationObserver(ch_axis=_channel_axis(op))
+        name = f"qcore_equalization_observer_{index}"
+        result.add_submodule(name, observer)
+        with result.graph.inserting_after(op.activation_inputs[0]):
+            node = result.graph.call_module(name, (op.activation_inputs[0],))
+        node.meta[INSERTED_KEY] = "equalization_observer"
+        observers[op.layer] = (observer, node)
+    result.recompile()
+    calibrate(result, calibration)
+    scales = {}
+    for op in ops:
+        weight_observer = WeightEqualizationObserver()
+        weight = _fetch(result, str(op.weight.target)).detach()
+        groups = _groups(op)
+        if groups > 1:  # columns of a grouped conv weight: channel g * in_per_group + j
+            weight_observer.min_val, weight_observer.max_val = _grouped_column_minmax(weight, groups)
+        else:
+            weight_observer(weight)
+        scales[op.layer] = calculate_equalization_scale(observers[op.layer][0], weight_observer).reshape(-1)
+    for observer, node in observers.values():
+        result.graph.erase_node(node)
+        delattr(result, node.target)
+    _apply_scales(result, ops, scales)
+    result.meta["qcore_equalization_scales"] = {layer: scale.tolist() for layer, scale in scales.items()}
+    return result
+
+
+def _grouped_column_minmax(weight: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out_per_group = weight.shape[0] // groups
+    blocks = weight.reshape(groups, out_per_group, weight.shape[1], -1)  # group, out, in/groups, kernel
+    low = blocks.amin(dim=(1, 3)).reshape(-1).float()
+    high = blocks.amax(dim=(1, 3)).reshape(-1).float()
+    return low, high
+
+
+def _apply_scales(gm: fx.GraphModule, ops: list[QuantizableOp], scales: dict[str, torch.Tensor]) -> None:
+    layers = {op.node: op for op in find_quantizable_ops(gm)}
+    chosen = {op.layer for op in ops}
+    for op in ops:
+        scale = scales[op.layer]
+        _scale_weight_columns(gm, op, scale, inverse=True)
+        producer = _producer_layer(gm, op, layers)
+        if producer is not None and producer.layer in chosen:  # connected equalized layers: no mul between them
+            _scale_output_rows(gm, producer, scale, inverse=False)
+            continue
+        _insert_input_mul(gm, op, scale)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _insert_input_mul(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor) -> None:
+    source = op.activation_inputs[0]
+    name = "qcore_equalization_scale_" + op.layer.replace(".", "_")
+    while hasattr(gm, name):
+        name += "_"
+    if op.kind == "conv":  # [1, C, 1(, 1)]: the channel axis of a Conv1d/Conv2d input
+        weight = _fetch(gm, str(op.weight.target))
+        shape = [1, -1] + [1] * (weight.dim() - 2)
+    else:  # the feature (last) axis broadcasts from a 1-d scale
+        shape = [-1]
+    gm.register_buffer(name, scale.reshape(shape).clone())
+    with gm.graph.inserting_before(op.node):
+        attr = gm.graph.get_attr(name)
+        mul = gm.graph.call_function(torch.mul, (source, attr))
+    mul.meta[INSERTED_KEY] = "equalization"
+    mul.meta[FQN_KEY] = op.fqn
+    op.node.replace_input_with(source, mul)
+
+
+def _weight_ranges(gm: fx.GraphModule, op: QuantizableOp, axis: int) -> torch.Tensor:
+    """max |w| per output channel (axis 0) or per input channel (axis 1, grouped convs included)."""
+    weight = _fetch(gm, str(op.weight.target)).detach().abs()
+    if axis == 0:
+        return weight.reshape(weight.shape[0], -1).amax(dim=1)
+    groups = _groups(op)
+    if groups > 1:
+        return _grouped_column_minmax(weight, groups)[1]
+    return weight.movedim(1, 0).reshape(weight.shape[1], -1).amax(dim=1)
+
+
+def cross_layer_pairs(gm: fx.GraphModule) -> list[tuple[QuantizableOp, QuantizableOp]]:
+    """conv/linear -> (relu) -> conv/linear pairs whose intermediate tensor feeds only the second layer."""
+    layers = {op.node: op for op in find_quantizable_ops(gm)}
+    pairs = []
+    for op in layers.values():
+        if op.kind not in ("linear", "conv") or op.weight is None or op.weight.op != "get_attr":
+            continue
+        producer = _producer_layer(gm, op, layers)
+        if producer is not None and producer.kind in ("linear", "conv") and producer.weight.op == "get_attr":
+            pairs.append((producer, op))
+    return pairs
+
+
+def cross_layer_equalize(gm: fx.GraphModule, iterations: int = 1) -> fx.GraphModule:
+    """A float-equivalent copy of `gm` with data-free cross-layer equalization of every eligible pair."""
+    result = clone_graph_module(gm)
+    pairs = cross_layer_pairs(result)
+    for first, second in pairs:
+        for op in (first, second):
+            _check_layer(result, op)
+    for _ in range(iterations):
+        for first, second in pairs:
+            r1 = _weight_ranges(result, first, axis=0)
+            r2 = _weight_ranges(result, second, axis=1)
+            scale = torch.sqrt(r1 * r2) / r2
+            scale = torch.nan_to_num(torch.where(scale == 0, torch.ones_like(scale), scale), nan=1.0, posinf=1.0,
+                                     neginf=1.0)
+            _scale_output_rows(result, first, scale, inverse=True)
+            _scale_weight_columns(result, second, scale, inverse=False)
+    result.recompile()
+    result.meta["qcore_cross_layer_equalized"] = [(a.layer, b.layer) for a, b in pairs]
+    return result
