@@ -1,0 +1,216 @@
+"""Equalization: torch.ao's scale function and _convert_equalization_ref, float equivalence, quantization."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.ao.quantization import get_default_qconfig_mapping
+from torch.ao.quantization.fx import _equalize as ao_eq
+from torch.ao.quantization.quantize_fx import prepare_fx
+
+import qcore
+from qcore.equalize import (
+    EqualizationError,
+    InputEqualizationObserver,
+    WeightEqualizationObserver,
+    calculate_equalization_scale,
+    cross_layer_equalize,
+    equalize,
+)
+from qcore.numeric import compare
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def _skewed(shape, n=4, seed=0, axis=1):
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(-2, 2, shape[axis])
+    view = [1] * len(shape)
+    view[axis] = -1
+    return [torch.randn(shape, generator=g) * spread.view(view) for _ in range(n)]
+
+
+def test_scale_function_matches_torch_ao():
+    x, w = _skewed((16, 12))[0], torch.randn(8, 12)
+    w[:, 3] = 0.0  # a zero-range weight column: scale 1
+    ours_in, ours_w = InputEqualizationObserver(), WeightEqualizationObserver()
+    ref_in, ref_w = ao_eq._InputEqualizationObserver(), ao_eq._WeightEqualizationObserver()
+    ours_in(x), ours_w(w), ref_in(x), ref_w(w)
+    ours = calculate_equalization_scale(ours_in, ours_w)
+    ref = ao_eq.calculate_equalization_scale(ref_in, ref_w)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=0)
+    assert float(ours[3]) == 1.0
+
+
+class Linear2(nn.Module):
+    def __init__(self, width=6):
+        super().__init__()
+        self.linear1 = nn.Linear(width, width)
+        self.linear2 = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.linear2(self.linear1(x))
+
+
+class Linear1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("make", [Linear1, Linear2])
+def test_matches_torch_ao_convert_equalization_ref(make):
+    torch.manual_seed(0)
+    model, data = make().eval(), _skewed((32, 6))
+    eq_config = {"object_type": [(nn.Linear, ao_eq.default_equalization_qconfig)]}
+    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping(), (data[0],), _equalization_config=eq_config)
+    for batch in data:
+        prepared(batch)
+    reference = ao_eq._convert_equalization_ref(prepared)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    ours = equalize(qcore.capture(model, data[0]), names, data)
+    for name in names:  # same rewritten weights and biases
+        ours_layer = dict(ours.named_modules())[name]
+        ref_layer = dict(reference.named_modules())[name]
+        ref_weight = ref_layer.weight() if callable(ref_layer.weight) else ref_layer.weight
+        torch.testing.assert_close(ours_layer.weight, ref_weight.dequantize() if ref_weight.is_quantized else ref_weight,
+                                   rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(ours_layer.bias, ref_layer.bias, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        for batch in data:
+            torch.testing.assert_close(ours(batch), reference(batch), rtol=1e-5, atol=1e-6)
+    # same scale for the first layer (the only one with an input mul)
+    ref_scale = next(v for k, v in reference.named_buffers() if "equalization_scale" in k)
+    torch.testing.assert_close(torch.tensor(ours.meta["qcore_equalization_scales"][names[0]]),
+                               ref_scale.reshape(-1), rtol=1e-5, atol=0)
+    muls = [n for n in ours.graph.nodes if n.meta.get("qcore_inserted") == "equalization"]
+    assert len(muls) == 1  # none between connected layers
+
+
+# ---- float equivalence on random shapes ----
+
+class ConvChain(nn.Module):
+    def __init__(self, c_in, c_mid, groups, depthwise, dims):
+        super().__init__()
+        conv = nn.Conv1d if dims == 1 else nn.Conv2d
+        self.first = conv(c_in, c_mid, 3, padding=1)
+        self.grouped = conv(c_mid, c_mid, 3, padding=1, groups=groups)
+        self.depthwise = conv(c_mid, c_mid * 2, 3, padding=1, groups=c_mid) if depthwise else None
+        self.dims = dims
+
+    def forward(self, x):
+        x = torch.relu(self.first(x))
+        x = self.grouped(x)
+        if self.depthwise is not None:
+            x = torch.relu(self.depthwise(x))
+        return x
+
+
+class FunctionalChain(nn.Module):
+    def __init__(self, sizes):
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.randn(b, a) / a**0.5) for a, b in zip(sizes, sizes[1:])])
+        self.biases = nn.ParameterList([nn.Parameter(torch.randn(b)) for b in sizes[1:]])
+
+    def forward(self, x):
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            x = F.linear(x, w, b)
+            if i % 2 == 0:
+                x = torch.relu(x)
+        return x
+
+
+def _check_equivalent(model, data, method):
+    gm = qcore.capture(model.eval(), data[0], method=method)
+    layers = [op.layer for op in qcore.find_quantizable_ops(gm)]
+    for equalized in (equalize(gm, layers, data), cross_layer_equalize(gm)):
+        with torch.no_grad():
+            for batch in data:
+                assert _rel(equalized(batch), gm(batch)) <= 1e-5
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.integers(1, 12), min_size=2, max_size=5), tokens=st.booleans(),
+       method=st.sampled_from(["export", "fx"]), seed=st.integers(0, 1000))
+def test_linear_chains_stay_float_equivalent(sizes, tokens, method, seed):
+    torch.manual_seed(seed)
+    shape = (3, 5, sizes[0]) if tokens else (6, sizes[0])
+    _check_equivalent(FunctionalChain(sizes), _skewed(shape, n=2, seed=seed, axis=-1), method)
+
+
+@settings(max_examples=12, deadline=None)
+@given(groups=st.sampled_from([1, 2, 4]), depthwise=st.booleans(), dims=st.sampled_from([1, 2]),
+       c_in=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_conv_chains_grouped_and_depthwise_stay_float_equivalent(groups, depthwise, dims, c_in, seed):
+    torch.manual_seed(seed)
+    shape = (2, c_in, 9) if dims == 1 else (2, c_in, 6, 6)
+    _check_equivalent(ConvChain(c_in, 8, groups, depthwise, dims), _skewed(shape, n=2, seed=seed), "export")
+
+
+def test_cross_layer_equalization_balances_ranges():
+    torch.manual_seed(0)
+    model = ConvChain(3, 8, 1, False, 2).eval()
+    with torch.no_grad():
+        model.first.weight[2] *= 50
+        model.first.bias[2] *= 50
+    data = _skewed((2, 3, 6, 6))
+    gm = qcore.capture(model, data[0])
+    balanced = cross_layer_equalize(gm)
+    r1 = balanced.first.weight.abs().reshape(8, -1).amax(1)
+    r2 = balanced.grouped.weight.abs().movedim(1, 0).reshape(8, -1).amax(1)
+    torch.testing.assert_close(r1, r2, rtol=1e-4, atol=1e-6)  # s = sqrt(r1 r2) / r2 equalizes the two ranges
+
+
+def test_equalized_graph_quantizes_and_gains_sqnr():
+    torch.manual_seed(0)
+    model = Linear2(16).eval()
+    data = _skewed((64, 16), n=6)
+    gm = qcore.capture(model, data[0])
+    quantizer = qcore.Int8StaticQuantizer(per_channel=False)
+    _, plain = qcore.quantize(gm, data[0], data, quantizer)
+    equalized = equalize(gm, ["linear1", "linear2"], data)
+    _, quant_eq = qcore.quantize(equalized, data[0], data, quantizer)
+    before = {r["layer"]: r["sqnr_db"] for r in compare(gm, plain, data)}
+    after = {r["layer"]: r["sqnr_db"] for r in compare(equalized, quant_eq, data)}
+    assert after["linear2"] > before["linear2"] + 1.0
+
+
+def test_bad_layers_are_clear_errors():
+    gm = qcore.capture(Linear2().eval(), torch.randn(2, 6))
+    with pytest.raises(EqualizationError, match="nope"):
+        equalize(gm, ["nope"], [torch.randn(2, 6)])
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(6, 6))
+
+        def forward(self, x):
+            return F.linear(F.linear(x, self.weight), self.weight)
+
+    tied = qcore.capture(Tied().eval(), torch.randn(2, 6))
+    with pytest.raises(EqualizationError, match="shared"):
+        equalize(tied, [op.layer for op in qcore.find_quantizable_ops(tied)], [torch.randn(2, 6)])
+
+
+def test_model_report_mapping_is_accepted():
+    from qcore.report import InputWeightEqualizationDetector, ModelReport
+
+    model, data = Linear2().eval(), _skewed((32, 6))
+    report = ModelReport(model, [InputWeightEqualizationDetector(0.5)], example_inputs=data[0])
+    observed = report.prepare_detailed_calibration()
+    for batch in data:
+        observed(batch)
+    report.generate_model_report(False)
+    mapping = report.generate_equalization_mapping()
+    assert mapping
+    equalized = equalize(qcore.capture(model, data[0]), mapping, data)
+    assert set(equalized.meta["qcore_equalization_scales"]) == set(mapping)
