@@ -1,7 +1,9 @@
 """Example model repository: three models declared for `pytest --qreport examples/`.
 
-Set QREPORT_EXAMPLES_FAILING=1 to also declare `spiky_mlp`, whose input has a channel with rare huge
-spikes: its outlier (and SQNR) items fail for that real reason, which shows the gate at work.
+Set QREPORT_EXAMPLES_FAILING=1 to also declare two models that fail for real reasons, to show the gate at
+work: `spiky_mlp`, whose input has a channel with rare huge spikes (its outlier items fail), and
+`sensor_mlp_unequalized`, whose input channels span four orders of magnitude and which is not equalized
+(its equalization items fail with the SQNR gain that equalize=True would bring).
 """
 import os
 
@@ -63,6 +65,20 @@ def tiny_encoder():
 
 
 @pytest.fixture
+def sensor_batches():
+    g = _generator(4)
+    spread = torch.logspace(-2, 2, 32)  # input channels span four orders of magnitude
+    return [torch.randn(64, 32, generator=g) * spread for _ in range(8)]
+
+
+# Input-weight equalization balances the input channels before quantization (+3 to +6 dB per layer here);
+# the equalization_equivalence item checks that the equalized float model still computes the same function.
+@qmodel(calibration="sensor_batches", equalize=True, quantizer="int8_histogram", severity=ADVISORY)
+def sensor_mlp():
+    return seeded(lambda: MLP(features=32, hidden=64, classes=8))
+
+
+@pytest.fixture
 def spiky_batches():
     g = _generator(3)
     batches = []
@@ -78,3 +94,8 @@ if os.environ.get("QREPORT_EXAMPLES_FAILING") == "1":
     @qmodel(calibration="spiky_batches", severity=ADVISORY)
     def spiky_mlp():
         return seeded(MLP)
+
+    # the sensor model without equalization: its equalization items fail with the gain it leaves on the table
+    @qmodel(calibration="sensor_batches", quantizer="int8_histogram", severity=ADVISORY)
+    def sensor_mlp_unequalized():
+        return seeded(lambda: MLP(features=32, hidden=64, classes=8))

@@ -26,6 +26,8 @@ class ModelDeclaration:
     skip_layers: list[str] | None = None
     checks: list[str] | None = None
     severity: Any = None
+    equalize: Any = None
+    equalization_min_gain_db: float | None = None
     detector_options: dict[str, dict] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -58,6 +60,8 @@ def qmodel(
     skip_layers: Any = None,
     checks: Any = None,
     severity: Any = None,
+    equalize: Any = None,
+    equalization_min_gain_db: float | None = None,
     detector_options: dict[str, dict] | None = None,
     name: str | None = None,
     **extra: Any,
@@ -70,7 +74,9 @@ def qmodel(
     sqnr_min_db / model_sqnr_min_db / weight_sqnr_min_db: thresholds in dB. layers / skip_layers: globs.
     checks: which checks to run (default: all). severity: {check: "fail" | "warn" | "off"} or
     "outlier=warn,per_channel=off". detector_options: constructor arguments per detector check, e.g.
-    {"outlier": {"ratio_threshold": 5.0}}.
+    {"outlier": {"ratio_threshold": 5.0}}. equalize: True (input-weight equalization of every eligible layer),
+    "cross_layer", or a list of layer names; the model is equalized before it is quantized.
+    equalization_min_gain_db: the gain at which an `equalization` item fails (default 1.0).
     """
 
     def decorate(factory: Callable[[], Any]) -> Any:
@@ -80,6 +86,7 @@ def qmodel(
             calibration=calibration, example_inputs=example_inputs, quantizer=quantizer,
             sqnr_min_db=sqnr_min_db, model_sqnr_min_db=model_sqnr_min_db, weight_sqnr_min_db=weight_sqnr_min_db,
             layers=_as_list(layers), skip_layers=_as_list(skip_layers), checks=_as_list(checks), severity=severity,
+            equalize=equalize, equalization_min_gain_db=equalization_min_gain_db,
             detector_options=detector_options, extra=dict(extra),
         )
         registered = _REGISTRY.setdefault(declaration.source_file, [])

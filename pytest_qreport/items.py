@@ -12,7 +12,7 @@ from .options import resolve_settings
 from .runner import ModelState, QReportCheckFailed, QReportError, QReportModelError, analyze, collect_model
 
 CHECK_ORDER = ("capture", "sqnr", "weight_sqnr", "model_sqnr", "per_channel", "dynamic_static",
-               "input_weight_equalization", "outlier")
+               "input_weight_equalization", "outlier", "equalization", "equalization_equivalence")
 
 
 def qreport_check(request) -> None:

@@ -6,7 +6,8 @@ from typing import Any
 
 SQNR_CHECKS = ("sqnr", "weight_sqnr", "model_sqnr")
 DETECTOR_CHECKS = ("per_channel", "dynamic_static", "input_weight_equalization", "outlier")
-ALL_CHECKS = SQNR_CHECKS + DETECTOR_CHECKS
+EQUALIZATION_CHECKS = ("equalization", "equalization_equivalence")
+ALL_CHECKS = SQNR_CHECKS + DETECTOR_CHECKS + EQUALIZATION_CHECKS
 SEVERITIES = ("fail", "warn", "off")
 
 # setting -> (cli flag, ini key, default, help)
@@ -27,10 +28,14 @@ SETTINGS: dict[str, tuple[str, str, Any, str]] = {
                        "fixture name giving example inputs (default: the first calibration batch)"),
     "quantizer": ("--qreport-quantizer", "qreport_quantizer", "int8",
                   "int8, int8_per_tensor, int8_histogram, or module:attribute of a Quantizer (factory)"),
+    "equalize": ("--qreport-equalize", "qreport_equalize", None,
+                 "equalize models before quantizing: true (input-weight), cross_layer, or false"),
+    "equalization_min_gain_db": ("--qreport-equalization-min-gain-db", "qreport_equalization_min_gain_db", 1.0,
+                                 "equalization items fail when equalizing a layer gains at least this many dB"),
     "severity": ("--qreport-severity", "qreport_severity", None,
                  "per-check severity, e.g. 'outlier=warn,per_channel=off' (fail, warn or off; default fail)"),
 }
-_FLOATS = {"sqnr_min_db", "model_sqnr_min_db", "weight_sqnr_min_db"}
+_FLOATS = {"sqnr_min_db", "model_sqnr_min_db", "weight_sqnr_min_db", "equalization_min_gain_db"}
 _LISTS = {"layers", "skip_layers", "checks"}
 
 
@@ -62,6 +67,8 @@ class ModelSettings:
     calibration: Any
     example_inputs: Any
     quantizer: Any
+    equalize: Any
+    equalization_min_gain_db: float
     severity: dict[str, str]
     detector_options: dict[str, dict]
 
@@ -74,11 +81,31 @@ def _parse(setting: str, value: Any) -> Any:
             return float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{setting} must be a number of dB, got {value!r}") from None
+    if setting == "equalize":
+        return parse_equalize(value)
     if setting in _LISTS:
         if isinstance(value, str):
             return [p.strip() for p in value.replace("\n", ",").split(",") if p.strip()]
         return [str(v) for v in value]
     return value
+
+
+def parse_equalize(value: Any) -> Any:
+    """None (off), True (input-weight on every eligible layer), "cross_layer", or a list of layer names."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "0", "false", "no", "off", "none"):
+            return None
+        if text in ("1", "true", "yes", "on", "input_weight"):
+            return True
+        if text == "cross_layer":
+            return "cross_layer"
+        raise ValueError(f"equalize must be true, false, input_weight or cross_layer, not {value!r}")
+    if value is False:
+        return None
+    if value is True or isinstance(value, (list, tuple)):
+        return value if value is True else list(value)
+    raise ValueError(f"equalize must be True, False, 'cross_layer' or a list of layer names, not {value!r}")
 
 
 def parse_severity(value: Any) -> dict[str, str]:
@@ -116,6 +143,7 @@ def resolve_settings(config, declaration) -> ModelSettings:
     unknown = [c for c in checks if c not in ALL_CHECKS]
     if unknown:
         raise ValueError(f"unknown qreport check(s) {unknown}; known checks: {', '.join(ALL_CHECKS)}")
+    checks = [c for c in checks if c != "equalization_equivalence" or values["equalize"]]
     values["checks"] = [c for c in checks if severity[c] != "off"]
     values["severity"] = severity
     values["detector_options"] = dict(declaration.detector_options or {})

@@ -9,6 +9,14 @@ from typing import Any, Callable
 
 import qcore
 from qcore.detector_findings import DETECTOR_CHECKS, apply_severity, detector_findings, detector_layers, measure_detectors
+from qcore.equalization_findings import (
+    apply_recipe,
+    equalizable_layers,
+    equalization_findings,
+    equivalence_finding,
+    max_relative_error,
+)
+from qcore.equalize import equalize
 from qcore.findings import measure_sqnr, quantized_layers, select_layers, sqnr_findings
 
 from .options import ModelSettings
@@ -100,8 +108,11 @@ def collect_model(declaration, settings: ModelSettings, fixture_at_collection: C
             state.items[check] = names
         elif check == "weight_sqnr":
             state.items[check] = [n for n in names if n in weighted]
-        elif check == "model_sqnr":
+        elif check in ("model_sqnr", "equalization_equivalence"):
             state.items[check] = ["output"]
+        elif check == "equalization":
+            eligible = equalizable_layers(state.float_gm, [l["layer"] for l in state.layers])
+            state.items[check] = [n for n in eligible if n in names]
         else:
             state.items[check] = [n for n in by_detector.get(check, []) if n in names]
     return state
@@ -149,20 +160,8 @@ def analyze(state: ModelState, get_fixture: Callable[[str], Any]) -> None:
         return
     try:
         batches = calibration_batches(state, get_fixture)
-        settings = state.settings
-        found = []
-        if any(state.items.get(c) for c in ("sqnr", "weight_sqnr", "model_sqnr")):
-            measured = measure_sqnr(state.float_gm, batches, make_quantizer(settings.quantizer))
-            thresholds = {"sqnr": settings.sqnr_min_db, "weight_sqnr": settings.weight_sqnr_min_db,
-                          "model_sqnr": settings.model_sqnr_min_db}
-            found += sqnr_findings(state.name, measured, state.items, thresholds)
-        detector_checks = [c for c in DETECTOR_CHECKS if state.items.get(c)]
-        if detector_checks:
-            observed = measure_detectors(state.float_gm, batches, make_quantizer(settings.quantizer), detector_checks,
-                                         settings.detector_options)
-            found += detector_findings(state.name, observed, state.items)
-        state.findings = {(f["check"], f["layer"]): apply_severity(f, settings.severity.get(f["check"], "fail"))
-                          for f in found}
+        state.findings = {(f["check"], f["layer"]): apply_severity(f, state.settings.severity.get(f["check"], "fail"))
+                          for f in _measure_all(state, batches)}
     except Exception as error:  # noqa: BLE001 - reported on every item of the model
         state.analysis_error = _explain(state.name, "calibration/analysis", error)
 
@@ -174,3 +173,39 @@ def _explain(model: str, stage: str, error: BaseException) -> str:
     location = f" (at {where.filename}:{where.lineno})" if where else ""
     return (f"model {model!r}: {stage} failed: {type(error).__name__}: {error}{location}. "
             "Fix the model or its calibration fixture; other models run on.")
+
+
+def _measure_all(state: ModelState, batches: list) -> list[dict]:
+    """Every finding of one model: SQNR, detector and equalization checks."""
+    settings, items = state.settings, state.items
+    quantizer = make_quantizer(settings.quantizer)
+    eligible = equalizable_layers(state.float_gm, [l["layer"] for l in state.layers])
+    model_gm, found, equalized = state.float_gm, [], []
+    if settings.equalize:
+        model_gm = apply_recipe(state.float_gm, settings.equalize, eligible, batches)
+        equalized = eligible if settings.equalize is True else (
+            list(settings.equalize) if isinstance(settings.equalize, list) else [])
+        if items.get("equalization_equivalence"):
+            found.append(equivalence_finding(state.name, max_relative_error(state.float_gm, model_gm, batches)))
+    measured = None
+    if any(items.get(c) for c in ("sqnr", "weight_sqnr", "model_sqnr", "equalization")):
+        measured = measure_sqnr(model_gm, batches, quantizer)
+        thresholds = {"sqnr": settings.sqnr_min_db, "weight_sqnr": settings.weight_sqnr_min_db,
+                      "model_sqnr": settings.model_sqnr_min_db}
+        found += sqnr_findings(state.name, measured, items, thresholds)
+    if items.get("equalization"):
+        if settings.equalize:
+            before = measure_sqnr(state.float_gm, batches, quantizer)
+            after = measured
+        else:
+            before = measured
+            after = measure_sqnr(equalize(state.float_gm, eligible, batches), batches, quantizer)
+        found += equalization_findings(
+            state.name, items["equalization"], {k: v["sqnr_db"] for k, v in before["layers"].items()},
+            {k: v["sqnr_db"] for k, v in after["layers"].items()}, settings.equalization_min_gain_db,
+            applied=bool(settings.equalize))
+    detector_checks = [c for c in DETECTOR_CHECKS if items.get(c)]
+    if detector_checks:
+        observed = measure_detectors(state.float_gm, batches, quantizer, detector_checks, settings.detector_options)
+        found += detector_findings(state.name, observed, items, equalized)
+    return found

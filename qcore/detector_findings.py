@@ -122,9 +122,12 @@ def _record(model, check, layer, metric, value, threshold, failed, message, deta
             "message": message if failed else "", "details": details, "order": order}
 
 
-def detector_findings(model: str, measured: dict[str, Any], checks: dict[str, list[str]]) -> list[dict]:
-    """One finding per (detector check, layer) in `checks`, from measure_detectors' result."""
-    facts = measured.get("facts", {})
+def detector_findings(model: str, measured: dict[str, Any], checks: dict[str, list[str]],
+                      equalized: list[str] | tuple = ()) -> list[dict]:
+    """One finding per (detector check, layer) in `checks`, from measure_detectors' result.
+
+    `equalized` names the layers the model's recipe equalizes (they satisfy the equalization detector)."""
+    facts = {layer: dict(fact, equalized=layer in equalized) for layer, fact in measured.get("facts", {}).items()}
     findings = []
     for check in DETECTOR_CHECKS:
         for order, layer in enumerate(checks.get(check, [])):
@@ -157,10 +160,10 @@ def _dynamic_static(model, layer, entry, fact, order) -> dict:
 
 
 def _equalization(model, layer, entry, fact, order) -> dict:
-    failed = entry["recommended"]  # no qcore quantizer applies input-weight equalization by itself
+    failed = entry["recommended"] and not fact.get("equalized", False)
     message = (f"layer {layer}: input-weight equalization is recommended for {entry['fraction']:.0%} of its "
-               f"{entry['channels']} channels (>= 40%) and the quantizer does not equalize. Fix: equalize the layer "
-               "before quantizing, or set this check's severity to warn/off.")
+               f"{entry['channels']} channels (>= 40%) and the model is not equalized. Fix: qmodel(..., equalize=True), "
+               "or set this check's severity to warn/off.")
     return _record(model, "input_weight_equalization", layer, "equalization_channel_fraction", entry["fraction"],
                    0.4, failed, message, entry, order)
 

@@ -329,3 +329,46 @@ def spiky_histogram():
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*spiky_default/outlier/fc1 FAILED*", "*spiky_histogram/outlier/fc1 PASSED*",
                                  "*input channels 2 have outliers*int8_histogram*"])
+
+
+SKEWED = """
+
+@pytest.fixture
+def skewed():
+    g = torch.Generator().manual_seed(0)
+    spread = torch.logspace(-2, 2, 8)
+    return [torch.randn(64, 8, generator=g) * spread for _ in range(4)]
+
+
+@qmodel(calibration="skewed", checks="equalization,equalization_equivalence")
+def plain_model():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration="skewed", checks="equalization,equalization_equivalence,sqnr", equalize=True)
+def equalized_model():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration="skewed", checks="equalization_equivalence", equalize="cross_layer")
+def cross_layer_model():
+    torch.manual_seed(0)
+    return Tiny().eval()
+"""
+
+
+def test_equalization_checks(pytester):
+    _project(pytester, extra=SKEWED, ini="")
+    result = pytester.runpytest("--qreport", "-v", "-k", "model and not tiny", "--qreport-table=all")
+    outcomes = _outcomes(result)
+    assert outcomes["conftest.py::qreport/plain_model/equalization/fc1"] == "FAILED"
+    assert "conftest.py::qreport/plain_model/equalization_equivalence/output" not in outcomes  # not equalized
+    assert outcomes["conftest.py::qreport/equalized_model/equalization/fc1"] == "PASSED"
+    assert outcomes["conftest.py::qreport/equalized_model/equalization_equivalence/output"] == "PASSED"
+    assert outcomes["conftest.py::qreport/cross_layer_model/equalization_equivalence/output"] == "PASSED"
+    result.stdout.fnmatch_lines(["*layer fc1: input-weight equalization raises its SQNR by * dB*equalize=True*"])
+    assert re.search(r"equalized_model\s+equalization\s+fc1\s+\d+\.\d dB\s+1.0 dB\s+PASS", _summary(result))
+    relaxed = pytester.runpytest("--qreport", "-k", "plain_model", "--qreport-equalization-min-gain-db", "60")
+    relaxed.assert_outcomes(passed=2)
