@@ -43,8 +43,8 @@ def test_plugin_collects_an_sqnr_item_for_every_bert_linear(bert):
 
     model, data = bert
     declaration = ModelDeclaration(name="bert", factory=lambda: model, source_file="conftest.py")
-    settings = ModelSettings(20.0, 20.0, 30.0, None, None, ["sqnr", "outlier"], data, None, "int8",
-                             severity={}, detector_options={})
+    settings = ModelSettings(20.0, 20.0, 30.0, None, None, ["sqnr", "outlier"], data, None, "int8", equalize=None,
+                             equalization_min_gain_db=1.0, severity={}, detector_options={})
     state = collect_model(declaration, settings, fixture_at_collection=lambda name: None)
     assert state.collect_error is None
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
