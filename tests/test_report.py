@@ -83,12 +83,18 @@ def _torch_ao_report(model, data, detector):
     return report.generate_model_report(remove_inserted_observers=False)[detector.get_detector_name()][1]
 
 
-def _our_report(model, data, detector):
-    report = ModelReport(model, [detector], example_inputs=data[0])
+def _calibrated_report(detectors, model=None, data=None):
+    model, data = model or TanhMLP().eval(), data or _mlp_data()
+    report = ModelReport(model, detectors, example_inputs=data[0])
     observed = report.prepare_detailed_calibration()
     with torch.no_grad():
         for batch in data:
             observed(batch)
+    return report
+
+
+def _our_report(model, data, detector):
+    report = _calibrated_report([detector], model, data)
     return report.generate_model_report(remove_inserted_observers=False)[detector.get_detector_name()][1]
 
 
@@ -194,13 +200,9 @@ def test_shared_observer_serves_every_detector_with_its_own_settings():
     model, data = TanhMLP().eval(), _mlp_data()
     detectors = [OutlierDetector(reference_percentile=0.9), InputWeightEqualizationDetector(0.6),
                  DynamicStaticDetector()]
-    report = ModelReport(model, detectors, example_inputs=data[0])
-    observed = report.prepare_detailed_calibration()
-    with torch.no_grad():
-        for batch in data:
-            observed(batch)
+    report = _calibrated_report(detectors, model, data)
     together = report.generate_model_report(False)
-    inserted = [n for n in observed.graph.nodes if n.meta.get("qcore_inserted") == "report"]
+    inserted = [n for n in report.model.graph.nodes if n.meta.get("qcore_inserted") == "report"]
     assert len(inserted) == 2 * 3  # one shared pre observer and one post observer per layer
     alone = {
         "outlier_detector": _our_report(model, data, OutlierDetector(reference_percentile=0.9)),
@@ -319,16 +321,6 @@ def test_more_than_2_pow_24_values_in_one_channel():
     observer = ReportObserver(ch_axis=1, percentiles=(0.975,))
     observer(torch.randn(1, 1, 2**24 + 8))
     assert observer.num_batches_tracked == 1 and math.isfinite(float(observer.average_ratios(0.975)[0]))
-
-
-def _calibrated_report(detectors, model=None, data=None):
-    model, data = model or TanhMLP().eval(), data or _mlp_data()
-    report = ModelReport(model, detectors, example_inputs=data[0])
-    observed = report.prepare_detailed_calibration()
-    with torch.no_grad():
-        for batch in data:
-            observed(batch)
-    return report
 
 
 def test_visualizer_tables_and_plots():
