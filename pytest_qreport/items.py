@@ -49,7 +49,8 @@ class QReportFile(pytest.File):
         """Evaluate an argument-free fixture at collection (only to get example inputs for capture)."""
         definitions = self.session._fixturemanager.getfixturedefs(name, self)
         if not definitions:
-            raise QReportModelError(f"fixture {name!r} not found for {self.path}")
+            raise QReportModelError(f"fixture {name!r} not found for {self.path}; define it in a conftest.py "
+                                    "that this directory sees, or pass qmodel(calibration=...) batches directly")
         function = definitions[-1].func
         if any(p.default is p.empty for p in inspect.signature(function).parameters.values()):
             raise QReportModelError(

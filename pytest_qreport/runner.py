@@ -168,7 +168,8 @@ def analyze(state: ModelState, get_fixture: Callable[[str], Any]) -> None:
 
 def _explain(model: str, stage: str, error: BaseException) -> str:
     if isinstance(error, (QReportError, qcore.CaptureError)):
-        return str(error)
+        text = str(error)
+        return text if f"'{model}'" in text else f"model '{model}': {text}"
     where = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
     location = f" (at {where.filename}:{where.lineno})" if where else ""
     return (f"model {model!r}: {stage} failed: {type(error).__name__}: {error}{location}. "

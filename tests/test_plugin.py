@@ -372,3 +372,15 @@ def test_equalization_checks(pytester):
     assert re.search(r"equalized_model\s+equalization\s+fc1\s+\d+\.\d dB\s+1.0 dB\s+PASS", _summary(result))
     relaxed = pytester.runpytest("--qreport", "-k", "plain_model", "--qreport-equalization-min-gain-db", "60")
     relaxed.assert_outcomes(passed=2)
+
+
+def test_unknown_calibration_fixture_names_the_model_and_the_fix(pytester):
+    _project(pytester, extra="""
+
+@qmodel(calibration="no_such_fixture")
+def orphan():
+    return Tiny().eval()
+""")
+    result = pytester.runpytest("--qreport", "-v")
+    result.assert_outcomes(passed=5, errors=1)
+    result.stdout.fnmatch_lines(["*qreport/orphan/capture ERROR*", "*model 'orphan': fixture 'no_such_fixture' not found*"])
