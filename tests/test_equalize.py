@@ -214,3 +214,20 @@ def test_model_report_mapping_is_accepted():
     assert mapping
     equalized = equalize(qcore.capture(model, data[0]), mapping, data)
     assert set(equalized.meta["qcore_equalization_scales"]) == set(mapping)
+
+
+def test_input_quantization_observer_sees_the_scaled_input():
+    torch.manual_seed(0)
+    model, data = Linear1().eval(), _skewed((32, 6))
+    equalized = equalize(qcore.capture(model, data[0]), ["linear"], data)
+    prepared = qcore.prepare(copy.deepcopy(equalized), qcore.Int8StaticQuantizer())
+    linear = next(n for n in prepared.graph.nodes if n.target == torch.ops.aten.linear.default)
+    observer = linear.args[0]
+    assert observer.meta.get("qcore_inserted") == "observer"
+    assert observer.args[0].meta.get("qcore_inserted") == "equalization"  # observer(mul(x, s)), not mul(observer(x))
+    for batch in data:
+        prepared(batch)
+    scale = torch.tensor(equalized.meta["qcore_equalization_scales"]["linear"])
+    seen = prepared.get_submodule(str(observer.target))
+    expected = torch.cat([b * scale for b in data])
+    assert float(seen.max_val) == pytest.approx(float(expected.max()), rel=1e-5)
