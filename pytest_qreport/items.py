@@ -68,6 +68,8 @@ class QReportItem(pytest.Function):
         self.model_key, self.check, self.layer, self.position = model_key, check, layer, position
         self.model_name = model_key[1]
         self.extra_keyword_matches.update({self.model_name, check})
+        # with `-n N --dist loadgroup`, all of a model's items go to one worker, which analyses it once
+        self.add_marker(pytest.mark.xdist_group(name=self.model_name))
         self.qreport_row: dict | None = None
 
     def setup(self) -> None:

@@ -1,11 +1,23 @@
 """Hooks of a --qreport session: collection of declared models, rows, summary and the dedicated XML."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from .items import STATE_KEY
 from .options import table_mode
 from .state import SessionState
+
+
+def share_cores(workers: int) -> None:
+    """Give each xdist worker its share of the cores (torch's default uses all of them in every worker, and
+    oversubscribed OpenMP threads can make a run several times slower). OMP_NUM_THREADS, if set, wins."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(workers))))
 
 
 class QReportSession:
@@ -15,6 +27,8 @@ class QReportSession:
         self.config = config
         self.state = SessionState()
         config.stash[STATE_KEY] = self.state
+        if self.is_worker:
+            share_cores(config.workerinput.get("workercount", 1))
 
     @property
     def is_worker(self) -> bool:

@@ -1,8 +1,13 @@
 """Shared test helpers."""
+import os
 import warnings
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
+    # one share of the cores per xdist worker: oversubscribed OpenMP threads slow everything down
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.ao")
 warnings.filterwarnings("ignore", category=FutureWarning)

@@ -384,3 +384,18 @@ def orphan():
     result = pytester.runpytest("--qreport", "-v")
     result.assert_outcomes(passed=5, errors=1)
     result.stdout.fnmatch_lines(["*qreport/orphan/capture ERROR*", "*model 'orphan': fixture 'no_such_fixture' not found*"])
+
+
+def test_workers_share_the_cores(monkeypatch):
+    import torch
+
+    from pytest_qreport.session import share_cores
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share_cores(4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    share_cores(4)
+    assert calls == [2]
