@@ -30,6 +30,13 @@ class ObserverBase(nn.Module, abc.ABC):
         self.ch_axis = ch_axis
         self.is_dynamic = is_dynamic
         self.eps = eps
+        self.frozen = False  # set once a constant input (a weight) has been observed: later calls are no-ops
+
+    def observe_constant(self, value: torch.Tensor) -> None:
+        """Observe a tensor that never changes (a weight) once, then ignore further calls."""
+        with torch.no_grad():
+            self(value)
+        self.frozen = True
 
     @property
     def symmetric(self) -> bool:
@@ -73,7 +80,7 @@ class MinMaxObserver(_RangeObserver):
     """Running minimum and maximum of every value seen."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:
+        if self.frozen or x.numel() == 0:
             return x
         low, high = torch.aminmax(x.detach())
         self.min_val = torch.minimum(self.min_val.to(low.device), low.float())
@@ -89,7 +96,7 @@ class MovingAverageMinMaxObserver(_RangeObserver):
         self.averaging_constant = averaging_constant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:
+        if self.frozen or x.numel() == 0:
             return x
         low, high = torch.aminmax(x.detach())
         old_min, old_max = self.min_val.to(low.device), self.max_val.to(high.device)
@@ -109,7 +116,7 @@ class PerChannelMinMaxObserver(_RangeObserver):
         self.max_val = torch.empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:
+        if self.frozen or x.numel() == 0:
             return x
         flat = x.detach().movedim(self.ch_axis, 0).reshape(x.shape[self.ch_axis], -1)
         low, high = torch.aminmax(flat, dim=1)
@@ -130,7 +137,7 @@ class HistogramObserver(_RangeObserver):
         self.register_buffer("histogram", torch.zeros(bins, dtype=torch.float64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:
+        if self.frozen or x.numel() == 0:
             return x
         values = x.detach().float().reshape(-1)
         low, high = torch.aminmax(values)

@@ -225,9 +225,28 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
             for user in list(node.users):
                 if user is not observer_node:
                     user.replace_input_with(node, observer_node)
+    _observe_constants_once(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _observe_constants_once(gm: fx.GraphModule) -> None:
+    """Observers that only ever see get_attr values (weights) observe them now, not on every batch."""
+    readers: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.meta.get(INSERTED_KEY) == "observer":
+            readers.setdefault(str(node.target), []).append(node.args[0])
+    for name, inputs in readers.items():
+        observer = gm.get_submodule(name)
+        if not hasattr(observer, "observe_constant") or not all(n.op == "get_attr" for n in inputs):
+            continue
+        for source in inputs:
+            value = gm
+            for part in str(source.target).split("."):
+                value = getattr(value, part)
+            observer.frozen = False
+            observer.observe_constant(value)
 
 
 def _observe_edge(gm: fx.GraphModule, producer: fx.Node, consumer: fx.Node, observer_name: str, group_ids) -> None:
