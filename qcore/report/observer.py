@@ -10,13 +10,25 @@ Percentiles: q100 and q0 are exact (per-channel max/min). qp comes from a fixed 
 with torch.quantile's "lower" interpolation). With m sampled values the estimate's rank lies within
 p +/- eps of the exact one with probability at least 1 - 2*exp(-2*m*eps^2): for m = 4096 and eps = 0.03,
 at least 1 - 1e-3 per batch, and the per-batch ratios are then averaged.
+
+Two paths compute the same numbers. Small float32 CPU activations whose percentiles are exact go through
+one call of the native kernel (`native.py`, `_stats.c`), planned once per shape; everything else (CUDA,
+other dtypes, sampled percentiles, no C compiler) goes through torch ops that stay on the device.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
+from . import native
+
 DEFAULT_SAMPLE_SIZE = 4096
+NATIVE_MAX_NUMEL = 1 << 20  # above this, per-op overhead is small next to the work: torch ops do as well
+NATIVE_MAX_TOP = 64  # the kernel keeps each channel's k largest values in a sorted list
+_STATE = frozenset({"extremes", "extreme_sums", "min_val", "max_val", "ratio_sums", "ratio_counts",
+                    "constant_channels"})
 
 
 class ReportObserver(nn.Module):
@@ -38,12 +50,15 @@ class ReportObserver(nn.Module):
             self.register_buffer(name, torch.empty(0))
         self._sample_key: tuple | None = None
         self._sample_index: torch.Tensor | None = None
+        self._native_plan: tuple | None = None  # (shape, kernel function, its arguments after the data pointer)
+        self._native_scratch: tuple = ()
 
     def add_percentiles(self, percentiles) -> None:
         """Also track these percentiles (for observers shared between detectors, before calibration)."""
         if self.num_batches_tracked:
             raise RuntimeError("percentiles can only be added before calibration")
         self.percentiles = tuple(sorted(set(self.percentiles) | set(percentiles)))
+        self._drop_native_plan()
         self.per_channel = self.per_channel or bool(self.percentiles)
 
     @property
@@ -57,11 +72,23 @@ class ReportObserver(nn.Module):
         return self.extremes[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self._native_plan  # the hot path: the same shape again, one native call
+        if (plan is not None and x.__class__ is torch.Tensor and x.shape == plan[0] and x.dtype == torch.float32
+                and x.is_cpu and x.is_contiguous()):
+            if not plan[1](x.data_ptr(), *plan[2]):
+                self.__dict__["num_batches_tracked"] += 1
+                return x
+            return self._observe(x, native=False)  # a NaN: torch ops propagate it
+        return self._observe(x)
+
+    def _observe(self, x: torch.Tensor, native: bool = True) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
             return x
         values = x.detach()
         if self.extremes.device != values.device:
             self.to(values.device)
+        if native and self._observe_native(values):
+            return x
         if not self.per_channel:
             low, high = torch.aminmax(values)
             self._update_range(torch.stack([-low, high]))
@@ -83,7 +110,82 @@ class ReportObserver(nn.Module):
             self._update_ratios(values, rows, axis, high_c)
         return x
 
+    def _observe_native(self, values: torch.Tensor) -> bool:
+        """Plan the native kernel for this shape and run it; False leaves the batch to the torch path."""
+        if (values.dtype != torch.float32 or not values.is_cpu or values.numel() > NATIVE_MAX_NUMEL
+                or not values.is_contiguous() or self.extremes.dtype != torch.float32):
+            return False
+        library = native.kernel()
+        if library is None:
+            return False
+        if not self.per_channel:
+            function = library.qcore_observe_range
+            arguments = (values.numel(), native.threads(values.numel()), self.extremes.data_ptr(),
+                         self.extreme_sums.data_ptr())
+        else:
+            sizes = self._native_sizes(values.shape)
+            if sizes is None:
+                return False
+            outer, channels, inner, top, picks = sizes
+            if self.min_val.numel() != channels:
+                if self.min_val.numel():
+                    return False  # a different channel count: let the torch path raise its error
+                self._init_channels(channels, values.device)
+            picks = torch.tensor(picks, dtype=torch.int64)
+            workers = native.threads(values.numel())
+            scratch = torch.empty(library.qcore_scratch_floats(outer, channels, inner, top, workers))
+            function = library.qcore_observe
+            arguments = (outer, channels, inner, top, picks.data_ptr(), picks.numel(), scratch.data_ptr(), workers,
+                         *(buffer.data_ptr() for buffer in (self.extremes, self.extreme_sums, self.min_val,
+                                                            self.max_val, self.constant_channels,
+                                                            self.ratio_sums, self.ratio_counts)))
+            self._native_scratch = (picks, scratch)  # keeps the memory the pointers point to
+        self._native_plan = (values.shape, function, arguments)
+        if function(values.data_ptr(), *arguments):
+            return False  # a NaN: torch ops propagate it
+        self.__dict__["num_batches_tracked"] += 1
+        return True
+
+    def _native_sizes(self, shape: torch.Size) -> tuple | None:
+        """(outer, channels, inner, k, picks) of the kernel for one activation shape, or None when it can't
+        give the exact statistics the torch path would."""
+        axis = self.ch_axis % len(shape)
+        outer, channels, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+        count = outer * inner
+        top, picks = 0, []
+        if self.percentiles:
+            if count > self.sample_size:
+                return None  # sampled: the torch path draws the sample
+            ranks = [int(p * (count - 1)) + 1 for p in self.percentiles]  # 1-based, ascending
+            top = max(count - rank + 1 for rank in ranks)
+            if top > NATIVE_MAX_TOP:
+                return None
+            picks = [top - 1 - (count - rank) for rank in ranks]  # positions in each channel's ascending top-k
+        return outer, channels, inner, top, picks
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())  # copies and pickles re-plan: the plan holds raw pointers
+        state.update(_native_plan=None, _native_scratch=())
+        return state
+
+    def _drop_native_plan(self) -> None:
+        self.__dict__["_native_plan"] = None
+
+    def __setattr__(self, name, value):
+        if name in _STATE:  # the plan holds pointers into the state buffers
+            self._drop_native_plan()
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        self._drop_native_plan()  # .to(), .double(), ...: the buffers move
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._drop_native_plan()
+        return super()._load_from_state_dict(*args, **kwargs)
+
     def _init_channels(self, channels: int, device) -> None:
+        self._drop_native_plan()
         self.min_val = torch.full((channels,), float("inf"), device=device)
         self.max_val = torch.full((channels,), float("-inf"), device=device)
         self.ratio_sums = torch.zeros(len(self.percentiles), channels, dtype=torch.float64, device=device)
@@ -131,6 +233,7 @@ class ReportObserver(nn.Module):
             quantiles = _column_quantiles(sample, self.percentiles, dim=1)
         if quantiles.dtype != torch.float32:
             quantiles = quantiles.float()
+        quantiles = quantiles + 0.0  # -0.0 -> +0.0: which of two equal zeros a selection returns is arbitrary
         self.ratio_sums.add_(torch.nan_to_num(high_c / quantiles))  # 0/0 -> 0: all-zero channels add nothing
         self.ratio_counts.add_(torch.logical_or(quantiles, high_c))
 

@@ -1,0 +1,131 @@
+"""The report observer's optional native kernel: one C pass per batch for small CPU activations.
+
+For a small activation (a 256x256 Linear input), a dozen separate torch ops per batch cost more in
+dispatch than in arithmetic, and torch.topk alone costs more than the layer's matmul. `_stats.c` does the
+whole update in one pass instead, with exact per-channel order statistics. It is compiled on first use with
+the system C compiler (`$CC`, default `cc`) into a per-user cache, written atomically, and loaded with
+ctypes. Without a compiler, or with `QCORE_NATIVE=0`, observers use their torch path, which computes the
+same statistics; tests check that the two agree.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import shlex
+import subprocess
+import tempfile
+
+_SOURCE = pathlib.Path(__file__).with_name("_stats.c")
+_FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
+# Best first. -march=native puts the CPU's flags in the cache key, so a build never runs on another CPU.
+_VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())
+PARALLEL_MIN_NUMEL = 1 << 15  # below this, waking a second thread costs more than it saves
+_state: dict[str, object] = {}
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("QCORE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qcore")
+    return pathlib.Path(root)
+
+
+def _compile(source: bytes, compiler: list[str], flags: tuple[str, ...]) -> pathlib.Path:
+    key = repr((compiler, flags, platform.machine(), _cpu_signature() if "-march=native" in flags else ""))
+    digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
+    for directory in (_cache_dir(), pathlib.Path(tempfile.gettempdir()) / f"qcore-{os.getuid()}"):
+        target = directory / f"_stats-{digest}.so"
+        if target.exists():
+            return target
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
+            os.close(handle)
+        except OSError:
+            continue
+        try:
+            subprocess.run([*compiler, *flags, "-o", partial, str(_SOURCE)], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(partial, target)  # atomic: concurrent builds (xdist workers) write the same file
+            return target
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    raise OSError("no writable cache directory for the compiled kernel")
+
+
+def _load():
+    if os.environ.get("QCORE_NATIVE", "1") == "0":
+        raise RuntimeError("disabled by QCORE_NATIVE=0")
+    compiler = shlex.split(os.environ.get("CC", "cc"))
+    source = _SOURCE.read_bytes()
+    for extra in _VARIANTS:
+        try:
+            built = _compile(source, compiler, _FLAGS + extra)
+            break
+        except subprocess.CalledProcessError as error:
+            failure = error.stderr.decode(errors="replace").strip()[:300]
+    else:
+        raise RuntimeError(f"{compiler[0]} failed: {failure}")
+    library = ctypes.CDLL(str(built))
+    _state["openmp"] = "-fopenmp" in extra and _one_openmp_runtime()
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    library.qcore_observe.argtypes = [pointer, integer, integer, integer, integer, pointer, integer, pointer,
+                                      integer] + [pointer] * 7
+    library.qcore_observe.restype = integer
+    library.qcore_scratch_floats.argtypes = [integer] * 5
+    library.qcore_scratch_floats.restype = integer
+    library.qcore_observe_range.argtypes = [pointer, integer, integer, pointer, pointer]
+    library.qcore_observe_range.restype = integer
+    return library
+
+
+def _one_openmp_runtime() -> bool:
+    """True when torch runs on libgomp and the kernel shares that runtime (one libgomp in the process):
+    then its threads are torch's own, already warm from the layer before. Two runtimes would oversubscribe."""
+    import torch
+
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    except OSError:
+        return False
+    return len(runtimes) == 1
+
+
+def threads(numel: int) -> int:
+    """How many threads the kernel may use for an activation of `numel` values."""
+    if kernel() is None or not _state.get("openmp") or numel < PARALLEL_MIN_NUMEL:
+        return 1
+    import torch
+
+    return torch.get_num_threads()
+
+
+def kernel():
+    """The loaded kernel library, or None when it can't be built here (see `status()`)."""
+    if "library" not in _state:
+        try:
+            _state["library"] = _load()
+            _state["status"] = "native kernel" + (" (OpenMP, torch's threads)" if _state["openmp"] else "")
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            _state["library"], _state["status"] = None, f"torch path only: {error}"
+    return _state["library"]
+
+
+def status() -> str:
+    """Whether observers use the native kernel, and why not if they don't."""
+    kernel()
+    return str(_state["status"])

@@ -1,0 +1,156 @@
+"""The report observer's native kernel computes exactly what its torch path computes."""
+import copy
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qcore.report import native
+from qcore.report.observer import ReportObserver
+
+needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=f"no native kernel here: {native.status()}")
+STATE = ("extremes", "extreme_sums", "min_val", "max_val", "ratio_sums", "ratio_counts", "constant_channels")
+
+
+def _torch_path(monkeypatch):
+    monkeypatch.setattr(native, "kernel", lambda: None)
+
+
+def _observe(batches, **settings_):
+    observer = ReportObserver(**settings_)
+    for batch in batches:
+        observer(batch)
+    return observer
+
+
+def _assert_same_state(native_observer, torch_observer):
+    assert native_observer.num_batches_tracked == torch_observer.num_batches_tracked
+    for name in STATE:
+        ours, reference = getattr(native_observer, name), getattr(torch_observer, name)
+        assert ours.dtype == reference.dtype and torch.equal(ours.nan_to_num(7.0), reference.nan_to_num(7.0)), name
+
+
+@st.composite
+def activations(draw):
+    """Batches that stress the selection: ties, all-zero and constant channels, infinities, sorted runs."""
+    layout = draw(st.sampled_from(["rows", "rows3d", "conv"]))
+    channels = draw(st.integers(1, 40))
+    if layout == "rows":
+        shape, axis = (draw(st.integers(1, 700)), channels), -1
+    elif layout == "rows3d":
+        shape, axis = (draw(st.integers(1, 4)), draw(st.integers(1, 90)), channels), -1
+    else:
+        shape, axis = (draw(st.integers(1, 3)), channels, draw(st.integers(1, 9)), draw(st.integers(1, 9))), 1
+    kind = draw(st.sampled_from(["normal", "ties", "relu", "sorted", "extreme"]))
+    seed = draw(st.integers(0, 2**16))
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(draw(st.integers(1, 3))):
+        x = torch.randn(shape, generator=generator)
+        if kind == "ties":
+            x = x.mul(2).round()
+        elif kind == "relu":
+            x = x.relu()
+            x.select(axis, 0).zero_()
+        elif kind == "sorted":
+            x = x.flatten().sort(descending=seed % 2 == 0).values.reshape(shape)
+        elif kind == "extreme":
+            x.view(-1)[:: max(1, x.numel() // 5)] = float("inf")
+            x.select(axis, channels - 1).fill_(-3.0)  # a constant channel
+        batches.append(x.contiguous())
+    percentiles = draw(st.sampled_from([(), (0.975,), (0.9, 0.99), (0.5,), (0.0, 1.0)]))
+    per_channel = draw(st.booleans()) or bool(percentiles)
+    return batches, dict(ch_axis=axis, percentiles=percentiles, per_channel=per_channel)
+
+
+@needs_kernel
+@settings(max_examples=150, deadline=None)
+@given(activations())
+def test_native_kernel_equals_torch_path(case):
+    batches, observer_settings = case
+    native_observer = _observe(batches, **observer_settings)
+    with pytest.MonkeyPatch.context() as patch:
+        _torch_path(patch)
+        torch_observer = _observe(batches, **observer_settings)
+    _assert_same_state(native_observer, torch_observer)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(256, 256), (1000, 48), (2, 128, 96), (4, 32, 12, 12)])
+def test_threads_split_the_work_without_changing_the_result(shape, monkeypatch):
+    axis = 1 if len(shape) == 4 else -1
+    batches = [torch.randn(shape).relu() * (i + 1) for i in range(3)]
+    monkeypatch.setattr(native, "PARALLEL_MIN_NUMEL", 0)
+    threaded = _observe(batches, ch_axis=axis, percentiles=(0.975,))
+    monkeypatch.setattr(native, "PARALLEL_MIN_NUMEL", 1 << 62)
+    serial = _observe(batches, ch_axis=axis, percentiles=(0.975,))
+    _assert_same_state(threaded, serial)
+
+
+@needs_kernel
+@pytest.mark.parametrize("order", ["random", "crowded"])
+def test_native_percentile_is_the_exact_lower_quantile(order):
+    x = torch.randn(512, 16) ** 3
+    if order == "crowded":  # every channel's largest values in its first rows: the kernel's rescan path
+        x = x.sort(dim=0, descending=True).values
+    observer = _observe([x], ch_axis=-1, percentiles=(0.975,))
+    exact = torch.quantile(x, 0.975, dim=0, interpolation="lower")
+    assert observer._native_plan is not None
+    torch.testing.assert_close(observer.average_ratios(0.975).float(), x.amax(0) / exact)
+
+
+@needs_kernel
+def test_a_nan_batch_takes_the_torch_path_and_propagates(monkeypatch):
+    clean, dirty = torch.randn(64, 8), torch.randn(64, 8)
+    dirty[5, 3] = float("nan")
+    native_observer = _observe([clean, dirty, clean], ch_axis=-1, percentiles=(0.975,))
+    _torch_path(monkeypatch)
+    _assert_same_state(native_observer, _observe([clean, dirty, clean], ch_axis=-1, percentiles=(0.975,)))
+    assert torch.isnan(native_observer.min_val[3])
+
+
+@needs_kernel
+def test_copies_and_pickles_replan_and_keep_counting():
+    observer = _observe([torch.randn(32, 8)], ch_axis=-1, percentiles=(0.975,))
+    twin = copy.deepcopy(observer)
+    thawed = pickle.loads(pickle.dumps(observer))
+    for clone in (twin, thawed):
+        assert clone._native_plan is None
+        clone(torch.randn(32, 8))
+        assert clone.num_batches_tracked == 2 and clone._native_plan is not None
+    assert observer.num_batches_tracked == 1
+
+
+@needs_kernel
+def test_replacing_a_state_buffer_drops_the_plan():
+    observer = _observe([torch.randn(32, 8)], ch_axis=-1)
+    observer.min_val = observer.min_val.clone()
+    assert observer._native_plan is None
+    observer(torch.randn(32, 8))
+    assert observer.num_batches_tracked == 2
+
+
+def test_without_a_compiler_observers_use_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("QCORE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_state", {})
+    assert native.kernel() is None and native.status().startswith("torch path only")
+    observer = _observe([torch.randn(16, 4)] * 2, ch_axis=-1, percentiles=(0.975,))
+    assert observer.num_batches_tracked == 2 and observer._native_plan is None
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("QCORE_NATIVE", "0")
+    monkeypatch.setattr(native, "_state", {})
+    assert native.kernel() is None and "QCORE_NATIVE=0" in native.status()
+
+
+@needs_kernel
+def test_build_lands_in_the_cache_atomically(monkeypatch, tmp_path):
+    monkeypatch.setenv("QCORE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_state", {})
+    assert native.kernel() is not None
+    built = sorted(path.name for path in tmp_path.iterdir())
+    assert len(built) == 1 and built[0].startswith("_stats-") and built[0].endswith(".so")
