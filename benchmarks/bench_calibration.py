@@ -2,8 +2,8 @@
 
 ResNet-style CNN on 16x3x64x64 (20 batches) and an MLP of 6 x Linear(256) on 256 rows (50 batches).
 Times calibration passes (observers running on every batch). This machine's timings swing by up to 2x
-from minute to minute, so the contenders take turns, round after round, and each keeps its best pass.
-Report generation is timed apart. Prints whether our observers ran the native kernel (qcore.report.native)
+from minute to minute, so the contenders take turns, round after round; it prints each one's best pass and
+the median of the per-round ratios to the plain pass. Report generation is timed apart. Prints whether our observers ran the native kernel (qcore.report.native)
 or their torch path.
 
     python benchmarks/bench_calibration.py
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import statistics
 import sys
 import time
 import warnings
@@ -23,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 from models import TinyResNet, settle_batchnorm  # noqa: E402
 
 warnings.filterwarnings("ignore")
-ROUNDS, AO_ROUNDS = 7, 2
+ROUNDS, AO_ROUNDS = 15, 2
 
 
 def mlp() -> nn.Module:
@@ -70,19 +71,27 @@ def torch_ao(model, batches):
     return report.prepare_detailed_calibration(), lambda: report.generate_model_report(False)
 
 
-def measure(model, batches, rounds: int = ROUNDS) -> dict[str, float]:
-    """Best pass time of each contender over interleaved rounds (plain, ours, torch.ao in every round), so
-    that a slow spell of this machine hits all three alike."""
-    contenders = {"plain": (model, None), "qcore": ours(model, batches), "torch.ao": torch_ao(model, batches)}
-    best = dict.fromkeys(contenders, float("inf"))
+def measure(model, batches) -> dict[str, float]:
+    """Interleaved rounds: plain, the captured graph without observers, qcore, then (in the first AO_ROUNDS
+    rounds) torch.ao, back to back.
+
+    Returns each contender's best pass, the median over rounds of each round's ratio to that round's plain
+    pass (a slow spell of this machine hits both halves of a ratio alike), and report-generation times."""
+    from qcore.capture import capture
+
+    contenders = {"plain": (model, None), "qcore graph": (capture(copy.deepcopy(model), batches[0]), None),
+                  "qcore": ours(model, batches), "torch.ao": torch_ao(model, batches)}
+    times: dict[str, list[float]] = {name: [] for name in contenders}
     with torch.no_grad():
         for observed, _ in contenders.values():
             observed(batches[0])  # warm-up (observers plan their kernels here)
-        for round_index in range(rounds):
+        for round_index in range(ROUNDS):
             for name, (observed, _) in contenders.items():
-                if name == "torch.ao" and round_index >= AO_ROUNDS:
-                    continue
-                best[name] = min(best[name], _pass(observed, batches))
+                if name != "torch.ao" or round_index < AO_ROUNDS:
+                    times[name].append(_pass(observed, batches))
+    result = {name: min(values) for name, values in times.items()}
+    for name in ("qcore graph", "qcore", "torch.ao"):
+        result[f"{name} median ratio"] = statistics.median(t / p for t, p in zip(times[name], times["plain"]))
     for name, (_, generate) in contenders.items():
         if generate is None:
             continue
@@ -91,8 +100,8 @@ def measure(model, batches, rounds: int = ROUNDS) -> dict[str, float]:
             generate()
         except Exception as error:  # noqa: BLE001 - torch.ao's own failures are part of the picture
             print(f"    {name} report generation failed: {type(error).__name__}: {error}")
-        best[f"{name} report"] = time.perf_counter() - start
-    return best
+        result[f"{name} report"] = time.perf_counter() - start
+    return result
 
 
 def main() -> None:
@@ -103,17 +112,20 @@ def main() -> None:
     from qcore.report import native
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; qcore observers: {native.status()}")
-    print(f"best pass of {ROUNDS} interleaved rounds ({AO_ROUNDS} for torch.ao)")
+    print(f"{ROUNDS} interleaved rounds ({AO_ROUNDS} with torch.ao): best pass, and the median of per-round "
+          "ratios to the plain pass")
     for title, model, batches in cases:
-        best = measure(model, batches)
-        plain, our_time, ao_time = best["plain"], best["qcore"], best["torch.ao"]
+        result = measure(model, batches)
+        plain = result["plain"]
         print(title)
         print(f"  plain forward         {plain * 1e3:9.1f} ms")
-        print(f"  qcore ModelReport     {our_time * 1e3:9.1f} ms  = {our_time / plain:5.2f}x forward "
-              f"(report {best['qcore report'] * 1e3:.0f} ms)")
-        print(f"  torch.ao ModelReport  {ao_time * 1e3:9.1f} ms  = {ao_time / plain:5.2f}x forward "
-              f"(report {best['torch.ao report'] * 1e3:.0f} ms)")
-        print(f"  qcore is {ao_time / our_time:.1f}x faster than torch.ao")
+        print(f"  (captured graph, no observers: {result['qcore graph'] / plain:.2f}x; median ratio "
+              f"{result['qcore graph median ratio']:.2f}x)")
+        for name in ("qcore", "torch.ao"):
+            print(f"  {name + ' ModelReport':21s} {result[name] * 1e3:9.1f} ms  = {result[name] / plain:5.2f}x forward"
+                  f" (median ratio {result[name + ' median ratio']:5.2f}x; report {result[name + ' report'] * 1e3:.0f} ms)")
+        print(f"  qcore is {result['torch.ao'] / result['qcore']:.1f}x faster than torch.ao (best passes; "
+              f"{result['torch.ao median ratio'] / result['qcore median ratio']:.1f}x by median ratios)")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def activations(draw):
         batches.append(x.contiguous())
     percentiles = draw(st.sampled_from([(), (0.975,), (0.9, 0.99), (0.5,), (0.0, 1.0)]))
     per_channel = draw(st.booleans()) or bool(percentiles)
-    return batches, dict(ch_axis=axis, percentiles=percentiles, per_channel=per_channel)
+    sample_size = draw(st.sampled_from([4096, 50]))  # 50: channel-major channels are sampled, as in the torch path
+    return batches, dict(ch_axis=axis, percentiles=percentiles, per_channel=per_channel, sample_size=sample_size)
 
 
 @needs_kernel
@@ -78,7 +79,7 @@ def test_native_kernel_equals_torch_path(case):
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [(256, 256), (1000, 48), (2, 128, 96), (4, 32, 12, 12)])
+@pytest.mark.parametrize("shape", [(256, 256), (1000, 48), (2, 128, 96), (4, 32, 12, 12), (4, 6, 48, 48)])
 def test_threads_split_the_work_without_changing_the_result(shape, monkeypatch):
     axis = 1 if len(shape) == 4 else -1
     batches = [torch.randn(shape).relu() * (i + 1) for i in range(3)]
@@ -99,6 +100,24 @@ def test_native_percentile_is_the_exact_lower_quantile(order):
     exact = torch.quantile(x, 0.975, dim=0, interpolation="lower")
     assert observer._native_plan is not None
     torch.testing.assert_close(observer.average_ratios(0.975).float(), x.amax(0) / exact)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["normal", "ties", "sorted", "relu"])
+def test_sampled_conv_percentiles_equal_the_torch_path(kind, monkeypatch):
+    """More values per channel than sample_size: the kernel selects from the torch path's own sample."""
+    x = torch.randn(4, 6, 48, 48)
+    if kind == "ties":
+        x = x.mul(3).round()
+    elif kind == "sorted":
+        x = x.flatten().sort().values.reshape(x.shape)
+    elif kind == "relu":
+        x = x.relu()
+    batches = [x, x * 2 - 1]
+    native_observer = _observe(batches, ch_axis=1, percentiles=(0.9, 0.975))
+    assert native_observer._native_plan is not None
+    _torch_path(monkeypatch)
+    _assert_same_state(native_observer, _observe(batches, ch_axis=1, percentiles=(0.9, 0.975)))
 
 
 @needs_kernel

@@ -81,9 +81,9 @@ def _load():
     _state["openmp"] = "-fopenmp" in extra and _one_openmp_runtime()
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     library.qcore_observe.argtypes = [pointer, integer, integer, integer, integer, pointer, integer, pointer,
-                                      integer] + [pointer] * 7
+                                      integer, pointer, integer] + [pointer] * 7
     library.qcore_observe.restype = integer
-    library.qcore_scratch_floats.argtypes = [integer] * 5
+    library.qcore_scratch_floats.argtypes = [integer] * 6
     library.qcore_scratch_floats.restype = integer
     library.qcore_observe_range.argtypes = [pointer, integer, integer, pointer, pointer]
     library.qcore_observe_range.restype = integer

@@ -126,20 +126,21 @@ class ReportObserver(nn.Module):
             sizes = self._native_sizes(values.shape)
             if sizes is None:
                 return False
-            outer, channels, inner, top, picks = sizes
+            outer, channels, inner, top, picks, sample = sizes
             if self.min_val.numel() != channels:
                 if self.min_val.numel():
                     return False  # a different channel count: let the torch path raise its error
                 self._init_channels(channels, values.device)
             picks = torch.tensor(picks, dtype=torch.int64)
             workers = native.threads(values.numel())
-            scratch = torch.empty(library.qcore_scratch_floats(outer, channels, inner, top, workers))
+            scratch = torch.empty(library.qcore_scratch_floats(outer, channels, inner, top, sample.numel(), workers))
             function = library.qcore_observe
-            arguments = (outer, channels, inner, top, picks.data_ptr(), picks.numel(), scratch.data_ptr(), workers,
+            arguments = (outer, channels, inner, top, picks.data_ptr(), picks.numel(), sample.data_ptr(),
+                         sample.numel(), scratch.data_ptr(), workers,
                          *(buffer.data_ptr() for buffer in (self.extremes, self.extreme_sums, self.min_val,
                                                             self.max_val, self.constant_channels,
                                                             self.ratio_sums, self.ratio_counts)))
-            self._native_scratch = (picks, scratch)  # keeps the memory the pointers point to
+            self._native_scratch = (picks, sample, scratch)  # keeps the memory the pointers point to
         self._native_plan = (values.shape, function, arguments)
         if function(values.data_ptr(), *arguments):
             return False  # a NaN: torch ops propagate it
@@ -147,21 +148,28 @@ class ReportObserver(nn.Module):
         return True
 
     def _native_sizes(self, shape: torch.Size) -> tuple | None:
-        """(outer, channels, inner, k, picks) of the kernel for one activation shape, or None when it can't
-        give the exact statistics the torch path would."""
+        """(outer, channels, inner, k, picks, sample) of the kernel for one activation shape, or None when it
+        can't give the statistics the torch path would. Exact: picks are positions in each channel's
+        ascending top k, and sample is empty. Sampled (channel-major only): the kernel selects the ascending
+        ranks in picks (0-based, k of them) among the torch path's own sample, whose offsets it gets."""
         axis = self.ch_axis % len(shape)
         outer, channels, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
         count = outer * inner
-        top, picks = 0, []
-        if self.percentiles:
-            if count > self.sample_size:
-                return None  # sampled: the torch path draws the sample
-            ranks = [int(p * (count - 1)) + 1 for p in self.percentiles]  # 1-based, ascending
-            top = max(count - rank + 1 for rank in ranks)
-            if top > NATIVE_MAX_TOP:
-                return None
-            picks = [top - 1 - (count - rank) for rank in ranks]  # positions in each channel's ascending top-k
-        return outer, channels, inner, top, picks
+        no_sample = torch.empty(0, dtype=torch.int64)
+        if not self.percentiles:
+            return outer, channels, inner, 0, [], no_sample
+        if count > self.sample_size:
+            if inner == 1:
+                return None  # channels last and sampled: the torch path samples rows
+            positions = self._sample_positions(shape, axis, torch.device("cpu"))  # [channels, m]; channel 0: offsets
+            ranks = [int(p * (self.sample_size - 1)) for p in self.percentiles]
+            return outer, channels, inner, len(ranks), ranks, positions[0].contiguous()
+        ranks = [int(p * (count - 1)) + 1 for p in self.percentiles]  # 1-based, ascending
+        top = max(count - rank + 1 for rank in ranks)
+        if top > NATIVE_MAX_TOP:
+            return None
+        picks = [top - 1 - (count - rank) for rank in ranks]  # positions in each channel's ascending top-k
+        return outer, channels, inner, top, picks, no_sample
 
     def __getstate__(self):
         state = dict(super().__getstate__())  # copies and pickles re-plan: the plan holds raw pointers
