@@ -1,13 +1,14 @@
 /* One-pass report-observer statistics for a small float32 CPU activation (see native.py).
  *
- * The activation is a contiguous [outer, channels, inner] block. One call computes, per batch: the
- * per-channel min and max, the whole tensor's min and max, and (when k > 0) each channel's k largest
- * values, exact, from which it reads the requested order statistics. It then folds them into the
- * observer's state exactly as ReportObserver's torch path does. Nothing is allocated here: the caller
- * passes `scratch` of qcore_scratch_floats(...) floats. With OpenMP (the runtime torch already loaded), up
- * to `threads` threads split the channels.
+ * The activation is a contiguous [outer, channels, inner] block. One qcore_observe call computes, per batch,
+ * the per-channel min and max, the whole tensor's min and max, and the requested per-channel order
+ * statistics: exact from each channel's k largest values, or, when the torch path would sample, selected
+ * exactly from the same sample. It then folds them into the observer's state exactly as ReportObserver's
+ * torch path does. qcore_observe_range does the whole-tensor min and max only. Nothing is allocated here:
+ * the caller passes `scratch` of qcore_scratch_floats(...) floats. With OpenMP (the runtime torch already
+ * loaded), up to `threads` threads share the work.
  *
- * Returns 0, or 1 without touching the state when the batch holds a NaN (the torch path handles it).
+ * Both return 0, or 1 without touching the state when the batch holds a NaN (the torch path handles it).
  */
 #include <float.h>
 #include <math.h>
@@ -18,7 +19,7 @@
 #endif
 
 #define BLOCK 16 /* rows per block: each block keeps its three largest values per channel */
-#define CHUNK 16 /* channels one register-resident step of the first pass handles */
+#define CHUNK 32 /* channels one register-resident step of the first pass handles */
 
 static void fill(float *values, int64_t n, float v) {
     for (int64_t i = 0; i < n; ++i) values[i] = v;
