@@ -11,9 +11,10 @@ with torch.quantile's "lower" interpolation). With m sampled values the estimate
 p +/- eps of the exact one with probability at least 1 - 2*exp(-2*m*eps^2): for m = 4096 and eps = 0.03,
 at least 1 - 1e-3 per batch, and the per-batch ratios are then averaged.
 
-Two paths compute the same numbers. Small float32 CPU activations whose percentiles are exact go through
-one call of the native kernel (`native.py`, `_stats.c`), planned once per shape; everything else (CUDA,
-other dtypes, sampled percentiles, no C compiler) goes through torch ops that stay on the device.
+Two paths compute the same numbers. Float32 CPU activations of up to NATIVE_MAX_NUMEL values go through
+one call of the native kernel (`native.py`, `_stats.c`), planned once per shape, which selects from the
+same sample when percentiles are sampled; everything else (CUDA, other dtypes, sampled channels-last
+percentiles, no C compiler) goes through torch ops that stay on the device.
 """
 from __future__ import annotations
 
