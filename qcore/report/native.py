@@ -20,6 +20,7 @@ import tempfile
 
 _SOURCE = pathlib.Path(__file__).with_name("_stats.c")
 _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
+_LIBRARIES = ("-lm",)  # after the source, where linkers look for them
 # Best first. -march=native puts the CPU's flags in the cache key, so a build never runs on another CPU.
 _VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())
 PARALLEL_MIN_NUMEL = 1 << 15  # below this, waking a second thread costs more than it saves
@@ -41,7 +42,7 @@ def _cache_dir() -> pathlib.Path:
 
 
 def _compile(source: bytes, compiler: list[str], flags: tuple[str, ...]) -> pathlib.Path:
-    key = repr((compiler, flags, platform.machine(), _cpu_signature() if "-march=native" in flags else ""))
+    key = repr((compiler, flags, _LIBRARIES, platform.machine(), _cpu_signature() if "-march=native" in flags else ""))
     digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
     for directory in (_cache_dir(), pathlib.Path(tempfile.gettempdir()) / f"qcore-{os.getuid()}"):
         target = directory / f"_stats-{digest}.so"
@@ -54,8 +55,8 @@ def _compile(source: bytes, compiler: list[str], flags: tuple[str, ...]) -> path
         except OSError:
             continue
         try:
-            subprocess.run([*compiler, *flags, "-o", partial, str(_SOURCE)], check=True, capture_output=True,
-                           timeout=120)
+            subprocess.run([*compiler, *flags, "-o", partial, str(_SOURCE), *_LIBRARIES], check=True,
+                           capture_output=True, timeout=120)
             os.replace(partial, target)  # atomic: concurrent builds (xdist workers) write the same file
             return target
         finally:
