@@ -13,7 +13,7 @@ from torch import nn
 
 import qcore
 from qcore.equalize import cross_layer_equalize, equalize
-from qcore.findings import measure_sqnr
+from qcore.analysis import measure_sqnr
 
 
 def _mlp() -> nn.Module:
@@ -55,13 +55,13 @@ def main() -> None:
     for title, model, data, quantizer in cases:
         gm = qcore.capture(model, data[0])
         layers = [op.layer for op in qcore.find_quantizable_ops(gm)]
-        before = measure_sqnr(gm, data, quantizer)["layers"]
-        after = measure_sqnr(equalize(gm, layers, data), data, quantizer)["layers"]
-        crossed = measure_sqnr(cross_layer_equalize(gm), data, quantizer)["layers"]
+        before = measure_sqnr(gm, data, quantizer).layers
+        after = measure_sqnr(equalize(gm, layers, data), data, quantizer).layers
+        crossed = measure_sqnr(cross_layer_equalize(gm), data, quantizer).layers
         print(title)
         print(f"  {'layer':8} {'before':>9} {'input-weight':>13} {'gain':>8} {'cross-layer':>12} {'gain':>8}")
         for layer in layers:
-            b, a, c = before[layer]["sqnr_db"], after[layer]["sqnr_db"], crossed[layer]["sqnr_db"]
+            b, a, c = before[layer].sqnr_db, after[layer].sqnr_db, crossed[layer].sqnr_db
             print(f"  {layer:8} {b:7.1f} dB {a:10.1f} dB {a - b:+6.1f} dB {c:9.1f} dB {c - b:+6.1f} dB")
 
 

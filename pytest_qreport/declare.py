@@ -1,12 +1,15 @@
 """`qmodel`: declare a model for the quality gate; the function stays a normal pytest fixture."""
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
+
+__all__ = ["ModelDeclaration", "declarations_in", "qmodel"]
 
 
 @dataclass
@@ -29,15 +32,16 @@ class ModelDeclaration:
     equalize: Any = None
     equalization_min_gain_db: float | None = None
     detector_options: dict[str, dict] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    check_options: dict[str, dict] | None = None
+    error: str | None = None
 
 
-_REGISTRY: dict[str, list[ModelDeclaration]] = {}
+_DECLARED: dict[str, list[ModelDeclaration]] = {}
 
 
 def declarations_in(path: str | os.PathLike) -> list[ModelDeclaration]:
     """The models declared in one file, in declaration order."""
-    return list(_REGISTRY.get(os.path.realpath(os.fspath(path)), []))
+    return list(_DECLARED.get(os.path.realpath(os.fspath(path)), []))
 
 
 def _as_list(value: Any) -> list[str] | None:
@@ -46,6 +50,18 @@ def _as_list(value: Any) -> list[str] | None:
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
     return [str(v) for v in value]
+
+
+def _unknown_keywords(model: str, unknown: dict[str, Any]) -> str | None:
+    if not unknown:
+        return None
+    valid = [p for p in inspect.signature(qmodel).parameters if p != "unknown"]
+    problems = []
+    for keyword in unknown:
+        match = difflib.get_close_matches(keyword, valid, n=1)
+        problems.append(f"{keyword!r}" + (f" (did you mean {match[0]!r}?)" if match else ""))
+    return (f"model {model!r}: qmodel() got unknown keyword argument(s) {', '.join(problems)}; valid keywords: "
+            f"{', '.join(valid)}")
 
 
 def qmodel(
@@ -63,9 +79,10 @@ def qmodel(
     equalize: Any = None,
     equalization_min_gain_db: float | None = None,
     detector_options: dict[str, dict] | None = None,
+    check_options: dict[str, dict] | None = None,
     name: str | None = None,
-    **extra: Any,
-) -> Callable[[Callable[[], Any]], Any]:
+    **unknown: Any,
+) -> Callable[[Callable[..., Any]], Any]:
     """Declare a model factory for `pytest --qreport`; the decorated function is also a fixture.
 
     calibration: a fixture name, a callable returning batches, or an iterable of batches (each batch a
@@ -74,12 +91,13 @@ def qmodel(
     sqnr_min_db / model_sqnr_min_db / weight_sqnr_min_db: thresholds in dB. layers / skip_layers: globs.
     checks: which checks to run (default: all). severity: {check: "fail" | "warn" | "off"} or
     "outlier=warn,per_channel=off". detector_options: constructor arguments per detector check, e.g.
-    {"outlier": {"ratio_threshold": 5.0}}. equalize: True (input-weight equalization of every eligible layer),
+    {"outlier": {"ratio_threshold": 5.0}}; check_options: the same for any check, custom ones too. equalize: True (input-weight equalization of every eligible layer),
     "cross_layer", or a list of layer names; the model is equalized before it is quantized.
     equalization_min_gain_db: the gain at which an `equalization` item fails (default 1.0).
+    The model function, the calibration fixture and the example-inputs fixture may request other fixtures.
     """
 
-    def decorate(factory: Callable[[], Any]) -> Any:
+    def decorate(factory: Callable[..., Any]) -> Any:
         source = inspect.getsourcefile(factory) or inspect.getfile(factory)
         declaration = ModelDeclaration(
             name=name or factory.__name__, factory=factory, source_file=os.path.realpath(source),
@@ -87,9 +105,10 @@ def qmodel(
             sqnr_min_db=sqnr_min_db, model_sqnr_min_db=model_sqnr_min_db, weight_sqnr_min_db=weight_sqnr_min_db,
             layers=_as_list(layers), skip_layers=_as_list(skip_layers), checks=_as_list(checks), severity=severity,
             equalize=equalize, equalization_min_gain_db=equalization_min_gain_db,
-            detector_options=detector_options, extra=dict(extra),
+            detector_options=detector_options, check_options=check_options,
+            error=_unknown_keywords(name or factory.__name__, unknown),
         )
-        registered = _REGISTRY.setdefault(declaration.source_file, [])
+        registered = _DECLARED.setdefault(declaration.source_file, [])
         registered[:] = [d for d in registered if d.name != declaration.name] + [declaration]
         fixture = pytest.fixture(name=declaration.name)(factory)
         return fixture

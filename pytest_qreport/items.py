@@ -1,63 +1,134 @@
 """Collectors and items: one item per (model, check, layer) under the conftest that declares the model."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
-from .declare import declarations_in
+from .declare import ModelDeclaration, declarations_in
+from .findings import Finding
 from .options import resolve_settings
-from .runner import ModelState, QReportCheckFailed, QReportError, QReportModelError, analyze, collect_model
+from .quantizers import resolve_quantizer
+from .runner import ModelState, QReportCheckFailed, QReportError, QReportModelError, analyze, collect_model, explain
 
-CHECK_ORDER = ("capture", "sqnr", "weight_sqnr", "model_sqnr", "per_channel", "dynamic_static",
-               "input_weight_equalization", "outlier", "equalization", "equalization_equivalence")
+__all__ = ["STATE_KEY", "QReportFile", "QReportItem", "QReportWarning"]
+
+STATE_KEY: pytest.StashKey = pytest.StashKey()
 
 
 def qreport_check(request) -> None:
-    """Body of every qreport item; the item's runtest does the work."""
+    """Body of every qreport item; the item's setup and runtest do the work."""
+
+
+def _fixture_probe(names: list[str]):
+    """A function whose parameters are `names`, so that pytest resolves exactly those fixtures for it."""
+
+    def qreport_fixtures(**values: Any) -> None:
+        """Stands in for a test function that requests the model's fixtures at collection."""
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    qreport_fixtures.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in names])  # type: ignore[attr-defined]
+    return qreport_fixtures
+
+
+def _first_batch(batches: Any) -> Any:
+    if isinstance(batches, (list, tuple)):
+        if not batches:
+            raise ValueError("the calibration batches are empty")
+        return batches[0]
+    return next(iter(batches))
 
 
 class QReportFile(pytest.File):
     """A conftest.py that declares models with @qmodel."""
 
-    def collect(self):
-        state = self.config.stash[STATE_KEY]
+    def collect(self) -> Iterator[pytest.Item]:
+        session = self.config.stash[STATE_KEY]
+        registry = session.refresh_registry()
+        order = {name: index for index, name in enumerate(registry.names())}
         for index, declaration in enumerate(declarations_in(self.path)):
             key = (str(self.path), declaration.name)
-            if key not in state.models:
-                try:
-                    settings = resolve_settings(self.config, declaration)
-                except ValueError as error:
-                    model = ModelState(declaration.name, collect_error=f"model {declaration.name!r}: {error}")
-                else:
-                    model = collect_model(declaration, settings, lambda name: self._fixture_value(name))
-                state.models[key] = model
-            model = state.models[key]
-            if model.collect_error:
+            if key not in session.models:
+                session.models[key] = self._collect_model(declaration, registry, session.settings)
+            model = session.models[key]
+            if model.collect_error or model.skip_reason:
                 yield QReportItem.from_parent(self, name=f"qreport/{declaration.name}/capture", callobj=qreport_check,
-                                              model_key=key, check="capture", layer="", position=(index, 0, 0))
+                                              model_key=key, check="capture", layer="", position=(index, -1, 0))
                 continue
             for check, layer in model.checks_and_layers():
                 yield QReportItem.from_parent(
                     self, name=f"qreport/{declaration.name}/{check}/{layer}", callobj=qreport_check, model_key=key,
-                    check=check, layer=layer,
-                    position=(index, CHECK_ORDER.index(check), model.items[check].index(layer)))
+                    check=check, layer=layer, position=(index, order[check], model.items[check].index(layer)))
 
-    def _fixture_value(self, name: str) -> Any:
-        """Evaluate an argument-free fixture at collection (only to get example inputs for capture)."""
-        definitions = self.session._fixturemanager.getfixturedefs(name, self)
-        if not definitions:
-            raise QReportModelError(f"fixture {name!r} not found for {self.path}; define it in a conftest.py "
-                                    "that this directory sees, or pass qmodel(calibration=...) batches directly")
-        function = definitions[-1].func
-        if any(p.default is p.empty for p in inspect.signature(function).parameters.values()):
-            raise QReportModelError(
-                f"fixture {name!r} takes arguments, so it cannot give example inputs at collection; "
-                "pass qmodel(example_inputs=...) a tensor, tuple or dict instead")
-        value = function()
-        return next(value) if inspect.isgenerator(value) else value
+    def _collect_model(self, declaration: ModelDeclaration, registry, session_settings) -> ModelState:
+        """Resolve settings, quantizer and fixtures, capture, and list items; any error lands on the model."""
+        name = declaration.name
+        try:
+            if declaration.error:
+                raise ValueError(declaration.error)
+            settings = resolve_settings(session_settings, declaration, registry)
+            quantizer = resolve_quantizer(settings.quantizer, self.ihook)
+        except ValueError as error:
+            text = str(error)
+            return ModelState(name, collect_error=text if f"'{name}'" in text else f"model {name!r}: {text}")
+        try:
+            names = self._fixture_names(declaration, settings)
+            with self._fixtures_at_collection(name, names) as values:
+                example = self._example_inputs(name, settings, values)
+                return collect_model(name, settings, registry, quantizer, values[name], example)
+        except pytest.skip.Exception as skipped:
+            return ModelState(name, skip_reason=f"model {name!r}: {skipped.msg}")
+        except Exception as error:  # noqa: BLE001 - reported on the model's item
+            return ModelState(name, collect_error=explain(name, "capture/set-up", error), error_cause=error)
+
+    @staticmethod
+    def _fixture_names(declaration: ModelDeclaration, settings) -> list[str]:
+        """The fixtures collection needs: the model's own fixture, and the example-inputs or calibration one."""
+        names = [declaration.name]
+        for source in (settings.example_inputs, None if settings.example_inputs is not None else settings.calibration):
+            if isinstance(source, str) and source not in names:
+                names.append(source)
+        if settings.example_inputs is None and settings.calibration is None:
+            raise QReportModelError(f"model {declaration.name!r} has no calibration batches: pass "
+                                    "qmodel(calibration='fixture_name') or set qreport_calibration in the ini file.")
+        return names
+
+    @contextlib.contextmanager
+    def _fixtures_at_collection(self, model: str, names: list[str]) -> Iterator[dict[str, Any]]:
+        """Set up `names` (and what they request) as pytest would for a test, then tear them down again."""
+        for fixture in names:
+            if not fixture.isidentifier():
+                raise QReportModelError(f"model {model!r}: {fixture!r} is not a valid fixture name")
+        probe = pytest.Function.from_parent(self, name=f"qreport/{model}/[fixtures]", callobj=_fixture_probe(names))
+        hook = probe.ihook
+        try:
+            try:
+                hook.pytest_runtest_setup(item=probe)
+            except pytest.FixtureLookupError as error:
+                raise QReportModelError(
+                    f"model {model!r}: fixture {error.argname!r} not found for {self.path}; define it in a conftest.py "
+                    "that this directory sees, or pass qmodel(calibration=...) batches directly") from None
+            except pytest.fail.Exception as error:
+                raise QReportModelError(
+                    f"model {model!r}: its fixtures {names} could not be set up at collection: {error.msg}. A "
+                    "parametrized fixture cannot feed a qmodel; for models that need one, build the model inside "
+                    "your own test with the qreport fixture.") from error
+            yield {name: probe.funcargs[name] for name in names}
+        finally:
+            hook.pytest_runtest_teardown(item=probe, nextitem=None)
+
+    @staticmethod
+    def _example_inputs(model: str, settings, values: dict[str, Any]) -> Any:
+        source = settings.example_inputs
+        if source is not None:
+            return values[source] if isinstance(source, str) else (source() if callable(source) else source)
+        calibration = settings.calibration
+        batches = values[calibration] if isinstance(calibration, str) else (
+            calibration() if callable(calibration) else calibration)
+        return _first_batch(batches)
 
 
 class QReportItem(pytest.Function):
@@ -70,45 +141,58 @@ class QReportItem(pytest.Function):
         self.extra_keyword_matches.update({self.model_name, check})
         # with `-n N --dist loadgroup`, all of a model's items go to one worker, which analyses it once
         self.add_marker(pytest.mark.xdist_group(name=self.model_name))
-        self.qreport_row: dict | None = None
+        self.qreport_row: Finding | None = None
 
     def setup(self) -> None:
         super().setup()
         model = self.config.stash[STATE_KEY].models[self.model_key]
+        if model.skip_reason:
+            pytest.skip(model.skip_reason)
         if model.collect_error:
             self._record_error(model.collect_error)
-            raise QReportModelError(model.collect_error)
-        analyze(model, self._request.getfixturevalue)
+            raise QReportModelError(model.collect_error) from model.error_cause
+        request = self.funcargs["request"]
+        hook = self.ihook
+        analyze(model, lambda: self._calibration_batches(model, request),
+                lambda found: hook.pytest_qreport_modify_findings(model=model.name, findings=found))
         if model.analysis_error:
             self._record_error(model.analysis_error)
-            raise QReportModelError(model.analysis_error)
+            raise QReportModelError(model.analysis_error) from model.error_cause
+
+    @staticmethod
+    def _calibration_batches(model: ModelState, request: pytest.FixtureRequest) -> list:
+        assert model.settings is not None
+        source = model.settings.calibration
+        batches = request.getfixturevalue(source) if isinstance(source, str) else (
+            source() if callable(source) else source)
+        batches = list(batches)
+        if not batches:
+            raise QReportModelError(f"model {model.name!r}: the calibration source gave no batches")
+        return batches
 
     def runtest(self) -> None:
         model = self.config.stash[STATE_KEY].models[self.model_key]
-        found = model.findings[(self.check, self.layer)]
+        found: Finding = model.findings[(self.check, self.layer)]
         self.qreport_row = found
         for key in ("model", "check", "layer", "metric", "value", "threshold"):
-            self.user_properties.append((key, found[key]))
-        if found["verdict"] == "fail":
-            raise QReportCheckFailed(found["message"])
-        if found["verdict"] == "warn":
-            warnings.warn(found["message"], QReportWarning, stacklevel=1)
+            self.user_properties.append((key, getattr(found, key)))
+        if found.waiver:
+            self.user_properties.append(("waiver", found.waiver))
+        if found.verdict == "error":
+            raise QReportModelError(found.message)
+        if found.verdict == "fail":
+            raise QReportCheckFailed(found.message)
+        if found.verdict == "warn":
+            warnings.warn(found.message, QReportWarning, stacklevel=1)
 
     def _record_error(self, message: str) -> None:
-        self.qreport_row = {"model": self.model_name, "check": self.check, "layer": self.layer, "metric": "",
-                            "value": float("nan"), "threshold": float("nan"), "verdict": "error",
-                            "message": message, "details": {}, "order": 0}
+        self.qreport_row = Finding(model=self.model_name, check=self.check, layer=self.layer, metric="",
+                                   value=float("nan"), threshold=float("nan"), verdict="error", message=message)
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, QReportError):
             return str(excinfo.value)
         return super().repr_failure(excinfo, style=style)
-
-    def _repr_failure_py(self, excinfo, style=None):
-        # setup errors are rendered here, not by repr_failure
-        if isinstance(excinfo.value, QReportError):
-            return str(excinfo.value)
-        return super()._repr_failure_py(excinfo, style=style)
 
     def reportinfo(self):
         return self.path, None, self.name
@@ -116,6 +200,3 @@ class QReportItem(pytest.Function):
 
 class QReportWarning(UserWarning):
     """A finding whose check is set to 'warn'."""
-
-
-STATE_KEY: pytest.StashKey = pytest.StashKey()

@@ -1,30 +1,36 @@
-"""The dedicated JUnit XML file: one testsuite per model, written atomically."""
+"""The dedicated JUnit XML file (one testsuite per model), written atomically through pytest_qreport_report."""
 from __future__ import annotations
 
 import os
 import tempfile
 
+import pytest
 from junit_xml import TestCase, TestSuite, to_xml_report_string
 
+from .findings import Finding
 from .summary import format_value
 
+__all__ = ["build_suites", "pytest_qreport_report", "write_atomically", "write_junit"]
 
-def build_suites(rows: list[dict]) -> list[TestSuite]:
+_PROPERTIES = ("model", "check", "layer", "metric", "value", "threshold", "verdict")
+
+
+def build_suites(rows: list[Finding]) -> list[TestSuite]:
     """One TestSuite per model, one TestCase per (check, layer)."""
     by_model: dict[str, list[TestCase]] = {}
     for row in rows:
-        case = TestCase(
-            name=f"{row['check']}/{row['layer']}" if row["layer"] else row["check"],
-            classname=f"qreport.{row['model']}.{row['check']}",
-            elapsed_sec=row.get("duration", 0.0),
-            stdout="\n".join(f"{k}={row[k]}" for k in ("model", "check", "layer", "metric", "value", "threshold")),
-        )
-        text = f"{format_value(row['value'], row['metric'])} (threshold {format_value(row['threshold'], row['metric'])})"
-        if row["verdict"] == "fail":
-            case.add_failure_info(message=text, output=row["message"])
-        elif row["verdict"] == "error":
-            case.add_error_info(message="model could not be analysed", output=row["message"])
-        by_model.setdefault(row["model"], []).append(case)
+        lines = [f"{k}={getattr(row, k)}" for k in _PROPERTIES] + ([f"waiver={row.waiver}"] if row.waiver else [])
+        case = TestCase(name=f"{row.check}/{row.layer}" if row.layer else row.check,
+                        classname=f"qreport.{row.model}.{row.check}", elapsed_sec=row.duration, stdout="\n".join(lines),
+                        status=row.verdict)
+        text = f"{format_value(row.value, row.metric)} (threshold {format_value(row.threshold, row.metric)})"
+        if row.verdict == "fail":
+            case.add_failure_info(message=text, output=row.message)
+        elif row.verdict == "error":
+            case.add_error_info(message="model could not be analysed", output=row.message)
+        elif row.verdict == "skip":
+            case.add_skipped_info(message=row.message or "skipped")
+        by_model.setdefault(row.model, []).append(case)
     return [TestSuite(f"qreport.{model}", cases) for model, cases in by_model.items()]
 
 
@@ -32,7 +38,7 @@ def write_atomically(path: str, text: str) -> None:
     """Write `text` to a temporary file beside `path`, then rename it over `path`."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=".qreport-", suffix=".xml", dir=directory)
+    handle, temporary = tempfile.mkstemp(prefix=".qreport-", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as stream:
             stream.write(text)
@@ -43,6 +49,13 @@ def write_atomically(path: str, text: str) -> None:
         raise
 
 
-def write_junit(path: str, rows: list[dict]) -> None:
+def write_junit(path: str, rows: list[Finding]) -> None:
     """Write the dedicated JUnit XML report for `rows`."""
     write_atomically(path, to_xml_report_string(build_suites(rows), prettyprint=True))
+
+
+def pytest_qreport_report(rows: list[Finding], config: pytest.Config) -> None:
+    """Write --qreport-junitxml when it is given."""
+    path = config.getoption("qreport_junitxml", default=None)
+    if path:
+        write_junit(path, rows)

@@ -1,14 +1,18 @@
-"""Command-line options, ini keys, and how a model's settings resolve: CLI > qmodel(...) > ini > default."""
+"""Command-line options, ini keys, and how a model's settings resolve: CLI > qmodel(...) > ini > default.
+
+Session-wide values (CLI and ini) are parsed once at start-up; a bad one is a pytest.UsageError.
+"""
 from __future__ import annotations
 
+import difflib
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
-SQNR_CHECKS = ("sqnr", "weight_sqnr", "model_sqnr")
-DETECTOR_CHECKS = ("per_channel", "dynamic_static", "input_weight_equalization", "outlier")
-EQUALIZATION_CHECKS = ("equalization", "equalization_equivalence")
-ALL_CHECKS = SQNR_CHECKS + DETECTOR_CHECKS + EQUALIZATION_CHECKS
-SEVERITIES = ("fail", "warn", "off")
+from .registry import SEVERITIES
+
+__all__ = ["SETTINGS", "ModelSettings", "add_options", "closest", "parse_equalize", "parse_severity",
+           "resolve_settings", "session_settings", "table_mode"]
 
 # setting -> (cli flag, ini key, default, help)
 SETTINGS: dict[str, tuple[str, str, Any, str]] = {
@@ -19,24 +23,28 @@ SETTINGS: dict[str, tuple[str, str, Any, str]] = {
     "weight_sqnr_min_db": ("--qreport-weight-sqnr-min-db", "qreport_weight_sqnr_min_db", 30.0,
                            "minimum SQNR of each quantized weight in dB"),
     "layers": ("--qreport-layers", "qreport_layers", None, "comma-separated layer globs to check (default: all)"),
-    "skip_layers": ("--qreport-skip-layers", "qreport_skip_layers", None, "comma-separated layer globs to skip"),
+    "skip_layers": ("--qreport-skip-layers", "qreport_skip_layers", None,
+                    "comma-separated layer globs to leave out of the checks (they are still quantized)"),
     "checks": ("--qreport-checks", "qreport_checks", None,
-               "comma-separated checks to run: " + ", ".join(ALL_CHECKS) + " (default: all)"),
+               "comma-separated checks to run (default: every registered check)"),
     "calibration": ("--qreport-calibration", "qreport_calibration", None,
                     "fixture name giving calibration batches, for models that do not name one"),
     "example_inputs": ("--qreport-example-inputs", "qreport_example_inputs", None,
                        "fixture name giving example inputs (default: the first calibration batch)"),
     "quantizer": ("--qreport-quantizer", "qreport_quantizer", "int8",
-                  "int8, int8_per_tensor, int8_histogram, or module:attribute of a Quantizer (factory)"),
+                  "int8, int8_per_tensor, int8_histogram, module:attribute of a Quantizer (factory), or a name "
+                  "resolved by a pytest_qreport_make_quantizer hook"),
     "equalize": ("--qreport-equalize", "qreport_equalize", None,
                  "equalize models before quantizing: true (input-weight), cross_layer, or false"),
     "equalization_min_gain_db": ("--qreport-equalization-min-gain-db", "qreport_equalization_min_gain_db", 1.0,
                                  "equalization items fail when equalizing a layer gains at least this many dB"),
     "severity": ("--qreport-severity", "qreport_severity", None,
-                 "per-check severity, e.g. 'outlier=warn,per_channel=off' (fail, warn or off; default fail)"),
+                 "per-check severity, e.g. 'outlier=warn,per_channel=off' (fail, warn or off)"),
 }
 _FLOATS = {"sqnr_min_db", "model_sqnr_min_db", "weight_sqnr_min_db", "equalization_min_gain_db"}
+_NON_NEGATIVE = {"equalization_min_gain_db"}
 _LISTS = {"layers", "skip_layers", "checks"}
+TABLE_MODES = ("failures", "all")
 
 
 def add_options(parser) -> None:
@@ -44,7 +52,7 @@ def add_options(parser) -> None:
     group = parser.getgroup("qreport", "quantization quality report")
     group.addoption("--qreport", action="store_true", default=False,
                     help="collect and run quantization-quality items for models declared with @qmodel")
-    group.addoption("--qreport-table", choices=("failures", "all"), default=None,
+    group.addoption("--qreport-table", choices=TABLE_MODES, default=None,
                     help="summary rows to print: failures (default) or all")
     group.addoption("--qreport-junitxml", metavar="PATH", default=None,
                     help="write a dedicated JUnit XML file, one testsuite per model")
@@ -70,7 +78,13 @@ class ModelSettings:
     equalize: Any
     equalization_min_gain_db: float
     severity: dict[str, str]
-    detector_options: dict[str, dict]
+    check_options: dict[str, dict]
+
+
+def closest(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean X?)' for the closest choice, or ''."""
+    match = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def _parse(setting: str, value: Any) -> Any:
@@ -78,9 +92,13 @@ def _parse(setting: str, value: Any) -> Any:
         return None
     if setting in _FLOATS:
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{setting} must be a number of dB, got {value!r}") from None
+        if math.isnan(number) or (setting in _NON_NEGATIVE and number < 0):
+            raise ValueError(f"{setting} must be a {'non-negative ' if setting in _NON_NEGATIVE else ''}number "
+                             f"of dB, got {value!r}")
+        return number
     if setting == "equalize":
         return parse_equalize(value)
     if setting in _LISTS:
@@ -108,45 +126,75 @@ def parse_equalize(value: Any) -> Any:
     raise ValueError(f"equalize must be True, False, 'cross_layer' or a list of layer names, not {value!r}")
 
 
-def parse_severity(value: Any) -> dict[str, str]:
+def parse_severity(value: Any, checks: Iterable[str]) -> dict[str, str]:
     """{check: level} from a dict or 'check=level' pairs separated by commas, spaces or newlines."""
     if value is None:
         return {}
+    known = list(checks)
     pairs = value.items() if isinstance(value, dict) else (
         part.split("=", 1) if "=" in part else (part, "") for part in str(value).replace(",", " ").split())
     result = {}
     for check, level in pairs:
         check, level = str(check).strip(), str(level).strip()
-        if check not in ALL_CHECKS:
-            raise ValueError(f"severity for unknown check {check!r}; known checks: {', '.join(ALL_CHECKS)}")
+        if check not in known:
+            raise ValueError(f"severity for unknown check {check!r}{closest(check, known)}; known checks: "
+                             f"{', '.join(known)}")
         if level not in SEVERITIES:
-            raise ValueError(f"severity of {check} must be one of {', '.join(SEVERITIES)}, not {level!r}")
+            raise ValueError(f"severity of {check} must be one of {', '.join(SEVERITIES)}, not {level!r}"
+                             f"{closest(level, SEVERITIES)}")
         result[check] = level
     return result
 
 
-def resolve_settings(config, declaration) -> ModelSettings:
-    """Merge CLI, the qmodel(...) arguments, ini and defaults for one declared model."""
-    values = {}
-    severity = {check: "fail" for check in ALL_CHECKS}  # merged key by key: ini, then qmodel, then CLI
-    for source in (config.getini("qreport_severity") or None, declaration.severity,
-                   config.getoption("qreport_severity")):
-        severity.update(parse_severity(source))
-    for setting, (_flag, ini, default, _text) in SETTINGS.items():
+def _check_names(names: list[str] | None, known: list[str]) -> None:
+    for name in names or ():
+        if name not in known:
+            raise ValueError(f"unknown qreport check {name!r}{closest(name, known)}; known checks: {', '.join(known)}")
+
+
+def session_settings(config, known_checks: list[str]) -> dict[str, Any]:
+    """The CLI and ini values, parsed and validated once: {"cli": {...}, "ini": {...}}; ValueError if bad."""
+    parsed: dict[str, dict[str, Any]] = {"cli": {}, "ini": {}}
+    for setting, (flag, ini, _default, _text) in SETTINGS.items():
+        for source, raw, where in (("cli", config.getoption(f"qreport_{setting}"), flag),
+                                   ("ini", config.getini(ini) or None, f"ini {ini}")):
+            try:
+                value = parse_severity(raw, known_checks) if setting == "severity" else _parse(setting, raw)
+                if setting == "checks":
+                    _check_names(value, known_checks)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from error
+            parsed[source][setting] = value
+    mode = config.getini("qreport_table") or "failures"
+    if mode not in TABLE_MODES:
+        raise ValueError(f"ini qreport_table must be one of {', '.join(TABLE_MODES)}, not {mode!r}")
+    return parsed
+
+
+def resolve_settings(session: dict[str, Any], declaration, registry) -> ModelSettings:
+    """Merge CLI, the qmodel(...) arguments, ini and defaults for one declared model; ValueError if bad."""
+    known = registry.names()
+    values: dict[str, Any] = {}
+    severity = {check.name: check.default_severity for check in registry.checks()}
+    severity.update(session["ini"]["severity"] or {})  # merged key by key: ini, then qmodel, then CLI
+    severity.update(parse_severity(declaration.severity, known))
+    severity.update(session["cli"]["severity"] or {})
+    for setting, (_flag, _ini, default, _text) in SETTINGS.items():
         if setting == "severity":
             continue
-        cli = config.getoption(f"qreport_{setting}")
-        ini_value = config.getini(ini) or None
-        chosen = next((v for v in (cli, getattr(declaration, setting), ini_value) if v is not None), default)
-        values[setting] = _parse(setting, chosen)
-    checks = values["checks"] or list(ALL_CHECKS)
-    unknown = [c for c in checks if c not in ALL_CHECKS]
-    if unknown:
-        raise ValueError(f"unknown qreport check(s) {unknown}; known checks: {', '.join(ALL_CHECKS)}")
-    checks = [c for c in checks if c != "equalization_equivalence" or values["equalize"]]
-    values["checks"] = [c for c in checks if severity[c] != "off"]
+        declared = _parse(setting, getattr(declaration, setting))
+        chosen = next((v for v in (session["cli"][setting], declared, session["ini"][setting]) if v is not None), default)
+        values[setting] = chosen
+    _check_names(values["checks"], known)
+    options = {**(declaration.detector_options or {}), **(declaration.check_options or {})}
+    for name in options:
+        if name not in known:
+            raise ValueError(f"check_options for unknown check {name!r}{closest(name, known)}; known checks: "
+                             f"{', '.join(known)}")
+    checks = values["checks"] or known
+    values["checks"] = [c for c in known if c in checks and severity[c] != "off"]
     values["severity"] = severity
-    values["detector_options"] = dict(declaration.detector_options or {})
+    values["check_options"] = {name: dict(value) for name, value in options.items()}
     return ModelSettings(**values)
 
 

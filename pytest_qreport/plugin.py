@@ -1,4 +1,4 @@
-"""pytest entry point: options, and a session plugin registered only with --qreport.
+"""pytest entry point: options, hookspecs, and a session plugin registered only with --qreport.
 
 Neither torch nor qcore is imported unless --qreport is given.
 """
@@ -6,13 +6,32 @@ from __future__ import annotations
 
 from .options import add_options
 
+__all__ = ["pytest_addhooks", "pytest_addoption", "pytest_configure"]
+
 
 def pytest_addoption(parser) -> None:
+    """Register the --qreport flags and ini keys."""
     add_options(parser)
 
 
-def pytest_configure(config) -> None:
-    if config.getoption("qreport", default=False):
-        from .session import QReportSession
+def pytest_addhooks(pluginmanager) -> None:
+    """Add pytest-qreport's own hooks (see pytest_qreport.hookspecs)."""
+    from . import hookspecs
 
-        config.pluginmanager.register(QReportSession(config), "qreport-session")
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_configure(config) -> None:
+    """With --qreport: register the built-in checks, quantizers and reports, then check the options."""
+    if not config.getoption("qreport", default=False):
+        return
+    from . import checks, junit, quantizers, summary
+    from .session import QReportSession
+
+    for name, module in (("qreport-checks", checks), ("qreport-quantizers", quantizers),
+                         ("qreport-summary", summary), ("qreport-junit", junit)):
+        if not config.pluginmanager.has_plugin(name):
+            config.pluginmanager.register(module, name)
+    session = QReportSession(config)
+    config.pluginmanager.register(session, "qreport-session")
+    session.start()

@@ -1,13 +1,20 @@
-"""Hooks of a --qreport session: collection of declared models, rows, summary and the dedicated XML."""
+"""Hooks of a --qreport session: options checked up front, collection of declared models, rows, and reports."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
+from .findings import Finding
 from .items import STATE_KEY
-from .options import table_mode
-from .state import SessionState
+from .options import session_settings
+from .quantizers import resolve_quantizer
+from .registry import CheckRegistry
+from .runner import QReportError
+
+__all__ = ["QReportSession", "SessionState", "share_cores"]
 
 
 def share_cores(workers: int) -> None:
@@ -20,15 +27,47 @@ def share_cores(workers: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(workers))))
 
 
+@dataclass
+class SessionState:
+    """What one pytest process keeps for the plugin."""
+
+    config: Any
+    registry: CheckRegistry = field(default_factory=CheckRegistry)
+    settings: dict[str, Any] = field(default_factory=dict)
+    models: dict = field(default_factory=dict)
+    rows: list[tuple[list, Finding]] = field(default_factory=list)
+
+    def refresh_registry(self) -> CheckRegistry:
+        """Ask every plugin and conftest.py loaded so far to register its checks (idempotent)."""
+        self.config.hook.pytest_qreport_register_checks(registry=self.registry)
+        return self.registry
+
+    def ordered_rows(self) -> list[Finding]:
+        """Rows in collection order, whatever order the workers finished in."""
+        return [row for _, row in sorted(self.rows, key=lambda pair: pair[0])]
+
+
 class QReportSession:
     """Registered by plugin.pytest_configure when --qreport is on."""
 
     def __init__(self, config) -> None:
         self.config = config
-        self.state = SessionState()
+        self.state = SessionState(config)
         config.stash[STATE_KEY] = self.state
+
+    def start(self) -> None:
+        """Parse and check the session's options once; a bad value is one UsageError before collection."""
+        known = self.state.refresh_registry().names()
+        try:
+            self.state.settings = session_settings(self.config, known)
+            for source in ("cli", "ini"):
+                quantizer = self.state.settings[source]["quantizer"]
+                if quantizer is not None:
+                    resolve_quantizer(quantizer, self.config.hook)
+        except ValueError as error:
+            raise pytest.UsageError(f"qreport: {error}") from None
         if self.is_worker:
-            share_cores(config.workerinput.get("workercount", 1))
+            share_cores(self.config.workerinput.get("workercount", 1))
 
     @property
     def is_worker(self) -> bool:
@@ -49,32 +88,20 @@ class QReportSession:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item, call):
         report = yield
+        if call.excinfo is not None and isinstance(call.excinfo.value, QReportError) and call.when != "call":
+            report.longrepr = str(call.excinfo.value)  # the message is the whole report, also for setup errors
         row = getattr(item, "qreport_row", None)
         if row is not None and (call.when == "call" or (call.when == "setup" and report.failed)):
-            report.qreport = {"position": [item.nodeid.split("::")[0], *item.position],
-                              "row": dict(row, duration=float(report.duration))}
+            row = row.replace(nodeid=item.nodeid, duration=float(report.duration))
+            report.qreport = {"position": [item.nodeid.split("::")[0], *item.position], "row": row.to_dict()}
         return report
 
     def pytest_runtest_logreport(self, report) -> None:
         payload = getattr(report, "qreport", None)
         if payload:
-            self.state.add_row(payload["position"], payload["row"])
-
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        if self.is_worker:
-            return
-        from .summary import render_summary
-
-        rows = self.state.ordered_rows()
-        terminalreporter.section("qreport summary")
-        text = render_summary(rows, table_mode(self.config))
-        terminalreporter.write_line(text if text else "all qreport checks passed")
-        counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in ("pass", "fail", "warn", "error")}
-        terminalreporter.write_line(", ".join(f"{n} {v}" for v, n in counts.items() if n) or "no qreport items ran")
+            self.state.rows.append((list(payload["position"]), Finding.from_dict(payload["row"])))
 
     def pytest_sessionfinish(self) -> None:
-        path = self.config.getoption("qreport_junitxml", default=None)
-        if path and not self.is_worker:
-            from .junit import write_junit
-
-            write_junit(path, self.state.ordered_rows())
+        if self.is_worker or self.config.option.collectonly:
+            return
+        self.config.hook.pytest_qreport_report(rows=self.state.ordered_rows(), config=self.config)

@@ -101,7 +101,7 @@ def test_items_per_model_check_layer(pytester):
 
 COUNTING = """
 
-import pytest_qreport.runner as _runner
+import qcore.analysis as _runner
 _real_measure = _runner.measure_sqnr
 
 

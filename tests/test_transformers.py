@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import qcore
-from qcore.findings import measure_sqnr, quantized_layers
+from qcore.analysis import measure_sqnr, quantized_layers
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,26 +27,28 @@ def test_every_linear_of_bert_gets_an_sqnr_record(bert):
     model, data = bert
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     float_gm = qcore.capture(model, data[0], name="bert")
-    layers = [entry["layer"] for entry in quantized_layers(float_gm)]
+    layers = [entry.layer for entry in quantized_layers(float_gm)]
     assert set(linears) <= set(layers)
     measured = measure_sqnr(float_gm, data)
     for name in linears:
-        assert measured["layers"][name]["sqnr_db"] > 10
-        assert measured["layers"][name]["weight_sqnr_db"] > 30
-    assert measured["outputs"]
+        assert measured.layers[name].sqnr_db > 10
+        assert measured.layers[name].weight_sqnr_db > 30
+    assert measured.outputs
 
 
 def test_plugin_collects_an_sqnr_item_for_every_bert_linear(bert):
-    from pytest_qreport.declare import ModelDeclaration
+    from pytest_qreport.checks import BUILTIN_CHECKS
     from pytest_qreport.options import ModelSettings
+    from pytest_qreport.registry import CheckRegistry
     from pytest_qreport.runner import collect_model
 
     model, data = bert
-    declaration = ModelDeclaration(name="bert", factory=lambda: model, source_file="conftest.py")
+    registry = CheckRegistry()
+    for check in BUILTIN_CHECKS:
+        registry.register(check)
     settings = ModelSettings(20.0, 20.0, 30.0, None, None, ["sqnr", "outlier"], data, None, "int8", equalize=None,
-                             equalization_min_gain_db=1.0, severity={}, detector_options={})
-    state = collect_model(declaration, settings, fixture_at_collection=lambda name: None)
-    assert state.collect_error is None
+                             equalization_min_gain_db=1.0, severity={}, check_options={})
+    state = collect_model("bert", settings, registry, qcore.Int8StaticQuantizer(), model, data[0])
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     assert set(linears) <= set(state.items["sqnr"])
     assert set(linears) <= set(state.items["outlier"])

@@ -1,0 +1,27 @@
+"""The built-in checks, registered through the same hook a third-party plugin or conftest.py uses."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from .detectors import DetectorCheck, DynamicStaticCheck, InputWeightEqualizationCheck, OutlierCheck, PerChannelCheck
+from .equalization import EqualizationCheck, EqualizationEquivalenceCheck
+from .sqnr import ModelSqnrCheck, SqnrCheck, WeightSqnrCheck
+
+if TYPE_CHECKING:
+    from ..registry import CheckRegistry
+
+__all__ = ["BUILTIN_CHECKS", "DetectorCheck", "DynamicStaticCheck", "EqualizationCheck",
+           "EqualizationEquivalenceCheck", "InputWeightEqualizationCheck", "ModelSqnrCheck", "OutlierCheck",
+           "PerChannelCheck", "SqnrCheck", "WeightSqnrCheck", "pytest_qreport_register_checks"]
+
+BUILTIN_CHECKS = (SqnrCheck, WeightSqnrCheck, ModelSqnrCheck, PerChannelCheck, DynamicStaticCheck,
+                  InputWeightEqualizationCheck, OutlierCheck, EqualizationCheck, EqualizationEquivalenceCheck)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_qreport_register_checks(registry: CheckRegistry) -> None:
+    """Register the nine built-in checks."""
+    for check in BUILTIN_CHECKS:
+        registry.register(check)

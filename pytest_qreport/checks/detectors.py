@@ -1,0 +1,167 @@
+"""Detector checks: ModelReport's detectors as items. An item fails when its detector recommends something
+the model's quantizer does not already do.
+
+Wrapping a custom `qcore.report.DetectorBase` takes a few lines::
+
+    class MyDetectorCheck(DetectorCheck):
+        name, order, metric = "my_detector", 75, "my_metric"
+
+        def make_detector(self, quantizer):
+            return MyDetector(**self.options)
+
+        def layer_finding(self, model, layer, entry, quantized):
+            return self.finding(model, layer, entry["score"], 1.0, passed=entry["score"] < 1.0,
+                                message=f"layer {layer}: ...", details=entry)
+"""
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+from ..findings import Finding
+from ..registry import Check, ModelContext
+from .sqnr import keep_in_float_hint
+
+__all__ = ["DetectorCheck", "DynamicStaticCheck", "InputWeightEqualizationCheck", "OutlierCheck", "PerChannelCheck"]
+
+
+class DetectorCheck(Check):
+    """A check backed by one qcore.report detector; all of a model's detectors share one calibration pass."""
+
+    needs = frozenset({"detectors"})
+    default_options: ClassVar[dict[str, Any]] = {}
+
+    @abstractmethod
+    def make_detector(self, quantizer: Any) -> Any:
+        """The detector instance for this model (options: default_options updated by check_options)."""
+
+    @abstractmethod
+    def layer_finding(self, model: ModelContext, layer: str, entry: dict[str, Any], quantized: Any) -> Finding:
+        """The finding of one layer from its raw detector entry and its QuantizedLayer record."""
+
+    @property
+    def merged_options(self) -> dict[str, Any]:
+        """default_options updated by the model's check_options for this check."""
+        return {**self.default_options, **self.options}
+
+    def bind(self, model: ModelContext) -> None:
+        """Make this model's detector (called once per model, at collection)."""
+        self.detector = self.make_detector(model.analysis.quantizer)
+
+    def layers(self, model: ModelContext) -> list[str]:
+        quantized = {entry.layer for entry in model.analysis.layers}
+        return [op.layer for op in self.detector.layers(model.analysis.float_gm) if op.layer in quantized]
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        report, results = model.detector_report(self.name), []
+        for layer in layers:
+            entry = report.get(layer)
+            if entry is None:
+                results.append(self.finding(model, layer, math.nan, math.nan, passed=False, message=(
+                    f"model {model.name!r}, layer {layer}: collected, but the {self.name} detector saw no data for it; "
+                    "check that the calibration batches reach it.")))
+                continue
+            results.append(self.layer_finding(model, layer, entry, model.analysis.layer(layer)))
+        return results
+
+
+class PerChannelCheck(DetectorCheck):
+    """Per-channel weight quantization is supported but the quantizer quantizes per tensor."""
+
+    name, order, metric = "per_channel", 40, "per_channel_used"
+
+    def make_detector(self, quantizer: Any) -> Any:
+        from qcore.report import PerChannelDetector
+
+        return PerChannelDetector(quantizer=quantizer, **self.merged_options)
+
+    def layers(self, model: ModelContext) -> list[str]:
+        weighted = {entry.layer for entry in model.analysis.layers if entry.weighted}
+        return [op.layer for op in self.detector.layers(model.analysis.float_gm)
+                if op.weight is not None and op.layer in weighted]
+
+    def layer_finding(self, model, layer, entry, quantized) -> Finding:
+        supported = bool(entry[self.detector.PER_CHAN_SUPPORTED_KEY])
+        details = {"supported": supported, "used": bool(entry[self.detector.PER_CHAN_USED_KEY])}
+        message = (f"layer {layer}: weights are quantized per tensor but per-channel is supported. Fix: use "
+                   f"quantizer='int8' or Int8StaticQuantizer(layer_overrides={{'{quantized.fqn}': {{'per_channel': True}}}}).")
+        return self.finding(model, layer, float(quantized.per_channel), 1.0,
+                            passed=not (supported and not quantized.per_channel), message=message, details=details)
+
+
+class DynamicStaticCheck(DetectorCheck):
+    """The layer's output range varies so much per batch that dynamic quantization is recommended."""
+
+    name, order, metric = "dynamic_static", 50, "output_batch_to_epoch_ratio"
+    default_options = {"tolerance": 0.5}
+
+    def make_detector(self, quantizer: Any) -> Any:
+        from qcore.report import DynamicStaticDetector
+
+        return DynamicStaticDetector(**self.merged_options)
+
+    def layer_finding(self, model, layer, entry, quantized) -> Finding:
+        d = self.detector
+        details = {"recommended": bool(entry[d.DEFAULT_DYNAMIC_REC_KEY]), "input_s": float(entry[d.PRE_OBS_COMP_STAT_KEY]),
+                   "output_s": float(entry[d.POST_OBS_COMP_STAT_KEY]), "output_class": entry[d.POST_OBS_DATA_DIST_KEY],
+                   "tolerance": float(d.tolerance)}
+        message = (f"layer {layer}: its output is {details['output_class']} (S={details['output_s']:.3f} <= tolerance "
+                   f"{details['tolerance']}), so dynamic quantization is recommended but the quantizer is static. Fix: "
+                   f"Int8StaticQuantizer(layer_overrides={{'{quantized.fqn}': {{'is_dynamic': True}}}}).")
+        return self.finding(model, layer, details["output_s"], details["tolerance"],
+                            passed=not (details["recommended"] and not quantized.dynamic), message=message,
+                            details=details)
+
+
+class InputWeightEqualizationCheck(DetectorCheck):
+    """torch.ao's input-weight equalization detector recommends equalizing the layer."""
+
+    name, order, metric = "input_weight_equalization", 60, "equalization_channel_fraction"
+    default_options = {"ratio_threshold": 0.5}
+
+    def make_detector(self, quantizer: Any) -> Any:
+        from qcore.report import InputWeightEqualizationDetector
+
+        return InputWeightEqualizationDetector(**self.merged_options)
+
+    def layer_finding(self, model, layer, entry, quantized) -> Finding:
+        flags = entry[self.detector.RECOMMENDED_KEY]
+        details = {"fraction": sum(flags) / len(flags) if flags else 0.0, "channels": len(flags),
+                   "recommended": self.detector.is_layer_recommended(entry),
+                   "threshold": float(self.detector.ratio_threshold)}
+        equalized = layer in model.analysis.equalized_layers
+        message = (f"layer {layer}: input-weight equalization is recommended for {details['fraction']:.0%} of its "
+                   f"{details['channels']} channels (>= 40%) and the model is not equalized. Fix: qmodel(..., "
+                   "equalize=True), or set this check's severity to warn/off.")
+        return self.finding(model, layer, details["fraction"], 0.4, passed=not (details["recommended"] and not equalized),
+                            message=message, details=details)
+
+
+class OutlierCheck(DetectorCheck):
+    """Input channels whose maximum is far above their reference percentile, under a non-clipping observer."""
+
+    name, order, metric, higher_is_better = "outlier", 70, "max_percentile_ratio", False
+    default_options = {"ratio_threshold": 3.5, "reference_percentile": 0.975, "fraction_batches_used_threshold": 0.95}
+
+    def make_detector(self, quantizer: Any) -> Any:
+        from qcore.report import OutlierDetector
+
+        return OutlierDetector(**self.merged_options)
+
+    def layer_finding(self, model, layer, entry, quantized) -> Finding:
+        d = self.detector
+        ratios = entry[d.COMP_METRIC_KEY].tolist()
+        outliers = [i for i, flag in enumerate(entry[d.OUTLIER_KEY]) if flag]
+        finite = [r for r in ratios if not math.isnan(r)]
+        details = {"outlier_channels": outliers, "max_ratio": max(finite) if finite else math.nan,
+                   "threshold": float(d.ratio_threshold), "channels": len(ratios),
+                   "constant_channels": [i for i, n in enumerate(entry[d.CONSTANT_COUNTS_KEY].tolist()) if n]}
+        shown = ", ".join(str(c) for c in outliers[:8])
+        more = "" if len(outliers) <= 8 else f" and {len(outliers) - 8} more"
+        message = (f"layer {layer}: input channels {shown}{more} have outliers (q100/q_ref up to "
+                   f"{details['max_ratio']:.1f} > {details['threshold']}) and the activation observer does not clip. "
+                   "Fix: quantizer='int8_histogram' (clipping range chosen by error), or keep the layer in float with "
+                   f"{keep_in_float_hint(quantized.fqn)}.")
+        return self.finding(model, layer, details["max_ratio"], details["threshold"],
+                            passed=not (outliers and not quantized.clipping), message=message, details=details)

@@ -1,0 +1,58 @@
+"""Equalization checks: the SQNR gain input-weight equalization would bring, and the float equivalence of an
+equalized model."""
+from __future__ import annotations
+
+import math
+
+from ..findings import Finding
+from ..registry import Check, ModelContext
+
+__all__ = ["EqualizationCheck", "EqualizationEquivalenceCheck"]
+
+
+class EqualizationCheck(Check):
+    """Fails when equalizing a layer gains at least the minimum gain and the model is not equalized."""
+
+    name, order, metric, needs = "equalization", 80, "sqnr_gain_db", frozenset({"sqnr", "equalization"})
+
+    def layers(self, model: ModelContext) -> list[str]:
+        return list(model.analysis.equalizable_layers)
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        analysis, min_gain = model.analysis, model.settings.equalization_min_gain_db
+        applied = bool(analysis.equalize_recipe)
+        before = {k: v.sqnr_db for k, v in analysis.unequalized_sqnr.layers.items()}
+        after = {k: v.sqnr_db for k, v in analysis.equalized_sqnr.layers.items()}
+        results = []
+        for layer in layers:
+            gain = after.get(layer, math.nan) - before.get(layer, math.nan)
+            message = (f"layer {layer}: input-weight equalization raises its SQNR by {gain:.1f} dB "
+                       f"({before.get(layer, math.nan):.1f} -> {after.get(layer, math.nan):.1f} dB, >= {min_gain:.1f} dB) "
+                       "and the model is not equalized. Fix: qmodel(..., equalize=True).")
+            details = {"sqnr_db": before.get(layer), "equalized_sqnr_db": after.get(layer), "applied": applied}
+            results.append(self.finding(model, layer, gain, min_gain, passed=applied or not gain >= min_gain,
+                                        message=message, details=details))
+        return results
+
+
+class EqualizationEquivalenceCheck(Check):
+    """The equalized float model must compute what the original computes (relative to the output's magnitude)."""
+
+    name, order, metric, higher_is_better = "equalization_equivalence", 90, "max_relative_error", False
+    needs = frozenset({"equivalence"})
+    max_relative_error = 1e-4
+
+    def applies(self, model: ModelContext) -> bool:
+        return bool(model.analysis.equalize_recipe)
+
+    def layers(self, model: ModelContext) -> list[str]:
+        return ["output"]
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        error, threshold = model.analysis.equivalence_error, float(self.options.get("max_relative_error",
+                                                                                   self.max_relative_error))
+        message = (f"model {model.name}: the equalized float model differs from the original by {error:.3g} "
+                   f"(relative, > {threshold:g}); equalization must not change the float function. Report this "
+                   "model, or use equalize='cross_layer' / a smaller layer list.")
+        return [self.finding(model, layer, error, threshold, passed=error <= threshold, message=message)
+                for layer in layers]

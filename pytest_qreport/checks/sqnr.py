@@ -1,0 +1,96 @@
+"""SQNR checks: per-layer propagated SQNR, weight SQNR, and the SQNR of the model's output."""
+from __future__ import annotations
+
+import math
+
+from ..findings import Finding
+from ..registry import Check, ModelContext
+
+__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "keep_in_float_hint"]
+
+
+def keep_in_float_hint(fqn: str) -> str:
+    """The quantizer setting that keeps one layer unquantized (skip_layers only hides a layer from checks)."""
+    return f"quantizer=qcore.Int8StaticQuantizer(layer_overrides={{{fqn!r}: {{'skip': True}}}})"
+
+
+def _not_measured(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
+    return check.finding(model, layer, math.nan, threshold, passed=False,
+                         message=f"model {model.name!r}, layer {layer}: collected but not measured: the model's graph "
+                                 "changed between collection and run. Re-run pytest.")
+
+
+class SqnrCheck(Check):
+    """Propagated SQNR of each quantized layer's output (quantized inputs, so upstream error counts)."""
+
+    name, order, metric, needs = "sqnr", 10, "sqnr_db", frozenset({"sqnr"})
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        threshold, measured, results = model.settings.sqnr_min_db, model.analysis.sqnr.layers, []
+        for layer in layers:
+            entry = measured.get(layer)
+            if entry is None:
+                results.append(_not_measured(self, model, layer, threshold))
+                continue
+            message = self._message(layer, entry.fqn, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
+                                    entry.weight_sqnr_db is not None)
+            details = {"shadow_sqnr_db": entry.shadow_sqnr_db, "normalized_l2": entry.normalized_l2,
+                       "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn}
+            results.append(self.finding(model, layer, entry.sqnr_db, threshold, message=message, details=details))
+        return results
+
+    @staticmethod
+    def _message(layer: str, fqn: str, value: float, threshold: float, shadow: float, weighted: bool) -> str:
+        """Explain a low propagated SQNR, telling inherited error from the layer's own."""
+        text = f"layer {layer}: SQNR {value:.1f} dB < {threshold:.1f} dB (shadow SQNR {shadow:.1f} dB)."
+        if not math.isnan(shadow) and shadow >= threshold:
+            return text + (" With float inputs the layer is fine: it inherits its error from upstream layers. "
+                           "Fix the first failing layer upstream, or hide this layer from the checks with "
+                           f"skip_layers=[{layer!r}].")
+        advice = "use per-channel weights (quantizer='int8'), " if weighted else ""
+        return text + (f" The layer's own quantization error is too large: {advice}a histogram activation observer "
+                       f"(quantizer='int8_histogram'), or keep the layer in float with {keep_in_float_hint(fqn)}.")
+
+
+class WeightSqnrCheck(Check):
+    """SQNR of each quantized weight."""
+
+    name, order, metric, needs = "weight_sqnr", 20, "weight_sqnr_db", frozenset({"sqnr"})
+
+    def layers(self, model: ModelContext) -> list[str]:
+        return [entry.layer for entry in model.analysis.layers if entry.weighted]
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        threshold, measured, results = model.settings.weight_sqnr_min_db, model.analysis.sqnr.layers, []
+        for layer in layers:
+            entry = measured.get(layer)
+            if entry is None or entry.weight_sqnr_db is None:
+                results.append(_not_measured(self, model, layer, threshold))
+                continue
+            message = (f"layer {layer}: weight SQNR {entry.weight_sqnr_db:.1f} dB < {threshold:.1f} dB. Use per-channel "
+                       f"weight quantization (quantizer='int8'), or keep the layer in float with "
+                       f"{keep_in_float_hint(entry.fqn)}.")
+            results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
+        return results
+
+
+class ModelSqnrCheck(Check):
+    """SQNR of the model's output (the worst output leaf when there are several)."""
+
+    name, order, metric, needs = "model_sqnr", 30, "sqnr_db", frozenset({"sqnr"})
+
+    def layers(self, model: ModelContext) -> list[str]:
+        return ["output"]
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        threshold, measured, results = model.settings.model_sqnr_min_db, model.analysis.sqnr, []
+        for name in layers:
+            entry = measured.worst_output() if name == "output" else measured.outputs.get(name)
+            if entry is None:
+                results.append(_not_measured(self, model, name, threshold))
+                continue
+            message = (f"model output {name}: SQNR {entry.sqnr_db:.1f} dB < {threshold:.1f} dB. See the per-layer sqnr "
+                       "items for the layer where the error starts.")
+            details = {"cosine": entry.cosine, "normalized_l2": entry.normalized_l2, "leaf": entry.name}
+            results.append(self.finding(model, name, entry.sqnr_db, threshold, message=message, details=details))
+        return results

@@ -1,0 +1,76 @@
+"""pytest-qreport's own hooks. Implement them in a conftest.py or a plugin; they are added with pytest_addhooks.
+
+The built-in checks, quantizer names, the summary table and the JUnit writer are implemented through these
+same hooks, so a model repository can extend the gate without forking the plugin.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from .findings import Finding
+    from .registry import CheckRegistry
+
+__all__ = ["pytest_qreport_make_quantizer", "pytest_qreport_modify_findings", "pytest_qreport_register_checks",
+           "pytest_qreport_report"]
+
+
+@pytest.hookspec()
+def pytest_qreport_register_checks(registry: CheckRegistry) -> None:
+    """Add `Check` subclasses to the registry; each becomes items `qreport/<model>/<check>/<layer>`.
+
+    Called at start-up and again when collection meets a conftest.py that declares models. A check named on
+    the command line or in the ini file must come from a plugin or a conftest.py that pytest loads at
+    start-up (as for pytest_addoption). Example::
+
+        from pytest_qreport import Check
+
+        class LayerSparsity(Check):
+            name, order, metric, higher_is_better = "sparsity", 95, "zero_fraction", False
+
+            def findings(self, model, layers):
+                ...
+
+        def pytest_qreport_register_checks(registry):
+            registry.register(LayerSparsity)
+    """
+
+
+@pytest.hookspec(firstresult=True)
+def pytest_qreport_make_quantizer(name: str) -> Any:
+    """Return a qcore Quantizer for a quantizer name used by qmodel(quantizer=...), the ini or
+    --qreport-quantizer; None if the name is not yours. The built-in names (int8, int8_per_tensor,
+    int8_histogram, module:attribute) are resolved by a trylast implementation. Example::
+
+        def pytest_qreport_make_quantizer(name):
+            if name == "int8_no_head":
+                return qcore.Int8StaticQuantizer(layer_overrides={"head": {"skip": True}})
+    """
+
+
+@pytest.hookspec()
+def pytest_qreport_modify_findings(model: str, findings: list[Finding]) -> None:
+    """Waive or annotate a model's findings after its analysis, by replacing entries of `findings` in place.
+
+    A waived finding passes, and the summary table and both XML files show its verdict and reason. Example::
+
+        def pytest_qreport_modify_findings(model, findings):
+            for index, finding in enumerate(findings):
+                if model == "bert" and finding.check == "outlier" and finding.layer == "classifier":
+                    findings[index] = finding.waive("known outlier, tracked in #123")
+    """
+
+
+@pytest.hookspec()
+def pytest_qreport_report(rows: list[Finding], config: pytest.Config) -> None:
+    """Write extra outputs at the end of a --qreport session, on the controller process only.
+
+    `rows` holds every qreport finding of the session in collection order, with `nodeid` and `duration` set.
+    The summary table and the --qreport-junitxml writer are implementations of this hook. Example::
+
+        def pytest_qreport_report(rows, config):
+            failing = [row.to_dict() for row in rows if row.failed]
+            pathlib.Path("qreport-failing.json").write_text(json.dumps(failing))
+    """

@@ -1,0 +1,134 @@
+"""The check registry: every check, built-in or third-party, is a `Check` subclass registered here.
+
+A check declares its name, its order among checks, its default severity, which layers it applies to (from
+the captured graph, at collection, without data), what it needs measured, and how measurements become
+findings. The plugin makes one item per (model, check, layer) from it.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping
+
+from .findings import Finding
+
+if TYPE_CHECKING:
+    from qcore.analysis import ModelAnalysis
+
+    from .options import ModelSettings
+
+__all__ = ["MEASUREMENTS", "SEVERITIES", "Check", "CheckRegistry", "ModelContext"]
+
+MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence"})
+SEVERITIES = ("fail", "warn", "off")
+
+
+class ModelContext:
+    """What a check sees of one model: its name, settings, checks and qcore analysis."""
+
+    def __init__(self, name: str, settings: ModelSettings, analysis: ModelAnalysis,
+                 checks: Mapping[str, Check] | None = None) -> None:
+        self.name = name
+        self.settings = settings
+        self.analysis = analysis
+        self.checks: dict[str, Check] = dict(checks or {})
+        self._detector_reports: dict[str, Any] | None = None
+
+    def detector_report(self, check: str) -> dict[str, Any]:
+        """{layer: raw detector entry} for one detector check; all of the model's detectors run in one pass."""
+        if self._detector_reports is None:
+            detectors = {name: c.detector for name, c in self.checks.items() if getattr(c, "detector", None) is not None}
+            self._detector_reports = self.analysis.detector_reports(detectors)
+        return self._detector_reports.get(check, {})
+
+
+class Check(ABC):
+    """Base class of a quality check. Subclass it, set the class attributes, and implement `findings`.
+
+    name: the check's name in node ids, options and tables. order: position among checks (built-ins use
+    10-90). default_severity: "fail", "warn" or "off". needs: what the check measures (a subset of
+    MEASUREMENTS; documentation, and lets the plugin batch work). metric: the unit of its values ("_db"
+    suffix for decibels). higher_is_better: the direction in which values improve.
+    `options` holds the model's qmodel(check_options={name: {...}}) for this check.
+    """
+
+    name: ClassVar[str] = ""
+    order: ClassVar[int] = 100
+    default_severity: ClassVar[str] = "fail"
+    needs: ClassVar[frozenset[str]] = frozenset()
+    metric: ClassVar[str] = ""
+    higher_is_better: ClassVar[bool] = True
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
+
+    def bind(self, model: ModelContext) -> None:
+        """Prepare per-model state once, at collection, before `applies` and `layers` (default: nothing)."""
+
+    def applies(self, model: ModelContext) -> bool:
+        """Whether the check makes items for this model at all (for example only when it is equalized)."""
+        return True
+
+    def layers(self, model: ModelContext) -> list[str]:
+        """The layers the check makes items for, in graph order, from the captured graph alone."""
+        return [entry.layer for entry in model.analysis.layers]
+
+    @abstractmethod
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        """One finding per layer in `layers`, from measurements on the model's calibration batches."""
+
+    def finding(self, model: ModelContext, layer: str, value: float, threshold: float, passed: bool | None = None,
+                message: str = "", details: Mapping[str, Any] | None = None) -> Finding:
+        """A finding of this check; `passed` defaults to comparing value and threshold in the check's direction.
+
+        `message` is kept only when the finding does not pass: it should say what to change.
+        """
+        if passed is None:
+            passed = not math.isnan(value) and (value >= threshold if self.higher_is_better else value <= threshold)
+        return Finding(model=model.name, check=self.name, layer=layer, metric=self.metric, value=value,
+                       threshold=threshold, verdict="pass" if passed else "fail", message="" if passed else message,
+                       details=dict(details or {}))
+
+
+class CheckRegistry:
+    """The checks of a session, by name, in their declared order."""
+
+    def __init__(self) -> None:
+        self._checks: dict[str, type[Check]] = {}
+
+    def register(self, check: type[Check]) -> type[Check]:
+        """Add a Check subclass (usable as a class decorator); registering the same class again is a no-op."""
+        if not (isinstance(check, type) and issubclass(check, Check)):
+            raise TypeError(f"register() takes a Check subclass, not {check!r}")
+        if not check.name or not check.name.isidentifier():
+            raise ValueError(f"{check.__qualname__}.name must be an identifier, got {check.name!r}")
+        if check.default_severity not in SEVERITIES:
+            raise ValueError(f"{check.__qualname__}.default_severity must be one of {SEVERITIES}")
+        unknown = set(check.needs) - MEASUREMENTS
+        if unknown:
+            raise ValueError(f"{check.__qualname__}.needs has unknown measurement(s) {sorted(unknown)}; "
+                             f"known: {sorted(MEASUREMENTS)}")
+        existing = self._checks.get(check.name)
+        if existing is not None and existing is not check and existing.__qualname__ != check.__qualname__:
+            raise ValueError(f"check name {check.name!r} is taken by {existing.__module__}.{existing.__qualname__}")
+        self._checks[check.name] = check
+        return check
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._checks
+
+    def __iter__(self) -> Iterator[type[Check]]:
+        return iter(self.checks())
+
+    def get(self, name: str) -> type[Check]:
+        """The check class registered under `name`."""
+        return self._checks[name]
+
+    def checks(self) -> list[type[Check]]:
+        """Every registered check, by order, then registration."""
+        position = {name: index for index, name in enumerate(self._checks)}
+        return sorted(self._checks.values(), key=lambda c: (c.order, position[c.name]))
+
+    def names(self) -> list[str]:
+        """Every check name, in check order."""
+        return [check.name for check in self.checks()]

@@ -1,0 +1,257 @@
+"""One analysis of a model: capture once, annotate once, measure on shared calibration batches.
+
+`ModelAnalysis` is the plain (pytest-free) entry point behind every quality check: it lists the layers a
+quantizer quantizes (no data needed), then measures lazily and at most once each: SQNR of the quantized
+model (per layer, per weight, per output), ModelReport detector statistics, and input-weight
+equalization (gain per layer, float equivalence). Results are typed records of builtins.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from .calibrate import calibrate
+from .capture import capture, clone_graph_module
+from .convert import convert
+from .equalize import cross_layer_equalize, equalize
+from .graph import find_quantizable_ops
+from .inputs import call_model
+from .numeric.compare import compare
+from .numeric.metrics import compute_sqnr
+from .numeric.suite import extract_weights
+from .observers import HistogramObserver
+from .prepare import prepare
+from .quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
+from .report import ModelReport
+from .report.detectors import DetectorBase
+
+__all__ = ["LayerSqnr", "ModelAnalysis", "OutputSqnr", "QuantizedLayer", "SqnrMeasurement", "analyze_model",
+           "measure_sqnr", "quantized_layers"]
+
+
+@dataclass(frozen=True)
+class QuantizedLayer:
+    """A layer the quantizer quantizes, and how (known from annotation alone)."""
+
+    layer: str
+    fqn: str
+    op: str
+    weighted: bool
+    per_channel: bool
+    dynamic: bool
+    clipping: bool
+    equalizable: bool
+
+
+@dataclass(frozen=True)
+class LayerSqnr:
+    """SQNR of one quantized layer: propagated (quantized inputs), shadow (float inputs) and weight."""
+
+    layer: str
+    fqn: str
+    op: str
+    sqnr_db: float
+    shadow_sqnr_db: float
+    normalized_l2: float
+    cosine: float
+    batches: int
+    weight_sqnr_db: float | None = None
+
+
+@dataclass(frozen=True)
+class OutputSqnr:
+    """SQNR of one floating output leaf of the model."""
+
+    name: str
+    sqnr_db: float
+    cosine: float
+    normalized_l2: float
+
+
+@dataclass(frozen=True)
+class SqnrMeasurement:
+    """Float vs quantized, per layer and per output leaf, in graph order."""
+
+    layers: Mapping[str, LayerSqnr]
+    outputs: Mapping[str, OutputSqnr]
+
+    def worst_output(self) -> OutputSqnr | None:
+        """The output leaf with the lowest SQNR (a model with several outputs is judged by its worst)."""
+        return min(self.outputs.values(), key=lambda o: o.sqnr_db, default=None)
+
+
+def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = None) -> list[QuantizedLayer]:
+    """The layers `quantizer` quantizes, in graph order, from one annotation of a copy. No calibration."""
+    annotated = clone_graph_module(float_gm)
+    (quantizer or Int8StaticQuantizer()).annotate(annotated)
+    layers = []
+    for op in find_quantizable_ops(annotated):
+        annotation = op.node.meta.get(ANNOTATION_KEY)
+        specs = annotation.input_qspec_map if annotation is not None else {}
+        if not specs:
+            continue
+        weight = specs.get(op.weight) if op.weight is not None else None
+        activation = next((specs[a] for a in op.activation_inputs if a in specs), None)
+        layers.append(QuantizedLayer(
+            layer=op.layer, fqn=op.fqn, op=op.kind, weighted=weight is not None,
+            per_channel="per_channel" in str(getattr(weight, "qscheme", "")),
+            dynamic=bool(getattr(activation, "is_dynamic", False)),
+            clipping=getattr(activation, "observer_or_fake_quant_ctr", None) is HistogramObserver,
+            equalizable=op.kind in ("linear", "conv") and op.weight is not None and op.weight.op == "get_attr"))
+    return layers
+
+
+def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None = None) -> SqnrMeasurement:
+    """Quantize a copy of `float_gm` on `batches`, then compare it with the float graph."""
+    prepared = prepare(clone_graph_module(float_gm), quantizer or Int8StaticQuantizer())
+    calibrate(prepared, batches)
+    quant_gm = convert(prepared)
+    propagated = compare(float_gm, quant_gm, batches, propagate=True)
+    shadow = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, batches, propagate=False)}
+    weights = extract_weights("float", float_gm, "quant", quant_gm)
+    layers: dict[str, LayerSqnr] = {}
+    outputs: dict[str, OutputSqnr] = {}
+    for record in propagated:
+        if record["op"] == "output":
+            outputs[record["layer"]] = OutputSqnr(record["layer"], float(record["sqnr_db"]), float(record["cosine"]),
+                                                  float(record["normalized_l2"]))
+            continue
+        weight_db = None
+        if record["layer"] in weights:
+            pair = weights[record["layer"]]["weight"]
+            weight_db = float(compute_sqnr(pair["float"][0]["values"][0], pair["quant"][0]["values"][0]))
+        layers[record["layer"]] = LayerSqnr(
+            layer=record["layer"], fqn=record["fqn"], op=record["op"], sqnr_db=float(record["sqnr_db"]),
+            shadow_sqnr_db=float(shadow.get(record["layer"], math.nan)),
+            normalized_l2=float(record["normalized_l2"]), cosine=float(record["cosine"]),
+            batches=int(record["batches"]), weight_sqnr_db=weight_db)
+    return SqnrMeasurement(layers, outputs)
+
+
+def _max_relative_error(reference: fx.GraphModule, candidate: fx.GraphModule, batches: list) -> float:
+    """max |candidate - reference| / max |reference| over every floating output tensor and batch."""
+    worst = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            pairs = zip(pytree.tree_leaves(call_model(reference, batch)), pytree.tree_leaves(call_model(candidate, batch)))
+            for a, b in pairs:
+                if isinstance(a, torch.Tensor) and a.is_floating_point():
+                    scale = float(a.abs().max()) or 1.0
+                    worst = max(worst, float((b - a).abs().max()) / scale)
+    return worst
+
+
+class ModelAnalysis:
+    """Measures one captured model once; every measurement is computed on first use and kept.
+
+    equalize: None, True (input-weight on every equalizable layer), "cross_layer", or a list of layers.
+    The model as quantized is the equalized one when `equalize` is set.
+    """
+
+    def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer | None = None,
+                 batches: Iterable[Any] | None = None, *, equalize: Any = None) -> None:
+        self.float_gm = float_gm
+        self.quantizer = quantizer or Int8StaticQuantizer()
+        self.equalize_recipe = equalize
+        self._batches = None if batches is None else list(batches)
+
+    @property
+    def batches(self) -> list[Any]:
+        """The calibration batches, materialized once."""
+        if self._batches is None:
+            raise ValueError("this analysis was made without calibration batches; pass batches=... to measure")
+        return self._batches
+
+    def attach_batches(self, batches: Iterable[Any]) -> None:
+        """Give the analysis its calibration batches (materialized once; later calls keep the first set)."""
+        if self._batches is None:
+            self._batches = list(batches)
+
+    @cached_property
+    def layers(self) -> list[QuantizedLayer]:
+        """The quantized layers in graph order (no data needed)."""
+        return quantized_layers(self.float_gm, self.quantizer)
+
+    def layer(self, name: str) -> QuantizedLayer:
+        """One quantized layer by name."""
+        for entry in self.layers:
+            if entry.layer == name:
+                return entry
+        raise KeyError(f"{name!r} is not a quantized layer; known: {[e.layer for e in self.layers]}")
+
+    @cached_property
+    def equalizable_layers(self) -> list[str]:
+        """Quantized linear/conv layers with a weight parameter, in graph order."""
+        return [entry.layer for entry in self.layers if entry.equalizable]
+
+    @cached_property
+    def equalized_layers(self) -> list[str]:
+        """The layers the equalize recipe equalizes (none for cross-layer, which rescales pairs)."""
+        if self.equalize_recipe is True:
+            return list(self.equalizable_layers)
+        if isinstance(self.equalize_recipe, (list, tuple)):
+            return list(self.equalize_recipe)
+        return []
+
+    def _equalized(self, layers: Any) -> fx.GraphModule:
+        if layers == "cross_layer":
+            return cross_layer_equalize(self.float_gm)
+        return equalize(self.float_gm, list(layers), self.batches)
+
+    @cached_property
+    def quantized_input_gm(self) -> fx.GraphModule:
+        """The float graph that gets quantized: the equalized one when equalization is on."""
+        if not self.equalize_recipe:
+            return self.float_gm
+        recipe = self.equalize_recipe
+        return self._equalized("cross_layer" if recipe == "cross_layer" else self.equalized_layers)
+
+    @cached_property
+    def sqnr(self) -> SqnrMeasurement:
+        """SQNR of the model as quantized (equalized first when equalization is on)."""
+        return measure_sqnr(self.quantized_input_gm, self.batches, self.quantizer)
+
+    @cached_property
+    def unequalized_sqnr(self) -> SqnrMeasurement:
+        """SQNR without equalization (the same as `sqnr` when equalization is off)."""
+        return self.sqnr if not self.equalize_recipe else measure_sqnr(self.float_gm, self.batches, self.quantizer)
+
+    @cached_property
+    def equalized_sqnr(self) -> SqnrMeasurement:
+        """SQNR with input-weight equalization of every equalizable layer (or the model's own recipe)."""
+        if self.equalize_recipe:
+            return self.sqnr
+        return measure_sqnr(self._equalized(self.equalizable_layers), self.batches, self.quantizer)
+
+    @cached_property
+    def equivalence_error(self) -> float:
+        """How far the equalized float model is from the original: max error relative to the output's range."""
+        return _max_relative_error(self.float_gm, self.quantized_input_gm, self.batches)
+
+    def detector_reports(self, detectors: Mapping[str, DetectorBase]) -> dict[str, dict[str, dict[str, Any]]]:
+        """Run every detector in one ModelReport over the batches: {key: {layer: raw detector entry}}."""
+        if not detectors:
+            return {}
+        report = ModelReport(clone_graph_module(self.float_gm), list(detectors.values()))
+        calibrate(report.prepare_detailed_calibration(), self.batches)
+        reports = report.generate_model_report(remove_inserted_observers=True)
+        return {key: dict(reports.get(detector.get_detector_name(), ("", {}))[1]) for key, detector in detectors.items()}
+
+
+def analyze_model(model: nn.Module | fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
+                  example_inputs: Any = None, equalize: Any = None, name: str | None = None) -> ModelAnalysis:
+    """Capture `model` (unless it is a qcore graph) and return its analysis, with SQNR measured."""
+    batches = list(batches)
+    if not isinstance(model, fx.GraphModule):
+        if not batches and example_inputs is None:
+            raise ValueError("analyze_model needs at least one calibration batch")
+        model = capture(model, batches[0] if example_inputs is None else example_inputs, name=name)
+    analysis = ModelAnalysis(model, quantizer, batches, equalize=equalize)
+    analysis.sqnr  # noqa: B018 - measure now, so that errors surface here
+    return analysis
