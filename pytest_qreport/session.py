@@ -101,7 +101,15 @@ class QReportSession:
         if payload:
             self.state.rows.append((list(payload["position"]), Finding.from_dict(payload["row"])))
 
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        self._report()
+
     def pytest_sessionfinish(self) -> None:
+        if not self.config.pluginmanager.has_plugin("terminalreporter"):
+            self._report()  # with -p no:terminal there is no terminal summary to report from
+
+    def _report(self) -> None:
+        """Call pytest_qreport_report once, on the controller, unless only collecting."""
         if self.is_worker or self.config.option.collectonly:
             return
         self.config.hook.pytest_qreport_report(rows=self.state.ordered_rows(), config=self.config)
