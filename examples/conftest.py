@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from models import MLP, TinyEncoder, TinyResNet, seeded, settle_batchnorm
+from models import MLP, VOCABULARY, TinyEncoder, TinyResNet, WordTokenizer, seeded, sentences, settle_batchnorm
 from pytest_qreport import qmodel
 
 # torch.ao's input-weight equalization detector recommends equalization for almost every well-balanced
@@ -62,6 +62,27 @@ def mlp():
 @qmodel(calibration="token_batches", quantizer="int8_histogram", severity=ADVISORY)
 def tiny_encoder():
     return seeded(TinyEncoder)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """Like loading a tokenizer from its files: set up once per session, cleaned up at the end."""
+    path = tmp_path_factory.mktemp("tokenizer") / "vocab.txt"
+    path.write_text("\n".join(VOCABULARY), encoding="utf-8")
+    yield WordTokenizer(str(path))
+    path.unlink()
+
+
+@pytest.fixture
+def sentence_batches(tokenizer):
+    return [tokenizer(sentences(8, seed), length=24) for seed in range(6)]
+
+
+# A model whose calibration fixture needs another fixture (the tokenizer): qmodel resolves it at collection
+# and at run time through pytest's own fixture machinery, teardown included.
+@qmodel(calibration="sentence_batches", quantizer="int8_histogram", checks="sqnr,model_sqnr")
+def text_classifier():
+    return seeded(lambda: TinyEncoder(vocab=len(VOCABULARY) + 2, dim=32, heads=2, layers=1, max_tokens=24))
 
 
 @pytest.fixture

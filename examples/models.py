@@ -118,3 +118,34 @@ def settle_batchnorm(model: nn.Module, batches, steps: int = 4) -> nn.Module:
         for batch in list(batches)[:steps]:
             model(batch)
     return model.eval()
+
+
+class WordTokenizer:
+    """A whitespace tokenizer over a vocabulary file, standing in for a Hugging Face tokenizer."""
+
+    def __init__(self, vocabulary_path: str) -> None:
+        with open(vocabulary_path, encoding="utf-8") as stream:
+            words = stream.read().split()
+        self.ids = {word: index + 2 for index, word in enumerate(words)}  # 0: padding, 1: unknown
+
+    def __call__(self, sentences: list[str], length: int) -> dict[str, torch.Tensor]:
+        """input_ids and attention_mask for `sentences`, padded or cut to `length` tokens."""
+        ids = torch.zeros(len(sentences), length, dtype=torch.long)
+        mask = torch.zeros(len(sentences), length, dtype=torch.long)
+        for row, sentence in enumerate(sentences):
+            tokens = [self.ids.get(word, 1) for word in sentence.lower().split()][:length]
+            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, :len(tokens)] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+VOCABULARY = ("the a model layer weight scale zero point int8 float error channel batch token input output "
+              "quantized observer range outlier signal noise ratio gate regression baseline check").split()
+
+
+def sentences(count: int, seed: int) -> list[str]:
+    """`count` seeded sentences of 6 to 20 vocabulary words."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, 21, (count,), generator=g).tolist()
+    return [" ".join(VOCABULARY[i] for i in torch.randint(0, len(VOCABULARY), (n,), generator=g).tolist())
+            for n in lengths]
