@@ -1,5 +1,6 @@
 """The report observer's native kernel computes exactly what its torch path computes."""
 import copy
+import os
 import pickle
 
 import pytest
@@ -172,4 +173,81 @@ def test_build_lands_in_the_cache_atomically(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_state", {})
     assert native.kernel() is not None
     built = sorted(path.name for path in tmp_path.iterdir())
-    assert len(built) == 1 and built[0].startswith("_stats-") and built[0].endswith(".so")
+    assert len(built) == 2 and built[0].startswith("_stats-") and built[0].endswith(".so")
+    assert built[1] == built[0] + ".sha256"  # the hash the loader checks before it loads a cached build
+
+
+@needs_kernel
+def test_a_tampered_cached_build_is_rebuilt_before_it_is_loaded(monkeypatch, tmp_path):
+    monkeypatch.setenv("QCORE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_state", {})
+    assert native.kernel() is not None
+    library = next(tmp_path.glob("*.so"))
+    tampered = tmp_path / "tampered"
+    tampered.write_bytes(b"not the build that was recorded")
+    os.replace(tampered, library)  # a new file: the loaded library's mapping stays intact
+    monkeypatch.setattr(native, "_state", {})
+    assert native.kernel() is not None
+    assert native._verified(library) and library.stat().st_size > 1000
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_cache_directory_others_may_write_is_never_used(monkeypatch, tmp_path, mode):
+    shared, fallback = tmp_path / "shared", tmp_path / "tmp"
+    shared.mkdir(mode=0o700)
+    fallback.mkdir(mode=0o700)
+    shared.chmod(mode)
+    monkeypatch.setenv("QCORE_CACHE_DIR", str(shared))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(fallback))
+    monkeypatch.setattr(native, "_state", {})
+    assert native.kernel() is not None
+    assert not list(shared.iterdir()) and list(fallback.glob("qcore-*/_stats-*.so"))
+
+
+@needs_kernel
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_cache_directory_of_another_user_is_never_used(monkeypatch, tmp_path):
+    theirs, temp = tmp_path / "theirs", tmp_path / "tmp"
+    squatted = temp / f"qcore-{os.getuid()}"  # the per-user temp folder, made first by someone else
+    for folder in (theirs, squatted):
+        folder.mkdir(mode=0o700, parents=True)
+        os.chown(folder, 4321, 4321)
+    monkeypatch.setenv("QCORE_CACHE_DIR", str(theirs))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(temp))
+    monkeypatch.setattr(native, "_state", {})
+    assert native.kernel() is None and "private cache directory" in native.status()
+
+
+def test_a_platform_without_getuid_takes_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("QCORE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delattr(os, "getuid")
+    monkeypatch.setattr(native, "_state", {})
+    assert native.kernel() is None and "getuid" in native.status()
+    observer = _observe([torch.randn(16, 4)] * 2, ch_axis=-1, percentiles=(0.975,))
+    assert observer.num_batches_tracked == 2
+
+
+@needs_kernel
+def test_the_kernel_refuses_buffers_too_small_for_its_arguments():
+    import ctypes
+
+    library, x = native.kernel(), torch.randn(32, 8)
+    state = [torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.full((8,), float("inf")),
+             torch.full((8,), float("-inf")), torch.zeros(8)]
+    ratio_sums, ratio_counts = torch.zeros(1, 8, dtype=torch.float64), torch.zeros(1, 8)
+    picks, no_sample = torch.tensor([0], dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+    needed = library.qcore_scratch_floats(32, 8, 1, 2, 0, 1)
+
+    def observe(scratch_floats, k=2, state_channels=8, ratio_slots=8, pick=0):
+        picks[0] = pick
+        scratch = torch.empty(max(scratch_floats, needed))
+        return library.qcore_observe(x.data_ptr(), 32, 8, 1, k, picks.data_ptr(), 1, no_sample.data_ptr(), 0,
+                                     scratch.data_ptr(), scratch_floats, 1, *(t.data_ptr() for t in state),
+                                     state_channels, ratio_sums.data_ptr(), ratio_counts.data_ptr(), ratio_slots)
+
+    assert observe(needed) == 0
+    refused = [observe(needed - 1), observe(needed, k=65), observe(needed, state_channels=4),
+               observe(needed, ratio_slots=7), observe(needed, pick=2), observe(needed, pick=-1)]
+    assert refused == [native.REFUSED] * len(refused)
+    assert isinstance(ctypes.c_int64(0).value, int)

@@ -9,6 +9,7 @@
  * loaded), up to `threads` threads share the work.
  *
  * Both return 0, or 1 without touching the state when the batch holds a NaN (the torch path handles it).
+ * qcore_observe returns 2, touching nothing, when its arguments do not fit the buffer sizes it is given.
  */
 #include <float.h>
 #include <math.h>
@@ -20,6 +21,7 @@
 
 #define BLOCK 16 /* rows per block: each block keeps its three largest values per channel */
 #define CHUNK 32 /* channels one register-resident step of the first pass handles */
+#define MAX_TOP 64 /* the largest k: the per-channel top buffers are this long */
 
 static void fill(float *values, int64_t n, float v) {
     for (int64_t i = 0; i < n; ++i) values[i] = v;
@@ -128,7 +130,7 @@ static void scan_blocks(const float *x, int64_t rows, int64_t channels, int64_t 
  * values of blocks whose third-largest exceeds bound. */
 static void rebuild_channel(const float *x, int64_t rows, int64_t channels, int64_t k, int64_t c, float bound,
                             const float *tops, float *levels) {
-    float top[64]; /* k <= NATIVE_MAX_TOP == 64; at least k values are >= bound */
+    float top[MAX_TOP]; /* k <= MAX_TOP (checked by qcore_observe); at least k values are >= bound */
     fill(top, k, bound);
     for (int64_t b = 0; b * BLOCK < rows; ++b) {
         const float *block_tops = tops + 3 * b * channels + c;
@@ -325,7 +327,7 @@ static int runs_pass(const float *x, int64_t outer, int64_t channels, int64_t in
     int32_t bad = 0;
 #pragma omp parallel for reduction(| : bad) num_threads(threads) if (threads > 1)
     for (int64_t c = 0; c < channels; ++c) {
-        float lo = INFINITY, hi = -INFINITY, top[64], run_range[3];
+        float lo = INFINITY, hi = -INFINITY, top[MAX_TOP], run_range[3];
         fill(top, m ? 0 : k, -INFINITY);
         int32_t nan = 0;
         for (int64_t o = 0; o < outer; ++o) {
@@ -362,11 +364,30 @@ int64_t qcore_scratch_floats(int64_t outer, int64_t channels, int64_t inner, int
     return (3 + (k > 0 ? k : 1)) * channels + extra;
 }
 
+/* Whether the arguments fit the buffers: scratch of scratch_floats floats, per-channel state of state_channels
+ * floats, ratio sums and counts of ratio_slots values, picks within the top k (exact) or the sample (sampled),
+ * and sample offsets inside x. */
+static int arguments_fit(int64_t outer, int64_t channels, int64_t inner, int64_t k, const int64_t *picks,
+                         int64_t n_picks, const int64_t *sample, int64_t m, int64_t threads, int64_t scratch_floats,
+                         int64_t state_channels, int64_t ratio_slots) {
+    if (outer < 1 || channels < 1 || inner < 1 || k < 0 || k > MAX_TOP || n_picks < 0 || m < 0) return 0;
+    if (outer > INT64_MAX / channels / inner) return 0;
+    if (m && inner == 1) return 0;
+    if (state_channels != channels || n_picks > ratio_slots / channels) return 0;
+    if (m && n_picks > (k > 0 ? k : 1)) return 0; /* sampled: one level per pick */
+    if (qcore_scratch_floats(outer, channels, inner, k, m, threads) > scratch_floats) return 0;
+    for (int64_t j = 0; j < n_picks; ++j)
+        if (picks[j] < 0 || picks[j] >= (m ? m : k)) return 0;
+    for (int64_t j = 0; j < m; ++j)
+        if (sample[j] < 0 || sample[j] > (outer * channels - channels + 1) * inner - 1) return 0;
+    return 1;
+}
+
 int64_t qcore_observe(const float *x, int64_t outer, int64_t channels, int64_t inner, int64_t k,
                       const int64_t *picks, int64_t n_picks, const int64_t *sample, int64_t m, float *scratch,
-                      int64_t threads, float *extremes,
-                      double *extreme_sums, float *min_val, float *max_val, float *constant_channels,
-                      double *ratio_sums, float *ratio_counts) {
+                      int64_t scratch_floats, int64_t threads, float *extremes, double *extreme_sums, float *min_val,
+                      float *max_val, float *constant_channels, int64_t state_channels, double *ratio_sums,
+                      float *ratio_counts, int64_t ratio_slots) {
     float *low = scratch, *high = scratch + channels, *bound = scratch + 2 * channels;
     float *levels = scratch + 3 * channels, *tops = levels + (k > 0 ? k : 1) * channels;
     float *parts = tops + 3 * ((outer + BLOCK - 1) / BLOCK) * channels;
@@ -376,6 +397,9 @@ int64_t qcore_observe(const float *x, int64_t outer, int64_t channels, int64_t i
     threads = 1;
 #endif
     if (threads < 1) threads = 1; /* never more than the caller sized scratch for */
+    if (!arguments_fit(outer, channels, inner, k, picks, n_picks, sample, m, threads, scratch_floats, state_channels,
+                       ratio_slots))
+        return 2;
     int bad = inner == 1 ? rows_pass(x, outer, channels, k, threads, low, high, bound, levels, tops, parts)
                          : runs_pass(x, outer, channels, inner, k, sample, m, picks, n_picks, low, high, levels,
                                      tops, threads);
@@ -396,10 +420,10 @@ int64_t qcore_observe(const float *x, int64_t outer, int64_t channels, int64_t i
         /* exact: picks are ascending positions in the top k; sampled: level j holds pick j */
         const float *level = levels + (m ? j : k - 1 - picks[j]) * channels;
         for (int64_t c = 0; c < channels; ++c) {
-            float q = level[c] + 0.0f, m = high[c], ratio = m / q; /* + 0: -0 and +0 tie in selection */
+            float q = level[c] + 0.0f, peak = high[c], ratio = peak / q; /* + 0: -0 and +0 tie in selection */
             ratio = ratio != ratio ? 0.0f : ratio == INFINITY ? FLT_MAX : ratio == -INFINITY ? -FLT_MAX : ratio;
             ratio_sums[j * channels + c] += (double)ratio; /* torch.nan_to_num(high / q) */
-            ratio_counts[j * channels + c] += (q != 0.0f) | (m != 0.0f);
+            ratio_counts[j * channels + c] += (q != 0.0f) | (peak != 0.0f);
         }
     }
     return 0;

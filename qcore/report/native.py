@@ -15,6 +15,8 @@ import os
 import pathlib
 import platform
 import shlex
+import shutil
+import stat
 import subprocess
 import tempfile
 
@@ -23,6 +25,7 @@ _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
 _LIBRARIES = ("-lm",)  # after the source, where linkers look for them
 # Best first. -march=native puts the CPU's flags in the cache key, so a build never runs on another CPU.
 _VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())
+REFUSED = 2  # qcore_observe's answer when its arguments do not fit its buffers
 PARALLEL_MIN_NUMEL = 1 << 15  # below this, waking a second thread costs more than it saves
 _state: dict[str, object] = {}
 
@@ -35,41 +38,97 @@ def _cpu_signature() -> str:
         return ""
 
 
-def _cache_dir() -> pathlib.Path:
+def _cache_dirs() -> list[pathlib.Path]:
+    """Where a build may go: $QCORE_CACHE_DIR or the user cache, then a per-user folder in the temp dir."""
     root = os.environ.get("QCORE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qcore")
-    return pathlib.Path(root)
+    return [pathlib.Path(root), pathlib.Path(tempfile.gettempdir()) / f"qcore-{_user_id()}"]
+
+
+def _user_id() -> int:
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:  # Windows: ownership cannot be checked the POSIX way, so nothing is loaded
+        raise RuntimeError("this platform has no os.getuid, so a cached kernel's owner cannot be checked")
+    return getuid()
+
+
+def _private(path: pathlib.Path, kind: int) -> bool:
+    """True when `path` is of `kind` (not a link), owned by this user, and writable by no one else."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_IFMT(info.st_mode) == kind and info.st_uid == _user_id() and not info.st_mode & 0o022
+
+
+def _private_directory(path: pathlib.Path) -> bool:
+    """Create `path` (mode 0700) if needed; True when it is ours alone."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return _private(path, stat.S_IFDIR)
+
+
+def _digest(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(target: pathlib.Path) -> bool:
+    """True when `target` is ours alone and its content matches the hash recorded when it was built."""
+    record = target.with_name(target.name + ".sha256")
+    if not (_private(target, stat.S_IFREG) and _private(record, stat.S_IFREG)):
+        return False
+    try:
+        return record.read_text(encoding="ascii").strip() == _digest(target)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _write_private(directory: pathlib.Path, suffix: str, write) -> pathlib.Path:
+    handle, partial = tempfile.mkstemp(dir=directory, suffix=suffix)  # mkstemp files are 0600
+    os.close(handle)
+    write(partial)
+    return pathlib.Path(partial)
 
 
 def _compile(source: bytes, compiler: list[str], flags: tuple[str, ...]) -> pathlib.Path:
     key = repr((compiler, flags, _LIBRARIES, platform.machine(), _cpu_signature() if "-march=native" in flags else ""))
     digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
-    for directory in (_cache_dir(), pathlib.Path(tempfile.gettempdir()) / f"qcore-{os.getuid()}"):
+    for directory in _cache_dirs():
+        if not _private_directory(directory):
+            continue  # another user's folder, or one others may write: never build or load there
         target = directory / f"_stats-{digest}.so"
-        if target.exists():
+        if _verified(target):
             return target
+        partial = None
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
-            os.close(handle)
+            partial = _write_private(directory, ".so.partial", lambda path: subprocess.run(
+                [*compiler, *flags, "-o", path, str(_SOURCE), *_LIBRARIES], check=True, capture_output=True,
+                timeout=120))
+            record = _write_private(directory, ".sha256.partial",
+                                    lambda path: pathlib.Path(path).write_text(_digest(pathlib.Path(partial)) + "\n"))
+            os.replace(record, target.with_name(target.name + ".sha256"))
+            os.replace(partial, target)  # atomic: concurrent builds (xdist workers) write the same file
+            partial = None
         except OSError:
             continue
-        try:
-            subprocess.run([*compiler, *flags, "-o", partial, str(_SOURCE), *_LIBRARIES], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(partial, target)  # atomic: concurrent builds (xdist workers) write the same file
-            return target
         finally:
-            if os.path.exists(partial):
+            if partial is not None and os.path.exists(partial):
                 os.unlink(partial)
-    raise OSError("no writable cache directory for the compiled kernel")
+        if _verified(target):
+            return target
+    raise OSError("no private cache directory for the compiled kernel (owned by this user, writable by no one else)")
 
 
 def _load():
     if os.environ.get("QCORE_NATIVE", "1") == "0":
         raise RuntimeError("disabled by QCORE_NATIVE=0")
     compiler = shlex.split(os.environ.get("CC", "cc"))
+    if not compiler or shutil.which(compiler[0]) is None:
+        raise RuntimeError(f"no C compiler {compiler[0] if compiler else ''!r} (set CC to one)")
     source = _SOURCE.read_bytes()
+    failure = "no build variant compiled"
     for extra in _VARIANTS:
         try:
             built = _compile(source, compiler, _FLAGS + extra)
@@ -81,8 +140,8 @@ def _load():
     library = ctypes.CDLL(str(built))
     _state["openmp"] = "-fopenmp" in extra and _one_openmp_runtime()
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    library.qcore_observe.argtypes = [pointer, integer, integer, integer, integer, pointer, integer, pointer,
-                                      integer, pointer, integer] + [pointer] * 7
+    library.qcore_observe.argtypes = ([pointer, integer, integer, integer, integer, pointer, integer, pointer, integer,
+                                       pointer, integer, integer] + [pointer] * 5 + [integer, pointer, pointer, integer])
     library.qcore_observe.restype = integer
     library.qcore_scratch_floats.argtypes = [integer] * 6
     library.qcore_scratch_floats.restype = integer
@@ -121,8 +180,8 @@ def kernel():
         try:
             _state["library"] = _load()
             _state["status"] = "native kernel" + (" (OpenMP, torch's threads)" if _state["openmp"] else "")
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            _state["library"], _state["status"] = None, f"torch path only: {error}"
+        except Exception as error:  # noqa: BLE001 - whatever fails here, the torch path computes the same
+            _state["library"], _state["status"] = None, f"torch path only: {type(error).__name__}: {error}"
     return _state["library"]
 
 

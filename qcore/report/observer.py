@@ -137,13 +137,19 @@ class ReportObserver(nn.Module):
             scratch = torch.empty(library.qcore_scratch_floats(outer, channels, inner, top, sample.numel(), workers))
             function = library.qcore_observe
             arguments = (outer, channels, inner, top, picks.data_ptr(), picks.numel(), sample.data_ptr(),
-                         sample.numel(), scratch.data_ptr(), workers,
+                         sample.numel(), scratch.data_ptr(), scratch.numel(), workers,
                          *(buffer.data_ptr() for buffer in (self.extremes, self.extreme_sums, self.min_val,
-                                                            self.max_val, self.constant_channels,
-                                                            self.ratio_sums, self.ratio_counts)))
+                                                            self.max_val, self.constant_channels)),
+                         self.min_val.numel(), self.ratio_sums.data_ptr(), self.ratio_counts.data_ptr(),
+                         min(self.ratio_sums.numel(), self.ratio_counts.numel()))
             self._native_scratch = (picks, sample, scratch)  # keeps the memory the pointers point to
         self._native_plan = (values.shape, function, arguments)
-        if function(values.data_ptr(), *arguments):
+        outcome = function(values.data_ptr(), *arguments)
+        if outcome == native.REFUSED:
+            self._native_plan = None
+            raise RuntimeError(f"the native report kernel refused its buffer sizes for shape {tuple(values.shape)}; "
+                               "this is a qcore bug: please report it, and set QCORE_NATIVE=0 meanwhile")
+        if outcome:
             return False  # a NaN: torch ops propagate it
         self.__dict__["num_batches_tracked"] += 1
         return True
