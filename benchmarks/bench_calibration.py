@@ -3,8 +3,8 @@
 ResNet-style CNN on 16x3x64x64 (20 batches) and an MLP of 6 x Linear(256) on 256 rows (50 batches).
 Times calibration passes (observers running on every batch). This machine's timings swing by up to 2x
 from minute to minute, so the contenders take turns, round after round; it prints each one's best pass and
-the median of the per-round ratios to the plain pass. Report generation is timed apart. Prints whether our observers ran the native kernel (qcore.report.native)
-or their torch path.
+the median of the per-round ratios to the plain pass. Report generation is timed apart. Prints whether our observers ran the native kernel (qcore.report.native),
+and times qcore a second time with every observer on its torch path (what QCORE_NATIVE=0 runs), in the same rounds.
 
     python benchmarks/bench_calibration.py
 """
@@ -58,6 +58,17 @@ def ours(model, batches):
     return report.prepare_detailed_calibration(), lambda: report.generate_model_report(False)
 
 
+def ours_torch_path(model, batches):
+    """The same as `ours`, with every observer kept on its torch path (what QCORE_NATIVE=0 runs)."""
+    from qcore.report.observer import ReportObserver
+
+    observed, generate = ours(model, batches)
+    for module in observed.modules():
+        if isinstance(module, ReportObserver):
+            module._observe_native = lambda values: False  # instance attribute: this observer never plans a kernel
+    return observed, generate
+
+
 def torch_ao(model, batches):
     """torch.ao's ModelReport with all four detectors on a prepare_fx model."""
     from torch.ao.quantization import get_default_qconfig_mapping
@@ -80,7 +91,8 @@ def measure(model, batches) -> dict[str, float]:
     from qcore.capture import capture
 
     contenders = {"plain": (model, None), "qcore graph": (capture(copy.deepcopy(model), batches[0]), None),
-                  "qcore": ours(model, batches), "torch.ao": torch_ao(model, batches)}
+                  "qcore": ours(model, batches), "qcore torch path": ours_torch_path(model, batches),
+                  "torch.ao": torch_ao(model, batches)}
     times: dict[str, list[float]] = {name: [] for name in contenders}
     with torch.no_grad():
         for observed, _ in contenders.values():
@@ -90,7 +102,7 @@ def measure(model, batches) -> dict[str, float]:
                 if name != "torch.ao" or round_index < AO_ROUNDS:
                     times[name].append(_pass(observed, batches))
     result = {name: min(values) for name, values in times.items()}
-    for name in ("qcore graph", "qcore", "torch.ao"):
+    for name in ("qcore graph", "qcore", "qcore torch path", "torch.ao"):
         result[f"{name} median ratio"] = statistics.median(t / p for t, p in zip(times[name], times["plain"]))
     for name, (_, generate) in contenders.items():
         if generate is None:
@@ -121,9 +133,10 @@ def main() -> None:
         print(f"  plain forward         {plain * 1e3:9.1f} ms")
         print(f"  (captured graph, no observers: {result['qcore graph'] / plain:.2f}x; median ratio "
               f"{result['qcore graph median ratio']:.2f}x)")
-        for name in ("qcore", "torch.ao"):
-            print(f"  {name + ' ModelReport':21s} {result[name] * 1e3:9.1f} ms  = {result[name] / plain:5.2f}x forward"
+        for name in ("qcore", "qcore torch path", "torch.ao"):
+            print(f"  {name + ' ModelReport':32s} {result[name] * 1e3:9.1f} ms  = {result[name] / plain:5.2f}x forward"
                   f" (median ratio {result[name + ' median ratio']:5.2f}x; report {result[name + ' report'] * 1e3:.0f} ms)")
+        print(f"  native kernel vs torch path: {result['qcore torch path'] / result['qcore']:.2f}x faster (best passes)")
         print(f"  qcore is {result['torch.ao'] / result['qcore']:.1f}x faster than torch.ao (best passes; "
               f"{result['torch.ao median ratio'] / result['qcore median ratio']:.1f}x by median ratios)")
 

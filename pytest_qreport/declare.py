@@ -4,8 +4,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -91,7 +92,8 @@ def qmodel(
     sqnr_min_db / model_sqnr_min_db / weight_sqnr_min_db: thresholds in dB. layers / skip_layers: globs.
     checks: which checks to run (default: all). severity: {check: "fail" | "warn" | "off"} or
     "outlier=warn,per_channel=off". detector_options: constructor arguments per detector check, e.g.
-    {"outlier": {"ratio_threshold": 5.0}}; check_options: the same for any check, custom ones too. equalize: True (input-weight equalization of every eligible layer),
+    {"outlier": {"ratio_threshold": 5.0}}; check_options: the same for any check, custom ones too.
+    equalize: True (input-weight equalization of every eligible layer),
     "cross_layer", or a list of layer names; the model is equalized before it is quantized.
     equalization_min_gain_db: the gain at which an `equalization` item fails (default 1.0).
     The model function, the calibration fixture and the example-inputs fixture may request other fixtures.

@@ -4,7 +4,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any, cast
 
 import pytest
 
@@ -151,7 +152,7 @@ class QReportItem(pytest.Function):
         if model.collect_error:
             self._record_error(model.collect_error)
             raise QReportModelError(model.collect_error) from model.error_cause
-        request = self.funcargs["request"]
+        request = cast(pytest.FixtureRequest, self.funcargs["request"])
         hook = self.ihook
         analyze(model, lambda: self._calibration_batches(model, request),
                 lambda found: hook.pytest_qreport_modify_findings(model=model.name, findings=found))
@@ -192,7 +193,7 @@ class QReportItem(pytest.Function):
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, QReportError):
             return str(excinfo.value)
-        return super().repr_failure(excinfo, style=style)
+        return super().repr_failure(excinfo)
 
     def reportinfo(self):
         return self.path, None, self.name

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from .registry import SEVERITIES
 
@@ -159,7 +160,7 @@ def session_settings(config, known_checks: list[str]) -> dict[str, Any]:
         for source, raw, where in (("cli", config.getoption(f"qreport_{setting}"), flag),
                                    ("ini", config.getini(ini) or None, f"ini {ini}")):
             try:
-                value = parse_severity(raw, known_checks) if setting == "severity" else _parse(setting, raw)
+                value: Any = parse_severity(raw, known_checks) if setting == "severity" else _parse(setting, raw)
                 if setting == "checks":
                     _check_names(value, known_checks)
             except ValueError as error:
@@ -183,8 +184,8 @@ def resolve_settings(session: dict[str, Any], declaration, registry) -> ModelSet
         if setting == "severity":
             continue
         declared = _parse(setting, getattr(declaration, setting))
-        chosen = next((v for v in (session["cli"][setting], declared, session["ini"][setting]) if v is not None), default)
-        values[setting] = chosen
+        given = (session["cli"][setting], declared, session["ini"][setting])
+        values[setting] = next((v for v in given if v is not None), default)
     _check_names(values["checks"], known)
     options = {**(declaration.detector_options or {}), **(declaration.check_options or {})}
     for name in options:

@@ -8,7 +8,7 @@ import pytest
 
 __all__ = ["BUILTIN_QUANTIZERS", "pytest_qreport_make_quantizer", "resolve_quantizer"]
 
-BUILTIN_QUANTIZERS = {
+BUILTIN_QUANTIZERS: dict[str, dict[str, Any]] = {
     "int8": {"per_channel": True},
     "int8_per_tensor": {"per_channel": False},
     "int8_histogram": {"per_channel": True, "activation_observer": "histogram"},

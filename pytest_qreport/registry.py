@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .findings import Finding
 
@@ -37,7 +38,8 @@ class ModelContext:
     def detector_report(self, check: str) -> dict[str, Any]:
         """{layer: raw detector entry} for one detector check; all of the model's detectors run in one pass."""
         if self._detector_reports is None:
-            detectors = {name: c.detector for name, c in self.checks.items() if getattr(c, "detector", None) is not None}
+            detectors = {name: detector for name, c in self.checks.items()
+                         if (detector := getattr(c, "detector", None)) is not None}
             self._detector_reports = self.analysis.detector_reports(detectors)
         return self._detector_reports.get(check, {})
 

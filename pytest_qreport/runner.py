@@ -7,8 +7,9 @@ from __future__ import annotations
 import fnmatch
 import os
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from .findings import Finding
 from .options import ModelSettings
@@ -68,7 +69,8 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     from qcore.analysis import ModelAnalysis
 
     if not hasattr(model, "forward"):
-        raise QReportModelError(f"model {name!r}: the qmodel function returned {type(model).__name__}, not an nn.Module")
+        raise QReportModelError(f"model {name!r}: the qmodel function returned {type(model).__name__}, "
+                                "not an nn.Module")
     float_gm = qcore.capture(model, example_inputs, name=name)
     analysis = ModelAnalysis(float_gm, quantizer, equalize=settings.equalize)
     checks: dict[str, Check] = {}

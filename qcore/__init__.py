@@ -14,7 +14,6 @@ from .observers import (
     PlaceholderObserver,
 )
 from .prepare import QuantizationConfigError, get_edge_or_node_to_group_id, prepare
-from .report import ModelReport
 from .quantizer import (
     DerivedQuantizationSpec,
     FixedQParamsQuantizationSpec,
@@ -25,6 +24,7 @@ from .quantizer import (
     Quantizer,
     SharedQuantizationSpec,
 )
+from .report import ModelReport
 
 __all__ = [
     "CalibrationError", "CaptureError", "DerivedObserver", "DerivedQuantizationSpec", "FixedQParamsObserver",

@@ -8,9 +8,10 @@ equalization (gain per layer, float equivalence). Results are typed records of b
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -139,8 +140,8 @@ def _max_relative_error(reference: fx.GraphModule, candidate: fx.GraphModule, ba
     worst = 0.0
     with torch.no_grad():
         for batch in batches:
-            pairs = zip(pytree.tree_leaves(call_model(reference, batch)), pytree.tree_leaves(call_model(candidate, batch)))
-            for a, b in pairs:
+            expected = pytree.tree_leaves(call_model(reference, batch))
+            for a, b in zip(expected, pytree.tree_leaves(call_model(candidate, batch))):
                 if isinstance(a, torch.Tensor) and a.is_floating_point():
                     scale = float(a.abs().max()) or 1.0
                     worst = max(worst, float((b - a).abs().max()) / scale)
@@ -241,7 +242,8 @@ class ModelAnalysis:
         report = ModelReport(clone_graph_module(self.float_gm), list(detectors.values()))
         calibrate(report.prepare_detailed_calibration(), self.batches)
         reports = report.generate_model_report(remove_inserted_observers=True)
-        return {key: dict(reports.get(detector.get_detector_name(), ("", {}))[1]) for key, detector in detectors.items()}
+        return {key: dict(reports.get(detector.get_detector_name(), ("", {}))[1])
+                for key, detector in detectors.items()}
 
 
 def analyze_model(model: nn.Module | fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,

@@ -1,12 +1,15 @@
 """Run calibration batches through a prepared model."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .inputs import call_model, move_to
+
+__all__ = ["CalibrationError", "calibrate", "model_device"]
 
 
 class CalibrationError(RuntimeError):

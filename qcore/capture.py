@@ -11,6 +11,8 @@ from torch import fx, nn
 from .graph import FQN_KEY, HANDLE_KEY
 from .inputs import as_args_kwargs
 
+__all__ = ["CaptureError", "annotate_fqns_and_handles", "capture", "clone_graph_module", "module_fqn"]
+
 
 class CaptureError(RuntimeError):
     """Neither torch.export nor torch.fx could capture the model."""
@@ -100,9 +102,9 @@ def _auto_batch_dims(args: tuple, kwargs: dict):
     def spec(value):
         return {0: auto} if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 
-    return {"args": tuple(spec(a) for a in args), "kwargs": {k: spec(v) for k, v in kwargs.items()}} if kwargs else tuple(
-        spec(a) for a in args
-    )
+    if kwargs:
+        return {"args": tuple(spec(a) for a in args), "kwargs": {k: spec(v) for k, v in kwargs.items()}}
+    return tuple(spec(a) for a in args)
 
 
 def _fx_trace(model: nn.Module) -> fx.GraphModule:

@@ -1,7 +1,8 @@
 """Convert: observers become quantize->dequantize (fake-quant) with the observed qparams."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -53,7 +54,8 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
 def _qparams_meta(observer: ObserverBase, scale, zero_point) -> dict[str, Any]:
     return {"dtype": str(observer.dtype), "quant_min": observer.quant_min, "quant_max": observer.quant_max,
             "qscheme": str(observer.qscheme), "ch_axis": observer.ch_axis,
-            "scale": scale.detach().cpu().reshape(-1).tolist(), "zero_point": zero_point.detach().cpu().reshape(-1).tolist()}
+            "scale": scale.detach().cpu().reshape(-1).tolist(),
+            "zero_point": zero_point.detach().cpu().reshape(-1).tolist()}
 
 
 def fake_quantize_with(observer: ObserverBase, value: torch.Tensor) -> torch.Tensor:
@@ -95,7 +97,7 @@ def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
         base = f"qcore_qparams_{node.name}"
         gm.register_buffer(base + "_scale", scale.detach().float().clone())
         gm.register_buffer(base + "_zero_point", zero_point.detach().clone())
-        args = (source, gm.graph.get_attr(base + "_scale"), gm.graph.get_attr(base + "_zero_point"),
+        args: tuple = (source, gm.graph.get_attr(base + "_scale"), gm.graph.get_attr(base + "_zero_point"),
                 observer.ch_axis or 0, observer.quant_min, observer.quant_max)
         new = gm.graph.call_function(fake_quantize_per_channel, args)
     else:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import warnings
 from collections import namedtuple
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -22,6 +23,10 @@ from torch import fx, nn
 from .calibrate import calibrate
 from .capture import clone_graph_module
 from .graph import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, op_kind
+
+__all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserver", "WeightEqualizationObserver",
+    "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
+    "equalize", "node_is_transposed", "resolve_layers"]
 
 
 class EqualizationError(ValueError):
@@ -35,6 +40,8 @@ def _minmax_along(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class InputEqualizationObserver(nn.Module):
+    min_val: torch.Tensor
+    max_val: torch.Tensor
     """Running min/max per input channel (the feature axis: 1 for conv, last for linear)."""
 
     def __init__(self, dtype: torch.dtype = torch.uint8, qscheme: torch.qscheme = torch.per_tensor_affine,
@@ -42,7 +49,8 @@ class InputEqualizationObserver(nn.Module):
         super().__init__()
         if qscheme not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
             raise TypeError("input qscheme must be per-tensor")
-        self.dtype, self.qscheme, self.quant_min, self.quant_max, self.ch_axis = dtype, qscheme, quant_min, quant_max, ch_axis
+        self.dtype, self.qscheme, self.ch_axis = dtype, qscheme, ch_axis
+        self.quant_min, self.quant_max = quant_min, quant_max
         self.register_buffer("min_val", torch.empty(0))
         self.register_buffer("max_val", torch.empty(0))
         self.equalization_scale = torch.tensor(1.0)
@@ -75,6 +83,8 @@ class InputEqualizationObserver(nn.Module):
 
 
 class WeightEqualizationObserver(nn.Module):
+    min_val: torch.Tensor
+    max_val: torch.Tensor
     """Min/max per weight column (input channel, axis 1)."""
 
     def __init__(self, dtype: torch.dtype = torch.int8, qscheme: torch.qscheme = torch.per_tensor_affine,
@@ -165,9 +175,10 @@ def _check_layer(gm: fx.GraphModule, op: QuantizableOp) -> None:
     if len(users) > 1:
         raise EqualizationError(f"layer {op.layer}: its weight is shared with other ops (tied weights); "
                                 "equalizing it would change them too. Remove it from the mapping")
-    weight = _fetch(gm, str(op.weight.target))
+    weight = _fetch(gm, op.weight_target)
     if op.kind == "conv" and weight.dim() not in (3, 4):
-        raise EqualizationError(f"layer {op.layer}: only Conv1d and Conv2d are supported, got a {weight.dim() - 2}-d conv")
+        raise EqualizationError(f"layer {op.layer}: only Conv1d and Conv2d are supported, "
+                                f"got a {weight.dim() - 2}-d conv")
     if op.node.op == "call_function" and op.kind == "conv" and node_is_transposed(op.node):
         raise EqualizationError(f"layer {op.layer}: transposed convolutions are not supported")
 
@@ -187,7 +198,7 @@ def _input_channel_scale(op: QuantizableOp, scale: torch.Tensor, weight: torch.T
 
 
 def _scale_weight_columns(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool) -> None:
-    target = str(op.weight.target)
+    target = op.weight_target
     weight = _fetch(gm, target).detach()
     factor = _input_channel_scale(op, scale.to(weight), weight)
     _assign(gm, target, weight / factor if inverse else weight * factor)
@@ -257,14 +268,14 @@ def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterabl
     scales = {}
     for op in ops:
         weight_observer = WeightEqualizationObserver()
-        weight = _fetch(result, str(op.weight.target)).detach()
+        weight = _fetch(result, op.weight_target).detach()
         groups = _groups(op)
         if groups > 1:  # columns of a grouped conv weight: channel g * in_per_group + j
             weight_observer.min_val, weight_observer.max_val = _grouped_column_minmax(weight, groups)
         else:
             weight_observer(weight)
         scales[op.layer] = calculate_equalization_scale(observers[op.layer][0], weight_observer).reshape(-1)
-    for observer, node in observers.values():
+    for _observer, node in observers.values():
         result.graph.erase_node(node)
         delattr(result, node.target)
     _apply_scales(result, ops, scales)
@@ -301,7 +312,7 @@ def _insert_input_mul(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor
     while hasattr(gm, name):
         name += "_"
     if op.kind == "conv":  # [1, C, 1(, 1)]: the channel axis of a Conv1d/Conv2d input
-        weight = _fetch(gm, str(op.weight.target))
+        weight = _fetch(gm, op.weight_target)
         shape = [1, -1] + [1] * (weight.dim() - 2)
     else:  # the feature (last) axis broadcasts from a 1-d scale
         shape = [-1]
@@ -316,7 +327,7 @@ def _insert_input_mul(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor
 
 def _weight_ranges(gm: fx.GraphModule, op: QuantizableOp, axis: int) -> torch.Tensor:
     """max |w| per output channel (axis 0) or per input channel (axis 1, grouped convs included)."""
-    weight = _fetch(gm, str(op.weight.target)).detach().abs()
+    weight = _fetch(gm, op.weight_target).detach().abs()
     if axis == 0:
         return weight.reshape(weight.shape[0], -1).amax(dim=1)
     groups = _groups(op)

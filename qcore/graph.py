@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+__all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "QUANTIZABLE_KINDS", "QuantizableOp", "WEIGHTED_KINDS", "aten",
+    "find_quantizable_ops", "fused_output", "is_inserted", "op_kind", "original_input"]
+
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
 INSERTED_KEY = "qcore_inserted"  # "observer" or "qdq" on nodes that qcore adds
@@ -85,6 +88,13 @@ class QuantizableOp:
     weight: fx.Node | None = None
     bias: fx.Node | None = None
     output: fx.Node | None = None  # the node whose value is the layer's result (a fused relu, else the op)
+
+    @property
+    def weight_target(self) -> str:
+        """The attribute path of the layer's weight; ValueError for a layer without one."""
+        if self.weight is None:
+            raise ValueError(f"layer {self.layer} has no weight")
+        return str(self.weight.target)
 
 
 def is_inserted(node: object) -> bool:

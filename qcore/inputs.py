@@ -5,6 +5,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["as_args_kwargs", "call_model", "move_to"]
+
 
 def as_args_kwargs(inputs: Any) -> tuple[tuple, dict]:
     """Split a batch into (args, kwargs): a dict is kwargs, a tuple/list is args, anything else one arg."""

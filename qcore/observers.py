@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import abc
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from .qparams import FLOAT32_EPS, calculate_qparams, is_per_channel, is_symmetric, resolve_quant_range
+
+__all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinMaxObserver",
+    "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver"]
 
 
 class ObserverBase(nn.Module, abc.ABC):
@@ -58,6 +61,8 @@ class ObserverBase(nn.Module, abc.ABC):
 
 class _RangeObserver(ObserverBase):
     """Observers that keep a running min/max and derive qparams from it."""
+    min_val: torch.Tensor
+    max_val: torch.Tensor
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -130,6 +135,7 @@ class PerChannelMinMaxObserver(_RangeObserver):
 
 class HistogramObserver(_RangeObserver):
     """Streaming histogram; the clipping range minimizes the expected L2 quantization error."""
+    histogram: torch.Tensor
 
     def __init__(self, bins: int = 2048, **kwargs) -> None:
         super().__init__(**kwargs)

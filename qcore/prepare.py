@@ -17,6 +17,9 @@ from .quantizer import (
 )
 from .unionfind import UnionFind
 
+__all__ = ["OBSERVER_PREFIX", "QuantizationConfigError", "create_group_observers", "get_edge_or_node_to_group_id",
+    "get_edge_or_node_to_qspec", "group_specs", "prepare"]
+
 OBSERVER_PREFIX = "qcore_observer_"
 
 
@@ -85,7 +88,8 @@ def _union(forest: UnionFind, mapping, parent, child) -> None:
     forest.link(root_parent, root_child, child_leads=child_leads)
 
 
-def get_edge_or_node_to_group_id(edge_or_node_to_qspec: dict[EdgeOrNode, QuantizationSpecBase]) -> dict[EdgeOrNode, int]:
+def get_edge_or_node_to_group_id(
+        edge_or_node_to_qspec: dict[EdgeOrNode, QuantizationSpecBase]) -> dict[EdgeOrNode, int]:
     """Group ids of edges/nodes that must share one observer: explicit and implicit sharing.
 
     Explicit: a SharedQuantizationSpec joins its key with its target. Implicit (when the consumer's
@@ -187,7 +191,8 @@ def create_group_observers(mapping, group_ids) -> dict[int, nn.Module]:
                 del pending[gid]
                 progressed = True
         if not progressed:
-            raise QuantizationConfigError("DerivedQuantizationSpec dependencies form a cycle; fix the derived_from lists.")
+            raise QuantizationConfigError(
+                "DerivedQuantizationSpec dependencies form a cycle; fix the derived_from lists.")
     return observers
 
 

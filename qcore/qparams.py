@@ -5,6 +5,10 @@ import struct
 
 import torch
 
+__all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRIC_SCHEMES", "calculate_qparams",
+    "default_quant_range", "fake_quantize_dynamic", "fake_quantize_per_channel", "fake_quantize_per_tensor",
+    "is_per_channel", "is_symmetric", "resolve_quant_range"]
+
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 
 _RANGES: dict[torch.dtype, tuple[int, int]] = {

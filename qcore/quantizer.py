@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import abc
 import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Union
 
 import torch
 from torch import fx
@@ -12,7 +13,11 @@ from torch import fx
 from .graph import QUANTIZABLE_KINDS, find_quantizable_ops, is_inserted, op_kind
 from .observers import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver
 
-EdgeOrNode = Union[tuple[fx.Node, fx.Node], fx.Node]
+__all__ = ["ANNOTATION_KEY", "DerivedQuantizationSpec", "EdgeOrNode", "FixedQParamsQuantizationSpec",
+    "Int8StaticQuantizer", "QuantizationAnnotation", "QuantizationSpec", "QuantizationSpecBase", "Quantizer",
+    "SharedQuantizationSpec", "int8_activation_spec", "int8_dynamic_activation_spec", "int8_weight_spec"]
+
+EdgeOrNode = Union[tuple[fx.Node, fx.Node], fx.Node]  # noqa: UP007 - a runtime alias: `|` needs Python 3.10 types
 ANNOTATION_KEY = "quantization_annotation"
 
 

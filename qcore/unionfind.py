@@ -5,7 +5,10 @@ parent's leader), so the sharing semantics do not depend on how the trees are ba
 """
 from __future__ import annotations
 
-from typing import Generic, Hashable, Iterable, TypeVar
+from collections.abc import Hashable, Iterable
+from typing import Generic, TypeVar
+
+__all__ = ["K", "UnionFind"]
 
 K = TypeVar("K", bound=Hashable)
 

@@ -251,3 +251,12 @@ def test_the_kernel_refuses_buffers_too_small_for_its_arguments():
                observe(needed, ratio_slots=7), observe(needed, pick=2), observe(needed, pick=-1)]
     assert refused == [native.REFUSED] * len(refused)
     assert isinstance(ctypes.c_int64(0).value, int)
+
+
+@pytest.mark.skipif(__import__("shutil").which("cc") is None, reason="no C compiler")
+def test_the_kernel_source_compiles_without_warnings(tmp_path):
+    import subprocess
+
+    flags = ["-std=c99", "-fopenmp", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-fsyntax-only"]
+    done = subprocess.run(["cc", *flags, str(native._SOURCE)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

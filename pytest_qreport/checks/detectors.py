@@ -84,8 +84,9 @@ class PerChannelCheck(DetectorCheck):
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         supported = bool(entry[self.detector.PER_CHAN_SUPPORTED_KEY])
         details = {"supported": supported, "used": bool(entry[self.detector.PER_CHAN_USED_KEY])}
+        override = f"{{'{quantized.fqn}': {{'per_channel': True}}}}"
         message = (f"layer {layer}: weights are quantized per tensor but per-channel is supported. Fix: use "
-                   f"quantizer='int8' or Int8StaticQuantizer(layer_overrides={{'{quantized.fqn}': {{'per_channel': True}}}}).")
+                   f"quantizer='int8' or Int8StaticQuantizer(layer_overrides={override}).")
         return self.finding(model, layer, float(quantized.per_channel), 1.0,
                             passed=not (supported and not quantized.per_channel), message=message, details=details)
 
@@ -103,9 +104,9 @@ class DynamicStaticCheck(DetectorCheck):
 
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         d = self.detector
-        details = {"recommended": bool(entry[d.DEFAULT_DYNAMIC_REC_KEY]), "input_s": float(entry[d.PRE_OBS_COMP_STAT_KEY]),
-                   "output_s": float(entry[d.POST_OBS_COMP_STAT_KEY]), "output_class": entry[d.POST_OBS_DATA_DIST_KEY],
-                   "tolerance": float(d.tolerance)}
+        details = {"recommended": bool(entry[d.DEFAULT_DYNAMIC_REC_KEY]),
+                   "input_s": float(entry[d.PRE_OBS_COMP_STAT_KEY]), "output_s": float(entry[d.POST_OBS_COMP_STAT_KEY]),
+                   "output_class": entry[d.POST_OBS_DATA_DIST_KEY], "tolerance": float(d.tolerance)}
         message = (f"layer {layer}: its output is {details['output_class']} (S={details['output_s']:.3f} <= tolerance "
                    f"{details['tolerance']}), so dynamic quantization is recommended but the quantizer is static. Fix: "
                    f"Int8StaticQuantizer(layer_overrides={{'{quantized.fqn}': {{'is_dynamic': True}}}}).")
@@ -134,8 +135,8 @@ class InputWeightEqualizationCheck(DetectorCheck):
         message = (f"layer {layer}: input-weight equalization is recommended for {details['fraction']:.0%} of its "
                    f"{details['channels']} channels (>= 40%) and the model is not equalized. Fix: qmodel(..., "
                    "equalize=True), or set this check's severity to warn/off.")
-        return self.finding(model, layer, details["fraction"], 0.4, passed=not (details["recommended"] and not equalized),
-                            message=message, details=details)
+        passed = not (details["recommended"] and not equalized)
+        return self.finding(model, layer, details["fraction"], 0.4, passed=passed, message=message, details=details)
 
 
 class OutlierCheck(DetectorCheck):
@@ -163,5 +164,5 @@ class OutlierCheck(DetectorCheck):
                    f"{details['max_ratio']:.1f} > {details['threshold']}) and the activation observer does not clip. "
                    "Fix: quantizer='int8_histogram' (clipping range chosen by error), or keep the layer in float with "
                    f"{keep_in_float_hint(quantized.fqn)}.")
-        return self.finding(model, layer, details["max_ratio"], details["threshold"],
+        return self.finding(model, layer, max(finite) if finite else math.nan, float(d.ratio_threshold),
                             passed=not (outliers and not quantized.clipping), message=message, details=details)

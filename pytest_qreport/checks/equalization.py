@@ -26,8 +26,9 @@ class EqualizationCheck(Check):
         results = []
         for layer in layers:
             gain = after.get(layer, math.nan) - before.get(layer, math.nan)
+            old, new = before.get(layer, math.nan), after.get(layer, math.nan)
             message = (f"layer {layer}: input-weight equalization raises its SQNR by {gain:.1f} dB "
-                       f"({before.get(layer, math.nan):.1f} -> {after.get(layer, math.nan):.1f} dB, >= {min_gain:.1f} dB) "
+                       f"({old:.1f} -> {new:.1f} dB, >= {min_gain:.1f} dB) "
                        "and the model is not equalized. Fix: qmodel(..., equalize=True).")
             details = {"sqnr_db": before.get(layer), "equalized_sqnr_db": after.get(layer), "applied": applied}
             results.append(self.finding(model, layer, gain, min_gain, passed=applied or not gain >= min_gain,

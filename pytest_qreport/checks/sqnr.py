@@ -67,8 +67,8 @@ class WeightSqnrCheck(Check):
             if entry is None or entry.weight_sqnr_db is None:
                 results.append(_not_measured(self, model, layer, threshold))
                 continue
-            message = (f"layer {layer}: weight SQNR {entry.weight_sqnr_db:.1f} dB < {threshold:.1f} dB. Use per-channel "
-                       f"weight quantization (quantizer='int8'), or keep the layer in float with "
+            message = (f"layer {layer}: weight SQNR {entry.weight_sqnr_db:.1f} dB < {threshold:.1f} dB. Use "
+                       f"per-channel weight quantization (quantizer='int8'), or keep the layer in float with "
                        f"{keep_in_float_hint(entry.fqn)}.")
             results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
         return results

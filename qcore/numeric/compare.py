@@ -1,18 +1,21 @@
 """Streaming float-vs-quantized comparison: per-layer sums on the device, memory flat in the batch count."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..capture import clone_graph_module
 from ..calibrate import model_device
+from ..capture import clone_graph_module
 from ..inputs import call_model, move_to
 from .instrument import attach_after, copy_layer_into
 from .loggers import ActivationStash, StreamingComparator
 from .matching import layer_value, match_layers
+
+__all__ = ["compare"]
 
 _SHADOW_PREFIX = "qcore_shadow_b"
 

@@ -1,12 +1,14 @@
 """Graph surgery for the numeric suite: loggers after layers, and shadow copies of quantized layers."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import fx, nn
 
 from ..graph import HANDLE_KEY, QuantizableOp, is_inserted
 from .matching import layer_value, nodes_by_handle
+
+__all__ = ["attach_after", "copy_layer_into"]
 
 
 def attach_after(gm: fx.GraphModule, node: fx.Node, name: str, module: nn.Module, *extra: fx.Node) -> fx.Node:

@@ -8,6 +8,8 @@ from torch import nn
 
 from .metrics import sqnr_from_sums
 
+__all__ = ["ActivationStash", "OutputLogger", "StreamingComparator"]
+
 
 class OutputLogger(nn.Module):
     """Stores every value it sees (as torch.ao's OutputLogger does); memory grows with the batches."""
@@ -64,6 +66,7 @@ class ActivationStash(nn.Module):
 
 
 class StreamingComparator(nn.Module):
+    sums: torch.Tensor
     """Accumulates sum(ref^2), sum(act^2), sum(ref*act) and sum((ref-act)^2) on the device, in float64."""
 
     def __init__(self, stash: ActivationStash | None = None) -> None:

@@ -8,6 +8,8 @@ from torch import fx
 
 from ..graph import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted
 
+__all__ = ["LayerMatchError", "LayerPair", "layer_value", "match_layers", "nodes_by_handle", "target_type"]
+
 
 class LayerMatchError(ValueError):
     """The two models do not come from the same capture."""

@@ -1,10 +1,12 @@
 """Comparison metrics, with the formulas of the FX numeric suite."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+__all__ = ["compute_cosine_similarity", "compute_normalized_l2_error", "compute_sqnr", "sqnr_from_sums"]
 
 
 def _elementwise(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):

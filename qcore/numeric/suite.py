@@ -6,7 +6,7 @@ Layer names are qcore layer names (module FQNs where they are unique).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import fx, nn
@@ -14,6 +14,9 @@ from torch import fx, nn
 from ..capture import clone_graph_module
 from .instrument import attach_after, copy_layer_into
 from .matching import LayerPair, layer_value, match_layers, target_type
+
+__all__ = ["NSResultsType", "add_loggers", "add_shadow_loggers", "extend_logger_results_with_comparison",
+    "extract_logger_info", "extract_shadow_logger_info", "extract_weights"]
 
 NSResultsType = dict[str, dict[str, dict[str, list[dict]]]]
 _SHADOW_PREFIX = "qcore_shadow_b"

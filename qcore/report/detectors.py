@@ -18,6 +18,10 @@ from ..graph import QuantizableOp, find_quantizable_ops
 from ..quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from .observer import ReportObserver
 
+__all__ = ["DETECTOR_IS_POST_OBS_KEY", "DETECTOR_OBS_ARGS_KEY", "DETECTOR_OBS_TO_INSERT_KEY",
+    "DETECTOR_TARGET_NODE_KEY", "DetectorBase", "DetectorQConfigInfo", "DynamicStaticDetector",
+    "InputWeightEqualizationDetector", "OutlierDetector", "PerChannelDetector", "channel_axis", "observer_name"]
+
 DETECTOR_TARGET_NODE_KEY = "target_node"
 DETECTOR_OBS_TO_INSERT_KEY = "observer_to_insert"
 DETECTOR_IS_POST_OBS_KEY = "is_post_observer"
@@ -136,7 +140,7 @@ class PerChannelDetector(DetectorBase):
     def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
         info = self._info(model)
         lines = [f"Per-channel quantization report (backend {self.backend_chosen}):"]
-        missing = [l for l, v in info.items() if v[self.PER_CHAN_SUPPORTED_KEY] and not v[self.PER_CHAN_USED_KEY]]
+        missing = [name for name, v in info.items() if v[self.PER_CHAN_SUPPORTED_KEY] and not v[self.PER_CHAN_USED_KEY]]
         for layer in missing:
             lines.append(f"\t{layer}: per-channel weight quantization is supported but not used.")
         lines.append("Use a per-channel weight observer for these layers." if missing
@@ -223,7 +227,8 @@ class DynamicStaticDetector(DetectorBase):
         for layer, entry in info.items():
             kind = "dynamic" if entry[self.DEFAULT_DYNAMIC_REC_KEY] else "static"
             lines.append(f"\t{layer}: {kind} quantization is recommended; the data before it is "
-                         f"{entry[self.PRE_OBS_DATA_DIST_KEY]} (S={entry[self.PRE_OBS_COMP_STAT_KEY]:.3f}) and after it "
+                         f"{entry[self.PRE_OBS_DATA_DIST_KEY]} (S={entry[self.PRE_OBS_COMP_STAT_KEY]:.3f}) "
+                         "and after it "
                          f"{entry[self.POST_OBS_DATA_DIST_KEY]} (S={entry[self.POST_OBS_COMP_STAT_KEY]:.3f}), "
                          f"tolerance {self.tolerance}.")
         if not info:
@@ -269,7 +274,7 @@ class InputWeightEqualizationDetector(DetectorBase):
         return points
 
     def _weight_ranges(self, model: fx.GraphModule, op: QuantizableOp) -> tuple[torch.Tensor, torch.Tensor]:
-        weight = _fetch(model, str(op.weight.target)).detach().float()
+        weight = _fetch(model, op.weight_target).detach().float()
         rows = weight.movedim(1, 0).reshape(weight.shape[1], -1)  # weight input channels are axis 1
         return torch.aminmax(rows, dim=1)
 
@@ -294,8 +299,10 @@ class InputWeightEqualizationDetector(DetectorBase):
                 self.ACTIVATION_PREFIX + self.PER_CHANNEL_MIN_KEY: in_min,
                 self.ACTIVATION_PREFIX + self.GLOBAL_MAX_KEY: in_max.max(),
                 self.ACTIVATION_PREFIX + self.GLOBAL_MIN_KEY: in_min.min(),
-                self.WEIGHT_PREFIX + self.PER_CHANNEL_MAX_KEY: w_max, self.WEIGHT_PREFIX + self.PER_CHANNEL_MIN_KEY: w_min,
-                self.WEIGHT_PREFIX + self.GLOBAL_MAX_KEY: w_max.max(), self.WEIGHT_PREFIX + self.GLOBAL_MIN_KEY: w_min.min(),
+                self.WEIGHT_PREFIX + self.PER_CHANNEL_MAX_KEY: w_max,
+                self.WEIGHT_PREFIX + self.PER_CHANNEL_MIN_KEY: w_min,
+                self.WEIGHT_PREFIX + self.GLOBAL_MAX_KEY: w_max.max(),
+                self.WEIGHT_PREFIX + self.GLOBAL_MIN_KEY: w_min.min(),
             }
         return info
 

@@ -1,7 +1,8 @@
 """ModelReport: insert the detectors' observers, calibrate, and turn the statistics into reports."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from torch import fx, nn
 
@@ -16,6 +17,8 @@ from .detectors import (
     InputWeightEqualizationDetector,
 )
 from .observer import ReportObserver
+
+__all__ = ["ModelReport", "ModelReportError"]
 
 
 def _merge(existing: ReportObserver, wanted: ReportObserver) -> bool:

@@ -19,6 +19,9 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from typing import Any
+
+__all__ = ["PARALLEL_MIN_NUMEL", "REFUSED", "kernel", "status", "threads"]
 
 _SOURCE = pathlib.Path(__file__).with_name("_stats.c")
 _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
@@ -85,11 +88,11 @@ def _verified(target: pathlib.Path) -> bool:
         return False
 
 
-def _write_private(directory: pathlib.Path, suffix: str, write) -> pathlib.Path:
-    handle, partial = tempfile.mkstemp(dir=directory, suffix=suffix)  # mkstemp files are 0600
+def _private_temp(directory: pathlib.Path, suffix: str) -> pathlib.Path:
+    """An empty new file in `directory` that only this user may read or write (mkstemp makes it 0600)."""
+    handle, path = tempfile.mkstemp(dir=directory, suffix=suffix)
     os.close(handle)
-    write(partial)
-    return pathlib.Path(partial)
+    return pathlib.Path(path)
 
 
 def _compile(source: bytes, compiler: list[str], flags: tuple[str, ...]) -> pathlib.Path:
@@ -101,21 +104,20 @@ def _compile(source: bytes, compiler: list[str], flags: tuple[str, ...]) -> path
         target = directory / f"_stats-{digest}.so"
         if _verified(target):
             return target
-        partial = None
+        partials: list[pathlib.Path] = []
         try:
-            partial = _write_private(directory, ".so.partial", lambda path: subprocess.run(
-                [*compiler, *flags, "-o", path, str(_SOURCE), *_LIBRARIES], check=True, capture_output=True,
-                timeout=120))
-            record = _write_private(directory, ".sha256.partial",
-                                    lambda path: pathlib.Path(path).write_text(_digest(pathlib.Path(partial)) + "\n"))
-            os.replace(record, target.with_name(target.name + ".sha256"))
-            os.replace(partial, target)  # atomic: concurrent builds (xdist workers) write the same file
-            partial = None
+            partials.append(_private_temp(directory, ".so.partial"))
+            subprocess.run([*compiler, *flags, "-o", str(partials[0]), str(_SOURCE), *_LIBRARIES], check=True,
+                           capture_output=True, timeout=120)
+            partials.append(_private_temp(directory, ".sha256.partial"))
+            partials[1].write_text(_digest(partials[0]) + "\n", encoding="ascii")
+            os.replace(partials[1], target.with_name(target.name + ".sha256"))
+            os.replace(partials[0], target)  # atomic: concurrent builds (xdist workers) write the same file
         except OSError:
             continue
         finally:
-            if partial is not None and os.path.exists(partial):
-                os.unlink(partial)
+            for partial in partials:
+                partial.unlink(missing_ok=True)
         if _verified(target):
             return target
     raise OSError("no private cache directory for the compiled kernel (owned by this user, writable by no one else)")
@@ -140,8 +142,10 @@ def _load():
     library = ctypes.CDLL(str(built))
     _state["openmp"] = "-fopenmp" in extra and _one_openmp_runtime()
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    library.qcore_observe.argtypes = ([pointer, integer, integer, integer, integer, pointer, integer, pointer, integer,
-                                       pointer, integer, integer] + [pointer] * 5 + [integer, pointer, pointer, integer])
+    data_and_sizes = [pointer, integer, integer, integer, integer, pointer, integer, pointer, integer]
+    state_and_sizes = [pointer, integer, integer] + [pointer] * 5 + [integer, pointer, pointer, integer]
+    argtypes: list[Any] = data_and_sizes + state_and_sizes
+    library.qcore_observe.argtypes = argtypes
     library.qcore_observe.restype = integer
     library.qcore_scratch_floats.argtypes = [integer] * 6
     library.qcore_scratch_floats.restype = integer

@@ -25,6 +25,8 @@ from torch import nn
 
 from . import native
 
+__all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportObserver"]
+
 DEFAULT_SAMPLE_SIZE = 4096
 NATIVE_MAX_NUMEL = 1 << 20  # above this, per-op overhead is small next to the work: torch ops do as well
 NATIVE_MAX_TOP = 64  # the kernel keeps each channel's k largest values in a sorted list
@@ -281,7 +283,8 @@ class ReportObserver(nn.Module):
         (nan for channels that were always zero)."""
         row = self.percentiles.index(percentile)
         counts = self.ratio_counts[row].double()
-        return torch.where(counts > 0, self.ratio_sums[row] / counts.clamp(min=1), torch.full_like(counts, float("nan")))
+        nan = torch.full_like(counts, float("nan"))
+        return torch.where(counts > 0, self.ratio_sums[row] / counts.clamp(min=1), nan)
 
     def batches_used(self, percentile: float) -> torch.Tensor:
         """Per-channel number of batches that contributed a ratio."""

@@ -5,6 +5,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["ModelReportVisualizer", "TABLE_CHANNEL_KEY", "TABLE_TENSOR_KEY"]
+
 TABLE_TENSOR_KEY = "tensor_level_info"
 TABLE_CHANNEL_KEY = "channel_level_info"
 
@@ -44,7 +46,7 @@ class ModelReportVisualizer:
 
     def get_all_unique_feature_names(self, plottable_features_only: bool = True) -> set[str]:
         """Every feature name (only numeric ones when plottable_features_only)."""
-        names = set()
+        names: set[str] = set()
         for features in self.generated_reports.values():
             names.update(k for k, v in features.items() if not plottable_features_only or _plottable(v))
         return names
@@ -145,5 +147,6 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("plots need matplotlib: pip install 'pytest-qreport[plot]' (or pip install matplotlib)") from None
+        raise ImportError("plots need matplotlib: pip install 'pytest-qreport[plot]' "
+                          "(or pip install matplotlib)") from None
     return plt
