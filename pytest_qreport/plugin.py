@@ -28,6 +28,9 @@ def pytest_configure(config) -> None:
     from . import checks, junit, quantizers, summary
     from .session import QReportSession
 
+    # items carry one xdist_group per model; without pytest-xdist nobody else registers the marker
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist --dist loadgroup runs a group in one worker")
+
     for name, module in (("qreport-checks", checks), ("qreport-quantizers", quantizers),
                          ("qreport-summary", summary), ("qreport-junit", junit)):
         if not config.pluginmanager.has_plugin(name):
