@@ -34,6 +34,7 @@ class ModelDeclaration:
     equalization_min_gain_db: float | None = None
     detector_options: dict[str, dict] | None = None
     check_options: dict[str, dict] | None = None
+    baseline_tolerance_db: Any = None
     error: str | None = None
 
 
@@ -81,6 +82,7 @@ def qmodel(
     equalization_min_gain_db: float | None = None,
     detector_options: dict[str, dict] | None = None,
     check_options: dict[str, dict] | None = None,
+    baseline_tolerance_db: Any = None,
     name: str | None = None,
     **unknown: Any,
 ) -> Callable[[Callable[..., Any]], Any]:
@@ -96,7 +98,9 @@ def qmodel(
     equalize: True (input-weight equalization of every eligible layer),
     "cross_layer", or a list of layer names; the model is equalized before it is quantized.
     equalization_min_gain_db: the gain at which an `equalization` item fails (default 1.0).
-    The model function, the calibration fixture and the example-inputs fixture may request other fixtures.
+    baseline_tolerance_db: how much worse than the committed baseline a value may get, a number or
+    {check: number}. The model function, the calibration fixture and the example-inputs fixture may request
+    other fixtures.
     """
 
     def decorate(factory: Callable[..., Any]) -> Any:
@@ -108,6 +112,7 @@ def qmodel(
             layers=_as_list(layers), skip_layers=_as_list(skip_layers), checks=_as_list(checks), severity=severity,
             equalize=equalize, equalization_min_gain_db=equalization_min_gain_db,
             detector_options=detector_options, check_options=check_options,
+            baseline_tolerance_db=baseline_tolerance_db,
             error=_unknown_keywords(name or factory.__name__, unknown),
         )
         registered = _DECLARED.setdefault(declaration.source_file, [])

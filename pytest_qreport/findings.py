@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["VERDICTS", "Finding", "to_builtins"]
+__all__ = ["BASELINE_STATUSES", "VERDICTS", "Finding", "to_builtins"]
 
 VERDICTS = ("pass", "fail", "warn", "waived", "error", "skip")
+BASELINE_STATUSES = ("", "ok", "new", "regressed", "improved")
 
 
 def to_builtins(value: Any) -> Any:
@@ -33,6 +34,7 @@ class Finding:
 
     verdict: pass, fail, warn (a failure whose check is set to warn), waived (a failure a
     pytest_qreport_modify_findings hook accepted, with `waiver` saying why), error, or skip.
+    baseline, delta and baseline_status (ok, new, regressed, improved) are set when a baseline file was compared.
     """
 
     model: str
@@ -47,6 +49,9 @@ class Finding:
     waiver: str = ""
     nodeid: str = ""
     duration: float = 0.0
+    baseline: float | None = None
+    delta: float | None = None
+    baseline_status: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -54,6 +59,11 @@ class Finding:
         for name in ("value", "threshold", "duration"):
             raw = getattr(self, name)
             object.__setattr__(self, name, math.nan if raw is None else float(raw))
+        for name in ("baseline", "delta"):
+            raw = getattr(self, name)
+            object.__setattr__(self, name, None if raw is None else float(raw))
+        if self.baseline_status not in BASELINE_STATUSES:
+            raise ValueError(f"baseline_status must be one of {BASELINE_STATUSES}, not {self.baseline_status!r}")
         object.__setattr__(self, "details", to_builtins(dict(self.details)))
 
     @property

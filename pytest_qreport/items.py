@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
 
+from .baseline import baseline_path
 from .declare import ModelDeclaration, declarations_in
 from .findings import Finding
 from .options import resolve_settings
@@ -53,7 +55,10 @@ class QReportFile(pytest.File):
         for index, declaration in enumerate(declarations_in(self.path)):
             key = (str(self.path), declaration.name)
             if key not in session.models:
-                session.models[key] = self._collect_model(declaration, registry, session.settings)
+                model = self._collect_model(declaration, registry, session.settings)
+                model.baseline_path = str(baseline_path(self.path.parent, declaration.name,
+                                                        session.settings["baseline"]["dir"]))
+                session.models[key] = model
             model = session.models[key]
             if model.collect_error or model.skip_reason:
                 yield QReportItem.from_parent(self, name=f"qreport/{declaration.name}/capture", callobj=qreport_check,
@@ -63,6 +68,11 @@ class QReportFile(pytest.File):
                 yield QReportItem.from_parent(
                     self, name=f"qreport/{declaration.name}/{check}/{layer}", callobj=qreport_check, model_key=key,
                     check=check, layer=layer, position=(index, order[check], model.items[check].index(layer)))
+            options = session.settings["baseline"]
+            if options["update"] or options["strict"] or os.path.exists(str(model.baseline_path)):
+                yield QReportItem.from_parent(self, name=f"qreport/{declaration.name}/baseline",
+                                              callobj=qreport_check, model_key=key, check="baseline", layer="",
+                                              position=(index, len(order), 0))
 
     def _collect_model(self, declaration: ModelDeclaration, registry, session_settings) -> ModelState:
         """Resolve settings, quantizer and fixtures, capture, and list items; any error lands on the model."""
@@ -144,6 +154,12 @@ class QReportItem(pytest.Function):
         self.add_marker(pytest.mark.xdist_group(name=self.model_name))
         self.qreport_row: Finding | None = None
 
+    @property
+    def qreport_model_info(self) -> dict:
+        """What the controller needs of this item's model: its name, baseline file and fingerprint."""
+        model = self.config.stash[STATE_KEY].models[self.model_key]
+        return {"model": model.name, "baseline_path": model.baseline_path, "fingerprint": model.fingerprint}
+
     def setup(self) -> None:
         super().setup()
         model = self.config.stash[STATE_KEY].models[self.model_key]
@@ -153,9 +169,10 @@ class QReportItem(pytest.Function):
             self._record_error(model.collect_error)
             raise QReportModelError(model.collect_error) from model.error_cause
         request = cast(pytest.FixtureRequest, self.funcargs["request"])
-        hook = self.ihook
+        hook, settings = self.ihook, self.config.stash[STATE_KEY].settings
         analyze(model, lambda: self._calibration_batches(model, request),
-                lambda found: hook.pytest_qreport_modify_findings(model=model.name, findings=found))
+                lambda found: hook.pytest_qreport_modify_findings(model=model.name, findings=found),
+                threads=settings["threads"], baseline=settings["baseline"])
         if model.analysis_error:
             self._record_error(model.analysis_error)
             raise QReportModelError(model.analysis_error) from model.error_cause
@@ -179,6 +196,11 @@ class QReportItem(pytest.Function):
             self.user_properties.append((key, getattr(found, key)))
         if found.waiver:
             self.user_properties.append(("waiver", found.waiver))
+        if found.baseline_status:
+            self.user_properties.append(("baseline_status", found.baseline_status))
+        for key in ("baseline", "delta"):
+            if getattr(found, key) is not None:
+                self.user_properties.append((key, getattr(found, key)))
         if found.verdict == "error":
             raise QReportModelError(found.message)
         if found.verdict == "fail":

@@ -20,6 +20,8 @@ def build_suites(rows: list[Finding]) -> list[TestSuite]:
     by_model: dict[str, list[TestCase]] = {}
     for row in rows:
         lines = [f"{k}={getattr(row, k)}" for k in _PROPERTIES] + ([f"waiver={row.waiver}"] if row.waiver else [])
+        lines += [f"{k}={getattr(row, k)}" for k in ("baseline", "delta", "baseline_status") if getattr(row, k) not in
+                  (None, "")]
         case = TestCase(name=f"{row.check}/{row.layer}" if row.layer else row.check,
                         classname=f"qreport.{row.model}.{row.check}", elapsed_sec=row.duration, stdout="\n".join(lines),
                         status=row.verdict)

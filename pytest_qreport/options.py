@@ -7,13 +7,13 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .registry import SEVERITIES
 
-__all__ = ["SETTINGS", "ModelSettings", "add_options", "closest", "parse_equalize", "parse_severity",
-           "resolve_settings", "session_settings", "table_mode"]
+__all__ = ["DEFAULT_TOLERANCE", "SETTINGS", "ModelSettings", "add_options", "closest", "parse_equalize",
+           "parse_severity", "parse_threads", "parse_tolerance", "resolve_settings", "session_settings", "table_mode"]
 
 # setting -> (cli flag, ini key, default, help)
 SETTINGS: dict[str, tuple[str, str, Any, str]] = {
@@ -41,7 +41,11 @@ SETTINGS: dict[str, tuple[str, str, Any, str]] = {
                                  "equalization items fail when equalizing a layer gains at least this many dB"),
     "severity": ("--qreport-severity", "qreport_severity", None,
                  "per-check severity, e.g. 'outlier=warn,per_channel=off' (fail, warn or off)"),
+    "baseline_tolerance_db": ("--qreport-baseline-tolerance-db", "qreport_baseline_tolerance_db", None,
+                              "how much worse than its baseline a value may get (default 0.5, in the metric's "
+                              "unit); a number, or per check: 'sqnr=0.3,outlier=1.0,*=0.5'"),
 }
+DEFAULT_TOLERANCE = 0.5
 _FLOATS = {"sqnr_min_db", "model_sqnr_min_db", "weight_sqnr_min_db", "equalization_min_gain_db"}
 _NON_NEGATIVE = {"equalization_min_gain_db"}
 _LISTS = {"layers", "skip_layers", "checks"}
@@ -58,6 +62,20 @@ def add_options(parser) -> None:
     group.addoption("--qreport-junitxml", metavar="PATH", default=None,
                     help="write a dedicated JUnit XML file, one testsuite per model")
     parser.addini("qreport_table", "summary rows to print: failures or all", default="failures")
+    group.addoption("--qreport-update-baseline", action="store_true", default=False,
+                    help="write or rewrite the baseline files of the models that ran (never of a model that errored)")
+    group.addoption("--qreport-baseline-strict", action="store_true", default=None,
+                    help="fail layers missing from a baseline, stale baseline entries, and models without a baseline")
+    parser.addini("qreport_baseline_strict", "like --qreport-baseline-strict (true/false)", type="bool",
+                  default=False)
+    group.addoption("--qreport-baseline-dir", metavar="DIR", default=None,
+                    help="where baselines live (default: __qreport__/ beside each declaring conftest.py)")
+    parser.addini("qreport_baseline_dir", "where baselines live, relative to the rootdir", default=None)
+    group.addoption("--qreport-threads", metavar="N", default=None,
+                    help="torch threads for the analysis (default 1, so that serial and -n N runs agree)")
+    parser.addini("qreport_threads", "torch threads for the analysis (default 1)", default=None)
+    group.addoption("--qreport-json", metavar="PATH", default=None,
+                    help="write every row, baseline, delta, fingerprint and timing as JSON (schema 1)")
     for setting, (flag, ini, _default, text) in SETTINGS.items():
         group.addoption(flag, dest=f"qreport_{setting}", default=None, help=text)
         parser.addini(ini, text, default=None)
@@ -80,6 +98,11 @@ class ModelSettings:
     equalization_min_gain_db: float
     severity: dict[str, str]
     check_options: dict[str, dict]
+    baseline_tolerance_db: dict[str, float] = field(default_factory=lambda: {"*": DEFAULT_TOLERANCE})
+
+    def tolerance(self, check: str) -> float:
+        """The baseline tolerance of one check."""
+        return self.baseline_tolerance_db.get(check, self.baseline_tolerance_db.get("*", DEFAULT_TOLERANCE))
 
 
 def closest(word: str, choices: Iterable[str]) -> str:
@@ -147,6 +170,46 @@ def parse_severity(value: Any, checks: Iterable[str]) -> dict[str, str]:
     return result
 
 
+def parse_tolerance(value: Any, checks: Iterable[str]) -> dict[str, float] | None:
+    """{check or '*': tolerance} from a number, a dict, or 'check=number' pairs; ValueError if bad."""
+    if value is None:
+        return None
+    known = list(checks)
+    pairs: list[tuple[Any, Any]]
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, str) and "=" in value:
+        pairs = [part.partition("=")[::2] for part in value.replace(",", " ").split()]
+    else:
+        pairs = [("*", value)]
+    result = {}
+    for check, raw in pairs:
+        check = str(check).strip()
+        if check != "*" and check not in known:
+            raise ValueError(f"baseline tolerance for unknown check {check!r}{closest(check, known)}")
+        try:
+            number = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"baseline tolerance of {check} must be a number, got {raw!r}") from None
+        if math.isnan(number) or number < 0:
+            raise ValueError(f"baseline tolerance of {check} must be a non-negative number, got {raw!r}")
+        result[check] = number
+    return result
+
+
+def parse_threads(value: Any) -> int:
+    """The analysis thread count: a positive integer (default 1)."""
+    if value is None or value == "":
+        return 1
+    try:
+        threads = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"qreport_threads must be a positive integer, got {value!r}") from None
+    if threads < 1:
+        raise ValueError(f"qreport_threads must be a positive integer, got {value!r}")
+    return threads
+
+
 def _check_names(names: list[str] | None, known: list[str]) -> None:
     for name in names or ():
         if name not in known:
@@ -155,12 +218,14 @@ def _check_names(names: list[str] | None, known: list[str]) -> None:
 
 def session_settings(config, known_checks: list[str]) -> dict[str, Any]:
     """The CLI and ini values, parsed and validated once: {"cli": {...}, "ini": {...}}; ValueError if bad."""
-    parsed: dict[str, dict[str, Any]] = {"cli": {}, "ini": {}}
+    parsed: dict[str, Any] = {"cli": {}, "ini": {}}
     for setting, (flag, ini, _default, _text) in SETTINGS.items():
         for source, raw, where in (("cli", config.getoption(f"qreport_{setting}"), flag),
                                    ("ini", config.getini(ini) or None, f"ini {ini}")):
             try:
-                value: Any = parse_severity(raw, known_checks) if setting == "severity" else _parse(setting, raw)
+                value: Any = (parse_severity(raw, known_checks) if setting == "severity" else
+                              parse_tolerance(raw, known_checks) if setting == "baseline_tolerance_db" else
+                              _parse(setting, raw))
                 if setting == "checks":
                     _check_names(value, known_checks)
             except ValueError as error:
@@ -169,7 +234,25 @@ def session_settings(config, known_checks: list[str]) -> dict[str, Any]:
     mode = config.getini("qreport_table") or "failures"
     if mode not in TABLE_MODES:
         raise ValueError(f"ini qreport_table must be one of {', '.join(TABLE_MODES)}, not {mode!r}")
+    try:
+        parsed["threads"] = parse_threads(config.getoption("qreport_threads") or config.getini("qreport_threads"))
+    except ValueError as error:
+        raise ValueError(f"--qreport-threads: {error}") from error
+    strict = config.getoption("qreport_baseline_strict")
+    parsed["baseline"] = {
+        "update": bool(config.getoption("qreport_update_baseline")),
+        "strict": bool(config.getini("qreport_baseline_strict") if strict is None else strict),
+        "dir": _baseline_dir(config),
+    }
     return parsed
+
+
+def _baseline_dir(config) -> str | None:
+    """--qreport-baseline-dir (relative to the invocation dir) or the ini key (relative to the rootdir)."""
+    cli, ini = config.getoption("qreport_baseline_dir"), config.getini("qreport_baseline_dir")
+    if cli:
+        return str(config.invocation_params.dir / cli)
+    return str(config.rootpath / ini) if ini else None
 
 
 def resolve_settings(session: dict[str, Any], declaration, registry) -> ModelSettings:
@@ -183,7 +266,10 @@ def resolve_settings(session: dict[str, Any], declaration, registry) -> ModelSet
     for setting, (_flag, _ini, default, _text) in SETTINGS.items():
         if setting == "severity":
             continue
-        declared = _parse(setting, getattr(declaration, setting))
+        if setting == "baseline_tolerance_db":
+            declared = parse_tolerance(declaration.baseline_tolerance_db, known)
+        else:
+            declared = _parse(setting, getattr(declaration, setting))
         given = (session["cli"][setting], declared, session["ini"][setting])
         values[setting] = next((v for v in given if v is not None), default)
     _check_names(values["checks"], known)
@@ -196,6 +282,11 @@ def resolve_settings(session: dict[str, Any], declaration, registry) -> ModelSet
     values["checks"] = [c for c in known if c in checks and severity[c] != "off"]
     values["severity"] = severity
     values["check_options"] = {name: dict(value) for name, value in options.items()}
+    tolerance = {"*": DEFAULT_TOLERANCE}
+    for source in (session["ini"]["baseline_tolerance_db"], parse_tolerance(declaration.baseline_tolerance_db, known),
+                   session["cli"]["baseline_tolerance_db"]):
+        tolerance.update(source or {})  # merged key by key, like severity
+    values["baseline_tolerance_db"] = tolerance
     return ModelSettings(**values)
 
 

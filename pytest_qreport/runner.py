@@ -11,12 +11,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .baseline import BaselineError, compare_findings, fingerprint_differences, load_baseline
 from .findings import Finding
 from .options import ModelSettings
 from .registry import Check, CheckRegistry, ModelContext
 
 __all__ = ["ModelState", "QReportCheckFailed", "QReportError", "QReportModelError", "analyze", "collect_model",
-           "explain", "select_layers"]
+           "compare_with_baseline", "explain", "fingerprint", "select_layers"]
 
 
 class QReportError(Exception):
@@ -56,6 +57,8 @@ class ModelState:
     findings: dict[tuple[str, str], Finding] | None = None
     analysis_error: str | None = None
     error_cause: BaseException | None = None
+    baseline_path: str | None = None
+    fingerprint: dict[str, Any] | None = None
 
     def checks_and_layers(self) -> list[tuple[str, str]]:
         """(check, layer) pairs in item order."""
@@ -89,21 +92,85 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     return state
 
 
-def analyze(state: ModelState, batches: Callable[[], Iterable[Any]], modify: Callable[[list[Finding]], None]) -> None:
-    """Measure once and keep the findings of every item (or why the model could not be analysed)."""
+def analyze(state: ModelState, batches: Callable[[], Iterable[Any]], modify: Callable[[list[Finding]], None],
+            threads: int = 1, baseline: dict[str, Any] | None = None) -> None:
+    """Measure once (on `threads` torch threads) and keep the findings of every item, compared with the
+    model's baseline file when `baseline` options are given; or keep why the model could not be analysed."""
     if state.findings is not None or state.analysis_error is not None:
         return
     assert state.context is not None and state.settings is not None
+    import torch
+
+    previous = torch.get_num_threads()
     try:
-        state.context.analysis.attach_batches(batches())
+        torch.set_num_threads(threads)
+        analysis = state.context.analysis
+        analysis.attach_batches(batches())
         found: list[Finding] = []
         for check_name, layers in state.items.items():
             if layers:
                 found += _check_findings(state, check_name, layers)
         modify(found)
+        state.fingerprint = fingerprint(analysis, state.settings.equalize, threads)
+        if baseline is not None and state.baseline_path is not None:
+            found = compare_with_baseline(state, found, baseline)
         state.findings = {(f.check, f.layer): f for f in found}
     except Exception as error:  # noqa: BLE001 - reported on every item of the model
         state.analysis_error, state.error_cause = explain(state.name, "calibration/analysis", error), error
+    finally:
+        torch.set_num_threads(previous)
+
+
+def fingerprint(analysis: Any, equalize: Any, threads: int) -> dict[str, Any]:
+    """What a model's numbers depend on: versions, quantizer, calibration data, equalization, threads."""
+    import torch
+
+    import qcore
+    from qcore.analysis import calibration_digest, describe
+
+    return {"torch": torch.__version__, "qcore": qcore.__version__, "quantizer": describe(analysis.quantizer),
+            "calibration": calibration_digest(analysis.batches), "equalize": describe(equalize), "threads": threads}
+
+
+def compare_with_baseline(state: ModelState, found: list[Finding], options: dict[str, Any]) -> list[Finding]:
+    """The findings compared with the model's baseline file, plus the model's `baseline` finding.
+
+    options: {"update": bool, "strict": bool}. With update, nothing fails for baseline reasons: the file is
+    about to be rewritten; deltas are still shown when the fingerprint matches.
+    """
+    assert state.settings is not None and state.context is not None and state.baseline_path is not None
+    path, enforce, strict = state.baseline_path, not options["update"], bool(options["strict"])
+    collected = sorted(f"{check}/{layer}" for check, layer in state.checks_and_layers())
+    details: dict[str, Any] = {"path": path, "collected": collected, "stale": []}
+    update_hint = f"Run pytest --qreport --qreport-update-baseline to {'write' if enforce else 'rewrite'} {path}."
+
+    def model_finding(passed: bool, message: str, stale: int = 0, error: bool = False) -> Finding:
+        verdict = "error" if error and enforce else "pass" if passed or not enforce else "fail"
+        return Finding(model=state.name, check="baseline", layer="", metric="stale_entries", value=stale,
+                       threshold=0, verdict=verdict, message=message, details=details)
+
+    try:
+        recorded = load_baseline(path)
+    except BaselineError as error:
+        return found + [model_finding(False, f"model {state.name!r}: {error}", error=True)]
+    if recorded is None:
+        return found + [model_finding(not strict, f"model {state.name!r}: no baseline file {path} "
+                                                  f"(--qreport-baseline-strict). {update_hint}")]
+    differences = fingerprint_differences(recorded.fingerprint, state.fingerprint or {})
+    if differences:
+        return found + [model_finding(False, (
+            f"model {state.name!r}: the baseline {path} was recorded under other conditions, so its values "
+            f"cannot be compared: {'; '.join(differences)}. If the change is intended, {update_hint[0].lower()}"
+            f"{update_hint[1:]}"))]
+    checks = state.context.checks
+    compared = compare_findings(found, recorded, state.settings.tolerance,
+                                lambda check: checks[check].higher_is_better if check in checks else True,
+                                strict, enforce)
+    stale = sorted(f"{check}/{layer}" for check, layer in recorded.entries if f"{check}/{layer}" not in collected)
+    details["stale"] = stale
+    message = (f"model {state.name!r}: the baseline {path} has entries for layers that no longer exist: "
+               f"{', '.join(stale)}. {update_hint}") if stale else ""
+    return compared + [model_finding(not (stale and strict), message, stale=len(stale))]
 
 
 def _check_findings(state: ModelState, check_name: str, layers: list[str]) -> list[Finding]:

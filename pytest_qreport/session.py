@@ -36,6 +36,8 @@ class SessionState:
     settings: dict[str, Any] = field(default_factory=dict)
     models: dict = field(default_factory=dict)
     rows: list[tuple[list, Finding]] = field(default_factory=list)
+    model_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # controller: by model name
+    messages: list[str] = field(default_factory=list)  # controller: lines for the end of the summary
 
     def refresh_registry(self) -> CheckRegistry:
         """Ask every plugin and conftest.py loaded so far to register its checks (idempotent)."""
@@ -93,18 +95,32 @@ class QReportSession:
         row = getattr(item, "qreport_row", None)
         if row is not None and (call.when == "call" or (call.when == "setup" and report.failed)):
             row = row.replace(nodeid=item.nodeid, duration=float(report.duration))
-            report.qreport = {"position": [item.nodeid.split("::")[0], *item.position], "row": row.to_dict()}
+            report.qreport = {"position": [item.nodeid.split("::")[0], *item.position, item.nodeid],
+                              "row": row.to_dict(), "model": item.qreport_model_info}
         return report
 
     def pytest_runtest_logreport(self, report) -> None:
         payload = getattr(report, "qreport", None)
         if payload:
             self.state.rows.append((list(payload["position"]), Finding.from_dict(payload["row"])))
+            info = payload["model"]
+            known = self.state.model_info.setdefault(info["model"], dict(info))
+            known["fingerprint"] = known.get("fingerprint") or info.get("fingerprint")
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         self._report()
+        for line in self.state.messages:
+            terminalreporter.write_line(line)
 
-    def pytest_sessionfinish(self) -> None:
+    def pytest_sessionfinish(self, session) -> None:
+        if self.is_worker or self.config.option.collectonly:
+            return
+        if self.state.settings["baseline"]["update"]:
+            from .updates import update_baselines
+
+            self.state.messages += update_baselines(self.state.ordered_rows(), self.state.model_info)
+            if any(line.startswith("qreport: could not") for line in self.state.messages) and session.exitstatus == 0:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if not self.config.pluginmanager.has_plugin("terminalreporter"):
             self._report()  # with -p no:terminal there is no terminal summary to report from
 

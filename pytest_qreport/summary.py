@@ -9,10 +9,10 @@ from tabulate import tabulate
 from .findings import VERDICTS, Finding
 from .options import table_mode
 
-__all__ = ["format_value", "pytest_qreport_report", "render_summary", "summary_rows"]
+__all__ = ["format_value", "note", "pytest_qreport_report", "render_summary", "summary_rows"]
 
 
-def format_value(value: float, metric: str) -> str:
+def format_value(value: float | None, metric: str) -> str:
     """A metric value for people: dB values with one decimal."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -22,21 +22,42 @@ def format_value(value: float, metric: str) -> str:
     return f"{value:.1f} dB" if metric.endswith("_db") else f"{value:.4g}"
 
 
-def summary_rows(rows: list[Finding], mode: str) -> list[list[str]]:
-    """Table rows: failures, errors, warnings and waivers always; every row when mode is 'all'."""
-    shown = [r for r in rows if mode == "all" or r.verdict != "pass"]
-    with_notes = any(r.waiver for r in shown)
-    return [[r.model, r.check, r.layer, format_value(r.value, r.metric), format_value(r.threshold, r.metric),
-             r.verdict.upper()] + ([r.waiver] if with_notes else []) for r in shown]
+def note(row: Finding) -> str:
+    """What the table says beside the verdict: a waiver, or the row's standing against its baseline."""
+    if row.waiver:
+        return f"waived: {row.waiver}"
+    if row.baseline_status == "new":
+        return "new: not in the baseline"
+    if row.baseline_status == "regressed":
+        return "regressed against the baseline"
+    if row.baseline_status == "improved" and row.delta is not None:
+        unit = " dB" if row.metric.endswith("_db") else ""
+        return f"improved by {abs(row.delta):.2f}{unit}: update the baseline to lock it in"
+    if row.check == "baseline" and row.details.get("stale"):
+        return "stale: " + ", ".join(row.details["stale"])
+    return ""
+
+
+def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows: failures, errors, warnings and noted rows always; every row when mode is 'all'."""
+    shown = [r for r in rows if mode == "all" or r.verdict != "pass" or note(r)]
+    headers = ["model", "check", "layer", "value", "threshold"]
+    with_baseline = any(r.baseline_status for r in shown)
+    with_notes = any(note(r) for r in shown)
+    headers += (["baseline", "delta"] if with_baseline else []) + ["verdict"] + (["note"] if with_notes else [])
+    table = []
+    for r in shown:
+        cells = [r.model, r.check, r.layer, format_value(r.value, r.metric), format_value(r.threshold, r.metric)]
+        if with_baseline:
+            cells += [format_value(r.baseline, r.metric), "-" if r.delta is None else f"{r.delta:+.2f}"]
+        table.append(cells + [r.verdict.upper()] + ([note(r)] if with_notes else []))
+    return headers, table
 
 
 def render_summary(rows: list[Finding], mode: str) -> str:
     """The summary as text (empty if nothing to show)."""
-    table = summary_rows(rows, mode)
-    if not table:
-        return ""
-    headers = ["model", "check", "layer", "value", "threshold", "verdict"]
-    return tabulate(table, headers=headers + (["waiver"] if len(table[0]) > len(headers) else []))
+    headers, table = summary_rows(rows, mode)
+    return tabulate(table, headers=headers) if table else ""
 
 
 @pytest.hookimpl(tryfirst=True)

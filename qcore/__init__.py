@@ -1,4 +1,10 @@
 """qcore: capture, pt2e-style prepare/convert, streaming observers and the numeric suite, free of torch.ao."""
+from importlib import metadata as _metadata
+
+try:
+    __version__ = _metadata.version("pytest-qreport")
+except _metadata.PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0+unknown"
 from .calibrate import CalibrationError, calibrate
 from .capture import CaptureError, capture
 from .convert import convert, quantize

@@ -7,6 +7,8 @@ equalization (gain per layer, float equivalence). Results are typed records of b
 """
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from .report import ModelReport
 from .report.detectors import DetectorBase
 
 __all__ = ["LayerSqnr", "ModelAnalysis", "OutputSqnr", "QuantizedLayer", "SqnrMeasurement", "analyze_model",
-           "measure_sqnr", "quantized_layers"]
+           "calibration_digest", "describe", "measure_sqnr", "quantized_layers"]
 
 
 @dataclass(frozen=True)
@@ -244,6 +246,38 @@ class ModelAnalysis:
         reports = report.generate_model_report(remove_inserted_observers=True)
         return {key: dict(reports.get(detector.get_detector_name(), ("", {}))[1])
                 for key, detector in detectors.items()}
+
+
+def calibration_digest(batches: Iterable[Any]) -> str:
+    """'sha256:...' of the batches' structure, dtypes, shapes and bytes: same data, same digest."""
+    digest = hashlib.sha256()
+    for batch in batches:
+        leaves, spec = pytree.tree_flatten(batch)
+        digest.update(str(spec).encode())
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                data = leaf.detach().to("cpu").contiguous()
+                digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
+                digest.update(ctypes.string_at(data.data_ptr(), data.numel() * data.element_size()))
+            else:
+                digest.update(repr(leaf).encode())
+    return "sha256:" + digest.hexdigest()
+
+
+def describe(value: Any) -> Any:
+    """A stable, builtins-only description of a setting (classes and functions by qualified name)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): describe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    if isinstance(value, Quantizer) or hasattr(value, "__dict__"):
+        public = {k: v for k, v in vars(value).items() if not k.startswith("_")}
+        return {"class": describe(type(value)), **{k: describe(v) for k, v in sorted(public.items())}}
+    return type(value).__qualname__
 
 
 def analyze_model(model: nn.Module | fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
