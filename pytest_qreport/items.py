@@ -176,6 +176,10 @@ class QReportItem(pytest.Function):
         if model.analysis_error:
             self._record_error(model.analysis_error)
             raise QReportModelError(model.analysis_error) from model.error_cause
+        found = model.findings[(self.check, self.layer)]
+        if found.verdict == "error":  # a check or the baseline file failed: an error of this item, not a failure
+            self.qreport_row = found
+            raise QReportModelError(found.message)
 
     @staticmethod
     def _calibration_batches(model: ModelState, request: pytest.FixtureRequest) -> list:

@@ -4,9 +4,10 @@ Neither torch nor qcore is imported unless --qreport is given.
 """
 from __future__ import annotations
 
+from .fixture import qreport
 from .options import add_options
 
-__all__ = ["pytest_addhooks", "pytest_addoption", "pytest_configure"]
+__all__ = ["pytest_addhooks", "pytest_addoption", "pytest_configure", "qreport"]
 
 
 def pytest_addoption(parser) -> None:
@@ -22,17 +23,22 @@ def pytest_addhooks(pluginmanager) -> None:
 
 
 def pytest_configure(config) -> None:
-    """With --qreport: register the built-in checks, quantizers and reports, then check the options."""
+    """Register the built-in checks and quantizer names (the qreport fixture uses them too); with --qreport
+    also the reports and the session, then check the options."""
+    from . import checks, quantizers
+
+    for name, module in (("qreport-checks", checks), ("qreport-quantizers", quantizers)):
+        if not config.pluginmanager.has_plugin(name):
+            config.pluginmanager.register(module, name)
     if not config.getoption("qreport", default=False):
         return
-    from . import checks, junit, quantizers, summary
+    from . import jsonreport, junit, summary
     from .session import QReportSession
 
     # items carry one xdist_group per model; without pytest-xdist nobody else registers the marker
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist --dist loadgroup runs a group in one worker")
 
-    for name, module in (("qreport-checks", checks), ("qreport-quantizers", quantizers),
-                         ("qreport-summary", summary), ("qreport-junit", junit)):
+    for name, module in (("qreport-summary", summary), ("qreport-junit", junit), ("qreport-json", jsonreport)):
         if not config.pluginmanager.has_plugin(name):
             config.pluginmanager.register(module, name)
     session = QReportSession(config)

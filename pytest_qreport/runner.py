@@ -128,7 +128,7 @@ def fingerprint(analysis: Any, equalize: Any, threads: int) -> dict[str, Any]:
     import qcore
     from qcore.analysis import calibration_digest, describe
 
-    return {"torch": torch.__version__, "qcore": qcore.__version__, "quantizer": describe(analysis.quantizer),
+    return {"torch": str(torch.__version__), "qcore": str(qcore.__version__), "quantizer": describe(analysis.quantizer),
             "calibration": calibration_digest(analysis.batches), "equalize": describe(equalize), "threads": threads}
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from .findings import Finding
+from .fixture import FIXTURE_RESULTS
 from .items import STATE_KEY
 from .options import session_settings
 from .quantizers import resolve_quantizer
@@ -92,6 +93,13 @@ class QReportSession:
         report = yield
         if call.excinfo is not None and isinstance(call.excinfo.value, QReportError) and call.when != "call":
             report.longrepr = str(call.excinfo.value)  # the message is the whole report, also for setup errors
+        results = item.stash.get(FIXTURE_RESULTS, None)
+        if results and call.when == "call":
+            file = item.nodeid.split("::")[0]
+            report.qreport_fixture = [{"position": [file, 1 << 30, index, 0, item.nodeid], "row": row.to_dict(),
+                                       "model": {"model": result.name, "baseline_path": result.baseline_path,
+                                                 "fingerprint": result.fingerprint}}
+                                      for result in results for index, row in enumerate(result.rows())]
         row = getattr(item, "qreport_row", None)
         if row is not None and (call.when == "call" or (call.when == "setup" and report.failed)):
             row = row.replace(nodeid=item.nodeid, duration=float(report.duration))
@@ -100,7 +108,11 @@ class QReportSession:
         return report
 
     def pytest_runtest_logreport(self, report) -> None:
-        payload = getattr(report, "qreport", None)
+        for payload in [getattr(report, "qreport", None), *getattr(report, "qreport_fixture", [])]:
+            if payload:
+                self._add_row(payload)
+
+    def _add_row(self, payload: dict) -> None:
         if payload:
             self.state.rows.append((list(payload["position"]), Finding.from_dict(payload["row"])))
             info = payload["model"]

@@ -9,7 +9,7 @@ from tabulate import tabulate
 from .findings import VERDICTS, Finding
 from .options import table_mode
 
-__all__ = ["format_value", "note", "pytest_qreport_report", "render_summary", "summary_rows"]
+__all__ = ["format_delta", "format_value", "note", "pytest_qreport_report", "render_summary", "summary_rows"]
 
 
 def format_value(value: float | None, metric: str) -> str:
@@ -20,6 +20,13 @@ def format_value(value: float | None, metric: str) -> str:
         sign = "-" if value < 0 else ""
         return f"{sign}inf dB" if metric.endswith("_db") else f"{sign}inf"
     return f"{value:.1f} dB" if metric.endswith("_db") else f"{value:.4g}"
+
+
+def format_delta(delta: float | None) -> str:
+    """A baseline delta with its sign, two decimals ('0.00' for a change that rounds away)."""
+    if delta is None:
+        return "-"
+    return "0.00" if abs(delta) < 0.005 else f"{delta:+.2f}"
 
 
 def note(row: Finding) -> str:
@@ -49,7 +56,7 @@ def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[s
     for r in shown:
         cells = [r.model, r.check, r.layer, format_value(r.value, r.metric), format_value(r.threshold, r.metric)]
         if with_baseline:
-            cells += [format_value(r.baseline, r.metric), "-" if r.delta is None else f"{r.delta:+.2f}"]
+            cells += [format_value(r.baseline, r.metric), format_delta(r.delta)]
         table.append(cells + [r.verdict.upper()] + ([note(r)] if with_notes else []))
     return headers, table
 
@@ -57,7 +64,7 @@ def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[s
 def render_summary(rows: list[Finding], mode: str) -> str:
     """The summary as text (empty if nothing to show)."""
     headers, table = summary_rows(rows, mode)
-    return tabulate(table, headers=headers) if table else ""
+    return tabulate(table, headers=headers, disable_numparse=True) if table else ""
 
 
 @pytest.hookimpl(tryfirst=True)

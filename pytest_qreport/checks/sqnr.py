@@ -32,7 +32,7 @@ class SqnrCheck(Check):
             if entry is None:
                 results.append(_not_measured(self, model, layer, threshold))
                 continue
-            message = self._message(layer, entry.fqn, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
+            message = self.message(layer, entry.fqn, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
                                     entry.weight_sqnr_db is not None)
             details = {"shadow_sqnr_db": entry.shadow_sqnr_db, "normalized_l2": entry.normalized_l2,
                        "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn}
@@ -40,7 +40,7 @@ class SqnrCheck(Check):
         return results
 
     @staticmethod
-    def _message(layer: str, fqn: str, value: float, threshold: float, shadow: float, weighted: bool) -> str:
+    def message(layer: str, fqn: str, value: float, threshold: float, shadow: float, weighted: bool) -> str:
         """Explain a low propagated SQNR, telling inherited error from the layer's own."""
         text = f"layer {layer}: SQNR {value:.1f} dB < {threshold:.1f} dB (shadow SQNR {shadow:.1f} dB)."
         if not math.isnan(shadow) and shadow >= threshold:

@@ -1,0 +1,198 @@
+"""The `qreport` fixture: the same analysis as the items, inside a user's own test, fed by any fixture.
+
+torch and qcore are imported only when `qreport.analyze(...)` is called.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+from tabulate import tabulate
+
+from .baseline import baseline_path, write_baseline
+from .declare import ModelDeclaration, _as_list
+from .findings import Finding
+from .registry import CheckRegistry
+from .summary import format_delta, format_value
+
+__all__ = ["FIXTURE_RESULTS", "QReport", "QReportResult", "qreport"]
+
+FIXTURE_RESULTS: pytest.StashKey[list[QReportResult]] = pytest.StashKey()
+
+
+class QReportResult:
+    """The findings of one `qreport.analyze(...)` call, with assertions that explain their failures."""
+
+    def __init__(self, state: Any, findings: list[Finding], options: dict[str, Any], nodeid: str) -> None:
+        self._state, self._options, self._nodeid = state, options, nodeid
+        self.name: str = state.name
+        self.findings: list[Finding] = [f.replace(nodeid=nodeid) for f in findings]
+        self.baseline_path: str = state.baseline_path
+
+    @property
+    def analysis(self) -> Any:
+        """The qcore ModelAnalysis behind the findings."""
+        return self._state.context.analysis
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """What the numbers depend on (versions, quantizer, calibration digest, equalization, threads)."""
+        return dict(self._state.fingerprint or {})
+
+    @property
+    def model_sqnr_db(self) -> float:
+        """SQNR of the model's output in dB (the worst output leaf)."""
+        worst = self.analysis.sqnr.worst_output()
+        return math.nan if worst is None else worst.sqnr_db
+
+    def layer(self, name: str) -> dict[str, Finding]:
+        """{check: finding} of one layer."""
+        found = {f.check: f for f in self.findings if f.layer == name}
+        if not found:
+            layers = sorted({f.layer for f in self.findings})
+            raise KeyError(f"model {self.name!r} has no findings for layer {name!r}; layers: {layers}")
+        return found
+
+    def table(self, rows: Iterable[Finding] | None = None) -> str:
+        """The findings (or `rows`) as a text table."""
+        shown = list(self.findings if rows is None else rows)
+        body = [[f.check, f.layer, format_value(f.value, f.metric), format_value(f.threshold, f.metric),
+                 format_value(f.baseline, f.metric), format_delta(f.delta), f.verdict.upper()]
+                for f in shown]
+        return tabulate(body, headers=["check", "layer", "value", "threshold", "baseline", "delta", "verdict"],
+                        disable_numparse=True)
+
+    def _fail(self, title: str, offending: list[Finding], worst_first: bool = True) -> None:
+        if worst_first:
+            offending = sorted(offending, key=lambda f: f.value if not math.isnan(f.value) else -math.inf)
+        hints = "\n".join(f"- {f.check}/{f.layer}: {f.message}" for f in offending if f.message)
+        pytest.fail(f"{title}\n{self.table(offending)}" + (f"\n{hints}" if hints else ""), pytrace=False)
+
+    def assert_sqnr(self, min_db: float, layers: str = "*") -> None:
+        """Every quantized layer matching the glob `layers` has a propagated SQNR of at least `min_db`."""
+        from .checks.sqnr import SqnrCheck
+
+        measured = self.analysis.sqnr.layers
+        chosen = [name for name in measured if fnmatch.fnmatchcase(name, layers)]
+        if not chosen:
+            pytest.fail(f"model {self.name!r}: no quantized layer matches {layers!r}; layers: {list(measured)}",
+                        pytrace=False)
+        offending = []
+        for name in chosen:
+            entry = measured[name]
+            if not entry.sqnr_db >= min_db:
+                message = SqnrCheck.message(name, entry.fqn, entry.sqnr_db, min_db, entry.shadow_sqnr_db,
+                                            entry.weight_sqnr_db is not None)
+                offending.append(Finding(model=self.name, check="sqnr", layer=name, metric="sqnr_db",
+                                         value=entry.sqnr_db, threshold=min_db, verdict="fail", message=message))
+        if offending:
+            self._fail(f"model {self.name!r}: {len(offending)} of {len(chosen)} layers below {min_db} dB", offending)
+
+    def assert_model_sqnr(self, min_db: float) -> None:
+        """The model's output SQNR is at least `min_db`."""
+        value = self.model_sqnr_db
+        if not value >= min_db:
+            finding = Finding(model=self.name, check="model_sqnr", layer="output", metric="sqnr_db", value=value,
+                              threshold=min_db, verdict="fail", message=(
+                                  "see result.table() or assert_sqnr() for the layer where the error starts"))
+            self._fail(f"model {self.name!r}: output SQNR {value:.1f} dB < {min_db} dB", [finding])
+
+    def assert_checks(self, checks: Iterable[str] | None = None) -> None:
+        """No finding of `checks` (default: every check that ran) fails or errors."""
+        wanted = None if checks is None else set(checks)
+        offending = [f for f in self.findings if f.failed and (wanted is None or f.check in wanted)]
+        if offending:
+            self._fail(f"model {self.name!r}: {len(offending)} failing finding(s)", offending)
+
+    def assert_baseline(self, tolerance_db: float | dict[str, float] | None = None) -> None:
+        """No finding regressed against `__qreport__/<name>.json` beside the test file (by more than the
+        tolerance). With --qreport-update-baseline the file is written instead."""
+        if self._options["update"]:
+            if any(f.verdict == "error" for f in self.findings):
+                pytest.fail(f"model {self.name!r} errored: its baseline is not updated", pytrace=False)
+            if not self._options["controller_writes"]:  # with --qreport the controller writes every baseline
+                entries = {(f.check, f.layer): (f.value, f.verdict) for f in self.findings}
+                write_baseline(self.baseline_path, self.name, self.fingerprint, entries)
+            return
+        from .options import parse_tolerance
+        from .runner import compare_with_baseline
+
+        if not os.path.exists(self.baseline_path):
+            pytest.fail(f"model {self.name!r}: no baseline file {self.baseline_path}; write it with "
+                        "pytest --qreport-update-baseline", pytrace=False)
+        if tolerance_db is not None:
+            known = list(self._state.context.checks)
+            tolerance = {**self._state.settings.baseline_tolerance_db, **(parse_tolerance(tolerance_db, known) or {})}
+            self._state.settings = dataclasses.replace(self._state.settings, baseline_tolerance_db=tolerance)
+        options = {"update": False, "strict": self._options["strict"]}
+        compared = compare_with_baseline(self._state, self.findings, options)
+        self.findings = [f.replace(nodeid=self._nodeid) for f in compared if f.check != "baseline"]
+        model_row = next(f for f in compared if f.check == "baseline")
+        if model_row.failed:
+            pytest.fail(model_row.message, pytrace=False)
+        offending = [f for f in self.findings if f.baseline_status == "regressed" and f.failed]
+        if offending:
+            self._fail(f"model {self.name!r}: {len(offending)} finding(s) regressed against {self.baseline_path}",
+                       offending)
+
+    def rows(self) -> list[Finding]:
+        """The findings as summary rows, under the test's node id."""
+        return list(self.findings)
+
+
+class QReport:
+    """The `qreport` fixture object: `analyze(...)` a model with the plugin's checks, settings and baselines."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self._request = request
+
+    def analyze(self, model: Any, calibration: Any, example_inputs: Any = None, quantizer: Any = "int8",
+                equalize: Any = None, checks: Iterable[str] | str | None = None, name: str | None = None,
+                **settings: Any) -> QReportResult:
+        """Capture, calibrate, quantize and check `model` once; other qmodel() settings go in `settings`."""
+        from .options import resolve_settings, session_settings
+        from .quantizers import resolve_quantizer
+        from .runner import QReportModelError, analyze, collect_model
+
+        config, node = self._request.config, self._request.node
+        name = name or getattr(node, "originalname", None) or node.name
+        registry = CheckRegistry()
+        config.hook.pytest_qreport_register_checks(registry=registry)
+        session = session_settings(config, registry.names())
+        fields = {f.name for f in dataclasses.fields(ModelDeclaration)} - {"name", "factory", "source_file", "error"}
+        unknown = sorted(set(settings) - fields)
+        if unknown:
+            raise TypeError(f"qreport.analyze() got unknown setting(s) {unknown}; valid: {sorted(fields)}")
+        batches = list(calibration() if callable(calibration) else calibration)
+        if not batches:
+            raise ValueError(f"model {name!r}: the calibration batches are empty")
+        declaration = ModelDeclaration(name=name, factory=lambda: model, source_file=str(self._request.path),
+                                       calibration=batches, example_inputs=example_inputs, quantizer=quantizer,
+                                       equalize=equalize, checks=_as_list(checks),
+                                       **settings)
+        resolved = resolve_settings(session, declaration, registry)
+        state = collect_model(name, resolved, registry, resolve_quantizer(resolved.quantizer, config.hook), model,
+                              batches[0] if example_inputs is None else example_inputs)
+        state.baseline_path = str(baseline_path(self._request.path.parent, name, session["baseline"]["dir"]))
+        hook = node.ihook
+        analyze(state, lambda: batches, lambda found: hook.pytest_qreport_modify_findings(model=name, findings=found),
+                threads=session["threads"])
+        if state.analysis_error:
+            raise QReportModelError(state.analysis_error) from state.error_cause
+        assert state.findings is not None
+        options = dict(session["baseline"], controller_writes=bool(config.getoption("qreport")))
+        result = QReportResult(state, list(state.findings.values()), options, node.nodeid)
+        node.stash.setdefault(FIXTURE_RESULTS, []).append(result)
+        node.user_properties += [(f"qreport/{name}/{f.check}/{f.layer}", f.value) for f in result.findings]
+        return result
+
+
+@pytest.fixture
+def qreport(request: pytest.FixtureRequest) -> QReport:
+    """Analyse models inside your own tests: `result = qreport.analyze(model, batches)`, then assert on it."""
+    return QReport(request)
