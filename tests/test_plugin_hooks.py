@@ -102,7 +102,7 @@ def test_custom_check_quantizer_and_waiver_from_a_conftest(pytester):
         "conftest.py::qreport/float_head/sqnr/fc1": "PASSED",  # fc2 is kept in float by the custom quantizer
     }
     summary = _summary(result)
-    assert re.search(r"tiny\s+sqnr\s+fc1\s+\S+ dB\s+90.0 dB\s+WAIVED\s+accepted in review #7", summary)
+    assert re.search(r"tiny\s+sqnr\s+fc1\s+\S+ dB\s+90.0 dB\s+WAIVED\s+waived: accepted in review #7", summary)
     assert re.search(r"tiny\s+cosine\s+fc2\s+0\.\d+\s+0.9\s+PASS", summary)
     assert "1 waived" in result.stdout.str()
     cases = {c.get("name"): {p.get("name"): p.get("value") for p in c.iter("property")}
