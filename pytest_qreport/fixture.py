@@ -69,7 +69,14 @@ class QReportResult:
 
     def _fail(self, title: str, offending: list[Finding], worst_first: bool = True) -> None:
         if worst_first:
-            offending = sorted(offending, key=lambda f: f.value if not math.isnan(f.value) else -math.inf)
+            checks = self._state.context.checks
+
+            def badness(f: Finding) -> float:
+                if math.isnan(f.value):
+                    return math.inf
+                return -f.value if f.check not in checks or checks[f.check].higher_is_better else f.value
+
+            offending = sorted(offending, key=badness, reverse=True)
         hints = "\n".join(f"- {f.check}/{f.layer}: {f.message}" for f in offending if f.message)
         pytest.fail(f"{title}\n{self.table(offending)}" + (f"\n{hints}" if hints else ""), pytrace=False)
 

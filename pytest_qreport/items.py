@@ -15,7 +15,16 @@ from .declare import ModelDeclaration, declarations_in
 from .findings import Finding
 from .options import resolve_settings
 from .quantizers import resolve_quantizer
-from .runner import ModelState, QReportCheckFailed, QReportError, QReportModelError, analyze, collect_model, explain
+from .runner import (
+    ModelState,
+    QReportCheckFailed,
+    QReportError,
+    QReportModelError,
+    analyze,
+    collect_model,
+    explain,
+    torch_threads,
+)
 
 __all__ = ["STATE_KEY", "QReportFile", "QReportItem", "QReportWarning"]
 
@@ -87,7 +96,8 @@ class QReportFile(pytest.File):
             return ModelState(name, collect_error=text if f"'{name}'" in text else f"model {name!r}: {text}")
         try:
             names = self._fixture_names(declaration, settings)
-            with self._fixtures_at_collection(name, names) as values:
+            # the model's fixtures may compute (BatchNorm settling, training): same thread count as the analysis
+            with torch_threads(session_settings["threads"]), self._fixtures_at_collection(name, names) as values:
                 example = self._example_inputs(name, settings, values)
                 return collect_model(name, settings, registry, quantizer, values[name], example)
         except pytest.skip.Exception as skipped:

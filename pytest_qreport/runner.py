@@ -4,10 +4,11 @@ Plain functions over qcore and the check registry; the pytest nodes in items.py 
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from .options import ModelSettings
 from .registry import Check, CheckRegistry, ModelContext
 
 __all__ = ["ModelState", "QReportCheckFailed", "QReportError", "QReportModelError", "analyze", "collect_model",
-           "compare_with_baseline", "explain", "fingerprint", "select_layers"]
+           "compare_with_baseline", "explain", "fingerprint", "select_layers", "torch_threads"]
 
 
 class QReportError(Exception):
@@ -92,6 +93,19 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     return state
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block on `threads` torch threads, then restore the count (float rounding depends on it)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def analyze(state: ModelState, batches: Callable[[], Iterable[Any]], modify: Callable[[list[Finding]], None],
             threads: int = 1, baseline: dict[str, Any] | None = None) -> None:
     """Measure once (on `threads` torch threads) and keep the findings of every item, compared with the
@@ -99,26 +113,27 @@ def analyze(state: ModelState, batches: Callable[[], Iterable[Any]], modify: Cal
     if state.findings is not None or state.analysis_error is not None:
         return
     assert state.context is not None and state.settings is not None
-    import torch
-
-    previous = torch.get_num_threads()
     try:
-        torch.set_num_threads(threads)
-        analysis = state.context.analysis
-        analysis.attach_batches(batches())
-        found: list[Finding] = []
-        for check_name, layers in state.items.items():
-            if layers:
-                found += _check_findings(state, check_name, layers)
-        modify(found)
-        state.fingerprint = fingerprint(analysis, state.settings.equalize, threads)
-        if baseline is not None and state.baseline_path is not None:
-            found = compare_with_baseline(state, found, baseline)
-        state.findings = {(f.check, f.layer): f for f in found}
+        with torch_threads(threads):
+            _measure(state, batches, modify, threads, baseline)
     except Exception as error:  # noqa: BLE001 - reported on every item of the model
         state.analysis_error, state.error_cause = explain(state.name, "calibration/analysis", error), error
-    finally:
-        torch.set_num_threads(previous)
+
+
+def _measure(state: ModelState, batches: Callable[[], Iterable[Any]], modify: Callable[[list[Finding]], None],
+             threads: int, baseline: dict[str, Any] | None) -> None:
+    assert state.context is not None and state.settings is not None
+    analysis = state.context.analysis
+    analysis.attach_batches(batches())
+    found: list[Finding] = []
+    for check_name, layers in state.items.items():
+        if layers:
+            found += _check_findings(state, check_name, layers)
+    modify(found)
+    state.fingerprint = fingerprint(analysis, state.settings.equalize, threads)
+    if baseline is not None and state.baseline_path is not None:
+        found = compare_with_baseline(state, found, baseline)
+    state.findings = {(f.check, f.layer): f for f in found}
 
 
 def fingerprint(analysis: Any, equalize: Any, threads: int) -> dict[str, Any]:
