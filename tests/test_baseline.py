@@ -16,7 +16,7 @@ from pytest_qreport.baseline import (
     write_baseline,
 )
 from pytest_qreport.findings import Finding
-from tests.test_plugin import _outcomes, _summary
+from tests.test_plugin import TINY_SOURCE, _outcomes, _summary
 
 FINGERPRINT = {"torch": "2.13.0", "qcore": "0.1.0", "quantizer": {"class": "Q"}, "calibration": "sha256:1",
                "equalize": None, "threads": 1}
@@ -244,26 +244,12 @@ def test_per_check_tolerance_from_qmodel(pytester, monkeypatch):
     assert path.exists()
 
 
-FIXTURE_TESTS = '''
-import pytest
-import torch
-from torch import nn
-
-
-class Two(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
+FIXTURE_TESTS = TINY_SOURCE + '''
 
 @pytest.fixture(scope="module")
 def trained():
     torch.manual_seed(0)
-    return Two().eval()
+    return Tiny().eval()
 
 
 @pytest.fixture

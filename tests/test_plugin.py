@@ -5,7 +5,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 
-CONFTEST = '''
+# the two-layer model most plugin tests declare; other test modules reuse it
+TINY_SOURCE = '''
 import pytest
 import torch
 from torch import nn
@@ -20,7 +21,9 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(x)))
+'''
 
+CONFTEST = TINY_SOURCE + '''
 
 class Branchy(nn.Module):
     def __init__(self):

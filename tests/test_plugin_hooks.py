@@ -5,26 +5,11 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tests.test_plugin import _outcomes, _summary
+from tests.test_plugin import TINY_SOURCE, _outcomes, _summary
 
-EXTENDED = '''
-import math
-import pytest
-import torch
-from torch import nn
-
+EXTENDED = TINY_SOURCE + '''
 import qcore
-from pytest_qreport import Check, qmodel
-
-
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
+from pytest_qreport import Check
 
 
 def _log(text):
