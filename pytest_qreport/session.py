@@ -113,11 +113,10 @@ class QReportSession:
                 self._add_row(payload)
 
     def _add_row(self, payload: dict) -> None:
-        if payload:
-            self.state.rows.append((list(payload["position"]), Finding.from_dict(payload["row"])))
-            info = payload["model"]
-            known = self.state.model_info.setdefault(info["model"], dict(info))
-            known["fingerprint"] = known.get("fingerprint") or info.get("fingerprint")
+        self.state.rows.append((list(payload["position"]), Finding.from_dict(payload["row"])))
+        info = payload["model"]
+        known = self.state.model_info.setdefault(info["model"], dict(info))
+        known["fingerprint"] = known.get("fingerprint") or info.get("fingerprint")
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         self._report()
@@ -130,8 +129,9 @@ class QReportSession:
         if self.state.settings["baseline"]["update"]:
             from .updates import update_baselines
 
-            self.state.messages += update_baselines(self.state.ordered_rows(), self.state.model_info)
-            if any(line.startswith("qreport: could not") for line in self.state.messages) and session.exitstatus == 0:
+            news, failed = update_baselines(self.state.ordered_rows(), self.state.model_info)
+            self.state.messages += news
+            if failed and session.exitstatus == pytest.ExitCode.OK:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if not self.config.pluginmanager.has_plugin("terminalreporter"):
             self._report()  # with -p no:terminal there is no terminal summary to report from

@@ -11,8 +11,9 @@ __all__ = ["update_baselines"]
 _NOT_ENTRIES = ("baseline", "capture")
 
 
-def update_baselines(rows: list[Finding], model_info: dict[str, dict[str, Any]]) -> list[str]:
-    """Write the baseline of every model that ran without error; one line of news per model.
+def update_baselines(rows: list[Finding], model_info: dict[str, dict[str, Any]]) -> tuple[list[str], bool]:
+    """Write the baseline of every model that ran without error: (one line of news per model, whether a
+    write failed).
 
     Entries of this run replace the file's; entries for items that were collected but not run (under -k)
     are kept, and entries for layers that no longer exist are dropped.
@@ -20,7 +21,7 @@ def update_baselines(rows: list[Finding], model_info: dict[str, dict[str, Any]])
     by_model: dict[str, list[Finding]] = {}
     for row in rows:
         by_model.setdefault(row.model, []).append(row)
-    news = []
+    news, failed = [], False
     for model, found in by_model.items():
         info = model_info.get(model, {})
         path, fingerprint = info.get("baseline_path"), info.get("fingerprint")
@@ -38,9 +39,10 @@ def update_baselines(rows: list[Finding], model_info: dict[str, dict[str, Any]])
             write_baseline(path, model, fingerprint, entries)
         except OSError as error:
             news.append(f"qreport: could not write the baseline of {model!r} to {path}: {error}")
+            failed = True
             continue
         news.append(f"qreport: baseline of {model!r} written to {path} ({len(entries)} entries)")
-    return news
+    return news, failed
 
 
 def _kept_entries(path: str, found: list[Finding]) -> dict[tuple[str, str], tuple[float, str]]:
