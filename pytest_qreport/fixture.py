@@ -164,7 +164,7 @@ class QReport:
         """Capture, calibrate, quantize and check `model` once; other qmodel() settings go in `settings`."""
         from .options import resolve_settings, session_settings
         from .quantizers import resolve_quantizer
-        from .runner import QReportModelError, analyze, collect_model
+        from .runner import QReportModelError, analyze, as_batches, collect_model
 
         config, node = self._request.config, self._request.node
         name = name or getattr(node, "originalname", None) or node.name
@@ -175,7 +175,7 @@ class QReport:
         unknown = sorted(set(settings) - fields)
         if unknown:
             raise TypeError(f"qreport.analyze() got unknown setting(s) {unknown}; valid: {sorted(fields)}")
-        batches = list(calibration() if callable(calibration) else calibration)
+        batches = as_batches(calibration() if callable(calibration) else calibration)
         if not batches:
             raise ValueError(f"model {name!r}: the calibration batches are empty")
         declaration = ModelDeclaration(name=name, factory=lambda: model, source_file=str(self._request.path),

@@ -21,6 +21,7 @@ from .runner import (
     QReportError,
     QReportModelError,
     analyze,
+    as_batches,
     collect_model,
     explain,
     torch_threads,
@@ -47,6 +48,8 @@ def _fixture_probe(names: list[str]):
 
 
 def _first_batch(batches: Any) -> Any:
+    if isinstance(batches, dict) or (hasattr(batches, "shape") and hasattr(batches, "dtype")):
+        return batches  # one tensor or one dict of kwargs is one batch
     if isinstance(batches, (list, tuple)):
         if not batches:
             raise ValueError("the calibration batches are empty")
@@ -195,9 +198,8 @@ class QReportItem(pytest.Function):
     def _calibration_batches(model: ModelState, request: pytest.FixtureRequest) -> list:
         assert model.settings is not None
         source = model.settings.calibration
-        batches = request.getfixturevalue(source) if isinstance(source, str) else (
-            source() if callable(source) else source)
-        batches = list(batches)
+        batches = as_batches(request.getfixturevalue(source) if isinstance(source, str) else (
+            source() if callable(source) else source))
         if not batches:
             raise QReportModelError(f"model {model.name!r}: the calibration source gave no batches")
         return batches

@@ -17,7 +17,8 @@ from .findings import Finding
 from .options import ModelSettings
 from .registry import Check, CheckRegistry, ModelContext
 
-__all__ = ["ModelState", "QReportCheckFailed", "QReportError", "QReportModelError", "analyze", "collect_model",
+__all__ = ["ModelState", "QReportCheckFailed", "QReportError", "QReportModelError", "analyze", "as_batches",
+           "collect_model",
            "compare_with_baseline", "explain", "fingerprint", "select_layers", "torch_threads"]
 
 
@@ -31,6 +32,13 @@ class QReportModelError(QReportError):
 
 class QReportCheckFailed(QReportError):
     """A quality check is below its threshold."""
+
+
+def as_batches(source: Any) -> list[Any]:
+    """Calibration batches as a list: one tensor or one dict of kwargs is one batch, not a sequence of rows."""
+    if isinstance(source, dict) or (hasattr(source, "shape") and hasattr(source, "dtype")):
+        return [source]
+    return list(source)
 
 
 def select_layers(names: Iterable[str], layers: list[str] | None, skip_layers: list[str] | None) -> list[str]:

@@ -128,7 +128,10 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
         weight_db = None
         if record["layer"] in weights:
             pair = weights[record["layer"]]["weight"]
-            weight_db = float(compute_sqnr(pair["float"][0]["values"][0], pair["quant"][0]["values"][0]))
+            original, quantized = pair["float"][0]["values"][0], pair["quant"][0]["values"][0]
+            # an exact reconstruction (an all-zero weight, say) is inf, as for activations, not 0/0 = nan
+            exact = bool(torch.equal(original, quantized))
+            weight_db = math.inf if exact else float(compute_sqnr(original, quantized))
         layers[record["layer"]] = LayerSqnr(
             layer=record["layer"], fqn=record["fqn"], op=record["op"], sqnr_db=float(record["sqnr_db"]),
             shadow_sqnr_db=float(shadow.get(record["layer"], math.nan)),

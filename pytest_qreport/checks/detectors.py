@@ -160,8 +160,12 @@ class OutlierCheck(DetectorCheck):
                    "constant_channels": [i for i, n in enumerate(entry[d.CONSTANT_COUNTS_KEY].tolist()) if n]}
         shown = ", ".join(str(c) for c in outliers[:8])
         more = "" if len(outliers) <= 8 else f" and {len(outliers) - 8} more"
-        message = (f"layer {layer}: input channels {shown}{more} have outliers (q100/q_ref up to "
-                   f"{details['max_ratio']:.1f} > {details['threshold']}) and the activation observer does not clip. "
+        reference = f"{d.reference_percentile:.1%}".replace(".0%", "%")
+        ratio = (f"their {reference} percentile is 0, since most of their values are zero (after a ReLU, say), "
+                 "so the maximum is unboundedly far above it" if finite and max(finite) >= 1e30 else
+                 f"q100/q_ref up to {details['max_ratio']:.1f} > {details['threshold']}")
+        message = (f"layer {layer}: input channels {shown}{more} have outliers ({ratio}) and the activation observer "
+                   "does not clip. "
                    "Fix: quantizer='int8_histogram' (clipping range chosen by error), or keep the layer in float with "
                    f"{keep_in_float_hint(quantized.fqn)}.")
         return self.finding(model, layer, max(finite) if finite else math.nan, float(d.ratio_threshold),
