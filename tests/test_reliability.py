@@ -75,3 +75,55 @@ def sparse_inputs():
     result.stdout.fnmatch_lines(["*input channels * have outliers (their 97.5% percentile is 0, since most of their "
                                  "values are zero*"])
     assert "340282346638528859811704183484516925440" not in result.stdout.str()
+
+
+def test_advice_fits_the_quantizer_and_severity_in_force(pytester):
+    pytester.makeconftest(TINY_SOURCE + '''
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 8, generator=g) for _ in range(3)]
+
+
+@qmodel(calibration=batches, checks="sqnr", layers="fc1")
+def per_channel():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration=batches, checks="sqnr", layers="fc1", quantizer="int8_histogram")
+def histogram():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration=batches, checks="sqnr", layers="fc1", quantizer="int8_per_tensor")
+def per_tensor():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration=batches, checks="input_weight_equalization", layers="fc1",
+        severity={"input_weight_equalization": "warn"})
+def advisory():
+    torch.manual_seed(0)
+    return Tiny().eval()
+''')
+    result = pytester.runpytest("--qreport", "--qreport-sqnr-min-db", "90", "-W", "always")
+    text = result.stdout.str()
+    blocks = {name: text[text.index(f"qreport/{name}/sqnr/fc1 _"):].split("\n")[1] for name in
+              ("per_channel", "histogram", "per_tensor")}
+    assert "per channel" not in blocks["per_channel"] and "int8_histogram" in blocks["per_channel"]
+    assert "int8_histogram" not in blocks["histogram"] and "per channel" not in blocks["histogram"]
+    assert "quantize its weights per channel (quantizer='int8')" in blocks["per_tensor"]
+    assert all("keep the layer in float with quantizer=qcore.Int8StaticQuantizer(layer_overrides={'fc1': "
+               "{'skip': True}})." in block for block in blocks.values())
+    warning = next(line for line in result.stdout.lines if "input-weight equalization is recommended" in line)
+    assert "severity to off" in warning and "warn or off" not in warning
+
+
+def test_a_value_just_below_its_threshold_prints_enough_digits():
+    from pytest_qreport.checks.sqnr import below
+
+    assert below(35.96, 36.0) == "35.96 dB < 36.00 dB"
+    assert below(18.3, 25.0) == "18.3 dB < 25.0 dB"

@@ -132,9 +132,10 @@ class InputWeightEqualizationCheck(DetectorCheck):
                    "recommended": self.detector.is_layer_recommended(entry),
                    "threshold": float(self.detector.ratio_threshold)}
         equalized = layer in model.analysis.equalized_layers
+        relax = "off" if model.settings.severity.get(self.name) == "warn" else "warn or off"
         message = (f"layer {layer}: input-weight equalization is recommended for {details['fraction']:.0%} of its "
                    f"{details['channels']} channels (>= 40%) and the model is not equalized. Fix: qmodel(..., "
-                   "equalize=True), or set this check's severity to warn/off.")
+                   f"equalize=True), or set this check's severity to {relax}.")
         passed = not (details["recommended"] and not equalized)
         return self.finding(model, layer, details["fraction"], 0.4, passed=passed, message=message, details=details)
 

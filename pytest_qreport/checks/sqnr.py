@@ -6,12 +6,20 @@ import math
 from ..findings import Finding
 from ..registry import Check, ModelContext
 
-__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "keep_in_float_hint"]
+__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "keep_in_float_hint"]
 
 
 def keep_in_float_hint(fqn: str) -> str:
     """The quantizer setting that keeps one layer unquantized (skip_layers only hides a layer from checks)."""
     return f"quantizer=qcore.Int8StaticQuantizer(layer_overrides={{{fqn!r}: {{'skip': True}}}})"
+
+
+def below(value: float, threshold: float) -> str:
+    """'value dB < threshold dB' with enough digits to show the difference (never '36.0 dB < 36.0 dB')."""
+    digits = 1
+    while digits < 6 and f"{value:.{digits}f}" == f"{threshold:.{digits}f}":
+        digits += 1
+    return f"{value:.{digits}f} dB < {threshold:.{digits}f} dB"
 
 
 def _not_measured(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
@@ -32,24 +40,31 @@ class SqnrCheck(Check):
             if entry is None:
                 results.append(_not_measured(self, model, layer, threshold))
                 continue
+            quantized = model.analysis.layer(layer)
             message = self.message(layer, entry.fqn, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
-                                    entry.weight_sqnr_db is not None)
+                                   entry.weight_sqnr_db is not None, quantized.per_channel, quantized.clipping)
             details = {"shadow_sqnr_db": entry.shadow_sqnr_db, "normalized_l2": entry.normalized_l2,
                        "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn}
             results.append(self.finding(model, layer, entry.sqnr_db, threshold, message=message, details=details))
         return results
 
     @staticmethod
-    def message(layer: str, fqn: str, value: float, threshold: float, shadow: float, weighted: bool) -> str:
-        """Explain a low propagated SQNR, telling inherited error from the layer's own."""
-        text = f"layer {layer}: SQNR {value:.1f} dB < {threshold:.1f} dB (shadow SQNR {shadow:.1f} dB)."
+    def message(layer: str, fqn: str, value: float, threshold: float, shadow: float, weighted: bool,
+                per_channel: bool = False, clipping: bool = False) -> str:
+        """Explain a low propagated SQNR, telling inherited error from the layer's own, with advice that fits
+        the quantizer in force (no per-channel advice to a per-channel quantizer, say)."""
+        text = f"layer {layer}: SQNR {below(value, threshold)} (shadow SQNR {shadow:.1f} dB)."
         if not math.isnan(shadow) and shadow >= threshold:
             return text + (" With float inputs the layer is fine: it inherits its error from upstream layers. "
                            "Fix the first failing layer upstream, or hide this layer from the checks with "
                            f"skip_layers=[{layer!r}].")
-        advice = "use per-channel weights (quantizer='int8'), " if weighted else ""
-        return text + (f" The layer's own quantization error is too large: {advice}a histogram activation observer "
-                       f"(quantizer='int8_histogram'), or keep the layer in float with {keep_in_float_hint(fqn)}.")
+        options = []
+        if weighted and not per_channel:
+            options.append("quantize its weights per channel (quantizer='int8')")
+        if not clipping:
+            options.append("clip its activation range by error (quantizer='int8_histogram')")
+        options.append(f"keep the layer in float with {keep_in_float_hint(fqn)}")
+        return text + " The layer's own quantization error is too large: " + ", or ".join(options) + "."
 
 
 class WeightSqnrCheck(Check):
@@ -67,8 +82,10 @@ class WeightSqnrCheck(Check):
             if entry is None or entry.weight_sqnr_db is None:
                 results.append(_not_measured(self, model, layer, threshold))
                 continue
-            message = (f"layer {layer}: weight SQNR {entry.weight_sqnr_db:.1f} dB < {threshold:.1f} dB. Use "
-                       f"per-channel weight quantization (quantizer='int8'), or keep the layer in float with "
+            per_channel = model.analysis.layer(layer).per_channel
+            advice = "" if per_channel else "Quantize its weights per channel (quantizer='int8'), or keep"
+            message = (f"layer {layer}: weight SQNR {below(entry.weight_sqnr_db, threshold)}. "
+                       f"{advice or 'Its weights are already quantized per channel: keep'} the layer in float with "
                        f"{keep_in_float_hint(entry.fqn)}.")
             results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
         return results
@@ -89,7 +106,7 @@ class ModelSqnrCheck(Check):
             if entry is None:
                 results.append(_not_measured(self, model, name, threshold))
                 continue
-            message = (f"model output {name}: SQNR {entry.sqnr_db:.1f} dB < {threshold:.1f} dB. See the per-layer sqnr "
+            message = (f"model output {name}: SQNR {below(entry.sqnr_db, threshold)}. See the per-layer sqnr "
                        "items for the layer where the error starts.")
             details = {"cosine": entry.cosine, "normalized_l2": entry.normalized_l2, "leaf": entry.name}
             results.append(self.finding(model, name, entry.sqnr_db, threshold, message=message, details=details))
