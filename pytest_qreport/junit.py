@@ -15,10 +15,16 @@ __all__ = ["build_suites", "pytest_qreport_report", "write_atomically", "write_j
 _PROPERTIES = ("model", "check", "layer", "metric", "value", "threshold", "verdict")
 
 
+def _clean(text: str) -> str:
+    """Text that XML can carry: lone surrogates become '?' (junit-xml drops control characters itself)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def build_suites(rows: list[Finding]) -> list[TestSuite]:
     """One TestSuite per model, one TestCase per (check, layer)."""
     by_model: dict[str, list[TestCase]] = {}
     for row in rows:
+        row = row.replace(message=_clean(row.message), waiver=_clean(row.waiver), layer=_clean(row.layer))
         lines = [f"{k}={getattr(row, k)}" for k in _PROPERTIES] + ([f"waiver={row.waiver}"] if row.waiver else [])
         lines += [f"{k}={getattr(row, k)}" for k in ("baseline", "delta", "baseline_status") if getattr(row, k) not in
                   (None, "")]
@@ -45,7 +51,8 @@ def write_atomically(path: str, text: str) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes 0600; a report or baseline is an ordinary file
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+        # errors="replace": a lone surrogate (from a non-UTF-8 file name, say) must not lose the whole file
+        with os.fdopen(handle, "w", encoding="utf-8", errors="replace") as stream:
             stream.write(text)
         os.replace(temporary, path)
     except BaseException:
@@ -60,7 +67,12 @@ def write_junit(path: str, rows: list[Finding]) -> None:
 
 
 def pytest_qreport_report(rows: list[Finding], config: pytest.Config) -> None:
-    """Write --qreport-junitxml when it is given."""
+    """Write --qreport-junitxml when it is given; a failed write is one error line and a failing exit status."""
     path = config.getoption("qreport_junitxml", default=None)
     if path:
-        write_junit(path, rows)
+        try:
+            write_junit(path, rows)
+        except OSError as error:
+            from .items import STATE_KEY
+
+            config.stash[STATE_KEY].report_errors.append(f"qreport: could not write --qreport-junitxml {path}: {error}")

@@ -39,6 +39,7 @@ class SessionState:
     rows: list[tuple[list, Finding]] = field(default_factory=list)
     model_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # controller: by model name
     messages: list[str] = field(default_factory=list)  # controller: lines for the end of the summary
+    report_errors: list[str] = field(default_factory=list)  # controller: outputs that could not be written
 
     def refresh_registry(self) -> CheckRegistry:
         """Ask every plugin and conftest.py loaded so far to register its checks (idempotent)."""
@@ -118,10 +119,15 @@ class QReportSession:
         known = self.state.model_info.setdefault(info["model"], dict(info))
         known["fingerprint"] = known.get("fingerprint") or info.get("fingerprint")
 
+    def pytest_sessionstart(self, session) -> None:
+        self.session = session
+
     def pytest_terminal_summary(self, terminalreporter) -> None:
         self._report()
         for line in self.state.messages:
             terminalreporter.write_line(line)
+        for line in self.state.report_errors:
+            terminalreporter.write_line(line, red=True)
 
     def pytest_sessionfinish(self, session) -> None:
         if self.is_worker or self.config.option.collectonly:
@@ -141,3 +147,5 @@ class QReportSession:
         if self.is_worker or self.config.option.collectonly:
             return
         self.config.hook.pytest_qreport_report(rows=self.state.ordered_rows(), config=self.config)
+        if self.state.report_errors and self.session.exitstatus == pytest.ExitCode.OK:
+            self.session.exitstatus = pytest.ExitCode.TESTS_FAILED

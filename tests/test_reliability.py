@@ -1,6 +1,8 @@
 """Faults and odd inputs land on the right item with the right message (issue: reliability)."""
 import json
 
+import pytest
+
 from tests.test_plugin import TINY_SOURCE, _outcomes
 
 
@@ -127,3 +129,60 @@ def test_a_value_just_below_its_threshold_prints_enough_digits():
 
     assert below(35.96, 36.0) == "35.96 dB < 36.00 dB"
     assert below(18.3, 25.0) == "18.3 dB < 25.0 dB"
+
+
+BAD_TEXT_CHECK = '''
+from pytest_qreport import Check
+
+
+class Noisy(Check):
+    name, order, metric = "noisy", 99, "score"
+
+    def layers(self, model):
+        return ["fc1"]
+
+    def findings(self, model, layers):
+        text = "file cafe.bin\\x01 broke"  # a control character
+        return [self.finding(model, layer, 0.0, 1.0, message=text) for layer in layers]
+
+
+def pytest_qreport_register_checks(registry):
+    registry.register(Noisy)
+
+
+@qmodel(calibration=[torch.randn(16, 8)], checks="noisy")
+def noisy_model():
+    return Tiny().eval()
+
+
+@qmodel(calibration=[torch.randn(16, 8)], checks="model_sqnr")
+def quiet_model():
+    return Tiny().eval()
+'''
+
+
+def test_text_xml_cannot_carry_and_an_unwritable_report_path_do_not_lose_the_session(pytester):
+    import xml.etree.ElementTree as ET
+
+    pytester.makeconftest(TINY_SOURCE + BAD_TEXT_CHECK)
+    result = pytester.runpytest("--qreport", "--qreport-junitxml=q.xml")
+    result.assert_outcomes(failed=1, passed=1)
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+    case = next(ET.parse(pytester.path / "q.xml").getroot().iter("testcase"))
+    assert "cafe.bin broke" in case.find("failure").text
+    (pytester.path / "blocked").write_text("a file, not a folder")
+    unwritable = pytester.runpytest("--qreport", "--qreport-junitxml=blocked/q.xml", "-k", "not noisy")
+    unwritable.stdout.fnmatch_lines(["*qreport summary*", "qreport: could not write --qreport-junitxml blocked/q.xml*"])
+    assert unwritable.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_a_lone_surrogate_does_not_lose_the_dedicated_xml(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from pytest_qreport.findings import Finding
+    from pytest_qreport.junit import write_junit
+
+    row = Finding(model="m", check="sqnr", layer="fc1", metric="sqnr_db", value=1.0, threshold=2.0, verdict="fail",
+                  message="weights from caf\udce9.bin")  # a non-UTF-8 file name decoded with surrogateescape
+    write_junit(str(tmp_path / "q.xml"), [row])
+    assert "caf?.bin" in next(ET.parse(tmp_path / "q.xml").getroot().iter("failure")).text
