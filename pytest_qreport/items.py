@@ -24,6 +24,7 @@ from .runner import (
     as_batches,
     collect_model,
     explain,
+    is_single_batch,
     torch_threads,
 )
 
@@ -48,8 +49,8 @@ def _fixture_probe(names: list[str]):
 
 
 def _first_batch(batches: Any) -> Any:
-    if isinstance(batches, dict) or (hasattr(batches, "shape") and hasattr(batches, "dtype")):
-        return batches  # one tensor or one dict of kwargs is one batch
+    if is_single_batch(batches):
+        return batches
     if isinstance(batches, (list, tuple)):
         if not batches:
             raise ValueError("the calibration batches are empty")
@@ -76,10 +77,11 @@ class QReportFile(pytest.File):
                 yield QReportItem.from_parent(self, name=f"qreport/{declaration.name}/capture", callobj=qreport_check,
                                               model_key=key, check="capture", layer="", position=(index, -1, 0))
                 continue
-            for check, layer in model.checks_and_layers():
-                yield QReportItem.from_parent(
-                    self, name=f"qreport/{declaration.name}/{check}/{layer}", callobj=qreport_check, model_key=key,
-                    check=check, layer=layer, position=(index, order[check], model.items[check].index(layer)))
+            for check, layers in model.items.items():
+                for position, layer in enumerate(layers):
+                    yield QReportItem.from_parent(
+                        self, name=f"qreport/{declaration.name}/{check}/{layer}", callobj=qreport_check,
+                        model_key=key, check=check, layer=layer, position=(index, order[check], position))
             options = session.settings["baseline"]
             if options["update"] or options["strict"] or os.path.exists(str(model.baseline_path)):
                 yield QReportItem.from_parent(self, name=f"qreport/{declaration.name}/baseline",

@@ -18,7 +18,7 @@ from .options import ModelSettings
 from .registry import Check, CheckRegistry, ModelContext
 
 __all__ = ["ModelState", "QReportCheckFailed", "QReportError", "QReportModelError", "analyze", "as_batches",
-           "collect_model",
+           "collect_model", "is_single_batch",
            "compare_with_baseline", "explain", "fingerprint", "select_layers", "torch_threads"]
 
 
@@ -34,11 +34,14 @@ class QReportCheckFailed(QReportError):
     """A quality check is below its threshold."""
 
 
+def is_single_batch(source: Any) -> bool:
+    """True for one tensor or one dict of kwargs: one batch, not a sequence of rows or keys."""
+    return isinstance(source, dict) or (hasattr(source, "shape") and hasattr(source, "dtype"))
+
+
 def as_batches(source: Any) -> list[Any]:
-    """Calibration batches as a list: one tensor or one dict of kwargs is one batch, not a sequence of rows."""
-    if isinstance(source, dict) or (hasattr(source, "shape") and hasattr(source, "dtype")):
-        return [source]
-    return list(source)
+    """Calibration batches as a list (one tensor or one dict of kwargs is one batch)."""
+    return [source] if is_single_batch(source) else list(source)
 
 
 def select_layers(names: Iterable[str], layers: list[str] | None, skip_layers: list[str] | None) -> list[str]:
@@ -164,6 +167,7 @@ def compare_with_baseline(state: ModelState, found: list[Finding], options: dict
     assert state.settings is not None and state.context is not None and state.baseline_path is not None
     path, enforce, strict = state.baseline_path, not options["update"], bool(options["strict"])
     collected = sorted(f"{check}/{layer}" for check, layer in state.checks_and_layers())
+    still_collected = set(collected)
     details: dict[str, Any] = {"path": path, "collected": collected, "stale": []}
     update_hint = f"Run pytest --qreport --qreport-update-baseline to {'write' if enforce else 'rewrite'} {path}."
 
@@ -177,8 +181,8 @@ def compare_with_baseline(state: ModelState, found: list[Finding], options: dict
     except BaselineError as error:
         return found + [model_finding(False, f"model {state.name!r}: {error}", error=True)]
     if recorded is None:
-        return found + [model_finding(not strict, f"model {state.name!r}: no baseline file {path} "
-                                                  f"(--qreport-baseline-strict). {update_hint}")]
+        why = " (--qreport-baseline-strict)" if strict else ""
+        return found + [model_finding(not strict, f"model {state.name!r}: no baseline file {path}{why}. {update_hint}")]
     differences = fingerprint_differences(recorded.fingerprint, state.fingerprint or {})
     if differences:
         return found + [model_finding(False, (
@@ -189,7 +193,7 @@ def compare_with_baseline(state: ModelState, found: list[Finding], options: dict
     compared = compare_findings(found, recorded, state.settings.tolerance,
                                 lambda check: checks[check].higher_is_better if check in checks else True,
                                 strict, enforce)
-    stale = sorted(f"{check}/{layer}" for check, layer in recorded.entries if f"{check}/{layer}" not in collected)
+    stale = sorted(f"{check}/{layer}" for check, layer in recorded.entries if f"{check}/{layer}" not in still_collected)
     details["stale"] = stale
     message = (f"model {state.name!r}: the baseline {path} has entries for layers that no longer exist: "
                f"{', '.join(stale)}. {update_hint}") if stale else ""

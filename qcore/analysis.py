@@ -184,12 +184,15 @@ class ModelAnalysis:
         """The quantized layers in graph order (no data needed)."""
         return quantized_layers(self.float_gm, self.quantizer)
 
+    @cached_property
+    def _layers_by_name(self) -> dict[str, QuantizedLayer]:
+        return {entry.layer: entry for entry in self.layers}
+
     def layer(self, name: str) -> QuantizedLayer:
         """One quantized layer by name."""
-        for entry in self.layers:
-            if entry.layer == name:
-                return entry
-        raise KeyError(f"{name!r} is not a quantized layer; known: {[e.layer for e in self.layers]}")
+        if name not in self._layers_by_name:
+            raise KeyError(f"{name!r} is not a quantized layer; known: {[e.layer for e in self.layers]}")
+        return self._layers_by_name[name]
 
     @cached_property
     def equalizable_layers(self) -> list[str]:
