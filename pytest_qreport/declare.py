@@ -36,6 +36,7 @@ class ModelDeclaration:
     check_options: dict[str, dict] | None = None
     baseline_tolerance_db: Any = None
     error: str | None = None
+    line: int = 0
 
 
 _DECLARED: dict[str, list[ModelDeclaration]] = {}
@@ -116,6 +117,13 @@ def qmodel(
             error=_unknown_keywords(name or factory.__name__, unknown),
         )
         registered = _DECLARED.setdefault(declaration.source_file, [])
+        declaration.line = factory.__code__.co_firstlineno
+        earlier = next((d for d in registered if d.name == declaration.name and d.line != declaration.line), None)
+        if earlier is not None:  # the same line again is the same conftest imported again, not a duplicate
+            declaration.error = (
+                f"model {declaration.name!r} is declared twice in {source} (lines {earlier.line} and "
+                f"{declaration.line}); the second would silently replace the first. Rename one function, or give "
+                "it qmodel(name='...').")
         registered[:] = [d for d in registered if d.name != declaration.name] + [declaration]
         fixture = pytest.fixture(name=declaration.name)(factory)
         return fixture

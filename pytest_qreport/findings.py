@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BASELINE_STATUSES", "VERDICTS", "Finding", "to_builtins"]
+__all__ = ["BASELINE_STATUSES", "VERDICTS", "Finding", "RunOutcome", "to_builtins"]
 
 VERDICTS = ("pass", "fail", "warn", "waived", "error", "skip")
 BASELINE_STATUSES = ("", "ok", "new", "regressed", "improved")
@@ -101,3 +101,18 @@ class Finding:
         if severity == "warn" and self.verdict == "fail":
             return self.replace(verdict="warn")
         return self
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How complete a session's rows are: qreport items collected and reported, and why the run stopped early
+    ("" when it ran to the end)."""
+
+    collected: int
+    reported: int
+    interrupted: str = ""
+
+    @property
+    def not_run(self) -> int:
+        """Collected items that never reported a result."""
+        return max(0, self.collected - self.reported)

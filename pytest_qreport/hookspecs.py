@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from .findings import Finding
+    from .findings import Finding, RunOutcome
     from .registry import CheckRegistry
 
 __all__ = ["pytest_qreport_make_quantizer", "pytest_qreport_modify_findings", "pytest_qreport_register_checks",
@@ -64,10 +64,12 @@ def pytest_qreport_modify_findings(model: str, findings: list[Finding]) -> None:
 
 
 @pytest.hookspec()
-def pytest_qreport_report(rows: list[Finding], config: pytest.Config) -> None:
+def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: RunOutcome) -> None:
     """Write extra outputs at the end of a --qreport session, on the controller process only.
 
     `rows` holds every qreport finding of the session in collection order, with `nodeid` and `duration` set.
+    `outcome` says how complete they are: after Ctrl-C or -x, `outcome.interrupted` says why the run stopped
+    and `outcome.not_run` how many collected items did not run; a writer may then keep its previous file.
     The summary table and the --qreport-junitxml writer are implementations of this hook. Example::
 
         def pytest_qreport_report(rows, config):

@@ -11,6 +11,7 @@ from typing import Any, cast
 import pytest
 
 from .baseline import baseline_path
+from .crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_crash
 from .declare import ModelDeclaration, declarations_in
 from .findings import Finding
 from .options import resolve_settings
@@ -28,9 +29,21 @@ from .runner import (
     torch_threads,
 )
 
-__all__ = ["STATE_KEY", "QReportFile", "QReportItem", "QReportWarning"]
+__all__ = ["STATE_KEY", "QReportFile", "QReportItem", "QReportWarning", "parse_item_nodeid"]
 
 STATE_KEY: pytest.StashKey = pytest.StashKey()
+_PREFIX = "::qreport/"
+
+
+def parse_item_nodeid(nodeid: str) -> tuple[str, str, str, str] | None:
+    """(file, model, check, layer) of a qreport item's node id, or None for other tests."""
+    if _PREFIX not in nodeid:
+        return None
+    file, name = nodeid.split(_PREFIX, 1)
+    name = name.rsplit("@", 1)[0]  # --dist loadgroup appends "@<group>"; layer names hold no "@"
+    model, _, rest = name.partition("/")
+    check, _, layer = rest.partition("/")
+    return (file, model, check, layer) if model and check else None
 
 
 def qreport_check(request) -> None:
@@ -68,9 +81,13 @@ class QReportFile(pytest.File):
         for index, declaration in enumerate(declarations_in(self.path)):
             key = (str(self.path), declaration.name)
             if key not in session.models:
-                model = self._collect_model(declaration, registry, session.settings)
-                model.baseline_path = str(baseline_path(self.path.parent, declaration.name,
-                                                        session.settings["baseline"]["dir"]))
+                path = str(baseline_path(self.path.parent, declaration.name, session.settings["baseline"]["dir"]))
+                sharing = next((k[0] for k, m in session.models.items() if m.baseline_path == path), None)
+                model = ModelState(declaration.name, collect_error=(
+                    f"model {declaration.name!r} of {self.path} and the model of the same name in {sharing} would "
+                    f"share the baseline file {path} (--qreport-baseline-dir); give one of them qmodel(name='...')")
+                ) if sharing else self._collect_model(declaration, registry, session.settings)
+                model.baseline_path = path
                 session.models[key] = model
             model = session.models[key]
             if model.collect_error or model.skip_reason:
@@ -185,9 +202,16 @@ class QReportItem(pytest.Function):
             raise QReportModelError(model.collect_error) from model.error_cause
         request = cast(pytest.FixtureRequest, self.funcargs["request"])
         hook, settings = self.ihook, self.config.stash[STATE_KEY].settings
-        analyze(model, lambda: self._calibration_batches(model, request),
-                lambda found: hook.pytest_qreport_modify_findings(model=model.name, findings=found),
-                threads=settings["threads"], baseline=settings["baseline"])
+        if model.findings is None and model.analysis_error is None:
+            worker = getattr(self.config, "workerinput", {})
+            crash_dir, worker_id = worker.get(CRASH_DIR_KEY), worker.get("workerid", "")
+            crashed = previous_crash(crash_dir, self.model_key) if crash_dir else None
+            if crashed:
+                model.analysis_error = crashed_message(model.name, crashed)
+            with analysis_guard(crash_dir, self.model_key, worker_id):
+                analyze(model, lambda: self._calibration_batches(model, request),
+                        lambda found: hook.pytest_qreport_modify_findings(model=model.name, findings=found),
+                        threads=settings["threads"], baseline=settings["baseline"])
         if model.analysis_error:
             self._record_error(model.analysis_error)
             raise QReportModelError(model.analysis_error) from model.error_cause

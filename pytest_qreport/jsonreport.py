@@ -11,8 +11,9 @@ Schema 1::
                 "waiver", "nodeid", "duration", "baseline", "delta", "baseline_status"}, ...]
     }
 
-Rows come in collection order; `duration` is the item's seconds (the first item of a model includes its
-analysis). Non-finite numbers are the strings "nan", "inf" and "-inf", so that the file is strict JSON.
+A model's key is its name, or "<conftest path>::<name>" when conftests in two directories declare the
+same name; its rows carry the same key in "model". Rows come in collection order; `duration` is the item's
+seconds (the first item of a model includes its analysis). Non-finite numbers are the strings "nan", "inf" and "-inf", so that the file is strict JSON.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from .findings import Finding
-from .junit import write_atomically
+from .findings import Finding, RunOutcome
+from .junit import keep_previous_file, write_atomically
 
 __all__ = ["JSON_SCHEMA", "build_report", "pytest_qreport_report"]
 
@@ -59,11 +60,11 @@ def build_report(rows: list[Finding], models: dict[str, dict[str, Any]]) -> dict
     })
 
 
-def pytest_qreport_report(rows: list[Finding], config: pytest.Config) -> None:
-    """Write --qreport-json when it is given."""
+def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: RunOutcome) -> None:
+    """Write --qreport-json when it is given (and the run completed)."""
     path = config.getoption("qreport_json", default=None)
-    if path:
+    if path and not keep_previous_file(config, "--qreport-json", path, outcome):
         from .items import STATE_KEY
 
-        report = build_report(rows, config.stash[STATE_KEY].model_info)
+        report = build_report(rows, config.stash[STATE_KEY].models_by_label())
         write_atomically(path, json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")

@@ -7,10 +7,10 @@ import tempfile
 import pytest
 from junit_xml import TestCase, TestSuite, to_xml_report_string
 
-from .findings import Finding
+from .findings import Finding, RunOutcome
 from .summary import format_value
 
-__all__ = ["build_suites", "pytest_qreport_report", "write_atomically", "write_junit"]
+__all__ = ["build_suites", "keep_previous_file", "pytest_qreport_report", "write_atomically", "write_junit"]
 
 _PROPERTIES = ("model", "check", "layer", "metric", "value", "threshold", "verdict")
 
@@ -66,10 +66,22 @@ def write_junit(path: str, rows: list[Finding]) -> None:
     write_atomically(path, to_xml_report_string(build_suites(rows), prettyprint=True))
 
 
-def pytest_qreport_report(rows: list[Finding], config: pytest.Config) -> None:
+def keep_previous_file(config: pytest.Config, option: str, path: str, outcome: RunOutcome) -> bool:
+    """After an interrupted run, leave the last complete report file in place and say so."""
+    if not outcome.interrupted:
+        return False
+    from .items import STATE_KEY
+
+    config.stash[STATE_KEY].messages.append(
+        f"qreport: the run stopped early ({outcome.interrupted}), so {option} {path} was not written"
+        f"{'; the previous file is unchanged' if os.path.exists(path) else ''}")
+    return True
+
+
+def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: RunOutcome) -> None:
     """Write --qreport-junitxml when it is given; a failed write is one error line and a failing exit status."""
     path = config.getoption("qreport_junitxml", default=None)
-    if path:
+    if path and not keep_previous_file(config, "--qreport-junitxml", path, outcome):
         try:
             write_junit(path, rows)
         except OSError as error:

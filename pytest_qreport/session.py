@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from .findings import Finding
+from .findings import Finding, RunOutcome
 from .fixture import FIXTURE_RESULTS
-from .items import STATE_KEY
+from .items import STATE_KEY, parse_item_nodeid
 from .options import session_settings
 from .quantizers import resolve_quantizer
 from .registry import CheckRegistry
@@ -37,9 +37,11 @@ class SessionState:
     settings: dict[str, Any] = field(default_factory=dict)
     models: dict = field(default_factory=dict)
     rows: list[tuple[list, Finding]] = field(default_factory=list)
-    model_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # controller: by model name
+    model_info: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # controller: by (file, model)
     messages: list[str] = field(default_factory=list)  # controller: lines for the end of the summary
     report_errors: list[str] = field(default_factory=list)  # controller: outputs that could not be written
+    collected: dict[str, int] = field(default_factory=dict)  # controller: qreport item node ids, in order
+    reported: set[str] = field(default_factory=set)  # controller: node ids that came back with a row
 
     def refresh_registry(self) -> CheckRegistry:
         """Ask every plugin and conftest.py loaded so far to register its checks (idempotent)."""
@@ -47,8 +49,34 @@ class SessionState:
         return self.registry
 
     def ordered_rows(self) -> list[Finding]:
-        """Rows in collection order, whatever order the workers finished in."""
-        return [row for _, row in sorted(self.rows, key=lambda pair: pair[0])]
+        """Rows in collection order, whatever order the workers finished in (rows of items whose result
+        never came back sit among their model's rows)."""
+        models = {(p[0], r.model): p[1] for p, r in self.rows if p[1] is not None}
+        checks = {name: index for index, name in enumerate(self.registry.names())}
+
+        def position(pair: tuple[list, Finding]) -> list:
+            place, row = pair
+            if place[1] is not None:
+                return place
+            return [place[0], models.get((place[0], row.model), 1 << 29), checks.get(row.check, len(checks)),
+                    *place[3:]]
+
+        labels = self.labels()
+        return [row.replace(model=labels.get((place[0], row.model), row.model))
+                for place, row in sorted(self.rows, key=position)]
+
+    def labels(self) -> dict[tuple[str, str], str]:
+        """How rows name each (file, model): the bare name, or "file::name" where two files use the name."""
+        files: dict[str, set[str]] = {}
+        for file, model in self.model_info:
+            files.setdefault(model, set()).add(file)
+        return {(file, model): model if len(files[model]) == 1 else f"{file}::{model}"
+                for file, model in self.model_info}
+
+    def models_by_label(self) -> dict[str, dict[str, Any]]:
+        """What is known of each model (name, baseline file, fingerprint), by the name its rows carry."""
+        labels = self.labels()
+        return {labels[key]: info for key, info in self.model_info.items()}
 
 
 class QReportSession:
@@ -72,6 +100,10 @@ class QReportSession:
             raise pytest.UsageError(f"qreport: {error}") from None
         if self.is_worker:
             share_cores(self.config.workerinput.get("workercount", 1))
+        elif getattr(self.config.option, "dist", "no") != "no":
+            from .crashes import XdistController
+
+            self.config.pluginmanager.register(XdistController(self.state.collected), "qreport-xdist")
 
     @property
     def is_worker(self) -> bool:
@@ -108,16 +140,57 @@ class QReportSession:
                               "row": row.to_dict(), "model": item.qreport_model_info}
         return report
 
+    def pytest_collection_finish(self, session) -> None:
+        from .items import QReportItem
+
+        for item in session.items:
+            if isinstance(item, QReportItem):
+                self.state.collected.setdefault(item.nodeid, len(self.state.collected))
+
     def pytest_runtest_logreport(self, report) -> None:
         for payload in [getattr(report, "qreport", None), *getattr(report, "qreport_fixture", [])]:
             if payload:
                 self._add_row(payload)
+        if report.failed and report.nodeid not in self.state.reported and not hasattr(report, "qreport"):
+            self._add_lost_row(report.nodeid, str(report.longrepr))  # a crashed xdist worker reports no row
 
     def _add_row(self, payload: dict) -> None:
         self.state.rows.append((list(payload["position"]), Finding.from_dict(payload["row"])))
+        self.state.reported.add(payload["row"]["nodeid"])
         info = payload["model"]
-        known = self.state.model_info.setdefault(info["model"], dict(info))
-        known["fingerprint"] = known.get("fingerprint") or info.get("fingerprint")
+        known = self.state.model_info.setdefault((payload["position"][0], info["model"]), dict(info))
+        for key, value in info.items():
+            known[key] = known.get(key) or value
+
+    def _add_lost_row(self, nodeid: str, why: str) -> None:
+        """An error row for a qreport item whose result never came back."""
+        parsed = parse_item_nodeid(nodeid)
+        if parsed is None:
+            return
+        file, model, check, layer = parsed
+        message = f"model {model!r}: {why}"
+        if "crashed" in why:
+            from .crashes import crashed_message
+
+            message = f"{why}.\n{crashed_message(model, 'its worker')}"
+        row = Finding(model=model, check=check, layer=layer, metric="", value=float("nan"), threshold=float("nan"),
+                      verdict="error", message=message, nodeid=nodeid)
+        self._add_row({"position": [file, None, None, self.state.collected.get(nodeid, 0), nodeid],
+                       "row": row.to_dict(), "model": {"model": model, "baseline_path": None, "fingerprint": None}})
+
+    def outcome(self) -> RunOutcome:
+        """How complete the rows are; on a completed run, items that never reported get an error row first."""
+        session = self.session
+        stopped = session.shouldstop or session.shouldfail
+        interrupted = ("interrupted" if session.exitstatus == pytest.ExitCode.INTERRUPTED and not stopped
+                       else str(stopped) if stopped else "")
+        missing = [nodeid for nodeid in self.state.collected if nodeid not in self.state.reported]
+        if not interrupted:
+            for nodeid in missing:
+                self._add_lost_row(nodeid, "this item was collected but its result never came back: the process "
+                                           "running it died, or pytest-xdist stopped after too many crashed workers")
+        reported = sum(1 for nodeid in self.state.collected if nodeid in self.state.reported)
+        return RunOutcome(collected=len(self.state.collected), reported=reported, interrupted=interrupted)
 
     def pytest_sessionstart(self, session) -> None:
         self.session = session
@@ -135,7 +208,7 @@ class QReportSession:
         if self.state.settings["baseline"]["update"]:
             from .updates import update_baselines
 
-            news, failed = update_baselines(self.state.ordered_rows(), self.state.model_info)
+            news, failed = update_baselines(self.state.ordered_rows(), self.state.models_by_label())
             self.state.messages += news
             if failed and session.exitstatus == pytest.ExitCode.OK:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -146,6 +219,7 @@ class QReportSession:
         """Call pytest_qreport_report once, on the controller, unless only collecting."""
         if self.is_worker or self.config.option.collectonly:
             return
-        self.config.hook.pytest_qreport_report(rows=self.state.ordered_rows(), config=self.config)
+        outcome = self.outcome()
+        self.config.hook.pytest_qreport_report(rows=self.state.ordered_rows(), config=self.config, outcome=outcome)
         if self.state.report_errors and self.session.exitstatus == pytest.ExitCode.OK:
             self.session.exitstatus = pytest.ExitCode.TESTS_FAILED

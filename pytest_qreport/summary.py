@@ -6,10 +6,11 @@ import math
 import pytest
 from tabulate import tabulate
 
-from .findings import VERDICTS, Finding
+from .findings import VERDICTS, Finding, RunOutcome
 from .options import table_mode
 
-__all__ = ["format_delta", "format_value", "note", "pytest_qreport_report", "render_summary", "summary_rows"]
+__all__ = ["counts_line", "format_delta", "format_value", "note", "pytest_qreport_report", "render_summary",
+           "summary_rows"]
 
 
 def format_value(value: float | None, metric: str) -> str:
@@ -67,14 +68,25 @@ def render_summary(rows: list[Finding], mode: str) -> str:
     return tabulate(table, headers=headers, disable_numparse=True) if table else ""
 
 
+def counts_line(rows: list[Finding], outcome: RunOutcome | None = None) -> str:
+    """'36 pass, 9 fail', with the items that did not run when the run stopped early."""
+    counts = {v: sum(1 for r in rows if r.verdict == v) for v in VERDICTS}
+    line = ", ".join(f"{n} {v}" for v, n in counts.items() if n) or "no qreport items ran"
+    if outcome is not None and outcome.interrupted and outcome.collected:
+        line += f"; {outcome.not_run} of {outcome.collected} qreport items did not run"
+    return line
+
+
 @pytest.hookimpl(tryfirst=True)
-def pytest_qreport_report(rows: list[Finding], config: pytest.Config) -> None:
+def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: RunOutcome) -> None:
     """Print the qreport summary section in the terminal."""
     terminal = config.pluginmanager.get_plugin("terminalreporter")
     if terminal is None:
         return
     terminal.section("qreport summary")
     text = render_summary(rows, table_mode(config))
-    terminal.write_line(text if text else "all qreport checks passed")
-    counts = {v: sum(1 for r in rows if r.verdict == v) for v in VERDICTS}
-    terminal.write_line(", ".join(f"{n} {v}" for v, n in counts.items() if n) or "no qreport items ran")
+    if outcome.interrupted:
+        terminal.write_line(f"the run stopped early ({outcome.interrupted}): these results are incomplete", red=True)
+    terminal.write_line(text if text else "all qreport checks passed" if not outcome.interrupted else
+                        "no qreport item failed before the run stopped")
+    terminal.write_line(counts_line(rows, outcome))

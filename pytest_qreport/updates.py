@@ -36,7 +36,7 @@ def update_baselines(rows: list[Finding], model_info: dict[str, dict[str, Any]])
         entries.update({(row.check, row.layer): (row.value, row.verdict) for row in found
                         if row.check not in _NOT_ENTRIES and row.verdict != "skip"})
         try:
-            write_baseline(path, model, fingerprint, entries)
+            write_baseline(path, info.get("model", model), fingerprint, entries)
         except OSError as error:
             news.append(f"qreport: could not write the baseline of {model!r} to {path}: {error}")
             failed = True
