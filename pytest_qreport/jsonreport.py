@@ -13,7 +13,8 @@ Schema 1::
 
 A model's key is its name, or "<conftest path>::<name>" when conftests in two directories declare the
 same name; its rows carry the same key in "model". Rows come in collection order; `duration` is the item's
-seconds (the first item of a model includes its analysis). Non-finite numbers are the strings "nan", "inf" and "-inf", so that the file is strict JSON.
+seconds (the first item of a model includes its analysis). Non-finite numbers are the strings "nan", "inf"
+and "-inf", so that the file is strict JSON.
 """
 from __future__ import annotations
 
