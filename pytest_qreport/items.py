@@ -120,7 +120,7 @@ class QReportFile(pytest.File):
             names = self._fixture_names(declaration, settings)
             # the model's fixtures may compute (BatchNorm settling, training): same thread count as the analysis
             with torch_threads(session_settings["threads"]), self._fixtures_at_collection(name, names) as values:
-                example = self._example_inputs(name, settings, values)
+                example = self._example_inputs(name, settings, values, self.config.stash[STATE_KEY].replayable)
                 return collect_model(name, settings, registry, quantizer, values[name], example)
         except pytest.skip.Exception as skipped:
             return ModelState(name, skip_reason=f"model {name!r}: {skipped.msg}")
@@ -164,14 +164,14 @@ class QReportFile(pytest.File):
             hook.pytest_runtest_teardown(item=probe, nextitem=None)
 
     @staticmethod
-    def _example_inputs(model: str, settings, values: dict[str, Any]) -> Any:
+    def _example_inputs(model: str, settings, values: dict[str, Any], replayable) -> Any:
         source = settings.example_inputs
         if source is not None:
             return values[source] if isinstance(source, str) else (source() if callable(source) else source)
         calibration = settings.calibration
         batches = values[calibration] if isinstance(calibration, str) else (
             calibration() if callable(calibration) else calibration)
-        return _first_batch(batches)
+        return _first_batch(replayable(batches))
 
 
 class QReportItem(pytest.Function):
@@ -220,12 +220,11 @@ class QReportItem(pytest.Function):
             self.qreport_row = found
             raise QReportModelError(found.message)
 
-    @staticmethod
-    def _calibration_batches(model: ModelState, request: pytest.FixtureRequest) -> list:
+    def _calibration_batches(self, model: ModelState, request: pytest.FixtureRequest) -> list:
         assert model.settings is not None
         source = model.settings.calibration
-        batches = as_batches(request.getfixturevalue(source) if isinstance(source, str) else (
-            source() if callable(source) else source))
+        batches = as_batches(self.config.stash[STATE_KEY].replayable(
+            request.getfixturevalue(source) if isinstance(source, str) else (source() if callable(source) else source)))
         if not batches:
             raise QReportModelError(f"model {model.name!r}: the calibration source gave no batches")
         return batches

@@ -42,11 +42,28 @@ class SessionState:
     report_errors: list[str] = field(default_factory=list)  # controller: outputs that could not be written
     collected: dict[str, int] = field(default_factory=dict)  # controller: qreport item node ids, in order
     reported: set[str] = field(default_factory=set)  # controller: node ids that came back with a row
+    one_shot: dict[int, tuple[Any, list]] = field(default_factory=dict)  # id(iterator): (iterator, its batches)
 
     def refresh_registry(self) -> CheckRegistry:
         """Ask every plugin and conftest.py loaded so far to register its checks (idempotent)."""
         self.config.hook.pytest_qreport_register_checks(registry=self.registry)
         return self.registry
+
+    def replayable(self, source: Any) -> Any:
+        """`source`, or for a one-shot iterator (a generator, say) the list of its batches, read once per
+        session: collection's example batch and every model sharing the iterator then see all of them."""
+        from .runner import is_single_batch
+
+        if is_single_batch(source) or isinstance(source, (list, tuple)):
+            return source
+        try:
+            if iter(source) is not source:
+                return source  # re-iterable: a Dataset, a DataLoader, a range
+        except TypeError:
+            return source  # not iterable at all: as_batches says so
+        if id(source) not in self.one_shot:
+            self.one_shot[id(source)] = (source, list(source))  # keeping `source` keeps its id unique
+        return self.one_shot[id(source)][1]
 
     def ordered_rows(self) -> list[Finding]:
         """Rows in collection order, whatever order the workers finished in (rows of items whose result

@@ -186,3 +186,57 @@ def test_a_lone_surrogate_does_not_lose_the_dedicated_xml(tmp_path):
                   message="weights from caf\udce9.bin")  # a non-UTF-8 file name decoded with surrogateescape
     write_junit(str(tmp_path / "q.xml"), [row])
     assert "caf?.bin" in next(ET.parse(tmp_path / "q.xml").getroot().iter("failure")).text
+
+
+def test_one_shot_iterators_are_read_once_and_keep_every_batch(pytester):
+    pytester.makeconftest(TINY_SOURCE + '''
+
+def _batches(count):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 8, generator=g) for _ in range(count)]
+
+
+SHARED = iter(_batches(3))   # two models read one iterator
+
+
+@pytest.fixture(scope="session")
+def one_batch():
+    return (batch for batch in _batches(1))
+
+
+@qmodel(calibration=_batches(3), checks="sqnr")
+def as_list():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration=(batch for batch in _batches(3)), checks="sqnr")
+def as_generator():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration=SHARED, checks="sqnr")
+def shared_first():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration=SHARED, checks="sqnr")
+def shared_second():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration="one_batch", checks="sqnr")
+def session_generator():
+    torch.manual_seed(0)
+    return Tiny().eval()
+''')
+    result, rows = _rows(pytester)
+    assert set(_outcomes(result).values()) == {"PASSED"}
+    reference = rows[("as_list", "sqnr", "fc1")]
+    for model in ("as_generator", "shared_first", "shared_second"):
+        row = rows[(model, "sqnr", "fc1")]
+        assert row["details"]["batches"] == 3 and row["value"] == reference["value"]  # no batch lost to collection
+    assert rows[("session_generator", "sqnr", "fc1")]["details"]["batches"] == 1
