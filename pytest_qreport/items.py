@@ -244,6 +244,8 @@ class QReportItem(pytest.Function):
                 self.user_properties.append((key, getattr(found, key)))
         if found.verdict == "error":
             raise QReportModelError(found.message)
+        if found.verdict == "skip":
+            pytest.skip(found.message)
         if found.verdict == "fail":
             raise QReportCheckFailed(found.message)
         if found.verdict == "warn":

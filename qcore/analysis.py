@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from .calibrate import calibrate
 from .capture import capture, clone_graph_module
 from .convert import convert
-from .equalize import cross_layer_equalize, equalize
+from .equalize import cross_layer_equalize, equalization_refusal, equalize
 from .graph import find_quantizable_ops
 from .inputs import call_model
 from .numeric.compare import compare
@@ -50,6 +50,7 @@ class QuantizedLayer:
     dynamic: bool
     clipping: bool
     equalizable: bool
+    equalization_refusal: str = ""  # why a linear/conv layer cannot be equalized ("" when it can, or is no candidate)
 
 
 @dataclass(frozen=True)
@@ -101,12 +102,14 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
             continue
         weight = specs.get(op.weight) if op.weight is not None else None
         activation = next((specs[a] for a in op.activation_inputs if a in specs), None)
+        candidate = op.kind in ("linear", "conv") and op.weight is not None
+        refusal = equalization_refusal(annotated, op) if candidate else ""
         layers.append(QuantizedLayer(
             layer=op.layer, fqn=op.fqn, op=op.kind, weighted=weight is not None,
             per_channel="per_channel" in str(getattr(weight, "qscheme", "")),
             dynamic=bool(getattr(activation, "is_dynamic", False)),
             clipping=getattr(activation, "observer_or_fake_quant_ctr", None) is HistogramObserver,
-            equalizable=op.kind in ("linear", "conv") and op.weight is not None and op.weight.op == "get_attr"))
+            equalizable=candidate and not refusal, equalization_refusal=refusal if candidate else ""))
     return layers
 
 
@@ -196,8 +199,14 @@ class ModelAnalysis:
 
     @cached_property
     def equalizable_layers(self) -> list[str]:
-        """Quantized linear/conv layers with a weight parameter, in graph order."""
+        """Quantized linear/conv layers that input-weight equalization can rewrite, in graph order."""
         return [entry.layer for entry in self.layers if entry.equalizable]
+
+    @cached_property
+    def equalization_candidates(self) -> list[str]:
+        """Quantized linear/conv layers with a weight: the equalizable ones and those it must leave alone
+        (each with its QuantizedLayer.equalization_refusal)."""
+        return [entry.layer for entry in self.layers if entry.equalizable or entry.equalization_refusal]
 
     @cached_property
     def equalized_layers(self) -> list[str]:

@@ -26,7 +26,7 @@ from .graph import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, o
 
 __all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserver", "WeightEqualizationObserver",
     "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
-    "equalize", "node_is_transposed", "resolve_layers"]
+    "equalization_refusal", "equalize", "node_is_transposed", "resolve_layers"]
 
 
 class EqualizationError(ValueError):
@@ -167,20 +167,26 @@ def _groups(op: QuantizableOp) -> int:
     return int(node.args[6]) if len(node.args) > 6 else 1
 
 
-def _check_layer(gm: fx.GraphModule, op: QuantizableOp) -> None:
+def equalization_refusal(gm: fx.GraphModule, op: QuantizableOp) -> str:
+    """Why input-weight equalization cannot rewrite this layer ("" when it can)."""
     if op.kind not in ("linear", "conv") or op.weight is None or op.weight.op != "get_attr":
-        raise EqualizationError(f"layer {op.layer}: only linear and conv layers with a weight parameter can be "
-                                "equalized; remove it from the equalization mapping")
+        return "only linear and conv layers with a weight parameter can be equalized"
     users = [n for n in gm.graph.nodes if op.weight in n.all_input_nodes]
     if len(users) > 1:
-        raise EqualizationError(f"layer {op.layer}: its weight is shared with other ops (tied weights); "
-                                "equalizing it would change them too. Remove it from the mapping")
+        return (f"its weight is shared with {len(users) - 1} other op(s) (tied weights, or one module called "
+                "several times), and scaling it for one call would change the others")
     weight = _fetch(gm, op.weight_target)
     if op.kind == "conv" and weight.dim() not in (3, 4):
-        raise EqualizationError(f"layer {op.layer}: only Conv1d and Conv2d are supported, "
-                                f"got a {weight.dim() - 2}-d conv")
+        return f"only Conv1d and Conv2d are supported, not a {weight.dim() - 2}-d conv"
     if op.node.op == "call_function" and op.kind == "conv" and node_is_transposed(op.node):
-        raise EqualizationError(f"layer {op.layer}: transposed convolutions are not supported")
+        return "transposed convolutions are not supported"
+    return ""
+
+
+def _check_layer(gm: fx.GraphModule, op: QuantizableOp) -> None:
+    reason = equalization_refusal(gm, op)
+    if reason:
+        raise EqualizationError(f"layer {op.layer}: {reason}. Remove it from the equalization mapping")
 
 
 def node_is_transposed(node: fx.Node) -> bool:

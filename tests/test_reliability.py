@@ -240,3 +240,47 @@ def session_generator():
         row = rows[(model, "sqnr", "fc1")]
         assert row["details"]["batches"] == 3 and row["value"] == reference["value"]  # no batch lost to collection
     assert rows[("session_generator", "sqnr", "fc1")]["details"]["batches"] == 1
+
+
+def test_tied_weights_skip_equalization_of_those_layers_only(pytester):
+    pytester.makeconftest(TINY_SOURCE + '''
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.shared = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.fc1(x))
+        x = torch.relu(self.shared(x))
+        return self.fc2(torch.relu(self.shared(x)))   # one Linear called twice: one weight, two ops
+
+
+@qmodel(calibration=[torch.randn(16, 8) for _ in range(2)], checks="sqnr,model_sqnr,equalization")
+def tied():
+    torch.manual_seed(0)
+    return Tied().eval()
+
+
+@qmodel(calibration=[torch.randn(16, 8) for _ in range(2)], equalize=True,
+        checks="sqnr,model_sqnr,equalization,equalization_equivalence,input_weight_equalization")
+def tied_equalized():
+    torch.manual_seed(0)
+    return Tied().eval()
+''')
+    result, rows = _rows(pytester, "-rs")
+    outcomes = _outcomes(result)
+    for model in ("tied", "tied_equalized"):
+        for layer in ("shared.linear", "shared.linear_1"):
+            row = rows[(model, "equalization", layer)]
+            assert row["verdict"] == "skip" and "weight is shared" in row["message"]
+        assert rows[(model, "sqnr", "shared.linear")]["verdict"] == "pass"  # the model's other checks are unaffected
+        assert outcomes[f"conftest.py::qreport/{model}/model_sqnr/output"] == "PASSED"
+    assert rows[("tied_equalized", "equalization_equivalence", "output")]["verdict"] == "pass"
+    assert rows[("tied_equalized", "equalization", "fc1")]["details"]["applied"] is True
+    iwe = rows[("tied_equalized", "input_weight_equalization", "shared.linear")]
+    assert iwe["verdict"] == "skip" and "cannot be equalized" in iwe["message"]  # no advice that cannot work
+    assert "ERROR" not in outcomes.values()
+    result.stdout.fnmatch_lines(["SKIPPED*layer shared.linear: not equalized: its weight is shared*"])

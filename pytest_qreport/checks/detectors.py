@@ -137,7 +137,13 @@ class InputWeightEqualizationCheck(DetectorCheck):
                    f"{details['channels']} channels (>= 40%) and the model is not equalized. Fix: qmodel(..., "
                    f"equalize=True), or set this check's severity to {relax}.")
         passed = not (details["recommended"] and not equalized)
-        return self.finding(model, layer, details["fraction"], 0.4, passed=passed, message=message, details=details)
+        found = self.finding(model, layer, details["fraction"], 0.4, passed=passed, message=message, details=details)
+        refusal = model.analysis.layer(layer).equalization_refusal
+        if refusal and not passed:  # the fix above cannot work for this layer: say why instead
+            return found.replace(verdict="skip", message=(
+                f"layer {layer}: input-weight equalization is recommended for {details['fraction']:.0%} of its "
+                f"channels, but the layer cannot be equalized: {refusal}."))
+        return found
 
 
 class OutlierCheck(DetectorCheck):

@@ -16,15 +16,22 @@ class EqualizationCheck(Check):
     name, order, metric, needs = "equalization", 80, "sqnr_gain_db", frozenset({"sqnr", "equalization"})
 
     def layers(self, model: ModelContext) -> list[str]:
-        return list(model.analysis.equalizable_layers)
+        return list(model.analysis.equalization_candidates)
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         analysis, min_gain = model.analysis, model.settings.equalization_min_gain_db
         applied = bool(analysis.equalize_recipe)
-        before = {k: v.sqnr_db for k, v in analysis.unequalized_sqnr.layers.items()}
-        after = {k: v.sqnr_db for k, v in analysis.equalized_sqnr.layers.items()}
+        refused = {layer: analysis.layer(layer).equalization_refusal for layer in layers}
+        measured = [layer for layer in layers if not refused[layer]]
+        before = {k: v.sqnr_db for k, v in analysis.unequalized_sqnr.layers.items()} if measured else {}
+        after = {k: v.sqnr_db for k, v in analysis.equalized_sqnr.layers.items()} if measured else {}
         results = []
         for layer in layers:
+            if refused[layer]:
+                results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,
+                                       value=math.nan, threshold=min_gain, verdict="skip",
+                                       message=f"layer {layer}: not equalized: {refused[layer]}."))
+                continue
             gain = after.get(layer, math.nan) - before.get(layer, math.nan)
             old, new = before.get(layer, math.nan), after.get(layer, math.nan)
             message = (f"layer {layer}: input-weight equalization raises its SQNR by {gain:.1f} dB "
