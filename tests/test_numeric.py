@@ -118,3 +118,20 @@ def test_streaming_compare_is_flat_in_batches_and_never_copies_to_host(quantized
     many = data * 20
     ns.compare(float_gm, quant_gm, many)
     assert states and all(s == (4,) for s in states)
+
+
+@pytest.mark.parametrize("activation", ["SiLU", "Hardswish", "ReLU6", "Hardsigmoid"])
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_an_in_place_activation_after_a_layer_does_not_rewrite_its_reference(activation, method):
+    from qcore.analysis import measure_sqnr
+
+    def model(inplace):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), getattr(torch.nn, activation)(inplace=inplace),
+                                   torch.nn.Linear(16, 4)).eval()
+
+    data = batches((32, 8), n=3)
+    results = [measure_sqnr(qcore.capture(model(inplace), data[0], method=method), data) for inplace in (True, False)]
+    in_place, out_of_place = ({k: (v.sqnr_db, v.shadow_sqnr_db) for k, v in r.layers.items()} for r in results)
+    assert in_place == pytest.approx(out_of_place, abs=1e-6)
+    assert min(sqnr for sqnr, _ in in_place.values()) > 20  # not the ~-2 dB of a reference overwritten in place

@@ -46,7 +46,7 @@ class OutputLogger(nn.Module):
 
     def forward(self, x):
         if self.enabled and self.save_activations and isinstance(x, torch.Tensor):
-            self.stats.append(x.detach())
+            self.stats.append(x.detach().clone())  # a later in-place op (SiLU(inplace=True)) must not rewrite it
         return x
 
     def extra_repr(self) -> str:
@@ -61,7 +61,8 @@ class ActivationStash(nn.Module):
         self.value: torch.Tensor | None = None
 
     def forward(self, x):
-        self.value = x.detach()
+        # a copy: the graph may run an in-place op on x (Hardswish(inplace=True)) before the comparator reads it
+        self.value = x.detach().clone()
         return x
 
 
