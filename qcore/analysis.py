@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from .calibrate import calibrate
 from .capture import capture, clone_graph_module
-from .convert import convert
+from .convert import convert, restore_model_state
 from .equalize import cross_layer_equalize, equalization_refusal, equalize
 from .graph import find_quantizable_ops
 from .inputs import call_model
@@ -118,6 +118,7 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
     prepared = prepare(clone_graph_module(float_gm), quantizer or Int8StaticQuantizer())
     calibrate(prepared, batches)
     quant_gm = convert(prepared)
+    restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
     propagated = compare(float_gm, quant_gm, batches, propagate=True)
     shadow = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, batches, propagate=False)}
     weights = extract_weights("float", float_gm, "quant", quant_gm)

@@ -115,6 +115,19 @@ def _fetch_attr(gm: nn.Module, target: str) -> torch.Tensor:
     return value
 
 
+def restore_model_state(quant_gm: nn.Module, float_gm: nn.Module) -> list[str]:
+    """Give `quant_gm` the float model's buffers back (running statistics, caches that forward updates
+    during calibration), so that the two are compared from the same state; returns the names restored."""
+    restored = []
+    quant_buffers = dict(quant_gm.named_buffers())
+    for name, value in float_gm.named_buffers():
+        target = quant_buffers.get(name)
+        if target is not None and target.shape == value.shape and not torch.equal(target, value.to(target.device)):
+            target.copy_(value)
+            restored.append(name)
+    return restored
+
+
 def quantize(
     model: nn.Module,
     example_inputs: Any,
@@ -125,7 +138,9 @@ def quantize(
     float_gm = capture(model, example_inputs)
     prepared = prepare(clone_graph_module(float_gm), quantizer or Int8StaticQuantizer())
     calibrate(prepared, calibration)
-    return float_gm, convert(prepared)
+    quant_gm = convert(prepared)
+    restore_model_state(quant_gm, float_gm)
+    return float_gm, quant_gm
 
 
-__all__ = ["convert", "quantize", "fake_quantize_with", "QPARAMS_KEY", "FQN_KEY"]
+__all__ = ["convert", "quantize", "fake_quantize_with", "restore_model_state", "QPARAMS_KEY", "FQN_KEY"]

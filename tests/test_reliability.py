@@ -284,3 +284,48 @@ def tied_equalized():
     assert iwe["verdict"] == "skip" and "cannot be equalized" in iwe["message"]  # no advice that cannot work
     assert "ERROR" not in outcomes.values()
     result.stdout.fnmatch_lines(["SKIPPED*layer shared.linear: not equalized: its weight is shared*"])
+
+
+def test_buffers_updated_in_forward_are_compared_from_the_same_state(pytester):
+    pytester.makeconftest(TINY_SOURCE + '''
+
+class Running(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.register_buffer("mean", torch.zeros(16))
+
+    def forward(self, x):
+        h = self.fc1(x)
+        self.mean.mul_(0.5).add_(h.mean(0), alpha=0.5)   # running statistics, updated by every forward
+        return self.fc2(torch.relu(h - self.mean))
+
+
+@qmodel(calibration=[torch.randn(32, 8) + 3 for _ in range(4)], checks="sqnr,model_sqnr", model_sqnr_min_db=30)
+def running():
+    torch.manual_seed(0)
+    return Running().eval()
+''')
+    result, rows = _rows(pytester)
+    assert set(_outcomes(result).values()) == {"PASSED"}
+    assert rows[("running", "model_sqnr", "output")]["value"] > 30  # not the false -5 to 5 dB of a stale state
+
+
+def test_quantize_returns_models_in_the_same_state():
+    import torch
+
+    import qcore
+
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return self.fc(x) * self.calls
+
+    data = [torch.randn(8, 4) for _ in range(3)]
+    float_gm, quant_gm = qcore.quantize(Counter().eval(), data[0], data)
+    assert dict(float_gm.named_buffers())["calls"] == dict(quant_gm.named_buffers())["calls"]
