@@ -19,9 +19,10 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from .calibrate import calibrate
+from .calibrate import CalibrationError, calibrate
 from .capture import capture, clone_graph_module
 from .convert import convert, restore_model_state
+from .diagnose import describe_outputs, first_non_finite
 from .equalize import cross_layer_equalize, equalization_refusal, equalize
 from .graph import find_quantizable_ops
 from .inputs import call_model
@@ -116,8 +117,17 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
 def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None = None) -> SqnrMeasurement:
     """Quantize a copy of `float_gm` on `batches`, then compare it with the float graph."""
     prepared = prepare(clone_graph_module(float_gm), quantizer or Int8StaticQuantizer())
-    calibrate(prepared, batches)
-    quant_gm = convert(prepared)
+    try:
+        calibrate(prepared, batches)
+        quant_gm = convert(prepared)
+    except Exception as error:
+        found = first_non_finite(float_gm, batches)
+        if found is None:
+            raise
+        raise CalibrationError(
+            f"the float model computes NaN or inf at {found.describe()}, so its ranges cannot be observed "
+            "and it cannot be quantized. Fix the model (a log, sqrt or division of out-of-range values?) or the "
+            "calibration data there.") from error
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
     propagated = compare(float_gm, quant_gm, batches, propagate=True)
     shadow = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, batches, propagate=False)}
@@ -202,6 +212,16 @@ class ModelAnalysis:
     def equalizable_layers(self) -> list[str]:
         """Quantized linear/conv layers that input-weight equalization can rewrite, in graph order."""
         return [entry.layer for entry in self.layers if entry.equalizable]
+
+    @cached_property
+    def dtype(self) -> torch.dtype:
+        """The model's floating dtype (of its first floating parameter or buffer; float32 if none)."""
+        tensors = list(self.float_gm.parameters()) + list(self.float_gm.buffers())
+        return next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+
+    def describe_outputs(self) -> list[str]:
+        """What each output leaf of the float model is on the first batch (one forward pass)."""
+        return describe_outputs(self.float_gm, self.batches[0])
 
     @cached_property
     def equalization_candidates(self) -> list[str]:

@@ -322,7 +322,7 @@ def _insert_input_mul(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor
         shape = [1, -1] + [1] * (weight.dim() - 2)
     else:  # the feature (last) axis broadcasts from a 1-d scale
         shape = [-1]
-    gm.register_buffer(name, scale.reshape(shape).clone())
+    gm.register_buffer(name, scale.reshape(shape).to(_fetch(gm, op.weight_target).dtype))  # the model's dtype
     with gm.graph.inserting_before(op.node):
         attr = gm.graph.get_attr(name)
         mul = gm.graph.call_function(torch.mul, (source, attr))

@@ -83,13 +83,22 @@ def _float32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _working(x: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 values are quantized in float32 (their own precision cannot hold x/scale exactly)."""
+    return x.float() if x.dtype in _HALF_DTYPES else x
+
+
 def fake_quantize_per_tensor(
     x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int
 ) -> torch.Tensor:
-    """Quantize then dequantize with one scale and zero point (float32 arithmetic, round half to even)."""
+    """Quantize then dequantize with one scale and zero point (float32 arithmetic, round half to even); the
+    result has x's dtype."""
     inv_scale = _float32(1.0 / _float32(scale))
-    q = torch.clamp(torch.round(x * inv_scale) + zero_point, quant_min, quant_max)
-    return (q - zero_point) * scale
+    q = torch.clamp(torch.round(_working(x) * inv_scale) + zero_point, quant_min, quant_max)
+    return ((q - zero_point) * scale).to(x.dtype)
 
 
 def fake_quantize_per_channel(
@@ -100,20 +109,22 @@ def fake_quantize_per_channel(
     quant_min: int,
     quant_max: int,
 ) -> torch.Tensor:
-    """Quantize then dequantize with one scale and zero point per slice along `axis`."""
+    """Quantize then dequantize with one scale and zero point per slice along `axis`; the result has x's dtype."""
     shape = [1] * x.dim()
     shape[axis] = -1
+    work = _working(x)
     scale = scale.to(device=x.device, dtype=torch.float32).reshape(shape)
-    zero_point = zero_point.to(device=x.device).reshape(shape).to(x.dtype)
+    zero_point = zero_point.to(device=x.device).reshape(shape).to(work.dtype)
     inv_scale = 1.0 / scale
-    q = torch.clamp(torch.round(x * inv_scale) + zero_point, quant_min, quant_max)
-    return (q - zero_point) * scale
+    q = torch.clamp(torch.round(work * inv_scale) + zero_point, quant_min, quant_max)
+    return ((q - zero_point) * scale).to(x.dtype)
 
 
 def fake_quantize_dynamic(x: torch.Tensor, quant_min: int, quant_max: int, symmetric: bool) -> torch.Tensor:
     """Fake-quantize with qparams chosen from this tensor's own range (dynamic quantization)."""
-    min_val, max_val = torch.aminmax(x.detach())
+    work = _working(x)
+    min_val, max_val = torch.aminmax(work.detach())
     scale, zero_point = calculate_qparams(min_val, max_val, quant_min, quant_max, symmetric)
     inv_scale = 1.0 / scale
-    q = torch.clamp(torch.round(x * inv_scale) + zero_point, quant_min, quant_max)
-    return (q - zero_point) * scale
+    q = torch.clamp(torch.round(work * inv_scale) + zero_point, quant_min, quant_max)
+    return ((q - zero_point) * scale).to(x.dtype)

@@ -329,3 +329,53 @@ def test_quantize_returns_models_in_the_same_state():
     data = [torch.randn(8, 4) for _ in range(3)]
     float_gm, quant_gm = qcore.quantize(Counter().eval(), data[0], data)
     assert dict(float_gm.named_buffers())["calls"] == dict(quant_gm.named_buffers())["calls"]
+
+
+def test_fp16_bf16_and_float64_models_run_in_their_own_dtype(pytester):
+    pytester.makeconftest(TINY_SOURCE + '''
+
+for dtype in ("float16", "bfloat16", "float64"):
+    def factory(dtype=dtype):
+        torch.manual_seed(0)
+        return Tiny().eval().to(getattr(torch, dtype))
+
+    factory.__name__ = dtype
+    globals()[dtype] = qmodel(calibration=[torch.randn(16, 8, dtype=getattr(torch, dtype)) for _ in range(2)],
+                              equalize=True, severity="outlier=off,input_weight_equalization=off")(factory)
+''')
+    result, rows = _rows(pytester)
+    assert set(_outcomes(result).values()) == {"PASSED"}
+    for dtype in ("float16", "bfloat16", "float64"):
+        assert rows[(dtype, "model_sqnr", "output")]["value"] > 30
+        assert rows[(dtype, "equalization_equivalence", "output")]["verdict"] == "pass"
+
+
+def test_nan_names_the_first_op_that_computes_it_and_a_non_float_output_says_so(pytester):
+    pytester.makeconftest(TINY_SOURCE + '''
+
+class Logs(Tiny):
+    def forward(self, x):
+        return self.fc2(torch.log(self.fc1(x)))   # negative inputs: NaN
+
+
+class Argmax(Tiny):
+    def forward(self, x):
+        return super().forward(x).argmax(-1), 3, None
+
+
+@qmodel(calibration=[torch.randn(16, 8) for _ in range(2)], checks="sqnr")
+def logs():
+    return Logs().eval()
+
+
+@qmodel(calibration=[torch.randn(16, 8) for _ in range(2)], checks="model_sqnr")
+def argmax():
+    return Argmax().eval()
+''')
+    result, rows = _rows(pytester)
+    message = rows[("logs", "sqnr", "fc1")]["message"]
+    assert "NaN or inf at node log" in message and "calibration batch 0" in message
+    assert "observed no data" not in message
+    message = rows[("argmax", "model_sqnr", "output")]["message"]
+    assert "holds no floating-point tensor (output.0: int64 tensor; output.1: int (not a tensor)" in message
+    assert "severity={'model_sqnr': 'off'}" in message and "changed between collection" not in message

@@ -57,8 +57,11 @@ class EqualizationEquivalenceCheck(Check):
         return ["output"]
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
-        error, threshold = model.analysis.equivalence_error, float(self.options.get("max_relative_error",
-                                                                                   self.max_relative_error))
+        import torch
+
+        # an fp16/bf16 model cannot be equal to 1e-4: its own rounding of the rescaled weights is ~eps
+        default = max(self.max_relative_error, 2 * torch.finfo(model.analysis.dtype).eps)
+        error, threshold = model.analysis.equivalence_error, float(self.options.get("max_relative_error", default))
         message = (f"model {model.name}: the equalized float model differs from the original by {error:.3g} "
                    f"(relative, > {threshold:g}); equalization must not change the float function. Report this "
                    "model, or use equalize='cross_layer' / a smaller layer list.")

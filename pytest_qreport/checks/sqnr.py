@@ -28,6 +28,15 @@ def _not_measured(check: Check, model: ModelContext, layer: str, threshold: floa
                                  "changed between collection and run. Re-run pytest.")
 
 
+def check_finding_without_float_output(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
+    """A model whose output holds no floating-point tensor cannot have an output SQNR: say what it holds."""
+    held = "; ".join(model.analysis.describe_outputs())
+    return check.finding(model, layer, math.nan, threshold, passed=False, message=(
+        f"model {model.name!r}: its output holds no floating-point tensor ({held}). Only floating outputs are "
+        "compared: return the float tensor the model computes (logits, not argmax), or turn this check off "
+        "with qmodel(severity={'model_sqnr': 'off'})."))
+
+
 class SqnrCheck(Check):
     """Propagated SQNR of each quantized layer's output (quantized inputs, so upstream error counts)."""
 
@@ -103,6 +112,9 @@ class ModelSqnrCheck(Check):
         threshold, measured, results = model.settings.model_sqnr_min_db, model.analysis.sqnr, []
         for name in layers:
             entry = measured.worst_output() if name == "output" else measured.outputs.get(name)
+            if entry is None and not measured.outputs:
+                results.append(check_finding_without_float_output(self, model, name, threshold))
+                continue
             if entry is None:
                 results.append(_not_measured(self, model, name, threshold))
                 continue
