@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import sysconfig
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -232,7 +233,8 @@ def _error_finding(model: str, check: str, layer: str, message: str) -> Finding:
 
 
 _PACKAGE_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + name
-                      for name in ("qcore", "pytest_qreport"))
+                      for name in ("qcore", "pytest_qreport")) + tuple(
+    {sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep})
 
 
 def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:

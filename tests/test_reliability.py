@@ -379,3 +379,34 @@ def argmax():
     message = rows[("argmax", "model_sqnr", "output")]["message"]
     assert "holds no floating-point tensor (output.0: int64 tensor; output.1: int (not a tensor)" in message
     assert "severity={'model_sqnr': 'off'}" in message and "changed between collection" not in message
+
+
+def test_an_error_in_a_custom_op_points_at_the_users_frame(pytester):
+    pytester.makeconftest(TINY_SOURCE + '''
+
+@torch.library.custom_op("qreport_test::scaled", mutates_args=())
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] > 4:
+        raise ValueError("scaled() only takes up to 4 rows")
+    return x * 2
+
+
+@scaled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Custom(Tiny):
+    def forward(self, x):
+        return scaled(self.fc1(x))
+
+
+@qmodel(calibration=[torch.randn(16, 8)], example_inputs=torch.randn(2, 8), checks="sqnr")
+def custom():
+    return Custom().eval()
+''')
+    result, rows = _rows(pytester)
+    message = rows[("custom", "sqnr", "fc1")]["message"]
+    assert "conftest.py:" in message.splitlines()[0] and "(scaled): ValueError" in message.splitlines()[0]
+    assert "functools" not in message and "/qcore/" not in message
+    assert message.rstrip().endswith('raise ValueError("scaled() only takes up to 4 rows")')
