@@ -235,6 +235,10 @@ class QReportItem(pytest.Function):
         self.qreport_row = found
         for key in ("model", "check", "layer", "metric", "value", "threshold"):
             self.user_properties.append((key, getattr(found, key)))
+        capture = found.details.get("capture") or {}
+        for key in ("method", "export_error"):
+            if key in capture:
+                self.user_properties.append((f"capture_{key}", capture[key]))
         if found.waiver:
             self.user_properties.append(("waiver", found.waiver))
         if found.baseline_status:

@@ -28,6 +28,7 @@ def build_suites(rows: list[Finding]) -> list[TestSuite]:
         lines = [f"{k}={getattr(row, k)}" for k in _PROPERTIES] + ([f"waiver={row.waiver}"] if row.waiver else [])
         lines += [f"{k}={getattr(row, k)}" for k in ("baseline", "delta", "baseline_status") if getattr(row, k) not in
                   (None, "")]
+        lines += [f"capture_{k}={_clean(str(v))}" for k, v in (row.details.get("capture") or {}).items()]
         case = TestCase(name=f"{row.check}/{row.layer}" if row.layer else row.check,
                         classname=f"qreport.{row.model}.{row.check}", elapsed_sec=row.duration, stdout="\n".join(lines),
                         status=row.verdict)

@@ -72,6 +72,7 @@ class ModelState:
     error_cause: BaseException | None = None
     baseline_path: str | None = None
     fingerprint: dict[str, Any] | None = None
+    capture: dict[str, str] = field(default_factory=dict)  # {"method": "export" | "fx", "export_error": ...}
 
     def checks_and_layers(self) -> list[tuple[str, str]]:
         """(check, layer) pairs in item order."""
@@ -95,7 +96,10 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
         check = check_class(settings.check_options.get(check_name))
         checks[check_name] = check
     context = ModelContext(name, settings, analysis, checks)
-    state = ModelState(name, settings, context)
+    capture = {"method": str(float_gm.meta.get("qcore_capture_method", "export"))}
+    if "qcore_export_error" in float_gm.meta:
+        capture["export_error"] = str(float_gm.meta["qcore_export_error"])
+    state = ModelState(name, settings, context, capture=capture)
     for check_name, check in checks.items():
         check.bind(context)
         if not check.applies(context):
@@ -141,6 +145,7 @@ def _measure(state: ModelState, batches: Callable[[], Iterable[Any]], modify: Ca
     for check_name, layers in state.items.items():
         if layers:
             found += _check_findings(state, check_name, layers)
+    found = [f.replace(details={**f.details, "capture": dict(state.capture)}) for f in found]
     modify(found)
     state.fingerprint = fingerprint(analysis, state.settings.equalize, threads)
     if baseline is not None and state.baseline_path is not None:

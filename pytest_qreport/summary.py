@@ -9,8 +9,8 @@ from tabulate import tabulate
 from .findings import VERDICTS, Finding, RunOutcome
 from .options import table_mode
 
-__all__ = ["counts_line", "format_delta", "format_value", "note", "pytest_qreport_report", "render_summary",
-           "summary_rows"]
+__all__ = ["counts_line", "fallback_notes", "format_delta", "format_value", "note", "pytest_qreport_report",
+           "render_summary", "summary_rows"]
 
 
 def format_value(value: float | None, metric: str) -> str:
@@ -90,3 +90,16 @@ def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: R
     terminal.write_line(text if text else "all qreport checks passed" if not outcome.interrupted else
                         "no qreport item failed before the run stopped")
     terminal.write_line(counts_line(rows, outcome))
+    for line in fallback_notes(rows):
+        terminal.write_line(line, yellow=True)
+
+
+def fallback_notes(rows: list[Finding]) -> list[str]:
+    """One line per model that torch.export could not capture, so that FX captured it instead."""
+    notes: dict[str, str] = {}
+    for row in rows:
+        capture = row.details.get("capture") or {}
+        if capture.get("method") == "fx" and capture.get("export_error") and row.model not in notes:
+            notes[row.model] = (f"qreport: model {row.model!r} was captured with torch.fx.symbolic_trace, because "
+                                f"torch.export failed: {capture['export_error']}")
+    return list(notes.values())

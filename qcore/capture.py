@@ -68,6 +68,8 @@ def capture(model: nn.Module, example_inputs: Any, name: str | None = None, meth
     annotate_fqns_and_handles(gm)
     gm.meta["qcore_model_name"] = label
     gm.meta["qcore_capture_method"] = "fx" if export_error is not None else "export"
+    if export_error is not None and method == "auto":  # FX took over: keep why export did not
+        gm.meta["qcore_export_error"] = f"{type(export_error).__name__}: {_first_line(export_error)}"
     return gm
 
 

@@ -410,3 +410,33 @@ def custom():
     assert "conftest.py:" in message.splitlines()[0] and "(scaled): ValueError" in message.splitlines()[0]
     assert "functools" not in message and "/qcore/" not in message
     assert message.rstrip().endswith('raise ValueError("scaled() only takes up to 4 rows")')
+
+
+def test_an_fx_fallback_is_recorded_with_the_export_error(pytester):
+    import xml.etree.ElementTree as ET
+
+    pytester.makeconftest(TINY_SOURCE + '''
+
+def numpy_scale(x):
+    return x / float(x.detach().numpy().std())   # numpy needs real values: torch.export's fake tensors fail
+
+
+torch.fx.wrap("numpy_scale")   # FX keeps the call as one opaque node
+
+
+class NumpyInside(Tiny):
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(numpy_scale(x))))
+
+
+@qmodel(calibration=[torch.randn(16, 8)], checks="sqnr")
+def fallback():
+    return NumpyInside().eval()
+''')
+    result, rows = _rows(pytester, "--junitxml=j.xml")
+    capture = rows[("fallback", "sqnr", "fc1")]["details"]["capture"]
+    assert capture["method"] == "fx" and "numpy" in capture["export_error"].lower()
+    properties = {p.get("name"): p.get("value") for p in ET.parse(pytester.path / "j.xml").getroot().iter("property")}
+    assert properties["capture_method"] == "fx" and properties["capture_export_error"] == capture["export_error"]
+    result.stdout.fnmatch_lines(["qreport: model 'fallback' was captured with torch.fx.symbolic_trace, because "
+                                 "torch.export failed: *"])
