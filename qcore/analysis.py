@@ -121,7 +121,10 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
         calibrate(prepared, batches)
         quant_gm = convert(prepared)
     except Exception as error:
-        found = first_non_finite(float_gm, batches)
+        try:
+            found = first_non_finite(float_gm, batches)
+        except Exception:  # noqa: BLE001 - the diagnosis fails the same way: the original error says it best
+            found = None
         if found is None:
             raise
         raise CalibrationError(
