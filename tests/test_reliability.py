@@ -407,7 +407,8 @@ def custom():
 ''')
     result, rows = _rows(pytester)
     message = rows[("custom", "sqnr", "fc1")]["message"]
-    assert "conftest.py:" in message.splitlines()[0] and "(scaled): ValueError" in message.splitlines()[0]
+    first = message.splitlines()[0]
+    assert "conftest.py:" in first and "(scaled): " in first and "ValueError: scaled() only takes" in first
     assert "functools" not in message and "/qcore/" not in message
     assert message.rstrip().endswith('raise ValueError("scaled() only takes up to 4 rows")')
 
