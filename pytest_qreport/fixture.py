@@ -96,7 +96,7 @@ class QReportResult:
                 quantized = self.analysis.layer(name)
                 message = SqnrCheck.message(name, entry.fqn, entry.sqnr_db, min_db, entry.shadow_sqnr_db,
                                             entry.weight_sqnr_db is not None, quantized.per_channel,
-                                            quantized.clipping)
+                                            quantized.clipping, entry.below_resolution)
                 offending.append(Finding(model=self.name, check="sqnr", layer=name, metric="sqnr_db",
                                          value=entry.sqnr_db, threshold=min_db, verdict="fail", message=message))
         if offending:

@@ -256,7 +256,7 @@ def explain(model: str, stage: str, error: BaseException) -> str:
     """A message naming the model, the user's frame where it failed (first), the error and what to do."""
     import qcore
 
-    if isinstance(error, (QReportError, qcore.CaptureError)):
+    if isinstance(error, (QReportError, qcore.CaptureError, qcore.NonDeterministicModelError)):
         text = str(error)
         return text if f"'{model}'" in text else f"model '{model}': {text}"
     frames = _user_frames(error)

@@ -8,6 +8,7 @@ except _metadata.PackageNotFoundError:  # a source tree that is not installed
 from .calibrate import CalibrationError, calibrate
 from .capture import CaptureError, capture
 from .convert import convert, quantize
+from .diagnose import NonDeterministicModelError
 from .graph import QuantizableOp, find_quantizable_ops
 from .observers import (
     DerivedObserver,
@@ -35,7 +36,8 @@ from .report import ModelReport
 __all__ = [
     "CalibrationError", "CaptureError", "DerivedObserver", "DerivedQuantizationSpec", "FixedQParamsObserver",
     "FixedQParamsQuantizationSpec", "HistogramObserver", "Int8StaticQuantizer", "MinMaxObserver",
-    "ModelReport", "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
+    "ModelReport", "MovingAverageMinMaxObserver",
+    "NonDeterministicModelError", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
     "QuantizableOp", "QuantizationAnnotation", "QuantizationConfigError", "QuantizationSpec",
     "QuantizationSpecBase", "Quantizer", "SharedQuantizationSpec", "calibrate", "capture", "convert",
     "find_quantizable_ops", "get_edge_or_node_to_group_id", "prepare", "quantize",

@@ -22,7 +22,15 @@ from torch.utils import _pytree as pytree
 from .calibrate import CalibrationError, calibrate
 from .capture import capture, clone_graph_module
 from .convert import convert, restore_model_state
-from .diagnose import describe_outputs, first_non_finite
+from .diagnose import (
+    Nondeterminism,
+    NonDeterministicModelError,
+    ResolutionLimit,
+    describe_outputs,
+    first_non_finite,
+    first_nondeterministic,
+    resolution_limits,
+)
 from .equalize import cross_layer_equalize, equalization_refusal, equalize
 from .graph import find_quantizable_ops
 from .inputs import call_model
@@ -67,6 +75,7 @@ class LayerSqnr:
     cosine: float
     batches: int
     weight_sqnr_db: float | None = None
+    below_resolution: tuple[ResolutionLimit, ...] = ()  # its input/output/weight that int8 rounds to ~zero
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,7 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
             "and it cannot be quantized. Fix the model (a log, sqrt or division of out-of-range values?) or the "
             "calibration data there.") from error
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
+    limits = resolution_limits(quant_gm)
     propagated = compare(float_gm, quant_gm, batches, propagate=True)
     shadow = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, batches, propagate=False)}
     weights = extract_weights("float", float_gm, "quant", quant_gm)
@@ -153,7 +163,8 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
             layer=record["layer"], fqn=record["fqn"], op=record["op"], sqnr_db=float(record["sqnr_db"]),
             shadow_sqnr_db=float(shadow.get(record["layer"], math.nan)),
             normalized_l2=float(record["normalized_l2"]), cosine=float(record["cosine"]),
-            batches=int(record["batches"]), weight_sqnr_db=weight_db)
+            batches=int(record["batches"]), weight_sqnr_db=weight_db,
+            below_resolution=limits.get(record["layer"], ()))
     return SqnrMeasurement(layers, outputs)
 
 
@@ -255,8 +266,25 @@ class ModelAnalysis:
         return self._equalized("cross_layer" if recipe == "cross_layer" else self.equalized_layers)
 
     @cached_property
+    def nondeterminism(self) -> Nondeterminism | None:
+        """Where two float runs on the first batch differ (None when they agree): two forward passes."""
+        return first_nondeterministic(self.float_gm, self.batches[0])
+
+    def require_deterministic(self) -> None:
+        """Raise NonDeterministicModelError when float runs differ: every float-vs-quantized number would be noise."""
+        found = self.nondeterminism
+        if found is not None:
+            raise NonDeterministicModelError(
+                f"the model is non-deterministic: two float runs on calibration batch 0 differ (the SQNR of one "
+                f"run's output against the other's is {found.output_sqnr_db:.1f} dB), first at {found.describe()}. "
+                "Quantization error cannot be measured against a reference that moves. qcore captures the model in "
+                "eval mode: make random ops follow it (F.dropout(x, p, training=self.training), not training=True) "
+                "or take them (noise, sampling) out of the forward that is checked.")
+
+    @cached_property
     def sqnr(self) -> SqnrMeasurement:
         """SQNR of the model as quantized (equalized first when equalization is on)."""
+        self.require_deterministic()
         return measure_sqnr(self.quantized_input_gm, self.batches, self.quantizer)
 
     @cached_property
@@ -269,11 +297,13 @@ class ModelAnalysis:
         """SQNR with input-weight equalization of every equalizable layer (or the model's own recipe)."""
         if self.equalize_recipe:
             return self.sqnr
+        self.require_deterministic()
         return measure_sqnr(self._equalized(self.equalizable_layers), self.batches, self.quantizer)
 
     @cached_property
     def equivalence_error(self) -> float:
         """How far the equalized float model is from the original: max error relative to the output's range."""
+        self.require_deterministic()
         return _max_relative_error(self.float_gm, self.quantized_input_gm, self.batches)
 
     def detector_reports(self, detectors: Mapping[str, DetectorBase]) -> dict[str, dict[str, dict[str, Any]]]:

@@ -52,10 +52,15 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
 
 
 def _qparams_meta(observer: ObserverBase, scale, zero_point) -> dict[str, Any]:
-    return {"dtype": str(observer.dtype), "quant_min": observer.quant_min, "quant_max": observer.quant_max,
-            "qscheme": str(observer.qscheme), "ch_axis": observer.ch_axis,
+    meta = {"dtype": str(observer.dtype), "quant_min": observer.quant_min, "quant_max": observer.quant_max,
+            "qscheme": str(observer.qscheme), "ch_axis": observer.ch_axis, "eps": float(observer.eps),
             "scale": scale.detach().cpu().reshape(-1).tolist(),
             "zero_point": zero_point.detach().cpu().reshape(-1).tolist()}
+    low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
+    if isinstance(low, torch.Tensor) and isinstance(high, torch.Tensor):  # the observed range, before any clipping
+        meta["min_val"] = low.detach().cpu().float().reshape(-1).tolist()
+        meta["max_val"] = high.detach().cpu().float().reshape(-1).tolist()
+    return meta
 
 
 def fake_quantize_with(observer: ObserverBase, value: torch.Tensor) -> torch.Tensor:

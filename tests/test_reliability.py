@@ -1,5 +1,6 @@
 """Faults and odd inputs land on the right item with the right message (issue: reliability)."""
 import json
+import re
 
 import pytest
 
@@ -441,3 +442,130 @@ def fallback():
     assert properties["capture_method"] == "fx" and properties["capture_export_error"] == capture["export_error"]
     result.stdout.fnmatch_lines(["qreport: model 'fallback' was captured with torch.fx.symbolic_trace, because "
                                  "torch.export failed: *"])
+
+
+RANDOM_SOURCE = TINY_SOURCE + '''
+import torch.nn.functional as F
+
+
+class Noisy(Tiny):
+    def forward(self, x):
+        return self.fc2(F.dropout(torch.relu(self.fc1(x)), 0.5, training=True))
+
+
+class Fixed(Tiny):   # the advice, pasted: random ops follow the eval mode qcore captures in
+    def forward(self, x):
+        return self.fc2(F.dropout(torch.relu(self.fc1(x)), 0.5, training=self.training))
+
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 8, generator=g) for _ in range(3)]
+
+
+@qmodel(calibration=batches, checks="sqnr,model_sqnr,per_channel")
+def noisy():
+    torch.manual_seed(0)
+    return Noisy().eval()
+
+
+@qmodel(calibration=batches, checks="sqnr,model_sqnr,per_channel")
+def fixed():
+    torch.manual_seed(0)
+    return Fixed().eval()
+'''
+
+
+def test_a_non_deterministic_model_is_named_with_its_first_random_op(pytester):
+    pytester.makeconftest(RANDOM_SOURCE)
+    result, rows = _rows(pytester)
+    for layer in ("fc1", "fc2"):
+        assert rows[("noisy", "sqnr", layer)]["verdict"] == "error"
+    message = rows[("noisy", "model_sqnr", "output")]["message"]
+    assert message.startswith("model 'noisy': the model is non-deterministic: two float runs on calibration batch 0 "
+                              "differ")
+    assert "first at node dropout (aten.dropout.default)" in message
+    assert "inherits its error" not in result.stdout.str()
+    assert rows[("noisy", "per_channel", "fc1")]["verdict"] == "pass"  # detector statistics are still valid
+    assert {row["verdict"] for key, row in rows.items() if key[0] == "fixed"} == {"pass"}
+
+
+def test_a_model_whose_buffers_change_in_forward_is_not_called_non_deterministic():
+    import torch
+    from torch import nn
+
+    from qcore import capture
+    from qcore.diagnose import first_nondeterministic
+
+    class Running(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("mean", torch.zeros(8))
+
+        def forward(self, x):
+            self.mean.mul_(0.5).add_(x.mean(0))
+            return self.fc(x - self.mean)
+
+    batch = torch.randn(4, 8)
+    assert first_nondeterministic(capture(Running().eval(), batch), batch) is None
+
+
+TINY_ACTIVATION_SOURCE = TINY_SOURCE + '''
+
+
+class Gated(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)   # a faint branch: its output is ~1e-12, too small to matter
+        with torch.no_grad():
+            self.gate.weight.mul_(1e-12)
+            self.gate.bias.zero_()
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) + self.gate(x)
+
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 8, generator=g) for _ in range(3)]
+
+
+@qmodel(calibration=batches, checks="sqnr,weight_sqnr,model_sqnr")
+def faint():
+    torch.manual_seed(0)
+    return Gated().eval()
+
+
+# each option of the advice, pasted
+@qmodel(calibration=batches, checks="sqnr,weight_sqnr,model_sqnr",
+        quantizer=qcore.Int8StaticQuantizer(layer_overrides={'gate': {'skip': True}}))
+def faint_in_float():
+    torch.manual_seed(0)
+    return Gated().eval()
+
+
+@qmodel(calibration=batches, checks="sqnr,weight_sqnr,model_sqnr", skip_layers=['gate'])
+def faint_hidden():
+    torch.manual_seed(0)
+    return Gated().eval()
+'''
+
+
+def test_a_range_below_the_quantizers_resolution_says_so_with_options_that_work(pytester):
+    pytester.makeconftest("import qcore\n" + TINY_ACTIVATION_SOURCE)
+    result, rows = _rows(pytester)
+    sqnr, weight = rows[("faint", "sqnr", "gate")], rows[("faint", "weight_sqnr", "gate")]
+    assert sqnr["verdict"] == weight["verdict"] == "fail" and sqnr["value"] == weight["value"] == 0.0
+    assert re.search(r"Its weight range \d\.\d+e-13 and output range \d\.\d+e-1[23] are below the quantizer's "
+                     r"resolution \(smallest scale 1.19e-07\), so int8 rounds them to \(nearly\) all zeros",
+                     sqnr["message"]), sqnr["message"]
+    assert re.search(r"Its weight range \d\.\d+e-13 is below", weight["message"]), weight["message"]
+    for message in (sqnr["message"], weight["message"]):
+        assert "(quantizer='int8')" not in message and "int8_histogram" not in message
+        assert "quantizer=qcore.Int8StaticQuantizer(layer_overrides={'gate': {'skip': True}})" in message
+        assert "skip_layers=['gate']" in message
+    assert rows[("faint", "model_sqnr", "output")]["verdict"] == "pass"
+    for model in ("faint_in_float", "faint_hidden"):
+        assert {key[2] for key in rows if key[0] == model} == {"fc1", "fc2", "output"}
+        assert {row["verdict"] for key, row in rows.items() if key[0] == model} == {"pass"}

@@ -6,7 +6,7 @@ import math
 from ..findings import Finding
 from ..registry import Check, ModelContext
 
-__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "keep_in_float_hint"]
+__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "keep_in_float_hint"]
 
 
 def keep_in_float_hint(fqn: str) -> str:
@@ -20,6 +20,17 @@ def below(value: float, threshold: float) -> str:
     while digits < 6 and f"{value:.{digits}f}" == f"{threshold:.{digits}f}":
         digits += 1
     return f"{value:.{digits}f} dB < {threshold:.{digits}f} dB"
+
+
+def below_resolution_advice(layer: str, fqn: str, limits: tuple) -> str:
+    """Why a layer whose tensors are below int8's resolution fails, and the options that help (qcore.diagnose
+    ResolutionLimit records: role, observed_range, smallest_scale)."""
+    ranges = " and ".join(f"{limit.role} range {limit.observed_range:.3g}" for limit in limits)
+    verb, them = ("are", "them") if len(limits) > 1 else ("is", "it")
+    return (f" Its {ranges} {verb} below the quantizer's resolution (smallest scale {limits[0].smallest_scale:.3g}), "
+            f"so int8 rounds {them} to (nearly) all zeros. Per-channel weights or a clipping observer cannot help: "
+            f"keep the layer in float with {keep_in_float_hint(fqn)}, or, if the model's output does not depend on it "
+            f"(its model_sqnr item passes), hide it from the checks with skip_layers=[{layer!r}].")
 
 
 def _not_measured(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
@@ -51,7 +62,8 @@ class SqnrCheck(Check):
                 continue
             quantized = model.analysis.layer(layer)
             message = self.message(layer, entry.fqn, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
-                                   entry.weight_sqnr_db is not None, quantized.per_channel, quantized.clipping)
+                                   entry.weight_sqnr_db is not None, quantized.per_channel, quantized.clipping,
+                                   entry.below_resolution)
             details = {"shadow_sqnr_db": entry.shadow_sqnr_db, "normalized_l2": entry.normalized_l2,
                        "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn}
             results.append(self.finding(model, layer, entry.sqnr_db, threshold, message=message, details=details))
@@ -59,10 +71,12 @@ class SqnrCheck(Check):
 
     @staticmethod
     def message(layer: str, fqn: str, value: float, threshold: float, shadow: float, weighted: bool,
-                per_channel: bool = False, clipping: bool = False) -> str:
+                per_channel: bool = False, clipping: bool = False, below_resolution: tuple = ()) -> str:
         """Explain a low propagated SQNR, telling inherited error from the layer's own, with advice that fits
         the quantizer in force (no per-channel advice to a per-channel quantizer, say)."""
         text = f"layer {layer}: SQNR {below(value, threshold)} (shadow SQNR {shadow:.1f} dB)."
+        if below_resolution:
+            return text + below_resolution_advice(layer, fqn, below_resolution)
         if not math.isnan(shadow) and shadow >= threshold:
             return text + (" With float inputs the layer is fine: it inherits its error from upstream layers. "
                            "Fix the first failing layer upstream, or hide this layer from the checks with "
@@ -92,6 +106,12 @@ class WeightSqnrCheck(Check):
                 results.append(_not_measured(self, model, layer, threshold))
                 continue
             per_channel = model.analysis.layer(layer).per_channel
+            weight_limits = tuple(limit for limit in entry.below_resolution if limit.role == "weight")
+            if weight_limits:
+                message = (f"layer {layer}: weight SQNR {below(entry.weight_sqnr_db, threshold)}."
+                           + below_resolution_advice(layer, entry.fqn, weight_limits))
+                results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
+                continue
             advice = "" if per_channel else "Quantize its weights per channel (quantizer='int8'), or keep"
             message = (f"layer {layer}: weight SQNR {below(entry.weight_sqnr_db, threshold)}. "
                        f"{advice or 'Its weights are already quantized per channel: keep'} the layer in float with "
