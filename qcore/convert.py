@@ -31,8 +31,13 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
             continue
         observer = prepared.get_submodule(str(node.target))
         source = node.args[0]
+        if getattr(observer, "is_float", False) and observer.dtype == torch.float32:
+            node.replace_all_uses_with(source)  # a float32 spec keeps the tensor as it is
+            graph.erase_node(node)
+            continue
         with graph.inserting_before(node):
-            if isinstance(source, fx.Node) and source.op == "get_attr" and not observer.is_dynamic:
+            if (isinstance(source, fx.Node) and source.op == "get_attr" and not observer.is_dynamic
+                    and not getattr(observer, "is_float", False)):
                 replacement = _quantized_weight_node(prepared, source, node.target, observer, weight_cache)
             else:
                 replacement = _qdq_node(prepared, node, source, observer)
@@ -91,7 +96,16 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) 
     return node
 
 
+def round_trip_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast to a lower-precision float dtype and back (the float16/bfloat16 'quantization' of a float spec)."""
+    return x.to(dtype).to(x.dtype)
+
+
 def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
+    if getattr(observer, "is_float", False):
+        new = gm.graph.call_function(round_trip_through, (source, observer.dtype))
+        new.meta[QPARAMS_KEY] = {"dtype": str(observer.dtype)}
+        return new
     if observer.is_dynamic:
         new = gm.graph.call_function(fake_quantize_dynamic, (source, observer.quant_min, observer.quant_max,
                                                              observer.symmetric))
@@ -148,4 +162,5 @@ def quantize(
     return float_gm, quant_gm
 
 
-__all__ = ["convert", "quantize", "fake_quantize_with", "restore_model_state", "QPARAMS_KEY", "FQN_KEY"]
+__all__ = ["convert", "quantize", "fake_quantize_with", "restore_model_state", "round_trip_through", "QPARAMS_KEY",
+           "FQN_KEY"]

@@ -212,7 +212,22 @@ def _best_clipping_range(histogram, min_val, max_val, levels: int, symmetric: bo
 
 
 class PlaceholderObserver(ObserverBase):
-    """Records nothing: for dynamic specs, whose qparams are chosen per tensor at run time."""
+    """Records nothing: for dynamic specs, whose qparams are chosen per tensor at run time, and for float specs
+    (dtype float32/float16/bfloat16, torchao's way of keeping a bias in float): convert inserts no fake-quant
+    for float32, and a round trip through float16/bfloat16 for those."""
+
+    def __init__(self, dtype: torch.dtype = torch.int8, quant_min: int | None = None, quant_max: int | None = None,
+                 **kwargs) -> None:
+        float_dtype = dtype if dtype.is_floating_point else None
+        super().__init__(torch.int8 if float_dtype else dtype, None if float_dtype else quant_min,
+                         None if float_dtype else quant_max, **kwargs)
+        if float_dtype is not None:
+            self.dtype = float_dtype
+
+    @property
+    def is_float(self) -> bool:
+        """True for a float spec: the tensor is not integer-quantized."""
+        return self.dtype.is_floating_point
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x

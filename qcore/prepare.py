@@ -59,6 +59,14 @@ def _root_qspec(qspec, mapping, forest: UnionFind) -> QuantizationSpecBase:
             )
         leader = forest.leader(target)
         if leader in seen:
+            # a shared spec that points at itself or into its own group adds nothing: any concrete spec of
+            # the group is the group's spec
+            root = forest.find(target)
+            concrete = next((spec for key, spec in mapping.items()
+                             if not isinstance(spec, SharedQuantizationSpec) and key in forest
+                             and forest.find(key) == root), None)
+            if concrete is not None:
+                return concrete
             raise QuantizationConfigError(
                 f"SharedQuantizationSpec links form a cycle through {_describe(target)} with no concrete spec. "
                 "Fix: give one member of the group a QuantizationSpec."
@@ -108,11 +116,20 @@ def get_edge_or_node_to_group_id(
 def _sharing_forest(mapping: dict[EdgeOrNode, QuantizationSpecBase]) -> UnionFind:
     forest: UnionFind = UnionFind(mapping.keys())
 
+    def root_or_none(qspec):
+        """The concrete spec behind `qspec`; None when its links only lead back into its own group (a no-op)."""
+        try:
+            return _root_qspec(qspec, mapping, forest)
+        except QuantizationConfigError as error:
+            if "cycle" in str(error):
+                return None
+            raise
+
     def join_implicitly(edge, edge_root, other) -> None:
         if other not in mapping:
             return
-        other_root = _root_qspec(mapping[other], mapping, forest)
-        if _compatible(other_root, edge_root):
+        other_root = root_or_none(mapping[other])
+        if edge_root is None or other_root is None or _compatible(other_root, edge_root):
             _union(forest, mapping, other, edge)
 
     for key, qspec in mapping.items():
@@ -120,7 +137,7 @@ def _sharing_forest(mapping: dict[EdgeOrNode, QuantizationSpecBase]) -> UnionFin
             producer, consumer = key
             annotation = consumer.meta.get(ANNOTATION_KEY) if isinstance(consumer, fx.Node) else None
             if annotation is None or annotation.allow_implicit_sharing:
-                edge_root = _root_qspec(qspec, mapping, forest)
+                edge_root = root_or_none(qspec)
                 for user in getattr(producer, "users", ()):
                     if user is not consumer:
                         join_implicitly(key, edge_root, (producer, user))

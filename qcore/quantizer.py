@@ -194,7 +194,8 @@ class Int8StaticQuantizer(Quantizer):
                 if tensors and all(_is_quantized_output(a) for a in tensors):
                     first = (tensors[0], node)
                     inputs = {tensors[0]: int8_activation_spec(self.activation_observer)}
-                    inputs.update({a: SharedQuantizationSpec(first) for a in tensors[1:]})
+                    # a tensor given twice (cat([x, x])) is one edge, already annotated: it must not share with itself
+                    inputs.update({a: SharedQuantizationSpec(first) for a in tensors[1:] if a not in inputs})
                     _annotate(node, inputs, SharedQuantizationSpec(first))
             elif kind in ("relu", "passthrough"):
                 source = node.args[0] if node.args else None
