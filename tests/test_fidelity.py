@@ -125,3 +125,110 @@ def test_a_float16_placeholder_spec_rounds_through_float16():
     quant = qcore.convert(qcore.prepare(gm, Half()))
     value = torch.randn(64) * 1000
     torch.testing.assert_close(quant(value), torch.relu(value).half().float(), rtol=0, atol=0)
+
+
+# ---- 3-5. the numeric suite: result names, input logging in shadow mode, the scope of add_loggers ----
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.pool = nn.Linear(8, 8), nn.Linear(8, 8), nn.MaxPool1d(2)
+
+    def forward(self, x):
+        y = torch.relu(self.fc1(x))
+        z = torch.sigmoid(self.fc2(y))
+        return self.pool(((y + z) * z).unsqueeze(1)).squeeze(1)
+
+
+def _entries(results):
+    for layer, per_type in results.items():
+        for results_type, per_model in per_type.items():
+            for model, entries in per_model.items():
+                for entry in entries:
+                    yield layer, results_type, model, entry
+
+
+def _validate_like_torch_ao(results):
+    """The invariants of torch.ao's result structure, which torch.ao's own results satisfy."""
+    for layer, results_type, model, entry in _entries(results):
+        assert entry["type"] == results_type
+        if results_type == "node_output":
+            assert entry["ref_node_name"] == entry["prev_node_name"], (layer, model, entry)
+        else:
+            assert entry["ref_node_name"] != entry["prev_node_name"], (layer, model, entry)
+    for layer, per_type in results.items():
+        for per_model in per_type.get("node_input", {}).values():
+            assert [e["index_of_arg"] for e in per_model] == sorted(e["index_of_arg"] for e in per_model)
+
+
+def _kind(target_type):
+    for kind in ("linear", "relu", "sigmoid", "add", "mul", "pool"):
+        if kind in target_type.lower():
+            return kind
+    return target_type
+
+
+def _torch_ao_logger_results(model, batch, should_log_inputs):
+    import copy
+
+    import torch.ao.ns._numeric_suite_fx as ao_ns
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("fbgemm"), (batch,))
+    prepared(batch)
+    quantized = convert_fx(copy.deepcopy(prepared))
+    a, b = ao_ns.add_loggers("fp32", prepared, "int8", quantized, ao_ns.OutputLogger,
+                             should_log_inputs=should_log_inputs)
+    a(batch)
+    b(batch)
+    return ao_ns.extract_logger_info(a, b, ao_ns.OutputLogger, "int8")
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_add_loggers_names_and_scope_follow_torch_ao(method):
+    from qcore import numeric as qns
+
+    torch.manual_seed(0)
+    model, batch = Mixed().eval(), torch.randn(4, 8)
+    reference = _torch_ao_logger_results(model, batch, should_log_inputs=True)
+    _validate_like_torch_ao(reference)
+    float_gm, quant_gm = qcore.quantize(qcore.capture(model, batch, method=method), batch, [batch])
+    a, b = qns.add_loggers("fp32", float_gm, "int8", quant_gm, qns.OutputLogger, should_log_inputs=True)
+    a(batch)
+    b(batch)
+    ours = qns.extract_logger_info(a, b, qns.OutputLogger, "int8")
+    _validate_like_torch_ao(ours)
+    # every op torch.ao logs, except the relu that qcore fuses into fc1's output
+    logged = {_kind(e["ref_node_target_type"]) for *_, e in _entries(ours)}
+    assert {_kind(e["ref_node_target_type"]) for *_, e in _entries(reference)} - {"relu"} <= logged
+    assert list(ours) == ["fc1", "fc2", "sigmoid", "add", "mul", "pool"]
+    # an input entry names the node that produced the input; add logs both of its arguments
+    add_inputs = ours["add"]["node_input"]["fp32"]
+    assert [(e["prev_node_name"], e["index_of_arg"]) for e in add_inputs] == [("relu", 0), ("sigmoid", 1)]
+    assert ours["fc2"]["node_input"]["int8"][0]["prev_node_target_type"] == "qcore.qparams.fake_quantize_per_tensor"
+    assert ours["pool"]["node_output"]["fp32"][0]["fqn"] == "pool"
+    # the streaming compare's scope: quantized layers only
+    a, b = qns.add_loggers("fp32", float_gm, "int8", quant_gm, qns.OutputLogger, only_quantized_layers=True)
+    a(batch)
+    b(batch)
+    assert list(qns.extract_logger_info(a, b, qns.OutputLogger, "int8")) == ["fc1", "fc2"]
+
+
+def test_add_shadow_loggers_logs_inputs_when_asked():
+    from qcore import numeric as qns
+
+    torch.manual_seed(0)
+    model, batch = Mixed().eval(), torch.randn(16, 8)
+    float_gm, quant_gm = qcore.quantize(model, batch, [batch])
+    for should_log_inputs, loggers in ((False, 2), (True, 4)):
+        shadow = qns.add_shadow_loggers("fp32", float_gm, "int8", quant_gm, qns.OutputLogger,
+                                        should_log_inputs=should_log_inputs)
+        assert sum(isinstance(m, qns.OutputLogger) for m in shadow.modules()) == loggers * 2   # fc1 and fc2
+        shadow(batch)
+        results = qns.extract_shadow_logger_info(shadow, qns.OutputLogger, "int8")
+        _validate_like_torch_ao(results)
+    fed = results["fc2"]["node_input"]
+    float_input, quantized_input = fed["fp32"][0]["values"][0], fed["int8"][0]["values"][0]
+    assert not torch.equal(float_input, quantized_input)      # the copy quantizes the float input it is fed
+    assert float(qns.compute_sqnr(float_input, quantized_input)) > 25

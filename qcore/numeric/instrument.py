@@ -50,9 +50,11 @@ def _layer_chain(op: QuantizableOp) -> list[fx.Node]:
 
 
 def copy_layer_into(
-    gm_a: fx.GraphModule, op_a: QuantizableOp, op_b: QuantizableOp, b_prefix: str
+    gm_a: fx.GraphModule, op_a: QuantizableOp, op_b: QuantizableOp, b_prefix: str,
+    copies: dict[fx.Node, fx.Node] | None = None,
 ) -> fx.Node:
     """Copy op_b's quantized layer into gm_a, fed by gm_a's float inputs; returns the copy's result node.
+    `copies`, when given, receives each copied node of gm_b with its copy in gm_a.
 
     gm_b must be registered in gm_a under `b_prefix`, so that its weights resolve as get_attr targets.
     """
@@ -83,4 +85,6 @@ def copy_layer_into(
             copied.target = f"{b_prefix}.{node.target}"
         copied.meta["qcore_inserted"] = "shadow"
         env[node] = copied
+    if copies is not None:
+        copies.update(env)
     return env[_layer_chain(op_b)[-1]]

@@ -13,7 +13,7 @@ from torch import fx, nn
 
 from ..capture import clone_graph_module
 from .instrument import attach_after, copy_layer_into
-from .matching import LayerPair, layer_value, match_layers, target_type
+from .matching import LoggedNode, NodePair, logged_node, match_layers, match_nodes, target_type
 
 __all__ = ["NSResultsType", "add_loggers", "add_shadow_loggers", "extend_logger_results_with_comparison",
     "extract_logger_info", "extract_shadow_logger_info", "extract_weights"]
@@ -65,23 +65,29 @@ def extract_weights(
     return results
 
 
-def _make_logger(logger_cls, pair_op, gm, model_name: str, layer: str, results_type: str, index_of_arg=0):
-    node = pair_op.node
-    return logger_cls(node.name, layer_value(pair_op).name if results_type == "node_output" else node.name,
-                      model_name, layer, target_type(node, gm), target_type(node, gm), results_type, 0,
-                      index_of_arg, pair_op.fqn)
+def _output_logger(logger_cls, gm: fx.GraphModule, node: LoggedNode, model_name: str, layer: str):
+    """torch.ao's output entry: ref_node_name == prev_node_name == the logged node."""
+    return logger_cls(node.value.name, node.value.name, model_name, layer, target_type(node.value, gm),
+                      target_type(node.ref, gm), "node_output", 0, 0, node.fqn)
 
 
-def _add_layer_loggers(gm: fx.GraphModule, pairs: list[LayerPair], side: str, model_name: str, logger_cls,
-                       should_log_inputs: bool) -> None:
+def _input_logger(logger_cls, gm: fx.GraphModule, node: LoggedNode, model_name: str, layer: str, index_of_arg: int,
+                  index_within_arg: int, source: fx.Node):
+    """torch.ao's input entry: ref_node_name is the op, prev_node_name the node that produced the input."""
+    return logger_cls(node.ref.name, source.name, model_name, layer, target_type(source, gm),
+                      target_type(node.ref, gm), "node_input", index_within_arg, index_of_arg, node.fqn)
+
+
+def _add_node_loggers(gm: fx.GraphModule, pairs: list[NodePair], side: str, model_name: str, logger_cls,
+                      should_log_inputs: bool) -> None:
     for index, pair in enumerate(pairs):
-        op = getattr(pair, side)
+        node = getattr(pair, side)
         if should_log_inputs:
-            for arg_index, arg in enumerate(op.node.all_input_nodes[:1]):
-                logger = _make_logger(logger_cls, op, gm, model_name, pair.layer, "node_input", arg_index)
-                attach_after(gm, arg, f"qcore_logger_{side}_in_{index}", logger)
-        logger = _make_logger(logger_cls, op, gm, model_name, pair.layer, "node_output")
-        attach_after(gm, layer_value(op), f"qcore_logger_{side}_{index}", logger)
+            for position, (of_arg, within_arg, source) in enumerate(node.inputs):
+                logger = _input_logger(logger_cls, gm, node, model_name, pair.layer, of_arg, within_arg, source)
+                attach_after(gm, source, f"qcore_logger_{side}_in_{index}_{position}", logger)
+        logger = _output_logger(logger_cls, gm, node, model_name, pair.layer)
+        attach_after(gm, node.value, f"qcore_logger_{side}_{index}", logger)
     gm.recompile()
 
 
@@ -94,13 +100,16 @@ def add_loggers(
     should_log_inputs: bool = False,
     base_name_to_sets_of_related_ops=None,
     unmatchable_types_map=None,
+    *,
+    only_quantized_layers: bool = False,
 ) -> tuple[nn.Module, nn.Module]:
-    """Copies of A and B with a logger after every matched layer (activations with error propagation)."""
+    """Copies of A and B with a logger after every node matched between them (activations with error
+    propagation): quantized layers and the other ops torch.ao matches; only_quantized_layers keeps the first."""
     gm_a = clone_graph_module(_require_graph(model_a, "model_a"))
     gm_b = clone_graph_module(_require_graph(model_b, "model_b"))
-    pairs = match_layers(gm_a, gm_b)
-    _add_layer_loggers(gm_a, pairs, "a", name_a, logger_cls, should_log_inputs)
-    _add_layer_loggers(gm_b, pairs, "b", name_b, logger_cls, should_log_inputs)
+    pairs = match_nodes(gm_a, gm_b, only_quantized_layers)
+    _add_node_loggers(gm_a, pairs, "a", name_a, logger_cls, should_log_inputs)
+    _add_node_loggers(gm_b, pairs, "b", name_b, logger_cls, should_log_inputs)
     return gm_a, gm_b
 
 
@@ -141,17 +150,31 @@ def add_shadow_loggers(
     node_type_to_io_type_map=None,
     unmatchable_types_map=None,
 ) -> nn.Module:
-    """One model: A, plus a copy of each quantized layer of B fed with A's float input (no error propagation)."""
+    """One model: A, plus a copy of each quantized layer of B fed with A's float input (no error propagation).
+
+    With should_log_inputs, each layer has 4 loggers: the input and output of A's layer and of B's copy.
+    """
     gm_a = clone_graph_module(_require_graph(model_a, "model_a"))
     gm_b = clone_graph_module(_require_graph(model_b, "model_b"))
     gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
     pairs = match_layers(gm_a, gm_b)
     for index, pair in enumerate(pairs):
-        shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
-        logger_b = _make_logger(logger_cls, pair.b, gm_b, name_b, pair.layer, "node_output")
-        attach_after(gm_a, shadow_value, f"qcore_logger_b_{index}", logger_b)
-        logger_a = _make_logger(logger_cls, pair.a, gm_a, name_a, pair.layer, "node_output")
-        attach_after(gm_a, layer_value(pair.a), f"qcore_logger_a_{index}", logger_a)
+        copies: dict[fx.Node, fx.Node] = {}
+        shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX, copies)
+        node_a, node_b = logged_node(pair.a), logged_node(pair.b)
+        shadow = LoggedNode(copies[node_b.ref], shadow_value, node_b.fqn,
+                            [(i, j, copies.get(source, source)) for i, j, source in node_b.inputs])
+        if should_log_inputs:
+            for position, (of_arg, within_arg, source) in enumerate(shadow.inputs):
+                attach_after(gm_a, source, f"qcore_logger_b_in_{index}_{position}", _input_logger(
+                    logger_cls, gm_a, shadow, name_b, pair.layer, of_arg, within_arg, source))
+            for position, (of_arg, within_arg, source) in enumerate(node_a.inputs):
+                attach_after(gm_a, source, f"qcore_logger_a_in_{index}_{position}", _input_logger(
+                    logger_cls, gm_a, node_a, name_a, pair.layer, of_arg, within_arg, source))
+        attach_after(gm_a, shadow_value, f"qcore_logger_b_{index}", _output_logger(logger_cls, gm_a, shadow, name_b,
+                                                                                  pair.layer))
+        attach_after(gm_a, node_a.value, f"qcore_logger_a_{index}", _output_logger(logger_cls, gm_a, node_a, name_a,
+                                                                                  pair.layer))
     gm_a.graph.lint()
     gm_a.recompile()
     return gm_a
