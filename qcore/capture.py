@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from .fold import fold_batch_norm
 from .graph import FQN_KEY, HANDLE_KEY
 from .inputs import as_args_kwargs
 
@@ -27,10 +28,13 @@ class _TraceThroughLayers(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
 
-def capture(model: nn.Module, example_inputs: Any, name: str | None = None, method: str = "auto") -> fx.GraphModule:
+def capture(model: nn.Module, example_inputs: Any, name: str | None = None, method: str = "auto",
+            fold_bn: bool = True) -> fx.GraphModule:
     """Capture `model` called on `example_inputs` (a tensor, a tuple of args, or a dict of kwargs).
 
-    `method` is "auto" (torch.export, then FX on failure), "export" or "fx".
+    `method` is "auto" (torch.export, then FX on failure), "export" or "fx". With `fold_bn`, each eval-mode
+    BatchNorm that directly follows a conv (or a linear on [N, C] inputs) is folded into it, as torchao's
+    prepare_pt2e does; gm.meta["qcore_folded_bn"] lists them.
 
     Every op node gets meta[FQN_KEY] (its module's fully qualified name) and meta[HANDLE_KEY]
     (a debug handle, unique and stable in graph order) that later rewrites keep.
@@ -66,6 +70,8 @@ def capture(model: nn.Module, example_inputs: Any, name: str | None = None, meth
     finally:
         model.train(was_training)
     annotate_fqns_and_handles(gm)
+    if fold_bn:
+        gm.meta["qcore_folded_bn"] = fold_batch_norm(gm)
     gm.meta["qcore_model_name"] = label
     gm.meta["qcore_capture_method"] = "fx" if export_error is not None else "export"
     if export_error is not None and method == "auto":  # FX took over: keep why export did not
