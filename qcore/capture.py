@@ -45,6 +45,7 @@ def capture(model: nn.Module, example_inputs: Any, name: str | None = None, meth
     args, kwargs = as_args_kwargs(example_inputs)
     was_training = model.training
     model.eval()
+    _materialize_lazy_modules(model, args, kwargs)
     if method not in ("auto", "export", "fx"):
         raise ValueError(f"capture method must be 'auto', 'export' or 'fx', not {method!r}")
     export_error: BaseException | None = None
@@ -77,6 +78,13 @@ def capture(model: nn.Module, example_inputs: Any, name: str | None = None, meth
     if export_error is not None and method == "auto":  # FX took over: keep why export did not
         gm.meta["qcore_export_error"] = f"{type(export_error).__name__}: {_first_line(export_error)}"
     return gm
+
+
+def _materialize_lazy_modules(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Run a model with lazy modules (nn.LazyLinear, nn.LazyConv2d) once, so that their parameters get shapes."""
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+        with torch.no_grad():
+            model(*args, **kwargs)
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:

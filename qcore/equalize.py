@@ -26,7 +26,8 @@ from .graph import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, o
 
 __all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserver", "WeightEqualizationObserver",
     "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
-    "equalization_refusal", "equalize", "node_is_transposed", "resolve_layers"]
+    "equalization_refusal", "equalize", "get_equalization_qconfig_dict", "get_layer_sqnr_dict", "node_is_transposed",
+    "resolve_layers"]
 
 
 class EqualizationError(ValueError):
@@ -238,8 +239,11 @@ def _channel_axis(op: QuantizableOp) -> int:
 
 
 def resolve_layers(gm: fx.GraphModule, equalization_mapping: Any) -> list[QuantizableOp]:
-    """The layers named by a ModelReport equalization mapping, a dict or a list of FQNs (graph order)."""
-    if isinstance(equalization_mapping, dict):
+    """The layers named by a ModelReport equalization mapping, a torch.ao equalization_qconfig_dict
+    ({"module_name": [(fqn, qconfig)]}), a dict or a list of FQNs (graph order)."""
+    if isinstance(equalization_mapping, dict) and isinstance(equalization_mapping.get("module_name"), list):
+        names = [name for name, qconfig in equalization_mapping["module_name"] if qconfig is not None]
+    elif isinstance(equalization_mapping, dict):
         names = [k for k, v in equalization_mapping.items() if v is not None and v is not False and
                  not (isinstance(v, dict) and v.get("equalize") is False)]
     else:
@@ -252,6 +256,34 @@ def resolve_layers(gm: fx.GraphModule, equalization_mapping: Any) -> list[Quanti
                                 f"{sorted(op.layer for op in find_quantizable_ops(gm))}")
     chosen = {id(ops[n].node): ops[n] for n in names}
     return [op for op in find_quantizable_ops(gm) if id(op.node) in chosen]
+
+
+def get_layer_sqnr_dict(model_a: fx.GraphModule, model_b: fx.GraphModule, x: Any) -> dict[str, float]:
+    """{layer: SQNR of model_b's output against model_a's} for the quantized layers, on one batch `x`
+    (torch.ao's selective-equalization helper, through qcore's numeric suite)."""
+    from .inputs import call_model
+    from .numeric import (
+        OutputLogger,
+        add_loggers,
+        compute_sqnr,
+        extend_logger_results_with_comparison,
+        extract_logger_info,
+    )
+
+    logged_a, logged_b = add_loggers("fp32", model_a, "int8", model_b, OutputLogger, only_quantized_layers=True)
+    with torch.no_grad():
+        call_model(logged_a, x)
+        call_model(logged_b, x)
+    results = extract_logger_info(logged_a, logged_b, OutputLogger, "int8")
+    extend_logger_results_with_comparison(results, "fp32", "int8", compute_sqnr, "sqnr")
+    return {layer: float(entry["node_output"]["int8"][0]["sqnr"][0]) for layer, entry in results.items()}
+
+
+def get_equalization_qconfig_dict(layer_sqnr_dict: dict[str, float], num_layers_to_equalize: int = 1) -> dict:
+    """{"module_name": [(layer, default_equalization_qconfig)]} for the layers with the lowest SQNR, which
+    `equalize` accepts as its mapping (torch.ao's equalization_qconfig_dict)."""
+    worst = sorted(layer_sqnr_dict.items(), key=lambda item: item[1])[:num_layers_to_equalize]
+    return {"module_name": [(layer, default_equalization_qconfig) for layer, _ in worst]}
 
 
 def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterable[Any]) -> fx.GraphModule:

@@ -78,7 +78,8 @@ class _RangeObserver(ObserverBase):
         """Return (scale, zero_point) covering the observed range."""
         if not self.has_observed:
             raise RuntimeError(f"{type(self).__name__} has observed no data: run calibration batches before convert")
-        return calculate_qparams(self.min_val, self.max_val, self.quant_min, self.quant_max, self.symmetric, self.eps)
+        return calculate_qparams(self.min_val, self.max_val, self.quant_min, self.quant_max, self.symmetric, self.eps,
+                                 float_qparams=self.qscheme == torch.per_channel_affine_float_qparams)
 
 
 class MinMaxObserver(_RangeObserver):

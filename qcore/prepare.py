@@ -231,6 +231,7 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     mapping = get_edge_or_node_to_qspec(gm)
     group_ids = get_edge_or_node_to_group_id(mapping)
     observers = create_group_observers(mapping, group_ids)
+    group_ids, observers = _after_callback(gm, quantizer, mapping, group_ids, observers)
     names = {}
     for gid, observer in observers.items():
         names[gid] = f"{OBSERVER_PREFIX}{gid}"
@@ -251,6 +252,25 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _after_callback(gm, quantizer: Quantizer, mapping, group_ids, observers):
+    """Let the quantizer adjust {edge or node: observer} (torchao's prepare_obs_or_fq_callback), then regroup
+    the keys by the observer object each ends up with."""
+    callback = getattr(quantizer, "prepare_obs_or_fq_callback", None)
+    if callback is None:
+        return group_ids, observers
+    edge_or_node_to_obs_or_fq = {key: observers[group_ids[key]] for key in mapping}
+    callback(gm, edge_or_node_to_obs_or_fq)
+    regrouped: dict = {}
+    by_identity: dict[int, int] = {}
+    new_observers: dict[int, nn.Module] = {}
+    for key in mapping:
+        observer = edge_or_node_to_obs_or_fq[key]
+        gid = by_identity.setdefault(id(observer), len(by_identity))
+        new_observers[gid] = observer
+        regrouped[key] = gid
+    return regrouped, new_observers
 
 
 def _observe_constants_once(gm: fx.GraphModule) -> None:

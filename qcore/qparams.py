@@ -20,7 +20,7 @@ if hasattr(torch, "int4"):
     _RANGES[torch.int4] = (-8, 7)
 
 PER_TENSOR_SCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
-PER_CHANNEL_SCHEMES = (torch.per_channel_affine, torch.per_channel_symmetric)
+PER_CHANNEL_SCHEMES = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
 SYMMETRIC_SCHEMES = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
 
 
@@ -59,12 +59,19 @@ def calculate_qparams(
     quant_max: int,
     symmetric: bool,
     eps: float = FLOAT32_EPS,
+    float_qparams: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point that cover [min_val, max_val] (extended to include 0), elementwise.
 
     Same formulas as torch.ao's observers: symmetric ranges are centred on zero with
     scale = max|x| / ((quant_max - quant_min) / 2); affine ranges map min..max onto quant_min..quant_max.
+    float_qparams (per_channel_affine_float_qparams): the range is min..max itself, not extended to 0, a scale
+    at or below eps becomes 1, and the zero point is the float -min / scale.
     """
+    if float_qparams:
+        scale = (max_val.float() - min_val.float()) / float(quant_max - quant_min)
+        scale = torch.where(scale > eps, scale, torch.ones_like(scale))
+        return scale, -min_val.float() / scale
     min_neg = torch.clamp(min_val.float(), max=0.0)
     max_pos = torch.clamp(max_val.float(), min=0.0)
     if symmetric:
@@ -114,9 +121,13 @@ def fake_quantize_per_channel(
     shape[axis] = -1
     work = _working(x)
     scale = scale.to(device=x.device, dtype=torch.float32).reshape(shape)
+    float_zero_point = zero_point.is_floating_point()
     zero_point = zero_point.to(device=x.device).reshape(shape).to(work.dtype)
     inv_scale = 1.0 / scale
-    q = torch.clamp(torch.round(work * inv_scale) + zero_point, quant_min, quant_max)
+    if float_zero_point:  # float qparams: the zero point is added before rounding, as torch does
+        q = torch.clamp(torch.round(work * inv_scale + zero_point), quant_min, quant_max)
+    else:
+        q = torch.clamp(torch.round(work * inv_scale) + zero_point, quant_min, quant_max)
     return ((q - zero_point) * scale).to(x.dtype)
 
 

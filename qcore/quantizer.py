@@ -92,6 +92,10 @@ class Quantizer(abc.ABC):
     def validate(self, gm: fx.GraphModule) -> None:
         """Check the annotated graph; the default accepts everything."""
 
+    def prepare_obs_or_fq_callback(self, model: fx.GraphModule, edge_or_node_to_obs_or_fq: dict) -> None:
+        """Called by prepare once each sharing group has its observer, before insertion (torchao 0.18): the
+        quantizer may replace entries of the {edge or node: observer} dict. The default changes nothing."""
+
 
 def int8_activation_spec(observer: Callable[..., torch.nn.Module] = MinMaxObserver) -> QuantizationSpec:
     """Per-tensor affine int8 for activations."""

@@ -354,3 +354,163 @@ def test_folded_output_sqnr_agrees_with_torch_ao(model_class):
     # unfolded, the BatchNorm ran in float between two quantizers, which no int8 backend does
     assert abs(measured[True] - reference) <= 0.5, (measured, reference)
     assert abs(measured[False] - reference) > abs(measured[True] - reference)
+
+
+# ---- 6-11: ModelReport, lazy modules, float qparams, report text ----
+
+def test_lazy_modules_are_materialized_before_capture():
+    model = nn.Sequential(nn.LazyConv2d(8, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(4)).eval()
+    batch = torch.randn(2, 3, 8, 8)
+    float_gm = qcore.capture(model, batch)
+    assert [op.layer for op in qcore.find_quantizable_ops(float_gm)] == ["0", "3"]
+    with torch.no_grad():
+        torch.testing.assert_close(float_gm(batch), model(batch))
+
+
+def test_a_second_prepare_detailed_calibration_is_a_value_error_as_in_torch_ao():
+    from qcore.report import ModelReport, OutlierDetector
+
+    report = ModelReport(nn.Sequential(nn.Linear(4, 4)).eval(), [OutlierDetector()], example_inputs=torch.randn(2, 4))
+    report.prepare_detailed_calibration()
+    with pytest.raises(ValueError, match="already called"):
+        report.prepare_detailed_calibration()
+
+
+def test_per_channel_affine_float_qparams_match_torch_ao():
+    from torch.ao.quantization import observer as ao
+
+    weight = torch.tensor([[1.0, 2.0, 3.0], [-1.0, 0.5, 2.0]])
+    reference = ao.PerChannelMinMaxObserver(ch_axis=0, dtype=torch.quint8,
+                                            qscheme=torch.per_channel_affine_float_qparams)
+    ours = qcore.PerChannelMinMaxObserver(ch_axis=0, dtype=torch.uint8, qscheme=torch.per_channel_affine_float_qparams)
+    reference(weight)
+    ours(weight)
+    (scale, zero_point), (ref_scale, ref_zero_point) = ours.calculate_qparams(), reference.calculate_qparams()
+    torch.testing.assert_close(scale, ref_scale)
+    torch.testing.assert_close(zero_point, ref_zero_point)     # float zero points: [-127.5, 85.0]
+    from qcore.qparams import fake_quantize_per_channel
+
+    expected = torch.quantize_per_channel(weight, ref_scale, ref_zero_point, 0, torch.quint8).dequantize()
+    torch.testing.assert_close(fake_quantize_per_channel(weight, scale, zero_point, 0, 0, 255), expected)
+
+
+def test_per_channel_detector_text_is_torch_aos():
+    import torch.ao.quantization.fx._model_report.detector as ao_detector
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import prepare_fx
+
+    from qcore.report import PerChannelDetector
+
+    model, batch = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval(), torch.randn(2, 4)
+    prepared = prepare_fx(model, get_default_qconfig_mapping("x86"), (batch,))
+    reference = ao_detector.PerChannelDetector("x86").generate_detector_report(prepared)[0]
+    ours = PerChannelDetector("x86").generate_detector_report(qcore.capture(model, batch))[0]
+    assert ours == reference
+    assert ours == "Further Optimizations for backend x86: \nNo further per_channel optimizations possible."
+    per_tensor = PerChannelDetector("x86", quantizer=qcore.Int8StaticQuantizer(per_channel=False))
+    text = per_tensor.generate_detector_report(qcore.capture(model, batch))[0]
+    assert "Module 0 can be configured to use per_channel quantization.\n" in text
+
+
+def test_report_observer_epoch_api_follows_torch_ao():
+    from torch.ao.quantization.fx._model_report.model_report_observer import ModelReportObserver
+
+    from qcore.report.detectors import DetectorBase
+    from qcore.report.observer import ReportObserver
+
+    ours, reference = ReportObserver(), ModelReportObserver()
+    with pytest.raises(ValueError):
+        ours.get_batch_to_epoch_ratio()
+    for batch in _batches((8, 4), count=4):
+        ours(batch)
+        reference(batch)
+    torch.testing.assert_close(ours.average_batch_activation_range(), reference.average_batch_activation_range)
+    torch.testing.assert_close(ours.get_batch_to_epoch_ratio(), reference.get_batch_to_epoch_ratio())
+    ours.reset_batch_and_epoch_values()
+    reference.reset_batch_and_epoch_values()
+    assert ours.num_batches_tracked == reference.num_batches_tracked == 0
+    assert float(ours.average_batch_activation_range()) == float(reference.average_batch_activation_range) == 0
+    ours(torch.ones(3, 4))   # a constant activation: nan here, torch.ao raises (documented difference)
+    assert torch.isnan(ours.get_batch_to_epoch_ratio())
+    assert DetectorBase.DEFAULT_PRE_OBSERVER_NAME == ao_detector_constant("DEFAULT_PRE_OBSERVER_NAME")
+    assert DetectorBase.DEFAULT_POST_OBSERVER_NAME == ao_detector_constant("DEFAULT_POST_OBSERVER_NAME")
+
+
+def ao_detector_constant(name):
+    import torch.ao.quantization.fx._model_report.detector as ao_detector
+
+    return getattr(ao_detector.DynamicStaticDetector, name)
+
+
+def test_visualizer_class_constants_are_torch_aos():
+    from torch.ao.quantization.fx._model_report.model_report_visualizer import ModelReportVisualizer as Reference
+
+    from qcore.report.visualizer import ModelReportVisualizer
+
+    for name in ("TABLE_TENSOR_KEY", "TABLE_CHANNEL_KEY", "NUM_NON_FEATURE_TENSOR_HEADERS",
+                 "NUM_NON_FEATURE_CHANNEL_HEADERS", "CHANNEL_NUM_INDEX"):
+        assert getattr(ModelReportVisualizer, name) == getattr(Reference, name), name
+
+
+# ---- missing API: the quantizer's observer callback, selective equalization ----
+
+def _fixed_output_quantizer(module, base, observers, seen):
+    """Annotates linear as int8; its callback pins the model output's observer to fixed qparams."""
+    class PinnedOutput(base):
+        def annotate(self, gm):
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and node.target == torch.ops.aten.linear.default:
+                    act = module.QuantizationSpec(torch.int8, observers.MinMaxObserver, -128, 127,
+                                                  torch.per_tensor_affine)
+                    node.meta["quantization_annotation"] = module.QuantizationAnnotation(
+                        input_qspec_map={node.args[0]: act}, output_qspec=act)
+            return gm
+
+        def validate(self, gm):
+            pass
+
+        def prepare_obs_or_fq_callback(self, model, edge_or_node_to_obs_or_fq):
+            output = next(n for n in model.graph.nodes if n.op == "output").args[0][0]
+            seen.append(len(edge_or_node_to_obs_or_fq))
+            edge_or_node_to_obs_or_fq[output] = observers.FixedQParamsObserver(
+                scale=0.5, zero_point=0, dtype=torch.int8, quant_min=-128, quant_max=127)
+
+    return PinnedOutput()
+
+
+def test_prepare_calls_the_quantizers_observer_callback_as_torchao_does():
+    torch.manual_seed(0)
+    model, batches = nn.Sequential(nn.Linear(8, 8)).eval(), _batches((16, 8))
+    seen_ao, seen_ours = [], []
+    reference = _torchao(model, batches, _fixed_output_quantizer(tq, tq.Quantizer, to, seen_ao))
+    _, ours = qcore.quantize(model, batches[0], batches, _fixed_output_quantizer(qcore, qcore.Quantizer, qcore,
+                                                                                 seen_ours))
+    assert seen_ours == seen_ao == [2]
+    with torch.no_grad():
+        output = ours(batches[0])
+        torch.testing.assert_close(output, reference(batches[0]), rtol=0, atol=1e-6)
+    assert torch.all(torch.remainder(output, 0.5) == 0)   # on the pinned grid
+
+
+def test_selective_equalization_helpers_follow_torch_ao():
+    from qcore.equalize import equalize, get_equalization_qconfig_dict, get_layer_sqnr_dict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    with torch.no_grad():
+        model[0].weight[:, 3] *= 40   # one outlier input channel makes layer 0 the worst
+    batches = _batches((32, 8))
+    float_gm, quant_gm = qcore.quantize(model, batches[0], batches)
+    sqnr = get_layer_sqnr_dict(float_gm, quant_gm, batches[0])
+    assert list(sqnr) == ["0", "2", "4"] and all(isinstance(v, float) for v in sqnr.values())
+    mapping = get_equalization_qconfig_dict(sqnr, num_layers_to_equalize=2)
+    worst = sorted(sqnr, key=sqnr.get)[:2]
+    assert [name for name, _ in mapping["module_name"]] == worst
+    equalized = equalize(float_gm, mapping, batches)   # equalize takes torch.ao's dict form
+    layers = {op.layer: op for op in qcore.find_quantizable_ops(equalized)}
+    originals = {op.layer: op for op in qcore.find_quantizable_ops(float_gm)}
+    for name in worst:   # the chosen layers' weight columns are rescaled
+        assert not torch.equal(equalized.get_parameter(layers[name].weight.target),
+                               float_gm.get_parameter(originals[name].weight.target))
+    with torch.no_grad():
+        torch.testing.assert_close(equalized(batches[0]), float_gm(batches[0]), rtol=1e-4, atol=1e-5)

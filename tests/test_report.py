@@ -143,9 +143,9 @@ def test_outlier_detector_matches_torch_ao(case):
     model, data = make().eval(), data_fn()
     ours = _our_report(model, data, OutlierDetector(reference_percentile=0.95))
     theirs = _torch_ao_report(model, data, ao_detector.OutlierDetector(reference_percentile=0.95))
-    common = set(theirs) & set(ours)  # torch.ao also reports leaf modules such as Tanh
-    assert common == {"fc1", "fc2", "fc3"} or common == {"conv1", "conv2", "fc"}
-    for fqn in common:
+    assert set(ours) == set(theirs)   # every leaf module torch.ao observes: the Tanh, the ReLU, the pooling
+    assert {"fc1", "fc2", "fc3"} <= set(ours) or {"conv1", "conv2", "fc"} <= set(ours)
+    for fqn in theirs:
         assert ours[fqn]["outliers_detected"] == theirs[fqn]["outliers_detected"], fqn
         assert _close(ours[fqn]["outlier_detection_percentile_ratios"],
                       theirs[fqn]["outlier_detection_percentile_ratios"]), fqn
@@ -193,7 +193,7 @@ def test_constant_activation_is_reported_not_raised():
         _torch_ao_report(model, data, ao_detector.DynamicStaticDetector())
     ours = _our_report(model, data, DynamicStaticDetector())
     assert ours["fc"]["input_activation_dynamic_static_data_classification"] == "constant"
-    assert ours["fc"]["dynamic_recommended"] is False
+    assert not bool(ours["fc"]["dynamic_recommended"])
 
 
 def test_shared_observer_serves_every_detector_with_its_own_settings():
@@ -203,7 +203,8 @@ def test_shared_observer_serves_every_detector_with_its_own_settings():
     report = _calibrated_report(detectors, model, data)
     together = report.generate_model_report(False)
     inserted = [n for n in report.model.graph.nodes if n.meta.get("qcore_inserted") == "report"]
-    assert len(inserted) == 2 * 3  # one shared pre observer and one post observer per layer
+    # one shared pre observer and one post observer per layer, and the outlier observer of the Tanh module
+    assert len(inserted) == 2 * 3 + 1
     alone = {
         "outlier_detector": _our_report(model, data, OutlierDetector(reference_percentile=0.9)),
         "input_weight_equalization_detector": _our_report(model, data, InputWeightEqualizationDetector(0.6)),
@@ -327,8 +328,11 @@ def test_visualizer_tables_and_plots():
     report = _calibrated_report([OutlierDetector(), DynamicStaticDetector()])
     report.generate_model_report(False)
     visualizer = report.generate_visualizer()
-    assert visualizer.get_all_unique_module_fqns() == {"fc1", "fc2", "fc3"}
+    assert visualizer.get_all_unique_module_fqns() == {"fc1", "act", "fc2", "fc3"}   # Tanh: torch.ao's scope
     assert "outlier_detection_percentile_ratios" in visualizer.get_all_unique_feature_names()
+    # plottable features are tensor-valued ones, as in torch.ao
+    assert "outlier_detection_channel_axis" not in visualizer.get_all_unique_feature_names()
+    assert "outlier_detection_channel_axis" in visualizer.get_all_unique_feature_names(False)
     tables = visualizer.generate_filtered_tables(feature_filter="ratio", module_fqn_filter="fc2")
     headers, rows = tables["channel_level_info"]
     assert headers[:3] == ["idx", "layer_fqn", "channel"] and len(rows) == 32 and rows[0][1] == "fc2"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..graph import QuantizableOp, find_quantizable_ops
+from ..graph import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted
 from ..quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from .observer import ReportObserver
 
@@ -29,13 +29,45 @@ DETECTOR_OBS_ARGS_KEY = "observer_args"
 
 
 def observer_name(layer: str, detector: str, position: str) -> str:
-    """A flat submodule name for a detector's observer before ('pre') or after ('post') a layer."""
-    return "qcore_report__" + re.sub(r"\W", "_", layer) + f"__{detector}__{position}"
+    """A flat submodule name for a detector's observer before ('pre') or after ('post') a layer, ending with
+    torch.ao's DEFAULT_PRE_OBSERVER_NAME or DEFAULT_POST_OBSERVER_NAME."""
+    suffix = DetectorBase.DEFAULT_PRE_OBSERVER_NAME if position == "pre" else DetectorBase.DEFAULT_POST_OBSERVER_NAME
+    return "qcore_report__" + re.sub(r"\W", "_", layer) + f"__{detector}__{suffix}"
 
 
 def channel_axis(op: QuantizableOp, conv_axis: int) -> int:
-    """The feature axis of a layer's input: `conv_axis` for conv, the last axis otherwise."""
-    return conv_axis if op.kind == "conv" else -1
+    """The feature axis of a layer's input: `conv_axis` for conv and other modules (torch.ao's axis), the last
+    axis for linear and matmul inputs."""
+    return conv_axis if op.kind in ("conv", "module") else -1
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return str(node.target) if node.op == "call_module" else ""
+    return str(list(stack.values())[-1][0]).removeprefix("L['self'].").removeprefix("L__self__.")
+
+
+def leaf_module_ops(model: fx.GraphModule) -> list[QuantizableOp]:
+    """Every leaf module call in graph order, as torch.ao's ModelReport sees it (ReLU, BatchNorm, pooling, ...):
+    quantizable layers as they are, any other leaf module as an op of kind "module" fed by its first input."""
+    layers = [op for op in find_quantizable_ops(model) if op.activation_inputs]
+    taken = {op.fqn for op in layers}
+    paths = {_module_path(n) for n in model.graph.nodes if n.op in ("call_function", "call_module", "call_method")}
+    parents = {p.rsplit(".", 1)[0] for p in paths if "." in p}
+    parents |= {p for p in paths for q in paths if q.startswith(p + ".")}
+    first: dict[str, fx.Node] = {}
+    for node in model.graph.nodes:
+        path = _module_path(node) if node.op in ("call_function", "call_module", "call_method") else ""
+        if path and path not in taken and path not in parents and path not in first and not is_inserted(node):
+            first[path] = node
+    for path, node in first.items():
+        source = next((a for a in node.all_input_nodes if a.op != "get_attr" and _module_path(a) != path), None)
+        if source is not None:
+            layers.append(QuantizableOp(node=node, kind="module", fqn=path, layer=path,
+                                        handle=int(node.meta.get(HANDLE_KEY, -1)), activation_inputs=[source]))
+    order = {n: i for i, n in enumerate(model.graph.nodes)}
+    return sorted(layers, key=lambda op: order[op.node])
 
 
 class DetectorQConfigInfo:
@@ -54,6 +86,10 @@ class DetectorQConfigInfo:
 
 class DetectorBase(abc.ABC):
     """A detector picks observer points, then turns the observed statistics into a report."""
+
+    # torch.ao's names for the observers before and after a layer; qcore's observer submodules end with them
+    DEFAULT_PRE_OBSERVER_NAME = "model_report_pre_observer"
+    DEFAULT_POST_OBSERVER_NAME = "model_report_post_observer"
 
     def __init__(self) -> None:
         self.detector_config_info = None
@@ -139,13 +175,15 @@ class PerChannelDetector(DetectorBase):
 
     def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
         info = self._info(model)
-        lines = [f"Per-channel quantization report (backend {self.backend_chosen}):"]
+        # torch.ao's exact wording, which tools grep for
+        text = f"Further Optimizations for backend {self.backend_chosen}: \n"
         missing = [name for name, v in info.items() if v[self.PER_CHAN_SUPPORTED_KEY] and not v[self.PER_CHAN_USED_KEY]]
         for layer in missing:
-            lines.append(f"\t{layer}: per-channel weight quantization is supported but not used.")
-        lines.append("Use a per-channel weight observer for these layers." if missing
-                     else "Every supported layer already uses per-channel weights.")
-        return "\n".join(lines) + "\n", info
+            text += f"Module {layer} can be configured to use per_channel quantization.\n"
+        if missing:
+            text += "To use per_channel quantization, make sure the qconfig has a per_channel weight observer."
+            return text, info
+        return text + "No further per_channel optimizations possible.", info
 
 
 def _annotated_copy(model: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
@@ -207,9 +245,12 @@ class DynamicStaticDetector(DetectorBase):
             pre_stat, post_stat = pre.batch_to_epoch_ratio(), post.batch_to_epoch_ratio()
             info[op.layer] = {
                 self.TOLERANCE_KEY: self.tolerance,
-                self.DEFAULT_DYNAMIC_REC_KEY: bool(post_stat <= self.tolerance),  # nan (constant): static
-                self.PRE_OBS_COMP_STAT_KEY: pre_stat, self.PRE_OBS_DATA_DIST_KEY: self._classify(pre_stat),
-                self.POST_OBS_COMP_STAT_KEY: post_stat, self.POST_OBS_DATA_DIST_KEY: self._classify(post_stat),
+                # tensors, as torch.ao reports them (its visualizer plots tensor-valued features only)
+                self.DEFAULT_DYNAMIC_REC_KEY: torch.tensor(post_stat <= self.tolerance),  # nan (constant): static
+                self.PRE_OBS_COMP_STAT_KEY: torch.tensor(pre_stat),
+                self.PRE_OBS_DATA_DIST_KEY: self._classify(pre_stat),
+                self.POST_OBS_COMP_STAT_KEY: torch.tensor(post_stat),
+                self.POST_OBS_DATA_DIST_KEY: self._classify(post_stat),
                 self.IS_CURRENTLY_SUPPORTED_KEY: True,
             }
         return info
@@ -218,14 +259,14 @@ class DynamicStaticDetector(DetectorBase):
         result = {}
         for layer, info in self._info(model).items():
             result[layer] = DetectorQConfigInfo(layer)
-            result[layer].is_activation_dynamic = info[self.DEFAULT_DYNAMIC_REC_KEY]
+            result[layer].is_activation_dynamic = bool(info[self.DEFAULT_DYNAMIC_REC_KEY])
         return result
 
     def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
         info = self._info(model)
         lines = ["Dynamic vs. static quantization suggestions:"]
         for layer, entry in info.items():
-            kind = "dynamic" if entry[self.DEFAULT_DYNAMIC_REC_KEY] else "static"
+            kind = "dynamic" if bool(entry[self.DEFAULT_DYNAMIC_REC_KEY]) else "static"
             lines.append(f"\t{layer}: {kind} quantization is recommended; the data before it is "
                          f"{entry[self.PRE_OBS_DATA_DIST_KEY]} (S={entry[self.PRE_OBS_COMP_STAT_KEY]:.3f}) "
                          "and after it "
@@ -361,7 +402,8 @@ class OutlierDetector(DetectorBase):
         return "outlier_detector"
 
     def layers(self, model: fx.GraphModule) -> list[QuantizableOp]:
-        return [op for op in find_quantizable_ops(model) if op.activation_inputs]
+        """Every leaf module, as in torch.ao (quantizable layers, and ReLU, BatchNorm, pooling, ...)."""
+        return leaf_module_ops(model)
 
     def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
         points = {}

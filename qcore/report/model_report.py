@@ -32,8 +32,8 @@ def _merge(existing: ReportObserver, wanted: ReportObserver) -> bool:
     return True
 
 
-class ModelReportError(RuntimeError):
-    """ModelReport methods called out of order."""
+class ModelReportError(ValueError, RuntimeError):
+    """ModelReport methods called out of order (a ValueError, as torch.ao raises)."""
 
 
 class ModelReport:
@@ -55,7 +55,7 @@ class ModelReport:
         if not isinstance(model, fx.GraphModule):
             if example_inputs is None:
                 raise ValueError("pass example_inputs to capture an nn.Module (or pass a qcore GraphModule)")
-            model = capture(model, example_inputs)
+            model = capture(model, example_inputs, fold_bn=False)  # torch.ao reports on the unfused model
         self._model: fx.GraphModule = model
         self._desired_report_detectors = detectors
         self._desired_detector_names = set(names)

@@ -274,6 +274,31 @@ class ReportObserver(nn.Module):
             return float("nan")
         return float(self.extreme_sums.sum()) / self.num_batches_tracked / epoch_range
 
+    def average_batch_activation_range(self) -> torch.Tensor:
+        """Mean over batches of (batch max - batch min), as torch.ao's attribute of that name (0 before data)."""
+        if self.num_batches_tracked == 0:
+            return torch.zeros((), device=self.extremes.device)
+        return (self.extreme_sums.sum() / self.num_batches_tracked).float()
+
+    def get_batch_to_epoch_ratio(self) -> torch.Tensor:
+        """torch.ao's name for the mean batch range / epoch range; ValueError before any data, as torch.ao. A
+        constant activation (epoch range 0) gives nan instead of torch.ao's ValueError, as documented."""
+        if self.num_batches_tracked == 0 or not bool(torch.isfinite(self.extremes).all()):
+            raise ValueError("No data has been run through observer or infinity value present")
+        return torch.tensor(self.batch_to_epoch_ratio())
+
+    def reset_batch_and_epoch_values(self) -> None:
+        """Forget every statistic (for a new epoch), keeping the device, as torch.ao's observer does."""
+        device = self.extremes.device
+        self.__dict__["num_batches_tracked"] = 0
+        for name, value in (("extremes", torch.full((2,), float("-inf"), device=device)),
+                            ("extreme_sums", torch.zeros(2, dtype=torch.float64, device=device))):
+            setattr(self, name, value)
+        for name in ("min_val", "max_val", "ratio_sums", "ratio_counts", "constant_channels"):
+            setattr(self, name, torch.empty(0, device=device))
+        self._sample_key, self._sample_index = None, None
+        self._drop_native_plan()
+
     def is_constant(self) -> bool:
         """True when every value seen was the same."""
         return self.num_batches_tracked > 0 and float(self.extremes.sum()) == 0

@@ -36,6 +36,9 @@ class ModelReportVisualizer:
 
     TABLE_TENSOR_KEY = TABLE_TENSOR_KEY
     TABLE_CHANNEL_KEY = TABLE_CHANNEL_KEY
+    NUM_NON_FEATURE_TENSOR_HEADERS = 2    # idx, layer_fqn
+    NUM_NON_FEATURE_CHANNEL_HEADERS = 3   # idx, layer_fqn, channel
+    CHANNEL_NUM_INDEX = 2                 # where the channel number sits in a channel row
 
     def __init__(self, generated_reports: dict[str, dict[str, Any]]) -> None:
         self.generated_reports = dict(generated_reports)
@@ -45,10 +48,10 @@ class ModelReportVisualizer:
         return set(self.generated_reports)
 
     def get_all_unique_feature_names(self, plottable_features_only: bool = True) -> set[str]:
-        """Every feature name (only numeric ones when plottable_features_only)."""
+        """Every feature name (only tensor-valued ones when plottable_features_only, as torch.ao does)."""
         names: set[str] = set()
         for features in self.generated_reports.values():
-            names.update(k for k, v in features.items() if not plottable_features_only or _plottable(v))
+            names.update(k for k, v in features.items() if not plottable_features_only or type(v) is torch.Tensor)
         return names
 
     def _filtered(self, feature_filter: str, module_fqn_filter: str) -> dict[str, dict[str, Any]]:
