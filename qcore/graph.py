@@ -31,6 +31,7 @@ _OP_TABLE: dict[str, tuple[set, set]] = {
     "add": ({aten.add.Tensor, aten.add_.Tensor, torch.add, operator.add, operator.iadd}, {"add", "add_"}),
     "mul": ({aten.mul.Tensor, aten.mul_.Tensor, torch.mul, operator.mul, operator.imul}, {"mul", "mul_"}),
     "cat": ({aten.cat.default, torch.cat, torch.concat}, set()),
+    "sdpa": ({aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention}, set()),
     "relu": ({aten.relu.default, aten.relu_.default, F.relu, torch.relu}, {"relu", "relu_"}),
     "passthrough": (
         {aten.max_pool2d.default, aten.max_pool1d.default, aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default,
@@ -53,7 +54,8 @@ _MODULE_KINDS: dict[type, str] = {
     torch.nn.Hardtanh: "passthrough", torch.nn.ReLU6: "passthrough",
 }
 WEIGHTED_KINDS = ("linear", "conv", "addmm")
-QUANTIZABLE_KINDS = ("linear", "conv", "matmul", "bmm", "addmm")
+# sdpa: its query, key and value are quantized (as the x86 inductor quantizer does), its output is not
+QUANTIZABLE_KINDS = ("linear", "conv", "matmul", "bmm", "addmm", "sdpa")
 
 
 def op_kind(node: fx.Node, gm: fx.GraphModule | None = None) -> str | None:
@@ -118,6 +120,8 @@ def _operands(node: fx.Node, kind: str) -> tuple[list, fx.Node | None, fx.Node |
     if kind == "addmm":
         bias, mat1, mat2 = args[0], args[1], args[2]
         return [mat1], mat2, bias
+    if kind == "sdpa":
+        return args[:3], None, None
     return args[:2], None, None
 
 
@@ -145,7 +149,7 @@ def find_quantizable_ops(gm: fx.GraphModule) -> list[QuantizableOp]:
             continue
         inputs, weight, bias = _operands(node, kind)
         activations = [original_input(a) if isinstance(a, fx.Node) else a for a in inputs]
-        if kind in ("matmul", "bmm"):
+        if kind in ("matmul", "bmm", "sdpa"):
             params = [a for a in activations if _is_parameter(a)]
             activations = [a for a in activations if isinstance(a, fx.Node) and not _is_parameter(a)]
             weight = params[0] if params else None
@@ -157,17 +161,45 @@ def find_quantizable_ops(gm: fx.GraphModule) -> list[QuantizableOp]:
                 node=node, kind=kind, fqn=node.meta.get(FQN_KEY, ""), layer="",
                 handle=node.meta.get(HANDLE_KEY, -1), activation_inputs=activations,
                 weight=weight, bias=bias if isinstance(bias, fx.Node) else None,
-                output=fused_output(node, gm),
+                output=node if kind == "sdpa" else fused_output(node, gm),
             )
         )
     _assign_layer_names(found)
     return found
 
 
+_WEIGHT_VIEWS = frozenset({"getitem", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "view", "reshape",
+                           "t", "transpose", "permute", "contiguous", "select", "slice", "squeeze", "unsqueeze",
+                           "_to_copy", "to", "detach", "clone"})
+
+
+def _weight_owner(op: QuantizableOp) -> str | None:
+    """The name of the module that owns the op's weight, when the op is a functional call elsewhere
+    (F.linear(x, self.qkv.weight) in 'attn' -> 'attn.qkv'; MultiheadAttention's in_proj_weight -> 'mha.in_proj')."""
+    source = op.weight
+    for _ in range(8):  # through the split of a packed weight: in_proj_weight -> chunk/unflatten -> getitem
+        if source is None or source.op == "get_attr":
+            break
+        base = getattr(source.target, "_opname", None) or getattr(source.target, "__name__", "")
+        if base not in _WEIGHT_VIEWS or not source.args or not isinstance(source.args[0], fx.Node):
+            return None
+        source = source.args[0]
+    if source is None or source.op != "get_attr":
+        return None
+    target = str(source.meta.get("qcore_float_weight", source.target))  # a converted weight names its float one
+    if target.startswith("qcore_") or target.startswith("_"):  # qcore's own (folded) or export's lifted constants
+        return None
+    owner, _, attribute = target.rpartition(".")
+    name = owner if attribute == "weight" else ".".join(p for p in (owner, attribute.removesuffix("_weight")) if p)
+    if not name or name == op.fqn or (op.fqn and not name.startswith(op.fqn + ".")):
+        return None  # a module's own weight, or one from outside the calling module: keep the FQN
+    return name
+
+
 def _assign_layer_names(ops: list[QuantizableOp]) -> None:
     per_fqn: dict[str, list[QuantizableOp]] = {}
     for op in ops:
-        per_fqn.setdefault(op.fqn, []).append(op)
+        per_fqn.setdefault(_weight_owner(op) or op.fqn, []).append(op)
     for fqn, group in per_fqn.items():
         if len(group) == 1 and fqn:
             group[0].layer = fqn

@@ -128,9 +128,10 @@ def _annotate(node: fx.Node, inputs: dict, output: QuantizationSpecBase | None) 
 class Int8StaticQuantizer(Quantizer):
     """Static int8: symmetric weights (per channel by default), per-tensor affine activations.
 
-    linear/conv/matmul/bmm/addmm are quantized; a relu that solely follows one is fused (observed after the
-    relu); add/mul of quantized tensors get their own output observer; cat and pass-through ops (relu,
-    pooling, view/reshape/permute/flatten, ...) share their input's qparams.
+    linear/conv/matmul/bmm/addmm are quantized; scaled_dot_product_attention gets quantized query, key and
+    value (its output stays float); a relu that solely follows one is fused (observed after the relu); add/mul
+    of quantized tensors get their own output observer; cat and pass-through ops (relu, pooling,
+    view/reshape/permute/flatten, ...) share their input's qparams.
 
     `layer_overrides` maps FQN globs to {"per_channel": bool, "is_dynamic": bool, "skip": bool}, so a
     report's recommendation becomes a config in one step.
@@ -172,7 +173,8 @@ class Int8StaticQuantizer(Quantizer):
                     spec = QuantizationSpec(spec.dtype, spec.observer_or_fake_quant_ctr, spec.quant_min,
                                             spec.quant_max, spec.qscheme, ch_axis=1)
                 inputs[op.weight] = spec
-            output = None if settings["is_dynamic"] else int8_activation_spec(self.activation_observer)
+            quantize_output = not settings["is_dynamic"] and op.kind != "sdpa"
+            output = int8_activation_spec(self.activation_observer) if quantize_output else None
             if op.output is not op.node:
                 _annotate(op.node, inputs, None)
                 _annotate(op.output, {}, output)

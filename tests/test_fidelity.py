@@ -514,3 +514,78 @@ def test_selective_equalization_helpers_follow_torch_ao():
                                float_gm.get_parameter(originals[name].weight.target))
     with torch.no_grad():
         torch.testing.assert_close(equalized(batches[0]), float_gm(batches[0]), rtol=1e-4, atol=1e-5)
+
+
+# ---- 12-13: layer names of functional linears; attention through scaled_dot_product_attention ----
+
+class FunctionalAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        batch, tokens, channels = x.shape
+        q, k, v = nn.functional.linear(x, self.qkv.weight, self.qkv.bias).chunk(3, -1)   # torchvision Swin/ViT
+
+        def heads(t):
+            return t.view(batch, tokens, 2, 8).transpose(1, 2)
+
+        y = nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+        return self.proj(y.transpose(1, 2).reshape(batch, tokens, channels))
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = FunctionalAttention()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(self.attn(x), x, x, need_weights=False)[0]
+
+
+def test_a_functional_linear_is_named_after_the_module_that_owns_its_weight():
+    batch = torch.randn(2, 5, 16)
+    layers = [op.layer for op in qcore.find_quantizable_ops(qcore.capture(Encoder().eval(), batch))]
+    assert layers[:2] == ["attn.qkv", "attn"] and "attn.proj" in layers       # not attn.linear
+    assert "mha.out_proj" in layers and any(name.startswith("mha.in_proj") for name in layers)
+    assert not any(name.startswith("attn.linear") or name == "linear" for name in layers)
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs a graph and keeps the values of the nodes asked for."""
+
+    def __init__(self, gm, wanted):
+        super().__init__(gm)
+        self.wanted, self.values = set(wanted), {}
+
+    def run_node(self, node):
+        value = super().run_node(node)
+        if node in self.wanted:
+            self.values[node] = value
+        return value
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+def test_sdpa_gets_quantized_query_key_value_and_an_item_under_its_module(method):
+    torch.manual_seed(0)
+    model, batches = nn.Sequential(FunctionalAttention()).eval(), _batches((2, 5, 16))
+    float_gm, quant_gm = qcore.quantize(qcore.capture(model, batches[0], method=method), batches[0], batches)
+    sdpa = next(op for op in qcore.find_quantizable_ops(quant_gm) if op.kind == "sdpa")
+    assert sdpa.layer == "0"     # named after its module
+    inputs = sdpa.node.args[:3]
+    assert all(a.meta.get("qcore_inserted") == "qdq" for a in inputs)                 # query, key, value
+    assert not any(u.meta.get("qcore_inserted") == "qdq" for u in sdpa.node.users)    # its output stays float
+    # the same attention computed with torch's own fake quantization at qcore's qparams
+    recorder = _Recorder(quant_gm, [a.args[0] for a in inputs] + [sdpa.node])
+    with torch.no_grad():
+        recorder.run(batches[0])
+    fake = [torch.fake_quantize_per_tensor_affine(recorder.values[a.args[0]], a.meta[QPARAMS_KEY]["scale"][0],
+                                                  a.meta[QPARAMS_KEY]["zero_point"][0], -128, 127) for a in inputs]
+    torch.testing.assert_close(recorder.values[sdpa.node], nn.functional.scaled_dot_product_attention(*fake),
+                               rtol=1e-5, atol=1e-6)
+    # and the analysis measures it as a layer of its own
+    from qcore.analysis import analyze_model
+
+    measured = analyze_model(model, batches).sqnr.layers
+    assert measured["0"].op == "sdpa" and 20 < measured["0"].sqnr_db < 80

@@ -174,6 +174,6 @@ class OutlierCheck(DetectorCheck):
         message = (f"layer {layer}: input channels {shown}{more} have outliers ({ratio}) and the activation observer "
                    "does not clip. "
                    "Fix: quantizer='int8_histogram' (clipping range chosen by error), or keep the layer in float with "
-                   f"{keep_in_float_hint(quantized.fqn)}.")
+                   f"{keep_in_float_hint(quantized.layer)}.")
         return self.finding(model, layer, max(finite) if finite else math.nan, float(d.ratio_threshold),
                             passed=not (outliers and not quantized.clipping), message=message, details=details)

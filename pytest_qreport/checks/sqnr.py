@@ -9,9 +9,10 @@ from ..registry import Check, ModelContext
 __all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "keep_in_float_hint"]
 
 
-def keep_in_float_hint(fqn: str) -> str:
-    """The quantizer setting that keeps one layer unquantized (skip_layers only hides a layer from checks)."""
-    return f"quantizer=qcore.Int8StaticQuantizer(layer_overrides={{{fqn!r}: {{'skip': True}}}})"
+def keep_in_float_hint(layer: str) -> str:
+    """The quantizer setting that keeps one layer unquantized (skip_layers only hides a layer from checks). The
+    layer name, unlike its module's FQN, names this one op (layer_overrides match either)."""
+    return f"quantizer=qcore.Int8StaticQuantizer(layer_overrides={{{layer!r}: {{'skip': True}}}})"
 
 
 def below(value: float, threshold: float) -> str:
@@ -22,15 +23,15 @@ def below(value: float, threshold: float) -> str:
     return f"{value:.{digits}f} dB < {threshold:.{digits}f} dB"
 
 
-def below_resolution_advice(layer: str, fqn: str, limits: tuple) -> str:
+def below_resolution_advice(layer: str, limits: tuple) -> str:
     """Why a layer whose tensors are below int8's resolution fails, and the options that help (qcore.diagnose
     ResolutionLimit records: role, observed_range, smallest_scale)."""
     ranges = " and ".join(f"{limit.role} range {limit.observed_range:.3g}" for limit in limits)
     verb, them = ("are", "them") if len(limits) > 1 else ("is", "it")
     return (f" Its {ranges} {verb} below the quantizer's resolution (smallest scale {limits[0].smallest_scale:.3g}), "
             f"so int8 rounds {them} to (nearly) all zeros. Per-channel weights or a clipping observer cannot help: "
-            f"keep the layer in float with {keep_in_float_hint(fqn)}, or, if the model's output does not depend on it "
-            f"(its model_sqnr item passes), hide it from the checks with skip_layers=[{layer!r}].")
+            f"keep the layer in float with {keep_in_float_hint(layer)}, or, if the model's output does not depend on "
+            f"it (its model_sqnr item passes), hide it from the checks with skip_layers=[{layer!r}].")
 
 
 def _not_measured(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
@@ -76,7 +77,7 @@ class SqnrCheck(Check):
         the quantizer in force (no per-channel advice to a per-channel quantizer, say)."""
         text = f"layer {layer}: SQNR {below(value, threshold)} (shadow SQNR {shadow:.1f} dB)."
         if below_resolution:
-            return text + below_resolution_advice(layer, fqn, below_resolution)
+            return text + below_resolution_advice(layer, below_resolution)
         if not math.isnan(shadow) and shadow >= threshold:
             return text + (" With float inputs the layer is fine: it inherits its error from upstream layers. "
                            "Fix the first failing layer upstream, or hide this layer from the checks with "
@@ -86,7 +87,7 @@ class SqnrCheck(Check):
             options.append("quantize its weights per channel (quantizer='int8')")
         if not clipping:
             options.append("clip its activation range by error (quantizer='int8_histogram')")
-        options.append(f"keep the layer in float with {keep_in_float_hint(fqn)}")
+        options.append(f"keep the layer in float with {keep_in_float_hint(layer)}")
         return text + " The layer's own quantization error is too large: " + ", or ".join(options) + "."
 
 
@@ -109,13 +110,13 @@ class WeightSqnrCheck(Check):
             weight_limits = tuple(limit for limit in entry.below_resolution if limit.role == "weight")
             if weight_limits:
                 message = (f"layer {layer}: weight SQNR {below(entry.weight_sqnr_db, threshold)}."
-                           + below_resolution_advice(layer, entry.fqn, weight_limits))
+                           + below_resolution_advice(layer, weight_limits))
                 results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
                 continue
             advice = "" if per_channel else "Quantize its weights per channel (quantizer='int8'), or keep"
             message = (f"layer {layer}: weight SQNR {below(entry.weight_sqnr_db, threshold)}. "
                        f"{advice or 'Its weights are already quantized per channel: keep'} the layer in float with "
-                       f"{keep_in_float_hint(entry.fqn)}.")
+                       f"{keep_in_float_hint(layer)}.")
             results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
         return results
 
