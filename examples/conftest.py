@@ -1,16 +1,27 @@
 """Example model repository: three models declared for `pytest --qreport examples/`.
 
-Set QREPORT_EXAMPLES_FAILING=1 to also declare two models that fail for real reasons, to show the gate at
-work: `spiky_mlp`, whose input has a channel with rare huge spikes (its outlier items fail), and
+Set QREPORT_EXAMPLES_FAILING=1 to also declare three models that fail for real reasons, to show the gate at
+work: `spiky_mlp`, whose input has a channel with rare huge spikes (its outlier items fail),
 `sensor_mlp_unequalized`, whose input channels span four orders of magnitude and which is not equalized
-(its equalization items fail with the SQNR gain that equalize=True would bring).
+(its equalization items fail with the SQNR gain that equalize=True would bring), and `fragile`, whose
+output SQNR fails: its model_sqnr item ends with a float_layers list, measured to pass, to paste into qmodel.
 """
 import os
 
 import pytest
 import torch
 
-from models import MLP, VOCABULARY, TinyEncoder, TinyResNet, WordTokenizer, seeded, sentences, settle_batchnorm
+from models import (
+    MLP,
+    VOCABULARY,
+    TinyEncoder,
+    TinyResNet,
+    WordTokenizer,
+    fragile_mlp,
+    seeded,
+    sentences,
+    settle_batchnorm,
+)
 from pytest_qreport import qmodel
 
 # torch.ao's input-weight equalization detector recommends equalization for almost every well-balanced
@@ -120,3 +131,9 @@ if os.environ.get("QREPORT_EXAMPLES_FAILING") == "1":
     @qmodel(calibration="sensor_batches", quantizer="int8_histogram", severity=ADVISORY)
     def sensor_mlp_unequalized():
         return seeded(lambda: MLP(features=32, hidden=64, classes=8))
+
+    # its model_sqnr item fails and ends with the float_layers that were measured to fix it; the sensitivity
+    # item ranks the layers
+    @qmodel(calibration="feature_batches", checks="sqnr,model_sqnr,sensitivity")
+    def fragile():
+        return fragile_mlp()

@@ -105,6 +105,16 @@ class TinyEncoder(nn.Module):
         return self.classifier(self.norm(x)[:, 0])
 
 
+def fragile_mlp() -> MLP:
+    """An MLP with four hidden units 60x louder than the rest (and the next layer scaled back): float-equivalent,
+    but per-tensor int8 activations lose the quiet units, so its output SQNR fails."""
+    model = seeded(MLP)
+    with torch.no_grad():
+        model.layers[2].weight[:4] *= 60.0
+        model.layers[4].weight[:, :4] /= 60.0
+    return model.eval()
+
+
 def seeded(factory, seed: int = 0):
     """Build a model with a fixed seed, in eval mode."""
     torch.manual_seed(seed)

@@ -178,6 +178,9 @@ def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Cal
     """
     compared = []
     for finding in findings:
+        if finding.verdict == "skip":  # nothing was measured: nothing to record or compare
+            compared.append(finding)
+            continue
         entry = baseline.entries.get((finding.check, finding.layer))
         if entry is None:
             failed = strict and enforce and finding.verdict != "error"

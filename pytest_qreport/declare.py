@@ -28,6 +28,7 @@ class ModelDeclaration:
     weight_sqnr_min_db: float | None = None
     layers: list[str] | None = None
     skip_layers: list[str] | None = None
+    float_layers: list[str] | None = None
     checks: list[str] | None = None
     severity: Any = None
     equalize: Any = None
@@ -77,6 +78,7 @@ def qmodel(
     weight_sqnr_min_db: float | None = None,
     layers: Any = None,
     skip_layers: Any = None,
+    float_layers: Any = None,
     checks: Any = None,
     severity: Any = None,
     equalize: Any = None,
@@ -92,7 +94,9 @@ def qmodel(
     calibration: a fixture name, a callable returning batches, or an iterable of batches (each batch a
     tensor, a tuple of args or a dict of kwargs). example_inputs: defaults to the first batch.
     quantizer: a qcore Quantizer, a factory of one, or a name ("int8", "int8_per_tensor", "int8_histogram").
-    sqnr_min_db / model_sqnr_min_db / weight_sqnr_min_db: thresholds in dB. layers / skip_layers: globs.
+    sqnr_min_db / model_sqnr_min_db / weight_sqnr_min_db: thresholds in dB. layers / skip_layers: globs of
+    the layers to check / to leave out of the checks (still quantized). float_layers: globs of layers to keep in
+    float (unquantized), through the quantizer's layer_overrides.
     checks: which checks to run (default: all). severity: {check: "fail" | "warn" | "off"} or
     "outlier=warn,per_channel=off". detector_options: constructor arguments per detector check, e.g.
     {"outlier": {"ratio_threshold": 5.0}}; check_options: the same for any check, custom ones too.
@@ -110,7 +114,8 @@ def qmodel(
             name=name or factory.__name__, factory=factory, source_file=os.path.realpath(source),
             calibration=calibration, example_inputs=example_inputs, quantizer=quantizer,
             sqnr_min_db=sqnr_min_db, model_sqnr_min_db=model_sqnr_min_db, weight_sqnr_min_db=weight_sqnr_min_db,
-            layers=_as_list(layers), skip_layers=_as_list(skip_layers), checks=_as_list(checks), severity=severity,
+            layers=_as_list(layers), skip_layers=_as_list(skip_layers), float_layers=_as_list(float_layers),
+            checks=_as_list(checks), severity=severity,
             equalize=equalize, equalization_min_gain_db=equalization_min_gain_db,
             detector_options=detector_options, check_options=check_options,
             baseline_tolerance_db=baseline_tolerance_db,

@@ -165,7 +165,7 @@ class QReport:
                 **settings: Any) -> QReportResult:
         """Capture, calibrate, quantize and check `model` once; other qmodel() settings go in `settings`."""
         from .options import resolve_settings, session_settings
-        from .quantizers import resolve_quantizer
+        from .quantizers import model_quantizer
         from .runner import QReportModelError, analyze, as_batches, collect_model
 
         config, node = self._request.config, self._request.node
@@ -185,7 +185,7 @@ class QReport:
                                        equalize=equalize, checks=_as_list(checks),
                                        **settings)
         resolved = resolve_settings(session, declaration, registry)
-        state = collect_model(name, resolved, registry, resolve_quantizer(resolved.quantizer, config.hook), model,
+        state = collect_model(name, resolved, registry, model_quantizer(resolved, config.hook), model,
                               batches[0] if example_inputs is None else example_inputs)
         state.baseline_path = str(baseline_path(self._request.path.parent, name, session["baseline"]["dir"]))
         hook = node.ihook

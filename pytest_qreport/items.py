@@ -15,7 +15,7 @@ from .crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_cr
 from .declare import ModelDeclaration, declarations_in
 from .findings import Finding
 from .options import resolve_settings
-from .quantizers import resolve_quantizer
+from .quantizers import model_quantizer
 from .runner import (
     ModelState,
     QReportCheckFailed,
@@ -112,7 +112,7 @@ class QReportFile(pytest.File):
             if declaration.error:
                 raise ValueError(declaration.error)
             settings = resolve_settings(session_settings, declaration, registry)
-            quantizer = resolve_quantizer(settings.quantizer, self.ihook)
+            quantizer = model_quantizer(settings, self.ihook)
         except ValueError as error:
             text = str(error)
             return ModelState(name, collect_error=text if f"'{name}'" in text else f"model {name!r}: {text}")

@@ -26,6 +26,9 @@ SETTINGS: dict[str, tuple[str, str, Any, str]] = {
     "layers": ("--qreport-layers", "qreport_layers", None, "comma-separated layer globs to check (default: all)"),
     "skip_layers": ("--qreport-skip-layers", "qreport_skip_layers", None,
                     "comma-separated layer globs to leave out of the checks (they are still quantized)"),
+    "float_layers": ("--qreport-float-layers", "qreport_float_layers", None,
+                     "comma-separated layer globs to keep in float (unquantized), through the quantizer's "
+                     "layer_overrides"),
     "checks": ("--qreport-checks", "qreport_checks", None,
                "comma-separated checks to run (default: every registered check)"),
     "calibration": ("--qreport-calibration", "qreport_calibration", None,
@@ -48,7 +51,7 @@ SETTINGS: dict[str, tuple[str, str, Any, str]] = {
 DEFAULT_TOLERANCE = 0.5
 _FLOATS = {"sqnr_min_db", "model_sqnr_min_db", "weight_sqnr_min_db", "equalization_min_gain_db"}
 _NON_NEGATIVE = {"equalization_min_gain_db"}
-_LISTS = {"layers", "skip_layers", "checks"}
+_LISTS = {"layers", "skip_layers", "float_layers", "checks"}
 TABLE_MODES = ("failures", "all")
 
 
@@ -90,6 +93,7 @@ class ModelSettings:
     weight_sqnr_min_db: float
     layers: list[str] | None
     skip_layers: list[str] | None
+    float_layers: list[str] | None
     checks: list[str]
     calibration: Any
     example_inputs: Any

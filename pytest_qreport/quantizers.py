@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["BUILTIN_QUANTIZERS", "pytest_qreport_make_quantizer", "resolve_quantizer"]
+__all__ = ["BUILTIN_QUANTIZERS", "model_quantizer", "pytest_qreport_make_quantizer", "resolve_quantizer"]
 
 BUILTIN_QUANTIZERS: dict[str, dict[str, Any]] = {
     "int8": {"per_channel": True},
@@ -62,3 +62,16 @@ def resolve_quantizer(spec: Any, hook: Any) -> Any:
     if made is None:
         raise ValueError(f"quantizer must be a qcore.Quantizer, a factory of one, or a name; got {spec!r}")
     return made
+
+
+def model_quantizer(settings: Any, hook: Any) -> Any:
+    """The model's quantizer, keeping its float_layers unquantized; ValueError naming the fix."""
+    quantizer = resolve_quantizer(settings.quantizer, hook)
+    if not settings.float_layers:
+        return quantizer
+    from qcore.sensitivity import with_float_layers
+
+    try:
+        return with_float_layers(quantizer, settings.float_layers)
+    except ValueError as error:
+        raise ValueError(f"float_layers={settings.float_layers!r}: {error}") from None

@@ -89,6 +89,7 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
         raise QReportModelError(f"model {name!r}: the qmodel function returned {type(model).__name__}, "
                                 "not an nn.Module")
     float_gm = qcore.capture(model, example_inputs, name=name)
+    _check_float_layers(name, settings.float_layers, float_gm)
     analysis = ModelAnalysis(float_gm, quantizer, equalize=settings.equalize)
     checks: dict[str, Check] = {}
     for check_name in settings.checks:
@@ -107,6 +108,18 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
         state.items[check_name] = select_layers(check.layers(context), settings.layers, settings.skip_layers)
     context.checks = {n: c for n, c in checks.items() if n in state.items}
     return state
+
+
+def _check_float_layers(name: str, globs: list[str] | None, float_gm: Any) -> None:
+    """A float_layers glob that matches no layer is a typo: say so, with the layer names."""
+    import qcore
+
+    ops = qcore.find_quantizable_ops(float_gm)
+    unmatched = [g for g in globs or () if not any(fnmatch.fnmatchcase(op.layer, g) or fnmatch.fnmatchcase(op.fqn, g)
+                                                   for op in ops)]
+    if unmatched:
+        raise QReportModelError(f"model {name!r}: float_layers {unmatched} match no layer; layers: "
+                                f"{', '.join(op.layer for op in ops)}")
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from .findings import VERDICTS, Finding, RunOutcome
 from .options import table_mode
 
 __all__ = ["counts_line", "fallback_notes", "format_delta", "format_value", "note", "pytest_qreport_report",
-           "render_summary", "summary_rows"]
+           "render_summary", "sensitivity_lines", "summary_rows"]
 
 
 def format_value(value: float | None, metric: str) -> str:
@@ -90,8 +90,23 @@ def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: R
     terminal.write_line(text if text else "all qreport checks passed" if not outcome.interrupted else
                         "no qreport item failed before the run stopped")
     terminal.write_line(counts_line(rows, outcome))
+    if table_mode(config) == "all":
+        for line in sensitivity_lines(rows):
+            terminal.write_line(line)
     for line in fallback_notes(rows):
         terminal.write_line(line, yellow=True)
+
+
+def sensitivity_lines(rows: list[Finding], top: int = 5) -> list[str]:
+    """Per model whose sensitivity ranking ran: 'sensitivity of m (38.2 dB quantized): fc2 +6.1, fc1 +0.4 dB'."""
+    lines = []
+    for row in rows:
+        ranking = row.details.get("ranking") if row.check == "sensitivity" else None
+        if ranking:
+            listed = ", ".join(f"{entry['layer']} {entry['gain_db']:+.1f}" for entry in ranking[:top])
+            lines.append(f"sensitivity of {row.model} ({row.details['all_quantized_db']:.1f} dB quantized; dB gained "
+                         f"by keeping one layer in float): {listed}")
+    return lines
 
 
 def fallback_notes(rows: list[Finding]) -> list[str]:

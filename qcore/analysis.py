@@ -306,6 +306,37 @@ class ModelAnalysis:
         self.require_deterministic()
         return _max_relative_error(self.float_gm, self.quantized_input_gm, self.batches)
 
+    @cached_property
+    def switchable(self) -> Any:
+        """The quantized model with per-layer quantizer switches (qcore.sensitivity), built on first use."""
+        from .sensitivity import SwitchableModel
+
+        self.require_deterministic()
+        return SwitchableModel(self.quantized_input_gm, self.batches, self.quantizer)
+
+    def sensitivity(self, max_layers: int | None = None, max_batches: int | None = None) -> Any:
+        """qcore.sensitivity.SensitivityResult of the quantized layers (kept per budget)."""
+        from .sensitivity import layer_sensitivity
+
+        key = (max_layers, max_batches)
+        cache = self.__dict__.setdefault("_sensitivity", {})
+        if key not in cache:
+            cache[key] = layer_sensitivity(self.quantized_input_gm, self.batches, self.quantizer,
+                                           max_layers=max_layers, max_batches=max_batches, model=self.switchable)
+        return cache[key]
+
+    def float_layers_fix(self, target_db: float, max_float_layers: int = 8, max_batches: int | None = 2) -> Any:
+        """qcore.sensitivity.FloatLayersFix: a verified set of layers to keep in float to reach `target_db`."""
+        from .sensitivity import find_float_layers
+
+        key = (target_db, max_float_layers, max_batches)
+        cache = self.__dict__.setdefault("_fixes", {})
+        if key not in cache:
+            cache[key] = find_float_layers(self.quantized_input_gm, self.batches, self.quantizer, target_db,
+                                           max_float_layers=max_float_layers, max_batches=max_batches,
+                                           sensitivity=self.sensitivity(None, max_batches), model=self.switchable)
+        return cache[key]
+
     def detector_reports(self, detectors: Mapping[str, DetectorBase]) -> dict[str, dict[str, dict[str, Any]]]:
         """Run every detector in one ModelReport over the batches: {key: {layer: raw detector entry}}."""
         if not detectors:

@@ -46,8 +46,9 @@ def test_plugin_collects_an_sqnr_item_for_every_bert_linear(bert):
     registry = CheckRegistry()
     for check in BUILTIN_CHECKS:
         registry.register(check)
-    settings = ModelSettings(20.0, 20.0, 30.0, None, None, ["sqnr", "outlier"], data, None, "int8", equalize=None,
-                             equalization_min_gain_db=1.0, severity={}, check_options={})
+    settings = ModelSettings(20.0, 20.0, 30.0, layers=None, skip_layers=None, float_layers=None,
+                             checks=["sqnr", "outlier"], calibration=data, example_inputs=None, quantizer="int8",
+                             equalize=None, equalization_min_gain_db=1.0, severity={}, check_options={})
     state = collect_model("bert", settings, registry, qcore.Int8StaticQuantizer(), model, data[0])
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     assert set(linears) <= set(state.items["sqnr"])

@@ -7,6 +7,7 @@ import pytest
 
 from .detectors import DetectorCheck, DynamicStaticCheck, InputWeightEqualizationCheck, OutlierCheck, PerChannelCheck
 from .equalization import EqualizationCheck, EqualizationEquivalenceCheck
+from .sensitivity import SensitivityCheck
 from .sqnr import ModelSqnrCheck, SqnrCheck, WeightSqnrCheck
 
 if TYPE_CHECKING:
@@ -14,14 +15,14 @@ if TYPE_CHECKING:
 
 __all__ = ["BUILTIN_CHECKS", "DetectorCheck", "DynamicStaticCheck", "EqualizationCheck",
            "EqualizationEquivalenceCheck", "InputWeightEqualizationCheck", "ModelSqnrCheck", "OutlierCheck",
-           "PerChannelCheck", "SqnrCheck", "WeightSqnrCheck", "pytest_qreport_register_checks"]
+           "PerChannelCheck", "SensitivityCheck", "SqnrCheck", "WeightSqnrCheck", "pytest_qreport_register_checks"]
 
-BUILTIN_CHECKS = (SqnrCheck, WeightSqnrCheck, ModelSqnrCheck, PerChannelCheck, DynamicStaticCheck,
+BUILTIN_CHECKS = (SqnrCheck, WeightSqnrCheck, ModelSqnrCheck, SensitivityCheck, PerChannelCheck, DynamicStaticCheck,
                   InputWeightEqualizationCheck, OutlierCheck, EqualizationCheck, EqualizationEquivalenceCheck)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_qreport_register_checks(registry: CheckRegistry) -> None:
-    """Register the nine built-in checks."""
+    """Register the ten built-in checks."""
     for check in BUILTIN_CHECKS:
         registry.register(check)

@@ -141,6 +141,10 @@ class ModelSqnrCheck(Check):
                 continue
             message = (f"model output {name}: SQNR {below(entry.sqnr_db, threshold)}. See the per-layer sqnr "
                        "items for the layer where the error starts.")
+            if entry.sqnr_db < threshold:
+                from .sensitivity import float_layers_advice
+
+                message += float_layers_advice(model, threshold)
             details = {"cosine": entry.cosine, "normalized_l2": entry.normalized_l2, "leaf": entry.name}
             results.append(self.finding(model, name, entry.sqnr_db, threshold, message=message, details=details))
         return results

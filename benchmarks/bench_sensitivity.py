@@ -1,0 +1,91 @@
+"""Cost of the per-layer sensitivity ranking, and what the verified float_layers fix buys.
+
+1. A BERT-style encoder (transformers.BertModel, 6 layers, hidden 256, seeded random weights; 8 batches of
+   4x64 tokens): one plain analysis (capture, calibrate, quantize, SQNR) against the sensitivity ranking over
+   every quantized layer on 2 batches, and with a layer budget; the same ranking done the naive way
+   (re-preparing and re-calibrating the model once per layer) for scale.
+2. A model built to fail model_sqnr (examples/models.py fragile_mlp): the greedy fix's measured SQNR and size,
+   against how many layers of the single-layer ranking, taken in order, reach the same target.
+
+    python benchmarks/bench_sensitivity.py
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+
+import torch
+
+import qcore
+from qcore.analysis import ModelAnalysis, measure_sqnr
+from qcore.sensitivity import find_float_layers, with_float_layers
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+
+
+def _bert():
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
+                                     intermediate_size=1024, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 1000, (4, 64), generator=g),
+                "attention_mask": torch.ones(4, 64, dtype=torch.long)} for _ in range(8)]
+    return model, batches
+
+
+def _timed(function):
+    start = time.perf_counter()
+    value = function()
+    return value, time.perf_counter() - start
+
+
+def bench_cost() -> None:
+    torch.set_num_threads(2)
+    model, batches = _bert()
+    float_gm = qcore.capture(model, batches[0])
+    _, plain = _timed(lambda: ModelAnalysis(float_gm, batches=batches).sqnr)
+    analysis = ModelAnalysis(float_gm, batches=batches)
+    analysis.sqnr  # noqa: B018 - the analysis the ranking adds to
+    layers = len(analysis.layers)
+    _, switches = _timed(lambda: analysis.switchable)
+    ranking, full = _timed(lambda: analysis.sensitivity(None, 2))
+    _, budget = _timed(lambda: analysis.sensitivity(16, 2))
+    quantizer = qcore.Int8StaticQuantizer()
+    sample = [entry.layer for entry in analysis.layers[:4]]
+    _, naive = _timed(lambda: [measure_sqnr(float_gm, batches[:2], with_float_layers(quantizer, [layer]))
+                               for layer in sample])
+    naive_all = naive / len(sample) * layers
+    print(f"BERT-style encoder, {layers} quantized layers, 2 cores")
+    print(f"  one plain analysis (8 batches):                  {plain:7.2f} s")
+    print(f"  switchable copy (prepare + calibrate, once):       {switches:7.2f} s")
+    print(f"  ranking, every layer, 2 batches:                 {full:7.2f} s  = {(switches + full) / plain:5.2f}x "
+          "the analysis")
+    print(f"  ranking, budget of 16 layers, 2 batches:         {budget:7.2f} s  = {(switches + budget) / plain:5.2f}x")
+    print(f"  naive (re-prepare per layer, 2 batches), all:    {naive_all:7.2f} s  = {naive_all / plain:5.2f}x "
+          f"(extrapolated from {len(sample)} layers)")
+    print(f"  all quantized: {ranking.all_quantized_db:.1f} dB; top: " + ", ".join(
+        f"{e.layer} {e.gain_db:+.2f}" for e in ranking.layers[:3]))
+
+
+def bench_fix() -> None:
+    from models import fragile_mlp
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(32, 64, generator=g) for _ in range(8)]
+    float_gm = qcore.capture(fragile_mlp(), batches[0])
+    for target in (20.0, 30.0):
+        fix, seconds = _timed(lambda: find_float_layers(float_gm, batches, None, target,  # noqa: B023
+                                                        compare_with_ranking=True))
+        naive = f"{fix.naive_top_k} layers" if fix.naive_top_k else "not within 8 layers"
+        print(f"fragile MLP, target {target:.0f} dB: float_layers={list(fix.float_layers)} measured "
+              f"{fix.measured_db:.1f} dB (estimated {fix.estimated_db:.1f}) in {seconds:.2f} s; the ranking's "
+              f"top-k needs {naive}")
+
+
+if __name__ == "__main__":
+    bench_fix()
+    bench_cost()

@@ -1,0 +1,71 @@
+"""Where the model's error comes from: the per-layer sensitivity ranking, and a verified float_layers fix."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..findings import Finding
+from ..registry import Check, ModelContext
+
+__all__ = ["SensitivityCheck", "float_layers_advice"]
+
+DEFAULT_MAX_LAYERS = 32
+DEFAULT_BATCHES = 2
+
+
+def float_layers_advice(model: ModelContext, target_db: float) -> str:
+    """The verified fix for a low model output SQNR: a float_layers line to paste and the SQNR it reached."""
+    options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
+    if options.get("fix") is False:
+        return ""
+    if not isinstance(getattr(model.analysis.quantizer, "layer_overrides", None), dict):
+        return (" (No float_layers fix is searched: this quantizer has no layer_overrides to keep layers in "
+                "float.)")
+    fix = model.analysis.float_layers_fix(target_db, int(options.get("max_float_layers", 8)),
+                                          options.get("batches", DEFAULT_BATCHES))
+    if not fix.float_layers:
+        return ""
+    layers = list(model.settings.float_layers or []) + list(fix.float_layers)
+    if fix.reached:
+        return (f" Keeping {len(fix.float_layers)} layer(s) in float was measured to reach {fix.measured_db:.1f} dB: "
+                f"float_layers={layers!r}")
+    return (f" No set of up to {len(fix.float_layers)} layers kept in float reaches {target_db:.1f} dB; the best "
+            f"found, float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")
+
+
+class SensitivityCheck(Check):
+    """The layers whose float-ification helps the model's output most (one item per model).
+
+    Runs when model_sqnr fails, or always with check_options={'sensitivity': {'always': True}}. Options:
+    max_layers (default 32, graph order), batches (default 2 calibration batches), top (default 5 listed).
+    """
+
+    name, order, metric, needs, default_severity = "sensitivity", 35, "gain_db", frozenset({"sqnr"}), "warn"
+
+    def layers(self, model: ModelContext) -> list[str]:
+        return ["model"]
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        worst = model.analysis.sqnr.worst_output()
+        target = model.settings.model_sqnr_min_db
+        if not self.options.get("always") and (worst is None or worst.sqnr_db >= target):
+            return [Finding(model=model.name, check=self.name, layer="model", metric=self.metric, value=math.nan,
+                            threshold=math.nan, verdict="skip", message=(
+                                "model_sqnr passes, so the sensitivity ranking did not run; run it anyway with "
+                                "qmodel(check_options={'sensitivity': {'always': True}})"))]
+        max_layers = int(self.options.get("max_layers", DEFAULT_MAX_LAYERS))
+        result = model.analysis.sensitivity(max_layers, self.options.get("batches", DEFAULT_BATCHES))
+        top = result.layers[: int(self.options.get("top", 5))]
+        listed = "; ".join(f"{entry.layer} {entry.gain_db:+.1f} dB in float ({entry.only_quantized_db:.1f} dB "
+                           "when the only one quantized)" for entry in top)
+        skipped = (f" {len(result.skipped)} layer(s) past the budget of {max_layers} were not measured "
+                   f"(check_options={{'sensitivity': {{'max_layers': N}}}})." if result.skipped else "")
+        details: dict[str, Any] = {
+            "all_quantized_db": result.all_quantized_db, "batches": result.batches, "skipped": list(result.skipped),
+            "ranking": [{"layer": e.layer, "gain_db": e.gain_db, "only_quantized_db": e.only_quantized_db,
+                         "only_float_db": e.only_float_db} for e in result.layers]}
+        message = (f"model output SQNR {result.all_quantized_db:.1f} dB with every layer quantized (on "
+                   f"{result.batches} batch(es)); the layers that help most when kept in float: {listed}.{skipped}"
+                   + float_layers_advice(model, target))
+        value = top[0].gain_db if top else math.nan
+        return [self.finding(model, "model", value, math.nan, passed=False, message=message, details=details)]

@@ -1,0 +1,141 @@
+"""Per-layer sensitivity and the verified float_layers fix (issue: sensitivity)."""
+import ast
+import json
+import re
+
+import pytest
+
+import qcore
+from qcore.analysis import measure_sqnr
+from qcore.sensitivity import SwitchableModel, find_float_layers, layer_sensitivity, with_float_layers
+
+FRAGILE_SOURCE = '''
+import torch
+from torch import nn
+from pytest_qreport import qmodel
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                                    nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+        with torch.no_grad():   # four loud hidden units, scaled back by the next layer: float-equivalent
+            self.layers[2].weight[:4] *= 60.0
+            self.layers[4].weight[:, :4] /= 60.0
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(32, 64, generator=g) for _ in range(4)]
+'''
+
+
+def _fragile():
+    namespace = {}
+    exec(compile(FRAGILE_SOURCE.replace("from pytest_qreport import qmodel", ""), "fragile", "exec"), namespace)
+    return namespace["MLP"]().eval(), namespace["batches"]()
+
+
+def test_switches_agree_with_requantizing_each_layer_in_float():
+    model, batches = _fragile()
+    float_gm = qcore.capture(model, batches[0])
+    quantizer = qcore.Int8StaticQuantizer()
+    switchable = SwitchableModel(float_gm, batches, quantizer)
+    result = layer_sensitivity(float_gm, batches, quantizer, model=switchable)
+    exact = measure_sqnr(float_gm, batches, quantizer).worst_output().sqnr_db
+    assert result.all_quantized_db == pytest.approx(exact, abs=1e-6)      # all switches on: the quantized model
+    for entry in result.layers:   # one layer off: the model re-quantized with that layer skipped
+        skipped = measure_sqnr(float_gm, batches, with_float_layers(quantizer, [entry.layer])).worst_output()
+        assert entry.only_float_db == pytest.approx(skipped.sqnr_db, abs=0.25), entry
+    assert [e.gain_db for e in result.layers] == sorted((e.gain_db for e in result.layers), reverse=True)
+
+
+def test_the_fix_is_measured_and_needs_fewer_layers_than_the_naive_ranking():
+    model, batches = _fragile()
+    float_gm = qcore.capture(model, batches[0])
+    fix = find_float_layers(float_gm, batches, None, target_db=30.0, compare_with_ranking=True)
+    assert fix.reached and fix.measured_db >= 30.0 and set(fix.float_layers) == {"layers.2", "layers.4"}
+    assert abs(fix.measured_db - fix.estimated_db) < 1.0
+    assert fix.naive_top_k == 0 or fix.naive_top_k > len(fix.float_layers)
+
+
+def test_with_float_layers_needs_layer_overrides():
+    class Plain(qcore.Quantizer):
+        def annotate(self, gm):
+            return gm
+
+    with pytest.raises(ValueError, match="has no layer_overrides"):
+        with_float_layers(Plain(), ["fc"])
+    base = qcore.Int8StaticQuantizer(layer_overrides={"fc": {"per_channel": False}})
+    changed = with_float_layers(base, ["fc", "head*"])
+    assert changed.layer_overrides == {"fc": {"per_channel": False, "skip": True}, "head*": {"skip": True}}
+    assert base.layer_overrides == {"fc": {"per_channel": False}}     # the original is unchanged
+
+
+def test_the_failing_model_sqnr_item_ends_with_a_fix_that_passes_when_pasted(pytester):
+    pytester.makeconftest(FRAGILE_SOURCE + '''
+
+@qmodel(calibration=batches, checks="model_sqnr,sensitivity")
+def fragile():
+    return MLP().eval()
+''')
+    result = pytester.runpytest("--qreport", "--qreport-json=report.json", "--qreport-table=all")
+    result.assert_outcomes(failed=1, passed=1, warnings=1)   # the sensitivity item is a warning
+    result.stdout.fnmatch_lines(["sensitivity of fragile (* dB quantized; dB gained by keeping one layer in float): "
+                                 "layers.4 +*"])
+    rows = {(r["check"], r["layer"]): r for r in json.loads((pytester.path / "report.json").read_text())["rows"]}
+    message = rows[("model_sqnr", "output")]["message"]
+    found = re.search(r"was measured to reach ([\d.]+) dB: float_layers=(\[.*\])$", message)
+    assert found, message
+    pasted = ast.literal_eval(found.group(2))
+    ranking = rows[("sensitivity", "model")]["details"]["ranking"]
+    assert {entry["layer"] for entry in ranking} == {"layers.0", "layers.2", "layers.4", "layers.6"}
+    # paste the line into qmodel: the item passes, at the SQNR the message announced
+    pytester.makeconftest(FRAGILE_SOURCE + f'''
+
+@qmodel(calibration=batches, checks="model_sqnr,sensitivity", float_layers={pasted!r})
+def fragile():
+    return MLP().eval()
+''')
+    result = pytester.runpytest("--qreport", "--qreport-json=report.json", "-n", "2", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)   # sensitivity runs only when model_sqnr fails
+    rows = {(r["check"], r["layer"]): r for r in json.loads((pytester.path / "report.json").read_text())["rows"]}
+    assert rows[("model_sqnr", "output")]["value"] == pytest.approx(float(found.group(1)), abs=0.05)
+    result.stdout.fnmatch_lines(["*model_sqnr passes, so the sensitivity ranking did not run*"])
+
+
+def test_float_layers_from_the_command_line_and_its_errors(pytester):
+    pytester.makeconftest(FRAGILE_SOURCE + '''
+import qcore
+
+
+class Plain(qcore.Int8StaticQuantizer):
+    def __init__(self):
+        super().__init__()
+        del self.layer_overrides
+
+
+@qmodel(calibration=batches, checks="sqnr,model_sqnr")
+def fragile():
+    return MLP().eval()
+
+
+@qmodel(calibration=batches, checks="model_sqnr", quantizer=Plain())
+def plain():
+    return MLP().eval()
+''')
+    result = pytester.runpytest("--qreport", "--qreport-float-layers", "layers.[24]", "--qreport-json=report.json")
+    report = json.loads((pytester.path / "report.json").read_text())
+    rows = {(r["model"], r["check"], r["layer"]): r for r in report["rows"]}
+    assert {key[2] for key in rows if key[:2] == ("fragile", "sqnr")} == {"layers.0", "layers.6"}   # in float
+    assert rows[("fragile", "model_sqnr", "output")]["verdict"] == "pass"
+    assert ("model 'plain': float_layers=['layers.[24]']: Plain has no layer_overrides, so it cannot keep layers "
+            "in float") in result.stdout.str()
+    result = pytester.runpytest("--qreport", "--qreport-float-layers", "layer.9", "-k", "fragile")
+    assert ("model 'fragile': float_layers ['layer.9'] match no layer; layers: layers.0, layers.2, layers.4, "
+            "layers.6") in result.stdout.str()
