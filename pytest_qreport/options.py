@@ -79,6 +79,9 @@ def add_options(parser) -> None:
     parser.addini("qreport_threads", "torch threads for the analysis (default 1)", default=None)
     group.addoption("--qreport-json", metavar="PATH", default=None,
                     help="write every row, baseline, delta, fingerprint and timing as JSON (schema 1)")
+    group.addoption("--qreport-html", metavar="PATH", default=None,
+                    help="write a self-contained HTML report with per-layer charts (pip install "
+                         "'pytest-qreport[html]')")
     for setting, (flag, ini, _default, text) in SETTINGS.items():
         group.addoption(flag, dest=f"qreport_{setting}", default=None, help=text)
         parser.addini(ini, text, default=None)

@@ -32,13 +32,14 @@ def pytest_configure(config) -> None:
             config.pluginmanager.register(module, name)
     if not config.getoption("qreport", default=False):
         return
-    from . import jsonreport, junit, summary
+    from . import html, jsonreport, junit, summary
     from .session import QReportSession
 
     # items carry one xdist_group per model; without pytest-xdist nobody else registers the marker
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist --dist loadgroup runs a group in one worker")
 
-    for name, module in (("qreport-summary", summary), ("qreport-junit", junit), ("qreport-json", jsonreport)):
+    for name, module in (("qreport-summary", summary), ("qreport-junit", junit), ("qreport-json", jsonreport),
+                         ("qreport-html", html)):
         if not config.pluginmanager.has_plugin(name):
             config.pluginmanager.register(module, name)
     session = QReportSession(config)

@@ -115,6 +115,12 @@ class QReportSession:
                     resolve_quantizer(quantizer, self.config.hook)
         except ValueError as error:
             raise pytest.UsageError(f"qreport: {error}") from None
+        if self.config.getoption("qreport_html", default=None) and not self.is_worker:
+            from .html import html_extra_missing
+
+            missing = html_extra_missing()
+            if missing:
+                raise pytest.UsageError(f"qreport: {missing}")
         if self.is_worker:
             share_cores(self.config.workerinput.get("workercount", 1))
         elif getattr(self.config.option, "dist", "no") != "no":

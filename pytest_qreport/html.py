@@ -1,0 +1,141 @@
+"""--qreport-html PATH: one self-contained HTML file (Jinja2 template, Plotly charts, no CDN), written
+atomically by the controller.
+
+Per model: the verdict counts, a sortable and filterable table of every row (failures first, with baseline
+and delta), a per-layer chart in graph order (propagated and shadow SQNR, threshold, baseline; hover and zoom,
+with a range slider for long models), the sensitivity ranking, equalization gains, and the fingerprint and
+versions. Needs `pip install 'pytest-qreport[html]'`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from .findings import Finding, RunOutcome
+from .junit import keep_previous_file, write_atomically
+
+__all__ = ["HTML_EXTRA", "build_html", "html_extra_missing", "pytest_qreport_report"]
+
+HTML_EXTRA = "pip install 'pytest-qreport[html]'"
+_VERDICT_ORDER = {"error": 0, "fail": 1, "warn": 2, "waived": 3, "skip": 4, "pass": 5}
+
+
+def html_extra_missing() -> str:
+    """'' when Jinja2 and Plotly import; else the one line that names the extra to install."""
+    try:
+        import jinja2  # noqa: F401
+        import plotly  # noqa: F401
+    except ImportError as error:
+        return f"--qreport-html needs the html extra ({error.name} is missing): {HTML_EXTRA}"
+    return ""
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, str):
+        return float(value)  # "nan", "inf", "-inf" in the JSON form
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def _finite(values: list[float]) -> list[float | None]:
+    return [v if math.isfinite(v) else None for v in values]
+
+
+def _layer_chart(rows: list[dict[str, Any]]) -> Any:
+    import plotly.graph_objects as go
+
+    sqnr = [r for r in rows if r["check"] == "sqnr"]
+    if not sqnr:
+        return None
+    layers = [r["layer"] for r in sqnr]
+    figure = go.Figure()
+    figure.add_trace(go.Scatter(x=layers, y=_finite([_number(r["value"]) for r in sqnr]), mode="lines+markers",
+                                name="propagated SQNR"))
+    figure.add_trace(go.Scatter(x=layers, y=_finite([_number(r["details"].get("shadow_sqnr_db")) for r in sqnr]),
+                                mode="lines+markers", name="shadow SQNR (float inputs)"))
+    figure.add_trace(go.Scatter(x=layers, y=_finite([_number(r["threshold"]) for r in sqnr]), mode="lines",
+                                name="threshold", line={"dash": "dash"}))
+    baseline = [_number(r.get("baseline")) for r in sqnr]
+    if any(math.isfinite(v) for v in baseline):
+        figure.add_trace(go.Scatter(x=layers, y=_finite(baseline), mode="markers", name="baseline",
+                                    marker={"symbol": "x"}))
+    figure.update_layout(title={"text": "per-layer SQNR in graph order (dB)", "y": 0.97}, hovermode="x unified",
+                         height=480, margin={"l": 50, "r": 20, "t": 80, "b": 40},
+                         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0},
+                         xaxis={"rangeslider": {"visible": len(layers) > 40}, "showticklabels": len(layers) <= 80})
+    return figure
+
+
+def _sensitivity_chart(rows: list[dict[str, Any]]) -> Any:
+    import plotly.graph_objects as go
+
+    ranking = next((r["details"].get("ranking") for r in rows if r["check"] == "sensitivity"
+                    and r["details"].get("ranking")), None)
+    if not ranking:
+        return None
+    top = ranking[:30][::-1]
+    figure = go.Figure(go.Bar(x=_finite([_number(e["gain_db"]) for e in top]), y=[e["layer"] for e in top],
+                              orientation="h", name="gain in float"))
+    figure.update_layout(title="sensitivity: output SQNR gained by keeping one layer in float (dB)",
+                         height=max(260, 22 * len(top) + 90), margin={"l": 180, "r": 20, "t": 50, "b": 40})
+    return figure
+
+
+def _equalization_chart(rows: list[dict[str, Any]]) -> Any:
+    import plotly.graph_objects as go
+
+    gains = [r for r in rows if r["check"] == "equalization" and math.isfinite(_number(r["value"]))]
+    if not gains:
+        return None
+    figure = go.Figure(go.Bar(x=[r["layer"] for r in gains], y=[_number(r["value"]) for r in gains],
+                              name="equalization gain"))
+    figure.update_layout(title="input-weight equalization: SQNR gain per layer (dB)", height=320,
+                         margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    return figure
+
+
+def _cell(value: Any) -> str:
+    number = _number(value) if value is not None else math.nan
+    if value is None or (isinstance(value, str) and value not in ("nan", "inf", "-inf")):
+        return "" if value is None else str(value)
+    return "-" if math.isnan(number) else f"{number:.4g}"
+
+
+def build_html(report: dict[str, Any]) -> str:
+    """The page for a JSON-form report (jsonreport.build_report): one section per model."""
+    import jinja2
+    import plotly.offline
+
+    environment = jinja2.Environment(loader=jinja2.PackageLoader("pytest_qreport", "templates"),
+                                     autoescape=jinja2.select_autoescape(["html", "j2"]))
+    models = []
+    for name in dict.fromkeys(row["model"] for row in report["rows"]):
+        rows = [row for row in report["rows"] if row["model"] == name]
+        counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in _VERDICT_ORDER if any(
+            r["verdict"] == v for r in rows)}
+        ordered = sorted(rows, key=lambda r: _VERDICT_ORDER.get(r["verdict"], 9))
+        charts = [chart.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
+                  for chart in (_layer_chart(rows), _sensitivity_chart(rows), _equalization_chart(rows)) if chart]
+        table = [{"check": r["check"], "layer": r["layer"], "value": _cell(r["value"]),
+                  "threshold": _cell(r["threshold"]), "baseline": _cell(r.get("baseline")),
+                  "delta": _cell(r.get("delta")), "verdict": r["verdict"], "message": r["message"]} for r in ordered]
+        models.append({"name": name, "counts": counts, "rows": table, "charts": charts,
+                       "info": report["models"].get(name, {})})
+    return environment.get_template("report.html.j2").render(
+        models=models, versions=report["versions"], created=report["created"], plotlyjs=plotly.offline.get_plotlyjs())
+
+
+def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: RunOutcome) -> None:
+    """Write --qreport-html when it is given (and the run completed)."""
+    path = config.getoption("qreport_html", default=None)
+    if not path or keep_previous_file(config, "--qreport-html", path, outcome):
+        return
+    from .items import STATE_KEY
+    from .jsonreport import build_report
+
+    state = config.stash[STATE_KEY]
+    try:
+        write_atomically(path, build_html(build_report(rows, state.models_by_label())))
+    except OSError as error:
+        state.report_errors.append(f"qreport: could not write --qreport-html {path}: {error}")
