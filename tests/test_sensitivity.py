@@ -139,3 +139,11 @@ def plain():
     result = pytester.runpytest("--qreport", "--qreport-float-layers", "layer.9", "-k", "fragile")
     assert ("model 'fragile': float_layers ['layer.9'] match no layer; layers: layers.0, layers.2, layers.4, "
             "layers.6") in result.stdout.str()
+
+
+def test_a_layer_budget_bounds_the_ranking_and_names_what_it_skipped():
+    model, batches = _fragile()
+    float_gm = qcore.capture(model, batches[0])
+    result = layer_sensitivity(float_gm, batches, max_layers=2, max_batches=1)
+    assert {e.layer for e in result.layers} == {"layers.0", "layers.2"}
+    assert result.skipped == ("layers.4", "layers.6") and result.batches == 1
