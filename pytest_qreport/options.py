@@ -39,7 +39,8 @@ SETTINGS: dict[str, tuple[str, str, Any, str]] = {
                   "int8, int8_per_tensor, int8_histogram, module:attribute of a Quantizer (factory), or a name "
                   "resolved by a pytest_qreport_make_quantizer hook"),
     "equalize": ("--qreport-equalize", "qreport_equalize", None,
-                 "equalize models before quantizing: true (input-weight), cross_layer, or false"),
+                 "equalize models before quantizing: true (input-weight), cross_layer, smooth, smooth:search, "
+                 "smooth:<alpha>, or false"),
     "equalization_min_gain_db": ("--qreport-equalization-min-gain-db", "qreport_equalization_min_gain_db", 1.0,
                                  "equalization items fail when equalizing a layer gains at least this many dB"),
     "severity": ("--qreport-severity", "qreport_severity", None,
@@ -140,7 +141,8 @@ def _parse(setting: str, value: Any) -> Any:
 
 
 def parse_equalize(value: Any) -> Any:
-    """None (off), True (input-weight on every eligible layer), "cross_layer", or a list of layer names."""
+    """None (off), True (input-weight on every eligible layer), "cross_layer", "smooth", "smooth:search" or
+    "smooth:<alpha>" (SmoothQuant-style smoothing), or a list of layer names."""
     if isinstance(value, str):
         text = value.strip().lower()
         if text in ("", "0", "false", "no", "off", "none"):
@@ -149,7 +151,13 @@ def parse_equalize(value: Any) -> Any:
             return True
         if text == "cross_layer":
             return "cross_layer"
-        raise ValueError(f"equalize must be true, false, input_weight or cross_layer, not {value!r}")
+        if text == "smooth" or text.startswith("smooth:"):
+            from qcore.smoothing import smoothing_alpha
+
+            smoothing_alpha(text)
+            return text
+        raise ValueError(f"equalize must be true, false, input_weight, cross_layer, smooth, smooth:search or "
+                         f"smooth:<alpha>, not {value!r}")
     if value is False:
         return None
     if value is True or isinstance(value, (list, tuple)):

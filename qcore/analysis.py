@@ -42,6 +42,7 @@ from .prepare import prepare
 from .quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from .report import ModelReport
 from .report.detectors import DetectorBase
+from .smoothing import smooth, smoothing_alpha
 
 __all__ = ["LayerSqnr", "ModelAnalysis", "OutputSqnr", "QuantizedLayer", "SqnrMeasurement", "analyze_model",
            "calibration_digest", "describe", "measure_sqnr", "quantized_layers"]
@@ -184,7 +185,8 @@ def _max_relative_error(reference: fx.GraphModule, candidate: fx.GraphModule, ba
 class ModelAnalysis:
     """Measures one captured model once; every measurement is computed on first use and kept.
 
-    equalize: None, True (input-weight on every equalizable layer), "cross_layer", or a list of layers.
+    equalize: None, True (input-weight on every equalizable layer), "cross_layer", "smooth" (SmoothQuant-style,
+    alpha 0.5), "smooth:search" or "smooth:<alpha>", or a list of layers.
     The model as quantized is the equalized one when `equalize` is set.
     """
 
@@ -255,6 +257,8 @@ class ModelAnalysis:
     def _equalized(self, layers: Any) -> fx.GraphModule:
         if layers == "cross_layer":
             return cross_layer_equalize(self.float_gm)
+        if isinstance(layers, str) and layers.startswith("smooth"):
+            return smooth(self.float_gm, self.batches, smoothing_alpha(layers))
         return equalize(self.float_gm, list(layers), self.batches)
 
     @cached_property
@@ -263,7 +267,7 @@ class ModelAnalysis:
         if not self.equalize_recipe:
             return self.float_gm
         recipe = self.equalize_recipe
-        return self._equalized("cross_layer" if recipe == "cross_layer" else self.equalized_layers)
+        return self._equalized(recipe if isinstance(recipe, str) else self.equalized_layers)
 
     @cached_property
     def nondeterminism(self) -> Nondeterminism | None:
@@ -299,6 +303,33 @@ class ModelAnalysis:
             return self.sqnr
         self.require_deterministic()
         return measure_sqnr(self._equalized(self.equalizable_layers), self.batches, self.quantizer)
+
+    @cached_property
+    def smoothed_gm(self) -> fx.GraphModule:
+        """The model smoothed with a searched alpha per group (the model's own smoothing when it is smoothed)."""
+        if isinstance(self.equalize_recipe, str) and self.equalize_recipe.startswith("smooth"):
+            return self.quantized_input_gm
+        return smooth(self.float_gm, self.batches, "search")
+
+    @cached_property
+    def smoothed_sqnr(self) -> SqnrMeasurement:
+        """SQNR of the smoothed model (see smoothed_gm)."""
+        if self.smoothed_gm is self.quantized_input_gm:
+            return self.sqnr
+        self.require_deterministic()
+        return measure_sqnr(self.smoothed_gm, self.batches, self.quantizer)
+
+    @cached_property
+    def smoothing(self) -> dict[str, dict[str, Any]]:
+        """{layer: {"alpha", "producer", "producer_name"}} for the smoothed layers, {layer: {"refused": reason}}
+        for the others."""
+        meta = self.smoothed_gm.meta
+        result: dict[str, dict[str, Any]] = {layer: {"refused": reason}
+                                             for layer, reason in meta.get("qcore_smoothing_refused", {}).items()}
+        for group in meta.get("qcore_smoothing", []):
+            for layer in group["layers"]:
+                result[layer] = {k: group[k] for k in ("alpha", "producer", "producer_name")}
+        return result
 
     @cached_property
     def equivalence_error(self) -> float:

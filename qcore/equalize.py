@@ -27,7 +27,7 @@ from .graph import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, o
 __all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserver", "WeightEqualizationObserver",
     "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
     "equalization_refusal", "equalize", "get_equalization_qconfig_dict", "get_layer_sqnr_dict", "node_is_transposed",
-    "resolve_layers"]
+    "resolve_layers", "smooth"]
 
 
 class EqualizationError(ValueError):
@@ -406,3 +406,6 @@ def cross_layer_equalize(gm: fx.GraphModule, iterations: int = 1) -> fx.GraphMod
     result.recompile()
     result.meta["qcore_cross_layer_equalized"] = [(a.layer, b.layer) for a, b in pairs]
     return result
+
+
+from .smoothing import smooth  # noqa: E402 - qcore.equalize.smooth is the public name; smoothing imports equalize

@@ -1,5 +1,5 @@
-"""Equalization checks: the SQNR gain input-weight equalization would bring, and the float equivalence of an
-equalized model."""
+"""Equalization checks: the SQNR gain the best equalization method would bring, and the float equivalence of an
+equalized or smoothed model."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,9 @@ __all__ = ["EqualizationCheck", "EqualizationEquivalenceCheck"]
 
 
 class EqualizationCheck(Check):
-    """Fails when equalizing a layer gains at least the minimum gain and the model is not equalized."""
+    """The SQNR gain of the best equalization method for each layer: input-weight equalization (sqrt balance,
+    torch.ao's) or smoothing (SmoothQuant-style, searched alpha). Fails when the best gains at least the
+    minimum and the model is not equalized; the message names the method and the setting that applies it."""
 
     name, order, metric, needs = "equalization", 80, "sqnr_gain_db", frozenset({"sqnr", "equalization"})
 
@@ -22,22 +24,34 @@ class EqualizationCheck(Check):
         analysis, min_gain = model.analysis, model.settings.equalization_min_gain_db
         applied = bool(analysis.equalize_recipe)
         refused = {layer: analysis.layer(layer).equalization_refusal for layer in layers}
+        smoothing = analysis.smoothing if self.options.get("smooth", True) else {}
+        smoothable = {layer for layer in layers if layer in smoothing and "refused" not in smoothing[layer]}
         measured = [layer for layer in layers if not refused[layer]]
-        before = {k: v.sqnr_db for k, v in analysis.unequalized_sqnr.layers.items()} if measured else {}
+        before = {k: v.sqnr_db for k, v in analysis.unequalized_sqnr.layers.items()} if measured or smoothable else {}
         after = {k: v.sqnr_db for k, v in analysis.equalized_sqnr.layers.items()} if measured else {}
+        smoothed = {k: v.sqnr_db for k, v in analysis.smoothed_sqnr.layers.items()} if smoothable else {}
         results = []
         for layer in layers:
-            if refused[layer]:
+            old = before.get(layer, math.nan)
+            options = []
+            if not refused[layer]:
+                options.append((after.get(layer, math.nan) - old, "input-weight equalization", "equalize=True"))
+            if layer in smoothable:
+                alpha = smoothing[layer]["alpha"]
+                options.append((smoothed.get(layer, math.nan) - old,
+                                f"smoothing into {smoothing[layer]['producer_name']} (alpha {alpha:g})",
+                                "equalize='smooth:search'"))
+            if not options:
+                why = refused[layer] or smoothing.get(layer, {}).get("refused", "")
                 results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,
                                        value=math.nan, threshold=min_gain, verdict="skip",
-                                       message=f"layer {layer}: not equalized: {refused[layer]}."))
+                                       message=f"layer {layer}: not equalized: {why}."))
                 continue
-            gain = after.get(layer, math.nan) - before.get(layer, math.nan)
-            old, new = before.get(layer, math.nan), after.get(layer, math.nan)
-            message = (f"layer {layer}: input-weight equalization raises its SQNR by {gain:.1f} dB "
-                       f"({old:.1f} -> {new:.1f} dB, >= {min_gain:.1f} dB) "
-                       "and the model is not equalized. Fix: qmodel(..., equalize=True).")
-            details = {"sqnr_db": before.get(layer), "equalized_sqnr_db": after.get(layer), "applied": applied}
+            gain, method, setting = max(options, key=lambda o: o[0] if not math.isnan(o[0]) else -math.inf)
+            message = (f"layer {layer}: {method} raises its SQNR by {gain:.1f} dB ({old:.1f} -> {old + gain:.1f} dB, "
+                       f">= {min_gain:.1f} dB) and the model is not equalized. Fix: qmodel(..., {setting}).")
+            details = {"sqnr_db": old, "equalized_sqnr_db": after.get(layer), "smoothed_sqnr_db": smoothed.get(layer),
+                       "method": method, "applied": applied}
             results.append(self.finding(model, layer, gain, min_gain, passed=applied or not gain >= min_gain,
                                         message=message, details=details))
         return results
