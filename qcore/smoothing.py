@@ -68,7 +68,11 @@ def _producer_of(gm: fx.GraphModule, node: fx.Node) -> tuple[str, fx.Node] | str
         module = gm.get_submodule(str(node.target))
         if isinstance(module, nn.LayerNorm) and module.weight is not None:
             return "layernorm", node
+        if isinstance(module, nn.RMSNorm) and module.weight is not None:
+            return "rmsnorm", node
         return f"its input comes from {type(module).__name__}, which cannot absorb a scale"
+    if node.op == "placeholder":
+        return f"its input is the model's input {node.name}, which no op produces, so nothing can absorb a scale"
     base = _base(node)
     if base in ("layer_norm",) and len(node.args) > 2 and _param_target(node.args[2]):
         return "layernorm", node
@@ -338,9 +342,10 @@ def _producer_targets(gm: fx.GraphModule, group: SmoothingGroup) -> list[str]:
     """The producer's parameters that take 1/s: LayerNorm weight and bias, RMSNorm weight, linear rows and bias."""
     producer = group.producer_node
     assert producer is not None
-    if group.producer == "layernorm" and producer.op == "call_module":
+    if group.producer in ("layernorm", "rmsnorm") and producer.op == "call_module":
         module = gm.get_submodule(str(producer.target))
-        targets = [f"{producer.target}.weight"] + ([f"{producer.target}.bias"] if module.bias is not None else [])
+        has_bias = getattr(module, "bias", None) is not None
+        targets = [f"{producer.target}.weight"] + ([f"{producer.target}.bias"] if has_bias else [])
     elif group.producer == "layernorm":
         targets = [t for t in (_param_target(producer.args[2]), _param_target(producer.args[3])
                                if len(producer.args) > 3 else None) if t]
