@@ -34,7 +34,7 @@ from .diagnose import (
 from .equalize import cross_layer_equalize, equalization_refusal, equalize
 from .graph import find_quantizable_ops
 from .inputs import call_model
-from .numeric.compare import compare
+from .numeric.compare import compare, compare_propagated_and_shadow
 from .numeric.metrics import compute_sqnr
 from .numeric.suite import extract_weights
 from .observers import HistogramObserver
@@ -124,8 +124,10 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
     return layers
 
 
-def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None = None) -> SqnrMeasurement:
-    """Quantize a copy of `float_gm` on `batches`, then compare it with the float graph."""
+def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None = None, *,
+                 shadow: bool = True) -> SqnrMeasurement:
+    """Quantize a copy of `float_gm` on `batches`, then compare it with the float graph. shadow=False skips the
+    shadow pass (each layer fed float inputs): shadow_sqnr_db is then nan."""
     prepared = prepare(clone_graph_module(float_gm), quantizer or Int8StaticQuantizer())
     try:
         calibrate(prepared, batches)
@@ -143,9 +145,12 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
             "calibration data there.") from error
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
     limits = resolution_limits(quant_gm)
-    propagated = compare(float_gm, quant_gm, batches, propagate=True)
-    shadow = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, batches, propagate=False)}
     weights = extract_weights("float", float_gm, "quant", quant_gm)
+    if shadow:  # one pass for both modes; quant_gm is this function's own copy, instrumented in place
+        propagated, shadow_records = compare_propagated_and_shadow(float_gm, quant_gm, batches, own_quant_model=True)
+        shadows = {r["layer"]: r["sqnr_db"] for r in shadow_records}
+    else:
+        propagated, shadows = compare(float_gm, quant_gm, batches, propagate=True), {}
     layers: dict[str, LayerSqnr] = {}
     outputs: dict[str, OutputSqnr] = {}
     for record in propagated:
@@ -162,7 +167,7 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
             weight_db = math.inf if exact else float(compute_sqnr(original, quantized))
         layers[record["layer"]] = LayerSqnr(
             layer=record["layer"], fqn=record["fqn"], op=record["op"], sqnr_db=float(record["sqnr_db"]),
-            shadow_sqnr_db=float(shadow.get(record["layer"], math.nan)),
+            shadow_sqnr_db=float(shadows.get(record["layer"], math.nan)),
             normalized_l2=float(record["normalized_l2"]), cosine=float(record["cosine"]),
             batches=int(record["batches"]), weight_sqnr_db=weight_db,
             below_resolution=limits.get(record["layer"], ()))
@@ -293,16 +298,20 @@ class ModelAnalysis:
 
     @cached_property
     def unequalized_sqnr(self) -> SqnrMeasurement:
-        """SQNR without equalization (the same as `sqnr` when equalization is off)."""
-        return self.sqnr if not self.equalize_recipe else measure_sqnr(self.float_gm, self.batches, self.quantizer)
+        """SQNR without equalization (the same as `sqnr` when equalization is off; otherwise without the shadow
+        pass, which the equalization gains do not use)."""
+        if not self.equalize_recipe:
+            return self.sqnr
+        return measure_sqnr(self.float_gm, self.batches, self.quantizer, shadow=False)
 
     @cached_property
     def equalized_sqnr(self) -> SqnrMeasurement:
-        """SQNR with input-weight equalization of every equalizable layer (or the model's own recipe)."""
+        """SQNR with input-weight equalization of every equalizable layer (or the model's own recipe); without the
+        shadow pass unless it is the model's own measurement."""
         if self.equalize_recipe:
             return self.sqnr
         self.require_deterministic()
-        return measure_sqnr(self._equalized(self.equalizable_layers), self.batches, self.quantizer)
+        return measure_sqnr(self._equalized(self.equalizable_layers), self.batches, self.quantizer, shadow=False)
 
     @cached_property
     def smoothed_gm(self) -> fx.GraphModule:
@@ -313,11 +322,11 @@ class ModelAnalysis:
 
     @cached_property
     def smoothed_sqnr(self) -> SqnrMeasurement:
-        """SQNR of the smoothed model (see smoothed_gm)."""
+        """SQNR of the smoothed model (see smoothed_gm); without the shadow pass unless it is the model's own."""
         if self.smoothed_gm is self.quantized_input_gm:
             return self.sqnr
         self.require_deterministic()
-        return measure_sqnr(self.smoothed_gm, self.batches, self.quantizer)
+        return measure_sqnr(self.smoothed_gm, self.batches, self.quantizer, shadow=False)
 
     @cached_property
     def smoothing(self) -> dict[str, dict[str, Any]]:

@@ -252,7 +252,8 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     model.quantize_only(model.layers)
     from .analysis import measure_sqnr
 
-    measured = measure_sqnr(float_gm, list(batches), with_float_layers(quantizer, chosen)) if chosen else None
+    measured = (measure_sqnr(float_gm, list(batches), with_float_layers(quantizer, chosen), shadow=False)
+                if chosen else None)
     worst = measured.worst_output() if measured is not None else None
     measured_db = worst.sqnr_db if worst is not None else ranking.all_quantized_db
     naive = _naive_top_k(model, ranking, subset, target_db, max_float_layers) if compare_with_ranking else None

@@ -15,7 +15,7 @@ from .instrument import attach_after, copy_layer_into
 from .loggers import ActivationStash, StreamingComparator
 from .matching import layer_value, match_layers
 
-__all__ = ["compare"]
+__all__ = ["compare", "compare_propagated_and_shadow"]
 
 _SHADOW_PREFIX = "qcore_shadow_b"
 
@@ -92,3 +92,53 @@ def _shadowed(float_model, quant_model):
     gm_a.graph.lint()
     gm_a.recompile()
     return pairs, (lambda batch: call_model(gm_a, batch)), comparators, []
+
+
+def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.GraphModule, batches: Iterable[Any],
+                                  own_quant_model: bool = False) -> tuple[list[dict], list[dict]]:
+    """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
+
+    The float graph runs once per batch with the shadow copies of the quantized layers inside it, and its
+    layer values feed the propagated comparison too. own_quant_model=True instruments `quant_model` itself
+    instead of a copy (for a caller that discards it afterwards).
+    """
+    gm_a = clone_graph_module(float_model)
+    gm_b = quant_model if own_quant_model else clone_graph_module(quant_model)
+    pairs = match_layers(gm_a, gm_b)
+    gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
+    propagated, shadowed = [], []
+    for index, pair in enumerate(pairs):
+        shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
+        shadow = StreamingComparator()
+        attach_after(gm_a, shadow_value, f"qcore_shadow_compare_{index}", shadow, layer_value(pair.a))
+        shadowed.append(shadow)
+        stash = ActivationStash()
+        attach_after(gm_a, layer_value(pair.a), f"qcore_stash_{index}", stash)
+        comparator = StreamingComparator(stash)
+        attach_after(gm_b, layer_value(pair.b), f"qcore_compare_{index}", comparator)
+        propagated.append(comparator)
+    gm_a.graph.lint()
+    gm_a.recompile()
+    gm_b.recompile()
+    outputs: list[StreamingComparator] = []
+    device = model_device(float_model)
+    count = 0
+    with torch.no_grad():
+        for batch in batches:
+            batch = move_to(batch, device)
+            out_a = pytree.tree_leaves(call_model(gm_a, batch))
+            out_b = pytree.tree_leaves(call_model(gm_b, batch))
+            tensors = [(a, b) for a, b in zip(out_a, out_b) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            while len(outputs) < len(tensors):
+                outputs.append(StreamingComparator())
+            for comparator, (a, b) in zip(outputs, tensors):
+                comparator.update(a, b)
+            count += 1
+    if count == 0:
+        raise ValueError("compare needs at least one batch")
+    records = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **c.result()} for p, c in zip(pairs, propagated)]
+    for index, comparator in enumerate(outputs):
+        records.append({"layer": "output" if len(outputs) == 1 else f"output.{index}", "fqn": "", "op": "output",
+                        **comparator.result()})
+    shadows = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **c.result()} for p, c in zip(pairs, shadowed)]
+    return records, shadows

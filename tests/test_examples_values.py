@@ -1,0 +1,28 @@
+"""Speed work must not move the numbers: every examples/ row stays within 1e-6 of its recorded value."""
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_every_example_value_is_unchanged(tmp_path):
+    report = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                    f"--qreport-json={report}", "examples/"], cwd=ROOT, capture_output=True, timeout=600)
+    recorded = json.loads((ROOT / "tests" / "data" / "examples_values.json").read_text())["values"]
+    measured = {f'{r["model"]}/{r["check"]}/{r["layer"]}': r["value"]
+                for r in json.loads(report.read_text())["rows"]}
+    assert set(measured) == set(recorded)
+    moved = {}
+    for key, old in recorded.items():
+        new = measured[key]
+        if isinstance(old, str) or isinstance(new, str) or old is None or new is None:
+            same = old == new
+        else:
+            same = (math.isnan(old) and math.isnan(new)) or abs(new - old) <= 1e-6
+        if not same:
+            moved[key] = (old, new)
+    assert not moved, moved
