@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "QUANTIZABLE_KINDS", "QuantizableOp", "WEIGHTED_KINDS", "aten",
-    "find_quantizable_ops", "fused_output", "is_inserted", "op_kind", "original_input"]
+    "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted", "op_kind", "original_input"]
 
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
@@ -97,6 +98,14 @@ class QuantizableOp:
         if self.weight is None:
             raise ValueError(f"layer {self.layer} has no weight")
         return str(self.weight.target)
+
+
+def fetch_attr(module: torch.nn.Module, target: str) -> Any:
+    """The attribute at a dotted get_attr target ("layers.0.weight") of a module."""
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def is_inserted(node: object) -> bool:

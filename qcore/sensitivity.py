@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from .calibrate import calibrate, model_device
 from .capture import clone_graph_module
 from .convert import convert, restore_model_state
-from .graph import INSERTED_KEY, find_quantizable_ops
+from .graph import INSERTED_KEY, fetch_attr, find_quantizable_ops
 from .inputs import call_model, move_to
 from .numeric.metrics import sqnr_from_sums
 from .prepare import prepare
@@ -91,13 +91,6 @@ class _WeightSwitch(nn.Module):
         return self.quantized if self.enabled else self.original
 
 
-def _fetch(module: nn.Module, target: str) -> torch.Tensor:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
 class SwitchableModel:
     """A quantized copy of a float graph whose layers' quantizers can be switched on and off."""
 
@@ -122,7 +115,7 @@ class SwitchableModel:
                 original = node.meta.get("qcore_float_weight")
                 if original is None:
                     continue
-                switch: nn.Module = _WeightSwitch(_fetch(self.gm, str(node.target)), _fetch(self.gm, original))
+                switch: nn.Module = _WeightSwitch(fetch_attr(self.gm, str(node.target)), fetch_attr(self.gm, original))
                 args: tuple = ()
             else:
                 switch, args = _Switch(node.target), node.args

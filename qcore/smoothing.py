@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from .calibrate import calibrate
 from .capture import clone_graph_module
-from .graph import FQN_KEY, QuantizableOp, find_quantizable_ops, op_kind
+from .graph import FQN_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, op_kind
 from .qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor
 
 __all__ = ["ALPHA_GRID", "SmoothingGroup", "smooth", "smoothing_alpha", "smoothing_groups"]
@@ -80,7 +80,7 @@ def _producer_of(gm: fx.GraphModule, node: fx.Node) -> tuple[str, fx.Node] | str
         return "rmsnorm", node
     if base == "mul" and any(_param_target(a) for a in node.args[:2]):
         weight = next(a for a in node.args[:2] if _param_target(a))
-        if getattr(_fetch(gm, str(weight.target)), "dim", lambda: 0)() == 1:
+        if getattr(fetch_attr(gm, str(weight.target)), "dim", lambda: 0)() == 1:
             return "rmsnorm", node
     kind = op_kind(node, gm)
     if kind == "linear" and _param_target(node.args[1]):
@@ -119,13 +119,6 @@ def _attention_value(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     if op_kind(value, gm) == "linear" and _param_target(value.args[1]) and len(_value_users(value)) == 1:
         return value
     return None
-
-
-def _fetch(module: nn.Module, target: str) -> torch.Tensor:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _assign(gm: nn.Module, target: str, value: torch.Tensor) -> None:
@@ -183,8 +176,8 @@ def _producer_problem(gm: fx.GraphModule, group: SmoothingGroup) -> str:
     readers = [n for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) in targets]
     if any(len(n.users) > 1 for n in readers) or len(readers) > len(set(targets)):
         return f"{group.producer_name}'s parameters are shared with other ops (tied), so they cannot be rescaled"
-    channels = {int(_fetch(gm, t).shape[0]) for t in targets}
-    widths = {int(_fetch(gm, op.weight_target).shape[1]) for op in group.ops}
+    channels = {int(fetch_attr(gm, t).shape[0]) for t in targets}
+    widths = {int(fetch_attr(gm, op.weight_target).shape[1]) for op in group.ops}
     if len(channels | widths) != 1:
         return (f"the channels of {group.producer_name} ({sorted(channels)}) do not line up with the layers' inputs "
                 f"({sorted(widths)})")
@@ -314,7 +307,7 @@ def _observe(gm: fx.GraphModule, groups: list[SmoothingGroup], batches: list, se
     observers = []
     for index, group in enumerate(groups):
         observer = _ChannelStats()
-        observer.weights = [_fetch(gm, op.weight_target).detach().float() for op in group.ops]
+        observer.weights = [fetch_attr(gm, op.weight_target).detach().float() for op in group.ops]
         node = names[group.input_node.name]
         probe.add_submodule(f"qcore_smooth_{index}", observer)
         with probe.graph.inserting_after(node):
@@ -331,10 +324,10 @@ def _observe(gm: fx.GraphModule, groups: list[SmoothingGroup], batches: list, se
 
 def _rewrite(gm: fx.GraphModule, group: SmoothingGroup, scale: torch.Tensor) -> None:
     for op in group.ops:
-        weight = _fetch(gm, op.weight_target).detach()
+        weight = fetch_attr(gm, op.weight_target).detach()
         _assign(gm, op.weight_target, weight * scale.to(weight).reshape(1, -1))
     for target in _producer_targets(gm, group):
-        value = _fetch(gm, target).detach()
+        value = fetch_attr(gm, target).detach()
         _assign(gm, target, value / scale.to(value).reshape(-1, *([1] * (value.dim() - 1))))
 
 

@@ -66,17 +66,18 @@ def _propagated(float_model, quant_model):
     gm_a.recompile()
     gm_b.recompile()
     outputs: list[StreamingComparator] = []
+    return pairs, lambda batch: _run_both(gm_a, gm_b, batch, outputs), comparators, outputs
 
-    def run(batch):
-        out_a = pytree.tree_leaves(call_model(gm_a, batch))
-        out_b = pytree.tree_leaves(call_model(gm_b, batch))
-        tensors = [(a, b) for a, b in zip(out_a, out_b) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        while len(outputs) < len(tensors):
-            outputs.append(StreamingComparator())
-        for comparator, (a, b) in zip(outputs, tensors):
-            comparator.update(a, b)
 
-    return pairs, run, comparators, outputs
+def _run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: list[StreamingComparator]) -> None:
+    """Run A then B on one batch and add their floating output leaves to `outputs` (one comparator per leaf)."""
+    out_a = pytree.tree_leaves(call_model(gm_a, batch))
+    out_b = pytree.tree_leaves(call_model(gm_b, batch))
+    tensors = [(a, b) for a, b in zip(out_a, out_b) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    while len(outputs) < len(tensors):
+        outputs.append(StreamingComparator())
+    for comparator, (a, b) in zip(outputs, tensors):
+        comparator.update(a, b)
 
 
 def _shadowed(float_model, quant_model):
@@ -125,14 +126,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     count = 0
     with torch.no_grad():
         for batch in batches:
-            batch = move_to(batch, device)
-            out_a = pytree.tree_leaves(call_model(gm_a, batch))
-            out_b = pytree.tree_leaves(call_model(gm_b, batch))
-            tensors = [(a, b) for a, b in zip(out_a, out_b) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-            while len(outputs) < len(tensors):
-                outputs.append(StreamingComparator())
-            for comparator, (a, b) in zip(outputs, tensors):
-                comparator.update(a, b)
+            _run_both(gm_a, gm_b, move_to(batch, device), outputs)
             count += 1
     if count == 0:
         raise ValueError("compare needs at least one batch")
