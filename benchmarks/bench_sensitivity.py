@@ -25,16 +25,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 
 
 def _bert():
-    import transformers
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from bench_analysis import _case
 
-    config = transformers.BertConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
-                                     intermediate_size=1024, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.BertModel(config).eval()
-    g = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(0, 1000, (4, 64), generator=g),
-                "attention_mask": torch.ones(4, 64, dtype=torch.long)} for _ in range(8)]
-    return model, batches
+    return _case("bert")
 
 
 def _timed(function):

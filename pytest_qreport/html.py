@@ -96,9 +96,11 @@ def _equalization_chart(rows: list[dict[str, Any]]) -> Any:
 
 
 def _cell(value: Any) -> str:
-    number = _number(value) if value is not None else math.nan
-    if value is None or (isinstance(value, str) and value not in ("nan", "inf", "-inf")):
-        return "" if value is None else str(value)
+    if value is None:
+        return ""
+    if isinstance(value, str) and value not in ("nan", "inf", "-inf"):
+        return value
+    number = _number(value)
     return "-" if math.isnan(number) else f"{number:.4g}"
 
 
