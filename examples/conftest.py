@@ -70,7 +70,9 @@ def mlp():
     return seeded(MLP)
 
 
-@qmodel(calibration="token_batches", quantizer="int8_histogram", severity=ADVISORY)
+# smoothing its attention output projections into the value projections would raise their own SQNR by about
+# 1.2 dB; this repository keeps the encoder as it is, so its equalization items are advisory too.
+@qmodel(calibration="token_batches", quantizer="int8_histogram", severity={**ADVISORY, "equalization": "warn"})
 def tiny_encoder():
     return seeded(TinyEncoder)
 

@@ -38,10 +38,13 @@ class ModelContext:
     def detector_report(self, check: str) -> dict[str, Any]:
         """{layer: raw detector entry} for one detector check; all of the model's detectors run in one pass."""
         if self._detector_reports is None:
-            detectors = {name: detector for name, c in self.checks.items()
-                         if (detector := getattr(c, "detector", None)) is not None}
-            self._detector_reports = self.analysis.detector_reports(detectors)
+            self._detector_reports = self.analysis.detector_reports(self.detectors())
         return self._detector_reports.get(check, {})
+
+    def detectors(self) -> dict[str, Any]:
+        """{check name: detector} of the model's detector checks."""
+        return {name: detector for name, c in self.checks.items()
+                if (detector := getattr(c, "detector", None)) is not None}
 
 
 class Check(ABC):

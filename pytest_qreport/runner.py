@@ -5,8 +5,11 @@ Plain functions over qcore and the check registry; the pytest nodes in items.py 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fnmatch
+import gc
 import os
+import sys
 import sysconfig
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -19,7 +22,7 @@ from .options import ModelSettings
 from .registry import Check, CheckRegistry, ModelContext
 
 __all__ = ["ModelState", "QReportCheckFailed", "QReportError", "QReportModelError", "analyze", "as_batches",
-           "collect_model", "is_single_batch",
+           "collect_model", "garbage_collection_paused", "is_single_batch",
            "compare_with_baseline", "explain", "fingerprint", "select_layers", "torch_threads"]
 
 
@@ -107,6 +110,8 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
             continue
         state.items[check_name] = select_layers(check.layers(context), settings.layers, settings.skip_layers)
     context.checks = {n: c for n, c in checks.items() if n in state.items}
+    analysis.plan(detectors=context.detectors(), equalization=any("equalization" in c.needs
+                                                                  for c in context.checks.values()))
     return state
 
 
@@ -135,6 +140,30 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """Run the block without Python's cyclic garbage collector, then free what it left and return freed heap to
+    the system. An analysis builds many graph objects: full collections over every object of the session would
+    cost more than the analysis itself. Graph modules are reference cycles, so what the block discarded is all
+    young, and one young-generation collection frees it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+        gc.collect(1)
+        _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def analyze(state: ModelState, batches: Callable[[], Iterable[Any]], modify: Callable[[list[Finding]], None],
             threads: int = 1, baseline: dict[str, Any] | None = None) -> None:
     """Measure once (on `threads` torch threads) and keep the findings of every item, compared with the
@@ -143,7 +172,7 @@ def analyze(state: ModelState, batches: Callable[[], Iterable[Any]], modify: Cal
         return
     assert state.context is not None and state.settings is not None
     try:
-        with torch_threads(threads):
+        with torch_threads(threads), garbage_collection_paused():
             _measure(state, batches, modify, threads, baseline)
     except Exception as error:  # noqa: BLE001 - reported on every item of the model
         state.analysis_error, state.error_cause = explain(state.name, "calibration/analysis", error), error

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,23 +18,30 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from .calibrate import CalibrationError, calibrate
+from .calibrate import calibrate
 from .capture import capture, clone_graph_module
-from .convert import convert, restore_model_state
+from .convert import restore_model_state
 from .diagnose import (
     Nondeterminism,
     NonDeterministicModelError,
-    ResolutionLimit,
     describe_outputs,
-    first_non_finite,
     first_nondeterministic,
     resolution_limits,
 )
 from .equalize import cross_layer_equalize, equalization_refusal, equalize
 from .graph import find_quantizable_ops
 from .inputs import call_model
-from .numeric.compare import compare, compare_propagated_and_shadow
-from .numeric.metrics import compute_sqnr
+from .measure import (
+    LayerSqnr,
+    ModelMeasurement,
+    OutputSqnr,
+    SqnrMeasurement,
+    VariantSqnr,
+    calibrate_and_convert,
+    measure_model,
+    sqnr_measurement,
+)
+from .numeric.compare import compare
 from .numeric.suite import extract_weights
 from .observers import HistogramObserver
 from .prepare import prepare
@@ -44,8 +50,8 @@ from .report import ModelReport
 from .report.detectors import DetectorBase
 from .smoothing import smooth, smoothing_alpha
 
-__all__ = ["LayerSqnr", "ModelAnalysis", "OutputSqnr", "QuantizedLayer", "SqnrMeasurement", "analyze_model",
-           "calibration_digest", "describe", "measure_sqnr", "quantized_layers"]
+__all__ = ["LayerSqnr", "ModelAnalysis", "OutputSqnr", "QuantizedLayer", "SqnrMeasurement", "VariantSqnr",
+           "analyze_model", "calibration_digest", "describe", "measure_sqnr", "quantized_layers"]
 
 
 @dataclass(frozen=True)
@@ -63,47 +69,9 @@ class QuantizedLayer:
     equalization_refusal: str = ""  # why a linear/conv layer cannot be equalized ("" when it can, or is no candidate)
 
 
-@dataclass(frozen=True)
-class LayerSqnr:
-    """SQNR of one quantized layer: propagated (quantized inputs), shadow (float inputs) and weight."""
-
-    layer: str
-    fqn: str
-    op: str
-    sqnr_db: float
-    shadow_sqnr_db: float
-    normalized_l2: float
-    cosine: float
-    batches: int
-    weight_sqnr_db: float | None = None
-    below_resolution: tuple[ResolutionLimit, ...] = ()  # its input/output/weight that int8 rounds to ~zero
-
-
-@dataclass(frozen=True)
-class OutputSqnr:
-    """SQNR of one floating output leaf of the model."""
-
-    name: str
-    sqnr_db: float
-    cosine: float
-    normalized_l2: float
-
-
-@dataclass(frozen=True)
-class SqnrMeasurement:
-    """Float vs quantized, per layer and per output leaf, in graph order."""
-
-    layers: Mapping[str, LayerSqnr]
-    outputs: Mapping[str, OutputSqnr]
-
-    def worst_output(self) -> OutputSqnr | None:
-        """The output leaf with the lowest SQNR (a model with several outputs is judged by its worst)."""
-        return min(self.outputs.values(), key=lambda o: o.sqnr_db, default=None)
-
-
 def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = None) -> list[QuantizedLayer]:
     """The layers `quantizer` quantizes, in graph order, from one annotation of a copy. No calibration."""
-    annotated = clone_graph_module(float_gm)
+    annotated = clone_graph_module(float_gm, share_parameters=True)
     (quantizer or Int8StaticQuantizer()).annotate(annotated)
     layers = []
     for op in find_quantizable_ops(annotated):
@@ -128,50 +96,14 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
                  shadow: bool = True) -> SqnrMeasurement:
     """Quantize a copy of `float_gm` on `batches`, then compare it with the float graph. shadow=False skips the
     shadow pass (each layer fed float inputs): shadow_sqnr_db is then nan."""
-    prepared = prepare(clone_graph_module(float_gm), quantizer or Int8StaticQuantizer())
-    try:
-        calibrate(prepared, batches)
-        quant_gm = convert(prepared)
-    except Exception as error:
-        try:
-            found = first_non_finite(float_gm, batches)
-        except Exception:  # noqa: BLE001 - the diagnosis fails the same way: the original error says it best
-            found = None
-        if found is None:
-            raise
-        raise CalibrationError(
-            f"the float model computes NaN or inf at {found.describe()}, so its ranges cannot be observed "
-            "and it cannot be quantized. Fix the model (a log, sqrt or division of out-of-range values?) or the "
-            "calibration data there.") from error
+    if shadow:
+        return measure_model(float_gm, batches, quantizer).sqnr
+    prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
+    quant_gm = calibrate_and_convert(prepared, float_gm, batches)
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
-    limits = resolution_limits(quant_gm)
     weights = extract_weights("float", float_gm, "quant", quant_gm)
-    if shadow:  # one pass for both modes; quant_gm is this function's own copy, instrumented in place
-        propagated, shadow_records = compare_propagated_and_shadow(float_gm, quant_gm, batches, own_quant_model=True)
-        shadows = {r["layer"]: r["sqnr_db"] for r in shadow_records}
-    else:
-        propagated, shadows = compare(float_gm, quant_gm, batches, propagate=True), {}
-    layers: dict[str, LayerSqnr] = {}
-    outputs: dict[str, OutputSqnr] = {}
-    for record in propagated:
-        if record["op"] == "output":
-            outputs[record["layer"]] = OutputSqnr(record["layer"], float(record["sqnr_db"]), float(record["cosine"]),
-                                                  float(record["normalized_l2"]))
-            continue
-        weight_db = None
-        if record["layer"] in weights:
-            pair = weights[record["layer"]]["weight"]
-            original, quantized = pair["float"][0]["values"][0], pair["quant"][0]["values"][0]
-            # an exact reconstruction (an all-zero weight, say) is inf, as for activations, not 0/0 = nan
-            exact = bool(torch.equal(original, quantized))
-            weight_db = math.inf if exact else float(compute_sqnr(original, quantized))
-        layers[record["layer"]] = LayerSqnr(
-            layer=record["layer"], fqn=record["fqn"], op=record["op"], sqnr_db=float(record["sqnr_db"]),
-            shadow_sqnr_db=float(shadows.get(record["layer"], math.nan)),
-            normalized_l2=float(record["normalized_l2"]), cosine=float(record["cosine"]),
-            batches=int(record["batches"]), weight_sqnr_db=weight_db,
-            below_resolution=limits.get(record["layer"], ()))
-    return SqnrMeasurement(layers, outputs)
+    return sqnr_measurement(compare(float_gm, quant_gm, batches, propagate=True), {}, weights,
+                            resolution_limits(quant_gm))
 
 
 def _max_relative_error(reference: fx.GraphModule, candidate: fx.GraphModule, batches: list) -> float:
@@ -201,6 +133,8 @@ class ModelAnalysis:
         self.quantizer = quantizer or Int8StaticQuantizer()
         self.equalize_recipe = equalize
         self._batches = None if batches is None else list(batches)
+        self._planned_detectors: dict[str, DetectorBase] = {}
+        self._planned_equalization = False
 
     @property
     def batches(self) -> list[Any]:
@@ -290,55 +224,70 @@ class ModelAnalysis:
                 "eval mode: make random ops follow it (F.dropout(x, p, training=self.training), not training=True) "
                 "or take them (noise, sampling) out of the forward that is checked.")
 
+    def plan(self, detectors: Mapping[str, DetectorBase] | None = None, equalization: bool = False) -> None:
+        """Say what will be asked for before the first measurement, so that one calibration pass and one comparison
+        pass measure it all: these detectors' reports, and (equalization=True) the equalization variants."""
+        self._planned_detectors = dict(detectors or {})
+        self._planned_equalization = equalization
+
+    @cached_property
+    def measurement(self) -> ModelMeasurement:
+        """The model as quantized, measured in one calibration and one comparison pass, with what `plan` named
+        (the detectors and variants only when the model is not equalized: they concern the original graph)."""
+        self.require_deterministic()
+        original = not self.equalize_recipe
+        planned = self._planned_equalization and original
+        return measure_model(self.quantized_input_gm, self.batches, self.quantizer,
+                             detectors=self._planned_detectors if original else None,
+                             equalization_layers=self.equalizable_layers if planned else (),
+                             smoothing="search" if planned else None)
+
     @cached_property
     def sqnr(self) -> SqnrMeasurement:
         """SQNR of the model as quantized (equalized first when equalization is on)."""
+        return self.measurement.sqnr
+
+    @cached_property
+    def _variant_measurement(self) -> ModelMeasurement:
+        if not self.equalize_recipe and self._planned_equalization:
+            return self.measurement
         self.require_deterministic()
-        return measure_sqnr(self.quantized_input_gm, self.batches, self.quantizer)
+        return measure_model(self.float_gm, self.batches, self.quantizer, propagate=False,
+                             equalization_layers=self.equalizable_layers, smoothing="search")
+
+    @property
+    def equalization_variants(self) -> Mapping[str, Mapping[str, VariantSqnr]]:
+        """{layer: {"input_weight" | "smoothing": VariantSqnr}}: each equalizable layer's own SQNR with
+        input-weight equalization and with smoothing (searched alpha), against the unequalized model's."""
+        return self._variant_measurement.variants
+
+    @property
+    def unmeasured_variants(self) -> Mapping[str, str]:
+        """{layer: why its equalization variants could not be measured}."""
+        return self._variant_measurement.unmeasured
+
+    @property
+    def smoothing(self) -> Mapping[str, Mapping[str, Any]]:
+        """{layer: {"alpha", "producer", "producer_name"}} for the smoothable layers of the unequalized model,
+        {layer: {"refused": reason}} for the others."""
+        return self._variant_measurement.smoothing
 
     @cached_property
     def unequalized_sqnr(self) -> SqnrMeasurement:
-        """SQNR without equalization (the same as `sqnr` when equalization is off; otherwise without the shadow
-        pass, which the equalization gains do not use)."""
+        """Propagated SQNR without equalization (the same as `sqnr` when equalization is off; otherwise one more
+        calibration and comparison, without the shadow pass)."""
         if not self.equalize_recipe:
             return self.sqnr
         return measure_sqnr(self.float_gm, self.batches, self.quantizer, shadow=False)
 
     @cached_property
     def equalized_sqnr(self) -> SqnrMeasurement:
-        """SQNR with input-weight equalization of every equalizable layer (or the model's own recipe); without the
-        shadow pass unless it is the model's own measurement."""
+        """Propagated SQNR with input-weight equalization of every equalizable layer (or the model's own recipe);
+        when the model is not equalized, an equalization pass and one more calibration and comparison."""
         if self.equalize_recipe:
             return self.sqnr
         self.require_deterministic()
         return measure_sqnr(self._equalized(self.equalizable_layers), self.batches, self.quantizer, shadow=False)
-
-    @cached_property
-    def smoothed_gm(self) -> fx.GraphModule:
-        """The model smoothed with a searched alpha per group (the model's own smoothing when it is smoothed)."""
-        if isinstance(self.equalize_recipe, str) and self.equalize_recipe.startswith("smooth"):
-            return self.quantized_input_gm
-        return smooth(self.float_gm, self.batches, "search")
-
-    @cached_property
-    def smoothed_sqnr(self) -> SqnrMeasurement:
-        """SQNR of the smoothed model (see smoothed_gm); without the shadow pass unless it is the model's own."""
-        if self.smoothed_gm is self.quantized_input_gm:
-            return self.sqnr
-        self.require_deterministic()
-        return measure_sqnr(self.smoothed_gm, self.batches, self.quantizer, shadow=False)
-
-    @cached_property
-    def smoothing(self) -> dict[str, dict[str, Any]]:
-        """{layer: {"alpha", "producer", "producer_name"}} for the smoothed layers, {layer: {"refused": reason}}
-        for the others."""
-        meta = self.smoothed_gm.meta
-        result: dict[str, dict[str, Any]] = {layer: {"refused": reason}
-                                             for layer, reason in meta.get("qcore_smoothing_refused", {}).items()}
-        for group in meta.get("qcore_smoothing", []):
-            for layer in group["layers"]:
-                result[layer] = {k: group[k] for k in ("alpha", "producer", "producer_name")}
-        return result
 
     @cached_property
     def equivalence_error(self) -> float:
@@ -378,10 +327,16 @@ class ModelAnalysis:
         return cache[key]
 
     def detector_reports(self, detectors: Mapping[str, DetectorBase]) -> dict[str, dict[str, dict[str, Any]]]:
-        """Run every detector in one ModelReport over the batches: {key: {layer: raw detector entry}}."""
+        """Every detector's report over the batches: {key: {layer: raw detector entry}}. Planned detectors come
+        from the shared calibration pass; others run in one ModelReport pass of their own."""
         if not detectors:
             return {}
-        report = ModelReport(clone_graph_module(self.float_gm), list(detectors.values()))
+        planned = self._planned_detectors
+        shared = not self.equalize_recipe and all(planned.get(key) is detector for key, detector in detectors.items())
+        if shared and self.nondeterminism is None:  # detector statistics stay valid when SQNR cannot be measured
+            shared_reports = self.measurement.detector_reports
+            return {key: dict(shared_reports.get(key, {})) for key in detectors}
+        report = ModelReport(clone_graph_module(self.float_gm, share_parameters=True), list(detectors.values()))
         calibrate(report.prepare_detailed_calibration(), self.batches)
         reports = report.generate_model_report(remove_inserted_observers=True)
         return {key: dict(reports.get(detector.get_detector_name(), ("", {}))[1])

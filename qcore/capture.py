@@ -165,8 +165,11 @@ def annotate_fqns_and_handles(gm: fx.GraphModule) -> None:
             handle += 1
 
 
-def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """Deep copy of a captured GraphModule, node meta (FQNs, handles) included."""
+def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False) -> fx.GraphModule:
+    """Deep copy of a captured GraphModule, node meta (FQNs, handles) included. share_parameters=True keeps the
+    same parameter tensors (for a copy whose passes never write to them: no memory for a second set of weights);
+    buffers, which a forward may update, are always copied."""
+    memo = {id(parameter): parameter for parameter in gm.parameters()} if share_parameters else {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        return copy.deepcopy(gm)
+        return copy.deepcopy(gm, memo)

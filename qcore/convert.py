@@ -18,11 +18,11 @@ from .quantizer import Int8StaticQuantizer, Quantizer
 QPARAMS_KEY = "qcore_qparams"
 
 
-def convert(prepared: fx.GraphModule) -> fx.GraphModule:
+def convert(prepared: fx.GraphModule, keep_float_weights: bool = True) -> fx.GraphModule:
     """Replace every observer node of `prepared` by fake quantization with its observed qparams (in place).
 
     Weights (observed get_attr values) are quantized once, here, and stored as buffers; activations get
-    quantize->dequantize nodes.
+    quantize->dequantize nodes. keep_float_weights=False drops the float weights the graph no longer reads.
     """
     graph = prepared.graph
     weight_cache: dict[tuple[str, str], str] = {}
@@ -45,9 +45,16 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         replacement.meta[INSERTED_KEY] = "qdq"
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
+    unread = set()
     for node in list(graph.nodes):  # float weights that only fed weight observers
         if node.op == "get_attr" and not node.users:
+            unread.add(str(node.target))
             graph.erase_node(node)
+    if not keep_float_weights:
+        unread -= {str(node.target) for node in graph.nodes if node.op == "get_attr"}
+        for target in unread:
+            owner, _, name = target.rpartition(".")
+            delattr(prepared.get_submodule(owner) if owner else prepared, name)
     for name, module in list(prepared.named_children()):
         if isinstance(module, ObserverBase):
             delattr(prepared, name)

@@ -26,8 +26,8 @@ from .graph import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, o
 
 __all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserver", "WeightEqualizationObserver",
     "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
-    "equalization_refusal", "equalize", "get_equalization_qconfig_dict", "get_layer_sqnr_dict", "node_is_transposed",
-    "resolve_layers", "smooth"]
+    "equalization_refusal", "equalize", "get_equalization_qconfig_dict", "get_layer_sqnr_dict", "input_channel_axis",
+    "input_weight_scale", "node_is_transposed", "producer_layer", "resolve_layers", "smooth", "weight_column_factor"]
 
 
 class EqualizationError(ValueError):
@@ -221,7 +221,8 @@ def _scale_output_rows(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tenso
         _assign(gm, target, value / factor if inverse else value * factor)
 
 
-def _producer_layer(gm: fx.GraphModule, op: QuantizableOp, layers: dict[fx.Node, QuantizableOp]):
+def producer_layer(gm: fx.GraphModule, op: QuantizableOp, layers: dict[fx.Node, QuantizableOp]
+                   ) -> QuantizableOp | None:
     """The linear/conv whose output feeds `op` directly (or through one relu) and nothing else."""
     node = op.activation_inputs[0] if op.activation_inputs else None
     if node is None:
@@ -303,22 +304,36 @@ def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterabl
         observers[op.layer] = (observer, node)
     result.recompile()
     calibrate(result, calibration)
-    scales = {}
-    for op in ops:
-        weight_observer = WeightEqualizationObserver()
-        weight = _fetch(result, op.weight_target).detach()
-        groups = _groups(op)
-        if groups > 1:  # columns of a grouped conv weight: channel g * in_per_group + j
-            weight_observer.min_val, weight_observer.max_val = _grouped_column_minmax(weight, groups)
-        else:
-            weight_observer(weight)
-        scales[op.layer] = calculate_equalization_scale(observers[op.layer][0], weight_observer).reshape(-1)
+    scales = {op.layer: input_weight_scale(result, op, observers[op.layer][0]) for op in ops}
     for _observer, node in observers.values():
         result.graph.erase_node(node)
         delattr(result, node.target)
     _apply_scales(result, ops, scales)
     result.meta["qcore_equalization_scales"] = {layer: scale.tolist() for layer, scale in scales.items()}
     return result
+
+
+def input_weight_scale(gm: fx.GraphModule, op: QuantizableOp, input_observer: InputEqualizationObserver
+                       ) -> torch.Tensor:
+    """The equalization scale s of one layer (1-d, per input channel) from its calibrated input observer."""
+    weight_observer = WeightEqualizationObserver()
+    weight = _fetch(gm, op.weight_target).detach()
+    groups = _groups(op)
+    if groups > 1:  # columns of a grouped conv weight: channel g * in_per_group + j
+        weight_observer.min_val, weight_observer.max_val = _grouped_column_minmax(weight, groups)
+    else:
+        weight_observer(weight)
+    return calculate_equalization_scale(input_observer, weight_observer).reshape(-1)
+
+
+def input_channel_axis(op: QuantizableOp) -> int:
+    """The channel axis of a linear (last) or conv (1) layer's input."""
+    return _channel_axis(op)
+
+
+def weight_column_factor(op: QuantizableOp, scale: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A per-input-channel scale laid out to multiply the weight's columns (grouped convs included)."""
+    return _input_channel_scale(op, scale.to(weight), weight)
 
 
 def _grouped_column_minmax(weight: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +350,7 @@ def _apply_scales(gm: fx.GraphModule, ops: list[QuantizableOp], scales: dict[str
     for op in ops:
         scale = scales[op.layer]
         _scale_weight_columns(gm, op, scale, inverse=True)
-        producer = _producer_layer(gm, op, layers)
+        producer = producer_layer(gm, op, layers)
         if producer is not None and producer.layer in chosen:  # connected equalized layers: no mul between them
             _scale_output_rows(gm, producer, scale, inverse=False)
             continue
@@ -381,8 +396,9 @@ def cross_layer_pairs(gm: fx.GraphModule) -> list[tuple[QuantizableOp, Quantizab
     for op in layers.values():
         if op.kind not in ("linear", "conv") or op.weight is None or op.weight.op != "get_attr":
             continue
-        producer = _producer_layer(gm, op, layers)
-        if producer is not None and producer.kind in ("linear", "conv") and producer.weight.op == "get_attr":
+        producer = producer_layer(gm, op, layers)
+        if producer is not None and producer.kind in ("linear", "conv") and producer.weight is not None and \
+                producer.weight.op == "get_attr":
             pairs.append((producer, op))
     return pairs
 

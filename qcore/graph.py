@@ -114,8 +114,10 @@ def is_inserted(node: object) -> bool:
 
 
 def original_input(node: fx.Node) -> fx.Node:
-    """Walk back through inserted observer/qdq nodes to the value they stand for."""
-    while is_inserted(node) and node.args and isinstance(node.args[0], fx.Node):
+    """Walk back through inserted observer/qdq nodes to the value they stand for. An equalization mul is a value
+    of its own: the layer after it reads (and its quantizer observes) the scaled input."""
+    while is_inserted(node) and node.meta[INSERTED_KEY] != "equalization" and node.args and \
+            isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 

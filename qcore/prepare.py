@@ -225,8 +225,10 @@ def _insert_observer(gm: fx.GraphModule, after: fx.Node, observer_name: str, des
 
 
 def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
-    """Annotate `gm` with `quantizer` and insert one observer module per sharing group (in place)."""
+    """Annotate `gm` with `quantizer` and insert one observer module per sharing group (in place). The graph's
+    meta["qcore_quantizer"] names the quantizer whose annotations its nodes carry."""
     quantizer.annotate(gm)
+    gm.meta["qcore_quantizer"] = quantizer
     quantizer.validate(gm)
     mapping = get_edge_or_node_to_qspec(gm)
     group_ids = get_edge_or_node_to_group_id(mapping)

@@ -104,8 +104,8 @@ def fake_quantize_per_tensor(
     """Quantize then dequantize with one scale and zero point (float32 arithmetic, round half to even); the
     result has x's dtype."""
     inv_scale = _float32(1.0 / _float32(scale))
-    q = torch.clamp(torch.round(_working(x) * inv_scale) + zero_point, quant_min, quant_max)
-    return ((q - zero_point) * scale).to(x.dtype)
+    q = _working(x) * inv_scale  # a new tensor: the steps below run in place on it, with the same roundings
+    return q.round_().add_(zero_point).clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale).to(x.dtype)
 
 
 def fake_quantize_per_channel(
@@ -124,11 +124,12 @@ def fake_quantize_per_channel(
     float_zero_point = zero_point.is_floating_point()
     zero_point = zero_point.to(device=x.device).reshape(shape).to(work.dtype)
     inv_scale = 1.0 / scale
+    q = work * inv_scale  # a new tensor: the steps below run in place on it, with the same roundings
     if float_zero_point:  # float qparams: the zero point is added before rounding, as torch does
-        q = torch.clamp(torch.round(work * inv_scale + zero_point), quant_min, quant_max)
+        q.add_(zero_point).round_()
     else:
-        q = torch.clamp(torch.round(work * inv_scale) + zero_point, quant_min, quant_max)
-    return ((q - zero_point) * scale).to(x.dtype)
+        q.round_().add_(zero_point)
+    return q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale).to(x.dtype)
 
 
 def fake_quantize_dynamic(x: torch.Tensor, quant_min: int, quant_max: int, symmetric: bool) -> torch.Tensor:

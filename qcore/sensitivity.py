@@ -95,7 +95,7 @@ class SwitchableModel:
     """A quantized copy of a float graph whose layers' quantizers can be switched on and off."""
 
     def __init__(self, float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None = None) -> None:
-        prepared = prepare(clone_graph_module(float_gm), quantizer or Int8StaticQuantizer())
+        prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
         owners = _group_owners(prepared)
         calibrate(prepared, batches)
         self.gm = convert(prepared)

@@ -12,8 +12,8 @@ are multiplied by s and X is divided by s where it is produced, so the float mod
 
 Anything else is refused with its reason: a nonlinearity between producer and layer (GELU), another user of
 X such as a residual add (the scale would leak into it), a tied weight. alpha is fixed, or "search": per group,
-the alpha of a grid whose fake-quantized group outputs are closest to the float ones, measured in one streamed
-pass over the calibration batches.
+the alpha of a grid whose fake-quantized group outputs are closest to the float ones on the first calibration
+batch (the input quantized with the qparams the whole calibration gives it), after one statistics pass.
 """
 from __future__ import annotations
 
@@ -204,43 +204,47 @@ def _leads_to(node: fx.Node, ops: list[QuantizableOp]) -> bool:
 
 
 class _ChannelStats(nn.Module):
-    """Per-channel (last axis) min and max, then, when given the group's weights, the streamed error of
-    fake-quantizing the group's outputs for each alpha of a grid."""
+    """Per-channel (last axis) min and max of a group's input, and its first batch (for the alpha search)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_first: bool = False) -> None:
         super().__init__()
         self.low: torch.Tensor | None = None
         self.high: torch.Tensor | None = None
         self.weights: list[torch.Tensor] = []
-        self.grid: tuple[float, ...] = ()
-        self.sums: torch.Tensor | None = None  # [alpha, 2]: sum(y^2), sum((y - y_q)^2)
+        self.keep_first = keep_first
+        self.first: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.detach().reshape(-1, x.shape[-1]).float()
-        if not self.grid:
-            low, high = flat.amin(0), flat.amax(0)
-            self.low = low if self.low is None else torch.minimum(self.low, low)
-            self.high = high if self.high is None else torch.maximum(self.high, high)
-            return x
-        sums = []
-        for alpha in self.grid:
+        low, high = flat.amin(0), flat.amax(0)
+        self.low = low if self.low is None else torch.minimum(self.low, low)
+        self.high = high if self.high is None else torch.maximum(self.high, high)
+        if self.keep_first and self.first is None:
+            self.first = flat.clone()
+        return x
+
+    def best_alpha(self, grid: Sequence[float] = ALPHA_GRID) -> float:
+        """The alpha of the grid whose fake-quantized group outputs on the first batch are closest to the float
+        ones, the input quantized with the qparams the whole calibration gives it."""
+        assert self.first is not None and self.low is not None and self.high is not None
+        flat = self.first
+        references = [flat @ weight.t() for weight in self.weights]
+        signal = sum(reference.double().square().sum() for reference in references)
+        noises = []
+        for alpha in grid:
             scale = self.scale(alpha)
-            scaled = flat / scale
-            low, high = torch.aminmax(scaled)
-            s, z = calculate_qparams(low, high, -128, 127, False)
-            quantized_x = fake_quantize_per_tensor(scaled, float(s), int(z), -128, 127)
-            signal, noise = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-            for weight in self.weights:
-                reference = flat @ weight.t()
+            # x / s is monotone per channel, so its range is the observed channel ranges divided by s
+            s, z = calculate_qparams((self.low / scale).amin(), (self.high / scale).amax(), -128, 127, False)
+            quantized_x = fake_quantize_per_tensor(flat / scale, float(s), int(z), -128, 127)
+            noise = torch.zeros((), dtype=torch.float64)
+            for weight, reference in zip(self.weights, references):
                 w = weight * scale
                 ws, wz = calculate_qparams(w.amin(1), w.amax(1), -127, 127, True)
                 output = quantized_x @ fake_quantize_per_channel(w, ws, wz, 0, -127, 127).t()
-                signal = signal + reference.double().square().sum()
                 noise = noise + (reference - output).double().square().sum()
-            sums.append(torch.stack([signal, noise]))
-        batch = torch.stack(sums)
-        self.sums = batch if self.sums is None else self.sums + batch
-        return x
+            noises.append(noise)
+        sqnr = 10 * torch.log10(signal / torch.stack(noises).clamp(min=1e-30))
+        return float(grid[int(torch.argmax(sqnr))])
 
     def scale(self, alpha: float) -> torch.Tensor:
         """s for one alpha from the observed activation range and the group's weights."""
@@ -250,12 +254,6 @@ class _ChannelStats(nn.Module):
         scale = activation.pow(alpha) / weight.pow(1 - alpha)
         return torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale)).clamp(1e-4, 1e4)
 
-    def best_alpha(self) -> float:
-        """The alpha of the grid with the lowest fake-quantization error of the group's outputs."""
-        assert self.sums is not None
-        signal, noise = self.sums[:, 0], self.sums[:, 1]
-        sqnr = 10 * torch.log10(signal / noise.clamp(min=1e-30))
-        return float(self.grid[int(torch.argmax(sqnr))])
 
 
 def smoothing_alpha(recipe: str) -> float | str:
@@ -288,7 +286,7 @@ def smooth(gm: fx.GraphModule, calibration: Iterable[Any], alpha: float | str = 
     smoothed = clone_graph_module(gm)
     groups, refused = smoothing_groups(smoothed, layers)
     if groups:
-        stats = _observe(smoothed, groups, batches, search=alpha == "search")
+        stats = observe_groups(smoothed, groups, batches, keep_first=alpha == "search")
         for group, observer in zip(groups, stats):
             group.alpha = observer.best_alpha() if alpha == "search" else float(alpha)
             _rewrite(smoothed, group, observer.scale(group.alpha))
@@ -300,14 +298,14 @@ def smooth(gm: fx.GraphModule, calibration: Iterable[Any], alpha: float | str = 
     return smoothed
 
 
-def _observe(gm: fx.GraphModule, groups: list[SmoothingGroup], batches: list, search: bool) -> list[_ChannelStats]:
-    """Channel ranges of each group's input in one pass; with `search`, a second pass scores each alpha."""
-    probe = clone_graph_module(gm)
+def observe_groups(gm: fx.GraphModule, groups: list[SmoothingGroup], batches: list, keep_first: bool
+                   ) -> list[_ChannelStats]:
+    """Channel ranges of each group's input in one pass over a copy (and its first batch, with keep_first)."""
+    probe = clone_graph_module(gm, share_parameters=True)
     names = {node.name: node for node in probe.graph.nodes}
     observers = []
     for index, group in enumerate(groups):
-        observer = _ChannelStats()
-        observer.weights = [fetch_attr(gm, op.weight_target).detach().float() for op in group.ops]
+        observer = group_observer(gm, group, keep_first)
         node = names[group.input_node.name]
         probe.add_submodule(f"qcore_smooth_{index}", observer)
         with probe.graph.inserting_after(node):
@@ -315,11 +313,14 @@ def _observe(gm: fx.GraphModule, groups: list[SmoothingGroup], batches: list, se
         observers.append(observer)
     probe.recompile()
     calibrate(probe, batches)
-    if search:
-        for observer in observers:
-            observer.grid = ALPHA_GRID
-        calibrate(probe, batches)
     return observers
+
+
+def group_observer(gm: fx.GraphModule, group: SmoothingGroup, keep_first: bool) -> _ChannelStats:
+    """An observer of the group's input channel ranges that knows the group's float weights."""
+    observer = _ChannelStats(keep_first)
+    observer.weights = [fetch_attr(gm, op.weight_target).detach().float() for op in group.ops]
+    return observer
 
 
 def _rewrite(gm: fx.GraphModule, group: SmoothingGroup, scale: torch.Tensor) -> None:

@@ -231,3 +231,26 @@ def test_input_quantization_observer_sees_the_scaled_input():
     seen = prepared.get_submodule(str(observer.target))
     expected = torch.cat([b * scale for b in data])
     assert float(seen.max_val) == pytest.approx(float(expected.max()), rel=1e-5)
+
+
+class AddThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.a(x) + self.b(x))
+
+
+def test_a_layer_after_a_quantized_producer_quantizes_its_scaled_input_again():
+    # as torch.ao's equalization does: dequantize the producer's output, scale it, quantize it for the layer
+    torch.manual_seed(0)
+    model, data = AddThenLinear().eval(), _skewed((32, 6))
+    equalized = equalize(qcore.capture(model, data[0]), ["head"], data)
+    prepared = qcore.prepare(copy.deepcopy(equalized), qcore.Int8StaticQuantizer())
+    head = [n for n in prepared.graph.nodes if n.target == torch.ops.aten.linear.default][-1]
+    observer = head.args[0]
+    assert observer.meta.get("qcore_inserted") == "observer"
+    mul = observer.args[0]
+    assert mul.meta.get("qcore_inserted") == "equalization"
+    assert mul.args[0].meta.get("qcore_inserted") == "observer"  # the add's own output quantizer stays

@@ -105,7 +105,7 @@ def test_items_per_model_check_layer(pytester):
 COUNTING = """
 
 import qcore.analysis as _runner
-_real_measure = _runner.measure_sqnr
+_real_measure = _runner.measure_model
 
 
 def _counting_measure(*args, **kwargs):
@@ -114,7 +114,7 @@ def _counting_measure(*args, **kwargs):
     return _real_measure(*args, **kwargs)
 
 
-_runner.measure_sqnr = _counting_measure
+_runner.measure_model = _counting_measure
 """
 
 
@@ -371,7 +371,7 @@ def test_equalization_checks(pytester):
     assert outcomes["conftest.py::qreport/equalized_model/equalization/fc1"] == "PASSED"
     assert outcomes["conftest.py::qreport/equalized_model/equalization_equivalence/output"] == "PASSED"
     assert outcomes["conftest.py::qreport/cross_layer_model/equalization_equivalence/output"] == "PASSED"
-    result.stdout.fnmatch_lines(["*layer fc1: input-weight equalization raises its SQNR by * dB*equalize=True*"])
+    result.stdout.fnmatch_lines(["*layer fc1: input-weight equalization raises its own SQNR (float input) by * dB*equalize=True*"])
     assert re.search(r"equalized_model\s+equalization\s+fc1\s+\d+\.\d dB\s+1.0 dB\s+PASS", _summary(result))
     relaxed = pytester.runpytest("--qreport", "-k", "plain_model", "--qreport-equalization-min-gain-db", "60")
     relaxed.assert_outcomes(passed=2)

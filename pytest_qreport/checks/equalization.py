@@ -12,8 +12,10 @@ __all__ = ["EqualizationCheck", "EqualizationEquivalenceCheck"]
 
 class EqualizationCheck(Check):
     """The SQNR gain of the best equalization method for each layer: input-weight equalization (sqrt balance,
-    torch.ao's) or smoothing (SmoothQuant-style, searched alpha). Fails when the best gains at least the
-    minimum and the model is not equalized; the message names the method and the setting that applies it."""
+    torch.ao's) or smoothing (SmoothQuant-style, searched alpha). The gain is the layer's own SQNR (float input,
+    as in the shadow comparison) with the method against without it, measured in the model's one comparison pass.
+    Fails when the best gains at least the minimum and the model is not equalized; the message names the method
+    and the setting that applies it."""
 
     name, order, metric, needs = "equalization", 80, "sqnr_gain_db", frozenset({"sqnr", "equalization"})
 
@@ -24,36 +26,34 @@ class EqualizationCheck(Check):
         analysis, min_gain = model.analysis, model.settings.equalization_min_gain_db
         applied = bool(analysis.equalize_recipe)
         refused = {layer: analysis.layer(layer).equalization_refusal for layer in layers}
-        smoothing = analysis.smoothing if self.options.get("smooth", True) else {}
-        smoothable = {layer for layer in layers if layer in smoothing and "refused" not in smoothing[layer]}
-        measured = [layer for layer in layers if not refused[layer]]
-        before = {k: v.sqnr_db for k, v in analysis.unequalized_sqnr.layers.items()} if measured or smoothable else {}
-        after = {k: v.sqnr_db for k, v in analysis.equalized_sqnr.layers.items()} if measured else {}
-        smoothed = {k: v.sqnr_db for k, v in analysis.smoothed_sqnr.layers.items()} if smoothable else {}
+        measured = analysis.equalization_variants if any(not reason for reason in refused.values()) else {}
+        smoothing = analysis.smoothing if measured and self.options.get("smooth", True) else {}
         results = []
         for layer in layers:
-            old = before.get(layer, math.nan)
-            options = []
-            if not refused[layer]:
-                options.append((after.get(layer, math.nan) - old, "input-weight equalization", "equalize=True"))
-            if layer in smoothable:
-                alpha = smoothing[layer]["alpha"]
-                options.append((smoothed.get(layer, math.nan) - old,
-                                f"smoothing into {smoothing[layer]['producer_name']} (alpha {alpha:g})",
-                                "equalize='smooth:search'"))
-            if not options:
-                why = refused[layer] or smoothing.get(layer, {}).get("refused", "")
+            variants = dict(measured.get(layer, {}))
+            if not self.options.get("smooth", True):
+                variants.pop("smoothing", None)
+            if not variants:
+                why = (refused[layer] or analysis.unmeasured_variants.get(layer)
+                       or smoothing.get(layer, {}).get("refused", "") or "no equalization method applies to it")
                 results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,
                                        value=math.nan, threshold=min_gain, verdict="skip",
                                        message=f"layer {layer}: not equalized: {why}."))
                 continue
-            gain, method, setting = max(options, key=lambda o: o[0] if not math.isnan(o[0]) else -math.inf)
-            message = (f"layer {layer}: {method} raises its SQNR by {gain:.1f} dB ({old:.1f} -> {old + gain:.1f} dB, "
-                       f">= {min_gain:.1f} dB) and the model is not equalized. Fix: qmodel(..., {setting}).")
-            details = {"sqnr_db": old, "equalized_sqnr_db": after.get(layer), "smoothed_sqnr_db": smoothed.get(layer),
-                       "method": method, "applied": applied}
-            results.append(self.finding(model, layer, gain, min_gain, passed=applied or not gain >= min_gain,
-                                        message=message, details=details))
+            best = max(variants.values(), key=lambda v: v.gain_db if not math.isnan(v.gain_db) else -math.inf)
+            if best.method == "smoothing":
+                method = f"smoothing into {best.producer_name} (alpha {best.alpha:g})"
+                setting = "equalize='smooth:search'"
+            else:
+                method, setting = "input-weight equalization", "equalize=True"
+            message = (f"layer {layer}: {method} raises its own SQNR (float input) by {best.gain_db:.1f} dB "
+                       f"({best.baseline_db:.1f} -> {best.sqnr_db:.1f} dB, >= {min_gain:.1f} dB) and the model is not "
+                       f"equalized. Fix: qmodel(..., {setting}).")
+            details = {"shadow_sqnr_db": best.baseline_db, "method": method, "applied": applied,
+                       **{f"{v.method}_sqnr_db": v.sqnr_db for v in variants.values()}}
+            results.append(self.finding(model, layer, best.gain_db, min_gain,
+                                        passed=applied or not best.gain_db >= min_gain, message=message,
+                                        details=details))
         return results
 
 

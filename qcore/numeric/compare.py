@@ -1,7 +1,8 @@
 """Streaming float-vs-quantized comparison: per-layer sums on the device, memory flat in the batch count."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,9 +14,9 @@ from ..capture import clone_graph_module
 from ..inputs import call_model, move_to
 from .instrument import attach_after, copy_layer_into
 from .loggers import ActivationStash, StreamingComparator
-from .matching import layer_value, match_layers
+from .matching import LayerPair, layer_value, match_layers
 
-__all__ = ["compare", "compare_propagated_and_shadow"]
+__all__ = ["ShadowGraph", "compare", "compare_propagated_and_shadow"]
 
 _SHADOW_PREFIX = "qcore_shadow_b"
 
@@ -54,7 +55,7 @@ def compare(
 
 
 def _propagated(float_model, quant_model):
-    gm_a, gm_b = clone_graph_module(float_model), clone_graph_module(quant_model)
+    gm_a, gm_b = clone_graph_module(float_model, True), clone_graph_module(quant_model, True)
     pairs = match_layers(gm_a, gm_b)
     comparators = []
     for index, pair in enumerate(pairs):
@@ -81,7 +82,7 @@ def _run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: l
 
 
 def _shadowed(float_model, quant_model):
-    gm_a, gm_b = clone_graph_module(float_model), clone_graph_module(quant_model)
+    gm_a, gm_b = clone_graph_module(float_model, True), clone_graph_module(quant_model, True)
     gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
     pairs = match_layers(gm_a, gm_b)
     comparators = []
@@ -95,29 +96,54 @@ def _shadowed(float_model, quant_model):
     return pairs, (lambda batch: call_model(gm_a, batch)), comparators, []
 
 
+@dataclass
+class ShadowGraph:
+    """What an `instrument` callback of compare_propagated_and_shadow may add to: the float copy `gm` (the quantized
+    graph is its submodule `prefix`), the matched layers, and per layer the node whose value is the float layer
+    output flattened in float64 (`references`) and the shadow comparator (`shadows`)."""
+
+    gm: fx.GraphModule
+    pairs: list[LayerPair]
+    prefix: str
+    references: dict[str, fx.Node]
+    shadows: dict[str, StreamingComparator]
+
+
 def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.GraphModule, batches: Iterable[Any],
-                                  own_quant_model: bool = False) -> tuple[list[dict], list[dict]]:
+                                  own_quant_model: bool = False, propagate: bool = True,
+                                  instrument: Callable[[ShadowGraph], Callable[[], None] | None] | None = None,
+                                  instrument_batches: int | None = None) -> tuple[list[dict], list[dict]]:
     """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
 
     The float graph runs once per batch with the shadow copies of the quantized layers inside it, and its
     layer values feed the propagated comparison too. own_quant_model=True instruments `quant_model` itself
-    instead of a copy (for a caller that discards it afterwards).
+    instead of a copy (for a caller that discards it afterwards). propagate=False runs the float graph only
+    (no propagated records). `instrument(shadow_graph)` may add more branches to the float copy before it runs;
+    with `instrument_batches`, they run on that many batches only, then the callable it returned (if any) is
+    called and they are removed (their buffers with them).
     """
-    gm_a = clone_graph_module(float_model)
-    gm_b = quant_model if own_quant_model else clone_graph_module(quant_model)
+    gm_a = clone_graph_module(float_model, share_parameters=True)
+    gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True)
     pairs = match_layers(gm_a, gm_b)
     gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
-    propagated, shadowed = [], []
+    propagated, shadowed, stashes, references = [], [], [], {}
     for index, pair in enumerate(pairs):
+        stash = ActivationStash()  # the float layer value in float64, once for every comparator that reads it
+        references[pair.layer] = attach_after(gm_a, layer_value(pair.a), f"qcore_stash_{index}", stash)
+        stashes.append(stash)
         shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
         shadow = StreamingComparator()
-        attach_after(gm_a, shadow_value, f"qcore_shadow_compare_{index}", shadow, layer_value(pair.a))
+        attach_after(gm_a, shadow_value, f"qcore_shadow_compare_{index}", shadow, references[pair.layer])
         shadowed.append(shadow)
-        stash = ActivationStash()
-        attach_after(gm_a, layer_value(pair.a), f"qcore_stash_{index}", stash)
-        comparator = StreamingComparator(stash)
-        attach_after(gm_b, layer_value(pair.b), f"qcore_compare_{index}", comparator)
-        propagated.append(comparator)
+        if propagate:
+            comparator = StreamingComparator(stash)
+            attach_after(gm_b, layer_value(pair.b), f"qcore_compare_{index}", comparator)
+            propagated.append(comparator)
+    before = set(gm_a.graph.nodes)
+    finish = None
+    if instrument is not None:
+        finish = instrument(ShadowGraph(gm_a, pairs, _SHADOW_PREFIX, references,
+                                        {pair.layer: c for pair, c in zip(pairs, shadowed)}))
     gm_a.graph.lint()
     gm_a.recompile()
     gm_b.recompile()
@@ -126,8 +152,18 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     count = 0
     with torch.no_grad():
         for batch in batches:
-            _run_both(gm_a, gm_b, move_to(batch, device), outputs)
+            batch = move_to(batch, device)
+            if propagate:
+                _run_both(gm_a, gm_b, batch, outputs)
+            else:
+                call_model(gm_a, batch)
+            for stash in stashes:
+                stash.value = None
             count += 1
+            if count == instrument_batches:
+                if finish is not None:
+                    finish()
+                _remove_nodes_since(gm_a, before)
     if count == 0:
         raise ValueError("compare needs at least one batch")
     records = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **c.result()} for p, c in zip(pairs, propagated)]
@@ -136,3 +172,17 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                         **comparator.result()})
     shadows = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **c.result()} for p, c in zip(pairs, shadowed)]
     return records, shadows
+
+
+def _remove_nodes_since(gm: fx.GraphModule, kept: set[fx.Node]) -> None:
+    """Erase the nodes not in `kept` (users first), and the top-level submodules and buffers only they used (those
+    of a submodule, such as the quantized graph's, stay)."""
+    added = [node for node in gm.graph.nodes if node not in kept]
+    targets = {str(node.target) for node in added if node.op in ("get_attr", "call_module")}
+    for node in reversed(added):
+        gm.graph.erase_node(node)
+    targets -= {str(node.target) for node in gm.graph.nodes if node.op in ("get_attr", "call_module")}
+    for target in targets:
+        if "." not in target and hasattr(gm, target):
+            delattr(gm, target)
+    gm.recompile()

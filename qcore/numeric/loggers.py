@@ -54,7 +54,8 @@ class OutputLogger(nn.Module):
 
 
 class ActivationStash(nn.Module):
-    """Holds the latest value only, for a comparator in another model to read within the same batch."""
+    """Holds the latest value only, flattened in float64, for comparators to read within the same batch: a
+    comparator in another model reads `value`, one in the same graph takes the call's result as its reference."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -62,8 +63,8 @@ class ActivationStash(nn.Module):
 
     def forward(self, x):
         # a copy: the graph may run an in-place op on x (Hardswish(inplace=True)) before the comparator reads it
-        self.value = x.detach().clone()
-        return x
+        self.value = x.detach().reshape(-1).to(torch.float64, copy=True)
+        return self.value
 
 
 class StreamingComparator(nn.Module):
@@ -85,9 +86,10 @@ class StreamingComparator(nn.Module):
 
     def update(self, reference: torch.Tensor, actual: torch.Tensor) -> None:
         """Add one batch (no host sync)."""
-        ref = reference.detach().double()
-        act = actual.detach().double().to(ref.device)
-        sums = torch.stack([(ref * ref).sum(), (act * act).sum(), (ref * act).sum(), ((ref - act) ** 2).sum()])
+        ref = reference.detach().reshape(-1).double()
+        act = actual.detach().reshape(-1).double().to(ref.device)
+        diff = ref - act
+        sums = torch.stack([torch.dot(ref, ref), torch.dot(act, act), torch.dot(ref, act), torch.dot(diff, diff)])
         self.sums = self.sums.to(ref.device) + sums
         self.batches += 1
 

@@ -151,7 +151,9 @@ class PerChannelDetector(DetectorBase):
         return {}  # decided from the quantizer's weight specs, no data needed
 
     def _weights_per_channel(self, model: fx.GraphModule) -> dict[str, bool]:
-        annotated = _annotated_copy(model, self.quantizer or Int8StaticQuantizer())
+        quantizer = self.quantizer or Int8StaticQuantizer()
+        # a graph prepared with this very quantizer already carries its annotations
+        annotated = model if model.meta.get("qcore_quantizer") is quantizer else _annotated_copy(model, quantizer)
         used = {}
         for op in find_quantizable_ops(annotated):
             annotation = op.node.meta.get(ANNOTATION_KEY)
@@ -189,7 +191,7 @@ class PerChannelDetector(DetectorBase):
 def _annotated_copy(model: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     from ..capture import clone_graph_module
 
-    copy_ = clone_graph_module(model)
+    copy_ = clone_graph_module(model, share_parameters=True)
     for node in copy_.graph.nodes:
         node.meta.pop(ANNOTATION_KEY, None)
     quantizer.annotate(copy_)

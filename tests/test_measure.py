@@ -1,0 +1,193 @@
+"""One calibration pass and one comparison pass feed every measurement (issue: analysis cost).
+
+The shared pass must give exactly what separate passes give; the equalization variants must agree with the
+layer's shadow SQNR in the model that is really equalized or smoothed; graph copies must not hold a second set
+of weights, and what a pass no longer needs is released.
+"""
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import qcore
+from qcore.analysis import ModelAnalysis, measure_sqnr
+from qcore.capture import clone_graph_module
+from qcore.convert import convert
+from qcore.equalize import equalize, smooth
+from qcore.measure import measure_model, variant_batches
+from qcore.numeric.compare import compare, compare_propagated_and_shadow
+from qcore.numeric.loggers import StreamingComparator
+from qcore.report import InputWeightEqualizationDetector, OutlierDetector
+from qcore.report.detectors import DynamicStaticDetector
+
+from .models import SmallCNN, SmallMLP
+
+
+class SkewedMLP(nn.Module):
+    """An MLP whose input channels span four orders of magnitude, with an add whose output feeds a linear (a
+    quantized producer that keeps its output: input-weight equalization scales it with a mul)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.side, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(16, 32), \
+            nn.Linear(32, 8)
+
+    def forward(self, x):
+        hidden = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return self.head(hidden + self.side(x))
+
+
+class NormLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 8)
+        with torch.no_grad():
+            self.norm.weight[:3] *= 40.0
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+def _skewed(count, shape=(32, 16), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(-2, 2, shape[-1])
+    return [torch.randn(shape, generator=g) * spread for _ in range(count)]
+
+
+def _detectors():
+    return {"dynamic_static": DynamicStaticDetector(), "iwe": InputWeightEqualizationDetector(0.5),
+            "outlier": OutlierDetector()}
+
+
+@pytest.mark.parametrize("make, batches", [(SmallMLP, lambda: [torch.randn(16, 32) for _ in range(4)]),
+                                           (SmallCNN, lambda: [torch.randn(4, 3, 16, 16) for _ in range(4)])])
+def test_the_shared_pass_gives_exactly_what_separate_passes_give(make, batches):
+    torch.manual_seed(0)
+    model, data = make().eval(), batches()
+    float_gm = qcore.capture(model, data[0])
+    shared = ModelAnalysis(float_gm, None, data)
+    shared.plan(detectors=_detectors(), equalization=True)
+    _, quant_gm = qcore.quantize(model, data[0], data)
+    propagated = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, data, propagate=True)}
+    shadow = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, data, propagate=False)}
+    for layer, entry in shared.sqnr.layers.items():
+        assert entry.sqnr_db == propagated[layer] and entry.shadow_sqnr_db == shadow[layer]
+    assert shared.sqnr.worst_output().sqnr_db == propagated["output"]
+    separate = ModelAnalysis(float_gm, None, data).detector_reports(_detectors())
+    reports = shared.detector_reports(shared._planned_detectors)
+    assert reports.keys() == separate.keys()
+    for key, by_layer in separate.items():
+        assert reports[key].keys() == by_layer.keys()
+        for layer, features in by_layer.items():
+            for feature, value in features.items():
+                mine = reports[key][layer][feature]
+                if isinstance(value, torch.Tensor):
+                    torch.testing.assert_close(mine, value, rtol=0, atol=0, equal_nan=True)
+                else:
+                    assert mine == value or (isinstance(value, float) and math.isnan(value) and math.isnan(mine))
+
+
+def test_input_weight_variants_agree_with_the_equalized_models_shadow_sqnr():
+    torch.manual_seed(0)
+    model, data = SkewedMLP().eval(), _skewed(2)  # two batches: the variants see every batch
+    float_gm = qcore.capture(model, data[0])
+    analysis = ModelAnalysis(float_gm, None, data)
+    analysis.plan(equalization=True)
+    variants = analysis.equalization_variants
+    assert set(variants) == set(analysis.equalizable_layers) == {"fc1", "fc2", "side", "head"}
+    equalized = measure_sqnr(equalize(float_gm, analysis.equalizable_layers, data), data).layers
+    for layer, methods in variants.items():
+        variant = methods["input_weight"]
+        assert variant.baseline_db == pytest.approx(analysis.sqnr.layers[layer].shadow_sqnr_db, abs=1e-9)
+        # fc1's rows also absorb fc2's scale in the equalized model, which changes fc1's own output quantization:
+        # the variant measures equalizing fc1's input only
+        tolerance = 1.0 if layer == "fc1" else 1e-3
+        assert variant.sqnr_db == pytest.approx(equalized[layer].shadow_sqnr_db, abs=tolerance), layer
+    assert variants["fc1"]["input_weight"].gain_db > 3  # the skewed model input: equalization helps a lot
+
+
+def test_smoothing_variants_agree_with_the_smoothed_models_shadow_sqnr():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model, data = NormLinear().eval(), [torch.randn(4, 6, 16, generator=g) for _ in range(2)]
+    float_gm = qcore.capture(model, data[0])
+    analysis = ModelAnalysis(float_gm, None, data)
+    analysis.plan(equalization=True)
+    variant = analysis.equalization_variants["fc"]["smoothing"]
+    assert variant.alpha == analysis.smoothing["fc"]["alpha"] and variant.producer_name == "norm"
+    smoothed = smooth(float_gm, data, variant.alpha)
+    assert smoothed.meta["qcore_smoothing"][0]["alpha"] == variant.alpha
+    assert variant.sqnr_db == pytest.approx(measure_sqnr(smoothed, data).layers["fc"].shadow_sqnr_db, abs=0.1)
+    assert variant.gain_db > 3
+    # the model's own search picks the alpha the check announces
+    assert smooth(float_gm, data, "search").meta["qcore_smoothing"][0]["alpha"] == variant.alpha
+
+
+def test_variants_run_on_a_quarter_of_the_batches_and_compare_with_the_shadow_over_the_same_batches():
+    assert [variant_batches(n) for n in (1, 2, 3, 8, 9, 200)] == [1, 2, 2, 2, 2, 50]
+    torch.manual_seed(0)
+    data = _skewed(8)
+    float_gm = qcore.capture(SkewedMLP().eval(), data[0])
+    measured = measure_model(float_gm, data, equalization_layers=["fc1"])
+    two = measure_model(float_gm, data, equalization_layers=["fc1"])  # deterministic
+    assert measured.variants["fc1"]["input_weight"] == two.variants["fc1"]["input_weight"]
+    assert measured.sqnr.layers["fc1"].batches == 8
+    # the baseline is the shadow comparison over the first two batches, not over all eight
+    assert measured.variants["fc1"]["input_weight"].baseline_db != pytest.approx(
+        measured.sqnr.layers["fc1"].shadow_sqnr_db, abs=1e-9)
+
+
+def test_instrumented_branches_run_on_their_batches_then_go_with_their_buffers():
+    torch.manual_seed(0)
+    model, data = SmallMLP().eval(), [torch.randn(8, 32) for _ in range(5)]
+    float_gm, quant_gm = qcore.quantize(model, data[0], data)
+    seen, finished = StreamingComparator(), []
+
+    def instrument(graph):
+        graph.gm.register_buffer("qcore_extra", torch.zeros(1 << 20))
+        layer = graph.pairs[0].layer
+        with graph.gm.graph.inserting_after(graph.references[layer]):
+            extra = graph.gm.graph.get_attr("qcore_extra")
+        graph.gm.add_submodule("qcore_extra_compare", seen)
+        with graph.gm.graph.inserting_after(extra):
+            graph.gm.graph.call_module("qcore_extra_compare", (graph.references[layer], graph.references[layer]))
+        return lambda: finished.append((graph.shadows[layer].batches, hasattr(graph.gm, "qcore_extra")))
+
+    _, shadows = compare_propagated_and_shadow(float_gm, quant_gm, data, instrument=instrument, instrument_batches=2)
+    assert seen.batches == 2 and finished == [(2, True)]
+    assert all(record["batches"] == 5 for record in shadows)
+
+
+def test_copies_share_the_weights_and_the_converted_graph_can_drop_its_float_ones():
+    torch.manual_seed(0)
+    model, data = SmallMLP().eval(), [torch.randn(8, 32) for _ in range(2)]
+    float_gm = qcore.capture(model, data[0])
+    shared = clone_graph_module(float_gm, share_parameters=True)
+    assert all(a is b for a, b in zip(float_gm.parameters(), shared.parameters()))
+    assert not any(a is b for a, b in zip(float_gm.parameters(), clone_graph_module(float_gm).parameters()))
+    prepared = qcore.prepare(clone_graph_module(float_gm, share_parameters=True), qcore.Int8StaticQuantizer())
+    qcore.calibrate(prepared, data)
+    kept = convert(clone_graph_module(prepared), keep_float_weights=True)
+    dropped = convert(prepared, keep_float_weights=False)
+    assert [n for n, _ in kept.named_parameters() if n.endswith("weight")]
+    assert not [n for n, _ in dropped.named_parameters() if n.endswith("weight")]
+    with torch.no_grad():
+        torch.testing.assert_close(dropped(data[0]), kept(data[0]), rtol=0, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(float_gm.parameters(), model.parameters()))
+
+
+def test_the_analysis_pauses_the_garbage_collector_then_frees_its_graphs():
+    from pytest_qreport.runner import garbage_collection_paused
+
+    assert gc.isenabled()
+    graph = qcore.capture(SmallMLP().eval(), torch.randn(2, 32))
+    with garbage_collection_paused():
+        assert not gc.isenabled()
+        copy = clone_graph_module(graph)  # a GraphModule is a reference cycle: refcounts alone never free it
+        gone = weakref.ref(copy)
+        del copy
+        assert gone() is not None
+    assert gc.isenabled() and gone() is None
