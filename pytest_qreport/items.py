@@ -11,6 +11,7 @@ from typing import Any, cast
 import pytest
 
 from .baseline import baseline_path
+from .capture_cache import model_cache_key
 from .crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_crash
 from .declare import ModelDeclaration, declarations_in
 from .findings import Finding
@@ -121,11 +122,25 @@ class QReportFile(pytest.File):
             # the model's fixtures may compute (BatchNorm settling, training): same thread count as the analysis
             with torch_threads(session_settings["threads"]), self._fixtures_at_collection(name, names) as values:
                 example = self._example_inputs(name, settings, values, self.config.stash[STATE_KEY].replayable)
-                return collect_model(name, settings, registry, quantizer, values[name], example)
+                return self._collect_or_recall(name, settings, registry, quantizer, values[name], example)
         except pytest.skip.Exception as skipped:
             return ModelState(name, skip_reason=f"model {name!r}: {skipped.msg}")
         except Exception as error:  # noqa: BLE001 - reported on the model's item
             return ModelState(name, collect_error=explain(name, "capture/set-up", error), error_cause=error)
+
+    def _collect_or_recall(self, name: str, settings, registry, quantizer, model: Any, example: Any) -> ModelState:
+        """The model's items from the layer cache, to capture at its analysis; or capture it now and cache them."""
+        cache, key = self.config.stash[STATE_KEY].layer_cache, None
+        if cache.directory is not None and hasattr(model, "modules"):
+            key = model_cache_key(model, example, str(self.path), settings, registry.checks(), quantizer)
+            entry = cache.load(key)
+            if entry is not None:
+                return ModelState(name, settings, items={c: list(ls) for c, ls in entry["items"].items()},
+                                  capture=dict(entry.get("capture", {})), quantizer=quantizer, cache_key=key)
+        state = collect_model(name, settings, registry, quantizer, model, example)
+        if key is not None:
+            cache.store(key, state.items, state.capture)
+        return state
 
     @staticmethod
     def _fixture_names(declaration: ModelDeclaration, settings) -> list[str]:
@@ -202,6 +217,8 @@ class QReportItem(pytest.Function):
             raise QReportModelError(model.collect_error) from model.error_cause
         request = cast(pytest.FixtureRequest, self.funcargs["request"])
         hook, settings = self.ihook, self.config.stash[STATE_KEY].settings
+        if model.context is None and model.findings is None and model.analysis_error is None:
+            self._capture_recalled(model, request)
         if model.findings is None and model.analysis_error is None:
             worker = getattr(self.config, "workerinput", {})
             crash_dir, worker_id = worker.get(CRASH_DIR_KEY), worker.get("workerid", "")
@@ -220,11 +237,38 @@ class QReportItem(pytest.Function):
             self.qreport_row = found
             raise QReportModelError(found.message)
 
-    def _calibration_batches(self, model: ModelState, request: pytest.FixtureRequest) -> list:
+    def _capture_recalled(self, model: ModelState, request: pytest.FixtureRequest) -> None:
+        """Capture a model whose items came from the layer cache (once per process: the first item's setup)."""
+        assert model.settings is not None
+        session = self.config.stash[STATE_KEY]
+        try:
+            with torch_threads(session.settings["threads"]):
+                source = model.settings.example_inputs
+                if source is None:
+                    example = _first_batch(session.replayable(self._calibration_source(model, request)))
+                else:
+                    example = request.getfixturevalue(source) if isinstance(source, str) else (
+                        source() if callable(source) else source)
+                fresh = collect_model(model.name, model.settings, session.registry, model.quantizer,
+                                      request.getfixturevalue(model.name), example)
+        except Exception as error:  # noqa: BLE001 - reported on every item of the model
+            model.analysis_error, model.error_cause = explain(model.name, "capture", error), error
+            return
+        if fresh.items != model.items:
+            model.analysis_error = (f"model {model.name!r}: its layers differ from the cached list it was collected "
+                                    "with (something the cache key does not cover changed). Re-run pytest; "
+                                    "--cache-clear drops the cached lists.")
+            return
+        model.context, model.capture = fresh.context, fresh.capture
+
+    def _calibration_source(self, model: ModelState, request: pytest.FixtureRequest) -> Any:
         assert model.settings is not None
         source = model.settings.calibration
-        batches = as_batches(self.config.stash[STATE_KEY].replayable(
-            request.getfixturevalue(source) if isinstance(source, str) else (source() if callable(source) else source)))
+        return request.getfixturevalue(source) if isinstance(source, str) else (
+            source() if callable(source) else source)
+
+    def _calibration_batches(self, model: ModelState, request: pytest.FixtureRequest) -> list:
+        batches = as_batches(self.config.stash[STATE_KEY].replayable(self._calibration_source(model, request)))
         if not batches:
             raise QReportModelError(f"model {model.name!r}: the calibration source gave no batches")
         return batches

@@ -76,6 +76,8 @@ class ModelState:
     baseline_path: str | None = None
     fingerprint: dict[str, Any] | None = None
     capture: dict[str, str] = field(default_factory=dict)  # {"method": "export" | "fx", "export_error": ...}
+    quantizer: Any = None
+    cache_key: str | None = None  # the layer-cache key when the items came from the cache (captured later)
 
     def checks_and_layers(self) -> list[tuple[str, str]]:
         """(check, layer) pairs in item order."""

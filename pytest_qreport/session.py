@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from .capture_cache import LayerCache
 from .findings import Finding, RunOutcome
 from .fixture import FIXTURE_RESULTS
 from .items import STATE_KEY, parse_item_nodeid
@@ -43,6 +44,7 @@ class SessionState:
     collected: dict[str, int] = field(default_factory=dict)  # controller: qreport item node ids, in order
     reported: set[str] = field(default_factory=set)  # controller: node ids that came back with a row
     one_shot: dict[int, tuple[Any, list]] = field(default_factory=dict)  # id(iterator): (iterator, its batches)
+    layer_cache: LayerCache = field(default_factory=lambda: LayerCache(None))
 
     def refresh_registry(self) -> CheckRegistry:
         """Ask every plugin and conftest.py loaded so far to register its checks (idempotent)."""
@@ -121,6 +123,9 @@ class QReportSession:
             missing = html_extra_missing()
             if missing:
                 raise pytest.UsageError(f"qreport: {missing}")
+        cache = getattr(self.config, "cache", None)  # absent with -p no:cacheprovider: every run captures
+        if cache is not None:
+            self.state.layer_cache = LayerCache(str(cache.mkdir("qreport-layers")))
         if self.is_worker:
             share_cores(self.config.workerinput.get("workercount", 1))
         elif getattr(self.config.option, "dist", "no") != "no":

@@ -1,0 +1,125 @@
+"""The layer cache: a warm collection captures nothing; the worker that analyses a model captures it once."""
+import json
+
+import torch
+from torch import nn
+
+from pytest_qreport.capture_cache import LayerCache, model_cache_key
+from pytest_qreport.options import ModelSettings
+
+from .test_plugin import CONFTEST, SQNR_ONLY
+
+COUNT_CAPTURES = """
+
+import os
+import qcore
+import qcore.capture
+import pytest_qreport.runner
+
+_real_capture = qcore.capture
+
+
+def _counting_capture(*args, **kwargs):
+    with open(os.path.join(os.path.dirname(__file__), "captures.txt"), "a") as log:
+        log.write(kwargs.get("name") or "?")
+        log.write("\\n")
+    return _real_capture(*args, **kwargs)
+
+
+qcore.capture = _counting_capture
+
+@qmodel(calibration="batches")
+def other():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+"""
+
+
+def _project(pytester, model_width=16):
+    source = CONFTEST.replace("{options}", "").replace("{extra}", COUNT_CAPTURES)
+    pytester.makeconftest(source.replace("nn.Linear(8, 16)", f"nn.Linear(8, {model_width})")
+                          .replace("nn.Linear(16, 4)", f"nn.Linear({model_width}, 4)"))
+    pytester.makeini("[pytest]\n" + SQNR_ONLY)
+
+
+def _captures(pytester):
+    path = pytester.path / "captures.txt"
+    captured = path.read_text().split() if path.exists() else []
+    path.unlink(missing_ok=True)
+    return sorted(captured)
+
+
+def _ids(result):
+    return [line for line in result.outlines if "::qreport/" in line]
+
+
+def test_a_warm_collection_captures_nothing_and_the_run_captures_each_model_once(pytester):
+    _project(pytester)
+    cold = pytester.runpytest("--qreport", "--collect-only", "-q")
+    assert _captures(pytester) == ["other", "tiny"]
+    warm = pytester.runpytest("--qreport", "--collect-only", "-q")
+    assert _captures(pytester) == []
+    assert _ids(warm) == _ids(cold) and len(_ids(cold)) == 10
+    pytester.runpytest("--qreport").assert_outcomes(passed=10)
+    assert _captures(pytester) == ["other", "tiny"]  # at the analysis: once per model
+
+
+def test_k_on_a_warm_cache_captures_only_the_selected_model(pytester):
+    _project(pytester)
+    pytester.runpytest("--qreport", "--collect-only", "-q")
+    _captures(pytester)
+    pytester.runpytest("--qreport", "-k", "other").assert_outcomes(passed=5)
+    assert _captures(pytester) == ["other"]
+
+
+def test_under_xdist_workers_agree_on_item_ids_and_only_the_analysing_worker_captures(pytester):
+    _project(pytester)
+    pytester.runpytest("--qreport", "--collect-only", "-q")
+    _captures(pytester)
+    result = pytester.runpytest_subprocess("--qreport", "-n", "2", "-p", "xdist")
+    result.assert_outcomes(passed=10)  # xdist refuses a run whose workers collected different ids
+    assert _captures(pytester) == ["other", "tiny"]
+
+
+def test_a_changed_model_is_captured_again_and_its_new_layers_are_items(pytester):
+    _project(pytester)
+    pytester.runpytest("--qreport", "--collect-only", "-q")
+    _captures(pytester)
+    _project(pytester, model_width=12)  # the conftest's source and the parameters' shapes change
+    pytester.runpytest("--qreport", "--collect-only", "-q")
+    assert _captures(pytester) == ["other", "tiny"]
+
+
+def _settings():
+    return ModelSettings(20.0, 20.0, 30.0, layers=None, skip_layers=None, float_layers=None, checks=["sqnr"],
+                         calibration=None, example_inputs=None, quantizer="int8", equalize=None,
+                         equalization_min_gain_db=1.0, severity={}, check_options={})
+
+
+def test_the_key_covers_shapes_dtypes_settings_and_versions(monkeypatch, tmp_path):
+    import qcore
+
+    model, inputs, settings = nn.Linear(4, 2), torch.randn(3, 4), _settings()
+    quantizer = qcore.Int8StaticQuantizer()
+
+    def key(**changes):
+        return model_cache_key(changes.get("model", model), changes.get("inputs", inputs), __file__,
+                               changes.get("settings", settings), [], quantizer)
+
+    base = key()
+    assert key() == base
+    assert key(inputs=torch.randn(5, 4)) != base
+    assert key(inputs=torch.randn(3, 4, dtype=torch.float64)) != base
+    assert key(model=nn.Linear(4, 3)) != base
+    changed = _settings()
+    changed.skip_layers = ["x"]
+    assert key(settings=changed) != base
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert key() != base
+    cache = LayerCache(str(tmp_path))
+    assert cache.load(base) is None
+    cache.store(base, {"sqnr": ["fc"]}, {"method": "export"})
+    assert cache.load(base)["items"] == {"sqnr": ["fc"]}
+    assert [p.name for p in tmp_path.iterdir()] == [f"{base}.json"]  # written atomically: no temporary left
+    (tmp_path / f"{base}.json").write_text(json.dumps({"format": 0}))
+    assert cache.load(base) is None  # another format is a miss, not an error
