@@ -26,6 +26,7 @@ from .diagnose import (
     NonDeterministicModelError,
     describe_outputs,
     first_nondeterministic,
+    outputs_agree,
     resolution_limits,
 )
 from .equalize import cross_layer_equalize, equalization_refusal, equalize
@@ -234,13 +235,17 @@ class ModelAnalysis:
     def measurement(self) -> ModelMeasurement:
         """The model as quantized, measured in one calibration and one comparison pass, with what `plan` named
         (the detectors and variants only when the model is not equalized: they concern the original graph)."""
-        self.require_deterministic()
         original = not self.equalize_recipe
         planned = self._planned_equalization and original
-        return measure_model(self.quantized_input_gm, self.batches, self.quantizer,
-                             detectors=self._planned_detectors if original else None,
-                             equalization_layers=self.equalizable_layers if planned else (),
-                             smoothing="search" if planned else None)
+        measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer,
+                                 detectors=self._planned_detectors if original else None,
+                                 equalization_layers=self.equalizable_layers if planned else (),
+                                 smoothing="search" if planned else None)
+        if "nondeterminism" not in self.__dict__ and self.quantized_input_gm is self.float_gm and \
+                len(measured.first_outputs) == 2 and outputs_agree(self.float_gm, *measured.first_outputs):
+            self.__dict__["nondeterminism"] = None  # calibration and comparison ran batch 0 alike: no extra runs
+        self.require_deterministic()  # otherwise two runs (four to name the node where they differ)
+        return measured
 
     @cached_property
     def sqnr(self) -> SqnrMeasurement:

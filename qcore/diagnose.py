@@ -156,6 +156,14 @@ class _StateSnapshot:
                     buffer.copy_(self.saved[name])
 
 
+def outputs_agree(gm: fx.GraphModule, first: Any, second: Any) -> bool:
+    """Whether two runs' outputs of `gm` are the same, with first_nondeterministic's tolerance."""
+    first, second = _tensor_leaves(first), _tensor_leaves(second)
+    tolerance = _tolerance(gm)
+    return len(first) == len(second) and all(
+        a.shape == b.shape and not _differs(a, b, tolerance) for a, b in zip(first, second))
+
+
 def first_nondeterministic(gm: fx.GraphModule, batch: Any) -> Nondeterminism | None:
     """None when two runs of `gm` on `batch` (from the same buffers) agree; else the first node that differs.
 

@@ -45,8 +45,8 @@ from .observers import MinMaxObserver, ObserverBase
 from .prepare import prepare
 from .qparams import calculate_qparams, fake_quantize_per_tensor
 from .quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
-from .report import ModelReport
-from .report.detectors import DetectorBase
+from .report import InputWeightEqualizationDetector, ModelReport, ReportObserver
+from .report.detectors import DetectorBase, observer_name
 from .smoothing import group_observer, smoothing_groups
 
 __all__ = ["LayerSqnr", "ModelMeasurement", "OutputSqnr", "SqnrMeasurement", "VariantSqnr", "calibrate_and_convert",
@@ -118,6 +118,7 @@ class ModelMeasurement:
     variants: Mapping[str, Mapping[str, VariantSqnr]]  # {layer: {method: VariantSqnr}}
     unmeasured: Mapping[str, str]  # {layer: why its variants could not be measured}
     smoothing: Mapping[str, Mapping[str, Any]]  # {layer: {"alpha", "producer", "producer_name"} | {"refused": why}}
+    first_outputs: tuple[Any, ...] = ()  # the float outputs of batch 0 in calibration and in comparison
 
 
 @dataclass
@@ -148,13 +149,18 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     if report is not None:
         report.prepare_detailed_calibration()
     ops = {op.layer: op for op in find_quantizable_ops(prepared)}
-    statistics: list[tuple[str, Any, Any, fx.Node]] = []  # (kind, key, observer, node)
+    statistics: list[tuple[str, Any, Any, fx.Node | None]] = []  # (kind, key, observer, node it added)
     for index, layer in enumerate(equalization_layers):
         op = ops.get(layer)
-        if op is not None and op.activation_inputs:
-            observer = InputEqualizationObserver(ch_axis=input_channel_axis(op))
-            statistics.append(("input_weight", op, observer,
-                               _watch(prepared, op.activation_inputs[0], f"qcore_eq_stats_{index}", observer)))
+        if op is None or not op.activation_inputs:
+            continue
+        shared = _detector_channel_ranges(prepared, op, detectors or {})
+        if shared is not None:  # the input-weight equalization detector already watches these channel ranges
+            statistics.append(("input_weight", op, shared, None))
+            continue
+        observer = InputEqualizationObserver(ch_axis=input_channel_axis(op))
+        statistics.append(("input_weight", op, observer,
+                           _watch(prepared, op.activation_inputs[0], f"qcore_eq_stats_{index}", observer)))
     groups, refused = smoothing_groups(float_gm) if smoothing is not None else ([], {})
     nodes = {node.name: node for node in prepared.graph.nodes}
     for index, group in enumerate(groups):
@@ -165,16 +171,25 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     read: dict[str, Any] = {}
 
     def read_statistics() -> None:
-        reports = report.generate_model_report(remove_inserted_observers=True) if report is not None else {}
+        reports = report.generate_model_report(remove_inserted_observers=False) if report is not None else {}
         read["detectors"] = {key: dict(reports.get(detector.get_detector_name(), ("", {}))[1])
                              for key, detector in (detectors or {}).items()}
         read["variants"] = _variants(prepared, ops, statistics, smoothing,
                                      _kept_producer_outputs(float_gm, prepared, equalization_layers))
         for _kind, _key, _observer, node in statistics:
-            prepared.graph.erase_node(node)
-            delattr(prepared, str(node.target))
+            if node is not None:
+                prepared.graph.erase_node(node)
+                delattr(prepared, str(node.target))
+        if report is not None:  # the detectors' observers go too; convert recompiles the graph once for all
+            for node in [n for n in prepared.graph.nodes if n.meta.get(INSERTED_KEY) == "report"]:
+                prepared.graph.erase_node(node)
+            for name in set().union(*report.get_observers_of_interest().values()):
+                if hasattr(prepared, name):
+                    delattr(prepared, name)
 
-    quant_gm = calibrate_and_convert(prepared, float_gm, batches, read_statistics, keep_float_weights=False)
+    first_outputs: list[Any] = []  # two float runs of batch 0 from the same state: they must agree
+    quant_gm = calibrate_and_convert(prepared, float_gm, batches, read_statistics, keep_float_weights=False,
+                                     keep_first_output=first_outputs)
     detector_reports = read["detectors"]
     variants, unmeasured, smoothed = read["variants"]
     smoothed.update({layer: {"refused": reason} for layer, reason in refused.items()})
@@ -195,17 +210,41 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
 
     propagated, shadow_records = compare_propagated_and_shadow(
         float_gm, quant_gm, batches, own_quant_model=True, propagate=propagate, instrument=instrument if variants
-        else None, instrument_batches=variant_batches(len(batches)))
+        else None, instrument_batches=variant_batches(len(batches)), keep_first_output=first_outputs)
     shadows = {r["layer"]: r for r in shadow_records}
     measurement = sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits)
     return ModelMeasurement(measurement, detector_reports, _variant_results(variants, baselines, unmeasured),
-                            unmeasured, smoothed)
+                            unmeasured, smoothed, tuple(first_outputs))
 
 
 def variant_batches(batches: int) -> int:
     """How many of the calibration batches measure the equalization variants: a quarter, at least 2 (the
     variants' qparams still come from every batch)."""
     return min(batches, max(2, batches // 4))
+
+
+def _detector_channel_ranges(prepared: fx.GraphModule, op: QuantizableOp, detectors: Mapping[str, DetectorBase]
+                             ) -> ReportObserver | None:
+    """The input-weight equalization detector's observer of this layer's input channels, when it has one on the
+    same channel axis (its per-channel minima and maxima are what input-weight equalization needs)."""
+    for detector in detectors.values():
+        if not isinstance(detector, InputWeightEqualizationDetector):
+            continue
+        name = observer_name(op.layer, detector.get_detector_name(), "pre")
+        observer = getattr(prepared, name, None)
+        if isinstance(observer, ReportObserver) and observer.per_channel and \
+                observer.ch_axis == input_channel_axis(op):
+            return observer
+    return None
+
+
+def _input_observer(observer: Any) -> InputEqualizationObserver:
+    """An InputEqualizationObserver holding a calibrated observer's per-channel ranges."""
+    if isinstance(observer, InputEqualizationObserver):
+        return observer
+    copy_ = InputEqualizationObserver(ch_axis=observer.ch_axis)
+    copy_.min_val, copy_.max_val = observer.min_val.clone(), observer.max_val.clone()
+    return copy_
 
 
 def _watch(gm: fx.GraphModule, node: fx.Node, name: str, observer: torch.nn.Module) -> fx.Node:
@@ -218,12 +257,12 @@ def _watch(gm: fx.GraphModule, node: fx.Node, name: str, observer: torch.nn.Modu
 
 
 def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, batches: list[Any],
-                          before_convert: Callable[[], None] | None = None,
-                          keep_float_weights: bool = True) -> fx.GraphModule:
+                          before_convert: Callable[[], None] | None = None, keep_float_weights: bool = True,
+                          keep_first_output: list | None = None) -> fx.GraphModule:
     """Calibrate `prepared` and convert it (in place); a failure caused by NaN or inf in the float model says where
     they appear. `before_convert` runs between the two (to read and remove other observers)."""
     try:
-        calibrate(prepared, batches)
+        calibrate(prepared, batches, keep_first_output)
         if before_convert is not None:
             before_convert()
         return convert(prepared, keep_float_weights)
@@ -272,6 +311,7 @@ def _variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], statistic
     smoothed: dict[str, dict[str, Any]] = {}
     for kind, key, observer, _node in statistics:
         if kind == "input_weight":
+            observer = _input_observer(observer)
             scale = input_weight_scale(prepared, key, observer)
             variants.append(_Variant(key.layer, kind, scale, observer.min_val, observer.max_val,
                                      requantize=key.layer in requantized))

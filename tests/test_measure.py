@@ -191,3 +191,26 @@ def test_the_analysis_pauses_the_garbage_collector_then_frees_its_graphs():
         del copy
         assert gone() is not None
     assert gc.isenabled() and gone() is None
+
+
+def test_variants_from_the_detectors_channel_ranges_equal_those_from_their_own():
+    torch.manual_seed(0)
+    data = _skewed(4)
+    float_gm = qcore.capture(SkewedMLP().eval(), data[0])
+    alone = measure_model(float_gm, data, equalization_layers=["fc1", "head"])
+    shared = measure_model(float_gm, data, equalization_layers=["fc1", "head"],
+                           detectors={"iwe": InputWeightEqualizationDetector(0.5)})
+    assert alone.variants == shared.variants and set(shared.variants) == {"fc1", "head"}
+
+
+def test_a_deterministic_model_needs_no_runs_beyond_the_two_passes(monkeypatch):
+    import qcore.analysis as analysis_module
+
+    calls = []
+    real = analysis_module.first_nondeterministic
+    monkeypatch.setattr(analysis_module, "first_nondeterministic", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    data = [torch.randn(8, 32) for _ in range(3)]
+    analysis = ModelAnalysis(qcore.capture(SmallMLP().eval(), data[0]), None, data)
+    analysis.sqnr  # noqa: B018
+    assert analysis.nondeterminism is None and calls == []

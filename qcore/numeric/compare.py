@@ -70,15 +70,18 @@ def _propagated(float_model, quant_model):
     return pairs, lambda batch: _run_both(gm_a, gm_b, batch, outputs), comparators, outputs
 
 
-def _run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: list[StreamingComparator]) -> None:
-    """Run A then B on one batch and add their floating output leaves to `outputs` (one comparator per leaf)."""
-    out_a = pytree.tree_leaves(call_model(gm_a, batch))
+def _run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: list[StreamingComparator]) -> Any:
+    """Run A then B on one batch and add their floating output leaves to `outputs` (one comparator per leaf);
+    returns A's output."""
+    result = call_model(gm_a, batch)
+    out_a = pytree.tree_leaves(result)
     out_b = pytree.tree_leaves(call_model(gm_b, batch))
     tensors = [(a, b) for a, b in zip(out_a, out_b) if isinstance(a, torch.Tensor) and a.is_floating_point()]
     while len(outputs) < len(tensors):
         outputs.append(StreamingComparator())
     for comparator, (a, b) in zip(outputs, tensors):
         comparator.update(a, b)
+    return result
 
 
 def _shadowed(float_model, quant_model):
@@ -112,7 +115,8 @@ class ShadowGraph:
 def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.GraphModule, batches: Iterable[Any],
                                   own_quant_model: bool = False, propagate: bool = True,
                                   instrument: Callable[[ShadowGraph], Callable[[], None] | None] | None = None,
-                                  instrument_batches: int | None = None) -> tuple[list[dict], list[dict]]:
+                                  instrument_batches: int | None = None, keep_first_output: list | None = None
+                                  ) -> tuple[list[dict], list[dict]]:
     """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
 
     The float graph runs once per batch with the shadow copies of the quantized layers inside it, and its
@@ -120,7 +124,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     instead of a copy (for a caller that discards it afterwards). propagate=False runs the float graph only
     (no propagated records). `instrument(shadow_graph)` may add more branches to the float copy before it runs;
     with `instrument_batches`, they run on that many batches only, then the callable it returned (if any) is
-    called and they are removed (their buffers with them).
+    called and they are removed (their buffers with them). The float graph's output on the first batch is
+    appended to `keep_first_output` when given.
     """
     gm_a = clone_graph_module(float_model, share_parameters=True)
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True)
@@ -153,10 +158,9 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     with torch.no_grad():
         for batch in batches:
             batch = move_to(batch, device)
-            if propagate:
-                _run_both(gm_a, gm_b, batch, outputs)
-            else:
-                call_model(gm_a, batch)
+            result = _run_both(gm_a, gm_b, batch, outputs) if propagate else call_model(gm_a, batch)
+            if count == 0 and keep_first_output is not None:
+                keep_first_output.append(result)
             for stash in stashes:
                 stash.value = None
             count += 1
