@@ -17,7 +17,8 @@ from qcore.analysis import ModelAnalysis, measure_sqnr
 from qcore.capture import clone_graph_module
 from qcore.convert import convert
 from qcore.equalize import equalize, smooth
-from qcore.measure import measure_model, variant_batches
+from qcore.measure import measure_model
+from qcore.variants import variant_batches
 from qcore.numeric.compare import compare, compare_propagated_and_shadow
 from qcore.numeric.loggers import StreamingComparator
 from qcore.report import InputWeightEqualizationDetector, OutlierDetector
