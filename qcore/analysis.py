@@ -8,6 +8,7 @@ equalization (gain per layer, float equivalence). Results are typed records of b
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -245,7 +246,7 @@ class ModelAnalysis:
                 len(measured.first_outputs) == 2 and outputs_agree(self.float_gm, *measured.first_outputs):
             self.__dict__["nondeterminism"] = None  # calibration and comparison ran batch 0 alike: no extra runs
         self.require_deterministic()  # otherwise two runs (four to name the node where they differ)
-        return measured
+        return dataclasses.replace(measured, first_outputs=())  # a batch of outputs is not worth keeping
 
     @cached_property
     def sqnr(self) -> SqnrMeasurement:
