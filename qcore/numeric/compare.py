@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..calibrate import model_device
@@ -18,7 +18,20 @@ from .matching import LayerPair, layer_value, match_layers
 
 __all__ = ["ShadowGraph", "compare", "compare_propagated_and_shadow"]
 
-_SHADOW_PREFIX = "qcore_shadow_b"
+_SHADOW_PREFIX = "qcore_shadow_b.quantized"
+
+
+class _QuantizedHolder(nn.Module):
+    """Holds the quantized graph inside the float one, so that shadow copies resolve its weights, without being
+    a GraphModule child: GraphModule.recompile recompiles those, and the float copy is recompiled twice."""
+
+    def __init__(self, quantized: fx.GraphModule) -> None:
+        super().__init__()
+        self.quantized = quantized
+
+
+def _hold(gm_a: fx.GraphModule, gm_b: fx.GraphModule) -> None:
+    gm_a.add_submodule(_SHADOW_PREFIX.split(".")[0], _QuantizedHolder(gm_b))
 
 
 def compare(
@@ -86,7 +99,7 @@ def _run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: l
 
 def _shadowed(float_model, quant_model):
     gm_a, gm_b = clone_graph_module(float_model, True), clone_graph_module(quant_model, True)
-    gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
+    _hold(gm_a, gm_b)
     pairs = match_layers(gm_a, gm_b)
     comparators = []
     for index, pair in enumerate(pairs):
@@ -130,7 +143,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     gm_a = clone_graph_module(float_model, share_parameters=True)
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True)
     pairs = match_layers(gm_a, gm_b)
-    gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
+    _hold(gm_a, gm_b)
     propagated, shadowed, stashes, references = [], [], [], {}
     for index, pair in enumerate(pairs):
         stash = ActivationStash()  # the float layer value in float64, once for every comparator that reads it
