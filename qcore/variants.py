@@ -147,15 +147,24 @@ def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], stati
         for layer in key.layers:
             smoothed[layer] = {"alpha": alpha, "producer": key.producer, "producer_name": key.producer_name}
             variants.append(Variant(layer, kind, inverse, observer.low, observer.high, alpha, key.producer_name))
-    kept = []
+    kept: list[Variant] = []
+    identities: dict[str, Variant] = {}  # one unequalized baseline per layer, shared by its methods
     for variant in variants:
-        reason = _prepare_variant(prepared, ops[variant.layer], variant)
+        op = ops[variant.layer]
+        reason = _prepare_variant(prepared, op, variant)
         if reason:
             unmeasured[variant.layer] = reason
-        else:
-            kept.append(variant)
-            if variant.baseline is not None:
-                kept.append(variant.baseline)
+            continue
+        kept.append(variant)
+        if type(_observer_of(prepared, op.node.args[0])) is not MinMaxObserver:
+            # a clipping or averaging observer's qparams do not follow from channel ranges: compare like with like
+            if variant.layer not in identities:
+                identity = Variant(variant.layer, "identity", torch.ones_like(variant.factor), variant.low,
+                                   variant.high)
+                _prepare_variant(prepared, op, identity)
+                identities[variant.layer] = identity
+                kept.append(identity)
+            variant.baseline = identities[variant.layer]
     return kept, unmeasured, smoothed
 
 
@@ -188,11 +197,6 @@ def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Varia
     shape = [1, -1] + [1] * (weight.dim() - 2) if op.kind == "conv" else [-1]
     variant.extras = {"scale": float(scale.reshape(-1)[0]), "zero_point": int(zero_point.reshape(-1)[0]),
                       "factor": variant.factor.reshape(shape).to(weight.dtype), "weight": quantized}
-    if type(input_observer) is not MinMaxObserver and variant.baseline is None and variant.method != "identity":
-        # a clipping or averaging observer's qparams do not follow from channel ranges: compare like with like
-        identity = Variant(variant.layer, "identity", torch.ones_like(variant.factor), variant.low, variant.high)
-        _prepare_variant(prepared, op, identity)
-        variant.baseline = identity
     return ""
 
 
