@@ -236,6 +236,8 @@ class ModelAnalysis:
     def measurement(self) -> ModelMeasurement:
         """The model as quantized, measured in one calibration and one comparison pass, with what `plan` named
         (the detectors and variants only when the model is not equalized: they concern the original graph)."""
+        if "nondeterminism" in self.__dict__:  # already known (a failed measurement is not kept): fail fast
+            self.require_deterministic()
         original = not self.equalize_recipe
         planned = self._planned_equalization and original
         measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer,
@@ -339,9 +341,12 @@ class ModelAnalysis:
             return {}
         planned = self._planned_detectors
         shared = not self.equalize_recipe and all(planned.get(key) is detector for key, detector in detectors.items())
-        if shared and self.nondeterminism is None:  # detector statistics stay valid when SQNR cannot be measured
-            shared_reports = self.measurement.detector_reports
-            return {key: dict(shared_reports.get(key, {})) for key in detectors}
+        if shared:
+            try:
+                shared_reports = self.measurement.detector_reports
+                return {key: dict(shared_reports.get(key, {})) for key in detectors}
+            except NonDeterministicModelError:
+                pass  # detector statistics stay valid when SQNR cannot be measured: one pass of their own
         report = ModelReport(clone_graph_module(self.float_gm, share_parameters=True), list(detectors.values()))
         calibrate(report.prepare_detailed_calibration(), self.batches)
         reports = report.generate_model_report(remove_inserted_observers=True)

@@ -215,3 +215,27 @@ def test_a_deterministic_model_needs_no_runs_beyond_the_two_passes(monkeypatch):
     analysis = ModelAnalysis(qcore.capture(SmallMLP().eval(), data[0]), None, data)
     analysis.sqnr  # noqa: B018
     assert analysis.nondeterminism is None and calls == []
+
+
+def test_a_non_deterministic_model_is_measured_once_however_many_checks_ask(monkeypatch):
+    import qcore.analysis as analysis_module
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(torch.nn.functional.dropout(x, 0.5, training=True))
+
+    measured = []
+    real = analysis_module.measure_model
+    monkeypatch.setattr(analysis_module, "measure_model", lambda *a, **k: measured.append(1) or real(*a, **k))
+    data = [torch.randn(4, 8) for _ in range(2)]
+    analysis = ModelAnalysis(qcore.capture(Noisy().eval(), data[0]), None, data)
+    analysis.plan(detectors={"outlier": OutlierDetector()})
+    for _ in range(3):
+        with pytest.raises(qcore.NonDeterministicModelError):
+            analysis.sqnr  # noqa: B018
+    assert measured == [1]
+    assert analysis.detector_reports(analysis._planned_detectors)["outlier"]  # their own pass, still valid
