@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["CRASH_DIR_KEY", "XdistController", "analysis_guard", "crashed_message", "previous_crash"]
+__all__ = ["CRASH_DIR_KEY", "XdistController", "analysis_guard", "capture_dir", "crashed_message", "previous_crash"]
 
 CRASH_DIR_KEY = "qreport_crash_dir"
 
@@ -26,6 +26,12 @@ except ImportError:  # Windows: no guard, xdist's own restarts apply
 
 def _prefix(model_key: tuple[str, str]) -> str:
     return hashlib.sha1("::".join(model_key).encode()).hexdigest()[:16]
+
+
+def capture_dir(workerinput: dict) -> str | None:
+    """The run directory of capture_share's protocol, inside the crash directory the controller made."""
+    crash_dir = workerinput.get(CRASH_DIR_KEY)
+    return os.path.join(crash_dir, "captures") if crash_dir else None
 
 
 def crashed_message(model: str, worker: str) -> str:
@@ -79,11 +85,13 @@ def analysis_guard(crash_dir: str | None, model_key: tuple[str, str], worker: st
 
 
 class XdistController:
-    """Controller-side pytest-xdist hooks: hand the workers a crash directory, learn what they collected, and
-    schedule each model's items together under --dist load and loadgroup."""
+    """Controller-side pytest-xdist hooks: hand the workers a run directory (crash markers, who captured which
+    model), learn what they collected, and schedule each model's items together under --dist load and
+    loadgroup, on the worker that captured it."""
 
     def __init__(self, collected: dict[str, int]) -> None:
         self.crash_dir = tempfile.mkdtemp(prefix="pytest-qreport-")
+        os.mkdir(os.path.join(self.crash_dir, "captures"))
         self.collected = collected
 
     def pytest_configure_node(self, node) -> None:
@@ -101,7 +109,7 @@ class XdistController:
             return None
         from .scheduling import ModelGroupScheduling
 
-        return ModelGroupScheduling(config, log)
+        return ModelGroupScheduling(config, log, capture_dir({CRASH_DIR_KEY: self.crash_dir}))
 
     def pytest_unconfigure(self) -> None:
         shutil.rmtree(self.crash_dir, ignore_errors=True)

@@ -12,6 +12,7 @@ import pytest
 
 from .baseline import baseline_path
 from .capture_cache import model_cache_key
+from .capture_share import model_scope
 from .crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_crash
 from .declare import ModelDeclaration, declarations_in
 from .findings import Finding
@@ -79,17 +80,19 @@ class QReportFile(pytest.File):
         session = self.config.stash[STATE_KEY]
         registry = session.refresh_registry()
         order = {name: index for index, name in enumerate(registry.names())}
-        for index, declaration in enumerate(declarations_in(self.path)):
+        declarations = declarations_in(self.path)
+        first = session.declared_models  # the session-wide index of this file's first model (the same in every worker)
+        session.declared_models += len(declarations)
+        sharing = session.capture_rendezvous
+        # under xdist, capture the models this worker owns before waiting for the others' layer lists
+        for index in sorted(range(len(declarations)), key=lambda i: not (sharing and sharing.owns(first + i))):
+            try:
+                self._model_state(declarations[index], first + index, registry)
+            finally:
+                if sharing is not None and sharing.owns(first + index):
+                    sharing.mark_done(first + index)
+        for index, declaration in enumerate(declarations):
             key = (str(self.path), declaration.name)
-            if key not in session.models:
-                path = str(baseline_path(self.path.parent, declaration.name, session.settings["baseline"]["dir"]))
-                sharing = next((k[0] for k, m in session.models.items() if m.baseline_path == path), None)
-                model = ModelState(declaration.name, collect_error=(
-                    f"model {declaration.name!r} of {self.path} and the model of the same name in {sharing} would "
-                    f"share the baseline file {path} (--qreport-baseline-dir); give one of them qmodel(name='...')")
-                ) if sharing else self._collect_model(declaration, registry, session.settings)
-                model.baseline_path = path
-                session.models[key] = model
             model = session.models[key]
             if model.collect_error or model.skip_reason:
                 yield QReportItem.from_parent(self, name=f"qreport/{declaration.name}/capture", callobj=qreport_check,
@@ -106,7 +109,22 @@ class QReportFile(pytest.File):
                                               callobj=qreport_check, model_key=key, check="baseline", layer="",
                                               position=(index, len(order), 0))
 
-    def _collect_model(self, declaration: ModelDeclaration, registry, session_settings) -> ModelState:
+    def _model_state(self, declaration: ModelDeclaration, index: int, registry) -> None:
+        """Collect the model of `declaration` into the session's models, unless a declaration of it came first."""
+        session = self.config.stash[STATE_KEY]
+        key = (str(self.path), declaration.name)
+        if key in session.models:
+            return
+        path = str(baseline_path(self.path.parent, declaration.name, session.settings["baseline"]["dir"]))
+        sharing = next((k[0] for k, m in session.models.items() if m.baseline_path == path), None)
+        model = ModelState(declaration.name, collect_error=(
+            f"model {declaration.name!r} of {self.path} and the model of the same name in {sharing} would "
+            f"share the baseline file {path} (--qreport-baseline-dir); give one of them qmodel(name='...')")
+        ) if sharing else self._collect_model(declaration, index, registry, session.settings)
+        model.baseline_path = path
+        session.models[key] = model
+
+    def _collect_model(self, declaration: ModelDeclaration, index: int, registry, session_settings) -> ModelState:
         """Resolve settings, quantizer and fixtures, capture, and list items; any error lands on the model."""
         name = declaration.name
         try:
@@ -122,24 +140,31 @@ class QReportFile(pytest.File):
             # the model's fixtures may compute (BatchNorm settling, training): same thread count as the analysis
             with torch_threads(session_settings["threads"]), self._fixtures_at_collection(name, names) as values:
                 example = self._example_inputs(name, settings, values, self.config.stash[STATE_KEY].replayable)
-                return self._collect_or_recall(name, settings, registry, quantizer, values[name], example)
+                return self._collect_or_recall(name, index, settings, registry, quantizer, values[name], example)
         except pytest.skip.Exception as skipped:
             return ModelState(name, skip_reason=f"model {name!r}: {skipped.msg}")
         except Exception as error:  # noqa: BLE001 - reported on the model's item
             return ModelState(name, collect_error=explain(name, "capture/set-up", error), error_cause=error)
 
-    def _collect_or_recall(self, name: str, settings, registry, quantizer, model: Any, example: Any) -> ModelState:
-        """The model's items from the layer cache, to capture at its analysis; or capture it now and cache them."""
-        cache, key = self.config.stash[STATE_KEY].layer_cache, None
+    def _collect_or_recall(self, name: str, index: int, settings, registry, quantizer, model: Any,
+                           example: Any) -> ModelState:
+        """The model's items from the layer cache, to capture at its analysis; or capture it now and cache them.
+        Under xdist, a worker that does not own the model waits for its owner's entry (see capture_share)."""
+        session = self.config.stash[STATE_KEY]
+        cache, key, sharing = session.layer_cache, None, session.capture_rendezvous
         if cache.directory is not None and hasattr(model, "modules"):
             key = model_cache_key(model, example, str(self.path), settings, registry.checks(), quantizer)
             entry = cache.load(key)
+            if entry is None and sharing is not None and not sharing.owns(index):
+                entry = sharing.wait(key, index, cache)
             if entry is not None:
                 return ModelState(name, settings, items={c: list(ls) for c, ls in entry["items"].items()},
                                   capture=dict(entry.get("capture", {})), quantizer=quantizer, cache_key=key)
         state = collect_model(name, settings, registry, quantizer, model, example)
         if key is not None:
             cache.store(key, state.items, state.capture)
+        if sharing is not None and state.context is not None:
+            sharing.mark_captured(model_scope(self.nodeid, name))
         return state
 
     @staticmethod

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from .capture_cache import LayerCache
+from .capture_share import CaptureRendezvous
 from .findings import Finding, RunOutcome
 from .fixture import FIXTURE_RESULTS
 from .items import STATE_KEY, parse_item_nodeid
@@ -45,6 +46,8 @@ class SessionState:
     reported: set[str] = field(default_factory=set)  # controller: node ids that came back with a row
     one_shot: dict[int, tuple[Any, list]] = field(default_factory=dict)  # id(iterator): (iterator, its batches)
     layer_cache: LayerCache = field(default_factory=lambda: LayerCache(None))
+    capture_rendezvous: CaptureRendezvous | None = None  # xdist worker: who captures which model at collection
+    declared_models: int = 0  # models declared in the conftest files collected so far
 
     def refresh_registry(self) -> CheckRegistry:
         """Ask every plugin and conftest.py loaded so far to register its checks (idempotent)."""
@@ -128,10 +131,22 @@ class QReportSession:
             self.state.layer_cache = LayerCache(str(cache.mkdir("qreport-layers")))
         if self.is_worker:
             share_cores(self.config.workerinput.get("workercount", 1))
+            self._share_captures()
         elif getattr(self.config.option, "dist", "no") != "no":
             from .crashes import XdistController
 
             self.config.pluginmanager.register(XdistController(self.state.collected), "qreport-xdist")
+
+    def _share_captures(self) -> None:
+        """Join the controller's capture rendezvous (none without a layer cache, or on a remote host)."""
+        from .crashes import capture_dir
+
+        worker = self.config.workerinput
+        directory = capture_dir(worker)
+        if self.state.layer_cache.directory is None or directory is None or not os.path.isdir(directory):
+            return
+        self.state.capture_rendezvous = CaptureRendezvous(directory, worker["workerid"], worker["workercount"])
+        self.state.capture_rendezvous.register()
 
     @property
     def is_worker(self) -> bool:

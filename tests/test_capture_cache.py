@@ -81,6 +81,33 @@ def test_under_xdist_workers_agree_on_item_ids_and_only_the_analysing_worker_cap
     assert _captures(pytester) == ["other", "tiny"]
 
 
+BROKEN = """
+
+class Broken(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("this forward always fails")
+
+
+@qmodel(calibration="batches")
+def broken():
+    return Broken()
+"""
+
+
+def test_on_a_cold_cache_under_xdist_each_model_is_captured_once_by_the_worker_that_analyses_it(pytester):
+    _project(pytester)
+    conftest = pytester.path / "conftest.py"
+    conftest.write_text(conftest.read_text() + BROKEN)
+    result = pytester.runpytest_subprocess("--qreport", "-n", "2", "-p", "xdist", "-v")
+    result.assert_outcomes(passed=10, errors=1)  # the workers agree on every item id, the failed capture's too
+    # tiny and other at collection by their owners (gw0 and gw1), who then analyse them; broken's owner could
+    # not capture it, so the other worker tried too, to report the same error
+    assert _captures(pytester) == ["broken", "broken", "other", "tiny"]
+    assert "this forward always fails" in result.stdout.str()
+    workers = {line.split("]")[0] for line in result.outlines if "PASSED" in line and "::qreport/" in line}
+    assert len(workers) == 2  # one model each: the ownership spreads the models over the workers
+
+
 def test_a_changed_model_is_captured_again_and_its_new_layers_are_items(pytester):
     _project(pytester)
     pytester.runpytest("--qreport", "--collect-only", "-q")

@@ -1,0 +1,115 @@
+"""Cold-cache collection under pytest-xdist: each model is captured by one worker, the others read its layers.
+
+Every worker collects the same models in the same order. The n-th model declared in the session belongs to
+worker gw{n mod workers}. Within each conftest.py a worker first captures the models it owns and stores their
+layer lists in the layer cache, then waits for the other models' entries. The owner marks each of its models
+done (captured or not), so a waiter whose entry never comes (the capture failed, the owner computed another
+key) captures the model itself; it does the same when the owner's process has died, or after `WAIT_LIMIT`.
+
+Each worker also records which models it captured; ModelGroupScheduling gives a model's items to that worker,
+so the process that captured a model at collection is the one that analyses it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .capture_cache import LayerCache
+
+__all__ = ["CaptureRendezvous", "captured_by", "model_scope"]
+
+WAIT_LIMIT = 900.0  # seconds; only a run whose workers disagree on what they collect gets this far
+
+try:
+    import fcntl
+except ImportError:  # Windows: a dead owner is noticed by WAIT_LIMIT only
+    fcntl = None  # type: ignore[assignment]
+
+
+def model_scope(file_nodeid: str, model: str) -> str:
+    """The work unit ModelGroupScheduling makes of a model's items (see parse_item_nodeid)."""
+    return f"{file_nodeid}::qreport/{model}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:20]
+
+
+def captured_by(run_dir: str) -> dict[str, str]:
+    """{model scope: worker id} of the models captured at collection (read by the controller's scheduler)."""
+    found: dict[str, str] = {}
+    for path in Path(run_dir).glob("captured-*"):
+        try:
+            worker, scope = path.read_text(encoding="utf-8").split("\n", 1)
+        except (OSError, ValueError):
+            continue
+        found[scope] = worker
+    return found
+
+
+class CaptureRendezvous:
+    """One worker's side of the protocol, in the run directory the controller hands every worker."""
+
+    def __init__(self, run_dir: str, worker_id: str, worker_count: int) -> None:
+        self.run_dir, self.worker_id, self.worker_count = Path(run_dir), worker_id, max(1, int(worker_count))
+        self._alive_handle: int | None = None
+
+    def register(self) -> None:
+        """Hold a lock on this worker's file while the process lives (the kernel drops it when the process dies)."""
+        path = self.run_dir / f"worker-{self.worker_id}"
+        self._alive_handle = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+        if fcntl is not None:
+            fcntl.flock(self._alive_handle, fcntl.LOCK_EX)
+
+    def owner(self, index: int) -> str:
+        """The worker that captures the session's `index`-th declared model."""
+        return f"gw{index % self.worker_count}"
+
+    def owns(self, index: int) -> bool:
+        """True when this worker captures the `index`-th declared model."""
+        return self.owner(index) == self.worker_id
+
+    def mark_done(self, index: int) -> None:
+        """The owner has finished with the `index`-th model: its entry is stored, or never will be."""
+        (self.run_dir / f"done-{index}").touch()
+
+    def mark_captured(self, scope: str) -> None:
+        """Record that this worker holds the capture of `scope`'s model."""
+        _write_atomically(self.run_dir / f"captured-{_digest(scope)}", f"{self.worker_id}\n{scope}")
+
+    def wait(self, key: str, index: int, cache: LayerCache, poll: float = 0.02) -> dict[str, Any] | None:
+        """The entry the owner stores for `key`, or None once it will not come (then capture the model yourself)."""
+        owner, deadline = self.owner(index), time.monotonic() + WAIT_LIMIT
+        done = self.run_dir / f"done-{index}"
+        while True:
+            finished = done.exists()  # before the load: an entry stored just before the marker is then seen
+            entry = cache.load(key)
+            if entry is not None or finished or not self._alive(owner) or time.monotonic() > deadline:
+                return entry
+            time.sleep(poll)
+
+    def _alive(self, worker: str) -> bool:
+        path = self.run_dir / f"worker-{worker}"
+        if fcntl is None:
+            return True
+        try:
+            handle = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return True  # not started yet
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        else:
+            return False  # nobody holds it: the owner's process is gone
+        finally:
+            os.close(handle)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
