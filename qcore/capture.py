@@ -169,7 +169,18 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False) -> fx
     """Deep copy of a captured GraphModule, node meta (FQNs, handles) included. share_parameters=True keeps the
     same parameter tensors (for a copy whose passes never write to them: no memory for a second set of weights);
     buffers, which a forward may update, are always copied."""
-    memo = {id(parameter): parameter for parameter in gm.parameters()} if share_parameters else {}
+    # what copy.deepcopy(gm) keeps, without deep-copying the attributes GraphModule.__init__ then drops
+    memo: dict[int, Any] = {id(parameter): parameter for parameter in gm.parameters()} if share_parameters else {}
+    holder = nn.Module()
+    for name in {str(node.target).split(".")[0] for node in gm.graph.nodes if node.op in ("get_attr", "call_module")}:
+        value = copy.deepcopy(getattr(gm, name), memo)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            holder.register_buffer(name, value)
+        else:
+            setattr(holder, name, value)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        return copy.deepcopy(gm, memo)
+        graph = copy.deepcopy(gm.graph)
+    clone = fx.GraphModule(holder, graph, class_name=type(gm).__name__)
+    clone.meta = copy.deepcopy(getattr(gm, "meta", {}), memo)
+    return clone
