@@ -107,10 +107,12 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     equalization variant of `equalization_layers`, and the smoothing variant (alpha, or "search") of every
     smoothable layer."""
     batches = list(batches)
-    prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
+    # one code generation for the quantizer's, the detectors' and the statistics' observers: below
+    prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer(),
+                       recompile=False)
     report = ModelReport(prepared, list(detectors.values())) if detectors else None
     if report is not None:
-        report.prepare_detailed_calibration()
+        report.prepare_detailed_calibration(recompile=False)
     ops = {op.layer: op for op in find_quantizable_ops(prepared)}
     statistics: list[tuple[str, Any, Any, fx.Node | None]] = []  # (kind, key, observer, node it added)
     for index, layer in enumerate(equalization_layers):

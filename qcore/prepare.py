@@ -224,9 +224,10 @@ def _insert_observer(gm: fx.GraphModule, after: fx.Node, observer_name: str, des
     return node
 
 
-def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
+def prepare(gm: fx.GraphModule, quantizer: Quantizer, recompile: bool = True) -> fx.GraphModule:
     """Annotate `gm` with `quantizer` and insert one observer module per sharing group (in place). The graph's
-    meta["qcore_quantizer"] names the quantizer whose annotations its nodes carry."""
+    meta["qcore_quantizer"] names the quantizer whose annotations its nodes carry. recompile=False leaves the
+    code generation to a caller that edits the graph further."""
     quantizer.annotate(gm)
     gm.meta["qcore_quantizer"] = quantizer
     quantizer.validate(gm)
@@ -252,7 +253,8 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
                     user.replace_input_with(node, observer_node)
     _observe_constants_once(gm)
     gm.graph.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return gm
 
 

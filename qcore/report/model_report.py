@@ -77,8 +77,9 @@ class ModelReport:
         """The GraphModule observers are inserted into."""
         return self._model
 
-    def prepare_detailed_calibration(self) -> fx.GraphModule:
-        """Insert every detector's observers (sharing equal ones) and return the model to calibrate."""
+    def prepare_detailed_calibration(self, recompile: bool = True) -> fx.GraphModule:
+        """Insert every detector's observers (sharing equal ones) and return the model to calibrate
+        (recompile=False: the caller recompiles it after its own edits)."""
         if self._prepared_flag:
             raise ModelReportError("prepare_detailed_calibration was already called on this ModelReport; "
                                    "calibrate and generate the report next")
@@ -97,7 +98,8 @@ class ModelReport:
                         continue
                     candidates.append(observer)
                 self._insert(name, observer, observed)
-        self._model.recompile()
+        if recompile:
+            self._model.recompile()
         self._prepared_flag = True
         return self._model
 
