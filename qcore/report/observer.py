@@ -167,14 +167,17 @@ class ReportObserver(nn.Module):
         no_sample = torch.empty(0, dtype=torch.int64)
         if not self.percentiles:
             return outer, channels, inner, 0, [], no_sample
-        if count > self.sample_size:
-            if inner == 1:
-                return None  # channels last and sampled: the torch path samples rows
-            positions = self._sample_positions(shape, axis, torch.device("cpu"))  # [channels, m]; channel 0: offsets
-            ranks = [int(p * (self.sample_size - 1)) for p in self.percentiles]
-            return outer, channels, inner, len(ranks), ranks, positions[0].contiguous()
         ranks = [int(p * (count - 1)) + 1 for p in self.percentiles]  # 1-based, ascending
         top = max(count - rank + 1 for rank in ranks)
+        if count > self.sample_size or (top > NATIVE_MAX_TOP and inner > 1):
+            if inner == 1:
+                return None  # channels last and sampled: the torch path samples rows
+            # channel 0's offsets of the torch path's sample (every position when count <= sample_size: a
+            # selection among all of a channel's values is exact, and cheaper than a long top-k)
+            positions = self._sample_positions(shape, axis, torch.device("cpu"))
+            size = positions.shape[1]
+            ranks = [int(p * (size - 1)) for p in self.percentiles]
+            return outer, channels, inner, len(ranks), ranks, positions[0].contiguous()
         if top > NATIVE_MAX_TOP:
             return None
         picks = [top - 1 - (count - rank) for rank in ranks]  # positions in each channel's ascending top-k
