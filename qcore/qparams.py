@@ -105,7 +105,11 @@ def fake_quantize_per_tensor(
     result has x's dtype."""
     inv_scale = _float32(1.0 / _float32(scale))
     q = _working(x) * inv_scale  # a new tensor: the steps below run in place on it, with the same roundings
-    return q.round_().add_(zero_point).clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale).to(x.dtype)
+    # clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp): float32 holds these integers
+    # exactly, and a rounded value too large for that is clamped either way. Adding 0.0 turns round()'s -0.0
+    # into the 0.0 that integer arithmetic gives (torch's kernel), so that a later x / 0 keeps its sign.
+    q = q.round_().clamp_(quant_min - zero_point, quant_max - zero_point)
+    return q.mul_(scale).add_(0.0).to(x.dtype)
 
 
 def fake_quantize_per_channel(
