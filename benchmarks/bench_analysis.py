@@ -12,7 +12,8 @@ For each case, in a fresh subprocess (so that peak RSS is the analysis's own), o
 - torch.ao's nearest equivalent of the SQNR part, for scale: prepare_fx, calibrate, convert_fx, then the FX
   numeric suite's add_loggers/extract_logger_info over the same batches (TinyResNet only: HF models do not
   symbolic_trace);
-- peak RSS above the process's RSS before the first analysis, against the model's parameter bytes.
+- the first analysis's peak RSS above the RSS it started from (after the capture; Linux's clear_refs resets
+  the peak), against the model's parameter bytes; the capture's peak is printed apart.
 
 Each full case runs in three fresh processes; the median ratio is quoted, with the range, because this
 machine's speed drifts from second to second.
@@ -114,8 +115,28 @@ def _settings(checks, batches):
                          equalization_min_gain_db=1.0, severity={}, check_options={})
 
 
-def _analyse(model, batches, checks) -> tuple[float, float]:
-    """(collection seconds, analysis seconds) of one model, as the plugin runs them."""
+def _rss_bytes(field: str) -> int | None:
+    """VmRSS or VmHWM (the peak) of this process, from /proc (Linux), or None."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _reset_peak() -> int | None:
+    """Reset the peak RSS to the current RSS (Linux 4.0+) and return it; None where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
+    except OSError:
+        return None
+    return _rss_bytes("VmRSS")
+
+
+def _analyse(model, batches, checks, between=None) -> tuple[float, float]:
+    """(collection seconds, analysis seconds) of one model, as the plugin runs them; `between` is called
+    between the two, untimed."""
     import qcore
     from pytest_qreport.checks import BUILTIN_CHECKS
     from pytest_qreport.registry import CheckRegistry
@@ -128,6 +149,9 @@ def _analyse(model, batches, checks) -> tuple[float, float]:
     state = collect_model("model", _settings(checks or registry.names(), batches), registry,
                           qcore.Int8StaticQuantizer(), model, batches[0])
     collected = time.perf_counter()
+    if between is not None:
+        between()
+        collected = time.perf_counter()
     analyze(state, lambda: batches, lambda found: None, threads=2)
     assert state.analysis_error is None, state.analysis_error
     return collected - start, time.perf_counter() - collected
@@ -187,11 +211,23 @@ def measure(name: str, mode: str) -> dict:
         return {"seconds": _torch_ao_seconds(model, batches)}
     forward = _forward_seconds(model, batches) if mode == "full" else math.nan  # the same process's forward
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    collection, analysis = _analyse(model, batches, None if mode == "full" else ["sqnr", "model_sqnr"])
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    marks: dict[str, int | None] = {}
+
+    def after_collection() -> None:
+        marks["capture_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        marks["analysis_start"] = _reset_peak()
+
+    collection, analysis = _analyse(model, batches, None if mode == "full" else ["sqnr", "model_sqnr"],
+                                    after_collection)
+    start = marks["analysis_start"]
+    peak = _rss_bytes("VmHWM") if start is not None else None
+    # the analysis's own peak above the RSS it started from; without /proc, the peak since before the capture
+    above = peak - start if peak is not None and start is not None else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     batch_bytes = sum(t.numel() * t.element_size() for t in _tensors(batches[0]))
-    result = {"collection": collection, "analysis": analysis, "peak_above_bytes": peak - before, "params": params,
-              "batch_bytes": batch_bytes, "forward": forward}
+    result = {"collection": collection, "analysis": analysis, "peak_above_bytes": above, "params": params,
+              "batch_bytes": batch_bytes, "forward": forward, "capture_above_bytes": marks["capture_peak"] - before,
+              "analysis_only": start is not None}
     if mode == "full":
         # the steady state: each later model of a session pays neither the imports nor the first calls of ops;
         # rounds alternate forward and analysis, and each side's best is kept (the same estimator for both)
@@ -236,14 +272,17 @@ def main() -> None:
         print(f"  sqnr,model_sqnr alone (first in a process) {sqnr['analysis']:.2f} s = "
               f"{sqnr['analysis'] / middle['steady_forward']:.1f}x")
         peak, params = middle["peak_above_bytes"], middle["params"]
-        print(f"  peak RSS +{peak / 2**20:.0f} MiB = {peak / params:.1f}x the parameters ({params / 2**20:.0f} MiB)")
+        what = "the analysis's peak RSS above its start" if middle["analysis_only"] else "peak RSS (capture included)"
+        print(f"  {what} +{peak / 2**20:.0f} MiB = {peak / params:.1f}x the parameters ({params / 2**20:.0f} MiB; one "
+              f"batch's input {middle['batch_bytes'] / 2**20:.1f} MiB); the capture's +"
+              f"{middle['capture_above_bytes'] / 2**20:.0f} MiB")
         if name == "cnn":
             reference = _run(name, "torch_ao")["seconds"]
             print(f"  torch.ao prepare/convert + numeric suite (SQNR only, first in a process) {reference:.2f} s = "
                   f"{reference / middle['steady_forward']:.1f}x")
     forward, sqnr = _run("linear4096", "forward")["seconds"], _run("linear4096", "sqnr")
     print(f"8 x Linear(4096), 200 batches of 64: forward {forward:.2f} s; sqnr,model_sqnr {sqnr['analysis']:.2f} s = "
-          f"{sqnr['analysis'] / forward:.1f}x; peak RSS +{sqnr['peak_above_bytes'] / 2**20:.0f} MiB = "
+          f"{sqnr['analysis'] / forward:.1f}x; the analysis's peak RSS +{sqnr['peak_above_bytes'] / 2**20:.0f} MiB = "
           f"{sqnr['peak_above_bytes'] / sqnr['params']:.1f}x the parameters ({sqnr['params'] / 2**20:.0f} MiB; "
           f"one batch {sqnr['batch_bytes'] / 2**20:.1f} MiB)")
 
