@@ -83,14 +83,14 @@ class QReportFile(pytest.File):
         declarations = declarations_in(self.path)
         first = session.declared_models  # the session-wide index of this file's first model (the same in every worker)
         session.declared_models += len(declarations)
-        sharing = session.capture_rendezvous
+        rendezvous = session.capture_rendezvous
         # under xdist, capture the models this worker owns before waiting for the others' layer lists
-        for index in sorted(range(len(declarations)), key=lambda i: not (sharing and sharing.owns(first + i))):
+        for index in sorted(range(len(declarations)), key=lambda i: not (rendezvous and rendezvous.owns(first + i))):
             try:
                 self._model_state(declarations[index], first + index, registry)
             finally:
-                if sharing is not None and sharing.owns(first + index):
-                    sharing.mark_done(first + index)
+                if rendezvous is not None and rendezvous.owns(first + index):
+                    rendezvous.mark_done(first + index)
         for index, declaration in enumerate(declarations):
             key = (str(self.path), declaration.name)
             model = session.models[key]
@@ -151,20 +151,20 @@ class QReportFile(pytest.File):
         """The model's items from the layer cache, to capture at its analysis; or capture it now and cache them.
         Under xdist, a worker that does not own the model waits for its owner's entry (see capture_share)."""
         session = self.config.stash[STATE_KEY]
-        cache, key, sharing = session.layer_cache, None, session.capture_rendezvous
+        cache, key, rendezvous = session.layer_cache, None, session.capture_rendezvous
         if cache.directory is not None and hasattr(model, "modules"):
             key = model_cache_key(model, example, str(self.path), settings, registry.checks(), quantizer)
             entry = cache.load(key)
-            if entry is None and sharing is not None and not sharing.owns(index):
-                entry = sharing.wait(key, index, cache)
+            if entry is None and rendezvous is not None and not rendezvous.owns(index):
+                entry = rendezvous.wait(key, index, cache)
             if entry is not None:
                 return ModelState(name, settings, items={c: list(ls) for c, ls in entry["items"].items()},
                                   capture=dict(entry.get("capture", {})), quantizer=quantizer, cache_key=key)
         state = collect_model(name, settings, registry, quantizer, model, example)
         if key is not None:
             cache.store(key, state.items, state.capture)
-        if sharing is not None and state.context is not None:
-            sharing.mark_captured(model_scope(self.nodeid, name))
+        if rendezvous is not None and state.context is not None:
+            rendezvous.mark_captured(model_scope(self.nodeid, name))
         return state
 
     @staticmethod
