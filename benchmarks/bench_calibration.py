@@ -3,7 +3,7 @@
 ResNet-style CNN on 16x3x64x64 (20 batches) and an MLP of 6 x Linear(256) on 256 rows (50 batches).
 Times calibration passes (observers running on every batch). This machine's timings swing by up to 2x
 from minute to minute, so the contenders take turns, round after round; it prints each one's best pass and
-the median of the per-round ratios to the plain pass. Report generation is timed apart. Prints whether our observers ran the native kernel (qcore.report.native),
+the median of the per-round ratios to the plain pass. Report generation is timed apart. Prints whether our observers ran the native kernel (qcore.native),
 and times qcore a second time with every observer on its torch path (what QCORE_NATIVE=0 runs), in the same rounds.
 
     python benchmarks/bench_calibration.py
@@ -121,7 +121,7 @@ def main() -> None:
     cnn = settle_batchnorm(TinyResNet().eval(), _batches((16, 3, 64, 64), 4, seed=9))
     cases = [("ResNet-style CNN 16x3x64x64, 20 batches", cnn, _batches((16, 3, 64, 64), 20)),
              ("MLP 6 x Linear(256), 256 rows, 50 batches", mlp(), _batches((256, 256), 50))]
-    from qcore.report import native
+    from qcore import native
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; qcore observers: {native.status()}")
     print(f"{ROUNDS} interleaved rounds ({AO_ROUNDS} with torch.ao): best pass, and the median of per-round "

@@ -5,6 +5,8 @@ import struct
 
 import torch
 
+from . import native
+
 __all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRIC_SCHEMES", "calculate_qparams",
     "default_quant_range", "fake_quantize_dynamic", "fake_quantize_per_channel", "fake_quantize_per_tensor",
     "is_per_channel", "is_symmetric", "resolve_quant_range"]
@@ -104,6 +106,16 @@ def fake_quantize_per_tensor(
     """Quantize then dequantize with one scale and zero point (float32 arithmetic, round half to even); the
     result has x's dtype."""
     inv_scale = _float32(1.0 / _float32(scale))
+    if (x.__class__ is torch.Tensor and x.dtype == torch.float32 and x.is_cpu
+            and not (x.requires_grad and torch.is_grad_enabled())):
+        library = native.kernel()
+        if library is not None:  # the same roundings in one pass (native.py)
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            library.qcore_fake_quantize_per_tensor(x.data_ptr(), out.data_ptr(), x.numel(), inv_scale, scale,
+                                                   quant_min - zero_point, quant_max - zero_point,
+                                                   native.threads(x.numel()))
+            return out
     q = _working(x) * inv_scale  # a new tensor: the steps below run in place on it, with the same roundings
     # clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp): float32 holds these integers
     # exactly, and a rounded value too large for that is clamped either way. Adding 0.0 turns round()'s -0.0

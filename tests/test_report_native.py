@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qcore.report import native
+from qcore import native
 from qcore.report.observer import ReportObserver
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=f"no native kernel here: {native.status()}")
@@ -46,6 +46,7 @@ def activations(draw):
         shape, axis = (draw(st.integers(1, 3)), channels, draw(st.integers(1, 9)), draw(st.integers(1, 9))), 1
     kind = draw(st.sampled_from(["normal", "ties", "relu", "sorted", "extreme"]))
     seed = draw(st.integers(0, 2**16))
+    strided = draw(st.booleans())
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(draw(st.integers(1, 3))):
@@ -60,7 +61,8 @@ def activations(draw):
         elif kind == "extreme":
             x.view(-1)[:: max(1, x.numel() // 5)] = float("inf")
             x.select(axis, channels - 1).fill_(-3.0)  # a constant channel
-        batches.append(x.contiguous())
+        # strided: the same values in a transposed memory layout (attention's keys), which the kernel copies
+        batches.append(x.transpose(0, -1).contiguous().transpose(0, -1) if strided else x.contiguous())
     percentiles = draw(st.sampled_from([(), (0.975,), (0.9, 0.99), (0.5,), (0.0, 1.0)]))
     per_channel = draw(st.booleans()) or bool(percentiles)
     sample_size = draw(st.sampled_from([4096, 50]))  # 50: channel-major channels are sampled, as in the torch path
@@ -176,7 +178,7 @@ def test_build_lands_in_the_cache_atomically(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_state", {})
     assert native.kernel() is not None
     built = sorted(path.name for path in tmp_path.iterdir())
-    assert len(built) == 2 and built[0].startswith("_stats-") and built[0].endswith(".so")
+    assert len(built) == 2 and built[0].startswith("_kernels-") and built[0].endswith(".so")
     assert built[1] == built[0] + ".sha256"  # the hash the loader checks before it loads a cached build
 
 
@@ -205,7 +207,7 @@ def test_a_cache_directory_others_may_write_is_never_used(monkeypatch, tmp_path,
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(fallback))
     monkeypatch.setattr(native, "_state", {})
     assert native.kernel() is not None
-    assert not list(shared.iterdir()) and list(fallback.glob("qcore-*/_stats-*.so"))
+    assert not list(shared.iterdir()) and list(fallback.glob("qcore-*/_kernels-*.so"))
 
 
 @needs_kernel
@@ -261,5 +263,5 @@ def test_the_kernel_source_compiles_without_warnings(tmp_path):
     import subprocess
 
     flags = ["-std=c99", "-fopenmp", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-fsyntax-only"]
-    done = subprocess.run(["cc", *flags, str(native._SOURCE)], capture_output=True, text=True)
+    done = subprocess.run(["cc", *flags, *map(str, native._SOURCES)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

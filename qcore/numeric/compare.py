@@ -116,7 +116,7 @@ def _shadowed(float_model, quant_model):
 class ShadowGraph:
     """What an `instrument` callback of compare_propagated_and_shadow may add to: the float copy `gm` (the quantized
     graph is its submodule `prefix`), the matched layers, and per layer the node whose value is the float layer
-    output flattened in float64 (`references`) and the shadow comparator (`shadows`)."""
+    output flattened (`references`, see ActivationStash) and the shadow comparator (`shadows`)."""
 
     gm: fx.GraphModule
     pairs: list[LayerPair]
@@ -146,7 +146,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     _hold(gm_a, gm_b)
     propagated, shadowed, stashes, references = [], [], [], {}
     for index, pair in enumerate(pairs):
-        stash = ActivationStash()  # the float layer value in float64, once for every comparator that reads it
+        stash = ActivationStash()  # the float layer value, copied once for every comparator that reads it
         references[pair.layer] = attach_after(gm_a, layer_value(pair.a), f"qcore_stash_{index}", stash)
         stashes.append(stash)
         shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)

@@ -6,6 +6,7 @@ import math
 import torch
 from torch import nn
 
+from .. import native
 from .metrics import sqnr_from_sums
 
 __all__ = ["ActivationStash", "OutputLogger", "StreamingComparator"]
@@ -54,8 +55,9 @@ class OutputLogger(nn.Module):
 
 
 class ActivationStash(nn.Module):
-    """Holds the latest value only, flattened in float64, for comparators to read within the same batch: a
-    comparator in another model reads `value`, one in the same graph takes the call's result as its reference."""
+    """Holds the latest value only, flattened (float32 stays float32, other dtypes become float64), for
+    comparators to read within the same batch: a comparator in another model reads `value`, one in the same graph
+    takes the call's result as its reference."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -63,7 +65,11 @@ class ActivationStash(nn.Module):
 
     def forward(self, x):
         # a copy: the graph may run an in-place op on x (Hardswish(inplace=True)) before the comparator reads it
-        self.value = x.detach().reshape(-1).to(torch.float64, copy=True)
+        x = x.detach()
+        if x.dtype == torch.float32:
+            self.value = x.clone(memory_format=torch.contiguous_format).reshape(-1)
+        else:
+            self.value = x.reshape(-1).to(torch.float64, copy=True)
         return self.value
 
 
@@ -86,12 +92,29 @@ class StreamingComparator(nn.Module):
 
     def update(self, reference: torch.Tensor, actual: torch.Tensor) -> None:
         """Add one batch (no host sync)."""
+        if self._update_native(reference, actual):
+            self.batches += 1
+            return
         ref = reference.detach().reshape(-1).double()
         act = actual.detach().reshape(-1).double().to(ref.device)
         diff = ref - act
         sums = torch.stack([torch.dot(ref, ref), torch.dot(act, act), torch.dot(ref, act), torch.dot(diff, diff)])
         self.sums = self.sums.to(ref.device) + sums
         self.batches += 1
+
+    def _update_native(self, reference: torch.Tensor, actual: torch.Tensor) -> bool:
+        """The four sums in one pass of the native kernel (float32 CPU tensors); False leaves it to torch ops."""
+        if not (reference.__class__ is actual.__class__ is torch.Tensor and reference.dtype == actual.dtype ==
+                torch.float32 and reference.is_cpu and actual.is_cpu and reference.numel() == actual.numel()
+                and self.sums.is_cpu and self.sums.dtype == torch.float64 and self.sums.is_contiguous()):
+            return False
+        library = native.kernel()
+        if library is None:
+            return False
+        reference, actual = reference.detach().contiguous(), actual.detach().contiguous()
+        library.qcore_compare_sums(reference.data_ptr(), actual.data_ptr(), reference.numel(),
+                                   native.threads(reference.numel()), self.sums.data_ptr())
+        return True
 
     def result(self) -> dict[str, float]:
         """sqnr_db, normalized_l2, cosine and the batch count, as plain floats (one host copy)."""

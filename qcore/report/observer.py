@@ -12,7 +12,7 @@ p +/- eps of the exact one with probability at least 1 - 2*exp(-2*m*eps^2): for 
 at least 1 - 1e-3 per batch, and the per-batch ratios are then averaged.
 
 Two paths compute the same numbers. Float32 CPU activations of up to NATIVE_MAX_NUMEL values go through
-one call of the native kernel (`native.py`, `_stats.c`), planned once per shape, which selects from the
+one call of the native kernel (`qcore/native.py`, `qcore/_stats.c`), planned once per shape, which selects from the
 same sample when percentiles are sampled; everything else (CUDA, other dtypes, sampled channels-last
 percentiles, no C compiler) goes through torch ops that stay on the device.
 """
@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from . import native
+from .. import native
 
 __all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportObserver"]
 
@@ -77,8 +77,10 @@ class ReportObserver(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self._native_plan  # the hot path: the same shape again, one native call
         if (plan is not None and x.__class__ is torch.Tensor and x.shape == plan[0] and x.dtype == torch.float32
-                and x.is_cpu and x.is_contiguous()):
-            if not plan[1](x.data_ptr(), *plan[2]):
+                and x.is_cpu):
+            # a strided view (attention's transposed keys) is copied: cheaper than the torch path's dozen ops
+            values = x if x.is_contiguous() else x.detach().contiguous()
+            if not plan[1](values.data_ptr(), *plan[2]):
                 self.__dict__["num_batches_tracked"] += 1
                 return x
             return self._observe(x, native=False)  # a NaN: torch ops propagate it
@@ -116,11 +118,12 @@ class ReportObserver(nn.Module):
     def _observe_native(self, values: torch.Tensor) -> bool:
         """Plan the native kernel for this shape and run it; False leaves the batch to the torch path."""
         if (values.dtype != torch.float32 or not values.is_cpu or values.numel() > NATIVE_MAX_NUMEL
-                or not values.is_contiguous() or self.extremes.dtype != torch.float32):
+                or self.extremes.dtype != torch.float32):
             return False
         library = native.kernel()
         if library is None:
             return False
+        values = values.contiguous()
         if not self.per_channel:
             function = library.qcore_observe_range
             arguments = (values.numel(), native.threads(values.numel()), self.extremes.data_ptr(),

@@ -1,11 +1,14 @@
-"""The report observer's optional native kernel: one C pass per batch for small CPU activations.
+"""qcore's optional native kernels: one C pass per batch where a chain of torch ops costs more in dispatch and
+memory traffic than in arithmetic.
 
-For a small activation (a 256x256 Linear input), a dozen separate torch ops per batch cost more in
-dispatch than in arithmetic, and torch.topk alone costs more than the layer's matmul. `_stats.c` does the
-whole update in one pass instead, with exact per-channel order statistics. It is compiled on first use with
-the system C compiler (`$CC`, default `cc`) into a per-user cache, written atomically, and loaded with
-ctypes. Without a compiler, or with `QCORE_NATIVE=0`, observers use their torch path, which computes the
-same statistics; tests check that the two agree.
+- `_stats.c`: the report observer's update. For a small activation (a 256x256 Linear input), a dozen separate
+  torch ops cost more than the layer's matmul, torch.topk alone too. It does the whole update in one pass, with
+  exact per-channel order statistics.
+- `_fused.c`: the numeric suite's comparator sums and per-tensor fake quantization.
+
+Both are compiled on first use with the system C compiler (`$CC`, default `cc`) into one library in a per-user
+cache, written atomically, and loaded with ctypes. Without a compiler, or with `QCORE_NATIVE=0`, every caller
+uses its torch path, which computes the same values; tests check that the two agree.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Any
 
 __all__ = ["PARALLEL_MIN_NUMEL", "REFUSED", "kernel", "status", "threads"]
 
-_SOURCE = pathlib.Path(__file__).with_name("_stats.c")
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("_stats.c", "_fused.c"))
 _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
 _LIBRARIES = ("-lm",)  # after the source, where linkers look for them
 # Best first. -march=native puts the CPU's flags in the cache key, so a build never runs on another CPU.
@@ -101,13 +104,13 @@ def _compile(source: bytes, compiler: list[str], flags: tuple[str, ...]) -> path
     for directory in _cache_dirs():
         if not _private_directory(directory):
             continue  # another user's folder, or one others may write: never build or load there
-        target = directory / f"_stats-{digest}.so"
+        target = directory / f"_kernels-{digest}.so"
         if _verified(target):
             return target
         partials: list[pathlib.Path] = []
         try:
             partials.append(_private_temp(directory, ".so.partial"))
-            subprocess.run([*compiler, *flags, "-o", str(partials[0]), str(_SOURCE), *_LIBRARIES], check=True,
+            subprocess.run([*compiler, *flags, "-o", str(partials[0]), *map(str, _SOURCES), *_LIBRARIES], check=True,
                            capture_output=True, timeout=120)
             partials.append(_private_temp(directory, ".sha256.partial"))
             partials[1].write_text(_digest(partials[0]) + "\n", encoding="ascii")
@@ -129,7 +132,7 @@ def _load():
     compiler = shlex.split(os.environ.get("CC", "cc"))
     if not compiler or shutil.which(compiler[0]) is None:
         raise RuntimeError(f"no C compiler {compiler[0] if compiler else ''!r} (set CC to one)")
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     failure = "no build variant compiled"
     for extra in _VARIANTS:
         try:
@@ -151,6 +154,11 @@ def _load():
     library.qcore_scratch_floats.restype = integer
     library.qcore_observe_range.argtypes = [pointer, integer, integer, pointer, pointer]
     library.qcore_observe_range.restype = integer
+    library.qcore_compare_sums.argtypes = [pointer, pointer, integer, integer, pointer]
+    library.qcore_compare_sums.restype = None
+    real = ctypes.c_float
+    library.qcore_fake_quantize_per_tensor.argtypes = [pointer, pointer, integer, real, real, real, real, integer]
+    library.qcore_fake_quantize_per_tensor.restype = None
     return library
 
 
@@ -190,6 +198,6 @@ def kernel():
 
 
 def status() -> str:
-    """Whether observers use the native kernel, and why not if they don't."""
+    """Whether qcore uses its native kernels, and why not if it does not."""
     kernel()
     return str(_state["status"])

@@ -1,0 +1,122 @@
+"""The fused native kernels (qcore/_fused.c) compute what their torch paths compute."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qcore import native
+from qcore.numeric.loggers import ActivationStash, StreamingComparator
+from qcore.qparams import fake_quantize_per_tensor
+
+needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=f"no native kernel here: {native.status()}")
+RANGES = [(-128, 127), (0, 255), (-8, 7), (-(2**31), 2**31 - 1)]
+
+
+def _torch_path(function, *args):
+    library = native.kernel()
+    native._state["library"] = None
+    try:
+        return function(*args)
+    finally:
+        native._state["library"] = library
+
+
+def _with_specials(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """x with NaN, infinities, signed zeros and exact half steps mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    specials = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-30, -1e-30, 3e38, -3e38])
+    index = torch.randint(0, x.numel(), (min(x.numel(), 24),), generator=g)
+    x.view(-1)[index] = specials[torch.randint(0, len(specials), index.shape, generator=g)]
+    return x
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(1e-6, 10.0), zp_frac=st.floats(0, 1),
+       qrange=st.sampled_from(RANGES), numel=st.sampled_from([1, 7, 300, native.PARALLEL_MIN_NUMEL + 5]),
+       strided=st.booleans())
+def test_fake_quantize_per_tensor_is_bit_identical_to_the_torch_path(seed, scale, zp_frac, qrange, numel, strided):
+    quant_min, quant_max = qrange
+    zero_point = int(quant_min + zp_frac * (quant_max - quant_min))
+    g = torch.Generator().manual_seed(seed)
+    x = _with_specials(torch.randn(numel * (2 if strided else 1), generator=g) * scale * 150, seed)
+    x = x[::2] if strided else x
+    steps = torch.arange(min(numel, 16), dtype=torch.float32) + 0.5  # ties: round half to even
+    x[: steps.numel()] = steps * scale
+    ours = fake_quantize_per_tensor(x, scale, zero_point, quant_min, quant_max)
+    reference = _torch_path(fake_quantize_per_tensor, x, scale, zero_point, quant_min, quant_max)
+    assert ours.dtype == reference.dtype and ours.shape == reference.shape
+    assert torch.equal(ours.nan_to_num(7.0), reference.nan_to_num(7.0))
+    assert torch.equal(torch.signbit(ours), torch.signbit(reference))  # no -0.0 where torch has 0.0
+
+
+@needs_kernel
+def test_fake_quantize_keeps_the_torch_path_where_autograd_needs_it():
+    x = torch.randn(64, requires_grad=True)
+    y = fake_quantize_per_tensor(x, 0.05, 0, -128, 127)
+    assert y.grad_fn is not None
+    with torch.no_grad():
+        assert torch.equal(fake_quantize_per_tensor(x, 0.05, 0, -128, 127), y.detach())
+
+
+def _sums(reference: torch.Tensor, actual: torch.Tensor, batches: int = 2) -> torch.Tensor:
+    comparator = StreamingComparator()
+    for _ in range(batches):
+        comparator.update(reference, actual)
+    assert comparator.batches == batches
+    return comparator.sums
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), numel=st.sampled_from([1, 9, 1000, native.PARALLEL_MIN_NUMEL + 3]),
+       noise=st.floats(1e-6, 1.0), transposed=st.booleans())
+def test_comparator_sums_match_the_torch_path(seed, numel, noise, transposed):
+    g = torch.Generator().manual_seed(seed)
+    reference = torch.randn(numel, 4, generator=g) * 10
+    actual = reference + noise * torch.randn(numel, 4, generator=g)
+    if transposed:  # a non-contiguous layer output
+        reference, actual = reference.t(), actual.t()
+    ours = _sums(reference, actual)
+    expected = _torch_path(_sums, reference, actual)
+    assert torch.allclose(ours, expected, rtol=1e-12, atol=0.0)
+
+
+@needs_kernel
+def test_comparator_results_from_both_paths_agree_in_sqnr():
+    g = torch.Generator().manual_seed(3)
+    reference = torch.randn(4, 64, 384, generator=g)
+    actual = reference + 1e-3 * torch.randn(4, 64, 384, generator=g)
+    results = []
+    for use_torch in (False, True):
+        comparator = StreamingComparator()
+        for _ in range(3):
+            if use_torch:
+                _torch_path(comparator.update, reference, actual)
+            else:
+                comparator.update(reference, actual)
+        results.append(comparator.result())
+    assert results[0]["batches"] == results[1]["batches"] == 3
+    for key in ("sqnr_db", "normalized_l2", "cosine"):
+        assert results[0][key] == pytest.approx(results[1][key], rel=1e-10, abs=1e-12)
+
+
+def test_a_comparator_cast_to_float32_takes_the_torch_path_and_keeps_float64_sums():
+    comparator = StreamingComparator().float()  # Module.float() casts every floating buffer, float64 ones too
+    assert comparator.sums.dtype == torch.float32
+    reference = torch.randn(100)
+    comparator.update(reference, reference * 0.5)
+    assert comparator.sums.dtype == torch.float64
+    assert comparator.result()["sqnr_db"] == pytest.approx(20 * math.log10(2), rel=1e-9)
+
+
+def test_the_stash_keeps_float32_as_a_contiguous_copy_and_other_dtypes_in_float64():
+    stash = ActivationStash()
+    x = torch.randn(3, 5).t()
+    value = stash(x)
+    assert value.dtype == torch.float32 and value.is_contiguous() and torch.equal(value, x.reshape(-1))
+    x.mul_(2.0)  # an in-place op after the layer must not rewrite the stashed reference
+    assert not torch.equal(value, x.reshape(-1))
+    assert stash(torch.randn(4, dtype=torch.bfloat16)).dtype == torch.float64
