@@ -18,11 +18,12 @@ from .quantizer import Int8StaticQuantizer, Quantizer
 QPARAMS_KEY = "qcore_qparams"
 
 
-def convert(prepared: fx.GraphModule, keep_float_weights: bool = True) -> fx.GraphModule:
+def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile: bool = True) -> fx.GraphModule:
     """Replace every observer node of `prepared` by fake quantization with its observed qparams (in place).
 
     Weights (observed get_attr values) are quantized once, here, and stored as buffers; activations get
     quantize->dequantize nodes. keep_float_weights=False drops the float weights the graph no longer reads.
+    recompile=False leaves the code generation to a caller that edits the graph further before running it.
     """
     graph = prepared.graph
     weight_cache: dict[tuple[str, str], str] = {}
@@ -59,7 +60,8 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True) -> fx.Gra
         if isinstance(module, ObserverBase):
             delattr(prepared, name)
     graph.lint()
-    prepared.recompile()
+    if recompile:
+        prepared.recompile()
     return prepared
 
 

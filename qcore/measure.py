@@ -153,8 +153,9 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                     delattr(prepared, name)
 
     first_outputs: list[Any] = []  # two float runs of batch 0 from the same state: they must agree
+    # compare_propagated_and_shadow adds its comparators to quant_gm and generates its code once, below
     quant_gm = calibrate_and_convert(prepared, float_gm, batches, read_statistics, keep_float_weights=False,
-                                     keep_first_output=first_outputs)
+                                     keep_first_output=first_outputs, recompile=False)
     detector_reports = read["detectors"]
     variants, unmeasured, smoothed = read["variants"]
     smoothed.update({layer: {"refused": reason} for layer, reason in refused.items()})
@@ -193,14 +194,15 @@ def _watch(gm: fx.GraphModule, node: fx.Node, name: str, observer: torch.nn.Modu
 
 def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, batches: list[Any],
                           before_convert: Callable[[], None] | None = None, keep_float_weights: bool = True,
-                          keep_first_output: list | None = None) -> fx.GraphModule:
+                          keep_first_output: list | None = None, recompile: bool = True) -> fx.GraphModule:
     """Calibrate `prepared` and convert it (in place); a failure caused by NaN or inf in the float model says where
-    they appear. `before_convert` runs between the two (to read and remove other observers)."""
+    they appear. `before_convert` runs between the two (to read and remove other observers); recompile=False
+    leaves the converted graph's code generation to the caller (see convert)."""
     try:
         calibrate(prepared, batches, keep_first_output)
         if before_convert is not None:
             before_convert()
-        return convert(prepared, keep_float_weights)
+        return convert(prepared, keep_float_weights, recompile=recompile)
     except Exception as error:
         try:
             found = first_non_finite(float_gm, batches)
