@@ -13,7 +13,9 @@ For each case, in a fresh subprocess (so that peak RSS is the analysis's own), o
   numeric suite's add_loggers/extract_logger_info over the same batches (TinyResNet only: HF models do not
   symbolic_trace);
 - the first analysis's peak RSS above the RSS it started from (after the capture; Linux's clear_refs resets
-  the peak), against the model's parameter bytes; the capture's peak is printed apart.
+  the peak), against the model's parameter bytes, with and without one batch's activations (the bytes of every
+  op output of one forward, views excluded: the goal is 3x the parameters plus those); the capture's peak is
+  printed apart.
 
 Each full case runs in three fresh processes; the median ratio is quoted, with the range, because this
 machine's speed drifts from second to second.
@@ -226,7 +228,7 @@ def measure(name: str, mode: str) -> dict:
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     batch_bytes = sum(t.numel() * t.element_size() for t in _tensors(batches[0]))
     result = {"collection": collection, "analysis": analysis, "peak_above_bytes": above, "params": params,
-              "batch_bytes": batch_bytes, "forward": forward, "capture_above_bytes": marks["capture_peak"] - before,
+              "batch_bytes": batch_bytes, "activation_bytes": _activation_bytes(model, batches[0]), "forward": forward, "capture_above_bytes": marks["capture_peak"] - before,
               "analysis_only": start is not None}
     if mode == "full":
         # the steady state: each later model of a session pays neither the imports nor the first calls of ops;
@@ -237,6 +239,30 @@ def measure(name: str, mode: str) -> dict:
             analyses.append(_analyse(model, batches, None)[1])
         result.update(steady_forward=min(forwards), steady_analysis=min(analyses))
     return result
+
+
+def _activation_bytes(model, batch) -> int:
+    """Bytes of the tensors one eager forward of `batch` computes: every aten op's output, views and aliases (which
+    share their input's memory) left out. The memory goal allows one batch's activations."""
+    import torch
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qcore.inputs import call_model
+
+    class Counter(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if all(r.alias_info is None for r in func._schema.returns):
+                Counter.total += sum(v.numel() * v.element_size() for v in pytree.tree_leaves(result)
+                                     if isinstance(v, torch.Tensor))
+            return result
+
+    with torch.no_grad(), Counter():
+        call_model(model, batch)
+    return Counter.total
 
 
 def _tensors(batch) -> list:
@@ -273,9 +299,12 @@ def main() -> None:
               f"{sqnr['analysis'] / middle['steady_forward']:.1f}x")
         peak, params = middle["peak_above_bytes"], middle["params"]
         what = "the analysis's peak RSS above its start" if middle["analysis_only"] else "peak RSS (capture included)"
+        activations = middle["activation_bytes"]
         print(f"  {what} +{peak / 2**20:.0f} MiB = {peak / params:.1f}x the parameters ({params / 2**20:.0f} MiB; one "
               f"batch's input {middle['batch_bytes'] / 2**20:.1f} MiB); the capture's +"
               f"{middle['capture_above_bytes'] / 2**20:.0f} MiB")
+        print(f"  less one batch's activations ({activations / 2**20:.0f} MiB, the goal's allowance): "
+              f"{(peak - activations) / params:.1f}x the parameters")
         if name == "cnn":
             reference = _run(name, "torch_ao")["seconds"]
             print(f"  torch.ao prepare/convert + numeric suite (SQNR only, first in a process) {reference:.2f} s = "
@@ -284,7 +313,7 @@ def main() -> None:
     print(f"8 x Linear(4096), 200 batches of 64: forward {forward:.2f} s; sqnr,model_sqnr {sqnr['analysis']:.2f} s = "
           f"{sqnr['analysis'] / forward:.1f}x; the analysis's peak RSS +{sqnr['peak_above_bytes'] / 2**20:.0f} MiB = "
           f"{sqnr['peak_above_bytes'] / sqnr['params']:.1f}x the parameters ({sqnr['params'] / 2**20:.0f} MiB; "
-          f"one batch {sqnr['batch_bytes'] / 2**20:.1f} MiB)")
+          f"one batch {sqnr['batch_bytes'] / 2**20:.1f} MiB, its activations {sqnr['activation_bytes'] / 2**20:.0f} MiB)")
 
 
 if __name__ == "__main__":
