@@ -89,6 +89,10 @@ class MinMaxObserver(_RangeObserver):
         if self.frozen or x.numel() == 0:
             return x
         low, high = torch.aminmax(x.detach())
+        if self.min_val.device == low.device and self.min_val.dtype == self.max_val.dtype == torch.float32:
+            torch.minimum(self.min_val, low.float(), out=self.min_val)  # in place: no Module.__setattr__ per batch
+            torch.maximum(self.max_val, high.float(), out=self.max_val)
+            return x
         self.min_val = torch.minimum(self.min_val.to(low.device), low.float())
         self.max_val = torch.maximum(self.max_val.to(high.device), high.float())
         return x
