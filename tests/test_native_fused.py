@@ -119,4 +119,6 @@ def test_the_stash_keeps_float32_as_a_contiguous_copy_and_other_dtypes_in_float6
     assert value.dtype == torch.float32 and value.is_contiguous() and torch.equal(value, x.reshape(-1))
     x.mul_(2.0)  # an in-place op after the layer must not rewrite the stashed reference
     assert not torch.equal(value, x.reshape(-1))
+    following = torch.randn(5, 3)
+    assert stash(following).data_ptr() == value.data_ptr() and torch.equal(stash.value, following.reshape(-1))
     assert stash(torch.randn(4, dtype=torch.bfloat16)).dtype == torch.float64

@@ -57,17 +57,21 @@ class OutputLogger(nn.Module):
 class ActivationStash(nn.Module):
     """Holds the latest value only, flattened (float32 stays float32, other dtypes become float64), for
     comparators to read within the same batch: a comparator in another model reads `value`, one in the same graph
-    takes the call's result as its reference."""
+    takes the call's result as its reference. The next batch overwrites a float32 value in place."""
 
     def __init__(self) -> None:
         super().__init__()
         self.value: torch.Tensor | None = None
+        self._copy: torch.Tensor | None = None  # reused from batch to batch: a fresh one costs page faults
 
     def forward(self, x):
         # a copy: the graph may run an in-place op on x (Hardswish(inplace=True)) before the comparator reads it
         x = x.detach()
         if x.dtype == torch.float32:
-            self.value = x.clone(memory_format=torch.contiguous_format).reshape(-1)
+            copy = self._copy
+            if copy is None or copy.shape != x.shape or copy.device != x.device:
+                copy = self._copy = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            self.value = copy.copy_(x).view(-1)
         else:
             self.value = x.reshape(-1).to(torch.float64, copy=True)
         return self.value
