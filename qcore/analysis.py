@@ -73,7 +73,7 @@ class QuantizedLayer:
 
 def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = None) -> list[QuantizedLayer]:
     """The layers `quantizer` quantizes, in graph order, from one annotation of a copy. No calibration."""
-    annotated = clone_graph_module(float_gm, share_parameters=True)
+    annotated = clone_graph_module(float_gm, share_parameters=True, recompile=False)  # read, never run
     (quantizer or Int8StaticQuantizer()).annotate(annotated)
     layers = []
     for op in find_quantizable_ops(annotated):

@@ -165,10 +165,11 @@ def annotate_fqns_and_handles(gm: fx.GraphModule) -> None:
             handle += 1
 
 
-def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False) -> fx.GraphModule:
+def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recompile: bool = True) -> fx.GraphModule:
     """Deep copy of a captured GraphModule, node meta (FQNs, handles) included. share_parameters=True keeps the
     same parameter tensors (for a copy whose passes never write to them: no memory for a second set of weights);
-    buffers, which a forward may update, are always copied."""
+    buffers, which a forward may update, are always copied. recompile=False skips the copy's code generation, for
+    a caller that edits the graph and recompiles it before running it (until then the copy cannot run)."""
     # what copy.deepcopy(gm) keeps, without deep-copying the attributes GraphModule.__init__ then drops
     memo: dict[int, Any] = {id(parameter): parameter for parameter in gm.parameters()} if share_parameters else {}
     holder = nn.Module()
@@ -180,7 +181,43 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False) -> fx
             setattr(holder, name, value)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        graph = copy.deepcopy(gm.graph)
-    clone = fx.GraphModule(holder, graph, class_name=type(gm).__name__)
+        if recompile or not hasattr(gm.graph, "_codegen"):
+            clone = fx.GraphModule(holder, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+        else:
+            clone = fx.GraphModule(holder, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes
+            _copy_graph_into(gm.graph, clone.graph)
+            for node in clone.graph.nodes:
+                if node.op in ("get_attr", "call_module"):
+                    _install_attribute(holder, clone, str(node.target))
     clone.meta = copy.deepcopy(getattr(gm, "meta", {}), memo)
     return clone
+
+
+def _install_attribute(source: nn.Module, target: nn.Module, path: str) -> None:
+    """Give `target` the attribute at dotted `path` of `source`, as GraphModule.__init__ does for each get_attr and
+    call_module target: intermediate modules are new, empty ones, unless a parent was installed already."""
+    *prefix, field = path.split(".")
+    for item in prefix:
+        source_item, target_item = getattr(source, item), getattr(target, item, None)
+        if source_item is target_item:
+            return
+        if target_item is None:
+            target_item = nn.Module()
+            setattr(target, item, target_item)
+        source, target = source_item, target_item
+    value = getattr(source, field)
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        target.register_buffer(field, value)
+    else:
+        setattr(target, field, value)
+
+
+def _copy_graph_into(source: fx.Graph, target: fx.Graph) -> None:
+    """What Graph.__deepcopy__ does, into the empty graph a GraphModule already owns (setting a GraphModule's graph
+    generates its code)."""
+    copied = target.graph_copy(source, val_map={}, return_output_node=True)
+    target.set_codegen(copy.deepcopy(source._codegen))  # the exported graph's pytree calling convention
+    if isinstance(copied, tuple):
+        value, old_output = copied
+        output = target.output(value, type_expr=getattr(old_output, "type", None))
+        output.meta = copy.copy(old_output.meta)

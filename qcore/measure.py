@@ -108,8 +108,8 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     smoothable layer."""
     batches = list(batches)
     # one code generation for the quantizer's, the detectors' and the statistics' observers: below
-    prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer(),
-                       recompile=False)
+    prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False),
+                       quantizer or Int8StaticQuantizer(), recompile=False)
     report = ModelReport(prepared, list(detectors.values())) if detectors else None
     if report is not None:
         report.prepare_detailed_calibration(recompile=False)

@@ -4,6 +4,7 @@ import torch
 
 import qcore
 from qcore.graph import FQN_KEY, HANDLE_KEY, find_quantizable_ops
+from qcore.inputs import call_model
 from tests.models import CatModel, DataDependent, KwargsModel, SmallCNN, SmallMLP, batches
 
 
@@ -52,3 +53,27 @@ def test_handles_and_fqns_survive_prepare_and_convert():
              if HANDLE_KEY in n.meta and not n.meta.get("qcore_inserted")}
     assert after == before
     assert len(set(before)) == len(before)
+
+
+@pytest.mark.parametrize("method", ["export", "fx"])
+@pytest.mark.parametrize("share_parameters", [False, True])
+def test_a_clone_without_code_generation_equals_a_full_clone_once_recompiled(method, share_parameters):
+    from qcore.capture import clone_graph_module
+
+    for model, inputs in ((SmallCNN().eval(), torch.randn(2, 3, 16, 16)),
+                          (KwargsModel().eval(), {"input_ids": torch.randint(0, 50, (2, 5)),
+                                                  "attention_mask": torch.ones(2, 5)})):
+        gm = qcore.capture(model, inputs, method=method)
+        full = clone_graph_module(gm, share_parameters)
+        lazy = clone_graph_module(gm, share_parameters, recompile=False)
+        assert [n.format_node() for n in lazy.graph.nodes] == [n.format_node() for n in full.graph.nodes]
+        assert [n.meta.get(HANDLE_KEY) for n in lazy.graph.nodes] == [n.meta.get(HANDLE_KEY) for n in gm.graph.nodes]
+        for ours, theirs in ((lazy.named_parameters(), full.named_parameters()),
+                             (lazy.named_buffers(), full.named_buffers())):
+            ours, theirs = dict(ours), dict(theirs)
+            assert ours.keys() == theirs.keys()
+            assert all(torch.equal(tensor, theirs[name]) for name, tensor in ours.items())
+        originals = dict(gm.named_parameters())
+        assert originals and all((p is originals[name]) == share_parameters for name, p in lazy.named_parameters())
+        lazy.recompile()
+        torch.testing.assert_close(call_model(lazy, inputs), call_model(gm, inputs))

@@ -140,8 +140,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     called and they are removed (their buffers with them). The float graph's output on the first batch is
     appended to `keep_first_output` when given.
     """
-    gm_a = clone_graph_module(float_model, share_parameters=True)
-    gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True)
+    gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
+    gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
     pairs = match_layers(gm_a, gm_b)
     _hold(gm_a, gm_b)
     propagated, shadowed, stashes, references = [], [], [], {}
