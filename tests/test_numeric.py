@@ -136,3 +136,12 @@ def test_an_in_place_activation_after_a_layer_does_not_rewrite_its_reference(act
                                 for kind in ("sqnr_db", "shadow_sqnr_db")} for r in results)
     assert in_place == pytest.approx(out_of_place, abs=1e-6)
     assert min(in_place.values()) > 20  # not the ~-2 dB of a reference overwritten in place
+
+
+def test_only_a_functional_graph_lets_the_comparison_hold_layer_values_without_copying_them():
+    from qcore.numeric.compare import writes_nothing_in_place
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 4)).eval()
+    x = torch.randn(2, 8)
+    assert writes_nothing_in_place(qcore.capture(model, x, method="export"))  # torch.export functionalizes
+    assert not writes_nothing_in_place(qcore.capture(model, x, method="fx"))  # the ReLU module may run in place

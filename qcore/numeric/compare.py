@@ -143,10 +143,11 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
     pairs = match_layers(gm_a, gm_b)
+    functional = writes_nothing_in_place(gm_a)
     _hold(gm_a, gm_b)
     propagated, shadowed, stashes, references = [], [], [], {}
     for index, pair in enumerate(pairs):
-        stash = ActivationStash()  # the float layer value, copied once for every comparator that reads it
+        stash = ActivationStash(copy=not functional)  # the float layer value, for every comparator that reads it
         references[pair.layer] = attach_after(gm_a, layer_value(pair.a), f"qcore_stash_{index}", stash)
         stashes.append(stash)
         shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
@@ -189,6 +190,18 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                         **comparator.result()})
     shadows = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **c.result()} for p, c in zip(pairs, shadowed)]
     return records, shadows
+
+
+def writes_nothing_in_place(gm: fx.GraphModule) -> bool:
+    """True when every op of the graph is a functional aten op (torch.export's graphs), so that no value changes
+    after the op that computed it; False for module calls and methods, which may run in place (ReLU(inplace=True))."""
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or schema.is_mutable:
+            return False
+    return True
 
 
 def _remove_nodes_since(gm: fx.GraphModule, kept: set[fx.Node]) -> None:

@@ -59,15 +59,18 @@ class ActivationStash(nn.Module):
     comparators to read within the same batch: a comparator in another model reads `value`, one in the same graph
     takes the call's result as its reference. The next batch overwrites a float32 value in place."""
 
-    def __init__(self) -> None:
+    def __init__(self, copy: bool = True) -> None:
         super().__init__()
         self.value: torch.Tensor | None = None
+        self.copy = copy  # False: the graph never writes to a value in place, so the value itself can be held
         self._copy: torch.Tensor | None = None  # reused from batch to batch: a fresh one costs page faults
 
     def forward(self, x):
         # a copy: the graph may run an in-place op on x (Hardswish(inplace=True)) before the comparator reads it
         x = x.detach()
-        if x.dtype == torch.float32:
+        if not self.copy and x.dtype == torch.float32:
+            self.value = x.reshape(-1)
+        elif x.dtype == torch.float32:
             copy = self._copy
             if copy is None or copy.shape != x.shape or copy.device != x.device:
                 copy = self._copy = torch.empty(x.shape, dtype=x.dtype, device=x.device)
