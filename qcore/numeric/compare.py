@@ -143,11 +143,11 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
     pairs = match_layers(gm_a, gm_b)
-    functional = writes_nothing_in_place(gm_a)
+    rewritten = [may_change_after(layer_value(pair.a)) for pair in pairs]  # before any node is added
     _hold(gm_a, gm_b)
     propagated, shadowed, stashes, references = [], [], [], {}
     for index, pair in enumerate(pairs):
-        stash = ActivationStash(copy=not functional)  # the float layer value, for every comparator that reads it
+        stash = ActivationStash(copy=rewritten[index])  # the float layer value, for every comparator that reads it
         references[pair.layer] = attach_after(gm_a, layer_value(pair.a), f"qcore_stash_{index}", stash)
         stashes.append(stash)
         shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
@@ -192,16 +192,29 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     return records, shadows
 
 
-def writes_nothing_in_place(gm: fx.GraphModule) -> bool:
-    """True when every op of the graph is a functional aten op (torch.export's graphs), so that no value changes
-    after the op that computed it; False for module calls and methods, which may run in place (ReLU(inplace=True))."""
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr", "output"):
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or schema.is_mutable:
-            return False
-    return True
+def may_change_after(node: fx.Node) -> bool:
+    """Whether the value of `node` may change after its op ran: an op may write to it in place, directly or through
+    a view, or it is a view itself. Functional aten ops (most of a torch.export graph) cannot; module calls and
+    methods (an FX graph's ReLU(inplace=True)) may, and so may any op whose schema mutates an argument (aten.relu_)."""
+    if _op_schema(node) is None or any(r.alias_info is not None for r in _op_schema(node).returns):
+        return True
+    pending, seen = [node], {node}
+    while pending:
+        for user in pending.pop().users:
+            if user.op == "output" or user in seen:
+                continue
+            schema = _op_schema(user)
+            if schema is None or schema.is_mutable:
+                return True
+            if any(r.alias_info is not None for r in schema.returns):  # a view: writing to it writes to `node`
+                seen.add(user)
+                pending.append(user)
+    return False
+
+
+def _op_schema(node: fx.Node):
+    """The aten schema of a call_function node, or None for anything else."""
+    return getattr(node.target, "_schema", None) if node.op == "call_function" else None
 
 
 def _remove_nodes_since(gm: fx.GraphModule, kept: set[fx.Node]) -> None:
