@@ -57,32 +57,34 @@ class OutputLogger(nn.Module):
 class ActivationStash(nn.Module):
     """Holds the latest value only, flattened (float32 stays float32, other dtypes become float64), for
     comparators to read within the same batch: a comparator in another model reads `value`, one in the same graph
-    takes the call's result as its reference. The next batch overwrites a float32 value in place."""
+    takes the call's result as its reference. copy=False holds the value itself, for a value nothing changes after
+    its op ran (compare.may_change_after); else a float32 copy is overwritten by the next batch's."""
 
     def __init__(self, copy: bool = True) -> None:
         super().__init__()
         self.value: torch.Tensor | None = None
-        self.copy = copy  # False: the graph never writes to a value in place, so the value itself can be held
-        self._copy: torch.Tensor | None = None  # reused from batch to batch: a fresh one costs page faults
+        self.copy = copy
+        self._buffer: torch.Tensor | None = None  # reused from batch to batch: a fresh one costs page faults
 
     def forward(self, x):
-        # a copy: the graph may run an in-place op on x (Hardswish(inplace=True)) before the comparator reads it
+        # copy=True: the graph may run an in-place op on x (Hardswish(inplace=True)) before a comparator reads it
         x = x.detach()
         if not self.copy and x.dtype == torch.float32:
             self.value = x.reshape(-1)
         elif x.dtype == torch.float32:
-            copy = self._copy
-            if copy is None or copy.shape != x.shape or copy.device != x.device:
-                copy = self._copy = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            self.value = copy.copy_(x).view(-1)
+            buffer = self._buffer
+            if buffer is None or buffer.shape != x.shape or buffer.device != x.device:
+                buffer = self._buffer = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            self.value = buffer.copy_(x).view(-1)
         else:
             self.value = x.reshape(-1).to(torch.float64, copy=True)
         return self.value
 
 
 class StreamingComparator(nn.Module):
-    sums: torch.Tensor
     """Accumulates sum(ref^2), sum(act^2), sum(ref*act) and sum((ref-act)^2) on the device, in float64."""
+
+    sums: torch.Tensor
 
     def __init__(self, stash: ActivationStash | None = None) -> None:
         super().__init__()
