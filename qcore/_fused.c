@@ -13,22 +13,11 @@
  */
 #include <math.h>
 #include <stdint.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define LANES 8
 #define MAX_PARTS 64
 
-static int64_t usable_threads(int64_t threads) {
-#ifdef _OPENMP
-    if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
-#else
-    threads = 1;
-#endif
-    if (threads < 1) threads = 1;
-    return threads > MAX_PARTS ? MAX_PARTS : threads;
-}
+int64_t qcore_usable_threads(int64_t threads, int64_t most); /* _stats.c */
 
 static void sums_part(const float *restrict ref, const float *restrict act, int64_t n, double *restrict out) {
     double rr[LANES] = {0}, aa[LANES] = {0}, ra[LANES] = {0}, ee[LANES] = {0};
@@ -58,7 +47,7 @@ static void sums_part(const float *restrict ref, const float *restrict act, int6
 }
 
 void qcore_compare_sums(const float *ref, const float *act, int64_t n, int64_t threads, double *sums) {
-    threads = usable_threads(threads);
+    threads = qcore_usable_threads(threads, MAX_PARTS);
     double parts[MAX_PARTS][4];
 #pragma omp parallel for num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < threads; ++t) {
@@ -71,7 +60,7 @@ void qcore_compare_sums(const float *ref, const float *act, int64_t n, int64_t t
 
 void qcore_fake_quantize_per_tensor(const float *x, float *out, int64_t n, float inv_scale, float scale, float low,
                                     float high, int64_t threads) {
-    threads = usable_threads(threads);
+    threads = qcore_usable_threads(threads, MAX_PARTS);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t i = 0; i < n; ++i) {
         float v = nearbyintf(x[i] * inv_scale);

@@ -19,6 +19,18 @@
 #include <omp.h>
 #endif
 
+/* The threads a kernel may use: at most `threads`, `most` and the OpenMP runtime's maximum, at least 1 (also
+ * used by _fused.c, built into the same library). */
+int64_t qcore_usable_threads(int64_t threads, int64_t most) {
+#ifdef _OPENMP
+    if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
+#else
+    threads = 1;
+#endif
+    if (threads > most) threads = most;
+    return threads < 1 ? 1 : threads;
+}
+
 #define BLOCK 16 /* rows per block: each block keeps its three largest values per channel */
 #define CHUNK 32 /* channels one register-resident step of the first pass handles */
 #define MAX_TOP 64 /* the largest k: the per-channel top buffers are this long */
@@ -391,12 +403,7 @@ int64_t qcore_observe(const float *x, int64_t outer, int64_t channels, int64_t i
     float *low = scratch, *high = scratch + channels, *bound = scratch + 2 * channels;
     float *levels = scratch + 3 * channels, *tops = levels + (k > 0 ? k : 1) * channels;
     float *parts = tops + 3 * ((outer + BLOCK - 1) / BLOCK) * channels;
-#ifdef _OPENMP
-    if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
-#else
-    threads = 1;
-#endif
-    if (threads < 1) threads = 1; /* never more than the caller sized scratch for */
+    threads = qcore_usable_threads(threads, threads); /* never more than the caller sized scratch for */
     if (!arguments_fit(outer, channels, inner, k, picks, n_picks, sample, m, threads, scratch_floats, state_channels,
                        ratio_slots))
         return 2;
@@ -433,13 +440,7 @@ int64_t qcore_observe(const float *x, int64_t outer, int64_t channels, int64_t i
  * the parts they wrote in the op before. Returns 1 on NaN, state untouched. */
 int64_t qcore_observe_range(const float *x, int64_t n, int64_t threads, float *extremes, double *extreme_sums) {
     enum { MAX_PARTS = 64 };
-#ifdef _OPENMP
-    if (threads > omp_get_max_threads()) threads = omp_get_max_threads();
-#else
-    threads = 1;
-#endif
-    if (threads < 1) threads = 1;
-    if (threads > MAX_PARTS) threads = MAX_PARTS;
+    threads = qcore_usable_threads(threads, MAX_PARTS);
     float parts[MAX_PARTS][3];
     int64_t span = (n + threads - 1) / threads;
     span = (span + 63) / 64 * 64;
