@@ -3,6 +3,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 from torch.ao.quantization.fx._model_report import detector as ao_detector
@@ -302,6 +304,35 @@ def test_sampled_percentile_within_stated_rank_bound(layout):
     mid_low = torch.quantile(rows, 0.945, dim=0)
     mid_high = torch.quantile(rows, 0.995, dim=0)
     assert torch.all((estimate >= mid_low) & (estimate <= mid_high))
+
+
+@given(count=st.integers(1, 3000), size=st.integers(1, 600), seed=st.integers(0, 5))
+@settings(max_examples=60, deadline=None)
+def test_sorted_sample_is_a_seeded_randperm_prefix_sorted(count, size, seed):
+    """The observers' shared sample: randperm's first `size` positions, ascending (everything when count <= size)."""
+    from qcore.report.observer import sorted_sample
+
+    expected = torch.arange(count) if count <= size else \
+        torch.randperm(count, generator=torch.Generator().manual_seed(seed + count))[:size].sort().values
+    assert torch.equal(sorted_sample(count, size, seed), expected)
+
+
+@given(shape=st.lists(st.integers(1, 7), min_size=2, max_size=4), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_channel_sample_offsets_address_the_sampled_positions(shape, data):
+    """Channel 0's offsets, plus c times the channel stride, are the flat indices of the sampled positions of
+    channel c, in the order of the other dimensions."""
+    from qcore.report.observer import channel_sample_offsets, sorted_sample
+
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    size = data.draw(st.integers(1, 40))
+    values = torch.arange(math.prod(shape)).reshape(shape)
+    others = values.movedim(axis, 0).reshape(shape[axis], -1)  # [channel, position over the other dims]
+    offsets = channel_sample_offsets(tuple(shape), axis, size, 0)
+    chosen = sorted_sample(others.shape[1], size, 0)
+    stride = math.prod(shape[axis + 1:])
+    for channel in range(shape[axis]):
+        assert torch.equal(values.reshape(-1)[offsets + channel * stride], others[channel, chosen])
 
 
 def test_report_observer_streams_without_host_copies(forbid_host_sync):

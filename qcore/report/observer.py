@@ -18,6 +18,7 @@ percentiles, no C compiler) goes through torch ops that stay on the device.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -177,10 +178,9 @@ class ReportObserver(nn.Module):
                 return None  # channels last and sampled: the torch path samples rows
             # channel 0's offsets of the torch path's sample (every position when count <= sample_size: a
             # selection among all of a channel's values is exact, and cheaper than a long top-k)
-            positions = self._sample_positions(shape, axis, torch.device("cpu"))
-            size = positions.shape[1]
-            ranks = [int(p * (size - 1)) for p in self.percentiles]
-            return outer, channels, inner, len(ranks), ranks, positions[0].contiguous()
+            offsets = channel_sample_offsets(tuple(shape), axis, self.sample_size, self.seed)
+            ranks = [int(p * (offsets.numel() - 1)) for p in self.percentiles]
+            return outer, channels, inner, len(ranks), ranks, offsets
         if top > NATIVE_MAX_TOP:
             return None
         picks = [top - 1 - (count - rank) for rank in ranks]  # positions in each channel's ascending top-k
@@ -226,22 +226,8 @@ class ReportObserver(nn.Module):
         """[channels, m] flat (row-major) indices: the same m positions in every channel."""
         key = ("take", tuple(shape), axis, str(device))
         if key != self._sample_key:
-            strides = torch.ones(len(shape), dtype=torch.int64)
-            for d in range(len(shape) - 2, -1, -1):
-                strides[d] = strides[d + 1] * shape[d + 1]
-            others = [d for d in range(len(shape)) if d != axis]
-            count = 1
-            for d in others:
-                count *= shape[d]
-            positions = torch.arange(count)
-            if count > self.sample_size:
-                generator = torch.Generator().manual_seed(self.seed + count)
-                positions = torch.randperm(count, generator=generator)[: self.sample_size].sort().values
-            offsets = torch.zeros_like(positions)
-            for d in reversed(others):  # decode the flat position over the non-channel dims
-                offsets += (positions % shape[d]) * strides[d]
-                positions = positions // shape[d]
-            channel = torch.arange(shape[axis]) * strides[axis]
+            channel = torch.arange(shape[axis]) * math.prod(shape[axis + 1:])
+            offsets = channel_sample_offsets(tuple(shape), axis % len(shape), self.sample_size, self.seed)
             self._sample_index = (channel[:, None] + offsets[None, :]).to(device)
             self._sample_key = key
         return self._sample_index
@@ -263,11 +249,9 @@ class ReportObserver(nn.Module):
     def _row_sample(self, count: int, device) -> torch.Tensor:
         key = ("rows", count, str(device))
         if key != self._sample_key:
-            generator = torch.Generator().manual_seed(self.seed + count)
-            self._sample_index = torch.randperm(count, generator=generator)[: self.sample_size].sort().values.to(device)
+            self._sample_index = sorted_sample(count, self.sample_size, self.seed).to(device)
             self._sample_key = key
         return self._sample_index
-
 
     # ---- read-only views for detectors (host copies happen here, after calibration) ----
 
@@ -323,6 +307,31 @@ class ReportObserver(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ch_axis={self.ch_axis}, percentiles={self.percentiles}, per_channel={self.per_channel}"
+
+
+@functools.lru_cache(maxsize=256)
+def sorted_sample(count: int, size: int, seed: int) -> torch.Tensor:
+    """The ascending positions of a seeded random sample of `size` out of range(count) (all when count <= size),
+    shared by every observer that asks for the same: never modify it."""
+    if count <= size:
+        return torch.arange(count)
+    chosen = torch.zeros(count, dtype=torch.bool)
+    chosen[torch.randperm(count, generator=torch.Generator().manual_seed(seed + count))[:size]] = True
+    return chosen.nonzero().reshape(-1)  # the sorted sample, without a sort
+
+
+@functools.lru_cache(maxsize=256)
+def channel_sample_offsets(shape: tuple[int, ...], axis: int, size: int, seed: int) -> torch.Tensor:
+    """Channel 0's flat offsets of the positions sampled in every channel of an activation of `shape` (channel
+    c's are these plus c times the channel stride), shared like sorted_sample."""
+    others = [d for d in range(len(shape)) if d != axis]
+    positions = sorted_sample(math.prod(shape[d] for d in others), size, seed)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    offsets = torch.zeros_like(positions)
+    for d in reversed(others):  # decode the flat position over the non-channel dims
+        offsets += (positions % shape[d]) * strides[d]
+        positions = positions // shape[d]
+    return offsets
 
 
 def _column_quantiles(sample: torch.Tensor, percentiles: tuple[float, ...], dim: int) -> torch.Tensor:
