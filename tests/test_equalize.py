@@ -47,6 +47,20 @@ def test_scale_function_matches_torch_ao():
     assert float(ours[3]) == 1.0
 
 
+@given(shape=st.lists(st.integers(1, 6), min_size=2, max_size=5), seed=st.integers(0, 3))
+@settings(max_examples=40, deadline=None)
+def test_weight_column_ranges_equal_one_reduction_over_the_other_dims(shape, seed):
+    """The weight observer's per-column (axis 1) min and max, linear and conv kernels alike, with NaN kept."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    if seed == 3:
+        w.view(-1)[0] = float("nan")
+    observer = WeightEqualizationObserver()
+    observer(w)
+    others = [d for d in range(w.dim()) if d != 1]
+    torch.testing.assert_close(observer.min_val, w.amin(dim=others), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(observer.max_val, w.amax(dim=others), rtol=0, atol=0, equal_nan=True)
+
+
 class Linear2(nn.Module):
     def __init__(self, width=6):
         super().__init__()
