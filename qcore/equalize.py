@@ -27,7 +27,8 @@ from .graph import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, o
 __all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserver", "WeightEqualizationObserver",
     "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
     "equalization_refusal", "equalize", "get_equalization_qconfig_dict", "get_layer_sqnr_dict", "input_channel_axis",
-    "input_weight_scale", "node_is_transposed", "producer_layer", "resolve_layers", "smooth", "weight_column_factor"]
+    "input_weight_scale", "node_is_transposed", "producer_layer", "resolve_layers", "smooth", "weight_column_factor",
+    "weight_column_ranges"]
 
 
 class EqualizationError(ValueError):
@@ -40,9 +41,9 @@ def _minmax_along(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tenso
     return x.amin(dim=others).float(), x.amax(dim=others).float()
 
 
-def _column_minmax(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max of each weight column (axis 1); a conv's kernel window is reduced first, which is twice as fast
-    as one reduction over dims (0, 2, 3)."""
+def weight_column_ranges(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max (float32) of each weight column (axis 1, the input channels)."""
+    # a conv's kernel window first: twice as fast as one reduction over dims (0, 2, 3)
     if w.dim() == 2:
         return _minmax_along(w, 1)
     windows = w.flatten(2)
@@ -108,7 +109,7 @@ class WeightEqualizationObserver(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if w.dim() < 2 or w.dim() > 5:
             raise ValueError("WeightEqualizationObserver supports linear and conv weights (2 to 5 dims)")
-        low, high = _column_minmax(w.detach())
+        low, high = weight_column_ranges(w.detach())
         if self.min_val.numel() == 0:
             self.min_val, self.max_val = low, high
         else:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..equalize import weight_column_ranges
 from ..graph import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted
 from ..quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from .observer import ReportObserver
@@ -317,9 +318,7 @@ class InputWeightEqualizationDetector(DetectorBase):
         return points
 
     def _weight_ranges(self, model: fx.GraphModule, op: QuantizableOp) -> tuple[torch.Tensor, torch.Tensor]:
-        weight = _fetch(model, op.weight_target).detach().float()
-        rows = weight.movedim(1, 0).reshape(weight.shape[1], -1)  # weight input channels are axis 1
-        return torch.aminmax(rows, dim=1)
+        return weight_column_ranges(_fetch(model, op.weight_target).detach())
 
     def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
         info = {}
