@@ -33,7 +33,7 @@ int64_t qcore_usable_threads(int64_t threads, int64_t most) {
 
 #define BLOCK 16 /* rows per block: each block keeps its three largest values per channel */
 #define CHUNK 32 /* channels one register-resident step of the first pass handles */
-#define MAX_TOP 64 /* the largest k: the per-channel top buffers are this long */
+#define MAX_TOP 128 /* the largest k: the per-channel top buffers are this long (NATIVE_MAX_TOP in observer.py) */
 
 static void fill(float *values, int64_t n, float v) {
     for (int64_t i = 0; i < n; ++i) values[i] = v;

@@ -106,6 +106,21 @@ def test_native_percentile_is_the_exact_lower_quantile(order):
 
 
 @needs_kernel
+@pytest.mark.parametrize("order", ["random", "crowded"])
+def test_attention_keys_take_the_kernel_with_a_top_k_over_64(order, monkeypatch):
+    """Attention's transposed keys, [batch, heads, positions, head_dim] per head_dim channel: 3072 rows, so the
+    97.5th percentile needs each channel's 78 largest values. The kernel keeps up to 128, exact."""
+    x = torch.randn(4, 64, 12, 32) ** 3
+    if order == "crowded":
+        x = x.flatten(0, 2).sort(dim=0, descending=True).values.reshape(x.shape)
+    batches = [x.transpose(1, 2), x.transpose(1, 2) * 2 - 1]  # strided, as a transpose in the graph leaves them
+    native_observer = _observe(batches, ch_axis=-1, percentiles=(0.975,))
+    assert native_observer._native_plan is not None
+    _torch_path(monkeypatch)
+    _assert_same_state(native_observer, _observe(batches, ch_axis=-1, percentiles=(0.975,)))
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["normal", "ties", "sorted", "relu"])
 @pytest.mark.parametrize("shape", [(4, 6, 48, 48), (4, 6, 32, 32)])
 def test_sampled_conv_percentiles_equal_the_torch_path(kind, shape, monkeypatch):
@@ -252,7 +267,7 @@ def test_the_kernel_refuses_buffers_too_small_for_its_arguments():
                                      state_channels, ratio_sums.data_ptr(), ratio_counts.data_ptr(), ratio_slots)
 
     assert observe(needed) == 0
-    refused = [observe(needed - 1), observe(needed, k=65), observe(needed, state_channels=4),
+    refused = [observe(needed - 1), observe(needed, k=129), observe(needed, state_channels=4),
                observe(needed, ratio_slots=7), observe(needed, pick=2), observe(needed, pick=-1)]
     assert refused == [native.REFUSED] * len(refused)
     assert isinstance(ctypes.c_int64(0).value, int)

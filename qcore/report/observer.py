@@ -30,7 +30,10 @@ __all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportO
 
 DEFAULT_SAMPLE_SIZE = 4096
 NATIVE_MAX_NUMEL = 1 << 20  # above this, per-op overhead is small next to the work: torch ops do as well
-NATIVE_MAX_TOP = 64  # the kernel keeps each channel's k largest values in a sorted list
+NATIVE_MAX_TOP = 128  # the kernel keeps each channel's k largest values in a sorted list (MAX_TOP in _stats.c)
+# channel-major channels (runs) insert value by value into that list: for a longer top k, selecting among all of a
+# channel's values is cheaper; channels-last rows insert whole blocks branchlessly and keep the list up to 128
+RUNS_MAX_TOP = 64
 _STATE = frozenset({"extremes", "extreme_sums", "min_val", "max_val", "ratio_sums", "ratio_counts",
                     "constant_channels"})
 
@@ -173,7 +176,7 @@ class ReportObserver(nn.Module):
             return outer, channels, inner, 0, [], no_sample
         ranks = [int(p * (count - 1)) + 1 for p in self.percentiles]  # 1-based, ascending
         top = max(count - rank + 1 for rank in ranks)
-        if count > self.sample_size or (top > NATIVE_MAX_TOP and inner > 1):
+        if count > self.sample_size or (top > RUNS_MAX_TOP and inner > 1):
             if inner == 1:
                 return None  # channels last and sampled: the torch path samples rows
             # channel 0's offsets of the torch path's sample (every position when count <= sample_size: a
