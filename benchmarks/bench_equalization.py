@@ -103,7 +103,7 @@ def smoothing_on_the_encoder() -> None:
     import time
 
     from qcore.analysis import ModelAnalysis
-    from qcore.equalize import smooth
+    from qcore.smoothing import smooth
 
     torch.set_num_threads(2)
     model, batches = _encoder()
@@ -148,7 +148,7 @@ def smoothing_on_hf_bert() -> None:
     except ImportError:
         print("transformers is not installed: skipping BertModel")
         return
-    from qcore.equalize import smooth
+    from qcore.smoothing import smooth
 
     config = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                                      intermediate_size=512, max_position_embeddings=64)

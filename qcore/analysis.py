@@ -21,16 +21,14 @@ from torch.utils import _pytree as pytree
 
 from .calibrate import calibrate
 from .capture import capture, clone_graph_module
-from .convert import restore_model_state
 from .diagnose import (
     Nondeterminism,
     NonDeterministicModelError,
     describe_outputs,
     first_nondeterministic,
     outputs_agree,
-    resolution_limits,
 )
-from .equalize import cross_layer_equalize, equalization_refusal, equalize
+from .equalize import cross_layer_equalize, equalize
 from .graph import find_quantizable_ops
 from .inputs import call_model
 from .measure import (
@@ -39,17 +37,14 @@ from .measure import (
     OutputSqnr,
     SqnrMeasurement,
     VariantSqnr,
-    calibrate_and_convert,
     measure_model,
-    sqnr_measurement,
+    measure_sqnr,
 )
-from .numeric.compare import compare
-from .numeric.suite import extract_weights
 from .observers import HistogramObserver
-from .prepare import prepare
 from .quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from .report import ModelReport
 from .report.detectors import DetectorBase
+from .rewritable import equalization_refusal
 from .smoothing import smooth, smoothing_alpha
 
 __all__ = ["LayerSqnr", "ModelAnalysis", "OutputSqnr", "QuantizedLayer", "SqnrMeasurement", "VariantSqnr",
@@ -92,20 +87,6 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
             clipping=getattr(activation, "observer_or_fake_quant_ctr", None) is HistogramObserver,
             equalizable=candidate and not refusal, equalization_refusal=refusal if candidate else ""))
     return layers
-
-
-def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None = None, *,
-                 shadow: bool = True) -> SqnrMeasurement:
-    """Quantize a copy of `float_gm` on `batches`, then compare it with the float graph. shadow=False skips the
-    shadow pass (each layer fed float inputs): shadow_sqnr_db is then nan."""
-    if shadow:
-        return measure_model(float_gm, batches, quantizer).sqnr
-    prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
-    quant_gm = calibrate_and_convert(prepared, float_gm, batches)
-    restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
-    weights = extract_weights("float", float_gm, "quant", quant_gm)
-    return sqnr_measurement(compare(float_gm, quant_gm, batches, propagate=True), {}, weights,
-                            resolution_limits(quant_gm))
 
 
 def _max_relative_error(reference: fx.GraphModule, candidate: fx.GraphModule, batches: list) -> float:

@@ -23,11 +23,12 @@ from torch import fx, nn
 from .calibrate import calibrate
 from .capture import clone_graph_module
 from .graph import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, op_kind
+from .rewritable import conv_groups, equalization_refusal, fetch_tensor, node_is_transposed
 
 __all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserver", "WeightEqualizationObserver",
     "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
     "equalization_refusal", "equalize", "get_equalization_qconfig_dict", "get_layer_sqnr_dict", "input_channel_axis",
-    "input_weight_scale", "node_is_transposed", "producer_layer", "resolve_layers", "smooth", "weight_column_factor",
+    "input_weight_scale", "node_is_transposed", "producer_layer", "resolve_layers", "weight_column_factor",
     "weight_column_ranges"]
 
 
@@ -150,13 +151,6 @@ default_equalization_qconfig = EqualizationQConfig(InputEqualizationObserver, We
 # graph helpers
 
 
-def _fetch(module: nn.Module, target: str) -> torch.Tensor:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def _assign(module: nn.Module, target: str, value: torch.Tensor) -> None:
     *path, name = target.split(".")
     owner = module
@@ -167,47 +161,15 @@ def _assign(module: nn.Module, target: str, value: torch.Tensor) -> None:
     setattr(owner, name, new)
 
 
-def _groups(op: QuantizableOp) -> int:
-    if op.kind != "conv":
-        return 1
-    node = op.node
-    if node.target == torch.ops.aten.convolution.default:
-        return int(node.args[8])
-    if "groups" in node.kwargs:
-        return int(node.kwargs["groups"])
-    return int(node.args[6]) if len(node.args) > 6 else 1
-
-
-def equalization_refusal(gm: fx.GraphModule, op: QuantizableOp) -> str:
-    """Why input-weight equalization cannot rewrite this layer ("" when it can)."""
-    if op.kind not in ("linear", "conv") or op.weight is None or op.weight.op != "get_attr":
-        return "only linear and conv layers with a weight parameter can be equalized"
-    users = [n for n in gm.graph.nodes if op.weight in n.all_input_nodes]
-    if len(users) > 1:
-        return (f"its weight is shared with {len(users) - 1} other op(s) (tied weights, or one module called "
-                "several times), and scaling it for one call would change the others")
-    weight = _fetch(gm, op.weight_target)
-    if op.kind == "conv" and weight.dim() not in (3, 4):
-        return f"only Conv1d and Conv2d are supported, not a {weight.dim() - 2}-d conv"
-    if op.node.op == "call_function" and op.kind == "conv" and node_is_transposed(op.node):
-        return "transposed convolutions are not supported"
-    return ""
-
-
 def _check_layer(gm: fx.GraphModule, op: QuantizableOp) -> None:
     reason = equalization_refusal(gm, op)
     if reason:
         raise EqualizationError(f"layer {op.layer}: {reason}. Remove it from the equalization mapping")
 
 
-def node_is_transposed(node: fx.Node) -> bool:
-    """True for aten.convolution nodes with transposed=True."""
-    return node.target == torch.ops.aten.convolution.default and bool(node.args[6])
-
-
 def _input_channel_scale(op: QuantizableOp, scale: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The per-input-channel scale laid out over the weight: [out, in/groups, ...] broadcastable."""
-    groups = _groups(op)
+    groups = conv_groups(op)
     out_channels, in_per_group = weight.shape[0], weight.shape[1]
     per_group = scale.reshape(groups, in_per_group)  # input channel g * in_per_group + j
     expanded = per_group.repeat_interleave(out_channels // groups, dim=0)  # row o belongs to group o // (out/groups)
@@ -216,7 +178,7 @@ def _input_channel_scale(op: QuantizableOp, scale: torch.Tensor, weight: torch.T
 
 def _scale_weight_columns(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool) -> None:
     target = op.weight_target
-    weight = _fetch(gm, target).detach()
+    weight = fetch_tensor(gm, target).detach()
     factor = _input_channel_scale(op, scale.to(weight), weight)
     _assign(gm, target, weight / factor if inverse else weight * factor)
 
@@ -226,7 +188,7 @@ def _scale_output_rows(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tenso
         if node is None:
             continue
         target = str(node.target)
-        value = _fetch(gm, target).detach()
+        value = fetch_tensor(gm, target).detach()
         factor = scale.to(value).reshape(-1, *([1] * (value.dim() - 1)))
         _assign(gm, target, value / factor if inverse else value * factor)
 
@@ -327,8 +289,8 @@ def input_weight_scale(gm: fx.GraphModule, op: QuantizableOp, input_observer: In
                        ) -> torch.Tensor:
     """The equalization scale s of one layer (1-d, per input channel) from its calibrated input observer."""
     weight_observer = WeightEqualizationObserver()
-    weight = _fetch(gm, op.weight_target).detach()
-    groups = _groups(op)
+    weight = fetch_tensor(gm, op.weight_target).detach()
+    groups = conv_groups(op)
     if groups > 1:  # columns of a grouped conv weight: channel g * in_per_group + j
         weight_observer.min_val, weight_observer.max_val = _grouped_column_minmax(weight, groups)
     else:
@@ -375,11 +337,11 @@ def _insert_input_mul(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor
     while hasattr(gm, name):
         name += "_"
     if op.kind == "conv":  # [1, C, 1(, 1)]: the channel axis of a Conv1d/Conv2d input
-        weight = _fetch(gm, op.weight_target)
+        weight = fetch_tensor(gm, op.weight_target)
         shape = [1, -1] + [1] * (weight.dim() - 2)
     else:  # the feature (last) axis broadcasts from a 1-d scale
         shape = [-1]
-    gm.register_buffer(name, scale.reshape(shape).to(_fetch(gm, op.weight_target).dtype))  # the model's dtype
+    gm.register_buffer(name, scale.reshape(shape).to(fetch_tensor(gm, op.weight_target).dtype))  # the model's dtype
     with gm.graph.inserting_before(op.node):
         attr = gm.graph.get_attr(name)
         mul = gm.graph.call_function(torch.mul, (source, attr))
@@ -390,10 +352,10 @@ def _insert_input_mul(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor
 
 def _weight_ranges(gm: fx.GraphModule, op: QuantizableOp, axis: int) -> torch.Tensor:
     """max |w| per output channel (axis 0) or per input channel (axis 1, grouped convs included)."""
-    weight = _fetch(gm, op.weight_target).detach().abs()
+    weight = fetch_tensor(gm, op.weight_target).detach().abs()
     if axis == 0:
         return weight.reshape(weight.shape[0], -1).amax(dim=1)
-    groups = _groups(op)
+    groups = conv_groups(op)
     if groups > 1:
         return _grouped_column_minmax(weight, groups)[1]
     return weight.movedim(1, 0).reshape(weight.shape[1], -1).amax(dim=1)
@@ -434,4 +396,3 @@ def cross_layer_equalize(gm: fx.GraphModule, iterations: int = 1) -> fx.GraphMod
     return result
 
 
-from .smoothing import smooth  # noqa: E402 - qcore.equalize.smooth is the public name; smoothing imports equalize

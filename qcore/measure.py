@@ -27,7 +27,7 @@ from .equalize import (
     input_channel_axis,
 )
 from .graph import INSERTED_KEY, find_quantizable_ops
-from .numeric.compare import ShadowGraph, compare_propagated_and_shadow
+from .numeric.compare import ShadowGraph, compare, compare_propagated_and_shadow
 from .numeric.metrics import compute_sqnr
 from .numeric.suite import extract_weights
 from .prepare import prepare
@@ -46,7 +46,7 @@ from .variants import (
 )
 
 __all__ = ["LayerSqnr", "ModelMeasurement", "OutputSqnr", "SqnrMeasurement", "VariantSqnr", "calibrate_and_convert",
-           "measure_model", "sqnr_measurement"]
+           "measure_model", "measure_sqnr", "sqnr_measurement"]
 
 
 @dataclass(frozen=True)
@@ -240,3 +240,17 @@ def sqnr_measurement(records: list[dict], shadows: dict[str, dict], weights: dic
             cosine=float(record["cosine"]), batches=int(record["batches"]), weight_sqnr_db=weight_db,
             below_resolution=limits.get(record["layer"], ()))
     return SqnrMeasurement(layers, outputs)
+
+
+def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None = None, *,
+                 shadow: bool = True) -> SqnrMeasurement:
+    """Quantize a copy of `float_gm` on `batches`, then compare it with the float graph. shadow=False skips the
+    shadow pass (each layer fed float inputs): shadow_sqnr_db is then nan."""
+    if shadow:
+        return measure_model(float_gm, batches, quantizer).sqnr
+    prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
+    quant_gm = calibrate_and_convert(prepared, float_gm, batches)
+    restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
+    weights = extract_weights("float", float_gm, "quant", quant_gm)
+    return sqnr_measurement(compare(float_gm, quant_gm, batches, propagate=True), {}, weights,
+                            resolution_limits(quant_gm))

@@ -250,7 +250,7 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
         chosen.append(best)
         estimate = best_db
     model.quantize_only(model.layers)
-    from .analysis import measure_sqnr
+    from .measure import measure_sqnr
 
     measured = (measure_sqnr(float_gm, list(batches), with_float_layers(quantizer, chosen), shadow=False)
                 if chosen else None)

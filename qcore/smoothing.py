@@ -29,6 +29,7 @@ from .calibrate import calibrate
 from .capture import clone_graph_module
 from .graph import FQN_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, op_kind
 from .qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor
+from .rewritable import equalization_refusal
 
 __all__ = ["ALPHA_GRID", "SmoothingGroup", "smooth", "smoothing_alpha", "smoothing_groups"]
 
@@ -131,8 +132,6 @@ def _assign(gm: nn.Module, target: str, value: torch.Tensor) -> None:
 def smoothing_groups(gm: fx.GraphModule, layers: Sequence[str] | None = None) -> tuple[list[SmoothingGroup],
                                                                                           dict[str, str]]:
     """The groups that smoothing can rewrite, and {layer: reason} for the linear layers it must leave alone."""
-    from .equalize import equalization_refusal
-
     by_input: dict[fx.Node, list[QuantizableOp]] = {}
     refused: dict[str, str] = {}
     for op in find_quantizable_ops(gm):

@@ -16,7 +16,8 @@ import qcore
 from qcore.analysis import ModelAnalysis, measure_sqnr
 from qcore.capture import clone_graph_module
 from qcore.convert import convert
-from qcore.equalize import equalize, smooth
+from qcore.equalize import equalize
+from qcore.smoothing import smooth
 from qcore.measure import measure_model
 from qcore.variants import variant_batches
 from qcore.numeric.compare import compare, compare_propagated_and_shadow
@@ -181,7 +182,7 @@ def test_copies_share_the_weights_and_the_converted_graph_can_drop_its_float_one
 
 
 def test_the_analysis_pauses_the_garbage_collector_then_frees_its_graphs():
-    from pytest_qreport.runner import garbage_collection_paused
+    from pytest_qreport.core.runtime import garbage_collection_paused
 
     assert gc.isenabled()
     graph = qcore.capture(SmallMLP().eval(), torch.randn(2, 32))

@@ -7,7 +7,7 @@ from torch import nn
 
 import qcore
 from qcore.analysis import measure_sqnr
-from qcore.equalize import smooth
+from qcore.smoothing import smooth
 
 
 class LayerNormLinear(nn.Module):
