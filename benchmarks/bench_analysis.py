@@ -3,9 +3,9 @@
 For each case, in a fresh subprocess (so that peak RSS is the analysis's own), on 2 torch threads:
 - the plain eager forward over the calibration batches (best of 3);
 - the full default analysis behind `pytest --qreport` (every built-in check, as the plugin runs them), in two
-  parts: collection (pytest_qreport.runner.collect_model: capture with torch.export, list each check's
+  parts: collection (pytest_qreport.core.pipeline.collect_model: capture with torch.export, list each check's
   layers; once per model and session, or none on a warm capture cache) and the analysis proper
-  (pytest_qreport.runner.analyze: the first item's setup, as the issue measures it); and `sqnr,model_sqnr` alone;
+  (ModelPipeline.analyze: the first item's setup, as the issue measures it); and `sqnr,model_sqnr` alone;
 - the steady state: three more rounds of (forward, analysis of the same model), best of each. The first
   analysis in a process also pays the process's one-time costs (imports, first calls of each op), which a
   session pays once, not once per model;
@@ -110,11 +110,10 @@ def _resnet18():
 
 
 def _settings(checks, batches):
-    from pytest_qreport.options import ModelSettings
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.settings import ModelSettings
 
-    return ModelSettings(20.0, 20.0, 30.0, layers=None, skip_layers=None, float_layers=None, checks=checks,
-                         calibration=batches, example_inputs=None, quantizer="int8", equalize=None,
-                         equalization_min_gain_db=1.0, severity={}, check_options={})
+    return ModelSettings.defaults(BUILTIN_CHECKS, checks=checks, calibration=batches)
 
 
 def _rss_bytes(field: str) -> int | None:
@@ -141,8 +140,8 @@ def _analyse(model, batches, checks, between=None) -> tuple[float, float]:
     between the two, untimed."""
     import qcore
     from pytest_qreport.checks import BUILTIN_CHECKS
-    from pytest_qreport.registry import CheckRegistry
-    from pytest_qreport.runner import analyze, collect_model
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.registry import CheckRegistry
 
     registry = CheckRegistry()
     for check in BUILTIN_CHECKS:
@@ -154,8 +153,8 @@ def _analyse(model, batches, checks, between=None) -> tuple[float, float]:
     if between is not None:
         between()
         collected = time.perf_counter()
-    analyze(state, lambda: batches, lambda found: None, threads=2)
-    assert state.analysis_error is None, state.analysis_error
+    state.analyze(lambda: batches, lambda found: None, threads=2)
+    assert not state.failed, state.error
     return collected - start, time.perf_counter() - collected
 
 

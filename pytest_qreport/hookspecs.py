@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from .findings import Finding, RunOutcome
-    from .registry import CheckRegistry
+    from .core.findings import Finding, RunOutcome
+    from .core.registry import CheckRegistry
+    from .core.results import RunResults
 
 __all__ = ["pytest_qreport_make_quantizer", "pytest_qreport_modify_findings", "pytest_qreport_register_checks",
            "pytest_qreport_report"]
@@ -64,15 +65,22 @@ def pytest_qreport_modify_findings(model: str, findings: list[Finding]) -> None:
 
 
 @pytest.hookspec()
-def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: RunOutcome) -> None:
+def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: RunOutcome,
+                          results: RunResults) -> str | list[str] | None:
     """Write extra outputs at the end of a --qreport session, on the controller process only.
 
-    `rows` holds every qreport finding of the session in collection order, with `nodeid` and `duration` set.
-    `outcome` says how complete they are: after Ctrl-C or -x, `outcome.interrupted` says why the run stopped
-    and `outcome.not_run` how many collected items did not run; a writer may then keep its previous file.
-    The summary table and the --qreport-junitxml writer are implementations of this hook. Example::
+    `results` is one immutable RunResults: `results.rows` holds every qreport finding of the session in
+    collection order, with `nodeid` and `duration` set; `results.models` the facts of each model (baseline file,
+    fingerprint, capture method, errors), by the name its rows carry; `results.outcome` how complete the rows are:
+    after Ctrl-C or -x, `outcome.interrupted` says why the run stopped and `outcome.not_run` how many collected
+    items did not run, and a writer may then keep its previous file. `rows` and `outcome` are the same as
+    `results.rows` and `results.outcome`. Return a line (or lines) for the terminal, such as the path written;
+    raise `pytest_qreport.ReportError` when the output cannot be written: the session prints the message, fails,
+    and the other reporters still run. The summary table and the JUnit, JSON and HTML writers implement this
+    hook. Example::
 
-        def pytest_qreport_report(rows, config):
-            failing = [row.to_dict() for row in rows if row.failed]
+        def pytest_qreport_report(results):
+            failing = [row.to_dict() for row in results.rows if row.failed]
             pathlib.Path("qreport-failing.json").write_text(json.dumps(failing))
+            return "qreport: failing rows written to qreport-failing.json"
     """

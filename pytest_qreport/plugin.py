@@ -4,15 +4,17 @@ Neither torch nor qcore is imported unless --qreport is given.
 """
 from __future__ import annotations
 
-from .fixture import qreport
-from .options import add_options
+from .adapter.fixture import qreport
+from .core.settings import add_options
 
 __all__ = ["pytest_addhooks", "pytest_addoption", "pytest_configure", "qreport"]
 
 
 def pytest_addoption(parser) -> None:
-    """Register the --qreport flags and ini keys."""
-    add_options(parser)
+    """Register the --qreport flags and ini keys (the built-in checks' thresholds among them)."""
+    from .checks import BUILTIN_CHECKS
+
+    add_options(parser, BUILTIN_CHECKS)
 
 
 def pytest_addhooks(pluginmanager) -> None:
@@ -25,20 +27,21 @@ def pytest_addhooks(pluginmanager) -> None:
 def pytest_configure(config) -> None:
     """Register the built-in checks and quantizer names (the qreport fixture uses them too); with --qreport
     also the reports and the session, then check the options."""
-    from . import checks, quantizers
+    from . import checks
+    from .core import quantizers
 
     for name, module in (("qreport-checks", checks), ("qreport-quantizers", quantizers)):
         if not config.pluginmanager.has_plugin(name):
             config.pluginmanager.register(module, name)
     if not config.getoption("qreport", default=False):
         return
-    from . import html, jsonreport, junit, summary
-    from .session import QReportSession
+    from .adapter.session import QReportSession
+    from .reports import html, jsonfile, junit, terminal
 
     # items carry one xdist_group per model; without pytest-xdist nobody else registers the marker
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist --dist loadgroup runs a group in one worker")
 
-    for name, module in (("qreport-summary", summary), ("qreport-junit", junit), ("qreport-json", jsonreport),
+    for name, module in (("qreport-summary", terminal), ("qreport-junit", junit), ("qreport-json", jsonfile),
                          ("qreport-html", html)):
         if not config.pluginmanager.has_plugin(name):
             config.pluginmanager.register(module, name)

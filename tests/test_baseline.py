@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from pytest_qreport.baseline import (
+from pytest_qreport.core.baseline import (
     Baseline,
     BaselineError,
     compare_findings,
@@ -15,7 +15,7 @@ from pytest_qreport.baseline import (
     load_baseline,
     write_baseline,
 )
-from pytest_qreport.findings import Finding
+from pytest_qreport.core.findings import Finding
 from tests.test_plugin import TINY_SOURCE, _outcomes, _summary
 
 FINGERPRINT = {"torch": "2.13.0", "qcore": "0.1.0", "quantizer": {"class": "Q"}, "calibration": "sha256:1",
@@ -82,7 +82,7 @@ def test_regressions_in_each_metric_direction_fail_with_value_baseline_delta_and
                                                              threshold=30.0)],
                              {("sqnr", "fc1"): (41.0, "pass"), ("outlier", "fc1"): (4.0, "pass")})
     assert sqnr.verdict == "fail" and sqnr.baseline_status == "regressed" and sqnr.delta == pytest.approx(-3.0)
-    assert "38.00 dB now, 41.00 dB in b.json (delta -3.00, tolerance 0.5)" in sqnr.message
+    assert "38.0 dB now, 41.0 dB in b.json (delta -3.0 dB, tolerance 0.5)" in sqnr.message
     assert outlier.verdict == "fail" and outlier.delta == pytest.approx(1.0)  # lower is better: +1 is worse
     within, improved = _compare([_finding(value=40.7), _finding("outlier", value=2.0, metric="ratio")],
                                 {("sqnr", "fc1"): (41.0, "pass"), ("outlier", "fc1"): (4.0, "pass")})
@@ -157,7 +157,7 @@ def test_a_perturbed_layer_fails_against_its_baseline_and_passes_the_absolute_th
     result.stdout.fnmatch_lines(["*weight_sqnr/fc3 regressed against the baseline: * dB now, * dB in *three.json "
                                  "(delta -*, tolerance 0.5). Fix the regression, or accept it with pytest --qreport "
                                  "--qreport-update-baseline."])
-    assert re.search(r"three\s+weight_sqnr\s+fc3\s+\S+ dB\s+30.0 dB\s+\S+ dB\s+-\d+\.\d\d\s+FAIL\s+regressed",
+    assert re.search(r"three\s+weight_sqnr\s+fc3\s+\S+ dB\s+30.0 dB\s+\S+ dB\s+-\d+\.\d dB\s+FAIL\s+regressed",
                      _summary(result))
     cases = {c.get("name"): {p.get("name"): p.get("value") for p in c.iter("property")}
              for c in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}
@@ -286,7 +286,7 @@ def test_the_qreport_fixture_with_and_without_the_flag_and_under_xdist(pytester)
                                "--qreport-junitxml=qreport.xml")
     gated.assert_outcomes(passed=1, failed=1)
     summary = _summary(gated)
-    assert re.search(r"two\s+sqnr\s+fc1\s+\S+ dB\s+20.0 dB\s+\S+ dB\s+0.00\s+PASS", summary)
+    assert re.search(r"two\s+sqnr\s+fc1\s+\S+ dB\s+20.0 dB\s+\S+ dB\s+0 dB\s+PASS", summary)
     assert re.search(r"two_strict\s+sqnr\s+fc1\s+\S+ dB\s+20.0 dB", summary)
     cases = {c.get("name"): {p.get("name") for p in c.iter("property")}
              for c in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}

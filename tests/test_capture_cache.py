@@ -4,8 +4,9 @@ import json
 import torch
 from torch import nn
 
-from pytest_qreport.capture_cache import LayerCache, model_cache_key
-from pytest_qreport.options import ModelSettings
+from pytest_qreport.core.layer_cache import LayerCache, model_cache_key
+from pytest_qreport.checks import BUILTIN_CHECKS
+from pytest_qreport.core.settings import ModelSettings
 
 from .test_plugin import CONFTEST, SQNR_ONLY
 
@@ -14,7 +15,7 @@ COUNT_CAPTURES = """
 import os
 import qcore
 import qcore.capture
-import pytest_qreport.runner
+import pytest_qreport.core.pipeline
 
 _real_capture = qcore.capture
 
@@ -118,9 +119,7 @@ def test_a_changed_model_is_captured_again_and_its_new_layers_are_items(pytester
 
 
 def _settings():
-    return ModelSettings(20.0, 20.0, 30.0, layers=None, skip_layers=None, float_layers=None, checks=["sqnr"],
-                         calibration=None, example_inputs=None, quantizer="int8", equalize=None,
-                         equalization_min_gain_db=1.0, severity={}, check_options={})
+    return ModelSettings.defaults(BUILTIN_CHECKS, checks=["sqnr"])
 
 
 def test_the_key_covers_shapes_dtypes_settings_and_versions(monkeypatch, tmp_path):
@@ -138,8 +137,7 @@ def test_the_key_covers_shapes_dtypes_settings_and_versions(monkeypatch, tmp_pat
     assert key(inputs=torch.randn(5, 4)) != base
     assert key(inputs=torch.randn(3, 4, dtype=torch.float64)) != base
     assert key(model=nn.Linear(4, 3)) != base
-    changed = _settings()
-    changed.skip_layers = ["x"]
+    changed = _settings().replace(skip_layers=["x"])
     assert key(settings=changed) != base
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert key() != base

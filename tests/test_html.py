@@ -53,7 +53,7 @@ def test_the_report_is_one_offline_file_with_every_row_failures_first(report):
     verdicts = re.findall(r'<tr class="row-(\w+)">', fragile)
     assert verdicts[0] == "fail" and verdicts.index("pass") > verdicts.index("warn")   # failures first
     assert "float_layers=[" in fragile and "sensitivity: output SQNR gained" in fragile
-    assert "per-layer SQNR in graph order" in fragile and "input-weight equalization: SQNR gain" in text
+    assert "per-layer SQNR in graph order" in fragile and "equalization: SQNR gain per layer of the best method" in text
     assert oct(report.stat().st_mode & 0o777) != "0o600"   # an ordinary file, written atomically
 
 

@@ -30,19 +30,20 @@ def batches(scale):
     return [scale * torch.randn(16, 8, generator=g) for _ in range(4)]
 
 
-class Cosine(Check):
-    """Cosine similarity of each quantized layer's output with the float one."""
+class NormalizedL2(Check):
+    """Normalized L2 error of each quantized layer's output against the float one (lower is better)."""
 
-    name, order, metric, needs = "cosine", 95, "cosine", frozenset({"sqnr"})
+    name, order, metric, needs = "normalized_l2", 95, "normalized_l2", frozenset({"sqnr"})
+    higher_is_better = False
 
     def findings(self, model, layers):
-        minimum = self.options.get("min", 0.9)
-        return [self.finding(model, layer, model.analysis.sqnr.layers[layer].cosine, minimum,
-                             message=f"layer {layer}: cosine below {minimum}") for layer in layers]
+        maximum = self.options.get("max", 0.9)
+        return [self.finding(model, layer, model.analysis.sqnr.layers[layer].normalized_l2, maximum,
+                             message=f"layer {layer}: normalized L2 above {maximum}") for layer in layers]
 
 
 def pytest_qreport_register_checks(registry):
-    registry.register(Cosine)
+    registry.register(NormalizedL2)
 
 
 def pytest_qreport_make_quantizer(name):
@@ -56,7 +57,7 @@ def pytest_qreport_modify_findings(model, findings):
             findings[index] = finding.waive("accepted in review #7")
 
 
-@qmodel(calibration="batches", checks="sqnr,cosine", sqnr_min_db=90.0)
+@qmodel(calibration="batches", checks="sqnr,normalized_l2", sqnr_min_db=90.0)
 def tiny(scale):
     torch.manual_seed(0)
     return Tiny().eval()
@@ -82,21 +83,21 @@ def test_custom_check_quantizer_and_waiver_from_a_conftest(pytester):
     assert outcomes == {
         "conftest.py::qreport/tiny/sqnr/fc1": "PASSED",       # failed at 90 dB, waived by the hook
         "conftest.py::qreport/tiny/sqnr/fc2": "FAILED",
-        "conftest.py::qreport/tiny/cosine/fc1": "PASSED",
-        "conftest.py::qreport/tiny/cosine/fc2": "PASSED",
+        "conftest.py::qreport/tiny/normalized_l2/fc1": "PASSED",
+        "conftest.py::qreport/tiny/normalized_l2/fc2": "PASSED",
         "conftest.py::qreport/float_head/sqnr/fc1": "PASSED",  # fc2 is kept in float by the custom quantizer
     }
     summary = _summary(result)
     assert re.search(r"tiny\s+sqnr\s+fc1\s+\S+ dB\s+90.0 dB\s+WAIVED\s+waived: accepted in review #7", summary)
-    assert re.search(r"tiny\s+cosine\s+fc2\s+0\.\d+\s+0.9\s+PASS", summary)
+    assert re.search(r"tiny\s+normalized_l2\s+fc2\s+0\.\d+\s+0.9\s+PASS", summary)
     assert "1 waived" in result.stdout.str()
     cases = {c.get("name"): {p.get("name"): p.get("value") for p in c.iter("property")}
              for c in ET.parse(pytester.path / "pytest.xml").getroot().iter("testcase")}
     assert cases["qreport/tiny/sqnr/fc1"]["waiver"] == "accepted in review #7"
-    assert cases["qreport/tiny/cosine/fc1"]["metric"] == "cosine"
+    assert cases["qreport/tiny/normalized_l2/fc1"]["metric"] == "normalized_l2"
     suites = {s.get("name"): s for s in ET.parse(pytester.path / "qreport.xml").getroot().iter("testsuite")}
     tiny = {c.get("name"): c for c in suites["qreport.tiny"].iter("testcase")}
-    assert set(tiny) == {"sqnr/fc1", "sqnr/fc2", "cosine/fc1", "cosine/fc2"}
+    assert set(tiny) == {"sqnr/fc1", "sqnr/fc2", "normalized_l2/fc1", "normalized_l2/fc2"}
     assert tiny["sqnr/fc1"].get("status") == "waived" and "waiver=accepted" in tiny["sqnr/fc1"].find("system-out").text
     assert suites["qreport.tiny"].get("failures") == "1"
     # the session-scoped generator fixture ran at collection and at run time, and was torn down both times
@@ -116,17 +117,17 @@ def test_collect_only_prints_no_summary(pytester):
     _extended(pytester)
     result = pytester.runpytest("--qreport", "--collect-only", "-q")
     assert "qreport summary" not in result.stdout.str() and "all qreport checks passed" not in result.stdout.str()
-    assert "qreport/tiny/cosine/fc2" in result.stdout.str()
+    assert "qreport/tiny/normalized_l2/fc2" in result.stdout.str()
 
 
 @pytest.mark.parametrize("args,ini,expected", [
     (["--qreport-severity", "outlier=loud"], "", "severity of outlier must be one of fail, warn, off, not 'loud'"),
     (["--qreport-checks", "sqrn"], "", "unknown qreport check 'sqrn' (did you mean 'sqnr'?)"),
-    (["--qreport-checks", "cosin"], "", "did you mean 'cosine'?"),                # custom checks are known too
+    (["--qreport-checks", "normalised_l2"], "", "did you mean 'normalized_l2'?"),  # custom checks are known too
     (["--qreport-sqnr-min-db", "nan"], "", "sqnr_min_db must be a number of dB"),
     (["--qreport-equalization-min-gain-db", "-1"], "", "must be a non-negative number"),
     (["--qreport-quantizer", "int9"], "", "unknown quantizer 'int9'"),
-    ([], "qreport_table = everything", "qreport_table must be one of failures, all"),
+    ([], "qreport_table = everything", "ini qreport_table: table must be one of failures, all"),
     ([], "qreport_severity = outlier=warn sqnr=never", "severity of sqnr must be one of"),
 ])
 def test_a_bad_option_is_one_usage_error(pytester, args, ini, expected):

@@ -38,17 +38,15 @@ def test_every_linear_of_bert_gets_an_sqnr_record(bert):
 
 def test_plugin_collects_an_sqnr_item_for_every_bert_linear(bert):
     from pytest_qreport.checks import BUILTIN_CHECKS
-    from pytest_qreport.options import ModelSettings
-    from pytest_qreport.registry import CheckRegistry
-    from pytest_qreport.runner import collect_model
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.registry import CheckRegistry
+    from pytest_qreport.core.settings import ModelSettings
 
     model, data = bert
     registry = CheckRegistry()
     for check in BUILTIN_CHECKS:
         registry.register(check)
-    settings = ModelSettings(20.0, 20.0, 30.0, layers=None, skip_layers=None, float_layers=None,
-                             checks=["sqnr", "outlier"], calibration=data, example_inputs=None, quantizer="int8",
-                             equalize=None, equalization_min_gain_db=1.0, severity={}, check_options={})
+    settings = ModelSettings.defaults(BUILTIN_CHECKS, checks=["sqnr", "outlier"], calibration=data)
     state = collect_model("bert", settings, registry, qcore.Int8StaticQuantizer(), model, data[0])
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     assert set(linears) <= set(state.items["sqnr"])

@@ -4,7 +4,6 @@ torch and qcore are imported only when `qreport.analyze(...)` is called.
 """
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import math
 import os
@@ -14,11 +13,13 @@ from typing import Any
 import pytest
 from tabulate import tabulate
 
-from .baseline import baseline_path, write_baseline
-from .declare import ModelDeclaration, _as_list
-from .findings import Finding
-from .registry import CheckRegistry
-from .summary import format_delta, format_value
+from ..core.baseline import baseline_path, write_baseline
+from ..core.batches import as_batches
+from ..core.declare import ModelDeclaration
+from ..core.findings import Finding
+from ..core.numbers import format_delta, format_value
+from ..core.registry import CheckRegistry
+from ..core.results import ModelFacts
 
 __all__ = ["FIXTURE_RESULTS", "QReport", "QReportResult", "qreport"]
 
@@ -62,7 +63,7 @@ class QReportResult:
         """The findings (or `rows`) as a text table."""
         shown = list(self.findings if rows is None else rows)
         body = [[f.check, f.layer, format_value(f.value, f.metric), format_value(f.threshold, f.metric),
-                 format_value(f.baseline, f.metric), format_delta(f.delta), f.verdict.upper()]
+                 format_value(f.baseline, f.metric), format_delta(f.delta, f.metric), f.verdict.upper()]
                 for f in shown]
         return tabulate(body, headers=["check", "layer", "value", "threshold", "baseline", "delta", "verdict"],
                         disable_numparse=True)
@@ -82,7 +83,7 @@ class QReportResult:
 
     def assert_sqnr(self, min_db: float, layers: str = "*") -> None:
         """Every quantized layer matching the glob `layers` has a propagated SQNR of at least `min_db`."""
-        from .checks.sqnr import SqnrCheck
+        from ..checks.sqnr import SqnrCheck
 
         measured = self.analysis.sqnr.layers
         chosen = [name for name in measured if fnmatch.fnmatchcase(name, layers)]
@@ -128,16 +129,16 @@ class QReportResult:
                 entries = {(f.check, f.layer): (f.value, f.verdict) for f in self.findings}
                 write_baseline(self.baseline_path, self.name, self.fingerprint, entries)
             return
-        from .options import parse_tolerance
-        from .runner import compare_with_baseline
+        from ..core.judge import compare_with_baseline
+        from ..core.schema import tolerance_pairs
 
         if not os.path.exists(self.baseline_path):
             pytest.fail(f"model {self.name!r}: no baseline file {self.baseline_path}; write it with "
                         "pytest --qreport-update-baseline", pytrace=False)
         if tolerance_db is not None:
             known = list(self._state.context.checks)
-            tolerance = {**self._state.settings.baseline_tolerance_db, **(parse_tolerance(tolerance_db, known) or {})}
-            self._state.settings = dataclasses.replace(self._state.settings, baseline_tolerance_db=tolerance)
+            tolerance = {**self._state.settings.baseline_tolerance_db, **tolerance_pairs(tolerance_db, known)}
+            self._state.settings = self._state.settings.replace(baseline_tolerance_db=tolerance)
         options = {"update": False, "strict": self._options["strict"]}
         compared = compare_with_baseline(self._state, self.findings, options)
         self.findings = [f.replace(nodeid=self._nodeid) for f in compared if f.check != "baseline"]
@@ -153,6 +154,10 @@ class QReportResult:
         """The findings as summary rows, under the test's node id."""
         return list(self.findings)
 
+    def facts(self) -> ModelFacts:
+        """What the reports need of this model (baseline file, fingerprint, capture method)."""
+        return self._state.facts()
+
 
 class QReport:
     """The `qreport` fixture object: `analyze(...)` a model with the plugin's checks, settings and baselines."""
@@ -164,38 +169,39 @@ class QReport:
                 equalize: Any = None, checks: Iterable[str] | str | None = None, name: str | None = None,
                 **settings: Any) -> QReportResult:
         """Capture, calibrate, quantize and check `model` once; other qmodel() settings go in `settings`."""
-        from .options import resolve_settings, session_settings
-        from .quantizers import model_quantizer
-        from .runner import QReportModelError, analyze, as_batches, collect_model
+        from ..core.errors import QReportModelError
+        from ..core.pipeline import collect_model
+        from ..core.quantizers import model_quantizer
+        from ..core.settings import model_schema, resolve_settings, session_settings
 
         config, node = self._request.config, self._request.node
         name = name or getattr(node, "originalname", None) or node.name
         registry = CheckRegistry()
         config.hook.pytest_qreport_register_checks(registry=registry)
-        session = session_settings(config, registry.names())
-        fields = {f.name for f in dataclasses.fields(ModelDeclaration)} - {"name", "factory", "source_file", "error"}
-        unknown = sorted(set(settings) - fields)
+        session = session_settings(config, registry)
+        valid = {key for key, setting in model_schema(registry.checks()).items() if "qmodel" in setting.places}
+        unknown = sorted(set(settings) - valid)
         if unknown:
-            raise TypeError(f"qreport.analyze() got unknown setting(s) {unknown}; valid: {sorted(fields)}")
+            raise TypeError(f"qreport.analyze() got unknown setting(s) {unknown}; valid: {sorted(valid)}")
         batches = as_batches(calibration() if callable(calibration) else calibration)
         if not batches:
             raise ValueError(f"model {name!r}: the calibration batches are empty")
+        given = {"calibration": batches, "example_inputs": example_inputs, "quantizer": quantizer,
+                 "equalize": equalize, "checks": checks, **settings}
         declaration = ModelDeclaration(name=name, factory=lambda: model, source_file=str(self._request.path),
-                                       calibration=batches, example_inputs=example_inputs, quantizer=quantizer,
-                                       equalize=equalize, checks=_as_list(checks),
-                                       **settings)
+                                       settings={key: value for key, value in given.items() if value is not None})
         resolved = resolve_settings(session, declaration, registry)
-        state = collect_model(name, resolved, registry, model_quantizer(resolved, config.hook), model,
-                              batches[0] if example_inputs is None else example_inputs)
-        state.baseline_path = str(baseline_path(self._request.path.parent, name, session["baseline"]["dir"]))
+        pipeline = collect_model(name, resolved, registry, model_quantizer(resolved, config.hook), model,
+                                 batches[0] if example_inputs is None else example_inputs)
+        pipeline.baseline_path = str(baseline_path(self._request.path.parent, name, session["baseline"]["dir"]))
         hook = node.ihook
-        analyze(state, lambda: batches, lambda found: hook.pytest_qreport_modify_findings(model=name, findings=found),
-                threads=session["threads"])
-        if state.analysis_error:
-            raise QReportModelError(state.analysis_error) from state.error_cause
-        assert state.findings is not None
+        pipeline.analyze(lambda: batches, lambda found: hook.pytest_qreport_modify_findings(model=name, findings=found),
+                         threads=session["threads"])
+        if pipeline.failed:
+            raise QReportModelError(pipeline.error) from pipeline.error_cause
+        assert pipeline.findings is not None
         options = dict(session["baseline"], controller_writes=bool(config.getoption("qreport")))
-        result = QReportResult(state, list(state.findings.values()), options, node.nodeid)
+        result = QReportResult(pipeline, list(pipeline.findings.values()), options, node.nodeid)
         node.stash.setdefault(FIXTURE_RESULTS, []).append(result)
         node.user_properties += [(f"qreport/{name}/{f.check}/{f.layer}", f.value) for f in result.findings]
         return result

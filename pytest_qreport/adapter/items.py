@@ -1,4 +1,5 @@
-"""Collectors and items: one item per (model, check, layer) under the conftest that declares the model."""
+"""Collectors and items: one item per (model, check, layer) under the conftest that declares the model. Each is a
+thin adapter over the model's ModelPipeline: it supplies fixture values and reports what the pipeline holds."""
 from __future__ import annotations
 
 import contextlib
@@ -10,42 +11,24 @@ from typing import Any, cast
 
 import pytest
 
-from .baseline import baseline_path
-from .capture_cache import model_cache_key
-from .capture_share import model_scope
-from .crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_crash
-from .declare import ModelDeclaration, declarations_in
-from .findings import Finding
-from .options import resolve_settings
-from .quantizers import model_quantizer
-from .runner import (
-    ModelState,
-    QReportCheckFailed,
-    QReportError,
-    QReportModelError,
-    analyze,
-    as_batches,
-    collect_model,
-    explain,
-    is_single_batch,
-    torch_threads,
-)
+from ..core.baseline import baseline_path
+from ..core.batches import as_batches, first_batch, resolve_source
+from ..core.declare import ModelDeclaration, declarations_in
+from ..core.errors import QReportCheckFailed, QReportError, QReportModelError
+from ..core.explain import explain
+from ..core.findings import Finding
+from ..core.layer_cache import model_cache_key
+from ..core.nodeids import item_name, model_scope
+from ..core.pipeline import ModelPipeline, Stage, collect_model
+from ..core.quantizers import model_quantizer
+from ..core.results import ModelFacts
+from ..core.runtime import torch_threads
+from ..core.settings import resolve_settings
+from ..xdist.crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_crash
 
-__all__ = ["STATE_KEY", "QReportFile", "QReportItem", "QReportWarning", "parse_item_nodeid"]
+__all__ = ["STATE_KEY", "QReportFile", "QReportItem", "QReportWarning"]
 
 STATE_KEY: pytest.StashKey = pytest.StashKey()
-_PREFIX = "::qreport/"
-
-
-def parse_item_nodeid(nodeid: str) -> tuple[str, str, str, str] | None:
-    """(file, model, check, layer) of a qreport item's node id, or None for other tests."""
-    if _PREFIX not in nodeid:
-        return None
-    file, name = nodeid.split(_PREFIX, 1)
-    name = name.rsplit("@", 1)[0]  # --dist loadgroup appends "@<group>"; layer names hold no "@"
-    model, _, rest = name.partition("/")
-    check, _, layer = rest.partition("/")
-    return (file, model, check, layer) if model and check else None
 
 
 def qreport_check(request) -> None:
@@ -63,23 +46,12 @@ def _fixture_probe(names: list[str]):
     return qreport_fixtures
 
 
-def _first_batch(batches: Any) -> Any:
-    if is_single_batch(batches):
-        return batches
-    if isinstance(batches, (list, tuple)):
-        if not batches:
-            raise ValueError("the calibration batches are empty")
-        return batches[0]
-    return next(iter(batches))
-
-
 class QReportFile(pytest.File):
     """A conftest.py that declares models with @qmodel."""
 
     def collect(self) -> Iterator[pytest.Item]:
         session = self.config.stash[STATE_KEY]
         registry = session.refresh_registry()
-        order = {name: index for index, name in enumerate(registry.names())}
         declarations = declarations_in(self.path)
         first = session.declared_models  # the session-wide index of this file's first model (the same in every worker)
         session.declared_models += len(declarations)
@@ -87,29 +59,31 @@ class QReportFile(pytest.File):
         # under xdist, capture the models this worker owns before waiting for the others' layer lists
         for index in sorted(range(len(declarations)), key=lambda i: not (rendezvous and rendezvous.owns(first + i))):
             try:
-                self._model_state(declarations[index], first + index, registry)
+                self._collect(declarations[index], first + index, registry)
             finally:
                 if rendezvous is not None and rendezvous.owns(first + index):
                     rendezvous.mark_done(first + index)
-        for index, declaration in enumerate(declarations):
-            key = (str(self.path), declaration.name)
-            model = session.models[key]
-            if model.collect_error or model.skip_reason:
-                yield QReportItem.from_parent(self, name=f"qreport/{declaration.name}/capture", callobj=qreport_check,
-                                              model_key=key, check="capture", layer="", position=(index, -1, 0))
-                continue
-            for check, layers in model.items.items():
-                for position, layer in enumerate(layers):
-                    yield QReportItem.from_parent(
-                        self, name=f"qreport/{declaration.name}/{check}/{layer}", callobj=qreport_check,
-                        model_key=key, check=check, layer=layer, position=(index, order[check], position))
-            options = session.settings["baseline"]
-            if options["update"] or options["strict"] or os.path.exists(str(model.baseline_path)):
-                yield QReportItem.from_parent(self, name=f"qreport/{declaration.name}/baseline",
-                                              callobj=qreport_check, model_key=key, check="baseline", layer="",
-                                              position=(index, len(order), 0))
+        for declaration in declarations:
+            yield from self._items(declaration)
 
-    def _model_state(self, declaration: ModelDeclaration, index: int, registry) -> None:
+    def _items(self, declaration: ModelDeclaration) -> Iterator[pytest.Item]:
+        session = self.config.stash[STATE_KEY]
+        key = (str(self.path), declaration.name)
+        pipeline: ModelPipeline = session.models[key]
+        make = QReportItem.from_parent
+        if pipeline.stage in (Stage.COLLECTION_FAILED, Stage.SKIPPED):
+            yield make(self, name=item_name(declaration.name, "capture"), callobj=qreport_check, model_key=key,
+                       check="capture", layer="", declared_line=declaration.line)
+            return
+        for check, layer in pipeline.checks_and_layers():
+            yield make(self, name=item_name(declaration.name, check, layer), callobj=qreport_check, model_key=key,
+                       check=check, layer=layer, declared_line=declaration.line)
+        options = session.settings["baseline"]
+        if options["update"] or options["strict"] or os.path.exists(str(pipeline.baseline_path)):
+            yield make(self, name=item_name(declaration.name, "baseline"), callobj=qreport_check, model_key=key,
+                       check="baseline", layer="", declared_line=declaration.line)
+
+    def _collect(self, declaration: ModelDeclaration, index: int, registry) -> None:
         """Collect the model of `declaration` into the session's models, unless a declaration of it came first."""
         session = self.config.stash[STATE_KEY]
         key = (str(self.path), declaration.name)
@@ -117,14 +91,17 @@ class QReportFile(pytest.File):
             return
         path = str(baseline_path(self.path.parent, declaration.name, session.settings["baseline"]["dir"]))
         sharing = next((k[0] for k, m in session.models.items() if m.baseline_path == path), None)
-        model = ModelState(declaration.name, collect_error=(
-            f"model {declaration.name!r} of {self.path} and the model of the same name in {sharing} would "
-            f"share the baseline file {path} (--qreport-baseline-dir); give one of them qmodel(name='...')")
-        ) if sharing else self._collect_model(declaration, index, registry, session.settings)
-        model.baseline_path = path
-        session.models[key] = model
+        if sharing:
+            pipeline = ModelPipeline(declaration.name).collection_failed(
+                f"model {declaration.name!r} of {self.path} and the model of the same name in {sharing} would "
+                f"share the baseline file {path} (--qreport-baseline-dir); give one of them qmodel(name='...')")
+        else:
+            pipeline = self._collect_model(declaration, index, registry, session.settings)
+        pipeline.baseline_path = path
+        session.models[key] = pipeline
 
-    def _collect_model(self, declaration: ModelDeclaration, index: int, registry, session_settings) -> ModelState:
+    def _collect_model(self, declaration: ModelDeclaration, index: int, registry,
+                       session_settings) -> ModelPipeline:
         """Resolve settings, quantizer and fixtures, capture, and list items; any error lands on the model."""
         name = declaration.name
         try:
@@ -134,22 +111,22 @@ class QReportFile(pytest.File):
             quantizer = model_quantizer(settings, self.ihook)
         except ValueError as error:
             text = str(error)
-            return ModelState(name, collect_error=text if f"'{name}'" in text else f"model {name!r}: {text}")
+            return ModelPipeline(name).collection_failed(text if f"'{name}'" in text else f"model {name!r}: {text}")
         try:
             names = self._fixture_names(declaration, settings)
             # the model's fixtures may compute (BatchNorm settling, training): same thread count as the analysis
             with torch_threads(session_settings["threads"]), self._fixtures_at_collection(name, names) as values:
-                example = self._example_inputs(name, settings, values, self.config.stash[STATE_KEY].replayable)
+                example = self._example_inputs(settings, values.__getitem__)
                 return self._collect_or_recall(name, index, settings, registry, quantizer, values[name], example)
         except pytest.skip.Exception as skipped:
-            return ModelState(name, skip_reason=f"model {name!r}: {skipped.msg}")
+            return ModelPipeline(name).skipped(f"model {name!r}: {skipped.msg}")
         except Exception as error:  # noqa: BLE001 - reported on the model's item
-            return ModelState(name, collect_error=explain(name, "capture/set-up", error), error_cause=error)
+            return ModelPipeline(name).collection_failed(explain(name, "capture/set-up", error), error)
 
     def _collect_or_recall(self, name: str, index: int, settings, registry, quantizer, model: Any,
-                           example: Any) -> ModelState:
+                           example: Any) -> ModelPipeline:
         """The model's items from the layer cache, to capture at its analysis; or capture it now and cache them.
-        Under xdist, a worker that does not own the model waits for its owner's entry (see capture_share)."""
+        Under xdist, a worker that does not own the model waits for its owner's entry (see xdist.rendezvous)."""
         session = self.config.stash[STATE_KEY]
         cache, key, rendezvous = session.layer_cache, None, session.capture_rendezvous
         if cache.directory is not None and hasattr(model, "modules"):
@@ -158,14 +135,13 @@ class QReportFile(pytest.File):
             if entry is None and rendezvous is not None and not rendezvous.owns(index):
                 entry = rendezvous.wait(key, index, cache)
             if entry is not None:
-                return ModelState(name, settings, items={c: list(ls) for c, ls in entry["items"].items()},
-                                  capture=dict(entry.get("capture", {})), quantizer=quantizer, cache_key=key)
-        state = collect_model(name, settings, registry, quantizer, model, example)
+                return ModelPipeline(name).recalled(settings, quantizer, entry["items"], entry.get("capture", {}), key)
+        pipeline = collect_model(name, settings, registry, quantizer, model, example)
         if key is not None:
-            cache.store(key, state.items, state.capture)
-        if rendezvous is not None and state.context is not None:
+            cache.store(key, pipeline.items, pipeline.capture)
+        if rendezvous is not None:
             rendezvous.mark_captured(model_scope(self.nodeid, name))
-        return state
+        return pipeline
 
     @staticmethod
     def _fixture_names(declaration: ModelDeclaration, settings) -> list[str]:
@@ -203,23 +179,21 @@ class QReportFile(pytest.File):
         finally:
             hook.pytest_runtest_teardown(item=probe, nextitem=None)
 
-    @staticmethod
-    def _example_inputs(model: str, settings, values: dict[str, Any], replayable) -> Any:
-        source = settings.example_inputs
-        if source is not None:
-            return values[source] if isinstance(source, str) else (source() if callable(source) else source)
-        calibration = settings.calibration
-        batches = values[calibration] if isinstance(calibration, str) else (
-            calibration() if callable(calibration) else calibration)
-        return _first_batch(replayable(batches))
+    def _example_inputs(self, settings, fixture_value) -> Any:
+        """The example inputs: their own source, else the first calibration batch."""
+        if settings.example_inputs is not None:
+            return resolve_source(settings.example_inputs, fixture_value)
+        replayable = self.config.stash[STATE_KEY].replayable
+        return first_batch(replayable(resolve_source(settings.calibration, fixture_value)))
 
 
 class QReportItem(pytest.Function):
     """One check of one layer of one model."""
 
-    def __init__(self, *, model_key: tuple[str, str], check: str, layer: str, position: tuple, **kwargs) -> None:
+    def __init__(self, *, model_key: tuple[str, str], check: str, layer: str, declared_line: int = 0,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
-        self.model_key, self.check, self.layer, self.position = model_key, check, layer, position
+        self.model_key, self.check, self.layer, self.declared_line = model_key, check, layer, declared_line
         self.model_name = model_key[1]
         self.extra_keyword_matches.update({self.model_name, check})
         # with `-n N --dist loadgroup`, all of a model's items go to one worker, which analyses it once
@@ -227,87 +201,80 @@ class QReportItem(pytest.Function):
         self.qreport_row: Finding | None = None
 
     @property
-    def qreport_model_info(self) -> dict:
-        """What the controller needs of this item's model: its name, baseline file and fingerprint."""
-        model = self.config.stash[STATE_KEY].models[self.model_key]
-        return {"model": model.name, "baseline_path": model.baseline_path, "fingerprint": model.fingerprint}
+    def pipeline(self) -> ModelPipeline:
+        """The pipeline of this item's model."""
+        return self.config.stash[STATE_KEY].models[self.model_key]
+
+    def model_facts(self) -> ModelFacts:
+        """What the controller needs of this item's model, sent with its row."""
+        return self.pipeline.facts()
 
     def setup(self) -> None:
         super().setup()
-        model = self.config.stash[STATE_KEY].models[self.model_key]
-        if model.skip_reason:
-            pytest.skip(model.skip_reason)
-        if model.collect_error:
-            self._record_error(model.collect_error)
-            raise QReportModelError(model.collect_error) from model.error_cause
-        request = cast(pytest.FixtureRequest, self.funcargs["request"])
-        hook, settings = self.ihook, self.config.stash[STATE_KEY].settings
-        if model.context is None and model.findings is None and model.analysis_error is None:
-            self._capture_recalled(model, request)
-        if model.findings is None and model.analysis_error is None:
-            worker = getattr(self.config, "workerinput", {})
-            crash_dir, worker_id = worker.get(CRASH_DIR_KEY), worker.get("workerid", "")
-            crashed = previous_crash(crash_dir, self.model_key) if crash_dir else None
-            if crashed:
-                model.analysis_error = crashed_message(model.name, crashed)
-            with analysis_guard(crash_dir, self.model_key, worker_id):
-                analyze(model, lambda: self._calibration_batches(model, request),
-                        lambda found: hook.pytest_qreport_modify_findings(model=model.name, findings=found),
-                        threads=settings["threads"], baseline=settings["baseline"])
-        if model.analysis_error:
-            self._record_error(model.analysis_error)
-            raise QReportModelError(model.analysis_error) from model.error_cause
-        found = model.findings[(self.check, self.layer)]
+        pipeline = self.pipeline
+        if pipeline.stage is Stage.SKIPPED:
+            pytest.skip(pipeline.error)
+        if pipeline.needs_capture:
+            self._capture_recalled(pipeline, cast(pytest.FixtureRequest, self.funcargs["request"]))
+        if pipeline.stage is Stage.COLLECTED:
+            self._analyze(pipeline, cast(pytest.FixtureRequest, self.funcargs["request"]))
+        if pipeline.failed:
+            self._record_error(pipeline.error)
+            raise QReportModelError(pipeline.error) from pipeline.error_cause
+        found = pipeline.finding(self.check, self.layer)
         if found.verdict == "error":  # a check or the baseline file failed: an error of this item, not a failure
             self.qreport_row = found
             raise QReportModelError(found.message)
 
-    def _capture_recalled(self, model: ModelState, request: pytest.FixtureRequest) -> None:
+    def _analyze(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> None:
+        """Run the model's analysis (once per process: the first item's setup), guarded against worker crashes."""
+        settings = self.config.stash[STATE_KEY].settings
+        worker = getattr(self.config, "workerinput", {})
+        crash_dir, worker_id = worker.get(CRASH_DIR_KEY), worker.get("workerid", "")
+        crashed = previous_crash(crash_dir, self.model_key) if crash_dir else None
+        if crashed:
+            pipeline.analysis_failed(crashed_message(pipeline.name, crashed))
+            return
+        hook = self.ihook
+        with analysis_guard(crash_dir, self.model_key, worker_id):
+            pipeline.analyze(lambda: self._calibration_batches(pipeline, request),
+                             lambda found: hook.pytest_qreport_modify_findings(model=pipeline.name, findings=found),
+                             threads=settings["threads"], baseline=settings["baseline"])
+
+    def _capture_recalled(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> None:
         """Capture a model whose items came from the layer cache (once per process: the first item's setup)."""
-        assert model.settings is not None
+        assert pipeline.settings is not None
         session = self.config.stash[STATE_KEY]
         try:
             with torch_threads(session.settings["threads"]):
-                source = model.settings.example_inputs
-                if source is None:
-                    example = _first_batch(session.replayable(self._calibration_source(model, request)))
+                settings = pipeline.settings
+                if settings.example_inputs is None:
+                    example = first_batch(session.replayable(resolve_source(settings.calibration,
+                                                                            request.getfixturevalue)))
                 else:
-                    example = request.getfixturevalue(source) if isinstance(source, str) else (
-                        source() if callable(source) else source)
-                fresh = collect_model(model.name, model.settings, session.registry, model.quantizer,
-                                      request.getfixturevalue(model.name), example)
+                    example = resolve_source(settings.example_inputs, request.getfixturevalue)
+                fresh = collect_model(pipeline.name, settings, session.registry, pipeline.quantizer,
+                                      request.getfixturevalue(pipeline.name), example)
         except Exception as error:  # noqa: BLE001 - reported on every item of the model
-            model.analysis_error, model.error_cause = explain(model.name, "capture", error), error
+            pipeline.analysis_failed(explain(pipeline.name, "capture", error), error)
             return
-        if fresh.items != model.items:
-            model.analysis_error = (f"model {model.name!r}: its layers differ from the cached list it was collected "
-                                    "with (something the cache key does not cover changed). Re-run pytest; "
-                                    "--cache-clear drops the cached lists.")
-            return
-        model.context, model.capture = fresh.context, fresh.capture
+        pipeline.attach_capture(fresh)
 
-    def _calibration_source(self, model: ModelState, request: pytest.FixtureRequest) -> Any:
-        assert model.settings is not None
-        source = model.settings.calibration
-        return request.getfixturevalue(source) if isinstance(source, str) else (
-            source() if callable(source) else source)
-
-    def _calibration_batches(self, model: ModelState, request: pytest.FixtureRequest) -> list:
-        batches = as_batches(self.config.stash[STATE_KEY].replayable(self._calibration_source(model, request)))
+    def _calibration_batches(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> list:
+        assert pipeline.settings is not None
+        source = resolve_source(pipeline.settings.calibration, request.getfixturevalue)
+        batches = as_batches(self.config.stash[STATE_KEY].replayable(source))
         if not batches:
-            raise QReportModelError(f"model {model.name!r}: the calibration source gave no batches")
+            raise QReportModelError(f"model {pipeline.name!r}: the calibration source gave no batches")
         return batches
 
     def runtest(self) -> None:
-        model = self.config.stash[STATE_KEY].models[self.model_key]
-        found: Finding = model.findings[(self.check, self.layer)]
+        found = self.pipeline.finding(self.check, self.layer)
         self.qreport_row = found
         for key in ("model", "check", "layer", "metric", "value", "threshold"):
             self.user_properties.append((key, getattr(found, key)))
-        capture = found.details.get("capture") or {}
-        for key in ("method", "export_error"):
-            if key in capture:
-                self.user_properties.append((f"capture_{key}", capture[key]))
+        for key, value in self.pipeline.capture.items():
+            self.user_properties.append((f"capture_{key}", value))
         if found.waiver:
             self.user_properties.append(("waiver", found.waiver))
         if found.baseline_status:
@@ -321,8 +288,9 @@ class QReportItem(pytest.Function):
             pytest.skip(found.message)
         if found.verdict == "fail":
             raise QReportCheckFailed(found.message)
-        if found.verdict == "warn":
-            warnings.warn(found.message, QReportWarning, stacklevel=1)
+        if found.verdict == "warn":  # shown at the model's declaration, not at this file
+            warnings.warn_explicit(found.message, QReportWarning, filename=str(self.path),
+                                   lineno=self.declared_line or 1)
 
     def _record_error(self, message: str) -> None:
         self.qreport_row = Finding(model=self.model_name, check=self.check, layer=self.layer, metric="",

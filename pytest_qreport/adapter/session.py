@@ -7,17 +7,19 @@ from typing import Any
 
 import pytest
 
-from .capture_cache import LayerCache
-from .capture_share import CaptureRendezvous
-from .findings import Finding, RunOutcome
+from ..core.errors import QReportError, ReportError
+from ..core.findings import Finding, RunOutcome
+from ..core.layer_cache import LayerCache
+from ..core.nodeids import parse_item_nodeid
+from ..core.quantizers import resolve_quantizer
+from ..core.registry import CheckRegistry
+from ..core.results import ModelFacts, RowKey, RunResults
+from ..core.settings import session_settings
+from ..xdist.rendezvous import CaptureRendezvous
 from .fixture import FIXTURE_RESULTS
-from .items import STATE_KEY, parse_item_nodeid
-from .options import session_settings
-from .quantizers import resolve_quantizer
-from .registry import CheckRegistry
-from .runner import QReportError
+from .items import STATE_KEY
 
-__all__ = ["QReportSession", "SessionState", "share_cores"]
+__all__ = ["QReportSession", "RowCollector", "SessionState", "share_cores"]
 
 
 def share_cores(workers: int) -> None:
@@ -37,13 +39,7 @@ class SessionState:
     config: Any
     registry: CheckRegistry = field(default_factory=CheckRegistry)
     settings: dict[str, Any] = field(default_factory=dict)
-    models: dict = field(default_factory=dict)
-    rows: list[tuple[list, Finding]] = field(default_factory=list)
-    model_info: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # controller: by (file, model)
-    messages: list[str] = field(default_factory=list)  # controller: lines for the end of the summary
-    report_errors: list[str] = field(default_factory=list)  # controller: outputs that could not be written
-    collected: dict[str, int] = field(default_factory=dict)  # controller: qreport item node ids, in order
-    reported: set[str] = field(default_factory=set)  # controller: node ids that came back with a row
+    models: dict = field(default_factory=dict)  # (conftest path, model name) -> ModelState
     one_shot: dict[int, tuple[Any, list]] = field(default_factory=dict)  # id(iterator): (iterator, its batches)
     layer_cache: LayerCache = field(default_factory=lambda: LayerCache(None))
     capture_rendezvous: CaptureRendezvous | None = None  # xdist worker: who captures which model at collection
@@ -57,7 +53,7 @@ class SessionState:
     def replayable(self, source: Any) -> Any:
         """`source`, or for a one-shot iterator (a generator, say) the list of its batches, read once per
         session: collection's example batch and every model sharing the iterator then see all of them."""
-        from .runner import is_single_batch
+        from ..core.batches import is_single_batch
 
         if is_single_batch(source) or isinstance(source, (list, tuple)):
             return source
@@ -70,35 +66,69 @@ class SessionState:
             self.one_shot[id(source)] = (source, list(source))  # keeping `source` keeps its id unique
         return self.one_shot[id(source)][1]
 
-    def ordered_rows(self) -> list[Finding]:
-        """Rows in collection order, whatever order the workers finished in (rows of items whose result
-        never came back sit among their model's rows)."""
-        models = {(p[0], r.model): p[1] for p, r in self.rows if p[1] is not None}
-        checks = {name: index for index, name in enumerate(self.registry.names())}
 
-        def position(pair: tuple[list, Finding]) -> list:
-            place, row = pair
-            if place[1] is not None:
-                return place
-            return [place[0], models.get((place[0], row.model), 1 << 29), checks.get(row.check, len(checks)),
-                    *place[3:]]
+class RowCollector:
+    """The controller's side: rows as the reports come back, whichever worker sent them, and the facts of
+    each model; then one RunResults in collection order."""
 
-        labels = self.labels()
-        return [row.replace(model=labels.get((place[0], row.model), row.model))
-                for place, row in sorted(self.rows, key=position)]
+    def __init__(self) -> None:
+        self.order: dict[str, int] = {}  # every collected test's node id -> its place in collection order
+        self.expected: set[str] = set()  # node ids of the collected qreport items
+        self.reported: set[str] = set()  # node ids that came back with a row
+        self.rows: list[tuple[RowKey, str, Finding]] = []  # (key, conftest file, row)
+        self.facts: dict[tuple[str, str], ModelFacts] = {}  # (conftest file, model) -> facts
+
+    def collected(self, nodeids: list[str]) -> None:
+        """Learn collected node ids, in order (serially from the session, under xdist from each worker)."""
+        for nodeid in nodeids:
+            self.order.setdefault(nodeid, len(self.order))
+            if parse_item_nodeid(nodeid) is not None:
+                self.expected.add(nodeid)
+
+    def add(self, nodeid: str, payload: dict[str, Any]) -> None:
+        """The rows one test reported: {"file": conftest or test file, "rows": [{"row": ..., "model": ...}]}."""
+        item = self.order.get(nodeid, len(self.order))
+        for index, entry in enumerate(payload["rows"]):
+            row = Finding.from_dict(entry["row"])
+            self.rows.append((RowKey(item, index), payload["file"], row))
+            facts = ModelFacts.from_dict(entry["model"])
+            key = (payload["file"], facts.name)
+            self.facts[key] = self.facts[key].merged(facts) if key in self.facts else facts
+        self.reported.add(nodeid)
+
+    def add_lost(self, nodeid: str, why: str) -> None:
+        """An error row for a qreport item whose result never came back."""
+        parsed = parse_item_nodeid(nodeid)
+        if parsed is None or nodeid in self.reported:
+            return
+        file, model, check, layer = parsed
+        message = f"model {model!r}: {why}"
+        if "crashed" in why:
+            from ..xdist.crashes import crashed_message
+
+            message = f"{why}.\n{crashed_message(model, 'its worker')}"
+        row = Finding(model=model, check=check, layer=layer, metric="", value=float("nan"), threshold=float("nan"),
+                      verdict="error", message=message, nodeid=nodeid)
+        self.add(nodeid, {"file": file, "rows": [{"row": row.to_dict(), "model": ModelFacts(model).to_dict()}]})
+
+    def missing(self) -> list[str]:
+        """Collected qreport items that never reported, in collection order."""
+        return sorted(self.expected - self.reported, key=lambda nodeid: self.order[nodeid])
 
     def labels(self) -> dict[tuple[str, str], str]:
         """How rows name each (file, model): the bare name, or "file::name" where two files use the name."""
         files: dict[str, set[str]] = {}
-        for file, model in self.model_info:
+        for file, model in self.facts:
             files.setdefault(model, set()).add(file)
-        return {(file, model): model if len(files[model]) == 1 else f"{file}::{model}"
-                for file, model in self.model_info}
+        return {(file, model): model if len(files[model]) == 1 else f"{file}::{model}" for file, model in self.facts}
 
-    def models_by_label(self) -> dict[str, dict[str, Any]]:
-        """What is known of each model (name, baseline file, fingerprint), by the name its rows carry."""
+    def results(self, outcome: RunOutcome) -> RunResults:
+        """Every row in collection order, named by its model's label, with the facts of each model."""
         labels = self.labels()
-        return {labels[key]: info for key, info in self.model_info.items()}
+        rows = [row.replace(model=labels.get((file, row.model), row.model))
+                for _key, file, row in sorted(self.rows, key=lambda entry: entry[0])]
+        return RunResults(rows=tuple(rows), models={labels[key]: facts for key, facts in self.facts.items()},
+                          outcome=outcome)
 
 
 class QReportSession:
@@ -107,13 +137,14 @@ class QReportSession:
     def __init__(self, config) -> None:
         self.config = config
         self.state = SessionState(config)
+        self.rows = RowCollector()
         config.stash[STATE_KEY] = self.state
 
     def start(self) -> None:
         """Parse and check the session's options once; a bad value is one UsageError before collection."""
-        known = self.state.refresh_registry().names()
+        registry = self.state.refresh_registry()
         try:
-            self.state.settings = session_settings(self.config, known)
+            self.state.settings = session_settings(self.config, registry)
             for source in ("cli", "ini"):
                 quantizer = self.state.settings[source]["quantizer"]
                 if quantizer is not None:
@@ -121,7 +152,7 @@ class QReportSession:
         except ValueError as error:
             raise pytest.UsageError(f"qreport: {error}") from None
         if self.config.getoption("qreport_html", default=None) and not self.is_worker:
-            from .html import html_extra_missing
+            from ..reports.html import html_extra_missing
 
             missing = html_extra_missing()
             if missing:
@@ -133,13 +164,13 @@ class QReportSession:
             share_cores(self.config.workerinput.get("workercount", 1))
             self._share_captures()
         elif getattr(self.config.option, "dist", "no") != "no":
-            from .crashes import XdistController
+            from ..xdist.crashes import XdistController
 
-            self.config.pluginmanager.register(XdistController(self.state.collected), "qreport-xdist")
+            self.config.pluginmanager.register(XdistController(self.rows.collected), "qreport-xdist")
 
     def _share_captures(self) -> None:
         """Join the controller's capture rendezvous (none without a layer cache, or on a remote host)."""
-        from .crashes import capture_dir
+        from ..xdist.crashes import capture_dir
 
         worker = self.config.workerinput
         directory = capture_dir(worker)
@@ -156,7 +187,7 @@ class QReportSession:
     def pytest_collect_file(self, file_path, parent):
         if file_path.name != "conftest.py":
             return None
-        from .declare import declarations_in
+        from ..core.declare import declarations_in
 
         if not declarations_in(file_path):
             return None
@@ -169,57 +200,27 @@ class QReportSession:
         report = yield
         if call.excinfo is not None and isinstance(call.excinfo.value, QReportError) and call.when != "call":
             report.longrepr = str(call.excinfo.value)  # the message is the whole report, also for setup errors
+        file = item.nodeid.split("::")[0]
         results = item.stash.get(FIXTURE_RESULTS, None)
         if results and call.when == "call":
-            file = item.nodeid.split("::")[0]
-            report.qreport_fixture = [{"position": [file, 1 << 30, index, 0, item.nodeid], "row": row.to_dict(),
-                                       "model": {"model": result.name, "baseline_path": result.baseline_path,
-                                                 "fingerprint": result.fingerprint}}
-                                      for result in results for index, row in enumerate(result.rows())]
+            report.qreport = {"file": file, "rows": [{"row": row.to_dict(), "model": result.facts().to_dict()}
+                                                     for result in results for row in result.rows()]}
         row = getattr(item, "qreport_row", None)
         if row is not None and (call.when == "call" or (call.when == "setup" and report.failed)):
             row = row.replace(nodeid=item.nodeid, duration=float(report.duration))
-            report.qreport = {"position": [item.nodeid.split("::")[0], *item.position, item.nodeid],
-                              "row": row.to_dict(), "model": item.qreport_model_info}
+            report.qreport = {"file": file, "rows": [{"row": row.to_dict(), "model": item.model_facts().to_dict()}]}
         return report
 
     def pytest_collection_finish(self, session) -> None:
-        from .items import QReportItem
-
-        for item in session.items:
-            if isinstance(item, QReportItem):
-                self.state.collected.setdefault(item.nodeid, len(self.state.collected))
+        if not self.is_worker:
+            self.rows.collected([item.nodeid for item in session.items])
 
     def pytest_runtest_logreport(self, report) -> None:
-        for payload in [getattr(report, "qreport", None), *getattr(report, "qreport_fixture", [])]:
-            if payload:
-                self._add_row(payload)
-        if report.failed and report.nodeid not in self.state.reported and not hasattr(report, "qreport"):
-            self._add_lost_row(report.nodeid, str(report.longrepr))  # a crashed xdist worker reports no row
-
-    def _add_row(self, payload: dict) -> None:
-        self.state.rows.append((list(payload["position"]), Finding.from_dict(payload["row"])))
-        self.state.reported.add(payload["row"]["nodeid"])
-        info = payload["model"]
-        known = self.state.model_info.setdefault((payload["position"][0], info["model"]), dict(info))
-        for key, value in info.items():
-            known[key] = known.get(key) or value
-
-    def _add_lost_row(self, nodeid: str, why: str) -> None:
-        """An error row for a qreport item whose result never came back."""
-        parsed = parse_item_nodeid(nodeid)
-        if parsed is None:
-            return
-        file, model, check, layer = parsed
-        message = f"model {model!r}: {why}"
-        if "crashed" in why:
-            from .crashes import crashed_message
-
-            message = f"{why}.\n{crashed_message(model, 'its worker')}"
-        row = Finding(model=model, check=check, layer=layer, metric="", value=float("nan"), threshold=float("nan"),
-                      verdict="error", message=message, nodeid=nodeid)
-        self._add_row({"position": [file, None, None, self.state.collected.get(nodeid, 0), nodeid],
-                       "row": row.to_dict(), "model": {"model": model, "baseline_path": None, "fingerprint": None}})
+        payload = getattr(report, "qreport", None)
+        if payload:
+            self.rows.add(report.nodeid, payload)
+        elif report.failed:
+            self.rows.add_lost(report.nodeid, str(report.longrepr))  # a crashed xdist worker reports no row
 
     def outcome(self) -> RunOutcome:
         """How complete the rows are; on a completed run, items that never reported get an error row first."""
@@ -227,42 +228,65 @@ class QReportSession:
         stopped = session.shouldstop or session.shouldfail
         interrupted = ("interrupted" if session.exitstatus == pytest.ExitCode.INTERRUPTED and not stopped
                        else str(stopped) if stopped else "")
-        missing = [nodeid for nodeid in self.state.collected if nodeid not in self.state.reported]
         if not interrupted:
-            for nodeid in missing:
-                self._add_lost_row(nodeid, "this item was collected but its result never came back: the process "
+            for nodeid in self.rows.missing():
+                self.rows.add_lost(nodeid, "this item was collected but its result never came back: the process "
                                            "running it died, or pytest-xdist stopped after too many crashed workers")
-        reported = sum(1 for nodeid in self.state.collected if nodeid in self.state.reported)
-        return RunOutcome(collected=len(self.state.collected), reported=reported, interrupted=interrupted)
+        collected = len(self.rows.expected)
+        return RunOutcome(collected=collected, reported=collected - len(self.rows.missing()), interrupted=interrupted)
 
     def pytest_sessionstart(self, session) -> None:
         self.session = session
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        self._report()
-        for line in self.state.messages:
-            terminalreporter.write_line(line)
-        for line in self.state.report_errors:
-            terminalreporter.write_line(line, red=True)
+        for line, failed in self._report():
+            terminalreporter.write_line(line, red=failed)
 
     def pytest_sessionfinish(self, session) -> None:
         if self.is_worker or self.config.option.collectonly:
             return
-        if self.state.settings["baseline"]["update"]:
-            from .updates import update_baselines
-
-            news, failed = update_baselines(self.state.ordered_rows(), self.state.models_by_label())
-            self.state.messages += news
-            if failed and session.exitstatus == pytest.ExitCode.OK:
-                session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if not self.config.pluginmanager.has_plugin("terminalreporter"):
             self._report()  # with -p no:terminal there is no terminal summary to report from
 
-    def _report(self) -> None:
-        """Call pytest_qreport_report once, on the controller, unless only collecting."""
-        if self.is_worker or self.config.option.collectonly:
-            return
-        outcome = self.outcome()
-        self.config.hook.pytest_qreport_report(rows=self.state.ordered_rows(), config=self.config, outcome=outcome)
-        if self.state.report_errors and self.session.exitstatus == pytest.ExitCode.OK:
+    def _report(self) -> list[tuple[str, bool]]:
+        """Once, on the controller unless only collecting: update baselines, then call every pytest_qreport_report
+        implementation on the run's results. Returns the lines to print, each with whether it is a failure."""
+        if self.is_worker or self.config.option.collectonly or getattr(self, "_reported", False):
+            return []
+        self._reported = True
+        results = self.rows.results(self.outcome())
+        lines: list[tuple[str, bool]] = []
+        if self.state.settings["baseline"]["update"]:
+            from ..reports.baselines import update_baselines
+
+            news, failed = update_baselines(list(results.rows), results.models)
+            lines += [(line, "could not" in line) for line in news]
+            if failed:
+                self._fail_session()
+        lines += call_reporters(self.config, results)
+        if any(failed for _line, failed in lines):
+            self._fail_session()
+        return lines
+
+    def _fail_session(self) -> None:
+        if self.session.exitstatus == pytest.ExitCode.OK:
             self.session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def call_reporters(config: pytest.Config, results: RunResults) -> list[tuple[str, bool]]:
+    """Call each pytest_qreport_report implementation on its own, so that one reporter's ReportError neither
+    hides the others nor the run's outcome: (line, failed) for each line a reporter returned or raised."""
+    hook = config.hook.pytest_qreport_report
+    arguments = {"rows": list(results.rows), "config": config, "outcome": results.outcome, "results": results}
+    lines: list[tuple[str, bool]] = []
+    for implementation in reversed(hook.get_hookimpls()):  # pluggy's own call order: tryfirst first
+        if implementation.hookwrapper or implementation.wrapper:
+            continue
+        try:
+            said: Any = implementation.function(*[arguments[name] for name in implementation.argnames])
+        except ReportError as error:
+            lines.append((str(error), True))
+            continue
+        said_lines: list[str] = [said] if isinstance(said, str) else list(said or [])
+        lines += [(line, False) for line in said_lines]
+    return lines

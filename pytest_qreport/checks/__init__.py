@@ -5,24 +5,36 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from .cosine import CosineCheck
 from .detectors import DetectorCheck, DynamicStaticCheck, InputWeightEqualizationCheck, OutlierCheck, PerChannelCheck
 from .equalization import EqualizationCheck, EqualizationEquivalenceCheck
 from .sensitivity import SensitivityCheck
 from .sqnr import ModelSqnrCheck, SqnrCheck, WeightSqnrCheck
 
 if TYPE_CHECKING:
-    from ..registry import CheckRegistry
+    from ..core.registry import CheckRegistry
 
-__all__ = ["BUILTIN_CHECKS", "DetectorCheck", "DynamicStaticCheck", "EqualizationCheck",
+__all__ = ["BUILTIN_CHECKS", "CosineCheck", "DetectorCheck", "DynamicStaticCheck", "EqualizationCheck",
            "EqualizationEquivalenceCheck", "InputWeightEqualizationCheck", "ModelSqnrCheck", "OutlierCheck",
            "PerChannelCheck", "SensitivityCheck", "SqnrCheck", "WeightSqnrCheck", "pytest_qreport_register_checks"]
 
-BUILTIN_CHECKS = (SqnrCheck, WeightSqnrCheck, ModelSqnrCheck, SensitivityCheck, PerChannelCheck, DynamicStaticCheck,
-                  InputWeightEqualizationCheck, OutlierCheck, EqualizationCheck, EqualizationEquivalenceCheck)
+BUILTIN_CHECKS = (
+    SqnrCheck,
+    CosineCheck,
+    WeightSqnrCheck,
+    ModelSqnrCheck,
+    SensitivityCheck,
+    PerChannelCheck,
+    DynamicStaticCheck,
+    InputWeightEqualizationCheck,
+    OutlierCheck,
+    EqualizationCheck,
+    EqualizationEquivalenceCheck,
+)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_qreport_register_checks(registry: CheckRegistry) -> None:
-    """Register the ten built-in checks."""
+    """Register the built-in checks."""
     for check in BUILTIN_CHECKS:
         registry.register(check)

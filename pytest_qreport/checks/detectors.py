@@ -19,8 +19,8 @@ import math
 from abc import abstractmethod
 from typing import Any, ClassVar
 
-from ..findings import Finding
-from ..registry import Check, ModelContext
+from ..core.findings import Finding
+from ..core.registry import Check, ModelContext
 from .sqnr import keep_in_float_hint
 
 __all__ = ["DetectorCheck", "DynamicStaticCheck", "InputWeightEqualizationCheck", "OutlierCheck", "PerChannelCheck"]

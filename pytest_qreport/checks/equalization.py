@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-from ..findings import Finding
-from ..registry import Check, ModelContext
+from ..core.findings import Finding
+from ..core.registry import Check, ModelContext
+from ..core.schema import Setting, decibels
 
 __all__ = ["EqualizationCheck", "EqualizationEquivalenceCheck"]
 
@@ -18,6 +19,8 @@ class EqualizationCheck(Check):
     and the setting that applies it."""
 
     name, order, metric, needs = "equalization", 80, "sqnr_gain_db", frozenset({"sqnr", "equalization"})
+    settings = (Setting("equalization_min_gain_db", decibels(non_negative=True), 1.0, "equalization items fail "
+                        "when equalizing a layer gains at least this many dB", metavar="DB"),)
 
     def layers(self, model: ModelContext) -> list[str]:
         return list(model.analysis.equalization_candidates)

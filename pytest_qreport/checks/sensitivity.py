@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..findings import Finding
-from ..registry import Check, ModelContext
+from ..core.findings import Finding
+from ..core.registry import Check, ModelContext
 
 __all__ = ["SensitivityCheck", "float_layers_advice"]
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import math
 
-from ..findings import Finding
-from ..registry import Check, ModelContext
+from ..core.findings import Finding
+from ..core.registry import Check, ModelContext
+from ..core.schema import Setting, decibels
 
 __all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "keep_in_float_hint"]
 
@@ -53,6 +54,8 @@ class SqnrCheck(Check):
     """Propagated SQNR of each quantized layer's output (quantized inputs, so upstream error counts)."""
 
     name, order, metric, needs = "sqnr", 10, "sqnr_db", frozenset({"sqnr"})
+    settings = (Setting("sqnr_min_db", decibels(), 20.0, "minimum per-layer SQNR in dB (propagated error)",
+                        metavar="DB"),)
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         threshold, measured, results = model.settings.sqnr_min_db, model.analysis.sqnr.layers, []
@@ -95,6 +98,8 @@ class WeightSqnrCheck(Check):
     """SQNR of each quantized weight."""
 
     name, order, metric, needs = "weight_sqnr", 20, "weight_sqnr_db", frozenset({"sqnr"})
+    settings = (Setting("weight_sqnr_min_db", decibels(), 30.0, "minimum SQNR of each quantized weight in dB",
+                        metavar="DB"),)
 
     def layers(self, model: ModelContext) -> list[str]:
         return [entry.layer for entry in model.analysis.layers if entry.weighted]
@@ -125,6 +130,8 @@ class ModelSqnrCheck(Check):
     """SQNR of the model's output (the worst output leaf when there are several)."""
 
     name, order, metric, needs = "model_sqnr", 30, "sqnr_db", frozenset({"sqnr"})
+    settings = (Setting("model_sqnr_min_db", decibels(), 20.0, "minimum SQNR of the model's final output in dB",
+                        metavar="DB"),)
 
     def layers(self, model: ModelContext) -> list[str]:
         return ["output"]

@@ -25,8 +25,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .files import write_atomically
 from .findings import Finding
-from .junit import write_atomically
+from .numbers import format_delta, format_value
 
 __all__ = ["COMPARED_FINGERPRINT_FIELDS", "SCHEMA", "Baseline", "BaselineError", "baseline_path", "compare_findings",
            "dumps_baseline", "fingerprint_differences", "load_baseline", "write_baseline"]
@@ -164,10 +165,6 @@ def fingerprint_differences(recorded: Mapping[str, Any], current: Mapping[str, A
     return differences
 
 
-def _short(value: float, metric: str) -> str:
-    return f"{value:.2f} dB" if metric.endswith("_db") else f"{value:.4g}"
-
-
 def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Callable[[str], float],
                      higher_is_better: Callable[[str], bool], strict: bool, enforce: bool) -> list[Finding]:
     """Each finding with its baseline value, delta and status; regressions fail when `enforce` is on.
@@ -198,12 +195,12 @@ def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Cal
         if worse > limit or (math.isnan(worse) and not math.isnan(value)):
             status = "regressed"
             rule = (f"{finding.check}/{finding.layer} regressed against the baseline: "
-                    f"{_short(current, finding.metric)} now, {_short(value, finding.metric)} in {baseline.path} "
-                    f"(delta {delta:+.2f}, tolerance {limit:g}).")
+                    f"{format_value(current, finding.metric)} now, {format_value(value, finding.metric)} in "
+                    f"{baseline.path} (delta {format_delta(delta, finding.metric)}, tolerance {limit:g}).")
         elif verdict == "pass" and finding.verdict in ("fail", "warn") and finding.check != "baseline":
             status = "regressed"
             rule = (f"{finding.check}/{finding.layer} passed in the baseline {baseline.path} and is {finding.verdict} "
-                    f"now (delta {delta:+.2f}, within the tolerance {limit:g}).")
+                    f"now (delta {format_delta(delta, finding.metric)}, within the tolerance {limit:g}).")
         elif -worse > limit:
             status = "improved"
         changed = finding.replace(baseline=value, delta=delta, baseline_status=status)

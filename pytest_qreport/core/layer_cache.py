@@ -14,8 +14,9 @@ import inspect
 import json
 import os
 import sys
-import tempfile
 from typing import Any
+
+from .files import write_atomically
 
 __all__ = ["LayerCache", "model_cache_key"]
 
@@ -96,16 +97,8 @@ class LayerCache:
         """Write the entry for `key` atomically (a concurrent reader sees the old file or the new one)."""
         if self.directory is None:
             return
-        entry = {"format": _FORMAT, "items": items, "capture": capture}
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        except OSError:
-            return  # a read-only cache directory: the next run captures again
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as out:
-                json.dump(entry, out)
-            os.replace(temporary, os.path.join(self.directory, f"{key}.json"))
+            write_atomically(os.path.join(self.directory, f"{key}.json"),
+                             json.dumps({"format": _FORMAT, "items": items, "capture": capture}))
         except (OSError, TypeError, ValueError):
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+            return  # a read-only cache directory: the next run captures again

@@ -12,16 +12,16 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .findings import Finding
+from .schema import SEVERITIES, Setting
 
 if TYPE_CHECKING:
     from qcore.analysis import ModelAnalysis
 
-    from .options import ModelSettings
+    from .settings import ModelSettings
 
-__all__ = ["MEASUREMENTS", "SEVERITIES", "Check", "CheckRegistry", "ModelContext"]
+__all__ = ["MEASUREMENTS", "SEVERITIES", "Check", "CheckRegistry", "ModelContext", "Setting"]
 
 MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence"})
-SEVERITIES = ("fail", "warn", "off")
 
 
 class ModelContext:
@@ -53,8 +53,10 @@ class Check(ABC):
     name: the check's name in node ids, options and tables. order: position among checks (built-ins use
     10-90). default_severity: "fail", "warn" or "off". needs: what the check measures (a subset of
     MEASUREMENTS; documentation, and lets the plugin batch work). metric: the unit of its values ("_db"
-    suffix for decibels). higher_is_better: the direction in which values improve.
-    `options` holds the model's qmodel(check_options={name: {...}}) for this check.
+    suffix for decibels). higher_is_better: the direction in which values improve. settings: the check's own
+    settings (its threshold, say), declared once: they become qmodel() keywords, and, for checks registered
+    before pytest parses its options (the built-in ones), command-line options and ini keys; read them as
+    `model.settings.<name>`. `options` holds the model's qmodel(check_options={name: {...}}) for this check.
     """
 
     name: ClassVar[str] = ""
@@ -63,6 +65,7 @@ class Check(ABC):
     needs: ClassVar[frozenset[str]] = frozenset()
     metric: ClassVar[str] = ""
     higher_is_better: ClassVar[bool] = True
+    settings: ClassVar[tuple[Setting, ...]] = ()
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self.options = dict(options or {})
@@ -113,6 +116,14 @@ class CheckRegistry:
         if unknown:
             raise ValueError(f"{check.__qualname__}.needs has unknown measurement(s) {sorted(unknown)}; "
                              f"known: {sorted(MEASUREMENTS)}")
+        for setting in check.settings:
+            if not isinstance(setting, Setting) or setting.scope != "model":
+                raise ValueError(f"{check.__qualname__}.settings must hold per-model Setting declarations")
+            owner = next((c for c in self._checks.values() if c is not check and c.name != check.name
+                          and any(s.name == setting.name for s in c.settings)), None)
+            if owner is not None:
+                raise ValueError(f"{check.__qualname__} declares setting {setting.name!r}, which {owner.__qualname__} "
+                                 "declares already")
         existing = self._checks.get(check.name)
         if existing is not None and existing is not check and existing.__qualname__ != check.__qualname__:
             raise ValueError(f"check name {check.name!r} is taken by {existing.__module__}.{existing.__qualname__}")

@@ -1,17 +1,18 @@
 """--qreport-update-baseline: the controller writes each model's baseline file from the rows that came back."""
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
-from .baseline import BaselineError, load_baseline, write_baseline
-from .findings import Finding
+from ..core.baseline import BaselineError, load_baseline, write_baseline
+from ..core.findings import Finding
+from ..core.results import ModelFacts
 
 __all__ = ["update_baselines"]
 
 _NOT_ENTRIES = ("baseline", "capture")
 
 
-def update_baselines(rows: list[Finding], model_info: dict[str, dict[str, Any]]) -> tuple[list[str], bool]:
+def update_baselines(rows: list[Finding], models: Mapping[str, ModelFacts]) -> tuple[list[str], bool]:
     """Write the baseline of every model that ran without error: (one line of news per model, whether a
     write failed).
 
@@ -23,10 +24,10 @@ def update_baselines(rows: list[Finding], model_info: dict[str, dict[str, Any]])
         by_model.setdefault(row.model, []).append(row)
     news, failed = [], False
     for model, found in by_model.items():
-        info = model_info.get(model, {})
-        path, fingerprint = info.get("baseline_path"), info.get("fingerprint")
-        if path is None:
+        facts = models.get(model)
+        if facts is None or facts.baseline_path is None:
             continue
+        path, fingerprint = facts.baseline_path, facts.fingerprint
         errored = [f"{row.check}/{row.layer}".rstrip("/") for row in found if row.verdict == "error"]
         if errored or fingerprint is None:
             reason = ", ".join(errored) or "no analysis"
@@ -36,7 +37,7 @@ def update_baselines(rows: list[Finding], model_info: dict[str, dict[str, Any]])
         entries.update({(row.check, row.layer): (row.value, row.verdict) for row in found
                         if row.check not in _NOT_ENTRIES and row.verdict != "skip"})
         try:
-            write_baseline(path, info.get("model", model), fingerprint, entries)
+            write_baseline(path, facts.name, fingerprint, entries)
         except OSError as error:
             news.append(f"qreport: could not write the baseline of {model!r} to {path}: {error}")
             failed = True

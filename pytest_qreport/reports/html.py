@@ -13,8 +13,11 @@ from typing import Any
 
 import pytest
 
-from .findings import Finding, RunOutcome
-from .junit import keep_previous_file, write_atomically
+from ..core.errors import ReportError
+from ..core.files import write_atomically
+from ..core.numbers import format_delta, format_value
+from ..core.results import RunResults
+from .outputs import skipped_after_interrupt, written
 
 __all__ = ["HTML_EXTRA", "build_html", "html_extra_missing", "pytest_qreport_report"]
 
@@ -88,20 +91,19 @@ def _equalization_chart(rows: list[dict[str, Any]]) -> Any:
     gains = [r for r in rows if r["check"] == "equalization" and math.isfinite(_number(r["value"]))]
     if not gains:
         return None
+    methods = sorted({str(r["details"].get("method", "")).split(" into ")[0] for r in gains} - {""})
     figure = go.Figure(go.Bar(x=[r["layer"] for r in gains], y=[_number(r["value"]) for r in gains],
-                              name="equalization gain"))
-    figure.update_layout(title="input-weight equalization: SQNR gain per layer (dB)", height=320,
-                         margin={"l": 50, "r": 20, "t": 50, "b": 40})
+                              hovertext=[r["details"].get("method", "") for r in gains], name="SQNR gain"))
+    figure.update_layout(title=f"equalization: SQNR gain per layer of the best method ({', '.join(methods)}) (dB)",
+                         height=320, margin={"l": 50, "r": 20, "t": 50, "b": 40})
     return figure
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, metric: str, delta: bool = False) -> str:
     if value is None:
         return ""
-    if isinstance(value, str) and value not in ("nan", "inf", "-inf"):
-        return value
     number = _number(value)
-    return "-" if math.isnan(number) else f"{number:.4g}"
+    return format_delta(number, metric) if delta else format_value(number, metric)
 
 
 def build_html(report: dict[str, Any]) -> str:
@@ -112,32 +114,37 @@ def build_html(report: dict[str, Any]) -> str:
     environment = jinja2.Environment(loader=jinja2.PackageLoader("pytest_qreport", "templates"),
                                      autoescape=jinja2.select_autoescape(["html", "j2"]))
     models = []
-    for name in dict.fromkeys(row["model"] for row in report["rows"]):
+    names = list(dict.fromkeys(row["model"] for row in report["rows"]))
+    worst = {name: min(_VERDICT_ORDER.get(r["verdict"], 9) for r in report["rows"] if r["model"] == name)
+             for name in names}
+    for name in sorted(names, key=lambda n: worst[n]):  # failing models first, then in collection order
         rows = [row for row in report["rows"] if row["model"] == name]
         counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in _VERDICT_ORDER if any(
             r["verdict"] == v for r in rows)}
         ordered = sorted(rows, key=lambda r: _VERDICT_ORDER.get(r["verdict"], 9))
         charts = [chart.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
                   for chart in (_layer_chart(rows), _sensitivity_chart(rows), _equalization_chart(rows)) if chart]
-        table = [{"check": r["check"], "layer": r["layer"], "value": _cell(r["value"]),
-                  "threshold": _cell(r["threshold"]), "baseline": _cell(r.get("baseline")),
-                  "delta": _cell(r.get("delta")), "verdict": r["verdict"], "message": r["message"]} for r in ordered]
+        table = [{"check": r["check"], "layer": r["layer"], "value": _cell(r["value"], r["metric"]),
+                  "threshold": _cell(r["threshold"], r["metric"]), "baseline": _cell(r.get("baseline"), r["metric"]),
+                  "delta": _cell(r.get("delta"), r["metric"], delta=True), "verdict": r["verdict"],
+                  "message": r["message"]} for r in ordered]
         models.append({"name": name, "counts": counts, "rows": table, "charts": charts,
                        "info": report["models"].get(name, {})})
     return environment.get_template("report.html.j2").render(
         models=models, versions=report["versions"], created=report["created"], plotlyjs=plotly.offline.get_plotlyjs())
 
 
-def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: RunOutcome) -> None:
-    """Write --qreport-html when it is given (and the run completed)."""
+def pytest_qreport_report(results: RunResults, config: pytest.Config) -> str | None:
+    """Write --qreport-html when it is given (and the run completed); ReportError when it cannot be written."""
     path = config.getoption("qreport_html", default=None)
-    if not path or keep_previous_file(config, "--qreport-html", path, outcome):
-        return
-    from .items import STATE_KEY
-    from .jsonreport import build_report
+    if not path:
+        return None
+    if results.outcome.interrupted:
+        return skipped_after_interrupt("--qreport-html", path, results.outcome)
+    from .jsonfile import build_report
 
-    state = config.stash[STATE_KEY]
     try:
-        write_atomically(path, build_html(build_report(rows, state.models_by_label())))
+        write_atomically(path, build_html(build_report(list(results.rows), results.models)))
     except OSError as error:
-        state.report_errors.append(f"qreport: could not write --qreport-html {path}: {error}")
+        raise ReportError(f"qreport: could not write --qreport-html {path}: {error}") from error
+    return written("HTML report", path)

@@ -6,7 +6,8 @@ Schema 1::
       "schema": 1,
       "created": "2026-11-22T03:40:00+00:00",
       "versions": {"pytest_qreport": "0.1.0", "qcore": "0.1.0", "torch": "2.13.0", "python": "3.11.7"},
-      "models": {"<model>": {"baseline_path": "...", "fingerprint": {...} | null}},
+      "models": {"<model>": {"baseline_path": "...", "fingerprint": {...} | null,
+                             "capture": {"method": "export" | "fx", "export_error": "..."}, "error": "..."}},
       "rows": [{"model", "check", "layer", "metric", "value", "threshold", "verdict", "message", "details",
                 "waiver", "nodeid", "duration", "baseline", "delta", "baseline_status"}, ...]
     }
@@ -22,12 +23,16 @@ import datetime
 import json
 import math
 import platform
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
-from .findings import Finding, RunOutcome
-from .junit import keep_previous_file, write_atomically
+from ..core.errors import ReportError
+from ..core.files import write_atomically
+from ..core.findings import Finding
+from ..core.results import ModelFacts, RunResults
+from .outputs import skipped_after_interrupt, written
 
 __all__ = ["JSON_SCHEMA", "build_report", "pytest_qreport_report"]
 
@@ -44,7 +49,7 @@ def _strict(value: Any) -> Any:
     return value
 
 
-def build_report(rows: list[Finding], models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def build_report(rows: list[Finding], models: Mapping[str, ModelFacts]) -> dict[str, Any]:
     """The report as builtins (schema 1)."""
     import torch
 
@@ -55,17 +60,22 @@ def build_report(rows: list[Finding], models: dict[str, dict[str, Any]]) -> dict
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"pytest_qreport": qcore.__version__, "qcore": qcore.__version__, "torch": str(torch.__version__),
                      "python": platform.python_version()},
-        "models": {name: {"baseline_path": info.get("baseline_path"), "fingerprint": info.get("fingerprint")}
-                   for name, info in sorted(models.items())},
+        "models": {name: {key: value for key, value in facts.to_dict().items() if key != "name"}
+                   for name, facts in sorted(models.items())},
         "rows": [row.to_dict() for row in rows],
     })
 
 
-def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: RunOutcome) -> None:
-    """Write --qreport-json when it is given (and the run completed)."""
+def pytest_qreport_report(results: RunResults, config: pytest.Config) -> str | None:
+    """Write --qreport-json when it is given (and the run completed); ReportError when it cannot be written."""
     path = config.getoption("qreport_json", default=None)
-    if path and not keep_previous_file(config, "--qreport-json", path, outcome):
-        from .items import STATE_KEY
-
-        report = build_report(rows, config.stash[STATE_KEY].models_by_label())
+    if not path:
+        return None
+    if results.outcome.interrupted:
+        return skipped_after_interrupt("--qreport-json", path, results.outcome)
+    report = build_report(list(results.rows), results.models)
+    try:
         write_atomically(path, json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    except OSError as error:
+        raise ReportError(f"qreport: could not write --qreport-json {path}: {error}") from error
+    return written("JSON report", path)

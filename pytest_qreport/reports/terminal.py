@@ -1,33 +1,18 @@
 """The terminal summary table, written through the pytest_qreport_report hook."""
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 
 import pytest
 from tabulate import tabulate
 
-from .findings import VERDICTS, Finding, RunOutcome
-from .options import table_mode
+from ..core.findings import VERDICTS, Finding, RunOutcome
+from ..core.numbers import format_delta, format_value
+from ..core.results import ModelFacts, RunResults
+from ..core.settings import table_mode
 
-__all__ = ["counts_line", "fallback_notes", "format_delta", "format_value", "note", "pytest_qreport_report",
-           "render_summary", "sensitivity_lines", "summary_rows"]
-
-
-def format_value(value: float | None, metric: str) -> str:
-    """A metric value for people: dB values with one decimal."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float) and (math.isinf(value) or abs(value) >= 1e30):  # nan_to_num'd infinities too
-        sign = "-" if value < 0 else ""
-        return f"{sign}inf dB" if metric.endswith("_db") else f"{sign}inf"
-    return f"{value:.1f} dB" if metric.endswith("_db") else f"{value:.4g}"
-
-
-def format_delta(delta: float | None) -> str:
-    """A baseline delta with its sign, two decimals ('0.00' for a change that rounds away)."""
-    if delta is None:
-        return "-"
-    return "0.00" if abs(delta) < 0.005 else f"{delta:+.2f}"
+__all__ = ["counts_line", "fallback_notes", "note", "pytest_qreport_report", "render_summary", "sensitivity_lines",
+           "summary_rows"]
 
 
 def note(row: Finding) -> str:
@@ -39,16 +24,16 @@ def note(row: Finding) -> str:
     if row.baseline_status == "regressed":
         return "regressed against the baseline"
     if row.baseline_status == "improved" and row.delta is not None:
-        unit = " dB" if row.metric.endswith("_db") else ""
-        return f"improved by {abs(row.delta):.2f}{unit}: update the baseline to lock it in"
+        return f"improved by {format_delta(abs(row.delta), row.metric).lstrip('+')}: update the baseline to lock it in"
     if row.check == "baseline" and row.details.get("stale"):
         return "stale: " + ", ".join(row.details["stale"])
     return ""
 
 
 def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows: failures, errors, warnings and noted rows always; every row when mode is 'all'."""
-    shown = [r for r in rows if mode == "all" or r.verdict != "pass" or note(r)]
+    """Headers and rows: failures, errors and rows with a baseline note or a waiver; every row when mode is
+    "all". Warnings are counted, not listed, unless mode is "all"."""
+    shown = [r for r in rows if mode == "all" or r.failed or note(r)]
     headers = ["model", "check", "layer", "value", "threshold"]
     with_baseline = any(r.baseline_status for r in shown)
     with_notes = any(note(r) for r in shown)
@@ -57,7 +42,7 @@ def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[s
     for r in shown:
         cells = [r.model, r.check, r.layer, format_value(r.value, r.metric), format_value(r.threshold, r.metric)]
         if with_baseline:
-            cells += [format_value(r.baseline, r.metric), format_delta(r.delta)]
+            cells += [format_value(r.baseline, r.metric), format_delta(r.delta, r.metric)]
         table.append(cells + [r.verdict.upper()] + ([note(r)] if with_notes else []))
     return headers, table
 
@@ -68,32 +53,36 @@ def render_summary(rows: list[Finding], mode: str) -> str:
     return tabulate(table, headers=headers, disable_numparse=True) if table else ""
 
 
-def counts_line(rows: list[Finding], outcome: RunOutcome | None = None) -> str:
-    """'36 pass, 9 fail', with the items that did not run when the run stopped early."""
+def counts_line(rows: list[Finding], outcome: RunOutcome | None = None, mode: str = "all") -> str:
+    """'36 pass, 9 fail, 2 warn', with the items that did not run when the run stopped early; under the failures
+    table, a pointer to the warnings it leaves out."""
     counts = {v: sum(1 for r in rows if r.verdict == v) for v in VERDICTS}
     line = ", ".join(f"{n} {v}" for v, n in counts.items() if n) or "no qreport items ran"
+    if mode == "failures" and counts["warn"]:
+        line += f" ({counts['warn']} warning(s) not listed: --qreport-table=all lists them)"
     if outcome is not None and outcome.interrupted and outcome.collected:
         line += f"; {outcome.not_run} of {outcome.collected} qreport items did not run"
     return line
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_qreport_report(rows: list[Finding], config: pytest.Config, outcome: RunOutcome) -> None:
+def pytest_qreport_report(results: RunResults, config: pytest.Config) -> None:
     """Print the qreport summary section in the terminal."""
     terminal = config.pluginmanager.get_plugin("terminalreporter")
     if terminal is None:
         return
+    rows, outcome, mode = list(results.rows), results.outcome, table_mode(config)
     terminal.section("qreport summary")
-    text = render_summary(rows, table_mode(config))
+    text = render_summary(rows, mode)
     if outcome.interrupted:
         terminal.write_line(f"the run stopped early ({outcome.interrupted}): these results are incomplete", red=True)
     terminal.write_line(text if text else "all qreport checks passed" if not outcome.interrupted else
                         "no qreport item failed before the run stopped")
-    terminal.write_line(counts_line(rows, outcome))
-    if table_mode(config) == "all":
+    terminal.write_line(counts_line(rows, outcome, mode))
+    if mode == "all":
         for line in sensitivity_lines(rows):
             terminal.write_line(line)
-    for line in fallback_notes(rows):
+    for line in fallback_notes(results.models):
         terminal.write_line(line, yellow=True)
 
 
@@ -109,12 +98,8 @@ def sensitivity_lines(rows: list[Finding], top: int = 5) -> list[str]:
     return lines
 
 
-def fallback_notes(rows: list[Finding]) -> list[str]:
+def fallback_notes(models: Mapping[str, ModelFacts]) -> list[str]:
     """One line per model that torch.export could not capture, so that FX captured it instead."""
-    notes: dict[str, str] = {}
-    for row in rows:
-        capture = row.details.get("capture") or {}
-        if capture.get("method") == "fx" and capture.get("export_error") and row.model not in notes:
-            notes[row.model] = (f"qreport: model {row.model!r} was captured with torch.fx.symbolic_trace, because "
-                                f"torch.export failed: {capture['export_error']}")
-    return list(notes.values())
+    return [f"qreport: model {name!r} was captured with torch.fx.symbolic_trace, because torch.export failed: "
+            f"{facts.capture['export_error']}" for name, facts in models.items()
+            if facts.capture.get("method") == "fx" and facts.capture.get("export_error")]

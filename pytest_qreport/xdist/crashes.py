@@ -11,7 +11,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = ["CRASH_DIR_KEY", "XdistController", "analysis_guard", "capture_dir", "crashed_message", "previous_crash"]
@@ -89,7 +89,7 @@ class XdistController:
     model), learn what they collected, and schedule each model's items together under --dist load and
     loadgroup, on the worker that captured it."""
 
-    def __init__(self, collected: dict[str, int]) -> None:
+    def __init__(self, collected: Callable[[list[str]], None]) -> None:
         self.crash_dir = tempfile.mkdtemp(prefix="pytest-qreport-")
         os.mkdir(os.path.join(self.crash_dir, "captures"))
         self.collected = collected
@@ -100,8 +100,7 @@ class XdistController:
 
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
         """Remember the collected node ids, in order, to find items that never reported."""
-        for nodeid in ids:
-            self.collected.setdefault(nodeid, len(self.collected))
+        self.collected(list(ids))
 
     def pytest_xdist_make_scheduler(self, config, log):
         """Under --dist load (-n's default) and loadgroup, keep each model's items together (see scheduling.py)."""

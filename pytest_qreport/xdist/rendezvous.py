@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .capture_cache import LayerCache
+from ..core.files import write_atomically
+from ..core.layer_cache import LayerCache
 
-__all__ = ["CaptureRendezvous", "captured_by", "model_scope"]
+__all__ = ["CaptureRendezvous", "captured_by"]
 
 WAIT_LIMIT = 900.0  # seconds; only a run whose workers disagree on what they collect gets this far
 
@@ -27,11 +28,6 @@ try:
     import fcntl
 except ImportError:  # Windows: a dead owner is noticed by WAIT_LIMIT only
     fcntl = None  # type: ignore[assignment]
-
-
-def model_scope(file_nodeid: str, model: str) -> str:
-    """The work unit ModelGroupScheduling makes of a model's items (see parse_item_nodeid)."""
-    return f"{file_nodeid}::qreport/{model}"
 
 
 def _digest(text: str) -> str:
@@ -78,7 +74,7 @@ class CaptureRendezvous:
 
     def mark_captured(self, scope: str) -> None:
         """Record that this worker holds the capture of `scope`'s model."""
-        _write_atomically(self.run_dir / f"captured-{_digest(scope)}", f"{self.worker_id}\n{scope}")
+        write_atomically(self.run_dir / f"captured-{_digest(scope)}", f"{self.worker_id}\n{scope}")
 
     def wait(self, key: str, index: int, cache: LayerCache, poll: float = 0.02) -> dict[str, Any] | None:
         """The entry the owner stores for `key`, or None once it will not come (then capture the model yourself)."""
@@ -107,9 +103,3 @@ class CaptureRendezvous:
             return False  # nobody holds it: the owner's process is gone
         finally:
             os.close(handle)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from xdist.scheduler import LoadGroupScheduling
 
-from .capture_share import captured_by
-from .items import parse_item_nodeid
+from ..core.nodeids import parse_item_nodeid
+from .rendezvous import captured_by
 
 __all__ = ["ModelGroupScheduling"]
 

@@ -1,0 +1,54 @@
+"""Errors as users read them: the model, the user's own frame where it failed, the error and what to do."""
+from __future__ import annotations
+
+import os
+import sysconfig
+import traceback
+
+from .errors import QReportError, QReportModelError
+from .findings import Finding
+
+__all__ = ["error_finding", "explain", "is_measurement_error"]
+
+
+def is_measurement_error(error: BaseException) -> bool:
+    """Calibration failures concern the whole model, not one check."""
+    import qcore
+
+    return isinstance(error, (qcore.CalibrationError, QReportModelError))
+
+
+def error_finding(model: str, check: str, layer: str, message: str) -> Finding:
+    """The row of an item that errored: nothing was measured."""
+    return Finding(model=model, check=check, layer=layer, metric="", value=float("nan"), threshold=float("nan"),
+                   verdict="error", message=message)
+
+
+_PACKAGE_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep + name
+                      for name in ("qcore", "pytest_qreport")) + tuple(
+    {sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep})
+
+
+def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:
+    """The frames of the traceback (innermost last) that are the user's code, not torch, qcore or pytest."""
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    cause = error.__cause__
+    if cause is not None and cause.__traceback__ is not None:
+        frames = frames + traceback.extract_tb(cause.__traceback__)
+    return [f for f in frames if not f.filename.startswith(_PACKAGE_DIRS) and "site-packages" not in f.filename
+            and "/torch/" not in f.filename and "<" not in f.filename[:1]]
+
+
+def explain(model: str, stage: str, error: BaseException) -> str:
+    """A message naming the model, the user's frame where it failed (first), the error and what to do."""
+    import qcore
+
+    if isinstance(error, (QReportError, qcore.CaptureError, qcore.NonDeterministicModelError)):
+        text = str(error)
+        return text if f"'{model}'" in text else f"model '{model}': {text}"
+    frames = _user_frames(error)
+    where = f" in {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+    trace = "".join(traceback.format_list(frames[-3:])) if frames else ""
+    return (f"model {model!r}: {stage} failed{where}: {type(error).__name__}: {error}\n"
+            "Fix the model or its calibration fixture; other models run on."
+            + (f"\nYour code, innermost last:\n{trace.rstrip()}" if trace else ""))

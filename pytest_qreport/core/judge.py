@@ -1,0 +1,57 @@
+"""Judging a model against its committed baseline: each finding with its baseline value, plus the model's own
+`baseline` finding (missing file, fingerprint mismatch, stale entries)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .baseline import BaselineError, compare_findings, fingerprint_differences, load_baseline
+from .findings import Finding
+
+if TYPE_CHECKING:
+    from .pipeline import ModelPipeline
+
+__all__ = ["compare_with_baseline"]
+
+
+def compare_with_baseline(state: ModelPipeline, found: list[Finding], options: dict[str, Any]) -> list[Finding]:
+    """The findings compared with the model's baseline file, plus the model's `baseline` finding.
+
+    options: {"update": bool, "strict": bool}. With update, nothing fails for baseline reasons: the file is
+    about to be rewritten; deltas are still shown when the fingerprint matches.
+    """
+    assert state.settings is not None and state.context is not None and state.baseline_path is not None
+    path, enforce, strict = state.baseline_path, not options["update"], bool(options["strict"])
+    collected = sorted(f"{check}/{layer}" for check, layer in state.checks_and_layers())
+    still_collected = set(collected)
+    details: dict[str, Any] = {"path": path, "collected": collected, "stale": []}
+    update_hint = f"Run pytest --qreport --qreport-update-baseline to {'write' if enforce else 'rewrite'} {path}."
+
+    def model_finding(passed: bool, message: str, stale: int = 0, error: bool = False) -> Finding:
+        verdict = "error" if error and enforce else "pass" if passed or not enforce else "fail"
+        return Finding(model=state.name, check="baseline", layer="", metric="stale_entries", value=stale,
+                       threshold=0, verdict=verdict, message=message, details=details)
+
+    try:
+        recorded = load_baseline(path)
+    except BaselineError as error:
+        return found + [model_finding(False, f"model {state.name!r}: {error}", error=True)]
+    if recorded is None:
+        why = " (--qreport-baseline-strict)" if strict else ""
+        return found + [model_finding(not strict, f"model {state.name!r}: no baseline file {path}{why}. {update_hint}")]
+    differences = fingerprint_differences(recorded.fingerprint, state.fingerprint or {})
+    if differences:
+        return found + [model_finding(False, (
+            f"model {state.name!r}: the baseline {path} was recorded under other conditions, so its values "
+            f"cannot be compared: {'; '.join(differences)}. If the change is intended, {update_hint[0].lower()}"
+            f"{update_hint[1:]}"))]
+    checks = state.context.checks
+    compared = compare_findings(found, recorded, state.settings.tolerance,
+                                lambda check: checks[check].higher_is_better if check in checks else True,
+                                strict, enforce)
+    stale = sorted(f"{check}/{layer}" for check, layer in recorded.entries if f"{check}/{layer}" not in still_collected)
+    details["stale"] = stale
+    message = (f"model {state.name!r}: the baseline {path} has entries for layers that no longer exist: "
+               f"{', '.join(stale)}. {update_hint}") if stale else ""
+    return compared + [model_finding(not (stale and strict), message, stale=len(stale))]
+
+

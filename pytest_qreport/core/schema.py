@@ -1,0 +1,232 @@
+"""The settings schema: each setting is declared once, as a `Setting`, and everything else comes from that
+declaration: the command-line option, the ini key, the `qmodel(...)` keyword check, the `ModelSettings` fields and
+the README's options table. A built-in check declares its own threshold settings on its class (`Check.settings`).
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PLACES", "SEVERITIES", "Parser", "Setting", "boolean", "check_names", "choice", "closest", "decibels",
+           "equalize_value", "fraction", "globs", "mapping", "positive_integer", "severity_pairs", "text",
+           "tolerance_pairs"]
+
+PLACES = ("qmodel", "ini", "cli")
+SEVERITIES = ("fail", "warn", "off")
+
+# a parser takes the raw value and the names of the registered checks; it raises ValueError naming the problem
+Parser = Callable[[Any, Sequence[str]], Any]
+
+
+def closest(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean X?)' for the closest choice, or ''."""
+    match = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its name, how its values parse, its default, its help, and where it may be given.
+
+    scope "model" settings resolve per model (command line, then qmodel(...), then ini, then the default);
+    "session" settings are read once for the whole run. `merge` settings are dicts merged key by key across
+    the sources (default, ini, qmodel, command line). `shown_default` is how the README shows the default.
+    """
+
+    name: str
+    parse: Parser
+    default: Any
+    help: str
+    places: frozenset[str] = frozenset(PLACES)
+    scope: str = "model"
+    merge: bool = False
+    metavar: str = "VALUE"
+    shown_default: str = ""
+    flag_action: str = ""  # "store_true" for command-line flags that take no value
+
+    def __post_init__(self) -> None:
+        unknown = set(self.places) - set(PLACES)
+        if unknown or self.scope not in ("model", "session"):
+            raise ValueError(f"setting {self.name!r}: places must be within {PLACES} and scope model or session")
+        if self.scope == "session" and "qmodel" in self.places:
+            raise ValueError(f"setting {self.name!r}: a session setting cannot be a qmodel() keyword")
+
+    @property
+    def flag(self) -> str | None:
+        """The command-line flag (`--qreport-<name with dashes>`), or None."""
+        return f"--qreport-{self.name.replace('_', '-')}" if "cli" in self.places else None
+
+    @property
+    def dest(self) -> str:
+        """Where pytest keeps the command-line value: config.getoption('qreport_<name>')."""
+        return f"qreport_{self.name}"
+
+    @property
+    def ini(self) -> str | None:
+        """The ini key (`qreport_<name>`), or None."""
+        return f"qreport_{self.name}" if "ini" in self.places else None
+
+    def value(self, raw: Any, checks: Sequence[str] = ()) -> Any:
+        """`raw` parsed (None stays None: not given)."""
+        return None if raw is None else self.parse(raw, checks)
+
+
+# -- parsers -----------------------------------------------------------------------------------------------------
+def decibels(non_negative: bool = False) -> Parser:
+    """A number of dB (not NaN; optionally not negative)."""
+    def parse(value: Any, checks: Sequence[str]) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be a number of dB, got {value!r}") from None
+        if math.isnan(number) or (non_negative and number < 0):
+            raise ValueError(f"must be a {'non-negative ' if non_negative else ''}number of dB, got {value!r}")
+        return number
+    return parse
+
+
+def fraction() -> Parser:
+    """A number in [0, 1]."""
+    def parse(value: Any, checks: Sequence[str]) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be a number in [0, 1], got {value!r}") from None
+        if not 0.0 <= number <= 1.0:
+            raise ValueError(f"must be a number in [0, 1], got {value!r}")
+        return number
+    return parse
+
+
+def globs(value: Any, checks: Sequence[str]) -> list[str]:
+    """A list of globs: a list, or one string separated by commas or newlines."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.replace("\n", ",").split(",") if part.strip()]
+    return [str(v) for v in value]
+
+
+def check_names(value: Any, checks: Sequence[str]) -> list[str]:
+    """A list of registered check names."""
+    names = globs(value, checks)
+    for name in names:
+        if checks and name not in checks:
+            raise ValueError(f"unknown qreport check {name!r}{closest(name, checks)}; known checks: "
+                             f"{', '.join(checks)}")
+    return names
+
+
+def text(value: Any, checks: Sequence[str]) -> Any:
+    """Any value, kept as given (a fixture name, a callable, an object)."""
+    return value
+
+
+def mapping(value: Any, checks: Sequence[str]) -> dict[str, dict]:
+    """{check: {option: value}} for registered checks."""
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a dict of {{check: {{option: value}}}}, got {value!r}")
+    for name in value:
+        if checks and name not in checks:
+            raise ValueError(f"options for unknown check {name!r}{closest(name, checks)}; known checks: "
+                             f"{', '.join(checks)}")
+    return {str(name): dict(options) for name, options in value.items()}
+
+
+def choice(*choices: str) -> Parser:
+    """One of `choices`."""
+    def parse(value: Any, checks: Sequence[str]) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, not {value!r}{closest(str(value), choices)}")
+        return str(value)
+    return parse
+
+
+def boolean(value: Any, checks: Sequence[str]) -> bool:
+    """true/false, yes/no, 1/0, or a bool."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"must be true or false, not {value!r}")
+
+
+def positive_integer(value: Any, checks: Sequence[str]) -> int:
+    """A positive integer."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be a positive integer, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"must be a positive integer, got {value!r}")
+    return number
+
+
+def severity_pairs(value: Any, checks: Sequence[str]) -> dict[str, str]:
+    """{check: level} from a dict or 'check=level' pairs separated by commas, spaces or newlines."""
+    pairs = value.items() if isinstance(value, dict) else (
+        part.split("=", 1) if "=" in part else (part, "") for part in str(value).replace(",", " ").split())
+    result = {}
+    for check, level in pairs:
+        check, level = str(check).strip(), str(level).strip()
+        if check not in checks:
+            raise ValueError(f"severity for unknown check {check!r}{closest(check, checks)}; known checks: "
+                             f"{', '.join(checks)}")
+        if level not in SEVERITIES:
+            raise ValueError(f"severity of {check} must be one of {', '.join(SEVERITIES)}, not {level!r}"
+                             f"{closest(level, SEVERITIES)}")
+        result[check] = level
+    return result
+
+
+def tolerance_pairs(value: Any, checks: Sequence[str]) -> dict[str, float]:
+    """{check or '*': tolerance} from a number, a dict, or 'check=number' pairs."""
+    pairs: list[tuple[Any, Any]]
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, str) and "=" in value:
+        pairs = [part.partition("=")[::2] for part in value.replace(",", " ").split()]
+    else:
+        pairs = [("*", value)]
+    result = {}
+    for check, raw in pairs:
+        check = str(check).strip()
+        if check != "*" and check not in checks:
+            raise ValueError(f"baseline tolerance for unknown check {check!r}{closest(check, checks)}")
+        try:
+            number = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"baseline tolerance of {check} must be a number, got {raw!r}") from None
+        if math.isnan(number) or number < 0:
+            raise ValueError(f"baseline tolerance of {check} must be a non-negative number, got {raw!r}")
+        result[check] = number
+    return result
+
+
+def equalize_value(value: Any, checks: Sequence[str]) -> Any:
+    """None (off), True (input-weight on every eligible layer), "cross_layer", "smooth", "smooth:search" or
+    "smooth:<alpha>" (SmoothQuant-style smoothing), or a list of layer names."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("", "0", "false", "no", "off", "none"):
+            return None
+        if word in ("1", "true", "yes", "on", "input_weight"):
+            return True
+        if word == "cross_layer":
+            return "cross_layer"
+        if word == "smooth" or word.startswith("smooth:"):
+            from qcore.smoothing import smoothing_alpha
+
+            smoothing_alpha(word)
+            return word
+        raise ValueError(f"equalize must be true, false, input_weight, cross_layer, smooth, smooth:search or "
+                         f"smooth:<alpha>, not {value!r}")
+    if value is False:
+        return None
+    if value is True or isinstance(value, (list, tuple)):
+        return value if value is True else list(value)
+    raise ValueError(f"equalize must be True, False, 'cross_layer' or a list of layer names, not {value!r}")
