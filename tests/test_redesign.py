@@ -1,0 +1,130 @@
+"""The redesign's contracts: a check declares its own threshold setting, a model's pipeline moves through explicit
+stages, and a reporter that cannot write raises ReportError without hiding the other reporters."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.test_plugin import TINY_SOURCE, _summary
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+def _registry():
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.registry import CheckRegistry
+
+    registry = CheckRegistry()
+    for check in BUILTIN_CHECKS:
+        registry.register(check)
+    return registry
+
+
+def test_the_cosine_check_owns_its_threshold_and_measures_the_numeric_suites_cosine(pytester):
+    from pytest_qreport.checks import CosineCheck
+    from pytest_qreport.core.settings import model_schema
+
+    assert [s.name for s in CosineCheck.settings] == ["cosine_min"] and "cosine_min" in model_schema([CosineCheck])
+    pytester.makeconftest(TINY_SOURCE + '''
+
+@qmodel(calibration=[torch.randn(16, 8) for _ in range(2)], checks="cosine,sqnr", severity={"cosine": "fail"},
+        cosine_min=0.99999)
+def tiny():
+    torch.manual_seed(0)
+    return Tiny().eval()
+''')
+    result = pytester.runpytest("--qreport", "--qreport-json=r.json", "--qreport-table=all")
+    report = json.loads((pytester.path / "r.json").read_text())
+    rows = {(r["check"], r["layer"]): r for r in report["rows"]}
+    for layer in ("fc1", "fc2"):
+        cosine, sqnr = rows[("cosine", layer)], rows[("sqnr", layer)]
+        assert cosine["threshold"] == 0.99999 and cosine["value"] == pytest.approx(sqnr["details"]["cosine"])
+        assert cosine["verdict"] == ("pass" if cosine["value"] >= 0.99999 else "fail")
+    assert "cosine" in _summary(result)
+    # the threshold is a command-line option too, and the command line wins over qmodel(...)
+    loose = pytester.runpytest("--qreport", "--qreport-json=r.json", "--qreport-cosine-min", "0.5")
+    assert {r["threshold"] for r in json.loads((pytester.path / "r.json").read_text())["rows"]
+            if r["check"] == "cosine"} == {0.5}
+    loose.assert_outcomes(passed=4)
+
+
+def test_an_unknown_setting_names_the_closest_one():
+    from pytest_qreport.core.declare import ModelDeclaration
+    from pytest_qreport.core.settings import resolve_settings
+
+    session = {"cli": {}, "ini": {}}
+    declaration = ModelDeclaration("m", _tiny, __file__, settings={"cosine_mn": 0.9})
+    with pytest.raises(ValueError, match="'cosine_mn' \\(did you mean 'cosine_min'\\?\\)"):
+        resolve_settings(session, declaration, _registry())
+
+
+def test_a_pipeline_moves_through_explicit_stages():
+    import qcore
+    from pytest_qreport.core.pipeline import ModelPipeline, Stage, collect_model
+    from pytest_qreport.core.settings import ModelSettings
+
+    registry = _registry()
+    batches = [torch.randn(4, 8) for _ in range(2)]
+    settings = ModelSettings.defaults(registry.checks(), checks=["sqnr", "model_sqnr"])
+    pipeline = collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0])
+    assert pipeline.stage is Stage.COLLECTED and not pipeline.needs_capture
+    assert pipeline.checks_and_layers() == [("sqnr", "0"), ("sqnr", "2"), ("model_sqnr", "output")]
+    pipeline.analyze(lambda: batches, lambda found: None)
+    assert pipeline.stage is Stage.ANALYSED and pipeline.facts().fingerprint["threads"] == 1
+    assert pipeline.finding("model_sqnr", "output").value > 20 and pipeline.facts().error == ""
+
+    broken = collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0])
+    broken.analyze(lambda: [torch.randn(4, 3)], lambda found: None)
+    assert broken.stage is Stage.ANALYSIS_FAILED and broken.failed and "model 'tiny'" in broken.error
+    assert broken.facts().error == broken.error
+    broken.analyze(lambda: batches, lambda found: None)  # a failed stage is final
+    assert broken.stage is Stage.ANALYSIS_FAILED
+    assert ModelPipeline("m").collection_failed("why").stage is Stage.COLLECTION_FAILED
+
+
+def test_a_reporter_that_cannot_write_fails_the_run_and_the_others_still_write(pytester):
+    pytester.makeconftest(TINY_SOURCE + '''
+from pytest_qreport import ReportError
+
+
+@qmodel(calibration=[torch.randn(16, 8)], checks="sqnr")
+def tiny():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+class Dashboard:
+    def pytest_qreport_report(self, results):
+        assert [row.check for row in results.rows] == ["sqnr", "sqnr"] and set(results.models) == {"tiny"}
+        raise ReportError("qreport: could not write the team dashboard: disk full")
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(Dashboard(), "dashboard")
+
+
+def pytest_qreport_report(rows, config, outcome):   # the older signature still works
+    return "qreport: old-style reporter saw %d rows" % len(rows)
+''')
+    result = pytester.runpytest("--qreport", "--qreport-json=r.json", "--qreport-junitxml=j.xml")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*qreport: could not write the team dashboard: disk full*"])
+    text = result.stdout.str()
+    assert "qreport: JSON report written to r.json" in text and "qreport: JUnit XML written to j.xml" in text
+    assert "qreport: old-style reporter saw 2 rows" in text
+    report = json.loads((pytester.path / "r.json").read_text())
+    assert report["models"]["tiny"]["capture"]["method"] == "export" and len(report["rows"]) == 2
+
+
+def test_numbers_have_one_spelling():
+    from pytest_qreport.core.numbers import format_delta, format_value
+
+    assert format_value(3.4028234663852886e38, "sqnr_db") == format_value(math.inf, "sqnr_db") == "inf dB"
+    assert format_value(3.4028234663852886e38, "max_percentile_ratio") == "inf"
+    assert format_delta(-0.0009639, "sqnr_db") == "0 dB" and format_delta(-0.0009639, "ratio") == "-0.000964"
+    assert format_delta(-3.04, "sqnr_db") == "-3.0 dB" and format_delta(None) == "-"
