@@ -128,3 +128,59 @@ def test_numbers_have_one_spelling():
     assert format_value(3.4028234663852886e38, "max_percentile_ratio") == "inf"
     assert format_delta(-0.0009639, "sqnr_db") == "0 dB" and format_delta(-0.0009639, "ratio") == "-0.000964"
     assert format_delta(-3.04, "sqnr_db") == "-3.0 dB" and format_delta(None) == "-"
+
+
+NESTED = TINY_SOURCE + '''
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def spiky():
+    batch = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    batch[0, 3] = 50.0   # one loud value in input channel 3: an outlier for body.0
+    return [batch]
+
+
+@qmodel(calibration=spiky(), checks="sqnr,outlier", severity={"outlier": "warn"})
+def nested():
+    torch.manual_seed(0)
+    return Nested().eval()
+'''
+
+
+def test_what_verbose_prints_is_a_node_id_to_paste_back(pytester):
+    pytester.makeconftest(NESTED)
+    result = pytester.runpytest("--qreport", "-v", "-p", "no:cacheprovider")
+    printed = [line.split()[0] for line in result.stdout.lines if line.startswith("conftest.py::qreport/")]
+    assert "conftest.py::qreport/nested/sqnr/body.0" in printed, printed
+    again = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "conftest.py::qreport/nested/sqnr/body.0")
+    again.assert_outcomes(passed=1)
+
+
+def test_a_failing_qreport_fixture_test_shows_no_torch_trace_log(pytester):
+    pytester.makepyfile(test_fixture='''
+import torch
+from torch import nn
+
+
+def test_too_strict(qreport):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    qreport.analyze(model, [torch.randn(4, 8) for _ in range(2)], checks="sqnr").assert_sqnr(90.0)
+''')
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    assert "torch.__trace" not in result.stdout.str() and "2 of 2 layers below 90.0 dB" in result.stdout.str()
+
+
+def test_warnings_point_at_the_declaring_conftest(pytester):
+    pytester.makeconftest(NESTED)
+    result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "-W", "always")
+    warned = [line for line in result.stdout.lines if "QReportWarning" in line]
+    assert warned and all(line.strip().startswith(str(pytester.path / "conftest.py") + ":") for line in warned), warned

@@ -114,7 +114,7 @@ def advisory():
 ''')
     result = pytester.runpytest("--qreport", "--qreport-sqnr-min-db", "90", "-W", "always")
     text = result.stdout.str()
-    blocks = {name: text[text.index(f"qreport/{name}/sqnr/fc1 _"):].split("\n")[1] for name in
+    blocks = {name: text[text.index(f"qreport/{name}/sqnr/fc1  _"):].split("\n")[1] for name in
               ("per_channel", "histogram", "per_tensor")}
     assert "per channel" not in blocks["per_channel"] and "int8_histogram" in blocks["per_channel"]
     assert "int8_histogram" not in blocks["histogram"] and "per channel" not in blocks["histogram"]

@@ -49,10 +49,14 @@ def _fixture_probe(names: list[str]):
 class QReportFile(pytest.File):
     """A conftest.py that declares models with @qmodel."""
 
+    def __init__(self, *, module: Any, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.module = module
+
     def collect(self) -> Iterator[pytest.Item]:
         session = self.config.stash[STATE_KEY]
         registry = session.refresh_registry()
-        declarations = declarations_in(self.path)
+        declarations = declarations_in(self.module)
         first = session.declared_models  # the session-wide index of this file's first model (the same in every worker)
         session.declared_models += len(declarations)
         rendezvous = session.capture_rendezvous
@@ -302,7 +306,9 @@ class QReportItem(pytest.Function):
         return super().repr_failure(excinfo)
 
     def reportinfo(self):
-        return self.path, None, self.name
+        # pytest -v prints a node id whose trailing test name equals this domain with its dots turned into "::"
+        # (Class.method), which would make `stem.0` unpasteable; a domain that is not the id's tail is left alone
+        return self.path, None, f"{self.name} "
 
 
 class QReportWarning(UserWarning):

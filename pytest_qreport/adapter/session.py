@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,11 +190,12 @@ class QReportSession:
             return None
         from ..core.declare import declarations_in
 
-        if not declarations_in(file_path):
+        module = conftest_module(self.config, file_path)
+        if not declarations_in(module):
             return None
         from .items import QReportFile
 
-        return QReportFile.from_parent(parent, path=file_path)
+        return QReportFile.from_parent(parent, path=file_path, module=module)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -271,6 +273,16 @@ class QReportSession:
     def _fail_session(self) -> None:
         if self.session.exitstatus == pytest.ExitCode.OK:
             self.session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def conftest_module(config: pytest.Config, path: Any) -> Any:
+    """The imported module of a conftest.py, among the plugins pytest registered (None if it is not one)."""
+    real = os.path.realpath(path)
+    for plugin in config.pluginmanager.get_plugins():
+        file = getattr(plugin, "__file__", None) if isinstance(plugin, types.ModuleType) else None
+        if file and os.path.realpath(file) == real:
+            return plugin
+    return None
 
 
 def call_reporters(config: pytest.Config, results: RunResults) -> list[tuple[str, bool]]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["ModelDeclaration", "declarations_in", "qmodel"]
+__all__ = ["MODELS_ATTRIBUTE", "ModelDeclaration", "declarations_in", "qmodel"]
 
 
 @dataclass
@@ -24,12 +24,14 @@ class ModelDeclaration:
     line: int = 0
 
 
-_DECLARED: dict[str, list[ModelDeclaration]] = {}
+# the declarations live in the declaring module itself (a conftest.py), not in a global of this package: they go
+# when the module goes, and a conftest imported again starts afresh
+MODELS_ATTRIBUTE = "__qreport_models__"
 
 
-def declarations_in(path: str | os.PathLike) -> list[ModelDeclaration]:
-    """The models declared in one file, in declaration order."""
-    return list(_DECLARED.get(os.path.realpath(os.fspath(path)), []))
+def declarations_in(module: Any) -> list[ModelDeclaration]:
+    """The models a module (a conftest.py) declares, in declaration order."""
+    return list(getattr(module, MODELS_ATTRIBUTE, None) or ())
 
 
 def qmodel(calibration: Any = None, *, name: str | None = None, **settings: Any) -> Callable[[Callable[..., Any]], Any]:
@@ -51,10 +53,10 @@ def qmodel(calibration: Any = None, *, name: str | None = None, **settings: Any)
         source = inspect.getsourcefile(factory) or inspect.getfile(factory)
         declaration = ModelDeclaration(name=name or factory.__name__, factory=factory,
                                        source_file=os.path.realpath(source), settings=given)
-        registered = _DECLARED.setdefault(declaration.source_file, [])
+        registered = factory.__globals__.setdefault(MODELS_ATTRIBUTE, [])
         declaration.line = factory.__code__.co_firstlineno
-        earlier = next((d for d in registered if d.name == declaration.name and d.line != declaration.line), None)
-        if earlier is not None:  # the same line again is the same conftest imported again, not a duplicate
+        earlier = next((d for d in registered if d.name == declaration.name), None)
+        if earlier is not None:
             declaration.error = (
                 f"model {declaration.name!r} is declared twice in {source} (lines {earlier.line} and "
                 f"{declaration.line}); the second would silently replace the first. Rename one function, or give "

@@ -2,6 +2,7 @@
 `baseline` finding (missing file, fingerprint mismatch, stale entries)."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from .baseline import BaselineError, compare_findings, fingerprint_differences, load_baseline
@@ -26,10 +27,13 @@ def compare_with_baseline(state: ModelPipeline, found: list[Finding], options: d
     details: dict[str, Any] = {"path": path, "collected": collected, "stale": []}
     update_hint = f"Run pytest --qreport --qreport-update-baseline to {'write' if enforce else 'rewrite'} {path}."
 
-    def model_finding(passed: bool, message: str, stale: int = 0, error: bool = False) -> Finding:
+    def model_finding(passed: bool, message: str, stale: int | None = None, error: bool = False) -> Finding:
+        """The model's `baseline` row: its value is the count of stale entries, when the entries could be
+        compared at all (nothing to show for a missing, unreadable or incomparable file)."""
         verdict = "error" if error and enforce else "pass" if passed or not enforce else "fail"
-        return Finding(model=state.name, check="baseline", layer="", metric="stale_entries", value=stale,
-                       threshold=0, verdict=verdict, message=message, details=details)
+        value, threshold = (math.nan, math.nan) if stale is None else (stale, 0)
+        return Finding(model=state.name, check="baseline", layer="", metric="stale_entries", value=value,
+                       threshold=threshold, verdict=verdict, message=message, details=details)
 
     try:
         recorded = load_baseline(path)

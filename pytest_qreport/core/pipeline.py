@@ -21,7 +21,7 @@ from .findings import Finding
 from .judge import compare_with_baseline
 from .registry import Check, CheckRegistry, ModelContext
 from .results import ModelFacts
-from .runtime import garbage_collection_paused, torch_threads
+from .runtime import garbage_collection_paused, quiet_torch_trace_log, torch_threads
 from .settings import ModelSettings
 
 __all__ = ["ModelPipeline", "Stage", "collect_model", "fingerprint", "select_layers"]
@@ -136,7 +136,7 @@ class ModelPipeline:
             return
         assert self.context is not None and self.settings is not None
         try:
-            with torch_threads(threads), garbage_collection_paused():
+            with torch_threads(threads), garbage_collection_paused(), quiet_torch_trace_log():
                 found = self._measure(batches, modify, threads)
         except Exception as error:  # noqa: BLE001 - reported on every item of the model
             self.analysis_failed(explain(self.name, "calibration/analysis", error), error)
@@ -188,7 +188,8 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     if not hasattr(model, "forward"):
         raise QReportModelError(f"model {name!r}: the qmodel function returned {type(model).__name__}, "
                                 "not an nn.Module")
-    float_gm = qcore.capture(model, example_inputs, name=name)
+    with quiet_torch_trace_log():
+        float_gm = qcore.capture(model, example_inputs, name=name)
     _check_float_layers(name, settings.float_layers, float_gm)
     analysis = ModelAnalysis(float_gm, quantizer, equalize=settings.equalize)
     checks: dict[str, Check] = {}

@@ -4,10 +4,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import logging
 import sys
 from collections.abc import Iterator
 
-__all__ = ["garbage_collection_paused", "torch_threads"]
+__all__ = ["garbage_collection_paused", "quiet_torch_trace_log", "torch_threads"]
 
 
 @contextlib.contextmanager
@@ -47,3 +48,17 @@ def _trim_heap() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+
+
+@contextlib.contextmanager
+def quiet_torch_trace_log() -> Iterator[None]:
+    """Silence torch's structured-trace logger ("torch.__trace", for tlparse) during the block: torch.export and
+    each graph code generation log empty DEBUG records to it, and pytest, which attaches its capture handlers to
+    that logger too, would show them under a failing test's captured log."""
+    trace_log = logging.getLogger("torch.__trace")
+    disabled = trace_log.disabled
+    trace_log.disabled = True
+    try:
+        yield
+    finally:
+        trace_log.disabled = disabled

@@ -13,11 +13,9 @@ from typing import Any
 
 import pytest
 
-from ..core.errors import ReportError
-from ..core.files import write_atomically
 from ..core.numbers import format_delta, format_value
 from ..core.results import RunResults
-from .outputs import skipped_after_interrupt, written
+from .outputs import write_report
 
 __all__ = ["HTML_EXTRA", "build_html", "html_extra_missing", "pytest_qreport_report"]
 
@@ -136,15 +134,7 @@ def build_html(report: dict[str, Any]) -> str:
 
 def pytest_qreport_report(results: RunResults, config: pytest.Config) -> str | None:
     """Write --qreport-html when it is given (and the run completed); ReportError when it cannot be written."""
-    path = config.getoption("qreport_html", default=None)
-    if not path:
-        return None
-    if results.outcome.interrupted:
-        return skipped_after_interrupt("--qreport-html", path, results.outcome)
     from .jsonfile import build_report
 
-    try:
-        write_atomically(path, build_html(build_report(list(results.rows), results.models)))
-    except OSError as error:
-        raise ReportError(f"qreport: could not write --qreport-html {path}: {error}") from error
-    return written("HTML report", path)
+    return write_report(config, results, "--qreport-html", "HTML report",
+                        lambda: build_html(build_report(list(results.rows), results.models)))

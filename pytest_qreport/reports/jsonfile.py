@@ -28,11 +28,10 @@ from typing import Any
 
 import pytest
 
-from ..core.errors import ReportError
-from ..core.files import write_atomically
 from ..core.findings import Finding
+from ..core.numbers import normalized
 from ..core.results import ModelFacts, RunResults
-from .outputs import skipped_after_interrupt, written
+from .outputs import write_report
 
 __all__ = ["JSON_SCHEMA", "build_report", "pytest_qreport_report"]
 
@@ -40,6 +39,8 @@ JSON_SCHEMA = 1
 
 
 def _strict(value: Any) -> Any:
+    if isinstance(value, float):
+        value = normalized(value)  # nan_to_num's FLT_MAX is an infinity here too
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
@@ -68,14 +69,6 @@ def build_report(rows: list[Finding], models: Mapping[str, ModelFacts]) -> dict[
 
 def pytest_qreport_report(results: RunResults, config: pytest.Config) -> str | None:
     """Write --qreport-json when it is given (and the run completed); ReportError when it cannot be written."""
-    path = config.getoption("qreport_json", default=None)
-    if not path:
-        return None
-    if results.outcome.interrupted:
-        return skipped_after_interrupt("--qreport-json", path, results.outcome)
-    report = build_report(list(results.rows), results.models)
-    try:
-        write_atomically(path, json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n")
-    except OSError as error:
-        raise ReportError(f"qreport: could not write --qreport-json {path}: {error}") from error
-    return written("JSON report", path)
+    return write_report(config, results, "--qreport-json", "JSON report",
+                        lambda: json.dumps(build_report(list(results.rows), results.models), indent=1,
+                                           sort_keys=True, allow_nan=False) + "\n")

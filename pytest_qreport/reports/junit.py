@@ -6,14 +6,13 @@ from collections.abc import Mapping
 import pytest
 from junit_xml import TestCase, TestSuite, to_xml_report_string
 
-from ..core.errors import ReportError
 from ..core.files import write_atomically
 from ..core.findings import Finding
 from ..core.numbers import format_value
 from ..core.results import ModelFacts, RunResults
-from .outputs import skipped_after_interrupt, written
+from .outputs import write_report
 
-__all__ = ["build_suites", "pytest_qreport_report", "write_junit"]
+__all__ = ["build_suites", "junit_text", "pytest_qreport_report", "write_junit"]
 
 _PROPERTIES = ("model", "check", "layer", "metric", "value", "threshold", "verdict")
 
@@ -48,20 +47,17 @@ def build_suites(rows: list[Finding], models: Mapping[str, ModelFacts] | None = 
     return [TestSuite(f"qreport.{model}", cases) for model, cases in by_model.items()]
 
 
+def junit_text(rows: list[Finding], models: Mapping[str, ModelFacts] | None = None) -> str:
+    """The dedicated JUnit XML report for `rows`, as text."""
+    return to_xml_report_string(build_suites(rows, models), prettyprint=True)
+
+
 def write_junit(path: str, rows: list[Finding], models: Mapping[str, ModelFacts] | None = None) -> None:
     """Write the dedicated JUnit XML report for `rows`."""
-    write_atomically(path, to_xml_report_string(build_suites(rows, models), prettyprint=True))
+    write_atomically(path, junit_text(rows, models))
 
 
 def pytest_qreport_report(results: RunResults, config: pytest.Config) -> str | None:
     """Write --qreport-junitxml when it is given; ReportError when it cannot be written."""
-    path = config.getoption("qreport_junitxml", default=None)
-    if not path:
-        return None
-    if results.outcome.interrupted:
-        return skipped_after_interrupt("--qreport-junitxml", path, results.outcome)
-    try:
-        write_junit(path, list(results.rows), results.models)
-    except OSError as error:
-        raise ReportError(f"qreport: could not write --qreport-junitxml {path}: {error}") from error
-    return written("JUnit XML", path)
+    return write_report(config, results, "--qreport-junitxml", "JUnit XML",
+                        lambda: junit_text(list(results.rows), results.models))

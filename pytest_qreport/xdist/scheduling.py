@@ -1,63 +1,177 @@
-"""`--dist load` and `loadgroup` for qreport items: all items of one model form one work unit, so one worker
-analyses each model, and a model that kills its worker is not retried on the next one. A worker is given the
-models it captured at collection first (see capture_share), then other work, and another worker's models last.
+"""A pytest-xdist scheduler for qreport runs, written against xdist's documented `Scheduling` protocol
+(xdist.scheduler.protocol) and handed to xdist through its `pytest_xdist_make_scheduler` hook; it overrides no
+private xdist method.
 
-xdist groups by an "@group" suffix that it appends to node ids at collection. pytest 9.2 no longer lets it
-change node ids (pytest-xdist issue 1386), so the groups silently vanish; this scheduler groups qreport items
-by the model named in their node id instead, and leaves every other test to xdist's loadgroup rules.
+Work units: all items of one model form one unit, so one worker analyses each model and a model that kills its
+worker is not retried on the next one. Other tests keep xdist's rules: those with an `@group` suffix (--dist
+loadgroup) form one unit per group, and every other test is a unit of its own (--dist load). A worker is given
+the models it captured at collection first (see rendezvous), then units nobody alive captured, then the rest.
+
+Node ids come from the workers' collections; xdist_group marks do not reach them under pytest 9.2 (pytest-xdist
+issue 1386), which is why qreport items are grouped by the model their node id names.
 """
 from __future__ import annotations
 
-from xdist.scheduler import LoadGroupScheduling
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
 
-from ..core.nodeids import parse_item_nodeid
+from xdist.workermanage import parse_tx_spec_config
+
+from ..core.nodeids import model_scope, parse_item_nodeid
 from .rendezvous import captured_by
 
-__all__ = ["ModelGroupScheduling"]
+__all__ = ["ModelGroupScheduling", "work_unit"]
+
+_REFILL_AT = 2  # a worker with at most this many pending items gets its next unit (xdist's loadscope heuristic)
 
 
-class ModelGroupScheduling(LoadGroupScheduling):
-    """LoadGroupScheduling where a qreport item's group is its conftest and model."""
+def work_unit(nodeid: str) -> str:
+    """The unit a test belongs to: its model for a qreport item, its `@group` for a grouped test, else itself."""
+    parsed = parse_item_nodeid(nodeid)
+    if parsed is not None:
+        return model_scope(parsed[0], parsed[1])
+    if "@" in nodeid:
+        return "@" + nodeid.rsplit("@", 1)[1]
+    return nodeid
 
-    def __init__(self, config, log=None, capture_dir: str | None = None) -> None:
-        super().__init__(config, log)
-        self.capture_dir = capture_dir
+
+class ModelGroupScheduling:
+    """Schedules one unit at a time per worker; see the module docstring."""
+
+    def __init__(self, config: Any, log: Any = None, capture_dir: str | None = None) -> None:
+        self.config, self.capture_dir = config, capture_dir
+        self.log = log.modelgroupsched if log is not None else (lambda *args: None)
+        self.numnodes = len(parse_tx_spec_config(config))
+        self.collection: list[str] | None = None
+        self.workqueue: OrderedDict[str, dict[str, bool]] = OrderedDict()  # unit -> {nodeid: done}
+        self.assigned_work: dict[Any, dict[str, dict[str, bool]]] = {}  # worker -> its units
+        self.registered_collections: dict[Any, list[str]] = {}
+        self._positions: dict[str, int] = {}  # nodeid -> index in the collection
         self._captured: dict[str, str] | None = None
 
-    def _assign_work_unit(self, node) -> None:
-        """Assign the node a model it captured, else a unit nobody alive captured, else the next unit."""
+    # -- the Scheduling protocol --------------------------------------------------------------------------------
+    @property
+    def nodes(self) -> list[Any]:
+        """The workers this scheduler feeds."""
+        return list(self.assigned_work)
+
+    @property
+    def collection_is_completed(self) -> bool:
+        """True once every initial worker has sent its collection."""
+        return len(self.registered_collections) >= self.numnodes
+
+    @property
+    def tests_finished(self) -> bool:
+        """True when nothing is queued and no worker has more than its last item left."""
+        if not self.collection_is_completed or self.workqueue:
+            return False
+        return all(_pending(units) < 2 for units in self.assigned_work.values())
+
+    @property
+    def has_pending(self) -> bool:
+        """True while any item is queued or running."""
+        return bool(self.workqueue) or any(_pending(units) for units in self.assigned_work.values())
+
+    def add_node(self, node: Any) -> None:
+        """A worker is ready: it will be given units."""
+        assert node not in self.assigned_work
+        self.assigned_work[node] = {}
+
+    def add_node_collection(self, node: Any, collection: Sequence[str]) -> None:
+        """A worker's collection; a restarted worker's must match the first one's."""
+        assert node in self.assigned_work
+        if self.collection_is_completed and self.collection is not None and list(collection) != self.collection:
+            self.log(f"worker {node.gateway.id} collected other tests; it gets no work")
+            return
+        self.registered_collections[node] = list(collection)
+
+    def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+        """A worker finished one item: mark it, and give the worker its next unit when it runs low."""
+        nodeid = self.registered_collections[node][item_index]
+        self.assigned_work[node][work_unit(nodeid)][nodeid] = True
+        self._refill(node)
+
+    def mark_test_pending(self, item: str) -> None:
+        """Not used by this scheduler (xdist calls it for --dist each only)."""
+        raise NotImplementedError("qreport's scheduler does not re-queue single items")
+
+    def remove_pending_tests_from_node(self, node: Any, indices: Sequence[int]) -> None:
+        """Not used by this scheduler (xdist calls it for --dist worksteal only)."""
+        raise NotImplementedError("qreport's scheduler does not steal work")
+
+    def remove_node(self, node: Any) -> str | None:
+        """A worker went away. If it died mid-run, requeue its unfinished units, except the item it crashed on
+        (xdist reports that one), and return that item."""
+        units = self.assigned_work.pop(node)
+        pending = [nodeid for unit in units.values() for nodeid, done in unit.items() if not done]
+        if not pending:
+            return None
+        crashed = pending[0]
+        units[work_unit(crashed)][crashed] = True
+        self.workqueue.update({name: unit for name, unit in units.items() if not all(unit.values())})
+        for other in self.assigned_work:
+            if other in self.registered_collections:  # a restarted worker has not collected yet
+                self._refill(other)
+        return crashed
+
+    def schedule(self) -> None:
+        """Split the collection into units and give every worker its first ones (again later: refill all)."""
+        assert self.collection_is_completed
+        if self.collection is not None:
+            for node in self.nodes:
+                self._refill(node)
+            return
+        collections = list(self.registered_collections.values())
+        if any(collection != collections[0] for collection in collections[1:]):
+            self.log("workers collected different tests: no tests are scheduled")
+            return
+        self.collection = list(collections[0])
+        self._positions = {nodeid: index for index, nodeid in enumerate(self.collection)}
+        for nodeid in self.collection:
+            self.workqueue.setdefault(work_unit(nodeid), {})[nodeid] = False
+        for unused in self.nodes[len(self.workqueue):]:  # more workers than units
+            self.assigned_work.pop(unused)
+            unused.shutdown()
+        for node in self.nodes:
+            self._assign(node)
+        for node in self.nodes:
+            self._refill(node)
+
+    # -- assignment ----------------------------------------------------------------------------------------------
+    def _refill(self, node: Any) -> None:
+        if node.shutting_down:
+            return
+        if not self.workqueue:
+            node.shutdown()
+            return
+        if _pending(self.assigned_work[node]) <= _REFILL_AT:
+            self._assign(node)
+
+    def _assign(self, node: Any) -> None:
+        """Give the worker its next unit: one it captured, else one nobody alive captured, else the first."""
+        if not self.workqueue:
+            return
+        name = self._next_unit(node)
+        unit = self.workqueue.pop(name)
+        self.assigned_work[node][name] = unit
+        positions = self._positions if self.registered_collections[node] == self.collection else {
+            nodeid: index for index, nodeid in enumerate(self.registered_collections[node])}
+        node.send_runtest_some([positions[nodeid] for nodeid, done in unit.items() if not done])
+
+    def _next_unit(self, node: Any) -> str:
         if self._captured is None:  # complete once every worker has collected, which precedes scheduling
             self._captured = captured_by(self.capture_dir) if self.capture_dir else {}
         if self._captured:
             alive = {other.gateway.id for other in self.nodes}
-            mine = next((scope for scope in self.workqueue if self._captured.get(scope) == node.gateway.id), None)
-            free = mine or next((scope for scope in self.workqueue if self._captured.get(scope) not in alive), None)
+            mine = next((name for name in self.workqueue if self._captured.get(name) == node.gateway.id), None)
+            if mine is not None:
+                return mine
+            free = next((name for name in self.workqueue if self._captured.get(name) not in alive), None)
             if free is not None:
-                self.workqueue.move_to_end(free, last=False)
-        super()._assign_work_unit(node)
+                return free
+        return next(iter(self.workqueue))
 
-    def _split_scope(self, nodeid: str) -> str:
-        parsed = parse_item_nodeid(nodeid)
-        if parsed is not None:
-            return f"{parsed[0]}::qreport/{parsed[1]}"
-        return super()._split_scope(nodeid)
 
-    def remove_node(self, node) -> str | None:
-        """Requeue a dead worker's unfinished work, except the item it crashed on (xdist reports that one)."""
-        workload = self.assigned_work.pop(node)
-        pending = [nodeid for unit in workload.values() for nodeid, done in unit.items() if not done]
-        if not pending:
-            return None
-        crashed = pending[0]
-        workload[self._split_scope(crashed)][crashed] = True
-        self.workqueue.update({scope: unit for scope, unit in workload.items() if not all(unit.values())})
-        for other in self.assigned_work:
-            self._reschedule(other)
-        return crashed
-
-    def _reschedule(self, node) -> None:
-        # a restarted worker joins before it has collected; xdist would look up its collection and raise
-        # KeyError when another worker's collection arrives first (two workers restarted at once)
-        if node not in self.registered_collections:
-            return
-        super()._reschedule(node)
+def _pending(units: dict[str, dict[str, bool]]) -> int:
+    return sum(1 for unit in units.values() for done in unit.values() if not done)
