@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -40,15 +41,15 @@ from .measure import (
     measure_model,
     measure_sqnr,
 )
-from .observers import HistogramObserver
 from .quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from .report import ModelReport
 from .report.detectors import DetectorBase
 from .rewritable import equalization_refusal
 from .smoothing import smooth, smoothing_alpha
 
-__all__ = ["LayerSqnr", "ModelAnalysis", "OutputSqnr", "QuantizedLayer", "SqnrMeasurement", "VariantSqnr",
-           "analyze_model", "calibration_digest", "describe", "measure_sqnr", "quantized_layers"]
+__all__ = ["MEASUREMENTS", "AnalysisPlan", "LayerSqnr", "ModelAnalysis", "OutputSqnr", "QuantizedLayer",
+           "SqnrMeasurement", "VariantSqnr", "analyze_model", "calibration_digest", "describe", "measure_sqnr",
+           "quantized_layers"]
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,9 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
         refusal = equalization_refusal(annotated, op) if candidate else ""
         layers.append(QuantizedLayer(
             layer=op.layer, fqn=op.fqn, op=op.kind, weighted=weight is not None,
-            per_channel="per_channel" in str(getattr(weight, "qscheme", "")),
+            per_channel=bool(getattr(weight, "per_channel", False)),
             dynamic=bool(getattr(activation, "is_dynamic", False)),
-            clipping=getattr(activation, "observer_or_fake_quant_ctr", None) is HistogramObserver,
+            clipping=bool(getattr(activation, "clips_outliers", False)),
             equalizable=candidate and not refusal, equalization_refusal=refusal if candidate else ""))
     return layers
 
@@ -102,6 +103,39 @@ def _max_relative_error(reference: fx.GraphModule, candidate: fx.GraphModule, ba
     return worst
 
 
+MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence"})
+
+
+@dataclass(frozen=True)
+class AnalysisPlan:
+    """What a model's analysis will be asked for, known before the first measurement, so that one calibration
+    pass and one comparison pass measure it all: the measurements (a subset of MEASUREMENTS: "equalization" adds
+    each layer's equalization and smoothing variants to the comparison pass) and the detectors, by name, whose
+    reports come from the shared calibration pass."""
+
+    measurements: frozenset[str] = frozenset({"sqnr"})
+    detectors: Mapping[str, DetectorBase] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.measurements) - MEASUREMENTS
+        if unknown:
+            raise ValueError(f"unknown measurement(s) {sorted(unknown)}; known: {sorted(MEASUREMENTS)}")
+        object.__setattr__(self, "measurements", frozenset(self.measurements))
+        object.__setattr__(self, "detectors", MappingProxyType(dict(self.detectors)))
+
+    @property
+    def equalization(self) -> bool:
+        """Whether the equalization variants are measured in the shared comparison pass."""
+        return "equalization" in self.measurements
+
+
+class _Unknown:
+    """Not measured yet (None is a measured answer)."""
+
+
+_UNKNOWN = _Unknown()
+
+
 class ModelAnalysis:
     """Measures one captured model once; every measurement is computed on first use and kept.
 
@@ -111,13 +145,23 @@ class ModelAnalysis:
     """
 
     def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer | None = None,
-                 batches: Iterable[Any] | None = None, *, equalize: Any = None) -> None:
+                 batches: Iterable[Any] | None = None, *, equalize: Any = None, plan: AnalysisPlan | None = None,
+                 layers: Iterable[QuantizedLayer] | None = None) -> None:
         self.float_gm = float_gm
         self.quantizer = quantizer or Int8StaticQuantizer()
         self.equalize_recipe = equalize
+        self.plan = plan or AnalysisPlan()
         self._batches = None if batches is None else list(batches)
-        self._planned_detectors: dict[str, DetectorBase] = {}
-        self._planned_equalization = False
+        self._known_layers = None if layers is None else list(layers)
+        self._nondeterminism: Nondeterminism | None | _Unknown = _UNKNOWN
+        self._sensitivity: dict[tuple, Any] = {}
+        self._fixes: dict[tuple, Any] = {}
+
+    def planned(self, plan: AnalysisPlan) -> ModelAnalysis:
+        """The same model's analysis, to measure what `plan` names in one calibration and one comparison pass
+        (the layers found so far are kept; nothing has been measured yet)."""
+        return ModelAnalysis(self.float_gm, self.quantizer, self._batches, equalize=self.equalize_recipe, plan=plan,
+                             layers=self.layers)
 
     @property
     def batches(self) -> list[Any]:
@@ -134,6 +178,8 @@ class ModelAnalysis:
     @cached_property
     def layers(self) -> list[QuantizedLayer]:
         """The quantized layers in graph order (no data needed)."""
+        if self._known_layers is not None:
+            return self._known_layers
         return quantized_layers(self.float_gm, self.quantizer)
 
     @cached_property
@@ -191,10 +237,13 @@ class ModelAnalysis:
         recipe = self.equalize_recipe
         return self._equalized(recipe if isinstance(recipe, str) else self.equalized_layers)
 
-    @cached_property
+    @property
     def nondeterminism(self) -> Nondeterminism | None:
-        """Where two float runs on the first batch differ (None when they agree): two forward passes."""
-        return first_nondeterministic(self.float_gm, self.batches[0])
+        """Where two float runs on the first batch differ (None when they agree): two forward passes, unless the
+        measurement already saw batch 0 run alike twice."""
+        if isinstance(self._nondeterminism, _Unknown):
+            self._nondeterminism = first_nondeterministic(self.float_gm, self.batches[0])
+        return self._nondeterminism
 
     def require_deterministic(self) -> None:
         """Raise NonDeterministicModelError when float runs differ: every float-vs-quantized number would be noise."""
@@ -207,27 +256,21 @@ class ModelAnalysis:
                 "eval mode: make random ops follow it (F.dropout(x, p, training=self.training), not training=True) "
                 "or take them (noise, sampling) out of the forward that is checked.")
 
-    def plan(self, detectors: Mapping[str, DetectorBase] | None = None, equalization: bool = False) -> None:
-        """Say what will be asked for before the first measurement, so that one calibration pass and one comparison
-        pass measure it all: these detectors' reports, and (equalization=True) the equalization variants."""
-        self._planned_detectors = dict(detectors or {})
-        self._planned_equalization = equalization
-
     @cached_property
     def measurement(self) -> ModelMeasurement:
-        """The model as quantized, measured in one calibration and one comparison pass, with what `plan` named
+        """The model as quantized, measured in one calibration and one comparison pass, with what the plan names
         (the detectors and variants only when the model is not equalized: they concern the original graph)."""
-        if "nondeterminism" in self.__dict__:  # already known (a failed measurement is not kept): fail fast
+        if not isinstance(self._nondeterminism, _Unknown):  # already known (a failed measurement is not kept)
             self.require_deterministic()
         original = not self.equalize_recipe
-        planned = self._planned_equalization and original
+        planned = self.plan.equalization and original
         measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer,
-                                 detectors=self._planned_detectors if original else None,
+                                 detectors=dict(self.plan.detectors) if original else None,
                                  equalization_layers=self.equalizable_layers if planned else (),
                                  smoothing="search" if planned else None)
-        if "nondeterminism" not in self.__dict__ and self.quantized_input_gm is self.float_gm and \
+        if isinstance(self._nondeterminism, _Unknown) and self.quantized_input_gm is self.float_gm and \
                 len(measured.first_outputs) == 2 and outputs_agree(self.float_gm, *measured.first_outputs):
-            self.__dict__["nondeterminism"] = None  # calibration and comparison ran batch 0 alike: no extra runs
+            self._nondeterminism = None  # calibration and comparison ran batch 0 alike: no extra runs
         self.require_deterministic()  # otherwise two runs (four to name the node where they differ)
         return dataclasses.replace(measured, first_outputs=())  # a batch of outputs is not worth keeping
 
@@ -238,7 +281,7 @@ class ModelAnalysis:
 
     @cached_property
     def _variant_measurement(self) -> ModelMeasurement:
-        if not self.equalize_recipe and self._planned_equalization:
+        if not self.equalize_recipe and self.plan.equalization:
             return self.measurement
         self.require_deterministic()
         return measure_model(self.float_gm, self.batches, self.quantizer, propagate=False,
@@ -297,7 +340,7 @@ class ModelAnalysis:
         from .sensitivity import layer_sensitivity
 
         key = (max_layers, max_batches)
-        cache = self.__dict__.setdefault("_sensitivity", {})
+        cache = self._sensitivity
         if key not in cache:
             cache[key] = layer_sensitivity(self.quantized_input_gm, self.batches, self.quantizer,
                                            max_layers=max_layers, max_batches=max_batches, model=self.switchable)
@@ -308,7 +351,7 @@ class ModelAnalysis:
         from .sensitivity import find_float_layers
 
         key = (target_db, max_float_layers, max_batches)
-        cache = self.__dict__.setdefault("_fixes", {})
+        cache = self._fixes
         if key not in cache:
             cache[key] = find_float_layers(self.quantized_input_gm, self.batches, self.quantizer, target_db,
                                            max_float_layers=max_float_layers, max_batches=max_batches,
@@ -320,7 +363,7 @@ class ModelAnalysis:
         from the shared calibration pass; others run in one ModelReport pass of their own."""
         if not detectors:
             return {}
-        planned = self._planned_detectors
+        planned = self.plan.detectors
         shared = not self.equalize_recipe and all(planned.get(key) is detector for key, detector in detectors.items())
         if shared:
             try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -14,7 +15,10 @@ __all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinM
 
 
 class ObserverBase(nn.Module, abc.ABC):
-    """Common fields of every observer: dtype, range, qscheme and channel axis."""
+    """Common fields of every observer: dtype, range, qscheme and channel axis. `clips_outliers` says whether the
+    observer's range may leave out the extremes it saw (to lower the expected error), rather than cover them."""
+
+    clips_outliers: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -140,6 +144,8 @@ class PerChannelMinMaxObserver(_RangeObserver):
 
 class HistogramObserver(_RangeObserver):
     """Streaming histogram; the clipping range minimizes the expected L2 quantization error."""
+
+    clips_outliers: ClassVar[bool] = True
     histogram: torch.Tensor
 
     def __init__(self, bins: int = 2048, **kwargs) -> None:

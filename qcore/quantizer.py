@@ -37,6 +37,17 @@ class QuantizationSpec(QuantizationSpecBase):
     ch_axis: int | None = None
     is_dynamic: bool = False
 
+    @property
+    def per_channel(self) -> bool:
+        """Whether the tensor gets one scale per channel."""
+        return self.qscheme in (torch.per_channel_symmetric, torch.per_channel_affine)
+
+    @property
+    def clips_outliers(self) -> bool:
+        """Whether the spec's observer may clip extremes to lower the error (its class says so)."""
+        observer = getattr(self.observer_or_fake_quant_ctr, "func", self.observer_or_fake_quant_ctr)  # with_args
+        return bool(getattr(observer, "clips_outliers", False))
+
 
 @dataclass(eq=False)
 class FixedQParamsQuantizationSpec(QuantizationSpecBase):

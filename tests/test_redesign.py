@@ -184,3 +184,40 @@ def test_warnings_point_at_the_declaring_conftest(pytester):
     result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "-W", "always")
     warned = [line for line in result.stdout.lines if "QReportWarning" in line]
     assert warned and all(line.strip().startswith(str(pytester.path / "conftest.py") + ":") for line in warned), warned
+
+
+def test_the_checks_needs_are_the_analysis_plan():
+    import qcore
+    from qcore.analysis import MEASUREMENTS, AnalysisPlan
+    from pytest_qreport.core import registry
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.settings import ModelSettings
+
+    assert registry.MEASUREMENTS == MEASUREMENTS
+    with pytest.raises(ValueError, match="unknown measurement"):
+        AnalysisPlan(measurements=frozenset({"speed"}))
+    checks = _registry()
+    batch = torch.randn(4, 8)
+    settings = ModelSettings.defaults(checks.checks(), checks=["sqnr", "outlier", "equalization"])
+    plan = collect_model("tiny", settings, checks, qcore.Int8StaticQuantizer(), _tiny(), batch).context.analysis.plan
+    assert plan.measurements == {"sqnr", "detectors", "equalization"} and list(plan.detectors) == ["outlier"]
+    with pytest.raises(TypeError):
+        plan.detectors["other"] = None  # immutable
+    sqnr_only = ModelSettings.defaults(checks.checks(), checks=["sqnr"])
+    plan = collect_model("tiny", sqnr_only, checks, qcore.Int8StaticQuantizer(), _tiny(), batch).context.analysis.plan
+    assert plan.measurements == {"sqnr"} and not plan.detectors and not plan.equalization
+
+
+def test_a_quantizer_states_its_own_clipping_and_per_channel_behaviour():
+    import qcore
+    from qcore.analysis import quantized_layers
+    from qcore.observers import HistogramObserver, MinMaxObserver
+
+    assert HistogramObserver.clips_outliers and not MinMaxObserver.clips_outliers
+    gm = qcore.capture(_tiny(), torch.randn(2, 8))
+    described = {name: [(entry.per_channel, entry.clipping) for entry in quantized_layers(gm, quantizer)]
+                 for name, quantizer in [("int8", qcore.Int8StaticQuantizer()),
+                                         ("per_tensor", qcore.Int8StaticQuantizer(per_channel=False)),
+                                         ("histogram", qcore.Int8StaticQuantizer(activation_observer="histogram"))]}
+    assert described == {"int8": [(True, False)] * 2, "per_tensor": [(False, False)] * 2,
+                         "histogram": [(True, True)] * 2}

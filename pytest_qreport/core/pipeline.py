@@ -183,7 +183,7 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     """declared -> collected: capture the model and list each check's layers (no calibration). Errors propagate
     to the caller."""
     import qcore
-    from qcore.analysis import ModelAnalysis
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
 
     if not hasattr(model, "forward"):
         raise QReportModelError(f"model {name!r}: the qmodel function returned {type(model).__name__}, "
@@ -205,8 +205,8 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
         if check.applies(context):
             pipeline.items[check_name] = select_layers(check.layers(context), settings.layers, settings.skip_layers)
     context.checks = {n: c for n, c in checks.items() if n in pipeline.items}
-    needs = set().union(*(check.needs for check in context.checks.values()))
-    analysis.plan(detectors=context.detectors(), equalization="equalization" in needs)
+    needs = frozenset().union(*(check.needs for check in context.checks.values()))
+    context.analysis = analysis.planned(AnalysisPlan(measurements=needs, detectors=context.detectors()))
     return pipeline
 
 

@@ -52,7 +52,8 @@ class Check(ABC):
 
     name: the check's name in node ids, options and tables. order: position among checks (built-ins use
     10-90). default_severity: "fail", "warn" or "off". needs: what the check measures (a subset of
-    MEASUREMENTS; documentation, and lets the plugin batch work). metric: the unit of its values ("_db"
+    MEASUREMENTS: the union over a model's checks is the AnalysisPlan its qcore analysis is built with, so
+    that one calibration and one comparison pass measure it all). metric: the unit of its values ("_db"
     suffix for decibels). higher_is_better: the direction in which values improve. settings: the check's own
     settings (its threshold, say), declared once: they become qmodel() keywords, and, for checks registered
     before pytest parses its options (the built-in ones), command-line options and ini keys; read them as
