@@ -26,13 +26,13 @@ from .equalize import (
     InputEqualizationObserver,
     input_channel_axis,
 )
-from .graph import INSERTED_KEY, find_quantizable_ops
+from .graph import find_quantizable_ops
 from .numeric.compare import ShadowGraph, compare, compare_propagated_and_shadow
 from .numeric.metrics import compute_sqnr
 from .numeric.suite import extract_weights
 from .prepare import prepare
+from .probes import ChannelStatisticsProbe, DetectorProbe, Probe
 from .quantizer import Int8StaticQuantizer, Quantizer
-from .report import ModelReport
 from .report.detectors import DetectorBase
 from .smoothing import group_observer, smoothing_groups
 from .variants import (
@@ -110,54 +110,47 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     # one code generation for the quantizer's, the detectors' and the statistics' observers: below
     prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False),
                        quantizer or Int8StaticQuantizer(), recompile=False)
-    report = ModelReport(prepared, list(detectors.values())) if detectors else None
-    if report is not None:
-        report.prepare_detailed_calibration(recompile=False)
+    detector_probe = DetectorProbe(detectors) if detectors else None
+    if detector_probe is not None:
+        detector_probe.attach(prepared)
     ops = {op.layer: op for op in find_quantizable_ops(prepared)}
-    statistics: list[tuple[str, Any, Any, fx.Node | None]] = []  # (kind, key, observer, node it added)
+    statistics: list[ChannelStatisticsProbe] = []
     for index, layer in enumerate(equalization_layers):
         op = ops.get(layer)
         if op is None or not op.activation_inputs:
             continue
         shared = detector_channel_ranges(prepared, op, detectors or {})
         if shared is not None:  # the input-weight equalization detector already watches these channel ranges
-            statistics.append(("input_weight", op, shared, None))
+            statistics.append(ChannelStatisticsProbe("input_weight", op, shared))
             continue
-        observer = InputEqualizationObserver(ch_axis=input_channel_axis(op))
-        statistics.append(("input_weight", op, observer,
-                           _watch(prepared, op.activation_inputs[0], f"qcore_eq_stats_{index}", observer)))
+        statistics.append(ChannelStatisticsProbe("input_weight", op, InputEqualizationObserver(
+            ch_axis=input_channel_axis(op)), op.activation_inputs[0], f"qcore_eq_stats_{index}"))
+        statistics[-1].attach(prepared)
     groups, refused = smoothing_groups(float_gm) if smoothing is not None else ([], {})
     nodes = {node.name: node for node in prepared.graph.nodes}
     for index, group in enumerate(groups):
-        observer = group_observer(float_gm, group, keep_first=smoothing == "search")
-        statistics.append(("smoothing", group, observer,
-                           _watch(prepared, nodes[group.input_node.name], f"qcore_smooth_stats_{index}", observer)))
+        statistics.append(ChannelStatisticsProbe("smoothing", group, group_observer(
+            float_gm, group, keep_first=smoothing == "search"), nodes[group.input_node.name],
+            f"qcore_smooth_stats_{index}"))
+        statistics[-1].attach(prepared)
     prepared.recompile()
-    read: dict[str, Any] = {}
+    probes: list[Probe] = [*statistics, *([detector_probe] if detector_probe is not None else [])]
+    planned: list[Any] = []
 
-    def read_statistics() -> None:
-        reports = report.generate_model_report(remove_inserted_observers=False) if report is not None else {}
-        read["detectors"] = {key: dict(reports.get(detector.get_detector_name(), ("", {}))[1])
-                             for key, detector in (detectors or {}).items()}
-        read["variants"] = plan_variants(prepared, ops, statistics, smoothing,
-                                     kept_producer_outputs(float_gm, prepared, equalization_layers))
-        for _kind, _key, _observer, node in statistics:
-            if node is not None:
-                prepared.graph.erase_node(node)
-                delattr(prepared, str(node.target))
-        if report is not None:  # the detectors' observers go too; convert recompiles the graph once for all
-            for node in [n for n in prepared.graph.nodes if n.meta.get(INSERTED_KEY) == "report"]:
-                prepared.graph.erase_node(node)
-            for name in set().union(*report.get_observers_of_interest().values()):
-                if hasattr(prepared, name):
-                    delattr(prepared, name)
+    def read_probes() -> None:
+        for probe in probes:
+            probe.read(prepared)
+        planned.extend(plan_variants(prepared, ops, statistics, smoothing,
+                                     kept_producer_outputs(float_gm, prepared, equalization_layers)))
+        for probe in probes:  # convert recompiles the graph once for all
+            probe.detach(prepared)
 
     first_outputs: list[Any] = []  # two float runs of batch 0 from the same state: they must agree
     # compare_propagated_and_shadow adds its comparators to quant_gm and generates its code once, below
-    quant_gm = calibrate_and_convert(prepared, float_gm, batches, read_statistics, keep_float_weights=False,
+    quant_gm = calibrate_and_convert(prepared, float_gm, batches, read_probes, keep_float_weights=False,
                                      keep_first_output=first_outputs, recompile=False)
-    detector_reports = read["detectors"]
-    variants, unmeasured, smoothed = read["variants"]
+    detector_reports = detector_probe.reports if detector_probe is not None else {}
+    variants, unmeasured, smoothed = planned
     smoothed.update({layer: {"refused": reason} for layer, reason in refused.items()})
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
     limits = resolution_limits(quant_gm)
@@ -181,15 +174,6 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     measurement = sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits)
     return ModelMeasurement(measurement, detector_reports, variant_results(variants, baselines, unmeasured),
                             unmeasured, smoothed, tuple(first_outputs))
-
-
-def _watch(gm: fx.GraphModule, node: fx.Node, name: str, observer: torch.nn.Module) -> fx.Node:
-    """Call `observer` on `node` as a side branch (removed again before convert)."""
-    gm.add_submodule(name, observer)
-    with gm.graph.inserting_after(node):
-        call = gm.graph.call_module(name, (node,))
-    call.meta[INSERTED_KEY] = "equalization_observer"
-    return call
 
 
 def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, batches: list[Any],

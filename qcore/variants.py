@@ -32,6 +32,7 @@ from .numeric.instrument import attach_after, copy_layer_into
 from .numeric.loggers import StreamingComparator
 from .numeric.matching import LayerPair
 from .observers import MinMaxObserver, ObserverBase
+from .probes import ChannelStatisticsProbe
 from .qparams import calculate_qparams, fake_quantize_per_tensor
 from .quantizer import ANNOTATION_KEY
 from .report import InputWeightEqualizationDetector, ReportObserver
@@ -126,7 +127,7 @@ def kept_producer_outputs(float_gm: fx.GraphModule, prepared: fx.GraphModule, la
     return kept
 
 
-def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], statistics: list,
+def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], statistics: list[ChannelStatisticsProbe],
               smoothing: float | str | None, requantized: set[str]
               ) -> tuple[list[Variant], dict[str, str], dict[str, dict[str, Any]]]:
     """The variants to measure, {layer: why not} for layers whose input is not quantized per tensor, and the
@@ -134,7 +135,8 @@ def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], stati
     variants: list[Variant] = []
     unmeasured: dict[str, str] = {}
     smoothed: dict[str, dict[str, Any]] = {}
-    for kind, key, observer, _node in statistics:
+    for probe in statistics:
+        kind, key, observer = probe.kind, probe.key, probe.observer
         if kind == "input_weight":
             observer = as_input_observer(observer)
             scale = input_weight_scale(prepared, key, observer)

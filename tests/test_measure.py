@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import qcore
-from qcore.analysis import ModelAnalysis, measure_sqnr
+from qcore.analysis import AnalysisPlan, ModelAnalysis, measure_sqnr
 from qcore.capture import clone_graph_module
 from qcore.convert import convert
 from qcore.equalize import equalize
@@ -70,8 +70,8 @@ def test_the_shared_pass_gives_exactly_what_separate_passes_give(make, batches):
     torch.manual_seed(0)
     model, data = make().eval(), batches()
     float_gm = qcore.capture(model, data[0])
-    shared = ModelAnalysis(float_gm, None, data)
-    shared.plan(detectors=_detectors(), equalization=True)
+    shared = ModelAnalysis(float_gm, None, data,
+                           plan=AnalysisPlan(frozenset({"sqnr", "detectors", "equalization"}), _detectors()))
     _, quant_gm = qcore.quantize(model, data[0], data)
     propagated = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, data, propagate=True)}
     shadow = {r["layer"]: r["sqnr_db"] for r in compare(float_gm, quant_gm, data, propagate=False)}
@@ -79,7 +79,7 @@ def test_the_shared_pass_gives_exactly_what_separate_passes_give(make, batches):
         assert entry.sqnr_db == propagated[layer] and entry.shadow_sqnr_db == shadow[layer]
     assert shared.sqnr.worst_output().sqnr_db == propagated["output"]
     separate = ModelAnalysis(float_gm, None, data).detector_reports(_detectors())
-    reports = shared.detector_reports(shared._planned_detectors)
+    reports = shared.detector_reports(shared.plan.detectors)
     assert reports.keys() == separate.keys()
     for key, by_layer in separate.items():
         assert reports[key].keys() == by_layer.keys()
@@ -96,8 +96,7 @@ def test_input_weight_variants_agree_with_the_equalized_models_shadow_sqnr():
     torch.manual_seed(0)
     model, data = SkewedMLP().eval(), _skewed(2)  # two batches: the variants see every batch
     float_gm = qcore.capture(model, data[0])
-    analysis = ModelAnalysis(float_gm, None, data)
-    analysis.plan(equalization=True)
+    analysis = ModelAnalysis(float_gm, None, data, plan=AnalysisPlan(frozenset({"sqnr", "equalization"})))
     variants = analysis.equalization_variants
     assert set(variants) == set(analysis.equalizable_layers) == {"fc1", "fc2", "side", "head"}
     equalized = measure_sqnr(equalize(float_gm, analysis.equalizable_layers, data), data).layers
@@ -116,8 +115,7 @@ def test_smoothing_variants_agree_with_the_smoothed_models_shadow_sqnr():
     g = torch.Generator().manual_seed(0)
     model, data = NormLinear().eval(), [torch.randn(4, 6, 16, generator=g) for _ in range(2)]
     float_gm = qcore.capture(model, data[0])
-    analysis = ModelAnalysis(float_gm, None, data)
-    analysis.plan(equalization=True)
+    analysis = ModelAnalysis(float_gm, None, data, plan=AnalysisPlan(frozenset({"sqnr", "equalization"})))
     variant = analysis.equalization_variants["fc"]["smoothing"]
     assert variant.alpha == analysis.smoothing["fc"]["alpha"] and variant.producer_name == "norm"
     smoothed = smooth(float_gm, data, variant.alpha)
@@ -233,10 +231,10 @@ def test_a_non_deterministic_model_is_measured_once_however_many_checks_ask(monk
     real = analysis_module.measure_model
     monkeypatch.setattr(analysis_module, "measure_model", lambda *a, **k: measured.append(1) or real(*a, **k))
     data = [torch.randn(4, 8) for _ in range(2)]
-    analysis = ModelAnalysis(qcore.capture(Noisy().eval(), data[0]), None, data)
-    analysis.plan(detectors={"outlier": OutlierDetector()})
+    analysis = ModelAnalysis(qcore.capture(Noisy().eval(), data[0]), None, data,
+                             plan=AnalysisPlan(frozenset({"sqnr", "detectors"}), {"outlier": OutlierDetector()}))
     for _ in range(3):
         with pytest.raises(qcore.NonDeterministicModelError):
             analysis.sqnr  # noqa: B018
     assert measured == [1]
-    assert analysis.detector_reports(analysis._planned_detectors)["outlier"]  # their own pass, still valid
+    assert analysis.detector_reports(analysis.plan.detectors)["outlier"]  # their own pass, still valid
