@@ -221,3 +221,24 @@ def test_a_quantizer_states_its_own_clipping_and_per_channel_behaviour():
                                          ("histogram", qcore.Int8StaticQuantizer(activation_observer="histogram"))]}
     assert described == {"int8": [(True, False)] * 2, "per_tensor": [(False, False)] * 2,
                          "histogram": [(True, True)] * 2}
+
+
+def test_the_fixture_takes_a_calibration_fixture_by_name(pytester):
+    pytester.makepyfile(test_named='''
+import pytest
+import torch
+from torch import nn
+
+
+@pytest.fixture
+def batches():
+    return [torch.randn(4, 8, generator=torch.Generator().manual_seed(0))]
+
+
+def test_named(qreport):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    result = qreport.analyze(model, "batches", checks="sqnr")
+    assert [f.layer for f in result.findings] == ["0", "2"]
+''')
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)

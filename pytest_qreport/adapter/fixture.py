@@ -14,9 +14,10 @@ import pytest
 from tabulate import tabulate
 
 from ..core.baseline import baseline_path, write_baseline
-from ..core.batches import as_batches
+from ..core.batches import as_batches, resolve_source
 from ..core.declare import ModelDeclaration
 from ..core.findings import Finding
+from ..core.nodeids import item_name
 from ..core.numbers import format_delta, format_value
 from ..core.registry import CheckRegistry
 from ..core.results import ModelFacts
@@ -183,7 +184,7 @@ class QReport:
         unknown = sorted(set(settings) - valid)
         if unknown:
             raise TypeError(f"qreport.analyze() got unknown setting(s) {unknown}; valid: {sorted(valid)}")
-        batches = as_batches(calibration() if callable(calibration) else calibration)
+        batches = as_batches(resolve_source(calibration, self._request.getfixturevalue))
         if not batches:
             raise ValueError(f"model {name!r}: the calibration batches are empty")
         given = {"calibration": batches, "example_inputs": example_inputs, "quantizer": quantizer,
@@ -203,7 +204,7 @@ class QReport:
         options = dict(session["baseline"], controller_writes=bool(config.getoption("qreport")))
         result = QReportResult(pipeline, list(pipeline.findings.values()), options, node.nodeid)
         node.stash.setdefault(FIXTURE_RESULTS, []).append(result)
-        node.user_properties += [(f"qreport/{name}/{f.check}/{f.layer}", f.value) for f in result.findings]
+        node.user_properties += [(item_name(name, f.check, f.layer), f.value) for f in result.findings]
         return result
 
 

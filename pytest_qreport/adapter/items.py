@@ -15,7 +15,7 @@ from ..core.baseline import baseline_path
 from ..core.batches import as_batches, first_batch, resolve_source
 from ..core.declare import ModelDeclaration, declarations_in
 from ..core.errors import QReportCheckFailed, QReportError, QReportModelError
-from ..core.explain import explain
+from ..core.explain import error_finding, explain
 from ..core.findings import Finding
 from ..core.layer_cache import model_cache_key
 from ..core.nodeids import item_name, model_scope
@@ -297,8 +297,7 @@ class QReportItem(pytest.Function):
                                    lineno=self.declared_line or 1)
 
     def _record_error(self, message: str) -> None:
-        self.qreport_row = Finding(model=self.model_name, check=self.check, layer=self.layer, metric="",
-                                   value=float("nan"), threshold=float("nan"), verdict="error", message=message)
+        self.qreport_row = error_finding(self.model_name, self.check, self.layer, message)
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, QReportError):

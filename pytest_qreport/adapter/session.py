@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from ..core.errors import QReportError, ReportError
+from ..core.explain import error_finding
 from ..core.findings import Finding, RunOutcome
 from ..core.layer_cache import LayerCache
 from ..core.nodeids import parse_item_nodeid
@@ -108,8 +109,7 @@ class RowCollector:
             from ..xdist.crashes import crashed_message
 
             message = f"{why}.\n{crashed_message(model, 'its worker')}"
-        row = Finding(model=model, check=check, layer=layer, metric="", value=float("nan"), threshold=float("nan"),
-                      verdict="error", message=message, nodeid=nodeid)
+        row = error_finding(model, check, layer, message).replace(nodeid=nodeid)
         self.add(nodeid, {"file": file, "rows": [{"row": row.to_dict(), "model": ModelFacts(model).to_dict()}]})
 
     def missing(self) -> list[str]:
