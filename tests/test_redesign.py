@@ -242,3 +242,37 @@ def test_named(qreport):
     assert [f.layer for f in result.findings] == ["0", "2"]
 ''')
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_a_failing_assertion_is_an_assertion_error_with_the_whole_explanation(pytester):
+    pytester.makepyfile(test_assertions='''
+import pytest
+import torch
+from torch import nn
+
+
+def _result(qreport):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    return qreport.analyze(model, [torch.randn(4, 8, generator=torch.Generator().manual_seed(0))], checks="sqnr")
+
+
+def test_caught(qreport):
+    result = _result(qreport)
+    with pytest.raises(AssertionError, match="2 of 2 layers below 90.0 dB"):
+        result.assert_sqnr(90.0)
+    try:
+        result.assert_model_sqnr(200.0)
+    except AssertionError as error:
+        assert "output SQNR" in str(error)
+
+
+def test_shown(qreport):
+    _result(qreport).assert_sqnr(90.0)
+''')
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([">       _result(qreport).assert_sqnr(90.0)",
+                                 "E       pytest_qreport.QReportAssertionError: model 'test_shown': 2 of 2 layers "
+                                 "below 90.0 dB"])
+    assert "fixture.py" not in result.stdout.str()  # the plugin's own frames are hidden

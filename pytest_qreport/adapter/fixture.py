@@ -16,6 +16,7 @@ from tabulate import tabulate
 from ..core.baseline import baseline_path, write_baseline
 from ..core.batches import as_batches, resolve_source
 from ..core.declare import ModelDeclaration
+from ..core.errors import QReportAssertionError
 from ..core.findings import Finding
 from ..core.nodeids import item_name
 from ..core.numbers import format_delta, format_value
@@ -25,6 +26,11 @@ from ..core.results import ModelFacts
 __all__ = ["FIXTURE_RESULTS", "QReport", "QReportResult", "qreport"]
 
 FIXTURE_RESULTS: pytest.StashKey[list[QReportResult]] = pytest.StashKey()
+
+
+def _raise_assertion(message: str) -> None:
+    __tracebackhide__ = True  # pytest shows the failing line of the user's test, then this message
+    raise QReportAssertionError(message)
 
 
 class QReportResult:
@@ -70,6 +76,7 @@ class QReportResult:
                         disable_numparse=True)
 
     def _fail(self, title: str, offending: list[Finding], worst_first: bool = True) -> None:
+        __tracebackhide__ = True
         if worst_first:
             checks = self._state.context.checks
 
@@ -80,17 +87,17 @@ class QReportResult:
 
             offending = sorted(offending, key=badness, reverse=True)
         hints = "\n".join(f"- {f.check}/{f.layer}: {f.message}" for f in offending if f.message)
-        pytest.fail(f"{title}\n{self.table(offending)}" + (f"\n{hints}" if hints else ""), pytrace=False)
+        _raise_assertion(f"{title}\n{self.table(offending)}" + (f"\n{hints}" if hints else ""))
 
     def assert_sqnr(self, min_db: float, layers: str = "*") -> None:
         """Every quantized layer matching the glob `layers` has a propagated SQNR of at least `min_db`."""
+        __tracebackhide__ = True
         from ..checks.sqnr import SqnrCheck
 
         measured = self.analysis.sqnr.layers
         chosen = [name for name in measured if fnmatch.fnmatchcase(name, layers)]
         if not chosen:
-            pytest.fail(f"model {self.name!r}: no quantized layer matches {layers!r}; layers: {list(measured)}",
-                        pytrace=False)
+            _raise_assertion(f"model {self.name!r}: no quantized layer matches {layers!r}; layers: {list(measured)}")
         offending = []
         for name in chosen:
             entry = measured[name]
@@ -106,6 +113,7 @@ class QReportResult:
 
     def assert_model_sqnr(self, min_db: float) -> None:
         """The model's output SQNR is at least `min_db`."""
+        __tracebackhide__ = True
         value = self.model_sqnr_db
         if not value >= min_db:
             finding = Finding(model=self.name, check="model_sqnr", layer="output", metric="sqnr_db", value=value,
@@ -115,6 +123,7 @@ class QReportResult:
 
     def assert_checks(self, checks: Iterable[str] | None = None) -> None:
         """No finding of `checks` (default: every check that ran) fails or errors."""
+        __tracebackhide__ = True
         wanted = None if checks is None else set(checks)
         offending = [f for f in self.findings if f.failed and (wanted is None or f.check in wanted)]
         if offending:
@@ -123,9 +132,10 @@ class QReportResult:
     def assert_baseline(self, tolerance_db: float | dict[str, float] | None = None) -> None:
         """No finding regressed against `__qreport__/<name>.json` beside the test file (by more than the
         tolerance). With --qreport-update-baseline the file is written instead."""
+        __tracebackhide__ = True
         if self._options["update"]:
             if any(f.verdict == "error" for f in self.findings):
-                pytest.fail(f"model {self.name!r} errored: its baseline is not updated", pytrace=False)
+                _raise_assertion(f"model {self.name!r} errored: its baseline is not updated")
             if not self._options["controller_writes"]:  # with --qreport the controller writes every baseline
                 entries = {(f.check, f.layer): (f.value, f.verdict) for f in self.findings}
                 write_baseline(self.baseline_path, self.name, self.fingerprint, entries)
@@ -134,8 +144,8 @@ class QReportResult:
         from ..core.schema import tolerance_pairs
 
         if not os.path.exists(self.baseline_path):
-            pytest.fail(f"model {self.name!r}: no baseline file {self.baseline_path}; write it with "
-                        "pytest --qreport-update-baseline", pytrace=False)
+            _raise_assertion(f"model {self.name!r}: no baseline file {self.baseline_path}; write it with "
+                        "pytest --qreport-update-baseline")
         if tolerance_db is not None:
             known = list(self._state.context.checks)
             tolerance = {**self._state.settings.baseline_tolerance_db, **tolerance_pairs(tolerance_db, known)}
@@ -145,7 +155,7 @@ class QReportResult:
         self.findings = [f.replace(nodeid=self._nodeid) for f in compared if f.check != "baseline"]
         model_row = next(f for f in compared if f.check == "baseline")
         if model_row.failed:
-            pytest.fail(model_row.message, pytrace=False)
+            _raise_assertion(model_row.message)
         offending = [f for f in self.findings if f.baseline_status == "regressed" and f.failed]
         if offending:
             self._fail(f"model {self.name!r}: {len(offending)} finding(s) regressed against {self.baseline_path}",

@@ -1,7 +1,7 @@
 """The errors the plugin explains itself: their message is the whole report of the item they stop."""
 from __future__ import annotations
 
-__all__ = ["QReportCheckFailed", "QReportError", "QReportModelError", "ReportError"]
+__all__ = ["QReportAssertionError", "QReportCheckFailed", "QReportError", "QReportModelError", "ReportError"]
 
 
 class QReportError(Exception):
@@ -18,3 +18,11 @@ class QReportCheckFailed(QReportError):
 
 class ReportError(QReportError):
     """A report file could not be written; the session prints the message and fails."""
+
+
+class QReportAssertionError(AssertionError):
+    """A `QReportResult.assert_*` that does not hold. An AssertionError, as torch.testing.assert_close and
+    unittest's assertions raise, so that `pytest.raises(AssertionError)`, hypothesis and plain callers catch it;
+    its message is the whole explanation."""
+
+    __module__ = "pytest_qreport"  # how pytest names it in a failure: the public name
