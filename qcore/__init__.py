@@ -9,6 +9,7 @@ from .calibrate import CalibrationError, calibrate
 from .capture import CaptureError, capture
 from .convert import convert, quantize
 from .diagnose import NonDeterministicModelError
+from .format_quantizer import FormatQuantizer
 from .graph import QuantizableOp, find_quantizable_ops
 from .observers import (
     DerivedObserver,
@@ -21,6 +22,7 @@ from .observers import (
     PlaceholderObserver,
 )
 from .prepare import QuantizationConfigError, get_edge_or_node_to_group_id, prepare
+from .presets import PRESETS, Preset, TensorFormat, preset
 from .quantizer import (
     DerivedQuantizationSpec,
     FixedQParamsQuantizationSpec,
@@ -35,8 +37,8 @@ from .report import ModelReport
 
 __all__ = [
     "CalibrationError", "CaptureError", "DerivedObserver", "DerivedQuantizationSpec", "FixedQParamsObserver",
-    "FixedQParamsQuantizationSpec", "HistogramObserver", "Int8StaticQuantizer", "MinMaxObserver",
-    "ModelReport", "MovingAverageMinMaxObserver",
+    "FixedQParamsQuantizationSpec", "FormatQuantizer", "HistogramObserver", "Int8StaticQuantizer", "MinMaxObserver",
+    "ModelReport", "MovingAverageMinMaxObserver", "PRESETS", "Preset", "TensorFormat", "preset",
     "NonDeterministicModelError", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
     "QuantizableOp", "QuantizationAnnotation", "QuantizationConfigError", "QuantizationSpec",
     "QuantizationSpecBase", "Quantizer", "SharedQuantizationSpec", "calibrate", "capture", "convert",

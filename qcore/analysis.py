@@ -30,6 +30,7 @@ from .diagnose import (
     outputs_agree,
 )
 from .equalize import cross_layer_equalize, equalize
+from .format_quantizer import FORMAT_REFUSAL_KEY
 from .graph import find_quantizable_ops
 from .inputs import call_model
 from .measure import (
@@ -65,6 +66,8 @@ class QuantizedLayer:
     clipping: bool
     equalizable: bool
     equalization_refusal: str = ""  # why a linear/conv layer cannot be equalized ("" when it can, or is no candidate)
+    format: str = "int8"  # the deployed format of a FormatQuantizer's layer (qcore.presets), else "int8"
+    format_refusal: str = ""  # why the layer's shapes cannot take its format (it then stays in float)
 
 
 def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = None) -> list[QuantizedLayer]:
@@ -72,21 +75,30 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
     annotated = clone_graph_module(float_gm, share_parameters=True, recompile=False)  # read, never run
     (quantizer or Int8StaticQuantizer()).annotate(annotated)
     layers = []
+    layer_preset = getattr(quantizer, "layer_preset", None)
     for op in find_quantizable_ops(annotated):
         annotation = op.node.meta.get(ANNOTATION_KEY)
         specs = annotation.input_qspec_map if annotation is not None else {}
+        format_refusal = str(op.node.meta.get(FORMAT_REFUSAL_KEY, ""))
+        if format_refusal:  # listed, so that its items can say why it is not quantized
+            layers.append(QuantizedLayer(layer=op.layer, fqn=op.fqn, op=op.kind, weighted=op.weight is not None,
+                                         per_channel=False, dynamic=False, clipping=False, equalizable=False,
+                                         format=format_refusal.split(":")[0], format_refusal=format_refusal))
+            continue
         if not specs:
             continue
         weight = specs.get(op.weight) if op.weight is not None else None
         activation = next((specs[a] for a in op.activation_inputs if a in specs), None)
         candidate = op.kind in ("linear", "conv") and op.weight is not None
         refusal = equalization_refusal(annotated, op) if candidate else ""
+        chosen = layer_preset(op.fqn, op.layer) if layer_preset is not None else None
         layers.append(QuantizedLayer(
             layer=op.layer, fqn=op.fqn, op=op.kind, weighted=weight is not None,
             per_channel=bool(getattr(weight, "per_channel", False)),
             dynamic=bool(getattr(activation, "is_dynamic", False)),
             clipping=bool(getattr(activation, "clips_outliers", False)),
-            equalizable=candidate and not refusal, equalization_refusal=refusal if candidate else ""))
+            equalizable=candidate and not refusal, equalization_refusal=refusal if candidate else "",
+            format=chosen.name if chosen is not None else "int8"))
     return layers
 
 

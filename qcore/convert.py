@@ -9,6 +9,7 @@ from torch import fx, nn
 
 from .calibrate import calibrate
 from .capture import capture, clone_graph_module
+from .format_quantizer import FormatFakeQuantize, FormatObserver, fake_quantize_format
 from .graph import FQN_KEY, INSERTED_KEY
 from .observers import ObserverBase
 from .prepare import prepare
@@ -32,6 +33,9 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
             continue
         observer = prepared.get_submodule(str(node.target))
         source = node.args[0]
+        if isinstance(observer, FormatObserver):
+            _convert_format_node(prepared, node, source, observer, weight_cache)
+            continue
         if getattr(observer, "is_float", False) and observer.dtype == torch.float32:
             node.replace_all_uses_with(source)  # a float32 spec keeps the tensor as it is
             graph.erase_node(node)
@@ -63,6 +67,39 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
     if recompile:
         prepared.recompile()
     return prepared
+
+
+def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: FormatObserver,
+                         weight_cache: dict[tuple[str, str], str]) -> None:
+    """A deployed format's observer node becomes a fake-quantized weight buffer, or a FormatFakeQuantize call."""
+    graph = gm.graph
+    meta = {"format": repr(observer.format), "dynamic": observer.format.dynamic}
+    with graph.inserting_before(node):
+        if isinstance(source, fx.Node) and source.op == "get_attr":
+            key = (str(source.target), str(node.target))
+            if key not in weight_cache:
+                weight = _fetch_attr(gm, str(source.target))
+                with torch.no_grad():
+                    quantized = observer.format.fake_quantize(weight.detach(), weight=True)
+                weight_cache[key] = _free_name(gm, "qcore_fq_" + str(source.target).replace(".", "_"))
+                gm.register_buffer(weight_cache[key], quantized)
+            replacement = graph.get_attr(weight_cache[key])
+            replacement.meta["qcore_float_weight"] = str(source.target)
+        else:
+            name = _free_name(gm, f"qcore_format_{node.name}")
+            gm.add_submodule(name, FormatFakeQuantize(observer.format, observer.amax))
+            replacement = graph.call_function(fake_quantize_format, (source, graph.get_attr(name)))
+    replacement.meta.update({k: v for k, v in node.meta.items() if k.startswith("qcore_") or k == "val"})
+    replacement.meta[QPARAMS_KEY] = meta
+    replacement.meta[INSERTED_KEY] = "qdq"
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
+
+
+def _free_name(gm: nn.Module, name: str) -> str:
+    while hasattr(gm, name):
+        name += "_"
+    return name
 
 
 def _qparams_meta(observer: ObserverBase, scale, zero_point) -> dict[str, Any]:

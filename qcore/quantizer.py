@@ -12,6 +12,7 @@ from torch import fx
 
 from .graph import QUANTIZABLE_KINDS, find_quantizable_ops, is_inserted, op_kind
 from .observers import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver
+from .presets import TensorFormat
 
 __all__ = ["ANNOTATION_KEY", "DerivedQuantizationSpec", "EdgeOrNode", "FixedQParamsQuantizationSpec",
     "Int8StaticQuantizer", "QuantizationAnnotation", "QuantizationSpec", "QuantizationSpecBase", "Quantizer",
@@ -36,10 +37,13 @@ class QuantizationSpec(QuantizationSpecBase):
     qscheme: torch.qscheme | None = None
     ch_axis: int | None = None
     is_dynamic: bool = False
+    format: TensorFormat | None = None  # a deployed format (qcore.presets); its observer takes it as its argument
 
     @property
     def per_channel(self) -> bool:
-        """Whether the tensor gets one scale per channel."""
+        """Whether the tensor gets more than one scale (per channel, group or block)."""
+        if self.format is not None:
+            return self.format.granularity != "tensor"
         return self.qscheme in (torch.per_channel_symmetric, torch.per_channel_affine)
 
     @property
