@@ -62,7 +62,14 @@ class DetectorCheck(Check):
                     f"model {model.name!r}, layer {layer}: collected, but the {self.name} detector saw no data for it; "
                     "check that the calibration batches reach it.")))
                 continue
-            results.append(self.layer_finding(model, layer, entry, model.analysis.layer(layer)))
+            quantized = model.analysis.layer(layer)
+            if quantized.format != "int8":
+                results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,
+                                       value=math.nan, threshold=math.nan, verdict="skip", message=(
+                                           f"layer {layer} is quantized as {quantized.format}: torch.ao's {self.name} "
+                                           "heuristic and its fix concern int8 observers, so it is not judged here")))
+                continue
+            results.append(self.layer_finding(model, layer, entry, quantized))
         return results
 
 

@@ -69,7 +69,8 @@ class SqnrCheck(Check):
                                    entry.weight_sqnr_db is not None, quantized.per_channel, quantized.clipping,
                                    entry.below_resolution)
             details = {"shadow_sqnr_db": entry.shadow_sqnr_db, "normalized_l2": entry.normalized_l2,
-                       "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn}
+                       "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn,
+                       "format": quantized.format}
             results.append(self.finding(model, layer, entry.sqnr_db, threshold, message=message, details=details))
         return results
 

@@ -24,7 +24,7 @@ from .results import ModelFacts
 from .runtime import garbage_collection_paused, quiet_torch_trace_log, torch_threads
 from .settings import ModelSettings
 
-__all__ = ["ModelPipeline", "Stage", "collect_model", "fingerprint", "select_layers"]
+__all__ = ["ModelPipeline", "Stage", "collect_model", "fingerprint", "format_refusal_message", "select_layers"]
 
 
 class Stage(enum.Enum):
@@ -165,6 +165,12 @@ class ModelPipeline:
         assert self.context is not None and self.settings is not None
         check = self.context.checks[check_name]
         severity = self.settings.severity.get(check_name, check.default_severity)
+        refused = {entry.layer: entry for entry in self.context.analysis.layers if entry.format_refusal}
+        if any(layer in refused for layer in layers):
+            measurable = [layer for layer in layers if layer not in refused]
+            by_layer = {f.layer: f for f in (self._check_findings(check_name, measurable) if measurable else [])}
+            return [by_layer[layer] if layer in by_layer else error_finding(
+                self.name, check_name, layer, format_refusal_message(self.name, refused[layer])) for layer in layers]
         try:
             found = {f.layer: f.with_severity(severity) for f in check.findings(self.context, list(layers))
                      if f.check == check_name}
@@ -176,6 +182,15 @@ class ModelPipeline:
         return [found.get(layer) or error_finding(
             self.name, check_name, layer, f"model {self.name!r}: check {check_name!r} returned no finding for "
             f"layer {layer}; its findings() must return one per layer it is given.") for layer in layers]
+
+
+def format_refusal_message(model: str, layer: Any) -> str:
+    """Why a layer cannot take its format, and the layer_formats entry that fixes it (a format that fits any
+    shape: per output channel and per token)."""
+    fitting = "W8A16" if layer.format in ("W4A16", "W4A16_ASYM", "NVFP4A16", "W8A16") else "FP8_DYNAMIC"
+    return (f"model {model!r}, layer {layer.layer}: it cannot be quantized as {layer.format_refusal}. Nothing is "
+            f"skipped silently: give it a format that fits with layer_formats={{{layer.layer!r}: {fitting!r}}}, or "
+            f"keep it in float with layer_formats={{{layer.layer!r}: 'float'}}.")
 
 
 def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, quantizer: Any, model: Any,

@@ -1,12 +1,19 @@
-"""The built-in quantizer names, resolved through the pytest_qreport_make_quantizer hook."""
+"""The built-in quantizer names, resolved through the pytest_qreport_make_quantizer hook: the int8 ones, and the
+deployed formats by their compressed-tensors names (W8A8, W4A16, FP8, NVFP4, ...; see qcore.presets)."""
 from __future__ import annotations
 
+import difflib
 import importlib
 from typing import Any
 
 import pytest
 
-__all__ = ["BUILTIN_QUANTIZERS", "model_quantizer", "pytest_qreport_make_quantizer", "resolve_quantizer"]
+# the deployed formats' names, kept here so that naming one needs no torch import (a test checks they are qcore's)
+FORMAT_NAMES = ("W8A8", "W8A16", "W4A16", "W4A16_ASYM", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4",
+                "NVFP4A16")
+
+__all__ = ["BUILTIN_QUANTIZERS", "FORMAT_NAMES", "model_quantizer", "pytest_qreport_make_quantizer",
+           "resolve_quantizer"]
 
 BUILTIN_QUANTIZERS: dict[str, dict[str, Any]] = {
     "int8": {"per_channel": True},
@@ -35,6 +42,8 @@ def pytest_qreport_make_quantizer(name: str) -> Any:
 
     if name in BUILTIN_QUANTIZERS:
         return qcore.Int8StaticQuantizer(**BUILTIN_QUANTIZERS[name])
+    if name in FORMAT_NAMES:
+        return qcore.FormatQuantizer(name)
     if ":" in name:
         module_name, _, attribute = name.partition(":")
         try:
@@ -55,8 +64,11 @@ def resolve_quantizer(spec: Any, hook: Any) -> Any:
     if isinstance(spec, str):
         made = hook.pytest_qreport_make_quantizer(name=spec)
         if made is None:
-            raise ValueError(f"unknown quantizer {spec!r}: use {', '.join(BUILTIN_QUANTIZERS)}, 'module:attribute', "
-                             "or a name that a pytest_qreport_make_quantizer hook resolves")
+            names = [*BUILTIN_QUANTIZERS, *FORMAT_NAMES]
+            match = difflib.get_close_matches(spec, names, n=1) or difflib.get_close_matches(spec.upper(), names, n=1)
+            hint = f" (did you mean {match[0]!r}?)" if match else ""
+            raise ValueError(f"unknown quantizer {spec!r}{hint}: use {', '.join(names)}, 'module:attribute', or a "
+                             "name that a pytest_qreport_make_quantizer hook resolves")
         return made
     made = _instance(spec)
     if made is None:
@@ -65,8 +77,11 @@ def resolve_quantizer(spec: Any, hook: Any) -> Any:
 
 
 def model_quantizer(settings: Any, hook: Any) -> Any:
-    """The model's quantizer, keeping its float_layers unquantized; ValueError naming the fix."""
+    """The model's quantizer, with its layer_formats and its float_layers applied; ValueError naming the fix."""
     quantizer = resolve_quantizer(settings.quantizer, hook)
+    layer_formats = dict(getattr(settings, "layer_formats", None) or {})
+    if layer_formats:
+        quantizer = _with_layer_formats(quantizer, layer_formats)
     if not settings.float_layers:
         return quantizer
     from qcore.sensitivity import with_float_layers
@@ -75,3 +90,20 @@ def model_quantizer(settings: Any, hook: Any) -> Any:
         return with_float_layers(quantizer, settings.float_layers)
     except ValueError as error:
         raise ValueError(f"float_layers={settings.float_layers!r}: {error}") from None
+
+
+def _with_layer_formats(quantizer: Any, layer_formats: dict[str, str]) -> Any:
+    """`quantizer` with per-layer formats on top: a format quantizer takes any; another quantizer only 'float'."""
+    import qcore
+
+    overrides = {glob: {"skip": True} if name == "float" else {"format": name} for glob, name in layer_formats.items()}
+    if isinstance(quantizer, qcore.FormatQuantizer):
+        return qcore.FormatQuantizer(quantizer.preset, {**quantizer.layer_overrides, **overrides})
+    formats = sorted({name for name in layer_formats.values() if name != "float"})
+    if formats or not isinstance(getattr(quantizer, "layer_overrides", None), dict):
+        raise ValueError(f"layer_formats={layer_formats!r}: {type(quantizer).__name__} cannot give layers the "
+                         f"formats {formats or ['float']}; choose a format as the model's quantizer (quantizer='W8A8', "
+                         "'FP8', 'NVFP4', ...), on top of which layer_formats sets each layer's")
+    from qcore.sensitivity import with_float_layers
+
+    return with_float_layers(quantizer, list(layer_formats))

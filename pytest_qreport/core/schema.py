@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["PLACES", "SEVERITIES", "Parser", "Setting", "boolean", "check_names", "choice", "closest", "decibels",
-           "equalize_value", "fraction", "globs", "mapping", "positive_integer", "severity_pairs", "text",
-           "tolerance_pairs"]
+           "equalize_value", "fraction", "globs", "layer_format_pairs", "mapping", "positive_integer",
+           "severity_pairs", "text", "tolerance_pairs"]
 
 PLACES = ("qmodel", "ini", "cli")
 SEVERITIES = ("fail", "warn", "off")
@@ -204,6 +204,23 @@ def tolerance_pairs(value: Any, checks: Sequence[str]) -> dict[str, float]:
         if math.isnan(number) or number < 0:
             raise ValueError(f"baseline tolerance of {check} must be a non-negative number, got {raw!r}")
         result[check] = number
+    return result
+
+
+def layer_format_pairs(value: Any, checks: Sequence[str]) -> dict[str, str]:
+    """{layer glob: format name or "float"} from a dict or 'glob=FORMAT' pairs separated by commas or spaces; an
+    unknown format name is an error naming the closest one."""
+    from .quantizers import FORMAT_NAMES
+
+    pairs = value.items() if isinstance(value, dict) else (
+        part.split("=", 1) if "=" in part else (part, "") for part in str(value).replace(",", " ").split())
+    result = {}
+    for glob, name in pairs:
+        glob, name = str(glob).strip(), str(name).strip()
+        if name not in (*FORMAT_NAMES, "float"):
+            raise ValueError(f"layer_formats: unknown format {name!r} for {glob!r}"
+                             f"{closest(name, (*FORMAT_NAMES, 'float'))}; formats: {', '.join(FORMAT_NAMES)}, float")
+        result[glob] = name
     return result
 
 

@@ -15,6 +15,7 @@ from .schema import (
     closest,
     equalize_value,
     globs,
+    layer_format_pairs,
     mapping,
     positive_integer,
     severity_pairs,
@@ -35,13 +36,17 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
             "iterable of batches)", metavar="NAME", shown_default="—"),
     Setting("example_inputs", text, None, "fixture name giving example inputs (default: the first calibration "
             "batch)", metavar="NAME", shown_default="first batch"),
-    Setting("quantizer", text, "int8", "int8, int8_per_tensor, int8_histogram, module:attribute of a Quantizer "
-            "(factory), or a name resolved by a pytest_qreport_make_quantizer hook (in qmodel: also a "
+    Setting("quantizer", text, "int8", "int8, int8_per_tensor, int8_histogram, a deployed format (W8A8, W8A16, "
+            "W4A16, W4A16_ASYM, FP8, FP8_DYNAMIC, FP8_BLOCK, MXFP8, MXFP4, NVFP4, NVFP4A16), module:attribute of a "
+            "Quantizer (factory), or a name resolved by a pytest_qreport_make_quantizer hook (in qmodel: also a "
             "qcore.Quantizer)", metavar="NAME", shown_default="`int8`"),
     Setting("layers", globs, None, "comma-separated layer globs to check (default: all)", metavar="GLOBS",
             shown_default="all"),
     Setting("skip_layers", globs, None, "comma-separated layer globs to leave out of the checks (they are still "
             "quantized)", metavar="GLOBS", shown_default="none"),
+    Setting("layer_formats", layer_format_pairs, None, "per-layer formats on top of the model's quantizer (a "
+            "format such as W8A8, FP8 or NVFP4): 'glob=FORMAT,...', float to keep a layer in float (a dict in "
+            "qmodel); merged key by key", metavar="PAIRS", merge=True, shown_default="none"),
     Setting("float_layers", globs, None, "comma-separated layer globs to keep in float (unquantized), through the "
             "quantizer's layer_overrides", metavar="GLOBS", shown_default="none"),
     Setting("checks", check_names, None, "comma-separated checks to run (default: every registered check)",

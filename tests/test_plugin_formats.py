@@ -1,0 +1,75 @@
+"""The deployed formats through the plugin: preset names wherever a quantizer name goes, layer_formats on top, and a
+layer whose shape cannot take its format erroring on its own items with a fix that, pasted back, passes."""
+import json
+import re
+
+from tests.test_plugin import TINY_SOURCE
+
+MIXED = TINY_SOURCE + '''
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.up = nn.Linear(64, 128)
+        self.odd = nn.Linear(128, 40)
+        self.head = nn.Linear(40, 8)
+        with torch.no_grad():
+            for layer in (self.up, self.odd, self.head):
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.odd(torch.relu(self.up(x)))))
+
+
+@pytest.fixture
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 64, generator=g) for _ in range(3)]
+
+
+@qmodel(calibration="batches", quantizer="NVFP4", checks="sqnr,weight_sqnr,model_sqnr,per_channel",
+        sqnr_min_db=5, weight_sqnr_min_db=5, model_sqnr_min_db=5{extra})
+def mixed():
+    return Mixed().eval()
+'''
+
+
+def test_a_layer_that_cannot_take_its_format_errors_and_the_pasted_fix_passes(pytester):
+    pytester.makeconftest(MIXED.replace("{extra}", ""))
+    failing = pytester.runpytest("--qreport", "-p", "no:cacheprovider")
+    failing.assert_outcomes(passed=5, skipped=2, errors=3)
+    text = failing.stdout.str()
+    assert ("model 'mixed', layer head: it cannot be quantized as NVFP4: its weight [8, 40]: its last dimension (40) "
+            "is not a multiple of the format's block of 16") in text
+    fix = re.search(r"give it a format that fits with (layer_formats=\{.*?\})", text).group(1)
+    pytester.makeconftest(MIXED.replace("{extra}", ", " + fix))
+    fixed = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json")
+    fixed.assert_outcomes(passed=7, skipped=3)  # per_channel skips: not an int8 question under NVFP4 or FP8
+    rows = json.loads((pytester.path / "r.json").read_text())["rows"]
+    formats = {r["layer"]: r["details"]["format"] for r in rows if r["check"] == "sqnr"}
+    assert formats == {"up": "NVFP4", "odd": "NVFP4", "head": "FP8_DYNAMIC"}  # the others stay NVFP4
+
+
+def test_format_names_are_qcores_presets_and_unknown_ones_name_the_closest(pytester):
+    from qcore.presets import PRESETS
+    from pytest_qreport.core.quantizers import FORMAT_NAMES
+
+    assert FORMAT_NAMES == tuple(PRESETS)
+    pytester.makeconftest(MIXED.replace("{extra}", ""))
+    result = pytester.runpytest("--qreport", "--qreport-quantizer", "nvfp5")
+    assert result.ret == 4 and "unknown quantizer 'nvfp5' (did you mean 'NVFP4'?)" in result.stderr.str()
+    result = pytester.runpytest("--qreport", "--qreport-layer-formats", "head=FP9")
+    assert result.ret == 4 and "unknown format 'FP9' for 'head' (did you mean 'FP8'?)" in result.stderr.str()
+
+
+def test_layer_formats_on_the_command_line_and_on_an_int8_quantizer(pytester):
+    pytester.makeconftest(MIXED.replace("{extra}", ""))
+    result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-layer-formats", "head=float,odd=W8A8")
+    result.assert_outcomes(passed=5, skipped=2)  # head in float: no items; per_channel skips for the formats
+    int8 = MIXED.replace("{extra}", ", layer_formats={'head': 'FP8'}").replace('quantizer="NVFP4"', 'quantizer="int8"')
+    pytester.makeconftest(int8)
+    result = pytester.runpytest("--qreport", "-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    assert "Int8StaticQuantizer cannot give layers the formats ['FP8']; choose a format as the model's quantizer" in (
+        result.stdout.str())
