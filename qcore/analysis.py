@@ -359,6 +359,21 @@ class ModelAnalysis:
                                            max_layers=max_layers, max_batches=max_batches, model=self.switchable)
         return cache[key]
 
+    def format_fix(self, target_db: float, max_moves: int = 16, max_batches: int | None = 2) -> Any:
+        """qcore.format_search.FormatFix: verified moves up the format ladder to reach `target_db` (a
+        FormatQuantizer's model only)."""
+        from .format_quantizer import FormatQuantizer
+        from .format_search import search_formats
+
+        if not isinstance(self.quantizer, FormatQuantizer):
+            raise TypeError(f"format_fix needs a FormatQuantizer, not {type(self.quantizer).__name__}")
+        key = ("formats", target_db, max_moves, max_batches)
+        if key not in self._fixes:
+            self.require_deterministic()
+            self._fixes[key] = search_formats(self.quantized_input_gm, self.batches, self.quantizer, target_db,
+                                              max_moves=max_moves, max_batches=max_batches)
+        return self._fixes[key]
+
     def float_layers_fix(self, target_db: float, max_float_layers: int = 8, max_batches: int | None = 2) -> Any:
         """qcore.sensitivity.FloatLayersFix: a verified set of layers to keep in float to reach `target_db`."""
         from .sensitivity import find_float_layers

@@ -3,6 +3,8 @@ layer whose shape cannot take its format erroring on its own items with a fix th
 import json
 import re
 
+import pytest
+
 from tests.test_plugin import TINY_SOURCE
 
 MIXED = TINY_SOURCE + '''
@@ -31,6 +33,7 @@ def batches():
 @qmodel(calibration="batches", quantizer="NVFP4", checks="sqnr,weight_sqnr,model_sqnr,per_channel",
         sqnr_min_db=5, weight_sqnr_min_db=5, model_sqnr_min_db=5{extra})
 def mixed():
+    torch.manual_seed(0)  # the biases
     return Mixed().eval()
 '''
 
@@ -73,3 +76,52 @@ def test_layer_formats_on_the_command_line_and_on_an_int8_quantizer(pytester):
     result.assert_outcomes(errors=1)
     assert "Int8StaticQuantizer cannot give layers the formats ['FP8']; choose a format as the model's quantizer" in (
         result.stdout.str())
+
+
+LADDER = TINY_SOURCE + '''
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(128, 128) for _ in range(4)])
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.copy_(torch.randn(128, 128, generator=g) / 128 ** 0.5)
+            self.layers[2].weight[:, :4] *= 25.0
+
+    def forward(self, x):
+        for index, layer in enumerate(self.layers):
+            x = layer(x) if index == 3 else torch.relu(layer(x))
+        return x
+
+
+@pytest.fixture
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(16, 128, generator=g) for _ in range(4)]
+
+
+@qmodel(calibration="batches", quantizer="NVFP4", checks="model_sqnr", model_sqnr_min_db=14.0{extra})
+def net():
+    torch.manual_seed(0)  # the biases
+    return Net().eval()
+'''
+
+
+def test_an_nvfp4_model_below_its_threshold_gets_a_format_fix_that_pasted_back_passes(pytester):
+    pytester.makeconftest(LADDER.replace("{extra}", ""))
+    failing = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json")
+    failing.assert_outcomes(failed=1)
+    text = failing.stdout.str()
+    measured = re.search(r"up the format ladder was measured to reach ([\d.]+) dB: (layer_formats=\{.*?\})", text)
+    assert measured and float(measured.group(1)) >= 14.0, text
+    fix = measured.group(2)
+    recipe = json.loads((pytester.path / "r.json").read_text())["rows"][0]["details"]["recipe"]
+    assert recipe["default"] == "NVFP4" and f"layer_formats={recipe['layers']!r}" == fix
+    assert 0 < len(recipe["layers"]) < 4  # some layers stay NVFP4
+    pytester.makeconftest(LADDER.replace("{extra}", ", " + fix))
+    fixed = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json")
+    fixed.assert_outcomes(passed=1)
+    row = json.loads((pytester.path / "r.json").read_text())["rows"][0]
+    assert row["value"] == pytest.approx(float(measured.group(1)), abs=0.05)  # what the message promised

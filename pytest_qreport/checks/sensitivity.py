@@ -7,10 +7,40 @@ from typing import Any
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 
-__all__ = ["SensitivityCheck", "float_layers_advice"]
+__all__ = ["SensitivityCheck", "float_layers_advice", "output_fix", "recipe"]
 
 DEFAULT_MAX_LAYERS = 32
 DEFAULT_BATCHES = 2
+
+
+def recipe(model: ModelContext) -> dict[str, Any] | None:
+    """The formats in force, {"default": format, "layers": {glob: format}}, for a model in deployed formats."""
+    quantizer: Any = model.analysis.quantizer
+    if getattr(quantizer, "layer_preset", None) is None:
+        return None
+    return {"default": quantizer.preset.name, "layers": dict(model.settings.layer_formats or {})}
+
+
+def output_fix(model: ModelContext, target_db: float) -> tuple[str, dict[str, Any] | None]:
+    """The verified fix for a low model output SQNR and, for a model in deployed formats, its recipe
+    ({"default": format, "layers": {layer: format}}): a format_fix under a format quantizer, else float_layers."""
+    formats = recipe(model)
+    if formats is None:
+        return float_layers_advice(model, target_db), None
+    options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
+    if options.get("fix") is False:
+        return "", formats
+    fix = model.analysis.format_fix(target_db, int(options.get("max_moves", 16)),
+                                    options.get("batches", DEFAULT_BATCHES))
+    if not fix.layer_formats:
+        return "", formats
+    formats["layers"].update(fix.layer_formats)
+    layers = formats["layers"]
+    if fix.reached:
+        return (f" Moving {len(fix.layer_formats)} layer(s) up the format ladder was measured to reach "
+                f"{fix.measured_db:.1f} dB: layer_formats={layers!r}"), formats
+    return (f" No set of up to {len(fix.layer_formats)} format moves reaches {target_db:.1f} dB; the best found, "
+            f"layer_formats={layers!r}, was measured at {fix.measured_db:.1f} dB."), formats
 
 
 def float_layers_advice(model: ModelContext, target_db: float) -> str:
@@ -66,6 +96,6 @@ class SensitivityCheck(Check):
                          "only_float_db": e.only_float_db} for e in result.layers]}
         message = (f"model output SQNR {result.all_quantized_db:.1f} dB with every layer quantized (on "
                    f"{result.batches} batch(es)); the layers that help most when kept in float: {listed}.{skipped}"
-                   + float_layers_advice(model, target))
+                   + output_fix(model, target)[0])
         value = top[0].gain_db if top else math.nan
         return [self.finding(model, "model", value, math.nan, passed=False, message=message, details=details)]

@@ -149,10 +149,14 @@ class ModelSqnrCheck(Check):
                 continue
             message = (f"model output {name}: SQNR {below(entry.sqnr_db, threshold)}. See the per-layer sqnr "
                        "items for the layer where the error starts.")
-            if entry.sqnr_db < threshold:
-                from .sensitivity import float_layers_advice
+            from .sensitivity import output_fix, recipe
 
-                message += float_layers_advice(model, threshold)
-            details = {"cosine": entry.cosine, "normalized_l2": entry.normalized_l2, "leaf": entry.name}
+            details: dict = {"cosine": entry.cosine, "normalized_l2": entry.normalized_l2, "leaf": entry.name}
+            formats = recipe(model)
+            if entry.sqnr_db < threshold:
+                advice, formats = output_fix(model, threshold)
+                message += advice
+            if formats is not None:  # the formats to deploy (with the fix when it fails): {"default", "layers"}
+                details["recipe"] = formats
             results.append(self.finding(model, name, entry.sqnr_db, threshold, message=message, details=details))
         return results
