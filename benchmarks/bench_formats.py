@@ -3,11 +3,13 @@ torchao 0.18's reference functions, in the same run: a 4096 x 4096 weight and a 
 
     python benchmarks/bench_formats.py [--device cuda] [--repeats 5]
 
-Prints, per preset and tensor, our time, torchao's, their ratio, and our throughput in GB/s of float32 input.
+Prints, per preset and tensor, our time, torchao's, their ratio, and our throughput in GB/s of float32 input; then
+the plugin's default analysis of one MLP under int8 and under NVFP4, MXFP4 and FP8_DYNAMIC, as ratios to int8.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -58,7 +60,44 @@ def main() -> None:
             theirs_s = _best(lambda r=reference, t=tensor: r(t), args.repeats, args.device)
             print(f"{name:12} {label:10} {ours_s * 1e3:9.1f} {theirs_s * 1e3:11.1f} {ours_s / theirs_s:6.2f} "
                   f"{tensor.numel() * 4 / ours_s / 1e9:11.2f}")
+    analysis_ratios(args.repeats)
 
 
 if __name__ == "__main__":
     main()
+
+
+def analysis_ratios(repeats: int = 3) -> None:
+    """The default analysis (sqnr, weight_sqnr, model_sqnr) of one model under int8 and under each 4-bit format,
+    as the plugin runs it; prints each format's time over int8's."""
+    from torch import nn
+
+    import qcore
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.registry import CheckRegistry
+    from pytest_qreport.core.settings import ModelSettings
+
+    registry = CheckRegistry()
+    for check in BUILTIN_CHECKS:
+        registry.register(check)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(1024, 1024), nn.GELU())]).eval()
+    batches = [torch.randn(64, 1024) for _ in range(8)]
+    settings = ModelSettings.defaults(registry.checks(), checks=["sqnr", "weight_sqnr", "model_sqnr"],
+                                      model_sqnr_min_db=-100.0)
+    timings = {}
+    for name, quantizer in [("int8", qcore.Int8StaticQuantizer()), ("NVFP4", qcore.FormatQuantizer("NVFP4")),
+                            ("MXFP4", qcore.FormatQuantizer("MXFP4")), ("FP8_DYNAMIC",
+                                                                        qcore.FormatQuantizer("FP8_DYNAMIC"))]:
+        best = math.inf
+        for _ in range(repeats):
+            pipeline = collect_model(name, settings, registry, quantizer, model, batches[0])
+            start = time.perf_counter()
+            pipeline.analyze(lambda: batches, lambda found: None, threads=torch.get_num_threads())
+            best = min(best, time.perf_counter() - start)
+            assert not pipeline.failed, pipeline.error
+        timings[name] = best
+    print(f"\nanalysis of a 6 x Linear(1024) MLP, 8 batches of 64 (sqnr, weight_sqnr, model_sqnr), best of {repeats}:")
+    for name, seconds in timings.items():
+        print(f"  {name:12} {seconds:6.2f} s  {seconds / timings['int8']:5.2f}x int8")

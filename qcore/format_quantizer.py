@@ -10,6 +10,7 @@ FormatFakeQuantize on each quantized activation.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from typing import Any
 
 import torch
@@ -27,20 +28,23 @@ FORMAT_REFUSAL_KEY = "qcore_format_refusal"  # on a layer's node: why its shapes
 _FORMAT_KINDS = ("linear", "conv")
 
 
-def format_spec(tensor_format: TensorFormat) -> QuantizationSpec:
-    """The QuantizationSpec of a tensor in a deployed format (its observer is a FormatObserver)."""
-    return QuantizationSpec(torch.int8, FormatObserver, is_dynamic=tensor_format.dynamic, format=tensor_format)
+def format_spec(tensor_format: TensorFormat, *, weight: bool = False) -> QuantizationSpec:
+    """The QuantizationSpec of a tensor in a deployed format (its observer is a FormatObserver; a weight's keeps
+    nothing, since convert takes its scales from the weight itself)."""
+    observer = functools.partial(FormatObserver, keep_amax=False) if weight else FormatObserver
+    return QuantizationSpec(torch.int8, observer, is_dynamic=tensor_format.dynamic, format=tensor_format)
 
 
 class FormatObserver(ObserverBase):
     """Keeps the running amax of a tensor whose format has a static scale; passes everything else through."""
 
-    def __init__(self, tensor_format: TensorFormat) -> None:
+    def __init__(self, tensor_format: TensorFormat, keep_amax: bool = True) -> None:
         super().__init__(is_dynamic=tensor_format.dynamic)
         self.format = tensor_format
-        self.static = not tensor_format.dynamic and (
-            tensor_format.scale_format == "e4m3" or (tensor_format.element == "float8_e4m3fn"
-                                                     and tensor_format.granularity == "tensor"))
+        # static scales: NVFP4's global scale (its block scales are dynamic) and FP8 per tensor, unless dynamic
+        self.static = keep_amax and (tensor_format.scale_format == "e4m3" or (
+            not tensor_format.dynamic and tensor_format.element == "float8_e4m3fn"
+            and tensor_format.granularity == "tensor"))
         self.amax: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +119,7 @@ class FormatQuantizer(Quantizer):
             if refusal:
                 op.node.meta[FORMAT_REFUSAL_KEY] = f"{chosen.name}: {refusal}"
                 continue
-            inputs: dict = {op.weight: format_spec(chosen.weight)}
+            inputs: dict = {op.weight: format_spec(chosen.weight, weight=True)}
             if chosen.activation is not None:
                 inputs.update({a: format_spec(chosen.activation) for a in op.activation_inputs})
             # no implicit sharing: two layers reading one tensor may quantize it to different formats

@@ -13,10 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
+from . import native
+
 __all__ = ["E2M1_MAX", "E4M3_MAX", "E8M0_BIAS", "MX_BLOCK", "NVFP4_BLOCK", "choose_qparams_affine",
-           "choose_scale_float8", "dequantize_affine", "dequantize_float8", "e2m1_decode", "e2m1_encode", "from_mx",
-           "nvfp4_dequantize", "nvfp4_global_scale", "nvfp4_quantize", "quantize_affine", "quantize_float8",
-           "reduction_layout", "to_mx"]
+           "choose_scale_float8", "dequantize_affine", "dequantize_float8", "e2m1_decode", "e2m1_encode",
+           "fake_quantize_mx", "fake_quantize_nvfp4", "from_mx", "nvfp4_dequantize", "nvfp4_global_scale",
+           "nvfp4_quantize", "quantize_affine", "quantize_float8", "reduction_layout", "to_mx"]
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -210,3 +212,38 @@ def nvfp4_dequantize(scales: torch.Tensor, codes: torch.Tensor, global_scale: to
     values = e2m1_decode(codes)
     blocks = values.reshape(*values.shape[:-1], values.shape[-1] // block, block)
     return (blocks * (global_scale * scales.to(torch.float32)).unsqueeze(-1)).reshape(values.shape).to(output_dtype)
+
+
+# -- fake quantization (quantized and back), fused where the native kernels run -----------------------------------
+def _native_input(x: torch.Tensor) -> bool:
+    return (x.__class__ is torch.Tensor and x.dtype == torch.float32 and x.is_cpu
+            and not (x.requires_grad and torch.is_grad_enabled()) and native.kernel() is not None)
+
+
+def fake_quantize_mx(x: torch.Tensor, elem_dtype: torch.dtype | str, block: int = MX_BLOCK) -> torch.Tensor:
+    """from_mx(to_mx(x)) as float32: one fused pass per block where the native kernels run."""
+    if x.shape[-1] % block:
+        raise ValueError(f"the last dimension ({x.shape[-1]}) is not a multiple of the MX block of {block}")
+    if _native_input(x):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        native.kernel().qcore_fake_quantize_mx(x.data_ptr(), out.data_ptr(), x.numel() // block, block,
+                                               4 if elem_dtype == "e2m1" else 8, native.threads(x.numel()))
+        return out
+    exponents, elements = to_mx(x.contiguous(), elem_dtype, block)
+    return from_mx(exponents, elements, elem_dtype, block)
+
+
+def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """nvfp4_dequantize(nvfp4_quantize(x)) as float32: one fused pass per block where the native kernels run."""
+    if x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"the last dimension ({x.shape[-1]}) is not a multiple of the NVFP4 block of {NVFP4_BLOCK}")
+    if _native_input(x) and global_scale.numel() == 1:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        native.kernel().qcore_fake_quantize_nvfp4(x.data_ptr(), out.data_ptr(), x.numel() // NVFP4_BLOCK,
+                                                  float(global_scale), native.threads(x.numel()))
+        return out
+    rows = x.reshape(-1, x.shape[-1])
+    scales, codes = nvfp4_quantize(rows, global_scale)
+    return nvfp4_dequantize(scales, codes, global_scale).reshape(x.shape)

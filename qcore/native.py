@@ -5,6 +5,7 @@ memory traffic than in arithmetic.
   torch ops cost more than the layer's matmul, torch.topk alone too. It does the whole update in one pass, with
   exact per-channel order statistics.
 - `_fused.c`: the numeric suite's comparator sums and per-tensor fake quantization.
+- `_formats.c`: fake quantization of the MX and NVFP4 block formats, a block at a time.
 
 Both are compiled on first use with the system C compiler (`$CC`, default `cc`) into one library in a per-user
 cache, written atomically, and loaded with ctypes. Without a compiler, or with `QCORE_NATIVE=0`, every caller
@@ -26,7 +27,7 @@ from typing import Any
 
 __all__ = ["PARALLEL_MIN_NUMEL", "REFUSED", "kernel", "status", "threads"]
 
-_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("_stats.c", "_fused.c"))
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("_stats.c", "_fused.c", "_formats.c"))
 _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
 _LIBRARIES = ("-lm",)  # after the source, where linkers look for them
 # Best first. -march=native puts the CPU's flags in the cache key, so a build never runs on another CPU.
@@ -159,6 +160,10 @@ def _load():
     real = ctypes.c_float
     library.qcore_fake_quantize_per_tensor.argtypes = [pointer, pointer, integer, real, real, real, real, integer]
     library.qcore_fake_quantize_per_tensor.restype = None
+    library.qcore_fake_quantize_mx.argtypes = [pointer, pointer, integer, integer, integer, integer]
+    library.qcore_fake_quantize_mx.restype = None
+    library.qcore_fake_quantize_nvfp4.argtypes = [pointer, pointer, integer, real, integer]
+    library.qcore_fake_quantize_nvfp4.restype = None
     return library
 
 

@@ -80,14 +80,10 @@ class TensorFormat:
 
     def _fake_quantize(self, x: torch.Tensor, amax: torch.Tensor | None, weight: bool) -> torch.Tensor:
         if self.scale_format == "e8m0":
-            elem: torch.dtype | str = "e2m1" if self.element == "float4_e2m1" else torch.float8_e4m3fn
-            exponents, elements = formats.to_mx(x.contiguous(), elem)
-            return formats.from_mx(exponents, elements, elem)
+            return formats.fake_quantize_mx(x, "e2m1" if self.element == "float4_e2m1" else torch.float8_e4m3fn)
         if self.scale_format == "e4m3":
-            global_scale = formats.nvfp4_global_scale(x.abs().amax() if weight or amax is None else amax)
-            rows = x.reshape(-1, x.shape[-1])
-            scales, codes = formats.nvfp4_quantize(rows, global_scale)
-            return formats.nvfp4_dequantize(scales, codes, global_scale).reshape(x.shape)
+            return formats.fake_quantize_nvfp4(x, formats.nvfp4_global_scale(
+                x.abs().amax() if weight or amax is None else amax))
         block = self._block_size(tuple(x.shape))
         if self.element == "float8_e4m3fn":
             if self.dynamic or amax is None:

@@ -79,3 +79,17 @@ def test_layer_overrides_choose_formats_and_float_and_a_shape_that_cannot_take_i
                         "block of 16"]
     with pytest.raises(ValueError, match="did you mean 'FP8'"):
         FormatQuantizer("FP9")
+
+
+@pytest.mark.parametrize("name,static", [("NVFP4", True), ("FP8", True), ("FP8_DYNAMIC", False), ("MXFP4", False),
+                                         ("W8A8", False)])
+def test_a_static_activation_scale_is_the_calibration_amax_and_dynamic_ones_keep_nothing(name, static):
+    from qcore.format_quantizer import FormatFakeQuantize
+
+    model, batches = Loud().eval(), _batches()
+    _float_gm, quant_gm = qcore.quantize(model, batches[0], batches, FormatQuantizer(name))
+    applied = [m for m in quant_gm.modules() if isinstance(m, FormatFakeQuantize)]
+    assert len(applied) == 1
+    expected = torch.stack([b.abs().amax() for b in batches]).amax()
+    assert (applied[0].amax is not None and torch.equal(applied[0].amax, expected)) if static else (
+        applied[0].amax is None)

@@ -146,3 +146,22 @@ def test_shapes_that_do_not_fit_the_block_are_refused():
         formats.to_mx(torch.randn(4, 40), "e2m1")
     with pytest.raises(ValueError, match="not a multiple of the NVFP4 block of 16"):
         formats.nvfp4_quantize(torch.randn(4, 40), torch.tensor(1.0))
+
+
+@pytest.mark.skipif(__import__("qcore.native").native.kernel() is None, reason="no C compiler: torch path only")
+@settings(max_examples=80, deadline=None)
+@given(x=tensors(columns=(32, 64, 96, 128)), elements=st.sampled_from(["e4m3", "e2m1"]),
+       amax_from=st.sampled_from(["tensor", "calibration"]))
+def test_the_fused_native_kernels_equal_the_torch_path_bit_for_bit(x, elements, amax_from):
+    """Every bit, but a NaN's payload (which NaN a multiplication returns is the CPU's business)."""
+    def same(ours, reference):
+        nan = torch.isnan(reference)
+        assert torch.equal(torch.isnan(ours), nan)
+        _same(torch.where(nan, 0.0, ours), torch.where(nan, 0.0, reference))
+
+    elem = torch.float8_e4m3fn if elements == "e4m3" else "e2m1"
+    exponents, data = formats.to_mx(x, elem)
+    same(formats.fake_quantize_mx(x, elem), formats.from_mx(exponents, data, elem))
+    global_scale = formats.nvfp4_global_scale(x.abs().amax() if amax_from == "tensor" else torch.tensor(3.5))
+    scales, codes = formats.nvfp4_quantize(x, global_scale)
+    same(formats.fake_quantize_nvfp4(x, global_scale), formats.nvfp4_dequantize(scales, codes, global_scale))
