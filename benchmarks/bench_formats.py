@@ -63,9 +63,6 @@ def main() -> None:
     analysis_ratios(args.repeats)
 
 
-if __name__ == "__main__":
-    main()
-
 
 def analysis_ratios(repeats: int = 3) -> None:
     """The default analysis (sqnr, weight_sqnr, model_sqnr) of one model under int8 and under each 4-bit format,
@@ -101,3 +98,7 @@ def analysis_ratios(repeats: int = 3) -> None:
     print(f"\nanalysis of a 6 x Linear(1024) MLP, 8 batches of 64 (sqnr, weight_sqnr, model_sqnr), best of {repeats}:")
     for name, seconds in timings.items():
         print(f"  {name:12} {seconds:6.2f} s  {seconds / timings['int8']:5.2f}x int8")
+
+
+if __name__ == "__main__":
+    main()
