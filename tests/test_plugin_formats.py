@@ -125,3 +125,37 @@ def test_an_nvfp4_model_below_its_threshold_gets_a_format_fix_that_pasted_back_p
     fixed.assert_outcomes(passed=1)
     row = json.loads((pytester.path / "r.json").read_text())["rows"][0]
     assert row["value"] == pytest.approx(float(measured.group(1)), abs=0.05)  # what the message promised
+
+
+def test_the_recipe_applied_with_torchao_gives_exactly_the_named_layers_their_formats(pytester):
+    from torch import nn
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.prototype.mx_formats.inference_workflow import NVFP4WeightOnlyConfig
+
+    source = LADDER.replace('quantizer="NVFP4"', 'quantizer="NVFP4A16"').replace("model_sqnr_min_db=14.0",
+                                                                               "model_sqnr_min_db=17.0")
+    pytester.makeconftest(source.replace("{extra}", ""))
+    pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json").assert_outcomes(failed=1)
+    recipe = json.loads((pytester.path / "r.json").read_text())["rows"][0]["details"]["recipe"]
+    assert recipe["default"] == "NVFP4A16" and 0 < len(recipe["layers"]) < 4, recipe
+    namespace: dict = {}
+    exec(source.split("@pytest.fixture")[0], namespace)  # the conftest's Net, built as its model function does
+    torch = namespace["torch"]
+    torch.manual_seed(0)
+    model = namespace["Net"]().eval().to(torch.bfloat16)
+    configs = {"NVFP4A16": NVFP4WeightOnlyConfig(), "W8A16": Int8WeightOnlyConfig()}  # torchao's, on CPU
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    chosen = {name: recipe["layers"].get(name, recipe["default"]) for name in linears}
+    for name, format_name in chosen.items():
+        if format_name != "float":
+            quantize_(model, configs[format_name], filter_fn=lambda module, fqn, name=name: fqn == name)
+    kinds = {"NVFP4A16": "NVFP4Tensor", "W8A16": "Int8Tensor", "float": "Parameter"}
+    assert {name: type(model.get_submodule(name).weight).__name__ for name in linears} == {
+        name: kinds[format_name] for name, format_name in chosen.items()}
+
+
+def test_the_html_report_shows_the_recipe(pytester):
+    pytester.makeconftest(LADDER.replace("{extra}", ""))
+    pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-html=r.html")
+    page = (pytester.path / "r.html").read_text()
+    assert "<h3>recipe</h3>" in page and "default <code>NVFP4</code>" in page and "layer_formats={" in page

@@ -126,8 +126,10 @@ def build_html(report: dict[str, Any]) -> str:
                   "threshold": _cell(r["threshold"], r["metric"]), "baseline": _cell(r.get("baseline"), r["metric"]),
                   "delta": _cell(r.get("delta"), r["metric"], delta=True), "verdict": r["verdict"],
                   "message": r["message"]} for r in ordered]
+        recipe = next((r["details"]["recipe"] for r in rows if r["check"] == "model_sqnr"
+                        and isinstance(r["details"].get("recipe"), dict)), None)
         models.append({"name": name, "counts": counts, "rows": table, "charts": charts,
-                       "info": report["models"].get(name, {})})
+                       "info": report["models"].get(name, {}), "recipe": recipe})
     return environment.get_template("report.html.j2").render(
         models=models, versions=report["versions"], created=report["created"], plotlyjs=plotly.offline.get_plotlyjs())
 
