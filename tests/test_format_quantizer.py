@@ -93,3 +93,18 @@ def test_a_static_activation_scale_is_the_calibration_amax_and_dynamic_ones_keep
     expected = torch.stack([b.abs().amax() for b in batches]).amax()
     assert (applied[0].amax is not None and torch.equal(applied[0].amax, expected)) if static else (
         applied[0].amax is None)
+
+
+def test_the_sensitivity_ranking_switches_a_formats_quantizers_layer_by_layer():
+    from qcore.measure import measure_sqnr
+    from qcore.sensitivity import layer_sensitivity
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).eval()
+    batches = [torch.randn(16, 64) for _ in range(2)]
+    float_gm = qcore.capture(model, batches[0])
+    ranking = layer_sensitivity(float_gm, batches, FormatQuantizer("NVFP4"))
+    assert ranking.all_quantized_db == pytest.approx(
+        measure_sqnr(float_gm, batches, FormatQuantizer("NVFP4"), shadow=False).worst_output().sqnr_db, abs=1e-6)
+    assert {entry.layer for entry in ranking.layers} == {"0", "2", "4"}
+    assert all(entry.gain_db > 0 for entry in ranking.layers)  # keeping any layer in float helps
