@@ -15,15 +15,14 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from .calibrate import model_device
 from .capture import clone_graph_module
 from .format_quantizer import FormatQuantizer
 from .graph import fetch_attr, find_quantizable_ops
 from .inputs import call_model, move_to
-from .numeric.metrics import sqnr_from_sums
 from .presets import preset
+from .sensitivity import FloatReference
 
 __all__ = ["LADDERS", "FormatFix", "FormatSwitchModel", "search_formats"]
 
@@ -114,7 +113,7 @@ class FormatSwitchModel:
             self._switches[op.layer] = switches
         graph.lint()
         self.gm.recompile()
-        self._references: dict[int, tuple[Any, Any, list[torch.Tensor]]] = {}
+        self._reference = FloatReference(float_gm)
         self._calibrate(batches)
 
     def _calibrate(self, batches: Sequence[Any]) -> None:
@@ -143,26 +142,7 @@ class FormatSwitchModel:
 
     def run(self, batches: Sequence[Any]) -> float:
         """Model-output SQNR (dB) against the float graph over `batches`, worst output leaf."""
-        device = model_device(self.float_gm)
-        sums: list[torch.Tensor] = []
-        with torch.no_grad():
-            for batch in batches:
-                if id(batch) not in self._references:  # the batch is kept too, so its id cannot be reused
-                    moved = move_to(batch, device)
-                    self._references[id(batch)] = (batch, moved, _float_leaves(call_model(self.float_gm, moved)))
-                _, moved, reference = self._references[id(batch)]
-                for index, (a, b) in enumerate(zip(reference, _float_leaves(call_model(self.gm, moved)))):
-                    pair = torch.stack([a.double().square().sum(), (a.double() - b.double()).square().sum()])
-                    if index == len(sums):
-                        sums.append(pair)
-                    else:
-                        sums[index] = sums[index] + pair
-        values = [sqnr_from_sums(*(float(v) for v in pair.tolist())) for pair in sums]
-        return min(values) if values else math.nan
-
-
-def _float_leaves(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return self._reference.output_sqnr(self.gm, batches)
 
 
 def _next_rung(model: FormatSwitchModel, layer: str, current: str) -> str | None:

@@ -26,8 +26,8 @@ from .numeric.metrics import sqnr_from_sums
 from .prepare import prepare
 from .quantizer import Int8StaticQuantizer, Quantizer
 
-__all__ = ["FloatLayersFix", "LayerSensitivity", "SensitivityResult", "SwitchableModel", "find_float_layers",
-           "layer_sensitivity", "with_float_layers"]
+__all__ = ["FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult", "SwitchableModel",
+           "find_float_layers", "layer_sensitivity", "with_float_layers"]
 
 _GROUP_KEY = "qcore_observer_group"
 
@@ -103,7 +103,7 @@ class SwitchableModel:
         self.float_gm = float_gm
         self.layers = [layer for layer in dict.fromkeys(name for names in owners.values() for name in names)]
         self._switches: list[tuple[nn.Module, frozenset[str]]] = []
-        self._references: dict[int, tuple[Any, Any, list[torch.Tensor]]] = {}
+        self._reference = FloatReference(float_gm)
         self._install(owners)
 
     def _install(self, owners: dict[str, set[str]]) -> None:
@@ -144,6 +144,19 @@ class SwitchableModel:
         Every switch setting is compared with the same float outputs, so those are computed once per batch and
         kept (the output leaves of the batches measured: 2 batches by default in the ranking and the search).
         """
+        return self._reference.output_sqnr(self.gm, batches)
+
+
+class FloatReference:
+    """A float graph's output leaves per batch, computed on first use and kept, against which quantized copies'
+    outputs are measured."""
+
+    def __init__(self, float_gm: fx.GraphModule) -> None:
+        self.float_gm = float_gm
+        self._references: dict[int, tuple[Any, Any, list[torch.Tensor]]] = {}
+
+    def output_sqnr(self, gm: fx.GraphModule, batches: Iterable[Any]) -> float:
+        """Model-output SQNR (dB) of `gm` against the float graph over `batches`, worst output leaf."""
         device = model_device(self.float_gm)
         sums: list[torch.Tensor] = []
         with torch.no_grad():
@@ -152,7 +165,7 @@ class SwitchableModel:
                     moved = move_to(batch, device)
                     self._references[id(batch)] = (batch, moved, _float_leaves(call_model(self.float_gm, moved)))
                 _, moved, reference = self._references[id(batch)]
-                actual = _float_leaves(call_model(self.gm, moved))
+                actual = _float_leaves(call_model(gm, moved))
                 for index, (a, b) in enumerate(zip(reference, actual)):
                     pair = torch.stack([a.double().square().sum(), (a.double() - b.double()).square().sum()])
                     if index == len(sums):
