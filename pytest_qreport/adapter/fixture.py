@@ -15,7 +15,7 @@ from tabulate import tabulate
 
 from ..core.baseline import baseline_path, write_baseline
 from ..core.batches import as_batches, resolve_source
-from ..core.declare import ModelDeclaration
+from ..core.declare import ModelDeclaration, model_name_problem
 from ..core.errors import QReportAssertionError
 from ..core.findings import Finding
 from ..core.nodeids import item_name
@@ -187,6 +187,9 @@ class QReport:
 
         config, node = self._request.config, self._request.node
         name = name or getattr(node, "originalname", None) or node.name
+        problem = model_name_problem(name, "qreport.analyze(..., name='...')")
+        if problem:
+            raise ValueError(problem)
         registry = CheckRegistry()
         config.hook.pytest_qreport_register_checks(registry=registry)
         session = session_settings(config, registry)

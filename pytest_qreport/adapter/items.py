@@ -13,12 +13,13 @@ import pytest
 
 from ..core.baseline import baseline_path
 from ..core.batches import as_batches, first_batch, resolve_source
-from ..core.declare import ModelDeclaration, declarations_in
+from ..core.declare import ModelDeclaration, declarations_in, model_name_problem, safe_name
 from ..core.errors import QReportCheckFailed, QReportError, QReportModelError
 from ..core.explain import error_finding, explain
 from ..core.findings import Finding
 from ..core.layer_cache import model_cache_key
 from ..core.nodeids import item_name, model_scope
+from ..core.numbers import printable
 from ..core.pipeline import ModelPipeline, Stage, collect_model
 from ..core.quantizers import model_quantizer
 from ..core.results import ModelFacts
@@ -76,8 +77,8 @@ class QReportFile(pytest.File):
         pipeline: ModelPipeline = session.models[key]
         make = QReportItem.from_parent
         if pipeline.stage in (Stage.COLLECTION_FAILED, Stage.SKIPPED):
-            yield make(self, name=item_name(declaration.name, "capture"), callobj=qreport_check, model_key=key,
-                       check="capture", layer="", declared_line=declaration.line)
+            yield make(self, name=item_name(safe_name(declaration.name), "capture"), callobj=qreport_check,
+                       model_key=key, check="capture", layer="", declared_line=declaration.line)
             return
         for check, layer in pipeline.checks_and_layers():
             yield make(self, name=item_name(declaration.name, check, layer), callobj=qreport_check, model_key=key,
@@ -92,6 +93,11 @@ class QReportFile(pytest.File):
         session = self.config.stash[STATE_KEY]
         key = (str(self.path), declaration.name)
         if key in session.models:
+            return
+        problem = model_name_problem(declaration.name)
+        if problem:
+            session.models[key] = ModelPipeline(declaration.name).collection_failed(
+                f"model {declaration.name!r} of {self.path}: {problem}")
             return
         path = str(baseline_path(self.path.parent, declaration.name, session.settings["baseline"]["dir"]))
         sharing = next((k[0] for k, m in session.models.items() if m.baseline_path == path), None)
@@ -289,11 +295,11 @@ class QReportItem(pytest.Function):
         if found.verdict == "error":
             raise QReportModelError(found.message)
         if found.verdict == "skip":
-            pytest.skip(found.message)
+            pytest.skip(printable(found.message))
         if found.verdict == "fail":
             raise QReportCheckFailed(found.message)
         if found.verdict == "warn":  # shown at the model's declaration, not at this file
-            warnings.warn_explicit(found.message, QReportWarning, filename=str(self.path),
+            warnings.warn_explicit(printable(found.message), QReportWarning, filename=str(self.path),
                                    lineno=self.declared_line or 1)
 
     def _record_error(self, message: str) -> None:
@@ -301,7 +307,7 @@ class QReportItem(pytest.Function):
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, QReportError):
-            return str(excinfo.value)
+            return printable(str(excinfo.value))
         return super().repr_failure(excinfo)
 
     def reportinfo(self):

@@ -13,6 +13,7 @@ from ..core.explain import error_finding
 from ..core.findings import Finding, RunOutcome
 from ..core.layer_cache import LayerCache
 from ..core.nodeids import parse_item_nodeid
+from ..core.numbers import printable
 from ..core.quantizers import resolve_quantizer
 from ..core.registry import CheckRegistry
 from ..core.results import ModelFacts, RowKey, RunResults
@@ -201,7 +202,7 @@ class QReportSession:
     def pytest_runtest_makereport(self, item, call):
         report = yield
         if call.excinfo is not None and isinstance(call.excinfo.value, QReportError) and call.when != "call":
-            report.longrepr = str(call.excinfo.value)  # the message is the whole report, also for setup errors
+            report.longrepr = printable(str(call.excinfo.value))  # the message is the whole report, setup too
         file = item.nodeid.split("::")[0]
         results = item.stash.get(FIXTURE_RESULTS, None)
         if results and call.when == "call":
@@ -242,7 +243,7 @@ class QReportSession:
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         for line, failed in self._report():
-            terminalreporter.write_line(line, red=failed)
+            terminalreporter.write_line(printable(line), red=failed)
 
     def pytest_sessionfinish(self, session) -> None:
         if self.is_worker or self.config.option.collectonly:

@@ -55,9 +55,14 @@ class Baseline:
 
 
 def baseline_path(declaring_dir: str | os.PathLike, model: str, override_dir: str | None = None) -> pathlib.Path:
-    """`__qreport__/<model>.json` beside the declaring file, or `<override_dir>/<model>.json`."""
+    """`__qreport__/<model>.json` beside the declaring file, or `<override_dir>/<model>.json`; ValueError when the
+    name would put the file anywhere else (model names are checked before, this is the second lock)."""
     directory = pathlib.Path(override_dir) if override_dir else pathlib.Path(declaring_dir) / BASELINE_DIR
-    return directory / f"{model}.json"
+    path = directory / f"{model}.json"
+    if path.resolve().parent != directory.resolve() or path.name != f"{model}.json":
+        raise ValueError(f"model {model!r}: its baseline file {path} would lie outside the baseline directory "
+                         f"{directory}; give the model a plain name (letters, digits, '_', '-', '.')")
+    return path
 
 
 def _normalized(value: float) -> float:

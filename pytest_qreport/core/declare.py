@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-__all__ = ["MODELS_ATTRIBUTE", "ModelDeclaration", "declarations_in", "qmodel"]
+__all__ = ["MODELS_ATTRIBUTE", "ModelDeclaration", "declarations_in", "model_name_problem", "qmodel", "safe_name"]
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass
@@ -32,6 +35,19 @@ MODELS_ATTRIBUTE = "__qreport_models__"
 def declarations_in(module: Any) -> list[ModelDeclaration]:
     """The models a module (a conftest.py) declares, in declaration order."""
     return list(getattr(module, MODELS_ATTRIBUTE, None) or ())
+
+
+def model_name_problem(name: Any, fix: str = "qmodel(name='...')") -> str:
+    """Why `name` cannot name a model ("" when it can): it names the baseline file and goes into node ids."""
+    if isinstance(name, str) and _NAME.fullmatch(name) and name not in (".", ".."):
+        return ""
+    return (f"the model name {name!r} is not allowed: a model name is letters, digits, '_', '-' and '.', without "
+            f"path separators, and not '.' or '..' (it names the model's baseline file); give it {fix}")
+
+
+def safe_name(name: str) -> str:
+    """`name` with every character a node id or file name could not carry replaced by '_'."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(name)).strip(".") or "_"
 
 
 def qmodel(calibration: Any = None, *, name: str | None = None, **settings: Any) -> Callable[[Callable[..., Any]], Any]:

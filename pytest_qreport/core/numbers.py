@@ -1,9 +1,10 @@
-"""One spelling for every number the reports show: values with their unit, deltas rounded like values."""
+"""One spelling for every number the reports show (values with their unit, deltas rounded like values), and text a
+terminal can show whatever a model or layer is called."""
 from __future__ import annotations
 
 import math
 
-__all__ = ["format_delta", "format_value", "normalized", "unit"]
+__all__ = ["format_delta", "format_value", "normalized", "printable", "unit"]
 
 
 def normalized(value: float) -> float:
@@ -37,3 +38,11 @@ def format_delta(delta: float | None, metric: str = "") -> str:
     if float(text) == 0:
         return f"0{unit(metric)}"
     return text + unit(metric)
+
+
+def printable(text: str) -> str:
+    """`text` with control characters and lone surrogates written as escapes (\\x07, \\ud800): a layer or model
+    name can hold anything, and a terminal must neither obey it nor fail to encode it. Newlines and tabs stay."""
+    if text.isprintable():  # False for control characters and surrogates
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ..core.numbers import format_delta, format_value
+from ..core.numbers import format_delta, format_value, printable
 from ..core.results import RunResults
 from .outputs import write_report
 
@@ -111,6 +111,9 @@ def build_html(report: dict[str, Any]) -> str:
 
     environment = jinja2.Environment(loader=jinja2.PackageLoader("pytest_qreport", "templates"),
                                      autoescape=jinja2.select_autoescape(["html", "j2"]))
+    environment.finalize = lambda value: printable(value) if isinstance(value, str) else value  # \x07, \ud800
+    report = {**report, "rows": [{**row, "model": printable(row["model"]), "layer": printable(row["layer"])}
+                                 for row in report["rows"]]}  # the charts' labels too
     models = []
     names = list(dict.fromkeys(row["model"] for row in report["rows"]))
     worst = {name: min(_VERDICT_ORDER.get(r["verdict"], 9) for r in report["rows"] if r["model"] == name)

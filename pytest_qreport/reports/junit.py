@@ -8,7 +8,7 @@ from junit_xml import TestCase, TestSuite, to_xml_report_string
 
 from ..core.files import write_atomically
 from ..core.findings import Finding
-from ..core.numbers import format_value
+from ..core.numbers import format_value, printable
 from ..core.results import ModelFacts, RunResults
 from .outputs import write_report
 
@@ -18,8 +18,9 @@ _PROPERTIES = ("model", "check", "layer", "metric", "value", "threshold", "verdi
 
 
 def _clean(text: str) -> str:
-    """Text that XML can carry: lone surrogates become '?' (junit-xml drops control characters itself)."""
-    return text.encode("utf-8", "replace").decode("utf-8")
+    """Text that XML can carry: control characters and lone surrogates written as escapes (junit-xml would emit
+    character references such as &#7;, which no XML parser accepts)."""
+    return printable(text)
 
 
 def build_suites(rows: list[Finding], models: Mapping[str, ModelFacts] | None = None) -> list[TestSuite]:
@@ -27,11 +28,12 @@ def build_suites(rows: list[Finding], models: Mapping[str, ModelFacts] | None = 
     by_model: dict[str, list[TestCase]] = {}
     models = models or {}
     for row in rows:
-        row = row.replace(message=_clean(row.message), waiver=_clean(row.waiver), layer=_clean(row.layer))
+        facts = models.get(row.model)
+        row = row.replace(message=_clean(row.message), waiver=_clean(row.waiver), layer=_clean(row.layer),
+                          model=_clean(row.model))
         lines = [f"{k}={getattr(row, k)}" for k in _PROPERTIES] + ([f"waiver={row.waiver}"] if row.waiver else [])
         lines += [f"{k}={getattr(row, k)}" for k in ("baseline", "delta", "baseline_status") if getattr(row, k) not in
                   (None, "")]
-        facts = models.get(row.model)
         lines += [f"capture_{k}={_clean(v)}" for k, v in (facts.capture if facts else {}).items()]
         case = TestCase(name=f"{row.check}/{row.layer}" if row.layer else row.check,
                         classname=f"qreport.{row.model}.{row.check}", elapsed_sec=row.duration, stdout="\n".join(lines),

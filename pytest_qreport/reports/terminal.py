@@ -7,7 +7,7 @@ import pytest
 from tabulate import tabulate
 
 from ..core.findings import VERDICTS, Finding, RunOutcome
-from ..core.numbers import format_delta, format_value
+from ..core.numbers import format_delta, format_value, printable
 from ..core.results import ModelFacts, RunResults
 from ..core.settings import table_mode
 
@@ -40,10 +40,11 @@ def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[s
     headers += (["baseline", "delta"] if with_baseline else []) + ["verdict"] + (["note"] if with_notes else [])
     table = []
     for r in shown:
-        cells = [r.model, r.check, r.layer, format_value(r.value, r.metric), format_value(r.threshold, r.metric)]
+        cells = [printable(r.model), r.check, printable(r.layer), format_value(r.value, r.metric),
+                 format_value(r.threshold, r.metric)]
         if with_baseline:
             cells += [format_value(r.baseline, r.metric), format_delta(r.delta, r.metric)]
-        table.append(cells + [r.verdict.upper()] + ([note(r)] if with_notes else []))
+        table.append(cells + [r.verdict.upper()] + ([printable(note(r))] if with_notes else []))
     return headers, table
 
 
@@ -93,8 +94,8 @@ def sensitivity_lines(rows: list[Finding], top: int = 5) -> list[str]:
         ranking = row.details.get("ranking") if row.check == "sensitivity" else None
         if ranking:
             listed = ", ".join(f"{entry['layer']} {entry['gain_db']:+.1f}" for entry in ranking[:top])
-            lines.append(f"sensitivity of {row.model} ({row.details['all_quantized_db']:.1f} dB quantized; dB gained "
-                         f"by keeping one layer in float): {listed}")
+            lines.append(printable(f"sensitivity of {row.model} ({row.details['all_quantized_db']:.1f} dB quantized; "
+                                   f"dB gained by keeping one layer in float): {listed}"))
     return lines
 
 

@@ -1,0 +1,91 @@
+"""Names are safe: a model name that could leave the baseline directory is an error on its own item, and hostile
+layer and model names are escaped in the terminal, the HTML and the JUnit XML."""
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from tests.test_plugin import TINY_SOURCE
+
+HOSTILE = '<script>alert("x")</script>\x07\'\ud800'
+
+
+@pytest.mark.parametrize("name", ["../../../escaped", "a/b", ".", "..", "with space", ""])
+def test_bad_model_names_are_refused_with_the_fix(name):
+    from pytest_qreport.core.declare import model_name_problem
+
+    problem = model_name_problem(name)
+    assert "is not allowed" in problem and "qmodel(name='...')" in problem
+    assert model_name_problem("llama-3.2_1b") == ""
+
+
+def test_the_baseline_path_cannot_leave_its_directory(tmp_path):
+    from pytest_qreport.core.baseline import baseline_path
+
+    assert baseline_path(tmp_path, "fine").parent == tmp_path / "__qreport__"
+    with pytest.raises(ValueError, match="outside the baseline directory"):
+        baseline_path(tmp_path, "../../escaped")
+
+
+def test_an_escaping_qmodel_name_errors_on_its_own_item_and_writes_nothing(pytester):
+    pytester.makeconftest(TINY_SOURCE + '''
+
+@qmodel(calibration=[torch.randn(16, 8)], checks="sqnr", name="../../../escaped")
+def bad():
+    torch.manual_seed(0)
+    return Tiny().eval()
+
+
+@qmodel(calibration=[torch.randn(16, 8)], checks="sqnr")
+def good():
+    torch.manual_seed(0)
+    return Tiny().eval()
+''')
+    result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-update-baseline")
+    result.assert_outcomes(passed=3, errors=1)  # good: two sqnr items and its baseline item
+    assert "the model name '../../../escaped' is not allowed" in result.stdout.str()
+    written = sorted(p.relative_to(pytester.path.parent.parent) for p in pytester.path.parent.parent.rglob("*.json")
+                     if "escaped" in p.name)
+    assert written == [] and (pytester.path / "__qreport__" / "good.json").exists()
+
+
+def test_the_fixture_refuses_an_escaping_name_and_a_parametrized_id(pytester):
+    pytester.makepyfile(test_names='''
+import pytest
+import torch
+from torch import nn
+
+
+@pytest.mark.parametrize("variant", ["model/v2"])
+def test_x(qreport, request, variant):
+    model = nn.Linear(8, 4).eval()
+    with pytest.raises(ValueError, match="is not allowed"):
+        qreport.analyze(model, [torch.randn(4, 8)], name="../../../escaped", checks="sqnr")
+    with pytest.raises(ValueError, match="is not allowed.*qreport.analyze"):
+        qreport.analyze(model, [torch.randn(4, 8)], name=request.node.name, checks="sqnr")
+''')
+    pytester.runpytest("-p", "no:cacheprovider", "--qreport-update-baseline").assert_outcomes(passed=1)
+    assert not list(pytester.path.parent.rglob("escaped.json"))
+
+
+def test_hostile_names_are_escaped_in_the_terminal_the_html_and_the_junit_xml():
+    from pytest_qreport.core.findings import Finding, RunOutcome
+    from pytest_qreport.core.results import ModelFacts
+    from pytest_qreport.reports.html import build_html
+    from pytest_qreport.reports.jsonfile import build_report
+    from pytest_qreport.reports.junit import junit_text
+    from pytest_qreport.reports.terminal import render_summary
+
+    rows = [Finding(model=HOSTILE, check="sqnr", layer=HOSTILE, metric="sqnr_db", value=10.0, threshold=20.0,
+                    verdict="fail", message=f"layer {HOSTILE}: too low")]
+    models = {HOSTILE: ModelFacts(HOSTILE)}
+    text = render_summary(rows, "all")
+    assert "\x07" not in text and "\\x07" in text and "\\ud800" in text
+    text.encode("utf-8")  # a terminal can write it
+    page = build_html(build_report(rows, models))
+    assert '<script>alert("x")' not in page and "&lt;script&gt;" in page
+    assert "\ud800" not in page and "\x07" not in page and "\\ud800" in page
+    page.encode("utf-8")  # a lone surrogate would not encode
+    root = ET.fromstring(junit_text(rows, models).encode("utf-8"))
+    case = root.find(".//testcase")
+    assert case is not None and "<script>" in case.get("name") and "\x07" not in case.get("name")
+    assert RunOutcome(1, 1).not_run == 0
