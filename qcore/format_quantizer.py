@@ -9,14 +9,13 @@ FormatFakeQuantize on each quantized activation.
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from .graph import find_quantizable_ops
+from .graph import find_quantizable_ops, matches_layer
 from .observers import ObserverBase
 from .presets import Preset, TensorFormat, preset
 from .quantizer import ANNOTATION_KEY, QuantizationAnnotation, QuantizationSpec, Quantizer
@@ -100,7 +99,7 @@ class FormatQuantizer(Quantizer):
         """The preset of one layer (None: kept in float)."""
         chosen: Preset | None = self.preset
         for pattern, override in self.layer_overrides.items():
-            if fnmatch.fnmatchcase(layer, pattern) or fnmatch.fnmatchcase(fqn, pattern):
+            if matches_layer(pattern, layer, fqn):
                 if override.get("skip"):
                     chosen = None
                 elif "format" in override:

@@ -1,6 +1,7 @@
 """The quantizable ops of a captured graph, the same way for torch.export (aten) and FX graphs."""
 from __future__ import annotations
 
+import fnmatch
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch import fx
 
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "QUANTIZABLE_KINDS", "QuantizableOp", "WEIGHTED_KINDS", "aten",
-    "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted", "op_kind", "original_input"]
+    "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted", "matches_layer", "op_kind", "original_input"]
 
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
@@ -221,3 +222,9 @@ def _assign_layer_names(ops: list[QuantizableOp]) -> None:
             counts[op.kind] = index + 1
             suffix = op.kind if index == 0 else f"{op.kind}_{index}"
             op.layer = f"{fqn}.{suffix}" if fqn else suffix
+
+
+def matches_layer(pattern: str, *names: str) -> bool:
+    """Whether a layer glob matches any of `names` (a layer's name, its module's FQN): as a glob, or as the name of
+    a module that contains the layer (`head` matches `head.1`), so that a Sequential's name reaches its layers."""
+    return any(name and (fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".")) for name in names)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import abc
-import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Union
@@ -10,7 +9,7 @@ from typing import Union
 import torch
 from torch import fx
 
-from .graph import QUANTIZABLE_KINDS, find_quantizable_ops, is_inserted, op_kind
+from .graph import QUANTIZABLE_KINDS, find_quantizable_ops, is_inserted, matches_layer, op_kind
 from .observers import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver
 from .presets import TensorFormat
 
@@ -167,7 +166,7 @@ class Int8StaticQuantizer(Quantizer):
     def _settings(self, fqn: str, layer: str) -> dict:
         settings = {"per_channel": self.per_channel, "is_dynamic": False, "skip": False}
         for pattern, override in self.layer_overrides.items():
-            if fnmatch.fnmatchcase(layer, pattern) or fnmatch.fnmatchcase(fqn, pattern):
+            if matches_layer(pattern, layer, fqn):
                 settings.update(override)
         return settings
 

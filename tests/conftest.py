@@ -4,6 +4,12 @@ import warnings
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401
+import torch.export  # noqa: F401
+
+# Modules that register torch operator libraries (dynamo imports torch._inductor.test_operators) are imported
+# here, once per process: a pytester test removes from sys.modules what it imported, and a second import of such
+# a module would register its library again and fail.
 
 if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
     # one share of the cores per xdist worker: oversubscribed OpenMP threads slow everything down

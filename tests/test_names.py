@@ -3,6 +3,7 @@ layer and model names are escaped in the terminal, the HTML and the JUnit XML.""
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 from tests.test_plugin import TINY_SOURCE
 
@@ -89,3 +90,46 @@ def test_hostile_names_are_escaped_in_the_terminal_the_html_and_the_junit_xml():
     case = root.find(".//testcase")
     assert case is not None and "<script>" in case.get("name") and "\x07" not in case.get("name")
     assert RunOutcome(1, 1).not_run == 0
+
+
+SEQUENTIAL_HEAD = TINY_SOURCE + '''
+
+class Headed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@qmodel(calibration=[torch.randn(16, 8)], checks="sqnr", {options})
+def headed():
+    torch.manual_seed(0)
+    return Headed().eval()
+'''
+
+
+def test_a_module_name_reaches_the_layers_inside_it_and_a_name_that_matches_nothing_is_an_error(pytester):
+    import qcore
+    from torch import nn
+
+    from qcore.analysis import quantized_layers
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+    float_gm = qcore.capture(model.eval(), torch.randn(4, 8))
+    kept = {entry.layer for entry in quantized_layers(float_gm, qcore.Int8StaticQuantizer(
+        layer_overrides={"1": {"skip": True}}))}
+    assert kept == {"0"}  # "1" is the inner Sequential: both of its linears stay in float
+    pytester.makeconftest(SEQUENTIAL_HEAD.replace("{options}", "float_layers='head'"))
+    result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json")
+    result.assert_outcomes(passed=1)  # only body is quantized: head.1 and head.3 stay in float
+    for setting in ("float_layers='heads'", "skip_layers='heads'", "layers='heads'",
+                    "quantizer=qcore.Int8StaticQuantizer(layer_overrides={'heads': {'skip': True}})"):
+        pytester.makeconftest(SEQUENTIAL_HEAD.replace("{options}", setting).replace(
+            "from pytest_qreport import qmodel", "from pytest_qreport import qmodel\nimport qcore"))
+        failing = pytester.runpytest("--qreport", "-p", "no:cacheprovider")
+        failing.assert_outcomes(errors=1)
+        assert "['heads'] match no layer, nor a module holding one; layers: body, head.1, head.3" in (
+            failing.stdout.str()), setting

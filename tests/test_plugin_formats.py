@@ -4,6 +4,9 @@ import json
 import re
 
 import pytest
+from torch import nn
+from torchao.prototype.mx_formats.inference_workflow import NVFP4WeightOnlyConfig  # at import: see conftest.py
+from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
 from tests.test_plugin import TINY_SOURCE
 
@@ -128,10 +131,6 @@ def test_an_nvfp4_model_below_its_threshold_gets_a_format_fix_that_pasted_back_p
 
 
 def test_the_recipe_applied_with_torchao_gives_exactly_the_named_layers_their_formats(pytester):
-    from torch import nn
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    from torchao.prototype.mx_formats.inference_workflow import NVFP4WeightOnlyConfig
-
     source = LADDER.replace('quantizer="NVFP4"', 'quantizer="NVFP4A16"').replace("model_sqnr_min_db=14.0",
                                                                                "model_sqnr_min_db=17.0")
     pytester.makeconftest(source.replace("{extra}", ""))

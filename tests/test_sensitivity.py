@@ -137,8 +137,8 @@ def plain():
     assert ("model 'plain': float_layers=['layers.[24]']: Plain has no layer_overrides, so it cannot keep layers "
             "in float") in result.stdout.str()
     result = pytester.runpytest("--qreport", "--qreport-float-layers", "layer.9", "-k", "fragile")
-    assert ("model 'fragile': float_layers ['layer.9'] match no layer; layers: layers.0, layers.2, layers.4, "
-            "layers.6") in result.stdout.str()
+    assert ("model 'fragile': float_layers ['layer.9'] match no layer, nor a module holding one; layers: layers.0, "
+            "layers.2, layers.4, layers.6") in result.stdout.str()
 
 
 def test_a_layer_budget_bounds_the_ranking_and_names_what_it_skipped():

@@ -10,7 +10,6 @@ Items and the `qreport` fixture are thin adapters over it: they supply fixture v
 from __future__ import annotations
 
 import enum
-import fnmatch
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,12 +39,15 @@ class Stage(enum.Enum):
 
 
 def select_layers(names: Iterable[str], layers: list[str] | None, skip_layers: list[str] | None) -> list[str]:
-    """Keep names matching any `layers` glob (all if none) and no `skip_layers` glob, in order."""
+    """Keep names matching any `layers` glob (all if none) and no `skip_layers` glob, in order; a glob also
+    matches the layers inside the module it names (`head` matches `head.1`)."""
+    from qcore.graph import matches_layer
+
     kept = []
     for name in names:
-        if layers and not any(fnmatch.fnmatchcase(name, g) for g in layers):
+        if layers and not any(matches_layer(g, name) for g in layers):
             continue
-        if skip_layers and any(fnmatch.fnmatchcase(name, g) for g in skip_layers):
+        if skip_layers and any(matches_layer(g, name) for g in skip_layers):
             continue
         kept.append(name)
     return kept
@@ -205,7 +207,7 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
                                 "not an nn.Module")
     with quiet_torch_trace_log():
         float_gm = qcore.capture(model, example_inputs, name=name)
-    _check_float_layers(name, settings.float_layers, float_gm)
+    _check_globs(name, settings, quantizer, float_gm)
     analysis = ModelAnalysis(float_gm, quantizer, equalize=settings.equalize)
     checks: dict[str, Check] = {}
     for check_name in settings.checks:
@@ -225,16 +227,23 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     return pipeline
 
 
-def _check_float_layers(name: str, globs: list[str] | None, float_gm: Any) -> None:
-    """A float_layers glob that matches no layer is a typo: say so, with the layer names."""
+def _check_globs(name: str, settings: ModelSettings, quantizer: Any, float_gm: Any) -> None:
+    """A layer glob that matches no layer is a typo or a stale name: say so, with the layer names. Checked for
+    layers, skip_layers, float_layers, layer_formats and the quantizer's own layer_overrides."""
     import qcore
+    from qcore.graph import matches_layer
 
     ops = qcore.find_quantizable_ops(float_gm)
-    unmatched = [g for g in globs or () if not any(fnmatch.fnmatchcase(op.layer, g) or fnmatch.fnmatchcase(op.fqn, g)
-                                                   for op in ops)]
-    if unmatched:
-        raise QReportModelError(f"model {name!r}: float_layers {unmatched} match no layer; layers: "
-                                f"{', '.join(op.layer for op in ops)}")
+    given = {"layers": settings.layers, "skip_layers": settings.skip_layers, "float_layers": settings.float_layers,
+             "layer_formats": list(settings.layer_formats or ()),
+             "layer_overrides": list(getattr(quantizer, "layer_overrides", None) or ())}
+    special = ("output", "model")  # the whole-model items' names
+    for setting, globs in given.items():
+        unmatched = [g for g in globs or () if not any(matches_layer(g, op.layer, op.fqn) for op in ops)
+                     and not (setting in ("layers", "skip_layers") and any(matches_layer(g, s) for s in special))]
+        if unmatched:
+            raise QReportModelError(f"model {name!r}: {setting} {unmatched} match no layer, nor a module holding one; "
+                                    f"layers: {', '.join(op.layer for op in ops)}")
 
 
 def fingerprint(analysis: Any, equalize: Any, threads: int) -> dict[str, Any]:
