@@ -37,3 +37,44 @@ def test_every_setting_is_an_option_an_ini_key_and_a_qmodel_keyword_where_declar
             config.getoption(setting.dest)  # registered: no ValueError
         if setting.ini:
             config.getini(setting.ini)
+
+
+def test_the_readme_gives_the_cpu_wheel_index_and_a_pathspec_that_works_at_the_repository_root(tmp_path):
+    import subprocess
+
+    text = (ROOT / "README.md").read_text()
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
+    pathspec = re.search(r"git add '(:\(glob\)[^']+)'", text).group(1)
+    (tmp_path / "__qreport__").mkdir()
+    (tmp_path / "__qreport__" / "root.json").write_text("{}")
+    (tmp_path / "sub" / "__qreport__").mkdir(parents=True)
+    (tmp_path / "sub" / "__qreport__" / "nested.json").write_text("{}")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "add", pathspec], cwd=tmp_path, check=True)
+    staged = subprocess.run(["git", "diff", "--cached", "--name-only"], cwd=tmp_path, check=True, capture_output=True,
+                            text=True).stdout.split()
+    assert sorted(staged) == ["__qreport__/root.json", "sub/__qreport__/nested.json"]
+
+
+def test_the_failing_examples_fail_for_the_reasons_the_readme_gives(tmp_path):
+    import json
+    import math
+    import os
+    import subprocess
+    import sys
+
+    report = tmp_path / "r.json"
+    subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                    f"--qreport-json={report}", "examples/"], cwd=ROOT, capture_output=True, timeout=600,
+                   env={**os.environ, "QREPORT_EXAMPLES_FAILING": "1"})
+    rows = json.loads(report.read_text())["rows"]
+    failing = sorted((r["model"], r["check"], r["layer"]) for r in rows if r["verdict"] == "fail")
+    assert failing == [("fragile", "model_sqnr", "output"), ("fragile", "sqnr", "layers.4"),
+                       ("fragile", "sqnr", "layers.6"), ("sensor_mlp_unequalized", "equalization", "layers.0"),
+                       ("spiky_mlp", "outlier", "layers.0"), ("spiky_mlp", "outlier", "layers.2")]
+    text = (ROOT / "README.md").read_text()
+    assert "6 items fail" in text
+    outliers = [r["value"] for r in rows if r["model"] == "spiky_mlp" and r["check"] == "outlier"]
+    assert all(isinstance(v, float) and math.isfinite(v) for v in outliers)  # spikes, not zero percentiles
+    fix = next(r["message"] for r in rows if r["check"] == "model_sqnr" and r["model"] == "fragile")
+    assert "float_layers=[" in fix
