@@ -424,16 +424,37 @@ def test_report_observer_epoch_api_follows_torch_ao():
     for batch in _batches((8, 4), count=4):
         ours(batch)
         reference(batch)
-    torch.testing.assert_close(ours.average_batch_activation_range(), reference.average_batch_activation_range)
+    torch.testing.assert_close(ours.average_batch_activation_range, reference.average_batch_activation_range)
     torch.testing.assert_close(ours.get_batch_to_epoch_ratio(), reference.get_batch_to_epoch_ratio())
     ours.reset_batch_and_epoch_values()
     reference.reset_batch_and_epoch_values()
     assert ours.num_batches_tracked == reference.num_batches_tracked == 0
-    assert float(ours.average_batch_activation_range()) == float(reference.average_batch_activation_range) == 0
+    assert float(ours.average_batch_activation_range) == float(reference.average_batch_activation_range) == 0
     ours(torch.ones(3, 4))   # a constant activation: nan here, torch.ao raises (documented difference)
     assert torch.isnan(ours.get_batch_to_epoch_ratio())
     assert DetectorBase.DEFAULT_PRE_OBSERVER_NAME == ao_detector_constant("DEFAULT_PRE_OBSERVER_NAME")
     assert DetectorBase.DEFAULT_POST_OBSERVER_NAME == ao_detector_constant("DEFAULT_POST_OBSERVER_NAME")
+
+
+@pytest.mark.parametrize("case", ["epochs", "after_relu", "ones", "zeros"])
+def test_report_observer_attributes_are_tensors_with_torch_aos_values(case):
+    from torch.ao.quantization.fx._model_report.model_report_observer import ModelReportObserver
+
+    from qcore.report.observer import ReportObserver
+
+    ours, reference = ReportObserver(), ModelReportObserver()
+    for name in ("average_batch_activation_range", "epoch_activation_min", "epoch_activation_max"):
+        assert isinstance(getattr(ours, name), torch.Tensor)  # attributes, as torch.ao's buffers
+        torch.testing.assert_close(getattr(ours, name), getattr(reference, name))  # before any data too
+    runs = {"epochs": [_batches((8, 4), count=3, seed=s) for s in range(2)],
+            "after_relu": [[torch.relu(b) for b in _batches((8, 4), count=3)]],
+            "ones": [[torch.ones(3, 4)]], "zeros": [[torch.zeros(3, 4)]]}[case]
+    for batches in runs:
+        for batch in batches:
+            ours(batch)
+            reference(batch)
+        for name in ("average_batch_activation_range", "epoch_activation_min", "epoch_activation_max"):
+            torch.testing.assert_close(getattr(ours, name), getattr(reference, name))
 
 
 def ao_detector_constant(name):

@@ -267,8 +267,10 @@ class ReportObserver(nn.Module):
             return float("nan")
         return float(self.extreme_sums.sum()) / self.num_batches_tracked / epoch_range
 
+    @property
     def average_batch_activation_range(self) -> torch.Tensor:
-        """Mean over batches of (batch max - batch min), as torch.ao's attribute of that name (0 before data)."""
+        """Mean over batches of (batch max - batch min), a float32 tensor as torch.ao's attribute of that name
+        (0 before data)."""
         if self.num_batches_tracked == 0:
             return torch.zeros((), device=self.extremes.device)
         return (self.extreme_sums.sum() / self.num_batches_tracked).float()
