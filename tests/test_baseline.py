@@ -295,3 +295,26 @@ def test_the_qreport_fixture_with_and_without_the_flag_and_under_xdist(pytester)
     assert suites == {"qreport.two", "qreport.two_strict"}
     pytester.runpytest("--qreport", "-k", "quality", "--qreport-update-baseline", "-n", "2")
     assert path.read_bytes() == first
+
+
+def test_a_stricter_threshold_is_a_threshold_failure_not_a_regression():
+    stricter, crossing = compare_findings(
+        [_finding(value=35.5, verdict="fail", threshold=36.0), _finding(layer="fc2", value=35.9, verdict="fail",
+                                                                         threshold=36.0)],
+        _baseline({("sqnr", "fc1"): (35.5, "pass"), ("sqnr", "fc2"): (36.1, "pass")}), lambda check: 0.5,
+        lambda check: True, False, True, lambda check: "sqnr_min_db / --qreport-sqnr-min-db")
+    assert stricter.baseline_status == "ok" and stricter.verdict == "fail"
+    assert "is below the threshold 36.0 dB (sqnr_min_db / --qreport-sqnr-min-db)" in stricter.message
+    assert "updating the baseline would not fix this" in stricter.message and "regress" not in stricter.message
+    assert crossing.baseline_status == "regressed" and "passed in the baseline" in crossing.message  # a real drop
+
+
+def test_checks_where_less_is_better_compare_in_their_own_direction():
+    from pytest_qreport.checks import EqualizationCheck, InputWeightEqualizationCheck
+
+    assert not EqualizationCheck.higher_is_better and not InputWeightEqualizationCheck.higher_is_better
+    # a louder weight column: equalization is recommended for fewer channels, which is better by the check's rule
+    fewer, = _compare([_finding("input_weight_equalization", value=0.0078, metric="equalization_channel_fraction",
+                                threshold=0.4)], {("input_weight_equalization", "fc1"): (1.0, "fail")},
+                      lower_is_better=("input_weight_equalization",))
+    assert fewer.baseline_status == "improved" and fewer.verdict == "pass"

@@ -125,7 +125,8 @@ class DynamicStaticCheck(DetectorCheck):
 class InputWeightEqualizationCheck(DetectorCheck):
     """torch.ao's input-weight equalization detector recommends equalizing the layer."""
 
-    name, order, metric = "input_weight_equalization", 60, "equalization_channel_fraction"
+    # the fraction of channels for which equalization is recommended: more is worse
+    name, order, metric, higher_is_better = "input_weight_equalization", 60, "equalization_channel_fraction", False
     default_options = {"ratio_threshold": 0.5}
 
     def make_detector(self, quantizer: Any) -> Any:

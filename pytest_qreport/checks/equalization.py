@@ -18,7 +18,9 @@ class EqualizationCheck(Check):
     Fails when the best gains at least the minimum and the model is not equalized; the message names the method
     and the setting that applies it."""
 
+    # the gain left on the table without equalization: more is worse
     name, order, metric, needs = "equalization", 80, "sqnr_gain_db", frozenset({"sqnr", "equalization"})
+    higher_is_better = False
     settings = (Setting("equalization_min_gain_db", decibels(non_negative=True), 1.0, "equalization items fail "
                         "when equalizing a layer gains at least this many dB", metavar="DB"),)
 

@@ -171,12 +171,16 @@ def fingerprint_differences(recorded: Mapping[str, Any], current: Mapping[str, A
 
 
 def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Callable[[str], float],
-                     higher_is_better: Callable[[str], bool], strict: bool, enforce: bool) -> list[Finding]:
+                     higher_is_better: Callable[[str], bool], strict: bool, enforce: bool,
+                     threshold_setting: Callable[[str], str | None] = lambda check: None) -> list[Finding]:
     """Each finding with its baseline value, delta and status; regressions fail when `enforce` is on.
 
     Rules: a value worse than the baseline by more than the check's tolerance fails; so does a pass in the
-    baseline that fails now; no entry is 'new' (fails with `strict`); better by more than the tolerance is
-    'improved'. Absolute thresholds are already in each finding's verdict.
+    baseline that fails now, unless the check judges by a threshold setting (`threshold_setting` names it; None
+    for checks that judge otherwise) and the baseline's value fails the current threshold too: then the threshold
+    changed, and the finding fails below its threshold, which updating the baseline cannot fix; no entry is 'new'
+    (fails with `strict`); better by more than the tolerance is 'improved'. Absolute thresholds are already in
+    each finding's verdict.
     """
     compared = []
     for finding in findings:
@@ -203,6 +207,15 @@ def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Cal
                     f"{format_value(current, finding.metric)} now, {format_value(value, finding.metric)} in "
                     f"{baseline.path} (delta {format_delta(delta, finding.metric)}, tolerance {limit:g}).")
         elif verdict == "pass" and finding.verdict in ("fail", "warn") and finding.check != "baseline":
+            setting = threshold_setting(finding.check)
+            if setting is not None and _fails(value, finding.threshold, higher_is_better(finding.check)):
+                compared.append(finding.replace(baseline=value, delta=delta, baseline_status="ok", message=_join(
+                    finding.message, f"{finding.check}/{finding.layer} is below the threshold "
+                    f"{format_value(finding.threshold, finding.metric)} ({setting}); its baseline value "
+                    f"{format_value(value, finding.metric)} in {baseline.path} is below it too, so the threshold "
+                    f"changed, not the model: updating the baseline would not fix this. Fix the layer, or set "
+                    f"{setting} to what it was.")))
+                continue
             status = "regressed"
             rule = (f"{finding.check}/{finding.layer} passed in the baseline {baseline.path} and is {finding.verdict} "
                     f"now (delta {format_delta(delta, finding.metric)}, within the tolerance {limit:g}).")
@@ -214,6 +227,13 @@ def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Cal
             changed = changed.replace(verdict="fail", message=_join(finding.message, rule + hint))
         compared.append(changed)
     return compared
+
+
+def _fails(value: float, threshold: float, higher_is_better: bool) -> bool:
+    """Whether `value` fails `threshold` in the check's direction (not when either is nan: nothing to say)."""
+    if math.isnan(value) or math.isnan(threshold):
+        return False
+    return value < threshold if higher_is_better else value > threshold
 
 
 def _join(first: str, second: str) -> str:

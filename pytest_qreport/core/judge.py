@@ -51,7 +51,7 @@ def compare_with_baseline(state: ModelPipeline, found: list[Finding], options: d
     checks = state.context.checks
     compared = compare_findings(found, recorded, state.settings.tolerance,
                                 lambda check: checks[check].higher_is_better if check in checks else True,
-                                strict, enforce)
+                                strict, enforce, lambda check: _threshold_setting(checks.get(check)))
     stale = sorted(f"{check}/{layer}" for check, layer in recorded.entries if f"{check}/{layer}" not in still_collected)
     details["stale"] = stale
     message = (f"model {state.name!r}: the baseline {path} has entries for layers that no longer exist: "
@@ -59,3 +59,12 @@ def compare_with_baseline(state: ModelPipeline, found: list[Finding], options: d
     return compared + [model_finding(not (stale and strict), message, stale=len(stale))]
 
 
+
+
+def _threshold_setting(check: Any) -> str | None:
+    """The setting that holds a check's threshold (its first declared setting), as a user would set it; None for a
+    check that declares none (its verdict is not a value against a threshold)."""
+    settings = getattr(check, "settings", ())
+    if not settings:
+        return None
+    return f"{settings[0].name} / {settings[0].flag}" if settings[0].flag else settings[0].name
