@@ -276,3 +276,38 @@ def test_shown(qreport):
                                  "E       pytest_qreport.QReportAssertionError: model 'test_shown': 2 of 2 layers "
                                  "below 90.0 dB"])
     assert "fixture.py" not in result.stdout.str()  # the plugin's own frames are hidden
+
+
+def test_the_scheduler_keeps_a_models_items_together_and_can_queue_a_crashed_item_again():
+    from pytest_qreport.xdist.scheduling import ModelGroupScheduling, work_unit
+
+    class Node:
+        def __init__(self, name):
+            self.gateway, self.shutting_down, self.sent = type("G", (), {"id": name})(), False, []
+
+        def send_runtest_some(self, indices):
+            self.sent += indices
+
+        def shutdown(self):
+            self.shutting_down = True
+
+    class Config:  # what xdist's parse_tx_spec_config reads: two local workers
+        def getvalue(self, name):
+            return ["2*popen"] if name == "tx" else None
+
+    ids = ["c.py::qreport/a/sqnr/fc1", "c.py::qreport/a/sqnr/fc2", "c.py::qreport/b/sqnr/fc1", "t.py::test_x"]
+    assert work_unit(ids[0]) == work_unit(ids[1]) == "c.py::qreport/a" and work_unit(ids[3]) == "t.py::test_x"
+    scheduler = ModelGroupScheduling(Config())
+    assert scheduler.numnodes == 2
+    first, second = Node("gw0"), Node("gw1")
+    for node in (first, second):
+        scheduler.add_node(node)
+        scheduler.add_node_collection(node, ids)
+    scheduler.schedule()
+    assert sorted(first.sent + second.sent) == [0, 1, 2, 3]
+    holder = first if 0 in first.sent else second
+    assert 1 in holder.sent  # both of model a's items went to the same worker
+    crashed = scheduler.remove_node(holder)
+    assert crashed == ids[0] and ids[1] in scheduler.workqueue.get("c.py::qreport/a", {})
+    scheduler.mark_test_pending(crashed)
+    assert scheduler.workqueue["c.py::qreport/a"][crashed] is False

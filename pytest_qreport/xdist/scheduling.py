@@ -93,12 +93,17 @@ class ModelGroupScheduling:
         self._refill(node)
 
     def mark_test_pending(self, item: str) -> None:
-        """Not used by this scheduler (xdist calls it for --dist each only)."""
-        raise NotImplementedError("qreport's scheduler does not re-queue single items")
+        """Queue one item again, first (a pytest_handlecrashitem hook that re-runs a crashed test asks for it)."""
+        unit = work_unit(item)
+        self.workqueue.setdefault(unit, {})[item] = False
+        self.workqueue.move_to_end(unit, last=False)
+        for node in self.nodes:
+            if node in self.registered_collections:
+                self._refill(node)
 
     def remove_pending_tests_from_node(self, node: Any, indices: Sequence[int]) -> None:
-        """Not used by this scheduler (xdist calls it for --dist worksteal only)."""
-        raise NotImplementedError("qreport's scheduler does not steal work")
+        """xdist calls this only after a 'steal' command, which this scheduler never sends."""
+        raise RuntimeError("qreport's scheduler sends no 'steal' command, so no worker can answer one")
 
     def remove_node(self, node: Any) -> str | None:
         """A worker went away. If it died mid-run, requeue its unfinished units, except the item it crashed on
