@@ -21,7 +21,7 @@ from .presets import Preset, TensorFormat, preset
 from .quantizer import ANNOTATION_KEY, QuantizationAnnotation, QuantizationSpec, Quantizer
 
 __all__ = ["FORMAT_REFUSAL_KEY", "FormatFakeQuantize", "FormatObserver", "FormatQuantizer", "fake_quantize_format",
-           "format_spec"]
+           "format_spec", "layer_shapes", "preset_refusal"]
 
 FORMAT_REFUSAL_KEY = "qcore_format_refusal"  # on a layer's node: why its shapes cannot take its format
 _FORMAT_KINDS = ("linear", "conv")
@@ -114,7 +114,7 @@ class FormatQuantizer(Quantizer):
             chosen = self.layer_preset(op.fqn, op.layer)
             if chosen is None:
                 continue
-            refusal = _refusal(op, chosen)
+            refusal = preset_refusal(chosen, *layer_shapes(op))
             if refusal:
                 op.node.meta[FORMAT_REFUSAL_KEY] = f"{chosen.name}: {refusal}"
                 continue
@@ -135,19 +135,20 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     return tuple(int(size) for size in shape) if shape is not None else None
 
 
-def _refusal(op: Any, chosen: Preset) -> str:
-    """Why the layer's weight or input cannot take the preset's formats ("" when they can)."""
-    weight = _weight_shape(op)
-    if weight is not None:
-        problem = chosen.weight.refusal(weight, weight=True)
+def layer_shapes(op: Any) -> tuple[tuple[int, ...] | None, list[tuple[int, ...]]]:
+    """(the layer's weight shape, its inputs' shapes), as far as the graph knows them."""
+    return _weight_shape(op), [shape for node in op.activation_inputs if (shape := _shape(node))]
+
+
+def preset_refusal(chosen: Preset, weight: tuple[int, ...] | None, inputs: list[tuple[int, ...]]) -> str:
+    """Why a layer with these weight and input shapes cannot take the preset's formats ("" when it can)."""
+    problem = chosen.weight.refusal(weight, weight=True) if weight is not None else ""
+    if problem:
+        return f"its weight {list(weight)}: {problem}"  # type: ignore[arg-type]
+    for shape in inputs if chosen.activation is not None else ():
+        problem = chosen.activation.refusal(shape)  # type: ignore[union-attr]
         if problem:
-            return f"its weight {list(weight)}: {problem}"
-    if chosen.activation is not None:
-        for node in op.activation_inputs:
-            shape = _shape(node)
-            problem = chosen.activation.refusal(shape) if shape else ""
-            if problem:
-                return f"its input {list(shape)}: {problem}"  # type: ignore[arg-type]
+            return f"its input {list(shape)}: {problem}"
     return ""
 
 

@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from .calibrate import model_device
 from .capture import clone_graph_module
-from .format_quantizer import FormatQuantizer
+from .format_quantizer import FormatQuantizer, layer_shapes, preset_refusal
 from .graph import fetch_attr, find_quantizable_ops
 from .inputs import call_model, move_to
 from .presets import preset
@@ -88,16 +88,17 @@ class FormatSwitchModel:
     def __init__(self, float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: FormatQuantizer) -> None:
         self.float_gm, self.gm = float_gm, clone_graph_module(float_gm, share_parameters=True)
         self.start: dict[str, str] = {}  # layer -> its format under `quantizer` ("float": kept in float)
-        self.shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}  # layer -> (weight, input)
+        self.shapes: dict[str, tuple[Any, list]] = {}  # layer -> (weight shape, input shapes)
         self._switches: dict[str, tuple[_WeightSwitch, _InputSwitch]] = {}
-        annotated = quantizer.annotate(clone_graph_module(float_gm, share_parameters=True, recompile=False))
-        refused = {op.layer for op in find_quantizable_ops(annotated) if "qcore_format_refusal" in op.node.meta}
         graph = self.gm.graph
         for index, op in enumerate(find_quantizable_ops(self.gm)):
             if op.kind not in ("linear", "conv") or op.weight is None or op.weight.op != "get_attr":
                 continue
             chosen = quantizer.layer_preset(op.fqn, op.layer)
-            self.start[op.layer] = "float" if chosen is None or op.layer in refused else chosen.name
+            self.shapes[op.layer] = layer_shapes(op)
+            # as the quantizer does: a layer whose shapes cannot take its format stays in float
+            refused = chosen is None or bool(preset_refusal(chosen, *self.shapes[op.layer]))
+            self.start[op.layer] = "float" if refused else chosen.name  # type: ignore[union-attr]
             weight = fetch_attr(self.gm, str(op.weight.target))
             switches = (_WeightSwitch(weight), _InputSwitch())
             self.gm.add_module(f"qcore_weight_switch_{index}", switches[0])
@@ -108,8 +109,6 @@ class FormatSwitchModel:
                 input_node = graph.call_module(f"qcore_input_switch_{index}", (source,))
             op.node.replace_input_with(op.weight, weight_node)
             op.node.replace_input_with(source, input_node)
-            shape = getattr(source.meta.get("val"), "shape", None)
-            self.shapes[op.layer] = (tuple(weight.shape), tuple(int(s) for s in shape) if shape is not None else None)
             self._switches[op.layer] = switches
         graph.lint()
         self.gm.recompile()
@@ -128,11 +127,7 @@ class FormatSwitchModel:
 
     def fits(self, layer: str, name: str) -> bool:
         """Whether the layer's weight and input can take the format."""
-        if name == "float":
-            return True
-        chosen, (weight, inputs) = preset(name), self.shapes[layer]
-        return not chosen.weight.refusal(weight, weight=True) and not (
-            chosen.activation is not None and inputs is not None and chosen.activation.refusal(inputs))
+        return name == "float" or not preset_refusal(preset(name), *self.shapes[layer])
 
     def assign(self, formats: dict[str, str]) -> None:
         """Give each layer its format ("float": unquantized)."""

@@ -140,6 +140,7 @@ class QReportSession:
         self.config = config
         self.state = SessionState(config)
         self.rows = RowCollector()
+        self._reported = False  # reports are written once, from the terminal summary or at session finish
         config.stash[STATE_KEY] = self.state
 
     def start(self) -> None:
@@ -254,7 +255,7 @@ class QReportSession:
     def _report(self) -> list[tuple[str, bool]]:
         """Once, on the controller unless only collecting: update baselines, then call every pytest_qreport_report
         implementation on the run's results. Returns the lines to print, each with whether it is a failure."""
-        if self.is_worker or self.config.option.collectonly or getattr(self, "_reported", False):
+        if self.is_worker or self.config.option.collectonly or self._reported:
             return []
         self._reported = True
         results = self.rows.results(self.outcome())
