@@ -48,7 +48,8 @@ class FormatObserver(ObserverBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.static:
-            seen = x.detach().abs().amax().to(torch.float32)
+            low, high = torch.aminmax(x.detach())  # no |x| copy of the activation, on every calibration batch
+            seen = torch.maximum(-low, high).to(torch.float32)
             if self.amax is None:
                 self.amax = seen
             else:
