@@ -147,6 +147,7 @@ class _Unknown:
 
 
 _UNKNOWN = _Unknown()
+_KEEP: Any = object()  # variant(): keep the analysis's own equalize recipe
 
 
 class ModelAnalysis:
@@ -169,12 +170,24 @@ class ModelAnalysis:
         self._nondeterminism: Nondeterminism | None | _Unknown = _UNKNOWN
         self._sensitivity: dict[tuple, Any] = {}
         self._fixes: dict[tuple, Any] = {}
+        self._variants: dict[str, ModelAnalysis] = {}
 
     def planned(self, plan: AnalysisPlan) -> ModelAnalysis:
         """The same model's analysis, to measure what `plan` names in one calibration and one comparison pass
         (the layers found so far are kept; nothing has been measured yet)."""
         return ModelAnalysis(self.float_gm, self.quantizer, self._batches, equalize=self.equalize_recipe, plan=plan,
                              layers=self.layers)
+
+    def variant(self, quantizer: Quantizer | None = None, equalize: Any = _KEEP) -> ModelAnalysis:
+        """The same model and batches under another quantizer and/or equalize recipe (the same as pasting them
+        into the model's settings), kept per configuration: a fix is measured once, however many checks ask."""
+        quantizer = self.quantizer if quantizer is None else quantizer
+        recipe = self.equalize_recipe if equalize is _KEEP else equalize
+        key = repr((describe(quantizer), describe(recipe)))
+        if key not in self._variants:
+            self.require_deterministic()
+            self._variants[key] = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe)
+        return self._variants[key]
 
     @property
     def batches(self) -> list[Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import fx
@@ -15,7 +15,8 @@ from .presets import TensorFormat
 
 __all__ = ["ANNOTATION_KEY", "DerivedQuantizationSpec", "EdgeOrNode", "FixedQParamsQuantizationSpec",
     "Int8StaticQuantizer", "QuantizationAnnotation", "QuantizationSpec", "QuantizationSpecBase", "Quantizer",
-    "SharedQuantizationSpec", "int8_activation_spec", "int8_dynamic_activation_spec", "int8_weight_spec"]
+    "SharedQuantizationSpec", "int8_activation_spec", "int8_dynamic_activation_spec", "int8_weight_spec",
+    "with_layer_overrides"]
 
 EdgeOrNode = Union[tuple[fx.Node, fx.Node], fx.Node]  # noqa: UP007 - a runtime alias: `|` needs Python 3.10 types
 ANNOTATION_KEY = "quantization_annotation"
@@ -128,6 +129,36 @@ def int8_dynamic_activation_spec() -> QuantizationSpec:
     return QuantizationSpec(torch.int8, PlaceholderObserver, -128, 127, torch.per_tensor_affine, is_dynamic=True)
 
 
+ACTIVATION_OBSERVERS: dict[str, Callable[..., torch.nn.Module]] = {"minmax": MinMaxObserver,
+                                                                   "histogram": HistogramObserver}
+
+
+def _activation_observer(observer: Callable[..., torch.nn.Module] | str) -> Callable[..., torch.nn.Module]:
+    """An activation observer class from its name ("minmax", "histogram") or itself."""
+    if isinstance(observer, str):
+        if observer not in ACTIVATION_OBSERVERS:
+            raise ValueError(f"unknown activation observer {observer!r}; known: {sorted(ACTIVATION_OBSERVERS)}")
+        return ACTIVATION_OBSERVERS[observer]
+    return observer
+
+
+def with_layer_overrides(quantizer: Quantizer, overrides: dict[str, dict]) -> Quantizer:
+    """A copy of `quantizer` with `overrides` merged into its `layer_overrides`, glob by glob and key by key;
+    ValueError for a quantizer without them."""
+    import copy
+
+    existing = getattr(quantizer, "layer_overrides", None)
+    if not isinstance(existing, dict):
+        raise ValueError(f"{type(quantizer).__name__} has no layer_overrides; use qcore.Int8StaticQuantizer or a "
+                         "quantizer that honours layer_overrides={glob: {...}}")
+    merged = {**existing, **{glob: {**existing.get(glob, {}), **dict(change)} for glob, change in overrides.items()}}
+    if isinstance(quantizer, Int8StaticQuantizer):  # validates the merged keys
+        return Int8StaticQuantizer(quantizer.per_channel, quantizer.activation_observer, merged)
+    changed = copy.copy(quantizer)
+    setattr(changed, "layer_overrides", merged)  # noqa: B010 - any quantizer class that has the attribute
+    return changed
+
+
 def _is_quantized_output(node: object) -> bool:
     if not isinstance(node, fx.Node):
         return False
@@ -147,9 +178,13 @@ class Int8StaticQuantizer(Quantizer):
     of quantized tensors get their own output observer; cat and pass-through ops (relu, pooling,
     view/reshape/permute/flatten, ...) share their input's qparams.
 
-    `layer_overrides` maps FQN globs to {"per_channel": bool, "is_dynamic": bool, "skip": bool}, so a
-    report's recommendation becomes a config in one step.
+    `layer_overrides` maps layer or FQN globs to {"per_channel": bool, "is_dynamic": bool, "skip": bool,
+    "activation_observer": "minmax" | "histogram" | observer class}, so a report's recommendation becomes a config
+    in one step. A layer's activation_observer observes its inputs and its output, unless an input shares its
+    observer with another layer's output (the root of the sharing group decides, as in pt2e).
     """
+
+    OVERRIDE_KEYS = frozenset({"per_channel", "is_dynamic", "skip", "activation_observer"})
 
     def __init__(
         self,
@@ -158,16 +193,28 @@ class Int8StaticQuantizer(Quantizer):
         layer_overrides: dict[str, dict] | None = None,
     ) -> None:
         self.per_channel = per_channel
-        if isinstance(activation_observer, str):
-            activation_observer = {"minmax": MinMaxObserver, "histogram": HistogramObserver}[activation_observer]
-        self.activation_observer = activation_observer
+        self.activation_observer = _activation_observer(activation_observer)
         self.layer_overrides = dict(layer_overrides or {})
+        for pattern, override in self.layer_overrides.items():
+            unknown = set(override) - self.OVERRIDE_KEYS if isinstance(override, dict) else {"(not a dict)"}
+            if unknown:
+                raise ValueError(f"layer_overrides[{pattern!r}]: unknown key(s) {sorted(unknown)}; known: "
+                                 f"{sorted(self.OVERRIDE_KEYS)}")
+            if "activation_observer" in override:
+                _activation_observer(override["activation_observer"])
+
+    def __repr__(self) -> str:
+        return (f"Int8StaticQuantizer(per_channel={self.per_channel!r}, activation_observer="
+                f"{getattr(self.activation_observer, '__name__', self.activation_observer)}, "
+                f"layer_overrides={self.layer_overrides!r})")
 
     def _settings(self, fqn: str, layer: str) -> dict:
-        settings = {"per_channel": self.per_channel, "is_dynamic": False, "skip": False}
+        settings: dict[str, Any] = {"per_channel": self.per_channel, "is_dynamic": False, "skip": False,
+                                    "activation_observer": self.activation_observer}
         for pattern, override in self.layer_overrides.items():
             if matches_layer(pattern, layer, fqn):
                 settings.update(override)
+        settings["activation_observer"] = _activation_observer(settings["activation_observer"])
         return settings
 
     def annotate(self, gm: fx.GraphModule) -> fx.GraphModule:
@@ -176,10 +223,11 @@ class Int8StaticQuantizer(Quantizer):
             settings = self._settings(op.fqn, op.layer)
             if settings["skip"]:
                 continue
+            observer = settings["activation_observer"]
             if settings["is_dynamic"]:
                 act = int8_dynamic_activation_spec()
             else:
-                act = int8_activation_spec(self.activation_observer)
+                act = int8_activation_spec(observer)
             inputs: dict = {a: act for a in op.activation_inputs}
             if op.weight is not None:
                 spec = int8_weight_spec(settings["per_channel"])
@@ -188,7 +236,7 @@ class Int8StaticQuantizer(Quantizer):
                                             spec.quant_max, spec.qscheme, ch_axis=1)
                 inputs[op.weight] = spec
             quantize_output = not settings["is_dynamic"] and op.kind != "sdpa"
-            output = int8_activation_spec(self.activation_observer) if quantize_output else None
+            output = int8_activation_spec(observer) if quantize_output else None
             if op.output is not op.node:
                 _annotate(op.node, inputs, None)
                 _annotate(op.output, {}, output)

@@ -7,7 +7,6 @@ float, without re-capturing or re-preparing. Metrics stream as sums over the bat
 """
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from .graph import INSERTED_KEY, fetch_attr, find_quantizable_ops
 from .inputs import call_model, move_to
 from .numeric.metrics import sqnr_from_sums
 from .prepare import prepare
-from .quantizer import Int8StaticQuantizer, Quantizer
+from .quantizer import Int8StaticQuantizer, Quantizer, with_layer_overrides
 
 __all__ = ["FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult", "SwitchableModel",
            "find_float_layers", "layer_sensitivity", "with_float_layers"]
@@ -224,15 +223,11 @@ def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
 def with_float_layers(quantizer: Quantizer, layers: Iterable[str]) -> Quantizer:
     """A copy of `quantizer` that keeps the layers matching `layers` (globs) in float, through its
     `layer_overrides`; ValueError for a quantizer without them."""
-    overrides = getattr(quantizer, "layer_overrides", None)
-    if not isinstance(overrides, dict):
+    if not isinstance(getattr(quantizer, "layer_overrides", None), dict):
         raise ValueError(f"{type(quantizer).__name__} has no layer_overrides, so it cannot keep layers in float; "
                          "use qcore.Int8StaticQuantizer or a quantizer that honours layer_overrides={glob: "
                          "{'skip': True}}")
-    changed = copy.copy(quantizer)
-    merged = {**overrides, **{glob: {**overrides.get(glob, {}), "skip": True} for glob in layers}}
-    setattr(changed, "layer_overrides", merged)  # noqa: B010 - any quantizer class that has the attribute
-    return changed
+    return with_layer_overrides(quantizer, {glob: {"skip": True} for glob in layers})
 
 
 def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None, target_db: float,

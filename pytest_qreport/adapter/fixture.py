@@ -92,20 +92,20 @@ class QReportResult:
     def assert_sqnr(self, min_db: float, layers: str = "*") -> None:
         """Every quantized layer matching the glob `layers` has a propagated SQNR of at least `min_db`."""
         __tracebackhide__ = True
-        from ..checks.sqnr import SqnrCheck
+        from ..checks.sqnr import SqnrCheck, measured_fixes, own_error_layers
 
         measured = self.analysis.sqnr.layers
         chosen = [name for name in measured if fnmatch.fnmatchcase(name, layers)]
         if not chosen:
             _raise_assertion(f"model {self.name!r}: no quantized layer matches {layers!r}; layers: {list(measured)}")
         offending = []
+        context = self._state.context
+        fixes = measured_fixes(context, own_error_layers(measured, chosen, min_db))
         for name in chosen:
             entry = measured[name]
             if not entry.sqnr_db >= min_db:
-                quantized = self.analysis.layer(name)
-                message = SqnrCheck.message(name, entry.fqn, entry.sqnr_db, min_db, entry.shadow_sqnr_db,
-                                            entry.weight_sqnr_db is not None, quantized.per_channel,
-                                            quantized.clipping, entry.below_resolution)
+                message = SqnrCheck.message(context, name, entry.sqnr_db, min_db, entry.shadow_sqnr_db,
+                                            entry.below_resolution, fixes.get(name, []))
                 offending.append(Finding(model=self.name, check="sqnr", layer=name, metric="sqnr_db",
                                          value=entry.sqnr_db, threshold=min_db, verdict="fail", message=message))
         if offending:

@@ -287,6 +287,8 @@ class QReportItem(pytest.Function):
             self.user_properties.append((f"capture_{key}", value))
         if found.waiver:
             self.user_properties.append(("waiver", found.waiver))
+        if found.note:
+            self.user_properties.append(("note", found.note))
         if found.baseline_status:
             self.user_properties.append(("baseline_status", found.baseline_status))
         for key in ("baseline", "delta"):

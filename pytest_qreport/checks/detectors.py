@@ -1,7 +1,10 @@
-"""Detector checks: ModelReport's detectors as items. An item fails when its detector recommends something
-the model's quantizer does not already do.
+"""Detector checks: ModelReport's detectors as items. torch.ao's heuristics name the layers; an item fails
+only when the change its detector recommends was measured on the model (checks.advice) to raise the layer's own
+SQNR by at least the check's minimum gain without lowering the output SQNR. Where heuristic and measurement
+disagree, the item passes with a note that names both.
 
-Wrapping a custom `qcore.report.DetectorBase` takes a few lines::
+Wrapping a custom `qcore.report.DetectorBase` takes a few lines (without `fix_change`, its heuristic verdict
+stands unmeasured)::
 
     class MyDetectorCheck(DetectorCheck):
         name, order, metric = "my_detector", 75, "my_metric"
@@ -21,7 +24,8 @@ from typing import Any, ClassVar
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
-from .sqnr import keep_in_float_hint
+from ..core.schema import Setting, decibels
+from .advice import Advice, layer_overrides_fix, verify
 
 __all__ = ["DetectorCheck", "DynamicStaticCheck", "InputWeightEqualizationCheck", "OutlierCheck", "PerChannelCheck"]
 
@@ -31,6 +35,8 @@ class DetectorCheck(Check):
 
     needs = frozenset({"detectors"})
     default_options: ClassVar[dict[str, Any]] = {}
+    threshold_is_setting = False  # its threshold is the heuristic's; its setting is the fix's minimum gain
+    recommends: ClassVar[str] = ""  # what the heuristic recommends, for notes: "per-channel weights"
 
     @abstractmethod
     def make_detector(self, quantizer: Any) -> Any:
@@ -38,7 +44,17 @@ class DetectorCheck(Check):
 
     @abstractmethod
     def layer_finding(self, model: ModelContext, layer: str, entry: dict[str, Any], quantized: Any) -> Finding:
-        """The finding of one layer from its raw detector entry and its QuantizedLayer record."""
+        """The heuristic's finding of one layer from its raw detector entry and its QuantizedLayer record (a
+        failure says what the heuristic sees; the measured claim and the fix are added to it)."""
+
+    def fix_change(self, quantized: Any) -> dict[str, Any] | None:
+        """The layer_overrides entry that applies the recommendation to one layer; None: no fix to measure, so
+        the heuristic's verdict stands."""
+        return None
+
+    def min_gain(self, model: ModelContext) -> float:
+        """The least gain, in dB of the layer's own SQNR, for which the fix is recommended."""
+        return float(getattr(model.settings, f"{self.name}_min_gain_db", 1.0))
 
     @property
     def merged_options(self) -> dict[str, Any]:
@@ -70,13 +86,42 @@ class DetectorCheck(Check):
                                            "heuristic and its fix concern int8 observers, so it is not judged here")))
                 continue
             results.append(self.layer_finding(model, layer, entry, quantized))
-        return results
+        return self.verified(model, results)
+
+    def verified(self, model: ModelContext, results: list[Finding]) -> list[Finding]:
+        """The heuristic's failures measured: kept, with the claim and the fix, where the fix helps; passed with a
+        note where it does not."""
+        proposed = {f.layer: self.fix_change(model.analysis.layer(f.layer)) for f in results if f.verdict == "fail"}
+        changes = {layer: change for layer, change in proposed.items() if change is not None}
+        if not changes:
+            return results
+        advice = self.advise(model, list(changes), changes)
+        return [self.judged(f, advice) if f.layer in changes else f for f in results]
+
+    def advise(self, model: ModelContext, layers: list[str], changes: dict[str, dict[str, Any]]) -> Advice:
+        """The measured advice for the layers the heuristic names."""
+        return verify(model, layers, lambda chosen: layer_overrides_fix(model, {c: changes[c] for c in chosen}),
+                      self.min_gain(model))
+
+    def judged(self, found: Finding, advice: Advice) -> Finding:
+        """One heuristic failure after measurement."""
+        details = {**found.details, "measured_gain_db": advice.first.gain(found.layer),
+                   "recommended": advice.helps(found.layer)}
+        if advice.helps(found.layer):
+            return found.replace(message=f"{found.message.rstrip('.')}; {advice.claim(found.layer)}. "
+                                         f"Fix: {advice.fix_text()}.", details=details)
+        heuristic = f"torch.ao's {self.name} heuristic recommends {self.recommends}"
+        return found.replace(verdict="pass", message="", note=advice.note(found.layer, heuristic), details=details)
 
 
 class PerChannelCheck(DetectorCheck):
     """Per-channel weight quantization is supported but the quantizer quantizes per tensor."""
 
     name, order, metric = "per_channel", 40, "per_channel_used"
+    recommends = "per-channel weights"
+    settings = (Setting("per_channel_min_gain_db", decibels(non_negative=True), 1.0, "per_channel items fail when "
+                        "per-channel weights were measured to raise the layer's own SQNR by at least this many dB",
+                        metavar="DB"),)
 
     def make_detector(self, quantizer: Any) -> Any:
         from qcore.report import PerChannelDetector
@@ -88,12 +133,13 @@ class PerChannelCheck(DetectorCheck):
         return [op.layer for op in self.detector.layers(model.analysis.float_gm)
                 if op.weight is not None and op.layer in weighted]
 
+    def fix_change(self, quantized: Any) -> dict[str, Any] | None:
+        return {"per_channel": True}
+
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         supported = bool(entry[self.detector.PER_CHAN_SUPPORTED_KEY])
         details = {"supported": supported, "used": bool(entry[self.detector.PER_CHAN_USED_KEY])}
-        override = f"{{'{quantized.fqn}': {{'per_channel': True}}}}"
-        message = (f"layer {layer}: weights are quantized per tensor but per-channel is supported. Fix: use "
-                   f"quantizer='int8' or Int8StaticQuantizer(layer_overrides={override}).")
+        message = f"layer {layer}: weights are quantized per tensor but per-channel is supported"
         return self.finding(model, layer, float(quantized.per_channel), 1.0,
                             passed=not (supported and not quantized.per_channel), message=message, details=details)
 
@@ -102,12 +148,19 @@ class DynamicStaticCheck(DetectorCheck):
     """The layer's output range varies so much per batch that dynamic quantization is recommended."""
 
     name, order, metric = "dynamic_static", 50, "output_batch_to_epoch_ratio"
+    recommends = "dynamic activation quantization"
     default_options = {"tolerance": 0.5}
+    settings = (Setting("dynamic_static_min_gain_db", decibels(non_negative=True), 1.0, "dynamic_static items fail "
+                        "when dynamic activations were measured to raise the layer's own SQNR by at least this many "
+                        "dB", metavar="DB"),)
 
     def make_detector(self, quantizer: Any) -> Any:
         from qcore.report import DynamicStaticDetector
 
         return DynamicStaticDetector(**self.merged_options)
+
+    def fix_change(self, quantized: Any) -> dict[str, Any] | None:
+        return {"is_dynamic": True}
 
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         d = self.detector
@@ -115,18 +168,20 @@ class DynamicStaticCheck(DetectorCheck):
                    "input_s": float(entry[d.PRE_OBS_COMP_STAT_KEY]), "output_s": float(entry[d.POST_OBS_COMP_STAT_KEY]),
                    "output_class": entry[d.POST_OBS_DATA_DIST_KEY], "tolerance": float(d.tolerance)}
         message = (f"layer {layer}: its output is {details['output_class']} (S={details['output_s']:.3f} <= tolerance "
-                   f"{details['tolerance']}), so dynamic quantization is recommended but the quantizer is static. Fix: "
-                   f"Int8StaticQuantizer(layer_overrides={{'{quantized.fqn}': {{'is_dynamic': True}}}}).")
+                   f"{details['tolerance']}), so torch.ao recommends dynamic quantization, but the quantizer is static")
         return self.finding(model, layer, details["output_s"], details["tolerance"],
                             passed=not (details["recommended"] and not quantized.dynamic), message=message,
                             details=details)
 
 
 class InputWeightEqualizationCheck(DetectorCheck):
-    """torch.ao's input-weight equalization detector recommends equalizing the layer."""
+    """torch.ao's input-weight equalization detector recommends equalizing the layer. Its fix is the
+    equalization check's, measured the same way (minimum gain: equalization_min_gain_db)."""
 
     # the fraction of channels for which equalization is recommended: more is worse
     name, order, metric, higher_is_better = "input_weight_equalization", 60, "equalization_channel_fraction", False
+    needs = frozenset({"detectors", "equalization"})
+    recommends = "input-weight equalization"
     default_options = {"ratio_threshold": 0.5}
 
     def make_detector(self, quantizer: Any) -> Any:
@@ -134,20 +189,26 @@ class InputWeightEqualizationCheck(DetectorCheck):
 
         return InputWeightEqualizationDetector(**self.merged_options)
 
+    def fix_change(self, quantized: Any) -> dict[str, Any] | None:
+        return {}  # equalization is a model setting: see advise
+
+    def advise(self, model: ModelContext, layers: list[str], changes: dict[str, dict[str, Any]]) -> Advice:
+        from .equalization import input_weight_advice
+
+        return input_weight_advice(model, layers)
+
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         flags = entry[self.detector.RECOMMENDED_KEY]
         details = {"fraction": sum(flags) / len(flags) if flags else 0.0, "channels": len(flags),
                    "recommended": self.detector.is_layer_recommended(entry),
                    "threshold": float(self.detector.ratio_threshold)}
-        equalized = layer in model.analysis.equalized_layers
-        relax = "off" if model.settings.severity.get(self.name) == "warn" else "warn or off"
-        message = (f"layer {layer}: input-weight equalization is recommended for {details['fraction']:.0%} of its "
-                   f"{details['channels']} channels (>= 40%) and the model is not equalized. Fix: qmodel(..., "
-                   f"equalize=True), or set this check's severity to {relax}.")
+        equalized = layer in model.analysis.equalized_layers or bool(model.analysis.equalize_recipe)
+        message = (f"layer {layer}: torch.ao recommends input-weight equalization for {details['fraction']:.0%} of "
+                   f"its {details['channels']} channels (>= 40%) and the model is not equalized")
         passed = not (details["recommended"] and not equalized)
         found = self.finding(model, layer, details["fraction"], 0.4, passed=passed, message=message, details=details)
         refusal = model.analysis.layer(layer).equalization_refusal
-        if refusal and not passed:  # the fix above cannot work for this layer: say why instead
+        if refusal and not passed:  # the fix cannot work for this layer: say why instead
             return found.replace(verdict="skip", message=(
                 f"layer {layer}: input-weight equalization is recommended for {details['fraction']:.0%} of its "
                 f"channels, but the layer cannot be equalized: {refusal}."))
@@ -158,12 +219,19 @@ class OutlierCheck(DetectorCheck):
     """Input channels whose maximum is far above their reference percentile, under a non-clipping observer."""
 
     name, order, metric, higher_is_better = "outlier", 70, "max_percentile_ratio", False
+    recommends = "a clipping (histogram) activation observer"
     default_options = {"ratio_threshold": 3.5, "reference_percentile": 0.975, "fraction_batches_used_threshold": 0.95}
+    settings = (Setting("outlier_min_gain_db", decibels(non_negative=True), 1.0, "outlier items fail when a "
+                        "histogram (clipping) observer was measured to raise the layer's own SQNR by at least this "
+                        "many dB", metavar="DB"),)
 
     def make_detector(self, quantizer: Any) -> Any:
         from qcore.report import OutlierDetector
 
         return OutlierDetector(**self.merged_options)
+
+    def fix_change(self, quantized: Any) -> dict[str, Any] | None:
+        return {"activation_observer": "histogram"}
 
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         d = self.detector
@@ -180,8 +248,6 @@ class OutlierCheck(DetectorCheck):
                  "so the maximum is unboundedly far above it" if finite and max(finite) >= 1e30 else
                  f"q100/q_ref up to {details['max_ratio']:.1f} > {details['threshold']}")
         message = (f"layer {layer}: input channels {shown}{more} have outliers ({ratio}) and the activation observer "
-                   "does not clip. "
-                   "Fix: quantizer='int8_histogram' (clipping range chosen by error), or keep the layer in float with "
-                   f"{keep_in_float_hint(quantized.layer)}.")
+                   "does not clip")
         return self.finding(model, layer, max(finite) if finite else math.nan, float(d.ratio_threshold),
                             passed=not (outliers and not quantized.clipping), message=message, details=details)

@@ -3,26 +3,80 @@ equalized or smoothed model."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
+from .advice import Advice, equalize_fix, verify
 
-__all__ = ["EqualizationCheck", "EqualizationEquivalenceCheck"]
+__all__ = ["EqualizationCheck", "EqualizationEquivalenceCheck", "input_weight_advice", "smoothing_advice"]
+
+
+def _gains(model: ModelContext, method: str) -> list[str]:
+    """The equalizable layers whose `method` variant gained at least the minimum, in graph order."""
+    analysis, min_gain = model.analysis, model.settings.equalization_min_gain_db
+    if not analysis.equalizable_layers:
+        return []
+    variants = analysis.equalization_variants
+    return [layer for layer in analysis.equalizable_layers
+            if method in variants.get(layer, {}) and variants[layer][method].gain_db >= min_gain]
+
+
+def input_weight_advice(model: ModelContext, layers: list[str] | None = None) -> Advice:
+    """equalize=[the layers whose input-weight variant gains at least the minimum], measured on the model; with
+    `layers`, the advice concerns those (the heuristic's), the others pass unmeasured."""
+    min_gain = model.settings.equalization_min_gain_db
+    chosen = _gains(model, "input_weight")
+    named = list(layers) if layers is not None else chosen
+    if not chosen:
+        empty = Advice(first=_no_trial(), trial=None, recommended=(), min_gain=min_gain, kind="own",
+                       notes={layer: _variant_note(model, layer) for layer in named})
+        return empty
+    advice = verify(model, chosen, lambda picked: equalize_fix(picked, picked), min_gain)
+    notes = {layer: _variant_note(model, layer) for layer in named if layer not in chosen}
+    return Advice(advice.first, advice.trial, advice.recommended, min_gain, "own", {**advice.notes, **notes})
+
+
+def smoothing_advice(model: ModelContext) -> Advice | None:
+    """equalize='smooth:search' measured on the model, for the layers whose smoothing variant gains at least the
+    minimum (None when there are none)."""
+    chosen = _gains(model, "smoothing")
+    if not chosen:
+        return None
+    return verify(model, chosen, lambda picked: equalize_fix("smooth:search", chosen),
+                  model.settings.equalization_min_gain_db)
+
+
+def _no_trial() -> Any:
+    from .advice import Trial
+
+    return Trial(equalize_fix(None, ()), (math.nan, math.nan), {}, {}, {})
+
+
+def _variant_note(model: ModelContext, layer: str) -> str:
+    """What the layer's input-weight variant measured, when it was not worth a trial."""
+    variant = model.analysis.equalization_variants.get(layer, {}).get("input_weight")
+    if variant is None:
+        return "its equalization could not be measured: " + model.analysis.unmeasured_variants.get(layer, "unknown")
+    return (f"measured {variant.gain_db:+.2f} dB on this layer's own SQNR ({variant.baseline_db:.2f} -> "
+            f"{variant.sqnr_db:.2f} dB; the minimum gain is {model.settings.equalization_min_gain_db:g} dB)")
 
 
 class EqualizationCheck(Check):
     """The SQNR gain of the best equalization method for each layer: input-weight equalization (sqrt balance,
     torch.ao's) or smoothing (SmoothQuant-style, searched alpha). The gain is the layer's own SQNR (float input,
     as in the shadow comparison) with the method against without it, measured in the model's one comparison pass.
-    Fails when the best gains at least the minimum and the model is not equalized; the message names the method
-    and the setting that applies it."""
+    A layer fails only when the fix it prints (equalize=[layers] or equalize='smooth:search') was measured on the
+    whole model to raise the layer's own SQNR by the minimum gain without lowering the output SQNR; otherwise
+    it passes with a note."""
 
     # the gain left on the table without equalization: more is worse
     name, order, metric, needs = "equalization", 80, "sqnr_gain_db", frozenset({"sqnr", "equalization"})
     higher_is_better = False
-    settings = (Setting("equalization_min_gain_db", decibels(non_negative=True), 1.0, "equalization items fail "
-                        "when equalizing a layer gains at least this many dB", metavar="DB"),)
+    settings = (Setting("equalization_min_gain_db", decibels(non_negative=True), 1.0, "equalization and "
+                        "input_weight_equalization items fail when equalizing a layer was measured to gain at least "
+                        "this many dB", metavar="DB"),)
 
     def layers(self, model: ModelContext) -> list[str]:
         return list(model.analysis.equalization_candidates)
@@ -33,6 +87,7 @@ class EqualizationCheck(Check):
         refused = {layer: analysis.layer(layer).equalization_refusal for layer in layers}
         measured = analysis.equalization_variants if any(not reason for reason in refused.values()) else {}
         smoothing = analysis.smoothing if measured and self.options.get("smooth", True) else {}
+        advice = None if applied else self._advice(model, measured)
         results = []
         for layer in layers:
             variants = dict(measured.get(layer, {}))
@@ -46,20 +101,42 @@ class EqualizationCheck(Check):
                                        message=f"layer {layer}: not equalized: {why}."))
                 continue
             best = max(variants.values(), key=lambda v: v.gain_db if not math.isnan(v.gain_db) else -math.inf)
-            if best.method == "smoothing":
-                method = f"smoothing into {best.producer_name} (alpha {best.alpha:g})"
-                setting = "equalize='smooth:search'"
-            else:
-                method, setting = "input-weight equalization", "equalize=True"
-            message = (f"layer {layer}: {method} raises its own SQNR (float input) by {best.gain_db:.1f} dB "
-                       f"({best.baseline_db:.1f} -> {best.sqnr_db:.1f} dB, >= {min_gain:.1f} dB) and the model is not "
-                       f"equalized. Fix: qmodel(..., {setting}).")
-            details = {"shadow_sqnr_db": best.baseline_db, "method": method, "applied": applied,
+            details = {"shadow_sqnr_db": best.baseline_db, "applied": applied, "method": best.method,
                        **{f"{v.method}_sqnr_db": v.sqnr_db for v in variants.values()}}
-            results.append(self.finding(model, layer, best.gain_db, min_gain,
-                                        passed=applied or not best.gain_db >= min_gain, message=message,
-                                        details=details))
+            found = self.finding(model, layer, best.gain_db, min_gain, passed=True, details=details)
+            if applied or not best.gain_db >= min_gain:
+                results.append(found)
+            elif advice is not None and advice.helps(layer):
+                method = ("smoothing (searched alpha)" if advice.trial and advice.trial.fix.value == "smooth:search"
+                          else "input-weight equalization")
+                results.append(found.replace(verdict="fail", message=(
+                    f"layer {layer}: {method} raises its own SQNR (float input) by {best.gain_db:.1f} dB in the "
+                    f"comparison pass ({best.baseline_db:.1f} -> {best.sqnr_db:.1f} dB, >= {min_gain:.1f} dB) and "
+                    f"the model is not equalized; {advice.claim(layer)}. Fix: {advice.fix_text()}.")))
+            else:
+                why = advice.notes.get(layer, "not measured") if advice is not None else "not measured"
+                results.append(found.replace(note=f"{best.method.replace('_', '-')} equalization gains "
+                                                  f"{best.gain_db:.1f} dB on this layer alone; with the fix, {why}: "
+                                                  "not recommended"))
         return results
+
+    def _advice(self, model: ModelContext, measured: Any) -> Advice | None:
+        """The better of the measured input-weight and smoothing fixes (by output SQNR), if either helps."""
+        if not measured:
+            return None
+        options: list[Advice | None] = [input_weight_advice(model)]
+        if self.options.get("smooth", True):
+            options.append(smoothing_advice(model))
+        helping = [a for a in options if a is not None and a.recommended and a.trial is not None]
+        if not helping:
+            notes: dict[str, str] = {}
+            for option in options:
+                if option is not None:
+                    notes.update({k: v for k, v in option.notes.items() if k not in notes})
+            first = options[0]
+            assert first is not None
+            return Advice(first.first, None, (), first.min_gain, "own", notes)
+        return max(helping, key=lambda a: a.trial.output[1] if a.trial is not None else -math.inf)
 
 
 class EqualizationEquivalenceCheck(Check):

@@ -2,18 +2,52 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
+from .advice import float_layers_fix, layer_overrides_fix, try_fix, verify
 
-__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "keep_in_float_hint"]
+__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "keep_in_float_hint",
+           "measured_fixes"]
+
+# a fix for a failing layer is listed when it raises the layer's SQNR by at least this much (and not the output's)
+MIN_FIX_GAIN_DB = 0.1
 
 
-def keep_in_float_hint(layer: str) -> str:
-    """The quantizer setting that keeps one layer unquantized (skip_layers only hides a layer from checks). The
-    layer name, unlike its module's FQN, names this one op (layer_overrides match either)."""
-    return f"quantizer=qcore.Int8StaticQuantizer(layer_overrides={{{layer!r}: {{'skip': True}}}})"
+def keep_in_float_hint(model: ModelContext, layers: list[str]) -> str:
+    """The setting that keeps layers unquantized (skip_layers only hides a layer from checks): float_layers, with
+    the model's own. The layer name, unlike its module's FQN, names this one op."""
+    return float_layers_fix(model, layers).paste()
+
+
+def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propagated") -> dict[str, list[str]]:
+    """Per failing layer, the fixes measured on the model to raise its `kind` SQNR ("propagated" or "weight")
+    without lowering the output SQNR, as text to print: per-channel weights, a clipping observer, and keeping
+    the failing layers in float."""
+    layers = {layer: model.analysis.layer(layer) for layer in failing}
+    options = []
+    per_tensor = [layer for layer, q in layers.items() if q.weighted and not q.per_channel]
+    if per_tensor:
+        options.append(("per-channel weights", verify(model, per_tensor, lambda chosen: layer_overrides_fix(
+            model, {c: {"per_channel": True} for c in chosen}), MIN_FIX_GAIN_DB, kind)))
+    not_clipping = [layer for layer, q in layers.items() if not q.clipping] if kind == "propagated" else []
+    if not_clipping:
+        options.append(("a clipping (histogram) activation observer", verify(
+            model, not_clipping, lambda chosen: layer_overrides_fix(
+                model, {c: {"activation_observer": "histogram"} for c in chosen}), MIN_FIX_GAIN_DB, kind)))
+    in_float = try_fix(model, float_layers_fix(model, failing)) if failing else None
+    fixes: dict[str, list[str]] = {}
+    for layer in failing:
+        found = [f"{label} ({advice.claim(layer)}): {advice.fix_text()}" for label, advice in options
+                 if advice.helps(layer)]
+        if in_float is not None and in_float.output_kept and not math.isnan(in_float.output[0]):
+            together = " with the other failing layers" if len(failing) > 1 else ""
+            found.append(f"keeping it in float{together} (measured: {in_float.output_claim()}): "
+                         f"qmodel(..., {in_float.fix.paste()})")
+        fixes[layer] = found
+    return fixes
 
 
 def below(value: float, threshold: float) -> str:
@@ -24,15 +58,22 @@ def below(value: float, threshold: float) -> str:
     return f"{value:.{digits}f} dB < {threshold:.{digits}f} dB"
 
 
-def below_resolution_advice(layer: str, limits: tuple) -> str:
+def below_resolution_advice(model: ModelContext, layer: str, limits: tuple) -> str:
     """Why a layer whose tensors are below int8's resolution fails, and the options that help (qcore.diagnose
     ResolutionLimit records: role, observed_range, smallest_scale)."""
     ranges = " and ".join(f"{limit.role} range {limit.observed_range:.3g}" for limit in limits)
     verb, them = ("are", "them") if len(limits) > 1 else ("is", "it")
     return (f" Its {ranges} {verb} below the quantizer's resolution (smallest scale {limits[0].smallest_scale:.3g}), "
             f"so int8 rounds {them} to (nearly) all zeros. Per-channel weights or a clipping observer cannot help: "
-            f"keep the layer in float with {keep_in_float_hint(layer)}, or, if the model's output does not depend on "
-            f"it (its model_sqnr item passes), hide it from the checks with skip_layers=[{layer!r}].")
+            f"keep the layer in float with {keep_in_float_hint(model, [layer])}, or, if the model's output does not "
+            f"depend on it (its model_sqnr item passes), hide it from the checks with skip_layers=[{layer!r}].")
+
+
+def own_error_layers(measured: Any, layers: list[str], threshold: float) -> list[str]:
+    """The layers below `threshold` because of their own error (shadow SQNR below it too), above int8's
+    resolution: those a quantization setting may fix."""
+    return [layer for layer in layers if (entry := measured.get(layer)) is not None and entry.sqnr_db < threshold
+            and not entry.below_resolution and (math.isnan(entry.shadow_sqnr_db) or entry.shadow_sqnr_db < threshold)]
 
 
 def _not_measured(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
@@ -59,15 +100,15 @@ class SqnrCheck(Check):
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         threshold, measured, results = model.settings.sqnr_min_db, model.analysis.sqnr.layers, []
+        fixes = measured_fixes(model, own_error_layers(measured, layers, threshold))
         for layer in layers:
             entry = measured.get(layer)
             if entry is None:
                 results.append(_not_measured(self, model, layer, threshold))
                 continue
             quantized = model.analysis.layer(layer)
-            message = self.message(layer, entry.fqn, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
-                                   entry.weight_sqnr_db is not None, quantized.per_channel, quantized.clipping,
-                                   entry.below_resolution)
+            message = self.message(model, layer, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
+                                   entry.below_resolution, fixes.get(layer, []))
             details = {"shadow_sqnr_db": entry.shadow_sqnr_db, "normalized_l2": entry.normalized_l2,
                        "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn,
                        "format": quantized.format}
@@ -75,24 +116,23 @@ class SqnrCheck(Check):
         return results
 
     @staticmethod
-    def message(layer: str, fqn: str, value: float, threshold: float, shadow: float, weighted: bool,
-                per_channel: bool = False, clipping: bool = False, below_resolution: tuple = ()) -> str:
-        """Explain a low propagated SQNR, telling inherited error from the layer's own, with advice that fits
-        the quantizer in force (no per-channel advice to a per-channel quantizer, say)."""
+    def message(model: ModelContext, layer: str, value: float, threshold: float, shadow: float,
+                below_resolution: tuple = (), fixes: list[str] | None = None) -> str:
+        """Explain a low propagated SQNR, telling inherited error from the layer's own, with the fixes measured
+        to help it (measured_fixes)."""
         text = f"layer {layer}: SQNR {below(value, threshold)} (shadow SQNR {shadow:.1f} dB)."
         if below_resolution:
-            return text + below_resolution_advice(layer, below_resolution)
+            return text + below_resolution_advice(model, layer, below_resolution)
         if not math.isnan(shadow) and shadow >= threshold:
             return text + (" With float inputs the layer is fine: it inherits its error from upstream layers. "
                            "Fix the first failing layer upstream, or hide this layer from the checks with "
                            f"skip_layers=[{layer!r}].")
-        options = []
-        if weighted and not per_channel:
-            options.append("quantize its weights per channel (quantizer='int8')")
-        if not clipping:
-            options.append("clip its activation range by error (quantizer='int8_histogram')")
-        options.append(f"keep the layer in float with {keep_in_float_hint(layer)}")
-        return text + " The layer's own quantization error is too large: " + ", or ".join(options) + "."
+        if not fixes:
+            return text + (" The layer's own quantization error is too large, and neither per-channel weights, a "
+                           "clipping observer, nor keeping the failing layers in float was measured to raise it "
+                           "without lowering the model's output SQNR: the output does not depend on it. Hide it "
+                           f"from the checks with skip_layers=[{layer!r}], or lower sqnr_min_db.")
+        return text + " The layer's own quantization error is too large. Measured fixes: " + "; or ".join(fixes) + "."
 
 
 class WeightSqnrCheck(Check):
@@ -107,22 +147,27 @@ class WeightSqnrCheck(Check):
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         threshold, measured, results = model.settings.weight_sqnr_min_db, model.analysis.sqnr.layers, []
+        failing = [layer for layer in layers if (entry := measured.get(layer)) is not None
+                   and entry.weight_sqnr_db is not None and entry.weight_sqnr_db < threshold
+                   and not any(limit.role == "weight" for limit in entry.below_resolution)]
+        fixes = measured_fixes(model, failing, kind="weight")
         for layer in layers:
             entry = measured.get(layer)
             if entry is None or entry.weight_sqnr_db is None:
                 results.append(_not_measured(self, model, layer, threshold))
                 continue
-            per_channel = model.analysis.layer(layer).per_channel
             weight_limits = tuple(limit for limit in entry.below_resolution if limit.role == "weight")
             if weight_limits:
                 message = (f"layer {layer}: weight SQNR {below(entry.weight_sqnr_db, threshold)}."
-                           + below_resolution_advice(layer, weight_limits))
+                           + below_resolution_advice(model, layer, weight_limits))
                 results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
                 continue
-            advice = "" if per_channel else "Quantize its weights per channel (quantizer='int8'), or keep"
-            message = (f"layer {layer}: weight SQNR {below(entry.weight_sqnr_db, threshold)}. "
-                       f"{advice or 'Its weights are already quantized per channel: keep'} the layer in float with "
-                       f"{keep_in_float_hint(layer)}.")
+            found = fixes.get(layer, [])
+            advice = (" Measured fixes: " + "; or ".join(found) + "." if found else
+                      " Neither per-channel weights nor keeping it in float was measured to help without lowering "
+                      f"the model's output SQNR: hide it from the checks with skip_layers=[{layer!r}], or lower "
+                      "weight_sqnr_min_db.")
+            message = f"layer {layer}: weight SQNR {below(entry.weight_sqnr_db, threshold)}." + advice
             results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
         return results
 

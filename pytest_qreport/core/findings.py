@@ -35,6 +35,8 @@ class Finding:
     verdict: pass, fail, warn (a failure whose check is set to warn), waived (a failure a
     pytest_qreport_modify_findings hook accepted, with `waiver` saying why), error, or skip.
     baseline, delta and baseline_status (ok, new, regressed, improved) are set when a baseline file was compared.
+    `message` says what to change (kept on failures); `note` says why an item passes although a heuristic
+    recommends a change (the change was measured and does not help), and is kept whatever the verdict.
     """
 
     model: str
@@ -52,6 +54,7 @@ class Finding:
     baseline: float | None = None
     delta: float | None = None
     baseline_status: str = ""
+    note: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:

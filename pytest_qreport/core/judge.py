@@ -65,6 +65,6 @@ def _threshold_setting(check: Any) -> str | None:
     """The setting that holds a check's threshold (its first declared setting), as a user would set it; None for a
     check that declares none (its verdict is not a value against a threshold)."""
     settings = getattr(check, "settings", ())
-    if not settings:
+    if not settings or not getattr(check, "threshold_is_setting", True):
         return None
     return f"{settings[0].name} / {settings[0].flag}" if settings[0].flag else settings[0].name

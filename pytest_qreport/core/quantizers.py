@@ -82,6 +82,14 @@ def model_quantizer(settings: Any, hook: Any) -> Any:
     layer_formats = dict(getattr(settings, "layer_formats", None) or {})
     if layer_formats:
         quantizer = _with_layer_formats(quantizer, layer_formats)
+    overrides = dict(getattr(settings, "layer_overrides", None) or {})
+    if overrides:
+        from qcore.quantizer import with_layer_overrides
+
+        try:
+            quantizer = with_layer_overrides(quantizer, overrides)
+        except ValueError as error:
+            raise ValueError(f"layer_overrides={overrides!r}: {error}") from None
     if not settings.float_layers:
         return quantizer
     from qcore.sensitivity import with_float_layers

@@ -57,7 +57,8 @@ class Check(ABC):
     suffix for decibels). higher_is_better: the direction in which values improve. settings: the check's own
     settings (its threshold, say), declared once: they become qmodel() keywords, and, for checks registered
     before pytest parses its options (the built-in ones), command-line options and ini keys; read them as
-    `model.settings.<name>`. `options` holds the model's qmodel(check_options={name: {...}}) for this check.
+    `model.settings.<name>`; the first is the threshold of its values unless threshold_is_setting is False (a
+    baseline failure then names it). `options` holds the model's qmodel(check_options={name: {...}}) for this check.
     """
 
     name: ClassVar[str] = ""
@@ -67,6 +68,7 @@ class Check(ABC):
     metric: ClassVar[str] = ""
     higher_is_better: ClassVar[bool] = True
     settings: ClassVar[tuple[Setting, ...]] = ()
+    threshold_is_setting: ClassVar[bool] = True  # the first of `settings` is the threshold values are judged by
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self.options = dict(options or {})
@@ -87,16 +89,17 @@ class Check(ABC):
         """One finding per layer in `layers`, from measurements on the model's calibration batches."""
 
     def finding(self, model: ModelContext, layer: str, value: float, threshold: float, passed: bool | None = None,
-                message: str = "", details: Mapping[str, Any] | None = None) -> Finding:
+                message: str = "", details: Mapping[str, Any] | None = None, note: str = "") -> Finding:
         """A finding of this check; `passed` defaults to comparing value and threshold in the check's direction.
 
-        `message` is kept only when the finding does not pass: it should say what to change.
+        `message` is kept only when the finding does not pass: it should say what to change. `note` is kept
+        either way (why a recommended change is not advised, say).
         """
         if passed is None:
             passed = not math.isnan(value) and (value >= threshold if self.higher_is_better else value <= threshold)
         return Finding(model=model.name, check=self.name, layer=layer, metric=self.metric, value=value,
                        threshold=threshold, verdict="pass" if passed else "fail", message="" if passed else message,
-                       details=dict(details or {}))
+                       details=dict(details or {}), note=note)
 
 
 class CheckRegistry:

@@ -134,6 +134,21 @@ def mapping(value: Any, checks: Sequence[str]) -> dict[str, dict]:
     return {str(name): dict(options) for name, options in value.items()}
 
 
+OVERRIDE_KEYS = ("per_channel", "is_dynamic", "skip", "activation_observer")
+
+
+def layer_override_pairs(value: Any, checks: Sequence[str]) -> dict[str, dict]:
+    """{layer glob: {per_channel, is_dynamic, skip, activation_observer}}: qcore.Int8StaticQuantizer overrides."""
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError(f"must be a dict of {{layer glob: {{option: value}}}}, got {value!r}")
+    for glob, override in value.items():
+        unknown = sorted(set(override) - set(OVERRIDE_KEYS))
+        if unknown:
+            raise ValueError(f"{glob!r}: unknown override(s) {unknown}{closest(str(unknown[0]), OVERRIDE_KEYS)}; "
+                             f"known: {', '.join(OVERRIDE_KEYS)}")
+    return {str(glob): dict(override) for glob, override in value.items()}
+
+
 def choice(*choices: str) -> Parser:
     """One of `choices`."""
     def parse(value: Any, checks: Sequence[str]) -> str:

@@ -16,6 +16,7 @@ from .schema import (
     equalize_value,
     globs,
     layer_format_pairs,
+    layer_override_pairs,
     mapping,
     positive_integer,
     severity_pairs,
@@ -47,6 +48,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     Setting("layer_formats", layer_format_pairs, None, "per-layer formats on top of the model's quantizer (a "
             "format such as W8A8, FP8 or NVFP4): 'glob=FORMAT,...', float to keep a layer in float (a dict in "
             "qmodel); merged key by key", metavar="PAIRS", merge=True, shown_default="none"),
+    Setting("layer_overrides", layer_override_pairs, None, "per-layer int8 settings on top of the model's quantizer: "
+            "{glob: {'per_channel': bool, 'is_dynamic': bool, 'activation_observer': 'minmax' | 'histogram', "
+            "'skip': bool}}, as the verified fixes print them; merged key by key", places=_NOT_ON_COMMAND_LINE,
+            merge=True, shown_default="none"),
     Setting("float_layers", globs, None, "comma-separated layer globs to keep in float (unquantized), through the "
             "quantizer's layer_overrides", metavar="GLOBS", shown_default="none"),
     Setting("checks", check_names, None, "comma-separated checks to run (default: every registered check)",

@@ -128,7 +128,7 @@ def build_html(report: dict[str, Any]) -> str:
         table = [{"check": r["check"], "layer": r["layer"], "value": _cell(r["value"], r["metric"]),
                   "threshold": _cell(r["threshold"], r["metric"]), "baseline": _cell(r.get("baseline"), r["metric"]),
                   "delta": _cell(r.get("delta"), r["metric"], delta=True), "verdict": r["verdict"],
-                  "message": r["message"]} for r in ordered]
+                  "message": r["message"] or r.get("note", "")} for r in ordered]
         recipe = next((r["details"]["recipe"] for r in rows if r["check"] == "model_sqnr"
                         and isinstance(r["details"].get("recipe"), dict)), None)
         models.append({"name": name, "counts": counts, "rows": table, "charts": charts,

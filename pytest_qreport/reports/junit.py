@@ -30,8 +30,9 @@ def build_suites(rows: list[Finding], models: Mapping[str, ModelFacts] | None = 
     for row in rows:
         facts = models.get(row.model)
         row = row.replace(message=_clean(row.message), waiver=_clean(row.waiver), layer=_clean(row.layer),
-                          model=_clean(row.model))
+                          model=_clean(row.model), note=_clean(row.note))
         lines = [f"{k}={getattr(row, k)}" for k in _PROPERTIES] + ([f"waiver={row.waiver}"] if row.waiver else [])
+        lines += [f"note={row.note}"] if row.note else []
         lines += [f"{k}={getattr(row, k)}" for k in ("baseline", "delta", "baseline_status") if getattr(row, k) not in
                   (None, "")]
         lines += [f"capture_{k}={_clean(v)}" for k, v in (facts.capture if facts else {}).items()]

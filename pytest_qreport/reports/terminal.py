@@ -36,7 +36,11 @@ def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[s
     shown = [r for r in rows if mode == "all" or r.failed or note(r)]
     headers = ["model", "check", "layer", "value", "threshold"]
     with_baseline = any(r.baseline_status for r in shown)
-    with_notes = any(note(r) for r in shown)
+
+    def noted(row: Finding) -> str:
+        return note(row) or (row.note if mode == "all" else "")
+
+    with_notes = any(noted(r) for r in shown)
     headers += (["baseline", "delta"] if with_baseline else []) + ["verdict"] + (["note"] if with_notes else [])
     table = []
     for r in shown:
@@ -44,7 +48,7 @@ def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[s
                  format_value(r.threshold, r.metric)]
         if with_baseline:
             cells += [format_value(r.baseline, r.metric), format_delta(r.delta, r.metric)]
-        table.append(cells + [r.verdict.upper()] + ([printable(note(r))] if with_notes else []))
+        table.append(cells + [r.verdict.upper()] + ([printable(noted(r))] if with_notes else []))
     return headers, table
 
 
@@ -61,6 +65,10 @@ def counts_line(rows: list[Finding], outcome: RunOutcome | None = None, mode: st
     line = ", ".join(f"{n} {v}" for v, n in counts.items() if n) or "no qreport items ran"
     if mode == "failures" and counts["warn"]:
         line += f" ({counts['warn']} warning(s) not listed: --qreport-table=all lists them)"
+    declined = sum(1 for r in rows if r.note and not r.failed)
+    if mode == "failures" and declined:
+        line += (f"; {declined} heuristic recommendation(s) measured not to help, so not advised "
+                 "(--qreport-table=all shows why)")
     if outcome is not None and outcome.interrupted and outcome.collected:
         line += f"; {outcome.not_run} of {outcome.collected} qreport items did not run"
     return line

@@ -1,0 +1,186 @@
+"""Verified advice: a check prints a fix only after measuring it on the model.
+
+A fix is one qmodel() keyword with its whole value, merged with the model's own (`Fix.paste()` is the text to
+paste). `try_fix` measures the model with it, exactly as the pasted settings would, in one more calibration and
+comparison pass (kept per configuration by the qcore analysis). `verify` tries a fix on the layers a heuristic
+names, keeps the layers where it helps by at least the check's minimum gain, measures that smaller fix again,
+and recommends it only when the model's output SQNR does not fall.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.registry import ModelContext
+
+__all__ = ["Advice", "Fix", "Trial", "equalize_fix", "float_layers_fix", "layer_overrides_fix", "try_fix", "verify"]
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One qmodel() keyword and its whole value (the model's own value merged with the change)."""
+
+    setting: str
+    value: Any
+    layers: tuple[str, ...]  # the layers the change concerns
+
+    def paste(self) -> str:
+        """The text to paste into qmodel(...)."""
+        return f"{self.setting}={self.value!r}"
+
+
+@dataclass(frozen=True)
+class Trial:
+    """The model measured with a fix, against the model as it is: per layer (own SQNR with float inputs,
+    propagated SQNR, weight SQNR) and at its output (the worst output leaf)."""
+
+    fix: Fix
+    output: tuple[float, float]
+    own: Mapping[str, tuple[float, float]]
+    propagated: Mapping[str, tuple[float, float]]
+    weight: Mapping[str, tuple[float, float]]
+
+    @property
+    def output_gain(self) -> float:
+        """How much the fix raises the model's output SQNR (nan when the model has no floating output)."""
+        return self.output[1] - self.output[0]
+
+    @property
+    def output_kept(self) -> bool:
+        """Whether the fix does not lower the output SQNR (raises it; or there is no floating output to judge)."""
+        return math.isnan(self.output[0]) or self.output[1] > self.output[0]
+
+    def gain(self, layer: str, kind: str = "own") -> float:
+        """How much the fix raises one layer's `kind` SQNR ("own", "propagated" or "weight"); nan if unmeasured."""
+        before, after = getattr(self, kind).get(layer, (math.nan, math.nan))
+        if before == after:  # inf to inf is no gain
+            return 0.0
+        return after - before
+
+    def output_claim(self) -> str:
+        """'the model output 41.2 -> 43.0 dB'."""
+        return f"the model output {self.output[0]:.2f} -> {self.output[1]:.2f} dB"
+
+    def layer_claim(self, layer: str, kind: str = "own", whose: str = "its") -> str:
+        """'its own SQNR (float input) 30.10 -> 35.20 dB'."""
+        before, after = getattr(self, kind).get(layer, (math.nan, math.nan))
+        what = {"own": "own SQNR (float input)", "propagated": "SQNR", "weight": "weight SQNR"}[kind]
+        return f"{whose} {what} {before:.2f} -> {after:.2f} dB"
+
+
+def layer_overrides_fix(model: ModelContext, change: Mapping[str, Mapping[str, Any]]) -> Fix:
+    """layer_overrides with `change` merged into the model's own, glob by glob."""
+    own = dict(model.settings.layer_overrides or {})
+    merged = {**own, **{glob: {**own.get(glob, {}), **dict(values)} for glob, values in change.items()}}
+    return Fix("layer_overrides", merged, tuple(change))
+
+
+def float_layers_fix(model: ModelContext, layers: Iterable[str]) -> Fix:
+    """float_layers with `layers` added to the model's own."""
+    layers = list(layers)
+    own = list(model.settings.float_layers or [])
+    return Fix("float_layers", own + [layer for layer in layers if layer not in own], tuple(layers))
+
+
+def equalize_fix(value: Any, layers: Iterable[str]) -> Fix:
+    """equalize=value (True, a list of layers, or a smoothing recipe)."""
+    return Fix("equalize", value, tuple(layers))
+
+
+def _variant(model: ModelContext, fix: Fix) -> Any:
+    """The model's analysis with the fix applied as the pasted setting would apply it."""
+    from qcore.quantizer import with_layer_overrides
+    from qcore.sensitivity import with_float_layers
+
+    analysis = model.analysis
+    if fix.setting == "layer_overrides":
+        return analysis.variant(with_layer_overrides(analysis.quantizer, fix.value))
+    if fix.setting == "float_layers":
+        return analysis.variant(with_float_layers(analysis.quantizer, fix.value))
+    if fix.setting == "equalize":
+        return analysis.variant(equalize=fix.value)
+    raise ValueError(f"no verified fix sets {fix.setting!r}")
+
+
+def try_fix(model: ModelContext, fix: Fix) -> Trial:
+    """The model measured with `fix`, against the model as it is."""
+    before, after = model.analysis.sqnr, _variant(model, fix).sqnr
+    worst_before, worst_after = before.worst_output(), after.worst_output()
+    output = (worst_before.sqnr_db if worst_before else math.nan, worst_after.sqnr_db if worst_after else math.nan)
+
+    def pairs(value: Callable[[Any], float | None]) -> dict[str, tuple[float, float]]:
+        found = {}
+        for layer, entry in before.layers.items():
+            other = after.layers.get(layer)
+            a, b = value(entry), value(other) if other is not None else None
+            found[layer] = (math.nan if a is None else a, math.nan if b is None else b)
+        return found
+
+    return Trial(fix, output, pairs(lambda e: e.shadow_sqnr_db), pairs(lambda e: e.sqnr_db),
+                 pairs(lambda e: e.weight_sqnr_db))
+
+
+@dataclass(frozen=True)
+class Advice:
+    """A verified fix: `recommended` are the layers where the measured fix helps by at least `min_gain` (and the
+    output SQNR does not fall); `trial` measured the fix that is printed, `first` the heuristic's whole list."""
+
+    first: Trial
+    trial: Trial | None
+    recommended: tuple[str, ...]
+    min_gain: float
+    kind: str
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+    def helps(self, layer: str) -> bool:
+        """Whether the printed fix was measured to help this layer (and not to hurt the output)."""
+        return layer in self.recommended
+
+    def claim(self, layer: str) -> str:
+        """What the printed fix was measured to do: 'measured with the fix: its own SQNR ..., the model output ...'."""
+        assert self.trial is not None
+        return (f"measured with the fix: {self.trial.layer_claim(layer, self.kind)} "
+                f"({self.trial.gain(layer, self.kind):+.2f} dB), {self.trial.output_claim()}")
+
+    def fix_text(self) -> str:
+        """'qmodel(..., layer_overrides={...})'."""
+        assert self.trial is not None
+        return f"qmodel(..., {self.trial.fix.paste()})"
+
+    def note(self, layer: str, heuristic: str) -> str:
+        """Why a layer the heuristic names gets no fix: '<heuristic>; measured -1.5 dB ...: not recommended'."""
+        return f"{heuristic}; {self.notes.get(layer, 'not measured')}: not recommended"
+
+
+def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[list[str]], Fix], min_gain: float,
+           kind: str = "own") -> Advice:
+    """Try the fix on every candidate layer, keep those it raises by at least `min_gain` dB (`kind` SQNR), try
+    that smaller fix, and recommend it for the layers it still raises by `min_gain` when the output SQNR does
+    not fall."""
+    candidates = list(candidates)
+    first = try_fix(model, make_fix(candidates))
+    notes: dict[str, str] = {}
+    whose = "this layer's"
+
+    def measured(trial: Trial, layer: str) -> str:
+        return f"measured {trial.gain(layer, kind):+.2f} dB on {trial.layer_claim(layer, kind, whose)}"
+
+    helpful = [layer for layer in candidates if first.gain(layer, kind) >= min_gain]
+    for layer in candidates:
+        if layer not in helpful:
+            notes[layer] = measured(first, layer) + f" (the minimum gain is {min_gain:g} dB)"
+    if not helpful:
+        return Advice(first, None, (), min_gain, kind, notes)
+    trial = first if helpful == candidates else try_fix(model, make_fix(helpful))
+    if not trial.output_kept:
+        for layer in helpful:
+            notes[layer] = (f"{measured(trial, layer)}, but with {trial.fix.paste()} the model output falls "
+                            f"{trial.output[0]:.2f} -> {trial.output[1]:.2f} dB")
+        return Advice(first, trial, (), min_gain, kind, notes)
+    recommended = tuple(layer for layer in helpful if trial.gain(layer, kind) >= min_gain)
+    for layer in helpful:
+        if layer not in recommended:  # together with the others, the fix no longer helps it enough
+            notes[layer] = measured(trial, layer) + f" with {trial.fix.paste()} (the minimum gain is {min_gain:g} dB)"
+    return Advice(first, trial, recommended, min_gain, kind, notes)
