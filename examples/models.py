@@ -115,6 +115,16 @@ def fragile_mlp() -> MLP:
     return model.eval()
 
 
+def wide_rows() -> MLP:
+    """An MLP whose second layer's weight rows span two orders of magnitude: one per-tensor scale rounds the quiet
+    rows coarsely, which per-channel weights fix."""
+    model = seeded(MLP)
+    with torch.no_grad():
+        weight = model.layers[2].weight
+        weight *= torch.logspace(-2, 0, weight.shape[0]).unsqueeze(1)
+    return model.eval()
+
+
 def seeded(factory, seed: int = 0):
     """Build a model with a fixed seed, in eval mode."""
     torch.manual_seed(seed)

@@ -42,6 +42,7 @@ from .measure import (
     measure_model,
     measure_sqnr,
 )
+from .numeric.logits import LogitsComparator, LogitsMeasurement
 from .quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from .report import ModelReport
 from .report.detectors import DetectorBase
@@ -171,6 +172,7 @@ class ModelAnalysis:
         self._sensitivity: dict[tuple, Any] = {}
         self._fixes: dict[tuple, Any] = {}
         self._variants: dict[str, ModelAnalysis] = {}
+        self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
 
     def planned(self, plan: AnalysisPlan) -> ModelAnalysis:
         """The same model's analysis, to measure what `plan` names in one calibration and one comparison pass
@@ -304,6 +306,52 @@ class ModelAnalysis:
     def sqnr(self) -> SqnrMeasurement:
         """SQNR of the model as quantized (equalized first when equalization is on)."""
         return self.measurement.sqnr
+
+    @property
+    def logits(self) -> LogitsMeasurement:
+        """KL, top-1 agreement and perplexity of the output logits over the calibration batches, from the
+        comparison pass (its `reason` says why not, for a model whose output is not logits)."""
+        return self.measurement.logits
+
+    @cached_property
+    def quantized_gm(self) -> fx.GraphModule:
+        """The model as quantized (equalized first when equalization is on), calibrated on the calibration batches:
+        a standalone graph called like the float one (one calibration pass of its own)."""
+        from .convert import restore_model_state
+        from .measure import calibrate_and_convert
+        from .prepare import prepare
+
+        self.require_deterministic()
+        reference = self.quantized_input_gm
+        prepared = prepare(clone_graph_module(reference, share_parameters=True), self.quantizer)
+        quantized = calibrate_and_convert(prepared, reference, self.batches)
+        restore_model_state(quantized, reference)
+        return quantized
+
+    def logits_on(self, batches: Iterable[Any]) -> LogitsMeasurement:
+        """The output logits of the float and the quantized model compared on other batches (evaluation data),
+        with the quantization calibrated on the calibration batches; kept per batch list."""
+        batches = batches if isinstance(batches, list) else list(batches)
+        kept = self._logits_on.get(id(batches))
+        if kept is not None and kept[0] is batches:
+            return kept[1]
+        from .calibrate import model_device
+        from .inputs import move_to
+        from .numeric.compare import run_both
+
+        comparator, outputs = LogitsComparator(), []  # type: ignore[var-annotated]
+        device = model_device(self.float_gm)
+        with torch.no_grad():
+            for batch in batches:
+                run_both(self.quantized_input_gm, self.quantized_gm, move_to(batch, device), outputs, comparator)
+        self._logits_on[id(batches)] = (batches, comparator.result())
+        return self._logits_on[id(batches)][1]
+
+    def task_metric(self, metric: Any, batches: Any) -> tuple[float, float]:
+        """(float, quantized) values of a user's `metric(model, batches) -> float` (higher is better), each model
+        called like the original one."""
+        with torch.no_grad():
+            return float(metric(self.quantized_input_gm, batches)), float(metric(self.quantized_gm, batches))
 
     @cached_property
     def _variant_measurement(self) -> ModelMeasurement:

@@ -28,6 +28,7 @@ from .equalize import (
 )
 from .graph import find_quantizable_ops
 from .numeric.compare import ShadowGraph, compare, compare_propagated_and_shadow
+from .numeric.logits import LogitsComparator, LogitsMeasurement
 from .numeric.metrics import compute_sqnr
 from .numeric.suite import extract_weights
 from .prepare import prepare
@@ -96,6 +97,7 @@ class ModelMeasurement:
     variants: Mapping[str, Mapping[str, VariantSqnr]]  # {layer: {method: VariantSqnr}}
     unmeasured: Mapping[str, str]  # {layer: why its variants could not be measured}
     smoothing: Mapping[str, Mapping[str, Any]]  # {layer: {"alpha", "producer", "producer_name"} | {"refused": why}}
+    logits: LogitsMeasurement = LogitsMeasurement(reason="not measured (propagate=False)")
     first_outputs: tuple[Any, ...] = ()  # the float outputs of batch 0 in calibration and in comparison
 
 
@@ -167,13 +169,15 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
         # the unequalized layer's own SQNR over the same batches as its variants
         return lambda: baselines.update({v.layer: graph.shadows[v.layer].result() for v in variants})
 
+    logits = LogitsComparator() if propagate else None
     propagated, shadow_records = compare_propagated_and_shadow(
         float_gm, quant_gm, batches, own_quant_model=True, propagate=propagate, instrument=instrument if variants
-        else None, instrument_batches=variant_batches(len(batches)), keep_first_output=first_outputs)
+        else None, instrument_batches=variant_batches(len(batches)), keep_first_output=first_outputs, logits=logits)
     shadows = {r["layer"]: r for r in shadow_records}
     measurement = sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits)
     return ModelMeasurement(measurement, detector_reports, variant_results(variants, baselines, unmeasured),
-                            unmeasured, smoothed, tuple(first_outputs))
+                            unmeasured, smoothed, logits.result() if logits is not None else ModelMeasurement.logits,
+                            tuple(first_outputs))
 
 
 def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, batches: list[Any],

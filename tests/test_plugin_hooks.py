@@ -197,8 +197,8 @@ def picky():
 def test_the_keep_in_float_hint_works_when_pasted(pytester):
     _extended(pytester)
     failing = pytester.runpytest("--qreport", "-k", "float_head", "--qreport-sqnr-min-db", "60")
-    hint = re.search(r"keep the layer in float with (quantizer=qcore\.Int8StaticQuantizer\(.*?\}\}\))",
-                     failing.stdout.str()).group(1)
+    hint = re.search(r"keeping it in float \(measured: the model output [\d.]+ -> inf dB\): qmodel\(\.\.\., "
+                     r"(float_layers=\[.*?\])\)", failing.stdout.str()).group(1)
     pytester.makeconftest(EXTENDED + f'''
 
 @qmodel(calibration="batches", checks="sqnr", {hint})

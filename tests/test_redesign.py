@@ -147,7 +147,7 @@ def spiky():
     return [batch]
 
 
-@qmodel(calibration=spiky(), checks="sqnr,outlier", severity={"outlier": "warn"})
+@qmodel(calibration=spiky(), checks="sqnr,outlier", sqnr_min_db=60, severity={"sqnr": "warn"})
 def nested():
     torch.manual_seed(0)
     return Nested().eval()

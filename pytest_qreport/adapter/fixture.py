@@ -121,6 +121,49 @@ class QReportResult:
                                   "see result.table() or assert_sqnr() for the layer where the error starts"))
             self._fail(f"model {self.name!r}: output SQNR {value:.1f} dB < {min_db} dB", [finding])
 
+    def _output_finding(self, check: str, threshold: float) -> Finding:
+        """The model's `check` finding judged against `threshold` (measured even if the check was not selected)."""
+        from ..checks import KlDivergenceCheck, PerplexityCheck, TaskMetricCheck, Top1AgreementCheck
+
+        classes = {c.name: c for c in (KlDivergenceCheck, Top1AgreementCheck, PerplexityCheck, TaskMetricCheck)}
+        context = self._state.context
+        setting = classes[check].settings[0].name
+        context.settings = context.settings.replace(**{setting: threshold})
+        found = classes[check]().findings(context, ["output"])[0]
+        if found.verdict == "skip":
+            _raise_assertion(found.message)
+        return found
+
+    def _assert_output(self, check: str, threshold: float, title: str) -> None:
+        __tracebackhide__ = True
+        found = self._output_finding(check, threshold)
+        if found.failed:
+            self._fail(f"model {self.name!r}: {title}", [found])
+
+    def assert_kl(self, max_nats: float) -> None:
+        """The mean KL(float || quantized) of the output logits' softmax is at most `max_nats`."""
+        __tracebackhide__ = True
+        self._assert_output("kl_divergence", max_nats, f"output KL above {max_nats:g} nats")
+
+    def assert_top1_agreement(self, min_agreement: float) -> None:
+        """The quantized model keeps the float model's top-1 prediction at a share of at least `min_agreement`
+        of the output positions."""
+        __tracebackhide__ = True
+        self._assert_output("top1_agreement", min_agreement, f"top-1 agreement below {min_agreement:.2%}")
+
+    def assert_perplexity_increase(self, max_pct: float) -> None:
+        """The quantized causal LM's next-token perplexity is at most `max_pct` % above the float model's."""
+        __tracebackhide__ = True
+        self._assert_output("perplexity", max_pct, f"perplexity increase above {max_pct:g}%")
+
+    def assert_task_recovery(self, min_recovery: float) -> None:
+        """task_metric (given to analyze) on the quantized model is at least `min_recovery` of the float model's."""
+        __tracebackhide__ = True
+        if self._state.context.settings.task_metric is None:
+            _raise_assertion(f"model {self.name!r}: assert_task_recovery needs qreport.analyze(..., "
+                             "task_metric=fn) (and, optionally, eval_batches=...)")
+        self._assert_output("task_metric", min_recovery, f"task recovery below {min_recovery:.2%}")
+
     def assert_checks(self, checks: Iterable[str] | None = None) -> None:
         """No finding of `checks` (default: every check that ran) fails or errors."""
         __tracebackhide__ = True
@@ -210,7 +253,8 @@ class QReport:
         pipeline.baseline_path = str(baseline_path(self._request.path.parent, name, session["baseline"]["dir"]))
         hook = node.ihook
         pipeline.analyze(lambda: batches, lambda found: hook.pytest_qreport_modify_findings(model=name, findings=found),
-                         threads=session["threads"])
+                         threads=session["threads"],
+                         resolve=lambda source: as_batches(resolve_source(source, self._request.getfixturevalue)))
         if pipeline.failed:
             raise QReportModelError(pipeline.error) from pipeline.error_cause
         assert pipeline.findings is not None

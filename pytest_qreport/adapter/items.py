@@ -249,7 +249,8 @@ class QReportItem(pytest.Function):
         with analysis_guard(crash_dir, self.model_key, worker_id):
             pipeline.analyze(lambda: self._calibration_batches(pipeline, request),
                              lambda found: hook.pytest_qreport_modify_findings(model=pipeline.name, findings=found),
-                             threads=settings["threads"], baseline=settings["baseline"])
+                             threads=settings["threads"], baseline=settings["baseline"],
+                             resolve=lambda source: as_batches(resolve_source(source, request.getfixturevalue)))
 
     def _capture_recalled(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> None:
         """Capture a model whose items came from the layer cache (once per process: the first item's setup)."""

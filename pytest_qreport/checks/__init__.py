@@ -8,6 +8,7 @@ import pytest
 from .cosine import CosineCheck
 from .detectors import DetectorCheck, DynamicStaticCheck, InputWeightEqualizationCheck, OutlierCheck, PerChannelCheck
 from .equalization import EqualizationCheck, EqualizationEquivalenceCheck
+from .outputs import KlDivergenceCheck, PerplexityCheck, TaskMetricCheck, Top1AgreementCheck
 from .sensitivity import SensitivityCheck
 from .sqnr import ModelSqnrCheck, SqnrCheck, WeightSqnrCheck
 
@@ -15,14 +16,19 @@ if TYPE_CHECKING:
     from ..core.registry import CheckRegistry
 
 __all__ = ["BUILTIN_CHECKS", "CosineCheck", "DetectorCheck", "DynamicStaticCheck", "EqualizationCheck",
-           "EqualizationEquivalenceCheck", "InputWeightEqualizationCheck", "ModelSqnrCheck", "OutlierCheck",
-           "PerChannelCheck", "SensitivityCheck", "SqnrCheck", "WeightSqnrCheck", "pytest_qreport_register_checks"]
+           "EqualizationEquivalenceCheck", "InputWeightEqualizationCheck", "KlDivergenceCheck", "ModelSqnrCheck",
+           "OutlierCheck", "PerChannelCheck", "PerplexityCheck", "SensitivityCheck", "SqnrCheck", "TaskMetricCheck",
+           "Top1AgreementCheck", "WeightSqnrCheck", "pytest_qreport_register_checks"]
 
 BUILTIN_CHECKS = (
     SqnrCheck,
     CosineCheck,
     WeightSqnrCheck,
     ModelSqnrCheck,
+    KlDivergenceCheck,
+    Top1AgreementCheck,
+    PerplexityCheck,
+    TaskMetricCheck,
     SensitivityCheck,
     PerChannelCheck,
     DynamicStaticCheck,

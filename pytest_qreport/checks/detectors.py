@@ -110,7 +110,8 @@ class DetectorCheck(Check):
         if advice.helps(found.layer):
             return found.replace(message=f"{found.message.rstrip('.')}; {advice.claim(found.layer)}. "
                                          f"Fix: {advice.fix_text()}.", details=details)
-        heuristic = f"torch.ao's {self.name} heuristic recommends {self.recommends}"
+        seen = found.message.removeprefix(f"layer {found.layer}: ")
+        heuristic = f"torch.ao's {self.name} heuristic recommends {self.recommends} ({seen})"
         return found.replace(verdict="pass", message="", note=advice.note(found.layer, heuristic), details=details)
 
 
@@ -202,7 +203,7 @@ class InputWeightEqualizationCheck(DetectorCheck):
         details = {"fraction": sum(flags) / len(flags) if flags else 0.0, "channels": len(flags),
                    "recommended": self.detector.is_layer_recommended(entry),
                    "threshold": float(self.detector.ratio_threshold)}
-        equalized = layer in model.analysis.equalized_layers or bool(model.analysis.equalize_recipe)
+        equalized = layer in model.analysis.equalized_layers
         message = (f"layer {layer}: torch.ao recommends input-weight equalization for {details['fraction']:.0%} of "
                    f"its {details['channels']} channels (>= 40%) and the model is not equalized")
         passed = not (details["recommended"] and not equalized)

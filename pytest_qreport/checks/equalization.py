@@ -101,23 +101,27 @@ class EqualizationCheck(Check):
                                        message=f"layer {layer}: not equalized: {why}."))
                 continue
             best = max(variants.values(), key=lambda v: v.gain_db if not math.isnan(v.gain_db) else -math.inf)
-            details = {"shadow_sqnr_db": best.baseline_db, "applied": applied, "method": best.method,
+            label = (f"smoothing into {best.producer_name} (alpha {best.alpha:g})" if best.method == "smoothing"
+                     else "input-weight equalization")
+            details = {"shadow_sqnr_db": best.baseline_db, "applied": applied, "method": label,
                        **{f"{v.method}_sqnr_db": v.sqnr_db for v in variants.values()}}
             found = self.finding(model, layer, best.gain_db, min_gain, passed=True, details=details)
             if applied or not best.gain_db >= min_gain:
                 results.append(found)
             elif advice is not None and advice.helps(layer):
-                method = ("smoothing (searched alpha)" if advice.trial and advice.trial.fix.value == "smooth:search"
-                          else "input-weight equalization")
+                smoothed = advice.trial is not None and advice.trial.fix.value == "smooth:search"
+                chosen = variants.get("smoothing" if smoothed else "input_weight", best)
+                method = label if chosen is best else (
+                    f"smoothing into {chosen.producer_name} (alpha {chosen.alpha:g})" if smoothed
+                    else "input-weight equalization")
                 results.append(found.replace(verdict="fail", message=(
-                    f"layer {layer}: {method} raises its own SQNR (float input) by {best.gain_db:.1f} dB in the "
-                    f"comparison pass ({best.baseline_db:.1f} -> {best.sqnr_db:.1f} dB, >= {min_gain:.1f} dB) and "
-                    f"the model is not equalized; {advice.claim(layer)}. Fix: {advice.fix_text()}.")))
+                    f"layer {layer}: {method} raises its own SQNR (float input) by {chosen.gain_db:.1f} dB in the "
+                    f"comparison pass ({chosen.baseline_db:.1f} -> {chosen.sqnr_db:.1f} dB) and the model is not "
+                    f"equalized; {advice.claim(layer)}. Fix: {advice.fix_text()}.")))
             else:
                 why = advice.notes.get(layer, "not measured") if advice is not None else "not measured"
-                results.append(found.replace(note=f"{best.method.replace('_', '-')} equalization gains "
-                                                  f"{best.gain_db:.1f} dB on this layer alone; with the fix, {why}: "
-                                                  "not recommended"))
+                results.append(found.replace(note=f"{label} gains {best.gain_db:.1f} dB on this layer in the "
+                                                  f"comparison pass; on the whole model, {why}: not recommended"))
         return results
 
     def _advice(self, model: ModelContext, measured: Any) -> Advice | None:

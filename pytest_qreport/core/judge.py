@@ -49,7 +49,15 @@ def compare_with_baseline(state: ModelPipeline, found: list[Finding], options: d
             f"cannot be compared: {'; '.join(differences)}. If the change is intended, {update_hint[0].lower()}"
             f"{update_hint[1:]}"))]
     checks = state.context.checks
-    compared = compare_findings(found, recorded, state.settings.tolerance,
+    settings = state.settings
+    given = settings.baseline_tolerance_db or {}
+
+    def tolerance(check: str) -> float:
+        """The check's tolerance: set for it, else its own default (a fraction's is not 0.5), else '*'."""
+        own = getattr(checks.get(check), "baseline_tolerance", None)
+        return settings.tolerance(check) if check in given or own is None else float(own)
+
+    compared = compare_findings(found, recorded, tolerance,
                                 lambda check: checks[check].higher_is_better if check in checks else True,
                                 strict, enforce, lambda check: _threshold_setting(checks.get(check)))
     stale = sorted(f"{check}/{layer}" for check, layer in recorded.entries if f"{check}/{layer}" not in still_collected)

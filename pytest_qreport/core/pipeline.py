@@ -131,12 +131,16 @@ class ModelPipeline:
 
     # -- analysis ----------------------------------------------------------------------------------------------
     def analyze(self, batches: Callable[[], Iterable[Any]], modify: Callable[[list[Finding]], None],
-                threads: int = 1, baseline: dict[str, Any] | None = None) -> None:
+                threads: int = 1, baseline: dict[str, Any] | None = None,
+                resolve: Callable[[Any], list[Any]] | None = None) -> None:
         """collected -> analysed (-> judged with `baseline` options), or analysis failed. Measures once, on
-        `threads` torch threads; later calls do nothing."""
+        `threads` torch threads; later calls do nothing. `resolve` turns another batch setting (eval_batches: a
+        fixture name, a callable or batches) into batches."""
         if self.stage is not Stage.COLLECTED:
             return
         assert self.context is not None and self.settings is not None
+        if resolve is not None:
+            self.context.resolve = resolve
         try:
             with torch_threads(threads), garbage_collection_paused(), quiet_torch_trace_log():
                 found = self._measure(batches, modify, threads)
@@ -160,6 +164,10 @@ class ModelPipeline:
                 found += self._check_findings(check_name, layers)
         modify(found)
         self.fingerprint = fingerprint(analysis, self.settings.equalize, threads)
+        if self.settings.eval_batches is not None:
+            from qcore.analysis import calibration_digest
+
+            self.fingerprint["evaluation"] = calibration_digest(self.context.eval_batches())
         return found
 
     def _check_findings(self, check_name: str, layers: list[str]) -> list[Finding]:

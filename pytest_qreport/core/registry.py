@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .findings import Finding
@@ -34,6 +34,26 @@ class ModelContext:
         self.analysis = analysis
         self.checks: dict[str, Check] = dict(checks or {})
         self._detector_reports: dict[str, Any] | None = None
+        # turns a batch setting (fixture name, callable or batches) into a list of batches; set by the pipeline
+        self.resolve: Callable[[Any], list[Any]] = lambda source: list(source() if callable(source) else source)
+        self._eval_batches: list[Any] | None = None
+
+    def eval_batches(self) -> list[Any]:
+        """The model's evaluation batches: its eval_batches setting resolved once, else the calibration batches."""
+        if self.settings.eval_batches is None:
+            return self.analysis.batches
+        if self._eval_batches is None:
+            self._eval_batches = list(self.resolve(self.settings.eval_batches))
+            if not self._eval_batches:
+                raise ValueError(f"model {self.name!r}: eval_batches gave no batches")
+        return self._eval_batches
+
+    def logits(self) -> Any:
+        """qcore's LogitsMeasurement of the model on its evaluation batches (from the comparison pass when they
+        are the calibration batches)."""
+        if self.settings.eval_batches is None:
+            return self.analysis.logits
+        return self.analysis.logits_on(self.eval_batches())
 
     def detector_report(self, check: str) -> dict[str, Any]:
         """{layer: raw detector entry} for one detector check; all of the model's detectors run in one pass."""
@@ -69,6 +89,7 @@ class Check(ABC):
     higher_is_better: ClassVar[bool] = True
     settings: ClassVar[tuple[Setting, ...]] = ()
     threshold_is_setting: ClassVar[bool] = True  # the first of `settings` is the threshold values are judged by
+    baseline_tolerance: ClassVar[float | None] = None  # its default baseline tolerance, in its metric's unit
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self.options = dict(options or {})

@@ -101,6 +101,35 @@ def fraction() -> Parser:
     return parse
 
 
+def non_negative(unit: str) -> Parser:
+    """A number >= 0 (not NaN) in `unit`."""
+    def parse(value: Any, checks: Sequence[str]) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be a number of {unit}, got {value!r}") from None
+        if math.isnan(number) or number < 0:
+            raise ValueError(f"must be a non-negative number of {unit}, got {value!r}")
+        return number
+    return parse
+
+
+def function(value: Any, checks: Sequence[str]) -> Any:
+    """A callable (in qmodel), or 'module:attribute' naming one."""
+    if isinstance(value, str) and ":" in value:
+        import importlib
+
+        module_name, _, attribute = value.partition(":")
+        try:
+            value = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"cannot import {module_name}:{attribute} ({error})") from None
+    if not callable(value):
+        raise ValueError(f"must be a function fn(model, batches) -> float, or 'module:attribute' naming one; got "
+                         f"{value!r}")
+    return value
+
+
 def globs(value: Any, checks: Sequence[str]) -> list[str]:
     """A list of globs: a list, or one string separated by commas or newlines."""
     if isinstance(value, str):

@@ -35,6 +35,9 @@ _NOT_ON_COMMAND_LINE = frozenset({"qmodel"})
 MODEL_SETTINGS: tuple[Setting, ...] = (
     Setting("calibration", text, None, "fixture name giving calibration batches (in qmodel: also a callable or an "
             "iterable of batches)", metavar="NAME", shown_default="—"),
+    Setting("eval_batches", text, None, "fixture name giving evaluation batches for kl_divergence, top1_agreement, "
+            "perplexity and task_metric (default: the calibration batches; in qmodel: also a callable or an "
+            "iterable of batches)", metavar="NAME", shown_default="calibration"),
     Setting("example_inputs", text, None, "fixture name giving example inputs (default: the first calibration "
             "batch)", metavar="NAME", shown_default="first batch"),
     Setting("quantizer", text, "int8", "int8, int8_per_tensor, int8_histogram, a deployed format (W8A8, W8A16, "

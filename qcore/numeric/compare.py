@@ -14,9 +14,10 @@ from ..capture import clone_graph_module
 from ..inputs import call_model, move_to
 from .instrument import attach_after, copy_layer_into
 from .loggers import ActivationStash, StreamingComparator
+from .logits import LogitsComparator
 from .matching import LayerPair, layer_value, match_layers
 
-__all__ = ["ShadowGraph", "compare", "compare_propagated_and_shadow"]
+__all__ = ["ShadowGraph", "compare", "compare_propagated_and_shadow", "run_both"]
 
 _SHADOW_PREFIX = "qcore_shadow_b.quantized"
 
@@ -80,12 +81,13 @@ def _propagated(float_model, quant_model):
     gm_a.recompile()
     gm_b.recompile()
     outputs: list[StreamingComparator] = []
-    return pairs, lambda batch: _run_both(gm_a, gm_b, batch, outputs), comparators, outputs
+    return pairs, lambda batch: run_both(gm_a, gm_b, batch, outputs), comparators, outputs
 
 
-def _run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: list[StreamingComparator]) -> Any:
-    """Run A then B on one batch and add their floating output leaves to `outputs` (one comparator per leaf);
-    returns A's output."""
+def run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: list[StreamingComparator],
+              logits: LogitsComparator | None = None) -> Any:
+    """Run A then B on one batch and add their floating output leaves to `outputs` (one comparator per leaf), and
+    to `logits` when given; returns A's output."""
     result = call_model(gm_a, batch)
     out_a = pytree.tree_leaves(result)
     out_b = pytree.tree_leaves(call_model(gm_b, batch))
@@ -94,6 +96,9 @@ def _run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: l
         outputs.append(StreamingComparator())
     for comparator, (a, b) in zip(outputs, tensors):
         comparator.update(a, b)
+    if logits is not None:
+        logits.decide(gm_a, result)
+        logits.update([a for a, _ in tensors], [b for _, b in tensors], batch)
     return result
 
 
@@ -128,8 +133,8 @@ class ShadowGraph:
 def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.GraphModule, batches: Iterable[Any],
                                   own_quant_model: bool = False, propagate: bool = True,
                                   instrument: Callable[[ShadowGraph], Callable[[], None] | None] | None = None,
-                                  instrument_batches: int | None = None, keep_first_output: list | None = None
-                                  ) -> tuple[list[dict], list[dict]]:
+                                  instrument_batches: int | None = None, keep_first_output: list | None = None,
+                                  logits: LogitsComparator | None = None) -> tuple[list[dict], list[dict]]:
     """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
 
     The float graph runs once per batch with the shadow copies of the quantized layers inside it, and its
@@ -138,7 +143,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     (no propagated records). `instrument(shadow_graph)` may add more branches to the float copy before it runs;
     with `instrument_batches`, they run on that many batches only, then the callable it returned (if any) is
     called and they are removed (their buffers with them). The float graph's output on the first batch is
-    appended to `keep_first_output` when given.
+    appended to `keep_first_output` when given; `logits` compares the output logits (propagate=True only).
     """
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
@@ -172,7 +177,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     with torch.no_grad():
         for batch in batches:
             batch = move_to(batch, device)
-            result = _run_both(gm_a, gm_b, batch, outputs) if propagate else call_model(gm_a, batch)
+            result = run_both(gm_a, gm_b, batch, outputs, logits) if propagate else call_model(gm_a, batch)
             if count == 0 and keep_first_output is not None:
                 keep_first_output.append(result)
             for stash in stashes:

@@ -1,0 +1,130 @@
+"""Output-level checks: what the model outputs, not an SQNR proxy. One item per model each.
+
+kl_divergence, top1_agreement and perplexity compare the float and quantized output logits over the evaluation
+batches (the calibration batches unless eval_batches is set), from the comparison pass that already runs both
+models; a model whose output is not logits skips them with the reason. task_metric runs the user's own metric on
+both models and gates on the recovery, quantized / float.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..core.findings import Finding
+from ..core.registry import Check, ModelContext
+from ..core.schema import Setting, fraction, function, non_negative
+
+__all__ = ["KlDivergenceCheck", "PerplexityCheck", "TaskMetricCheck", "Top1AgreementCheck"]
+
+
+def _skip(check: Check, model: ModelContext, threshold: float, why: str) -> Finding:
+    return Finding(model=model.name, check=check.name, layer="output", metric=check.metric, value=math.nan,
+                   threshold=threshold, verdict="skip", message=f"model {model.name!r}: not measured: {why}.")
+
+
+def _where(model: ModelContext) -> str:
+    return "the eval_batches" if model.settings.eval_batches is not None else "the calibration batches"
+
+
+class KlDivergenceCheck(Check):
+    """Mean over output positions of KL(float || quantized) between the softmax of the output logits, in nats."""
+
+    name, order, metric, needs, higher_is_better = "kl_divergence", 31, "kl_nats", frozenset({"sqnr"}), False
+    baseline_tolerance = 0.005
+    settings = (Setting("kl_max_nats", non_negative("nats"), 0.02, "maximum mean KL(float || quantized) of the "
+                        "output logits' softmax, in nats", metavar="NATS"),)
+
+    def layers(self, model: ModelContext) -> list[str]:
+        return ["output"]
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        threshold, measured = model.settings.kl_max_nats, model.logits()
+        if measured.reason:
+            return [_skip(self, model, threshold, measured.reason)]
+        message = (f"model output {measured.leaf}: mean KL(float || quantized) {measured.kl_nats:.4g} nats > "
+                   f"{threshold:g} over {measured.positions} positions of {_where(model)}. See the model_sqnr and "
+                   "sensitivity items for the layers to keep in float.")
+        details = {"positions": measured.positions, "leaf": measured.leaf}
+        return [self.finding(model, "output", measured.kl_nats, threshold, message=message, details=details)]
+
+
+class Top1AgreementCheck(Check):
+    """The share of output positions whose argmax is the same for the float and the quantized model."""
+
+    name, order, metric, needs = "top1_agreement", 32, "agreement", frozenset({"sqnr"})
+    baseline_tolerance = 0.01
+    settings = (Setting("top1_agreement_min", fraction(), 0.95, "minimum share of output positions whose argmax "
+                        "the quantized model keeps", metavar="FRACTION"),)
+
+    def layers(self, model: ModelContext) -> list[str]:
+        return ["output"]
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        threshold, measured = model.settings.top1_agreement_min, model.logits()
+        if measured.reason:
+            return [_skip(self, model, threshold, measured.reason)]
+        message = (f"model output {measured.leaf}: the quantized model keeps the top-1 prediction at "
+                   f"{measured.top1_agreement:.2%} of {measured.positions} positions of {_where(model)} "
+                   f"(< {threshold:.2%}). See the model_sqnr and sensitivity items for the layers to keep in float.")
+        details = {"positions": measured.positions, "leaf": measured.leaf}
+        return [self.finding(model, "output", measured.top1_agreement, threshold, message=message, details=details)]
+
+
+class PerplexityCheck(Check):
+    """For causal LMs: how much higher the quantized model's next-token perplexity is than the float model's, in %."""
+
+    name, order, metric, needs, higher_is_better = "perplexity", 33, "perplexity_increase_pct", frozenset({"sqnr"}), \
+        False
+    baseline_tolerance = 0.5
+    settings = (Setting("perplexity_max_increase_pct", non_negative("%"), 5.0, "maximum relative increase of the "
+                        "next-token perplexity (causal LMs), in %", metavar="PCT"),)
+
+    def layers(self, model: ModelContext) -> list[str]:
+        return ["output"]
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        threshold, measured = model.settings.perplexity_max_increase_pct, model.logits()
+        if measured.reason or measured.perplexity_reason or not measured.tokens:
+            why = measured.reason or measured.perplexity_reason or "no token to predict (every mask is 0?)"
+            return [_skip(self, model, threshold, why)]
+        increase = measured.perplexity_increase_pct
+        message = (f"model output {measured.leaf}: next-token perplexity {measured.float_perplexity:.3f} (float) -> "
+                   f"{measured.quantized_perplexity:.3f} (quantized), +{increase:.2f}% > {threshold:g}% over "
+                   f"{measured.tokens} tokens of {_where(model)}.")
+        details = {"float_perplexity": measured.float_perplexity, "quantized_perplexity": measured.quantized_perplexity,
+                   "tokens": measured.tokens}
+        return [self.finding(model, "output", increase, threshold, message=message, details=details)]
+
+
+class TaskMetricCheck(Check):
+    """The user's own metric, `task_metric(model, batches) -> float` (higher is better), on the float and the
+    quantized model: the item's value is the recovery, quantized / float."""
+
+    name, order, metric, needs = "task_metric", 34, "recovery", frozenset({"sqnr"})
+    baseline_tolerance = 0.01
+    settings = (Setting("task_recovery_min", fraction(), 0.99, "minimum recovery of task_metric, quantized / float",
+                        metavar="FRACTION"),
+                Setting("task_metric", function, None, "fn(model, batches) -> float, higher is better (accuracy, F1, "
+                        "exact match) run on the float and the quantized model over the evaluation batches (in "
+                        "qmodel: the function; elsewhere 'module:attribute')", metavar="MODULE:FN",
+                        shown_default="—"))
+
+    def applies(self, model: ModelContext) -> bool:
+        return model.settings.task_metric is not None
+
+    def layers(self, model: ModelContext) -> list[str]:
+        return ["output"]
+
+    def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        threshold, metric = model.settings.task_recovery_min, model.settings.task_metric
+        float_value, quantized_value = model.analysis.task_metric(metric, model.eval_batches())
+        name = getattr(metric, "__qualname__", repr(metric))
+        details: dict[str, Any] = {"float": float_value, "quantized": quantized_value, "metric": name}
+        if not (math.isfinite(float_value) and float_value > 0):
+            return [self.finding(model, "output", math.nan, threshold, passed=False, details=details, message=(
+                f"model {model.name!r}: task_metric {name} gave {float_value!r} for the float model; the recovery "
+                "quantized / float needs a positive, finite float value (higher is better)."))]
+        recovery = quantized_value / float_value
+        message = (f"model {model.name!r}: task_metric {name} {float_value:.4g} (float) -> {quantized_value:.4g} "
+                   f"(quantized) on {_where(model)}: recovery {recovery:.2%} < {threshold:.2%}.")
+        return [self.finding(model, "output", recovery, threshold, message=message, details=details)]

@@ -1,0 +1,143 @@
+"""Output-level comparison of a float and a quantized model whose output is logits: KL divergence, top-1
+agreement and, for causal LMs, perplexity, streamed as sums on the device (no host copy per batch).
+
+The logits are the output leaf named "logits" (a transformers ModelOutput), else the model's only floating output
+when a linear layer produces it with more than one feature (a classification or LM head). Anything else (a
+regression head, embeddings) is not logits, and `LogitsComparator.result()` says why.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+__all__ = ["LogitsComparator", "LogitsMeasurement", "logits_leaf"]
+
+_PASS_THROUGH = ("view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "flatten", "contiguous", "clone",
+                 "permute", "transpose", "getitem", "to", "_to_copy", "alias", "detach")
+
+
+@dataclass(frozen=True)
+class LogitsMeasurement:
+    """Float vs quantized logits over every output position: mean KL(float || quantized) of their softmax in
+    nats, the share of positions whose argmax agrees, and next-token perplexity of both (nan unless the batches
+    hold input_ids and the logits are [batch, tokens, vocabulary]). `reason` says why nothing was measured."""
+
+    kl_nats: float = math.nan
+    top1_agreement: float = math.nan
+    positions: int = 0
+    float_perplexity: float = math.nan
+    quantized_perplexity: float = math.nan
+    tokens: int = 0
+    leaf: str = ""
+    reason: str = ""
+    perplexity_reason: str = ""
+
+    @property
+    def perplexity_increase_pct(self) -> float:
+        """How much higher the quantized model's perplexity is than the float model's, in %."""
+        return 100.0 * (self.quantized_perplexity / self.float_perplexity - 1.0)
+
+
+def _producer(node: Any) -> Any:
+    """The op behind `node`, through views, copies and getitem."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.args and \
+            any(name in str(node.target).split(".") for name in _PASS_THROUGH):
+        node = node.args[0]
+    return node
+
+
+def logits_leaf(gm: fx.GraphModule, output: Any) -> tuple[int | None, str, str]:
+    """(index among the floating output leaves, its name, "") of the logits in `output` (the model's output on a
+    batch), or (None, "", why the output is not logits)."""
+    from ..graph import find_quantizable_ops
+
+    paths, _ = pytree.tree_flatten_with_path(output)
+    floating = [(pytree.keystr(path), leaf) for path, leaf in paths
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+    if not floating:
+        return None, "", "its output holds no floating-point tensor"
+    named = [index for index, (name, _) in enumerate(floating) if "logits" in name.lower()]
+    if named:
+        return named[0], floating[named[0]][0] or "output", ""
+    if len(floating) > 1:
+        return None, "", (f"it has {len(floating)} floating outputs and none is named logits "
+                          f"({', '.join(name for name, _ in floating)})")
+    name, tensor = floating[0]
+    if tensor.dim() < 2 or tensor.shape[-1] < 2:
+        return None, "", (f"its output has shape {tuple(tensor.shape)}: a regression head or a score, not logits "
+                          "over classes")
+    node = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    leaves = [leaf for leaf in pytree.tree_leaves(node) if isinstance(leaf, fx.Node)]
+    heads = {op.output for op in find_quantizable_ops(gm) if op.kind in ("linear", "addmm", "matmul")}
+    if len(leaves) != 1 or _producer(leaves[0]) not in heads:
+        return None, "", ("its output is not produced by a linear layer (a classification or LM head), nor named "
+                          "logits: embeddings or features, say")
+    return 0, name or "output", ""
+
+
+class LogitsComparator:
+    """Streams the logits of float and quantized runs, batch by batch."""
+
+    def __init__(self) -> None:
+        self.index: int | None = None
+        self.leaf, self.reason, self.perplexity_reason = "", "", ""
+        self._decided = False
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def decide(self, gm: fx.GraphModule, output: Any) -> None:
+        """Find the logits leaf from the float model's first output."""
+        if not self._decided:
+            self.index, self.leaf, self.reason = logits_leaf(gm, output)
+            self._decided = True
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().to(torch.float64)
+        self._sums[name] = self._sums[name] + value if name in self._sums else value
+
+    def update(self, reference: list[torch.Tensor], actual: list[torch.Tensor], batch: Any) -> None:
+        """Add one batch: the floating output leaves of the float and quantized runs, and the batch itself."""
+        if self.index is None or self.index >= len(reference):
+            return
+        ref, act = reference[self.index].detach().float(), actual[self.index].detach().float()
+        log_p, log_q = torch.log_softmax(ref, dim=-1), torch.log_softmax(act, dim=-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+        self._add("kl", kl.sum())
+        self._add("agree", (ref.argmax(dim=-1) == act.argmax(dim=-1)).sum())
+        self._add("positions", torch.tensor(kl.numel(), device=kl.device))
+        self._next_token(log_p, log_q, batch)
+
+    def _next_token(self, log_p: torch.Tensor, log_q: torch.Tensor, batch: Any) -> None:
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        if not isinstance(ids, torch.Tensor) or log_p.dim() != 3 or tuple(ids.shape) != tuple(log_p.shape[:2]) \
+                or ids.shape[1] < 2:
+            self.perplexity_reason = ("perplexity needs a causal LM: logits [batch, tokens, vocabulary] and the "
+                                      "token ids as input_ids in each batch (a dict)")
+            return
+        targets = ids[:, 1:].to(log_p.device).unsqueeze(-1)
+        mask = batch.get("attention_mask")
+        keep = (mask[:, 1:].to(log_p.device) != 0) if isinstance(mask, torch.Tensor) and mask.shape == ids.shape \
+            else torch.ones_like(targets[..., 0], dtype=torch.bool)
+        for name, logs in (("nll_float", log_p), ("nll_quantized", log_q)):
+            nll = -logs[:, :-1].gather(-1, targets)[..., 0]
+            self._add(name, (nll * keep).sum())
+        self._add("tokens", keep.sum())
+
+    def result(self) -> LogitsMeasurement:
+        """The measurement over every batch so far (one host copy, here)."""
+        if self.index is None:
+            return LogitsMeasurement(reason=self.reason or "the model was not run")
+        sums = {name: float(value) for name, value in self._sums.items()}
+        positions = int(sums.get("positions", 0))
+        if not positions:
+            return LogitsMeasurement(leaf=self.leaf, reason="no batch was compared")
+        tokens = int(sums.get("tokens", 0))
+        float_ppl = math.exp(sums["nll_float"] / tokens) if tokens and not self.perplexity_reason else math.nan
+        quant_ppl = math.exp(sums["nll_quantized"] / tokens) if tokens and not self.perplexity_reason else math.nan
+        return LogitsMeasurement(kl_nats=sums["kl"] / positions, top1_agreement=sums["agree"] / positions,
+                                 positions=positions, float_perplexity=float_ppl, quantized_perplexity=quant_ppl,
+                                 tokens=tokens, leaf=self.leaf, perplexity_reason=self.perplexity_reason)
