@@ -29,10 +29,12 @@ def _finding(check="sqnr", layer="fc1", value=40.0, verdict="pass", metric="sqnr
 
 def test_file_is_sorted_one_entry_per_line_rounded_and_round_trips(tmp_path):
     entries = {("sqnr", "fc2"): (38.4567, "pass"), ("outlier", "fc1"): (math.inf, "fail"),
-               ("model_sqnr", "output"): (-0.001, "pass"), ("outlier", "fc2"): (3e38, "pass")}
+               ("model_sqnr", "output"): (-0.0, "pass"), ("outlier", "fc2"): (3e38, "pass"),
+               ("kl_divergence", "output"): (7.12345e-06, "pass")}
     text = dumps_baseline("m", FINGERPRINT, entries)
     lines = text.splitlines()
-    assert lines[2:6] == ['    "model_sqnr/output": {"value": 0.0, "verdict": "pass"},',
+    assert lines[2:7] == ['    "kl_divergence/output": {"value": 7.123e-06, "verdict": "pass"},',
+                          '    "model_sqnr/output": {"value": 0.0, "verdict": "pass"},',
                           '    "outlier/fc1": {"value": "inf", "verdict": "fail"},',
                           '    "outlier/fc2": {"value": "inf", "verdict": "pass"},',
                           '    "sqnr/fc2": {"value": 38.46, "verdict": "pass"}']

@@ -106,7 +106,7 @@ class DetectorCheck(Check):
     def judged(self, found: Finding, advice: Advice) -> Finding:
         """One heuristic failure after measurement."""
         details = {**found.details, "measured_gain_db": advice.first.gain(found.layer),
-                   "recommended": advice.helps(found.layer)}
+                   "advised": advice.helps(found.layer)}
         if advice.helps(found.layer):
             return found.replace(message=f"{found.message.rstrip('.')}; {advice.claim(found.layer)}. "
                                          f"Fix: {advice.fix_text()}.", details=details)
@@ -169,7 +169,7 @@ class DynamicStaticCheck(DetectorCheck):
                    "input_s": float(entry[d.PRE_OBS_COMP_STAT_KEY]), "output_s": float(entry[d.POST_OBS_COMP_STAT_KEY]),
                    "output_class": entry[d.POST_OBS_DATA_DIST_KEY], "tolerance": float(d.tolerance)}
         message = (f"layer {layer}: its output is {details['output_class']} (S={details['output_s']:.3f} <= tolerance "
-                   f"{details['tolerance']}), so torch.ao recommends dynamic quantization, but the quantizer is static")
+                   f"{details['tolerance']}) and the quantizer is static")
         return self.finding(model, layer, details["output_s"], details["tolerance"],
                             passed=not (details["recommended"] and not quantized.dynamic), message=message,
                             details=details)
@@ -194,9 +194,9 @@ class InputWeightEqualizationCheck(DetectorCheck):
         return {}  # equalization is a model setting: see advise
 
     def advise(self, model: ModelContext, layers: list[str], changes: dict[str, dict[str, Any]]) -> Advice:
-        from .equalization import input_weight_advice
+        from .equalization import equalization_advice
 
-        return input_weight_advice(model, layers)
+        return equalization_advice(model, layers, smooth=False)
 
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         flags = entry[self.detector.RECOMMENDED_KEY]
@@ -204,8 +204,8 @@ class InputWeightEqualizationCheck(DetectorCheck):
                    "recommended": self.detector.is_layer_recommended(entry),
                    "threshold": float(self.detector.ratio_threshold)}
         equalized = layer in model.analysis.equalized_layers
-        message = (f"layer {layer}: torch.ao recommends input-weight equalization for {details['fraction']:.0%} of "
-                   f"its {details['channels']} channels (>= 40%) and the model is not equalized")
+        message = (f"layer {layer}: {details['fraction']:.0%} of its {details['channels']} channels have balanced "
+                   "enough input and weight ranges to equalize (>= 40%), and the model is not equalized")
         passed = not (details["recommended"] and not equalized)
         found = self.finding(model, layer, details["fraction"], 0.4, passed=passed, message=message, details=details)
         refusal = model.analysis.layer(layer).equalization_refusal

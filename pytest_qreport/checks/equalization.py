@@ -10,7 +10,8 @@ from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
 from .advice import Advice, equalize_fix, verify
 
-__all__ = ["EqualizationCheck", "EqualizationEquivalenceCheck", "input_weight_advice", "smoothing_advice"]
+__all__ = ["EqualizationCheck", "EqualizationEquivalenceCheck", "equalization_advice", "equalize_all_advice",
+           "input_weight_advice", "smoothing_advice"]
 
 
 def _gains(model: ModelContext, method: str) -> list[str]:
@@ -38,6 +39,15 @@ def input_weight_advice(model: ModelContext, layers: list[str] | None = None) ->
     return Advice(advice.first, advice.trial, advice.recommended, min_gain, "own", {**advice.notes, **notes})
 
 
+def equalize_all_advice(model: ModelContext) -> Advice | None:
+    """equalize=True (every equalizable layer) measured on the model, for the layers it raises by the minimum
+    (None when the model has no equalizable layer)."""
+    layers = list(model.analysis.equalizable_layers)
+    if not layers:
+        return None
+    return verify(model, layers, lambda picked: equalize_fix(True, layers), model.settings.equalization_min_gain_db)
+
+
 def smoothing_advice(model: ModelContext) -> Advice | None:
     """equalize='smooth:search' measured on the model, for the layers whose smoothing variant gains at least the
     minimum (None when there are none)."""
@@ -46,6 +56,27 @@ def smoothing_advice(model: ModelContext) -> Advice | None:
         return None
     return verify(model, chosen, lambda picked: equalize_fix("smooth:search", chosen),
                   model.settings.equalization_min_gain_db)
+
+
+def equalization_advice(model: ModelContext, layers: list[str] | None = None, smooth: bool = True) -> Advice:
+    """The best measured equalization fix (by output SQNR): input-weight equalization of the layers its variant
+    helps, or of every layer (tried when some layer's variant helps), or smoothing; `layers` are the layers the
+    caller asks about (the heuristic's), for the notes."""
+    options: list[Advice | None] = [input_weight_advice(model, layers)]
+    if options[0] is not None and options[0].trial is not None:
+        options.append(equalize_all_advice(model))
+    if smooth:
+        options.append(smoothing_advice(model))
+    helping = [a for a in options if a is not None and a.recommended and a.trial is not None]
+    if helping:
+        return max(helping, key=lambda a: a.trial.output[1] if a.trial is not None else -math.inf)
+    notes: dict[str, str] = {}
+    for option in options:
+        if option is not None:
+            notes.update({k: v for k, v in option.notes.items() if k not in notes})
+    first = options[0]
+    assert first is not None
+    return Advice(first.first, None, (), first.min_gain, "own", notes)
 
 
 def _no_trial() -> Any:
@@ -125,22 +156,11 @@ class EqualizationCheck(Check):
         return results
 
     def _advice(self, model: ModelContext, measured: Any) -> Advice | None:
-        """The better of the measured input-weight and smoothing fixes (by output SQNR), if either helps."""
+        """The best measured fix (by output SQNR) of: input-weight equalization of the layers it helps, of every
+        layer, and smoothing; None when no layer gains the minimum in the comparison pass."""
         if not measured:
             return None
-        options: list[Advice | None] = [input_weight_advice(model)]
-        if self.options.get("smooth", True):
-            options.append(smoothing_advice(model))
-        helping = [a for a in options if a is not None and a.recommended and a.trial is not None]
-        if not helping:
-            notes: dict[str, str] = {}
-            for option in options:
-                if option is not None:
-                    notes.update({k: v for k, v in option.notes.items() if k not in notes})
-            first = options[0]
-            assert first is not None
-            return Advice(first.first, None, (), first.min_gain, "own", notes)
-        return max(helping, key=lambda a: a.trial.output[1] if a.trial is not None else -math.inf)
+        return equalization_advice(model, smooth=self.options.get("smooth", True))
 
 
 class EqualizationEquivalenceCheck(Check):

@@ -1,7 +1,8 @@
 """Committed baselines: one JSON file per model, compared item by item with a tolerance.
 
 File format (schema 1), written with sorted keys and one (check, layer) entry per line so that a PR diff reads
-well; values are rounded to 0.01, non-finite values are the strings "inf", "-inf" and "nan"::
+well; values are rounded to 0.01 (below 1 in magnitude, to 4 significant digits, so that a KL divergence of
+7e-06 nats survives), non-finite values are the strings "inf", "-inf" and "nan"::
 
     {
       "entries": {
@@ -76,7 +77,8 @@ def _encode(value: float) -> float | str:
         return "nan"
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
-    return round(value, 2) + 0.0  # + 0.0: no -0.0 in files
+    rounded = round(value, 2) if abs(value) >= 1 else float(f"{value:.4g}")
+    return rounded + 0.0  # + 0.0: no -0.0 in files
 
 
 def _decode(value: Any) -> float:
@@ -89,7 +91,7 @@ def _decode(value: Any) -> float:
 
 def dumps_baseline(model: str, fingerprint: Mapping[str, Any],
                    entries: Mapping[tuple[str, str], tuple[float, str]]) -> str:
-    """The file text: sorted keys, one entry per line, values rounded to 0.01."""
+    """The file text: sorted keys, one entry per line, values rounded (0.01, or 4 significant digits below 1)."""
     lines = ["{", '  "entries": {']
     rows = sorted((f"{check}/{layer}", value, verdict) for (check, layer), (value, verdict) in entries.items())
     for index, (key, value, verdict) in enumerate(rows):

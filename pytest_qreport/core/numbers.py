@@ -13,8 +13,8 @@ def normalized(value: float) -> float:
 
 
 def unit(metric: str) -> str:
-    """The unit of a metric's values: ' dB' for the '_db' metrics, '' for ratios and counts."""
-    return " dB" if metric.endswith("_db") else ""
+    """The unit of a metric's values: ' dB' for the '_db' metrics, '%' for '_pct', '' for ratios and counts."""
+    return " dB" if metric.endswith("_db") else "%" if metric.endswith("_pct") else ""
 
 
 def format_value(value: float | None, metric: str) -> str:
@@ -24,6 +24,8 @@ def format_value(value: float | None, metric: str) -> str:
     value = normalized(float(value))
     if math.isinf(value):
         return f"{'-' if value < 0 else ''}inf{unit(metric)}"
+    if metric.endswith("_pct"):
+        return f"{value:.2f}%"
     return f"{value:.1f} dB" if metric.endswith("_db") else f"{value:.4g}"
 
 
@@ -34,7 +36,8 @@ def format_delta(delta: float | None, metric: str = "") -> str:
     delta = normalized(delta)
     if math.isinf(delta):
         return f"{'-' if delta < 0 else '+'}inf{unit(metric)}"
-    text = f"{delta:+.1f}" if metric.endswith("_db") else f"{delta:+.3g}"
+    digits = ".1f" if metric.endswith("_db") else ".2f" if metric.endswith("_pct") else ".3g"
+    text = f"{delta:+{digits}}"
     if float(text) == 0:
         return f"0{unit(metric)}"
     return text + unit(metric)

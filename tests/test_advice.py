@@ -1,0 +1,250 @@
+"""Verified advice: every fix a built-in check prints, pasted back into qmodel(), improves what it claims to
+improve, by the figures it claims, and never lowers the model's output SQNR. Where a torch.ao heuristic and the
+measurement disagree, the item passes with a note that names both."""
+import ast
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from pytest_qreport.checks import BUILTIN_CHECKS
+from pytest_qreport.core.pipeline import collect_model
+from pytest_qreport.core.quantizers import model_quantizer, pytest_qreport_make_quantizer
+from pytest_qreport.core.registry import CheckRegistry
+from pytest_qreport.core.settings import ModelSettings
+
+
+class _Hook:
+    def pytest_qreport_make_quantizer(self, name):
+        return pytest_qreport_make_quantizer(name)
+
+
+def _run(factory, batches, **settings):
+    """{(check, layer): Finding} of a model, as the plugin computes them, and the model's qcore analysis."""
+    registry = CheckRegistry()
+    for check in BUILTIN_CHECKS:
+        registry.register(check)
+    resolved = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, **settings)
+    pipeline = collect_model("m", resolved, registry, model_quantizer(resolved, _Hook()), factory(), batches[0])
+    pipeline.analyze(lambda: batches, lambda found: None)
+    assert pipeline.findings is not None, pipeline.error
+    return pipeline.findings, pipeline.context.analysis
+
+
+def _pasted(message):
+    """The keyword and value of the one `Fix: qmodel(..., key=value).` at the end of a message."""
+    key, value = re.search(r"Fix: qmodel\(\.\.\., (\w+)=(.*)\)\.$", message).groups()
+    return {key: ast.literal_eval(value)}
+
+
+def _claims(message):
+    """(layer before, layer after, output before, output after) from 'measured with the fix: ...'."""
+    found = re.search(r"measured with the fix: its [\w ()]*SQNR[\w ()]* ([\d.]+) -> ([\d.]+) dB \([+-][\d.]+ dB\), the "
+                      r"model output ([\d.]+) -> ([\d.]+) dB", message)
+    return tuple(float(v) for v in found.groups())
+
+
+def _output_db(analysis):
+    return analysis.sqnr.worst_output().sqnr_db
+
+
+class MLP(nn.Module):
+    def __init__(self, features=64, hidden=128, classes=10):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                    nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def wide_rows():
+    torch.manual_seed(0)
+    model = MLP().eval()
+    with torch.no_grad():
+        model.layers[2].weight *= torch.logspace(-2, 0, 128).unsqueeze(1)
+    return model
+
+
+def _features(seed=1, scales=None):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(32, 64, generator=g) * (1.0 if scales is None else s) for s in (scales or [1.0] * 8)]
+
+
+def test_per_channel_fix_is_measured_and_works_when_pasted():
+    batches = _features()
+    found, before = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["per_channel", "sqnr"])
+    verdicts = {layer: f.verdict for (check, layer), f in found.items() if check == "per_channel"}
+    assert verdicts == {"layers.0": "pass", "layers.2": "fail", "layers.4": "pass", "layers.6": "pass"}
+    # torch.ao's heuristic names all four; the three where the fix does not gain 1 dB pass with a note naming both
+    for layer in ("layers.0", "layers.4", "layers.6"):
+        note = found[("per_channel", layer)].note
+        assert note.startswith("torch.ao's per_channel heuristic recommends per-channel weights (weights are "
+                               "quantized per tensor but per-channel is supported); measured ") and \
+            note.endswith("(the minimum gain is 1 dB): not recommended"), note
+    message = found[("per_channel", "layers.2")].message
+    fix = _pasted(message)
+    assert fix == {"layer_overrides": {"layers.2": {"per_channel": True}}}
+    own_before, own_after, out_before, out_after = _claims(message)
+    assert own_after - own_before >= 1.0 and out_after > out_before
+    assert out_before == pytest.approx(_output_db(before), abs=0.005)
+    again, after = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["per_channel", "sqnr"], **fix)
+    assert again[("per_channel", "layers.2")].verdict == "pass" and again[("per_channel", "layers.2")].value == 1.0
+    assert after.sqnr.layers["layers.2"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
+    assert _output_db(after) == pytest.approx(out_after, abs=0.005)
+    # the advice it replaces, quantizer='int8' (per-channel everywhere), was worse than this verified fix
+    _, everywhere = _run(wide_rows, batches, quantizer="int8", checks=["sqnr"])
+    assert _output_db(everywhere) < _output_db(after)
+
+
+def test_dynamic_fix_is_measured_and_works_when_pasted():
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+
+    # batches whose scales differ by 75x: one static range is too coarse for the quiet ones
+    batches = _features(0, [0.02, 0.05, 1, 0.1, 0.03, 0.2, 0.04, 1.5])
+    found, before = _run(model, batches, checks=["dynamic_static"])
+    failing = {layer: f for (check, layer), f in found.items() if f.verdict == "fail"}
+    assert failing, {k: (f.verdict, f.note) for k, f in found.items()}
+    messages = {f.message for f in failing.values()}
+    assert len({str(_pasted(m)) for m in messages}) == 1  # one fix for the model, listing the layers it helps
+    fix = _pasted(next(iter(messages)))
+    assert set(fix["layer_overrides"]) == set(failing)
+    assert all(v == {"is_dynamic": True} for v in fix["layer_overrides"].values())
+    again, after = _run(model, batches, checks=["dynamic_static"], **fix)
+    for layer, finding in failing.items():
+        own_before, own_after, out_before, out_after = _claims(finding.message)
+        assert own_after - own_before >= 1.0
+        assert after.sqnr.layers[layer].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
+        assert again[("dynamic_static", layer)].verdict == "pass"
+    assert _output_db(after) == pytest.approx(out_after, abs=0.005) and _output_db(after) > _output_db(before)
+
+
+def test_outlier_heuristic_overruled_by_measurement_passes_with_a_note():
+    batches = _features(3)
+    for x in batches:
+        x[5, 7] = 150.0  # rare spikes: clipping them costs more than the finer scale saves
+    found, analysis = _run(lambda: MLP().eval(), batches, checks=["outlier"], layers=["layers.0"])
+    finding = found[("outlier", "layers.0")]
+    assert finding.verdict == "pass" and finding.details["advised"] is False
+    assert re.match(r"torch\.ao's outlier heuristic recommends a clipping \(histogram\) activation observer \(input "
+                    r"channels 7 have outliers .*\); measured ([+-][\d.]+) dB on this layer's own SQNR \(float input\) "
+                    r"[\d.]+ -> [\d.]+ dB \(the minimum gain is 1 dB\): not recommended$", finding.note), finding.note
+    # the note's figure is the measurement: the same fix, applied, gives it
+    from qcore.quantizer import with_layer_overrides
+
+    tried = analysis.variant(with_layer_overrides(analysis.quantizer, {"layers.0": {
+        "activation_observer": "histogram"}})).sqnr.layers["layers.0"].shadow_sqnr_db
+    gain = float(re.search(r"measured ([+-][\d.]+) dB", finding.note).group(1))
+    assert tried - analysis.sqnr.layers["layers.0"].shadow_sqnr_db == pytest.approx(gain, abs=0.006)
+
+
+def sensor_mlp():
+    torch.manual_seed(0)
+    return MLP(features=32, hidden=64, classes=8).eval()
+
+
+def _sensor_batches():
+    g = torch.Generator().manual_seed(4)
+    spread = torch.logspace(-2, 2, 32)  # input channels span four orders of magnitude
+    return [torch.randn(64, 32, generator=g) * spread for _ in range(8)]
+
+
+def test_equalization_fix_names_only_the_layers_it_helps_and_works_when_pasted():
+    batches = _sensor_batches()
+    checks = ["equalization", "input_weight_equalization", "model_sqnr"]
+    found, before = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=checks)
+    failing = [layer for (check, layer), f in found.items() if check == "equalization" and f.verdict == "fail"]
+    assert failing == ["layers.0"]
+    message = found[("equalization", "layers.0")].message
+    fix = _pasted(message)
+    # of equalize=['layers.0'] (the only layer whose variant gains 1 dB), equalize=True and smoothing, measured on
+    # the whole model, equalizing every layer raises the output most
+    assert fix == {"equalize": True}
+    # torch.ao's heuristic recommends every layer: those the same fix raises by 1 dB fail with it, the others pass
+    # with a note
+    for layer in ("layers.0", "layers.2", "layers.4", "layers.6"):
+        iwe = found[("input_weight_equalization", layer)]
+        if iwe.verdict == "fail":
+            assert _pasted(iwe.message) == fix and _claims(iwe.message)[1] - _claims(iwe.message)[0] >= 1.0
+        elif iwe.details["recommended"]:  # the heuristic's verdict
+            assert iwe.verdict == "pass" and "measured" in iwe.note and "not recommended" in iwe.note
+            assert iwe.details["advised"] is False
+    own_before, own_after, out_before, out_after = _claims(message)
+    _, after = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=checks, **fix)
+    assert _output_db(after) == pytest.approx(out_after, abs=0.005) and out_after > out_before
+    assert after.sqnr.layers["layers.0"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
+    for other in (["layers.0"], "smooth:search"):
+        _, alternative = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=["model_sqnr"], equalize=other)
+        assert _output_db(alternative) < _output_db(after)
+
+
+def test_input_weight_equalization_items_fail_with_the_equalization_fix_when_it_helps():
+    batches = _sensor_batches()
+    checks = ["equalization", "input_weight_equalization"]
+    found, _ = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=checks, equalization_min_gain_db=0.3)
+    iwe = {layer: f for (check, layer), f in found.items() if check == "input_weight_equalization"}
+    failing = [layer for layer, f in iwe.items() if f.verdict == "fail"]
+    assert failing and all(f.note for layer, f in iwe.items() if layer not in failing and f.details["recommended"])
+    fixes = {str(_pasted(iwe[layer].message)) for layer in failing}
+    equalization = {str(_pasted(f.message)) for (check, _), f in found.items()
+                    if check == "equalization" and f.verdict == "fail"}
+    assert fixes == equalization  # both checks print the same measured fix
+    fix = _pasted(iwe[failing[0]].message)
+    _, after = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=["model_sqnr"], **fix)
+    for layer in failing:
+        own_before, own_after, out_before, out_after = _claims(iwe[layer].message)
+        assert own_after - own_before >= 0.3
+        assert after.sqnr.layers[layer].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
+        assert _output_db(after) == pytest.approx(out_after, abs=0.005) and out_after > out_before
+
+
+def _fixes(message):
+    """{label: (claims, settings)} of the fixes an sqnr or weight_sqnr message lists."""
+    listed = {}
+    pattern = (r"(per-channel weights|a clipping \(histogram\) activation observer|keeping it in float[\w ]*) "
+               r"\((measured[^)]*\)?[^)]*)\): qmodel\(\.\.\., (\w+)=(.*?)\)(?:;|\.$)")
+    for label, claim, key, value in re.findall(pattern, message):
+        listed[label.split(" with")[0]] = (claim, {key: ast.literal_eval(value)})
+    return listed
+
+
+def test_sqnr_fixes_are_listed_only_when_measured_and_work_when_pasted():
+    batches = _features()
+    found, before = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr", "weight_sqnr"],
+                         sqnr_min_db=45, weight_sqnr_min_db=45, layers=["layers.2"])
+    message = found[("sqnr", "layers.2")].message
+    listed = _fixes(message)
+    assert "per-channel weights" in listed and "keeping it in float" in listed, message
+    claim, fix = listed["per-channel weights"]
+    layer_before, layer_after = (float(v) for v in re.search(r"its SQNR ([\d.]+) -> ([\d.]+) dB", claim).groups())
+    out_before, out_after = (float(v) for v in re.search(r"model output ([\d.]+) -> ([\d.]+) dB", claim).groups())
+    assert layer_after > layer_before and out_after > out_before
+    _, after = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr"], **fix)
+    assert after.sqnr.layers["layers.2"].sqnr_db == pytest.approx(layer_after, abs=0.005)
+    assert _output_db(after) == pytest.approx(out_after, abs=0.005)
+    claim, fix = listed["keeping it in float"]
+    assert fix == {"float_layers": ["layers.2"]}
+    out_before, out_after = (float(v) for v in re.search(r"model output ([\d.]+) -> ([\d.]+) dB", claim).groups())
+    _, in_float = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr"], **fix)
+    assert "layers.2" not in [entry.layer for entry in in_float.layers]
+    assert _output_db(in_float) == pytest.approx(out_after, abs=0.005)
+    assert out_after > out_before
+    # weight_sqnr lists per-channel weights with the weight SQNR they reach
+    weight = _fixes(found[("weight_sqnr", "layers.2")].message)
+    claim, fix = weight["per-channel weights"]
+    weight_after = float(re.search(r"its weight SQNR [\d.]+ -> ([\d.]+) dB", claim).group(1))
+    _, after = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["weight_sqnr"], **fix)
+    assert after.sqnr.layers["layers.2"].weight_sqnr_db == pytest.approx(weight_after, abs=0.005)
+
+
+def test_a_fix_that_lowers_the_output_is_not_printed():
+    from pytest_qreport.checks.advice import Fix, Trial
+
+    lowering = Trial(Fix("layer_overrides", {}, ("fc",)), (30.0, 29.0), {"fc": (20.0, 25.0)}, {}, {})
+    assert not lowering.output_kept and lowering.gain("fc") == 5.0
+    assert Trial(Fix("equalize", True, ()), (math.nan, math.nan), {}, {}, {}).output_kept  # no float output
+    assert Trial(Fix("float_layers", [], ()), (30.0, 30.5), {"fc": (math.inf, math.inf)}, {}, {}).gain("fc") == 0.0
