@@ -87,7 +87,8 @@ class LogitsComparator:
         self.index: int | None = None
         self.leaf, self.reason, self.perplexity_reason = "", "", ""
         self._decided = False
-        self._sums: dict[str, torch.Tensor] = {}
+        self._sums: dict[str, torch.Tensor] = {}  # on the logits' device: nothing is copied to the host per batch
+        self._positions = 0
 
     def decide(self, gm: fx.GraphModule, output: Any) -> None:
         """Find the logits leaf from the float model's first output."""
@@ -108,7 +109,7 @@ class LogitsComparator:
         kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
         self._add("kl", kl.sum())
         self._add("agree", (ref.argmax(dim=-1) == act.argmax(dim=-1)).sum())
-        self._add("positions", torch.tensor(kl.numel(), device=kl.device))
+        self._positions += kl.numel()
         self._next_token(log_p, log_q, batch)
 
     def _next_token(self, log_p: torch.Tensor, log_q: torch.Tensor, batch: Any) -> None:
@@ -132,7 +133,7 @@ class LogitsComparator:
         if self.index is None:
             return LogitsMeasurement(reason=self.reason or "the model was not run")
         sums = {name: float(value) for name, value in self._sums.items()}
-        positions = int(sums.get("positions", 0))
+        positions = self._positions
         if not positions:
             return LogitsMeasurement(leaf=self.leaf, reason="no batch was compared")
         tokens = int(sums.get("tokens", 0))
