@@ -1,6 +1,8 @@
 """Convert: observers become quantize->dequantize (fake-quant) with the observed qparams."""
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Iterable
 from typing import Any
 
@@ -129,6 +131,8 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) 
     if key not in cache:
         weight = _fetch_attr(gm, str(source.target))
         with torch.no_grad():
+            if not getattr(observer, "has_observed", True):  # not calibrated: the weight is known, observe it here
+                observer(weight.detach())
             quantized = fake_quantize_with(observer, weight.detach())
         name = "qcore_fq_" + str(source.target).replace(".", "_")
         while hasattr(gm, name):
@@ -157,7 +161,13 @@ def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
                                                              observer.symmetric))
         new.meta[QPARAMS_KEY] = {"dynamic": True, "quant_min": observer.quant_min, "quant_max": observer.quant_max}
         return new
-    scale, zero_point = observer.calculate_qparams()
+    if not getattr(observer, "has_observed", True) and not observer.per_channel:
+        # calibration never reached this tensor: torch.ao's convert warns and uses scale 1 and zero point 0
+        warnings.warn(f"the observer of {node.name} saw no calibration data (the batches never reach it): its "
+                      "quantization uses scale 1.0 and zero point 0, as torch.ao's convert does", stacklevel=3)
+        scale, zero_point = torch.tensor([1.0]), torch.tensor([0])
+    else:
+        scale, zero_point = observer.calculate_qparams()
     if observer.per_channel:
         base = f"qcore_qparams_{node.name}"
         gm.register_buffer(base + "_scale", scale.detach().float().clone())

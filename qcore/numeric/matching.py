@@ -19,6 +19,9 @@ _UNMATCHABLE = frozenset({
     "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "getattr", "float", "long", "int",
 })
 _UNMATCHABLE_MODULES = (torch.nn.Identity, torch.nn.Dropout, torch.nn.Flatten)
+# ops with several outputs whose first one is the value torch.ao logs (an export graph's embedding_bag returns its
+# bags, offsets, bag sizes and max indices; FX's nn.EmbeddingBag call returns the bags alone)
+_FIRST_OUTPUT_OPS = frozenset({"embedding_bag", "_embedding_bag", "_embedding_bag_forward_only"})
 
 
 class LayerMatchError(ValueError):
@@ -62,15 +65,28 @@ def logged_node(op_or_node: QuantizableOp | fx.Node) -> LoggedNode:
                   if isinstance(arg, fx.Node) and original_input(arg) in op.activation_inputs]
         return LoggedNode(op.node, layer_value(op), op.fqn, inputs)
     node = op_or_node
+    node_value = _first_output(node) or node
     inputs = []
     for index, arg in enumerate(node.args):
         if isinstance(arg, fx.Node) and arg.op != "get_attr":
             inputs.append((index, 0, arg))
         elif isinstance(arg, (list, tuple)):
             inputs += [(index, within, a) for within, a in enumerate(arg) if isinstance(a, fx.Node)]
-    users = list(node.users)
-    value = users[0] if len(users) == 1 and users[0].meta.get("qcore_inserted") == "qdq" else node
+    if node.op == "call_module" or _first_output(node) is not None:
+        # torch.ao logs one input of a module call and of embedding_bag: the first that is not a parameter (the
+        # indices, not the offsets), as argument 0
+        inputs = [(0, within, arg) for _, within, arg in inputs[:1]]
+    users = list(node_value.users)
+    value = users[0] if len(users) == 1 and users[0].meta.get("qcore_inserted") == "qdq" else node_value
     return LoggedNode(node, value, str(node.meta.get(FQN_KEY, "")), inputs)
+
+
+def _first_output(node: fx.Node) -> fx.Node | None:
+    """The getitem(node, 0) of a multi-output op in _FIRST_OUTPUT_OPS (the value to log), else None."""
+    if getattr(node.target, "_opname", None) not in _FIRST_OUTPUT_OPS:
+        return None
+    return next((user for user in node.users if user.op == "call_function" and user.args[1:] == (0,)
+                 and getattr(user.target, "__name__", "") == "getitem"), None)
 
 
 def _base_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
@@ -89,6 +105,8 @@ def _matchable(node: fx.Node, gm: fx.GraphModule) -> bool:
     if _base_name(node, gm) in _UNMATCHABLE:
         return False
     value = node.meta.get("val")
+    if isinstance(value, (tuple, list)) and _first_output(node) is not None:
+        value = value[0]
     return value is None or (isinstance(value, torch.Tensor) and value.is_floating_point())
 
 

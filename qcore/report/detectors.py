@@ -422,7 +422,7 @@ class OutlierDetector(DetectorBase):
                 continue
             ratios = observer.average_ratios(self.reference_percentile).abs()
             ratios = torch.where(ratios < 1, 1 / ratios, ratios)  # magnitude either way; nan stays nan
-            used = observer.batches_used(self.reference_percentile).clone()
+            used = observer.batches_used(self.reference_percentile).to(torch.int32)  # torch.ao's dtype
             total = observer.num_batches_tracked
             info[op.layer] = {
                 self.CHANNEL_AXIS_KEY: self.ch_axis, self.REF_PERCENTILE_KEY: self.reference_percentile,
@@ -430,7 +430,7 @@ class OutlierDetector(DetectorBase):
                 self.NUM_BATCHES_KEY: used,
                 self.OUTLIER_KEY: _tolist(ratios > self.ratio_threshold),  # nan (all-zero channel) is no outlier
                 self.IS_SUFFICIENT_BATCHES_KEY: _tolist(used / max(total, 1) >= self.fraction_batches_used_threshold),
-                self.CONSTANT_COUNTS_KEY: observer.constant_channels.clone(),
+                self.CONSTANT_COUNTS_KEY: observer.constant_channels.to(torch.int32),
                 self.MAX_VALS_KEY: observer.max_val.clone(),
             }
         return info
