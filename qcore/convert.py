@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import warnings
-
 from collections.abc import Iterable
 from typing import Any
 
