@@ -130,7 +130,7 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) 
     if key not in cache:
         weight = _fetch_attr(gm, str(source.target))
         with torch.no_grad():
-            if not getattr(observer, "has_observed", True):  # not calibrated: the weight is known, observe it here
+            if _saw_nothing(observer):  # not calibrated: the weight is known, observe it here
                 observer(weight.detach())
             quantized = fake_quantize_with(observer, weight.detach())
         name = "qcore_fq_" + str(source.target).replace(".", "_")
@@ -150,6 +150,14 @@ def round_trip_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(x.dtype)
 
 
+def _saw_nothing(observer: ObserverBase) -> bool:
+    """Whether an observer is in its initial state (no batch reached it; NaN or inf values are not nothing)."""
+    low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
+    if not (isinstance(low, torch.Tensor) and isinstance(high, torch.Tensor)):
+        return False
+    return low.numel() == 0 or (bool(torch.isposinf(low).all()) and bool(torch.isneginf(high).all()))
+
+
 def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
     if getattr(observer, "is_float", False):
         new = gm.graph.call_function(round_trip_through, (source, observer.dtype))
@@ -160,7 +168,7 @@ def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
                                                              observer.symmetric))
         new.meta[QPARAMS_KEY] = {"dynamic": True, "quant_min": observer.quant_min, "quant_max": observer.quant_max}
         return new
-    if not getattr(observer, "has_observed", True) and not observer.per_channel:
+    if _saw_nothing(observer) and not observer.per_channel:
         # calibration never reached this tensor: torch.ao's convert warns and uses scale 1 and zero point 0
         warnings.warn(f"the observer of {node.name} saw no calibration data (the batches never reach it): its "
                       "quantization uses scale 1.0 and zero point 0, as torch.ao's convert does", stacklevel=3)
