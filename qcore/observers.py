@@ -208,18 +208,54 @@ def _best_clipping_range(histogram, min_val, max_val, levels: int, symmetric: bo
         best = limits[torch.argmin(error)]
         return (-best).float(), best.float()
     # Affine: error(lo, hi) = rounding noise of the values inside + clipping error of the values outside,
-    # from prefix sums, for every pair of bin edges at once.
+    # from prefix sums, for pairs of bin edges.
     n, s1, s2 = (torch.cat([counts.new_zeros(1), t.cumsum(0)]) for t in (counts, counts * centers, counts * centers**2))
     total_n, total_s1, total_s2 = n[-1], s1[-1], s2[-1]
     below = s2 - 2 * edges * s1 + edges**2 * n  # clipping error of the values under each edge
     above = (total_s2 - s2) - 2 * edges * (total_s1 - s1) + edges**2 * (total_n - n)
-    lo, hi = edges[:, None], edges[None, :]
-    span = torch.clamp(hi, min=0.0) - torch.clamp(lo, max=0.0)
-    inside = total_n - n[:, None] - (total_n - n)[None, :]
-    error = below[:, None] + above[None, :] + torch.clamp(inside, min=0.0) * (span / levels) ** 2 / 12
-    error = torch.where(lo < hi, error, torch.full_like(error, float("inf")))
-    flat = torch.argmin(error)
+
+    def errors(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        lo, hi = edges[i], edges[j]
+        span = torch.clamp(hi, min=0.0) - torch.clamp(lo, max=0.0)
+        inside = total_n - n[i] - (total_n - n[j])
+        error = below[i] + above[j] + torch.clamp(inside, min=0.0) * (span / levels) ** 2 / 12
+        return torch.where(lo < hi, error, torch.full_like(error, float("inf")))
+
+    i, j = _affine_candidates(edges, n, below, above, levels, errors)
+    error = errors(i, j)
+    best = error.min()
+    # the first minimum in (lo, hi) order, as an argmin over every pair would pick
+    flat = torch.where(error == best, i * (bins + 1) + j, torch.full_like(i, (bins + 1) ** 2)).min()
     return edges[flat // (bins + 1)].float(), edges[flat % (bins + 1)].float()
+
+
+def _affine_candidates(edges, n, below, above, levels: int, errors, stride: int = 16):
+    """(lo, hi) edge index pairs that hold the least error over every pair: the cells of a coarse grid whose lower
+    bound does not exceed the best coarse point, refined to every pair (every pair when few cells can be ruled
+    out). below[i] grows with i, above[j] shrinks with j, and the rounding noise grows with the span and the count
+    inside, so a cell's least error is at least below[its first lo] + above[its last hi] + the noise of its
+    narrowest pair."""
+    size = edges.numel()
+    points = torch.arange(0, size, stride, device=edges.device)
+    if int(points[-1]) != size - 1:
+        points = torch.cat([points, points.new_tensor([size - 1])])
+    upper = errors(points[:, None], points[None, :]).min()
+    first, last = points[:-1], points[1:]
+    narrow_lo, narrow_hi = edges[last][:, None], edges[first][None, :]
+    span = torch.clamp(narrow_hi, min=0.0) - torch.clamp(narrow_lo, max=0.0)
+    inside = torch.clamp(n[first][None, :] - n[last][:, None], min=0.0)
+    bound = below[first][:, None] + above[last][None, :] + inside * (span / levels) ** 2 / 12
+    bound = torch.where(first[:, None] < last[None, :], bound, torch.full_like(bound, float("inf")))
+    cells = torch.nonzero(bound <= upper + upper.abs() * 1e-9)
+    if cells.shape[0] * (stride + 1) ** 2 >= size * size // 2:
+        every = torch.arange(size, device=edges.device)
+        return every[:, None].expand(size, size).reshape(-1), every[None, :].expand(size, size).reshape(-1)
+    offsets = torch.arange(stride + 1, device=edges.device)
+    lo = (first[cells[:, 0]][:, None] + offsets[None, :]).clamp(max=size - 1)  # [cells, stride + 1]
+    hi = (first[cells[:, 1]][:, None] + offsets[None, :]).clamp(max=size - 1)
+    i = lo[:, :, None].expand(-1, -1, stride + 1).reshape(-1)
+    j = hi[:, None, :].expand(-1, stride + 1, -1).reshape(-1)
+    return i, j
 
 
 class PlaceholderObserver(ObserverBase):

@@ -1,6 +1,8 @@
 """Observers against torch.ao's, and the streaming guarantees (no host copies, fixed memory)."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.ao.quantization import observer as ao
 
 from qcore.convert import fake_quantize_with
@@ -97,3 +99,39 @@ def test_observers_stream_without_host_copies_or_growth(make, forbid_host_sync):
         current = [tuple(b.shape) for b in observer.buffers()]
         assert sizes is None or current == sizes
         sizes = current
+
+
+def _every_pair_clipping_range(histogram, min_val, max_val, levels):
+    """The affine search over every (lo, hi) pair of bin edges, as a plain matrix (the definition)."""
+    bins, counts = histogram.numel(), histogram.double()
+    width = (max_val - min_val).double() / bins
+    centers = min_val.double() + width * (torch.arange(bins, dtype=torch.float64) + 0.5)
+    edges = min_val.double() + width * torch.arange(bins + 1, dtype=torch.float64)
+    n, s1, s2 = (torch.cat([counts.new_zeros(1), t.cumsum(0)]) for t in (counts, counts * centers, counts * centers**2))
+    total_n, total_s1, total_s2 = n[-1], s1[-1], s2[-1]
+    below = s2 - 2 * edges * s1 + edges**2 * n
+    above = (total_s2 - s2) - 2 * edges * (total_s1 - s1) + edges**2 * (total_n - n)
+    lo, hi = edges[:, None], edges[None, :]
+    span = torch.clamp(hi, min=0.0) - torch.clamp(lo, max=0.0)
+    inside = total_n - n[:, None] - (total_n - n)[None, :]
+    error = below[:, None] + above[None, :] + torch.clamp(inside, min=0.0) * (span / levels) ** 2 / 12
+    flat = torch.argmin(torch.where(lo < hi, error, torch.full_like(error, float("inf"))))
+    return edges[flat // (bins + 1)].float(), edges[flat % (bins + 1)].float()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["normal", "relu", "offset", "heavy", "spike", "uniform"]),
+       st.sampled_from([64, 256, 2048]))
+def test_histogram_clipping_search_equals_the_search_over_every_pair(seed, kind, bins):
+    from qcore.observers import HistogramObserver, _best_clipping_range
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3000, generator=g)
+    heavy = x / (torch.rand(3000, generator=g) + 1e-3)
+    x = {"normal": x, "relu": torch.relu(x), "offset": x * 0.01 + 3, "heavy": heavy,
+         "spike": torch.cat([x, torch.tensor([150.0])]), "uniform": torch.rand(3000, generator=g) - 0.9}[kind]
+    observer = HistogramObserver(bins=bins)
+    observer(x)
+    expected = _every_pair_clipping_range(observer.histogram, observer.min_val, observer.max_val, 255)
+    found = _best_clipping_range(observer.histogram, observer.min_val, observer.max_val, 255, False)
+    assert torch.equal(found[0], expected[0]) and torch.equal(found[1], expected[1])
