@@ -49,6 +49,7 @@ class ModelGroupScheduling:
         self.registered_collections: dict[Any, list[str]] = {}
         self._positions: dict[str, int] = {}  # nodeid -> index in the collection
         self._captured: dict[str, str] | None = None
+        self._pending: dict[Any, int] = {}  # worker -> its items not done yet (kept, not recounted per report)
 
     # -- the Scheduling protocol --------------------------------------------------------------------------------
     @property
@@ -66,17 +67,18 @@ class ModelGroupScheduling:
         """True when nothing is queued and no worker has more than its last item left."""
         if not self.collection_is_completed or self.workqueue:
             return False
-        return all(_pending(units) < 2 for units in self.assigned_work.values())
+        return all(self._pending.get(node, 0) < 2 for node in self.assigned_work)
 
     @property
     def has_pending(self) -> bool:
         """True while any item is queued or running."""
-        return bool(self.workqueue) or any(_pending(units) for units in self.assigned_work.values())
+        return bool(self.workqueue) or any(self._pending.get(node, 0) for node in self.assigned_work)
 
     def add_node(self, node: Any) -> None:
         """A worker is ready: it will be given units."""
         assert node not in self.assigned_work
         self.assigned_work[node] = {}
+        self._pending[node] = 0
 
     def add_node_collection(self, node: Any, collection: Sequence[str]) -> None:
         """A worker's collection; a restarted worker's must match the first one's."""
@@ -89,7 +91,10 @@ class ModelGroupScheduling:
     def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
         """A worker finished one item: mark it, and give the worker its next unit when it runs low."""
         nodeid = self.registered_collections[node][item_index]
-        self.assigned_work[node][work_unit(nodeid)][nodeid] = True
+        unit = self.assigned_work[node][work_unit(nodeid)]
+        if not unit[nodeid]:
+            unit[nodeid] = True
+            self._pending[node] -= 1
         self._refill(node)
 
     def mark_test_pending(self, item: str) -> None:
@@ -109,6 +114,7 @@ class ModelGroupScheduling:
         """A worker went away. If it died mid-run, requeue its unfinished units, except the item it crashed on
         (xdist reports that one), and return that item."""
         units = self.assigned_work.pop(node)
+        self._pending.pop(node, None)
         pending = [nodeid for unit in units.values() for nodeid, done in unit.items() if not done]
         if not pending:
             return None
@@ -137,6 +143,7 @@ class ModelGroupScheduling:
             self.workqueue.setdefault(work_unit(nodeid), {})[nodeid] = False
         for unused in self.nodes[len(self.workqueue):]:  # more workers than units
             self.assigned_work.pop(unused)
+            self._pending.pop(unused, None)
             unused.shutdown()
         for node in self.nodes:
             self._assign(node)
@@ -150,7 +157,7 @@ class ModelGroupScheduling:
         if not self.workqueue:
             node.shutdown()
             return
-        if _pending(self.assigned_work[node]) <= _REFILL_AT:
+        if self._pending.get(node, 0) <= _REFILL_AT:
             self._assign(node)
 
     def _assign(self, node: Any) -> None:
@@ -160,6 +167,7 @@ class ModelGroupScheduling:
         name = self._next_unit(node)
         unit = self.workqueue.pop(name)
         self.assigned_work[node][name] = unit
+        self._pending[node] = self._pending.get(node, 0) + sum(1 for done in unit.values() if not done)
         positions = self._positions if self.registered_collections[node] == self.collection else {
             nodeid: index for index, nodeid in enumerate(self.registered_collections[node])}
         node.send_runtest_some([positions[nodeid] for nodeid, done in unit.items() if not done])
@@ -177,6 +185,3 @@ class ModelGroupScheduling:
                 return free
         return next(iter(self.workqueue))
 
-
-def _pending(units: dict[str, dict[str, bool]]) -> int:
-    return sum(1 for unit in units.values() for done in unit.values() if not done)
