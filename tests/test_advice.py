@@ -248,3 +248,13 @@ def test_a_fix_that_lowers_the_output_is_not_printed():
     assert not lowering.output_kept and lowering.gain("fc") == 5.0
     assert Trial(Fix("equalize", True, ()), (math.nan, math.nan), {}, {}, {}).output_kept  # no float output
     assert Trial(Fix("float_layers", [], ()), (30.0, 30.5), {"fc": (math.inf, math.inf)}, {}, {}).gain("fc") == 0.0
+
+
+def test_the_sqnr_fix_search_can_be_turned_off_for_big_models():
+    found, analysis = _run(wide_rows, _features(), quantizer="int8_per_tensor", checks=["sqnr", "weight_sqnr"],
+                           sqnr_min_db=45, weight_sqnr_min_db=45, layers=["layers.2"],
+                           check_options={"sqnr": {"fix": False}, "weight_sqnr": {"fix": False}})
+    assert found[("sqnr", "layers.2")].message.endswith("(no fix was measured: check_options={'sqnr': {'fix': "
+                                                         "False}}).")
+    assert "No fix was measured" in found[("weight_sqnr", "layers.2")].message
+    assert not analysis._variants  # no other configuration was measured

@@ -8,7 +8,7 @@ from typing import Any
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
-from .advice import Advice, equalize_fix, verify
+from .advice import Advice, Trial, equalize_fix, verify
 
 __all__ = ["EqualizationCheck", "EqualizationEquivalenceCheck", "equalization_advice", "equalize_all_advice",
            "input_weight_advice", "smoothing_advice"]
@@ -79,9 +79,8 @@ def equalization_advice(model: ModelContext, layers: list[str] | None = None, sm
     return Advice(first.first, None, (), first.min_gain, "own", notes)
 
 
-def _no_trial() -> Any:
-    from .advice import Trial
-
+def _no_trial() -> Trial:
+    """The trial of an advice that tried nothing."""
     return Trial(equalize_fix(None, ()), (math.nan, math.nan), {}, {}, {})
 
 
@@ -98,9 +97,9 @@ class EqualizationCheck(Check):
     """The SQNR gain of the best equalization method for each layer: input-weight equalization (sqrt balance,
     torch.ao's) or smoothing (SmoothQuant-style, searched alpha). The gain is the layer's own SQNR (float input,
     as in the shadow comparison) with the method against without it, measured in the model's one comparison pass.
-    A layer fails only when the fix it prints (equalize=[layers] or equalize='smooth:search') was measured on the
-    whole model to raise the layer's own SQNR by the minimum gain without lowering the output SQNR; otherwise
-    it passes with a note."""
+    A layer fails only when the fix it prints (equalize=[layers], equalize=True or equalize='smooth:search', the one
+    that raises the output most) was measured on the whole model to raise the layer's own SQNR by the minimum gain
+    without lowering the output SQNR; otherwise it passes with a note."""
 
     # the gain left on the table without equalization: more is worse
     name, order, metric, needs = "equalization", 80, "sqnr_gain_db", frozenset({"sqnr", "equalization"})

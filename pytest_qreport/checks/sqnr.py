@@ -100,7 +100,8 @@ class SqnrCheck(Check):
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         threshold, measured, results = model.settings.sqnr_min_db, model.analysis.sqnr.layers, []
-        fixes = measured_fixes(model, own_error_layers(measured, layers, threshold))
+        search = self.options.get("fix", True)  # check_options={'sqnr': {'fix': False}}: no fix is measured
+        fixes = measured_fixes(model, own_error_layers(measured, layers, threshold)) if search else None
         for layer in layers:
             entry = measured.get(layer)
             if entry is None:
@@ -108,7 +109,7 @@ class SqnrCheck(Check):
                 continue
             quantized = model.analysis.layer(layer)
             message = self.message(model, layer, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
-                                   entry.below_resolution, fixes.get(layer, []))
+                                   entry.below_resolution, None if fixes is None else fixes.get(layer, []))
             details = {"shadow_sqnr_db": entry.shadow_sqnr_db, "normalized_l2": entry.normalized_l2,
                        "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn,
                        "format": quantized.format}
@@ -119,7 +120,7 @@ class SqnrCheck(Check):
     def message(model: ModelContext, layer: str, value: float, threshold: float, shadow: float,
                 below_resolution: tuple = (), fixes: list[str] | None = None) -> str:
         """Explain a low propagated SQNR, telling inherited error from the layer's own, with the fixes measured
-        to help it (measured_fixes)."""
+        to help it (measured_fixes; None: none was searched)."""
         text = f"layer {layer}: SQNR {below(value, threshold)} (shadow SQNR {shadow:.1f} dB)."
         if below_resolution:
             return text + below_resolution_advice(model, layer, below_resolution)
@@ -127,6 +128,9 @@ class SqnrCheck(Check):
             return text + (" With float inputs the layer is fine: it inherits its error from upstream layers. "
                            "Fix the first failing layer upstream, or hide this layer from the checks with "
                            f"skip_layers=[{layer!r}].")
+        if fixes is None:
+            return text + (" The layer's own quantization error is too large (no fix was measured: "
+                           "check_options={'sqnr': {'fix': False}}).")
         if not fixes:
             return text + (" The layer's own quantization error is too large, and neither per-channel weights, a "
                            "clipping observer, nor keeping the failing layers in float was measured to raise it "
@@ -150,7 +154,8 @@ class WeightSqnrCheck(Check):
         failing = [layer for layer in layers if (entry := measured.get(layer)) is not None
                    and entry.weight_sqnr_db is not None and entry.weight_sqnr_db < threshold
                    and not any(limit.role == "weight" for limit in entry.below_resolution)]
-        fixes = measured_fixes(model, failing, kind="weight")
+        search = self.options.get("fix", True)  # check_options={'weight_sqnr': {'fix': False}}
+        fixes = measured_fixes(model, failing, kind="weight") if search else {}
         for layer in layers:
             entry = measured.get(layer)
             if entry is None or entry.weight_sqnr_db is None:
@@ -163,7 +168,8 @@ class WeightSqnrCheck(Check):
                 results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
                 continue
             found = fixes.get(layer, [])
-            advice = (" Measured fixes: " + "; or ".join(found) + "." if found else
+            advice = (" (No fix was measured: check_options={'weight_sqnr': {'fix': False}}.)" if not search else
+                      " Measured fixes: " + "; or ".join(found) + "." if found else
                       " Neither per-channel weights nor keeping it in float was measured to help without lowering "
                       f"the model's output SQNR: hide it from the checks with skip_layers=[{layer!r}], or lower "
                       "weight_sqnr_min_db.")
