@@ -60,6 +60,11 @@ class MLP(nn.Module):
         return self.layers(x)
 
 
+def seeded_mlp():
+    torch.manual_seed(0)
+    return MLP().eval()
+
+
 def wide_rows():
     torch.manual_seed(0)
     model = MLP().eval()
@@ -127,7 +132,7 @@ def test_outlier_heuristic_overruled_by_measurement_passes_with_a_note():
     batches = _features(3)
     for x in batches:
         x[5, 7] = 150.0  # rare spikes: clipping them costs more than the finer scale saves
-    found, analysis = _run(lambda: MLP().eval(), batches, checks=["outlier"], layers=["layers.0"])
+    found, analysis = _run(seeded_mlp, batches, checks=["outlier"], layers=["layers.0"])
     finding = found[("outlier", "layers.0")]
     assert finding.verdict == "pass" and finding.details["advised"] is False
     assert re.match(r"torch\.ao's outlier heuristic recommends a clipping \(histogram\) activation observer \(input "
@@ -258,3 +263,21 @@ def test_the_sqnr_fix_search_can_be_turned_off_for_big_models():
                                                          "False}}).")
     assert "No fix was measured" in found[("weight_sqnr", "layers.2")].message
     assert not analysis._variants  # no other configuration was measured
+
+
+def test_outlier_fix_is_printed_when_measured_to_help_and_works_when_pasted():
+    batches = _features(5)
+    for x in batches:
+        x[5, 7] = 10.0  # a moderate spike: clipping it costs less than the finer scale saves (+0.27 dB)
+    settings = {"checks": ["outlier", "sqnr"], "layers": ["layers.0"], "outlier_min_gain_db": 0.1}
+    found, before = _run(seeded_mlp, batches, **settings)
+    finding = found[("outlier", "layers.0")]
+    assert finding.verdict == "fail", finding.note
+    fix = _pasted(finding.message)
+    assert fix == {"layer_overrides": {"layers.0": {"activation_observer": "histogram"}}}
+    own_before, own_after, out_before, out_after = _claims(finding.message)
+    assert own_after - own_before >= 0.1 and out_after > out_before
+    again, after = _run(seeded_mlp, batches, **settings, **fix)
+    assert again[("outlier", "layers.0")].verdict == "pass"  # the layer's observer clips now
+    assert after.sqnr.layers["layers.0"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
+    assert _output_db(after) == pytest.approx(out_after, abs=0.005)
