@@ -117,13 +117,14 @@ def _max_relative_error(reference: fx.GraphModule, candidate: fx.GraphModule, ba
     return worst
 
 
-MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence"})
+MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence", "logits"})
 
 
 @dataclass(frozen=True)
 class AnalysisPlan:
     """What a model's analysis will be asked for, known before the first measurement, so that one calibration
-    pass and one comparison pass measure it all: the measurements (a subset of MEASUREMENTS: "equalization" adds
+    pass and one comparison pass measure it all: the measurements (a subset of MEASUREMENTS: "logits" compares the
+    output logits in the comparison pass, "equalization" adds
     each layer's equalization and smoothing variants to the comparison pass) and the detectors, by name, whose
     reports come from the shared calibration pass."""
 
@@ -293,6 +294,7 @@ class ModelAnalysis:
         original = not self.equalize_recipe
         planned = self.plan.equalization and original
         measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer,
+                                 logits="logits" in self.plan.measurements,
                                  detectors=dict(self.plan.detectors) if original else None,
                                  equalization_layers=self.equalizable_layers if planned else (),
                                  smoothing="search" if planned else None)
@@ -310,8 +312,11 @@ class ModelAnalysis:
     @property
     def logits(self) -> LogitsMeasurement:
         """KL, top-1 agreement and perplexity of the output logits over the calibration batches, from the
-        comparison pass (its `reason` says why not, for a model whose output is not logits)."""
-        return self.measurement.logits
+        comparison pass when the plan names "logits", else from a pass of their own (its `reason` says why not,
+        for a model whose output is not logits)."""
+        if "logits" in self.plan.measurements:
+            return self.measurement.logits
+        return self.logits_on(self.batches)
 
     @cached_property
     def quantized_gm(self) -> fx.GraphModule:

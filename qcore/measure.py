@@ -97,17 +97,18 @@ class ModelMeasurement:
     variants: Mapping[str, Mapping[str, VariantSqnr]]  # {layer: {method: VariantSqnr}}
     unmeasured: Mapping[str, str]  # {layer: why its variants could not be measured}
     smoothing: Mapping[str, Mapping[str, Any]]  # {layer: {"alpha", "producer", "producer_name"} | {"refused": why}}
-    logits: LogitsMeasurement = LogitsMeasurement(reason="not measured (propagate=False)")
+    logits: LogitsMeasurement = LogitsMeasurement(reason="not measured (measure_model(..., logits=True))")
     first_outputs: tuple[Any, ...] = ()  # the float outputs of batch 0 in calibration and in comparison
 
 
 def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
                   propagate: bool = True, detectors: Mapping[str, DetectorBase] | None = None,
-                  equalization_layers: Iterable[str] = (), smoothing: float | str | None = None) -> ModelMeasurement:
+                  equalization_layers: Iterable[str] = (), smoothing: float | str | None = None,
+                  logits: bool = False) -> ModelMeasurement:
     """Quantize a copy of `float_gm` on `batches` and measure it in one calibration and one comparison pass:
     per-layer and output SQNR (propagate=False: shadow SQNR only), the detectors' reports, the input-weight
-    equalization variant of `equalization_layers`, and the smoothing variant (alpha, or "search") of every
-    smoothable layer."""
+    equalization variant of `equalization_layers`, the smoothing variant (alpha, or "search") of every
+    smoothable layer, and with `logits` the output logits' KL, top-1 agreement and perplexity."""
     batches = list(batches)
     # one code generation for the quantizer's, the detectors' and the statistics' observers: below
     prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False),
@@ -169,15 +170,15 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
         # the unequalized layer's own SQNR over the same batches as its variants
         return lambda: baselines.update({v.layer: graph.shadows[v.layer].result() for v in variants})
 
-    logits = LogitsComparator() if propagate else None
+    comparator = LogitsComparator() if logits and propagate else None
     propagated, shadow_records = compare_propagated_and_shadow(
         float_gm, quant_gm, batches, own_quant_model=True, propagate=propagate, instrument=instrument if variants
-        else None, instrument_batches=variant_batches(len(batches)), keep_first_output=first_outputs, logits=logits)
+        else None, instrument_batches=variant_batches(len(batches)), keep_first_output=first_outputs, logits=comparator)
     shadows = {r["layer"]: r for r in shadow_records}
     measurement = sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits)
+    compared = comparator.result() if comparator is not None else ModelMeasurement.logits
     return ModelMeasurement(measurement, detector_reports, variant_results(variants, baselines, unmeasured),
-                            unmeasured, smoothed, logits.result() if logits is not None else ModelMeasurement.logits,
-                            tuple(first_outputs))
+                            unmeasured, smoothed, compared, tuple(first_outputs))
 
 
 def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, batches: list[Any],

@@ -11,7 +11,7 @@ import torchao  # noqa: F401 - imported once here: pytester runs in process and 
 from torch import nn
 
 import qcore
-from qcore.analysis import ModelAnalysis
+from qcore.analysis import AnalysisPlan, ModelAnalysis
 from qcore.inputs import call_model
 from qcore.numeric.logits import LogitsComparator, logits_leaf
 
@@ -71,13 +71,18 @@ def test_llama_output_gates_equal_a_direct_computation(llama):
 
 def test_the_comparison_pass_measures_the_logits_without_another_forward(llama, monkeypatch):
     model, batches = llama
-    analysis = ModelAnalysis(qcore.capture(model, batches[0]), qcore.Int8StaticQuantizer(), batches)
+    plan = AnalysisPlan(measurements=frozenset({"sqnr", "logits"}))  # what the output checks' needs ask for
+    analysis = ModelAnalysis(qcore.capture(model, batches[0]), qcore.Int8StaticQuantizer(), batches, plan=plan)
     runs = []
     original = LogitsComparator.update
     monkeypatch.setattr(LogitsComparator, "update", lambda self, *a: (runs.append(1), original(self, *a))[1])
     analysis.sqnr  # noqa: B018 - the one comparison pass
     assert len(runs) == len(batches) and analysis.logits.positions == 3 * 4 * 16
     assert "quantized_gm" not in vars(analysis)  # no standalone quantized model was built for it
+    # without "logits" in the plan the comparison pass skips them (trials, sqnr-only runs)
+    runs.clear()
+    ModelAnalysis(analysis.float_gm, qcore.Int8StaticQuantizer(), batches).sqnr  # noqa: B018
+    assert not runs
 
 
 class Regression(nn.Module):

@@ -29,7 +29,7 @@ def _where(model: ModelContext) -> str:
 class KlDivergenceCheck(Check):
     """Mean over output positions of KL(float || quantized) between the softmax of the output logits, in nats."""
 
-    name, order, metric, needs, higher_is_better = "kl_divergence", 31, "kl_nats", frozenset({"sqnr"}), False
+    name, order, metric, needs, higher_is_better = "kl_divergence", 31, "kl_nats", frozenset({"sqnr", "logits"}), False
     baseline_tolerance = 0.005
     settings = (Setting("kl_max_nats", non_negative("nats"), 0.02, "maximum mean KL(float || quantized) of the "
                         "output logits' softmax, in nats", metavar="NATS"),)
@@ -51,7 +51,7 @@ class KlDivergenceCheck(Check):
 class Top1AgreementCheck(Check):
     """The share of output positions whose argmax is the same for the float and the quantized model."""
 
-    name, order, metric, needs = "top1_agreement", 32, "agreement", frozenset({"sqnr"})
+    name, order, metric, needs = "top1_agreement", 32, "agreement", frozenset({"sqnr", "logits"})
     baseline_tolerance = 0.01
     settings = (Setting("top1_agreement_min", fraction(), 0.95, "minimum share of output positions whose argmax "
                         "the quantized model keeps", metavar="FRACTION"),)
@@ -73,8 +73,8 @@ class Top1AgreementCheck(Check):
 class PerplexityCheck(Check):
     """For causal LMs: how much higher the quantized model's next-token perplexity is than the float model's, in %."""
 
-    name, order, metric, needs, higher_is_better = "perplexity", 33, "perplexity_increase_pct", frozenset({"sqnr"}), \
-        False
+    name, order, metric, needs, higher_is_better = "perplexity", 33, "perplexity_increase_pct", \
+        frozenset({"sqnr", "logits"}), False
     baseline_tolerance = 0.5
     settings = (Setting("perplexity_max_increase_pct", non_negative("%"), 5.0, "maximum relative increase of the "
                         "next-token perplexity (causal LMs), in %", metavar="PCT"),)

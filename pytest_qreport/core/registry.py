@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MEASUREMENTS", "SEVERITIES", "Check", "CheckRegistry", "ModelContext", "Setting"]
 
-MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence"})
+MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence", "logits"})
 
 
 class ModelContext:
