@@ -152,10 +152,10 @@ def with_layer_overrides(quantizer: Quantizer, overrides: dict[str, dict]) -> Qu
         raise ValueError(f"{type(quantizer).__name__} has no layer_overrides; use qcore.Int8StaticQuantizer or a "
                          "quantizer that honours layer_overrides={glob: {...}}")
     merged = {**existing, **{glob: {**existing.get(glob, {}), **dict(change)} for glob, change in overrides.items()}}
-    if isinstance(quantizer, Int8StaticQuantizer):  # validates the merged keys
-        return Int8StaticQuantizer(quantizer.per_channel, quantizer.activation_observer, merged)
-    changed = copy.copy(quantizer)
+    changed = copy.copy(quantizer)  # a subclass stays itself
     setattr(changed, "layer_overrides", merged)  # noqa: B010 - any quantizer class that has the attribute
+    if isinstance(changed, Int8StaticQuantizer):
+        changed.validate_overrides()
     return changed
 
 
@@ -195,6 +195,10 @@ class Int8StaticQuantizer(Quantizer):
         self.per_channel = per_channel
         self.activation_observer = _activation_observer(activation_observer)
         self.layer_overrides = dict(layer_overrides or {})
+        self.validate_overrides()
+
+    def validate_overrides(self) -> None:
+        """ValueError naming an override key this quantizer does not know, or an unknown activation observer."""
         for pattern, override in self.layer_overrides.items():
             unknown = set(override) - self.OVERRIDE_KEYS if isinstance(override, dict) else {"(not a dict)"}
             if unknown:

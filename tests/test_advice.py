@@ -281,3 +281,18 @@ def test_outlier_fix_is_printed_when_measured_to_help_and_works_when_pasted():
     assert again[("outlier", "layers.0")].verdict == "pass"  # the layer's observer clips now
     assert after.sqnr.layers["layers.0"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
     assert _output_db(after) == pytest.approx(out_after, abs=0.005)
+
+
+def test_a_fix_keeps_a_quantizer_subclass_and_its_settings():
+    import qcore
+    from qcore.quantizer import with_layer_overrides
+    from qcore.sensitivity import with_float_layers
+
+    class Mine(qcore.Int8StaticQuantizer):
+        """A team's own quantizer: the measured fixes must measure it, not the base class."""
+
+    for changed in (with_layer_overrides(Mine(per_channel=False), {"fc": {"per_channel": True}}),
+                    with_float_layers(Mine(per_channel=False), ["fc"])):
+        assert type(changed) is Mine and changed.per_channel is False
+    with pytest.raises(ValueError, match="unknown key"):
+        with_layer_overrides(Mine(), {"fc": {"bogus": 1}})
