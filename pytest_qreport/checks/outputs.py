@@ -12,9 +12,9 @@ from typing import Any
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
-from ..core.schema import Setting, fraction, function, non_negative
+from ..core.schema import Setting, fraction, function, number
 
-__all__ = ["KlDivergenceCheck", "PerplexityCheck", "TaskMetricCheck", "Top1AgreementCheck"]
+__all__ = ["KlDivergenceCheck", "OutputCheck", "PerplexityCheck", "TaskMetricCheck", "Top1AgreementCheck"]
 
 
 def _skip(check: Check, model: ModelContext, threshold: float, why: str) -> Finding:
@@ -26,16 +26,20 @@ def _where(model: ModelContext) -> str:
     return "the eval_batches" if model.settings.eval_batches is not None else "the calibration batches"
 
 
-class KlDivergenceCheck(Check):
+class OutputCheck(Check):
+    """A check of the model's output: one item per model, named `output`."""
+
+    def layers(self, model: ModelContext) -> list[str]:
+        return ["output"]
+
+
+class KlDivergenceCheck(OutputCheck):
     """Mean over output positions of KL(float || quantized) between the softmax of the output logits, in nats."""
 
     name, order, metric, needs, higher_is_better = "kl_divergence", 31, "kl_nats", frozenset({"sqnr", "logits"}), False
     baseline_tolerance = 0.005
-    settings = (Setting("kl_max_nats", non_negative("nats"), 0.02, "maximum mean KL(float || quantized) of the "
-                        "output logits' softmax, in nats", metavar="NATS"),)
-
-    def layers(self, model: ModelContext) -> list[str]:
-        return ["output"]
+    settings = (Setting("kl_max_nats", number("nats", non_negative=True), 0.02, "maximum mean KL(float || "
+                        "quantized) of the output logits' softmax, in nats", metavar="NATS"),)
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         threshold, measured = model.settings.kl_max_nats, model.logits()
@@ -48,16 +52,13 @@ class KlDivergenceCheck(Check):
         return [self.finding(model, "output", measured.kl_nats, threshold, message=message, details=details)]
 
 
-class Top1AgreementCheck(Check):
+class Top1AgreementCheck(OutputCheck):
     """The share of output positions whose argmax is the same for the float and the quantized model."""
 
     name, order, metric, needs = "top1_agreement", 32, "agreement", frozenset({"sqnr", "logits"})
     baseline_tolerance = 0.01
     settings = (Setting("top1_agreement_min", fraction(), 0.95, "minimum share of output positions whose argmax "
                         "the quantized model keeps", metavar="FRACTION"),)
-
-    def layers(self, model: ModelContext) -> list[str]:
-        return ["output"]
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         threshold, measured = model.settings.top1_agreement_min, model.logits()
@@ -70,17 +71,14 @@ class Top1AgreementCheck(Check):
         return [self.finding(model, "output", measured.top1_agreement, threshold, message=message, details=details)]
 
 
-class PerplexityCheck(Check):
+class PerplexityCheck(OutputCheck):
     """For causal LMs: how much higher the quantized model's next-token perplexity is than the float model's, in %."""
 
     name, order, metric, needs, higher_is_better = "perplexity", 33, "perplexity_increase_pct", \
         frozenset({"sqnr", "logits"}), False
     baseline_tolerance = 0.5
-    settings = (Setting("perplexity_max_increase_pct", non_negative("%"), 5.0, "maximum relative increase of the "
-                        "next-token perplexity (causal LMs), in %", metavar="PCT"),)
-
-    def layers(self, model: ModelContext) -> list[str]:
-        return ["output"]
+    settings = (Setting("perplexity_max_increase_pct", number("%", non_negative=True), 5.0, "maximum relative "
+                        "increase of the next-token perplexity (causal LMs), in %", metavar="PCT"),)
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         threshold, measured = model.settings.perplexity_max_increase_pct, model.logits()
@@ -96,7 +94,7 @@ class PerplexityCheck(Check):
         return [self.finding(model, "output", increase, threshold, message=message, details=details)]
 
 
-class TaskMetricCheck(Check):
+class TaskMetricCheck(OutputCheck):
     """The user's own metric, `task_metric(model, batches) -> float` (higher is better), on the float and the
     quantized model: the item's value is the recovery, quantized / float."""
 
@@ -111,9 +109,6 @@ class TaskMetricCheck(Check):
 
     def applies(self, model: ModelContext) -> bool:
         return model.settings.task_metric is not None
-
-    def layers(self, model: ModelContext) -> list[str]:
-        return ["output"]
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         threshold, metric = model.settings.task_recovery_min, model.settings.task_metric

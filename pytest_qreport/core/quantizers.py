@@ -3,7 +3,6 @@ deployed formats by their compressed-tensors names (W8A8, W4A16, FP8, NVFP4, ...
 from __future__ import annotations
 
 import difflib
-import importlib
 from typing import Any
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 FORMAT_NAMES = ("W8A8", "W8A16", "W4A16", "W4A16_ASYM", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4",
                 "NVFP4A16")
 
-__all__ = ["BUILTIN_QUANTIZERS", "FORMAT_NAMES", "model_quantizer", "pytest_qreport_make_quantizer",
+__all__ = ["BUILTIN_QUANTIZERS", "FORMAT_NAMES", "import_attribute", "model_quantizer", "pytest_qreport_make_quantizer",
            "resolve_quantizer"]
 
 BUILTIN_QUANTIZERS: dict[str, dict[str, Any]] = {
@@ -45,16 +44,26 @@ def pytest_qreport_make_quantizer(name: str) -> Any:
     if name in FORMAT_NAMES:
         return qcore.FormatQuantizer(name)
     if ":" in name:
-        module_name, _, attribute = name.partition(":")
         try:
-            target = getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"quantizer {name!r}: cannot import it ({error})") from error
+            target = import_attribute(name)
+        except ValueError as error:
+            raise ValueError(f"quantizer {name!r}: {error}") from error.__cause__
         made = _instance(target)
         if made is None:
             raise ValueError(f"quantizer {name!r} is neither a qcore.Quantizer nor a factory of one")
         return made
     return None
+
+
+def import_attribute(spec: str) -> Any:
+    """The object 'module:attribute' names; ValueError saying why it cannot be imported."""
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"cannot import {spec} ({error})") from error
 
 
 def resolve_quantizer(spec: Any, hook: Any) -> Any:

@@ -75,17 +75,22 @@ class Setting:
 
 
 # -- parsers -----------------------------------------------------------------------------------------------------
-def decibels(non_negative: bool = False) -> Parser:
-    """A number of dB (not NaN; optionally not negative)."""
+def number(unit: str, non_negative: bool = False) -> Parser:
+    """A number of `unit` (not NaN; optionally not negative)."""
     def parse(value: Any, checks: Sequence[str]) -> float:
         try:
-            number = float(value)
+            parsed = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"must be a number of dB, got {value!r}") from None
-        if math.isnan(number) or (non_negative and number < 0):
-            raise ValueError(f"must be a {'non-negative ' if non_negative else ''}number of dB, got {value!r}")
-        return number
+            raise ValueError(f"must be a number of {unit}, got {value!r}") from None
+        if math.isnan(parsed) or (non_negative and parsed < 0):
+            raise ValueError(f"must be a {'non-negative ' if non_negative else ''}number of {unit}, got {value!r}")
+        return parsed
     return parse
+
+
+def decibels(non_negative: bool = False) -> Parser:
+    """A number of dB (not NaN; optionally not negative)."""
+    return number("dB", non_negative)
 
 
 def fraction() -> Parser:
@@ -101,29 +106,12 @@ def fraction() -> Parser:
     return parse
 
 
-def non_negative(unit: str) -> Parser:
-    """A number >= 0 (not NaN) in `unit`."""
-    def parse(value: Any, checks: Sequence[str]) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"must be a number of {unit}, got {value!r}") from None
-        if math.isnan(number) or number < 0:
-            raise ValueError(f"must be a non-negative number of {unit}, got {value!r}")
-        return number
-    return parse
-
-
 def function(value: Any, checks: Sequence[str]) -> Any:
     """A callable (in qmodel), or 'module:attribute' naming one."""
     if isinstance(value, str) and ":" in value:
-        import importlib
+        from .quantizers import import_attribute
 
-        module_name, _, attribute = value.partition(":")
-        try:
-            value = getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"cannot import {module_name}:{attribute} ({error})") from None
+        value = import_attribute(value)
     if not callable(value):
         raise ValueError(f"must be a function fn(model, batches) -> float, or 'module:attribute' naming one; got "
                          f"{value!r}")
