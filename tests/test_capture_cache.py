@@ -101,12 +101,12 @@ def test_on_a_cold_cache_under_xdist_each_model_is_captured_once_by_the_worker_t
     conftest.write_text(conftest.read_text() + BROKEN)
     result = pytester.runpytest_subprocess("--qreport", "-n", "2", "-p", "xdist", "-v")
     result.assert_outcomes(passed=10, errors=1)  # the workers agree on every item id, the failed capture's too
-    # tiny and other at collection by their owners (gw0 and gw1), who then analyse them; broken's owner could
-    # not capture it, so the other worker tried too, to report the same error
+    # tiny and other at collection by the worker that claimed each, which then analyses it; broken's claimant
+    # could not capture it, so the other worker tried too, to report the same error
     assert _captures(pytester) == ["broken", "broken", "other", "tiny"]
     assert "this forward always fails" in result.stdout.str()
     workers = {line.split("]")[0] for line in result.outlines if "PASSED" in line and "::qreport/" in line}
-    assert len(workers) == 2  # one model each: the ownership spreads the models over the workers
+    assert len(workers) == 2  # the claims and the scheduler spread the models over the workers
 
 
 def test_a_changed_model_is_captured_again_and_its_new_layers_are_items(pytester):

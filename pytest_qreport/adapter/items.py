@@ -60,14 +60,11 @@ class QReportFile(pytest.File):
         declarations = declarations_in(self.module)
         first = session.declared_models  # the session-wide index of this file's first model (the same in every worker)
         session.declared_models += len(declarations)
-        rendezvous = session.capture_rendezvous
-        # under xdist, capture the models this worker owns before waiting for the others' layer lists
-        for index in sorted(range(len(declarations)), key=lambda i: not (rendezvous and rendezvous.owns(first + i))):
-            try:
-                self._collect(declarations[index], first + index, registry)
-            finally:
-                if rendezvous is not None and rendezvous.owns(first + index):
-                    rendezvous.mark_done(first + index)
+        # under xdist, capture the models this worker claims, then take the others' layer lists (see rendezvous)
+        awaited = [(index, declaration) for index, declaration in enumerate(declarations)
+                   if self._collect(declaration, first + index, registry) is not None]
+        for index, declaration in awaited:
+            self._collect(declaration, first + index, registry, wait=True)
         for declaration in declarations:
             yield from self._items(declaration)
 
@@ -88,30 +85,51 @@ class QReportFile(pytest.File):
             yield make(self, name=item_name(declaration.name, "baseline"), callobj=qreport_check, model_key=key,
                        check="baseline", layer="", declared_line=declaration.line)
 
-    def _collect(self, declaration: ModelDeclaration, index: int, registry) -> None:
-        """Collect the model of `declaration` into the session's models, unless a declaration of it came first."""
+    def _collect(self, declaration: ModelDeclaration, index: int, registry,
+                 wait: bool = False) -> ModelPipeline | None:
+        """Collect the model of `declaration` into the session's models, unless a declaration of it came first.
+        Under xdist, a model another worker claimed is left for a second call with `wait`: returns its
+        pipeline, still declared, with its cache key."""
         session = self.config.stash[STATE_KEY]
         key = (str(self.path), declaration.name)
         if key in session.models:
-            return
+            return None
+        if wait and self._recall_awaited(key, index):
+            return None
         problem = model_name_problem(declaration.name)
         if problem:
             session.models[key] = ModelPipeline(declaration.name).collection_failed(
                 f"model {declaration.name!r} of {self.path}: {problem}")
-            return
+            return None
         path = str(baseline_path(self.path.parent, declaration.name, session.settings["baseline"]["dir"]))
-        sharing = next((k[0] for k, m in session.models.items() if m.baseline_path == path), None)
+        known = [*session.models.items(), *session.awaited.items()]
+        sharing = next((k[0] for k, m in known if m.baseline_path == path), None)
         if sharing:
             pipeline = ModelPipeline(declaration.name).collection_failed(
                 f"model {declaration.name!r} of {self.path} and the model of the same name in {sharing} would "
                 f"share the baseline file {path} (--qreport-baseline-dir); give one of them qmodel(name='...')")
         else:
-            pipeline = self._collect_model(declaration, index, registry, session.settings)
+            pipeline = self._collect_model(declaration, index, registry, session.settings, claim=not wait)
         pipeline.baseline_path = path
+        if pipeline.stage is Stage.DECLARED:
+            session.awaited[key] = pipeline
+            return pipeline
         session.models[key] = pipeline
+        return None
+
+    def _recall_awaited(self, key: tuple[str, str], index: int) -> bool:
+        """Take the layer list the worker that claimed the model stored; False when none came (capture it here)."""
+        session = self.config.stash[STATE_KEY]
+        awaited = session.awaited.pop(key)
+        entry = session.capture_rendezvous.wait(awaited.cache_key, index, session.layer_cache)
+        if entry is None:
+            return False
+        session.models[key] = awaited.recalled(awaited.settings, awaited.quantizer, entry["items"],
+                                               entry.get("capture", {}), awaited.cache_key)
+        return True
 
     def _collect_model(self, declaration: ModelDeclaration, index: int, registry,
-                       session_settings) -> ModelPipeline:
+                       session_settings, claim: bool = True) -> ModelPipeline:
         """Resolve settings, quantizer and fixtures, capture, and list items; any error lands on the model."""
         name = declaration.name
         try:
@@ -127,30 +145,35 @@ class QReportFile(pytest.File):
             # the model's fixtures may compute (BatchNorm settling, training): same thread count as the analysis
             with torch_threads(session_settings["threads"]), self._fixtures_at_collection(name, names) as values:
                 example = self._example_inputs(settings, values.__getitem__)
-                return self._collect_or_recall(name, index, settings, registry, quantizer, values[name], example)
+                return self._collect_or_recall(name, index, settings, registry, quantizer, values[name], example,
+                                               claim)
         except pytest.skip.Exception as skipped:
             return ModelPipeline(name).skipped(f"model {name!r}: {skipped.msg}")
         except Exception as error:  # noqa: BLE001 - reported on the model's item
             return ModelPipeline(name).collection_failed(explain(name, "capture/set-up", error), error)
 
     def _collect_or_recall(self, name: str, index: int, settings, registry, quantizer, model: Any,
-                           example: Any) -> ModelPipeline:
+                           example: Any, claim: bool = True) -> ModelPipeline:
         """The model's items from the layer cache, to capture at its analysis; or capture it now and cache them.
-        Under xdist, a worker that does not own the model waits for its owner's entry (see xdist.rendezvous)."""
+        Under xdist, a model another worker claimed comes back declared, to wait for (see xdist.rendezvous)."""
         session = self.config.stash[STATE_KEY]
         cache, key, rendezvous = session.layer_cache, None, session.capture_rendezvous
         if cache.directory is not None and hasattr(model, "modules"):
             key = model_cache_key(model, example, str(self.path), settings, registry.checks(), quantizer)
             entry = cache.load(key)
-            if entry is None and rendezvous is not None and not rendezvous.owns(index):
-                entry = rendezvous.wait(key, index, cache)
             if entry is not None:
                 return ModelPipeline(name).recalled(settings, quantizer, entry["items"], entry.get("capture", {}), key)
-        pipeline = collect_model(name, settings, registry, quantizer, model, example)
-        if key is not None:
-            cache.store(key, pipeline.items, pipeline.capture)
-        if rendezvous is not None:
-            rendezvous.mark_captured(model_scope(self.nodeid, name))
+            if rendezvous is not None and claim and not rendezvous.claim(index):
+                return ModelPipeline(name, settings=settings, quantizer=quantizer, cache_key=key)
+        try:
+            pipeline = collect_model(name, settings, registry, quantizer, model, example)
+            if key is not None:
+                cache.store(key, pipeline.items, pipeline.capture)
+            if rendezvous is not None:
+                rendezvous.mark_captured(model_scope(self.nodeid, name))
+        finally:
+            if rendezvous is not None and claim:
+                rendezvous.mark_done(index)  # captured, or failed: a waiter stops waiting either way
         return pipeline
 
     @staticmethod
@@ -228,6 +251,7 @@ class QReportItem(pytest.Function):
             self._capture_recalled(pipeline, cast(pytest.FixtureRequest, self.funcargs["request"]))
         if pipeline.stage is Stage.COLLECTED:
             self._analyze(pipeline, cast(pytest.FixtureRequest, self.funcargs["request"]))
+            pipeline.release()
         if pipeline.failed:
             self._record_error(pipeline.error)
             raise QReportModelError(pipeline.error) from pipeline.error_cause

@@ -47,6 +47,7 @@ class SessionState:
     layer_cache: LayerCache = field(default_factory=lambda: LayerCache(None))
     capture_rendezvous: CaptureRendezvous | None = None  # xdist worker: who captures which model at collection
     declared_models: int = 0  # models declared in the conftest files collected so far
+    awaited: dict = field(default_factory=dict)  # (conftest path, model name) -> pipeline another worker captures
 
     def refresh_registry(self) -> CheckRegistry:
         """Ask every plugin and conftest.py loaded so far to register its checks (idempotent)."""
@@ -89,12 +90,13 @@ class RowCollector:
                 self.expected.add(nodeid)
 
     def add(self, nodeid: str, payload: dict[str, Any]) -> None:
-        """The rows one test reported: {"file": conftest or test file, "rows": [{"row": ..., "model": ...}]}."""
+        """The rows one test reported: {"file": conftest or test file, "rows": [{"row": ..., "model": ...}]};
+        "model" is None where the process sent the same facts with an earlier row."""
         item = self.order.get(nodeid, len(self.order))
         for index, entry in enumerate(payload["rows"]):
             row = Finding.from_dict(entry["row"])
             self.rows.append((RowKey(item, index), payload["file"], row))
-            facts = ModelFacts.from_dict(entry["model"])
+            facts = ModelFacts.from_dict(entry["model"]) if entry.get("model") else ModelFacts(row.model)
             key = (payload["file"], facts.name)
             self.facts[key] = self.facts[key].merged(facts) if key in self.facts else facts
         self.reported.add(nodeid)
@@ -141,6 +143,7 @@ class QReportSession:
         self.state = SessionState(config)
         self.rows = RowCollector()
         self._reported = False  # reports are written once, from the terminal summary or at session finish
+        self._facts_sent: dict[tuple[str, str], dict[str, Any]] = {}  # model key -> the facts its rows last sent
         config.stash[STATE_KEY] = self.state
 
     def start(self) -> None:
@@ -212,7 +215,12 @@ class QReportSession:
         row = getattr(item, "qreport_row", None)
         if row is not None and (call.when == "call" or (call.when == "setup" and report.failed)):
             row = row.replace(nodeid=item.nodeid, duration=float(report.duration))
-            report.qreport = {"file": file, "rows": [{"row": row.to_dict(), "model": item.model_facts().to_dict()}]}
+            facts = item.model_facts().to_dict()
+            if self._facts_sent.get(item.model_key) == facts:
+                facts = None  # the controller has them from an earlier row of this process: 7,000 rows, 19 models
+            else:
+                self._facts_sent[item.model_key] = facts
+            report.qreport = {"file": file, "rows": [{"row": row.to_dict(), "model": facts}]}
         return report
 
     def pytest_collection_finish(self, session) -> None:

@@ -105,6 +105,12 @@ class ModelPipeline:
             return
         self.context, self.capture = fresh.context, fresh.capture
 
+    def release(self) -> None:
+        """Drop the captured graphs and the analysis once the findings are known (items read nothing else): the
+        process then holds one model's graphs at a time, not every model's until it exits."""
+        if self.stage is not Stage.COLLECTED:
+            self.context = None
+
     @property
     def needs_capture(self) -> bool:
         """True for a model collected from the layer cache and not captured yet in this process."""

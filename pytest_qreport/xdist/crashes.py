@@ -14,6 +14,9 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ..core.nodeids import parse_item_nodeid
+from .durations import UnitDurations, work_unit
+
 __all__ = ["CRASH_DIR_KEY", "XdistController", "analysis_guard", "capture_dir", "crashed_message", "previous_crash"]
 
 CRASH_DIR_KEY = "qreport_crash_dir"
@@ -93,6 +96,7 @@ class XdistController:
         self.crash_dir = tempfile.mkdtemp(prefix="pytest-qreport-")
         os.mkdir(os.path.join(self.crash_dir, "captures"))
         self.collected = collected
+        self.durations = UnitDurations()
 
     def pytest_configure_node(self, node) -> None:
         """Tell every worker (restarted ones too) where the markers live."""
@@ -109,6 +113,14 @@ class XdistController:
         from .scheduling import ModelGroupScheduling
 
         return ModelGroupScheduling(config, log, capture_dir({CRASH_DIR_KEY: self.crash_dir}))
+
+    def pytest_runtest_logreport(self, report) -> None:
+        """Time each model's unit, for the next run's scheduling."""
+        if parse_item_nodeid(report.nodeid) is not None:
+            self.durations.add(work_unit(report.nodeid), report.duration)
+
+    def pytest_sessionfinish(self, session) -> None:
+        self.durations.save(session.config)
 
     def pytest_unconfigure(self) -> None:
         shutil.rmtree(self.crash_dir, ignore_errors=True)

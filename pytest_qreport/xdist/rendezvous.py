@@ -1,10 +1,12 @@
 """Cold-cache collection under pytest-xdist: each model is captured by one worker, the others read its layers.
 
-Every worker collects the same models in the same order. The n-th model declared in the session belongs to
-worker gw{n mod workers}. Within each conftest.py a worker first captures the models it owns and stores their
-layer lists in the layer cache, then waits for the other models' entries. The owner marks each of its models
-done (captured or not), so a waiter whose entry never comes (the capture failed, the owner computed another
-key) captures the model itself; it does the same when the owner's process has died, or after `WAIT_LIMIT`.
+Every worker collects the same models in the same order. Within each conftest.py a worker goes through the
+models, and for each one without a layer-cache entry it claims the model (one file created exclusively: the
+first worker to get there owns it) and captures it, or, when another worker claimed it first, leaves it for
+later. Workers thus share the captures by how long each takes, not by a fixed rule. Then it waits for the
+entries of the models it left. The owner marks each claimed model done (captured or not), so a waiter whose
+entry never comes (the capture failed, the owner computed another key) captures the model itself; it does the
+same when the owner's process has died, or after `WAIT_LIMIT`.
 
 Each worker also records which models it captured; ModelGroupScheduling gives a model's items to that worker,
 so the process that captured a model at collection is the one that analyses it.
@@ -60,13 +62,26 @@ class CaptureRendezvous:
         if fcntl is not None:
             fcntl.flock(self._alive_handle, fcntl.LOCK_EX)
 
-    def owner(self, index: int) -> str:
-        """The worker that captures the session's `index`-th declared model."""
-        return f"gw{index % self.worker_count}"
+    def claim(self, index: int) -> bool:
+        """Claim the session's `index`-th declared model for this worker to capture; False when another worker
+        claimed it first (True again for a model this worker holds)."""
+        path = self.run_dir / f"claim-{index}"
+        try:
+            handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return self.owner(index) == self.worker_id
+        try:
+            os.write(handle, self.worker_id.encode())
+        finally:
+            os.close(handle)
+        return True
 
-    def owns(self, index: int) -> bool:
-        """True when this worker captures the `index`-th declared model."""
-        return self.owner(index) == self.worker_id
+    def owner(self, index: int) -> str | None:
+        """The worker that claimed the `index`-th model (None before anyone has, or while its id is written)."""
+        try:
+            return (self.run_dir / f"claim-{index}").read_text(encoding="utf-8") or None
+        except OSError:
+            return None
 
     def mark_done(self, index: int) -> None:
         """The owner has finished with the `index`-th model: its entry is stored, or never will be."""
@@ -78,12 +93,14 @@ class CaptureRendezvous:
 
     def wait(self, key: str, index: int, cache: LayerCache, poll: float = 0.02) -> dict[str, Any] | None:
         """The entry the owner stores for `key`, or None once it will not come (then capture the model yourself)."""
-        owner, deadline = self.owner(index), time.monotonic() + WAIT_LIMIT
+        deadline = time.monotonic() + WAIT_LIMIT
         done = self.run_dir / f"done-{index}"
         while True:
             finished = done.exists()  # before the load: an entry stored just before the marker is then seen
             entry = cache.load(key)
-            if entry is not None or finished or not self._alive(owner) or time.monotonic() > deadline:
+            owner = self.owner(index)
+            if (entry is not None or finished or (owner is not None and not self._alive(owner))
+                    or time.monotonic() > deadline):
                 return entry
             time.sleep(poll)
 

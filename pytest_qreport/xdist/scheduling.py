@@ -4,8 +4,10 @@ private xdist method.
 
 Work units: all items of one model form one unit, so one worker analyses each model and a model that kills its
 worker is not retried on the next one. Other tests keep xdist's rules: those with an `@group` suffix (--dist
-loadgroup) form one unit per group, and every other test is a unit of its own (--dist load). A worker is given
-the models it captured at collection first (see rendezvous), then units nobody alive captured, then the rest.
+loadgroup) form one unit per group, and every other test is a unit of its own (--dist load). Units are queued
+longest first (the seconds the last run took, see durations; else by items), so that the last unit to finish is
+a short one and no worker waits long on another at the end. A worker is given its longest model captured at
+collection first (see rendezvous), then the longest unit nobody alive captured, then the longest of the rest.
 
 Node ids come from the workers' collections; xdist_group marks do not reach them under pytest 9.2 (pytest-xdist
 issue 1386), which is why qreport items are grouped by the model their node id names.
@@ -18,22 +20,12 @@ from typing import Any
 
 from xdist.workermanage import parse_tx_spec_config
 
-from ..core.nodeids import model_scope, parse_item_nodeid
+from .durations import UnitDurations, estimated_seconds, work_unit
 from .rendezvous import captured_by
 
 __all__ = ["ModelGroupScheduling", "work_unit"]
 
 _REFILL_AT = 2  # a worker with at most this many pending items gets its next unit (xdist's loadscope heuristic)
-
-
-def work_unit(nodeid: str) -> str:
-    """The unit a test belongs to: its model for a qreport item, its `@group` for a grouped test, else itself."""
-    parsed = parse_item_nodeid(nodeid)
-    if parsed is not None:
-        return model_scope(parsed[0], parsed[1])
-    if "@" in nodeid:
-        return "@" + nodeid.rsplit("@", 1)[1]
-    return nodeid
 
 
 class ModelGroupScheduling:
@@ -139,8 +131,12 @@ class ModelGroupScheduling:
             return
         self.collection = list(collections[0])
         self._positions = {nodeid: index for index, nodeid in enumerate(self.collection)}
+        units: dict[str, dict[str, bool]] = {}
         for nodeid in self.collection:
-            self.workqueue.setdefault(work_unit(nodeid), {})[nodeid] = False
+            units.setdefault(work_unit(nodeid), {})[nodeid] = False
+        recorded = UnitDurations.recorded(self.config)
+        seconds = estimated_seconds({name: len(unit) for name, unit in units.items()}, recorded)
+        self.workqueue.update(sorted(units.items(), key=lambda unit: -seconds[unit[0]]))  # stable: ties keep order
         for unused in self.nodes[len(self.workqueue):]:  # more workers than units
             self.assigned_work.pop(unused)
             self._pending.pop(unused, None)
