@@ -174,6 +174,7 @@ class ModelAnalysis:
         self._fixes: dict[tuple, Any] = {}
         self._variants: dict[str, ModelAnalysis] = {}
         self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
+        self._keeps_graphs = True  # a variant drops its equalized graph once measured (a copy of the weights)
 
     def planned(self, plan: AnalysisPlan) -> ModelAnalysis:
         """The same model's analysis, to measure what `plan` names in one calibration and one comparison pass
@@ -190,6 +191,7 @@ class ModelAnalysis:
         if key not in self._variants:
             self.require_deterministic()
             self._variants[key] = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe)
+            self._variants[key]._keeps_graphs = False
         return self._variants[key]
 
     @property
@@ -302,6 +304,8 @@ class ModelAnalysis:
                 len(measured.first_outputs) == 2 and outputs_agree(self.float_gm, *measured.first_outputs):
             self._nondeterminism = None  # calibration and comparison ran batch 0 alike: no extra runs
         self.require_deterministic()  # otherwise two runs (four to name the node where they differ)
+        if not self._keeps_graphs:
+            self.__dict__.pop("quantized_input_gm", None)  # built again if asked for
         return dataclasses.replace(measured, first_outputs=())  # a batch of outputs is not worth keeping
 
     @cached_property

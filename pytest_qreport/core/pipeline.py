@@ -20,7 +20,7 @@ from .findings import Finding
 from .judge import compare_with_baseline
 from .registry import Check, CheckRegistry, ModelContext
 from .results import ModelFacts
-from .runtime import garbage_collection_paused, quiet_torch_trace_log, torch_threads
+from .runtime import quiet_torch_trace_log, torch_threads, young_garbage_collection
 from .settings import ModelSettings
 
 __all__ = ["ModelPipeline", "Stage", "collect_model", "fingerprint", "format_refusal_message", "select_layers"]
@@ -148,7 +148,7 @@ class ModelPipeline:
         if resolve is not None:
             self.context.resolve = resolve
         try:
-            with torch_threads(threads), garbage_collection_paused(), quiet_torch_trace_log():
+            with torch_threads(threads), young_garbage_collection(), quiet_torch_trace_log():
                 found = self._measure(batches, modify, threads)
         except Exception as error:  # noqa: BLE001 - reported on every item of the model
             self.analysis_failed(explain(self.name, "calibration/analysis", error), error)

@@ -1,4 +1,5 @@
-"""How an analysis runs in this process: on a fixed number of torch threads, without the cyclic garbage collector."""
+"""How an analysis runs in this process: on a fixed number of torch threads, with the cyclic garbage collector on its
+own objects only."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +9,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
-__all__ = ["garbage_collection_paused", "quiet_torch_trace_log", "torch_threads"]
+__all__ = ["quiet_torch_trace_log", "torch_threads", "young_garbage_collection"]
 
 
 @contextlib.contextmanager
@@ -25,19 +26,22 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def garbage_collection_paused() -> Iterator[None]:
-    """Run the block without Python's cyclic garbage collector, then free what it left and return freed heap to
-    the system. An analysis builds many graph objects: full collections over every object of the session would
-    cost more than the analysis itself. Graph modules are reference cycles, so what the block discarded is all
-    young, and one young-generation collection frees it."""
-    enabled = gc.isenabled()
-    gc.disable()
+def young_garbage_collection() -> Iterator[None]:
+    """Run the block with Python's cyclic garbage collector looking at the objects the block makes only: everything
+    older is frozen (gc.freeze) for its duration, then thawed, and the heap's free pages go back to the system.
+    An analysis builds and drops many graphs, which are reference cycles: left to accumulate they hold a copy of
+    the weights each (an LLM's trials ran out of memory), while full collections over every object of the session
+    would cost more than the analysis of a small model."""
+    frozen = gc.isenabled()
+    if frozen:
+        gc.collect(1)  # what is garbage now is not kept alive for the block's duration
+        gc.freeze()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
-        gc.collect(1)
+        if frozen:
+            gc.unfreeze()
+            gc.collect(1)
         _trim_heap()
 
 

@@ -1,0 +1,115 @@
+"""Peak RSS of `pytest --qreport` on one Llama (transformers.LlamaConfig, random seeded weights) against the bytes
+of its parameters.
+
+Writes a throwaway repository whose conftest.py declares the model with 3 calibration batches of 2 x 64 tokens,
+runs `pytest --qreport` on it in a fresh process, and prints the parameter bytes, the run's peak RSS and wall
+time, and the peak over the parameter bytes. The allowance (what a run holds besides the model: torch,
+transformers, pytest, torch.export's machinery) is the peak of the same run on the "micro" config (0.3 MB of
+weights). Run:
+
+    python benchmarks/bench_memory.py [--size 0.5b|1b|tiny|micro] [--dtype float32|bfloat16] [--checks sqnr,model_sqnr]
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary
+    "micro": (64, 128, 2, 4, 2, 256),  # weights of 0.3 MB: its run's peak is the allowance
+    "tiny": (256, 688, 4, 8, 8, 4096),
+    "0.5b": (1024, 2816, 14, 16, 16, 32000),
+    "1b": (2048, 5632, 16, 32, 8, 32000),
+}
+
+MODEL = '''
+import torch
+import transformers
+
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCABULARY = {size}
+
+
+def build():
+    config = transformers.LlamaConfig(vocab_size=VOCABULARY, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, max_position_embeddings=128, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(torch.{dtype}).eval()
+
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [{{"input_ids": torch.randint(0, VOCABULARY, (2, 64), generator=g)}} for _ in range(3)]
+'''
+
+CONFTEST = '''
+import pytest
+from pytest_qreport import qmodel
+from llama_model import batches as make_batches, build
+
+
+@pytest.fixture
+def batches():
+    return make_batches()
+
+
+@qmodel(calibration="batches", checks={checks})
+def llama():
+    return build()
+'''
+
+WEIGHTS = '''
+from llama_model import build
+print(sum(p.numel() * p.element_size() for p in build().parameters()))
+'''
+
+
+def child_peak(command: list[str], cwd: pathlib.Path) -> tuple[float, float, str]:
+    """Peak RSS in bytes and wall seconds of one child process, and its output."""
+    start = time.perf_counter()
+    wrapper = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+               "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); "
+               "sys.exit(done.returncode)")
+    done = subprocess.run([sys.executable, "-c", wrapper, *command], cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    peak = float(re.findall(r"PEAK (\d+)", done.stdout)[-1])
+    return peak, wall, done.stdout + done.stderr
+
+
+def measure(root: pathlib.Path, size: str, dtype: str, checks: str) -> tuple[float, float, float, str]:
+    """Parameter bytes, peak RSS, wall seconds and summary line of one `pytest --qreport` run on a Llama."""
+    (root / "llama_model.py").write_text(MODEL.format(size=SIZES[size], dtype=dtype))
+    (root / "conftest.py").write_text(CONFTEST.format(checks=repr(checks.split(",")) if checks else "None"))
+    (root / "pytest.ini").write_text("[pytest]\n")
+    weights = float(subprocess.run([sys.executable, "-c", WEIGHTS], cwd=root, capture_output=True, text=True,
+                                   check=True).stdout)
+    peak, wall, output = child_peak([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:randomly",
+                                     "-p", "no:cacheprovider"], root)
+    summary = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    return weights, peak, wall, summary[-1] if summary else output[-1500:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="0.5b")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--checks", default="", help="comma-separated checks (default: all of the defaults)")
+    parser.add_argument("--keep", help="write the repository here and keep it")
+    options = parser.parse_args()
+    root = pathlib.Path(options.keep or tempfile.mkdtemp(prefix="qreport-memory-"))
+    root.mkdir(parents=True, exist_ok=True)
+    _, allowance, _, _ = measure(root, "micro", options.dtype, options.checks)
+    weights, peak, wall, summary = measure(root, options.size, options.dtype, options.checks)
+    print(f"allowance (peak RSS of the same run on a 0.3 MB model): {allowance / 1e9:.2f} GB")
+    print(f"Llama {options.size} in {options.dtype}: parameters {weights / 1e9:.2f} GB; pytest --qreport: peak "
+          f"{peak / 1e9:.2f} GB in {wall:.1f} s ({summary})")
+    print(f"peak / parameter bytes: {peak / weights:.2f}x; (peak - allowance) / parameter bytes: "
+          f"{(peak - allowance) / weights:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
