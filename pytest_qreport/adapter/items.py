@@ -18,6 +18,7 @@ from ..core.errors import QReportCheckFailed, QReportError, QReportModelError
 from ..core.explain import error_finding, explain
 from ..core.findings import Finding
 from ..core.layer_cache import model_cache_key
+from ..core.memory import MemoryLedger, estimated_analysis_bytes, over_budget_message
 from ..core.nodeids import item_name, model_scope
 from ..core.numbers import printable
 from ..core.pipeline import ModelPipeline, Stage, collect_model
@@ -269,8 +270,17 @@ class QReportItem(pytest.Function):
         if crashed:
             pipeline.analysis_failed(crashed_message(pipeline.name, crashed))
             return
+        assert pipeline.context is not None
+        budget = settings["memory_budget"] or self.config.stash[STATE_KEY].memory_available
+        weights, estimate = estimated_analysis_bytes(pipeline.context.analysis.float_gm)
+        if budget is not None and estimate > budget:
+            pipeline.analysis_failed(over_budget_message(pipeline.name, weights, estimate, budget,
+                                                         given=settings["memory_budget"] is not None))
+            return
+        reserved = (MemoryLedger(crash_dir).reserved("::".join(self.model_key), estimate, budget)
+                    if crash_dir and budget is not None else contextlib.nullcontext())
         hook = self.ihook
-        with analysis_guard(crash_dir, self.model_key, worker_id):
+        with analysis_guard(crash_dir, self.model_key, worker_id), reserved:
             pipeline.analyze(lambda: self._calibration_batches(pipeline, request),
                              lambda found: hook.pytest_qreport_modify_findings(model=pipeline.name, findings=found),
                              threads=settings["threads"], baseline=settings["baseline"],

@@ -12,6 +12,7 @@ from ..core.errors import QReportError, ReportError
 from ..core.explain import error_finding
 from ..core.findings import Finding, RunOutcome
 from ..core.layer_cache import LayerCache
+from ..core.memory import available_memory
 from ..core.nodeids import parse_item_nodeid
 from ..core.numbers import printable
 from ..core.quantizers import resolve_quantizer
@@ -48,6 +49,7 @@ class SessionState:
     capture_rendezvous: CaptureRendezvous | None = None  # xdist worker: who captures which model at collection
     declared_models: int = 0  # models declared in the conftest files collected so far
     awaited: dict = field(default_factory=dict)  # (conftest path, model name) -> pipeline another worker captures
+    memory_available: int | None = None  # bytes available when the session started (the default memory budget)
 
     def refresh_registry(self) -> CheckRegistry:
         """Ask every plugin and conftest.py loaded so far to register its checks (idempotent)."""
@@ -149,6 +151,7 @@ class QReportSession:
     def start(self) -> None:
         """Parse and check the session's options once; a bad value is one UsageError before collection."""
         registry = self.state.refresh_registry()
+        self.state.memory_available = available_memory()
         try:
             self.state.settings = session_settings(self.config, registry)
             for source in ("cli", "ini"):

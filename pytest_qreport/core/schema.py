@@ -187,6 +187,23 @@ def boolean(value: Any, checks: Sequence[str]) -> bool:
     raise ValueError(f"must be true or false, not {value!r}")
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+               "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(value: Any, checks: Sequence[str]) -> int | None:
+    """A size in bytes ("16GiB", "512 MB", 1000000), or None for "auto"."""
+    import re
+
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    unit = found.group(2).lower() if found else ""
+    if found is None or unit not in _BYTE_UNITS or float(found.group(1)) <= 0:
+        raise ValueError(f"must be a size such as 16GiB, 512MB or a number of bytes, or auto; got {value!r}")
+    return int(float(found.group(1)) * _BYTE_UNITS[unit])
+
+
 def positive_integer(value: Any, checks: Sequence[str]) -> int:
     """A positive integer."""
     try:

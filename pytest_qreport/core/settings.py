@@ -10,6 +10,7 @@ from typing import Any
 from .schema import (
     Setting,
     boolean,
+    byte_size,
     check_names,
     choice,
     closest,
@@ -94,6 +95,10 @@ SESSION_SETTINGS: tuple[Setting, ...] = (
             scope="session", places=frozenset({"cli", "ini"}), metavar="DIR", shown_default="`__qreport__/`"),
     Setting("threads", positive_integer, 1, "torch threads for the analysis (default 1, so that serial and -n N "
             "runs agree)", scope="session", places=frozenset({"cli", "ini"}), metavar="N", shown_default="1"),
+    Setting("memory_budget", byte_size, None, "memory the analyses may add, shared by the -n workers (e.g. 16GiB; "
+            "default: what is available when the session starts); a model estimated to need more errors at once, "
+            "and a worker waits while the others' analyses hold too much", scope="session",
+            places=frozenset({"cli", "ini"}), metavar="SIZE", shown_default="available memory"),
 )
 
 
@@ -195,6 +200,7 @@ def session_settings(config, registry) -> dict[str, Any]:
         parsed["ini"][setting.name] = _parsed(setting, ini, known_checks, f"ini {setting.ini}")
     values = {setting.name: _session_value(config, setting) for setting in SESSION_SETTINGS}
     parsed["threads"] = values["threads"]
+    parsed["memory_budget"] = values["memory_budget"]
     parsed["table"] = values["table"]
     parsed["baseline"] = {"update": bool(values["update_baseline"]), "strict": bool(values["baseline_strict"]),
                           "dir": _baseline_dir(config)}

@@ -1,0 +1,130 @@
+"""What an analysis is expected to need in memory, the budget it must fit, and the reservations that keep the
+analyses of concurrent pytest-xdist workers within one budget together. The gate refuses an analysis that
+cannot fit before it starts, so that no model is killed halfway by the out-of-memory killer."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .files import write_atomically
+
+__all__ = ["ANALYSIS_FACTOR", "MemoryLedger", "available_memory", "estimated_analysis_bytes", "human_bytes",
+           "over_budget_message"]
+
+# An analysis with every default check peaked at 3.6x a transformers Llama's parameter bytes beyond the model
+# itself (benchmarks/bench_memory.py, 0.5B config): its quantized weights, the comparison pass's variants and the
+# fix trials' copies. Rounded up.
+ANALYSIS_FACTOR = 4.0
+
+try:
+    import fcntl
+except ImportError:  # Windows: reservations are not shared between workers
+    fcntl = None  # type: ignore[assignment]
+
+
+def available_memory() -> int | None:
+    """The memory the system can give without swapping (Linux's MemAvailable), or None where it is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def estimated_analysis_bytes(module: Any) -> tuple[int, int]:
+    """(parameter and buffer bytes of `module`, the memory its analysis is expected to add: ANALYSIS_FACTOR times
+    those bytes). Storages shared by several tensors count once."""
+    seen, total = set(), 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total, int(total * ANALYSIS_FACTOR)
+
+
+def human_bytes(count: float) -> str:
+    """`count` bytes as the largest binary unit that keeps it above 1 (e.g. 13.6 GiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+def over_budget_message(model: str, weights: int, estimate: int, budget: int, given: bool) -> str:
+    """Why a model's analysis was not started, and what would let it run."""
+    source = "--qreport-memory-budget / qreport_memory_budget" if given else (
+        "the memory available when the session started; set it with --qreport-memory-budget")
+    return (f"model {model!r}: its analysis is estimated to need {human_bytes(estimate)} on top of the model "
+            f"({ANALYSIS_FACTOR:g}x its {human_bytes(weights)} of parameters and buffers), more than the memory "
+            f"budget of {human_bytes(budget)} ({source}). It was not started, so that the out-of-memory killer "
+            "cannot end the session halfway; the other models run on. Run it on a machine with more memory, or, "
+            "if the estimate is too cautious for this model, raise the budget (--qreport-memory-budget=SIZE, "
+            "e.g. 32GiB): the analysis then runs whatever it needs.")
+
+
+class MemoryLedger:
+    """Reservations of one run's concurrent analyses against one budget, in a JSON file beside the run's other
+    shared state, guarded by a lock file. A reservation of a process that died is dropped."""
+
+    def __init__(self, run_dir: str, poll: float = 0.2) -> None:
+        self.path, self.lock_path, self.poll = Path(run_dir) / "memory.json", Path(run_dir) / "memory.lock", poll
+
+    @contextlib.contextmanager
+    def reserved(self, key: str, nbytes: int, budget: int) -> Iterator[None]:
+        """Hold `nbytes` of the budget for the block; wait while the other reservations leave too little (one
+        analysis that fits the budget alone always starts once it is alone)."""
+        while not self._try_reserve(key, nbytes, budget):
+            time.sleep(self.poll)
+        try:
+            yield
+        finally:
+            self._update(lambda held: held.pop(key, None))
+
+    def held(self) -> dict[str, list[int]]:
+        """{key: [pid, bytes]} of the live reservations."""
+        return self._update(lambda held: None)
+
+    def _try_reserve(self, key: str, nbytes: int, budget: int) -> bool:
+        granted = []
+
+        def reserve(held: dict[str, list[int]]) -> None:
+            if not held or sum(entry[1] for entry in held.values()) + nbytes <= budget:
+                held[key] = [os.getpid(), int(nbytes)]
+                granted.append(True)
+
+        self._update(reserve)
+        return bool(granted)
+
+    def _update(self, change: Any) -> dict[str, list[int]]:
+        with open(self.lock_path, "a") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                held = json.loads(self.path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                held = {}
+            held = {k: v for k, v in held.items() if _alive(int(v[0]))}
+            change(held)
+            write_atomically(self.path, json.dumps(held))
+            return held
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

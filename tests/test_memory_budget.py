@@ -1,0 +1,98 @@
+"""The memory budget: a model estimated not to fit errors before its analysis starts; concurrent analyses of the
+-n workers hold reservations against one budget, so a second one waits instead of running out of memory."""
+import threading
+import time
+
+import pytest
+from torch import nn
+
+from pytest_qreport.core.memory import ANALYSIS_FACTOR, MemoryLedger, estimated_analysis_bytes
+from pytest_qreport.core.schema import byte_size
+
+CONFTEST = """
+import pytest
+import torch
+from torch import nn
+from pytest_qreport import qmodel
+
+
+@pytest.fixture
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(4, 256, generator=g) for _ in range(2)]
+
+
+@qmodel(calibration="batches", checks=["sqnr"])
+def wide():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).eval()  # 514 KiB of weights
+
+
+@qmodel(calibration="batches", checks=["sqnr"])
+def narrow():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)).eval()  # 8.2 KiB
+"""
+
+
+def test_sizes_parse_with_decimal_and_binary_units_and_auto():
+    assert byte_size("16GiB", ()) == 16 * 2**30 and byte_size("512 MB", ()) == 512 * 10**6
+    assert byte_size(1000, ()) == 1000 and byte_size("1.5kib", ()) == 1536 and byte_size("auto", ()) is None
+    for bad in ("lots", "-1GB", "0", "12 parsecs"):
+        with pytest.raises(ValueError, match="must be a size such as 16GiB"):
+            byte_size(bad, ())
+
+
+def test_the_estimate_counts_shared_storages_once():
+    layer = nn.Linear(16, 16)
+    tied = nn.Sequential(layer, layer)
+    weights, estimate = estimated_analysis_bytes(tied)
+    assert weights == (16 * 16 + 16) * 4 and estimate == int(weights * ANALYSIS_FACTOR)
+
+
+def test_a_second_reservation_waits_until_the_first_is_released(tmp_path):
+    ledger, events = MemoryLedger(str(tmp_path), poll=0.01), []
+
+    def second():
+        with ledger.reserved("b", 60, budget=100):
+            events.append("b in")
+
+    with ledger.reserved("a", 60, budget=100):
+        waiting = threading.Thread(target=second)
+        waiting.start()
+        time.sleep(0.2)
+        assert events == [] and list(ledger.held()) == ["a"]  # 60 + 60 > 100: b waits
+        events.append("a out")
+    waiting.join(5)
+    assert events == ["a out", "b in"] and ledger.held() == {}
+    with ledger.reserved("alone", 500, budget=100):  # larger than the budget but alone: it runs (it was checked)
+        assert list(ledger.held()) == ["alone"]
+
+
+def test_the_reservation_of_a_dead_process_is_dropped(tmp_path):
+    (tmp_path / "memory.json").write_text('{"gone": [999999999, 90]}')
+    ledger = MemoryLedger(str(tmp_path), poll=0.01)
+    with ledger.reserved("mine", 60, budget=100):
+        assert list(ledger.held()) == ["mine"]
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "-p", "xdist"]], ids=["serial", "xdist"])
+def test_a_model_over_the_budget_errors_with_its_estimate_and_the_others_run(pytester, workers):
+    pytester.makeconftest(CONFTEST)
+    run = pytester.runpytest_subprocess if workers else pytester.runpytest
+    result = run("--qreport", "-p", "no:randomly", "--qreport-memory-budget=1MiB", *workers)
+    result.assert_outcomes(passed=2, errors=2)  # narrow's 2 layers pass; wide's 2 items error
+    text = result.stdout.str()
+    assert "model 'wide': its analysis is estimated to need 2.0 MiB on top of the model (4x its 514.0 KiB" in text
+    assert "more than the memory budget of 1.0 MiB (--qreport-memory-budget / qreport_memory_budget)" in text
+    # the hint works: the budget it names lets the model run
+    run("--qreport", "-p", "no:randomly", "--qreport-memory-budget=32GiB", *workers).assert_outcomes(passed=4)
+
+
+def test_two_models_that_fit_the_budget_only_one_at_a_time_both_run_under_xdist(pytester):
+    pytester.makeconftest(CONFTEST.replace("nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)",
+                                           "nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)"))
+    # each estimate is 2.0 MiB: both fit 3 MiB alone, not together, so one worker waits for the other
+    result = pytester.runpytest_subprocess("--qreport", "-p", "no:randomly", "-p", "xdist", "-n", "2",
+                                           "--qreport-memory-budget=3MiB")
+    result.assert_outcomes(passed=4)
