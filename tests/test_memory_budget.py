@@ -83,7 +83,7 @@ def test_a_model_over_the_budget_errors_with_its_estimate_and_the_others_run(pyt
     result = run("--qreport", "-p", "no:randomly", "--qreport-memory-budget=1MiB", *workers)
     result.assert_outcomes(passed=2, errors=2)  # narrow's 2 layers pass; wide's 2 items error
     text = result.stdout.str()
-    assert "model 'wide': its analysis is estimated to need 2.0 MiB on top of the model (4x its 514.0 KiB" in text
+    assert "model 'wide': its analysis is estimated to need 2.5 MiB on top of the model (5x its 514.0 KiB" in text
     assert "more than the memory budget of 1.0 MiB (--qreport-memory-budget / qreport_memory_budget)" in text
     # the hint works: the budget it names lets the model run
     run("--qreport", "-p", "no:randomly", "--qreport-memory-budget=32GiB", *workers).assert_outcomes(passed=4)
@@ -92,7 +92,7 @@ def test_a_model_over_the_budget_errors_with_its_estimate_and_the_others_run(pyt
 def test_two_models_that_fit_the_budget_only_one_at_a_time_both_run_under_xdist(pytester):
     pytester.makeconftest(CONFTEST.replace("nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)",
                                            "nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)"))
-    # each estimate is 2.0 MiB: both fit 3 MiB alone, not together, so one worker waits for the other
+    # each estimate is 2.5 MiB: both fit 3 MiB alone, not together, so one worker waits for the other
     result = pytester.runpytest_subprocess("--qreport", "-p", "no:randomly", "-p", "xdist", "-n", "2",
                                            "--qreport-memory-budget=3MiB")
     result.assert_outcomes(passed=4)
