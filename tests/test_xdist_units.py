@@ -8,7 +8,7 @@ from pytest_qreport.xdist.scheduling import ModelGroupScheduling
 
 
 def test_the_first_worker_to_claim_a_model_owns_it_and_the_other_waits_for_its_entry(tmp_path):
-    first, second = CaptureRendezvous(str(tmp_path), "gw0", 2), CaptureRendezvous(str(tmp_path), "gw1", 2)
+    first, second = CaptureRendezvous(str(tmp_path), "gw0"), CaptureRendezvous(str(tmp_path), "gw1")
     first.register()
     assert first.claim(3) and not second.claim(3) and first.claim(3)  # a claim holds for its owner only
     assert first.owner(3) == second.owner(3) == "gw0" and first.owner(4) is None
@@ -23,10 +23,10 @@ def test_the_first_worker_to_claim_a_model_owns_it_and_the_other_waits_for_its_e
 
 
 def test_a_claim_by_a_dead_worker_stops_the_wait(tmp_path):
-    dead = CaptureRendezvous(str(tmp_path), "gw0", 2)
+    dead = CaptureRendezvous(str(tmp_path), "gw0")
     assert dead.claim(0)
     (tmp_path / "worker-gw0").touch()  # registered once, no process holds its lock any more
-    assert CaptureRendezvous(str(tmp_path), "gw1", 2).wait("key", 0, LayerCache(str(tmp_path))) is None
+    assert CaptureRendezvous(str(tmp_path), "gw1").wait("key", 0, LayerCache(str(tmp_path))) is None
 
 
 def test_units_without_a_recorded_duration_are_estimated_from_the_recorded_seconds_per_item():

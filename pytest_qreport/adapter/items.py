@@ -121,9 +121,9 @@ class QReportFile(pytest.File):
     def _recall_awaited(self, key: tuple[str, str], index: int) -> bool:
         """Take the layer list the worker that claimed the model stored; False when none came (capture it here)."""
         session = self.config.stash[STATE_KEY]
-        awaited = session.awaited.pop(key)
-        entry = session.capture_rendezvous.wait(awaited.cache_key, index, session.layer_cache)
-        if entry is None:
+        awaited = session.awaited.pop(key, None)
+        entry = awaited and session.capture_rendezvous.wait(awaited.cache_key, index, session.layer_cache)
+        if not entry:
             return False
         session.models[key] = awaited.recalled(awaited.settings, awaited.quantizer, entry["items"],
                                                entry.get("capture", {}), awaited.cache_key)

@@ -185,7 +185,7 @@ class QReportSession:
         directory = capture_dir(worker)
         if self.state.layer_cache.directory is None or directory is None or not os.path.isdir(directory):
             return
-        self.state.capture_rendezvous = CaptureRendezvous(directory, worker["workerid"], worker["workercount"])
+        self.state.capture_rendezvous = CaptureRendezvous(directory, worker["workerid"])
         self.state.capture_rendezvous.register()
 
     @property

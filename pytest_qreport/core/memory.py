@@ -114,9 +114,11 @@ class MemoryLedger:
                 held = json.loads(self.path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 held = {}
+            before = dict(held)
             held = {k: v for k, v in held.items() if _alive(int(v[0]))}
             change(held)
-            write_atomically(self.path, json.dumps(held))
+            if held != before:
+                write_atomically(self.path, json.dumps(held))
             return held
 
 

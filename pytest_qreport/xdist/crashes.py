@@ -14,8 +14,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..core.nodeids import parse_item_nodeid
-from .durations import UnitDurations, work_unit
+from ..core.nodeids import model_scope, parse_item_nodeid
+from .durations import UnitDurations
 
 __all__ = ["CRASH_DIR_KEY", "XdistController", "analysis_guard", "capture_dir", "crashed_message", "previous_crash"]
 
@@ -116,8 +116,9 @@ class XdistController:
 
     def pytest_runtest_logreport(self, report) -> None:
         """Time each model's unit, for the next run's scheduling."""
-        if parse_item_nodeid(report.nodeid) is not None:
-            self.durations.add(work_unit(report.nodeid), report.duration)
+        parsed = parse_item_nodeid(report.nodeid)
+        if parsed is not None:
+            self.durations.add(model_scope(parsed[0], parsed[1]), report.duration)
 
     def pytest_sessionfinish(self, session) -> None:
         self.durations.save(session.config)

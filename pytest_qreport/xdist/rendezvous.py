@@ -51,8 +51,8 @@ def captured_by(run_dir: str) -> dict[str, str]:
 class CaptureRendezvous:
     """One worker's side of the protocol, in the run directory the controller hands every worker."""
 
-    def __init__(self, run_dir: str, worker_id: str, worker_count: int) -> None:
-        self.run_dir, self.worker_id, self.worker_count = Path(run_dir), worker_id, max(1, int(worker_count))
+    def __init__(self, run_dir: str, worker_id: str) -> None:
+        self.run_dir, self.worker_id = Path(run_dir), worker_id
         self._alive_handle: int | None = None
 
     def register(self) -> None:
