@@ -7,7 +7,8 @@ time, and the peak over the parameter bytes. The allowance (what a run holds bes
 transformers, pytest, torch.export's machinery) is the peak of the same run on the "micro" config (0.3 MB of
 weights). Run:
 
-    python benchmarks/bench_memory.py [--size 0.5b|1b|tiny|micro] [--dtype float32|bfloat16] [--checks sqnr,model_sqnr]
+    python benchmarks/bench_memory.py [--size 0.5b|1b|3b|tiny|micro] [--dtype float32|bfloat16]
+        [--checks sqnr,model_sqnr] [--blockwise auto|true|false]
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary
     "tiny": (256, 688, 4, 8, 8, 4096),
     "0.5b": (1024, 2816, 14, 16, 16, 32000),
     "1b": (2048, 5632, 16, 32, 8, 32000),
+    "3b": (3072, 8192, 28, 24, 8, 128256),  # Llama-3.2-3B's shapes, embeddings tied: 3.2B parameters
 }
 
 MODEL = '''
@@ -36,7 +38,8 @@ HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCABULARY = {size}
 def build():
     config = transformers.LlamaConfig(vocab_size=VOCABULARY, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                                       num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                      num_key_value_heads=KV_HEADS, max_position_embeddings=128, use_cache=False)
+                                      num_key_value_heads=KV_HEADS, max_position_embeddings=128, use_cache=False,
+                                      tie_word_embeddings=VOCABULARY > 100000)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(torch.{dtype}).eval()
 
@@ -57,7 +60,7 @@ def batches():
     return make_batches()
 
 
-@qmodel(calibration="batches", checks={checks})
+@qmodel(calibration="batches", checks={checks}, blockwise={blockwise})
 def llama():
     return build()
 '''
@@ -80,10 +83,12 @@ def child_peak(command: list[str], cwd: pathlib.Path) -> tuple[float, float, str
     return peak, wall, done.stdout + done.stderr
 
 
-def measure(root: pathlib.Path, size: str, dtype: str, checks: str) -> tuple[float, float, float, str]:
+def measure(root: pathlib.Path, size: str, dtype: str, checks: str, blockwise: str
+            ) -> tuple[float, float, float, str]:
     """Parameter bytes, peak RSS, wall seconds and summary line of one `pytest --qreport` run on a Llama."""
     (root / "llama_model.py").write_text(MODEL.format(size=SIZES[size], dtype=dtype))
-    (root / "conftest.py").write_text(CONFTEST.format(checks=repr(checks.split(",")) if checks else "None"))
+    (root / "conftest.py").write_text(CONFTEST.format(checks=repr(checks.split(",")) if checks else "None",
+                                                      blockwise=repr(blockwise)))
     (root / "pytest.ini").write_text("[pytest]\n")
     weights = float(subprocess.run([sys.executable, "-c", WEIGHTS], cwd=root, capture_output=True, text=True,
                                    check=True).stdout)
@@ -98,14 +103,17 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="0.5b")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--checks", default="", help="comma-separated checks (default: all of the defaults)")
+    parser.add_argument("--blockwise", default="auto", help="the model's blockwise setting (auto, True, False)")
     parser.add_argument("--keep", help="write the repository here and keep it")
     options = parser.parse_args()
     root = pathlib.Path(options.keep or tempfile.mkdtemp(prefix="qreport-memory-"))
     root.mkdir(parents=True, exist_ok=True)
-    _, allowance, _, _ = measure(root, "micro", options.dtype, options.checks)
-    weights, peak, wall, summary = measure(root, options.size, options.dtype, options.checks)
+    blockwise = {"true": True, "false": False}.get(options.blockwise.lower(), options.blockwise)
+    _, allowance, _, _ = measure(root, "micro", options.dtype, options.checks, blockwise)
+    weights, peak, wall, summary = measure(root, options.size, options.dtype, options.checks, blockwise)
     print(f"allowance (peak RSS of the same run on a 0.3 MB model): {allowance / 1e9:.2f} GB")
-    print(f"Llama {options.size} in {options.dtype}: parameters {weights / 1e9:.2f} GB; pytest --qreport: peak "
+    print(f"Llama {options.size} in {options.dtype}, blockwise={blockwise!r}: parameters {weights / 1e9:.2f} GB; "
+          f"pytest --qreport: peak "
           f"{peak / 1e9:.2f} GB in {wall:.1f} s ({summary})")
     print(f"peak / parameter bytes: {peak / weights:.2f}x; (peak - allowance) / parameter bytes: "
           f"{(peak - allowance) / weights:.2f}x")

@@ -49,9 +49,9 @@ from .report.detectors import DetectorBase
 from .rewritable import equalization_refusal
 from .smoothing import smooth, smoothing_alpha
 
-__all__ = ["MEASUREMENTS", "AnalysisPlan", "LayerSqnr", "ModelAnalysis", "OutputSqnr", "QuantizedLayer",
-           "SqnrMeasurement", "VariantSqnr", "analyze_model", "calibration_digest", "describe", "measure_sqnr",
-           "quantized_layers"]
+__all__ = ["MEASUREMENTS", "AnalysisPlan", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis", "OutputSqnr",
+           "QuantizedLayer", "SqnrMeasurement", "VariantSqnr", "analyze_model", "calibration_digest", "describe",
+           "measure_sqnr", "quantized_layers"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,10 @@ class AnalysisPlan:
         return "equalization" in self.measurements
 
 
+class BlockwiseUnsupported(RuntimeError):
+    """A block-wise analysis was asked for what needs the whole model quantized at once."""
+
+
 class _Unknown:
     """Not measured yet (None is a measured answer)."""
 
@@ -158,14 +162,19 @@ class ModelAnalysis:
     equalize: None, True (input-weight on every equalizable layer), "cross_layer", "smooth" (SmoothQuant-style,
     alpha 0.5), "smooth:search" or "smooth:<alpha>", or a list of layers.
     The model as quantized is the equalized one when `equalize` is set.
+    blockwise: True (or the module path of a stack of blocks, "model.layers") measures one block at a time
+    (qcore.blockwise): the same numbers, with one block's quantized copy in memory at a time. What needs the whole
+    model quantized at once (sensitivity, float-layer and format searches, the quantized model itself) then raises
+    BlockwiseUnsupported.
     """
 
     def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer | None = None,
                  batches: Iterable[Any] | None = None, *, equalize: Any = None, plan: AnalysisPlan | None = None,
-                 layers: Iterable[QuantizedLayer] | None = None) -> None:
+                 layers: Iterable[QuantizedLayer] | None = None, blockwise: bool | str = False) -> None:
         self.float_gm = float_gm
         self.quantizer = quantizer or Int8StaticQuantizer()
         self.equalize_recipe = equalize
+        self.blockwise = blockwise
         self.plan = plan or AnalysisPlan()
         self._batches = None if batches is None else list(batches)
         self._known_layers = None if layers is None else list(layers)
@@ -180,7 +189,14 @@ class ModelAnalysis:
         """The same model's analysis, to measure what `plan` names in one calibration and one comparison pass
         (the layers found so far are kept; nothing has been measured yet)."""
         return ModelAnalysis(self.float_gm, self.quantizer, self._batches, equalize=self.equalize_recipe, plan=plan,
-                             layers=self.layers)
+                             layers=self.layers, blockwise=self.blockwise)
+
+    def whole_model(self, purpose: str) -> None:
+        """Raise BlockwiseUnsupported when the analysis is block-wise: `purpose` needs the whole model quantized."""
+        if self.blockwise:
+            raise BlockwiseUnsupported(
+                f"{purpose} needs the whole model quantized at once, and this model is analysed one block at a time "
+                "(blockwise); give the model blockwise=False on a machine with the memory for its whole analysis")
 
     def variant(self, quantizer: Quantizer | None = None, equalize: Any = _KEEP) -> ModelAnalysis:
         """The same model and batches under another quantizer and/or equalize recipe (the same as pasting them
@@ -190,7 +206,8 @@ class ModelAnalysis:
         key = repr((describe(quantizer), describe(recipe)))
         if key not in self._variants:
             self.require_deterministic()
-            self._variants[key] = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe)
+            self._variants[key] = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe,
+                                                blockwise=self.blockwise)
             self._variants[key]._keeps_graphs = False
         return self._variants[key]
 
@@ -295,6 +312,15 @@ class ModelAnalysis:
             self.require_deterministic()
         original = not self.equalize_recipe
         planned = self.plan.equalization and original
+        if self.blockwise:
+            self.require_deterministic()  # two float runs of the whole model: activations, no copy of weights
+            measured = self._measure_blocks(self.quantized_input_gm, logits="logits" in self.plan.measurements,
+                                            detectors=dict(self.plan.detectors) if original else None,
+                                            equalization_layers=self.equalizable_layers if planned else (),
+                                            smoothing="search" if planned else None)
+            if not self._keeps_graphs:
+                self.__dict__.pop("quantized_input_gm", None)
+            return measured
         measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer,
                                  logits="logits" in self.plan.measurements,
                                  detectors=dict(self.plan.detectors) if original else None,
@@ -307,6 +333,12 @@ class ModelAnalysis:
         if not self._keeps_graphs:
             self.__dict__.pop("quantized_input_gm", None)  # built again if asked for
         return dataclasses.replace(measured, first_outputs=())  # a batch of outputs is not worth keeping
+
+    def _measure_blocks(self, float_gm: fx.GraphModule, **options: Any) -> ModelMeasurement:
+        from .blockwise import measure_blockwise
+
+        stack = self.blockwise if isinstance(self.blockwise, str) else None
+        return measure_blockwise(float_gm, self.batches, self.quantizer, stack=stack, **options)
 
     @cached_property
     def sqnr(self) -> SqnrMeasurement:
@@ -330,6 +362,7 @@ class ModelAnalysis:
         from .measure import calibrate_and_convert
         from .prepare import prepare
 
+        self.whole_model("the quantized model")
         self.require_deterministic()
         reference = self.quantized_input_gm
         prepared = prepare(clone_graph_module(reference, share_parameters=True), self.quantizer)
@@ -340,6 +373,7 @@ class ModelAnalysis:
     def logits_on(self, batches: Iterable[Any]) -> LogitsMeasurement:
         """The output logits of the float and the quantized model compared on other batches (evaluation data),
         with the quantization calibrated on the calibration batches; kept per batch list."""
+        self.whole_model("comparing logits on evaluation batches")
         batches = batches if isinstance(batches, list) else list(batches)
         kept = self._logits_on.get(id(batches))
         if kept is not None and kept[0] is batches:
@@ -359,6 +393,7 @@ class ModelAnalysis:
     def task_metric(self, metric: Any, batches: Any) -> tuple[float, float]:
         """(float, quantized) values of a user's `metric(model, batches) -> float` (higher is better), each model
         called like the original one."""
+        self.whole_model("a task metric")
         with torch.no_grad():
             return float(metric(self.quantized_input_gm, batches)), float(metric(self.quantized_gm, batches))
 
@@ -367,6 +402,9 @@ class ModelAnalysis:
         if not self.equalize_recipe and self.plan.equalization:
             return self.measurement
         self.require_deterministic()
+        if self.blockwise:
+            return self._measure_blocks(self.float_gm, propagate=False,
+                                        equalization_layers=self.equalizable_layers, smoothing="search")
         return measure_model(self.float_gm, self.batches, self.quantizer, propagate=False,
                              equalization_layers=self.equalizable_layers, smoothing="search")
 
@@ -393,6 +431,8 @@ class ModelAnalysis:
         calibration and comparison, without the shadow pass)."""
         if not self.equalize_recipe:
             return self.sqnr
+        if self.blockwise:
+            return self._measure_blocks(self.float_gm).sqnr
         return measure_sqnr(self.float_gm, self.batches, self.quantizer, shadow=False)
 
     @cached_property
@@ -402,6 +442,8 @@ class ModelAnalysis:
         if self.equalize_recipe:
             return self.sqnr
         self.require_deterministic()
+        if self.blockwise:
+            return self._measure_blocks(self._equalized(self.equalizable_layers)).sqnr
         return measure_sqnr(self._equalized(self.equalizable_layers), self.batches, self.quantizer, shadow=False)
 
     @cached_property
@@ -415,6 +457,7 @@ class ModelAnalysis:
         """The quantized model with per-layer quantizer switches (qcore.sensitivity), built on first use."""
         from .sensitivity import SwitchableModel
 
+        self.whole_model("switching layers between float and quantized")
         self.require_deterministic()
         return SwitchableModel(self.quantized_input_gm, self.batches, self.quantizer)
 
@@ -422,6 +465,7 @@ class ModelAnalysis:
         """qcore.sensitivity.SensitivityResult of the quantized layers (kept per budget)."""
         from .sensitivity import layer_sensitivity
 
+        self.whole_model("the sensitivity ranking")
         key = (max_layers, max_batches)
         cache = self._sensitivity
         if key not in cache:
@@ -437,6 +481,7 @@ class ModelAnalysis:
 
         if not isinstance(self.quantizer, FormatQuantizer):
             raise TypeError(f"format_fix needs a FormatQuantizer, not {type(self.quantizer).__name__}")
+        self.whole_model("the format search")
         key = ("formats", target_db, max_moves, max_batches)
         if key not in self._fixes:
             self.require_deterministic()
@@ -448,6 +493,7 @@ class ModelAnalysis:
         """qcore.sensitivity.FloatLayersFix: a verified set of layers to keep in float to reach `target_db`."""
         from .sensitivity import find_float_layers
 
+        self.whole_model("the float_layers search")
         key = (target_db, max_float_layers, max_batches)
         cache = self._fixes
         if key not in cache:

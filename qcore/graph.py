@@ -10,12 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-__all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "QUANTIZABLE_KINDS", "QuantizableOp", "WEIGHTED_KINDS", "aten",
-    "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted", "matches_layer", "op_kind", "original_input"]
+__all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
+           "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
+           "matches_layer", "op_kind", "original_input"]
 
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
 INSERTED_KEY = "qcore_inserted"  # "observer" or "qdq" on nodes that qcore adds
+LAYER_NAME_KEY = "qcore_layer_name"  # a layer's name in the whole model, on the ops of a block cut from it
 
 aten = torch.ops.aten
 
@@ -211,6 +213,9 @@ def _weight_owner(op: QuantizableOp) -> str | None:
 def _assign_layer_names(ops: list[QuantizableOp]) -> None:
     per_fqn: dict[str, list[QuantizableOp]] = {}
     for op in ops:
+        if LAYER_NAME_KEY in op.node.meta:  # a block cut from a bigger graph keeps the whole graph's names
+            op.layer = str(op.node.meta[LAYER_NAME_KEY])
+            continue
         per_fqn.setdefault(_weight_owner(op) or op.fqn, []).append(op)
     for fqn, group in per_fqn.items():
         if len(group) == 1 and fqn:

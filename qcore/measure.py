@@ -10,8 +10,9 @@ applied: a method's gain is measured on the layers concerned, with no second pas
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +47,9 @@ from .variants import (
     variant_results,
 )
 
-__all__ = ["LayerSqnr", "ModelMeasurement", "OutputSqnr", "SqnrMeasurement", "VariantSqnr", "calibrate_and_convert",
-           "measure_model", "measure_sqnr", "sqnr_measurement"]
+__all__ = ["LayerSqnr", "ModelMeasurement", "OutputSqnr", "ProbedModel", "SqnrMeasurement", "VariantSqnr",
+           "calibrate_and_convert", "compare_quantized", "diagnosed_calibration", "measure_model", "measure_sqnr",
+           "sqnr_measurement"]
 
 
 @dataclass(frozen=True)
@@ -110,75 +112,108 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     equalization variant of `equalization_layers`, the smoothing variant (alpha, or "search") of every
     smoothable layer, and with `logits` the output logits' KL, top-1 agreement and perplexity."""
     batches = list(batches)
-    # one code generation for the quantizer's, the detectors' and the statistics' observers: below
-    prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False),
-                       quantizer or Int8StaticQuantizer(), recompile=False)
-    detector_probe = DetectorProbe(detectors) if detectors else None
-    if detector_probe is not None:
-        detector_probe.attach(prepared)
-    ops = {op.layer: op for op in find_quantizable_ops(prepared)}
-    statistics: list[ChannelStatisticsProbe] = []
-    for index, layer in enumerate(equalization_layers):
-        op = ops.get(layer)
-        if op is None or not op.activation_inputs:
-            continue
-        shared = detector_channel_ranges(prepared, op, detectors or {})
-        if shared is not None:  # the input-weight equalization detector already watches these channel ranges
-            statistics.append(ChannelStatisticsProbe("input_weight", op, shared))
-            continue
-        statistics.append(ChannelStatisticsProbe("input_weight", op, InputEqualizationObserver(
-            ch_axis=input_channel_axis(op)), op.activation_inputs[0], f"qcore_eq_stats_{index}"))
-        statistics[-1].attach(prepared)
-    groups, refused = smoothing_groups(float_gm) if smoothing is not None else ([], {})
-    nodes = {node.name: node for node in prepared.graph.nodes}
-    for index, group in enumerate(groups):
-        statistics.append(ChannelStatisticsProbe("smoothing", group, group_observer(
-            float_gm, group, keep_first=smoothing == "search"), nodes[group.input_node.name],
-            f"qcore_smooth_stats_{index}"))
-        statistics[-1].attach(prepared)
-    prepared.recompile()
-    probes: list[Probe] = [*statistics, *([detector_probe] if detector_probe is not None else [])]
+    probed = ProbedModel(float_gm, quantizer, detectors, equalization_layers, smoothing)
     planned: list[Any] = []
-
-    def read_probes() -> None:
-        for probe in probes:
-            probe.read(prepared)
-        planned.extend(plan_variants(prepared, ops, statistics, smoothing,
-                                     kept_producer_outputs(float_gm, prepared, equalization_layers)))
-        for probe in probes:  # convert recompiles the graph once for all
-            probe.detach(prepared)
-
     first_outputs: list[Any] = []  # two float runs of batch 0 from the same state: they must agree
-    # compare_propagated_and_shadow adds its comparators to quant_gm and generates its code once, below
-    quant_gm = calibrate_and_convert(prepared, float_gm, batches, read_probes, keep_float_weights=False,
-                                     keep_first_output=first_outputs, recompile=False)
-    detector_reports = detector_probe.reports if detector_probe is not None else {}
+    # compare_quantized adds its comparators to quant_gm and generates its code once, below
+    quant_gm = calibrate_and_convert(probed.prepared, float_gm, batches, lambda: planned.extend(probed.read()),
+                                     keep_float_weights=False, keep_first_output=first_outputs, recompile=False)
     variants, unmeasured, smoothed = planned
-    smoothed.update({layer: {"refused": reason} for layer, reason in refused.items()})
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
+    comparator = (LogitsComparator() if logits else None) if propagate else None
+    sqnr, baselines = compare_quantized(float_gm, quant_gm, batches, variants, unmeasured, propagate=propagate,
+                                        logits=comparator, keep_first_output=first_outputs)
+    compared = comparator.result() if comparator is not None else ModelMeasurement.logits
+    return ModelMeasurement(sqnr, probed.detector_reports, variant_results(variants, baselines, unmeasured),
+                            unmeasured, smoothed, compared, tuple(first_outputs))
+
+
+class ProbedModel:
+    """A prepared copy of a float graph with the detectors' observers and the channel statistics that the
+    equalization and smoothing variants need, all watching one calibration pass (`prepared`); `read()` after it."""
+
+    def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer | None,
+                 detectors: Mapping[str, DetectorBase] | None, equalization_layers: Iterable[str],
+                 smoothing: float | str | None) -> None:
+        self.float_gm, self.smoothing = float_gm, smoothing
+        self.equalization_layers = list(equalization_layers)
+        # one code generation for the quantizer's, the detectors' and the statistics' observers: below
+        prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False),
+                           quantizer or Int8StaticQuantizer(), recompile=False)
+        self.detector_probe = DetectorProbe(detectors) if detectors else None
+        if self.detector_probe is not None:
+            self.detector_probe.attach(prepared)
+        self.ops = {op.layer: op for op in find_quantizable_ops(prepared)}
+        self.statistics: list[ChannelStatisticsProbe] = []
+        for index, layer in enumerate(self.equalization_layers):
+            op = self.ops.get(layer)
+            if op is None or not op.activation_inputs:
+                continue
+            shared = detector_channel_ranges(prepared, op, detectors or {})
+            if shared is not None:  # the input-weight equalization detector already watches these channel ranges
+                self.statistics.append(ChannelStatisticsProbe("input_weight", op, shared))
+                continue
+            self.statistics.append(ChannelStatisticsProbe("input_weight", op, InputEqualizationObserver(
+                ch_axis=input_channel_axis(op)), op.activation_inputs[0], f"qcore_eq_stats_{index}"))
+            self.statistics[-1].attach(prepared)
+        groups, self.refused = smoothing_groups(float_gm) if smoothing is not None else ([], {})
+        nodes = {node.name: node for node in prepared.graph.nodes}
+        for index, group in enumerate(groups):
+            self.statistics.append(ChannelStatisticsProbe("smoothing", group, group_observer(
+                float_gm, group, keep_first=smoothing == "search"), nodes[group.input_node.name],
+                f"qcore_smooth_stats_{index}"))
+            self.statistics[-1].attach(prepared)
+        prepared.recompile()
+        self.prepared = prepared
+        self.probes: list[Probe] = [*self.statistics, *([self.detector_probe] if self.detector_probe else [])]
+
+    def read(self) -> tuple[list[Any], dict[str, str], dict[str, dict[str, Any]]]:
+        """After calibration: read and remove the probes; (variants to measure, {layer: why not}, smoothing)."""
+        for probe in self.probes:
+            probe.read(self.prepared)
+        variants, unmeasured, smoothed = plan_variants(
+            self.prepared, self.ops, self.statistics, self.smoothing,
+            kept_producer_outputs(self.float_gm, self.prepared, self.equalization_layers))
+        for probe in self.probes:  # convert recompiles the graph once for all
+            probe.detach(self.prepared)
+        smoothed.update({layer: {"refused": reason} for layer, reason in self.refused.items()})
+        return variants, unmeasured, smoothed
+
+    @property
+    def detector_reports(self) -> dict[str, dict[str, Any]]:
+        """{detector key: {layer: raw detector entry}} once read."""
+        return self.detector_probe.reports if self.detector_probe is not None else {}
+
+
+def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batches: list[Any], variants: list[Any],
+                      unmeasured: dict[str, str], *, propagate: bool = True, logits: LogitsComparator | None = None,
+                      keep_first_output: list | None = None, quant_batches: list | None = None,
+                      streams: list | None = None) -> tuple[SqnrMeasurement, dict[str, dict]]:
+    """The comparison pass of a converted graph (instrumented in place) against its float graph, with the shadows
+    of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). The other
+    keywords are compare_propagated_and_shadow's."""
     limits = resolution_limits(quant_gm)
     weights = extract_weights("float", float_gm, "quant", quant_gm)
-
+    own_layers = {op.layer for op in find_quantizable_ops(float_gm)}
+    here = [v for v in variants if v.layer in own_layers]
     baselines: dict[str, dict[str, Any]] = {}
 
     def instrument(graph: ShadowGraph) -> Callable[[], None]:
         by_layer = {pair.layer: pair for pair in graph.pairs}
-        for index, variant in enumerate(v for v in variants if v.layer in by_layer):
+        measured = [v for v in here if v.layer in by_layer]
+        for index, variant in enumerate(measured):
             reason = add_variant_shadow(graph, by_layer[variant.layer], variant, index)
             if reason:
                 unmeasured.setdefault(variant.layer, reason)
         # the unequalized layer's own SQNR over the same batches as its variants
-        return lambda: baselines.update({v.layer: graph.shadows[v.layer].result() for v in variants})
+        return lambda: baselines.update({v.layer: graph.shadows[v.layer].result() for v in measured})
 
-    comparator = LogitsComparator() if logits and propagate else None
     propagated, shadow_records = compare_propagated_and_shadow(
-        float_gm, quant_gm, batches, own_quant_model=True, propagate=propagate, instrument=instrument if variants
-        else None, instrument_batches=variant_batches(len(batches)), keep_first_output=first_outputs, logits=comparator)
+        float_gm, quant_gm, batches, own_quant_model=True, propagate=propagate, instrument=instrument if here
+        else None, instrument_batches=variant_batches(len(batches)), keep_first_output=keep_first_output,
+        logits=logits, quant_batches=quant_batches, streams=streams)
     shadows = {r["layer"]: r for r in shadow_records}
-    measurement = sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits)
-    compared = comparator.result() if comparator is not None else ModelMeasurement.logits
-    return ModelMeasurement(measurement, detector_reports, variant_results(variants, baselines, unmeasured),
-                            unmeasured, smoothed, compared, tuple(first_outputs))
+    return sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits), baselines
 
 
 def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, batches: list[Any],
@@ -187,11 +222,19 @@ def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, ba
     """Calibrate `prepared` and convert it (in place); a failure caused by NaN or inf in the float model says where
     they appear. `before_convert` runs between the two (to read and remove other observers); recompile=False
     leaves the converted graph's code generation to the caller (see convert)."""
-    try:
+    with diagnosed_calibration(float_gm, batches):
         calibrate(prepared, batches, keep_first_output)
         if before_convert is not None:
             before_convert()
         return convert(prepared, keep_float_weights, recompile=recompile)
+
+
+@contextlib.contextmanager
+def diagnosed_calibration(float_gm: fx.GraphModule, batches: list[Any]) -> Iterator[None]:
+    """Re-raise a failure of calibration or conversion caused by NaN or inf in the float model as a
+    CalibrationError that says where they appear."""
+    try:
+        yield
     except Exception as error:
         try:
             found = first_non_finite(float_gm, batches)

@@ -13,8 +13,8 @@ from typing import Any
 
 from .files import write_atomically
 
-__all__ = ["ANALYSIS_FACTOR", "MemoryLedger", "available_memory", "estimated_analysis_bytes", "human_bytes",
-           "over_budget_message"]
+__all__ = ["ANALYSIS_FACTOR", "MemoryLedger", "available_memory", "estimated_analysis_bytes",
+           "estimated_blockwise_bytes", "human_bytes", "over_budget_message"]
 
 # An analysis with every default check peaked at 3.6x (0.5B config) and 4.7x (1B config) a transformers Llama's
 # parameter bytes beyond the model itself (benchmarks/bench_memory.py): its quantized weights, the comparison
@@ -52,6 +52,15 @@ def estimated_analysis_bytes(module: Any) -> tuple[int, int]:
     return total, int(total * ANALYSIS_FACTOR)
 
 
+def estimated_blockwise_bytes(float_gm: Any, stack: str | None = None) -> tuple[int, int]:
+    """(the biggest block's parameter and buffer bytes, what a block-wise analysis is expected to add: ANALYSIS_FACTOR
+    times those bytes); BlockwiseError when the graph has no stack of blocks."""
+    from qcore.blockwise import split_into_blocks
+
+    biggest = max(block.parameter_bytes() for block in split_into_blocks(float_gm, stack))
+    return biggest, int(biggest * ANALYSIS_FACTOR)
+
+
 def human_bytes(count: float) -> str:
     """`count` bytes as the largest binary unit that keeps it above 1 (e.g. 13.6 GiB)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -61,15 +70,24 @@ def human_bytes(count: float) -> str:
     return f"{count:.1f} GiB"
 
 
-def over_budget_message(model: str, weights: int, estimate: int, budget: int, given: bool) -> str:
-    """Why a model's analysis was not started, and what would let it run."""
+def over_budget_message(model: str, weights: int, estimate: int, budget: int, given: bool,
+                        blockwise: tuple[int, int] | str | None = None) -> str:
+    """Why a model's analysis was not started, and what would let it run. `blockwise`: the biggest block's bytes and
+    the block-wise estimate when that was too much as well, or why the model cannot be analysed block-wise."""
     source = "--qreport-memory-budget / qreport_memory_budget" if given else (
         "the memory available when the session started; set it with --qreport-memory-budget")
-    return (f"model {model!r}: its analysis is estimated to need {human_bytes(estimate)} on top of the model "
-            f"({ANALYSIS_FACTOR:g}x its {human_bytes(weights)} of parameters and buffers), more than the memory "
-            f"budget of {human_bytes(budget)} ({source}). It was not started, so that the out-of-memory killer "
-            "cannot end the session halfway; the other models run on. Run it on a machine with more memory, or, "
-            "if the estimate is too cautious for this model, raise the budget (--qreport-memory-budget=SIZE, "
+    what = "its analysis"
+    if isinstance(blockwise, tuple):
+        what = "its analysis, even one block at a time (blockwise),"
+        weights, estimate = blockwise
+    held = "its biggest block's" if isinstance(blockwise, tuple) else "its"
+    why_not = (f" It cannot be analysed one block at a time instead: {blockwise}." if isinstance(blockwise, str)
+               else "")
+    return (f"model {model!r}: {what} is estimated to need {human_bytes(estimate)} on top of the model "
+            f"({ANALYSIS_FACTOR:g}x {held} {human_bytes(weights)} of parameters and buffers), more than the memory "
+            f"budget of {human_bytes(budget)} ({source}).{why_not} It was not started, so that the out-of-memory "
+            "killer cannot end the session halfway; the other models run on. Run it on a machine with more memory, "
+            "or, if the estimate is too cautious for this model, raise the budget (--qreport-memory-budget=SIZE, "
             "e.g. 32GiB): the analysis then runs whatever it needs.")
 
 

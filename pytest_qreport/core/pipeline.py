@@ -222,7 +222,8 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     with quiet_torch_trace_log():
         float_gm = qcore.capture(model, example_inputs, name=name)
     _check_globs(name, settings, quantizer, float_gm)
-    analysis = ModelAnalysis(float_gm, quantizer, equalize=settings.equalize)
+    analysis = ModelAnalysis(float_gm, quantizer, equalize=settings.equalize,
+                             blockwise=False if settings.blockwise == "auto" else settings.blockwise)
     checks: dict[str, Check] = {}
     for check_name in settings.checks:
         checks[check_name] = registry.get(check_name)(settings.check_options.get(check_name))

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PLACES", "SEVERITIES", "Parser", "Setting", "boolean", "check_names", "choice", "closest", "decibels",
-           "equalize_value", "fraction", "globs", "layer_format_pairs", "mapping", "positive_integer",
-           "severity_pairs", "text", "tolerance_pairs"]
+__all__ = ["PLACES", "SEVERITIES", "Parser", "Setting", "blockwise_value", "boolean", "check_names", "choice",
+           "closest", "decibels", "equalize_value", "fraction", "globs", "layer_format_pairs", "mapping",
+           "positive_integer", "severity_pairs", "text", "tolerance_pairs"]
 
 PLACES = ("qmodel", "ini", "cli")
 SEVERITIES = ("fail", "warn", "off")
@@ -271,6 +272,25 @@ def layer_format_pairs(value: Any, checks: Sequence[str]) -> dict[str, str]:
                              f"{closest(name, (*FORMAT_NAMES, 'float'))}; formats: {', '.join(FORMAT_NAMES)}, float")
         result[glob] = name
     return result
+
+
+def blockwise_value(value: Any, checks: Sequence[str]) -> bool | str:
+    """"auto" (block-wise only when the whole model's analysis would exceed the memory budget), True, False, or the
+    module path of the stack of blocks to analyse one at a time ("model.layers")."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip()
+        if word.lower() in ("auto", ""):
+            return "auto"
+        if word.lower() in ("1", "true", "yes", "on"):
+            return True
+        if word.lower() in ("0", "false", "no", "off"):
+            return False
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*", word):
+            return word
+    raise ValueError(f"blockwise must be true, false, auto or the module path of a stack of blocks (such as "
+                     f"'model.layers'), not {value!r}")
 
 
 def equalize_value(value: Any, checks: Sequence[str]) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 
 from .schema import (
     Setting,
+    blockwise_value,
     boolean,
     byte_size,
     check_names,
@@ -64,6 +65,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
             "or off; a dict in qmodel); merged key by key", metavar="PAIRS", merge=True, shown_default="all `fail`"),
     Setting("equalize", equalize_value, None, "equalize models before quantizing: true (input-weight), cross_layer, "
             "smooth, smooth:search, smooth:<alpha>, false, or (in qmodel) a list of layers", shown_default="off"),
+    Setting("blockwise", blockwise_value, "auto", "analyse one block of the model's stack (model.layers) at a time, "
+            "holding one block's quantized weights: true, false, a stack's module path, or auto (when the whole "
+            "model's analysis is estimated to exceed the memory budget)", metavar="{auto,true,false,PATH}",
+            shown_default="`auto`"),
     Setting("baseline_tolerance_db", tolerance_pairs, None, "how much worse than its baseline a value may get "
             "(default 0.5, in the metric's unit); a number, or per check: 'sqnr=0.3,outlier=1.0,*=0.5'",
             metavar="TOL", merge=True, shown_default="0.5"),

@@ -85,12 +85,13 @@ def _propagated(float_model, quant_model):
 
 
 def run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: list[StreamingComparator],
-              logits: LogitsComparator | None = None) -> Any:
-    """Run A then B on one batch and add their floating output leaves to `outputs` (one comparator per leaf), and
-    to `logits` when given; returns A's output."""
+              logits: LogitsComparator | None = None, batch_b: Any = None) -> tuple[Any, Any]:
+    """Run A on one batch then B (on `batch_b` when given: a block's quantized input stream), and add their
+    floating output leaves to `outputs` (one comparator per leaf), and to `logits` when given; returns both
+    outputs."""
     result = call_model(gm_a, batch)
-    out_a = pytree.tree_leaves(result)
-    out_b = pytree.tree_leaves(call_model(gm_b, batch))
+    result_b = call_model(gm_b, batch if batch_b is None else batch_b)
+    out_a, out_b = pytree.tree_leaves(result), pytree.tree_leaves(result_b)
     tensors = [(a, b) for a, b in zip(out_a, out_b) if isinstance(a, torch.Tensor) and a.is_floating_point()]
     while len(outputs) < len(tensors):
         outputs.append(StreamingComparator())
@@ -99,7 +100,7 @@ def run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: li
     if logits is not None:
         logits.decide(gm_a, result)
         logits.update([a for a, _ in tensors], [b for _, b in tensors], batch)
-    return result
+    return result, result_b
 
 
 def _shadowed(float_model, quant_model):
@@ -134,7 +135,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                                   own_quant_model: bool = False, propagate: bool = True,
                                   instrument: Callable[[ShadowGraph], Callable[[], None] | None] | None = None,
                                   instrument_batches: int | None = None, keep_first_output: list | None = None,
-                                  logits: LogitsComparator | None = None) -> tuple[list[dict], list[dict]]:
+                                  logits: LogitsComparator | None = None, quant_batches: list | None = None,
+                                  streams: list | None = None) -> tuple[list[dict], list[dict]]:
     """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
 
     The float graph runs once per batch with the shadow copies of the quantized layers inside it, and its
@@ -144,6 +146,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     with `instrument_batches`, they run on that many batches only, then the callable it returned (if any) is
     called and they are removed (their buffers with them). The float graph's output on the first batch is
     appended to `keep_first_output` when given; `logits` compares the output logits (propagate=True only).
+    `quant_batches` are the quantized graph's own inputs, one per batch (default: the same batches), and `streams`,
+    when given, gets each batch's (float output, quantized output): a block of a block-wise analysis hands both on.
     """
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
@@ -177,7 +181,13 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     with torch.no_grad():
         for batch in batches:
             batch = move_to(batch, device)
-            result = run_both(gm_a, gm_b, batch, outputs, logits) if propagate else call_model(gm_a, batch)
+            if propagate:
+                batch_b = None if quant_batches is None else move_to(quant_batches[count], device)
+                result, result_b = run_both(gm_a, gm_b, batch, outputs, logits, batch_b)
+            else:
+                result = result_b = call_model(gm_a, batch)
+            if streams is not None:
+                streams.append((result, result_b))
             if count == 0 and keep_first_output is not None:
                 keep_first_output.append(result)
             for stash in stashes:

@@ -1,0 +1,296 @@
+"""Block-wise analysis (qcore.blockwise): the blocks chained compute the model, and every measurement equals the
+whole-model analysis's; one block's quantized copy is alive at a time."""
+import gc
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import qcore
+from qcore.analysis import AnalysisPlan, BlockwiseUnsupported, ModelAnalysis
+from qcore.blockwise import BlockwiseError, block_stack, measure_blockwise, split_into_blocks
+from qcore.inputs import call_model
+from qcore.report.detectors import (
+    DynamicStaticDetector,
+    InputWeightEqualizationDetector,
+    OutlierDetector,
+    PerChannelDetector,
+)
+
+from .models import SmallMLP
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[:, 12:] = 0
+        batches.append({"input_ids": torch.randint(0, 256, (2, 16), generator=g), "attention_mask": mask})
+    return qcore.capture(model, batches[0]), batches
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    """A residual stack with a stem and a head, and a dict output (FX keeps it as a dict)."""
+
+    def __init__(self, blocks=4, width=16):
+        super().__init__()
+        self.stem = nn.Linear(8, width)
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(blocks)])
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x):
+        hidden = self.blocks(self.stem(x))
+        return {"scores": self.head(hidden), "hidden": hidden}
+
+
+def _chain(blocks, batch):
+    env, result = {}, None
+    for index, block in enumerate(blocks):
+        result = call_model(block.gm, batch) if index == 0 else block.gm(*[env[n] for n in block.inputs])
+        if index < len(blocks) - 1:
+            env.update(zip(block.outputs, result))
+    return result
+
+
+PLAN = AnalysisPlan(measurements=frozenset({"sqnr", "detectors", "equalization", "logits"}),
+                    detectors={"per_channel": PerChannelDetector(), "dynamic_static": DynamicStaticDetector(),
+                               "input_weight_equalization": InputWeightEqualizationDetector(0.5),
+                               "outliers": OutlierDetector()})
+
+
+def _equal(a, b):
+    """Equal structures of builtins and tensors (tensors equal in dtype, shape and values)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b or a != a and b != b  # nan equals nan here
+
+
+def _propagated(sqnr):
+    """The propagated and weight SQNR (the whole model's extra passes skip the shadow one)."""
+    return {k: (v.sqnr_db, v.weight_sqnr_db) for k, v in sqnr.layers.items()}, sqnr.outputs
+
+
+def _same_measurement(whole, blockwise):
+    assert list(whole.sqnr.layers) == list(blockwise.sqnr.layers)
+    assert whole.sqnr == blockwise.sqnr  # every layer's propagated, shadow and weight SQNR, and every output's
+    assert _equal(whole.detector_reports, blockwise.detector_reports)
+    assert sum(len(entries) for entries in whole.detector_reports.values()) > 20
+    assert whole.variants == blockwise.variants and whole.smoothing == blockwise.smoothing
+    assert whole.unmeasured == blockwise.unmeasured
+    assert whole.logits == blockwise.logits
+
+
+def test_llama_blocks_chained_compute_the_model(llama):
+    float_gm, batches = llama
+    assert block_stack(float_gm) == "model.layers"
+    blocks = split_into_blocks(float_gm)
+    assert [b.indices for b in blocks] == [(0,), (1,), (2,)]
+    assert blocks[0].inputs == () and blocks[-1].outputs == ()
+    whole = call_model(float_gm, batches[1])
+    assert torch.equal(_chain(blocks, batches[1])["logits"], whole["logits"])
+    # parameters are shared with the model, not copied
+    model_storage = {p.data_ptr() for p in float_gm.parameters()}
+    assert all(p.data_ptr() in model_storage for b in blocks for p in b.gm.parameters())
+
+
+def test_llama_blockwise_analysis_equals_the_whole_model_analysis(llama):
+    float_gm, batches = llama
+    whole = ModelAnalysis(float_gm, batches=batches, plan=PLAN)
+    blockwise = ModelAnalysis(float_gm, batches=batches, plan=PLAN, blockwise=True)
+    _same_measurement(whole.measurement, blockwise.measurement)
+    assert whole.logits.kl_nats > 0 and whole.logits.float_perplexity > 1  # measured, not empty
+    assert set(whole.measurement.detector_reports) == set(PLAN.detectors)
+
+
+def test_llama_blockwise_equalized_and_variant_trials_equal_the_whole_model(llama):
+    float_gm, batches = llama
+    for recipe in (True, "smooth:0.5"):
+        whole = ModelAnalysis(float_gm, batches=batches, equalize=recipe)
+        blockwise = ModelAnalysis(float_gm, batches=batches, equalize=recipe, blockwise="model.layers")
+        assert whole.sqnr == blockwise.sqnr, recipe
+        assert _propagated(whole.unequalized_sqnr) == _propagated(blockwise.unequalized_sqnr)
+        assert 0 < blockwise.equivalence_error == whole.equivalence_error < 1e-5
+    plain, blocks = ModelAnalysis(float_gm, batches=batches), ModelAnalysis(float_gm, batches=batches, blockwise=True)
+    layers = plain.equalizable_layers[:3]
+    assert plain.variant(equalize=layers).sqnr == blocks.variant(equalize=layers).sqnr
+    assert _propagated(plain.equalized_sqnr) == _propagated(blocks.equalized_sqnr)
+
+
+def test_fx_stack_with_a_dict_output_blocks_two_at_a_time():
+    torch.manual_seed(1)
+    model = Stack().eval()
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    float_gm = qcore.capture(model, batches[0], method="fx")
+    blocks = split_into_blocks(float_gm, "blocks", blocks_per_step=2)
+    assert [b.indices for b in blocks] == [(0, 1), (2, 3)]
+    chained, whole = _chain(blocks, batches[0]), call_model(float_gm, batches[0])
+    assert set(chained) == {"scores", "hidden"} and all(torch.equal(chained[k], whole[k]) for k in whole)
+    plan = AnalysisPlan(measurements=frozenset({"sqnr", "detectors", "equalization"}), detectors=PLAN.detectors)
+    _same_measurement(ModelAnalysis(float_gm, batches=batches, plan=plan).measurement,
+                      ModelAnalysis(float_gm, batches=batches, plan=plan, blockwise=True).measurement)
+
+
+@settings(max_examples=12, deadline=None)
+@given(blocks=st.integers(2, 5), per_step=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_chained_blocks_equal_the_graph(blocks, per_step, seed):
+    torch.manual_seed(seed)
+    model = Stack(blocks=blocks, width=8).eval()
+    x = torch.randn(3, 8)
+    float_gm = qcore.capture(model, x)
+    split = split_into_blocks(float_gm, "blocks", blocks_per_step=per_step)
+    assert len(split) == -(-blocks // per_step)
+    assert sorted(i for b in split for i in b.indices) == list(range(blocks))
+    chained, whole = _chain(split, x), call_model(float_gm, x)
+    assert all(torch.equal(chained[k], whole[k]) for k in whole)
+
+
+def test_one_block_quantized_at_a_time(llama):
+    float_gm, batches = llama
+    alive = []
+
+    def count_copies(block):
+        gc.collect()
+        names = [type(o).__name__ for o in gc.get_objects() if type(o).__name__.startswith("GraphModule")]
+        alive.append({name: names.count(name) for name in set(names) if "Block" in name})
+
+    measure_blockwise(float_gm, batches, on_block=count_copies)
+    # when block i is quantized, every earlier block's quantized and instrumented copies are gone: alive are the
+    # float and the prepared graph of each block not measured yet
+    assert [sum(counts.values()) for counts in alive] == [6, 4, 2]
+
+
+def test_a_model_without_a_stack_says_so():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    float_gm = qcore.capture(SmallMLP(features=8).eval(), x)
+    with pytest.raises(BlockwiseError, match="no stack of numbered blocks"):
+        ModelAnalysis(float_gm, batches=[x], blockwise=True).sqnr  # noqa: B018
+    with pytest.raises(BlockwiseError, match="no stack of numbered blocks at 'decoder'"):
+        split_into_blocks(qcore.capture(Stack().eval(), x), "decoder")
+
+
+def test_whole_model_searches_refuse_a_blockwise_analysis(llama):
+    float_gm, batches = llama
+    analysis = ModelAnalysis(float_gm, batches=batches, blockwise=True)
+    for ask in (lambda: analysis.sensitivity(), lambda: analysis.float_layers_fix(40.0),
+                lambda: analysis.quantized_gm, lambda: analysis.logits_on(batches)):
+        with pytest.raises(BlockwiseUnsupported, match="one block at a time"):
+            ask()
+
+
+CONFTEST = """
+import pytest
+import torch
+from torch import nn
+from pytest_qreport import qmodel
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 64)
+        self.layers = nn.ModuleList([Block(64) for _ in range(4)])  # 66 KiB each
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.fixture
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(8, 8, generator=g) for _ in range(3)]
+
+
+@qmodel(calibration="batches", blockwise=BLOCKWISE, model_sqnr_min_db=60.0,
+        checks=["sqnr", "model_sqnr", "weight_sqnr", "per_channel", "outlier", "sensitivity"])
+def stack():
+    torch.manual_seed(0)
+    return Stack().eval()
+"""
+
+
+def _rows(path):
+    import json
+
+    rows = json.loads(path.read_text())["rows"]
+    return {(r["check"], r["layer"]): (r["verdict"], r["value"]) for r in rows}
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "-p", "xdist"]], ids=["serial", "xdist"])
+def test_a_blockwise_model_reports_the_whole_model_numbers(pytester, workers):
+    runs = {}
+    for mode in ("False", "True", "'layers'"):
+        pytester.makeconftest(CONFTEST.replace("BLOCKWISE", mode))
+        run = pytester.runpytest_subprocess if workers else pytester.runpytest
+        result = run("--qreport", "-p", "no:randomly", "-p", "no:cacheprovider", f"--qreport-json={mode}.json",
+                     *workers)
+        runs[mode] = (result, _rows(pytester.path / f"{mode}.json"))
+    whole, blockwise, named = runs["False"][1], runs["True"][1], runs["'layers'"][1]
+    sensitivity = ("sensitivity", "model")
+    assert whole[sensitivity][0] in ("pass", "warn") and blockwise[sensitivity][0] == "skip"
+    del whole[sensitivity], blockwise[sensitivity], named[sensitivity]
+    assert blockwise == whole == named and len(whole) > 20  # every layer's number, the model's output too
+    assert whole[("model_sqnr", "output")][0] == "fail"  # 60 dB is out of reach: the advice runs
+    text = runs["True"][0].stdout.str()
+    assert "No float_layers search ran: the model is analysed one block at a time (blockwise)" in text
+    # the hint works: blockwise=False runs the search
+    assert "float_layers=[" in runs["False"][0].stdout.str() and "float_layers=[" not in text
+
+
+def test_auto_goes_blockwise_when_the_whole_model_would_exceed_the_budget(pytester):
+    pytester.makeconftest(CONFTEST.replace("BLOCKWISE", "'auto'").replace(', "sensitivity"', ""))
+    # the whole model's estimate is 5 x 269 KiB; its biggest block's 5 x 69 KiB
+    result = pytester.runpytest("--qreport", "-p", "no:randomly", "--qreport-memory-budget=1MiB",
+                                "--qreport-json=auto.json")
+    assert "errors" not in result.parseoutcomes()
+    assert "No float_layers search ran: the model is analysed one block at a time" in result.stdout.str()
+    # a budget under one block's estimate: the item errors and says so
+    result = pytester.runpytest("--qreport", "-p", "no:randomly", "--qreport-memory-budget=200KiB")
+    assert "its analysis, even one block at a time (blockwise), is estimated to need" in result.stdout.str()
+    assert result.parseoutcomes()["errors"] > 10 and "passed" not in result.parseoutcomes()
+
+
+def test_a_stack_that_is_not_there_errors_the_model_items(pytester):
+    pytester.makeconftest(CONFTEST.replace("BLOCKWISE", "'decoder.layers'"))
+    result = pytester.runpytest("--qreport", "-p", "no:randomly")
+    assert "model 'stack': blockwise='decoder.layers': no stack of numbered blocks at 'decoder.layers'" in \
+        result.stdout.str()
+    assert "passed" not in result.parseoutcomes()
