@@ -41,7 +41,12 @@ def build():
                                       num_key_value_heads=KV_HEADS, max_position_embeddings=128, use_cache=False,
                                       tie_word_embeddings=VOCABULARY > 100000)
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(torch.{dtype}).eval()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.{dtype})  # built in its dtype: no float32 copy of a bfloat16 model on the way
+    try:
+        return transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def batches():
