@@ -312,24 +312,19 @@ class ModelAnalysis:
             self.require_deterministic()
         original = not self.equalize_recipe
         planned = self.plan.equalization and original
+        options: dict[str, Any] = {"logits": "logits" in self.plan.measurements,
+                                   "detectors": dict(self.plan.detectors) if original else None,
+                                   "equalization_layers": self.equalizable_layers if planned else (),
+                                   "smoothing": "search" if planned else None}
         if self.blockwise:
             self.require_deterministic()  # two float runs of the whole model: activations, no copy of weights
-            measured = self._measure_blocks(self.quantized_input_gm, logits="logits" in self.plan.measurements,
-                                            detectors=dict(self.plan.detectors) if original else None,
-                                            equalization_layers=self.equalizable_layers if planned else (),
-                                            smoothing="search" if planned else None)
-            if not self._keeps_graphs:
-                self.__dict__.pop("quantized_input_gm", None)
-            return measured
-        measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer,
-                                 logits="logits" in self.plan.measurements,
-                                 detectors=dict(self.plan.detectors) if original else None,
-                                 equalization_layers=self.equalizable_layers if planned else (),
-                                 smoothing="search" if planned else None)
-        if isinstance(self._nondeterminism, _Unknown) and self.quantized_input_gm is self.float_gm and \
-                len(measured.first_outputs) == 2 and outputs_agree(self.float_gm, *measured.first_outputs):
-            self._nondeterminism = None  # calibration and comparison ran batch 0 alike: no extra runs
-        self.require_deterministic()  # otherwise two runs (four to name the node where they differ)
+            measured = self._measure_blocks(self.quantized_input_gm, **options)
+        else:
+            measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, **options)
+            if isinstance(self._nondeterminism, _Unknown) and self.quantized_input_gm is self.float_gm and \
+                    len(measured.first_outputs) == 2 and outputs_agree(self.float_gm, *measured.first_outputs):
+                self._nondeterminism = None  # calibration and comparison ran batch 0 alike: no extra runs
+            self.require_deterministic()  # otherwise two runs (four to name the node where they differ)
         if not self._keeps_graphs:
             self.__dict__.pop("quantized_input_gm", None)  # built again if asked for
         return dataclasses.replace(measured, first_outputs=())  # a batch of outputs is not worth keeping

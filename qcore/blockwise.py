@@ -53,11 +53,6 @@ class Block:
     outputs: tuple[str, ...]
     indices: tuple[int, ...]
 
-    def parameter_bytes(self) -> int:
-        """Bytes of the parameters and buffers the block's graph reads."""
-        seen = {id(t): t for t in [*self.gm.parameters(), *self.gm.buffers()]}
-        return sum(t.numel() * t.element_size() for t in seen.values())
-
 
 def block_stack(gm: fx.GraphModule) -> str:
     """The module path of the graph's largest stack of numbered blocks ("model.layers"), from its ops' FQNs."""
@@ -75,10 +70,11 @@ def block_stack(gm: fx.GraphModule) -> str:
 
 
 def _assign_blocks(gm: fx.GraphModule, stack: str, blocks_per_step: int, fixed: Mapping[str, int] | None = None
-                   ) -> tuple[dict[fx.Node, int], int]:
-    """Each op node's block and the block count. A stack op goes to its block (or a later one, when it reads one);
-    another op goes to the last block it reads from, or, when it reads only parameters (a weight's observer), to its
-    first reader's. `fixed` gives some nodes' blocks by name (a prepared graph's ops, as in its float graph)."""
+                   ) -> tuple[dict[fx.Node, int], list[tuple[int, ...]]]:
+    """Each op node's block, and each block's stack indices. A stack op goes to its block (or a later one, when it
+    reads one); another op goes to the last block it reads from, or, when it is an observer or reads only
+    parameters, to its first reader's. `fixed` gives some nodes' blocks by name (a prepared graph's ops, as in its
+    float graph)."""
     pattern = re.compile(re.escape(stack) + r"\.(\d+)(?:\.|$)" if stack else r"(\d+)(?:\.|$)")
     found = sorted({int(m.group(1)) for n in gm.graph.nodes if n.op in _OPS
                     for m in [pattern.match(str(n.meta.get(FQN_KEY, "")))] if m})
@@ -108,7 +104,8 @@ def _assign_blocks(gm: fx.GraphModule, stack: str, blocks_per_step: int, fixed: 
         readers = [count - 1 if user.op == "output" else assigned[user] for user in node.users if user in assigned
                    or user.op == "output"]
         assigned[node] = max(assigned[node], min(readers, default=assigned[node]))
-    return {node: block for node, block in assigned.items() if node.op in _OPS}, count
+    indices = [tuple(i for i in found if step_of[i] == block) for block in range(count)]
+    return {node: block for node, block in assigned.items() if node.op in _OPS}, indices
 
 
 def split_into_blocks(gm: fx.GraphModule, stack: str | None = None, blocks_per_step: int = 1,
@@ -117,8 +114,8 @@ def split_into_blocks(gm: fx.GraphModule, stack: str | None = None, blocks_per_s
     Running the blocks in order, each on the values named by its inputs, computes what `gm` computes. `fixed`:
     see _assign_blocks."""
     stack = block_stack(gm) if stack is None else stack
-    assigned, count = _assign_blocks(gm, stack, max(1, int(blocks_per_step)), fixed)
-    indices = _stack_indices(gm, stack, assigned, count)
+    assigned, indices = _assign_blocks(gm, stack, max(1, int(blocks_per_step)), fixed)
+    count = len(indices)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     home = {**{n: 0 for n in placeholders}, **assigned}  # get_attr nodes have no home: each block copies its own
@@ -164,16 +161,6 @@ def split_into_blocks(gm: fx.GraphModule, stack: str | None = None, blocks_per_s
         module.meta = dict(getattr(gm, "meta", {}))
         blocks.append(Block(module, tuple(v.name for v in reads), tuple(v.name for v in handed), indices[block]))
     return blocks
-
-
-def _stack_indices(gm: fx.GraphModule, stack: str, assigned: dict[fx.Node, int], count: int) -> list[tuple]:
-    pattern = re.compile(re.escape(stack) + r"\.(\d+)(?:\.|$)" if stack else r"(\d+)(?:\.|$)")
-    indices: list[set[int]] = [set() for _ in range(count)]
-    for node, block in assigned.items():
-        match = pattern.match(str(node.meta.get(FQN_KEY, "")))
-        if match:
-            indices[block].add(int(match.group(1)))
-    return [tuple(sorted(found)) for found in indices]
 
 
 def _set_codegen(graph: fx.Graph, codegen: Any, block: int, count: int, input_names: list[str]) -> None:

@@ -70,3 +70,22 @@ class DataDependent(nn.Module):
 def batches(shape, n=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=g) for _ in range(n)]
+
+
+def tiny_llama(layers=2, batch=4):
+    """A transformers Llama (hidden 64, 256-token vocabulary, seeded) and 3 batches of 16 tokens whose last 4
+    positions are masked out."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        mask = torch.ones(batch, 16, dtype=torch.long)
+        mask[:, 12:] = 0
+        batches.append({"input_ids": torch.randint(0, 256, (batch, 16), generator=g), "attention_mask": mask})
+    return model, batches

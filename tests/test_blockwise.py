@@ -19,24 +19,14 @@ from qcore.report.detectors import (
     PerChannelDetector,
 )
 
-from .models import SmallMLP
+from .models import SmallMLP, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def llama():
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(3):
-        mask = torch.ones(2, 16, dtype=torch.long)
-        mask[:, 12:] = 0
-        batches.append({"input_ids": torch.randint(0, 256, (2, 16), generator=g), "attention_mask": mask})
+    model, batches = tiny_llama(layers=3, batch=2)
     return qcore.capture(model, batches[0]), batches
 
 

@@ -15,6 +15,7 @@ from qcore.analysis import AnalysisPlan, ModelAnalysis
 from qcore.inputs import call_model
 from qcore.numeric.logits import LogitsComparator, logits_leaf
 
+from .models import tiny_llama
 from .test_advice import _run
 
 transformers = pytest.importorskip("transformers")
@@ -22,18 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def llama():
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(3):
-        mask = torch.ones(4, 16, dtype=torch.long)
-        mask[:, 12:] = 0
-        batches.append({"input_ids": torch.randint(0, 256, (4, 16), generator=g), "attention_mask": mask})
-    return model, batches
+    return tiny_llama(layers=2, batch=4)
 
 
 def _direct(float_gm, quant_gm, batches):

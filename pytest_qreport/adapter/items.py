@@ -18,7 +18,7 @@ from ..core.errors import QReportCheckFailed, QReportError, QReportModelError
 from ..core.explain import error_finding, explain
 from ..core.findings import Finding
 from ..core.layer_cache import model_cache_key
-from ..core.memory import MemoryLedger, estimated_analysis_bytes, estimated_blockwise_bytes, over_budget_message
+from ..core.memory import MemoryLedger, budgeted_estimate
 from ..core.nodeids import item_name, model_scope
 from ..core.numbers import printable
 from ..core.pipeline import ModelPipeline, Stage, collect_model
@@ -272,8 +272,11 @@ class QReportItem(pytest.Function):
             return
         assert pipeline.context is not None
         budget = settings["memory_budget"] or self.config.stash[STATE_KEY].memory_available
-        estimate = self._memory_estimate(pipeline, budget, given=settings["memory_budget"] is not None)
-        if estimate is None:
+        assert pipeline.settings is not None
+        estimate, refusal = budgeted_estimate(pipeline.name, pipeline.context.analysis, pipeline.settings.blockwise,
+                                              budget, given=settings["memory_budget"] is not None)
+        if refusal:
+            pipeline.analysis_failed(refusal)
             return
         reserved = (MemoryLedger(crash_dir).reserved("::".join(self.model_key), estimate, budget)
                     if crash_dir and budget is not None else contextlib.nullcontext())
@@ -283,35 +286,6 @@ class QReportItem(pytest.Function):
                              lambda found: hook.pytest_qreport_modify_findings(model=pipeline.name, findings=found),
                              threads=settings["threads"], baseline=settings["baseline"],
                              resolve=lambda source: as_batches(resolve_source(source, request.getfixturevalue)))
-
-    @staticmethod
-    def _memory_estimate(pipeline: ModelPipeline, budget: int | None, given: bool) -> int | None:
-        """What the model's analysis is expected to add, block-wise when its settings say so (or, with
-        blockwise='auto', when the whole model's would exceed the budget); None when the model errors instead."""
-        from qcore.blockwise import BlockwiseError
-
-        assert pipeline.context is not None and pipeline.settings is not None
-        analysis, mode = pipeline.context.analysis, pipeline.settings.blockwise
-        weights, estimate = estimated_analysis_bytes(analysis.float_gm)
-        whole_fits = budget is None or estimate <= budget
-        blockwise: tuple[int, int] | str | None = None
-        if analysis.blockwise or (mode == "auto" and not whole_fits):
-            try:
-                blockwise = estimated_blockwise_bytes(analysis.float_gm, mode if isinstance(mode, str) and
-                                                      mode != "auto" else None)
-            except BlockwiseError as error:
-                if analysis.blockwise:
-                    pipeline.analysis_failed(f"model {pipeline.name!r}: blockwise={mode!r}: {error}")
-                    return None
-                blockwise = str(error)
-            else:
-                analysis.blockwise = analysis.blockwise or True
-                weights, estimate = blockwise
-        if budget is not None and estimate > budget:
-            pipeline.analysis_failed(over_budget_message(pipeline.name, weights, estimate, budget, given=given,
-                                                         blockwise=blockwise))
-            return None
-        return estimate
 
     def _capture_recalled(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> None:
         """Capture a model whose items came from the layer cache (once per process: the first item's setup)."""

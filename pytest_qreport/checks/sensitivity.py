@@ -9,9 +9,9 @@ from ..core.registry import Check, ModelContext
 
 __all__ = ["BLOCKWISE_NOTE", "SensitivityCheck", "float_layers_advice", "output_fix", "recipe"]
 
-BLOCKWISE_NOTE = (" (No {search} ran: the model is analysed one block at a time (blockwise), and the search "
+BLOCKWISE_NOTE = ("No {search} ran: the model is analysed one block at a time (blockwise), and the {search} "
                   "measures the whole quantized model; it runs with qmodel(blockwise=False) where the whole model's "
-                  "analysis fits in memory.)")
+                  "analysis fits in memory.")
 DEFAULT_MAX_LAYERS = 32
 DEFAULT_BATCHES = 2
 
@@ -34,7 +34,7 @@ def output_fix(model: ModelContext, target_db: float) -> tuple[str, dict[str, An
     if options.get("fix") is False:
         return "", formats
     if model.analysis.blockwise:
-        return BLOCKWISE_NOTE.format(search="format search"), formats
+        return f" ({BLOCKWISE_NOTE.format(search='format search')})", formats
     fix = model.analysis.format_fix(target_db, int(options.get("max_moves", 16)),
                                     options.get("batches", DEFAULT_BATCHES))
     if not fix.layer_formats:
@@ -57,7 +57,7 @@ def float_layers_advice(model: ModelContext, target_db: float) -> str:
         return (" (No float_layers fix is searched: this quantizer has no layer_overrides to keep layers in "
                 "float.)")
     if model.analysis.blockwise:
-        return BLOCKWISE_NOTE.format(search="float_layers search")
+        return f" ({BLOCKWISE_NOTE.format(search='float_layers search')})"
     fix = model.analysis.float_layers_fix(target_db, int(options.get("max_float_layers", 8)),
                                           options.get("batches", DEFAULT_BATCHES))
     if not fix.float_layers:
@@ -92,10 +92,8 @@ class SensitivityCheck(Check):
                                 "qmodel(check_options={'sensitivity': {'always': True}})"))]
         if model.analysis.blockwise:
             return [Finding(model=model.name, check=self.name, layer="model", metric=self.metric, value=math.nan,
-                            threshold=math.nan, verdict="skip", message=(
-                                "the model is analysed one block at a time (blockwise), and the sensitivity "
-                                "ranking switches layers of the whole quantized model; it runs with "
-                                "qmodel(blockwise=False) where the whole model's analysis fits in memory"))]
+                            threshold=math.nan, verdict="skip",
+                            message=BLOCKWISE_NOTE.format(search="sensitivity ranking"))]
         max_layers = int(self.options.get("max_layers", DEFAULT_MAX_LAYERS))
         result = model.analysis.sensitivity(max_layers, self.options.get("batches", DEFAULT_BATCHES))
         top = result.layers[: int(self.options.get("top", 5))]

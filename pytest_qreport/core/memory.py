@@ -13,7 +13,7 @@ from typing import Any
 
 from .files import write_atomically
 
-__all__ = ["ANALYSIS_FACTOR", "MemoryLedger", "available_memory", "estimated_analysis_bytes",
+__all__ = ["ANALYSIS_FACTOR", "MemoryLedger", "available_memory", "budgeted_estimate", "estimated_analysis_bytes",
            "estimated_blockwise_bytes", "human_bytes", "over_budget_message"]
 
 # An analysis with every default check peaked at 3.6x (0.5B config) and 4.7x (1B config) a transformers Llama's
@@ -57,8 +57,33 @@ def estimated_blockwise_bytes(float_gm: Any, stack: str | None = None) -> tuple[
     times those bytes); BlockwiseError when the graph has no stack of blocks."""
     from qcore.blockwise import split_into_blocks
 
-    biggest = max(block.parameter_bytes() for block in split_into_blocks(float_gm, stack))
+    biggest = max(estimated_analysis_bytes(block.gm)[0] for block in split_into_blocks(float_gm, stack))
     return biggest, int(biggest * ANALYSIS_FACTOR)
+
+
+def budgeted_estimate(model: str, analysis: Any, mode: bool | str, budget: int | None, given: bool
+                      ) -> tuple[int, str]:
+    """(what the model's analysis is expected to add, "") or (0, why it must not start). The analysis goes
+    block-wise when `mode` (its blockwise setting) says so, or, for "auto", when the whole model's estimate
+    exceeds the budget and a block-wise one does not: then `analysis.blockwise` is set."""
+    from qcore.blockwise import BlockwiseError
+
+    weights, estimate = estimated_analysis_bytes(analysis.float_gm)
+    blockwise: tuple[int, int] | str | None = None
+    if analysis.blockwise or (mode == "auto" and budget is not None and estimate > budget):
+        try:
+            blockwise = estimated_blockwise_bytes(
+                analysis.float_gm, analysis.blockwise if isinstance(analysis.blockwise, str) else None)
+        except BlockwiseError as error:
+            if analysis.blockwise:
+                return 0, f"model {model!r}: blockwise={mode!r}: {error}"
+            blockwise = str(error)
+        else:
+            analysis.blockwise = analysis.blockwise or True
+            weights, estimate = blockwise
+    if budget is not None and estimate > budget:
+        return 0, over_budget_message(model, weights, estimate, budget, given=given, blockwise=blockwise)
+    return estimate, ""
 
 
 def human_bytes(count: float) -> str:
