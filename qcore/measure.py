@@ -30,7 +30,7 @@ from .equalize import (
 from .graph import find_quantizable_ops
 from .numeric.compare import ShadowGraph, compare, compare_propagated_and_shadow
 from .numeric.logits import LogitsComparator, LogitsMeasurement
-from .numeric.metrics import compute_sqnr
+from .numeric.metrics import large_tensor_sqnr
 from .numeric.suite import extract_weights
 from .prepare import prepare
 from .probes import ChannelStatisticsProbe, DetectorProbe, Probe
@@ -264,7 +264,7 @@ def sqnr_measurement(records: list[dict], shadows: dict[str, dict], weights: dic
             original, quantized = pair["float"][0]["values"][0], pair["quant"][0]["values"][0]
             # an exact reconstruction (an all-zero weight, say) is inf, as for activations, not 0/0 = nan
             exact = bool(torch.equal(original, quantized))
-            weight_db = math.inf if exact else float(compute_sqnr(original, quantized))
+            weight_db = math.inf if exact else large_tensor_sqnr(original, quantized)
         shadow = shadows.get(record["layer"], {}).get("sqnr_db", math.nan)
         layers[record["layer"]] = LayerSqnr(
             layer=record["layer"], fqn=record["fqn"], op=record["op"], sqnr_db=float(record["sqnr_db"]),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import torch
 
@@ -100,6 +101,22 @@ def _working(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in _HALF_DTYPES else x
 
 
+_ROWS_ELEMENTS = 1 << 24  # fake-quantized at a time: 64 MB of float32 working values, not a copy of an LM head
+
+
+def _by_rows(x: torch.Tensor, rows: Callable[[torch.Tensor, slice], torch.Tensor]) -> torch.Tensor:
+    """rows(x[part], part) over slices `part` of dim 0, a bounded number of elements at a time, into one tensor
+    (the computation is elementwise: the same values as rows(x, slice(None)))."""
+    if x.dim() == 0 or x.numel() <= _ROWS_ELEMENTS or (x.requires_grad and torch.is_grad_enabled()):
+        return rows(x, slice(None))
+    step = max(1, _ROWS_ELEMENTS * x.shape[0] // x.numel())
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[0], step):
+        part = slice(start, start + step)
+        out[part] = rows(x[part], part)
+    return out
+
+
 def fake_quantize_per_tensor(
     x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int
 ) -> torch.Tensor:
@@ -116,12 +133,16 @@ def fake_quantize_per_tensor(
                                                    quant_min - zero_point, quant_max - zero_point,
                                                    native.threads(x.numel()))
             return out
-    q = _working(x) * inv_scale  # a new tensor: the steps below run in place on it, with the same roundings
-    # clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp): float32 holds these integers
-    # exactly, and a rounded value too large for that is clamped either way. Adding 0.0 turns round()'s -0.0
-    # into the 0.0 that integer arithmetic gives (torch's kernel), so that a later x / 0 keeps its sign.
-    q = q.round_().clamp_(quant_min - zero_point, quant_max - zero_point)
-    return q.mul_(scale).add_(0.0).to(x.dtype)
+
+    def rows(values: torch.Tensor, _: slice) -> torch.Tensor:
+        q = _working(values) * inv_scale  # a new tensor: the steps below run in place on it, same roundings
+        # clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp): float32 holds these
+        # integers exactly, and a rounded value too large for that is clamped either way. Adding 0.0 turns
+        # round()'s -0.0 into the 0.0 that integer arithmetic gives (torch's kernel): a later x / 0 keeps its sign.
+        q = q.round_().clamp_(quant_min - zero_point, quant_max - zero_point)
+        return q.mul_(scale).add_(0.0).to(x.dtype)
+
+    return _by_rows(x, rows)
 
 
 def fake_quantize_per_channel(
@@ -135,17 +156,22 @@ def fake_quantize_per_channel(
     """Quantize then dequantize with one scale and zero point per slice along `axis`; the result has x's dtype."""
     shape = [1] * x.dim()
     shape[axis] = -1
-    work = _working(x)
     scale = scale.to(device=x.device, dtype=torch.float32).reshape(shape)
     float_zero_point = zero_point.is_floating_point()
-    zero_point = zero_point.to(device=x.device).reshape(shape).to(work.dtype)
+    zero_point = zero_point.to(device=x.device).reshape(shape).to(torch.float32 if x.dtype in _HALF_DTYPES else x.dtype)
     inv_scale = 1.0 / scale
-    q = work * inv_scale  # a new tensor: the steps below run in place on it, with the same roundings
-    if float_zero_point:  # float qparams: the zero point is added before rounding, as torch does
-        q.add_(zero_point).round_()
-    else:
-        q.round_().add_(zero_point)
-    return q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale).to(x.dtype)
+
+    def rows(values: torch.Tensor, part: slice) -> torch.Tensor:
+        channels = part if axis % x.dim() == 0 else slice(None)  # the qparams of these rows' channels
+        step_scale, step_zero_point = scale[channels], zero_point[channels]
+        q = _working(values) * inv_scale[channels]  # a new tensor: the steps below run in place on it
+        if float_zero_point:  # float qparams: the zero point is added before rounding, as torch does
+            q.add_(step_zero_point).round_()
+        else:
+            q.round_().add_(step_zero_point)
+        return q.clamp_(quant_min, quant_max).sub_(step_zero_point).mul_(step_scale).to(x.dtype)
+
+    return _by_rows(x, rows)
 
 
 def fake_quantize_dynamic(x: torch.Tensor, quant_min: int, quant_max: int, symmetric: bool) -> torch.Tensor:

@@ -35,6 +35,20 @@ def test_metrics_equal_torch_ao(ours, ref):
     assert [float(v) for v in ours(*pair)] == pytest.approx([float(v) for v in ref(*pair)], abs=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_tensors_sqnr_is_computed_a_few_rows_at_a_time(monkeypatch, dtype):
+    """An LM head's weight SQNR without a float copy of its difference: the same value as torch.ao's formula."""
+    from qcore.numeric import metrics
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(37, 11, generator=g).to(dtype)
+    quantized = (weight.float() + torch.randn(37, 11, generator=g) * 0.01).to(dtype)
+    monkeypatch.setattr(metrics, "_ROWS_ELEMENTS", 40)  # 3 rows at a time
+    expected = float(ao_utils.compute_sqnr(weight.float(), quantized.float()))
+    assert metrics.large_tensor_sqnr(weight, quantized) == pytest.approx(expected, rel=1e-5)
+    assert metrics.large_tensor_sqnr(weight, weight) == math.inf
+
+
 def test_sqnr_of_identical_tensors_is_inf():
     x = torch.randn(10)
     assert math.isinf(float(ns.compute_sqnr(x, x)))

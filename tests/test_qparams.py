@@ -1,10 +1,13 @@
 """Fake quantization and qparams, cross-checked with torch's kernels and torch.ao's observers."""
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.ao.quantization import observer as ao
 
+from qcore import qparams
 from qcore.qparams import (
     calculate_qparams,
     default_quant_range,
@@ -43,6 +46,27 @@ def test_per_channel_matches_torch_kernel(seed, channels, axis, qrange):
     ours = fake_quantize_per_channel(x, scale, zero_point, axis, quant_min, quant_max)
     ref = torch.fake_quantize_per_channel_affine(x, scale, zero_point, axis, quant_min, quant_max)
     assert torch.equal(ours, ref)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), axis=st.integers(0, 2), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       rows_at_a_time=st.integers(1, 40))
+def test_large_tensors_are_fake_quantized_a_few_rows_at_a_time_with_the_same_values(seed, axis, dtype,
+                                                                                     rows_at_a_time):
+    """An LM head's weight is fake-quantized in slices of rows, not through float32 copies of all of it."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(9, 5, 4, generator=g) * 4).to(dtype)
+    channels = x.shape[axis]
+    scale = torch.rand(channels, generator=g) * 0.1 + 1e-3
+    zero_point = torch.randint(-128, 128, (channels,), generator=g, dtype=torch.int32)
+    with mock.patch.object(qparams, "_ROWS_ELEMENTS", rows_at_a_time):
+        per_channel = fake_quantize_per_channel(x, scale, zero_point, axis, -128, 127)
+        per_tensor = fake_quantize_per_tensor(x, 0.05, 3, -128, 127)
+    wide = x.float()  # what the half dtypes are quantized in
+    assert per_channel.dtype == per_tensor.dtype == dtype
+    assert torch.equal(per_channel, torch.fake_quantize_per_channel_affine(wide, scale, zero_point, axis, -128,
+                                                                           127).to(dtype))
+    assert torch.equal(per_tensor, torch.fake_quantize_per_tensor_affine(wide, 0.05, 3, -128, 127).to(dtype))
 
 
 @settings(max_examples=60, deadline=None)

@@ -6,7 +6,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["compute_cosine_similarity", "compute_normalized_l2_error", "compute_sqnr", "sqnr_from_sums"]
+__all__ = ["compute_cosine_similarity", "compute_normalized_l2_error", "compute_sqnr", "large_tensor_sqnr",
+           "sqnr_from_sums"]
+
+_ROWS_ELEMENTS = 1 << 22  # compared at a time by large_tensor_sqnr (in float64)
 
 
 def _elementwise(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
@@ -53,3 +56,18 @@ def sqnr_from_sums(signal_sq: float, noise_sq: float) -> float:
     if signal_sq == 0:
         return -math.inf
     return 10 * math.log10(signal_sq / noise_sq)
+
+
+def large_tensor_sqnr(x: torch.Tensor, y: torch.Tensor) -> float:
+    """compute_sqnr of two tensors of one shape (a weight and its quantized copy), a bounded number of rows at a
+    time when they are large: no copy of an LM head's difference."""
+    if x.dim() == 0 or x.numel() <= _ROWS_ELEMENTS:
+        return float(compute_sqnr(x, y))
+    step = max(1, _ROWS_ELEMENTS * x.shape[0] // x.numel())
+    signal = torch.zeros((), dtype=torch.float64, device=x.device)
+    noise = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, x.shape[0], step):
+        a, b = x[start:start + step].double(), y[start:start + step].double()
+        signal += a.square().sum()
+        noise += (a - b).square_().sum()
+    return sqnr_from_sums(float(signal), float(noise))
