@@ -171,6 +171,8 @@ def _input_channel_scale(op: QuantizableOp, scale: torch.Tensor, weight: torch.T
     """The per-input-channel scale laid out over the weight: [out, in/groups, ...] broadcastable."""
     groups = conv_groups(op)
     out_channels, in_per_group = weight.shape[0], weight.shape[1]
+    if groups == 1:  # one row of factors, broadcast over the output channels: no weight-sized tensor
+        return scale.reshape(1, in_per_group, *([1] * (weight.dim() - 2)))
     per_group = scale.reshape(groups, in_per_group)  # input channel g * in_per_group + j
     expanded = per_group.repeat_interleave(out_channels // groups, dim=0)  # row o belongs to group o // (out/groups)
     return expanded.reshape(out_channels, in_per_group, *([1] * (weight.dim() - 2)))
@@ -261,7 +263,7 @@ def get_equalization_qconfig_dict(layer_sqnr_dict: dict[str, float], num_layers_
 
 def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterable[Any]) -> fx.GraphModule:
     """A float-equivalent copy of `gm` with input-weight equalization applied to the mapped layers."""
-    result = clone_graph_module(gm)
+    result = clone_graph_module(gm, share_parameters=True)  # rewrites assign new tensors: the rest is shared
     ops = resolve_layers(result, equalization_mapping)
     for op in ops:
         _check_layer(result, op)
@@ -377,7 +379,7 @@ def cross_layer_pairs(gm: fx.GraphModule) -> list[tuple[QuantizableOp, Quantizab
 
 def cross_layer_equalize(gm: fx.GraphModule, iterations: int = 1) -> fx.GraphModule:
     """A float-equivalent copy of `gm` with data-free cross-layer equalization of every eligible pair."""
-    result = clone_graph_module(gm)
+    result = clone_graph_module(gm, share_parameters=True)  # rewrites assign new tensors: the rest is shared
     pairs = cross_layer_pairs(result)
     for first, second in pairs:
         for op in (first, second):

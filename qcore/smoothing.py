@@ -227,7 +227,7 @@ class _ChannelStats(nn.Module):
         ones, the input quantized with the qparams the whole calibration gives it."""
         assert self.first is not None and self.low is not None and self.high is not None
         flat = self.first
-        references = [flat @ weight.t() for weight in self.weights]
+        references = [flat @ weight.float().t() for weight in self.weights]
         signal = sum(reference.double().square().sum() for reference in references)
         noises = []
         for alpha in grid:
@@ -237,7 +237,7 @@ class _ChannelStats(nn.Module):
             quantized_x = fake_quantize_per_tensor(flat / scale, float(s), int(z), -128, 127)
             noise = torch.zeros((), dtype=torch.float64)
             for weight, reference in zip(self.weights, references):
-                w = weight * scale
+                w = weight.float() * scale
                 ws, wz = calculate_qparams(w.amin(1), w.amax(1), -127, 127, True)
                 output = quantized_x @ fake_quantize_per_channel(w, ws, wz, 0, -127, 127).t()
                 noise = noise + (reference - output).double().square().sum()
@@ -249,7 +249,7 @@ class _ChannelStats(nn.Module):
         """s for one alpha from the observed activation range and the group's weights."""
         assert self.low is not None and self.high is not None
         activation = torch.maximum(self.low.abs(), self.high.abs()).clamp(min=1e-5)
-        weight = torch.stack([w.abs().amax(0) for w in self.weights]).amax(0).clamp(min=1e-5)
+        weight = torch.stack([w.abs().amax(0).float() for w in self.weights]).amax(0).clamp(min=1e-5)
         scale = activation.pow(alpha) / weight.pow(1 - alpha)
         return torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale)).clamp(1e-4, 1e4)
 
@@ -282,7 +282,7 @@ def smooth(gm: fx.GraphModule, calibration: Iterable[Any], alpha: float | str = 
     if alpha != "search" and not (isinstance(alpha, (int, float)) and 0 <= float(alpha) <= 1):
         raise ValueError(f"alpha must be a number in [0, 1] or 'search', not {alpha!r}")
     batches = list(calibration)
-    smoothed = clone_graph_module(gm)
+    smoothed = clone_graph_module(gm, share_parameters=True)  # rewrites assign new tensors: the rest is shared
     groups, refused = smoothing_groups(smoothed, layers)
     if groups:
         stats = observe_groups(smoothed, groups, batches, keep_first=alpha == "search")
@@ -318,7 +318,7 @@ def observe_groups(gm: fx.GraphModule, groups: list[SmoothingGroup], batches: li
 def group_observer(gm: fx.GraphModule, group: SmoothingGroup, keep_first: bool) -> _ChannelStats:
     """An observer of the group's input channel ranges that knows the group's float weights."""
     observer = _ChannelStats(keep_first)
-    observer.weights = [fetch_attr(gm, op.weight_target).detach().float() for op in group.ops]
+    observer.weights = [fetch_attr(gm, op.weight_target).detach() for op in group.ops]  # upcast where used
     return observer
 
 

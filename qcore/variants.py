@@ -178,8 +178,8 @@ def _observer_of(prepared: fx.GraphModule, arg: Any) -> ObserverBase | None:
 
 
 def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Variant) -> str:
-    """Compute the variant's input qparams and quantized weight (in variant.extras); else the reason it cannot be
-    measured."""
+    """Compute the variant's input qparams, and how to make its quantized weight (in variant.extras); else the
+    reason it cannot be measured."""
     input_observer = _observer_of(prepared, op.node.args[0])
     weight_observer = _observer_of(prepared, op.node.args[1] if len(op.node.args) > 1 else None)
     if input_observer is None or weight_observer is None:
@@ -191,14 +191,17 @@ def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Varia
     scale, zero_point = calculate_qparams(low, high, input_observer.quant_min, input_observer.quant_max,
                                           input_observer.symmetric, input_observer.eps)
     weight = fetch_attr(prepared, op.weight_target).detach()
-    scaled = weight / weight_column_factor(op, variant.factor, weight)
     fresh = _fresh_copy(weight_observer)
-    with torch.no_grad():
-        fresh(scaled)
-        quantized = fake_quantize_with(fresh, scaled)
+
+    def quantized_weight() -> torch.Tensor:  # made when its shadow is added: one block's at a time, block-wise
+        scaled = weight / weight_column_factor(op, variant.factor, weight)
+        with torch.no_grad():
+            fresh(scaled)
+            return fake_quantize_with(fresh, scaled)
+
     shape = [1, -1] + [1] * (weight.dim() - 2) if op.kind == "conv" else [-1]
     variant.extras = {"scale": float(scale.reshape(-1)[0]), "zero_point": int(zero_point.reshape(-1)[0]),
-                      "factor": variant.factor.reshape(shape).to(weight.dtype), "weight": quantized}
+                      "factor": variant.factor.reshape(shape).to(weight.dtype), "weight": quantized_weight}
     return ""
 
 
@@ -229,7 +232,7 @@ def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, in
     input_copy = copies[quant_input]
     base = f"qcore_variant_{index}"
     gm_a.register_buffer(f"{base}_factor", variant.extras["factor"])
-    gm_a.register_buffer(f"{base}_weight", variant.extras["weight"])
+    gm_a.register_buffer(f"{base}_weight", variant.extras["weight"]())
     qparams = (variant.extras["scale"], variant.extras["zero_point"], *input_copy.args[3:])
     if variant.requantize:  # the producer's quantized output, scaled, quantized again
         with gm_a.graph.inserting_after(input_copy):

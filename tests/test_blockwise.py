@@ -9,9 +9,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qcore
-from qcore.analysis import AnalysisPlan, BlockwiseUnsupported, ModelAnalysis
+from qcore.analysis import AnalysisPlan, BlockwiseUnsupported, ModelAnalysis, quantized_layers
 from qcore.blockwise import BlockwiseError, block_stack, measure_blockwise, split_into_blocks
+from qcore.calibrate import calibrate
 from qcore.inputs import call_model
+from qcore.measure import ProbedModel
 from qcore.report.detectors import (
     DynamicStaticDetector,
     InputWeightEqualizationDetector,
@@ -172,6 +174,21 @@ def test_one_block_quantized_at_a_time(llama):
     # when block i is quantized, every earlier block's quantized and instrumented copies are gone: alive are the
     # float and the prepared graph of each block not measured yet
     assert [sum(counts.values()) for counts in alive] == [6, 4, 2]
+
+
+def test_planned_variants_hold_no_copy_of_the_weights(llama):
+    """The equalization variants' quantized weights are made when a block's shadows are added, not for the whole
+    model when the variants are planned."""
+    float_gm, batches = llama
+    layers = [entry.layer for entry in quantized_layers(float_gm) if entry.equalizable]
+    probed = ProbedModel(float_gm, None, None, layers, "search")
+    calibrate(probed.prepared, batches)
+    variants, _, _ = probed.read()
+    assert {v.method for v in variants} >= {"input_weight", "smoothing"}
+    held = [t for v in variants for t in (v.factor, v.low, v.high, *v.extras.values()) if isinstance(t, torch.Tensor)]
+    smallest_weight = min(p.numel() for name, p in float_gm.named_parameters() if "proj" in name)
+    assert held and max(t.numel() for t in held) < smallest_weight
+    assert torch.equal(variants[0].extras["weight"](), variants[0].extras["weight"]())
 
 
 def test_a_model_without_a_stack_says_so():

@@ -21,6 +21,7 @@ from qcore.equalize import (
     equalize,
 )
 from qcore.numeric import compare
+from qcore.smoothing import smooth
 
 
 def _rel(a, b):
@@ -195,6 +196,25 @@ def test_equalized_graph_quantizes_and_gains_sqnr():
     before = {r["layer"]: r["sqnr_db"] for r in compare(gm, plain, data)}
     after = {r["layer"]: r["sqnr_db"] for r in compare(equalized, quant_eq, data)}
     assert after["linear2"] > before["linear2"] + 1.0
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_rewrites_share_the_parameters_they_leave_alone_and_never_write_the_originals(method):
+    """An equalized, smoothed or cross-layer-equalized copy holds new tensors for what it rewrites only."""
+    model = Linear2(16).eval()
+    data = _skewed((64, 16), n=3)
+    gm = qcore.capture(model, data[0], method=method)
+    before = {name: value.clone() for name, value in gm.state_dict().items()}
+    originals = {name: value.data_ptr() for name, value in gm.named_parameters()}
+    for rewritten in (equalize(gm, ["linear2"], data), cross_layer_equalize(gm), smooth(gm, data, 0.5)):
+        pointers = {name: value.data_ptr() for name, value in rewritten.named_parameters()}
+        shared = {name for name, pointer in pointers.items() if pointer in originals.values()}
+        assert shared and shared != set(pointers)  # some parameters rewritten, the others the original tensors
+        for name, value in gm.state_dict().items():
+            assert torch.equal(value, before[name]), name
+    only_linear2 = {name for name, value in equalize(gm, ["linear2"], data).named_parameters()
+                    if value.data_ptr() not in originals.values()}
+    assert only_linear2 and all("linear2" in name for name in only_linear2)
 
 
 def test_bad_layers_are_clear_errors():
