@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .calibrate import calibrate
 from .capture import capture, clone_graph_module
+from .deferred import deferred_parameters, materialized
 from .diagnose import (
     Nondeterminism,
     NonDeterministicModelError,
@@ -271,11 +272,12 @@ class ModelAnalysis:
         return []
 
     def _equalized(self, layers: Any) -> fx.GraphModule:
+        deferred = bool(self.blockwise)  # block-wise, rewritten weights are made one block at a time
         if layers == "cross_layer":
             return cross_layer_equalize(self.float_gm)
         if isinstance(layers, str) and layers.startswith("smooth"):
-            return smooth(self.float_gm, self.batches, smoothing_alpha(layers))
-        return equalize(self.float_gm, list(layers), self.batches)
+            return smooth(self.float_gm, self.batches, smoothing_alpha(layers), deferred=deferred)
+        return equalize(self.float_gm, list(layers), self.batches, deferred=deferred)
 
     @cached_property
     def quantized_input_gm(self) -> fx.GraphModule:
@@ -445,7 +447,9 @@ class ModelAnalysis:
     def equivalence_error(self) -> float:
         """How far the equalized float model is from the original: max error relative to the output's range."""
         self.require_deterministic()
-        return _max_relative_error(self.float_gm, self.quantized_input_gm, self.batches)
+        equalized = self.quantized_input_gm
+        with materialized([equalized], deferred_parameters(equalized)):  # block-wise: all of them, for this
+            return _max_relative_error(self.float_gm, equalized, self.batches)
 
     @cached_property
     def switchable(self) -> Any:

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from .calibrate import calibrate
 from .convert import convert, restore_model_state
+from .deferred import Rule, deferred_parameters, materialized
 from .graph import FQN_KEY, LAYER_NAME_KEY, find_quantizable_ops, is_inserted
 from .measure import ModelMeasurement, ProbedModel, SqnrMeasurement, compare_quantized, diagnosed_calibration
 from .numeric.logits import LogitsComparator
@@ -177,6 +178,28 @@ def _set_codegen(graph: fx.Graph, codegen: Any, block: int, count: int, input_na
         graph.set_codegen(codegen)
 
 
+def _calibrate_blocks(blocks: list[Block], batches: list[Any], rules: Mapping[str, list[Rule]]) -> None:
+    """calibrate() one block at a time on the float stream of every batch, each block holding its rewritten
+    parameters (qcore.deferred) only while it runs."""
+    envs: list[dict[str, Any]] = [{} for _ in batches]
+    last_read = {name: index for index, block in enumerate(blocks) for name in block.inputs}
+    for index, block in enumerate(blocks):
+        with materialized([block.gm], rules):
+            if index == 0:
+                outputs: list[Any] = []
+                calibrate(block.gm, batches, outputs, keep_all=True)
+            else:
+                outputs = []
+                calibrate(block.gm, [tuple(env[name] for name in block.inputs) for env in envs], outputs,
+                          keep_all=True)
+        if index < len(blocks) - 1:
+            for env, output in zip(envs, outputs):
+                env.update(zip(block.outputs, output))
+        for name in [name for name, reader in last_read.items() if reader == index]:
+            for env in envs:
+                env.pop(name, None)
+
+
 class _LogitsOnModelBatches(LogitsComparator):
     """Logits compared on the last block, with the model's own batches (their input_ids) for perplexity."""
 
@@ -198,15 +221,22 @@ def measure_blockwise(float_gm: fx.GraphModule, batches: Iterable[Any], quantize
     called with each quantized block before its comparison pass."""
     batches = list(batches)
     stack = block_stack(float_gm) if stack is None else stack
+    rules = deferred_parameters(float_gm)  # an equalized or smoothed graph's rewritten weights, made per block
     probed = ProbedModel(float_gm, quantizer, detectors, equalization_layers, smoothing)
-    with diagnosed_calibration(float_gm, batches):
-        calibrate(probed.prepared, batches)
-    variants, unmeasured, smoothed = probed.read()
-    probed.prepared.recompile()
     float_blocks = split_into_blocks(float_gm, stack)
     homes = {node.name: block for block, part in enumerate(float_blocks) for node in part.gm.graph.nodes
              if node.op in _OPS}
-    quant_blocks = split_into_blocks(probed.prepared, stack, fixed=homes)
+    if rules:  # calibrated one block at a time too: the whole rewritten model never exists
+        quant_blocks = split_into_blocks(probed.prepared, stack, fixed=homes)
+        with diagnosed_calibration(float_gm, batches):
+            _calibrate_blocks(quant_blocks, batches, rules)
+    else:
+        with diagnosed_calibration(float_gm, batches):
+            calibrate(probed.prepared, batches)
+    variants, unmeasured, smoothed = probed.read()
+    probed.prepared.recompile()
+    if not rules:  # the probes' observers are gone from the graph now
+        quant_blocks = split_into_blocks(probed.prepared, stack, fixed=homes)
     probed_reports = probed.detector_reports
     del probed  # the blocks hold what they need of the prepared graph
     last_read = [{name: index for index, block in enumerate(blocks) for name in block.inputs}
@@ -218,11 +248,6 @@ def measure_blockwise(float_gm: fx.GraphModule, batches: Iterable[Any], quantize
     for index in range(len(float_blocks)):  # not zip(): its cached result tuple would keep a block alive
         float_block, quant_block = float_blocks[index], quant_blocks[index]
         last = index == len(float_blocks) - 1
-        with diagnosed_calibration(float_gm, batches):
-            quantized = convert(quant_block.gm, keep_float_weights=False, recompile=False)
-        restore_model_state(quantized, float_block.gm)
-        if on_block is not None:
-            on_block(quant_block)
         if index == 0:
             float_in, quant_in = batches, None
         else:
@@ -230,9 +255,15 @@ def measure_blockwise(float_gm: fx.GraphModule, batches: Iterable[Any], quantize
             quant_in = [tuple(env[name] for name in quant_block.inputs) for env in quant_env]
         comparator = _LogitsOnModelBatches(batches) if logits and last and propagate else None
         streams: list[tuple[Any, Any]] = []
-        sqnr, measured = compare_quantized(float_block.gm, quantized, float_in, variants, unmeasured,
-                                           propagate=propagate, logits=comparator, quant_batches=quant_in,
-                                           streams=streams)
+        with materialized([float_block.gm, quant_block.gm], rules):
+            with diagnosed_calibration(float_gm, batches):
+                quantized = convert(quant_block.gm, keep_float_weights=False, recompile=False)
+            restore_model_state(quantized, float_block.gm)
+            if on_block is not None:
+                on_block(quant_block)
+            sqnr, measured = compare_quantized(float_block.gm, quantized, float_in, variants, unmeasured,
+                                               propagate=propagate, logits=comparator, quant_batches=quant_in,
+                                               streams=streams)
         layers.update(sqnr.layers)
         baselines.update(measured)
         if last:

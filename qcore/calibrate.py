@@ -23,9 +23,10 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: list | None = None) -> int:
+def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: list | None = None, *,
+              keep_all: bool = False) -> int:
     """Feed every batch to `model` under no_grad, on the model's device; returns the batch count. The first
-    batch's output is appended to `keep_first_output` when given."""
+    batch's output (keep_all: every batch's) is appended to `keep_first_output` when given."""
     device = model_device(model)
     count = 0
     with torch.no_grad():
@@ -34,7 +35,7 @@ def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: list 
                 output = call_model(model, move_to(batch, device))
             except Exception as error:  # noqa: BLE001 - re-raised with the batch index
                 raise CalibrationError(f"calibration batch {index} failed: {type(error).__name__}: {error}") from error
-            if index == 0 and keep_first_output is not None:
+            if (index == 0 or keep_all) and keep_first_output is not None:
                 keep_first_output.append(output)
             count += 1
     if count == 0:

@@ -22,6 +22,7 @@ from torch import fx, nn
 
 from .calibrate import calibrate
 from .capture import clone_graph_module
+from .deferred import Rule, defer
 from .graph import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, op_kind
 from .rewritable import conv_groups, equalization_refusal, fetch_tensor, node_is_transposed
 
@@ -178,21 +179,32 @@ def _input_channel_scale(op: QuantizableOp, scale: torch.Tensor, weight: torch.T
     return expanded.reshape(out_channels, in_per_group, *([1] * (weight.dim() - 2)))
 
 
-def _scale_weight_columns(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool) -> None:
-    target = op.weight_target
-    weight = fetch_tensor(gm, target).detach()
-    factor = _input_channel_scale(op, scale.to(weight), weight)
-    _assign(gm, target, weight / factor if inverse else weight * factor)
+def _rescale(gm: fx.GraphModule, target: str, rule: Rule, deferred: bool) -> None:
+    """Rewrite a parameter now, or record the rewrite for when it is needed (qcore.deferred)."""
+    if deferred:
+        defer(gm, target, rule)
+    else:
+        _assign(gm, target, rule(fetch_tensor(gm, target).detach()))
 
 
-def _scale_output_rows(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool) -> None:
-    for node in (op.weight, op.bias):
-        if node is None:
-            continue
-        target = str(node.target)
-        value = fetch_tensor(gm, target).detach()
+def _scale_weight_columns(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool,
+                          deferred: bool = False) -> None:
+    def rule(weight: torch.Tensor) -> torch.Tensor:
+        factor = _input_channel_scale(op, scale.to(weight), weight)
+        return weight / factor if inverse else weight * factor
+
+    _rescale(gm, op.weight_target, rule, deferred)
+
+
+def _scale_output_rows(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool,
+                       deferred: bool = False) -> None:
+    def rule(value: torch.Tensor) -> torch.Tensor:
         factor = scale.to(value).reshape(-1, *([1] * (value.dim() - 1)))
-        _assign(gm, target, value / factor if inverse else value * factor)
+        return value / factor if inverse else value * factor
+
+    for node in (op.weight, op.bias):
+        if node is not None:
+            _rescale(gm, str(node.target), rule, deferred)
 
 
 def producer_layer(gm: fx.GraphModule, op: QuantizableOp, layers: dict[fx.Node, QuantizableOp]
@@ -261,8 +273,10 @@ def get_equalization_qconfig_dict(layer_sqnr_dict: dict[str, float], num_layers_
     return {"module_name": [(layer, default_equalization_qconfig) for layer, _ in worst]}
 
 
-def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterable[Any]) -> fx.GraphModule:
-    """A float-equivalent copy of `gm` with input-weight equalization applied to the mapped layers."""
+def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterable[Any], *,
+             deferred: bool = False) -> fx.GraphModule:
+    """A float-equivalent copy of `gm` with input-weight equalization applied to the mapped layers. deferred=True:
+    the rewritten weights are computed when needed (qcore.deferred), not held."""
     result = clone_graph_module(gm, share_parameters=True)  # rewrites assign new tensors: the rest is shared
     ops = resolve_layers(result, equalization_mapping)
     for op in ops:
@@ -282,7 +296,7 @@ def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterabl
     for _observer, node in observers.values():
         result.graph.erase_node(node)
         delattr(result, node.target)
-    _apply_scales(result, ops, scales)
+    _apply_scales(result, ops, scales, deferred)
     result.meta["qcore_equalization_scales"] = {layer: scale.tolist() for layer, scale in scales.items()}
     return result
 
@@ -318,15 +332,16 @@ def _grouped_column_minmax(weight: torch.Tensor, groups: int) -> tuple[torch.Ten
     return low, high
 
 
-def _apply_scales(gm: fx.GraphModule, ops: list[QuantizableOp], scales: dict[str, torch.Tensor]) -> None:
+def _apply_scales(gm: fx.GraphModule, ops: list[QuantizableOp], scales: dict[str, torch.Tensor],
+                  deferred: bool = False) -> None:
     layers = {op.node: op for op in find_quantizable_ops(gm)}
     chosen = {op.layer for op in ops}
     for op in ops:
         scale = scales[op.layer]
-        _scale_weight_columns(gm, op, scale, inverse=True)
+        _scale_weight_columns(gm, op, scale, inverse=True, deferred=deferred)
         producer = producer_layer(gm, op, layers)
         if producer is not None and producer.layer in chosen:  # connected equalized layers: no mul between them
-            _scale_output_rows(gm, producer, scale, inverse=False)
+            _scale_output_rows(gm, producer, scale, inverse=False, deferred=deferred)
             continue
         _insert_input_mul(gm, op, scale)
     gm.graph.lint()

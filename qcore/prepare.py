@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import fx, nn
 
+from .deferred import rewritten_value
 from .graph import FQN_KEY, HANDLE_KEY, INSERTED_KEY, is_inserted, original_input
 from .observers import DerivedObserver, FixedQParamsObserver
 from .quantizer import (
@@ -290,9 +291,7 @@ def _observe_constants_once(gm: fx.GraphModule) -> None:
         if not hasattr(observer, "observe_constant") or not all(n.op == "get_attr" for n in inputs):
             continue
         for source in inputs:
-            value = gm
-            for part in str(source.target).split("."):
-                value = getattr(value, part)
+            value = rewritten_value(gm, str(source.target))  # a deferred rewrite's weight, made for this (one)
             observer.frozen = False
             observer.observe_constant(value)
 

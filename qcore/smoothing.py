@@ -27,6 +27,7 @@ from torch import fx, nn
 
 from .calibrate import calibrate
 from .capture import clone_graph_module
+from .deferred import defer
 from .graph import FQN_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, op_kind
 from .qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor
 from .rewritable import equalization_refusal
@@ -272,12 +273,13 @@ def smoothing_alpha(recipe: str) -> float | str:
 
 
 def smooth(gm: fx.GraphModule, calibration: Iterable[Any], alpha: float | str = 0.5,
-           layers: Sequence[str] | None = None) -> fx.GraphModule:
+           layers: Sequence[str] | None = None, *, deferred: bool = False) -> fx.GraphModule:
     """A float-equivalent copy of `gm` with the activation outliers of each smoothable group migrated into the
     group's weights. alpha: a number in [0, 1], or "search" (the best of ALPHA_GRID per group).
 
     The copy's meta["qcore_smoothing"] lists each group ({"layers", "producer", "producer_name", "alpha"}),
-    meta["qcore_smoothing_refused"] the layers left alone with the reason.
+    meta["qcore_smoothing_refused"] the layers left alone with the reason. deferred=True: the rewritten weights are
+    computed when needed (qcore.deferred), not held.
     """
     if alpha != "search" and not (isinstance(alpha, (int, float)) and 0 <= float(alpha) <= 1):
         raise ValueError(f"alpha must be a number in [0, 1] or 'search', not {alpha!r}")
@@ -288,7 +290,7 @@ def smooth(gm: fx.GraphModule, calibration: Iterable[Any], alpha: float | str = 
         stats = observe_groups(smoothed, groups, batches, keep_first=alpha == "search")
         for group, observer in zip(groups, stats):
             group.alpha = observer.best_alpha() if alpha == "search" else float(alpha)
-            _rewrite(smoothed, group, observer.scale(group.alpha))
+            _rewrite(smoothed, group, observer.scale(group.alpha), deferred)
     smoothed.meta["qcore_smoothing"] = [{"layers": g.layers, "producer": g.producer, "producer_name": g.producer_name,
                                          "alpha": g.alpha} for g in groups]
     smoothed.meta["qcore_smoothing_refused"] = refused
@@ -322,13 +324,19 @@ def group_observer(gm: fx.GraphModule, group: SmoothingGroup, keep_first: bool) 
     return observer
 
 
-def _rewrite(gm: fx.GraphModule, group: SmoothingGroup, scale: torch.Tensor) -> None:
-    for op in group.ops:
-        weight = fetch_attr(gm, op.weight_target).detach()
-        _assign(gm, op.weight_target, weight * scale.to(weight).reshape(1, -1))
-    for target in _producer_targets(gm, group):
-        value = fetch_attr(gm, target).detach()
-        _assign(gm, target, value / scale.to(value).reshape(-1, *([1] * (value.dim() - 1))))
+def _rewrite(gm: fx.GraphModule, group: SmoothingGroup, scale: torch.Tensor, deferred: bool = False) -> None:
+    def columns(weight: torch.Tensor) -> torch.Tensor:
+        return weight * scale.to(weight).reshape(1, -1)
+
+    def rows(value: torch.Tensor) -> torch.Tensor:
+        return value / scale.to(value).reshape(-1, *([1] * (value.dim() - 1)))
+
+    rewrites = [(op.weight_target, columns) for op in group.ops] + [(t, rows) for t in _producer_targets(gm, group)]
+    for target, rule in rewrites:
+        if deferred:  # computed when needed (qcore.deferred)
+            defer(gm, target, rule)
+        else:
+            _assign(gm, target, rule(fetch_attr(gm, target).detach()))
 
 
 def _producer_targets(gm: fx.GraphModule, group: SmoothingGroup) -> list[str]:

@@ -13,7 +13,9 @@ from qcore.analysis import AnalysisPlan, BlockwiseUnsupported, ModelAnalysis, qu
 from qcore.blockwise import BlockwiseError, block_stack, measure_blockwise, split_into_blocks
 from qcore.calibrate import calibrate
 from qcore.inputs import call_model
-from qcore.measure import ProbedModel
+from qcore.equalize import equalize
+from qcore.measure import ProbedModel, measure_model
+from qcore.smoothing import smooth
 from qcore.report.detectors import (
     DynamicStaticDetector,
     InputWeightEqualizationDetector,
@@ -189,6 +191,32 @@ def test_planned_variants_hold_no_copy_of_the_weights(llama):
     smallest_weight = min(p.numel() for name, p in float_gm.named_parameters() if "proj" in name)
     assert held and max(t.numel() for t in held) < smallest_weight
     assert torch.equal(variants[0].extras["weight"](), variants[0].extras["weight"]())
+
+
+@pytest.mark.parametrize("rewrite", ["equalize", "smooth"])
+def test_an_equalized_model_is_rewritten_one_block_at_a_time(llama, rewrite):
+    """Block-wise, an equalized or smoothed model's rewritten weights are made for one block at a time (and for
+    its calibration), never for the whole model, and measure what the eagerly rewritten model measures."""
+    float_gm, batches = llama
+    layers = [entry.layer for entry in quantized_layers(float_gm) if entry.equalizable]
+
+    def rewritten(deferred):
+        if rewrite == "smooth":
+            return smooth(float_gm, batches, 0.5, deferred=deferred)
+        return equalize(float_gm, layers, batches, deferred=deferred)
+
+    deferred = rewritten(True)
+    originals = {p.data_ptr() for p in float_gm.parameters()}
+    assert {p.data_ptr() for p in deferred.parameters()} <= originals
+    seen = []
+
+    def whole_model_never_rewritten(block):
+        seen.append(block.indices)
+        assert {p.data_ptr() for p in deferred.parameters()} <= originals
+
+    assert measure_blockwise(deferred, batches, on_block=whole_model_never_rewritten).sqnr == \
+        measure_model(rewritten(False), batches).sqnr
+    assert seen == [(0,), (1,), (2,)]
 
 
 def test_a_model_without_a_stack_says_so():

@@ -20,6 +20,7 @@ from qcore.equalize import (
     cross_layer_equalize,
     equalize,
 )
+from qcore.deferred import deferred_parameters, materialized
 from qcore.numeric import compare
 from qcore.smoothing import smooth
 
@@ -215,6 +216,28 @@ def test_rewrites_share_the_parameters_they_leave_alone_and_never_write_the_orig
     only_linear2 = {name for name, value in equalize(gm, ["linear2"], data).named_parameters()
                     if value.data_ptr() not in originals.values()}
     assert only_linear2 and all("linear2" in name for name in only_linear2)
+
+
+@pytest.mark.parametrize("rewrite", ["equalize", "smooth"])
+def test_a_deferred_rewrite_holds_the_originals_and_makes_the_same_weights_when_materialized(rewrite):
+    model = Linear2(16).eval()
+    data = _skewed((64, 16), n=3)
+    gm = qcore.capture(model, data[0])
+
+    def rewritten(deferred):
+        if rewrite == "smooth":
+            return smooth(gm, data, 0.5, deferred=deferred)
+        return equalize(gm, ["linear1", "linear2"], data, deferred=deferred)
+
+    eager, deferred = rewritten(False), rewritten(True)
+    rules = deferred_parameters(deferred)
+    assert rules and all(torch.equal(v, gm.state_dict()[k]) for k, v in deferred.state_dict().items() if k in rules)
+    with materialized([deferred], rules):
+        assert set(deferred.state_dict()) == set(eager.state_dict())
+        for name, value in eager.state_dict().items():
+            assert torch.equal(deferred.state_dict()[name], value), name
+        assert torch.equal(deferred(data[0]), eager(data[0]))
+    assert all(torch.equal(v, gm.state_dict()[k]) for k, v in deferred.state_dict().items() if k in rules)
 
 
 def test_bad_layers_are_clear_errors():
