@@ -32,6 +32,7 @@ def young_garbage_collection() -> Iterator[None]:
     An analysis builds and drops many graphs, which are reference cycles: left to accumulate they hold a copy of
     the weights each (an LLM's trials ran out of memory), while full collections over every object of the session
     would cost more than the analysis of a small model."""
+    _map_large_allocations()
     frozen = gc.isenabled()
     if frozen:
         gc.collect(1)  # what is garbage now is not kept alive for the block's duration
@@ -43,6 +44,20 @@ def young_garbage_collection() -> Iterator[None]:
             gc.unfreeze()
             gc.collect(1)
         _trim_heap()
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_MAPPED_FROM = 1 << 20
+
+
+def _map_large_allocations() -> None:
+    """Allocate blocks of 1 MiB or more with mmap, so that freeing them gives them back to the system (glibc; a
+    no-op elsewhere). glibc otherwise raises this threshold as blocks are freed, up to 32 MiB, and keeps the freed
+    blocks below it in its heap: an analysis's activation streams and quantized copies then stay resident (a 0.5B
+    Llama's block-wise default checks peaked at 2.98 GB with the default, 2.19 GB with this)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MAPPED_FROM)
 
 
 def _trim_heap() -> None:
