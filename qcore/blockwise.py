@@ -182,22 +182,27 @@ def _calibrate_blocks(blocks: list[Block], batches: list[Any], rules: Mapping[st
     """calibrate() one block at a time on the float stream of every batch, each block holding its rewritten
     parameters (qcore.deferred) only while it runs."""
     envs: list[dict[str, Any]] = [{} for _ in batches]
-    last_read = {name: index for index, block in enumerate(blocks) for name in block.inputs}
+    last_read = _last_readers(blocks)
     for index, block in enumerate(blocks):
+        inputs = batches if index == 0 else [tuple(env[name] for name in block.inputs) for env in envs]
+        outputs: list[Any] = []  # the last block's go nowhere
         with materialized([block.gm], rules):
-            if index == 0:
-                outputs: list[Any] = []
-                calibrate(block.gm, batches, outputs, keep_all=True)
-            else:
-                outputs = []
-                calibrate(block.gm, [tuple(env[name] for name in block.inputs) for env in envs], outputs,
-                          keep_all=True)
-        if index < len(blocks) - 1:
-            for env, output in zip(envs, outputs):
-                env.update(zip(block.outputs, output))
-        for name in [name for name, reader in last_read.items() if reader == index]:
-            for env in envs:
-                env.pop(name, None)
+            calibrate(block.gm, inputs, outputs if index < len(blocks) - 1 else None, keep_all=True)
+        for env, output in zip(envs, outputs):
+            env.update(zip(block.outputs, output))
+        _drop_read(envs, last_read, index)
+
+
+def _last_readers(blocks: list[Block]) -> dict[str, int]:
+    """{value name: the last block that reads it}."""
+    return {name: index for index, block in enumerate(blocks) for name in block.inputs}
+
+
+def _drop_read(envs: list[dict[str, Any]], last_read: Mapping[str, int], index: int) -> None:
+    """Forget the values no block after `index` reads."""
+    for name in [name for name, reader in last_read.items() if reader == index]:
+        for env in envs:
+            env.pop(name, None)
 
 
 class _LogitsOnModelBatches(LogitsComparator):
@@ -239,8 +244,7 @@ def measure_blockwise(float_gm: fx.GraphModule, batches: Iterable[Any], quantize
         quant_blocks = split_into_blocks(probed.prepared, stack, fixed=homes)
     probed_reports = probed.detector_reports
     del probed  # the blocks hold what they need of the prepared graph
-    last_read = [{name: index for index, block in enumerate(blocks) for name in block.inputs}
-                 for blocks in (float_blocks, quant_blocks)]
+    last_read = [_last_readers(float_blocks), _last_readers(quant_blocks)]
     float_env: list[dict[str, Any]] = [{} for _ in batches]
     quant_env: list[dict[str, Any]] = [{} for _ in batches]
     layers, baselines, outputs = {}, {}, {}  # type: ignore[var-annotated]
@@ -273,10 +277,8 @@ def measure_blockwise(float_gm: fx.GraphModule, batches: Iterable[Any], quantize
         for position, (float_out, quant_out) in enumerate(streams):
             float_env[position].update(zip(float_block.outputs, float_out))
             quant_env[position].update(zip(quant_block.outputs, quant_out))
-        for envs, reads in ((float_env, last_read[0]), (quant_env, last_read[1])):
-            for name in [name for name, reader in reads.items() if reader == index]:
-                for env in envs:
-                    env.pop(name, None)
+        _drop_read(float_env, last_read[0], index)
+        _drop_read(quant_env, last_read[1], index)
         float_blocks[index] = quant_blocks[index] = None  # type: ignore[call-overload]
         del quantized, streams, float_in, quant_in, float_block, quant_block
         gc.collect()  # the block's quantized copy is held in reference cycles (fx graphs)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DEFERRED_KEY", "Rule", "defer", "deferred_parameters", "materialized", "rewritten_value"]
+__all__ = ["DEFERRED_KEY", "Rule", "defer", "deferred_parameters", "materialized", "rewrite", "rewritten_value"]
 
 DEFERRED_KEY = "qcore_deferred_parameters"
 Rule = Callable[[torch.Tensor], torch.Tensor]
@@ -58,6 +58,20 @@ def _set(owner: Any, name: str, original: Any, value: torch.Tensor) -> None:
     if isinstance(original, nn.Parameter):
         value = nn.Parameter(value, requires_grad=original.requires_grad)
     setattr(owner, name, value)
+
+
+def rewrite(module: nn.Module, target: str, rule: Rule, deferred: bool = False) -> None:
+    """Replace the tensor at `target` by rule(it), a new tensor (the original, perhaps shared, is never written);
+    deferred=True records the rule instead (see `defer`)."""
+    if deferred:
+        defer(module, target, rule)
+        return
+    found = _owner(module, target)
+    if found is None:
+        raise AttributeError(f"{type(module).__name__} has no tensor {target!r}")
+    original = getattr(*found)
+    with torch.no_grad():
+        _set(*found, original, rule(original.detach()))
 
 
 @contextlib.contextmanager

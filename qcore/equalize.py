@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from .calibrate import calibrate
 from .capture import clone_graph_module
-from .deferred import Rule, defer
+from .deferred import rewrite
 from .graph import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, op_kind
 from .rewritable import conv_groups, equalization_refusal, fetch_tensor, node_is_transposed
 
@@ -152,16 +152,6 @@ default_equalization_qconfig = EqualizationQConfig(InputEqualizationObserver, We
 # graph helpers
 
 
-def _assign(module: nn.Module, target: str, value: torch.Tensor) -> None:
-    *path, name = target.split(".")
-    owner = module
-    for part in path:
-        owner = getattr(owner, part)
-    old = getattr(owner, name)
-    new = nn.Parameter(value, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value
-    setattr(owner, name, new)
-
-
 def _check_layer(gm: fx.GraphModule, op: QuantizableOp) -> None:
     reason = equalization_refusal(gm, op)
     if reason:
@@ -179,21 +169,13 @@ def _input_channel_scale(op: QuantizableOp, scale: torch.Tensor, weight: torch.T
     return expanded.reshape(out_channels, in_per_group, *([1] * (weight.dim() - 2)))
 
 
-def _rescale(gm: fx.GraphModule, target: str, rule: Rule, deferred: bool) -> None:
-    """Rewrite a parameter now, or record the rewrite for when it is needed (qcore.deferred)."""
-    if deferred:
-        defer(gm, target, rule)
-    else:
-        _assign(gm, target, rule(fetch_tensor(gm, target).detach()))
-
-
 def _scale_weight_columns(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool,
                           deferred: bool = False) -> None:
     def rule(weight: torch.Tensor) -> torch.Tensor:
         factor = _input_channel_scale(op, scale.to(weight), weight)
         return weight / factor if inverse else weight * factor
 
-    _rescale(gm, op.weight_target, rule, deferred)
+    rewrite(gm, op.weight_target, rule, deferred)
 
 
 def _scale_output_rows(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool,
@@ -204,7 +186,7 @@ def _scale_output_rows(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tenso
 
     for node in (op.weight, op.bias):
         if node is not None:
-            _rescale(gm, str(node.target), rule, deferred)
+            rewrite(gm, str(node.target), rule, deferred)
 
 
 def producer_layer(gm: fx.GraphModule, op: QuantizableOp, layers: dict[fx.Node, QuantizableOp]

@@ -10,7 +10,7 @@ from . import native
 
 __all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRIC_SCHEMES", "calculate_qparams",
     "default_quant_range", "fake_quantize_dynamic", "fake_quantize_per_channel", "fake_quantize_per_tensor",
-    "is_per_channel", "is_symmetric", "resolve_quant_range"]
+    "is_per_channel", "is_symmetric", "resolve_quant_range", "row_slices"]
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 
@@ -109,12 +109,16 @@ def _by_rows(x: torch.Tensor, rows: Callable[[torch.Tensor, slice], torch.Tensor
     (the computation is elementwise: the same values as rows(x, slice(None)))."""
     if x.dim() == 0 or x.numel() <= _ROWS_ELEMENTS or (x.requires_grad and torch.is_grad_enabled()):
         return rows(x, slice(None))
-    step = max(1, _ROWS_ELEMENTS * x.shape[0] // x.numel())
     out = torch.empty_like(x)
-    for start in range(0, x.shape[0], step):
-        part = slice(start, start + step)
+    for part in row_slices(x, _ROWS_ELEMENTS):
         out[part] = rows(x[part], part)
     return out
+
+
+def row_slices(x: torch.Tensor, elements: int) -> list[slice]:
+    """Slices of x's first dimension (x has one) of about `elements` elements each, at least one row."""
+    step = max(1, elements * x.shape[0] // max(1, x.numel()))
+    return [slice(start, start + step) for start in range(0, x.shape[0], step)]
 
 
 def fake_quantize_per_tensor(

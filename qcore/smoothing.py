@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from .calibrate import calibrate
 from .capture import clone_graph_module
-from .deferred import defer
+from .deferred import rewrite
 from .graph import FQN_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, op_kind
 from .qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor
 from .rewritable import equalization_refusal
@@ -121,13 +121,6 @@ def _attention_value(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     if op_kind(value, gm) == "linear" and _param_target(value.args[1]) and len(_value_users(value)) == 1:
         return value
     return None
-
-
-def _assign(gm: nn.Module, target: str, value: torch.Tensor) -> None:
-    owner, _, name = target.rpartition(".")
-    module = gm.get_submodule(owner) if owner else gm
-    old = getattr(module, name)
-    setattr(module, name, nn.Parameter(value, requires_grad=False) if isinstance(old, nn.Parameter) else value)
 
 
 def smoothing_groups(gm: fx.GraphModule, layers: Sequence[str] | None = None) -> tuple[list[SmoothingGroup],
@@ -331,12 +324,10 @@ def _rewrite(gm: fx.GraphModule, group: SmoothingGroup, scale: torch.Tensor, def
     def rows(value: torch.Tensor) -> torch.Tensor:
         return value / scale.to(value).reshape(-1, *([1] * (value.dim() - 1)))
 
-    rewrites = [(op.weight_target, columns) for op in group.ops] + [(t, rows) for t in _producer_targets(gm, group)]
-    for target, rule in rewrites:
-        if deferred:  # computed when needed (qcore.deferred)
-            defer(gm, target, rule)
-        else:
-            _assign(gm, target, rule(fetch_attr(gm, target).detach()))
+    for op in group.ops:
+        rewrite(gm, op.weight_target, columns, deferred)
+    for target in _producer_targets(gm, group):
+        rewrite(gm, target, rows, deferred)
 
 
 def _producer_targets(gm: fx.GraphModule, group: SmoothingGroup) -> list[str]:

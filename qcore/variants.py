@@ -191,10 +191,10 @@ def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Varia
     scale, zero_point = calculate_qparams(low, high, input_observer.quant_min, input_observer.quant_max,
                                           input_observer.symmetric, input_observer.eps)
     weight = fetch_attr(prepared, op.weight_target).detach()
-    fresh = _fresh_copy(weight_observer)
 
     def quantized_weight() -> torch.Tensor:  # made when its shadow is added: one block's at a time, block-wise
         scaled = weight / weight_column_factor(op, variant.factor, weight)
+        fresh = _fresh_copy(weight_observer)
         with torch.no_grad():
             fresh(scaled)
             return fake_quantize_with(fresh, scaled)

@@ -6,6 +6,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..qparams import row_slices
+
 __all__ = ["compute_cosine_similarity", "compute_normalized_l2_error", "compute_sqnr", "large_tensor_sqnr",
            "sqnr_from_sums"]
 
@@ -63,11 +65,10 @@ def large_tensor_sqnr(x: torch.Tensor, y: torch.Tensor) -> float:
     time when they are large: no copy of an LM head's difference."""
     if x.dim() == 0 or x.numel() <= _ROWS_ELEMENTS:
         return float(compute_sqnr(x, y))
-    step = max(1, _ROWS_ELEMENTS * x.shape[0] // x.numel())
     signal = torch.zeros((), dtype=torch.float64, device=x.device)
     noise = torch.zeros((), dtype=torch.float64, device=x.device)
-    for start in range(0, x.shape[0], step):
-        a, b = x[start:start + step].double(), y[start:start + step].double()
+    for part in row_slices(x, _ROWS_ELEMENTS):
+        a, b = x[part].double(), y[part].double()
         signal += a.square().sum()
         noise += (a - b).square_().sum()
     return sqnr_from_sums(float(signal), float(noise))
