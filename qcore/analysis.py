@@ -21,6 +21,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from .calibrate import calibrate
+from .calibrated import CalibratedObservers
 from .capture import capture, clone_graph_module
 from .deferred import deferred_parameters, materialized
 from .diagnose import (
@@ -185,6 +186,7 @@ class ModelAnalysis:
         self._variants: dict[str, ModelAnalysis] = {}
         self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
         self._keeps_graphs = True  # a variant drops its equalized graph once measured (a copy of the weights)
+        self._observers = CalibratedObservers()  # shared with the variants that quantize the same float graph
 
     def planned(self, plan: AnalysisPlan) -> ModelAnalysis:
         """The same model's analysis, to measure what `plan` names in one calibration and one comparison pass
@@ -207,9 +209,12 @@ class ModelAnalysis:
         key = repr((describe(quantizer), describe(recipe)))
         if key not in self._variants:
             self.require_deterministic()
-            self._variants[key] = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe,
-                                                blockwise=self.blockwise)
-            self._variants[key]._keeps_graphs = False
+            variant = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe, blockwise=self.blockwise)
+            variant._keeps_graphs = False
+            variant._nondeterminism = self._nondeterminism  # the same float model, found deterministic
+            if repr(describe(recipe)) == repr(describe(self.equalize_recipe)):  # the same float graph is quantized
+                variant._observers = self._observers
+            self._variants[key] = variant
         return self._variants[key]
 
     @property
@@ -322,7 +327,8 @@ class ModelAnalysis:
             self.require_deterministic()  # two float runs of the whole model: activations, no copy of weights
             measured = self._measure_blocks(self.quantized_input_gm, **options)
         else:
-            measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, **options)
+            measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers,
+                                     **options)
             if isinstance(self._nondeterminism, _Unknown) and self.quantized_input_gm is self.float_gm and \
                     len(measured.first_outputs) == 2 and outputs_agree(self.float_gm, *measured.first_outputs):
                 self._nondeterminism = None  # calibration and comparison ran batch 0 alike: no extra runs

@@ -47,7 +47,7 @@ class FormatObserver(ObserverBase):
         self.amax: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.static:
+        if self.static and not self.frozen:
             low, high = torch.aminmax(x.detach())  # no |x| copy of the activation, on every calibration batch
             seen = torch.maximum(-low, high).to(torch.float32)
             if self.amax is None:

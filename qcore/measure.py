@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from .calibrate import CalibrationError, calibrate
+from .calibrated import CalibratedObservers
 from .capture import clone_graph_module
 from .convert import convert, restore_model_state
 from .diagnose import ResolutionLimit, first_non_finite, resolution_limits
@@ -106,18 +107,32 @@ class ModelMeasurement:
 def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
                   propagate: bool = True, detectors: Mapping[str, DetectorBase] | None = None,
                   equalization_layers: Iterable[str] = (), smoothing: float | str | None = None,
-                  logits: bool = False) -> ModelMeasurement:
+                  logits: bool = False, observers: CalibratedObservers | None = None) -> ModelMeasurement:
     """Quantize a copy of `float_gm` on `batches` and measure it in one calibration and one comparison pass:
     per-layer and output SQNR (propagate=False: shadow SQNR only), the detectors' reports, the input-weight
     equalization variant of `equalization_layers`, the smoothing variant (alpha, or "search") of every
-    smoothable layer, and with `logits` the output logits' KL, top-1 agreement and perplexity."""
+    smoothable layer, and with `logits` the output logits' KL, top-1 agreement and perplexity. `observers`: the
+    activation observers calibrated earlier on this graph and these batches; those it holds are not calibrated
+    again (no calibration pass when it holds them all), and the others are added to it."""
     batches = list(batches)
     probed = ProbedModel(float_gm, quantizer, detectors, equalization_layers, smoothing)
     planned: list[Any] = []
     first_outputs: list[Any] = []  # two float runs of batch 0 from the same state: they must agree
+    signatures = observers.signatures(probed.prepared) if observers is not None else {}
+    still_to_calibrate = observers.take(probed.prepared, signatures) if observers is not None else None
+
+    def read() -> None:
+        planned.extend(probed.read())
+        if observers is not None:
+            observers.keep(probed.prepared, signatures)
+
     # compare_quantized adds its comparators to quant_gm and generates its code once, below
-    quant_gm = calibrate_and_convert(probed.prepared, float_gm, batches, lambda: planned.extend(probed.read()),
-                                     keep_float_weights=False, keep_first_output=first_outputs, recompile=False)
+    if still_to_calibrate == [] and not probed.probes:  # every observer's state is known: nothing to watch
+        read()
+        quant_gm = convert(probed.prepared, keep_float_weights=False, recompile=False)
+    else:
+        quant_gm = calibrate_and_convert(probed.prepared, float_gm, batches, read, keep_float_weights=False,
+                                         keep_first_output=first_outputs, recompile=False)
     variants, unmeasured, smoothed = planned
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
     comparator = (LogitsComparator() if logits else None) if propagate else None

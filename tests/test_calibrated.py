@@ -1,0 +1,117 @@
+"""A fix trial takes the calibrated state of the activation observers it shares with earlier measurements of the same
+float graph (issue: scale, analysis cost): the same numbers as a trial calibrated from scratch, with no
+calibration pass when every observer is known, and only the new observers watching the batches otherwise."""
+import pytest
+import torch
+
+import qcore
+import qcore.measure
+from qcore.analysis import ModelAnalysis
+from qcore.calibrated import CalibratedObservers
+from qcore.observers import MinMaxObserver
+from qcore.quantizer import Int8StaticQuantizer, with_layer_overrides
+
+from .models import SmallMLP, batches
+
+
+@pytest.fixture
+def model_and_batches():
+    torch.manual_seed(0)
+    data = batches((16, 32), n=4)
+    return qcore.capture(SmallMLP().eval(), data[0]), data
+
+
+@pytest.fixture
+def calibration_passes(monkeypatch):
+    passes = []
+    original = qcore.measure.calibrate
+
+    def counted(model, batches, *args, **kwargs):
+        passes.append([name for name, module in model.named_modules() if getattr(module, "frozen", None) is False])
+        return original(model, batches, *args, **kwargs)
+
+    monkeypatch.setattr(qcore.measure, "calibrate", counted)
+    return passes
+
+
+def _numbers(analysis):
+    sqnr = analysis.sqnr
+    return ({name: (e.sqnr_db, e.shadow_sqnr_db, e.weight_sqnr_db) for name, e in sqnr.layers.items()},
+            {name: o.sqnr_db for name, o in sqnr.outputs.items()})
+
+
+def _fresh(float_gm, data, quantizer):
+    return _numbers(ModelAnalysis(float_gm, quantizer, data))
+
+
+def test_a_weight_only_trial_is_not_calibrated_and_measures_what_a_calibrated_one_does(model_and_batches,
+                                                                                       calibration_passes):
+    float_gm, data = model_and_batches
+    base = ModelAnalysis(float_gm, Int8StaticQuantizer(per_channel=True), data)
+    base.sqnr
+    assert len(calibration_passes) == 1
+    per_tensor = with_layer_overrides(base.quantizer, {"fc2": {"per_channel": False}})
+    trial = base.variant(per_tensor)
+    assert _numbers(trial) == _fresh(float_gm, data, per_tensor)
+    assert len(calibration_passes) == 2  # the base, and the fresh analysis: none for the trial
+    assert _numbers(trial) != _numbers(base)  # the trial is measured, not copied
+
+
+def test_an_observer_trial_calibrates_only_its_new_observers_and_its_smaller_retry_none(model_and_batches,
+                                                                                      calibration_passes):
+    float_gm, data = model_and_batches
+    base = ModelAnalysis(float_gm, None, data)
+    base.sqnr
+    both = with_layer_overrides(base.quantizer, {"fc2": {"activation_observer": "histogram"},
+                                                 "fc3": {"activation_observer": "histogram"}})
+    first = base.variant(both)
+    first.sqnr
+    assert len(calibration_passes) == 2
+    watching = calibration_passes[1]
+    assert watching and len(watching) < len(calibration_passes[0])  # the histograms only
+    one = with_layer_overrides(base.quantizer, {"fc3": {"activation_observer": "histogram"}})
+    retry = base.variant(one)
+    retry.sqnr
+    assert len(calibration_passes) == 2  # fc3's histograms were calibrated by the first trial
+    assert _numbers(first) == _fresh(float_gm, data, both)
+    assert _numbers(retry) == _fresh(float_gm, data, one)
+
+
+def test_an_equalized_trial_quantizes_another_float_graph_and_is_calibrated(model_and_batches, calibration_passes):
+    float_gm, data = model_and_batches
+    base = ModelAnalysis(float_gm, None, data)
+    base.sqnr
+    equalized = base.variant(equalize=True)
+    equalized.sqnr
+    assert len(calibration_passes) == 2  # the base and the equalized graph: its activations are not the base's
+    assert calibration_passes[1] == calibration_passes[0]  # every observer watched them
+
+
+class CountingObserver(MinMaxObserver):
+    """A user's own observer class: its state is its own business, so it is always calibrated."""
+
+
+def test_a_users_own_observer_class_is_always_calibrated(model_and_batches, calibration_passes):
+    float_gm, data = model_and_batches
+    quantizer = Int8StaticQuantizer(activation_observer=CountingObserver)
+    base = ModelAnalysis(float_gm, quantizer, data)
+    base.sqnr
+    trial = base.variant(with_layer_overrides(quantizer, {"fc2": {"per_channel": False}}))
+    assert _numbers(trial) == _fresh(float_gm, data, trial.quantizer)
+    assert len(calibration_passes) == 3
+
+
+def test_signatures_tell_apart_what_observers_watch_and_how(model_and_batches):
+    float_gm, data = model_and_batches
+    from qcore.capture import clone_graph_module
+    from qcore.prepare import prepare
+
+    kept = CalibratedObservers()
+    minmax = prepare(clone_graph_module(float_gm, share_parameters=True), Int8StaticQuantizer())
+    histogram = prepare(clone_graph_module(float_gm, share_parameters=True),
+                        Int8StaticQuantizer(activation_observer="histogram"))
+    a, b = kept.signatures(minmax), kept.signatures(histogram)
+    assert len(set(a.values())) == len(a) > 0  # one per value watched
+    assert not set(a.values()) & set(b.values())  # another observer class is another state
+    assert kept.signatures(prepare(clone_graph_module(float_gm, share_parameters=True),
+                                   Int8StaticQuantizer())) == a
