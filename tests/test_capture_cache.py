@@ -82,6 +82,17 @@ def test_under_xdist_workers_agree_on_item_ids_and_only_the_analysing_worker_cap
     assert _captures(pytester) == ["other", "tiny"]
 
 
+def test_a_model_past_the_share_of_the_budget_for_held_captures_is_captured_again_at_its_analysis(pytester):
+    # tiny is 8 -> 2000 -> 4: 104 kB of weights, past an eighth of the 600 KiB budget (the share that captures
+    # kept from collection to analysis may hold), though its analysis (5x) fits the budget: it is not held while
+    # the other models are collected and analysed, but captured again by its analysis
+    _project(pytester, model_width=2000)
+    pytester.runpytest("--qreport", "--qreport-memory-budget=600KiB").assert_outcomes(passed=10)
+    assert _captures(pytester) == ["other", "tiny", "tiny"]
+    pytester.runpytest("--qreport", "--cache-clear").assert_outcomes(passed=10)
+    assert _captures(pytester) == ["other", "tiny"]  # with the machine's memory as the budget, it is held
+
+
 BROKEN = """
 
 class Broken(nn.Module):

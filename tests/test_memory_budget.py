@@ -98,3 +98,40 @@ def test_two_models_that_fit_the_budget_only_one_at_a_time_both_run_under_xdist(
     result = pytester.runpytest_subprocess("--qreport", "-p", "no:randomly", "-p", "xdist", "-n", "2",
                                            "--qreport-memory-budget=3MiB")
     result.assert_outcomes(passed=4)
+
+
+EVENTS = """
+
+import os
+import time
+
+
+def log(event):
+    with open(os.path.join(os.path.dirname(__file__), "events.txt"), "a") as events:
+        events.write(event + "\\n")
+
+
+def pytest_qreport_modify_findings(model, findings):
+    log(f"analysed {model}")
+    return None
+"""
+
+
+def test_a_worker_that_waits_for_memory_has_not_built_its_model_yet(pytester):
+    # two models of 514 KiB: each analysis (6x with the model) fits 3.5 MiB alone, not two at once; and each model is
+    # past the eighth of the budget that captures may hold from collection to analysis, so both are built again
+    source = CONFTEST.replace("nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)",
+                              "nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)")
+    source = source.replace("    torch.manual_seed(0)\n", "    log('build wide')\n    torch.manual_seed(0)\n")
+    source = source.replace("    torch.manual_seed(1)\n", "    log('build narrow')\n    torch.manual_seed(1)\n")
+    pytester.makeconftest(source + EVENTS)
+    result = pytester.runpytest_subprocess("--qreport", "-p", "no:randomly", "-p", "xdist", "-n", "2",
+                                           "--qreport-memory-budget=3.5MiB")
+    result.assert_outcomes(passed=4)
+    events = (pytester.path / "events.txt").read_text().split("\n")[:-1]
+    collection, analysis = events[:-4], events[-4:]
+    assert set(collection) == {"build narrow", "build wide"}  # each worker collects (and builds) both
+    first, second = analysis[0].split()[1], analysis[2].split()[1]
+    assert {first, second} == {"narrow", "wide"}
+    # the second model is built only once the first one's analysis is over and its memory is given back
+    assert analysis == [f"build {first}", f"analysed {first}", f"build {second}", f"analysed {second}"], events

@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import pytest
@@ -18,7 +18,7 @@ from ..core.errors import QReportCheckFailed, QReportError, QReportModelError
 from ..core.explain import error_finding, explain
 from ..core.findings import Finding
 from ..core.layer_cache import model_cache_key
-from ..core.memory import MemoryLedger, budgeted_estimate
+from ..core.memory import ANALYSIS_FACTOR, MemoryLedger, budgeted_estimate, holds_capture
 from ..core.nodeids import item_name, model_scope
 from ..core.numbers import printable
 from ..core.pipeline import ModelPipeline, Stage, collect_model
@@ -126,7 +126,8 @@ class QReportFile(pytest.File):
         if not entry:
             return False
         session.models[key] = awaited.recalled(awaited.settings, awaited.quantizer, entry["items"],
-                                               entry.get("capture", {}), awaited.cache_key)
+                                               entry.get("capture", {}), awaited.cache_key,
+                                               _parameter_bytes(entry))
         return True
 
     def _collect_model(self, declaration: ModelDeclaration, index: int, registry,
@@ -163,19 +164,34 @@ class QReportFile(pytest.File):
             key = model_cache_key(model, example, str(self.path), settings, registry.checks(), quantizer)
             entry = cache.load(key)
             if entry is not None:
-                return ModelPipeline(name).recalled(settings, quantizer, entry["items"], entry.get("capture", {}), key)
+                return ModelPipeline(name).recalled(settings, quantizer, entry["items"], entry.get("capture", {}), key,
+                                                    _parameter_bytes(entry))
             if rendezvous is not None and claim and not rendezvous.claim(index):
                 return ModelPipeline(name, settings=settings, quantizer=quantizer, cache_key=key)
         try:
             pipeline = collect_model(name, settings, registry, quantizer, model, example)
             if key is not None:
-                cache.store(key, pipeline.items, pipeline.capture)
+                cache.store(key, pipeline.items, pipeline.capture, pipeline.parameter_bytes)
             if rendezvous is not None:
                 rendezvous.mark_captured(model_scope(self.nodeid, name))
         finally:
             if rendezvous is not None and claim:
                 rendezvous.mark_done(index)  # captured, or failed: a waiter stops waiting either way
-        return pipeline
+        return self._held_or_dropped(pipeline, key)
+
+    def _held_or_dropped(self, pipeline: ModelPipeline, key: str | None) -> ModelPipeline:
+        """The captured model, kept for its analysis while the process's kept captures fit their share of the
+        memory budget; else only its items, to capture again at its analysis (see core.memory.holds_capture)."""
+        session = self.config.stash[STATE_KEY]
+        if pipeline.context is None:
+            return pipeline
+        model_bytes = pipeline.parameter_bytes or 0
+        if holds_capture(model_bytes, session.held_capture_bytes, session.memory_budget):
+            session.held_capture_bytes += model_bytes
+            return pipeline
+        assert pipeline.settings is not None
+        return ModelPipeline(pipeline.name).recalled(pipeline.settings, pipeline.quantizer, pipeline.items,
+                                                     pipeline.capture, key or "", model_bytes)
 
     @staticmethod
     def _fixture_names(declaration: ModelDeclaration, settings) -> list[str]:
@@ -248,11 +264,14 @@ class QReportItem(pytest.Function):
         pipeline = self.pipeline
         if pipeline.stage is Stage.SKIPPED:
             pytest.skip(pipeline.error)
-        if pipeline.needs_capture:
-            self._capture_recalled(pipeline, cast(pytest.FixtureRequest, self.funcargs["request"]))
-        if pipeline.stage is Stage.COLLECTED:
-            self._analyze(pipeline, cast(pytest.FixtureRequest, self.funcargs["request"]))
-            pipeline.release()
+        if pipeline.stage is Stage.COLLECTED:  # the model's first item in this process
+            request = cast(pytest.FixtureRequest, self.funcargs["request"])
+            with self._memory_reserved(pipeline) as reserve:
+                if pipeline.needs_capture:
+                    self._capture_recalled(pipeline, request)
+                if pipeline.stage is Stage.COLLECTED:
+                    self._analyze(pipeline, request, reserve)
+                pipeline.release()
         if pipeline.failed:
             self._record_error(pipeline.error)
             raise QReportModelError(pipeline.error) from pipeline.error_cause
@@ -261,8 +280,25 @@ class QReportItem(pytest.Function):
             self.qreport_row = found
             raise QReportModelError(found.message)
 
-    def _analyze(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> None:
-        """Run the model's analysis (once per process: the first item's setup), guarded against worker crashes."""
+    @contextlib.contextmanager
+    def _memory_reserved(self, pipeline: ModelPipeline) -> Iterator[Callable[[int], None]]:
+        """Under xdist, hold the model's share of the memory budget from before it is captured again here (so that
+        a model waiting for memory is not built yet) until its analysis ends: its parameter bytes and its analysis
+        estimate, the whole budget at most; yields the function that sets the share once the estimate is known."""
+        session = self.config.stash[STATE_KEY]
+        crash_dir, budget = getattr(self.config, "workerinput", {}).get(CRASH_DIR_KEY), session.memory_budget
+        if not crash_dir or budget is None:
+            yield lambda nbytes: None
+            return
+        ledger, key, model_bytes = MemoryLedger(crash_dir), "::".join(self.model_key), pipeline.parameter_bytes
+        first = budget if model_bytes is None else min(budget, int(model_bytes * (1 + ANALYSIS_FACTOR)))
+        with ledger.reserved(key, first, budget):
+            yield lambda nbytes: ledger.resize(key, nbytes)
+
+    def _analyze(self, pipeline: ModelPipeline, request: pytest.FixtureRequest,
+                 reserve: Callable[[int], None]) -> None:
+        """Run the model's analysis (once per process: the first item's setup), guarded against worker crashes;
+        `reserve` is told the memory it is expected to need."""
         settings = self.config.stash[STATE_KEY].settings
         worker = getattr(self.config, "workerinput", {})
         crash_dir, worker_id = worker.get(CRASH_DIR_KEY), worker.get("workerid", "")
@@ -271,17 +307,16 @@ class QReportItem(pytest.Function):
             pipeline.analysis_failed(crashed_message(pipeline.name, crashed))
             return
         assert pipeline.context is not None
-        budget = settings["memory_budget"] or self.config.stash[STATE_KEY].memory_available
+        budget = self.config.stash[STATE_KEY].memory_budget
         assert pipeline.settings is not None
         estimate, refusal = budgeted_estimate(pipeline.name, pipeline.context.analysis, pipeline.settings.blockwise,
                                               budget, given=settings["memory_budget"] is not None)
         if refusal:
             pipeline.analysis_failed(refusal)
             return
-        reserved = (MemoryLedger(crash_dir).reserved("::".join(self.model_key), estimate, budget)
-                    if crash_dir and budget is not None else contextlib.nullcontext())
+        reserve(estimate + (pipeline.parameter_bytes or 0))
         hook = self.ihook
-        with analysis_guard(crash_dir, self.model_key, worker_id), reserved:
+        with analysis_guard(crash_dir, self.model_key, worker_id):
             pipeline.analyze(lambda: self._calibration_batches(pipeline, request),
                              lambda found: hook.pytest_qreport_modify_findings(model=pipeline.name, findings=found),
                              threads=settings["threads"], baseline=settings["baseline"],
@@ -356,3 +391,9 @@ class QReportItem(pytest.Function):
 
 class QReportWarning(UserWarning):
     """A finding whose check is set to 'warn'."""
+
+
+def _parameter_bytes(entry: dict[str, Any]) -> int | None:
+    """The model's parameter bytes a layer-cache entry records (None in an entry written before they were)."""
+    value = entry.get("parameter_bytes")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

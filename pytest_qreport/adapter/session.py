@@ -50,6 +50,12 @@ class SessionState:
     declared_models: int = 0  # models declared in the conftest files collected so far
     awaited: dict = field(default_factory=dict)  # (conftest path, model name) -> pipeline another worker captures
     memory_available: int | None = None  # bytes available when the session started (the default memory budget)
+    held_capture_bytes: int = 0  # parameter bytes of the models captured at collection and kept for their analysis
+
+    @property
+    def memory_budget(self) -> int | None:
+        """The memory the analyses may add: --qreport-memory-budget, else what was available at the start."""
+        return self.settings.get("memory_budget") or self.memory_available
 
     def refresh_registry(self) -> CheckRegistry:
         """Ask every plugin and conftest.py loaded so far to register its checks (idempotent)."""

@@ -93,12 +93,13 @@ class LayerCache:
             return None
         return entry
 
-    def store(self, key: str, items: dict[str, list[str]], capture: dict[str, str]) -> None:
+    def store(self, key: str, items: dict[str, list[str]], capture: dict[str, str],
+              parameter_bytes: int | None = None) -> None:
         """Write the entry for `key` atomically (a concurrent reader sees the old file or the new one)."""
         if self.directory is None:
             return
         try:
-            write_atomically(os.path.join(self.directory, f"{key}.json"),
-                             json.dumps({"format": _FORMAT, "items": items, "capture": capture}))
+            write_atomically(os.path.join(self.directory, f"{key}.json"), json.dumps(
+                {"format": _FORMAT, "items": items, "capture": capture, "parameter_bytes": parameter_bytes}))
         except (OSError, TypeError, ValueError):
             return  # a read-only cache directory: the next run captures again

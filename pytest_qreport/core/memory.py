@@ -13,13 +13,19 @@ from typing import Any
 
 from .files import write_atomically
 
-__all__ = ["ANALYSIS_FACTOR", "MemoryLedger", "available_memory", "budgeted_estimate", "estimated_analysis_bytes",
-           "estimated_blockwise_bytes", "human_bytes", "over_budget_message"]
+__all__ = ["ANALYSIS_FACTOR", "HELD_CAPTURES_SHARE", "MemoryLedger", "available_memory", "budgeted_estimate",
+           "estimated_analysis_bytes", "estimated_blockwise_bytes", "holds_capture", "human_bytes",
+           "over_budget_message"]
 
 # An analysis with every default check peaked at 3.6x (0.5B config) and 4.7x (1B config) a transformers Llama's
 # parameter bytes beyond the model itself (benchmarks/bench_memory.py): its quantized weights, the comparison
 # pass's variants and the fix trials' copies. Rounded up.
 ANALYSIS_FACTOR = 5.0
+
+# Collection captures every model before the first analysis starts. The captures a process keeps until their
+# analysis (so as not to capture them twice) hold at most this share of the memory budget together; a model past
+# it is captured again by the process that analyses it, so that a waiting model does not crowd out a running one.
+HELD_CAPTURES_SHARE = 1 / 8
 
 try:
     import fcntl
@@ -86,6 +92,12 @@ def budgeted_estimate(model: str, analysis: Any, mode: bool | str, budget: int |
     return estimate, ""
 
 
+def holds_capture(model_bytes: int, held_bytes: int, budget: int | None) -> bool:
+    """Whether a process that holds `held_bytes` of captured models keeps one more of `model_bytes` from its
+    collection to its analysis (see HELD_CAPTURES_SHARE); always, when no budget is known."""
+    return budget is None or held_bytes + model_bytes <= budget * HELD_CAPTURES_SHARE
+
+
 def human_bytes(count: float) -> str:
     """`count` bytes as the largest binary unit that keeps it above 1 (e.g. 13.6 GiB)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -133,6 +145,10 @@ class MemoryLedger:
             yield
         finally:
             self._update(lambda held: held.pop(key, None))
+
+    def resize(self, key: str, nbytes: int) -> None:
+        """Set what a held reservation holds (without waiting: its holder has started)."""
+        self._update(lambda held: held[key].__setitem__(1, int(nbytes)) if key in held else None)
 
     def held(self) -> dict[str, list[int]]:
         """{key: [pid, bytes]} of the live reservations."""

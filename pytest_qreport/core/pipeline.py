@@ -65,6 +65,7 @@ class ModelPipeline:
     items: dict[str, list[str]] = field(default_factory=dict)  # check -> layers, in item order
     capture: dict[str, str] = field(default_factory=dict)  # {"method": "export" | "fx", "export_error": ...}
     cache_key: str | None = None
+    parameter_bytes: int | None = None  # of the captured model (its parameters and buffers), once known
     baseline_path: str | None = None
     fingerprint: dict[str, Any] | None = None
     findings: dict[tuple[str, str], Finding] | None = None
@@ -89,9 +90,10 @@ class ModelPipeline:
         return self
 
     def recalled(self, settings: ModelSettings, quantizer: Any, items: dict[str, list[str]], capture: dict[str, str],
-                 cache_key: str) -> ModelPipeline:
+                 cache_key: str, parameter_bytes: int | None = None) -> ModelPipeline:
         """declared -> collected, from the layer cache: the model is captured on first use (`attach_capture`)."""
         self.settings, self.quantizer, self.cache_key = settings, quantizer, cache_key
+        self.parameter_bytes = parameter_bytes
         self.items, self.capture = {c: list(ls) for c, ls in items.items()}, dict(capture)
         self.stage = Stage.COLLECTED
         return self
@@ -231,7 +233,10 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     capture = {"method": str(float_gm.meta.get("qcore_capture_method", "export"))}
     if "qcore_export_error" in float_gm.meta:
         capture["export_error"] = str(float_gm.meta["qcore_export_error"])
-    pipeline = ModelPipeline(name, Stage.COLLECTED, settings, quantizer, context, capture=capture)
+    from .memory import estimated_analysis_bytes
+
+    pipeline = ModelPipeline(name, Stage.COLLECTED, settings, quantizer, context, capture=capture,
+                             parameter_bytes=estimated_analysis_bytes(float_gm)[0])
     for check_name, check in checks.items():
         check.bind(context)
         if check.applies(context):
