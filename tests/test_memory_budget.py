@@ -135,3 +135,43 @@ def test_a_worker_that_waits_for_memory_has_not_built_its_model_yet(pytester):
     assert {first, second} == {"narrow", "wide"}
     # the second model is built only once the first one's analysis is over and its memory is given back
     assert analysis == [f"build {first}", f"analysed {first}", f"build {second}", f"analysed {second}"], events
+
+
+FREED = """
+
+import gc
+import weakref
+
+BUILT = []
+
+
+class Cyclic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+        self.__dict__["me"] = self  # a reference cycle, as transformers models have: only the collector frees it
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@qmodel(calibration="batches", checks=["sqnr"])
+def cyclic():
+    model = Cyclic().eval()
+    BUILT.append(weakref.ref(model))
+    return model
+
+
+def pytest_collection_finish(session):
+    gc.disable()  # no collection of our own from here: what is alive now was left alive by collection
+    alive = [ref for ref in BUILT if ref() is not None]
+    print(f"models built: {len(BUILT)}, alive after collection: {len(alive)}")
+    gc.enable()
+"""
+
+
+def test_a_model_built_at_collection_is_freed_before_the_next_one_is_built(pytester):
+    pytester.makeconftest(CONFTEST + FREED)
+    result = pytester.runpytest("--qreport", "-p", "no:randomly", "-s")
+    result.assert_outcomes(passed=6)
+    result.stdout.fnmatch_lines(["models built: 1, alive after collection: 0"])

@@ -24,7 +24,7 @@ from ..core.numbers import printable
 from ..core.pipeline import ModelPipeline, Stage, collect_model
 from ..core.quantizers import model_quantizer
 from ..core.results import ModelFacts
-from ..core.runtime import torch_threads
+from ..core.runtime import torch_threads, young_garbage_collection
 from ..core.settings import resolve_settings
 from ..xdist.crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_crash
 
@@ -144,15 +144,21 @@ class QReportFile(pytest.File):
             return ModelPipeline(name).collection_failed(text if f"'{name}'" in text else f"model {name!r}: {text}")
         try:
             names = self._fixture_names(declaration, settings)
-            # the model's fixtures may compute (BatchNorm settling, training): same thread count as the analysis
-            with torch_threads(session_settings["threads"]), self._fixtures_at_collection(name, names) as values:
-                example = self._example_inputs(settings, values.__getitem__)
-                return self._collect_or_recall(name, index, settings, registry, quantizer, values[name], example,
-                                               claim)
+            with young_garbage_collection():  # the model object is freed before the next model is built
+                return self._collect_with_fixtures(name, names, index, settings, registry, quantizer,
+                                                   session_settings["threads"], claim)
         except pytest.skip.Exception as skipped:
             return ModelPipeline(name).skipped(f"model {name!r}: {skipped.msg}")
         except Exception as error:  # noqa: BLE001 - reported on the model's item
             return ModelPipeline(name).collection_failed(explain(name, "capture/set-up", error), error)
+
+    def _collect_with_fixtures(self, name: str, names: list[str], index: int, settings, registry, quantizer,
+                               threads: int, claim: bool) -> ModelPipeline:
+        """_collect_or_recall with the model's fixtures set up for it, and torn down again."""
+        # the model's fixtures may compute (BatchNorm settling, training): same thread count as the analysis
+        with torch_threads(threads), self._fixtures_at_collection(name, names) as values:
+            example = self._example_inputs(settings, values.__getitem__)
+            return self._collect_or_recall(name, index, settings, registry, quantizer, values[name], example, claim)
 
     def _collect_or_recall(self, name: str, index: int, settings, registry, quantizer, model: Any,
                            example: Any, claim: bool = True) -> ModelPipeline:

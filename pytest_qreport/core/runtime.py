@@ -41,8 +41,8 @@ def young_garbage_collection() -> Iterator[None]:
         yield
     finally:
         if frozen:
+            gc.collect()  # every generation, but the frozen objects are not looked at: the block's own only
             gc.unfreeze()
-            gc.collect(1)
         _trim_heap()
 
 
