@@ -187,6 +187,7 @@ class ModelAnalysis:
         self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
         self._keeps_graphs = True  # a variant drops its equalized graph once measured (a copy of the weights)
         self._observers = CalibratedObservers()  # shared with the variants that quantize the same float graph
+        self._focus: frozenset[str] | None = None  # a variant's only measured layers (see variant())
 
     def planned(self, plan: AnalysisPlan) -> ModelAnalysis:
         """The same model's analysis, to measure what `plan` names in one calibration and one comparison pass
@@ -201,16 +202,19 @@ class ModelAnalysis:
                 f"{purpose} needs the whole model quantized at once, and this model is analysed one block at a time "
                 "(blockwise); give the model blockwise=False on a machine with the memory for its whole analysis")
 
-    def variant(self, quantizer: Quantizer | None = None, equalize: Any = _KEEP) -> ModelAnalysis:
+    def variant(self, quantizer: Quantizer | None = None, equalize: Any = _KEEP,
+                layers: Iterable[str] | None = None) -> ModelAnalysis:
         """The same model and batches under another quantizer and/or equalize recipe (the same as pasting them
-        into the model's settings), kept per configuration: a fix is measured once, however many checks ask."""
+        into the model's settings), kept per configuration: a fix is measured once, however many checks ask.
+        `layers`, when given, are the only layers its SQNR measures (a fix trial's), with the model's outputs."""
         quantizer = self.quantizer if quantizer is None else quantizer
         recipe = self.equalize_recipe if equalize is _KEEP else equalize
-        key = repr((describe(quantizer), describe(recipe)))
+        focus = None if layers is None else frozenset(layers)
+        key = repr((describe(quantizer), describe(recipe), None if focus is None else sorted(focus)))
         if key not in self._variants:
             self.require_deterministic()
             variant = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe, blockwise=self.blockwise)
-            variant._keeps_graphs = False
+            variant._keeps_graphs, variant._focus = False, focus
             variant._nondeterminism = self._nondeterminism  # the same float model, found deterministic
             if repr(describe(recipe)) == repr(describe(self.equalize_recipe)):  # the same float graph is quantized
                 variant._observers = self._observers
@@ -328,7 +332,7 @@ class ModelAnalysis:
             measured = self._measure_blocks(self.quantized_input_gm, **options)
         else:
             measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers,
-                                     **options)
+                                     layers=self._focus, **options)
             if isinstance(self._nondeterminism, _Unknown) and self.quantized_input_gm is self.float_gm and \
                     len(measured.first_outputs) == 2 and outputs_agree(self.float_gm, *measured.first_outputs):
                 self._nondeterminism = None  # calibration and comparison ran batch 0 alike: no extra runs

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,13 +107,15 @@ class ModelMeasurement:
 def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
                   propagate: bool = True, detectors: Mapping[str, DetectorBase] | None = None,
                   equalization_layers: Iterable[str] = (), smoothing: float | str | None = None,
-                  logits: bool = False, observers: CalibratedObservers | None = None) -> ModelMeasurement:
+                  logits: bool = False, observers: CalibratedObservers | None = None,
+                  layers: Collection[str] | None = None) -> ModelMeasurement:
     """Quantize a copy of `float_gm` on `batches` and measure it in one calibration and one comparison pass:
     per-layer and output SQNR (propagate=False: shadow SQNR only), the detectors' reports, the input-weight
     equalization variant of `equalization_layers`, the smoothing variant (alpha, or "search") of every
     smoothable layer, and with `logits` the output logits' KL, top-1 agreement and perplexity. `observers`: the
     activation observers calibrated earlier on this graph and these batches; those it holds are not calibrated
-    again (no calibration pass when it holds them all), and the others are added to it."""
+    again (no calibration pass when it holds them all), and the others are added to it. `layers`, when given, are
+    the only layers measured (a fix trial's: the outputs are always measured)."""
     batches = list(batches)
     probed = ProbedModel(float_gm, quantizer, detectors, equalization_layers, smoothing)
     planned: list[Any] = []
@@ -137,7 +139,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
     comparator = (LogitsComparator() if logits else None) if propagate else None
     sqnr, baselines = compare_quantized(float_gm, quant_gm, batches, variants, unmeasured, propagate=propagate,
-                                        logits=comparator, keep_first_output=first_outputs)
+                                        logits=comparator, keep_first_output=first_outputs, layers=layers)
     compared = comparator.result() if comparator is not None else ModelMeasurement.logits
     return ModelMeasurement(sqnr, probed.detector_reports, variant_results(variants, baselines, unmeasured),
                             unmeasured, smoothed, compared, tuple(first_outputs))
@@ -203,7 +205,8 @@ class ProbedModel:
 def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batches: list[Any], variants: list[Any],
                       unmeasured: dict[str, str], *, propagate: bool = True, logits: LogitsComparator | None = None,
                       keep_first_output: list | None = None, quant_batches: list | None = None,
-                      streams: list | None = None) -> tuple[SqnrMeasurement, dict[str, dict]]:
+                      streams: list | None = None, layers: Collection[str] | None = None
+                      ) -> tuple[SqnrMeasurement, dict[str, dict]]:
     """The comparison pass of a converted graph (instrumented in place) against its float graph, with the shadows
     of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). The other
     keywords are compare_propagated_and_shadow's."""
@@ -226,7 +229,7 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
     propagated, shadow_records = compare_propagated_and_shadow(
         float_gm, quant_gm, batches, own_quant_model=True, propagate=propagate, instrument=instrument if here
         else None, instrument_batches=variant_batches(len(batches)), keep_first_output=keep_first_output,
-        logits=logits, quant_batches=quant_batches, streams=streams)
+        logits=logits, quant_batches=quant_batches, streams=streams, layers=layers)
     shadows = {r["layer"]: r for r in shadow_records}
     return sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits), baselines
 

@@ -115,3 +115,14 @@ def test_signatures_tell_apart_what_observers_watch_and_how(model_and_batches):
     assert not set(a.values()) & set(b.values())  # another observer class is another state
     assert kept.signatures(prepare(clone_graph_module(float_gm, share_parameters=True),
                                    Int8StaticQuantizer())) == a
+
+
+def test_a_trial_of_some_layers_measures_them_and_the_outputs_as_a_whole_trial_does(model_and_batches):
+    float_gm, data = model_and_batches
+    base = ModelAnalysis(float_gm, None, data)
+    fix = with_layer_overrides(base.quantizer, {"fc2": {"activation_observer": "histogram"}})
+    focused, whole = base.variant(fix, layers=["fc2"]), base.variant(fix)
+    assert focused is not whole and focused is base.variant(fix, layers=("fc2",))  # kept per configuration
+    assert list(focused.sqnr.layers) == ["fc2"] and len(whole.sqnr.layers) == 3
+    assert focused.sqnr.layers["fc2"] == whole.sqnr.layers["fc2"]
+    assert focused.sqnr.outputs == whole.sqnr.outputs

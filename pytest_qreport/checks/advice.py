@@ -2,7 +2,8 @@
 
 A fix is one qmodel() keyword with its whole value, merged with the model's own (`Fix.paste()` is the text to
 paste). `try_fix` measures the model with it, exactly as the pasted settings would, in one more calibration and
-comparison pass (kept per configuration by the qcore analysis). `verify` tries a fix on the layers a heuristic
+comparison pass (kept per configuration by the qcore analysis), of the layers the fix concerns and the outputs:
+a trial's other layers are nan. `verify` tries a fix on the layers a heuristic
 names, keeps the layers where it helps by at least the check's minimum gain, measures that smaller fix again,
 and recommends it only when the model's output SQNR does not fall.
 """
@@ -90,17 +91,20 @@ def equalize_fix(value: Any, layers: Iterable[str]) -> Fix:
 
 
 def _variant(model: ModelContext, fix: Fix) -> Any:
-    """The model's analysis with the fix applied as the pasted setting would apply it."""
+    """The model's analysis with the fix applied as the pasted setting would apply it, measuring the layers the fix
+    concerns (a trial reads nothing else but the outputs; every layer when one of them is not a layer's name)."""
     from qcore.quantizer import with_layer_overrides
     from qcore.sensitivity import with_float_layers
 
     analysis = model.analysis
+    known = {entry.layer for entry in analysis.layers}
+    layers = fix.layers if set(fix.layers) <= known else None
     if fix.setting == "layer_overrides":
-        return analysis.variant(with_layer_overrides(analysis.quantizer, fix.value))
+        return analysis.variant(with_layer_overrides(analysis.quantizer, fix.value), layers=layers)
     if fix.setting == "float_layers":
-        return analysis.variant(with_float_layers(analysis.quantizer, fix.value))
+        return analysis.variant(with_float_layers(analysis.quantizer, fix.value), layers=layers)
     if fix.setting == "equalize":
-        return analysis.variant(equalize=fix.value)
+        return analysis.variant(equalize=fix.value, layers=layers)
     raise ValueError(f"no verified fix sets {fix.setting!r}")
 
 

@@ -1,7 +1,7 @@
 """Streaming float-vs-quantized comparison: per-layer sums on the device, memory flat in the batch count."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,7 +136,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                                   instrument: Callable[[ShadowGraph], Callable[[], None] | None] | None = None,
                                   instrument_batches: int | None = None, keep_first_output: list | None = None,
                                   logits: LogitsComparator | None = None, quant_batches: list | None = None,
-                                  streams: list | None = None) -> tuple[list[dict], list[dict]]:
+                                  streams: list | None = None, layers: Collection[str] | None = None
+                                  ) -> tuple[list[dict], list[dict]]:
     """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
 
     The float graph runs once per batch with the shadow copies of the quantized layers inside it, and its
@@ -148,10 +149,11 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     appended to `keep_first_output` when given; `logits` compares the output logits (propagate=True only).
     `quant_batches` are the quantized graph's own inputs, one per batch (default: the same batches), and `streams`,
     when given, gets each batch's (float output, quantized output): a block of a block-wise analysis hands both on.
+    `layers`, when given, are the only layers compared (the output leaves always are).
     """
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
-    pairs = match_layers(gm_a, gm_b)
+    pairs = [pair for pair in match_layers(gm_a, gm_b) if layers is None or pair.layer in layers]
     rewritten = [may_change_after(layer_value(pair.a)) for pair in pairs]  # before any node is added
     _hold(gm_a, gm_b)
     propagated, shadowed, stashes, references = [], [], [], {}
