@@ -162,8 +162,11 @@ class HistogramObserver(_RangeObserver):
         new_min, new_max = torch.minimum(old_min, low), torch.maximum(old_max, high)
         width = torch.clamp(new_max - new_min, min=FLOAT32_EPS)
         histogram = _rebin(self.histogram.to(values.device), old_min, old_max, new_min, width, self.bins)
-        index = ((values - new_min) / width * self.bins).long().clamp_(0, self.bins - 1)
-        histogram.index_add_(0, index, torch.ones_like(values, dtype=torch.float64))
+        index = torch.sub(values, new_min).div_(width).mul_(self.bins).long().clamp_(0, self.bins - 1)
+        if index.device.type == "cpu":  # whole counts, exact in float64; on a GPU bincount reads its size back
+            histogram += torch.bincount(index, minlength=self.bins)
+        else:
+            histogram.index_add_(0, index, torch.ones_like(values, dtype=torch.float64))
         self.histogram, self.min_val, self.max_val = histogram, new_min, new_max
         return x
 
