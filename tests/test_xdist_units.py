@@ -14,19 +14,26 @@ def test_the_first_worker_to_claim_a_model_owns_it_and_the_other_waits_for_its_e
     assert first.owner(3) == second.owner(3) == "gw0" and first.owner(4) is None
     cache = LayerCache(str(tmp_path / "cache"))
     (tmp_path / "cache").mkdir()
-    store = threading.Timer(0.1, lambda: cache.store("key", {"sqnr": ["fc"]}, {"method": "export"}))
+
+
+    def owner_collects() -> None:  # the entry first, then the marker that names its key
+        cache.store("key", {"sqnr": ["fc"]}, {"method": "export"}, 1024)
+        first.mark_done(3, "key")
+
+    store = threading.Timer(0.1, owner_collects)
     store.start()
-    assert second.wait("key", 3, cache)["items"] == {"sqnr": ["fc"]}
+    key, entry = second.wait(3, cache)
+    assert key == "key" and entry["items"] == {"sqnr": ["fc"]} and entry["parameter_bytes"] == 1024
     assert second.claim(5)
-    second.mark_done(5)  # claimed, capture failed, nothing stored: the waiter stops waiting
-    assert first.wait("other key", 5, cache) is None
+    second.mark_done(5, None)  # claimed, build or capture failed, nothing stored: the waiter stops waiting
+    assert first.wait(5, cache) is None
 
 
 def test_a_claim_by_a_dead_worker_stops_the_wait(tmp_path):
     dead = CaptureRendezvous(str(tmp_path), "gw0")
     assert dead.claim(0)
     (tmp_path / "worker-gw0").touch()  # registered once, no process holds its lock any more
-    assert CaptureRendezvous(str(tmp_path), "gw1").wait("key", 0, LayerCache(str(tmp_path))) is None
+    assert CaptureRendezvous(str(tmp_path), "gw1").wait(0, LayerCache(str(tmp_path))) is None
 
 
 def test_units_without_a_recorded_duration_are_estimated_from_the_recorded_seconds_per_item():

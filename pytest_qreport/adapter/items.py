@@ -122,12 +122,12 @@ class QReportFile(pytest.File):
         """Take the layer list the worker that claimed the model stored; False when none came (capture it here)."""
         session = self.config.stash[STATE_KEY]
         awaited = session.awaited.pop(key, None)
-        entry = awaited and session.capture_rendezvous.wait(awaited.cache_key, index, session.layer_cache)
-        if not entry:
+        stored = awaited and session.capture_rendezvous.wait(index, session.layer_cache)
+        if not stored:
             return False
+        cache_key, entry = stored
         session.models[key] = awaited.recalled(awaited.settings, awaited.quantizer, entry["items"],
-                                               entry.get("capture", {}), awaited.cache_key,
-                                               _parameter_bytes(entry))
+                                               entry.get("capture", {}), cache_key, _parameter_bytes(entry))
         return True
 
     def _collect_model(self, declaration: ModelDeclaration, index: int, registry,
@@ -142,28 +142,36 @@ class QReportFile(pytest.File):
         except ValueError as error:
             text = str(error)
             return ModelPipeline(name).collection_failed(text if f"'{name}'" in text else f"model {name!r}: {text}")
+        session = self.config.stash[STATE_KEY]
+        rendezvous = session.capture_rendezvous if claim and session.layer_cache.directory is not None else None
+        if rendezvous is not None and not rendezvous.claim(index):  # another worker builds it: wait for its entry
+            return ModelPipeline(name, settings=settings, quantizer=quantizer)
+        pipeline: ModelPipeline | None = None
         try:
             names = self._fixture_names(declaration, settings)
             with young_garbage_collection():  # the model object is freed before the next model is built
-                return self._collect_with_fixtures(name, names, index, settings, registry, quantizer,
-                                                   session_settings["threads"], claim)
+                pipeline = self._collect_with_fixtures(name, names, settings, registry, quantizer,
+                                                       session_settings["threads"])
+            return pipeline
         except pytest.skip.Exception as skipped:
             return ModelPipeline(name).skipped(f"model {name!r}: {skipped.msg}")
         except Exception as error:  # noqa: BLE001 - reported on the model's item
             return ModelPipeline(name).collection_failed(explain(name, "capture/set-up", error), error)
+        finally:
+            if rendezvous is not None:  # collected or failed: a waiter stops waiting either way
+                rendezvous.mark_done(index, pipeline.cache_key if pipeline is not None else None)
 
-    def _collect_with_fixtures(self, name: str, names: list[str], index: int, settings, registry, quantizer,
-                               threads: int, claim: bool) -> ModelPipeline:
+    def _collect_with_fixtures(self, name: str, names: list[str], settings, registry, quantizer,
+                               threads: int) -> ModelPipeline:
         """_collect_or_recall with the model's fixtures set up for it, and torn down again."""
         # the model's fixtures may compute (BatchNorm settling, training): same thread count as the analysis
         with torch_threads(threads), self._fixtures_at_collection(name, names) as values:
             example = self._example_inputs(settings, values.__getitem__)
-            return self._collect_or_recall(name, index, settings, registry, quantizer, values[name], example, claim)
+            return self._collect_or_recall(name, settings, registry, quantizer, values[name], example)
 
-    def _collect_or_recall(self, name: str, index: int, settings, registry, quantizer, model: Any,
-                           example: Any, claim: bool = True) -> ModelPipeline:
-        """The model's items from the layer cache, to capture at its analysis; or capture it now and cache them.
-        Under xdist, a model another worker claimed comes back declared, to wait for (see xdist.rendezvous)."""
+    def _collect_or_recall(self, name: str, settings, registry, quantizer, model: Any,
+                           example: Any) -> ModelPipeline:
+        """The model's items from the layer cache, to capture at its analysis; or capture it now and cache them."""
         session = self.config.stash[STATE_KEY]
         cache, key, rendezvous = session.layer_cache, None, session.capture_rendezvous
         if cache.directory is not None and hasattr(model, "modules"):
@@ -172,17 +180,12 @@ class QReportFile(pytest.File):
             if entry is not None:
                 return ModelPipeline(name).recalled(settings, quantizer, entry["items"], entry.get("capture", {}), key,
                                                     _parameter_bytes(entry))
-            if rendezvous is not None and claim and not rendezvous.claim(index):
-                return ModelPipeline(name, settings=settings, quantizer=quantizer, cache_key=key)
-        try:
-            pipeline = collect_model(name, settings, registry, quantizer, model, example)
-            if key is not None:
-                cache.store(key, pipeline.items, pipeline.capture, pipeline.parameter_bytes)
-            if rendezvous is not None:
-                rendezvous.mark_captured(model_scope(self.nodeid, name))
-        finally:
-            if rendezvous is not None and claim:
-                rendezvous.mark_done(index)  # captured, or failed: a waiter stops waiting either way
+        pipeline = collect_model(name, settings, registry, quantizer, model, example)
+        pipeline.cache_key = key
+        if key is not None:
+            cache.store(key, pipeline.items, pipeline.capture, pipeline.parameter_bytes)
+        if rendezvous is not None:
+            rendezvous.mark_captured(model_scope(self.nodeid, name))
         return self._held_or_dropped(pipeline, key)
 
     def _held_or_dropped(self, pipeline: ModelPipeline, key: str | None) -> ModelPipeline:

@@ -1,12 +1,13 @@
 """Cold-cache collection under pytest-xdist: each model is captured by one worker, the others read its layers.
 
 Every worker collects the same models in the same order. Within each conftest.py a worker goes through the
-models, and for each one without a layer-cache entry it claims the model (one file created exclusively: the
-first worker to get there owns it) and captures it, or, when another worker claimed it first, leaves it for
-later. Workers thus share the captures by how long each takes, not by a fixed rule. Then it waits for the
-entries of the models it left. The owner marks each claimed model done (captured or not), so a waiter whose
-entry never comes (the capture failed, the owner computed another key) captures the model itself; it does the
-same when the owner's process has died, or after `WAIT_LIMIT`.
+models and claims each one (one file created exclusively: the first worker to get there owns it), before it
+builds it: the owner builds the model, and captures it unless the layer cache has its entry; when another worker
+claimed it first, the model is left for later, unbuilt. Workers thus share the builds and captures by how long
+each takes, not by a fixed rule, and on a warm cache each model is built once, not once per worker. Then a
+worker waits for the entries of the models it left. The owner marks each claimed model done with the key of its
+entry (or none: the build or capture failed), so a waiter whose entry never comes collects the model itself, to
+report the same error; it does the same when the owner's process has died, or after `WAIT_LIMIT`.
 
 Each worker also records which models it captured; ModelGroupScheduling gives a model's items to that worker,
 so the process that captured a model at collection is the one that analyses it.
@@ -83,26 +84,30 @@ class CaptureRendezvous:
         except OSError:
             return None
 
-    def mark_done(self, index: int) -> None:
-        """The owner has finished with the `index`-th model: its entry is stored, or never will be."""
-        (self.run_dir / f"done-{index}").touch()
+    def mark_done(self, index: int, key: str | None) -> None:
+        """The owner has finished with the `index`-th model: its entry is stored under `key`, or never will be."""
+        write_atomically(self.run_dir / f"done-{index}", key or "")
 
     def mark_captured(self, scope: str) -> None:
         """Record that this worker holds the capture of `scope`'s model."""
         write_atomically(self.run_dir / f"captured-{_digest(scope)}", f"{self.worker_id}\n{scope}")
 
-    def wait(self, key: str, index: int, cache: LayerCache, poll: float = 0.02) -> dict[str, Any] | None:
-        """The entry the owner stores for `key`, or None once it will not come (then capture the model yourself)."""
+    def wait(self, index: int, cache: LayerCache, poll: float = 0.02) -> tuple[str, dict[str, Any]] | None:
+        """(key, entry) of what the owner of the `index`-th model stored, or None once it will not come (then
+        collect the model yourself)."""
         deadline = time.monotonic() + WAIT_LIMIT
         done = self.run_dir / f"done-{index}"
         while True:
-            finished = done.exists()  # before the load: an entry stored just before the marker is then seen
-            entry = cache.load(key)
-            owner = self.owner(index)
-            if (entry is not None or finished or (owner is not None and not self._alive(owner))
-                    or time.monotonic() > deadline):
-                return entry
-            time.sleep(poll)
+            try:
+                key = done.read_text(encoding="utf-8")  # written after the entry: the entry is there
+            except OSError:
+                owner = self.owner(index)
+                if (owner is not None and not self._alive(owner)) or time.monotonic() > deadline:
+                    return None
+                time.sleep(poll)
+                continue
+            entry = cache.load(key) if key else None
+            return (key, entry) if entry is not None else None
 
     def _alive(self, worker: str) -> bool:
         path = self.run_dir / f"worker-{worker}"
