@@ -470,16 +470,19 @@ class ModelAnalysis:
         self.require_deterministic()
         return SwitchableModel(self.quantized_input_gm, self.batches, self.quantizer)
 
-    def sensitivity(self, max_layers: int | None = None, max_batches: int | None = None) -> Any:
-        """qcore.sensitivity.SensitivityResult of the quantized layers (kept per budget)."""
+    def sensitivity(self, max_layers: int | None = None, max_batches: int | None = None,
+                    only_quantized: bool = True) -> Any:
+        """qcore.sensitivity.SensitivityResult of the quantized layers (kept per budget; see layer_sensitivity
+        for `only_quantized`)."""
         from .sensitivity import layer_sensitivity
 
         self.whole_model("the sensitivity ranking")
-        key = (max_layers, max_batches)
+        key = (max_layers, max_batches, only_quantized)
         cache = self._sensitivity
         if key not in cache:
             cache[key] = layer_sensitivity(self.quantized_input_gm, self.batches, self.quantizer,
-                                           max_layers=max_layers, max_batches=max_batches, model=self.switchable)
+                                           max_layers=max_layers, max_batches=max_batches, model=self.switchable,
+                                           only_quantized=only_quantized)
         return cache[key]
 
     def format_fix(self, target_db: float, max_moves: int = 16, max_batches: int | None = 2) -> Any:
@@ -508,7 +511,8 @@ class ModelAnalysis:
         if key not in cache:
             cache[key] = find_float_layers(self.quantized_input_gm, self.batches, self.quantizer, target_db,
                                            max_float_layers=max_float_layers, max_batches=max_batches,
-                                           sensitivity=self.sensitivity(None, max_batches), model=self.switchable)
+                                           sensitivity=self.sensitivity(None, max_batches, only_quantized=False),
+                                           model=self.switchable)
         return cache[key]
 
     def detector_reports(self, detectors: Mapping[str, DetectorBase]) -> dict[str, dict[str, dict[str, Any]]]:

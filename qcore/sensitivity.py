@@ -196,11 +196,13 @@ def _group_owners(prepared: fx.GraphModule) -> dict[str, set[str]]:
 
 def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None = None, *,
                       layers: Sequence[str] | None = None, max_layers: int | None = None,
-                      max_batches: int | None = None, model: SwitchableModel | None = None) -> SensitivityResult:
+                      max_batches: int | None = None, model: SwitchableModel | None = None,
+                      only_quantized: bool = True) -> SensitivityResult:
     """Rank the quantized layers (or `layers`) by the output SQNR gained when each alone stays in float.
 
-    Costs 2 passes of the quantized model per layer over `max_batches` batches (all by default); layers past
-    `max_layers` (graph order) are skipped and listed.
+    Costs 2 passes of the quantized model per layer over `max_batches` batches (all by default), one with
+    only_quantized=False (only_quantized_db is then nan: a search that ranks by the gain needs no more); layers
+    past `max_layers` (graph order) are skipped and listed.
     """
     model = model or SwitchableModel(float_gm, batches, quantizer)
     subset = list(batches)[:max_batches] if max_batches else list(batches)
@@ -210,8 +212,10 @@ def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     baseline = model.run(subset)
     results = []
     for layer in measured:
-        model.quantize_only([layer])
-        alone = model.run(subset)
+        alone = math.nan
+        if only_quantized:
+            model.quantize_only([layer])
+            alone = model.run(subset)
         model.quantize_only([name for name in model.layers if name != layer])
         without = model.run(subset)
         results.append(LayerSensitivity(layer, alone, without, without - baseline))

@@ -147,3 +147,20 @@ def test_a_layer_budget_bounds_the_ranking_and_names_what_it_skipped():
     result = layer_sensitivity(float_gm, batches, max_layers=2, max_batches=1)
     assert {e.layer for e in result.layers} == {"layers.0", "layers.2"}
     assert result.skipped == ("layers.4", "layers.6") and result.batches == 1
+
+
+def test_the_float_layers_search_ranks_with_one_pass_per_layer_and_the_same_order():
+    model, batches = _fragile()
+    float_gm = qcore.capture(model, batches[0])
+    switchable = SwitchableModel(float_gm, batches, qcore.Int8StaticQuantizer())
+    runs = []
+    original = switchable.run
+    switchable.run = lambda subset: runs.append(1) or original(subset)
+    both = layer_sensitivity(float_gm, batches, model=switchable)
+    assert len(runs) == 1 + 2 * len(both.layers)
+    runs.clear()
+    gains_only = layer_sensitivity(float_gm, batches, model=switchable, only_quantized=False)
+    assert len(runs) == 1 + len(both.layers)
+    assert [(e.layer, e.only_float_db, e.gain_db) for e in gains_only.layers] == \
+        [(e.layer, e.only_float_db, e.gain_db) for e in both.layers]
+    assert all(e.only_quantized_db != e.only_quantized_db for e in gains_only.layers)  # nan: not measured
