@@ -93,15 +93,16 @@ def test_a_model_past_the_share_of_the_budget_for_held_captures_is_captured_agai
     assert _captures(pytester) == ["other", "tiny"]  # with the machine's memory as the budget, it is held
 
 
-def test_under_xdist_each_model_is_built_once_at_collection_cold_and_warm(pytester):
+def test_under_xdist_each_model_is_built_once_at_collection_cold_warm_and_without_a_cache(pytester):
     from .test_memory_budget import CONFTEST as TWO_MODELS, EVENTS
 
     source = TWO_MODELS.replace("    torch.manual_seed(0)\n", "    log('build wide')\n    torch.manual_seed(0)\n")
     pytester.makeconftest(source.replace("    torch.manual_seed(1)\n", "    log('build narrow')\n    torch.manual_seed(1)\n")
                           + EVENTS)
     events = pytester.path / "events.txt"
-    for cache in ("cold", "warm"):
-        result = pytester.runpytest_subprocess("--qreport", "--collect-only", "-q", "-p", "xdist", "-n", "2")
+    for cache in ("cold", "warm", "none"):
+        options = ["-p", "no:cacheprovider"] if cache == "none" else []
+        result = pytester.runpytest_subprocess("--qreport", "--collect-only", "-q", "-p", "xdist", "-n", "2", *options)
         assert result.ret == 0, cache
         # the worker that claims a model builds it; the other takes its items from the claimant's entry
         assert sorted(events.read_text().split("\n")[:-1]) == ["build narrow", "build wide"], cache

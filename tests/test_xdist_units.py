@@ -1,7 +1,6 @@
 """The xdist work units: claims on captures at collection, and the longest-first queue from recorded durations."""
 import threading
 
-from pytest_qreport.core.layer_cache import LayerCache
 from pytest_qreport.xdist.durations import CACHE_KEY, UnitDurations, estimated_seconds
 from pytest_qreport.xdist.rendezvous import CaptureRendezvous
 from pytest_qreport.xdist.scheduling import ModelGroupScheduling
@@ -12,28 +11,22 @@ def test_the_first_worker_to_claim_a_model_owns_it_and_the_other_waits_for_its_e
     first.register()
     assert first.claim(3) and not second.claim(3) and first.claim(3)  # a claim holds for its owner only
     assert first.owner(3) == second.owner(3) == "gw0" and first.owner(4) is None
-    cache = LayerCache(str(tmp_path / "cache"))
-    (tmp_path / "cache").mkdir()
 
 
-    def owner_collects() -> None:  # the entry first, then the marker that names its key
-        cache.store("key", {"sqnr": ["fc"]}, {"method": "export"}, 1024)
-        first.mark_done(3, "key")
-
-    store = threading.Timer(0.1, owner_collects)
+    entry = {"key": "key", "items": {"sqnr": ["fc"]}, "capture": {"method": "export"}, "parameter_bytes": 1024}
+    store = threading.Timer(0.1, lambda: first.mark_done(3, entry))
     store.start()
-    key, entry = second.wait(3, cache)
-    assert key == "key" and entry["items"] == {"sqnr": ["fc"]} and entry["parameter_bytes"] == 1024
+    assert second.wait(3) == entry
     assert second.claim(5)
     second.mark_done(5, None)  # claimed, build or capture failed, nothing stored: the waiter stops waiting
-    assert first.wait(5, cache) is None
+    assert first.wait(5) is None
 
 
 def test_a_claim_by_a_dead_worker_stops_the_wait(tmp_path):
     dead = CaptureRendezvous(str(tmp_path), "gw0")
     assert dead.claim(0)
     (tmp_path / "worker-gw0").touch()  # registered once, no process holds its lock any more
-    assert CaptureRendezvous(str(tmp_path), "gw1").wait(0, LayerCache(str(tmp_path))) is None
+    assert CaptureRendezvous(str(tmp_path), "gw1").wait(0) is None
 
 
 def test_units_without_a_recorded_duration_are_estimated_from_the_recorded_seconds_per_item():

@@ -122,12 +122,12 @@ class QReportFile(pytest.File):
         """Take the layer list the worker that claimed the model stored; False when none came (capture it here)."""
         session = self.config.stash[STATE_KEY]
         awaited = session.awaited.pop(key, None)
-        stored = awaited and session.capture_rendezvous.wait(index, session.layer_cache)
-        if not stored:
+        entry = awaited and session.capture_rendezvous.wait(index)
+        if not entry:
             return False
-        cache_key, entry = stored
         session.models[key] = awaited.recalled(awaited.settings, awaited.quantizer, entry["items"],
-                                               entry.get("capture", {}), cache_key, _parameter_bytes(entry))
+                                               entry.get("capture", {}), entry.get("key") or "",
+                                               _parameter_bytes(entry))
         return True
 
     def _collect_model(self, declaration: ModelDeclaration, index: int, registry,
@@ -143,7 +143,7 @@ class QReportFile(pytest.File):
             text = str(error)
             return ModelPipeline(name).collection_failed(text if f"'{name}'" in text else f"model {name!r}: {text}")
         session = self.config.stash[STATE_KEY]
-        rendezvous = session.capture_rendezvous if claim and session.layer_cache.directory is not None else None
+        rendezvous = session.capture_rendezvous if claim else None
         if rendezvous is not None and not rendezvous.claim(index):  # another worker builds it: wait for its entry
             return ModelPipeline(name, settings=settings, quantizer=quantizer)
         pipeline: ModelPipeline | None = None
@@ -159,7 +159,7 @@ class QReportFile(pytest.File):
             return ModelPipeline(name).collection_failed(explain(name, "capture/set-up", error), error)
         finally:
             if rendezvous is not None:  # collected or failed: a waiter stops waiting either way
-                rendezvous.mark_done(index, pipeline.cache_key if pipeline is not None else None)
+                rendezvous.mark_done(index, _rendezvous_entry(pipeline))
 
     def _collect_with_fixtures(self, name: str, names: list[str], settings, registry, quantizer,
                                threads: int) -> ModelPipeline:
@@ -406,3 +406,11 @@ def _parameter_bytes(entry: dict[str, Any]) -> int | None:
     """The model's parameter bytes a layer-cache entry records (None in an entry written before they were)."""
     value = entry.get("parameter_bytes")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _rendezvous_entry(pipeline: ModelPipeline | None) -> dict[str, Any] | None:
+    """What the workers that left a model to this one need of it (None when it was not collected)."""
+    if pipeline is None or pipeline.stage is not Stage.COLLECTED:
+        return None
+    return {"key": pipeline.cache_key, "items": pipeline.items, "capture": pipeline.capture,
+            "parameter_bytes": pipeline.parameter_bytes}

@@ -184,12 +184,12 @@ class QReportSession:
             self.config.pluginmanager.register(XdistController(self.rows.collected), "qreport-xdist")
 
     def _share_captures(self) -> None:
-        """Join the controller's capture rendezvous (none without a layer cache, or on a remote host)."""
+        """Join the controller's capture rendezvous (none on a remote host)."""
         from ..xdist.crashes import capture_dir
 
         worker = self.config.workerinput
         directory = capture_dir(worker)
-        if self.state.layer_cache.directory is None or directory is None or not os.path.isdir(directory):
+        if directory is None or not os.path.isdir(directory):
             return
         self.state.capture_rendezvous = CaptureRendezvous(directory, worker["workerid"])
         self.state.capture_rendezvous.register()

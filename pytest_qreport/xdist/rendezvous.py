@@ -4,10 +4,11 @@ Every worker collects the same models in the same order. Within each conftest.py
 models and claims each one (one file created exclusively: the first worker to get there owns it), before it
 builds it: the owner builds the model, and captures it unless the layer cache has its entry; when another worker
 claimed it first, the model is left for later, unbuilt. Workers thus share the builds and captures by how long
-each takes, not by a fixed rule, and on a warm cache each model is built once, not once per worker. Then a
-worker waits for the entries of the models it left. The owner marks each claimed model done with the key of its
-entry (or none: the build or capture failed), so a waiter whose entry never comes collects the model itself, to
-report the same error; it does the same when the owner's process has died, or after `WAIT_LIMIT`.
+each takes, not by a fixed rule, and each model is built once at collection, not once per worker (with or
+without a layer cache). Then a worker waits for the entries of the models it left. The owner marks each claimed
+model done with its entry (its layer-cache key, items, capture and parameter bytes; none when the build or
+capture failed), so a waiter whose entry never comes collects the model itself, to report the same error; it
+does the same when the owner's process has died, or after `WAIT_LIMIT`.
 
 Each worker also records which models it captured; ModelGroupScheduling gives a model's items to that worker,
 so the process that captured a model at collection is the one that analyses it.
@@ -15,13 +16,13 @@ so the process that captured a model at collection is the one that analyses it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from ..core.files import write_atomically
-from ..core.layer_cache import LayerCache
 
 __all__ = ["CaptureRendezvous", "captured_by"]
 
@@ -84,30 +85,34 @@ class CaptureRendezvous:
         except OSError:
             return None
 
-    def mark_done(self, index: int, key: str | None) -> None:
-        """The owner has finished with the `index`-th model: its entry is stored under `key`, or never will be."""
-        write_atomically(self.run_dir / f"done-{index}", key or "")
+    def mark_done(self, index: int, entry: dict[str, Any] | None) -> None:
+        """The owner has finished with the `index`-th model: `entry` is what the others need of it (its layer-cache
+        key, items, capture and parameter bytes), or None when its build or capture failed."""
+        write_atomically(self.run_dir / f"done-{index}", json.dumps(entry) if entry is not None else "")
 
     def mark_captured(self, scope: str) -> None:
         """Record that this worker holds the capture of `scope`'s model."""
         write_atomically(self.run_dir / f"captured-{_digest(scope)}", f"{self.worker_id}\n{scope}")
 
-    def wait(self, index: int, cache: LayerCache, poll: float = 0.02) -> tuple[str, dict[str, Any]] | None:
-        """(key, entry) of what the owner of the `index`-th model stored, or None once it will not come (then
+    def wait(self, index: int, poll: float = 0.02) -> dict[str, Any] | None:
+        """The entry the owner of the `index`-th model marked it done with, or None once none will come (then
         collect the model yourself)."""
         deadline = time.monotonic() + WAIT_LIMIT
         done = self.run_dir / f"done-{index}"
         while True:
             try:
-                key = done.read_text(encoding="utf-8")  # written after the entry: the entry is there
+                text = done.read_text(encoding="utf-8")
             except OSError:
                 owner = self.owner(index)
                 if (owner is not None and not self._alive(owner)) or time.monotonic() > deadline:
                     return None
                 time.sleep(poll)
                 continue
-            entry = cache.load(key) if key else None
-            return (key, entry) if entry is not None else None
+            try:
+                entry = json.loads(text) if text else None
+            except ValueError:
+                return None
+            return entry if isinstance(entry, dict) and isinstance(entry.get("items"), dict) else None
 
     def _alive(self, worker: str) -> bool:
         path = self.run_dir / f"worker-{worker}"
