@@ -216,7 +216,7 @@ class ModelAnalysis:
             variant = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe, blockwise=self.blockwise)
             variant._keeps_graphs, variant._focus = False, focus
             variant._nondeterminism = self._nondeterminism  # the same float model, found deterministic
-            if repr(describe(recipe)) == repr(describe(self.equalize_recipe)):  # the same float graph is quantized
+            if describe(recipe) == describe(self.equalize_recipe):  # the same float graph is quantized
                 variant._observers = self._observers
             self._variants[key] = variant
         return self._variants[key]

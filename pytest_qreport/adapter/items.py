@@ -186,9 +186,9 @@ class QReportFile(pytest.File):
             cache.store(key, pipeline.items, pipeline.capture, pipeline.parameter_bytes)
         if rendezvous is not None:
             rendezvous.mark_captured(model_scope(self.nodeid, name))
-        return self._held_or_dropped(pipeline, key)
+        return self._held_or_dropped(pipeline)
 
-    def _held_or_dropped(self, pipeline: ModelPipeline, key: str | None) -> ModelPipeline:
+    def _held_or_dropped(self, pipeline: ModelPipeline) -> ModelPipeline:
         """The captured model, kept for its analysis while the process's kept captures fit their share of the
         memory budget; else only its items, to capture again at its analysis (see core.memory.holds_capture)."""
         session = self.config.stash[STATE_KEY]
@@ -200,7 +200,7 @@ class QReportFile(pytest.File):
             return pipeline
         assert pipeline.settings is not None
         return ModelPipeline(pipeline.name).recalled(pipeline.settings, pipeline.quantizer, pipeline.items,
-                                                     pipeline.capture, key or "", model_bytes)
+                                                     pipeline.capture, pipeline.cache_key or "", model_bytes)
 
     @staticmethod
     def _fixture_names(declaration: ModelDeclaration, settings) -> list[str]:
