@@ -4,7 +4,11 @@
    4x64 tokens): one plain analysis (capture, calibrate, quantize, SQNR) against the sensitivity ranking over
    every quantized layer on 2 batches, and with a layer budget; the same ranking done the naive way
    (re-preparing and re-calibrating the model once per layer) for scale.
-2. A model built to fail model_sqnr (examples/models.py fragile_mlp): the greedy fix's measured SQNR and size,
+2. Resumed runs (qcore.resume): the ranking over every layer and a float_layers search that never reaches its
+   target (so all 8 greedy steps run), with each trial run from the last recorded cut before the layer it
+   changes, against the same with every trial run whole, in the same process; the results must be equal. On
+   the BERT-style encoder and a 4-layer Llama (transformers.LlamaConfig, hidden 512, 2 batches of 2 x 128 tokens).
+3. A model built to fail model_sqnr (examples/models.py fragile_mlp): the greedy fix's measured SQNR and size,
    against how many layers of the single-layer ranking, taken in order, reach the same target.
 
     python benchmarks/bench_sensitivity.py
@@ -80,6 +84,41 @@ def bench_fix() -> None:
               f"top-k needs {naive}")
 
 
+def _llama():
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(0)
+    return model, [{"input_ids": torch.randint(0, 4096, (2, 128), generator=g)} for _ in range(2)]
+
+
+def bench_resume() -> None:
+    from qcore.sensitivity import SwitchableModel, layer_sensitivity
+
+    torch.set_num_threads(2)
+    for name, build in (("BERT-style encoder", _bert), ("4-layer Llama", _llama)):
+        model, batches = build()
+        batches = batches[:2]
+        float_gm = qcore.capture(model, batches[0])
+        results, seconds = {}, {}
+        for resume in (False, True, False, True):   # alternated: this machine's speed drifts
+            switchable = SwitchableModel(float_gm, batches, resume=resume)
+            start = time.perf_counter()
+            ranking = layer_sensitivity(float_gm, batches, model=switchable, only_quantized=False)
+            fix = find_float_layers(float_gm, batches, None, 200.0, sensitivity=ranking, model=switchable)
+            seconds[resume] = min(seconds.get(resume, float("inf")), time.perf_counter() - start)
+            results[resume] = (ranking, fix.float_layers, fix.estimated_db)
+        assert results[True] == results[False], "resumed runs changed the results"
+        print(f"{name}, {len(switchable.layers)} layers, ranking + 8-step search on 2 batches: whole runs "
+              f"{seconds[False]:.2f} s, resumed {seconds[True]:.2f} s: {seconds[False] / seconds[True]:.2f}x "
+              "(equal results)")
+
+
 if __name__ == "__main__":
+    bench_resume()
     bench_fix()
     bench_cost()

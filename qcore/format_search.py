@@ -22,6 +22,7 @@ from .format_quantizer import FormatQuantizer, layer_shapes, preset_refusal
 from .graph import fetch_attr, find_quantizable_ops
 from .inputs import call_model, move_to
 from .presets import preset
+from .resume import ResumableGraph
 from .sensitivity import FloatReference
 
 __all__ = ["LADDERS", "FormatFix", "FormatSwitchModel", "search_formats"]
@@ -85,12 +86,15 @@ class _InputSwitch(nn.Module):
 class FormatSwitchModel:
     """A copy of a float graph whose linear and conv layers can each be given any format, calibrated once."""
 
-    def __init__(self, float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: FormatQuantizer) -> None:
+    def __init__(self, float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: FormatQuantizer, *,
+                 resume: bool = True) -> None:
+        """resume=False: every run computes the whole graph (qcore.resume otherwise)."""
         self.float_gm, self.gm = float_gm, clone_graph_module(float_gm, share_parameters=True)
         self.start: dict[str, str] = {}  # layer -> its format under `quantizer` ("float": kept in float)
         self.shapes: dict[str, tuple[Any, list]] = {}  # layer -> (weight shape, input shapes)
         self._switches: dict[str, tuple[_WeightSwitch, _InputSwitch]] = {}
         graph = self.gm.graph
+        switch_nodes: list[fx.Node] = []
         for index, op in enumerate(find_quantizable_ops(self.gm)):
             if op.kind not in ("linear", "conv") or op.weight is None or op.weight.op != "get_attr":
                 continue
@@ -110,9 +114,12 @@ class FormatSwitchModel:
             op.node.replace_input_with(op.weight, weight_node)
             op.node.replace_input_with(source, input_node)
             self._switches[op.layer] = switches
+            switch_nodes += [weight_node, input_node]
         graph.lint()
         self.gm.recompile()
         self._reference = FloatReference(float_gm)
+        self._resumable = ResumableGraph(self.gm, switch_nodes if resume else [], lambda: [
+            switch.choice for pair in self._switches.values() for switch in pair] if resume else [])
         self._calibrate(batches)
 
     def _calibrate(self, batches: Sequence[Any]) -> None:
@@ -136,8 +143,18 @@ class FormatSwitchModel:
             weight.choice = inputs.choice = name
 
     def run(self, batches: Sequence[Any]) -> float:
-        """Model-output SQNR (dB) against the float graph over `batches`, worst output leaf."""
-        return self._reference.output_sqnr(self.gm, batches)
+        """Model-output SQNR (dB) against the float graph over `batches`, worst output leaf; after record(), from
+        the values recorded before the first layer whose format differs (qcore.resume)."""
+        return self._reference.output_sqnr(self.gm, batches, lambda batch, moved: self._resumable.run(id(batch), moved))
+
+    def record(self, batches: Sequence[Any]) -> float:
+        """run(), keeping the values later runs of the same batches can start from (the last two assignments)."""
+        return self._reference.output_sqnr(self.gm, batches,
+                                           lambda batch, moved: self._resumable.record(id(batch), moved))
+
+    def forget(self) -> None:
+        """Drop what record() kept."""
+        self._resumable.forget()
 
 
 def _next_rung(model: FormatSwitchModel, layer: str, current: str) -> str | None:
@@ -172,6 +189,7 @@ def search_formats(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: 
         if measured_db >= target_db or moves >= max_moves or _best_move(model, current, pool, subset) is None:
             break
         estimate = -math.inf  # the estimate on a few batches was optimistic: one more move, then measure again
+    model.forget()
     return FormatFix(changed, estimate, measured_db, target_db, measured_db >= target_db)
 
 
@@ -180,6 +198,8 @@ def _best_move(model: FormatSwitchModel, current: dict[str, str], pool: list[str
     """The move that raises the output SQNR most ((SQNR, layer, format)), with the pool's layers ranked by their
     own move's SQNR; None when no layer can move."""
     trials = []
+    model.assign(current)
+    model.record(batches)
     for layer in pool:
         rung = _next_rung(model, layer, current[layer])
         if rung is not None:

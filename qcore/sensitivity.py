@@ -8,7 +8,7 @@ float, without re-capturing or re-preparing. Metrics stream as sums over the bat
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from .inputs import call_model, move_to
 from .numeric.metrics import sqnr_from_sums
 from .prepare import prepare
 from .quantizer import Int8StaticQuantizer, Quantizer, with_layer_overrides
+from .resume import ResumableGraph
 
 __all__ = ["FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult", "SwitchableModel",
            "find_float_layers", "layer_sensitivity", "with_float_layers"]
@@ -93,7 +94,9 @@ class _WeightSwitch(nn.Module):
 class SwitchableModel:
     """A quantized copy of a float graph whose layers' quantizers can be switched on and off."""
 
-    def __init__(self, float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None = None) -> None:
+    def __init__(self, float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None = None, *,
+                 resume: bool = True) -> None:
+        """resume=False: every run computes the whole graph (qcore.resume otherwise)."""
         prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
         owners = _group_owners(prepared)
         calibrate(prepared, batches)
@@ -103,10 +106,13 @@ class SwitchableModel:
         self.layers = [layer for layer in dict.fromkeys(name for names in owners.values() for name in names)]
         self._switches: list[tuple[nn.Module, frozenset[str]]] = []
         self._reference = FloatReference(float_gm)
-        self._install(owners)
+        switch_nodes = self._install(owners)
+        self._resumable = ResumableGraph(self.gm, switch_nodes if resume else [],
+                                         lambda: [s.enabled for s, _ in self._switches] if resume else [])
 
-    def _install(self, owners: dict[str, set[str]]) -> None:
+    def _install(self, owners: dict[str, set[str]]) -> list[fx.Node]:
         graph = self.gm.graph
+        nodes = []
         for index, node in enumerate(list(graph.nodes)):
             if node.meta.get(INSERTED_KEY) != "qdq":
                 continue
@@ -125,9 +131,11 @@ class SwitchableModel:
             replacement.meta.update(node.meta)
             node.replace_all_uses_with(replacement)
             graph.erase_node(node)
+            nodes.append(replacement)
             self._switches.append((switch, frozenset(owners.get(node.meta.get(_GROUP_KEY, ""), ()))))
         graph.lint()
         self.gm.recompile()
+        return nodes
 
     def quantize_only(self, quantized: Iterable[str]) -> None:
         """Switch on the quantizers of `quantized` layers only (a quantizer shared by several layers is on
@@ -142,8 +150,19 @@ class SwitchableModel:
 
         Every switch setting is compared with the same float outputs, so those are computed once per batch and
         kept (the output leaves of the batches measured: 2 batches by default in the ranking and the search).
+        A run after record() starts each batch from the values recorded before the first layer whose switches
+        differ from the recorded setting (qcore.resume).
         """
-        return self._reference.output_sqnr(self.gm, batches)
+        return self._reference.output_sqnr(self.gm, batches, lambda batch, moved: self._resumable.run(id(batch), moved))
+
+    def record(self, batches: Iterable[Any]) -> float:
+        """run(), keeping the values later runs of the same batches can start from (the last two settings)."""
+        return self._reference.output_sqnr(self.gm, batches,
+                                           lambda batch, moved: self._resumable.record(id(batch), moved))
+
+    def forget(self) -> None:
+        """Drop what record() kept."""
+        self._resumable.forget()
 
 
 class FloatReference:
@@ -154,8 +173,10 @@ class FloatReference:
         self.float_gm = float_gm
         self._references: dict[int, tuple[Any, Any, list[torch.Tensor]]] = {}
 
-    def output_sqnr(self, gm: fx.GraphModule, batches: Iterable[Any]) -> float:
-        """Model-output SQNR (dB) of `gm` against the float graph over `batches`, worst output leaf."""
+    def output_sqnr(self, gm: fx.GraphModule, batches: Iterable[Any],
+                    run: Callable[[Any, Any], Any] | None = None) -> float:
+        """Model-output SQNR (dB) of `gm` against the float graph over `batches`, worst output leaf; `run(batch,
+        moved batch)` computes gm's outputs where given."""
         device = model_device(self.float_gm)
         sums: list[torch.Tensor] = []
         with torch.no_grad():
@@ -164,7 +185,7 @@ class FloatReference:
                     moved = move_to(batch, device)
                     self._references[id(batch)] = (batch, moved, _float_leaves(call_model(self.float_gm, moved)))
                 _, moved, reference = self._references[id(batch)]
-                actual = _float_leaves(call_model(gm, moved))
+                actual = _float_leaves(call_model(gm, moved) if run is None else run(batch, moved))
                 for index, (a, b) in enumerate(zip(reference, actual)):
                     pair = torch.stack([a.double().square().sum(), (a.double() - b.double()).square().sum()])
                     if index == len(sums):
@@ -208,8 +229,11 @@ def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     subset = list(batches)[:max_batches] if max_batches else list(batches)
     chosen = [name for name in model.layers if layers is None or name in layers]
     measured, skipped = chosen[:max_layers] if max_layers else chosen, chosen[max_layers:] if max_layers else []
+    if only_quantized:  # "only this layer quantized" starts from the float run's values
+        model.quantize_only([])
+        model.record(subset)
     model.quantize_only(model.layers)
-    baseline = model.run(subset)
+    baseline = model.record(subset)
     results = []
     for layer in measured:
         alone = math.nan
@@ -220,6 +244,7 @@ def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
         without = model.run(subset)
         results.append(LayerSensitivity(layer, alone, without, without - baseline))
     model.quantize_only(model.layers)
+    model.forget()
     ranked = sorted(results, key=lambda r: (-r.gain_db if not math.isnan(r.gain_db) else math.inf, r.layer))
     return SensitivityResult(baseline, tuple(ranked), tuple(skipped), len(subset))
 
@@ -253,6 +278,8 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     estimate = ranking.all_quantized_db
     while estimate < target_db and len(chosen) < max_float_layers and len(chosen) < len(pool):
         trials = []
+        model.quantize_only([name for name in model.layers if name not in chosen])
+        model.record(subset)
         for layer in pool:
             if layer in chosen:
                 continue
@@ -262,6 +289,7 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
         chosen.append(best)
         estimate = best_db
     model.quantize_only(model.layers)
+    model.forget()
     from .measure import measure_sqnr
 
     measured = (measure_sqnr(float_gm, list(batches), with_float_layers(quantizer, chosen), shadow=False)

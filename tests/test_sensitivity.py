@@ -154,13 +154,16 @@ def test_the_float_layers_search_ranks_with_one_pass_per_layer_and_the_same_orde
     float_gm = qcore.capture(model, batches[0])
     switchable = SwitchableModel(float_gm, batches, qcore.Int8StaticQuantizer())
     runs = []
-    original = switchable.run
-    switchable.run = lambda subset: runs.append(1) or original(subset)
+    original_run, original_record = switchable.run, switchable.record
+    switchable.run = lambda subset: runs.append("run") or original_run(subset)
+    switchable.record = lambda subset: runs.append("record") or original_record(subset)
     both = layer_sensitivity(float_gm, batches, model=switchable)
-    assert len(runs) == 1 + 2 * len(both.layers)
+    # each ranking records its starting points (all quantized; all float for only_quantized_db), then one run per
+    # layer and figure, from those
+    assert runs == ["record"] * 2 + ["run"] * 2 * len(both.layers)
     runs.clear()
     gains_only = layer_sensitivity(float_gm, batches, model=switchable, only_quantized=False)
-    assert len(runs) == 1 + len(both.layers)
+    assert runs == ["record"] + ["run"] * len(both.layers)
     assert [(e.layer, e.only_float_db, e.gain_db) for e in gains_only.layers] == \
         [(e.layer, e.only_float_db, e.gain_db) for e in both.layers]
     assert all(e.only_quantized_db != e.only_quantized_db for e in gains_only.layers)  # nan: not measured

@@ -1,0 +1,151 @@
+"""Resumed runs (qcore.resume): a switch setting run from a recorded cut gives exactly the outputs of a full run."""
+import itertools
+
+import pytest
+import torch
+from torch import fx, nn
+
+import qcore
+from qcore.resume import ResumableGraph, last_writes
+from qcore.sensitivity import SwitchableModel, find_float_layers, layer_sensitivity
+
+from .models import SmallCNN, batches, tiny_llama
+
+
+class _Residual(nn.Module):
+    """Two residual blocks written the torchvision way: in-place ReLUs and `out += identity`."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.convs = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(4))
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.stem(x))
+        for first, second in (self.convs[:2], self.convs[2:]):
+            identity = out
+            out = second(self.relu(first(out)))
+            out += identity
+            out = self.relu(out)
+        return out
+
+
+def _cases():
+    llama, llama_batches = tiny_llama(layers=2, batch=2)
+    cnn_batches = batches((2, 3, 16, 16), n=2)
+    return {"llama": (llama, llama_batches[:2]), "cnn": (SmallCNN().eval(), cnn_batches),
+            "residual": (_Residual().eval(), cnn_batches)}
+
+
+@pytest.fixture(scope="module", params=["llama", "cnn", "residual"])
+def switchable(request):
+    model, model_batches = _cases()[request.param]
+    return SwitchableModel(qcore.capture(model, model_batches[0]), model_batches), model_batches
+
+
+def _full(switchable_model, model_batches):
+    """The same setting run whole, without any recording."""
+    kept = switchable_model._resumable._recordings
+    switchable_model._resumable._recordings = {}
+    try:
+        return switchable_model.run(model_batches)
+    finally:
+        switchable_model._resumable._recordings = kept
+
+
+def test_every_one_layer_change_resumes_to_the_full_runs_numbers(switchable):
+    model, model_batches = switchable
+    assert model._resumable.enabled and len(model._resumable._cuts) > 1
+    model.quantize_only([])
+    model.record(model_batches)
+    model.quantize_only(model.layers)
+    model.record(model_batches)
+    for layer in model.layers:
+        model.quantize_only([name for name in model.layers if name != layer])
+        assert model.run(model_batches) == _full(model, model_batches), layer
+        model.quantize_only([layer])
+        assert model.run(model_batches) == _full(model, model_batches), layer
+    for pair in itertools.islice(itertools.combinations(model.layers, 2), 6):
+        model.quantize_only([name for name in model.layers if name not in pair])
+        assert model.run(model_batches) == _full(model, model_batches), pair
+    model.forget()
+    model.quantize_only(model.layers)
+
+
+def test_the_ranking_and_the_search_equal_their_whole_run_versions(switchable):
+    model, model_batches = switchable
+    whole = SwitchableModel(model.float_gm, model_batches, resume=False)
+    found = {}
+    for switchable_model in (model, whole):
+        ranking = layer_sensitivity(model.float_gm, model_batches, model=switchable_model)
+        found[switchable_model] = ranking, find_float_layers(model.float_gm, model_batches, None, target_db=80.0,
+                                                            max_float_layers=3, model=switchable_model,
+                                                            sensitivity=ranking)
+    assert found[model] == found[whole] and model._resumable._suffixes and not whole._resumable.enabled
+
+
+def test_a_resumed_run_computes_only_the_rest_of_the_graph():
+    model, model_batches = _cases()["llama"]
+    switchable_model = SwitchableModel(qcore.capture(model, model_batches[0]), model_batches)
+    resumable = switchable_model._resumable
+    switchable_model.quantize_only(switchable_model.layers)
+    switchable_model.record(model_batches)
+    last = switchable_model.layers[-1]
+    switchable_model.quantize_only([name for name in switchable_model.layers if name != last])
+    switchable_model.run(model_batches)
+    suffix, live = next(iter(resumable._suffixes.values()))
+    assert len(resumable._suffixes) == 1 and list(resumable._suffixes) == [resumable._cuts[-1]]
+    ops = [n for n in suffix.graph.nodes if n.op == "call_function"]
+    full_ops = [n for n in switchable_model.gm.graph.nodes if n.op == "call_function"]
+    assert 0 < len(ops) < len(full_ops) / 4 and live
+    switchable_model.forget()
+    assert not resumable._recordings
+
+
+class _InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.relu, self.fc2 = nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+def test_a_traced_graph_always_runs_whole_and_no_cut_holds_a_value_written_to_later():
+    traced = fx.symbolic_trace(_InPlace())
+    assert last_writes(traced) is None      # a module not known to be free of in-place writes
+    resumable = ResumableGraph(traced, [], lambda: [])
+    assert not resumable.enabled
+    x = torch.randn(2, 8)
+    assert torch.equal(resumable.record("b", x), traced(x)) and torch.equal(resumable.run("b", x), traced(x))
+    exported = qcore.capture(_InPlace().eval(), torch.randn(2, 8))
+    writes = last_writes(exported)
+    relu = next(n for n in exported.graph.nodes if "relu_" in str(n.target))
+    assert writes == {relu.args[0]: list(exported.graph.nodes).index(relu), relu: list(exported.graph.nodes).index(relu)}
+    nodes = list(exported.graph.nodes)
+    first_linear = nodes[nodes.index(relu) - 1]
+    state = [0]
+    resumable = ResumableGraph(exported, [first_linear], lambda: state)   # emitted again from the cut at the ReLU
+    assert resumable.enabled and resumable._cuts == [nodes.index(relu)]
+    assert resumable._live[nodes.index(relu)][0] == [nodes[nodes.index(first_linear) - 1]]   # x, not the linear
+    resumable.record("b", x)
+    state[0] = 1
+    for _ in range(3):   # the in-place ReLU writes to the linear's new output, never to a recorded value
+        assert torch.equal(resumable.run("b", x), exported(x))
+    assert not ResumableGraph(exported, [relu], lambda: state).enabled   # a switch that writes in place
+
+
+def test_the_format_search_resumed_equals_it_run_whole():
+    from qcore.format_quantizer import FormatQuantizer
+    from qcore.format_search import FormatSwitchModel, search_formats
+
+    model, model_batches = _cases()["llama"]
+    float_gm = qcore.capture(model, model_batches[0])
+    quantizer = FormatQuantizer("NVFP4")
+    models = {resume: FormatSwitchModel(float_gm, model_batches, quantizer, resume=resume) for resume in (False, True)}
+    found = {resume: search_formats(float_gm, model_batches, quantizer, 60.0, max_moves=4, model=models[resume])
+             for resume in (False, True)}
+    assert found[True] == found[False] and len(found[True].layer_formats) == 4
+    assert models[True]._resumable._suffixes and not models[False]._resumable.enabled
