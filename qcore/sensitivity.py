@@ -106,6 +106,7 @@ class SwitchableModel:
         self.layers = [layer for layer in dict.fromkeys(name for names in owners.values() for name in names)]
         self._switches: list[tuple[nn.Module, frozenset[str]]] = []
         self._reference = FloatReference(float_gm)
+        self._measured: dict[tuple, float] = {}  # (switch setting, batch ids) -> output SQNR
         switch_nodes = self._install(owners)
         self._resumable = ResumableGraph(self.gm, switch_nodes if resume else [],
                                          lambda: [s.enabled for s, _ in self._switches] if resume else [])
@@ -151,14 +152,26 @@ class SwitchableModel:
         Every switch setting is compared with the same float outputs, so those are computed once per batch and
         kept (the output leaves of the batches measured: 2 batches by default in the ranking and the search).
         A run after record() starts each batch from the values recorded before the first layer whose switches
-        differ from the recorded setting (qcore.resume).
+        differ from the recorded setting (qcore.resume). A setting measured before on the same batches is not run
+        again (the search's ranking and the sensitivity check's share their one-layer-in-float runs).
         """
-        return self._reference.output_sqnr(self.gm, batches, lambda batch, moved: self._resumable.run(id(batch), moved))
+        batches = list(batches)
+        key = self._setting(batches)
+        if key not in self._measured:
+            self._measured[key] = self._reference.output_sqnr(
+                self.gm, batches, lambda batch, moved: self._resumable.run(id(batch), moved))
+        return self._measured[key]
 
     def record(self, batches: Iterable[Any]) -> float:
         """run(), keeping the values later runs of the same batches can start from (the last two settings)."""
-        return self._reference.output_sqnr(self.gm, batches,
-                                           lambda batch, moved: self._resumable.record(id(batch), moved))
+        batches = list(batches)
+        self._measured[self._setting(batches)] = db = self._reference.output_sqnr(
+            self.gm, batches, lambda batch, moved: self._resumable.record(id(batch), moved))
+        return db
+
+    def _setting(self, batches: list[Any]) -> tuple:
+        # batches are kept by the float reference once measured, so their ids stay theirs
+        return tuple(switch.enabled for switch, _ in self._switches), tuple(id(batch) for batch in batches)
 
     def forget(self) -> None:
         """Drop what record() kept."""

@@ -149,3 +149,17 @@ def test_the_format_search_resumed_equals_it_run_whole():
              for resume in (False, True)}
     assert found[True] == found[False] and len(found[True].layer_formats) == 4
     assert models[True]._resumable._suffixes and not models[False]._resumable.enabled
+
+
+def test_a_setting_measured_before_on_the_same_batches_is_not_run_again():
+    model, model_batches = _cases()["cnn"]
+    switchable_model = SwitchableModel(qcore.capture(model, model_batches[0]), model_batches)
+    executed = []
+    original = switchable_model._resumable.run
+    switchable_model._resumable.run = lambda key, inputs: executed.append(key) or original(key, inputs)
+    gains = layer_sensitivity(switchable_model.float_gm, model_batches, model=switchable_model, only_quantized=False)
+    assert len(executed) == len(gains.layers) * len(model_batches)
+    executed.clear()
+    both = layer_sensitivity(switchable_model.float_gm, model_batches, model=switchable_model)
+    assert len(executed) == len(gains.layers) * len(model_batches)   # only the only-quantized runs are new
+    assert [(e.layer, e.only_float_db) for e in both.layers] == [(e.layer, e.only_float_db) for e in gains.layers]
