@@ -22,8 +22,7 @@ from .format_quantizer import FormatQuantizer, layer_shapes, preset_refusal
 from .graph import fetch_attr, find_quantizable_ops
 from .inputs import call_model, move_to
 from .presets import preset
-from .resume import ResumableGraph
-from .sensitivity import FloatReference
+from .sensitivity import SwitchedRuns
 
 __all__ = ["LADDERS", "FormatFix", "FormatSwitchModel", "search_formats"]
 
@@ -83,7 +82,7 @@ class _InputSwitch(nn.Module):
         return x if activation is None else activation.fake_quantize(x, self.amax)
 
 
-class FormatSwitchModel:
+class FormatSwitchModel(SwitchedRuns):
     """A copy of a float graph whose linear and conv layers can each be given any format, calibrated once."""
 
     def __init__(self, float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: FormatQuantizer, *,
@@ -117,9 +116,7 @@ class FormatSwitchModel:
             switch_nodes += [weight_node, input_node]
         graph.lint()
         self.gm.recompile()
-        self._reference = FloatReference(float_gm)
-        self._resumable = ResumableGraph(self.gm, switch_nodes if resume else [], lambda: [
-            switch.choice for pair in self._switches.values() for switch in pair] if resume else [])
+        self._init_runs(float_gm, switch_nodes, resume)
         self._calibrate(batches)
 
     def _calibrate(self, batches: Sequence[Any]) -> None:
@@ -142,19 +139,8 @@ class FormatSwitchModel:
             weight, inputs = self._switches[layer]
             weight.choice = inputs.choice = name
 
-    def run(self, batches: Sequence[Any]) -> float:
-        """Model-output SQNR (dB) against the float graph over `batches`, worst output leaf; after record(), from
-        the values recorded before the first layer whose format differs (qcore.resume)."""
-        return self._reference.output_sqnr(self.gm, batches, lambda batch, moved: self._resumable.run(id(batch), moved))
-
-    def record(self, batches: Sequence[Any]) -> float:
-        """run(), keeping the values later runs of the same batches can start from (the last two assignments)."""
-        return self._reference.output_sqnr(self.gm, batches,
-                                           lambda batch, moved: self._resumable.record(id(batch), moved))
-
-    def forget(self) -> None:
-        """Drop what record() kept."""
-        self._resumable.forget()
+    def _switch_state(self) -> list[Any]:
+        return [switch.choice for pair in self._switches.values() for switch in pair]
 
 
 def _next_rung(model: FormatSwitchModel, layer: str, current: str) -> str | None:

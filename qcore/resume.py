@@ -25,9 +25,6 @@ from .inputs import call_model
 
 __all__ = ["ResumableGraph", "last_writes"]
 
-_REEMITTED = ("get_attr",)
-
-
 class _Recorder(nn.Module):
     """Keeps the values a recording run passes to it, by node name."""
 
@@ -98,7 +95,7 @@ class ResumableGraph:
         nodes = list(gm.graph.nodes)
         self._position = {node: index for index, node in enumerate(nodes)}
         self._switch_nodes = list(switches)
-        self._reemitted = {n for n in nodes if n.op in _REEMITTED} | set(self._switch_nodes)
+        self._reemitted = {n for n in nodes if n.op == "get_attr"} | set(self._switch_nodes)
         # a switch changes nothing before the first node that reads it
         self._effect = [min((self._position[u] for u in n.users), default=len(nodes)) for n in self._switch_nodes]
         first_body = next((i for i, n in enumerate(nodes) if n.op != "placeholder"), len(nodes))
@@ -132,6 +129,10 @@ class ResumableGraph:
             else:
                 live.add(node)
         return sorted(live, key=self._position.__getitem__), sorted(emitted, key=self._position.__getitem__)
+
+    def recorded(self, key: Any) -> bool:
+        """Whether the current state has a recording of the batch `key`."""
+        return key in self._recordings.get(tuple(self._state()), {})
 
     def forget(self) -> None:
         """Drop every recording (their tensors)."""
@@ -193,7 +194,7 @@ class ResumableGraph:
 
     def _suffix(self, cut: int) -> tuple[fx.GraphModule, list[str]]:
         if cut not in self._suffixes:
-            nodes = list(self.gm.graph.nodes)
+            nodes = list(self._position)
             live, emitted = self._live[cut]
             graph = fx.Graph()
             mapping: dict[fx.Node, fx.Node] = {}

@@ -27,7 +27,7 @@ from .quantizer import Int8StaticQuantizer, Quantizer, with_layer_overrides
 from .resume import ResumableGraph
 
 __all__ = ["FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult", "SwitchableModel",
-           "find_float_layers", "layer_sensitivity", "with_float_layers"]
+           "SwitchedRuns", "find_float_layers", "layer_sensitivity", "with_float_layers"]
 
 _GROUP_KEY = "qcore_observer_group"
 
@@ -91,7 +91,57 @@ class _WeightSwitch(nn.Module):
         return self.quantized if self.enabled else self.original
 
 
-class SwitchableModel:
+class SwitchedRuns:
+    """Model-output SQNR runs of a graph whose switch modules select each layer's quantization: each setting
+    measured once per set of batches, and run from the values recorded before its first change (qcore.resume)."""
+
+    gm: fx.GraphModule
+
+    def _init_runs(self, float_gm: fx.GraphModule, switch_nodes: list[fx.Node], resume: bool) -> None:
+        self._reference = FloatReference(float_gm)
+        self._measured: dict[tuple, float] = {}  # (switch setting, batch ids) -> output SQNR
+        self._resumable = ResumableGraph(self.gm, switch_nodes if resume else [], self._switch_state)
+
+    def _switch_state(self) -> list[Any]:
+        """One hashable per switch node, in their order: what each selects now."""
+        raise NotImplementedError
+
+    def run(self, batches: Iterable[Any]) -> float:
+        """Model-output SQNR (dB) against the float graph over `batches`, worst output leaf.
+
+        Every setting is compared with the same float outputs, so those are computed once per batch and kept (the
+        output leaves of the batches measured: 2 batches by default in the searches). A run after record() starts
+        each batch from the values recorded before the first layer whose switches differ from the recorded
+        setting. A setting measured before on the same batches is not run again (the float_layers search's
+        ranking and the sensitivity check's share their one-layer-in-float runs).
+        """
+        batches = list(batches)
+        key = self._setting(batches)
+        if key not in self._measured:
+            self._measured[key] = self._reference.output_sqnr(
+                self.gm, batches, lambda batch, moved: self._resumable.run(id(batch), moved))
+        return self._measured[key]
+
+    def record(self, batches: Iterable[Any]) -> float:
+        """run(), keeping the values later runs of the same batches can start from (the last two settings)."""
+        batches = list(batches)
+        key = self._setting(batches)
+        if key in self._measured and all(self._resumable.recorded(id(batch)) for batch in batches):
+            return self._measured[key]
+        self._measured[key] = self._reference.output_sqnr(
+            self.gm, batches, lambda batch, moved: self._resumable.record(id(batch), moved))
+        return self._measured[key]
+
+    def _setting(self, batches: list[Any]) -> tuple:
+        # batches are kept by the float reference once measured, so their ids stay theirs
+        return tuple(self._switch_state()), tuple(id(batch) for batch in batches)
+
+    def forget(self) -> None:
+        """Drop what record() kept."""
+        self._resumable.forget()
+
+
+class SwitchableModel(SwitchedRuns):
     """A quantized copy of a float graph whose layers' quantizers can be switched on and off."""
 
     def __init__(self, float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None = None, *,
@@ -105,11 +155,7 @@ class SwitchableModel:
         self.float_gm = float_gm
         self.layers = [layer for layer in dict.fromkeys(name for names in owners.values() for name in names)]
         self._switches: list[tuple[nn.Module, frozenset[str]]] = []
-        self._reference = FloatReference(float_gm)
-        self._measured: dict[tuple, float] = {}  # (switch setting, batch ids) -> output SQNR
-        switch_nodes = self._install(owners)
-        self._resumable = ResumableGraph(self.gm, switch_nodes if resume else [],
-                                         lambda: [s.enabled for s, _ in self._switches] if resume else [])
+        self._init_runs(float_gm, self._install(owners), resume)
 
     def _install(self, owners: dict[str, set[str]]) -> list[fx.Node]:
         graph = self.gm.graph
@@ -146,36 +192,8 @@ class SwitchableModel:
         for switch, owners in self._switches:
             switch.enabled = bool(owners & chosen) if owners else majority
 
-    def run(self, batches: Iterable[Any]) -> float:
-        """Model-output SQNR (dB) against the float graph over `batches`, worst output leaf.
-
-        Every switch setting is compared with the same float outputs, so those are computed once per batch and
-        kept (the output leaves of the batches measured: 2 batches by default in the ranking and the search).
-        A run after record() starts each batch from the values recorded before the first layer whose switches
-        differ from the recorded setting (qcore.resume). A setting measured before on the same batches is not run
-        again (the search's ranking and the sensitivity check's share their one-layer-in-float runs).
-        """
-        batches = list(batches)
-        key = self._setting(batches)
-        if key not in self._measured:
-            self._measured[key] = self._reference.output_sqnr(
-                self.gm, batches, lambda batch, moved: self._resumable.run(id(batch), moved))
-        return self._measured[key]
-
-    def record(self, batches: Iterable[Any]) -> float:
-        """run(), keeping the values later runs of the same batches can start from (the last two settings)."""
-        batches = list(batches)
-        self._measured[self._setting(batches)] = db = self._reference.output_sqnr(
-            self.gm, batches, lambda batch, moved: self._resumable.record(id(batch), moved))
-        return db
-
-    def _setting(self, batches: list[Any]) -> tuple:
-        # batches are kept by the float reference once measured, so their ids stay theirs
-        return tuple(switch.enabled for switch, _ in self._switches), tuple(id(batch) for batch in batches)
-
-    def forget(self) -> None:
-        """Drop what record() kept."""
-        self._resumable.forget()
+    def _switch_state(self) -> list[Any]:
+        return [switch.enabled for switch, _ in self._switches]
 
 
 class FloatReference:
