@@ -194,6 +194,19 @@ def test_the_analysis_collects_its_own_garbage_graphs_without_traversing_older_o
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
+def test_large_allocations_are_mapped_for_big_models_only_and_the_threshold_is_set_back(monkeypatch):
+    from pytest_qreport.core import runtime
+
+    thresholds: list[int] = []
+    monkeypatch.setattr(runtime, "_set_mmap_threshold", thresholds.append)
+    with runtime.young_garbage_collection(map_large_allocations=False):
+        pass
+    assert thresholds == []  # a small model's analysis is not slowed by page faults
+    with runtime.young_garbage_collection(map_large_allocations=True):
+        assert thresholds == [1 << 20]
+    assert thresholds == [1 << 20, 32 << 20]  # what follows allocates from the heap again
+
+
 def test_variants_from_the_detectors_channel_ranges_equal_those_from_their_own():
     torch.manual_seed(0)
     data = _skewed(4)

@@ -63,10 +63,15 @@ def test_an_unknown_setting_names_the_closest_one():
         resolve_settings(session, declaration, _registry())
 
 
-def test_a_pipeline_moves_through_explicit_stages():
+def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     import qcore
+    from pytest_qreport.core import pipeline as pipelines
+    from pytest_qreport.core import runtime
     from pytest_qreport.core.pipeline import ModelPipeline, Stage, collect_model
     from pytest_qreport.core.settings import ModelSettings
+
+    mapped: list[int] = []
+    monkeypatch.setattr(runtime, "_set_mmap_threshold", mapped.append)
 
     registry = _registry()
     batches = [torch.randn(4, 8) for _ in range(2)]
@@ -77,11 +82,17 @@ def test_a_pipeline_moves_through_explicit_stages():
     pipeline.analyze(lambda: batches, lambda found: None)
     assert pipeline.stage is Stage.ANALYSED and pipeline.facts().fingerprint["threads"] == 1
     assert pipeline.finding("model_sqnr", "output").value > 20 and pipeline.facts().error == ""
+    assert mapped == []  # a small model's analysis allocates from the heap: no page faults per activation
 
     broken = collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0])
     broken.analyze(lambda: [torch.randn(4, 3)], lambda found: None)
     assert broken.stage is Stage.ANALYSIS_FAILED and broken.failed and "model 'tiny'" in broken.error
     assert broken.facts().error == broken.error
+    assert mapped == []
+    monkeypatch.setattr(pipelines, "MAPPED_MODEL_BYTES", 0)  # as if the model were big: its peak matters more
+    collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0]).analyze(
+        lambda: batches, lambda found: None)
+    assert mapped == [1 << 20, 32 << 20]
     broken.analyze(lambda: batches, lambda found: None)  # a failed stage is final
     assert broken.stage is Stage.ANALYSIS_FAILED
     assert ModelPipeline("m").collection_failed("why").stage is Stage.COLLECTION_FAILED

@@ -18,9 +18,10 @@ from .errors import QReportModelError
 from .explain import error_finding, explain, is_measurement_error
 from .findings import Finding
 from .judge import compare_with_baseline
+from .memory import estimated_analysis_bytes
 from .registry import Check, CheckRegistry, ModelContext
 from .results import ModelFacts
-from .runtime import quiet_torch_trace_log, torch_threads, young_garbage_collection
+from .runtime import MAPPED_MODEL_BYTES, quiet_torch_trace_log, torch_threads, young_garbage_collection
 from .settings import ModelSettings
 
 __all__ = ["ModelPipeline", "Stage", "collect_model", "fingerprint", "format_refusal_message", "select_layers"]
@@ -150,7 +151,8 @@ class ModelPipeline:
         if resolve is not None:
             self.context.resolve = resolve
         try:
-            with torch_threads(threads), young_garbage_collection(), quiet_torch_trace_log():
+            large = estimated_analysis_bytes(self.context.analysis.float_gm)[0] >= MAPPED_MODEL_BYTES
+            with torch_threads(threads), young_garbage_collection(large), quiet_torch_trace_log():
                 found = self._measure(batches, modify, threads)
         except Exception as error:  # noqa: BLE001 - reported on every item of the model
             self.analysis_failed(explain(self.name, "calibration/analysis", error), error)

@@ -9,7 +9,11 @@ import logging
 import sys
 from collections.abc import Iterator
 
-__all__ = ["quiet_torch_trace_log", "torch_threads", "young_garbage_collection"]
+__all__ = ["MAPPED_MODEL_BYTES", "quiet_torch_trace_log", "torch_threads", "young_garbage_collection"]
+
+# Models with at least this many parameter bytes are analysed with large allocations mapped (see
+# young_garbage_collection): their peak memory matters more than the page faults that mapping costs.
+MAPPED_MODEL_BYTES = 256 << 20
 
 
 @contextlib.contextmanager
@@ -26,13 +30,15 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def young_garbage_collection() -> Iterator[None]:
+def young_garbage_collection(map_large_allocations: bool = True) -> Iterator[None]:
     """Run the block with Python's cyclic garbage collector looking at the objects the block makes only: everything
     older is frozen (gc.freeze) for its duration, then thawed, and the heap's free pages go back to the system.
     An analysis builds and drops many graphs, which are reference cycles: left to accumulate they hold a copy of
     the weights each (an LLM's trials ran out of memory), while full collections over every object of the session
-    would cost more than the analysis of a small model."""
-    _map_large_allocations()
+    would cost more than the analysis of a small model. With `map_large_allocations`, blocks of 1 MiB or more
+    are mapped for the block's duration (a lower peak, more page faults)."""
+    if map_large_allocations:
+        _set_mmap_threshold(_MAPPED_FROM)
     frozen = gc.isenabled()
     if frozen:
         gc.collect(1)  # what is garbage now is not kept alive for the block's duration
@@ -44,20 +50,26 @@ def young_garbage_collection() -> Iterator[None]:
             gc.collect()  # every generation, but the frozen objects are not looked at: the block's own only
             gc.unfreeze()
         _trim_heap()
+        if map_large_allocations:
+            _set_mmap_threshold(_MAPPED_AFTER)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _MAPPED_FROM = 1 << 20
+_MAPPED_AFTER = 32 << 20
 
 
-def _map_large_allocations() -> None:
-    """Allocate blocks of 1 MiB or more with mmap, so that freeing them gives them back to the system (glibc; a
-    no-op elsewhere). glibc otherwise raises this threshold as blocks are freed, up to 32 MiB, and keeps the freed
-    blocks below it in its heap: an analysis's activation streams and quantized copies then stay resident (a 0.5B
-    Llama's block-wise default checks peaked at 2.98 GB with the default, 2.19 GB with this)."""
+def _set_mmap_threshold(size: int) -> None:
+    """Allocate blocks of `size` bytes or more with mmap (glibc; a no-op elsewhere), so that freeing them gives them
+    back to the system. glibc otherwise raises its threshold as blocks are freed, up to 32 MiB, and keeps the
+    freed blocks below it in its heap: an analysis's activation streams and quantized copies then stay resident
+    (a 0.5B Llama's block-wise default checks peaked at 2.98 GB with the default, 2.19 GB with 1 MiB). A mapped
+    block is faulted in page by page each time it is allocated, though: with 1 MiB, every forward of ResNet-18
+    took 1.5-1.75x as long, and the threshold is a process setting, so it is set back to 32 MiB (where glibc's
+    own would end) after the block instead of slowing down what follows."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MAPPED_FROM)
+            ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, size)
 
 
 def _trim_heap() -> None:
