@@ -188,6 +188,8 @@ class ModelAnalysis:
         self._keeps_graphs = True  # a variant drops its equalized graph once measured (a copy of the weights)
         self._observers = CalibratedObservers()  # shared with the variants that quantize the same float graph
         self._focus: frozenset[str] | None = None  # a variant's only measured layers (see variant())
+        # {(method, layer): (alpha, s)} of equalization/smoothing rewrites measured on this float graph and batches
+        self._rewrite_scales: Mapping[tuple[str, str], tuple[Any, torch.Tensor]] = {}
 
     def planned(self, plan: AnalysisPlan) -> ModelAnalysis:
         """The same model's analysis, to measure what `plan` names in one calibration and one comparison pass
@@ -216,6 +218,7 @@ class ModelAnalysis:
             variant = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe, blockwise=self.blockwise)
             variant._keeps_graphs, variant._focus = False, focus
             variant._nondeterminism = self._nondeterminism  # the same float model, found deterministic
+            variant._rewrite_scales = self._measured_rewrite_scales()
             if describe(recipe) == describe(self.equalize_recipe):  # the same float graph is quantized
                 variant._observers = self._observers
             self._variants[key] = variant
@@ -282,11 +285,20 @@ class ModelAnalysis:
 
     def _equalized(self, layers: Any) -> fx.GraphModule:
         deferred = bool(self.blockwise)  # block-wise, rewritten weights are made one block at a time
+        known = self._rewrite_scales or self._measured_rewrite_scales()
         if layers == "cross_layer":
             return cross_layer_equalize(self.float_gm)
         if isinstance(layers, str) and layers.startswith("smooth"):
-            return smooth(self.float_gm, self.batches, smoothing_alpha(layers), deferred=deferred)
-        return equalize(self.float_gm, list(layers), self.batches, deferred=deferred)
+            return smooth(self.float_gm, self.batches, smoothing_alpha(layers), deferred=deferred, searched=known)
+        return equalize(self.float_gm, list(layers), self.batches, deferred=deferred, known=known)
+
+    def _measured_rewrite_scales(self) -> Mapping[tuple[str, str], tuple[Any, torch.Tensor]]:
+        """The equalization and smoothing scales this analysis measured on its unequalized float graph so far."""
+        if self.equalize_recipe:
+            return {}
+        if "_variant_measurement" in self.__dict__:
+            return self._variant_measurement.rewrite_scales
+        return self.measurement.rewrite_scales if "measurement" in self.__dict__ else {}
 
     @cached_property
     def quantized_input_gm(self) -> fx.GraphModule:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections import namedtuple
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -256,13 +256,28 @@ def get_equalization_qconfig_dict(layer_sqnr_dict: dict[str, float], num_layers_
 
 
 def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterable[Any], *,
-             deferred: bool = False) -> fx.GraphModule:
+             deferred: bool = False, known: Mapping[tuple[str, str], tuple[Any, torch.Tensor]] | None = None
+             ) -> fx.GraphModule:
     """A float-equivalent copy of `gm` with input-weight equalization applied to the mapped layers. deferred=True:
-    the rewritten weights are computed when needed (qcore.deferred), not held."""
+    the rewritten weights are computed when needed (qcore.deferred), not held. `known`: {("input_weight", layer):
+    (None, s)} found on the same graph and batches before (a measurement's rewrite_scales); when it holds every
+    mapped layer, no calibration pass observes their inputs again."""
     result = clone_graph_module(gm, share_parameters=True)  # rewrites assign new tensors: the rest is shared
     ops = resolve_layers(result, equalization_mapping)
     for op in ops:
         _check_layer(result, op)
+    if known is not None and all(("input_weight", op.layer) in known for op in ops):
+        scales = {op.layer: known[("input_weight", op.layer)][1] for op in ops}
+    else:
+        scales = _observed_scales(result, ops, calibration)
+    _apply_scales(result, ops, scales, deferred)
+    result.meta["qcore_equalization_scales"] = {layer: scale.tolist() for layer, scale in scales.items()}
+    return result
+
+
+def _observed_scales(result: fx.GraphModule, ops: list[QuantizableOp], calibration: Iterable[Any]
+                     ) -> dict[str, torch.Tensor]:
+    """Each op's equalization scale from its input channel ranges, observed in one calibration pass of `result`."""
     observers = {}
     for index, op in enumerate(ops):
         observer = InputEqualizationObserver(ch_axis=_channel_axis(op))
@@ -278,9 +293,7 @@ def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterabl
     for _observer, node in observers.values():
         result.graph.erase_node(node)
         delattr(result, node.target)
-    _apply_scales(result, ops, scales, deferred)
-    result.meta["qcore_equalization_scales"] = {layer: scale.tolist() for layer, scale in scales.items()}
-    return result
+    return scales
 
 
 def input_weight_scale(gm: fx.GraphModule, op: QuantizableOp, input_observer: InputEqualizationObserver

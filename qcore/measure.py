@@ -11,6 +11,7 @@ applied: a method's gain is measured on the layers concerned, with no second pas
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from .variants import (
     detector_channel_ranges,
     kept_producer_outputs,
     plan_variants,
+    rewrite_scales,
     variant_batches,
     variant_results,
 )
@@ -102,6 +104,9 @@ class ModelMeasurement:
     smoothing: Mapping[str, Mapping[str, Any]]  # {layer: {"alpha", "producer", "producer_name"} | {"refused": why}}
     logits: LogitsMeasurement = LogitsMeasurement(reason="not measured (measure_model(..., logits=True))")
     first_outputs: tuple[Any, ...] = ()  # the float outputs of batch 0 in calibration and in comparison
+    # {(method, layer): (alpha, s)}: the scales an equalize/smooth rewrite of the same graph and batches would use
+    rewrite_scales: Mapping[tuple[str, str], tuple[float | None, torch.Tensor]] = dataclasses.field(
+        default_factory=dict)
 
 
 def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
@@ -142,7 +147,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                                         logits=comparator, keep_first_output=first_outputs, layers=layers)
     compared = comparator.result() if comparator is not None else ModelMeasurement.logits
     return ModelMeasurement(sqnr, probed.detector_reports, variant_results(variants, baselines, unmeasured),
-                            unmeasured, smoothed, compared, tuple(first_outputs))
+                            unmeasured, smoothed, compared, tuple(first_outputs), rewrite_scales(variants))
 
 
 class ProbedModel:

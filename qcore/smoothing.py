@@ -18,7 +18,7 @@ batch (the input quantized with the qparams the whole calibration gives it), aft
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,20 +266,28 @@ def smoothing_alpha(recipe: str) -> float | str:
 
 
 def smooth(gm: fx.GraphModule, calibration: Iterable[Any], alpha: float | str = 0.5,
-           layers: Sequence[str] | None = None, *, deferred: bool = False) -> fx.GraphModule:
+           layers: Sequence[str] | None = None, *, deferred: bool = False,
+           searched: Mapping[tuple[str, str], tuple[float | None, torch.Tensor]] | None = None) -> fx.GraphModule:
     """A float-equivalent copy of `gm` with the activation outliers of each smoothable group migrated into the
     group's weights. alpha: a number in [0, 1], or "search" (the best of ALPHA_GRID per group).
 
     The copy's meta["qcore_smoothing"] lists each group ({"layers", "producer", "producer_name", "alpha"}),
     meta["qcore_smoothing_refused"] the layers left alone with the reason. deferred=True: the rewritten weights are
-    computed when needed (qcore.deferred), not held.
+    computed when needed (qcore.deferred), not held. `searched`: {("smoothing", layer): (alpha, s)} found on the same
+    graph and batches before (a measurement's rewrite_scales); with alpha="search" and every group's layers in it,
+    no calibration pass observes the groups again.
     """
     if alpha != "search" and not (isinstance(alpha, (int, float)) and 0 <= float(alpha) <= 1):
         raise ValueError(f"alpha must be a number in [0, 1] or 'search', not {alpha!r}")
     batches = list(calibration)
     smoothed = clone_graph_module(gm, share_parameters=True)  # rewrites assign new tensors: the rest is shared
     groups, refused = smoothing_groups(smoothed, layers)
-    if groups:
+    known = _known_searches(groups, searched) if alpha == "search" else None
+    if known is not None:
+        for group, (best, scale) in zip(groups, known):
+            group.alpha = best
+            _rewrite(smoothed, group, scale, deferred)
+    elif groups:
         stats = observe_groups(smoothed, groups, batches, keep_first=alpha == "search")
         for group, observer in zip(groups, stats):
             group.alpha = observer.best_alpha() if alpha == "search" else float(alpha)
@@ -290,6 +298,21 @@ def smooth(gm: fx.GraphModule, calibration: Iterable[Any], alpha: float | str = 
     smoothed.graph.lint()
     smoothed.recompile()
     return smoothed
+
+
+def _known_searches(groups: list[SmoothingGroup],
+                    searched: Mapping[tuple[str, str], tuple[float | None, torch.Tensor]] | None
+                    ) -> list[tuple[float, torch.Tensor]] | None:
+    """Each group's (alpha, s) from `searched` when all of its layers share one there; None when any group is
+    missing (then the groups are observed again)."""
+    found = []
+    for group in groups:
+        entries = [(searched or {}).get(("smoothing", layer)) for layer in group.layers]
+        first = entries[0]
+        if first is None or first[0] is None or any(entry is None or entry[1] is not first[1] for entry in entries):
+            return None
+        found.append((float(first[0]), first[1]))
+    return found
 
 
 def observe_groups(gm: fx.GraphModule, groups: list[SmoothingGroup], batches: list, keep_first: bool

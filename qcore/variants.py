@@ -39,7 +39,7 @@ from .report import InputWeightEqualizationDetector, ReportObserver
 from .report.detectors import DetectorBase, observer_name
 
 __all__ = ["Variant", "VariantSqnr", "add_variant_shadow", "as_input_observer", "detector_channel_ranges",
-           "kept_producer_outputs", "plan_variants", "variant_batches", "variant_results"]
+           "kept_producer_outputs", "plan_variants", "rewrite_scales", "variant_batches", "variant_results"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class Variant:
     baseline: Variant | None = None  # the same layer with m = 1, when the quantizer's own qparams are not min/max
     requantize: bool = False  # the input is quantized before the mul too (a quantized producer that keeps its output)
     extras: dict[str, Any] = field(default_factory=dict)
+    rewrite_scale: torch.Tensor | None = None  # the scale s the float rewrite uses (equalize/smooth), unrounded
 
 
 def variant_batches(batches: int) -> int:
@@ -141,14 +142,16 @@ def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], stati
             observer = as_input_observer(observer)
             scale = input_weight_scale(prepared, key, observer)
             variants.append(Variant(key.layer, kind, scale, observer.min_val, observer.max_val,
-                                     requantize=key.layer in requantized))
+                                     requantize=key.layer in requantized, rewrite_scale=scale))
             continue
         alpha = observer.best_alpha() if smoothing == "search" else float(smoothing)  # type: ignore[arg-type]
         observer.first = None
-        inverse = 1.0 / observer.scale(alpha)
+        scale = observer.scale(alpha)
+        inverse = 1.0 / scale
         for layer in key.layers:
             smoothed[layer] = {"alpha": alpha, "producer": key.producer, "producer_name": key.producer_name}
-            variants.append(Variant(layer, kind, inverse, observer.low, observer.high, alpha, key.producer_name))
+            variants.append(Variant(layer, kind, inverse, observer.low, observer.high, alpha, key.producer_name,
+                                    rewrite_scale=scale))
     kept: list[Variant] = []
     identities: dict[str, Variant] = {}  # one unequalized baseline per layer, shared by its methods
     for variant in variants:
@@ -253,6 +256,13 @@ def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, in
     variant.comparator = StreamingComparator()
     attach_after(gm_a, result, f"{base}_compare", variant.comparator, graph.references[variant.layer])
     return ""
+
+
+def rewrite_scales(variants: list[Variant]) -> dict[tuple[str, str], tuple[float | None, torch.Tensor]]:
+    """{(method, layer): (alpha, s)}: what input-weight equalization and smoothing (searched alpha) of each layer
+    rewrite the float weights with, from the same channel ranges (equalize() and smooth() take them instead of a
+    calibration pass of their own)."""
+    return {(v.method, v.layer): (v.alpha, v.rewrite_scale) for v in variants if v.rewrite_scale is not None}
 
 
 def variant_results(variants: list[Variant], shadows: dict[str, dict], unmeasured: dict[str, str]

@@ -227,3 +227,32 @@ def test_the_equalization_item_names_smoothing_and_its_setting_which_works_when_
     # the gain announced is the layer's own SQNR with smoothing: the smoothed model's shadow SQNR shows it
     assert abs(rows[("sqnr", "fc")]["details"]["shadow_sqnr_db"] - finding["details"]["smoothing_sqnr_db"]) < 0.5
     assert rows[("equalization_equivalence", "output")]["value"] <= 1e-5
+
+
+def test_a_fix_trial_rewrites_with_the_scales_the_comparison_pass_measured_without_observing_again(monkeypatch):
+    from qcore import equalize as equalizing
+    from qcore import smoothing
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.equalize import equalize
+
+    torch.manual_seed(0)
+    model, batches = nn.Sequential(Attention(16, 2), LinearLinear(16, 1)).eval(), _batches(16, count=4)
+    float_gm = qcore.capture(model, batches[0])
+    analysis = ModelAnalysis(float_gm, batches=batches, plan=AnalysisPlan(frozenset({"sqnr", "equalization"})))
+    assert analysis.equalization_variants  # the comparison pass measured each layer's variants
+    expected_smoothed = smooth(float_gm, batches, "search")
+    expected_equalized = equalize(float_gm, analysis.equalizable_layers, batches)
+
+    def observed_again(*args, **kwargs):
+        raise AssertionError("the rewrite observed the batches again")
+
+    monkeypatch.setattr(smoothing, "observe_groups", observed_again)
+    monkeypatch.setattr(equalizing, "_observed_scales", observed_again)
+    for trial, expected in ((analysis.variant(equalize="smooth:search"), expected_smoothed),
+                            (analysis.variant(equalize=True), expected_equalized)):
+        rewritten = trial.quantized_input_gm.state_dict()
+        assert rewritten.keys() == expected.state_dict().keys()
+        for name, want in expected.state_dict().items():
+            assert torch.equal(rewritten[name], want), name  # the same scales, bit for bit
+    assert analysis.equalizable_layers and analysis.variant(equalize="smooth:search").quantized_input_gm.meta["qcore_smoothing"] == \
+        expected_smoothed.meta["qcore_smoothing"]
