@@ -49,6 +49,7 @@ from .quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from .report import ModelReport
 from .report.detectors import DetectorBase
 from .rewritable import equalization_refusal
+from .screens import Screen, ScreenedLayers
 from .smoothing import smooth, smoothing_alpha
 
 __all__ = ["MEASUREMENTS", "AnalysisPlan", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis", "OutputSqnr",
@@ -132,6 +133,7 @@ class AnalysisPlan:
 
     measurements: frozenset[str] = frozenset({"sqnr"})
     detectors: Mapping[str, DetectorBase] = dataclasses.field(default_factory=dict)
+    screens: tuple[Screen, ...] = ()  # fixes measured on the layers the detectors name, in the comparison pass
 
     def __post_init__(self) -> None:
         unknown = set(self.measurements) - MEASUREMENTS
@@ -139,6 +141,7 @@ class AnalysisPlan:
             raise ValueError(f"unknown measurement(s) {sorted(unknown)}; known: {sorted(MEASUREMENTS)}")
         object.__setattr__(self, "measurements", frozenset(self.measurements))
         object.__setattr__(self, "detectors", MappingProxyType(dict(self.detectors)))
+        object.__setattr__(self, "screens", tuple(self.screens))
 
     @property
     def equalization(self) -> bool:
@@ -343,8 +346,9 @@ class ModelAnalysis:
             self.require_deterministic()  # two float runs of the whole model: activations, no copy of weights
             measured = self._measure_blocks(self.quantized_input_gm, **options)
         else:
+            screens = self.plan.screens if original and self.plan.detectors else ()
             measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers,
-                                     layers=self._focus, **options)
+                                     layers=self._focus, screens=screens, **options)
             if isinstance(self._nondeterminism, _Unknown) and self.quantized_input_gm is self.float_gm and \
                     len(measured.first_outputs) == 2 and outputs_agree(self.float_gm, *measured.first_outputs):
                 self._nondeterminism = None  # calibration and comparison ran batch 0 alike: no extra runs
@@ -358,6 +362,11 @@ class ModelAnalysis:
 
         stack = self.blockwise if isinstance(self.blockwise, str) else None
         return measure_blockwise(float_gm, self.batches, self.quantizer, stack=stack, **options)
+
+    def screened(self, name: str) -> ScreenedLayers | None:
+        """What the plan's screen `name` measured in the comparison pass (None when it named no layer, or the
+        analysis measures without screens: block-wise, or equalized)."""
+        return self.measurement.screens.get(name)
 
     @cached_property
     def sqnr(self) -> SqnrMeasurement:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from .equalize import (
     input_channel_axis,
 )
 from .graph import find_quantizable_ops
-from .numeric.compare import ShadowGraph, compare, compare_propagated_and_shadow
+from .numeric.compare import ExtraShadows, ShadowGraph, compare, compare_propagated_and_shadow
 from .numeric.logits import LogitsComparator, LogitsMeasurement
 from .numeric.metrics import large_tensor_sqnr
 from .numeric.suite import extract_weights
@@ -38,6 +38,7 @@ from .prepare import prepare
 from .probes import ChannelStatisticsProbe, DetectorProbe, Probe
 from .quantizer import Int8StaticQuantizer, Quantizer
 from .report.detectors import DetectorBase
+from .screens import Screen, ScreenedLayers, quantize_for_screen
 from .smoothing import group_observer, smoothing_groups
 from .variants import (
     VariantSqnr,
@@ -107,20 +108,22 @@ class ModelMeasurement:
     # {(method, layer): (alpha, s)}: the scales an equalize/smooth rewrite of the same graph and batches would use
     rewrite_scales: Mapping[tuple[str, str], tuple[float | None, torch.Tensor]] = dataclasses.field(
         default_factory=dict)
+    screens: Mapping[str, ScreenedLayers] = dataclasses.field(default_factory=dict)  # {screen name: what it measured}
 
 
 def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
                   propagate: bool = True, detectors: Mapping[str, DetectorBase] | None = None,
                   equalization_layers: Iterable[str] = (), smoothing: float | str | None = None,
                   logits: bool = False, observers: CalibratedObservers | None = None,
-                  layers: Collection[str] | None = None) -> ModelMeasurement:
+                  layers: Collection[str] | None = None, screens: Sequence[Screen] = ()) -> ModelMeasurement:
     """Quantize a copy of `float_gm` on `batches` and measure it in one calibration and one comparison pass:
     per-layer and output SQNR (propagate=False: shadow SQNR only), the detectors' reports, the input-weight
     equalization variant of `equalization_layers`, the smoothing variant (alpha, or "search") of every
     smoothable layer, and with `logits` the output logits' KL, top-1 agreement and perplexity. `observers`: the
     activation observers calibrated earlier on this graph and these batches; those it holds are not calibrated
     again (no calibration pass when it holds them all), and the others are added to it. `layers`, when given, are
-    the only layers measured (a fix trial's: the outputs are always measured)."""
+    the only layers measured (a fix trial's: the outputs are always measured). `screens` measure their fixes on
+    the layers the detectors' reports name for them (qcore.screens), in the same comparison pass."""
     batches = list(batches)
     probed = ProbedModel(float_gm, quantizer, detectors, equalization_layers, smoothing)
     planned: list[Any] = []
@@ -142,12 +145,35 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                                          keep_first_output=first_outputs, recompile=False)
     variants, unmeasured, smoothed = planned
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
+    screened = _screen_copies(float_gm, batches, quantizer, screens, probed.detector_reports, observers)
     comparator = (LogitsComparator() if logits else None) if propagate else None
     sqnr, baselines = compare_quantized(float_gm, quant_gm, batches, variants, unmeasured, propagate=propagate,
-                                        logits=comparator, keep_first_output=first_outputs, layers=layers)
+                                        logits=comparator, keep_first_output=first_outputs, layers=layers,
+                                        extra_shadows=[extra for _, _, extra in screened])
     compared = comparator.result() if comparator is not None else ModelMeasurement.logits
+    screen_results = {name: ScreenedLayers(changes, {layer: float(extra.results[layer]["sqnr_db"])
+                                                     for layer in changes if layer in extra.results})
+                      for name, changes, extra in screened}
     return ModelMeasurement(sqnr, probed.detector_reports, variant_results(variants, baselines, unmeasured),
-                            unmeasured, smoothed, compared, tuple(first_outputs), rewrite_scales(variants))
+                            unmeasured, smoothed, compared, tuple(first_outputs), rewrite_scales(variants),
+                            screen_results)
+
+
+def _screen_copies(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None,
+                   screens: Sequence[Screen], reports: Mapping[str, dict[str, Any]],
+                   observers: CalibratedObservers | None) -> list[tuple[str, dict[str, Any], ExtraShadows]]:
+    """(screen name, {layer: change}, its quantized copy to shadow) of each screen that names layers."""
+    found = []
+    kept = observers if observers is not None else CalibratedObservers()
+    for screen in screens:
+        try:
+            changes = {layer: dict(change) for layer, change in screen.candidates(reports).items()}
+            if changes:
+                quantized = quantize_for_screen(float_gm, batches, quantizer or Int8StaticQuantizer(), changes, kept)
+                found.append((screen.name, changes, ExtraShadows(quantized, set(changes))))
+        except Exception:  # noqa: BLE001 - a screen only saves a trial: its advice then runs the trial, which reports
+            continue
+    return found
 
 
 class ProbedModel:
@@ -210,8 +236,8 @@ class ProbedModel:
 def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batches: list[Any], variants: list[Any],
                       unmeasured: dict[str, str], *, propagate: bool = True, logits: LogitsComparator | None = None,
                       keep_first_output: list | None = None, quant_batches: list | None = None,
-                      streams: list | None = None, layers: Collection[str] | None = None
-                      ) -> tuple[SqnrMeasurement, dict[str, dict]]:
+                      streams: list | None = None, layers: Collection[str] | None = None,
+                      extra_shadows: Sequence[ExtraShadows] = ()) -> tuple[SqnrMeasurement, dict[str, dict]]:
     """The comparison pass of a converted graph (instrumented in place) against its float graph, with the shadows
     of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). The other
     keywords are compare_propagated_and_shadow's."""
@@ -234,7 +260,7 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
     propagated, shadow_records = compare_propagated_and_shadow(
         float_gm, quant_gm, batches, own_quant_model=True, propagate=propagate, instrument=instrument if here
         else None, instrument_batches=variant_batches(len(batches)), keep_first_output=keep_first_output,
-        logits=logits, quant_batches=quant_batches, streams=streams, layers=layers)
+        logits=logits, quant_batches=quant_batches, streams=streams, layers=layers, extra_shadows=extra_shadows)
     shadows = {r["layer"]: r for r in shadow_records}
     return sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits), baselines
 

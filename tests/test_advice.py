@@ -296,3 +296,47 @@ def test_a_fix_keeps_a_quantizer_subclass_and_its_settings():
         assert type(changed) is Mine and changed.per_channel is False
     with pytest.raises(ValueError, match="unknown key"):
         with_layer_overrides(Mine(), {"fc": {"bogus": 1}})
+
+
+def test_screened_fixes_give_the_same_findings_with_one_trial_fewer(monkeypatch):
+    import json
+
+    from pytest_qreport.core import pipeline as pipelines
+
+    batches = _features()
+    settings = {"quantizer": "int8_per_tensor", "checks": ["per_channel", "dynamic_static", "outlier", "sqnr"]}
+    screened, with_screens = _run(wide_rows, batches, **settings)
+    assert {s.name for s in with_screens.plan.screens} == {"per_channel", "dynamic_static", "outlier"}
+    monkeypatch.setattr(pipelines, "LARGE_MODEL_BYTES", 0)  # a big model's fixes are tried one at a time
+    tried, without = _run(wide_rows, batches, **settings)
+    assert not without.plan.screens
+    as_text = {key: json.dumps(f.to_dict(), sort_keys=True) for key, f in screened.items()}
+    assert as_text == {key: json.dumps(f.to_dict(), sort_keys=True) for key, f in tried.items()}
+    assert screened[("per_channel", "layers.2")].verdict == "fail"  # advised, and measured by its trial
+    assert screened[("per_channel", "layers.0")].note.endswith("not recommended")
+    # each screened check measured its heuristic's whole list in the comparison pass, not in a trial
+    assert len(with_screens._variants) < len(without._variants)
+
+
+def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():
+    import qcore
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.report import OutlierDetector
+    from qcore.screens import Screen
+
+    batches = _features(5)
+    for x in batches:
+        x[5, 7] = 10.0
+    change = {"activation_observer": "histogram"}
+    float_gm = qcore.capture(seeded_mlp(), batches[0])
+    layers = ["layers.0", "layers.2", "layers.4"]
+    screen = Screen("outlier", lambda reports: {layer: change for layer in layers if layer in reports["outlier"]})
+    broken = Screen("broken", lambda reports: 1 / 0)  # a screen only saves a trial: the measurement goes on
+    analysis = ModelAnalysis(float_gm, batches=batches, plan=AnalysisPlan(
+        frozenset({"sqnr", "detectors"}), {"outlier": OutlierDetector()}, (screen, broken)))
+    found = analysis.screened("outlier")
+    assert analysis.screened("broken") is None
+    assert dict(found.changes) == {layer: change for layer in layers}
+    trial = analysis.variant(qcore.quantizer.with_layer_overrides(analysis.quantizer, dict(found.changes)))
+    assert found.own_sqnr_db == {layer: trial.sqnr.layers[layer].shadow_sqnr_db for layer in layers}  # exactly
+    assert found.own_sqnr_db != {layer: analysis.sqnr.layers[layer].shadow_sqnr_db for layer in layers}

@@ -89,7 +89,7 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     assert broken.stage is Stage.ANALYSIS_FAILED and broken.failed and "model 'tiny'" in broken.error
     assert broken.facts().error == broken.error
     assert mapped == []
-    monkeypatch.setattr(pipelines, "MAPPED_MODEL_BYTES", 0)  # as if the model were big: its peak matters more
+    monkeypatch.setattr(pipelines, "LARGE_MODEL_BYTES", 0)  # as if the model were big: its peak matters more
     collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0]).analyze(
         lambda: batches, lambda found: None)
     assert mapped == [1 << 20, 32 << 20]

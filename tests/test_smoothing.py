@@ -254,5 +254,5 @@ def test_a_fix_trial_rewrites_with_the_scales_the_comparison_pass_measured_witho
         assert rewritten.keys() == expected.state_dict().keys()
         for name, want in expected.state_dict().items():
             assert torch.equal(rewritten[name], want), name  # the same scales, bit for bit
-    assert analysis.equalizable_layers and analysis.variant(equalize="smooth:search").quantized_input_gm.meta["qcore_smoothing"] == \
-        expected_smoothed.meta["qcore_smoothing"]
+    smoothed = analysis.variant(equalize="smooth:search").quantized_input_gm
+    assert analysis.equalizable_layers and smoothed.meta["qcore_smoothing"] == expected_smoothed.meta["qcore_smoothing"]

@@ -4,8 +4,9 @@ A fix is one qmodel() keyword with its whole value, merged with the model's own 
 paste). `try_fix` measures the model with it, exactly as the pasted settings would, in one more calibration and
 comparison pass (kept per configuration by the qcore analysis), of the layers the fix concerns and the outputs:
 a trial's other layers are nan. `verify` tries a fix on the layers a heuristic
-names, keeps the layers where it helps by at least the check's minimum gain, measures that smaller fix again,
-and recommends it only when the model's output SQNR does not fall.
+names (or takes their own SQNR with it from the model's comparison pass: qcore.screens), keeps the layers where it
+helps by at least the check's minimum gain, measures that smaller fix again, and recommends it only when the
+model's output SQNR does not fall.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class Trial:
     own: Mapping[str, tuple[float, float]]
     propagated: Mapping[str, tuple[float, float]]
     weight: Mapping[str, tuple[float, float]]
+    screened: bool = False  # own SQNR only, from the model's comparison pass (qcore.screens): no output measured
 
     @property
     def output_gain(self) -> float:
@@ -159,12 +161,16 @@ class Advice:
 
 
 def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[list[str]], Fix], min_gain: float,
-           kind: str = "own") -> Advice:
+           kind: str = "own", screened: Mapping[str, tuple[float, float]] | None = None) -> Advice:
     """Try the fix on every candidate layer, keep those it raises by at least `min_gain` dB (`kind` SQNR), try
     that smaller fix, and recommend it for the layers it still raises by `min_gain` when the output SQNR does
-    not fall."""
+    not fall. `screened`: {layer: (own SQNR, own SQNR with the fix on every candidate)} measured already (a
+    screen's): the first trial is then not run, and the fix is always tried for the output."""
     candidates = list(candidates)
-    first = try_fix(model, make_fix(candidates))
+    if screened is not None and kind == "own":
+        first = Trial(make_fix(candidates), (math.nan, math.nan), dict(screened), {}, {}, screened=True)
+    else:
+        first = try_fix(model, make_fix(candidates))
     notes: dict[str, str] = {}
     whose = "this layer's"
 
@@ -177,7 +183,7 @@ def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[l
             notes[layer] = measured(first, layer) + f" (the minimum gain is {min_gain:g} dB)"
     if not helpful:
         return Advice(first, None, (), min_gain, kind, notes)
-    trial = first if helpful == candidates else try_fix(model, make_fix(helpful))
+    trial = first if helpful == candidates and not first.screened else try_fix(model, make_fix(helpful))
     if not trial.output_kept:
         for layer in helpful:
             notes[layer] = (f"{measured(trial, layer)}, but with {trial.fix.paste()} the model output falls "

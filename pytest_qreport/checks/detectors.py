@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ..core.findings import Finding
@@ -99,9 +100,38 @@ class DetectorCheck(Check):
         return [self.judged(f, advice) if f.layer in changes else f for f in results]
 
     def advise(self, model: ModelContext, layers: list[str], changes: dict[str, dict[str, Any]]) -> Advice:
-        """The measured advice for the layers the heuristic names."""
+        """The measured advice for the layers the heuristic names (their own SQNR with the fix comes from the
+        comparison pass when the model's screen of this check made the same changes)."""
+        screened = model.analysis.screened(self.name)
+        own = None
+        if screened is not None and {layer: dict(change) for layer, change in screened.changes.items()} == changes:
+            before = model.analysis.sqnr.layers
+            own = {layer: (before[layer].shadow_sqnr_db, screened.own_sqnr_db.get(layer, math.nan))
+                   for layer in layers}
         return verify(model, layers, lambda chosen: layer_overrides_fix(model, {c: changes[c] for c in chosen}),
-                      self.min_gain(model))
+                      self.min_gain(model), screened=own)
+
+    def screen(self, model: ModelContext, layers: list[str]) -> Any | None:
+        """The fix on the layers among `layers` whose heuristic verdict fails, measured in the comparison pass;
+        None for a check whose advice is not a layer_overrides change."""
+        if type(self).advise is not DetectorCheck.advise or type(self).fix_change is DetectorCheck.fix_change:
+            return None
+        from qcore.screens import Screen
+
+        return Screen(self.name, lambda reports: self.proposed_changes(model, layers, reports.get(self.name, {})))
+
+    def proposed_changes(self, model: ModelContext, layers: list[str], report: Mapping[str, Any]
+                         ) -> dict[str, dict[str, Any]]:
+        """{layer: fix_change} of the layers among `layers` whose heuristic verdict fails on `report`."""
+        changes = {}
+        for layer in layers:
+            entry, quantized = report.get(layer), model.analysis.layer(layer)
+            if entry is None or quantized.format != "int8":
+                continue
+            change = self.fix_change(quantized)
+            if change is not None and self.layer_finding(model, layer, entry, quantized).verdict == "fail":
+                changes[layer] = change
+        return changes
 
     def judged(self, found: Finding, advice: Advice) -> Finding:
         """One heuristic failure after measurement."""

@@ -13,14 +13,19 @@ from typing import Any
 
 from .files import write_atomically
 
-__all__ = ["ANALYSIS_FACTOR", "HELD_CAPTURES_SHARE", "MemoryLedger", "available_memory", "budgeted_estimate",
-           "estimated_analysis_bytes", "estimated_blockwise_bytes", "holds_capture", "human_bytes",
+__all__ = ["ANALYSIS_FACTOR", "HELD_CAPTURES_SHARE", "LARGE_MODEL_BYTES", "MemoryLedger", "available_memory",
+           "budgeted_estimate", "estimated_analysis_bytes", "estimated_blockwise_bytes", "holds_capture", "human_bytes",
            "over_budget_message"]
 
 # An analysis with every default check peaked at 3.6x (0.5B config) and 4.7x (1B config) a transformers Llama's
 # parameter bytes beyond the model itself (benchmarks/bench_memory.py): its quantized weights, the comparison
 # pass's variants and the fix trials' copies. Rounded up.
 ANALYSIS_FACTOR = 5.0
+
+# A model with at least this many parameter bytes trades time for memory: its analysis maps large allocations
+# (core.runtime) and measures each fix in a trial of its own, one quantized copy at a time, instead of screening
+# the detectors' fixes in its comparison pass (qcore.screens) beside the model's own quantized copy.
+LARGE_MODEL_BYTES = 256 << 20
 
 # Collection captures every model before the first analysis starts. The captures a process keeps until their
 # analysis (so as not to capture them twice) hold at most this share of the memory budget together; a model past

@@ -18,10 +18,10 @@ from .errors import QReportModelError
 from .explain import error_finding, explain, is_measurement_error
 from .findings import Finding
 from .judge import compare_with_baseline
-from .memory import estimated_analysis_bytes
+from .memory import LARGE_MODEL_BYTES, estimated_analysis_bytes
 from .registry import Check, CheckRegistry, ModelContext
 from .results import ModelFacts
-from .runtime import MAPPED_MODEL_BYTES, quiet_torch_trace_log, torch_threads, young_garbage_collection
+from .runtime import quiet_torch_trace_log, torch_threads, young_garbage_collection
 from .settings import ModelSettings
 
 __all__ = ["ModelPipeline", "Stage", "collect_model", "fingerprint", "format_refusal_message", "select_layers"]
@@ -151,7 +151,7 @@ class ModelPipeline:
         if resolve is not None:
             self.context.resolve = resolve
         try:
-            large = estimated_analysis_bytes(self.context.analysis.float_gm)[0] >= MAPPED_MODEL_BYTES
+            large = estimated_analysis_bytes(self.context.analysis.float_gm)[0] >= LARGE_MODEL_BYTES
             with torch_threads(threads), young_garbage_collection(large), quiet_torch_trace_log():
                 found = self._measure(batches, modify, threads)
         except Exception as error:  # noqa: BLE001 - reported on every item of the model
@@ -235,17 +235,20 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     capture = {"method": str(float_gm.meta.get("qcore_capture_method", "export"))}
     if "qcore_export_error" in float_gm.meta:
         capture["export_error"] = str(float_gm.meta["qcore_export_error"])
-    from .memory import estimated_analysis_bytes
-
+    weights = estimated_analysis_bytes(float_gm)[0]
     pipeline = ModelPipeline(name, Stage.COLLECTED, settings, quantizer, context, capture=capture,
-                             parameter_bytes=estimated_analysis_bytes(float_gm)[0])
+                             parameter_bytes=weights)
     for check_name, check in checks.items():
         check.bind(context)
         if check.applies(context):
             pipeline.items[check_name] = select_layers(check.layers(context), settings.layers, settings.skip_layers)
     context.checks = {n: c for n, c in checks.items() if n in pipeline.items}
     needs = frozenset().union(*(check.needs for check in context.checks.values()))
-    context.analysis = analysis.planned(AnalysisPlan(measurements=needs, detectors=context.detectors()))
+    screens = () if weights >= LARGE_MODEL_BYTES else tuple(
+        screen for name, check in context.checks.items()
+        if (screen := check.screen(context, pipeline.items[name])) is not None)
+    context.analysis = analysis.planned(AnalysisPlan(measurements=needs, detectors=context.detectors(),
+                                                     screens=screens))
     return pipeline
 
 

@@ -105,6 +105,11 @@ class Check(ABC):
         """The layers the check makes items for, in graph order, from the captured graph alone."""
         return [entry.layer for entry in model.analysis.layers]
 
+    def screen(self, model: ModelContext, layers: list[str]) -> Any | None:
+        """A qcore.screens.Screen whose fix the comparison pass measures on the layers the check's detector names
+        among its items `layers`, so that its advice needs no trial of the whole list (default: None)."""
+        return None
+
     @abstractmethod
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         """One finding per layer in `layers`, from measurements on the model's calibration batches."""

@@ -9,11 +9,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
-__all__ = ["MAPPED_MODEL_BYTES", "quiet_torch_trace_log", "torch_threads", "young_garbage_collection"]
-
-# Models with at least this many parameter bytes are analysed with large allocations mapped (see
-# young_garbage_collection): their peak memory matters more than the page faults that mapping costs.
-MAPPED_MODEL_BYTES = 256 << 20
+__all__ = ["quiet_torch_trace_log", "torch_threads", "young_garbage_collection"]
 
 
 @contextlib.contextmanager

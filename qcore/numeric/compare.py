@@ -1,8 +1,8 @@
 """Streaming float-vs-quantized comparison: per-layer sums on the device, memory flat in the batch count."""
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from .loggers import ActivationStash, StreamingComparator
 from .logits import LogitsComparator
 from .matching import LayerPair, layer_value, match_layers
 
-__all__ = ["ShadowGraph", "compare", "compare_propagated_and_shadow", "run_both"]
+__all__ = ["ExtraShadows", "ShadowGraph", "compare", "compare_propagated_and_shadow", "run_both"]
 
 _SHADOW_PREFIX = "qcore_shadow_b.quantized"
 
@@ -131,13 +131,23 @@ class ShadowGraph:
     shadows: dict[str, StreamingComparator]
 
 
+@dataclass
+class ExtraShadows:
+    """Another quantized copy of the same float graph whose `layers` also run as shadows (on the float inputs, over
+    every batch) in a comparison pass; `results` is {layer: comparator result} afterwards."""
+
+    quantized: fx.GraphModule
+    layers: Collection[str]
+    results: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
 def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.GraphModule, batches: Iterable[Any],
                                   own_quant_model: bool = False, propagate: bool = True,
                                   instrument: Callable[[ShadowGraph], Callable[[], None] | None] | None = None,
                                   instrument_batches: int | None = None, keep_first_output: list | None = None,
                                   logits: LogitsComparator | None = None, quant_batches: list | None = None,
-                                  streams: list | None = None, layers: Collection[str] | None = None
-                                  ) -> tuple[list[dict], list[dict]]:
+                                  streams: list | None = None, layers: Collection[str] | None = None,
+                                  extra_shadows: Sequence[ExtraShadows] = ()) -> tuple[list[dict], list[dict]]:
     """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
 
     The float graph runs once per batch with the shadow copies of the quantized layers inside it, and its
@@ -149,12 +159,15 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     appended to `keep_first_output` when given; `logits` compares the output logits (propagate=True only).
     `quant_batches` are the quantized graph's own inputs, one per batch (default: the same batches), and `streams`,
     when given, gets each batch's (float output, quantized output): a block of a block-wise analysis hands both on.
-    `layers`, when given, are the only layers compared (the output leaves always are).
+    `layers`, when given, are the only layers compared (the output leaves always are). Each of `extra_shadows`
+    adds its layers' shadows from its own quantized copy, compared with the same float layer values.
     """
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
     pairs = [pair for pair in match_layers(gm_a, gm_b) if layers is None or pair.layer in layers]
     rewritten = [may_change_after(layer_value(pair.a)) for pair in pairs]  # before any node is added
+    extra_pairs = [[pair for pair in match_layers(gm_a, extra.quantized) if pair.layer in extra.layers]
+                   for extra in extra_shadows]
     _hold(gm_a, gm_b)
     propagated, shadowed, stashes, references = [], [], [], {}
     for index, pair in enumerate(pairs):
@@ -169,6 +182,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
             comparator = StreamingComparator(stash)
             attach_after(gm_b, layer_value(pair.b), f"qcore_compare_{index}", comparator)
             propagated.append(comparator)
+    extra_comparators = _add_extra_shadows(gm_a, extra_shadows, extra_pairs, references)
     before = set(gm_a.graph.nodes)
     finish = None
     if instrument is not None:
@@ -206,7 +220,24 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
         records.append({"layer": "output" if len(outputs) == 1 else f"output.{index}", "fqn": "", "op": "output",
                         **comparator.result()})
     shadows = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **c.result()} for p, c in zip(pairs, shadowed)]
+    for extra, layer, comparator in extra_comparators:
+        extra.results[layer] = comparator.result()
     return records, shadows
+
+
+def _add_extra_shadows(gm_a: fx.GraphModule, extras: Sequence[ExtraShadows], extra_pairs: list[list[LayerPair]],
+                       references: dict[str, fx.Node]) -> list[tuple[ExtraShadows, str, StreamingComparator]]:
+    """Each extra copy held in gm_a, its layers' shadows compared with the float layer values (`references`)."""
+    found = []
+    for index, (extra, pairs) in enumerate(zip(extras, extra_pairs)):
+        holder = f"qcore_screen_{index}"
+        gm_a.add_submodule(holder, _QuantizedHolder(extra.quantized))
+        for number, pair in enumerate(p for p in pairs if p.layer in references):
+            value = copy_layer_into(gm_a, pair.a, pair.b, f"{holder}.quantized")
+            comparator = StreamingComparator()
+            attach_after(gm_a, value, f"{holder}_compare_{number}", comparator, references[pair.layer])
+            found.append((extra, pair.layer, comparator))
+    return found
 
 
 def may_change_after(node: fx.Node) -> bool:
