@@ -125,11 +125,17 @@ def test_a_module_name_reaches_the_layers_inside_it_and_a_name_that_matches_noth
     pytester.makeconftest(SEQUENTIAL_HEAD.replace("{options}", "float_layers='head'"))
     result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json")
     result.assert_outcomes(passed=1)  # only body is quantized: head.1 and head.3 stay in float
-    for setting in ("float_layers='heads'", "skip_layers='heads'", "layers='heads'",
-                    "quantizer=qcore.Int8StaticQuantizer(layer_overrides={'heads': {'skip': True}})"):
-        pytester.makeconftest(SEQUENTIAL_HEAD.replace("{options}", setting).replace(
-            "from pytest_qreport import qmodel", "from pytest_qreport import qmodel\nimport qcore"))
-        failing = pytester.runpytest("--qreport", "-p", "no:cacheprovider")
-        failing.assert_outcomes(errors=1)
-        assert "['heads'] match no layer, nor a module holding one; layers: body, head.1, head.3" in (
-            failing.stdout.str()), setting
+    settings = {"float_layers": "float_layers='heads'", "skip_layers": "skip_layers='heads'", "layers": "layers='heads'",
+                "layer_overrides": "quantizer=qcore.Int8StaticQuantizer(layer_overrides={'heads': {'skip': True}})"}
+    source = SEQUENTIAL_HEAD.replace("{options}", settings["float_layers"]).replace(
+        "from pytest_qreport import qmodel", "from pytest_qreport import qmodel\nimport qcore")
+    for index, setting in enumerate(list(settings.values())[1:], start=1):  # one model per setting, one run
+        source += (f"\n\n@qmodel(calibration=[torch.randn(16, 8)], checks='sqnr', {setting})\ndef headed_{index}():\n"
+                   "    torch.manual_seed(0)\n    return Headed().eval()\n")
+    pytester.makeconftest(source)
+    failing = pytester.runpytest("--qreport", "-p", "no:cacheprovider")
+    failing.assert_outcomes(errors=4)
+    for index, key in enumerate(settings):
+        name = "headed" if index == 0 else f"headed_{index}"
+        assert f"model '{name}': {key} ['heads'] match no layer, nor a module holding one; layers: body, head.1, " \
+               "head.3" in failing.stdout.str(), key
