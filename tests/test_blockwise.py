@@ -289,22 +289,22 @@ def _rows(path):
     return {(r["check"], r["layer"]): (r["verdict"], r["value"]) for r in rows}
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2", "-p", "xdist"]], ids=["serial", "xdist"])
-def test_a_blockwise_model_reports_the_whole_model_numbers(pytester, workers):
+def test_a_blockwise_model_reports_the_whole_model_numbers_serially_and_under_xdist(pytester):
     runs = {}
-    # under xdist the named-blocks mode is left to the serial case: each -n 2 run starts two workers
-    for mode in ("False", "True", "'layers'") if not workers else ("False", "True"):
+    # the three modes serially, and block-wise once more under -n 2 (each -n 2 run starts two workers)
+    for mode, workers in (("False", []), ("True", []), ("'layers'", []), ("True", ["-n", "2", "-p", "xdist"])):
         pytester.makeconftest(CONFTEST.replace("BLOCKWISE", mode))
         run = pytester.runpytest_subprocess if workers else pytester.runpytest
-        result = run("--qreport", "-p", "no:randomly", "-p", "no:cacheprovider", f"--qreport-json={mode}.json",
+        name = f"{mode}{'-xdist' if workers else ''}"
+        result = run("--qreport", "-p", "no:randomly", "-p", "no:cacheprovider", f"--qreport-json={name}.json",
                      *workers)
-        runs[mode] = (result, _rows(pytester.path / f"{mode}.json"))
-    whole, blockwise, named = runs["False"][1], runs["True"][1], runs.get("'layers'", runs["True"])[1]
+        runs[name] = (result, _rows(pytester.path / f"{name}.json"))
+    whole, blockwise, named, under_xdist = (runs[name][1] for name in ("False", "True", "'layers'", "True-xdist"))
     sensitivity = ("sensitivity", "model")
     assert whole[sensitivity][0] in ("pass", "warn") and blockwise[sensitivity][0] == "skip"
-    del whole[sensitivity], blockwise[sensitivity]
-    named.pop(sensitivity, None)
-    assert blockwise == whole == named and len(whole) > 20  # every layer's number, the model's output too
+    for rows in (whole, blockwise, named, under_xdist):
+        rows.pop(sensitivity, None)
+    assert blockwise == whole == named == under_xdist and len(whole) > 20  # every layer's number, the output too
     assert whole[("model_sqnr", "output")][0] == "fail"  # 60 dB is out of reach: the advice runs
     text = runs["True"][0].stdout.str()
     assert "No float_layers search ran: the model is analysed one block at a time (blockwise)" in text
