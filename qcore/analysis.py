@@ -288,7 +288,7 @@ class ModelAnalysis:
 
     def _equalized(self, layers: Any) -> fx.GraphModule:
         deferred = bool(self.blockwise)  # block-wise, rewritten weights are made one block at a time
-        known = self._rewrite_scales or self._measured_rewrite_scales()
+        known = self._rewrite_scales  # a trial's: its parent's measurement (an equalized model measures none)
         if layers == "cross_layer":
             return cross_layer_equalize(self.float_gm)
         if isinstance(layers, str) and layers.startswith("smooth"):

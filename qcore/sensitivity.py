@@ -8,6 +8,7 @@ float, without re-capturing or re-preparing. Metrics stream as sums over the bat
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,7 +92,7 @@ class _WeightSwitch(nn.Module):
         return self.quantized if self.enabled else self.original
 
 
-class SwitchedRuns:
+class SwitchedRuns(ABC):
     """Model-output SQNR runs of a graph whose switch modules select each layer's quantization: each setting
     measured once per set of batches, and run from the values recorded before its first change (qcore.resume)."""
 
@@ -102,9 +103,9 @@ class SwitchedRuns:
         self._measured: dict[tuple, float] = {}  # (switch setting, batch ids) -> output SQNR
         self._resumable = ResumableGraph(self.gm, switch_nodes if resume else [], self._switch_state)
 
+    @abstractmethod
     def _switch_state(self) -> list[Any]:
         """One hashable per switch node, in their order: what each selects now."""
-        raise NotImplementedError
 
     def run(self, batches: Iterable[Any]) -> float:
         """Model-output SQNR (dB) against the float graph over `batches`, worst output leaf.

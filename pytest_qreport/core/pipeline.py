@@ -151,7 +151,10 @@ class ModelPipeline:
         if resolve is not None:
             self.context.resolve = resolve
         try:
-            large = estimated_analysis_bytes(self.context.analysis.float_gm)[0] >= LARGE_MODEL_BYTES
+            weights = self.parameter_bytes  # measured at collection, or kept in the layer cache
+            if weights is None:
+                weights = estimated_analysis_bytes(self.context.analysis.float_gm)[0]
+            large = weights >= LARGE_MODEL_BYTES
             with torch_threads(threads), young_garbage_collection(large), quiet_torch_trace_log():
                 found = self._measure(batches, modify, threads)
         except Exception as error:  # noqa: BLE001 - reported on every item of the model
