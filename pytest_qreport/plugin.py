@@ -35,6 +35,7 @@ def pytest_configure(config) -> None:
             config.pluginmanager.register(module, name)
     if not config.getoption("qreport", default=False):
         return
+    from .adapter.heap import QuietHeapAtEnd
     from .adapter.session import QReportSession
     from .reports import html, jsonfile, junit, terminal
 
@@ -45,6 +46,8 @@ def pytest_configure(config) -> None:
                          ("qreport-html", html)):
         if not config.pluginmanager.has_plugin(name):
             config.pluginmanager.register(module, name)
+    if not config.pluginmanager.has_plugin("qreport-heap"):
+        config.pluginmanager.register(QuietHeapAtEnd(), "qreport-heap")
     session = QReportSession(config)
     config.pluginmanager.register(session, "qreport-session")
     session.start()

@@ -2,6 +2,7 @@
 own objects only."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -9,7 +10,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
-__all__ = ["quiet_torch_trace_log", "torch_threads", "young_garbage_collection"]
+__all__ = ["freeze_heap_at_exit", "quiet_torch_trace_log", "torch_threads", "young_garbage_collection"]
 
 
 @contextlib.contextmanager
@@ -75,6 +76,21 @@ def _trim_heap() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+
+
+_freezing_at_exit: list[bool] = []
+
+
+def freeze_heap_at_exit() -> None:
+    """At interpreter exit, freeze every object (gc.freeze) before CPython's final collection would walk them all.
+    A process that imported torch.export and analysed models holds 350,000-680,000 objects, and that collection
+    took 1.3-2.5 s of its exit, which an xdist controller waits for once per worker. Objects are still freed
+    by reference counting as the modules are cleared; only those in reference cycles are left to the operating
+    system, as CPython already does with objects alive at exit. Registered once per process; the other atexit
+    handlers run as before (none of them needs the collector)."""
+    if not _freezing_at_exit:
+        atexit.register(gc.freeze)
+        _freezing_at_exit.append(True)
 
 
 @contextlib.contextmanager
