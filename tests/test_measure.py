@@ -6,6 +6,9 @@ of weights, and what a pass no longer needs is released.
 """
 import gc
 import math
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import pytest
@@ -205,6 +208,27 @@ def test_large_allocations_are_mapped_for_big_models_only_and_the_threshold_is_s
     with runtime.young_garbage_collection(map_large_allocations=True):
         assert thresholds == [1 << 20]
     assert thresholds == [1 << 20, 32 << 20]  # what follows allocates from the heap again
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_an_activation_freed_and_allocated_again_is_not_faulted_in_each_time():
+    script = textwrap.dedent('''
+        import resource, torch
+        from pytest_qreport.core import runtime
+
+        runtime._set_mmap_threshold(32 << 20)
+        torch.ones(4 << 20, dtype=torch.uint8)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(50):
+            activation = torch.ones(4 << 20, dtype=torch.uint8)
+            del activation
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    ''')
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # 4 MiB are 1,024 pages: with free() trimming the heap above 128 KiB, each of the 50 rounds faulted them in
+    # again (about 50,000 faults); kept in the heap, they are faulted in once
+    assert int(done.stdout) < 5 * 1024
 
 
 def test_variants_from_the_detectors_channel_ranges_equal_those_from_their_own():
