@@ -69,8 +69,8 @@ def _set_mmap_threshold(size: int) -> None:
     Setting the threshold also stops glibc's own adjustment of when free() shrinks the heap, which it keeps at
     twice the threshold: left at its 128 KiB start, every activation freed at the top of the heap went back to
     the system and was faulted in again at the next allocation (four ResNets of the xdist zoo: 2.5 million page
-    faults, 5.6 s of system time in 36 s). So it is set to twice the threshold here too (0.85 million, 2.0 s,
-    30 s; the same peak); the explicit trim after each analysis still gives the free pages back."""
+    faults, 5.6 s of system time in 36 s). So it is set to twice the threshold here too (0.88 million, 1.9 s,
+    29 s; the same peak); the explicit trim after each analysis still gives the free pages back."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL("libc.so.6")
@@ -83,8 +83,6 @@ def _trim_heap() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 
 
 _freezing_at_exit: list[bool] = []
