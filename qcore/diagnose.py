@@ -226,13 +226,13 @@ def resolution_limits(quant_gm: fx.GraphModule) -> dict[str, tuple[ResolutionLim
     """Per layer (by name), its quantized input, output and weight whose observed range is below the
     quantizer's resolution: int8 rounds such a tensor to (nearly) all zeros. Reads qparams kept by convert."""
     from .convert import QPARAMS_KEY
-    from .graph import find_quantizable_ops
+    from .graph import find_quantizable_ops, is_weight_value
     from .numeric.matching import layer_value
 
     limits: dict[str, tuple[ResolutionLimit, ...]] = {}
     for op in find_quantizable_ops(quant_gm):
         output = layer_value(op)
-        tensors = [(("weight" if n.op == "get_attr" else "input"), n) for n in op.node.all_input_nodes]
+        tensors = [(("weight" if is_weight_value(n) else "input"), n) for n in op.node.all_input_nodes]
         tensors.append(("output", output))
         found = []
         for role, node in tensors:

@@ -12,11 +12,12 @@ from torch import fx
 
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
            "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
-           "matches_layer", "op_kind", "original_input"]
+           "matches_layer", "op_kind", "original_input", "PACKED_KEY", "is_weight_value", "weight_value"]
 
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
 INSERTED_KEY = "qcore_inserted"  # "observer" or "qdq" on nodes that qcore adds
+PACKED_KEY = "qcore_packed_weight"  # on a converted weight kept as integer codes, dequantized when read
 LAYER_NAME_KEY = "qcore_layer_name"  # a layer's name in the whole model, on the ops of a block cut from it
 
 aten = torch.ops.aten
@@ -111,6 +112,19 @@ def fetch_attr(module: torch.nn.Module, target: str) -> Any:
     return value
 
 
+def is_weight_value(node: object) -> bool:
+    """True for a parameter read (get_attr) and for a converted weight kept as codes (a value of its own)."""
+    return isinstance(node, fx.Node) and (node.op == "get_attr" or bool(node.meta.get(PACKED_KEY)))
+
+
+def weight_value(gm: torch.nn.Module, node: fx.Node) -> torch.Tensor:
+    """The tensor a weight node reads: the attribute of a get_attr, or a packed weight dequantized."""
+    if node.op == "get_attr":
+        return fetch_attr(gm, str(node.target))
+    args = [fetch_attr(gm, str(a.target)) if isinstance(a, fx.Node) else a for a in node.args]
+    return node.target(*args)
+
+
 def is_inserted(node: object) -> bool:
     """True for observer and quantize/dequantize nodes that qcore inserted."""
     return isinstance(node, fx.Node) and bool(node.meta.get(INSERTED_KEY))
@@ -119,8 +133,8 @@ def is_inserted(node: object) -> bool:
 def original_input(node: fx.Node) -> fx.Node:
     """Walk back through inserted observer/qdq nodes to the value they stand for. An equalization mul is a value
     of its own: the layer after it reads (and its quantizer observes) the scaled input."""
-    while is_inserted(node) and node.meta[INSERTED_KEY] != "equalization" and node.args and \
-            isinstance(node.args[0], fx.Node):
+    while is_inserted(node) and node.meta[INSERTED_KEY] != "equalization" and not node.meta.get(PACKED_KEY) and \
+            node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
@@ -140,7 +154,7 @@ def _operands(node: fx.Node, kind: str) -> tuple[list, fx.Node | None, fx.Node |
 
 
 def _is_parameter(node: object) -> bool:
-    return isinstance(node, fx.Node) and node.op == "get_attr"
+    return is_weight_value(node)
 
 
 def fused_output(node: fx.Node, gm: fx.GraphModule) -> fx.Node:
@@ -192,13 +206,13 @@ def _weight_owner(op: QuantizableOp) -> str | None:
     (F.linear(x, self.qkv.weight) in 'attn' -> 'attn.qkv'; MultiheadAttention's in_proj_weight -> 'mha.in_proj')."""
     source = op.weight
     for _ in range(8):  # through the split of a packed weight: in_proj_weight -> chunk/unflatten -> getitem
-        if source is None or source.op == "get_attr":
+        if source is None or is_weight_value(source):
             break
         base = getattr(source.target, "_opname", None) or getattr(source.target, "__name__", "")
         if base not in _WEIGHT_VIEWS or not source.args or not isinstance(source.args[0], fx.Node):
             return None
         source = source.args[0]
-    if source is None or source.op != "get_attr":
+    if source is None or not is_weight_value(source):
         return None
     target = str(source.meta.get("qcore_float_weight", source.target))  # a converted weight names its float one
     if target.startswith("qcore_") or target.startswith("_"):  # qcore's own (folded) or export's lifted constants

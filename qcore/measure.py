@@ -29,11 +29,11 @@ from .equalize import (
     InputEqualizationObserver,
     input_channel_axis,
 )
-from .graph import find_quantizable_ops
+from .graph import find_quantizable_ops, weight_value
 from .numeric.compare import ExtraShadows, ShadowGraph, compare, compare_propagated_and_shadow
 from .numeric.logits import LogitsComparator, LogitsMeasurement
+from .numeric.matching import match_layers
 from .numeric.metrics import large_tensor_sqnr
-from .numeric.suite import extract_weights
 from .prepare import prepare
 from .probes import ChannelStatisticsProbe, DetectorProbe, Probe
 from .quantizer import Int8StaticQuantizer, Quantizer
@@ -53,7 +53,7 @@ from .variants import (
 
 __all__ = ["LayerSqnr", "ModelMeasurement", "OutputSqnr", "ProbedModel", "SqnrMeasurement", "VariantSqnr",
            "calibrate_and_convert", "compare_quantized", "diagnosed_calibration", "measure_model", "measure_sqnr",
-           "sqnr_measurement"]
+           "sqnr_measurement", "weight_sqnrs"]
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
     of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). The other
     keywords are compare_propagated_and_shadow's."""
     limits = resolution_limits(quant_gm)
-    weights = extract_weights("float", float_gm, "quant", quant_gm)
+    weights = weight_sqnrs(float_gm, quant_gm)
     own_layers = {op.layer for op in find_quantizable_ops(float_gm)}
     here = [v for v in variants if v.layer in own_layers]
     baselines: dict[str, dict[str, Any]] = {}
@@ -297,9 +297,25 @@ def diagnosed_calibration(float_gm: fx.GraphModule, batches: list[Any]) -> Itera
             "calibration data there.") from error
 
 
-def sqnr_measurement(records: list[dict], shadows: dict[str, dict], weights: dict,
+def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule) -> dict[str, float]:
+    """{layer: SQNR of its quantized weight against the float one}, one layer's weights at a time (a weight kept
+    as codes is dequantized for its own comparison only)."""
+    found = {}
+    for pair in match_layers(float_gm, quant_gm):
+        if pair.a.weight is None or pair.b.weight is None:
+            continue
+        original = weight_value(float_gm, pair.a.weight).detach()
+        quantized = weight_value(quant_gm, pair.b.weight).detach()
+        # an exact reconstruction (an all-zero weight, say) is inf, as for activations, not 0/0 = nan
+        exact = bool(torch.equal(original, quantized))
+        found[pair.layer] = math.inf if exact else large_tensor_sqnr(original, quantized)
+        del original, quantized
+    return found
+
+
+def sqnr_measurement(records: list[dict], shadows: dict[str, dict], weights: Mapping[str, float],
                       limits: dict[str, tuple[ResolutionLimit, ...]]) -> SqnrMeasurement:
-    """Typed records from the numeric suite's propagated (or shadow) records, shadow records and weights."""
+    """Typed records from the numeric suite's propagated (or shadow) records, shadow records and weight SQNRs."""
     layers: dict[str, LayerSqnr] = {}
     outputs: dict[str, OutputSqnr] = {}
     for record in records:
@@ -307,13 +323,7 @@ def sqnr_measurement(records: list[dict], shadows: dict[str, dict], weights: dic
             outputs[record["layer"]] = OutputSqnr(record["layer"], float(record["sqnr_db"]), float(record["cosine"]),
                                                   float(record["normalized_l2"]))
             continue
-        weight_db = None
-        if record["layer"] in weights:
-            pair = weights[record["layer"]]["weight"]
-            original, quantized = pair["float"][0]["values"][0], pair["quant"][0]["values"][0]
-            # an exact reconstruction (an all-zero weight, say) is inf, as for activations, not 0/0 = nan
-            exact = bool(torch.equal(original, quantized))
-            weight_db = math.inf if exact else large_tensor_sqnr(original, quantized)
+        weight_db = weights.get(record["layer"])
         shadow = shadows.get(record["layer"], {}).get("sqnr_db", math.nan)
         layers[record["layer"]] = LayerSqnr(
             layer=record["layer"], fqn=record["fqn"], op=record["op"], sqnr_db=float(record["sqnr_db"]),
@@ -332,6 +342,6 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
     prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
     quant_gm = calibrate_and_convert(prepared, float_gm, batches)
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
-    weights = extract_weights("float", float_gm, "quant", quant_gm)
+    weights = weight_sqnrs(float_gm, quant_gm)
     return sqnr_measurement(compare(float_gm, quant_gm, batches, propagate=True), {}, weights,
                             resolution_limits(quant_gm))

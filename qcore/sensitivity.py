@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from .calibrate import calibrate, model_device
 from .capture import clone_graph_module
 from .convert import convert, restore_model_state
-from .graph import INSERTED_KEY, fetch_attr, find_quantizable_ops
+from .graph import INSERTED_KEY, fetch_attr, find_quantizable_ops, is_weight_value
 from .inputs import call_model, move_to
 from .numeric.metrics import sqnr_from_sums
 from .prepare import prepare
@@ -90,6 +90,18 @@ class _WeightSwitch(nn.Module):
 
     def forward(self) -> torch.Tensor:
         return self.quantized if self.enabled else self.original
+
+
+class _PackedWeightSwitch(nn.Module):
+    """A weight kept as codes, dequantized by `function` from the call's arguments, or the float one when off."""
+
+    def __init__(self, function: Any, original: torch.Tensor) -> None:
+        super().__init__()
+        self.function, self.enabled = function, True
+        self.register_buffer("original", original, persistent=False)
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.function(*args) if self.enabled else self.original
 
 
 class SwitchedRuns(ABC):
@@ -165,12 +177,16 @@ class SwitchableModel(SwitchedRuns):
             if node.meta.get(INSERTED_KEY) != "qdq":
                 continue
             name = f"qcore_switch_{index}"
-            if node.op == "get_attr":
+            if is_weight_value(node):
                 original = node.meta.get("qcore_float_weight")
                 if original is None:
                     continue
-                switch: nn.Module = _WeightSwitch(fetch_attr(self.gm, str(node.target)), fetch_attr(self.gm, original))
-                args: tuple = ()
+                if node.op == "get_attr":
+                    switch: nn.Module = _WeightSwitch(fetch_attr(self.gm, str(node.target)),
+                                                      fetch_attr(self.gm, original))
+                    args: tuple = ()
+                else:  # kept as codes (packed_weights): dequantized when on
+                    switch, args = _PackedWeightSwitch(node.target, fetch_attr(self.gm, original)), node.args
             else:
                 switch, args = _Switch(node.target), node.args
             self.gm.add_submodule(name, switch)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .convert import fake_quantize_with
+from .convert import quantized_weight, read_quantized_weight, register_quantized_weight
 from .equalize import (
     InputEqualizationObserver,
     input_channel_axis,
@@ -26,7 +26,7 @@ from .equalize import (
     producer_layer,
     weight_column_factor,
 )
-from .graph import INSERTED_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, is_inserted
+from .graph import INSERTED_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, is_inserted, is_weight_value
 from .numeric.compare import ShadowGraph
 from .numeric.instrument import attach_after, copy_layer_into
 from .numeric.loggers import StreamingComparator
@@ -195,16 +195,16 @@ def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Varia
                                           input_observer.symmetric, input_observer.eps)
     weight = fetch_attr(prepared, op.weight_target).detach()
 
-    def quantized_weight() -> torch.Tensor:  # made when its shadow is added: one block's at a time, block-wise
+    def make_weight() -> Any:  # made when its shadow is added: one block's at a time, block-wise
         scaled = weight / weight_column_factor(op, variant.factor, weight)
         fresh = _fresh_copy(weight_observer)
         with torch.no_grad():
             fresh(scaled)
-            return fake_quantize_with(fresh, scaled)
+            return quantized_weight(fresh, scaled)
 
     shape = [1, -1] + [1] * (weight.dim() - 2) if op.kind == "conv" else [-1]
     variant.extras = {"scale": float(scale.reshape(-1)[0]), "zero_point": int(zero_point.reshape(-1)[0]),
-                      "factor": variant.factor.reshape(shape).to(weight.dtype), "weight": quantized_weight}
+                      "factor": variant.factor.reshape(shape).to(weight.dtype), "weight": make_weight}
     return ""
 
 
@@ -228,14 +228,14 @@ def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, in
     quant_input = pair.b.node.args[0]
     quant_weight = pair.b.node.args[1] if len(pair.b.node.args) > 1 else None
     if not (is_inserted(quant_input) and quant_input.target is fake_quantize_per_tensor) or \
-            not (isinstance(quant_weight, fx.Node) and quant_weight.op == "get_attr"):
+            not is_weight_value(quant_weight):
         return "its quantized input or weight is not in the form a variant can replace"
     copies: dict[fx.Node, fx.Node] = {}
     result = copy_layer_into(gm_a, pair.a, pair.b, prefix, copies)
     input_copy = copies[quant_input]
     base = f"qcore_variant_{index}"
     gm_a.register_buffer(f"{base}_factor", variant.extras["factor"])
-    gm_a.register_buffer(f"{base}_weight", variant.extras["weight"]())
+    weight = register_quantized_weight(gm_a, f"{base}_weight", variant.extras["weight"]())
     qparams = (variant.extras["scale"], variant.extras["zero_point"], *input_copy.args[3:])
     if variant.requantize:  # the producer's quantized output, scaled, quantized again
         with gm_a.graph.inserting_after(input_copy):
@@ -252,7 +252,14 @@ def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, in
             scaled = gm_a.graph.call_function(torch.mul, (input_copy.args[0], factor))
         input_copy.args = (scaled, *qparams)
     scaled.meta[INSERTED_KEY] = "shadow"
-    copies[quant_weight].target = f"{base}_weight"
+    weight_copy = copies[quant_weight]
+    with gm_a.graph.inserting_before(weight_copy):
+        weight_node = read_quantized_weight(gm_a, *weight)
+    weight_node.meta[INSERTED_KEY] = "shadow"
+    weight_copy.replace_all_uses_with(weight_node)
+    for node in [weight_copy, *weight_copy.all_input_nodes]:  # the quantized graph's weight, read no more
+        if not node.users:
+            gm_a.graph.erase_node(node)
     variant.comparator = StreamingComparator()
     attach_after(gm_a, result, f"{base}_compare", variant.comparator, graph.references[variant.layer])
     return ""

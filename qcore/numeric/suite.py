@@ -12,6 +12,7 @@ import torch
 from torch import fx, nn
 
 from ..capture import clone_graph_module
+from ..graph import weight_value
 from .instrument import attach_after, copy_layer_into
 from .matching import LoggedNode, NodePair, logged_node, match_layers, match_nodes, target_type
 
@@ -29,20 +30,13 @@ def _require_graph(model: nn.Module, role: str) -> fx.GraphModule:
 
 
 def _weight_result(gm: fx.GraphModule, pair_op, model_name: str) -> dict:
-    weight = _fetch(gm, str(pair_op.weight.target))
+    weight = weight_value(gm, pair_op.weight)
     return {
         "type": "weight", "values": [weight.detach()], "ref_node_name": pair_op.node.name,
         "ref_node_target_type": target_type(pair_op.node, gm), "prev_node_name": pair_op.node.name,
         "prev_node_target_type": target_type(pair_op.node, gm), "index_within_arg": 0, "index_of_arg": 0,
         "fqn": pair_op.fqn, "qconfig_str": "", "comparisons": [], "comparison_fn_name": "",
     }
-
-
-def _fetch(module: nn.Module, target: str) -> torch.Tensor:
-    value = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def extract_weights(

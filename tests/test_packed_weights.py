@@ -1,0 +1,145 @@
+"""Quantized weights kept as integer codes (qcore.convert.packed_weights): the same numbers, a quarter of the bytes."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import qcore
+from qcore import qparams
+from qcore.analysis import AnalysisPlan, ModelAnalysis
+from qcore.convert import packed_weights
+from qcore.graph import PACKED_KEY
+from qcore.measure import measure_model
+from qcore.qparams import dequantize_codes, fake_quantize_per_channel, fake_quantize_per_tensor, weight_codes
+from qcore.report.detectors import OutlierDetector, PerChannelDetector
+from qcore.sensitivity import SwitchableModel
+
+from .models import tiny_llama
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), dtype=st.sampled_from(DTYPES), symmetric=st.booleans(),
+       axis=st.sampled_from([None, 0, 1]), rows_at_a_time=st.booleans())
+def test_codes_dequantize_to_the_fake_quantized_weight_bit_for_bit(seed, dtype, symmetric, axis, rows_at_a_time):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(12, 10, generator=generator) * 3 + torch.rand(1, generator=generator)).to(dtype)
+    quant_min, quant_max = (-128, 127) if symmetric else (0, 255)
+    if axis is None:
+        low, high = weight.float().min().clamp(max=0), weight.float().max().clamp(min=0)
+    else:
+        low, high = torch.aminmax(weight.float().movedim(axis, 0).reshape(weight.shape[axis], -1), dim=1)
+    scale, zero_point = qparams.calculate_qparams(low, high, quant_min, quant_max, symmetric)
+    with pytest.MonkeyPatch.context() as patch:
+        if rows_at_a_time:  # a few rows at a time, as for an LM head
+            patch.setattr(qparams, "_ROWS_ELEMENTS", 25)
+        if axis is None:
+            expected = fake_quantize_per_tensor(weight, float(scale), int(zero_point), quant_min, quant_max)
+        else:
+            expected = fake_quantize_per_channel(weight, scale, zero_point, axis, quant_min, quant_max)
+        codes = weight_codes(weight, scale, zero_point, axis, quant_min, quant_max)
+        assert codes is not None and codes.codes.dtype in ((torch.int8,) if symmetric else (torch.int8, torch.int16))
+        restored = dequantize_codes(codes.codes, codes.scale, codes.zero_point, codes.dtype)
+    assert restored.dtype == weight.dtype
+    assert torch.equal(restored, expected)
+
+
+def test_codes_agree_with_torch_fake_quantize_per_channel():
+    weight = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    amax = weight.abs().amax(dim=1)
+    scale = amax / 127.5
+    zero_point = torch.zeros(16, dtype=torch.int64)
+    codes = weight_codes(weight, scale, zero_point, 0, -128, 127)
+    reference = torch.fake_quantize_per_channel_affine(weight, scale, zero_point.int(), 0, -128, 127)
+    assert torch.equal(dequantize_codes(codes.codes, codes.scale, codes.zero_point, codes.dtype), reference)
+
+
+def test_weights_that_codes_cannot_stand_for_stay_fake_quantized_tensors():
+    scale, zero_point = torch.tensor([0.1]), torch.tensor([0])
+    assert weight_codes(torch.tensor([[1.0, float("nan")]]), scale, zero_point, None, -128, 127) is None
+    assert weight_codes(torch.ones(2, 2), scale, zero_point, None, -(2**20), 2**20) is None  # wider than int16
+    assert weight_codes(torch.ones(2, 2), torch.ones(2), torch.zeros(2), 0, 0, 255) is None  # float qparams
+    assert weight_codes(torch.ones(2, 2), torch.ones(2), torch.zeros(2, dtype=torch.int64), 0, 0, 255) is not None
+
+
+class Net(nn.Module):
+    """Conv, linear and a matmul with a parameter, so that each weight form is converted."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 32)
+        self.head = nn.Linear(32, 10)
+        self.table = nn.Parameter(torch.randn(10, 6))
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x)).flatten(1)
+        return torch.relu(self.head(torch.relu(self.fc(x)))) @ self.table
+
+
+@pytest.fixture(scope="module")
+def net():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(4, 3, 4, 4, generator=g) for _ in range(4)]
+    return qcore.capture(Net().eval(), (batches[0],)), batches
+
+
+def test_a_packed_measurement_equals_the_unpacked_one(net):
+    float_gm, batches = net
+    detectors = {"per_channel": PerChannelDetector(), "outlier": OutlierDetector()}
+    options = {"detectors": detectors, "equalization_layers": ["fc", "head"], "smoothing": 0.5, "logits": True}
+    plain = measure_model(float_gm, batches, **options)
+    with packed_weights():
+        packed = measure_model(float_gm, batches, **options)
+    assert packed.sqnr == plain.sqnr  # propagated, shadow and weight SQNR of every layer, and the outputs
+    assert all(layer.weight_sqnr_db is not None for layer in packed.sqnr.layers.values())
+    assert packed.variants == plain.variants and packed.variants  # the equalization variants were measured
+    assert packed.logits == plain.logits and packed.unmeasured == plain.unmeasured
+
+
+def test_a_packed_graph_holds_codes_not_float_copies_and_dequantizes_each_where_it_is_read(net):
+    _, batches = net
+    torch.manual_seed(1)
+    model = Net().eval()
+    with packed_weights():
+        float_copy, quantized = qcore.quantize(model, (batches[0],), batches)
+    weights = sum(p.numel() * p.element_size() for name, p in float_copy.named_parameters() if "bias" not in name)
+    held = sum(b.numel() * b.element_size() for name, b in quantized.named_buffers() if name.startswith("qcore_fq"))
+    assert {b.dtype for name, b in quantized.named_buffers() if name.endswith("_codes")} == {torch.int8}
+    assert held < 0.3 * weights
+    nodes = list(quantized.graph.nodes)
+    packed = [n for n in nodes if n.meta.get(PACKED_KEY)]
+    assert len(packed) == 4
+    for node in packed:  # right before the layer that reads it: one dequantized weight alive at a time
+        assert nodes.index(next(iter(node.users))) == nodes.index(node) + 1
+    with packed_weights(False):
+        _, plain = qcore.quantize(model, (batches[0],), batches)
+    assert torch.equal(quantized(batches[1]), plain(batches[1]))
+
+
+def test_the_sensitivity_switches_of_a_packed_model_give_the_same_sqnr(net):
+    float_gm, batches = net
+    plain = SwitchableModel(float_gm, batches, resume=False)
+    with packed_weights():
+        packed = SwitchableModel(float_gm, batches, resume=False)
+    assert any(node.meta.get(PACKED_KEY) for node in packed.gm.graph.nodes)
+    for kept in ([], ["fc"], ["conv", "head"], plain.layers):
+        plain.quantize_only(kept)
+        packed.quantize_only(kept)
+        assert packed.run(batches) == plain.run(batches)
+
+
+def test_a_packed_llama_analysis_equals_the_unpacked_one_whole_and_block_wise():
+    pytest.importorskip("transformers")
+    model, batches = tiny_llama(layers=2, batch=2)
+    float_gm = qcore.capture(model, batches[0])
+    plan = AnalysisPlan(measurements=frozenset({"sqnr", "equalization", "logits"}))
+    plain = ModelAnalysis(float_gm, batches=batches, plan=plan).measurement
+    with packed_weights():
+        whole = ModelAnalysis(float_gm, batches=batches, plan=plan).measurement
+        blockwise = ModelAnalysis(float_gm, batches=batches, plan=plan, blockwise=True).measurement
+    for packed in (whole, blockwise):
+        assert packed.sqnr == plain.sqnr and packed.variants == plain.variants and packed.logits == plain.logits
