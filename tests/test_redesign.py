@@ -1,5 +1,6 @@
 """The redesign's contracts: a check declares its own threshold setting, a model's pipeline moves through explicit
 stages, and a reporter that cannot write raises ReportError without hiding the other reporters."""
+import importlib
 import json
 import math
 
@@ -72,6 +73,15 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
 
     mapped: list[int] = []
     monkeypatch.setattr(runtime, "_set_mmap_threshold", mapped.append)
+    packed: list[bool] = []
+    converting = importlib.import_module("qcore.convert")  # qcore.convert is the function
+    keep_codes = converting.packed_weights
+
+    def recorded_packed_weights(enabled=True):
+        packed.append(enabled)
+        return keep_codes(enabled)
+
+    monkeypatch.setattr(converting, "packed_weights", recorded_packed_weights)
 
     registry = _registry()
     batches = [torch.randn(4, 8) for _ in range(2)]
@@ -83,6 +93,7 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     assert pipeline.stage is Stage.ANALYSED and pipeline.facts().fingerprint["threads"] == 1
     assert pipeline.finding("model_sqnr", "output").value > 20 and pipeline.facts().error == ""
     assert mapped == []  # a small model's analysis allocates from the heap: no page faults per activation
+    assert packed == [False]  # and keeps its quantized weights as tensors: no dequantization per forward
 
     broken = collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0])
     broken.analyze(lambda: [torch.randn(4, 3)], lambda found: None)
@@ -93,6 +104,7 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0]).analyze(
         lambda: batches, lambda found: None)
     assert mapped == [1 << 20, 32 << 20]
+    assert packed[-1] is True  # a big model's quantized weights are kept as codes (tests/test_packed_weights.py)
     broken.analyze(lambda: batches, lambda found: None)  # a failed stage is final
     assert broken.stage is Stage.ANALYSIS_FAILED
     assert ModelPipeline("m").collection_failed("why").stage is Stage.COLLECTION_FAILED
