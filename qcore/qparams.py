@@ -264,7 +264,7 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch
         step_scale = scale[channels] if scale.dim() else scale
         values = codes[part].to(work)  # exact; a mixed-dtype mul would be one pass, but 5x slower
         if zero_point is not None:
-            values.sub_(zero_point[channels] if zero_point.dim() and zero_point.shape[0] != 1 else zero_point)
+            values.sub_(zero_point[channels])  # per channel: the scale's shape
         return values.mul_(step_scale).to(dtype)
 
     if codes.dim() == 0 or codes.numel() <= _ROWS_ELEMENTS or dtype == work:
