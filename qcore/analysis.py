@@ -23,7 +23,8 @@ from torch.utils import _pytree as pytree
 from .calibrate import calibrate
 from .calibrated import CalibratedObservers
 from .capture import capture, clone_graph_module
-from .deferred import deferred_parameters, materialized
+from .convert import weights_packed
+from .deferred import deferred_parameters, materialized, read_rewritten_where_used
 from .diagnose import (
     Nondeterminism,
     NonDeterministicModelError,
@@ -287,13 +288,20 @@ class ModelAnalysis:
         return []
 
     def _equalized(self, layers: Any) -> fx.GraphModule:
-        deferred = bool(self.blockwise)  # block-wise, rewritten weights are made one block at a time
+        # block-wise, rewritten weights are made one block at a time; a large model's fix trial (which only
+        # measures) computes each where it is read, instead of holding a rewritten copy of every weight
+        where_read = not self.blockwise and not self._keeps_graphs and weights_packed()
+        deferred = bool(self.blockwise) or where_read
         known = self._rewrite_scales  # a trial's: its parent's measurement (an equalized model measures none)
         if layers == "cross_layer":
             return cross_layer_equalize(self.float_gm)
         if isinstance(layers, str) and layers.startswith("smooth"):
-            return smooth(self.float_gm, self.batches, smoothing_alpha(layers), deferred=deferred, searched=known)
-        return equalize(self.float_gm, list(layers), self.batches, deferred=deferred, known=known)
+            result = smooth(self.float_gm, self.batches, smoothing_alpha(layers), deferred=deferred, searched=known)
+        else:
+            result = equalize(self.float_gm, list(layers), self.batches, deferred=deferred, known=known)
+        if where_read:
+            read_rewritten_where_used(result)
+        return result
 
     def _measured_rewrite_scales(self) -> Mapping[tuple[str, str], tuple[Any, torch.Tensor]]:
         """The equalization and smoothing scales this analysis measured on its unequalized float graph so far."""

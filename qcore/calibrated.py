@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 
 from .format_quantizer import FormatObserver
-from .graph import INSERTED_KEY, original_input
+from .graph import INSERTED_KEY, is_weight_value, original_input
 from .observers import (
     DerivedObserver,
     FixedQParamsObserver,
@@ -52,7 +52,7 @@ class CalibratedObservers:
         found: dict[str, str | None] = {}
         for name, values in watched.items():
             observer = prepared.get_submodule(name)
-            if isinstance(observer, _STATELESS) or any(value.op == "get_attr" for value in values):
+            if isinstance(observer, _STATELESS) or any(is_weight_value(value) for value in values):
                 continue  # weights are observed at prepare, once: nothing to keep
             if type(observer) not in _STATEFUL:
                 found[name] = None

@@ -13,7 +13,7 @@ from torch import fx, nn
 from .calibrate import calibrate
 from .capture import capture, clone_graph_module
 from .format_quantizer import FormatFakeQuantize, FormatObserver, fake_quantize_format
-from .graph import FQN_KEY, INSERTED_KEY, PACKED_KEY
+from .graph import FQN_KEY, INSERTED_KEY, PACKED_KEY, REWRITTEN_KEY, weight_value
 from .observers import ObserverBase
 from .prepare import prepare
 from .qparams import (
@@ -42,6 +42,11 @@ def packed_weights(enabled: bool = True) -> Iterator[None]:
         _PACKED_WEIGHTS.reset(token)
 
 
+def weights_packed() -> bool:
+    """Whether quantized weights are kept as codes here (within packed_weights())."""
+    return _PACKED_WEIGHTS.get()
+
+
 def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile: bool = True) -> fx.GraphModule:
     """Replace every observer node of `prepared` by fake quantization with its observed qparams (in place).
 
@@ -64,7 +69,7 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
             graph.erase_node(node)
             continue
         with graph.inserting_before(node):
-            if (isinstance(source, fx.Node) and source.op == "get_attr" and not observer.is_dynamic
+            if (_is_float_weight(source) and not observer.is_dynamic
                     and not getattr(observer, "is_float", False)):
                 replacement = _quantized_weight_node(prepared, source, node.target, observer, weight_cache)
             else:
@@ -74,6 +79,9 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
     _read_packed_weights_where_used(graph)
+    for node in list(graph.nodes):  # rewritten weights that only fed weight observers
+        if node.meta.get(REWRITTEN_KEY) and not node.users:
+            graph.erase_node(node)
     unread = set()
     for node in list(graph.nodes):  # float weights that only fed weight observers
         if node.op == "get_attr" and not node.users:
@@ -99,16 +107,16 @@ def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observe
     graph = gm.graph
     meta = {"format": repr(observer.format), "dynamic": observer.format.dynamic}
     with graph.inserting_before(node):
-        if isinstance(source, fx.Node) and source.op == "get_attr":
-            key = (str(source.target), str(node.target))
+        if _is_float_weight(source):
+            key = (_float_weight_name(source), str(node.target))
             if key not in weight_cache:
-                weight = _fetch_attr(gm, str(source.target))
+                weight = weight_value(gm, source)
                 with torch.no_grad():
                     quantized = observer.format.fake_quantize(weight.detach(), weight=True)
-                weight_cache[key] = _free_name(gm, "qcore_fq_" + str(source.target).replace(".", "_"))
+                weight_cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
                 gm.register_buffer(weight_cache[key], quantized)
             replacement = graph.get_attr(weight_cache[key])
-            replacement.meta["qcore_float_weight"] = str(source.target)
+            replacement.meta["qcore_float_weight"] = key[0]
         else:
             name = _free_name(gm, f"qcore_format_{node.name}")
             gm.add_submodule(name, FormatFakeQuantize(observer.format, observer.amax))
@@ -148,19 +156,29 @@ def fake_quantize_with(observer: ObserverBase, value: torch.Tensor) -> torch.Ten
                                     observer.quant_min, observer.quant_max)
 
 
+def _is_float_weight(source: Any) -> bool:
+    """A parameter read, or a rewritten weight computed from one (qcore.deferred)."""
+    return isinstance(source, fx.Node) and (source.op == "get_attr" or bool(source.meta.get(REWRITTEN_KEY)))
+
+
+def _float_weight_name(source: fx.Node) -> str:
+    """The attribute path of a float weight node's parameter (the original, for a rewritten one)."""
+    return str(source.meta["qcore_float_weight"]) if source.meta.get(REWRITTEN_KEY) else str(source.target)
+
+
 def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) -> fx.Node:
-    key = (str(source.target), str(observer_name))
+    key = (_float_weight_name(source), str(observer_name))
     if key not in cache:
-        weight = _fetch_attr(gm, str(source.target))
+        weight = weight_value(gm, source)
         with torch.no_grad():
             if _saw_nothing(observer):  # not calibrated: the weight is known, observe it here
                 observer(weight.detach())
             quantized = quantized_weight(observer, weight.detach())
-        cache[key] = register_quantized_weight(gm, "qcore_fq_" + str(source.target).replace(".", "_"), quantized)
+        cache[key] = register_quantized_weight(gm, "qcore_fq_" + key[0].replace(".", "_"), quantized)
     node = read_quantized_weight(gm, *cache[key])
     scale, zero_point = observer.calculate_qparams()
     node.meta[QPARAMS_KEY] = _qparams_meta(observer, scale, zero_point)
-    node.meta["qcore_float_weight"] = str(source.target)
+    node.meta["qcore_float_weight"] = key[0]
     return node
 
 
@@ -264,13 +282,6 @@ def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
     return new
 
 
-def _fetch_attr(gm: nn.Module, target: str) -> torch.Tensor:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def restore_model_state(quant_gm: nn.Module, float_gm: nn.Module) -> list[str]:
     """Give `quant_gm` the float model's buffers back (running statistics, caches that forward updates
     during calibration), so that the two are compared from the same state; returns the names restored."""
@@ -299,6 +310,6 @@ def quantize(
     return float_gm, quant_gm
 
 
-__all__ = ["convert", "quantize", "fake_quantize_with", "packed_weights", "quantized_weight",
+__all__ = ["convert", "quantize", "fake_quantize_with", "packed_weights", "quantized_weight", "weights_packed",
            "read_quantized_weight", "register_quantized_weight", "restore_model_state", "round_trip_through",
            "QPARAMS_KEY", "FQN_KEY"]

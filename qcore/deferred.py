@@ -4,7 +4,9 @@ block's at a time.
 
 A deferred graph holds its original tensors at the rewritten targets, and in its meta the rules that rewrite
 them; it computes the rewritten model only inside `materialized`. Whole-graph consumers (prepare's weight
-observers, a float forward) go through `rewritten_value` or `materialized`.
+observers, a float forward) go through `rewritten_value` or `materialized`. `read_rewritten_where_used` turns a
+deferred graph into one that runs by itself, each rewritten weight computed right before the op that reads it
+(a whole-model analysis of a large model: one rewritten weight alive at a time).
 """
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
-__all__ = ["DEFERRED_KEY", "Rule", "defer", "deferred_parameters", "materialized", "rewrite", "rewritten_value"]
+from .graph import REWRITTEN_KEY
+
+__all__ = ["DEFERRED_KEY", "Rule", "RewrittenTensor", "defer", "deferred_parameters", "materialized",
+           "read_rewritten_where_used", "rewrite", "rewritten_value"]
 
 DEFERRED_KEY = "qcore_deferred_parameters"
 Rule = Callable[[torch.Tensor], torch.Tensor]
@@ -99,3 +104,55 @@ def materialized(modules: Sequence[nn.Module], rules: Mapping[str, list[Rule]],
     finally:
         for owner, name, original in reversed(saved):  # the same owner saved twice ends on its first original
             setattr(owner, name, original)
+
+
+class RewrittenTensor:
+    """The target of a graph node that computes a rewritten tensor from its original where the graph reads it."""
+
+    def __init__(self, target: str, rules: Sequence[Rule]) -> None:
+        self.target, self.rules = target, tuple(rules)
+        self.__name__ = "rewritten_" + target.replace(".", "_")  # the node's name, and its name in generated code
+
+    def __call__(self, original: torch.Tensor) -> torch.Tensor:
+        value = original.detach()
+        with torch.no_grad():
+            for rule in self.rules:
+                value = rule(value)
+        return value
+
+    def __repr__(self) -> str:
+        return f"RewrittenTensor({self.target!r}, {len(self.rules)} rules)"
+
+
+def read_rewritten_where_used(gm: fx.GraphModule) -> None:
+    """Make a deferred graph run by itself (in place): each deferred weight (2 or more dims) is computed by a node
+    right before the first op that reads it, from the original, so that one is alive at a time; smaller tensors
+    (biases, a norm's weight) are rewritten now. The graph holds no deferred rules after."""
+    rules = dict(deferred_parameters(gm))
+    if not rules:
+        return
+    readers: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) in rules and node.users:
+            readers.setdefault(str(node.target), []).append(node)
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    for target, target_rules in rules.items():
+        found = _owner(gm, target)
+        if found is None:
+            raise AttributeError(f"{type(gm).__name__} has no tensor {target!r}")
+        if getattr(*found).dim() < 2 or target not in readers:
+            for rule in target_rules:
+                rewrite(gm, target, rule)
+            continue
+        compute = RewrittenTensor(target, target_rules)
+        for reader in readers[target]:
+            first = min(reader.users, key=lambda user: order[user])
+            with gm.graph.inserting_before(first):
+                rewritten = gm.graph.call_function(compute, (reader,))
+            rewritten.meta.update({REWRITTEN_KEY: True, "qcore_float_weight": target})
+            if "val" in reader.meta:
+                rewritten.meta["val"] = reader.meta["val"]
+            reader.replace_all_uses_with(rewritten, delete_user_cb=lambda user: user is not rewritten)
+    del gm.meta[DEFERRED_KEY]
+    gm.graph.lint()
+    gm.recompile()

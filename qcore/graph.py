@@ -12,12 +12,14 @@ from torch import fx
 
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
            "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
-           "matches_layer", "op_kind", "original_input", "PACKED_KEY", "is_weight_value", "weight_value"]
+           "matches_layer", "op_kind", "original_input", "PACKED_KEY", "REWRITTEN_KEY", "is_weight_value",
+           "weight_value"]
 
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
 INSERTED_KEY = "qcore_inserted"  # "observer" or "qdq" on nodes that qcore adds
 PACKED_KEY = "qcore_packed_weight"  # on a converted weight kept as integer codes, dequantized when read
+REWRITTEN_KEY = "qcore_rewritten_weight"  # on a rewritten (equalized, smoothed) weight computed where it is read
 LAYER_NAME_KEY = "qcore_layer_name"  # a layer's name in the whole model, on the ops of a block cut from it
 
 aten = torch.ops.aten
@@ -98,9 +100,12 @@ class QuantizableOp:
 
     @property
     def weight_target(self) -> str:
-        """The attribute path of the layer's weight; ValueError for a layer without one."""
+        """The attribute path of the layer's weight (of the original, for a weight rewritten where it is read);
+        ValueError for a layer without one."""
         if self.weight is None:
             raise ValueError(f"layer {self.layer} has no weight")
+        if self.weight.meta.get(REWRITTEN_KEY):
+            return str(self.weight.meta["qcore_float_weight"])
         return str(self.weight.target)
 
 
@@ -113,12 +118,15 @@ def fetch_attr(module: torch.nn.Module, target: str) -> Any:
 
 
 def is_weight_value(node: object) -> bool:
-    """True for a parameter read (get_attr) and for a converted weight kept as codes (a value of its own)."""
-    return isinstance(node, fx.Node) and (node.op == "get_attr" or bool(node.meta.get(PACKED_KEY)))
+    """True for a parameter read (get_attr), a converted weight kept as codes and a rewritten weight computed where
+    it is read (values of their own, made from parameters)."""
+    return isinstance(node, fx.Node) and (node.op == "get_attr" or bool(node.meta.get(PACKED_KEY))
+                                          or bool(node.meta.get(REWRITTEN_KEY)))
 
 
 def weight_value(gm: torch.nn.Module, node: fx.Node) -> torch.Tensor:
-    """The tensor a weight node reads: the attribute of a get_attr, or a packed weight dequantized."""
+    """The tensor a weight node reads: the attribute of a get_attr, a packed weight dequantized, or a rewritten
+    weight computed."""
     if node.op == "get_attr":
         return fetch_attr(gm, str(node.target))
     args = [fetch_attr(gm, str(a.target)) if isinstance(a, fx.Node) else a for a in node.args]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import fx, nn
 
 from .deferred import rewritten_value
-from .graph import FQN_KEY, HANDLE_KEY, INSERTED_KEY, is_inserted, original_input
+from .graph import FQN_KEY, HANDLE_KEY, INSERTED_KEY, is_inserted, is_weight_value, original_input, weight_value
 from .observers import DerivedObserver, FixedQParamsObserver
 from .quantizer import (
     ANNOTATION_KEY,
@@ -281,17 +281,19 @@ def _after_callback(gm, quantizer: Quantizer, mapping, group_ids, observers):
 
 
 def _observe_constants_once(gm: fx.GraphModule) -> None:
-    """Observers that only ever see get_attr values (weights) observe them now, not on every batch."""
+    """Observers that only ever see weights (get_attr values, or rewritten ones) observe them now, not on every
+    batch."""
     readers: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.meta.get(INSERTED_KEY) == "observer":
             readers.setdefault(str(node.target), []).append(node.args[0])
     for name, inputs in readers.items():
         observer = gm.get_submodule(name)
-        if not hasattr(observer, "observe_constant") or not all(n.op == "get_attr" for n in inputs):
+        if not hasattr(observer, "observe_constant") or not all(is_weight_value(n) for n in inputs):
             continue
         for source in inputs:
-            value = rewritten_value(gm, str(source.target))  # a deferred rewrite's weight, made for this (one)
+            # a deferred rewrite's weight, made for this (one)
+            value = rewritten_value(gm, str(source.target)) if source.op == "get_attr" else weight_value(gm, source)
             observer.frozen = False
             observer.observe_constant(value)
 

@@ -9,7 +9,8 @@ import qcore
 from qcore import qparams
 from qcore.analysis import AnalysisPlan, ModelAnalysis
 from qcore.convert import packed_weights
-from qcore.graph import PACKED_KEY
+from qcore.deferred import deferred_parameters
+from qcore.graph import PACKED_KEY, REWRITTEN_KEY, weight_value
 from qcore.measure import measure_model
 from qcore.qparams import dequantize_codes, fake_quantize_per_channel, fake_quantize_per_tensor, weight_codes
 from qcore.report.detectors import OutlierDetector, PerChannelDetector
@@ -143,3 +144,28 @@ def test_a_packed_llama_analysis_equals_the_unpacked_one_whole_and_block_wise():
         blockwise = ModelAnalysis(float_gm, batches=batches, plan=plan, blockwise=True).measurement
     for packed in (whole, blockwise):
         assert packed.sqnr == plain.sqnr and packed.variants == plain.variants and packed.logits == plain.logits
+
+
+@pytest.mark.parametrize("recipe", [True, "smooth:search"])
+def test_a_large_models_fix_trial_rewrites_each_weight_where_it_is_read_with_the_same_numbers(recipe):
+    pytest.importorskip("transformers")
+    model, batches = tiny_llama(layers=2, batch=2)
+    float_gm = qcore.capture(model, batches[0])
+    plain = ModelAnalysis(float_gm, batches=batches).variant(equalize=recipe).sqnr
+    with packed_weights():  # as the pipeline runs a model of 256 MiB or more
+        analysis = ModelAnalysis(float_gm, batches=batches)
+        assert analysis.variant(equalize=recipe).sqnr == plain
+        trial = analysis.variant(equalize=recipe, layers=["model.layers.0.mlp.down_proj"])
+        equalized = trial._equalized(trial.equalizable_layers if recipe is True else recipe)
+    rewritten = [node for node in equalized.graph.nodes if node.meta.get(REWRITTEN_KEY)]
+    assert rewritten and not deferred_parameters(equalized)
+    nodes = list(equalized.graph.nodes)
+    originals = {name: p.data_ptr() for name, p in float_gm.named_parameters()}
+    for node in rewritten:  # computed from the shared original, right before the op that reads it
+        assert nodes.index(next(iter(node.users))) == nodes.index(node) + 1
+        assert weight_value(equalized, node.args[0]).data_ptr() == originals[node.meta["qcore_float_weight"]]
+    assert all(weight.dim() < 2 for name, weight in equalized.named_parameters() if weight.data_ptr() not in
+               originals.values())  # only biases and norms' weights are rewritten copies
+    with packed_weights():  # the model's own equalized graph is kept for its later passes: it holds its weights
+        own = ModelAnalysis(float_gm, batches=batches, equalize=recipe)
+        assert not any(node.meta.get(REWRITTEN_KEY) for node in own.quantized_input_gm.graph.nodes)

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 from torch import fx, nn
 
-from ..graph import HANDLE_KEY, QuantizableOp, is_inserted
+from ..graph import HANDLE_KEY, REWRITTEN_KEY, QuantizableOp, is_inserted
 from .matching import layer_value, nodes_by_handle
 
 __all__ = ["attach_after", "copy_layer_into"]
@@ -70,6 +70,10 @@ def copy_layer_into(
         if node.op == "get_attr":
             with graph.inserting_before(anchor):
                 env[node] = graph.get_attr(f"{b_prefix}.{node.target}")
+            return env[node]
+        if node.meta.get(REWRITTEN_KEY):  # a float weight the quantized layer reads rewritten (a bias, say)
+            with graph.inserting_before(anchor):
+                env[node] = graph.node_copy(node, lookup)
             return env[node]
         if node.op == "placeholder" and node.target in placeholders:
             return placeholders[node.target]

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ..graph import FQN_KEY, HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted, original_input
+from ..graph import (FQN_KEY, HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted, is_weight_value,
+                     original_input)
 
 __all__ = ["LayerMatchError", "LayerPair", "LoggedNode", "NodePair", "layer_value", "logged_node", "match_layers",
            "match_nodes", "nodes_by_handle", "target_type"]
@@ -68,7 +69,7 @@ def logged_node(op_or_node: QuantizableOp | fx.Node) -> LoggedNode:
     node_value = _first_output(node) or node
     inputs = []
     for index, arg in enumerate(node.args):
-        if isinstance(arg, fx.Node) and arg.op != "get_attr":
+        if isinstance(arg, fx.Node) and not is_weight_value(arg):
             inputs.append((index, 0, arg))
         elif isinstance(arg, (list, tuple)):
             inputs += [(index, within, a) for within, a in enumerate(arg) if isinstance(a, fx.Node)]
