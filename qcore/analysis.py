@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import gc
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -363,6 +364,8 @@ class ModelAnalysis:
             self.require_deterministic()  # otherwise two runs (four to name the node where they differ)
         if not self._keeps_graphs:
             self.__dict__.pop("quantized_input_gm", None)  # built again if asked for
+        if weights_packed():  # a large model: its quantized copies, in reference cycles (fx graphs), go now
+            gc.collect()
         return dataclasses.replace(measured, first_outputs=())  # a batch of outputs is not worth keeping
 
     def _measure_blocks(self, float_gm: fx.GraphModule, **options: Any) -> ModelMeasurement:

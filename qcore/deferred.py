@@ -152,7 +152,7 @@ def read_rewritten_where_used(gm: fx.GraphModule) -> None:
             rewritten.meta.update({REWRITTEN_KEY: True, "qcore_float_weight": target})
             if "val" in reader.meta:
                 rewritten.meta["val"] = reader.meta["val"]
-            reader.replace_all_uses_with(rewritten, delete_user_cb=lambda user: user is not rewritten)
+            reader.replace_all_uses_with(rewritten, delete_user_cb=lambda user, made=rewritten: user is not made)
     del gm.meta[DEFERRED_KEY]
     gm.graph.lint()
     gm.recompile()

@@ -16,9 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
-from .convert import quantized_weight, read_quantized_weight, register_quantized_weight
+from .convert import (
+    fake_quantize_with,
+    quantized_weight,
+    read_quantized_weight,
+    register_quantized_weight,
+    weights_packed,
+)
 from .equalize import (
     InputEqualizationObserver,
     input_channel_axis,
@@ -33,13 +39,14 @@ from .numeric.loggers import StreamingComparator
 from .numeric.matching import LayerPair
 from .observers import MinMaxObserver, ObserverBase
 from .probes import ChannelStatisticsProbe
-from .qparams import calculate_qparams, fake_quantize_per_tensor
+from .qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor, row_slices
 from .quantizer import ANNOTATION_KEY
 from .report import InputWeightEqualizationDetector, ReportObserver
 from .report.detectors import DetectorBase, observer_name
 
 __all__ = ["Variant", "VariantSqnr", "add_variant_shadow", "as_input_observer", "detector_channel_ranges",
-           "kept_producer_outputs", "plan_variants", "rewrite_scales", "variant_batches", "variant_results"]
+           "kept_producer_outputs", "plan_variants", "rewrite_scales", "ScaledWeightQuantizer", "variant_batches",
+           "variant_results"]
 
 
 @dataclass(frozen=True)
@@ -196,16 +203,53 @@ def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Varia
     weight = fetch_attr(prepared, op.weight_target).detach()
 
     def make_weight() -> Any:  # made when its shadow is added: one block's at a time, block-wise
-        scaled = weight / weight_column_factor(op, variant.factor, weight)
+        column_factor = weight_column_factor(op, variant.factor, weight)
+        scaled = weight / column_factor
         fresh = _fresh_copy(weight_observer)
         with torch.no_grad():
             fresh(scaled)
+            if weights_packed():  # a large model: quantized where the shadow reads it, from the float weight
+                return ScaledWeightQuantizer(fresh, column_factor)
             return quantized_weight(fresh, scaled)
 
     shape = [1, -1] + [1] * (weight.dim() - 2) if op.kind == "conv" else [-1]
     variant.extras = {"scale": float(scale.reshape(-1)[0]), "zero_point": int(zero_point.reshape(-1)[0]),
                       "factor": variant.factor.reshape(shape).to(weight.dtype), "weight": make_weight}
     return ""
+
+
+_ROWS_ELEMENTS = 1 << 22  # of a variant's weight quantized at a time where it is read (16 MB of float32)
+
+
+class ScaledWeightQuantizer(nn.Module):
+    """A variant's quantized weight computed from the float weight each time it is read: the float weight divided
+    by the column factor, fake-quantized with the qparams observed on it once (the same values as the weight
+    quantized ahead, without holding them)."""
+
+    def __init__(self, observer: ObserverBase, column_factor: torch.Tensor) -> None:
+        super().__init__()
+        self.observer = observer
+        self.register_buffer("column_factor", column_factor)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        """The variant's fake-quantized weight, a bounded number of rows at a time (no scaled copy of an LM head)."""
+        weight, factor = weight.detach(), self.column_factor
+        by_rows = weight.dim() and (not self.observer.per_channel or (self.observer.ch_axis or 0) == 0)
+        with torch.no_grad():
+            if not by_rows or weight.numel() <= _ROWS_ELEMENTS:
+                return fake_quantize_with(self.observer, weight / factor)
+            scale, zero_point = self.observer.calculate_qparams()
+            out = torch.empty_like(weight)
+            for part in row_slices(weight, _ROWS_ELEMENTS):  # elementwise: the same values as the whole at once
+                scaled = weight[part] / (factor[part] if factor.shape[0] > 1 else factor)
+                if self.observer.per_channel:
+                    out[part] = fake_quantize_per_channel(scaled, scale[part], zero_point[part], 0,
+                                                          self.observer.quant_min, self.observer.quant_max)
+                else:
+                    out[part] = fake_quantize_per_tensor(scaled, float(scale.reshape(-1)[0]),
+                                                         int(zero_point.reshape(-1)[0]), self.observer.quant_min,
+                                                         self.observer.quant_max)
+            return out
 
 
 def _fresh_copy(observer: ObserverBase) -> ObserverBase:
@@ -235,7 +279,7 @@ def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, in
     input_copy = copies[quant_input]
     base = f"qcore_variant_{index}"
     gm_a.register_buffer(f"{base}_factor", variant.extras["factor"])
-    weight = register_quantized_weight(gm_a, f"{base}_weight", variant.extras["weight"]())
+    made = variant.extras["weight"]()
     qparams = (variant.extras["scale"], variant.extras["zero_point"], *input_copy.args[3:])
     if variant.requantize:  # the producer's quantized output, scaled, quantized again
         with gm_a.graph.inserting_after(input_copy):
@@ -254,7 +298,11 @@ def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, in
     scaled.meta[INSERTED_KEY] = "shadow"
     weight_copy = copies[quant_weight]
     with gm_a.graph.inserting_before(weight_copy):
-        weight_node = read_quantized_weight(gm_a, *weight)
+        if isinstance(made, ScaledWeightQuantizer):
+            gm_a.add_submodule(f"{base}_weight", made)
+            weight_node = gm_a.graph.call_module(f"{base}_weight", (pair.a.weight,))
+        else:
+            weight_node = read_quantized_weight(gm_a, *register_quantized_weight(gm_a, f"{base}_weight", made))
     weight_node.meta[INSERTED_KEY] = "shadow"
     weight_copy.replace_all_uses_with(weight_node)
     for node in [weight_copy, *weight_copy.all_input_nodes]:  # the quantized graph's weight, read no more

@@ -6,15 +6,17 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qcore
-from qcore import qparams
+from qcore import qparams, variants
 from qcore.analysis import AnalysisPlan, ModelAnalysis
-from qcore.convert import packed_weights
+from qcore.convert import fake_quantize_with, packed_weights
 from qcore.deferred import deferred_parameters
 from qcore.graph import PACKED_KEY, REWRITTEN_KEY, weight_value
 from qcore.measure import measure_model
+from qcore.observers import MinMaxObserver, PerChannelMinMaxObserver
 from qcore.qparams import dequantize_codes, fake_quantize_per_channel, fake_quantize_per_tensor, weight_codes
 from qcore.report.detectors import OutlierDetector, PerChannelDetector
 from qcore.sensitivity import SwitchableModel
+from qcore.variants import ScaledWeightQuantizer
 
 from .models import tiny_llama
 
@@ -101,6 +103,18 @@ def test_a_packed_measurement_equals_the_unpacked_one(net):
     assert packed.logits == plain.logits and packed.unmeasured == plain.unmeasured
 
 
+def test_packed_variants_quantize_their_weights_where_the_shadow_reads_them(net, monkeypatch):
+    float_gm, batches = net
+    reads = []
+    forward = ScaledWeightQuantizer.forward
+    monkeypatch.setattr(ScaledWeightQuantizer, "forward", lambda self, weight: reads.append(1) or forward(self, weight))
+    plain = measure_model(float_gm, batches, equalization_layers=["fc", "head"], smoothing=0.5)
+    assert not reads
+    with packed_weights():
+        packed = measure_model(float_gm, batches, equalization_layers=["fc", "head"], smoothing=0.5)
+    assert reads and packed.variants == plain.variants
+
+
 def test_a_packed_graph_holds_codes_not_float_copies_and_dequantizes_each_where_it_is_read(net):
     _, batches = net
     torch.manual_seed(1)
@@ -169,3 +183,19 @@ def test_a_large_models_fix_trial_rewrites_each_weight_where_it_is_read_with_the
     with packed_weights():  # the model's own equalized graph is kept for its later passes: it holds its weights
         own = ModelAnalysis(float_gm, batches=batches, equalize=recipe)
         assert not any(node.meta.get(REWRITTEN_KEY) for node in own.quantized_input_gm.graph.nodes)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), dtype=st.sampled_from(DTYPES), per_channel=st.booleans(),
+       grouped=st.booleans())
+def test_a_variants_weight_quantized_by_rows_where_read_equals_it_quantized_whole(seed, dtype, per_channel, grouped):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(24, 10, generator=generator) * 2).to(dtype)
+    rows = 24 if grouped else 1  # a grouped conv's factor has a row per output channel
+    factor = (torch.rand(rows, 10, generator=generator) + 0.5).to(dtype)
+    observer = PerChannelMinMaxObserver() if per_channel else MinMaxObserver(qscheme=torch.per_tensor_symmetric)
+    observer(weight / factor)
+    expected = fake_quantize_with(observer, weight / factor)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(variants, "_ROWS_ELEMENTS", 30)  # three rows at a time
+        assert torch.equal(ScaledWeightQuantizer(observer, factor)(weight), expected)

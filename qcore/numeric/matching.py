@@ -6,8 +6,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ..graph import (FQN_KEY, HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted, is_weight_value,
-                     original_input)
+from ..graph import (
+    FQN_KEY,
+    HANDLE_KEY,
+    QuantizableOp,
+    find_quantizable_ops,
+    is_inserted,
+    is_weight_value,
+    original_input,
+)
 
 __all__ = ["LayerMatchError", "LayerPair", "LoggedNode", "NodePair", "layer_value", "logged_node", "match_layers",
            "match_nodes", "nodes_by_handle", "target_type"]

@@ -11,7 +11,7 @@ from ..qparams import row_slices
 __all__ = ["compute_cosine_similarity", "compute_normalized_l2_error", "compute_sqnr", "large_tensor_sqnr",
            "sqnr_from_sums"]
 
-_ROWS_ELEMENTS = 1 << 22  # compared at a time by large_tensor_sqnr (in float64)
+_ROWS_ELEMENTS = 1 << 20  # compared at a time by large_tensor_sqnr (in float64: four 8 MB transients)
 
 
 def _elementwise(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
