@@ -9,6 +9,10 @@
  * float32, the same roundings as the torch path (qparams.fake_quantize_per_tensor), which this file is
  * compiled to keep: ISO C (-std=c99) does not contract a*b+c into one fused multiply-add.
  *
+ * qcore_fake_quantize_per_row does the same per row of a contiguous array, with each row's own scale and
+ * bounds (axis-0 per-channel fake quantization of a weight, an integer zero point folded into the bounds:
+ * clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp) for the small ranges it is given).
+ *
  * With OpenMP (the runtime torch already loaded), up to `threads` threads take contiguous parts.
  */
 #include <math.h>
@@ -67,5 +71,22 @@ void qcore_fake_quantize_per_tensor(const float *x, float *out, int64_t n, float
         v = v < low ? low : v; /* a NaN fails both tests and stays NaN, as in torch.clamp */
         v = v > high ? high : v;
         out[i] = v * scale + 0.0f;
+    }
+}
+
+void qcore_fake_quantize_per_row(const float *x, float *out, int64_t rows, int64_t cols, const float *inv_scale,
+                                 const float *scale, const float *low, const float *high, int64_t threads) {
+    threads = qcore_usable_threads(threads, MAX_PARTS);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float inv = inv_scale[r], step = scale[r], lo = low[r], hi = high[r];
+        const float *row = x + r * cols;
+        float *written = out + r * cols;
+        for (int64_t i = 0; i < cols; ++i) {
+            float v = nearbyintf(row[i] * inv);
+            v = v < lo ? lo : v;
+            v = v > hi ? hi : v;
+            written[i] = v * step + 0.0f;
+        }
     }
 }

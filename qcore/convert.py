@@ -173,12 +173,39 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) 
         with torch.no_grad():
             if _saw_nothing(observer):  # not calibrated: the weight is known, observe it here
                 observer(weight.detach())
-            quantized = quantized_weight(observer, weight.detach())
-        cache[key] = register_quantized_weight(gm, "qcore_fq_" + key[0].replace(".", "_"), quantized)
-    node = read_quantized_weight(gm, *cache[key])
+            if _PACKED_WEIGHTS.get():  # a large model: quantized from the float weight where it is read
+                cache[key] = (None, observer)
+            else:
+                quantized = quantized_weight(observer, weight.detach())
+                cache[key] = register_quantized_weight(gm, "qcore_fq_" + key[0].replace(".", "_"), quantized)
+    if cache[key][0] is None:
+        node = _read_weight_quantized_where_used(gm, source, "qcore_fq_" + key[0].replace(".", "_"), observer)
+    else:
+        node = read_quantized_weight(gm, *cache[key])
     scale, zero_point = observer.calculate_qparams()
     node.meta[QPARAMS_KEY] = _qparams_meta(observer, scale, zero_point)
     node.meta["qcore_float_weight"] = key[0]
+    return node
+
+
+def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name: str, observer: ObserverBase
+                                      ) -> fx.Node:
+    """A node (at the insertion point) computing fake_quantize_with(observer, the float weight `source` reads) each
+    time it runs: the observer's qparams as buffers (per channel) or constants (per tensor), no quantized copy."""
+    graph = gm.graph
+    scale, zero_point = observer.calculate_qparams()
+    if observer.per_channel:
+        name = _free_name(gm, name)
+        gm.register_buffer(name + "_scale", scale)
+        gm.register_buffer(name + "_zero_point", zero_point)
+        node = graph.call_function(fake_quantize_per_channel, (
+            source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), observer.ch_axis or 0,
+            observer.quant_min, observer.quant_max))
+    else:
+        node = graph.call_function(fake_quantize_per_tensor, (
+            source, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), observer.quant_min,
+            observer.quant_max))
+    node.meta[PACKED_KEY] = True
     return node
 
 

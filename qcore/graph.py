@@ -129,7 +129,7 @@ def weight_value(gm: torch.nn.Module, node: fx.Node) -> torch.Tensor:
     weight computed."""
     if node.op == "get_attr":
         return fetch_attr(gm, str(node.target))
-    args = [fetch_attr(gm, str(a.target)) if isinstance(a, fx.Node) else a for a in node.args]
+    args = [weight_value(gm, a) if isinstance(a, fx.Node) else a for a in node.args]
     return node.target(*args)
 
 

@@ -29,7 +29,7 @@ from .equalize import (
     InputEqualizationObserver,
     input_channel_axis,
 )
-from .graph import find_quantizable_ops, weight_value
+from .graph import PACKED_KEY, find_quantizable_ops, weight_value
 from .numeric.compare import ExtraShadows, ShadowGraph, compare, compare_propagated_and_shadow
 from .numeric.logits import LogitsComparator, LogitsMeasurement
 from .numeric.matching import match_layers
@@ -305,12 +305,24 @@ def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule) -> dict[str
         if pair.a.weight is None or pair.b.weight is None:
             continue
         original = weight_value(float_gm, pair.a.weight).detach()
-        quantized = weight_value(quant_gm, pair.b.weight).detach()
+        quantized = _quantized_weight_value(quant_gm, pair.b.weight, pair.a.weight, original).detach()
         # an exact reconstruction (an all-zero weight, say) is inf, as for activations, not 0/0 = nan
         exact = bool(torch.equal(original, quantized))
         found[pair.layer] = math.inf if exact else large_tensor_sqnr(original, quantized)
         del original, quantized
     return found
+
+
+def _quantized_weight_value(quant_gm: fx.GraphModule, node: fx.Node, float_node: fx.Node, original: torch.Tensor
+                            ) -> torch.Tensor:
+    """The quantized weight `node` reads; one quantized where it is read from the same float weight as `float_node`
+    is computed from `original` (that float weight, already made: a rewritten LM head is not made twice)."""
+    source = node.args[0] if node.meta.get(PACKED_KEY) and node.args else None
+    # the quantized graph is a copy of the float one: the same attribute path, or the same rewrite of it
+    if not (isinstance(source, fx.Node) and source.op == float_node.op and source.target == float_node.target):
+        return weight_value(quant_gm, node)
+    rest = [weight_value(quant_gm, a) if isinstance(a, fx.Node) else a for a in node.args[1:]]
+    return node.target(original, *rest)
 
 
 def sqnr_measurement(records: list[dict], shadows: dict[str, dict], weights: Mapping[str, float],

@@ -103,6 +103,8 @@ def _working(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in _HALF_DTYPES else x
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a weight read where it is used is a Parameter
+_NATIVE_RANGE = 1 << 16  # integer bounds and zero points the native per-row kernel takes (float32-exact sums)
 _ROWS_ELEMENTS = 1 << 24  # fake-quantized at a time: 64 MB of float32 working values, not a copy of an LM head
 
 
@@ -166,6 +168,20 @@ def fake_quantize_per_channel(
     float_zero_point = zero_point.is_floating_point()
     zero_point = zero_point.to(device=x.device).reshape(shape).to(torch.float32 if x.dtype in _HALF_DTYPES else x.dtype)
     inv_scale = 1.0 / scale
+    if (x.__class__ in _PLAIN_TENSORS and x.dtype == torch.float32 and x.is_cpu and x.dim() and axis % x.dim() == 0
+            and not float_zero_point and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
+            and not (x.requires_grad and torch.is_grad_enabled())):
+        library = native.kernel()
+        if library is not None and bool(zero_point.abs().le(_NATIVE_RANGE).all()):  # the same roundings, one pass
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            channels = x.shape[0]
+            inverse, steps, low, high = (value.reshape(-1).expand(channels).contiguous() for value in (
+                inv_scale, scale, quant_min - zero_point, quant_max - zero_point))
+            library.qcore_fake_quantize_per_row(x.data_ptr(), out.data_ptr(), channels, x.numel() // max(1, channels),
+                                                inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
+                                                native.threads(x.numel()))
+            return out
 
     def rows(values: torch.Tensor, part: slice) -> torch.Tensor:
         channels = part if axis % x.dim() == 0 else slice(None)  # the qparams of these rows' channels

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from qcore import native
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
-from qcore.qparams import fake_quantize_per_tensor
+from qcore.qparams import fake_quantize_per_channel, fake_quantize_per_tensor
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=f"no native kernel here: {native.status()}")
 RANGES = [(-128, 127), (0, 255), (-8, 7), (-(2**31), 2**31 - 1)]
@@ -50,6 +50,26 @@ def test_fake_quantize_per_tensor_is_bit_identical_to_the_torch_path(seed, scale
     assert ours.dtype == reference.dtype and ours.shape == reference.shape
     assert torch.equal(ours.nan_to_num(7.0), reference.nan_to_num(7.0))
     assert torch.equal(torch.signbit(ours), torch.signbit(reference))  # no -0.0 where torch has 0.0
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.sampled_from([1, 5, 64]), cols=st.sampled_from([1, 9, 300]),
+       qrange=st.sampled_from(RANGES[:3]), symmetric=st.booleans(), strided=st.booleans())
+def test_fake_quantize_per_channel_is_bit_identical_to_the_torch_path(seed, rows, cols, qrange, symmetric, strided):
+    quant_min, quant_max = qrange
+    g = torch.Generator().manual_seed(seed)
+    x = _with_specials(torch.randn(rows, cols * (2 if strided else 1), generator=g) * 4, seed)
+    x = x[:, ::2] if strided else x
+    scale = torch.rand(rows, generator=g) * 0.1 + 1e-4
+    zero_point = torch.zeros(rows, dtype=torch.int64) if symmetric else \
+        torch.randint(quant_min, quant_max + 1, (rows,), generator=g)
+    x[:, : min(cols, 8)] = (torch.arange(min(cols, 8)) + 0.5) * scale[:, None]  # ties: round half to even
+    ours = fake_quantize_per_channel(x, scale, zero_point, 0, quant_min, quant_max)
+    reference = _torch_path(fake_quantize_per_channel, x, scale, zero_point, 0, quant_min, quant_max)
+    assert ours.dtype == reference.dtype and ours.shape == reference.shape
+    assert torch.equal(ours.nan_to_num(7.0), reference.nan_to_num(7.0))
+    assert torch.equal(torch.signbit(ours), torch.signbit(reference))
 
 
 @needs_kernel

@@ -115,21 +115,22 @@ def test_packed_variants_quantize_their_weights_where_the_shadow_reads_them(net,
     assert reads and packed.variants == plain.variants
 
 
-def test_a_packed_graph_holds_codes_not_float_copies_and_dequantizes_each_where_it_is_read(net):
+def test_a_packed_graph_holds_no_quantized_copy_and_quantizes_each_weight_where_it_is_read(net):
     _, batches = net
     torch.manual_seed(1)
     model = Net().eval()
     with packed_weights():
         float_copy, quantized = qcore.quantize(model, (batches[0],), batches)
-    weights = sum(p.numel() * p.element_size() for name, p in float_copy.named_parameters() if "bias" not in name)
-    held = sum(b.numel() * b.element_size() for name, b in quantized.named_buffers() if name.startswith("qcore_fq"))
-    assert {b.dtype for name, b in quantized.named_buffers() if name.endswith("_codes")} == {torch.int8}
-    assert held < 0.3 * weights
+    held = {name: b for name, b in quantized.named_buffers() if name.startswith("qcore_fq")}
+    assert held and all(b.dim() == 1 for b in held.values())  # per-channel scales and zero points only
+    floats = dict(float_copy.named_parameters())
     nodes = list(quantized.graph.nodes)
     packed = [n for n in nodes if n.meta.get(PACKED_KEY)]
     assert len(packed) == 4
-    for node in packed:  # right before the layer that reads it: one dequantized weight alive at a time
+    for node in packed:  # right before the layer that reads it: one quantized weight alive at a time
         assert nodes.index(next(iter(node.users))) == nodes.index(node) + 1
+        source = node.args[0]  # the float weight itself
+        assert source.op == "get_attr" and torch.equal(weight_value(quantized, source), floats[source.target])
     with packed_weights(False):
         _, plain = qcore.quantize(model, (batches[0],), batches)
     assert torch.equal(quantized(batches[1]), plain(batches[1]))
