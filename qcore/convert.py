@@ -16,14 +16,7 @@ from .format_quantizer import FormatFakeQuantize, FormatObserver, fake_quantize_
 from .graph import FQN_KEY, INSERTED_KEY, PACKED_KEY, REWRITTEN_KEY, weight_value
 from .observers import ObserverBase
 from .prepare import prepare
-from .qparams import (
-    WeightCodes,
-    dequantize_codes,
-    fake_quantize_dynamic,
-    fake_quantize_per_channel,
-    fake_quantize_per_tensor,
-    weight_codes,
-)
+from .qparams import fake_quantize_dynamic, fake_quantize_per_channel, fake_quantize_per_tensor
 from .quantizer import Int8StaticQuantizer, Quantizer
 
 QPARAMS_KEY = "qcore_qparams"
@@ -32,9 +25,10 @@ _PACKED_WEIGHTS = contextvars.ContextVar("qcore_packed_weights", default=False)
 
 @contextlib.contextmanager
 def packed_weights(enabled: bool = True) -> Iterator[None]:
-    """Within the block, convert keeps each integer-quantized weight as its int8/int16 codes and dequantizes it
-    when the graph reads it (the same values, bit for bit): a quarter of a float32 copy's memory, for one more
-    elementwise pass per read. Meant for large models, where the copy would double the weights' memory."""
+    """Within the block, convert keeps no quantized copy of an integer-quantized weight: the converted graph
+    fake-quantizes the float weight each time it reads it (the same values, bit for bit; one pass of a native
+    kernel for float32), with only the qparams held. Meant for large models, where a copy per weight would add
+    its bytes again to the weights' memory."""
     token = _PACKED_WEIGHTS.set(enabled)
     try:
         yield
@@ -176,12 +170,13 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) 
             if _PACKED_WEIGHTS.get():  # a large model: quantized from the float weight where it is read
                 cache[key] = (None, observer)
             else:
-                quantized = quantized_weight(observer, weight.detach())
-                cache[key] = register_quantized_weight(gm, "qcore_fq_" + key[0].replace(".", "_"), quantized)
+                name = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
+                gm.register_buffer(name, fake_quantize_with(observer, weight.detach()))
+                cache[key] = (name, observer)
     if cache[key][0] is None:
         node = _read_weight_quantized_where_used(gm, source, "qcore_fq_" + key[0].replace(".", "_"), observer)
     else:
-        node = read_quantized_weight(gm, *cache[key])
+        node = gm.graph.get_attr(cache[key][0])
     scale, zero_point = observer.calculate_qparams()
     node.meta[QPARAMS_KEY] = _qparams_meta(observer, scale, zero_point)
     node.meta["qcore_float_weight"] = key[0]
@@ -210,8 +205,8 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
 
 
 def _read_packed_weights_where_used(graph: fx.Graph) -> None:
-    """Move each packed weight's dequantization (and its reads) to just before its first user: at the graph's top,
-    where the weight observers were, every layer's dequantized weight would be alive at once."""
+    """Move each weight quantized where it is read (and its reads) to just before its first user: at the graph's
+    top, where the weight observers were, every layer's quantized weight would be alive at once."""
     order = {node: index for index, node in enumerate(graph.nodes)}
     for node in [n for n in graph.nodes if n.meta.get(PACKED_KEY)]:
         if not node.users:
@@ -221,47 +216,6 @@ def _read_packed_weights_where_used(graph: fx.Graph) -> None:
         for value in node.all_input_nodes:
             if len(value.users) == 1:
                 node.prepend(value)
-
-
-def quantized_weight(observer: ObserverBase, weight: torch.Tensor) -> torch.Tensor | WeightCodes:
-    """fake_quantize_with(observer, weight); within packed_weights(), its codes where they can stand for it."""
-    packed = _weight_codes(observer, weight) if _PACKED_WEIGHTS.get() else None
-    return packed if packed is not None else fake_quantize_with(observer, weight)
-
-
-def register_quantized_weight(gm: nn.Module, name: str, quantized: torch.Tensor | WeightCodes
-                              ) -> tuple[str, bool, torch.dtype | None]:
-    """Register a quantized weight (a tensor, or codes) as buffers of gm under a free name based on `name`; returns
-    what read_quantized_weight needs to read it."""
-    name = _free_name(gm, name)
-    if isinstance(quantized, torch.Tensor):
-        gm.register_buffer(name, quantized)
-        return name, False, None
-    gm.register_buffer(name + "_codes", quantized.codes)
-    gm.register_buffer(name + "_scale", quantized.scale)
-    if quantized.zero_point is not None:
-        gm.register_buffer(name + "_zero_point", quantized.zero_point)
-    return name, quantized.zero_point is not None, quantized.dtype
-
-
-def read_quantized_weight(gm: fx.GraphModule, name: str, has_zero_point: bool, dtype: torch.dtype | None
-                          ) -> fx.Node:
-    """The node (at the graph's insertion point) that reads a weight registered by register_quantized_weight."""
-    graph = gm.graph
-    if dtype is None:
-        return graph.get_attr(name)
-    zero_point = graph.get_attr(name + "_zero_point") if has_zero_point else None
-    node = graph.call_function(dequantize_codes, (graph.get_attr(name + "_codes"), graph.get_attr(name + "_scale"),
-                                                  zero_point, dtype))
-    node.meta[PACKED_KEY] = True
-    return node
-
-
-def _weight_codes(observer: ObserverBase, weight: torch.Tensor) -> Any:
-    """The codes of fake_quantize_with(observer, weight), or None where they cannot stand for it."""
-    scale, zero_point = observer.calculate_qparams()
-    axis = (observer.ch_axis or 0) if observer.per_channel else None
-    return weight_codes(weight, scale, zero_point, axis, observer.quant_min, observer.quant_max)
 
 
 def round_trip_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -337,6 +291,6 @@ def quantize(
     return float_gm, quant_gm
 
 
-__all__ = ["convert", "quantize", "fake_quantize_with", "packed_weights", "quantized_weight", "weights_packed",
-           "read_quantized_weight", "register_quantized_weight", "restore_model_state", "round_trip_through",
+__all__ = ["convert", "quantize", "fake_quantize_with", "packed_weights", "weights_packed", "restore_model_state",
+           "round_trip_through",
            "QPARAMS_KEY", "FQN_KEY"]

@@ -18,7 +18,7 @@ __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZAB
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
 INSERTED_KEY = "qcore_inserted"  # "observer" or "qdq" on nodes that qcore adds
-PACKED_KEY = "qcore_packed_weight"  # on a converted weight kept as integer codes, dequantized when read
+PACKED_KEY = "qcore_packed_weight"  # on a converted weight fake-quantized from the float one where it is read
 REWRITTEN_KEY = "qcore_rewritten_weight"  # on a rewritten (equalized, smoothed) weight computed where it is read
 LAYER_NAME_KEY = "qcore_layer_name"  # a layer's name in the whole model, on the ops of a block cut from it
 
@@ -118,15 +118,15 @@ def fetch_attr(module: torch.nn.Module, target: str) -> Any:
 
 
 def is_weight_value(node: object) -> bool:
-    """True for a parameter read (get_attr), a converted weight kept as codes and a rewritten weight computed where
-    it is read (values of their own, made from parameters)."""
+    """True for a parameter read (get_attr), and for a converted weight quantized and a rewritten weight computed
+    where they are read (values of their own, made from parameters)."""
     return isinstance(node, fx.Node) and (node.op == "get_attr" or bool(node.meta.get(PACKED_KEY))
                                           or bool(node.meta.get(REWRITTEN_KEY)))
 
 
 def weight_value(gm: torch.nn.Module, node: fx.Node) -> torch.Tensor:
-    """The tensor a weight node reads: the attribute of a get_attr, a packed weight dequantized, or a rewritten
-    weight computed."""
+    """The tensor a weight node reads: the attribute of a get_attr, or the weight a node computes from
+    parameters (quantized or rewritten where it is read)."""
     if node.op == "get_attr":
         return fetch_attr(gm, str(node.target))
     args = [weight_value(gm, a) if isinstance(a, fx.Node) else a for a in node.args]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -11,8 +10,7 @@ from . import native
 
 __all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRIC_SCHEMES", "calculate_qparams",
     "default_quant_range", "fake_quantize_dynamic", "fake_quantize_per_channel", "fake_quantize_per_tensor",
-    "is_per_channel", "is_symmetric", "resolve_quant_range", "row_slices", "WeightCodes", "dequantize_codes",
-    "weight_codes"]
+    "is_per_channel", "is_symmetric", "resolve_quant_range", "row_slices"]
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 
@@ -204,88 +202,3 @@ def fake_quantize_dynamic(x: torch.Tensor, quant_min: int, quant_max: int, symme
     inv_scale = 1.0 / scale
     q = torch.clamp(torch.round(work * inv_scale) + zero_point, quant_min, quant_max)
     return ((q - zero_point) * scale).to(x.dtype)
-
-
-@dataclass(frozen=True)
-class WeightCodes:
-    """A fake-quantized weight kept as its integer codes: dequantize_codes(codes, scale, zero_point, dtype) gives
-    back, bit for bit, what fake_quantize_per_channel/_per_tensor computed (a quarter of a float32 copy's bytes)."""
-
-    codes: torch.Tensor  # int8 or int16, the weight's shape
-    scale: torch.Tensor  # float32, broadcastable to the weight's shape
-    zero_point: torch.Tensor | None  # subtracted before scaling; None where it is 0
-    dtype: torch.dtype  # the weight's own dtype
-
-
-def _codes_dtype(low: int, high: int) -> torch.dtype | None:
-    for dtype in (torch.int8, torch.int16):
-        info = torch.iinfo(dtype)
-        if info.min <= low and high <= info.max:
-            return dtype
-    return None
-
-
-def weight_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int | None, quant_min: int,
-                 quant_max: int) -> WeightCodes | None:
-    """The codes of fake_quantize_per_channel(x, scale, zero_point, axis, ...) (axis None: per tensor, with one
-    scale and zero point), or None where codes cannot stand for it: x holds NaN, is not floating point, or the
-    range needs more than 16 bits."""
-    # a NaN or inf anywhere makes the sum one (a sum that overflows falls back too): one pass, no mask
-    if not x.is_floating_point() or (x.requires_grad and torch.is_grad_enabled()) or \
-            not bool(torch.isfinite(x.sum())):
-        return None
-    work = torch.float32 if x.dtype in _HALF_DTYPES else x.dtype
-    shape = [1] * x.dim()
-    if axis is None:  # per tensor: the codes hold q - zero_point, as the fused kernel clamps them
-        offset = int(zero_point.reshape(-1)[0])
-        low, high = quant_min - offset, quant_max - offset
-        inv_scale = _float32(1.0 / _float32(float(scale.reshape(-1)[0])))
-        scales = scale.detach().to(device=x.device, dtype=torch.float32).reshape(-1)[:1].reshape(shape)
-        zero = None
-    else:
-        if zero_point.is_floating_point():
-            return None  # float qparams: not integer codes
-        shape[axis] = -1
-        low, high = quant_min, quant_max
-        scales = scale.detach().to(device=x.device, dtype=torch.float32).reshape(shape)
-        inv_scale = 1.0 / scales
-        zero = zero_point.to(device=x.device).reshape(shape).to(work)
-        if not bool(zero.any()):
-            zero = None
-    dtype = _codes_dtype(low, high)
-    if dtype is None:
-        return None
-    codes = torch.empty(x.shape, dtype=dtype, device=x.device)
-    pieces = row_slices(x, _ROWS_ELEMENTS) if x.dim() and x.numel() > _ROWS_ELEMENTS else [slice(None)]
-    for part in pieces:
-        channels = part if axis is not None and axis % x.dim() == 0 else slice(None)
-        step_inverse = inv_scale[channels] if isinstance(inv_scale, torch.Tensor) else inv_scale
-        q = _working(x[part]) * step_inverse
-        if zero is not None:
-            q.round_().add_(zero[channels])
-        else:
-            q.round_()
-        codes[part] = q.clamp_(low, high).to(dtype)
-    return WeightCodes(codes, scales, zero, x.dtype)
-
-
-def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """The fake-quantized weight that `codes` stand for (see WeightCodes), in `dtype`, a bounded number of rows of
-    float32 working values at a time."""
-    work = torch.float32 if dtype in _HALF_DTYPES else dtype
-
-    def rows(part: slice) -> torch.Tensor:
-        channels = part if scale.dim() and scale.shape[0] != 1 else slice(None)
-        step_scale = scale[channels] if scale.dim() else scale
-        values = codes[part].to(work)  # exact; a mixed-dtype mul would be one pass, but 5x slower
-        if zero_point is not None:
-            values.sub_(zero_point[channels])  # per channel: the scale's shape
-        return values.mul_(step_scale).to(dtype)
-
-    if codes.dim() == 0 or codes.numel() <= _ROWS_ELEMENTS or dtype == work:
-        return rows(slice(None))
-    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    for part in row_slices(codes, _ROWS_ELEMENTS):
-        out[part] = rows(part)
-    return out

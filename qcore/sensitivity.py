@@ -93,7 +93,7 @@ class _WeightSwitch(nn.Module):
 
 
 class _PackedWeightSwitch(nn.Module):
-    """A weight kept as codes, dequantized by `function` from the call's arguments, or the float one when off."""
+    """A weight quantized where it is read, by `function` from the call's arguments, or the float one when off."""
 
     def __init__(self, function: Any, original: torch.Tensor) -> None:
         super().__init__()
@@ -185,7 +185,7 @@ class SwitchableModel(SwitchedRuns):
                     switch: nn.Module = _WeightSwitch(fetch_attr(self.gm, str(node.target)),
                                                       fetch_attr(self.gm, original))
                     args: tuple = ()
-                else:  # kept as codes (packed_weights): dequantized when on
+                else:  # quantized where it is read (packed_weights): when on
                     switch, args = _PackedWeightSwitch(node.target, fetch_attr(self.gm, original)), node.args
             else:
                 switch, args = _Switch(node.target), node.args

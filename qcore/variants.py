@@ -18,13 +18,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .convert import (
-    fake_quantize_with,
-    quantized_weight,
-    read_quantized_weight,
-    register_quantized_weight,
-    weights_packed,
-)
+from .convert import fake_quantize_with, weights_packed
 from .equalize import (
     InputEqualizationObserver,
     input_channel_axis,
@@ -210,7 +204,7 @@ def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Varia
             fresh(scaled)
             if weights_packed():  # a large model: quantized where the shadow reads it, from the float weight
                 return ScaledWeightQuantizer(fresh, column_factor)
-            return quantized_weight(fresh, scaled)
+            return fake_quantize_with(fresh, scaled)
 
     shape = [1, -1] + [1] * (weight.dim() - 2) if op.kind == "conv" else [-1]
     variant.extras = {"scale": float(scale.reshape(-1)[0]), "zero_point": int(zero_point.reshape(-1)[0]),
@@ -302,7 +296,8 @@ def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, in
             gm_a.add_submodule(f"{base}_weight", made)
             weight_node = gm_a.graph.call_module(f"{base}_weight", (pair.a.weight,))
         else:
-            weight_node = read_quantized_weight(gm_a, *register_quantized_weight(gm_a, f"{base}_weight", made))
+            gm_a.register_buffer(f"{base}_weight", made)
+            weight_node = gm_a.graph.get_attr(f"{base}_weight")
     weight_node.meta[INSERTED_KEY] = "shadow"
     weight_copy.replace_all_uses_with(weight_node)
     for node in [weight_copy, *weight_copy.all_input_nodes]:  # the quantized graph's weight, read no more

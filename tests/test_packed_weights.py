@@ -1,4 +1,5 @@
-"""Quantized weights kept as integer codes (qcore.convert.packed_weights): the same numbers, a quarter of the bytes."""
+"""Large models' weights quantized and rewritten where they are read (qcore.convert.packed_weights,
+qcore.deferred.read_rewritten_where_used): the same numbers, no copy of the weights."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -6,14 +7,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qcore
-from qcore import qparams, variants
+from qcore import variants
 from qcore.analysis import AnalysisPlan, ModelAnalysis
 from qcore.convert import fake_quantize_with, packed_weights
 from qcore.deferred import deferred_parameters
 from qcore.graph import PACKED_KEY, REWRITTEN_KEY, weight_value
 from qcore.measure import measure_model
 from qcore.observers import MinMaxObserver, PerChannelMinMaxObserver
-from qcore.qparams import dequantize_codes, fake_quantize_per_channel, fake_quantize_per_tensor, weight_codes
 from qcore.report.detectors import OutlierDetector, PerChannelDetector
 from qcore.sensitivity import SwitchableModel
 from qcore.variants import ScaledWeightQuantizer
@@ -21,50 +21,6 @@ from qcore.variants import ScaledWeightQuantizer
 from .models import tiny_llama
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), dtype=st.sampled_from(DTYPES), symmetric=st.booleans(),
-       axis=st.sampled_from([None, 0, 1]), rows_at_a_time=st.booleans())
-def test_codes_dequantize_to_the_fake_quantized_weight_bit_for_bit(seed, dtype, symmetric, axis, rows_at_a_time):
-    generator = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(12, 10, generator=generator) * 3 + torch.rand(1, generator=generator)).to(dtype)
-    quant_min, quant_max = (-128, 127) if symmetric else (0, 255)
-    if axis is None:
-        low, high = weight.float().min().clamp(max=0), weight.float().max().clamp(min=0)
-    else:
-        low, high = torch.aminmax(weight.float().movedim(axis, 0).reshape(weight.shape[axis], -1), dim=1)
-    scale, zero_point = qparams.calculate_qparams(low, high, quant_min, quant_max, symmetric)
-    with pytest.MonkeyPatch.context() as patch:
-        if rows_at_a_time:  # a few rows at a time, as for an LM head
-            patch.setattr(qparams, "_ROWS_ELEMENTS", 25)
-        if axis is None:
-            expected = fake_quantize_per_tensor(weight, float(scale), int(zero_point), quant_min, quant_max)
-        else:
-            expected = fake_quantize_per_channel(weight, scale, zero_point, axis, quant_min, quant_max)
-        codes = weight_codes(weight, scale, zero_point, axis, quant_min, quant_max)
-        assert codes is not None and codes.codes.dtype in ((torch.int8,) if symmetric else (torch.int8, torch.int16))
-        restored = dequantize_codes(codes.codes, codes.scale, codes.zero_point, codes.dtype)
-    assert restored.dtype == weight.dtype
-    assert torch.equal(restored, expected)
-
-
-def test_codes_agree_with_torch_fake_quantize_per_channel():
-    weight = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
-    amax = weight.abs().amax(dim=1)
-    scale = amax / 127.5
-    zero_point = torch.zeros(16, dtype=torch.int64)
-    codes = weight_codes(weight, scale, zero_point, 0, -128, 127)
-    reference = torch.fake_quantize_per_channel_affine(weight, scale, zero_point.int(), 0, -128, 127)
-    assert torch.equal(dequantize_codes(codes.codes, codes.scale, codes.zero_point, codes.dtype), reference)
-
-
-def test_weights_that_codes_cannot_stand_for_stay_fake_quantized_tensors():
-    scale, zero_point = torch.tensor([0.1]), torch.tensor([0])
-    assert weight_codes(torch.tensor([[1.0, float("nan")]]), scale, zero_point, None, -128, 127) is None
-    assert weight_codes(torch.ones(2, 2), scale, zero_point, None, -(2**20), 2**20) is None  # wider than int16
-    assert weight_codes(torch.ones(2, 2), torch.ones(2), torch.zeros(2), 0, 0, 255) is None  # float qparams
-    assert weight_codes(torch.ones(2, 2), torch.ones(2), torch.zeros(2, dtype=torch.int64), 0, 0, 255) is not None
 
 
 class Net(nn.Module):
