@@ -183,6 +183,12 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) 
     return node
 
 
+def fake_quantize_over_input(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
+                             quant_min: int, quant_max: int) -> torch.Tensor:
+    """fake_quantize_per_channel written over x, a tensor made for this call alone (a rewritten weight)."""
+    return fake_quantize_per_channel(x, scale, zero_point, axis, quant_min, quant_max, in_place=True)
+
+
 def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name: str, observer: ObserverBase
                                       ) -> fx.Node:
     """A node (at the insertion point) computing fake_quantize_with(observer, the float weight `source` reads) each
@@ -193,7 +199,9 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
         name = _free_name(gm, name)
         gm.register_buffer(name + "_scale", scale)
         gm.register_buffer(name + "_zero_point", zero_point)
-        node = graph.call_function(fake_quantize_per_channel, (
+        # a rewritten weight made for this read alone is quantized over itself: no second copy of an LM head
+        alone = bool(source.meta.get(REWRITTEN_KEY)) and len(source.users) == 1
+        node = graph.call_function(fake_quantize_over_input if alone else fake_quantize_per_channel, (
             source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), observer.ch_axis or 0,
             observer.quant_min, observer.quant_max))
     else:
@@ -291,6 +299,7 @@ def quantize(
     return float_gm, quant_gm
 
 
-__all__ = ["convert", "quantize", "fake_quantize_with", "packed_weights", "weights_packed", "restore_model_state",
+__all__ = ["convert", "quantize", "fake_quantize_over_input", "fake_quantize_with", "packed_weights", "weights_packed",
+           "restore_model_state",
            "round_trip_through",
            "QPARAMS_KEY", "FQN_KEY"]

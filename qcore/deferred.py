@@ -118,6 +118,8 @@ class RewrittenTensor:
         with torch.no_grad():
             for rule in self.rules:
                 value = rule(value)
+            if value.untyped_storage().data_ptr() == original.untyped_storage().data_ptr():
+                value = value.clone()  # always a tensor of its own: a reader may write over it
         return value
 
     def __repr__(self) -> str:

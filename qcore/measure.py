@@ -23,7 +23,7 @@ from torch import fx
 from .calibrate import CalibrationError, calibrate
 from .calibrated import CalibratedObservers
 from .capture import clone_graph_module
-from .convert import convert, restore_model_state
+from .convert import convert, fake_quantize_over_input, restore_model_state
 from .diagnose import ResolutionLimit, first_non_finite, resolution_limits
 from .equalize import (
     InputEqualizationObserver,
@@ -322,7 +322,8 @@ def _quantized_weight_value(quant_gm: fx.GraphModule, node: fx.Node, float_node:
     if not (isinstance(source, fx.Node) and source.op == float_node.op and source.target == float_node.target):
         return weight_value(quant_gm, node)
     rest = [weight_value(quant_gm, a) if isinstance(a, fx.Node) else a for a in node.args[1:]]
-    return node.target(original, *rest)
+    over_input = node.target is fake_quantize_over_input  # which writes over `original`: give it a copy
+    return node.target(original.clone() if over_input else original, *rest)
 
 
 def sqnr_measurement(records: list[dict], shadows: dict[str, dict], weights: Mapping[str, float],

@@ -106,12 +106,13 @@ _NATIVE_RANGE = 1 << 16  # integer bounds and zero points the native per-row ker
 _ROWS_ELEMENTS = 1 << 24  # fake-quantized at a time: 64 MB of float32 working values, not a copy of an LM head
 
 
-def _by_rows(x: torch.Tensor, rows: Callable[[torch.Tensor, slice], torch.Tensor]) -> torch.Tensor:
+def _by_rows(x: torch.Tensor, rows: Callable[[torch.Tensor, slice], torch.Tensor], in_place: bool = False
+             ) -> torch.Tensor:
     """rows(x[part], part) over slices `part` of dim 0, a bounded number of elements at a time, into one tensor
-    (the computation is elementwise: the same values as rows(x, slice(None)))."""
+    (x itself with `in_place`; the computation is elementwise: the same values as rows(x, slice(None)))."""
     if x.dim() == 0 or x.numel() <= _ROWS_ELEMENTS or (x.requires_grad and torch.is_grad_enabled()):
         return rows(x, slice(None))
-    out = torch.empty_like(x)
+    out = x if in_place else torch.empty_like(x)
     for part in row_slices(x, _ROWS_ELEMENTS):
         out[part] = rows(x[part], part)
     return out
@@ -158,8 +159,11 @@ def fake_quantize_per_channel(
     axis: int,
     quant_min: int,
     quant_max: int,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """Quantize then dequantize with one scale and zero point per slice along `axis`; the result has x's dtype."""
+    """Quantize then dequantize with one scale and zero point per slice along `axis`; the result has x's dtype.
+    in_place=True may write the result over x (a large contiguous x, made for this call alone), instead of
+    allocating a second copy."""
     shape = [1] * x.dim()
     shape[axis] = -1
     scale = scale.to(device=x.device, dtype=torch.float32).reshape(shape)
@@ -171,8 +175,9 @@ def fake_quantize_per_channel(
             and not (x.requires_grad and torch.is_grad_enabled())):
         library = native.kernel()
         if library is not None and bool(zero_point.abs().le(_NATIVE_RANGE).all()):  # the same roundings, one pass
+            in_place = in_place and x.is_contiguous()
             x = x.contiguous()
-            out = torch.empty_like(x)
+            out = x if in_place else torch.empty_like(x)
             channels = x.shape[0]
             inverse, steps, low, high = (value.reshape(-1).expand(channels).contiguous() for value in (
                 inv_scale, scale, quant_min - zero_point, quant_max - zero_point))
@@ -191,7 +196,7 @@ def fake_quantize_per_channel(
             q.round_().add_(step_zero_point)
         return q.clamp_(quant_min, quant_max).sub_(step_zero_point).mul_(step_scale).to(x.dtype)
 
-    return _by_rows(x, rows)
+    return _by_rows(x, rows, in_place)
 
 
 def fake_quantize_dynamic(x: torch.Tensor, quant_min: int, quant_max: int, symmetric: bool) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch import nn
 import qcore
 from qcore import variants
 from qcore.analysis import AnalysisPlan, ModelAnalysis
-from qcore.convert import fake_quantize_with, packed_weights
+from qcore.convert import fake_quantize_over_input, fake_quantize_with, packed_weights
 from qcore.deferred import deferred_parameters
 from qcore.graph import PACKED_KEY, REWRITTEN_KEY, weight_value
 from qcore.measure import measure_model
@@ -137,6 +137,10 @@ def test_a_large_models_fix_trial_rewrites_each_weight_where_it_is_read_with_the
         assert weight_value(equalized, node.args[0]).data_ptr() == originals[node.meta["qcore_float_weight"]]
     assert all(weight.dim() < 2 for name, weight in equalized.named_parameters() if weight.data_ptr() not in
                originals.values())  # only biases and norms' weights are rewritten copies
+    with packed_weights():  # each rewritten weight is quantized over itself, made for that read alone
+        quantized = trial.quantized_gm
+    over = [node for node in quantized.graph.nodes if node.target is fake_quantize_over_input]
+    assert over and all(node.args[0].meta.get(REWRITTEN_KEY) and len(node.args[0].users) == 1 for node in over)
     with packed_weights():  # the model's own equalized graph is kept for its later passes: it holds its weights
         own = ModelAnalysis(float_gm, batches=batches, equalize=recipe)
         assert not any(node.meta.get(REWRITTEN_KEY) for node in own.quantized_input_gm.graph.nodes)
