@@ -37,7 +37,7 @@ def packed_weights(enabled: bool = True) -> Iterator[None]:
 
 
 def weights_packed() -> bool:
-    """Whether quantized weights are kept as codes here (within packed_weights())."""
+    """Whether weights are quantized where they are read here (within packed_weights())."""
     return _PACKED_WEIGHTS.get()
 
 
