@@ -345,6 +345,7 @@ def test_quantize_returns_models_in_the_same_state():
 def test_fp16_bf16_and_float64_models_run_in_their_own_dtype(pytester):
     pytester.makeconftest(TINY_SOURCE + '''
 
+torch.manual_seed(0)  # the calibration data: unseeded, 1 run in 15 put float16's top-1 agreement at 93.75% < 95%
 for dtype in ("float16", "bfloat16", "float64"):
     def factory(dtype=dtype):
         torch.manual_seed(0)
