@@ -168,15 +168,14 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) 
             if _saw_nothing(observer):  # not calibrated: the weight is known, observe it here
                 observer(weight.detach())
             if _PACKED_WEIGHTS.get():  # a large model: quantized from the float weight where it is read
-                cache[key] = (None, observer)
+                cache[key] = None
             else:
-                name = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
-                gm.register_buffer(name, fake_quantize_with(observer, weight.detach()))
-                cache[key] = (name, observer)
-    if cache[key][0] is None:
+                cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
+                gm.register_buffer(cache[key], fake_quantize_with(observer, weight.detach()))
+    if cache[key] is None:
         node = _read_weight_quantized_where_used(gm, source, "qcore_fq_" + key[0].replace(".", "_"), observer)
     else:
-        node = gm.graph.get_attr(cache[key][0])
+        node = gm.graph.get_attr(cache[key])
     scale, zero_point = observer.calculate_qparams()
     node.meta[QPARAMS_KEY] = _qparams_meta(observer, scale, zero_point)
     node.meta["qcore_float_weight"] = key[0]

@@ -222,28 +222,34 @@ class ScaledWeightQuantizer(nn.Module):
 
     def __init__(self, observer: ObserverBase, column_factor: torch.Tensor) -> None:
         super().__init__()
-        self.observer = observer
+        scale, zero_point = observer.calculate_qparams()
         self.register_buffer("column_factor", column_factor)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero_point", zero_point)
+        self.axis = (observer.ch_axis or 0) if observer.per_channel else None
+        self.quant_min, self.quant_max = observer.quant_min, observer.quant_max
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         """The variant's fake-quantized weight, a bounded number of rows at a time (no scaled copy of an LM head)."""
         weight, factor = weight.detach(), self.column_factor
-        by_rows = weight.dim() and (not self.observer.per_channel or (self.observer.ch_axis or 0) == 0)
+        whole = weight.dim() == 0 or weight.numel() <= _ROWS_ELEMENTS or self.axis not in (None, 0)
+        parts = [slice(None)] if whole else row_slices(weight, _ROWS_ELEMENTS)
+        out = None if whole else torch.empty_like(weight)
         with torch.no_grad():
-            if not by_rows or weight.numel() <= _ROWS_ELEMENTS:
-                return fake_quantize_with(self.observer, weight / factor)
-            scale, zero_point = self.observer.calculate_qparams()
-            out = torch.empty_like(weight)
-            for part in row_slices(weight, _ROWS_ELEMENTS):  # elementwise: the same values as the whole at once
-                scaled = weight[part] / (factor[part] if factor.shape[0] > 1 else factor)
-                if self.observer.per_channel:
-                    out[part] = fake_quantize_per_channel(scaled, scale[part], zero_point[part], 0,
-                                                          self.observer.quant_min, self.observer.quant_max)
+            for part in parts:  # elementwise: the same values as the whole at once
+                scaled = weight[part] / (factor[part] if factor.dim() and factor.shape[0] > 1 else factor)
+                if self.axis is None:
+                    result = fake_quantize_per_tensor(scaled, float(self.scale.reshape(-1)[0]),
+                                                      int(self.zero_point.reshape(-1)[0]), self.quant_min,
+                                                      self.quant_max)
                 else:
-                    out[part] = fake_quantize_per_tensor(scaled, float(scale.reshape(-1)[0]),
-                                                         int(zero_point.reshape(-1)[0]), self.observer.quant_min,
-                                                         self.observer.quant_max)
-            return out
+                    channels = part if self.axis == 0 else slice(None)
+                    result = fake_quantize_per_channel(scaled, self.scale[channels], self.zero_point[channels],
+                                                       self.axis, self.quant_min, self.quant_max, in_place=True)
+                if out is None:
+                    return result
+                out[part] = result
+        return out
 
 
 def _fresh_copy(observer: ObserverBase) -> ObserverBase:
