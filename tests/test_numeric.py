@@ -169,3 +169,38 @@ def test_a_layer_value_is_copied_for_the_comparison_only_where_something_may_cha
     # torch.export keeps the in-place ReLU (aten.relu_), fused into the first layer, whose value it writes
     assert verdicts(qcore.capture(model(True).eval(), x, method="export")) == [True, False]
     assert verdicts(qcore.capture(model(False).eval(), x, method="fx")) == [True, True]  # module calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_non_float32_pairs_are_compared_a_bounded_number_of_elements_at_a_time(monkeypatch, dtype):
+    """A bf16 LM's logits are compared in float64 a million elements at a time: the same sums as all at once."""
+    from qcore.numeric import loggers
+
+    g = torch.Generator().manual_seed(1)
+    reference = torch.randn(5, 7, 13, generator=g).to(dtype)
+    actual = (reference.double() + 0.01 * torch.randn(5, 7, 13, generator=g, dtype=torch.float64)).to(dtype)
+    whole = ns.StreamingComparator()
+    whole.update(reference, actual)
+    monkeypatch.setattr(loggers, "_COMPARED_ELEMENTS", 64)  # 8 parts
+    parts = ns.StreamingComparator()
+    parts.update(reference, actual)
+    torch.testing.assert_close(parts.sums, whole.sums, rtol=1e-12, atol=0)
+    ref, act = reference.double().reshape(-1), actual.double().reshape(-1)
+    expected = torch.stack([ref @ ref, act @ act, ref @ act, (ref - act) @ (ref - act)])
+    torch.testing.assert_close(parts.sums, expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_stashed_layer_value_keeps_its_dtype(dtype, copy):
+    """A bf16 model's float layer values wait for the quantized pass in bf16, not as float64 copies four times the
+    size (168 MB on the 0.5B Llama); a copy is overwritten by the next batch."""
+    from qcore.numeric.loggers import ActivationStash
+
+    stash = ActivationStash(copy=copy)
+    value = torch.randn(4, 6).to(dtype)
+    held = stash(value)
+    assert held.dtype == dtype and torch.equal(held, value.reshape(-1))
+    assert (held.data_ptr() == value.data_ptr()) is not copy
+    value.mul_(2)  # an in-place op after the layer: only the copy keeps the layer's value
+    assert torch.equal(stash.value, (value / 2 if copy else value).reshape(-1))

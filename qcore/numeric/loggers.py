@@ -10,6 +10,7 @@ from .. import native
 from .metrics import sqnr_from_sums
 
 __all__ = ["ActivationStash", "OutputLogger", "StreamingComparator"]
+_COMPARED_ELEMENTS = 1 << 20  # of a non-float32 pair compared at a time on the torch path (8 MB float64 each)
 
 
 class OutputLogger(nn.Module):
@@ -55,10 +56,10 @@ class OutputLogger(nn.Module):
 
 
 class ActivationStash(nn.Module):
-    """Holds the latest value only, flattened (float32 stays float32, other dtypes become float64), for
-    comparators to read within the same batch: a comparator in another model reads `value`, one in the same graph
-    takes the call's result as its reference. copy=False holds the value itself, for a value nothing changes after
-    its op ran (compare.may_change_after); else a float32 copy is overwritten by the next batch's."""
+    """Holds the latest value only, flattened and in its own dtype, for comparators to read within the same batch:
+    a comparator in another model reads `value`, one in the same graph takes the call's result as its reference
+    (comparators upcast both sides themselves). copy=False holds the value itself, for a value nothing changes after
+    its op ran (compare.may_change_after); else a copy is overwritten by the next batch's."""
 
     def __init__(self, copy: bool = True) -> None:
         super().__init__()
@@ -69,15 +70,13 @@ class ActivationStash(nn.Module):
     def forward(self, x):
         # copy=True: the graph may run an in-place op on x (Hardswish(inplace=True)) before a comparator reads it
         x = x.detach()
-        if not self.copy and x.dtype == torch.float32:
+        if not self.copy:
             self.value = x.reshape(-1)
-        elif x.dtype == torch.float32:
-            buffer = self._buffer
-            if buffer is None or buffer.shape != x.shape or buffer.device != x.device:
-                buffer = self._buffer = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            self.value = buffer.copy_(x).view(-1)
-        else:
-            self.value = x.reshape(-1).to(torch.float64, copy=True)
+            return self.value
+        buffer = self._buffer
+        if buffer is None or buffer.shape != x.shape or buffer.dtype != x.dtype or buffer.device != x.device:
+            buffer = self._buffer = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self.value = buffer.copy_(x).view(-1)
         return self.value
 
 
@@ -104,11 +103,16 @@ class StreamingComparator(nn.Module):
         if self._update_native(reference, actual):
             self.batches += 1
             return
-        ref = reference.detach().reshape(-1).double()
-        act = actual.detach().reshape(-1).double().to(ref.device)
-        diff = ref - act
-        sums = torch.stack([torch.dot(ref, ref), torch.dot(act, act), torch.dot(ref, act), torch.dot(diff, diff)])
-        self.sums = self.sums.to(ref.device) + sums
+        references, actuals = reference.detach().reshape(-1), actual.detach().reshape(-1)
+        sums = None
+        for start in range(0, max(1, references.numel()), _COMPARED_ELEMENTS):  # float64 working values stay small
+            ref = references[start:start + _COMPARED_ELEMENTS].double()
+            act = actuals[start:start + _COMPARED_ELEMENTS].double().to(ref.device)
+            diff = ref - act
+            part = torch.stack([torch.dot(ref, ref), torch.dot(act, act), torch.dot(ref, act), torch.dot(diff, diff)])
+            sums = part if sums is None else sums + part
+        assert sums is not None
+        self.sums = self.sums.to(sums.device) + sums
         self.batches += 1
 
     def _update_native(self, reference: torch.Tensor, actual: torch.Tensor) -> bool:
