@@ -276,3 +276,35 @@ def test_output_gates_work_from_the_qreport_fixture(pytester):
     pytester.makepyfile(test_gates=FIXTURE_TEST)
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_are_compared_a_bounded_number_of_positions_at_a_time(monkeypatch, dtype):
+    """An LM's logits (2 x 64 x 32,000 on the 0.5B Llama) are compared a few positions at a time: the same KL,
+    agreement and perplexities as all at once, with the attention mask's targets and an -inf logit."""
+    from qcore.numeric import logits as logits_module
+
+    g = torch.Generator().manual_seed(3)
+    reference = torch.randn(3, 9, 17, generator=g)
+    reference[0, 2, 5] = -math.inf
+    actual = reference + 0.3 * torch.randn(3, 9, 17, generator=g)
+    reference, actual = reference.to(dtype), actual.to(dtype)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    batch = {"input_ids": torch.randint(0, 17, (3, 9), generator=g), "attention_mask": mask}
+    results = []
+    for positions in (10 ** 6, 17 * 4):  # all at once, then 4 positions at a time (7 parts)
+        monkeypatch.setattr(logits_module, "_POSITIONS_ELEMENTS", positions)
+        comparator = LogitsComparator()
+        comparator.index = 0
+        comparator.update([reference], [actual], batch)
+        comparator.update([reference], [actual], batch)
+        results.append(comparator.result())
+    whole, parts = results
+    assert parts.positions == whole.positions == 2 * 27 and parts.tokens == whole.tokens == 2 * (3 * 8 - 3)
+    assert parts.top1_agreement == whole.top1_agreement and math.isfinite(whole.kl_nats)  # -inf adds 0, not nan
+    for name in ("kl_nats", "float_perplexity", "quantized_perplexity"):
+        assert getattr(parts, name) == pytest.approx(getattr(whole, name), rel=1e-6)
+    log_p = torch.log_softmax(reference.float(), -1)
+    nll = -log_p[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0][mask[:, 1:] != 0]
+    assert whole.float_perplexity == pytest.approx(math.exp(float(nll.double().mean())), rel=1e-6)

@@ -19,6 +19,7 @@ __all__ = ["LogitsComparator", "LogitsMeasurement", "logits_leaf"]
 
 _PASS_THROUGH = ("view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "flatten", "contiguous", "clone",
                  "permute", "transpose", "getitem", "to", "_to_copy", "alias", "detach")
+_POSITIONS_ELEMENTS = 1 << 20  # logits compared at a time: bounded working values for a 32k-token vocabulary
 
 
 @dataclass(frozen=True)
@@ -104,29 +105,44 @@ class LogitsComparator:
         """Add one batch: the floating output leaves of the float and quantized runs, and the batch itself."""
         if self.index is None or self.index >= len(reference):
             return
-        ref, act = reference[self.index].detach().float(), actual[self.index].detach().float()
-        log_p, log_q = torch.log_softmax(ref, dim=-1), torch.log_softmax(act, dim=-1)
-        kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
-        self._add("kl", kl.sum())
-        self._add("agree", (ref.argmax(dim=-1) == act.argmax(dim=-1)).sum())
-        self._positions += kl.numel()
-        self._next_token(log_p, log_q, batch)
+        ref, act = reference[self.index].detach(), actual[self.index].detach()
+        classes = ref.shape[-1] if ref.dim() else 1
+        targets = self._next_tokens(ref, batch)
+        rows_ref, rows_act = ref.reshape(-1, classes), act.reshape(-1, classes)
+        positions = rows_ref.shape[0]
+        step = max(1, _POSITIONS_ELEMENTS // max(1, classes))  # an LM's float32 working values stay a few MB
+        for start in range(0, positions, step):
+            part = slice(start, start + step)
+            chunk_ref, chunk_act = rows_ref[part].float(), rows_act[part].float()
+            self._add("agree", (chunk_ref.argmax(dim=-1) == chunk_act.argmax(dim=-1)).sum())
+            log_p, log_q = torch.log_softmax(chunk_ref, dim=-1), torch.log_softmax(chunk_act, dim=-1)
+            terms = log_p.exp() * (log_p - log_q)  # a class the float model rules out (-inf) adds 0, not nan
+            self._add("kl", torch.where(log_p == -math.inf, 0.0, terms).sum())
+            if targets is not None:
+                target, keep = targets[0][part].unsqueeze(-1), targets[1][part]
+                for name, logs in (("nll_float", log_p), ("nll_quantized", log_q)):
+                    self._add(name, torch.where(keep, -logs.gather(-1, target)[:, 0], 0.0).sum())
+        self._positions += positions
+        if targets is not None:
+            self._add("tokens", targets[1].sum())
 
-    def _next_token(self, log_p: torch.Tensor, log_q: torch.Tensor, batch: Any) -> None:
+    def _next_tokens(self, logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per output position (flattened): the next token's id and whether it counts (there is one, and the
+        attention mask keeps it); None, with the reason kept, when the batch or the logits are not a causal LM's."""
         ids = batch.get("input_ids") if isinstance(batch, dict) else None
-        if not isinstance(ids, torch.Tensor) or log_p.dim() != 3 or tuple(ids.shape) != tuple(log_p.shape[:2]) \
+        if not isinstance(ids, torch.Tensor) or logits.dim() != 3 or tuple(ids.shape) != tuple(logits.shape[:2]) \
                 or ids.shape[1] < 2:
             self.perplexity_reason = ("perplexity needs a causal LM: logits [batch, tokens, vocabulary] and the "
                                       "token ids as input_ids in each batch (a dict)")
-            return
-        targets = ids[:, 1:].to(log_p.device).unsqueeze(-1)
+            return None
+        ids = ids.to(logits.device)
+        targets = torch.zeros_like(ids)
+        targets[:, :-1] = ids[:, 1:]
+        keep = torch.zeros(ids.shape, dtype=torch.bool, device=logits.device)
         mask = batch.get("attention_mask")
-        keep = (mask[:, 1:].to(log_p.device) != 0) if isinstance(mask, torch.Tensor) and mask.shape == ids.shape \
-            else torch.ones_like(targets[..., 0], dtype=torch.bool)
-        for name, logs in (("nll_float", log_p), ("nll_quantized", log_q)):
-            nll = -logs[:, :-1].gather(-1, targets)[..., 0]
-            self._add(name, (nll * keep).sum())
-        self._add("tokens", keep.sum())
+        keep[:, :-1] = (mask[:, 1:].to(logits.device) != 0) if isinstance(mask, torch.Tensor) and \
+            mask.shape == ids.shape else True
+        return targets.reshape(-1), keep.reshape(-1)
 
     def result(self) -> LogitsMeasurement:
         """The measurement over every batch so far (one host copy, here)."""
