@@ -20,6 +20,7 @@ from .inputs import as_args_kwargs, call_model, move_to
 
 __all__ = ["NonDeterministicModelError", "NonFinite", "Nondeterminism", "ResolutionLimit", "describe_outputs",
            "first_non_finite", "first_nondeterministic", "resolution_limits"]
+_COMPARED_ELEMENTS = 1 << 20  # of two outputs compared at a time in float64
 
 # an activation or weight that int8 can give fewer levels than this is below the quantizer's resolution
 RESOLUTION_LEVELS = 16
@@ -114,12 +115,17 @@ def _tolerance(gm: fx.GraphModule) -> float:
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
-    a, b = a.detach().double(), b.detach().double()
-    both_nan = torch.isnan(a) & torch.isnan(b)
-    scale = float(torch.nan_to_num(a, posinf=0.0, neginf=0.0).abs().max()) if a.numel() else 0.0
-    difference = torch.where(both_nan | (a == b), torch.zeros_like(a), (a - b).abs())
-    largest = float(torch.nan_to_num(difference, nan=math.inf).max()) if difference.numel() else 0.0
-    return largest > tolerance * (scale or 1.0)
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    if not a.numel():
+        return False
+    scales, largest = [], []
+    for start in range(0, a.numel(), _COMPARED_ELEMENTS):  # float64 working values stay small (an LM's logits)
+        x, y = a[start:start + _COMPARED_ELEMENTS].double(), b[start:start + _COMPARED_ELEMENTS].double()
+        scales.append(torch.nan_to_num(x, posinf=0.0, neginf=0.0).abs().max())
+        same = (torch.isnan(x) & torch.isnan(y)) | (x == y)
+        largest.append(torch.nan_to_num(torch.where(same, torch.zeros_like(x), (x - y).abs()), nan=math.inf).max())
+    scale = float(torch.stack(scales).max())
+    return float(torch.stack(largest).max()) > tolerance * (scale or 1.0)
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
