@@ -208,6 +208,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                 keep_first_output.append(result)
             for stash in stashes:
                 stash.value = None
+            del result, result_b  # not held while the next batch runs (an LM's logits: two copies)
             count += 1
             if count == instrument_batches:
                 if finish is not None:
