@@ -103,7 +103,7 @@ def _working(x: torch.Tensor) -> torch.Tensor:
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a weight read where it is used is a Parameter
 _NATIVE_RANGE = 1 << 16  # integer bounds and zero points the native per-row kernel takes (float32-exact sums)
-_ROWS_ELEMENTS = 1 << 24  # fake-quantized at a time: 64 MB of float32 working values, not a copy of an LM head
+_ROWS_ELEMENTS = 1 << 20  # fake-quantized at a time on the torch path (bf16, fp16): 4 MB of float32 working values
 
 
 def _by_rows(x: torch.Tensor, rows: Callable[[torch.Tensor, slice], torch.Tensor], in_place: bool = False
@@ -189,7 +189,8 @@ def fake_quantize_per_channel(
     def rows(values: torch.Tensor, part: slice) -> torch.Tensor:
         channels = part if axis % x.dim() == 0 else slice(None)  # the qparams of these rows' channels
         step_scale, step_zero_point = scale[channels], zero_point[channels]
-        q = _working(values) * inv_scale[channels]  # a new tensor: the steps below run in place on it
+        q = _working(values)  # a new tensor for bf16/fp16 values: the steps below run in place on it
+        q = q.mul_(inv_scale[channels]) if q is not values else q * inv_scale[channels]
         if float_zero_point:  # float qparams: the zero point is added before rounding, as torch does
             q.add_(step_zero_point).round_()
         else:
