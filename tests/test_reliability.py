@@ -580,3 +580,20 @@ def test_a_range_below_the_quantizers_resolution_says_so_with_options_that_work(
     for model in ("faint_in_float", "faint_hidden"):
         assert {key[2] for key in rows if key[0] == model} == {"fc1", "fc2", "output"}
         assert {row["verdict"] for key, row in rows.items() if key[0] == model} == {"pass"}
+
+
+@pytest.mark.parametrize("elements", [10 ** 6, 7])  # all at once, then 7 elements at a time (an LM's logits)
+def test_two_runs_outputs_are_compared_a_bounded_number_of_elements_at_a_time(monkeypatch, elements):
+    import torch
+
+    from qcore import diagnose
+
+    monkeypatch.setattr(diagnose, "_COMPARED_ELEMENTS", elements)
+    first = torch.randn(6, 10, generator=torch.Generator().manual_seed(0))
+    first[0, 0], first[2, 3] = float("nan"), float("inf")
+    second = first.clone()
+    assert not diagnose._differs(first, second, 1e-5)  # nan against nan and inf against inf agree
+    second[5, 9] += 1e-3 * float(first[1:].nan_to_num(posinf=0).abs().max())  # the last part differs
+    assert diagnose._differs(first, second, 1e-5) and not diagnose._differs(first, second, 1e-2)
+    second[5, 9] = float("nan")
+    assert diagnose._differs(first, second, 1e-2)
