@@ -104,15 +104,14 @@ class StreamingComparator(nn.Module):
             self.batches += 1
             return
         references, actuals = reference.detach().reshape(-1), actual.detach().reshape(-1)
-        sums = None
-        for start in range(0, max(1, references.numel()), _COMPARED_ELEMENTS):  # float64 working values stay small
+        sums = self.sums.to(references.device)
+        for start in range(0, references.numel(), _COMPARED_ELEMENTS):  # float64 working values stay small
             ref = references[start:start + _COMPARED_ELEMENTS].double()
             act = actuals[start:start + _COMPARED_ELEMENTS].double().to(ref.device)
             diff = ref - act
-            part = torch.stack([torch.dot(ref, ref), torch.dot(act, act), torch.dot(ref, act), torch.dot(diff, diff)])
-            sums = part if sums is None else sums + part
-        assert sums is not None
-        self.sums = self.sums.to(sums.device) + sums
+            sums = sums + torch.stack([torch.dot(ref, ref), torch.dot(act, act), torch.dot(ref, act),
+                                       torch.dot(diff, diff)])
+        self.sums = sums
         self.batches += 1
 
     def _update_native(self, reference: torch.Tensor, actual: torch.Tensor) -> bool:
