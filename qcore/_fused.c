@@ -13,10 +13,16 @@
  * bounds (axis-0 per-channel fake quantization of a weight, an integer zero point folded into the bounds:
  * clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp) for the small ranges it is given).
  *
+ * qcore_histogram_update is HistogramObserver's update of one float32 batch: its range, the old histogram spread
+ * over the new range, and the new values' counts, with the roundings of the observer's torch path (observers.py):
+ * what takes that path some thirty small torch ops and an int64 copy of the batch.
+ *
  * With OpenMP (the runtime torch already loaded), up to `threads` threads take contiguous parts.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define LANES 8
 #define MAX_PARTS 64
@@ -89,4 +95,108 @@ void qcore_fake_quantize_per_row(const float *x, float *out, int64_t rows, int64
             written[i] = v * step + 0.0f;
         }
     }
+}
+
+/* min and max of x; the return is NaN when x holds a NaN or an infinity (0 * inf is NaN). */
+static float extremes_part(const float *restrict x, int64_t n, float *restrict low, float *restrict high) {
+    float lo[LANES], hi[LANES], bad[LANES];
+    for (int j = 0; j < LANES; ++j) lo[j] = INFINITY, hi[j] = -INFINITY, bad[j] = 0.0f;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; ++j) {
+            float v = x[i + j];
+            lo[j] = v < lo[j] ? v : lo[j];
+            hi[j] = v > hi[j] ? v : hi[j];
+            bad[j] += v * 0.0f;
+        }
+    for (int j = 0; i < n; ++i, ++j) {
+        float v = x[i];
+        lo[j] = v < lo[j] ? v : lo[j];
+        hi[j] = v > hi[j] ? v : hi[j];
+        bad[j] += v * 0.0f;
+    }
+    float flag = 0.0f;
+    *low = INFINITY, *high = -INFINITY;
+    for (int j = 0; j < LANES; ++j) {
+        *low = lo[j] < *low ? lo[j] : *low;
+        *high = hi[j] > *high ? hi[j] : *high;
+        flag += bad[j];
+    }
+    return flag;
+}
+
+/* The old histogram (of range [old_min, old_max]; none yet when old_min is not finite) spread over `bins` bins
+ * from new_min, new_width wide, by interpolating its cumulative counts: observers._rebin, op by op. */
+static int rebin(double *histogram, int64_t bins, float old_min, float old_max, float new_min, float new_width) {
+    double *cumulative = malloc((size_t)(bins + 1) * sizeof(double)), *at_edges = malloc((size_t)(bins + 1) * sizeof(double));
+    if (!cumulative || !at_edges) {
+        free(cumulative);
+        free(at_edges);
+        return 1;
+    }
+    int finite = isfinite(old_min);
+    float old_width = old_max - old_min;
+    old_width = finite ? (old_width < FLT_EPSILON ? FLT_EPSILON : old_width) : 1.0f;
+    old_min = finite ? old_min : new_min;
+    cumulative[0] = 0.0;
+    double running = 0.0;
+    for (int64_t k = 0; k < bins; ++k) cumulative[k + 1] = running += histogram[k];
+    for (int64_t k = 0; k <= bins; ++k) {
+        float edge = new_min + new_width * (float)k / (float)bins;
+        float place = (edge - old_min) / old_width * (float)bins;
+        place = place < 0.0f ? 0.0f : place > (float)bins ? (float)bins : place;
+        double position = (double)place;
+        int64_t left = (int64_t)floor(position);
+        left = left > bins - 1 ? bins - 1 : left;
+        double fraction = position - (double)left;
+        at_edges[k] = cumulative[left] + fraction * (cumulative[left + 1] - cumulative[left]);
+    }
+    for (int64_t k = 0; k < bins; ++k) histogram[k] = at_edges[k + 1] - at_edges[k];
+    free(cumulative);
+    free(at_edges);
+    return 0;
+}
+
+/* min_val, max_val and the histogram are the observer's state, updated in place. Returns 0; 1, touching nothing, when x holds a
+ * NaN or an infinity or memory is short (the torch path then runs). */
+int64_t qcore_histogram_update(const float *x, int64_t n, int64_t threads, double *histogram, int64_t bins,
+                               float *min_val, float *max_val) {
+    threads = qcore_usable_threads(threads, MAX_PARTS);
+    float lows[MAX_PARTS], highs[MAX_PARTS], flags[MAX_PARTS];
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < threads; ++t) {
+        int64_t start = n * t / threads, stop = n * (t + 1) / threads;
+        flags[t] = extremes_part(x + start, stop - start, &lows[t], &highs[t]);
+    }
+    float low = INFINITY, high = -INFINITY;
+    for (int64_t t = 0; t < threads; ++t) {
+        if (flags[t] != 0.0f) return 1;
+        low = lows[t] < low ? lows[t] : low;
+        high = highs[t] > high ? highs[t] : high;
+    }
+    float new_min = *min_val < low ? *min_val : low, new_max = *max_val > high ? *max_val : high;
+    float width = new_max - new_min;
+    width = width < FLT_EPSILON ? FLT_EPSILON : width;
+    int64_t *counts = calloc((size_t)(threads * bins), sizeof(int64_t));
+    if (!counts || rebin(histogram, bins, *min_val, *max_val, new_min, width)) {
+        free(counts);
+        return 1;
+    }
+    const float scale = (float)bins;
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < threads; ++t) {
+        int64_t start = n * t / threads, stop = n * (t + 1) / threads, *own = counts + t * bins;
+        for (int64_t i = start; i < stop; ++i) {
+            int64_t index = (int64_t)((x[i] - new_min) / width * scale);
+            index = index < 0 ? 0 : index > bins - 1 ? bins - 1 : index;
+            ++own[index];
+        }
+    }
+    for (int64_t t = 1; t < threads; ++t)
+        for (int64_t k = 0; k < bins; ++k) counts[k] += counts[t * bins + k];
+    for (int64_t k = 0; k < bins; ++k) histogram[k] += (double)counts[k]; /* one addition, as torch's */
+    free(counts);
+    *min_val = new_min;
+    *max_val = new_max;
+    return 0;
 }

@@ -4,7 +4,8 @@ memory traffic than in arithmetic.
 - `_stats.c`: the report observer's update. For a small activation (a 256x256 Linear input), a dozen separate
   torch ops cost more than the layer's matmul, torch.topk alone too. It does the whole update in one pass, with
   exact per-channel order statistics.
-- `_fused.c`: the numeric suite's comparator sums and per-tensor and per-row fake quantization.
+- `_fused.c`: the numeric suite's comparator sums, per-tensor and per-row fake quantization, and the histogram
+  observer's update.
 - `_formats.c`: fake quantization of the MX and NVFP4 block formats, a block at a time.
 
 Both are compiled on first use with the system C compiler (`$CC`, default `cc`) into one library in a per-user
@@ -163,6 +164,8 @@ def _load():
     library.qcore_fake_quantize_per_row.argtypes = [pointer, pointer, integer, integer, pointer, pointer, pointer,
                                                     pointer, integer]
     library.qcore_fake_quantize_per_row.restype = None
+    library.qcore_histogram_update.argtypes = [pointer, integer, integer, pointer, integer, pointer, pointer]
+    library.qcore_histogram_update.restype = integer
     library.qcore_fake_quantize_mx.argtypes = [pointer, pointer, integer, integer, integer, integer]
     library.qcore_fake_quantize_mx.restype = None
     library.qcore_fake_quantize_nvfp4.argtypes = [pointer, pointer, integer, real, integer]

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from . import native
 from .qparams import FLOAT32_EPS, calculate_qparams, is_per_channel, is_symmetric, resolve_quant_range
 
 __all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinMaxObserver",
@@ -154,7 +155,7 @@ class HistogramObserver(_RangeObserver):
         self.register_buffer("histogram", torch.zeros(bins, dtype=torch.float64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.frozen or x.numel() == 0:
+        if self.frozen or x.numel() == 0 or self._update_native(x):
             return x
         values = x.detach().float().reshape(-1)
         low, high = torch.aminmax(values)
@@ -169,6 +170,23 @@ class HistogramObserver(_RangeObserver):
             histogram.index_add_(0, index, torch.ones_like(values, dtype=torch.float64))
         self.histogram, self.min_val, self.max_val = histogram, new_min, new_max
         return x
+
+    def _update_native(self, x: torch.Tensor) -> bool:
+        """The same update in one call of the native kernel (a float32 CPU batch, float32 CPU state); False leaves
+        it to the torch path (which also takes a batch holding NaN or inf)."""
+        state = (self.histogram, self.min_val, self.max_val)
+        if not (x.__class__ in (torch.Tensor, nn.Parameter) and x.dtype == torch.float32 and x.is_cpu
+                and all(t.is_cpu and t.is_contiguous() for t in state)
+                and self.histogram.dtype == torch.float64 and self.min_val.dtype == self.max_val.dtype == torch.float32
+                and self.min_val.numel() == self.max_val.numel() == 1 and self.histogram.numel() == self.bins):
+            return False
+        library = native.kernel()
+        if library is None:
+            return False
+        values = x.detach().contiguous()
+        return library.qcore_histogram_update(values.data_ptr(), values.numel(), native.threads(values.numel()),
+                                              self.histogram.data_ptr(), self.bins, self.min_val.data_ptr(),
+                                              self.max_val.data_ptr()) == 0
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (scale, zero_point) for the clipping range with the lowest expected error."""

@@ -142,3 +142,42 @@ def test_the_stash_keeps_a_contiguous_copy_in_the_values_own_dtype():
     following = torch.randn(5, 3)
     assert stash(following).data_ptr() == value.data_ptr() and torch.equal(stash.value, following.reshape(-1))
     assert stash(torch.randn(4, dtype=torch.bfloat16)).dtype == torch.bfloat16  # not float64: 4x the bytes
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), bins=st.sampled_from([1, 7, 64, 2048]),
+       sizes=st.lists(st.sampled_from([1, 5, 300, native.PARALLEL_MIN_NUMEL * 3 + 1]), min_size=1, max_size=4),
+       spread=st.floats(1e-30, 1e4), constant=st.booleans(), strided=st.booleans())
+def test_histogram_observer_update_is_bit_identical_to_the_torch_path(seed, bins, sizes, spread, constant, strided):
+    from qcore.observers import HistogramObserver
+
+    g = torch.Generator().manual_seed(seed)
+    native_path, torch_path = HistogramObserver(bins=bins), HistogramObserver(bins=bins)
+    calls = []
+    update = native_path._update_native
+    native_path._update_native = lambda x: calls.append(update(x)) or calls[-1]
+    for step, numel in enumerate(sizes):
+        x = torch.full((numel * 2,), 1.5) if constant else torch.randn(numel * 2, generator=g) * spread * (step + 1)
+        x = x[::2] if strided else x[:numel]
+        native_path(x)
+        _torch_path(torch_path, x)
+        for ours, reference in ((native_path.histogram, torch_path.histogram), (native_path.min_val, torch_path.min_val),
+                                (native_path.max_val, torch_path.max_val)):
+            assert ours.dtype == reference.dtype and torch.equal(ours, reference), step
+    assert calls == [True] * len(sizes)  # every batch took the kernel
+    assert torch.equal(native_path.calculate_qparams()[0], torch_path.calculate_qparams()[0])
+
+
+@needs_kernel
+def test_a_histogram_batch_holding_nan_or_inf_takes_the_torch_path():
+    from qcore.observers import HistogramObserver
+
+    observer = HistogramObserver(bins=16)
+    observer(torch.tensor([0.0, 1.0]))
+    before = observer.histogram.clone()
+    for special in (math.inf, -math.inf, math.nan):
+        assert not observer._update_native(torch.tensor([0.5, special]))
+        assert torch.equal(observer.histogram, before)  # the kernel touched nothing
+    assert observer._update_native(torch.tensor([0.25, 0.75], dtype=torch.float32))
+    assert not observer._update_native(torch.tensor([0.25], dtype=torch.float64))  # float32 batches only
