@@ -80,6 +80,11 @@ class CalibratedObservers:
             observer.frozen = True
         return missing
 
+    def adopt(self, signature: str, observer: nn.Module) -> None:
+        """Keep `observer`, calibrated elsewhere, as the state of `signature` (its signature in another prepared
+        graph of the same float graph); a signature kept already keeps its state."""
+        self._states.setdefault(signature, observer)
+
     def keep(self, prepared: fx.GraphModule, signatures: dict[str, str | None]) -> None:
         """After calibration: keep a copy of each observer of `signatures` not kept yet."""
         for name, signature in signatures.items():

@@ -38,7 +38,7 @@ from .prepare import prepare
 from .probes import ChannelStatisticsProbe, DetectorProbe, Probe
 from .quantizer import Int8StaticQuantizer, Quantizer
 from .report.detectors import DetectorBase
-from .screens import Screen, ScreenedLayers, quantize_for_screen
+from .screens import ObserversAhead, Screen, ScreenedLayers, quantize_for_screen
 from .smoothing import group_observer, smoothing_groups
 from .variants import (
     VariantSqnr,
@@ -125,7 +125,10 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     the only layers measured (a fix trial's: the outputs are always measured). `screens` measure their fixes on
     the layers the detectors' reports name for them (qcore.screens), in the same comparison pass."""
     batches = list(batches)
-    probed = ProbedModel(float_gm, quantizer, detectors, equalization_layers, smoothing)
+    kept = observers if observers is not None else CalibratedObservers()
+    ahead = ObserversAhead(float_gm, quantizer or Int8StaticQuantizer(), screens, kept)
+    probed = ProbedModel(float_gm, quantizer, detectors, equalization_layers, smoothing,
+                         ahead if ahead.screens else None)
     planned: list[Any] = []
     first_outputs: list[Any] = []  # two float runs of batch 0 from the same state: they must agree
     signatures = observers.signatures(probed.prepared) if observers is not None else {}
@@ -145,7 +148,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                                          keep_first_output=first_outputs, recompile=False)
     variants, unmeasured, smoothed = planned
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
-    screened = _screen_copies(float_gm, batches, quantizer, screens, probed.detector_reports, observers)
+    screened = _screen_copies(float_gm, batches, quantizer, screens, probed.detector_reports, kept)
     comparator = (LogitsComparator() if logits else None) if propagate else None
     sqnr, baselines = compare_quantized(float_gm, quant_gm, batches, variants, unmeasured, propagate=propagate,
                                         logits=comparator, keep_first_output=first_outputs, layers=layers,
@@ -161,10 +164,9 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
 
 def _screen_copies(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None,
                    screens: Sequence[Screen], reports: Mapping[str, dict[str, Any]],
-                   observers: CalibratedObservers | None) -> list[tuple[str, dict[str, Any], ExtraShadows]]:
+                   kept: CalibratedObservers) -> list[tuple[str, dict[str, Any], ExtraShadows]]:
     """(screen name, {layer: change}, its quantized copy to shadow) of each screen that names layers."""
     found = []
-    kept = observers if observers is not None else CalibratedObservers()
     for screen in screens:
         try:
             changes = {layer: dict(change) for layer, change in screen.candidates(reports).items()}
@@ -182,7 +184,7 @@ class ProbedModel:
 
     def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer | None,
                  detectors: Mapping[str, DetectorBase] | None, equalization_layers: Iterable[str],
-                 smoothing: float | str | None) -> None:
+                 smoothing: float | str | None, ahead: Probe | None = None) -> None:
         self.float_gm, self.smoothing = float_gm, smoothing
         self.equalization_layers = list(equalization_layers)
         # one code generation for the quantizer's, the detectors' and the statistics' observers: below
@@ -211,12 +213,20 @@ class ProbedModel:
                 float_gm, group, keep_first=smoothing == "search"), nodes[group.input_node.name],
                 f"qcore_smooth_stats_{index}"))
             self.statistics[-1].attach(prepared)
+        self.ahead = ahead  # the screens' observers (qcore.screens.ObserversAhead)
+        if ahead is not None:
+            ahead.attach(prepared)
         prepared.recompile()
         self.prepared = prepared
-        self.probes: list[Probe] = [*self.statistics, *([self.detector_probe] if self.detector_probe else [])]
+        self.probes: list[Probe] = [*self.statistics, *([self.detector_probe] if self.detector_probe else []),
+                                    *([ahead] if ahead is not None else [])]
 
     def read(self) -> tuple[list[Any], dict[str, str], dict[str, dict[str, Any]]]:
         """After calibration: read and remove the probes; (variants to measure, {layer: why not}, smoothing)."""
+        if self.ahead is not None:  # its observers are not the variants' to see
+            self.ahead.read(self.prepared)
+            self.ahead.detach(self.prepared)
+            self.probes.remove(self.ahead)
         for probe in self.probes:
             probe.read(self.prepared)
         variants, unmeasured, smoothed = plan_variants(

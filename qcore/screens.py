@@ -10,7 +10,7 @@ are quantized in the copy.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,18 +22,22 @@ from .capture import clone_graph_module
 from .convert import convert, restore_model_state
 from .graph import INSERTED_KEY, find_quantizable_ops, original_input
 from .prepare import prepare
+from .probes import Probe
 from .quantizer import Quantizer, with_layer_overrides
 
-__all__ = ["Screen", "ScreenedLayers", "quantize_for_screen"]
+__all__ = ["ObserversAhead", "Screen", "ScreenedLayers", "quantize_for_screen"]
 
 
 @dataclass(frozen=True)
 class Screen:
     """A fix to screen: `candidates(reports)` gives {layer: its layer_overrides change} from the detectors'
-    reports ({detector key: {layer: raw entry}}) of the calibration pass."""
+    reports ({detector key: {layer: raw entry}}) of the calibration pass. `ahead`, for a fix that adds activation
+    observers, is every change it may make ({layer: change}): their observers then watch the model's calibration
+    pass (ObserversAhead), so the screen's quantized copy needs no calibration pass of its own."""
 
     name: str
     candidates: Callable[[Mapping[str, Mapping[str, Any]]], Mapping[str, Mapping[str, Any]]] = field(compare=False)
+    ahead: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -77,3 +81,52 @@ def _unobserve_other_weights(prepared: fx.GraphModule, layers: set[str]) -> None
         if not read_by_changed_layer:
             observer.replace_all_uses_with(observer.args[0])
             prepared.graph.erase_node(observer)
+
+
+class ObserversAhead(Probe):
+    """The activation observers that screens' fixes may add (each screen's `ahead` changes, all at once), watching
+    the model's calibration pass beside its own observers. Once read they are kept in `observers`: a screen's copy
+    that makes some of those changes takes their states wherever union-find grouped its observers the same way (the
+    same values, class and settings), and calibrates only the others. An observer sees the same values in the same
+    order as in a pass of its own, so it ends in the same state."""
+
+    def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer, screens: Sequence[Screen],
+                 observers: CalibratedObservers) -> None:
+        self.float_gm, self.quantizer, self.observers = float_gm, quantizer, observers
+        self.screens = [screen for screen in screens if screen.ahead]
+        self._attached: list[tuple[str, str, list[fx.Node]]] = []  # (submodule name, signature, its call nodes)
+
+    def attach(self, prepared: fx.GraphModule) -> None:
+        own = set(self.observers.signatures(prepared).values())
+        nodes = {node.name: node for node in prepared.graph.nodes}
+        for screen in self.screens:
+            changed = with_layer_overrides(self.quantizer, {layer: dict(c) for layer, c in screen.ahead.items()})
+            ahead = prepare(clone_graph_module(self.float_gm, share_parameters=True, recompile=False), changed,
+                            recompile=False)
+            calls: dict[str, list[str]] = {}  # observer: the values it watches, in the order it is called
+            for node in ahead.graph.nodes:
+                if node.op == "call_module" and node.meta.get(INSERTED_KEY) == "observer":
+                    calls.setdefault(str(node.target), []).append(original_input(node.args[0]).name)
+            for name, signature in self.observers.signatures(ahead).items():
+                if signature is None or signature in own or not all(value in nodes for value in calls[name]):
+                    continue
+                own.add(signature)
+                target = f"qcore_ahead_{len(self._attached)}"
+                prepared.add_submodule(target, ahead.get_submodule(name))
+                inserted = []
+                for value in calls[name]:
+                    with prepared.graph.inserting_after(nodes[value]):  # where prepare puts an observer
+                        inserted.append(prepared.graph.call_module(target, (nodes[value],)))
+                    inserted[-1].meta[INSERTED_KEY] = "observer_ahead"
+                self._attached.append((target, signature, inserted))
+
+    def read(self, prepared: fx.GraphModule) -> None:
+        for target, signature, _ in self._attached:
+            self.observers.adopt(signature, prepared.get_submodule(target))
+
+    def detach(self, prepared: fx.GraphModule) -> None:
+        for target, _, inserted in self._attached:
+            for node in inserted:
+                prepared.graph.erase_node(node)
+            delattr(prepared, target)
+        self._attached = []

@@ -307,6 +307,11 @@ def test_screened_fixes_give_the_same_findings_with_one_trial_fewer(monkeypatch)
     settings = {"quantizer": "int8_per_tensor", "checks": ["per_channel", "dynamic_static", "outlier", "sqnr"]}
     screened, with_screens = _run(wide_rows, batches, **settings)
     assert {s.name for s in with_screens.plan.screens} == {"per_channel", "dynamic_static", "outlier"}
+    # only the outlier fix adds activation observers: they watch the model's calibration pass ahead of its verdict
+    ahead = {s.name: dict(s.ahead) for s in with_screens.plan.screens}
+    assert ahead["per_channel"] == ahead["dynamic_static"] == {}
+    assert ahead["outlier"] and \
+        all(change == {"activation_observer": "histogram"} for change in ahead["outlier"].values())
     monkeypatch.setattr(pipelines, "LARGE_MODEL_BYTES", 0)  # a big model's fixes are tried one at a time
     tried, without = _run(wide_rows, batches, **settings)
     assert not without.plan.screens
@@ -340,3 +345,34 @@ def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():
     trial = analysis.variant(qcore.quantizer.with_layer_overrides(analysis.quantizer, dict(found.changes)))
     assert found.own_sqnr_db == {layer: trial.sqnr.layers[layer].shadow_sqnr_db for layer in layers}  # exactly
     assert found.own_sqnr_db != {layer: analysis.sqnr.layers[layer].shadow_sqnr_db for layer in layers}
+
+
+def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_a_pass_of_its_own(monkeypatch):
+    import qcore
+    from qcore import screens as screens_module
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.report import OutlierDetector
+    from qcore.screens import Screen
+
+    batches = _features(5)
+    for x in batches:
+        x[5, 7] = 10.0
+    change = {"activation_observer": "histogram"}
+    float_gm = qcore.capture(seeded_mlp(), batches[0])
+    every = {layer: change for layer in ("layers.0", "layers.2", "layers.4")}
+    named = ["layers.0", "layers.4"]  # the screen changes fewer layers than it may
+    passes = []
+    calibrate = screens_module.calibrate
+    monkeypatch.setattr(screens_module, "calibrate", lambda *args: passes.append(1) or calibrate(*args))
+
+    def screened(ahead):
+        screen = Screen("outlier", lambda reports: {layer: change for layer in named}, ahead)
+        analysis = ModelAnalysis(float_gm, batches=batches, plan=AnalysisPlan(
+            frozenset({"sqnr", "detectors"}), {"outlier": OutlierDetector()}, (screen,)))
+        return analysis.screened("outlier"), analysis.sqnr
+
+    (alone, sqnr_alone), without_ahead = screened({}), len(passes)
+    (ahead, sqnr_ahead), with_ahead = screened(every), len(passes) - without_ahead
+    assert (without_ahead, with_ahead) == (1, 0)  # the screen's copy took every observer's state
+    assert dict(ahead.own_sqnr_db) == dict(alone.own_sqnr_db) and set(ahead.own_sqnr_db) == set(named)
+    assert sqnr_ahead == sqnr_alone  # the model's own measurement does not see the observers ahead

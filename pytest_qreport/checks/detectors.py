@@ -38,6 +38,7 @@ class DetectorCheck(Check):
     default_options: ClassVar[dict[str, Any]] = {}
     threshold_is_setting = False  # its threshold is the heuristic's; its setting is the fix's minimum gain
     recommends: ClassVar[str] = ""  # what the heuristic recommends, for notes: "per-channel weights"
+    fix_observes_activations: ClassVar[bool] = False  # the fix adds activation observers that must be calibrated
 
     @abstractmethod
     def make_detector(self, quantizer: Any) -> Any:
@@ -118,7 +119,13 @@ class DetectorCheck(Check):
             return None
         from qcore.screens import Screen
 
-        return Screen(self.name, lambda reports: self.proposed_changes(model, layers, reports.get(self.name, {})))
+        ahead = {}
+        if self.fix_observes_activations:  # every change the screen may make, its observers calibrated ahead
+            quantized = [model.analysis.layer(layer) for layer in layers]
+            ahead = {record.layer: change for record in quantized if record.format == "int8"
+                     and (change := self.fix_change(record)) is not None}
+        return Screen(self.name, lambda reports: self.proposed_changes(model, layers, reports.get(self.name, {})),
+                      ahead)
 
     def proposed_changes(self, model: ModelContext, layers: list[str], report: Mapping[str, Any]
                          ) -> dict[str, dict[str, Any]]:
@@ -251,6 +258,7 @@ class OutlierCheck(DetectorCheck):
 
     name, order, metric, higher_is_better = "outlier", 70, "max_percentile_ratio", False
     recommends = "a clipping (histogram) activation observer"
+    fix_observes_activations = True
     default_options = {"ratio_threshold": 3.5, "reference_percentile": 0.975, "fraction_batches_used_threshold": 0.95}
     settings = (Setting("outlier_min_gain_db", decibels(non_negative=True), 1.0, "outlier items fail when a "
                         "histogram (clipping) observer was measured to raise the layer's own SQNR by at least this "
