@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from .calibrate import calibrate
 from .calibrated import CalibratedObservers
 from .capture import capture, clone_graph_module
-from .convert import weights_packed
+from .convert import weights_quantized_where_read
 from .deferred import deferred_parameters, materialized, read_rewritten_where_used
 from .diagnose import (
     Nondeterminism,
@@ -291,7 +291,7 @@ class ModelAnalysis:
     def _equalized(self, layers: Any) -> fx.GraphModule:
         # block-wise, rewritten weights are made one block at a time; a large model's fix trial (which only
         # measures) computes each where it is read, instead of holding a rewritten copy of every weight
-        where_read = not self.blockwise and not self._keeps_graphs and weights_packed()
+        where_read = not self.blockwise and not self._keeps_graphs and weights_quantized_where_read()
         deferred = bool(self.blockwise) or where_read
         known = self._rewrite_scales  # a trial's: its parent's measurement (an equalized model measures none)
         if layers == "cross_layer":
@@ -364,7 +364,7 @@ class ModelAnalysis:
             self.require_deterministic()  # otherwise two runs (four to name the node where they differ)
         if not self._keeps_graphs:
             self.__dict__.pop("quantized_input_gm", None)  # built again if asked for
-        if weights_packed():  # a large model: its quantized copies, in reference cycles (fx graphs), go now
+        if weights_quantized_where_read():  # a large model: its quantized copies (fx graphs, in cycles) go now
             gc.collect()
         return dataclasses.replace(measured, first_outputs=())  # a batch of outputs is not worth keeping
 

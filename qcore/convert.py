@@ -13,32 +13,32 @@ from torch import fx, nn
 from .calibrate import calibrate
 from .capture import capture, clone_graph_module
 from .format_quantizer import FormatFakeQuantize, FormatObserver, fake_quantize_format
-from .graph import FQN_KEY, INSERTED_KEY, PACKED_KEY, REWRITTEN_KEY, weight_value
+from .graph import FQN_KEY, INSERTED_KEY, QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, weight_value
 from .observers import ObserverBase
 from .prepare import prepare
 from .qparams import fake_quantize_dynamic, fake_quantize_per_channel, fake_quantize_per_tensor
 from .quantizer import Int8StaticQuantizer, Quantizer
 
 QPARAMS_KEY = "qcore_qparams"
-_PACKED_WEIGHTS = contextvars.ContextVar("qcore_packed_weights", default=False)
+_WHERE_READ = contextvars.ContextVar("qcore_quantize_weights_where_read", default=False)
 
 
 @contextlib.contextmanager
-def packed_weights(enabled: bool = True) -> Iterator[None]:
+def quantize_weights_where_read(enabled: bool = True) -> Iterator[None]:
     """Within the block, convert keeps no quantized copy of an integer-quantized weight: the converted graph
     fake-quantizes the float weight each time it reads it (the same values, bit for bit; one pass of a native
     kernel for float32), with only the qparams held. Meant for large models, where a copy per weight would add
     its bytes again to the weights' memory."""
-    token = _PACKED_WEIGHTS.set(enabled)
+    token = _WHERE_READ.set(enabled)
     try:
         yield
     finally:
-        _PACKED_WEIGHTS.reset(token)
+        _WHERE_READ.reset(token)
 
 
-def weights_packed() -> bool:
-    """Whether weights are quantized where they are read here (within packed_weights())."""
-    return _PACKED_WEIGHTS.get()
+def weights_quantized_where_read() -> bool:
+    """Whether weights are quantized where they are read here (within quantize_weights_where_read())."""
+    return _WHERE_READ.get()
 
 
 def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile: bool = True) -> fx.GraphModule:
@@ -72,7 +72,7 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
         replacement.meta[INSERTED_KEY] = "qdq"
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
-    _read_packed_weights_where_used(graph)
+    _move_weight_quantization_to_first_reader(graph)
     for node in list(graph.nodes):  # rewritten weights that only fed weight observers
         if node.meta.get(REWRITTEN_KEY) and not node.users:
             graph.erase_node(node)
@@ -167,7 +167,7 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) 
         with torch.no_grad():
             if _saw_nothing(observer):  # not calibrated: the weight is known, observe it here
                 observer(weight.detach())
-            if _PACKED_WEIGHTS.get():  # a large model: quantized from the float weight where it is read
+            if _WHERE_READ.get():  # a large model: quantized from the float weight where it is read
                 cache[key] = None
             else:
                 cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
@@ -207,15 +207,15 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
         node = graph.call_function(fake_quantize_per_tensor, (
             source, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), observer.quant_min,
             observer.quant_max))
-    node.meta[PACKED_KEY] = True
+    node.meta[QUANTIZED_WHERE_READ_KEY] = True
     return node
 
 
-def _read_packed_weights_where_used(graph: fx.Graph) -> None:
+def _move_weight_quantization_to_first_reader(graph: fx.Graph) -> None:
     """Move each weight quantized where it is read (and its reads) to just before its first user: at the graph's
     top, where the weight observers were, every layer's quantized weight would be alive at once."""
     order = {node: index for index, node in enumerate(graph.nodes)}
-    for node in [n for n in graph.nodes if n.meta.get(PACKED_KEY)]:
+    for node in [n for n in graph.nodes if n.meta.get(QUANTIZED_WHERE_READ_KEY)]:
         if not node.users:
             continue
         first = min(node.users, key=lambda user: order[user])
@@ -298,7 +298,7 @@ def quantize(
     return float_gm, quant_gm
 
 
-__all__ = ["convert", "quantize", "fake_quantize_over_input", "fake_quantize_with", "packed_weights", "weights_packed",
-           "restore_model_state",
+__all__ = ["convert", "quantize", "fake_quantize_over_input", "fake_quantize_with", "quantize_weights_where_read",
+           "weights_quantized_where_read", "restore_model_state",
            "round_trip_through",
            "QPARAMS_KEY", "FQN_KEY"]

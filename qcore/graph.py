@@ -12,13 +12,14 @@ from torch import fx
 
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
            "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
-           "matches_layer", "op_kind", "original_input", "PACKED_KEY", "REWRITTEN_KEY", "is_weight_value",
-           "weight_value"]
+           "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
+           "is_weight_value", "weight_value"]
 
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
 INSERTED_KEY = "qcore_inserted"  # "observer" or "qdq" on nodes that qcore adds
-PACKED_KEY = "qcore_packed_weight"  # on a converted weight fake-quantized from the float one where it is read
+# on a converted weight fake-quantized from the float one where it is read
+QUANTIZED_WHERE_READ_KEY = "qcore_quantized_where_read"
 REWRITTEN_KEY = "qcore_rewritten_weight"  # on a rewritten (equalized, smoothed) weight computed where it is read
 LAYER_NAME_KEY = "qcore_layer_name"  # a layer's name in the whole model, on the ops of a block cut from it
 
@@ -120,7 +121,7 @@ def fetch_attr(module: torch.nn.Module, target: str) -> Any:
 def is_weight_value(node: object) -> bool:
     """True for a parameter read (get_attr), and for a converted weight quantized and a rewritten weight computed
     where they are read (values of their own, made from parameters)."""
-    return isinstance(node, fx.Node) and (node.op == "get_attr" or bool(node.meta.get(PACKED_KEY))
+    return isinstance(node, fx.Node) and (node.op == "get_attr" or bool(node.meta.get(QUANTIZED_WHERE_READ_KEY))
                                           or bool(node.meta.get(REWRITTEN_KEY)))
 
 
@@ -141,8 +142,8 @@ def is_inserted(node: object) -> bool:
 def original_input(node: fx.Node) -> fx.Node:
     """Walk back through inserted observer/qdq nodes to the value they stand for. An equalization mul is a value
     of its own: the layer after it reads (and its quantizer observes) the scaled input."""
-    while is_inserted(node) and node.meta[INSERTED_KEY] != "equalization" and not node.meta.get(PACKED_KEY) and \
-            node.args and isinstance(node.args[0], fx.Node):
+    while is_inserted(node) and node.meta[INSERTED_KEY] != "equalization" and \
+            not node.meta.get(QUANTIZED_WHERE_READ_KEY) and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 

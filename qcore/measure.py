@@ -29,7 +29,7 @@ from .equalize import (
     InputEqualizationObserver,
     input_channel_axis,
 )
-from .graph import PACKED_KEY, find_quantizable_ops, weight_value
+from .graph import QUANTIZED_WHERE_READ_KEY, find_quantizable_ops, weight_value
 from .numeric.compare import ExtraShadows, ShadowGraph, compare, compare_propagated_and_shadow
 from .numeric.logits import LogitsComparator, LogitsMeasurement
 from .numeric.matching import match_layers
@@ -327,7 +327,7 @@ def _quantized_weight_value(quant_gm: fx.GraphModule, node: fx.Node, float_node:
                             ) -> torch.Tensor:
     """The quantized weight `node` reads; one quantized where it is read from the same float weight as `float_node`
     is computed from `original` (that float weight, already made: a rewritten LM head is not made twice)."""
-    source = node.args[0] if node.meta.get(PACKED_KEY) and node.args else None
+    source = node.args[0] if node.meta.get(QUANTIZED_WHERE_READ_KEY) and node.args else None
     # the quantized graph is a copy of the float one: the same attribute path, or the same rewrite of it
     if not (isinstance(source, fx.Node) and source.op == float_node.op and source.target == float_node.target):
         return weight_value(quant_gm, node)

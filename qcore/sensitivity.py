@@ -92,7 +92,7 @@ class _WeightSwitch(nn.Module):
         return self.quantized if self.enabled else self.original
 
 
-class _PackedWeightSwitch(nn.Module):
+class _WhereReadWeightSwitch(nn.Module):
     """A weight quantized where it is read, by `function` from the call's arguments, or the float one when off."""
 
     def __init__(self, function: Any, original: torch.Tensor) -> None:
@@ -185,8 +185,8 @@ class SwitchableModel(SwitchedRuns):
                     switch: nn.Module = _WeightSwitch(fetch_attr(self.gm, str(node.target)),
                                                       fetch_attr(self.gm, original))
                     args: tuple = ()
-                else:  # quantized where it is read (packed_weights): when on
-                    switch, args = _PackedWeightSwitch(node.target, fetch_attr(self.gm, original)), node.args
+                else:  # quantized where it is read (quantize_weights_where_read): when on
+                    switch, args = _WhereReadWeightSwitch(node.target, fetch_attr(self.gm, original)), node.args
             else:
                 switch, args = _Switch(node.target), node.args
             self.gm.add_submodule(name, switch)

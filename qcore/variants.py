@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .convert import fake_quantize_with, weights_packed
+from .convert import fake_quantize_with, weights_quantized_where_read
 from .equalize import (
     InputEqualizationObserver,
     input_channel_axis,
@@ -202,7 +202,7 @@ def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Varia
         fresh = _fresh_copy(weight_observer)
         with torch.no_grad():
             fresh(scaled)
-            if weights_packed():  # a large model: quantized where the shadow reads it, from the float weight
+            if weights_quantized_where_read():  # a large model: quantized from the float weight where read
                 return ScaledWeightQuantizer(fresh, column_factor)
             return fake_quantize_with(fresh, scaled)
 

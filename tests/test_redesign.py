@@ -73,15 +73,15 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
 
     mapped: list[int] = []
     monkeypatch.setattr(runtime, "_set_mmap_threshold", mapped.append)
-    packed: list[bool] = []
+    where_read: list[bool] = []
     converting = importlib.import_module("qcore.convert")  # qcore.convert is the function
-    keep_codes = converting.packed_weights
+    original = converting.quantize_weights_where_read
 
-    def recorded_packed_weights(enabled=True):
-        packed.append(enabled)
-        return keep_codes(enabled)
+    def recorded_where_read(enabled=True):
+        where_read.append(enabled)
+        return original(enabled)
 
-    monkeypatch.setattr(converting, "packed_weights", recorded_packed_weights)
+    monkeypatch.setattr(converting, "quantize_weights_where_read", recorded_where_read)
 
     registry = _registry()
     batches = [torch.randn(4, 8) for _ in range(2)]
@@ -93,7 +93,7 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     assert pipeline.stage is Stage.ANALYSED and pipeline.facts().fingerprint["threads"] == 1
     assert pipeline.finding("model_sqnr", "output").value > 20 and pipeline.facts().error == ""
     assert mapped == []  # a small model's analysis allocates from the heap: no page faults per activation
-    assert packed == [False]  # and keeps its quantized weights as tensors: no dequantization per forward
+    assert where_read == [False]  # and keeps its quantized weights as tensors: no dequantization per forward
 
     broken = collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0])
     broken.analyze(lambda: [torch.randn(4, 3)], lambda found: None)
@@ -104,7 +104,7 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0]).analyze(
         lambda: batches, lambda found: None)
     assert mapped == [1 << 20, 32 << 20]
-    assert packed[-1] is True  # a big model's quantized weights are kept as codes (tests/test_packed_weights.py)
+    assert where_read[-1] is True  # a big model's weights are quantized where read (tests/test_weights_where_read.py)
     broken.analyze(lambda: batches, lambda found: None)  # a failed stage is final
     assert broken.stage is Stage.ANALYSIS_FAILED
     assert ModelPipeline("m").collection_failed("why").stage is Stage.COLLECTION_FAILED

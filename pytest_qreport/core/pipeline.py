@@ -155,10 +155,10 @@ class ModelPipeline:
             if weights is None:
                 weights = estimated_analysis_bytes(self.context.analysis.float_gm)[0]
             large = weights >= LARGE_MODEL_BYTES
-            from qcore.convert import packed_weights
+            from qcore.convert import quantize_weights_where_read
 
             with torch_threads(threads), young_garbage_collection(large), quiet_torch_trace_log(), \
-                    packed_weights(large):
+                    quantize_weights_where_read(large):
                 found = self._measure(batches, modify, threads)
         except Exception as error:  # noqa: BLE001 - reported on every item of the model
             self.analysis_failed(explain(self.name, "calibration/analysis", error), error)

@@ -1,4 +1,4 @@
-"""Large models' weights quantized and rewritten where they are read (qcore.convert.packed_weights,
+"""Large models' weights quantized and rewritten where they are read (qcore.convert.quantize_weights_where_read,
 qcore.deferred.read_rewritten_where_used): the same numbers, no copy of the weights."""
 import pytest
 import torch
@@ -9,9 +9,9 @@ from torch import nn
 import qcore
 from qcore import variants
 from qcore.analysis import AnalysisPlan, ModelAnalysis
-from qcore.convert import fake_quantize_over_input, fake_quantize_with, packed_weights
+from qcore.convert import fake_quantize_over_input, fake_quantize_with, quantize_weights_where_read
 from qcore.deferred import deferred_parameters
-from qcore.graph import PACKED_KEY, REWRITTEN_KEY, weight_value
+from qcore.graph import QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, weight_value
 from qcore.measure import measure_model
 from qcore.observers import MinMaxObserver, PerChannelMinMaxObserver
 from qcore.report.detectors import OutlierDetector, PerChannelDetector
@@ -46,75 +46,75 @@ def net():
     return qcore.capture(Net().eval(), (batches[0],)), batches
 
 
-def test_a_packed_measurement_equals_the_unpacked_one(net):
+def test_a_measurement_quantized_where_read_equals_the_one_with_quantized_copies(net):
     float_gm, batches = net
     detectors = {"per_channel": PerChannelDetector(), "outlier": OutlierDetector()}
     options = {"detectors": detectors, "equalization_layers": ["fc", "head"], "smoothing": 0.5, "logits": True}
     plain = measure_model(float_gm, batches, **options)
-    with packed_weights():
-        packed = measure_model(float_gm, batches, **options)
-    assert packed.sqnr == plain.sqnr  # propagated, shadow and weight SQNR of every layer, and the outputs
-    assert all(layer.weight_sqnr_db is not None for layer in packed.sqnr.layers.values())
-    assert packed.variants == plain.variants and packed.variants  # the equalization variants were measured
-    assert packed.logits == plain.logits and packed.unmeasured == plain.unmeasured
+    with quantize_weights_where_read():
+        where_read = measure_model(float_gm, batches, **options)
+    assert where_read.sqnr == plain.sqnr  # propagated, shadow and weight SQNR of every layer, and the outputs
+    assert all(layer.weight_sqnr_db is not None for layer in where_read.sqnr.layers.values())
+    assert where_read.variants == plain.variants and where_read.variants  # the equalization variants were measured
+    assert where_read.logits == plain.logits and where_read.unmeasured == plain.unmeasured
 
 
-def test_packed_variants_quantize_their_weights_where_the_shadow_reads_them(net, monkeypatch):
+def test_variants_of_a_model_quantized_where_read_quantize_their_weights_where_the_shadow_reads_them(net, monkeypatch):
     float_gm, batches = net
     reads = []
     forward = ScaledWeightQuantizer.forward
     monkeypatch.setattr(ScaledWeightQuantizer, "forward", lambda self, weight: reads.append(1) or forward(self, weight))
     plain = measure_model(float_gm, batches, equalization_layers=["fc", "head"], smoothing=0.5)
     assert not reads
-    with packed_weights():
-        packed = measure_model(float_gm, batches, equalization_layers=["fc", "head"], smoothing=0.5)
-    assert reads and packed.variants == plain.variants
+    with quantize_weights_where_read():
+        where_read = measure_model(float_gm, batches, equalization_layers=["fc", "head"], smoothing=0.5)
+    assert reads and where_read.variants == plain.variants
 
 
-def test_a_packed_graph_holds_no_quantized_copy_and_quantizes_each_weight_where_it_is_read(net):
+def test_a_graph_quantized_where_read_holds_no_quantized_copy_and_quantizes_each_weight_where_it_is_read(net):
     _, batches = net
     torch.manual_seed(1)
     model = Net().eval()
-    with packed_weights():
+    with quantize_weights_where_read():
         float_copy, quantized = qcore.quantize(model, (batches[0],), batches)
     held = {name: b for name, b in quantized.named_buffers() if name.startswith("qcore_fq")}
     assert held and all(b.dim() == 1 for b in held.values())  # per-channel scales and zero points only
     floats = dict(float_copy.named_parameters())
     nodes = list(quantized.graph.nodes)
-    packed = [n for n in nodes if n.meta.get(PACKED_KEY)]
-    assert len(packed) == 4
-    for node in packed:  # right before the layer that reads it: one quantized weight alive at a time
+    where_read = [n for n in nodes if n.meta.get(QUANTIZED_WHERE_READ_KEY)]
+    assert len(where_read) == 4
+    for node in where_read:  # right before the layer that reads it: one quantized weight alive at a time
         assert nodes.index(next(iter(node.users))) == nodes.index(node) + 1
         source = node.args[0]  # the float weight itself
         assert source.op == "get_attr" and torch.equal(weight_value(quantized, source), floats[source.target])
-    with packed_weights(False):
+    with quantize_weights_where_read(False):
         _, plain = qcore.quantize(model, (batches[0],), batches)
     assert torch.equal(quantized(batches[1]), plain(batches[1]))
 
 
-def test_the_sensitivity_switches_of_a_packed_model_give_the_same_sqnr(net):
+def test_the_sensitivity_switches_of_a_model_quantized_where_read_give_the_same_sqnr(net):
     float_gm, batches = net
     plain = SwitchableModel(float_gm, batches, resume=False)
-    with packed_weights():
-        packed = SwitchableModel(float_gm, batches, resume=False)
-    assert any(node.meta.get(PACKED_KEY) for node in packed.gm.graph.nodes)
+    with quantize_weights_where_read():
+        where_read = SwitchableModel(float_gm, batches, resume=False)
+    assert any(node.meta.get(QUANTIZED_WHERE_READ_KEY) for node in where_read.gm.graph.nodes)
     for kept in ([], ["fc"], ["conv", "head"], plain.layers):
         plain.quantize_only(kept)
-        packed.quantize_only(kept)
-        assert packed.run(batches) == plain.run(batches)
+        where_read.quantize_only(kept)
+        assert where_read.run(batches) == plain.run(batches)
 
 
-def test_a_packed_llama_analysis_equals_the_unpacked_one_whole_and_block_wise():
+def test_a_llama_analysis_quantized_where_read_equals_the_one_with_quantized_copies_whole_and_block_wise():
     pytest.importorskip("transformers")
     model, batches = tiny_llama(layers=2, batch=2)
     float_gm = qcore.capture(model, batches[0])
     plan = AnalysisPlan(measurements=frozenset({"sqnr", "equalization", "logits"}))
     plain = ModelAnalysis(float_gm, batches=batches, plan=plan).measurement
-    with packed_weights():
+    with quantize_weights_where_read():
         whole = ModelAnalysis(float_gm, batches=batches, plan=plan).measurement
         blockwise = ModelAnalysis(float_gm, batches=batches, plan=plan, blockwise=True).measurement
-    for packed in (whole, blockwise):
-        assert packed.sqnr == plain.sqnr and packed.variants == plain.variants and packed.logits == plain.logits
+    for where_read in (whole, blockwise):
+        assert where_read.sqnr == plain.sqnr and where_read.variants == plain.variants and where_read.logits == plain.logits
 
 
 @pytest.mark.parametrize("recipe", [True, "smooth:search"])
@@ -123,7 +123,7 @@ def test_a_large_models_fix_trial_rewrites_each_weight_where_it_is_read_with_the
     model, batches = tiny_llama(layers=2, batch=2)
     float_gm = qcore.capture(model, batches[0])
     plain = ModelAnalysis(float_gm, batches=batches).variant(equalize=recipe).sqnr
-    with packed_weights():  # as the pipeline runs a model of 256 MiB or more
+    with quantize_weights_where_read():  # as the pipeline runs a model of 256 MiB or more
         analysis = ModelAnalysis(float_gm, batches=batches)
         assert analysis.variant(equalize=recipe).sqnr == plain
         trial = analysis.variant(equalize=recipe, layers=["model.layers.0.mlp.down_proj"])
@@ -137,11 +137,11 @@ def test_a_large_models_fix_trial_rewrites_each_weight_where_it_is_read_with_the
         assert weight_value(equalized, node.args[0]).data_ptr() == originals[node.meta["qcore_float_weight"]]
     assert all(weight.dim() < 2 for name, weight in equalized.named_parameters() if weight.data_ptr() not in
                originals.values())  # only biases and norms' weights are rewritten copies
-    with packed_weights():  # each rewritten weight is quantized over itself, made for that read alone
+    with quantize_weights_where_read():  # each rewritten weight is quantized over itself, made for that read alone
         quantized = trial.quantized_gm
     over = [node for node in quantized.graph.nodes if node.target is fake_quantize_over_input]
     assert over and all(node.args[0].meta.get(REWRITTEN_KEY) and len(node.args[0].users) == 1 for node in over)
-    with packed_weights():  # the model's own equalized graph is kept for its later passes: it holds its weights
+    with quantize_weights_where_read():  # the model's own equalized graph is kept for its later passes: it holds its weights
         own = ModelAnalysis(float_gm, batches=batches, equalize=recipe)
         assert not any(node.meta.get(REWRITTEN_KEY) for node in own.quantized_input_gm.graph.nodes)
 
