@@ -376,3 +376,6 @@ def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_
     assert (without_ahead, with_ahead) == (1, 0)  # the screen's copy took every observer's state
     assert dict(ahead.own_sqnr_db) == dict(alone.own_sqnr_db) and set(ahead.own_sqnr_db) == set(named)
     assert sqnr_ahead == sqnr_alone  # the model's own measurement does not see the observers ahead
+    before = len(passes)
+    broken, _ = screened({"layers.0": {"bogus": 1}})  # refused by with_layer_overrides: the screen calibrates itself
+    assert len(passes) - before == 1 and dict(broken.own_sqnr_db) == dict(alone.own_sqnr_db)
