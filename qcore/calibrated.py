@@ -41,6 +41,9 @@ class CalibratedObservers:
     def __len__(self) -> int:
         return len(self._states)
 
+    def __contains__(self, signature: object) -> bool:
+        return signature in self._states
+
     def signatures(self, prepared: fx.GraphModule) -> dict[str, str | None]:
         """{observer module name: signature} of the prepared graph's activation observers, read before calibration:
         the values they watch (original node names) and their class and settings; None for one that cannot be kept

@@ -111,7 +111,8 @@ class ObserversAhead(Probe):
                 if node.op == "call_module" and node.meta.get(INSERTED_KEY) == "observer":
                     calls.setdefault(str(node.target), []).append(original_input(node.args[0]).name)
             for name, signature in self.observers.signatures(ahead).items():
-                if signature is None or signature in own or not all(value in nodes for value in calls[name]):
+                if signature is None or signature in own or signature in self.observers or \
+                        not all(value in nodes for value in calls[name]):
                     continue
                 own.add(signature)
                 target = f"qcore_ahead_{len(self._attached)}"
