@@ -128,7 +128,8 @@ static float extremes_part(const float *restrict x, int64_t n, float *restrict l
 /* The old histogram (of range [old_min, old_max]; none yet when old_min is not finite) spread over `bins` bins
  * from new_min, new_width wide, by interpolating its cumulative counts: observers._rebin, op by op. */
 static int rebin(double *histogram, int64_t bins, float old_min, float old_max, float new_min, float new_width) {
-    double *cumulative = malloc((size_t)(bins + 1) * sizeof(double)), *at_edges = malloc((size_t)(bins + 1) * sizeof(double));
+    double *cumulative = malloc((size_t)(bins + 1) * sizeof(double));
+    double *at_edges = malloc((size_t)(bins + 1) * sizeof(double));
     if (!cumulative || !at_edges) {
         free(cumulative);
         free(at_edges);
@@ -157,8 +158,8 @@ static int rebin(double *histogram, int64_t bins, float old_min, float old_max, 
     return 0;
 }
 
-/* min_val, max_val and the histogram are the observer's state, updated in place. Returns 0; 1, touching nothing, when x holds a
- * NaN or an infinity or memory is short (the torch path then runs). */
+/* min_val, max_val and the histogram are the observer's state, updated in place. Returns 0; 1, touching nothing,
+ * when x holds a NaN or an infinity or memory is short (the torch path then runs). */
 int64_t qcore_histogram_update(const float *x, int64_t n, int64_t threads, double *histogram, int64_t bins,
                                float *min_val, float *max_val) {
     threads = qcore_usable_threads(threads, MAX_PARTS);
