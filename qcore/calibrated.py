@@ -25,11 +25,20 @@ from .observers import (
     PlaceholderObserver,
 )
 
-__all__ = ["CalibratedObservers"]
+__all__ = ["CalibratedObservers", "watched_values"]
 
 _STATEFUL = (MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver, HistogramObserver,
              FormatObserver)
 _STATELESS = (PlaceholderObserver, FixedQParamsObserver, DerivedObserver)
+
+
+def watched_values(prepared: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """{observer module name: the original values it watches, in the order the graph calls it on them}."""
+    watched: dict[str, list[fx.Node]] = {}
+    for node in prepared.graph.nodes:
+        if node.op == "call_module" and node.meta.get(INSERTED_KEY) == "observer":
+            watched.setdefault(str(node.target), []).append(original_input(node.args[0]))
+    return watched
 
 
 class CalibratedObservers:
@@ -48,12 +57,8 @@ class CalibratedObservers:
         """{observer module name: signature} of the prepared graph's activation observers, read before calibration:
         the values they watch (original node names) and their class and settings; None for one that cannot be kept
         (a user's own observer class). Observers with no state to calibrate are left out."""
-        watched: dict[str, list[fx.Node]] = {}
-        for node in prepared.graph.nodes:
-            if node.op == "call_module" and node.meta.get(INSERTED_KEY) == "observer":
-                watched.setdefault(str(node.target), []).append(original_input(node.args[0]))
         found: dict[str, str | None] = {}
-        for name, values in watched.items():
+        for name, values in watched_values(prepared).items():
             observer = prepared.get_submodule(name)
             if isinstance(observer, _STATELESS) or any(is_weight_value(value) for value in values):
                 continue  # weights are observed at prepare, once: nothing to keep

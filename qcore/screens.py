@@ -17,7 +17,7 @@ from typing import Any
 from torch import fx
 
 from .calibrate import calibrate
-from .calibrated import CalibratedObservers
+from .calibrated import CalibratedObservers, watched_values
 from .capture import clone_graph_module
 from .convert import convert, restore_model_state
 from .graph import INSERTED_KEY, find_quantizable_ops, original_input
@@ -106,10 +106,7 @@ class ObserversAhead(Probe):
                                 recompile=False)
             except Exception:  # noqa: BLE001 - observers ahead only save a pass: the screen calibrates its own
                 continue
-            calls: dict[str, list[str]] = {}  # observer: the values it watches, in the order it is called
-            for node in ahead.graph.nodes:
-                if node.op == "call_module" and node.meta.get(INSERTED_KEY) == "observer":
-                    calls.setdefault(str(node.target), []).append(original_input(node.args[0]).name)
+            calls = {name: [value.name for value in values] for name, values in watched_values(ahead).items()}
             for name, signature in self.observers.signatures(ahead).items():
                 if signature is None or signature in own or signature in self.observers or \
                         not all(value in nodes for value in calls[name]):
