@@ -33,9 +33,10 @@ from .graph import QUANTIZED_WHERE_READ_KEY, find_quantizable_ops, weight_value
 from .numeric.compare import ExtraShadows, ShadowGraph, compare, compare_propagated_and_shadow
 from .numeric.logits import LogitsComparator, LogitsMeasurement
 from .numeric.matching import match_layers
-from .numeric.metrics import large_tensor_sqnr
+from .numeric.metrics import compared_by_rows, large_tensor_sqnr, rowwise_sqnr
 from .prepare import prepare
 from .probes import ChannelStatisticsProbe, DetectorProbe, Probe
+from .qparams import fake_quantize_per_channel, fake_quantize_per_tensor
 from .quantizer import Int8StaticQuantizer, Quantizer
 from .report.detectors import DetectorBase
 from .screens import ObserversAhead, Screen, ScreenedLayers, quantize_for_screen
@@ -315,6 +316,11 @@ def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule) -> dict[str
         if pair.a.weight is None or pair.b.weight is None:
             continue
         original = weight_value(float_gm, pair.a.weight).detach()
+        rows = _quantized_weight_rows(quant_gm, pair.b.weight, pair.a.weight, original)
+        if rows is not None:
+            found[pair.layer] = rowwise_sqnr(original, rows)
+            del original
+            continue
         quantized = _quantized_weight_value(quant_gm, pair.b.weight, pair.a.weight, original).detach()
         # an exact reconstruction (an all-zero weight, say) is inf, as for activations, not 0/0 = nan
         exact = bool(torch.equal(original, quantized))
@@ -323,13 +329,34 @@ def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule) -> dict[str
     return found
 
 
+def _reads_float_weight(node: fx.Node, float_node: fx.Node) -> bool:
+    """Whether `node` quantizes, where it is read, the float weight `float_node` reads in the float graph."""
+    source = node.args[0] if node.meta.get(QUANTIZED_WHERE_READ_KEY) and node.args else None
+    # the quantized graph is a copy of the float one: the same attribute path, or the same rewrite of it
+    return isinstance(source, fx.Node) and source.op == float_node.op and source.target == float_node.target
+
+
+def _quantized_weight_rows(quant_gm: fx.GraphModule, node: fx.Node, float_node: fx.Node, original: torch.Tensor
+                           ) -> Callable[[slice], torch.Tensor] | None:
+    """rows -> those rows of a large weight quantized where it is read, per tensor or per output channel (the
+    quantization of a row depends on that row alone); None for any other weight."""
+    if not compared_by_rows(original) or not _reads_float_weight(node, float_node):
+        return None
+    rest = [weight_value(quant_gm, a) if isinstance(a, fx.Node) else a for a in node.args[1:]]
+    if node.target is fake_quantize_per_tensor:
+        return lambda part: fake_quantize_per_tensor(original[part], *rest)
+    if node.target in (fake_quantize_per_channel, fake_quantize_over_input) and rest[2] % original.dim() == 0:
+        scale, zero_point, _, quant_min, quant_max = rest
+        return lambda part: fake_quantize_per_channel(original[part], scale[part], zero_point[part], 0, quant_min,
+                                                      quant_max)
+    return None
+
+
 def _quantized_weight_value(quant_gm: fx.GraphModule, node: fx.Node, float_node: fx.Node, original: torch.Tensor
                             ) -> torch.Tensor:
     """The quantized weight `node` reads; one quantized where it is read from the same float weight as `float_node`
     is computed from `original` (that float weight, already made: a rewritten LM head is not made twice)."""
-    source = node.args[0] if node.meta.get(QUANTIZED_WHERE_READ_KEY) and node.args else None
-    # the quantized graph is a copy of the float one: the same attribute path, or the same rewrite of it
-    if not (isinstance(source, fx.Node) and source.op == float_node.op and source.target == float_node.target):
+    if not _reads_float_weight(node, float_node):
         return weight_value(quant_gm, node)
     rest = [weight_value(quant_gm, a) if isinstance(a, fx.Node) else a for a in node.args[1:]]
     over_input = node.target is fake_quantize_over_input  # which writes over `original`: give it a copy

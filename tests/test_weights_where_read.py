@@ -1,5 +1,7 @@
 """Large models' weights quantized and rewritten where they are read (qcore.convert.quantize_weights_where_read,
 qcore.deferred.read_rewritten_where_used): the same numbers, no copy of the weights."""
+import importlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -160,3 +162,28 @@ def test_a_variants_weight_quantized_by_rows_where_read_equals_it_quantized_whol
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(variants, "_ROWS_ELEMENTS", 30)  # three rows at a time
         assert torch.equal(ScaledWeightQuantizer(observer, factor)(weight), expected)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_a_large_weight_quantized_where_read_is_compared_a_few_rows_at_a_time_with_the_same_sqnr(net, per_channel,
+                                                                                                 monkeypatch):
+    measure = importlib.import_module("qcore.measure")  # the module, not qcore.measure the function
+    metrics = importlib.import_module("qcore.numeric.metrics")
+    float_gm, batches = net
+    monkeypatch.setattr(metrics, "_ROWS_ELEMENTS", 40)  # every weight is "large": compared a few rows at a time
+    quantizer = qcore.Int8StaticQuantizer(per_channel=per_channel)
+    plain = measure_model(float_gm, batches, quantizer).sqnr
+    quantized_rows, rows_of = [], measure._quantized_weight_rows
+
+    def recorded(*args):
+        rows = rows_of(*args)
+        return None if rows is None else lambda part: quantized_rows.append(rows(part).numel()) or rows(part)
+
+    monkeypatch.setattr(measure, "_quantized_weight_rows", recorded)
+    with quantize_weights_where_read():
+        where_read = measure_model(float_gm, batches, quantizer).sqnr
+    weights = {layer: entry.weight_sqnr_db for layer, entry in where_read.layers.items()}
+    assert weights == {layer: entry.weight_sqnr_db for layer, entry in plain.layers.items()}
+    assert all(value is not None and 0 < value < float("inf") for value in weights.values())
+    # the conv (8 x 27), fc (32 x 128), head (10 x 32) and table (10 x 6) weights, never whole: one row or a few
+    assert quantized_rows and max(quantized_rows) <= 128 and len(quantized_rows) >= 8 + 32 + 10

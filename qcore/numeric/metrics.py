@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from ..qparams import row_slices
 
-__all__ = ["compute_cosine_similarity", "compute_normalized_l2_error", "compute_sqnr", "large_tensor_sqnr",
-           "sqnr_from_sums"]
+__all__ = ["compared_by_rows", "compute_cosine_similarity", "compute_normalized_l2_error", "compute_sqnr",
+           "large_tensor_sqnr", "rowwise_sqnr", "sqnr_from_sums"]
 
 _ROWS_ELEMENTS = 1 << 20  # compared at a time by large_tensor_sqnr (in float64: four 8 MB transients)
 
@@ -60,15 +60,32 @@ def sqnr_from_sums(signal_sq: float, noise_sq: float) -> float:
     return 10 * math.log10(signal_sq / noise_sq)
 
 
+def compared_by_rows(x: torch.Tensor) -> bool:
+    """Whether large_tensor_sqnr compares x (and rowwise_sqnr may) a bounded number of rows at a time."""
+    return x.dim() > 0 and x.numel() > _ROWS_ELEMENTS
+
+
 def large_tensor_sqnr(x: torch.Tensor, y: torch.Tensor) -> float:
     """compute_sqnr of two tensors of one shape (a weight and its quantized copy), a bounded number of rows at a
     time when they are large: no copy of an LM head's difference."""
-    if x.dim() == 0 or x.numel() <= _ROWS_ELEMENTS:
+    if not compared_by_rows(x):
         return float(compute_sqnr(x, y))
     signal = torch.zeros((), dtype=torch.float64, device=x.device)
     noise = torch.zeros((), dtype=torch.float64, device=x.device)
     for part in row_slices(x, _ROWS_ELEMENTS):
         a, b = x[part].double(), y[part].double()
+        signal += a.square().sum()
+        noise += (a - b).square_().sum()
+    return sqnr_from_sums(float(signal), float(noise))
+
+
+def rowwise_sqnr(x: torch.Tensor, rows_of_y: Callable[[slice], torch.Tensor]) -> float:
+    """large_tensor_sqnr(x, y) of an x compared_by_rows, with y made a few rows at a time by `rows_of_y(rows)` and
+    never whole (an LM head's quantized copy): the same sums, and inf where y equals x."""
+    signal = torch.zeros((), dtype=torch.float64, device=x.device)
+    noise = torch.zeros((), dtype=torch.float64, device=x.device)
+    for part in row_slices(x, _ROWS_ELEMENTS):
+        a, b = x[part].double(), rows_of_y(part).double()
         signal += a.square().sum()
         noise += (a - b).square_().sum()
     return sqnr_from_sums(float(signal), float(noise))
