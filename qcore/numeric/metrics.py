@@ -70,13 +70,7 @@ def large_tensor_sqnr(x: torch.Tensor, y: torch.Tensor) -> float:
     time when they are large: no copy of an LM head's difference."""
     if not compared_by_rows(x):
         return float(compute_sqnr(x, y))
-    signal = torch.zeros((), dtype=torch.float64, device=x.device)
-    noise = torch.zeros((), dtype=torch.float64, device=x.device)
-    for part in row_slices(x, _ROWS_ELEMENTS):
-        a, b = x[part].double(), y[part].double()
-        signal += a.square().sum()
-        noise += (a - b).square_().sum()
-    return sqnr_from_sums(float(signal), float(noise))
+    return rowwise_sqnr(x, y.__getitem__)
 
 
 def rowwise_sqnr(x: torch.Tensor, rows_of_y: Callable[[slice], torch.Tensor]) -> float:
