@@ -31,7 +31,6 @@ from .diagnose import (
     NonDeterministicModelError,
     describe_outputs,
     first_nondeterministic,
-    outputs_agree,
 )
 from .equalize import cross_layer_equalize, equalize
 from .format_quantizer import FORMAT_REFUSAL_KEY
@@ -359,14 +358,14 @@ class ModelAnalysis:
             measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers,
                                      layers=self._focus, screens=screens, **options)
             if isinstance(self._nondeterminism, _Unknown) and self.quantized_input_gm is self.float_gm and \
-                    len(measured.first_outputs) == 2 and outputs_agree(self.float_gm, *measured.first_outputs):
+                    measured.first_outputs_agree:
                 self._nondeterminism = None  # calibration and comparison ran batch 0 alike: no extra runs
             self.require_deterministic()  # otherwise two runs (four to name the node where they differ)
         if not self._keeps_graphs:
             self.__dict__.pop("quantized_input_gm", None)  # built again if asked for
         if weights_quantized_where_read():  # a large model: its quantized copies (fx graphs, in cycles) go now
             gc.collect()
-        return dataclasses.replace(measured, first_outputs=())  # a batch of outputs is not worth keeping
+        return measured
 
     def _measure_blocks(self, float_gm: fx.GraphModule, **options: Any) -> ModelMeasurement:
         from .blockwise import measure_blockwise

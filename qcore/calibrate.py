@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from .inputs import call_model, move_to
 
-__all__ = ["CalibrationError", "calibrate", "model_device"]
+__all__ = ["CalibrationError", "OutputSink", "calibrate", "model_device"]
 
 
 class CalibrationError(RuntimeError):
@@ -23,7 +23,14 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: list | None = None, *,
+class OutputSink(Protocol):
+    """Where a pass puts the outputs it keeps: a list, or anything with its append (measure.FirstOutputs)."""
+
+    def append(self, output: Any, /) -> None:
+        """Keep one output."""
+
+
+def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: OutputSink | None = None, *,
               keep_all: bool = False) -> int:
     """Feed every batch to `model` under no_grad, on the model's device; returns the batch count. The first
     batch's output (keep_all: every batch's) is appended to `keep_first_output` when given."""

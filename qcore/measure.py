@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from .calibrate import CalibrationError, calibrate
+from .calibrate import CalibrationError, OutputSink, calibrate
 from .calibrated import CalibratedObservers
 from .capture import clone_graph_module
 from .convert import convert, fake_quantize_over_input, restore_model_state
-from .diagnose import ResolutionLimit, first_non_finite, resolution_limits
+from .diagnose import ResolutionLimit, first_non_finite, outputs_agree, resolution_limits
 from .equalize import (
     InputEqualizationObserver,
     input_channel_axis,
@@ -52,9 +52,9 @@ from .variants import (
     variant_results,
 )
 
-__all__ = ["LayerSqnr", "ModelMeasurement", "OutputSqnr", "ProbedModel", "SqnrMeasurement", "VariantSqnr",
-           "calibrate_and_convert", "compare_quantized", "diagnosed_calibration", "measure_model", "measure_sqnr",
-           "sqnr_measurement", "weight_sqnrs"]
+__all__ = ["FirstOutputs", "LayerSqnr", "ModelMeasurement", "OutputSqnr", "ProbedModel", "SqnrMeasurement",
+           "VariantSqnr", "calibrate_and_convert", "compare_quantized", "diagnosed_calibration", "measure_model",
+           "measure_sqnr", "sqnr_measurement", "weight_sqnrs"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,8 @@ class ModelMeasurement:
     unmeasured: Mapping[str, str]  # {layer: why its variants could not be measured}
     smoothing: Mapping[str, Mapping[str, Any]]  # {layer: {"alpha", "producer", "producer_name"} | {"refused": why}}
     logits: LogitsMeasurement = LogitsMeasurement(reason="not measured (measure_model(..., logits=True))")
-    first_outputs: tuple[Any, ...] = ()  # the float outputs of batch 0 in calibration and in comparison
+    # whether the float outputs of batch 0 in calibration and in comparison agree (None: not both were run)
+    first_outputs_agree: bool | None = None
     # {(method, layer): (alpha, s)}: the scales an equalize/smooth rewrite of the same graph and batches would use
     rewrite_scales: Mapping[tuple[str, str], tuple[float | None, torch.Tensor]] = dataclasses.field(
         default_factory=dict)
@@ -131,7 +132,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     probed = ProbedModel(float_gm, quantizer, detectors, equalization_layers, smoothing,
                          ahead if ahead.screens else None)
     planned: list[Any] = []
-    first_outputs: list[Any] = []  # two float runs of batch 0 from the same state: they must agree
+    first_outputs = FirstOutputs(float_gm)  # two float runs of batch 0 from the same state: they must agree
     signatures = observers.signatures(probed.prepared) if observers is not None else {}
     still_to_calibrate = observers.take(probed.prepared, signatures) if observers is not None else None
 
@@ -159,8 +160,29 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                                                      for layer in changes if layer in extra.results})
                       for name, changes, extra in screened}
     return ModelMeasurement(sqnr, probed.detector_reports, variant_results(variants, baselines, unmeasured),
-                            unmeasured, smoothed, compared, tuple(first_outputs), rewrite_scales(variants),
+                            unmeasured, smoothed, compared, first_outputs.agree, rewrite_scales(variants),
                             screen_results)
+
+
+class FirstOutputs:
+    """Collects the float outputs of batch 0 in the calibration and in the comparison pass (`append`, as a list
+    would): compared as soon as the second is made, then let go, so that an LM's logits are not held through the
+    comparison pass. `agree` is None until both were made."""
+
+    def __init__(self, float_gm: fx.GraphModule) -> None:
+        self.float_gm = float_gm
+        self.agree: bool | None = None
+        self._first: Any = None
+        self._count = 0
+
+    def append(self, output: Any) -> None:
+        """Keep the first output; compare the second with it."""
+        self._count += 1
+        if self._count == 1:
+            self._first = output
+        elif self._count == 2:
+            self.agree = outputs_agree(self.float_gm, self._first, output)
+            self._first = None
 
 
 def _screen_copies(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None,
@@ -246,7 +268,7 @@ class ProbedModel:
 
 def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batches: list[Any], variants: list[Any],
                       unmeasured: dict[str, str], *, propagate: bool = True, logits: LogitsComparator | None = None,
-                      keep_first_output: list | None = None, quant_batches: list | None = None,
+                      keep_first_output: OutputSink | None = None, quant_batches: list | None = None,
                       streams: list | None = None, layers: Collection[str] | None = None,
                       extra_shadows: Sequence[ExtraShadows] = ()) -> tuple[SqnrMeasurement, dict[str, dict]]:
     """The comparison pass of a converted graph (instrumented in place) against its float graph, with the shadows
@@ -278,7 +300,7 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
 
 def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, batches: list[Any],
                           before_convert: Callable[[], None] | None = None, keep_float_weights: bool = True,
-                          keep_first_output: list | None = None, recompile: bool = True) -> fx.GraphModule:
+                          keep_first_output: OutputSink | None = None, recompile: bool = True) -> fx.GraphModule:
     """Calibrate `prepared` and convert it (in place); a failure caused by NaN or inf in the float model says where
     they appear. `before_convert` runs between the two (to read and remove other observers); recompile=False
     leaves the converted graph's code generation to the caller (see convert)."""

@@ -21,7 +21,7 @@ from qcore.capture import clone_graph_module
 from qcore.convert import convert
 from qcore.equalize import equalize
 from qcore.smoothing import smooth
-from qcore.measure import measure_model
+from qcore.measure import FirstOutputs, measure_model
 from qcore.variants import variant_batches
 from qcore.numeric.compare import compare, compare_propagated_and_shadow
 from qcore.numeric.loggers import StreamingComparator
@@ -252,6 +252,36 @@ def test_a_deterministic_model_needs_no_runs_beyond_the_two_passes(monkeypatch):
     analysis = ModelAnalysis(qcore.capture(SmallMLP().eval(), data[0]), None, data)
     analysis.sqnr  # noqa: B018
     assert analysis.nondeterminism is None and calls == []
+
+
+def test_the_batch_0_outputs_are_compared_in_the_comparison_pass_and_not_held_after_it(monkeypatch):
+    # the modules (qcore.measure and qcore.numeric.compare are also functions)
+    measure_module, compare_module = sys.modules["qcore.measure"], sys.modules["qcore.numeric.compare"]
+    torch.manual_seed(0)
+    data = [torch.randn(8, 32) for _ in range(3)]
+    float_gm = qcore.capture(SmallMLP().eval(), data[0])
+    held_in_batch_1, real = [], compare_module.call_model
+    first_outputs = []
+
+    def spy(gm, batch):
+        if batch is data[1] and first_outputs:  # the comparison's second batch: the check is done by now
+            held_in_batch_1.append((first_outputs[0].agree, first_outputs[0]._first))
+        return real(gm, batch)
+
+    def recorded(float_gm):
+        first_outputs.append(FirstOutputs(float_gm))
+        return first_outputs[-1]
+
+    monkeypatch.setattr(compare_module, "call_model", spy)
+    monkeypatch.setattr(measure_module, "FirstOutputs", recorded)
+    measured = measure_model(float_gm, data)
+    assert measured.first_outputs_agree is True
+    assert held_in_batch_1 and all(state == (True, None) for state in held_in_batch_1)
+    outputs = FirstOutputs(float_gm)
+    outputs.append(torch.ones(3))
+    assert outputs.agree is None
+    outputs.append(torch.tensor([1.0, 1.0, 2.0]))  # a second run that differs
+    assert outputs.agree is False and outputs._first is None
 
 
 def test_a_non_deterministic_model_is_measured_once_however_many_checks_ask(monkeypatch):

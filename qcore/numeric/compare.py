@@ -9,7 +9,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from ..calibrate import model_device
+from ..calibrate import OutputSink, model_device
 from ..capture import clone_graph_module
 from ..inputs import call_model, move_to
 from .instrument import attach_after, copy_layer_into
@@ -144,7 +144,7 @@ class ExtraShadows:
 def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.GraphModule, batches: Iterable[Any],
                                   own_quant_model: bool = False, propagate: bool = True,
                                   instrument: Callable[[ShadowGraph], Callable[[], None] | None] | None = None,
-                                  instrument_batches: int | None = None, keep_first_output: list | None = None,
+                                  instrument_batches: int | None = None, keep_first_output: OutputSink | None = None,
                                   logits: LogitsComparator | None = None, quant_batches: list | None = None,
                                   streams: list | None = None, layers: Collection[str] | None = None,
                                   extra_shadows: Sequence[ExtraShadows] = ()) -> tuple[list[dict], list[dict]]:
