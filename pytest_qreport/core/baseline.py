@@ -36,7 +36,8 @@ __all__ = ["COMPARED_FINGERPRINT_FIELDS", "SCHEMA", "Baseline", "BaselineError",
 SCHEMA = 1
 BASELINE_DIR = "__qreport__"
 # what the numbers depend on; versions compare by major.minor
-COMPARED_FINGERPRINT_FIELDS = ("torch", "qcore", "quantizer", "calibration", "equalize", "threads")
+COMPARED_FINGERPRINT_FIELDS = ("torch", "qcore", "quantizer", "calibration", "equalize", "threads", "device")
+_RECORDED_BEFORE = {"device": "cpu"}  # fields that baselines written before them lack, with the value they had
 _VERSIONED = ("torch", "qcore")
 _VERDICTS = ("pass", "fail", "warn", "waived")
 
@@ -165,7 +166,7 @@ def fingerprint_differences(recorded: Mapping[str, Any], current: Mapping[str, A
     """'field: recorded -> current' for each compared field that differs (versions by major.minor)."""
     differences = []
     for name in COMPARED_FINGERPRINT_FIELDS:
-        old, new = recorded.get(name), current.get(name)
+        old, new = recorded.get(name, _RECORDED_BEFORE.get(name)), current.get(name, _RECORDED_BEFORE.get(name))
         same = _major_minor(old) == _major_minor(new) if name in _VERSIONED else old == new
         if not same:
             differences.append(f"{name}: {old!r} -> {new!r}")

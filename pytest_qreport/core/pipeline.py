@@ -24,7 +24,8 @@ from .results import ModelFacts
 from .runtime import quiet_torch_trace_log, torch_threads, young_garbage_collection
 from .settings import ModelSettings
 
-__all__ = ["ModelPipeline", "Stage", "collect_model", "fingerprint", "format_refusal_message", "select_layers"]
+__all__ = ["ModelPipeline", "Stage", "collect_model", "fingerprint", "format_refusal_message", "on_device",
+           "select_layers"]
 
 
 class Stage(enum.Enum):
@@ -229,6 +230,8 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     if not hasattr(model, "forward"):
         raise QReportModelError(f"model {name!r}: the qmodel function returned {type(model).__name__}, "
                                 "not an nn.Module")
+    if settings.device is not None:
+        model, example_inputs = on_device(name, settings.device, model, example_inputs)
     with quiet_torch_trace_log():
         float_gm = qcore.capture(model, example_inputs, name=name)
     _check_globs(name, settings, quantizer, float_gm)
@@ -258,6 +261,24 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     return pipeline
 
 
+def on_device(name: str, device: str, model: Any, example_inputs: Any) -> tuple[Any, Any]:
+    """The model moved to `device` (in place, as nn.Module.to does) and its example inputs copied there; the
+    calibration and evaluation batches follow the model, one batch at a time."""
+    import torch
+
+    from qcore.inputs import move_to
+
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # torch raises AssertionError for a build without CUDA
+        available = "yes" if torch.cuda.is_available() else "no"
+        raise QReportModelError(
+            f"model {name!r}: device={device!r} cannot be used here ({str(error).splitlines()[0]}; torch "
+            f"{torch.__version__}, CUDA available: {available}). Fix: --qreport-device=cpu (or auto, where the "
+            f"model is), or run where that device and a torch build for it exist") from None
+    return model.to(device), move_to(example_inputs, device)
+
+
 def _check_globs(name: str, settings: ModelSettings, quantizer: Any, float_gm: Any) -> None:
     """A layer glob that matches no layer is a typo or a stale name: say so, with the layer names. Checked for
     layers, skip_layers, float_layers, layer_formats and the quantizer's own layer_overrides."""
@@ -278,11 +299,14 @@ def _check_globs(name: str, settings: ModelSettings, quantizer: Any, float_gm: A
 
 
 def fingerprint(analysis: Any, equalize: Any, threads: int) -> dict[str, Any]:
-    """What a model's numbers depend on: versions, quantizer, calibration data, equalization, threads."""
+    """What a model's numbers depend on: versions, quantizer, calibration data, equalization, threads, the kind of
+    device."""
     import torch
 
     import qcore
     from qcore.analysis import calibration_digest, describe
+    from qcore.calibrate import model_device
 
     return {"torch": str(torch.__version__), "qcore": str(qcore.__version__), "quantizer": describe(analysis.quantizer),
-            "calibration": calibration_digest(analysis.batches), "equalize": describe(equalize), "threads": threads}
+            "calibration": calibration_digest(analysis.batches), "equalize": describe(equalize), "threads": threads,
+            "device": model_device(analysis.float_gm).type}

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["PLACES", "SEVERITIES", "Parser", "Setting", "blockwise_value", "boolean", "check_names", "choice",
-           "closest", "decibels", "equalize_value", "fraction", "globs", "layer_format_pairs", "mapping",
-           "positive_integer", "severity_pairs", "text", "tolerance_pairs"]
+           "closest", "decibels", "device_value", "equalize_value", "fraction", "globs", "layer_format_pairs",
+           "mapping", "positive_integer", "severity_pairs", "text", "tolerance_pairs"]
 
 PLACES = ("qmodel", "ini", "cli")
 SEVERITIES = ("fail", "warn", "off")
@@ -291,6 +291,20 @@ def blockwise_value(value: Any, checks: Sequence[str]) -> bool | str:
             return word
     raise ValueError(f"blockwise must be true, false, auto or the module path of a stack of blocks (such as "
                      f"'model.layers'), not {value!r}")
+
+
+def device_value(value: Any, checks: Sequence[str]) -> str | None:
+    """A torch device to analyse on ("cuda", "cuda:1", "cpu", or a torch.device), or None for wherever the model's
+    parameters are."""
+    import torch
+
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto", "model")):
+        return None
+    try:
+        return str(torch.device(value.strip() if isinstance(value, str) else value))
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(f"device must be a torch device such as cuda, cuda:1 or cpu, or auto (where the model is), "
+                         f"not {value!r}: {error}") from None
 
 
 def equalize_value(value: Any, checks: Sequence[str]) -> Any:

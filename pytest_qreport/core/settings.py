@@ -15,6 +15,7 @@ from .schema import (
     check_names,
     choice,
     closest,
+    device_value,
     equalize_value,
     globs,
     layer_format_pairs,
@@ -68,6 +69,9 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     Setting("blockwise", blockwise_value, "auto", "analyse one block of the model's stack (model.layers) at a time, "
             "holding one block's quantized weights: true, false, a stack's module path, or auto (when the whole "
             "model's analysis is estimated to exceed the memory budget)", metavar="{auto,true,false,PATH}",
+            shown_default="`auto`"),
+    Setting("device", device_value, None, "torch device to analyse the model on (cuda, cuda:1, cpu): the model and "
+            "its batches are moved there (default: auto, where the model's parameters are)", metavar="DEVICE",
             shown_default="`auto`"),
     Setting("baseline_tolerance_db", tolerance_pairs, None, "how much worse than its baseline a value may get "
             "(default 0.5, in the metric's unit); a number, or per check: 'sqnr=0.3,outlier=1.0,*=0.5'",
