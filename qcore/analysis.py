@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from .calibrate import calibrate
+from .calibrate import calibrate, model_device
 from .calibrated import CalibratedObservers
 from .capture import capture, clone_graph_module
 from .convert import weights_quantized_where_read
@@ -35,7 +35,7 @@ from .diagnose import (
 from .equalize import cross_layer_equalize, equalize
 from .format_quantizer import FORMAT_REFUSAL_KEY
 from .graph import find_quantizable_ops
-from .inputs import call_model
+from .inputs import call_model, move_to
 from .measure import (
     LayerSqnr,
     ModelMeasurement,
@@ -56,6 +56,8 @@ from .smoothing import smooth, smoothing_alpha
 __all__ = ["MEASUREMENTS", "AnalysisPlan", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis", "OutputSqnr",
            "QuantizedLayer", "SqnrMeasurement", "VariantSqnr", "analyze_model", "calibration_digest", "describe",
            "measure_sqnr", "quantized_layers"]
+
+_DIGEST_COPY_BYTES = 64 << 20  # calibration_digest copies batches on an accelerator to the host this much at a time
 
 
 @dataclass(frozen=True)
@@ -109,16 +111,18 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
 
 
 def _max_relative_error(reference: fx.GraphModule, candidate: fx.GraphModule, batches: list) -> float:
-    """max |candidate - reference| / max |reference| over every floating output tensor and batch."""
-    worst = 0.0
+    """max |candidate - reference| / max |reference| over every floating output tensor and batch (NaN when an
+    output is NaN); read back once, not per batch."""
+    device, errors = model_device(reference), []
     with torch.no_grad():
         for batch in batches:
+            batch = move_to(batch, device)
             expected = pytree.tree_leaves(call_model(reference, batch))
             for a, b in zip(expected, pytree.tree_leaves(call_model(candidate, batch))):
                 if isinstance(a, torch.Tensor) and a.is_floating_point():
-                    scale = float(a.abs().max()) or 1.0
-                    worst = max(worst, float((b - a).abs().max()) / scale)
-    return worst
+                    scale = a.abs().max().double()
+                    errors.append((b - a).abs().max().double() / torch.where(scale == 0, 1.0, scale))
+    return float(torch.stack(errors).max()) if errors else 0.0
 
 
 MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence", "logits"})
@@ -416,8 +420,6 @@ class ModelAnalysis:
         kept = self._logits_on.get(id(batches))
         if kept is not None and kept[0] is batches:
             return kept[1]
-        from .calibrate import model_device
-        from .inputs import move_to
         from .numeric.compare import run_both
 
         comparator, outputs = LogitsComparator(), []  # type: ignore[var-annotated]
@@ -567,19 +569,42 @@ class ModelAnalysis:
 
 
 def calibration_digest(batches: Iterable[Any]) -> str:
-    """'sha256:...' of the batches' structure, dtypes, shapes and bytes: same data, same digest."""
+    """'sha256:...' of the batches' structure, dtypes, shapes and bytes: same data, same digest, on any device. The
+    bytes of batches on an accelerator come to the host together, one copy per 64 MiB, not one per batch."""
     digest = hashlib.sha256()
+    pieces: list[bytes | torch.Tensor] = []  # in digest order
+    device_bytes = 0
     for batch in batches:
         leaves, spec = pytree.tree_flatten(batch)
-        digest.update(str(spec).encode())
+        pieces.append(str(spec).encode())
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                data = leaf.detach().to("cpu").contiguous()
-                digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
-                digest.update(ctypes.string_at(data.data_ptr(), data.numel() * data.element_size()))
+                data = leaf.detach().contiguous()
+                pieces += [f"{data.dtype}{tuple(data.shape)}".encode(), data]
+                device_bytes += 0 if data.is_cpu else data.numel() * data.element_size()
             else:
-                digest.update(repr(leaf).encode())
+                pieces.append(repr(leaf).encode())
+        if device_bytes >= _DIGEST_COPY_BYTES:
+            _digest_pieces(digest, pieces)
+            pieces, device_bytes = [], 0
+    _digest_pieces(digest, pieces)
     return "sha256:" + digest.hexdigest()
+
+
+def _digest_pieces(digest: Any, pieces: list[bytes | torch.Tensor]) -> None:
+    """Feed `pieces` to `digest` in order; the tensors on each other device come to the host in one copy."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for piece in pieces:
+        if isinstance(piece, torch.Tensor) and not piece.is_cpu:
+            by_device.setdefault(piece.device, []).append(piece.reshape(-1).view(torch.uint8))
+    copied = {device: iter(torch.cat(flat).cpu().split([t.numel() for t in flat]))
+              for device, flat in by_device.items()}
+    for piece in pieces:
+        if isinstance(piece, torch.Tensor):
+            data = piece if piece.is_cpu else next(copied[piece.device])
+            digest.update(ctypes.string_at(data.data_ptr(), data.numel() * data.element_size()))
+        else:
+            digest.update(piece)
 
 
 def describe(value: Any) -> Any:

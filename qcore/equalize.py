@@ -230,7 +230,8 @@ def resolve_layers(gm: fx.GraphModule, equalization_mapping: Any) -> list[Quanti
 def get_layer_sqnr_dict(model_a: fx.GraphModule, model_b: fx.GraphModule, x: Any) -> dict[str, float]:
     """{layer: SQNR of model_b's output against model_a's} for the quantized layers, on one batch `x`
     (torch.ao's selective-equalization helper, through qcore's numeric suite)."""
-    from .inputs import call_model
+    from .calibrate import model_device
+    from .inputs import call_model, move_to
     from .numeric import (
         OutputLogger,
         add_loggers,
@@ -240,6 +241,7 @@ def get_layer_sqnr_dict(model_a: fx.GraphModule, model_b: fx.GraphModule, x: Any
     )
 
     logged_a, logged_b = add_loggers("fp32", model_a, "int8", model_b, OutputLogger, only_quantized_layers=True)
+    x = move_to(x, model_device(model_a))
     with torch.no_grad():
         call_model(logged_a, x)
         call_model(logged_b, x)
