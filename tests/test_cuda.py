@@ -1,0 +1,160 @@
+"""On a GPU (skipped without one): the analysis runs there, copies nothing to the host per batch, and measures what
+it measures on the CPU. Every host read is seen twice: as a device-to-host copy in torch's profiler, and as a
+synchronizing call under torch.cuda's sync debug mode."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import qcore
+from pytest_qreport.checks import BUILTIN_CHECKS
+from pytest_qreport.core.pipeline import collect_model
+from pytest_qreport.core.registry import CheckRegistry
+from pytest_qreport.core.settings import ModelSettings
+from qcore.analysis import calibration_digest
+from qcore.measure import measure_model
+from qcore.report import DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.fc1, self.norm, self.fc2, self.head = nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 64), \
+            nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x)).mean(dim=(2, 3))
+        return self.head(torch.relu(self.fc2(self.norm(torch.relu(self.fc1(x))))))
+
+
+def _model_and_batches(batch_count: int, device: str) -> tuple[nn.Module, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _Net().eval().to(device)
+    g = torch.Generator().manual_seed(1)
+    distinct = [torch.randn(16, 3, 8, 8, generator=g) for _ in range(3)]
+    for x in distinct:
+        x[3, 1] *= 20.0  # an outlier channel, so that the outlier screen names layers
+    # 3 batches, repeated: 9 batches give the same statistics, findings and trials, so only per-batch work differs
+    return model, [distinct[i % 3].clone().to(device) for i in range(batch_count)]
+
+
+class HostTraffic:
+    """Device-to-host copies (profiler) and synchronizing calls (sync debug mode) inside the block."""
+
+    copies_to_host = copies_to_device = syncs = 0
+
+    def __enter__(self) -> "HostTraffic":
+        torch.cuda.synchronize()
+        self._warnings = warnings.catch_warnings(record=True)
+        self.caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                            torch.profiler.ProfilerActivity.CUDA])
+        self._profiler.__enter__()
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        self._profiler.__exit__(*exc)
+        self._warnings.__exit__(*exc)
+        names = [event.name for event in self._profiler.events()]
+        self.copies_to_host = sum(1 for name in names if "DtoH" in name or "Device -> Pageable" in name)
+        self.copies_to_device = sum(1 for name in names if "HtoD" in name)
+        self.syncs = sum(1 for w in self.caught if "synchroniz" in str(w.message))
+
+    def counts(self) -> dict[str, int]:
+        """What was seen, as a dict (for messages)."""
+        return {"copies_to_host": self.copies_to_host, "copies_to_device": self.copies_to_device,
+                "syncs": self.syncs}
+
+
+def _assert_not_per_batch(fewer: HostTraffic, more: HostTraffic, extra_batches: int) -> None:
+    """`more` (the same analysis on `extra_batches` more batches) read the host less than once per extra batch: the
+    counts may differ by a one-time call (seen: one synchronizing call more or less between two runs), not more."""
+    assert more.copies_to_host - fewer.copies_to_host < extra_batches, (fewer.counts(), more.counts())
+    assert more.syncs - fewer.syncs < extra_batches, (fewer.counts(), more.counts())
+
+
+def _measured_traffic(batch_count: int) -> HostTraffic:
+    model, batches = _model_and_batches(batch_count, "cuda")
+    float_gm = qcore.capture(model, batches[0])
+    detectors = {"per_channel": PerChannelDetector(), "dynamic_static": DynamicStaticDetector(),
+                 "input_weight": InputWeightEqualizationDetector(0.5), "outlier": OutlierDetector()}
+    with HostTraffic() as traffic:
+        measured = measure_model(float_gm, batches, qcore.Int8StaticQuantizer(), detectors=detectors,
+                                 equalization_layers=["fc1", "fc2", "head"], smoothing="search", logits=True)
+    assert measured.sqnr.outputs and measured.variants
+    return traffic
+
+
+def test_a_measurement_on_cuda_copies_nothing_to_the_host_per_batch():
+    # calibration (quantizer, detector and variant observers) and the comparison pass (propagated, shadow, variant
+    # comparators, logits): what is read back is read once per measurement, the same for 3 batches as for 9
+    _measured_traffic(3)  # a process's first measurement makes one more synchronizing call (a one-time set-up)
+    three, nine = _measured_traffic(3), _measured_traffic(9)
+    # the results are read back at the end: a profiler or debug mode that saw nothing would prove nothing
+    assert three.copies_to_host > 0 and three.syncs > 0, three.counts()
+    _assert_not_per_batch(three, nine, extra_batches=6)
+
+
+def _analysis_traffic(batch_count: int, checks: list[str]) -> HostTraffic:
+    model, batches = _model_and_batches(batch_count, "cuda")
+    registry = CheckRegistry()
+    for check in BUILTIN_CHECKS:
+        registry.register(check)
+    settings = ModelSettings.defaults(BUILTIN_CHECKS, checks=checks, calibration=batches)
+    pipeline = collect_model("net", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
+    with HostTraffic() as traffic:
+        pipeline.analyze(lambda: batches, lambda found: None)
+    assert not pipeline.failed, pipeline.error
+    return traffic
+
+
+def test_the_plugins_analysis_on_cuda_copies_nothing_to_the_host_per_batch():
+    # every built-in check, sensitivity trials and verified advice included
+    checks = [check.name for check in BUILTIN_CHECKS]
+    _analysis_traffic(3, checks)  # the process's one-time set-ups out of the way
+    three, nine = _analysis_traffic(3, checks), _analysis_traffic(9, checks)
+    assert three.copies_to_host > 0 and three.syncs > 0, three.counts()
+    _assert_not_per_batch(three, nine, extra_batches=6)
+
+
+def test_cuda_and_cpu_measure_the_same_layers_alike():
+    results = {}
+    for device in ("cpu", "cuda"):
+        model, batches = _model_and_batches(4, device)
+        float_gm = qcore.capture(model, batches[0])
+        results[device] = measure_model(float_gm, batches, qcore.Int8StaticQuantizer())
+    cpu, cuda = results["cpu"].sqnr, results["cuda"].sqnr
+    assert set(cpu.layers) == set(cuda.layers) and cpu.layers
+    for layer, value in cpu.layers.items():
+        assert abs(cuda.layers[layer].shadow_sqnr_db - value.shadow_sqnr_db) < 1.0, (layer, value, cuda.layers[layer])
+    for name, value in cpu.outputs.items():
+        assert abs(cuda.outputs[name].sqnr_db - value.sqnr_db) < 1.0, (name, value, cuda.outputs[name])
+
+
+def test_a_model_declared_on_a_device_runs_its_analysis_there():
+    model, batches = _model_and_batches(2, "cpu")
+    registry = CheckRegistry()
+    for check in BUILTIN_CHECKS:
+        registry.register(check)
+    settings = ModelSettings.defaults(BUILTIN_CHECKS, checks=["sqnr", "model_sqnr"], calibration=batches,
+                                      device="cuda")
+    pipeline = collect_model("net", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
+    pipeline.analyze(lambda: batches, lambda found: None)  # CPU batches: moved to the model's device one at a time
+    assert not pipeline.failed, pipeline.error
+    assert next(model.parameters()).device.type == "cuda"
+    assert pipeline.facts().fingerprint["device"] == "cuda"
+
+
+def test_the_calibration_digest_is_the_same_on_cuda_as_on_the_cpu():
+    _, batches = _model_and_batches(3, "cpu")
+    batches = [{"image": x, "ids": torch.arange(5)} for x in batches]
+    on_cuda = [{name: value.to("cuda") for name, value in batch.items()} for batch in batches]
+    assert calibration_digest(on_cuda) == calibration_digest(batches)
