@@ -1,12 +1,17 @@
 """The `device` setting on any machine: parsed at start-up, a device that cannot be used errors on its own model's
-items (naming the model, the device and the fix) while the others run, and baselines record the device's kind.
-What runs on a GPU is in test_cuda.py."""
+items (naming the model, the device and the fix) while the others run, baselines record the device's kind, and
+the host's memory budget does not hold a model on an accelerator. What runs on a GPU is in test_cuda.py."""
 import json
 
 import pytest
+import torch
+from torch import nn
 
 from pytest_qreport.core.baseline import fingerprint_differences
+from pytest_qreport.core.explain import explain
+from pytest_qreport.core.memory import on_accelerator
 from pytest_qreport.core.schema import device_value
+from tests.test_memory_budget import CONFTEST as BUDGET_CONFTEST
 from tests.test_plugin import TINY_SOURCE
 
 FINGERPRINT = {"torch": "2.13.0", "qcore": "0.1.0", "quantizer": {"class": "Q"}, "calibration": "sha256:1",
@@ -52,3 +57,27 @@ def here():
     fixed.assert_outcomes(passed=4)
     report = json.loads((pytester.path / "r.json").read_text())
     assert {model["fingerprint"]["device"] for model in report["models"].values()} == {"cpu"}
+
+
+def test_a_model_is_on_an_accelerator_when_its_parameters_are():
+    assert not on_accelerator(nn.Linear(2, 2)) and on_accelerator(nn.Linear(2, 2, device="meta"))
+
+
+def test_a_model_on_an_accelerator_is_not_held_to_the_host_memory_budget(pytester):
+    # the budget covers the host: a model whose weights and activations are on a GPU is not refused for it (an
+    # out-of-memory on the GPU is an error on its items). No GPU here: the check that the model is on one says so
+    # for every model, and the CPU runs the analysis.
+    pytester.makeconftest(BUDGET_CONFTEST + '''
+
+import pytest_qreport.adapter.items
+
+pytest_qreport.adapter.items.on_accelerator = lambda float_gm: True
+''')
+    pytester.runpytest("--qreport", "-p", "no:randomly", "--qreport-memory-budget=1MiB").assert_outcomes(passed=4)
+
+
+def test_running_out_of_a_devices_memory_names_the_model_and_the_fixes():
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+    message = explain("llama", "calibration/analysis", error)
+    assert message.startswith("model 'llama': calibration/analysis ran out of memory on its device: CUDA out of")
+    assert "--qreport-device=cpu" in message and "covers the host" in message

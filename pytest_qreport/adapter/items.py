@@ -18,7 +18,7 @@ from ..core.errors import QReportCheckFailed, QReportError, QReportModelError
 from ..core.explain import error_finding, explain
 from ..core.findings import Finding
 from ..core.layer_cache import model_cache_key
-from ..core.memory import ANALYSIS_FACTOR, MemoryLedger, budgeted_estimate, holds_capture
+from ..core.memory import ANALYSIS_FACTOR, MemoryLedger, budgeted_estimate, holds_capture, on_accelerator
 from ..core.nodeids import item_name, model_scope
 from ..core.numbers import printable
 from ..core.pipeline import ModelPipeline, Stage, collect_model
@@ -318,12 +318,16 @@ class QReportItem(pytest.Function):
         assert pipeline.context is not None
         budget = self.config.stash[STATE_KEY].memory_budget
         assert pipeline.settings is not None
-        estimate, refusal = budgeted_estimate(pipeline.name, pipeline.context.analysis, pipeline.settings.blockwise,
-                                              budget, given=settings["memory_budget"] is not None)
-        if refusal:
-            pipeline.analysis_failed(refusal)
-            return
-        reserve(estimate + (pipeline.parameter_bytes or 0))
+        if on_accelerator(pipeline.context.analysis.float_gm):  # its tensors take the device's memory, not the host's
+            reserve(0)
+        else:
+            estimate, refusal = budgeted_estimate(pipeline.name, pipeline.context.analysis,
+                                                  pipeline.settings.blockwise, budget,
+                                                  given=settings["memory_budget"] is not None)
+            if refusal:
+                pipeline.analysis_failed(refusal)
+                return
+            reserve(estimate + (pipeline.parameter_bytes or 0))
         hook = self.ihook
         with analysis_guard(crash_dir, self.model_key, worker_id):
             pipeline.analyze(lambda: self._calibration_batches(pipeline, request),

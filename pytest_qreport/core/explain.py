@@ -46,6 +46,12 @@ def explain(model: str, stage: str, error: BaseException) -> str:
     if isinstance(error, (QReportError, qcore.CaptureError, qcore.NonDeterministicModelError)):
         text = str(error)
         return text if f"'{model}'" in text else f"model '{model}': {text}"
+    out_of_memory = getattr(__import__("torch"), "OutOfMemoryError", None)
+    if out_of_memory is not None and isinstance(error, out_of_memory):
+        return (f"model {model!r}: {stage} ran out of memory on its device: {str(error).splitlines()[0]}\n"
+                "The memory budget (--qreport-memory-budget) covers the host, not an accelerator's memory. Free "
+                "the device's memory, run on one with more, or analyse this model on the CPU (--qreport-device=cpu); "
+                "other models run on.")
     frames = _user_frames(error)
     where = f" in {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
     trace = "".join(traceback.format_list(frames[-3:])) if frames else ""

@@ -15,7 +15,7 @@ from .files import write_atomically
 
 __all__ = ["ANALYSIS_FACTOR", "HELD_CAPTURES_SHARE", "LARGE_MODEL_BYTES", "MemoryLedger", "available_memory",
            "budgeted_estimate", "estimated_analysis_bytes", "estimated_blockwise_bytes", "holds_capture", "human_bytes",
-           "over_budget_message"]
+           "on_accelerator", "over_budget_message"]
 
 # What an analysis with every default check adds beyond the model itself, in its parameter bytes: 3.6x (0.5B
 # transformers Llama) and 4.7x (1B) when this was set; since weights are quantized where read, 0.9x and 0.4x
@@ -50,6 +50,14 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def on_accelerator(float_gm: Any) -> bool:
+    """Whether a model's parameters, so its analysis's tensors, are on a device other than the CPU: then its memory is
+    that device's, which the budget does not cover (an out-of-memory error there is raised, not a kill)."""
+    from qcore.calibrate import model_device
+
+    return model_device(float_gm).type != "cpu"
 
 
 def estimated_analysis_bytes(module: Any) -> tuple[int, int]:

@@ -104,9 +104,10 @@ SESSION_SETTINGS: tuple[Setting, ...] = (
             scope="session", places=frozenset({"cli", "ini"}), metavar="DIR", shown_default="`__qreport__/`"),
     Setting("threads", positive_integer, 1, "torch threads for the analysis (default 1, so that serial and -n N "
             "runs agree)", scope="session", places=frozenset({"cli", "ini"}), metavar="N", shown_default="1"),
-    Setting("memory_budget", byte_size, None, "memory the analyses may add, shared by the -n workers (e.g. 16GiB; "
-            "default: what is available when the session starts); a model estimated to need more errors at once, "
-            "and a worker waits while the others' analyses hold too much", scope="session",
+    Setting("memory_budget", byte_size, None, "host memory the analyses may add, shared by the -n workers (e.g. "
+            "16GiB; default: what is available when the session starts); a model estimated to need more errors at "
+            "once, and a worker waits while the others' analyses hold too much (a model on a GPU uses the GPU's "
+            "memory instead, and is not held to it)", scope="session",
             places=frozenset({"cli", "ini"}), metavar="SIZE", shown_default="available memory"),
 )
 
