@@ -41,13 +41,14 @@ def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:
 
 def explain(model: str, stage: str, error: BaseException) -> str:
     """A message naming the model, the user's frame where it failed (first), the error and what to do."""
+    import torch
+
     import qcore
 
     if isinstance(error, (QReportError, qcore.CaptureError, qcore.NonDeterministicModelError)):
         text = str(error)
         return text if f"'{model}'" in text else f"model '{model}': {text}"
-    out_of_memory = getattr(__import__("torch"), "OutOfMemoryError", None)
-    if out_of_memory is not None and isinstance(error, out_of_memory):
+    if isinstance(error, torch.OutOfMemoryError):
         return (f"model {model!r}: {stage} ran out of memory on its device: {str(error).splitlines()[0]}\n"
                 "The memory budget (--qreport-memory-budget) covers the host, not an accelerator's memory. Free "
                 "the device's memory, run on one with more, or analyse this model on the CPU (--qreport-device=cpu); "
