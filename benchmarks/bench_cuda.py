@@ -92,17 +92,10 @@ def _forward(model, batches) -> None:
 
 def _collected(model, batches):
     """The plugin's pipeline of `model` with every built-in check, collected (captured), not analysed."""
-    import qcore
     from pytest_qreport.checks import BUILTIN_CHECKS
-    from pytest_qreport.core.pipeline import collect_model
-    from pytest_qreport.core.registry import CheckRegistry
-    from pytest_qreport.core.settings import ModelSettings
+    from tests.test_cuda import collected
 
-    registry = CheckRegistry()
-    for check in BUILTIN_CHECKS:
-        registry.register(check)
-    settings = ModelSettings.defaults(BUILTIN_CHECKS, checks=registry.names(), calibration=batches)
-    return collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
+    return collected(model, batches, [check.name for check in BUILTIN_CHECKS])
 
 
 def _analyzed(pipeline, batches):

@@ -9,7 +9,7 @@ from torch import nn
 
 import qcore
 from pytest_qreport.checks import BUILTIN_CHECKS
-from pytest_qreport.core.pipeline import collect_model
+from pytest_qreport.core.pipeline import ModelPipeline, collect_model
 from pytest_qreport.core.registry import CheckRegistry
 from pytest_qreport.core.settings import ModelSettings
 from qcore.analysis import calibration_digest
@@ -104,13 +104,18 @@ def test_a_measurement_on_cuda_copies_nothing_to_the_host_per_batch():
     _assert_not_per_batch(three, nine, extra_batches=6)
 
 
-def _analysis_traffic(batch_count: int, checks: list[str]) -> HostTraffic:
-    model, batches = _model_and_batches(batch_count, "cuda")
+def collected(model: nn.Module, batches: list, checks: list[str], **settings) -> ModelPipeline:
+    """The plugin's pipeline of `model` with `checks` (and `settings`), captured, not yet analysed."""
     registry = CheckRegistry()
     for check in BUILTIN_CHECKS:
         registry.register(check)
-    settings = ModelSettings.defaults(BUILTIN_CHECKS, checks=checks, calibration=batches)
-    pipeline = collect_model("net", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
+    resolved = ModelSettings.defaults(BUILTIN_CHECKS, checks=checks, calibration=batches, **settings)
+    return collect_model("model", resolved, registry, qcore.Int8StaticQuantizer(), model, batches[0])
+
+
+def _analysis_traffic(batch_count: int, checks: list[str]) -> HostTraffic:
+    model, batches = _model_and_batches(batch_count, "cuda")
+    pipeline = collected(model, batches, checks)
     with HostTraffic() as traffic:
         pipeline.analyze(lambda: batches, lambda found: None)
     assert not pipeline.failed, pipeline.error
@@ -142,12 +147,7 @@ def test_cuda_and_cpu_measure_the_same_layers_alike():
 
 def test_a_model_declared_on_a_device_runs_its_analysis_there():
     model, batches = _model_and_batches(2, "cpu")
-    registry = CheckRegistry()
-    for check in BUILTIN_CHECKS:
-        registry.register(check)
-    settings = ModelSettings.defaults(BUILTIN_CHECKS, checks=["sqnr", "model_sqnr"], calibration=batches,
-                                      device="cuda")
-    pipeline = collect_model("net", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
+    pipeline = collected(model, batches, ["sqnr", "model_sqnr"], device="cuda")
     pipeline.analyze(lambda: batches, lambda found: None)  # CPU batches: moved to the model's device one at a time
     assert not pipeline.failed, pipeline.error
     assert next(model.parameters()).device.type == "cuda"
