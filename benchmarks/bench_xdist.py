@@ -9,7 +9,10 @@ weights, settled BatchNorm statistics, 4 calibration batches of 4 32x32 images):
 - serial, cold cache (`--cache-clear`), then warm;
 - `-n 2`, cold, then warm;
 
-and prints each wall time, the items, and the ratios serial / `-n 2`. Run:
+and prints each wall time, the CPU seconds of all its processes (the controller and the workers), the items, and
+the ratios serial / `-n 2`. On a machine whose cores the run keeps busy, CPU sets a ceiling on the ratio: the
+serial run's CPU times the cores, over the `-n 2` run's CPU (which adds the workers' start-up, the reports sent
+and received, and the controller). The ceiling is printed beside each ratio. Run:
 
     python benchmarks/bench_xdist.py [--models 19] [--keep DIR]
 """
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -183,16 +188,24 @@ for _index, (_name, _build) in enumerate(list(ZOO.items())[:MODELS]):
 '''
 
 
-def run(project: pathlib.Path, *args: str) -> tuple[float, int, str]:
-    """Wall seconds, items run, and the summary line of one pytest run in a fresh process."""
-    start = time.perf_counter()
+def _children_cpu() -> float:
+    """User and system seconds of every waited-for child process so far (a child's own waited-for children,
+    such as xdist's workers, included)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(project: pathlib.Path, *args: str) -> tuple[float, float, int, str]:
+    """Wall seconds, CPU seconds of all its processes, items run, and the summary line of one pytest run in a
+    fresh process."""
+    cpu, start = _children_cpu(), time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:randomly", *args],
                           cwd=project, capture_output=True, text=True)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
     lines = [line for line in done.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
     summary = lines[-1].strip("= ") if lines else done.stdout[-2000:] + done.stderr[-2000:]
     items = sum(int(n) for n in re.findall(r"(\d+) (?:passed|failed|skipped|error)", summary))
-    return wall, items, summary
+    return wall, cpu, items, summary
 
 
 def main() -> None:
@@ -204,14 +217,16 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     (root / "conftest.py").write_text(CONFTEST.replace("MODELS", str(options.models)))
     (root / "pytest.ini").write_text("[pytest]\n")
-    results = {}
+    walls, cpus = {}, {}
     for label, args in (("serial, cold", ["--cache-clear"]), ("serial, warm", []),
                         ("-n 2, cold", ["-n", "2", "--cache-clear"]), ("-n 2, warm", ["-n", "2"])):
-        wall, items, summary = run(root, *args)
-        results[label] = wall
-        print(f"{label:14s} {wall:7.1f} s  {items} items  ({summary})", flush=True)
+        walls[label], cpus[label], items, summary = run(root, *args)
+        print(f"{label:14s} {walls[label]:7.1f} s  CPU {cpus[label]:6.1f} s  {items} items  ({summary})", flush=True)
+    cores = min(2, os.cpu_count() or 1)
     for cache in ("cold", "warm"):
-        print(f"serial / -n 2, {cache} cache: {results[f'serial, {cache}'] / results[f'-n 2, {cache}']:.2f}x")
+        serial, parallel = f"serial, {cache}", f"-n 2, {cache}"
+        print(f"serial / -n 2, {cache} cache: {walls[serial] / walls[parallel]:.2f}x "
+              f"(CPU ceiling on {cores} cores: {cores * cpus[serial] / cpus[parallel]:.2f}x)")
 
 
 if __name__ == "__main__":
