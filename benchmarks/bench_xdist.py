@@ -10,17 +10,17 @@ weights, settled BatchNorm statistics, 4 calibration batches of 4 32x32 images):
 - `-n 2`, cold, then warm;
 
 and prints each wall time, the CPU seconds of all its processes (the controller and the workers), the items, and
-the ratios serial / `-n 2`. On a machine whose cores the run keeps busy, CPU sets a ceiling on the ratio: the
-serial run's CPU times the cores, over the `-n 2` run's CPU (which adds the workers' start-up, the reports sent
-and received, and the controller). The ceiling is printed beside each ratio. Run:
+the ratios serial / `-n 2`. CPU sets a ceiling on the ratio, since a `-n 2` run takes at least its CPU spread
+over the cores: the serial wall time times the cores, over the `-n 2` run's CPU (which adds the workers' start-up,
+the reports sent and received, and the controller). The ceiling is printed beside each ratio. Run:
 
     python benchmarks/bench_xdist.py [--models 19] [--keep DIR]
 """
 from __future__ import annotations
 
 import argparse
-import pathlib
 import os
+import pathlib
 import re
 import resource
 import subprocess
@@ -226,7 +226,7 @@ def main() -> None:
     for cache in ("cold", "warm"):
         serial, parallel = f"serial, {cache}", f"-n 2, {cache}"
         print(f"serial / -n 2, {cache} cache: {walls[serial] / walls[parallel]:.2f}x "
-              f"(CPU ceiling on {cores} cores: {cores * cpus[serial] / cpus[parallel]:.2f}x)")
+              f"(CPU ceiling on {cores} cores: {cores * walls[serial] / cpus[parallel]:.2f}x)")
 
 
 if __name__ == "__main__":
