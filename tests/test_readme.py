@@ -80,3 +80,30 @@ def test_the_failing_examples_fail_for_the_reasons_the_readme_gives(tmp_path):
     assert all(r["verdict"] == "pass" and "measured" in r["note"] for r in outliers)  # the heuristic, overruled
     fix = next(r["message"] for r in rows if r["check"] == "model_sqnr" and r["model"] == "fragile")
     assert "float_layers=[" in fix
+
+
+def test_pytest_help_works_and_lists_every_setting(pytester):
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.settings import SESSION_SETTINGS, model_schema
+
+    result = pytester.runpytest("--help")
+    assert result.ret == 0, result.stderr.str()
+    text = result.stdout.str()
+    for setting in (*model_schema(BUILTIN_CHECKS).values(), *SESSION_SETTINGS):
+        if setting.flag:
+            assert setting.flag in text, f"{setting.flag} is missing from pytest --help"
+        if setting.ini:
+            assert f"{setting.ini} (" in text, f"ini key {setting.ini} is missing from pytest --help"
+    assert "(causal LMs), in %" in text
+
+
+def test_a_percent_sign_in_any_help_text_survives_argparse():
+    import argparse
+
+    from pytest_qreport.core.settings import argparse_help
+
+    parser = argparse.ArgumentParser()
+    for index, text in enumerate(["in %", "100% of %(default)s", "%%", "a %d b %s"]):
+        parser.add_argument(f"--flag{index}", help=argparse_help(text))
+    out = parser.format_help()
+    assert "in %" in out and "100% of %(default)s" in out and "a %d b %s" in out

@@ -27,7 +27,7 @@ from .schema import (
     tolerance_pairs,
 )
 
-__all__ = ["DEFAULT_TOLERANCE", "MODEL_SETTINGS", "SESSION_SETTINGS", "ModelSettings", "add_options",
+__all__ = ["DEFAULT_TOLERANCE", "MODEL_SETTINGS", "SESSION_SETTINGS", "ModelSettings", "add_options", "argparse_help",
            "model_schema", "resolve_settings", "session_settings", "table_mode"]
 
 DEFAULT_TOLERANCE = 0.5
@@ -130,12 +130,17 @@ def add_options(parser, check_classes: Iterable[Any]) -> None:
                 # None when not given, so that the ini key can apply
                 default = None if setting.ini else setting.default
                 group.addoption(setting.flag, dest=setting.dest, action=setting.flag_action, default=default,
-                                help=setting.help)
+                                help=argparse_help(setting.help))
             else:
                 group.addoption(setting.flag, dest=setting.dest, metavar=setting.metavar, default=None,
-                                help=setting.help)
+                                help=argparse_help(setting.help))
         if setting.ini:
             parser.addini(setting.ini, setting.help, default=None)
+
+
+def argparse_help(text: str) -> str:
+    """`text` with `%` escaped: argparse formats every help string with `%` (a bare one breaks `pytest --help`)."""
+    return text.replace("%", "%%")
 
 
 class ModelSettings:
