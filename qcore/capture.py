@@ -1,14 +1,17 @@
 """Capture an nn.Module as a GraphModule: torch.export first, torch.fx.symbolic_trace as the fallback."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import re
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from .fold import fold_batch_norm
+from .fold import fold_batch_norm, fold_computed_weights, linear_from_transposed_weight_matmuls
 from .graph import FQN_KEY, HANDLE_KEY
 from .inputs import as_args_kwargs
 
@@ -53,7 +56,8 @@ def capture(model: nn.Module, example_inputs: Any, name: str | None = None, meth
         try:
             if method == "fx":
                 raise CaptureError("export skipped (method='fx')")
-            gm = _export(model, args, kwargs)
+            with without_kv_cache(model):
+                gm = _export(model, args, kwargs)
         except Exception as error:  # noqa: BLE001 - any export failure means: try FX
             export_error = error
             try:
@@ -65,12 +69,13 @@ def capture(model: nn.Module, example_inputs: Any, name: str | None = None, meth
                     f"model {label!r} could not be captured.\n"
                     f"  torch.export failed: {_first_line(export_error)}\n"
                     f"  torch.fx.symbolic_trace failed: {_first_line(fx_error)}\n"
-                    "  Fix: make the failing construct export-friendly (for example replace data-dependent Python "
-                    "control flow with torch.cond or tensor ops), or pass example inputs that match forward()."
+                    f"  Fix: {_capture_fix(export_error)}"
                 ) from fx_error
     finally:
         model.train(was_training)
     annotate_fqns_and_handles(gm)
+    fold_computed_weights(gm)
+    linear_from_transposed_weight_matmuls(gm)
     if fold_bn:
         gm.meta["qcore_folded_bn"] = fold_batch_norm(gm)
     gm.meta["qcore_model_name"] = label
@@ -78,6 +83,42 @@ def capture(model: nn.Module, example_inputs: Any, name: str | None = None, meth
     if export_error is not None and method == "auto":  # FX took over: keep why export did not
         gm.meta["qcore_export_error"] = f"{type(export_error).__name__}: {_first_line(export_error)}"
     return gm
+
+
+@contextlib.contextmanager
+def without_kv_cache(model: nn.Module) -> Iterator[None]:
+    """Run `model` without a key-value cache for the duration: a Hugging Face model whose config has `use_cache`
+    (every causal LM and seq2seq model, True by default) returns a cache object that torch.export cannot flatten,
+    and a quality comparison needs the logits and hidden states only. The config is restored afterwards."""
+    configs = [m.config for m in model.modules() if getattr(getattr(m, "config", None), "use_cache", None)]
+    configs = list({id(c): c for c in configs}.values())
+    generation = getattr(model, "generation_config", None)
+    cached_generation = bool(getattr(generation, "use_cache", None))
+    try:
+        for config in configs:
+            config.use_cache = False
+        if cached_generation:
+            generation.use_cache = False
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True
+        if cached_generation:
+            generation.use_cache = True
+
+
+def _capture_fix(export_error: BaseException | None) -> str:
+    """The fix for the construct torch.export named, where it named one."""
+    text = str(export_error or "")
+    unknown = re.search(r"Found <class '([^']+)'> in (output|input)", text)
+    if unknown:
+        kind = unknown.group(2)
+        return (f"forward() takes or returns a {unknown.group(1)} ({kind}), which torch.export cannot flatten into "
+                "tensors. Return tensors, tuples, dicts or dataclasses instead (register a dataclass with "
+                "torch.export.register_dataclass), or, for a cache object, turn the cache off "
+                "(model.config.use_cache = False).")
+    return ("make the failing construct export-friendly (for example replace data-dependent Python control flow "
+            "with torch.cond or tensor ops), or pass example inputs that match forward().")
 
 
 def _materialize_lazy_modules(model: nn.Module, args: tuple, kwargs: dict) -> None:

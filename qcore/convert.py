@@ -12,7 +12,7 @@ from torch import fx, nn
 
 from .calibrate import calibrate
 from .capture import capture, clone_graph_module
-from .format_quantizer import FormatFakeQuantize, FormatObserver, fake_quantize_format
+from .format_quantizer import FormatFakeQuantize, FormatObserver, fake_quantize_format, fake_quantize_weight
 from .graph import FQN_KEY, INSERTED_KEY, QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, weight_value
 from .observers import ObserverBase
 from .prepare import prepare
@@ -106,7 +106,7 @@ def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observe
             if key not in weight_cache:
                 weight = weight_value(gm, source)
                 with torch.no_grad():
-                    quantized = observer.format.fake_quantize(weight.detach(), weight=True)
+                    quantized = fake_quantize_weight(observer.format, weight.detach(), observer.transposed)
                 weight_cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
                 gm.register_buffer(weight_cache[key], quantized)
             replacement = graph.get_attr(weight_cache[key])

@@ -1,4 +1,5 @@
-"""Fold eval-mode BatchNorm into the conv or linear before it, as torchao's prepare_pt2e and torch.ao's fusion do.
+"""Fold eval-mode BatchNorm into the conv or linear before it, as torchao's prepare_pt2e and torch.ao's fusion do,
+and weights computed from parameters alone (weight norm and other parametrizations) into constants.
 
 The folded op keeps its node, so its module FQN and debug handle, and the layer is reported under the conv's
 name. Folded weights are new attributes of the GraphModule: the user's model is never changed.
@@ -12,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .graph import FQN_KEY, aten, op_kind
+from .graph import FQN_KEY, WEIGHT_VIEWS, aten, op_kind
 
-__all__ = ["FoldedBatchNorm", "fold_batch_norm"]
+__all__ = ["FoldedBatchNorm", "fold_batch_norm", "fold_computed_weights", "linear_from_transposed_weight_matmuls"]
 
 
 @dataclass(frozen=True)
@@ -163,3 +164,115 @@ def fold_batch_norm(gm: fx.GraphModule) -> list[FoldedBatchNorm]:
         gm.graph.lint()
         gm.recompile()
     return folded
+
+
+def _constant_value(gm: fx.GraphModule, node: object, values: dict[fx.Node, object]) -> object:
+    """The value of `node` when it depends on parameters and constants only; LookupError otherwise."""
+    if not isinstance(node, fx.Node):
+        if isinstance(node, (list, tuple)):
+            return type(node)(_constant_value(gm, item, values) for item in node)
+        return node
+    if node in values:
+        return values[node]
+    if node.op == "get_attr":
+        value: object = _fetch(gm, node)
+    elif node.op == "call_function" and not node.meta.get("qcore_inserted"):
+        args = [_constant_value(gm, a, values) for a in node.args]
+        kwargs = {k: _constant_value(gm, v, values) for k, v in node.kwargs.items()}
+        with torch.no_grad():
+            value = node.target(*args, **kwargs)  # type: ignore[operator]
+    else:
+        raise LookupError("not a constant")
+    values[node] = value
+    return value
+
+
+def _op_name(node: fx.Node) -> str:
+    return str(getattr(node.target, "_opname", None) or getattr(node.target, "__name__", ""))
+
+
+def _erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Erase `node` and, behind it, the nodes that computed only it."""
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current.users or current.op not in ("call_function", "get_attr"):
+            continue
+        inputs = [n for n in current.all_input_nodes]
+        gm.graph.erase_node(current)
+        pending.extend(inputs)
+
+
+def fold_computed_weights(gm: fx.GraphModule) -> list[str]:
+    """Replace each conv/linear weight that the graph computes from parameters alone (torch.nn.utils weight norm
+    and other parametrizations: `aten._weight_norm(v, g)`) by its value, in place, as inference does once. The
+    quantizers then see the weight the layer uses. Returns the layers' FQNs."""
+    folded = []
+    for node in list(gm.graph.nodes):
+        kind = op_kind(node, gm)
+        if kind not in ("conv", "linear") or node.op != "call_function" or len(node.args) < 2:
+            continue
+        weight = node.args[1]
+        if not isinstance(weight, fx.Node) or weight.op != "call_function":
+            continue
+        computed: dict[fx.Node, object] = {}
+        try:
+            value = _constant_value(gm, weight, computed)
+        except LookupError:
+            continue
+        if all(_op_name(n) in WEIGHT_VIEWS for n in computed if n.op == "call_function"):
+            continue  # a slice or view of a parameter (MultiheadAttention's in_proj) is read where it is
+        if not isinstance(value, torch.Tensor):
+            continue
+        layer = str(node.meta.get(FQN_KEY, "")) or _fqn(node)
+        with gm.graph.inserting_before(node):
+            constant = gm.graph.get_attr(_new_attribute(gm, f"{layer}_weight", value.detach().clone()))
+        constant.meta["val"] = weight.meta.get("val")
+        node.args = (node.args[0], constant, *node.args[2:])
+        _erase_unused(gm, weight)
+        folded.append(layer)
+    if folded:
+        gm.graph.lint()
+        gm.recompile()
+    return folded
+
+
+def _transposed_parameter(node: object) -> fx.Node | None:
+    """The 2-D parameter read that `node` transposes (W.T, W.t(), W.transpose(0, 1), W.permute(1, 0)), or None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args:
+        return None
+    source = node.args[0]
+    if not isinstance(source, fx.Node) or source.op != "get_attr" or len(node.users) != 1:
+        return None
+    value = source.meta.get("val")
+    if value is None or getattr(value, "dim", lambda: 0)() != 2:
+        return None
+    target, rest = node.target, [a for a in node.args[1:]]
+    if target in (aten.t.default, aten.numpy_T.default, torch.t) or \
+            (target is aten.transpose.int and sorted(int(a) % 2 for a in rest) == [0, 1]) or \
+            (target is aten.permute.default and [int(a) % 2 for a in rest[0]] == [1, 0]):
+        return source
+    return None
+
+
+def linear_from_transposed_weight_matmuls(gm: fx.GraphModule) -> list[str]:
+    """Rewrite `x @ W.T` with W a 2-D parameter (transformers' FalconLinear, hand-written linears) as
+    `linear(x, W)`, in place: the same product, now seen as a layer with a weight, so that every quantizer
+    (per-channel int8, the deployed formats) treats it as the linear it is. Returns the layers' FQNs."""
+    rewritten = []
+    for node in list(gm.graph.nodes):
+        if op_kind(node, gm) != "matmul" or node.op != "call_function" or len(node.args) != 2:
+            continue
+        weight = _transposed_parameter(node.args[1])
+        activation = node.args[0]
+        if weight is None or not isinstance(activation, fx.Node) or activation.meta.get("val") is None or \
+                activation.meta["val"].dim() < 1:
+            continue
+        transpose = node.args[1]
+        node.target, node.args, node.kwargs = aten.linear.default, (activation, weight), {}
+        gm.graph.erase_node(transpose)  # type: ignore[arg-type]
+        rewritten.append(str(node.meta.get(FQN_KEY, "")) or _fqn(node))
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return rewritten

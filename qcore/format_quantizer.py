@@ -20,26 +20,36 @@ from .observers import ObserverBase
 from .presets import Preset, TensorFormat, preset
 from .quantizer import ANNOTATION_KEY, QuantizationAnnotation, QuantizationSpec, Quantizer
 
-__all__ = ["FORMAT_REFUSAL_KEY", "FormatFakeQuantize", "FormatObserver", "FormatQuantizer", "fake_quantize_format",
-           "format_spec", "layer_shapes", "preset_refusal"]
+__all__ = ["FORMAT_KINDS", "FORMAT_REFUSAL_KEY", "FormatFakeQuantize", "FormatObserver", "FormatQuantizer",
+           "fake_quantize_format", "fake_quantize_weight", "format_spec", "layer_shapes", "preset_refusal"]
 
 FORMAT_REFUSAL_KEY = "qcore_format_refusal"  # on a layer's node: why its shapes cannot take its format
-_FORMAT_KINDS = ("linear", "conv")
+# addmm(bias, x, W) is a linear whose weight W is stored [in, out] (transformers' Conv1D: GPT-2's layers)
+FORMAT_KINDS = ("linear", "conv", "addmm")
 
 
-def format_spec(tensor_format: TensorFormat, *, weight: bool = False) -> QuantizationSpec:
+def format_spec(tensor_format: TensorFormat, *, weight: bool = False, transposed: bool = False) -> QuantizationSpec:
     """The QuantizationSpec of a tensor in a deployed format (its observer is a FormatObserver; a weight's keeps
-    nothing, since convert takes its scales from the weight itself)."""
-    observer = functools.partial(FormatObserver, keep_amax=False) if weight else FormatObserver
+    nothing, since convert takes its scales from the weight itself). `transposed`: a weight stored [in, out]."""
+    observer = functools.partial(FormatObserver, keep_amax=False, transposed=transposed) if weight else FormatObserver
     return QuantizationSpec(torch.int8, observer, is_dynamic=tensor_format.dynamic, format=tensor_format)
+
+
+def fake_quantize_weight(tensor_format: TensorFormat, weight: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """A weight quantized to its format and back, its blocks along the input dimension: the rows of an [out, in]
+    weight, or the columns of one stored [in, out] (`transposed`)."""
+    if transposed:
+        return tensor_format.fake_quantize(weight.t(), weight=True).t()
+    return tensor_format.fake_quantize(weight, weight=True)
 
 
 class FormatObserver(ObserverBase):
     """Keeps the running amax of a tensor whose format has a static scale; passes everything else through."""
 
-    def __init__(self, tensor_format: TensorFormat, keep_amax: bool = True) -> None:
+    def __init__(self, tensor_format: TensorFormat, keep_amax: bool = True, transposed: bool = False) -> None:
         super().__init__(is_dynamic=tensor_format.dynamic)
         self.format = tensor_format
+        self.transposed = transposed  # a weight stored [in, out]
         # static scales: NVFP4's global scale (its block scales are dynamic) and FP8 per tensor, unless dynamic
         self.static = keep_amax and (tensor_format.scale_format == "e4m3" or (
             not tensor_format.dynamic and tensor_format.element == "float8_e4m3fn"
@@ -79,7 +89,7 @@ def fake_quantize_format(x: torch.Tensor, quantize: FormatFakeQuantize) -> torch
 
 
 class FormatQuantizer(Quantizer):
-    """Annotates linear and conv layers with a preset's formats.
+    """Annotates linear, conv and addmm layers with a preset's formats.
 
     `layer_overrides` maps layer or FQN globs to {"format": preset name} or {"skip": True} (stay in float); later
     entries win. A layer whose weight or input cannot take its format (a dimension that is not a multiple of the
@@ -108,9 +118,9 @@ class FormatQuantizer(Quantizer):
         return chosen
 
     def annotate(self, gm: fx.GraphModule) -> fx.GraphModule:
-        """Annotate every weighted linear and conv layer with its preset's weight and input formats."""
+        """Annotate every weighted linear, conv and addmm layer with its preset's weight and input formats."""
         for op in find_quantizable_ops(gm):
-            if op.kind not in _FORMAT_KINDS or op.weight is None:
+            if op.kind not in FORMAT_KINDS or op.weight is None:
                 continue
             chosen = self.layer_preset(op.fqn, op.layer)
             if chosen is None:
@@ -119,7 +129,7 @@ class FormatQuantizer(Quantizer):
             if refusal:
                 op.node.meta[FORMAT_REFUSAL_KEY] = f"{chosen.name}: {refusal}"
                 continue
-            inputs: dict = {op.weight: format_spec(chosen.weight, weight=True)}
+            inputs: dict = {op.weight: format_spec(chosen.weight, weight=True, transposed=op.kind == "addmm")}
             if chosen.activation is not None:
                 inputs.update({a: format_spec(chosen.activation) for a in op.activation_inputs})
             # no implicit sharing: two layers reading one tensor may quantize it to different formats
@@ -161,4 +171,6 @@ def _weight_shape(op: Any) -> tuple[int, ...] | None:
         for part in str(op.weight.target).split("."):
             value = getattr(value, part, None)
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    if shape is not None and op.kind == "addmm":  # stored [in, out]: read as [out, in]
+        shape = shape[::-1]
     return shape

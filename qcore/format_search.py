@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from .calibrate import model_device
 from .capture import clone_graph_module
-from .format_quantizer import FormatQuantizer, layer_shapes, preset_refusal
+from .format_quantizer import FORMAT_KINDS, FormatQuantizer, fake_quantize_weight, layer_shapes, preset_refusal
 from .graph import fetch_attr, find_quantizable_ops
 from .inputs import call_model, move_to
 from .presets import preset
@@ -50,9 +50,9 @@ class FormatFix:
 class _WeightSwitch(nn.Module):
     """A layer's weight in the chosen format (kept per format once computed), or the float weight."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, transposed: bool = False) -> None:
         super().__init__()
-        self.weight, self.choice = weight, "float"
+        self.weight, self.choice, self.transposed = weight, "float", transposed
         self._formats: dict[str, torch.Tensor] = {}
 
     def forward(self) -> torch.Tensor:
@@ -60,7 +60,8 @@ class _WeightSwitch(nn.Module):
             return self.weight
         if self.choice not in self._formats:
             with torch.no_grad():
-                self._formats[self.choice] = preset(self.choice).weight.fake_quantize(self.weight, weight=True)
+                self._formats[self.choice] = fake_quantize_weight(preset(self.choice).weight, self.weight,
+                                                                  self.transposed)
         return self._formats[self.choice]
 
 
@@ -95,7 +96,7 @@ class FormatSwitchModel(SwitchedRuns):
         graph = self.gm.graph
         switch_nodes: list[fx.Node] = []
         for index, op in enumerate(find_quantizable_ops(self.gm)):
-            if op.kind not in ("linear", "conv") or op.weight is None or op.weight.op != "get_attr":
+            if op.kind not in FORMAT_KINDS or op.weight is None or op.weight.op != "get_attr":
                 continue
             chosen = quantizer.layer_preset(op.fqn, op.layer)
             self.shapes[op.layer] = layer_shapes(op)
@@ -103,7 +104,7 @@ class FormatSwitchModel(SwitchedRuns):
             refused = chosen is None or bool(preset_refusal(chosen, *self.shapes[op.layer]))
             self.start[op.layer] = "float" if refused else chosen.name  # type: ignore[union-attr]
             weight = fetch_attr(self.gm, str(op.weight.target))
-            switches = (_WeightSwitch(weight), _InputSwitch())
+            switches = (_WeightSwitch(weight, transposed=op.kind == "addmm"), _InputSwitch())
             self.gm.add_module(f"qcore_weight_switch_{index}", switches[0])
             self.gm.add_module(f"qcore_input_switch_{index}", switches[1])
             source = op.activation_inputs[0]

@@ -57,6 +57,16 @@ def _per_block(x: torch.Tensor, block_size: Sequence[int]) -> tuple[torch.Tensor
     return x.reshape(split), reduced, kept
 
 
+def _block_max(blocks: torch.Tensor, reduced: list[int]) -> torch.Tensor:
+    """Each block's maximum; blocks of one element are their own (torch.amax over no dimension reduces all)."""
+    return torch.amax(blocks, dim=reduced, keepdim=True) if reduced else blocks
+
+
+def _block_min(blocks: torch.Tensor, reduced: list[int]) -> torch.Tensor:
+    """Each block's minimum; blocks of one element are their own."""
+    return torch.amin(blocks, dim=reduced, keepdim=True) if reduced else blocks
+
+
 # -- integers ------------------------------------------------------------------------------------------------------
 def choose_qparams_affine(x: torch.Tensor, block_size: Sequence[int], quant_min: int, quant_max: int, *,
                           symmetric: bool, eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +76,8 @@ def choose_qparams_affine(x: torch.Tensor, block_size: Sequence[int], quant_min:
     Asymmetric: the range always includes 0; zero_point = quant_min - round(min / scale), clamped, as int32.
     Scales are at least `eps` (default: the smallest normal number of x's dtype)."""
     blocks, reduced, _kept = _per_block(x, block_size)
-    low = torch.clamp(torch.amin(blocks, dim=reduced, keepdim=True), max=0.0)
-    high = torch.clamp(torch.amax(blocks, dim=reduced, keepdim=True), min=0.0)
+    low = torch.clamp(_block_min(blocks, reduced), max=0.0)
+    high = torch.clamp(_block_max(blocks, reduced), min=0.0)
     floor = torch.finfo(x.dtype).smallest_normal if eps is None else eps
     if symmetric:
         scale = torch.clamp(torch.maximum(-low, high) / (float(quant_max - quant_min) / 2), min=floor)
@@ -101,7 +111,7 @@ def choose_scale_float8(x: torch.Tensor, block_size: Sequence[int],
     """One fp32 scale per block: amax / the format's largest value (448 for e4m3, 57344 for e5m2). An all-zero
     block gets scale 0, as in torchao, and its values become NaN."""
     blocks, reduced, _kept = _per_block(x, block_size)
-    scale = blocks.abs().amax(dim=reduced, keepdim=True) / torch.finfo(dtype).max
+    scale = _block_max(blocks.abs(), reduced) / torch.finfo(dtype).max
     return scale.reshape([size // block for size, block in zip(x.shape, block_size)]).to(torch.float32)
 
 

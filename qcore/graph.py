@@ -13,7 +13,7 @@ from torch import fx
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
            "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
            "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
-           "is_weight_value", "weight_value"]
+           "WEIGHT_VIEWS", "is_weight_value", "weight_value"]
 
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
@@ -205,7 +205,8 @@ def find_quantizable_ops(gm: fx.GraphModule) -> list[QuantizableOp]:
     return found
 
 
-_WEIGHT_VIEWS = frozenset({"getitem", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "view", "reshape",
+# ops that read a parameter as it is stored (a slice, a view, a copy): the parameter stays the weight's source
+WEIGHT_VIEWS = frozenset({"getitem", "split", "split_with_sizes", "chunk", "unbind", "unflatten", "view", "reshape",
                            "t", "transpose", "permute", "contiguous", "select", "slice", "squeeze", "unsqueeze",
                            "_to_copy", "to", "detach", "clone"})
 
@@ -218,7 +219,7 @@ def _weight_owner(op: QuantizableOp) -> str | None:
         if source is None or is_weight_value(source):
             break
         base = getattr(source.target, "_opname", None) or getattr(source.target, "__name__", "")
-        if base not in _WEIGHT_VIEWS or not source.args or not isinstance(source.args[0], fx.Node):
+        if base not in WEIGHT_VIEWS or not source.args or not isinstance(source.args[0], fx.Node):
             return None
         source = source.args[0]
     if source is None or not is_weight_value(source):

@@ -15,6 +15,7 @@ from qcore.prepare import prepare
 
 ao_ns = pytest.importorskip("torch.ao.ns._numeric_suite_fx")
 quantize_fx = pytest.importorskip("torch.ao.quantization.quantize_fx")
+ao_utils = pytest.importorskip("torch.ao.ns.fx.utils")
 
 
 @pytest.fixture(autouse=True)
@@ -202,6 +203,17 @@ def test_sparse_nn_activations_are_compared_like_torch_ao(method, should_log_inp
     # qcore keeps the bags in float (torch.ao quantizes their weights per row): see the README's differences
     bags = ours["model_sparse.emb_bag"]["node_output"]
     torch.testing.assert_close(bags["int8"][0]["values"][0], bags["fp32"][0]["values"][0])
+    # the comparison: None where torch.ao's is None (the bags' int64 indices and offsets), numbers elsewhere
+    ao_ns.extend_logger_results_with_comparison(theirs, "fp32", "int8", ao_utils.compute_sqnr, "sqnr")
+    qns.extend_logger_results_with_comparison(ours, "fp32", "int8", qns.compute_sqnr, "sqnr")
+    for ours_entry, theirs_entry in zip(ours.values(), theirs.values()):
+        for kind in theirs_entry:
+            for mine, reference in zip(ours_entry[kind]["int8"], theirs_entry[kind]["int8"]):
+                assert [value is None for value in mine["sqnr"]] == [value is None for value in reference["sqnr"]]
+                if kind == "node_output":
+                    assert all(value is not None for value in mine["sqnr"])
+    if should_log_inputs:
+        assert ours["model_sparse.emb_bag"]["node_input"]["int8"][0]["sqnr"] == [None]
 
 
 def test_sparse_nn_shadows_the_quantized_linears():

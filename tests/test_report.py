@@ -180,6 +180,30 @@ def test_all_zero_channel_is_not_an_outlier():
     assert math.isnan(float(ours["fc1"]["outlier_detection_percentile_ratios"][7]))
 
 
+class TokensThenConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.conv = nn.Conv2d(3, 4, 1)
+
+    def forward(self, inputs):
+        x, image = inputs
+        return self.fc(x).sum() + self.conv(image).sum()
+
+
+def test_reports_name_the_axis_their_statistics_were_taken_along():
+    g = torch.Generator().manual_seed(0)
+    data = [[torch.randn(2, 5, 6, generator=g), torch.randn(2, 3, 4, 4, generator=g)] for _ in range(3)]
+    outliers = _our_report(TokensThenConv().eval(), data, OutlierDetector())
+    assert outliers["fc"]["outlier_detection_channel_axis"] == 2  # the features of [batch, tokens, features]
+    assert len(outliers["fc"]["outliers_detected"]) == 6
+    assert outliers["conv"]["outlier_detection_channel_axis"] == 1
+    assert len(outliers["conv"]["outliers_detected"]) == 3
+    equalization = _our_report(TokensThenConv().eval(), data, InputWeightEqualizationDetector(0.5))
+    assert equalization["fc"]["input_weight_channel_axis"] == 2
+    assert equalization["conv"]["input_weight_channel_axis"] == 1
+
+
 class ConstantInput(nn.Module):
     def __init__(self):
         super().__init__()

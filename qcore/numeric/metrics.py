@@ -15,15 +15,21 @@ _ROWS_ELEMENTS = 1 << 20  # compared at a time by large_tensor_sqnr (in float64:
 
 
 def _elementwise(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-    """Apply a metric to tensors, or pairwise to tuples/lists of tensors (dequantizing quantized tensors)."""
+    """Apply a metric to tensors, or pairwise to tuples/lists of tensors (dequantizing quantized tensors). A pair
+    that is not floating point (an EmbeddingBag's int64 indices, logged as its input) gives None, as torch.ao's
+    numeric suite does; torch.ao also gives None for float16 and bfloat16, which these metrics compare."""
 
     def wrapper(x, y):
         if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
             return [wrapper(a, b) for a, b in zip(x, y)]
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            return None
         if x.is_quantized:
             x = x.dequantize()
         if y.is_quantized:
             y = y.dequantize()
+        if not (x.is_floating_point() and y.is_floating_point()):
+            return None
         return fn(x, y)
 
     wrapper.__name__ = fn.__name__

@@ -21,7 +21,8 @@ from .observer import ReportObserver
 
 __all__ = ["DETECTOR_IS_POST_OBS_KEY", "DETECTOR_OBS_ARGS_KEY", "DETECTOR_OBS_TO_INSERT_KEY",
     "DETECTOR_TARGET_NODE_KEY", "DetectorBase", "DetectorQConfigInfo", "DynamicStaticDetector",
-    "InputWeightEqualizationDetector", "OutlierDetector", "PerChannelDetector", "channel_axis", "observer_name"]
+    "InputWeightEqualizationDetector", "OutlierDetector", "PerChannelDetector", "channel_axis", "observer_name",
+    "reported_axis"]
 
 DETECTOR_TARGET_NODE_KEY = "target_node"
 DETECTOR_OBS_TO_INSERT_KEY = "observer_to_insert"
@@ -40,6 +41,13 @@ def channel_axis(op: QuantizableOp, conv_axis: int) -> int:
     """The feature axis of a layer's input: `conv_axis` for conv and other modules (torch.ao's axis), the last
     axis for linear and matmul inputs."""
     return conv_axis if op.kind in ("conv", "module") else -1
+
+
+def reported_axis(op: QuantizableOp, conv_axis: int, observer: Any) -> int:
+    """The axis a layer's input statistics were taken along, as a non-negative index once the observer has seen
+    data (a linear's input [batch, tokens, features] gives 2), for the reports to name the axis they used."""
+    observed = getattr(observer, "observed_axis", None)
+    return int(observed) if observed is not None else channel_axis(op, conv_axis)
 
 
 def _module_path(node: fx.Node) -> str:
@@ -336,7 +344,7 @@ class InputWeightEqualizationDetector(DetectorBase):
             recommended = _tolist((comparison >= self.ratio_threshold) & (comparison <= 1 / self.ratio_threshold))
             info[op.layer] = {
                 self.RECOMMENDED_KEY: recommended, self.COMP_METRIC_KEY: comparison,
-                self.THRESHOLD_KEY: self.ratio_threshold, self.CHANNEL_KEY: self.ch_axis,
+                self.THRESHOLD_KEY: self.ratio_threshold, self.CHANNEL_KEY: reported_axis(op, self.ch_axis, observer),
                 self.ACTIVATION_PREFIX + self.PER_CHANNEL_MAX_KEY: in_max,
                 self.ACTIVATION_PREFIX + self.PER_CHANNEL_MIN_KEY: in_min,
                 self.ACTIVATION_PREFIX + self.GLOBAL_MAX_KEY: in_max.max(),
@@ -425,7 +433,8 @@ class OutlierDetector(DetectorBase):
             used = observer.batches_used(self.reference_percentile).to(torch.int32)  # torch.ao's dtype
             total = observer.num_batches_tracked
             info[op.layer] = {
-                self.CHANNEL_AXIS_KEY: self.ch_axis, self.REF_PERCENTILE_KEY: self.reference_percentile,
+                self.CHANNEL_AXIS_KEY: reported_axis(op, self.ch_axis, observer),
+                self.REF_PERCENTILE_KEY: self.reference_percentile,
                 self.RATIO_THRES_KEY: self.ratio_threshold, self.COMP_METRIC_KEY: ratios,
                 self.NUM_BATCHES_KEY: used,
                 self.OUTLIER_KEY: _tolist(ratios > self.ratio_threshold),  # nan (all-zero channel) is no outlier

@@ -96,6 +96,8 @@ class ReportObserver(nn.Module):
         values = x.detach()
         if self.extremes.device != values.device:
             self.to(values.device)
+        if self.per_channel:  # what reports name as the axis used (ch_axis -1: the last)
+            self.__dict__["observed_axis"] = self.ch_axis % values.dim()
         if native and self._observe_native(values):
             return x
         if not self.per_channel:
@@ -276,8 +278,9 @@ class ReportObserver(nn.Module):
         return (self.extreme_sums.sum() / self.num_batches_tracked).float()
 
     def get_batch_to_epoch_ratio(self) -> torch.Tensor:
-        """torch.ao's name for the mean batch range / epoch range; ValueError before any data, as torch.ao. A
-        constant activation (epoch range 0) gives nan instead of torch.ao's ValueError, as documented."""
+        """torch.ao's name for the mean batch range / epoch range. Before any data this raises ValueError, where
+        torch.ao returns -0.0 (its range starts at -inf and its no-data check looks for +inf only): a ratio of no
+        data is no number. A constant activation (epoch range 0) gives nan instead of torch.ao's ValueError."""
         if self.num_batches_tracked == 0 or not bool(torch.isfinite(self.extremes).all()):
             raise ValueError("No data has been run through observer or infinity value present")
         return torch.tensor(self.batch_to_epoch_ratio())
