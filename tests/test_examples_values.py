@@ -1,8 +1,10 @@
 """Speed work must not move the numbers: every examples/ row stays at its recorded value.
 
 "At" allows for the float rounding that differs between CPUs: AVX2 and AVX-512 kernels sum in different orders,
-which can move a value across one quantization step (seen: 7e-4 on an equalization gain, 1e-3 dB on an outlier
-check, between an Intel and an AMD machine). A changed computation moves values by far more than that.
+which can move a value across one quantization step. benchmarks/bench_cpu_drift.py measures it: ATen's AVX2
+kernels with qcore's C kernels built without AVX-512 move a value by at most 0.0018 (dB, or a gain in dB), and an
+AMD EPYC (AVX2) moved three by 0.0041 dB; 0.01 holds both with room. Unvectorized kernels (a CPU without AVX2) move
+values by up to 0.08 dB and are not covered. A changed computation moves values by far more than 0.01.
 """
 import json
 import math
@@ -27,7 +29,7 @@ def test_every_example_value_is_unchanged(tmp_path):
         if isinstance(old, str) or isinstance(new, str) or old is None or new is None:
             same = old == new
         else:
-            same = (math.isnan(old) and math.isnan(new)) or math.isclose(new, old, rel_tol=1e-4, abs_tol=2e-3)
+            same = (math.isnan(old) and math.isnan(new)) or math.isclose(new, old, rel_tol=1e-4, abs_tol=1e-2)
         if not same:
             moved[key] = (old, new)
     assert not moved, moved
