@@ -46,6 +46,7 @@ from .measure import (
     measure_sqnr,
 )
 from .numeric.logits import LogitsComparator, LogitsMeasurement
+from .progress import stage
 from .quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from .report import ModelReport
 from .report.detectors import DetectorBase
@@ -513,9 +514,10 @@ class ModelAnalysis:
         key = (max_layers, max_batches, only_quantized)
         cache = self._sensitivity
         if key not in cache:
-            cache[key] = layer_sensitivity(self.quantized_input_gm, self.batches, self.quantizer,
-                                           max_layers=max_layers, max_batches=max_batches, model=self.switchable,
-                                           only_quantized=only_quantized)
+            with stage("trials"):
+                cache[key] = layer_sensitivity(self.quantized_input_gm, self.batches, self.quantizer,
+                                               max_layers=max_layers, max_batches=max_batches, model=self.switchable,
+                                               only_quantized=only_quantized)
         return cache[key]
 
     def format_fix(self, target_db: float, max_moves: int = 16, max_batches: int | None = 2) -> Any:
@@ -530,8 +532,9 @@ class ModelAnalysis:
         key = ("formats", target_db, max_moves, max_batches)
         if key not in self._fixes:
             self.require_deterministic()
-            self._fixes[key] = search_formats(self.quantized_input_gm, self.batches, self.quantizer, target_db,
-                                              max_moves=max_moves, max_batches=max_batches)
+            with stage("trials"):
+                self._fixes[key] = search_formats(self.quantized_input_gm, self.batches, self.quantizer, target_db,
+                                                  max_moves=max_moves, max_batches=max_batches)
         return self._fixes[key]
 
     def float_layers_fix(self, target_db: float, max_float_layers: int = 8, max_batches: int | None = 2) -> Any:
@@ -542,10 +545,11 @@ class ModelAnalysis:
         key = (target_db, max_float_layers, max_batches)
         cache = self._fixes
         if key not in cache:
-            cache[key] = find_float_layers(self.quantized_input_gm, self.batches, self.quantizer, target_db,
-                                           max_float_layers=max_float_layers, max_batches=max_batches,
-                                           sensitivity=self.sensitivity(None, max_batches, only_quantized=False),
-                                           model=self.switchable)
+            with stage("trials"):
+                cache[key] = find_float_layers(self.quantized_input_gm, self.batches, self.quantizer, target_db,
+                                               max_float_layers=max_float_layers, max_batches=max_batches,
+                                               sensitivity=self.sensitivity(None, max_batches, only_quantized=False),
+                                               model=self.switchable)
         return cache[key]
 
     def detector_reports(self, detectors: Mapping[str, DetectorBase]) -> dict[str, dict[str, dict[str, Any]]]:

@@ -1,13 +1,14 @@
 """Run calibration batches through a prepared model."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from .inputs import call_model, move_to
+from .progress import batch_done, stage
 
 __all__ = ["CalibrationError", "OutputSink", "calibrate", "model_device"]
 
@@ -36,7 +37,8 @@ def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: Outpu
     batch's output (keep_all: every batch's) is appended to `keep_first_output` when given."""
     device = model_device(model)
     count = 0
-    with torch.no_grad():
+    total = len(batches) if isinstance(batches, Sized) else None
+    with torch.no_grad(), stage("calibration", total):
         for index, batch in enumerate(batches):
             try:
                 output = call_model(model, move_to(batch, device))
@@ -45,6 +47,7 @@ def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: Outpu
             if (index == 0 or keep_all) and keep_first_output is not None:
                 keep_first_output.append(output)
             count += 1
+            batch_done(count, total)
     if count == 0:
         raise CalibrationError("no calibration batches: give at least one batch")
     return count

@@ -14,6 +14,7 @@ from torch import fx, nn
 from .fold import fold_batch_norm, fold_computed_weights, linear_from_transposed_weight_matmuls
 from .graph import FQN_KEY, HANDLE_KEY
 from .inputs import as_args_kwargs
+from .progress import stage
 
 __all__ = ["CaptureError", "annotate_fqns_and_handles", "capture", "clone_graph_module", "module_fqn"]
 
@@ -44,6 +45,11 @@ def capture(model: nn.Module, example_inputs: Any, name: str | None = None, meth
     """
     if isinstance(model, fx.GraphModule) and _is_annotated(model):
         return model
+    with stage("capture"):
+        return _capture(model, example_inputs, name, method, fold_bn)
+
+
+def _capture(model: nn.Module, example_inputs: Any, name: str | None, method: str, fold_bn: bool) -> fx.GraphModule:
     label = name or type(model).__name__
     args, kwargs = as_args_kwargs(example_inputs)
     was_training = model.training

@@ -89,9 +89,11 @@ def _outcomes(result):
 
 
 def _summary(result):
+    """The summary section, less its timing line (times differ from run to run)."""
     text = result.stdout.str()
     start = text.index("qreport summary")
-    return text[start:text.index("\n=", start)]
+    lines = text[start:text.index("\n=", start)].splitlines()
+    return "\n".join(line for line in lines if not line.startswith("analysis time: "))
 
 
 def test_items_per_model_check_layer(pytester):

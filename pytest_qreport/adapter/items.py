@@ -27,6 +27,7 @@ from ..core.results import ModelFacts
 from ..core.runtime import torch_threads, young_garbage_collection
 from ..core.settings import resolve_settings
 from ..xdist.crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_crash
+from .progress import AnalysisProgress
 
 __all__ = ["STATE_KEY", "QReportFile", "QReportItem", "QReportWarning"]
 
@@ -329,11 +330,14 @@ class QReportItem(pytest.Function):
                 return
             reserve(estimate + (pipeline.parameter_bytes or 0))
         hook = self.ihook
+        progress = AnalysisProgress(self, pipeline.name)
         with analysis_guard(crash_dir, self.model_key, worker_id):
             pipeline.analyze(lambda: self._calibration_batches(pipeline, request),
                              lambda found: hook.pytest_qreport_modify_findings(model=pipeline.name, findings=found),
                              threads=settings["threads"], baseline=settings["baseline"],
-                             resolve=lambda source: as_batches(resolve_source(source, request.getfixturevalue)))
+                             resolve=lambda source: as_batches(resolve_source(source, request.getfixturevalue)),
+                             progress=progress)
+        progress.done(pipeline.seconds)
 
     def _capture_recalled(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> None:
         """Capture a model whose items came from the layer cache (once per process: the first item's setup)."""

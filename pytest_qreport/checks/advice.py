@@ -112,7 +112,11 @@ def _variant(model: ModelContext, fix: Fix) -> Any:
 
 def try_fix(model: ModelContext, fix: Fix) -> Trial:
     """The model measured with `fix`, against the model as it is."""
-    before, after = model.analysis.sqnr, _variant(model, fix).sqnr
+    from qcore.progress import stage
+
+    before = model.analysis.sqnr
+    with stage("trials"):
+        after = _variant(model, fix).sqnr
     worst_before, worst_after = before.worst_output(), after.worst_output()
     output = (worst_before.sqnr_db if worst_before else math.nan, worst_after.sqnr_db if worst_after else math.nan)
 

@@ -10,6 +10,7 @@ Items and the `qreport` fixture are thin adapters over it: they supply fixture v
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,7 @@ class ModelPipeline:
     findings: dict[tuple[str, str], Finding] | None = None
     error: str = ""  # why collection or analysis failed, or why the model is skipped
     error_cause: BaseException | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # per stage: capture, calibration, comparison, ...
 
     # -- transitions -------------------------------------------------------------------------------------------
     def collection_failed(self, message: str, cause: BaseException | None = None) -> ModelPipeline:
@@ -108,6 +110,7 @@ class ModelPipeline:
                                  "drops the cached lists.")
             return
         self.context, self.capture = fresh.context, fresh.capture
+        self.seconds.update(fresh.seconds)
 
     def release(self) -> None:
         """Drop the captured graphs and the analysis once the findings are known (items read nothing else): the
@@ -137,17 +140,31 @@ class ModelPipeline:
     def facts(self) -> ModelFacts:
         """What reporters need of this model, sent once."""
         return ModelFacts(name=self.name, baseline_path=self.baseline_path, fingerprint=self.fingerprint,
-                          capture=self.capture, error=self.error if self.failed else "")
+                          capture=self.capture, error=self.error if self.failed else "", seconds=self.seconds)
 
     # -- analysis ----------------------------------------------------------------------------------------------
     def analyze(self, batches: Callable[[], Iterable[Any]], modify: Callable[[list[Finding]], None],
                 threads: int = 1, baseline: dict[str, Any] | None = None,
-                resolve: Callable[[Any], list[Any]] | None = None) -> None:
+                resolve: Callable[[Any], list[Any]] | None = None, progress: Any = None) -> None:
         """collected -> analysed (-> judged with `baseline` options), or analysis failed. Measures once, on
         `threads` torch threads; later calls do nothing. `resolve` turns another batch setting (eval_batches: a
-        fixture name, a callable or batches) into batches."""
+        fixture name, a callable or batches) into batches. `progress(stages, done, total)` hears where the
+        analysis stands (qcore.progress); `seconds` gets the time of each stage."""
         if self.stage is not Stage.COLLECTED:
             return
+        from qcore.progress import StageTimes, tracked
+
+        before = sum(self.seconds.values())
+        start = time.perf_counter()
+        try:
+            with tracked(progress, StageTimes(seconds=self.seconds)):
+                self._analyze(batches, modify, threads, baseline, resolve)
+        finally:  # what no stage covers: detector reports, screens, judging
+            staged = sum(self.seconds.values()) - before
+            self.seconds["other"] = self.seconds.get("other", 0.0) + max(0.0, time.perf_counter() - start - staged)
+
+    def _analyze(self, batches: Callable[[], Iterable[Any]], modify: Callable[[list[Finding]], None], threads: int,
+                 baseline: dict[str, Any] | None, resolve: Callable[[Any], list[Any]] | None) -> None:
         assert self.context is not None and self.settings is not None
         if resolve is not None:
             self.context.resolve = resolve
@@ -230,9 +247,11 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     if not hasattr(model, "forward"):
         raise QReportModelError(f"model {name!r}: the qmodel function returned {type(model).__name__}, "
                                 "not an nn.Module")
+    from qcore.progress import tracked
+
     if settings.device is not None:
         model, example_inputs = on_device(name, settings.device, model, example_inputs)
-    with quiet_torch_trace_log():
+    with quiet_torch_trace_log(), tracked() as times:
         float_gm = qcore.capture(model, example_inputs, name=name)
     _check_globs(name, settings, quantizer, float_gm)
     analysis = ModelAnalysis(float_gm, quantizer, equalize=settings.equalize,
@@ -246,7 +265,7 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
         capture["export_error"] = str(float_gm.meta["qcore_export_error"])
     weights = estimated_analysis_bytes(float_gm)[0]
     pipeline = ModelPipeline(name, Stage.COLLECTED, settings, quantizer, context, capture=capture,
-                             parameter_bytes=weights)
+                             parameter_bytes=weights, seconds=dict(times.seconds))
     for check_name, check in checks.items():
         check.bind(context)
         if check.applies(context):

@@ -14,35 +14,43 @@ __all__ = ["ModelFacts", "RowKey", "RunResults"]
 @dataclass(frozen=True)
 class ModelFacts:
     """What is known of one model, sent once rather than copied onto every row: where its baseline lives, what its
-    numbers depend on (fingerprint), how it was captured, and why it failed before its checks ran ("" if not)."""
+    numbers depend on (fingerprint), how it was captured, why it failed before its checks ran ("" if not), and
+    the seconds its analysis took per stage (`seconds`: capture, calibration, comparison, trials, other)."""
 
     name: str
     baseline_path: str | None = None
     fingerprint: Mapping[str, Any] | None = None
     capture: Mapping[str, str] = field(default_factory=dict)
     error: str = ""
+    seconds: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fingerprint", None if self.fingerprint is None else to_builtins(self.fingerprint))
         object.__setattr__(self, "capture", {str(k): str(v) for k, v in self.capture.items()})
+        object.__setattr__(self, "seconds", {str(k): round(float(v), 4) for k, v in self.seconds.items()})
+
+    @property
+    def analysis_seconds(self) -> float:
+        """The model's whole analysis time, capture included."""
+        return sum(self.seconds.values())
 
     def to_dict(self) -> dict[str, Any]:
         """The facts as builtins (survive xdist and JSON)."""
         return {"name": self.name, "baseline_path": self.baseline_path, "fingerprint": self.fingerprint,
-                "capture": dict(self.capture), "error": self.error}
+                "capture": dict(self.capture), "error": self.error, "seconds": dict(self.seconds)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelFacts:
         """The facts back from `to_dict()`."""
         return cls(name=str(data["name"]), baseline_path=data.get("baseline_path"),
                    fingerprint=data.get("fingerprint"), capture=dict(data.get("capture") or {}),
-                   error=str(data.get("error") or ""))
+                   error=str(data.get("error") or ""), seconds=dict(data.get("seconds") or {}))
 
     def merged(self, other: ModelFacts) -> ModelFacts:
         """These facts with the gaps filled from `other` (items of one model report what each of them knows)."""
         return ModelFacts(name=self.name, baseline_path=self.baseline_path or other.baseline_path,
                           fingerprint=self.fingerprint or other.fingerprint, capture=self.capture or other.capture,
-                          error=self.error or other.error)
+                          error=self.error or other.error, seconds=self.seconds or other.seconds)
 
 
 @dataclass(frozen=True)

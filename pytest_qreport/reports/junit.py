@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from junit_xml import TestCase, TestSuite, to_xml_report_string
@@ -12,7 +13,7 @@ from ..core.numbers import format_value, printable
 from ..core.results import ModelFacts, RunResults
 from .outputs import write_report
 
-__all__ = ["build_suites", "junit_text", "pytest_qreport_report", "write_junit"]
+__all__ = ["ModelSuite", "build_suites", "junit_text", "pytest_qreport_report", "write_junit"]
 
 _PROPERTIES = ("model", "check", "layer", "metric", "value", "threshold", "verdict")
 
@@ -47,7 +48,31 @@ def build_suites(rows: list[Finding], models: Mapping[str, ModelFacts] | None = 
         elif row.verdict == "skip":
             case.add_skipped_info(message=row.message or "skipped")
         by_model.setdefault(row.model, []).append(case)
-    return [TestSuite(f"qreport.{model}", cases) for model, cases in by_model.items()]
+    suites = []
+    for model, cases in by_model.items():
+        facts = models.get(model)
+        seconds = dict(facts.seconds) if facts is not None else {}
+        properties = {f"analysis_{stage}_seconds": f"{value:.3f}" for stage, value in seconds.items()}
+        suites.append(ModelSuite(f"qreport.{model}", cases, properties=properties or None,
+                                 analysis_seconds=sum(seconds.values())))
+    return suites
+
+
+class ModelSuite(TestSuite):
+    """A model's testsuite, whose `time` includes its analysis (run before its first item's checks): the
+    test cases' own times are the checks' reads of the measured results."""
+
+    def __init__(self, name: str, cases: list[TestCase], properties: dict[str, str] | None = None,
+                 analysis_seconds: float = 0.0) -> None:
+        super().__init__(name, cases, properties=properties)
+        self.analysis_seconds = analysis_seconds
+
+    def build_xml_doc(self, encoding: str | None = None) -> Any:
+        """The testsuite element, its time the analysis plus the test cases."""
+        element = super().build_xml_doc(encoding)
+        cases = sum(float(case.elapsed_sec or 0.0) for case in self.test_cases)
+        element.set("time", f"{self.analysis_seconds + cases:.3f}")
+        return element
 
 
 def junit_text(rows: list[Finding], models: Mapping[str, ModelFacts] | None = None) -> str:

@@ -1,7 +1,7 @@
 """Streaming float-vs-quantized comparison: per-layer sums on the device, memory flat in the batch count."""
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from ..calibrate import OutputSink, model_device
 from ..capture import clone_graph_module
 from ..inputs import call_model, move_to
+from ..progress import batch_done, stage
 from .instrument import attach_after, copy_layer_into
 from .loggers import ActivationStash, StreamingComparator
 from .logits import LogitsComparator
@@ -194,7 +195,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     outputs: list[StreamingComparator] = []
     device = model_device(float_model)
     count = 0
-    with torch.no_grad():
+    total = len(batches) if isinstance(batches, Sized) else None
+    with torch.no_grad(), stage("comparison", total):
         for batch in batches:
             batch = move_to(batch, device)
             if propagate:
@@ -210,6 +212,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                 stash.value = None
             del result, result_b  # not held while the next batch runs (an LM's logits: two copies)
             count += 1
+            batch_done(count, total)
             if count == instrument_batches:
                 if finish is not None:
                     finish()
