@@ -145,8 +145,15 @@ class DetectorCheck(Check):
         details = {**found.details, "measured_gain_db": advice.first.gain(found.layer),
                    "advised": advice.helps(found.layer)}
         if advice.helps(found.layer):
-            return found.replace(message=f"{found.message.rstrip('.')}; {advice.claim(found.layer)}. "
-                                         f"Fix: {advice.fix_text()}.", details=details)
+            details["fix"] = advice.fix_text()
+            first = advice.recommended[0]
+            if found.layer == first or len(advice.recommended) == 1:
+                fix = f"Fix: {advice.fix_text()}."
+            else:  # one fix for every layer it helps: printed in full once, on the first one's item and the summary
+                fix = (f"Fix: the one layer_overrides fix for the {len(advice.recommended)} {self.name} layers, "
+                       f"given on the item of {first} and under the summary.")
+            return found.replace(message=f"{found.message.rstrip('.')}; {advice.claim(found.layer)}. {fix}",
+                                 details=details)
         seen = found.message.removeprefix(f"layer {found.layer}: ")
         heuristic = f"torch.ao's {self.name} heuristic recommends {self.recommends} ({seen})"
         return found.replace(verdict="pass", message="", note=advice.note(found.layer, heuristic), details=details)

@@ -7,7 +7,8 @@ from typing import Any
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 
-__all__ = ["BLOCKWISE_NOTE", "SensitivityCheck", "float_layers_advice", "output_fix", "recipe"]
+__all__ = ["BLOCKWISE_NOTE", "SensitivityCheck", "float_layers_advice", "output_fix", "output_float_layers_fix",
+           "recipe"]
 
 BLOCKWISE_NOTE = ("No {search} ran: the model is analysed one block at a time (blockwise), and the {search} "
                   "measures the whole quantized model; it runs with qmodel(blockwise=False) where the whole model's "
@@ -48,6 +49,18 @@ def output_fix(model: ModelContext, target_db: float) -> tuple[str, dict[str, An
             f"layer_formats={layers!r}, was measured at {fix.measured_db:.1f} dB."), formats
 
 
+def output_float_layers_fix(model: ModelContext, target_db: float) -> Any | None:
+    """The float_layers fix model_sqnr advises for a low output SQNR (qcore's FloatLayersFix, searched once per
+    model and kept), or None where model_sqnr searches none (its fix is off, a format quantizer, blockwise)."""
+    options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
+    if options.get("fix") is False or model.analysis.blockwise or recipe(model) is not None:
+        return None
+    if not isinstance(getattr(model.analysis.quantizer, "layer_overrides", None), dict):
+        return None
+    return model.analysis.float_layers_fix(target_db, int(options.get("max_float_layers", 8)),
+                                           options.get("batches", DEFAULT_BATCHES))
+
+
 def float_layers_advice(model: ModelContext, target_db: float) -> str:
     """The verified fix for a low model output SQNR: a float_layers line to paste and the SQNR it reached."""
     options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
@@ -58,9 +71,8 @@ def float_layers_advice(model: ModelContext, target_db: float) -> str:
                 "float.)")
     if model.analysis.blockwise:
         return f" ({BLOCKWISE_NOTE.format(search='float_layers search')})"
-    fix = model.analysis.float_layers_fix(target_db, int(options.get("max_float_layers", 8)),
-                                          options.get("batches", DEFAULT_BATCHES))
-    if not fix.float_layers:
+    fix = output_float_layers_fix(model, target_db)
+    if fix is None or not fix.float_layers:
         return ""
     layers = list(model.settings.float_layers or []) + list(fix.float_layers)
     if fix.reached:

@@ -37,17 +37,42 @@ def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propaga
         options.append(("a clipping (histogram) activation observer", verify(
             model, not_clipping, lambda chosen: layer_overrides_fix(
                 model, {c: {"activation_observer": "histogram"} for c in chosen}), MIN_FIX_GAIN_DB, kind)))
-    in_float = try_fix(model, float_layers_fix(model, failing)) if failing else None
+    output_target, output_fix = _output_float_layers(model) if failing else (None, None)
+    uncovered = [layer for layer in failing if output_fix is None or layer not in output_fix.float_layers]
+    in_float = try_fix(model, float_layers_fix(model, failing)) if uncovered else None
     fixes: dict[str, list[str]] = {}
     for layer in failing:
         found = [f"{label} ({advice.claim(layer)}): {advice.fix_text()}" for label, advice in options
                  if advice.helps(layer)]
-        if in_float is not None and in_float.output_kept and not math.isnan(in_float.output[0]):
+        if output_fix is not None and layer in output_fix.float_layers:
+            # the model's output fails too: the one fix its model_sqnr item advises, not a second one
+            reach = "reaches" if output_fix.reached else "does not reach"
+            found.append(f"keeping it in float as the model_sqnr item advises (measured: the model output "
+                         f"{output_fix.measured_db:.2f} dB, which {reach} model_sqnr_min_db {output_target:g} dB): "
+                         f"qmodel(..., {float_layers_fix(model, output_fix.float_layers).paste()})")
+        elif in_float is not None and in_float.output_kept and not math.isnan(in_float.output[0]):
             together = " with the other failing layers" if len(failing) > 1 else ""
-            found.append(f"keeping it in float{together} (measured: {in_float.output_claim()}): "
+            short = (f", still below model_sqnr_min_db {output_target:g} dB" if output_target is not None
+                     and in_float.output[1] < output_target else "")
+            found.append(f"keeping it in float{together} (measured: {in_float.output_claim()}{short}): "
                          f"qmodel(..., {in_float.fix.paste()})")
         fixes[layer] = found
     return fixes
+
+
+def _output_float_layers(model: ModelContext) -> tuple[float | None, Any]:
+    """(model_sqnr_min_db where the model_sqnr check runs, the float_layers fix it advises when the model's output
+    fails it, else None)."""
+    if "model_sqnr" not in model.checks:
+        return None, None
+    from .sensitivity import output_float_layers_fix
+
+    target = float(model.settings.model_sqnr_min_db)
+    worst = model.analysis.sqnr.worst_output()
+    if worst is None or not worst.sqnr_db < target:
+        return target, None
+    fix = output_float_layers_fix(model, target)
+    return target, fix if fix is not None and fix.float_layers else None
 
 
 def below(value: float, threshold: float) -> str:
@@ -74,6 +99,17 @@ def own_error_layers(measured: Any, layers: list[str], threshold: float) -> list
     resolution: those a quantization setting may fix."""
     return [layer for layer in layers if (entry := measured.get(layer)) is not None and entry.sqnr_db < threshold
             and not entry.below_resolution and (math.isnan(entry.shadow_sqnr_db) or entry.shadow_sqnr_db < threshold)]
+
+
+def _first_own_error_before(model: ModelContext, layer: str, threshold: float) -> str:
+    """The first layer, in graph order before `layer`, whose own error (shadow SQNR) is below `threshold`."""
+    measured = model.analysis.sqnr.layers
+    for entry in model.analysis.layers:
+        if entry.layer == layer:
+            break
+        if own_error_layers(measured, [entry.layer], threshold):
+            return entry.layer
+    return ""
 
 
 def _not_measured(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
@@ -125,9 +161,14 @@ class SqnrCheck(Check):
         if below_resolution:
             return text + below_resolution_advice(model, layer, below_resolution)
         if not math.isnan(shadow) and shadow >= threshold:
-            return text + (" With float inputs the layer is fine: it inherits its error from upstream layers. "
-                           "Fix the first failing layer upstream, or hide this layer from the checks with "
-                           f"skip_layers=[{layer!r}].")
+            text += " With float inputs the layer is fine: it inherits its error from the layers before it."
+            source = _first_own_error_before(model, layer, threshold)
+            if source:
+                return text + (f" The first layer before it that fails on its own is {source}: fix that one (see its "
+                               f"item), or hide this layer from the checks with skip_layers=[{layer!r}].")
+            return text + (" No layer before it fails on its own: the error builds up over many layers. Keep the "
+                           "layers that cost most in float (the model_sqnr and sensitivity items measure them), "
+                           f"lower sqnr_min_db, or hide this layer from the checks with skip_layers=[{layer!r}].")
         if fixes is None:
             return text + (" The layer's own quantization error is too large (no fix was measured: "
                            "check_options={'sqnr': {'fix': False}}).")

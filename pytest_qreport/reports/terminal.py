@@ -20,7 +20,7 @@ from ..core.results import ModelFacts, RunResults
 from ..core.settings import table_mode
 
 __all__ = ["counts_line", "fallback_notes", "metric_legend", "note", "pytest_qreport_report", "render_summary",
-           "sensitivity_lines", "summary_rows", "timing_lines"]
+           "sensitivity_lines", "shared_fix_lines", "summary_rows", "timing_lines"]
 
 
 def note(row: Finding) -> str:
@@ -66,7 +66,20 @@ def render_summary(rows: list[Finding], mode: str) -> str:
     headers, table = summary_rows(rows, mode)
     if not table:
         return ""
-    return "\n".join([tabulate(table, headers=headers, disable_numparse=True), *metric_legend(rows, mode)])
+    return "\n".join([tabulate(table, headers=headers, disable_numparse=True), *metric_legend(rows, mode),
+                      *shared_fix_lines(rows)])
+
+
+def shared_fix_lines(rows: list[Finding]) -> list[str]:
+    """'fix for m's 18 failing outlier items: qmodel(..., layer_overrides={...})': a fix that several failing
+    items of one model and check share, printed once."""
+    shared: dict[tuple[str, str, str], int] = {}
+    for row in rows:
+        fix = row.details.get("fix") if row.failed else None
+        if isinstance(fix, str):
+            shared[(row.model, row.check, fix)] = shared.get((row.model, row.check, fix), 0) + 1
+    return [printable(f"fix for {model}'s {count} failing {check} items: {fix}")
+            for (model, check, fix), count in shared.items() if count > 1]
 
 
 def metric_legend(rows: list[Finding], mode: str) -> list[str]:
