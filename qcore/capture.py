@@ -96,21 +96,15 @@ def without_kv_cache(model: nn.Module) -> Iterator[None]:
     """Run `model` without a key-value cache for the duration: a Hugging Face model whose config has `use_cache`
     (every causal LM and seq2seq model, True by default) returns a cache object that torch.export cannot flatten,
     and a quality comparison needs the logits and hidden states only. The config is restored afterwards."""
-    configs = [m.config for m in model.modules() if getattr(getattr(m, "config", None), "use_cache", None)]
-    configs = list({id(c): c for c in configs}.values())
-    generation = getattr(model, "generation_config", None)
-    cached_generation = bool(getattr(generation, "use_cache", None))
+    found = [m.config for m in model.modules() if getattr(getattr(m, "config", None), "use_cache", None)]
+    configs = list({id(c): c for c in found}.values())  # submodules often share their model's config
     try:
         for config in configs:
             config.use_cache = False
-        if cached_generation:
-            generation.use_cache = False
         yield
     finally:
         for config in configs:
             config.use_cache = True
-        if cached_generation:
-            generation.use_cache = True
 
 
 def _capture_fix(export_error: BaseException | None) -> str:

@@ -180,7 +180,7 @@ def _constant_value(gm: fx.GraphModule, node: object, values: dict[fx.Node, obje
         args = [_constant_value(gm, a, values) for a in node.args]
         kwargs = {k: _constant_value(gm, v, values) for k, v in node.kwargs.items()}
         with torch.no_grad():
-            value = node.target(*args, **kwargs)  # type: ignore[operator]
+            value = node.target(*args, **kwargs)
     else:
         raise LookupError("not a constant")
     values[node] = value
@@ -270,7 +270,7 @@ def linear_from_transposed_weight_matmuls(gm: fx.GraphModule) -> list[str]:
             continue
         transpose = node.args[1]
         node.target, node.args, node.kwargs = aten.linear.default, (activation, weight), {}
-        gm.graph.erase_node(transpose)  # type: ignore[arg-type]
+        gm.graph.erase_node(transpose)
         rewritten.append(str(node.meta.get(FQN_KEY, "")) or _fqn(node))
     if rewritten:
         gm.graph.lint()

@@ -59,6 +59,7 @@ class AnalysisProgress:
                 self.terminal.pytest_runtest_logstart(nodeid=self.item.nodeid, location=self.item.location)
 
     def _rewrite(self, text: str) -> None:
+        assert self.terminal is not None  # live only with a terminal
         with self._uncaptured():  # an item's setup runs with output captured; this is the session's own
             if self.shown < 0:
                 self.terminal.ensure_newline()

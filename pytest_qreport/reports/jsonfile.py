@@ -7,14 +7,16 @@ Schema 1::
       "created": "2026-11-22T03:40:00+00:00",
       "versions": {"pytest_qreport": "0.1.0", "qcore": "0.1.0", "torch": "2.13.0", "python": "3.11.7"},
       "models": {"<model>": {"baseline_path": "...", "fingerprint": {...} | null,
-                             "capture": {"method": "export" | "fx", "export_error": "..."}, "error": "..."}},
+                             "capture": {"method": "export" | "fx", "export_error": "..."}, "error": "...",
+                             "seconds": {"capture": 1.2, "calibration": 0.4, "comparison": 0.6, "trials": 2.1,
+                                         "other": 0.3}}},
       "rows": [{"model", "check", "layer", "metric", "value", "threshold", "verdict", "message", "details",
                 "waiver", "nodeid", "duration", "baseline", "delta", "baseline_status"}, ...]
     }
 
 A model's key is its name, or "<conftest path>::<name>" when conftests in two directories declare the
 same name; its rows carry the same key in "model". Rows come in collection order; `duration` is the item's
-seconds (the first item of a model includes its analysis). Non-finite numbers are the strings "nan", "inf"
+check time; a model's analysis time is in its "seconds", per stage. Non-finite numbers are the strings "nan", "inf"
 and "-inf", so that the file is strict JSON.
 """
 from __future__ import annotations
