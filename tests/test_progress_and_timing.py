@@ -2,6 +2,7 @@
 value fails its threshold."""
 import json
 import math
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -80,3 +81,16 @@ def test_distinguishing_decimals_stop_at_four():
     assert distinguishing_decimals("sqnr_db", 30.00001, 30.0) == 4
     assert distinguishing_decimals("sqnr_db", math.inf, 30.0) == 1
     assert format_value(30.004, "sqnr_db", distinguishing_decimals("sqnr_db", 30.004, 30.0)) == "30.004 dB"
+
+
+def test_xdist_workers_print_plain_progress_lines(pytester):
+    pytester.makeconftest(PROJECT + '''
+
+import pytest_qreport.adapter.progress as _progress
+
+_progress._PLAIN_AFTER = 0.0  # in every process, workers included: as if every analysis were slow
+''')
+    result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-checks=sqnr", "-n", "2")
+    output = result.stdout.str() + result.stderr.str()
+    assert re.search(r"\[gw[01]\] qreport: tiny: calibration \(\d+\.\d s\)", output), output
+    assert re.search(r"\[gw[01]\] qreport: tiny analysed in \d+\.\d s \(capture", output), output
