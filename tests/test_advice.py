@@ -33,9 +33,16 @@ def _run(factory, batches, **settings):
     return pipeline.findings, pipeline.context.analysis
 
 
-def _pasted(message):
-    """The keyword and value of the one `Fix: qmodel(..., key=value).` at the end of a message."""
-    key, value = re.search(r"Fix: qmodel\(\.\.\., (\w+)=(.*)\)\.$", message).groups()
+def _pasted(found):
+    """The keyword and value of a fix: the one `Fix: qmodel(..., key=value).` at the end of a message (a string or
+    a finding's), or, on the items that share one fix printed in full on the first of them, the fix its details
+    carry."""
+    message = found if isinstance(found, str) else found.message
+    match = re.search(r"Fix: qmodel\(\.\.\., (\w+)=(.*)\)\.$", message)
+    if match is None and not isinstance(found, str):
+        assert "given on the item of" in message, message
+        match = re.search(r"^qmodel\(\.\.\., (\w+)=(.*)\)$", found.details["fix"])
+    key, value = match.groups()
     return {key: ast.literal_eval(value)}
 
 
@@ -114,9 +121,9 @@ def test_dynamic_fix_is_measured_and_works_when_pasted():
     found, before = _run(model, batches, checks=["dynamic_static"])
     failing = {layer: f for (check, layer), f in found.items() if f.verdict == "fail"}
     assert failing, {k: (f.verdict, f.note) for k, f in found.items()}
-    messages = {f.message for f in failing.values()}
-    assert len({str(_pasted(m)) for m in messages}) == 1  # one fix for the model, listing the layers it helps
-    fix = _pasted(next(iter(messages)))
+    assert len({str(_pasted(f)) for f in failing.values()}) == 1  # one fix for the model, listing the layers it helps
+    assert sum("Fix: qmodel(" in f.message for f in failing.values()) == 1  # printed in full once
+    fix = _pasted(next(iter(failing.values())))
     assert set(fix["layer_overrides"]) == set(failing)
     assert all(v == {"is_dynamic": True} for v in fix["layer_overrides"].values())
     again, after = _run(model, batches, checks=["dynamic_static"], **fix)
@@ -174,7 +181,7 @@ def test_equalization_fix_names_only_the_layers_it_helps_and_works_when_pasted()
     for layer in ("layers.0", "layers.2", "layers.4", "layers.6"):
         iwe = found[("input_weight_equalization", layer)]
         if iwe.verdict == "fail":
-            assert _pasted(iwe.message) == fix and _claims(iwe.message)[1] - _claims(iwe.message)[0] >= 1.0
+            assert _pasted(iwe) == fix and _claims(iwe.message)[1] - _claims(iwe.message)[0] >= 1.0
         elif iwe.details["recommended"]:  # the heuristic's verdict
             assert iwe.verdict == "pass" and "measured" in iwe.note and "not recommended" in iwe.note
             assert iwe.details["advised"] is False
@@ -194,11 +201,11 @@ def test_input_weight_equalization_items_fail_with_the_equalization_fix_when_it_
     iwe = {layer: f for (check, layer), f in found.items() if check == "input_weight_equalization"}
     failing = [layer for layer, f in iwe.items() if f.verdict == "fail"]
     assert failing and all(f.note for layer, f in iwe.items() if layer not in failing and f.details["recommended"])
-    fixes = {str(_pasted(iwe[layer].message)) for layer in failing}
-    equalization = {str(_pasted(f.message)) for (check, _), f in found.items()
+    fixes = {str(_pasted(iwe[layer])) for layer in failing}
+    equalization = {str(_pasted(f)) for (check, _), f in found.items()
                     if check == "equalization" and f.verdict == "fail"}
     assert fixes == equalization  # both checks print the same measured fix
-    fix = _pasted(iwe[failing[0]].message)
+    fix = _pasted(iwe[failing[0]])
     _, after = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=["model_sqnr"], **fix)
     for layer in failing:
         own_before, own_after, out_before, out_after = _claims(iwe[layer].message)

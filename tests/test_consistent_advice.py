@@ -25,7 +25,8 @@ def test_fragile_gets_one_fix_on_every_item(tmp_path):
     fix = output[output.index("float_layers="):].rstrip(".")
     assert "was measured to reach" in output
     own = rows[("sqnr", "layers.4")]["message"]
-    assert f"qmodel(..., {fix})" in own and "which reaches model_sqnr_min_db" in own
+    assert f"qmodel(..., {fix})" in own and "reaching model_sqnr_min_db" in own
+    assert "keeping it in float with the layers the model_sqnr item names (measured: the model output" in own
     inherited = rows[("sqnr", "layers.6")]["message"]
     assert "The first layer before it that fails on its own is layers.4" in inherited
     assert "upstream" not in inherited

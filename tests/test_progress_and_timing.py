@@ -30,7 +30,7 @@ def test_a_slow_analysis_shows_its_stage_and_its_time(pytester, monkeypatch):
     monkeypatch.setattr(progress, "_PLAIN_AFTER", 0.0)  # as if every analysis were slow
     pytester.makeconftest(PROJECT)
     result = pytester.runpytest_inprocess("--qreport", "-p", "no:cacheprovider", "--qreport-checks=sqnr")
-    result.stdout.fnmatch_lines(["qreport: tiny: calibration (*s)", "qreport: tiny analysed in * s (capture *)",
+    result.stdout.fnmatch_lines(["qreport: tiny: calibration (*s)", "qreport: tiny analysed in * s*",
                                  "conftest.py F*"])
     quiet = pytester.runpytest_inprocess("--qreport", "-p", "no:cacheprovider", "--qreport-checks=sqnr", "-q")
     assert "qreport: tiny:" not in quiet.stdout.str()

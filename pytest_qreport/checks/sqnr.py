@@ -46,10 +46,13 @@ def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propaga
                  if advice.helps(layer)]
         if output_fix is not None and layer in output_fix.float_layers:
             # the model's output fails too: the one fix its model_sqnr item advises, not a second one
-            reach = "reaches" if output_fix.reached else "does not reach"
-            found.append(f"keeping it in float as the model_sqnr item advises (measured: the model output "
-                         f"{output_fix.measured_db:.2f} dB, which {reach} model_sqnr_min_db {output_target:g} dB): "
-                         f"qmodel(..., {float_layers_fix(model, output_fix.float_layers).paste()})")
+            worst = model.analysis.sqnr.worst_output()
+            before = worst.sqnr_db if worst is not None else math.nan
+            reach = "reaching" if output_fix.reached else "still below"
+            found.append(f"keeping it in float with the layers the model_sqnr item names (measured: the model output "
+                         f"{before:.2f} -> {output_fix.measured_db:.2f} dB, {reach} model_sqnr_min_db "
+                         f"{output_target:g} dB): qmodel(..., "
+                         f"{float_layers_fix(model, output_fix.float_layers).paste()})")
         elif in_float is not None and in_float.output_kept and not math.isnan(in_float.output[0]):
             together = " with the other failing layers" if len(failing) > 1 else ""
             short = (f", still below model_sqnr_min_db {output_target:g} dB" if output_target is not None
