@@ -1,4 +1,4 @@
-"""Example model repository: three models declared for `pytest --qreport examples/`.
+"""Example model repository: five models declared for `pytest --qreport examples/`.
 
 Set QREPORT_EXAMPLES_FAILING=1 to also declare four models that show the gate at work (6 failing items):
 `wide_rows_mlp`, quantized per tensor, with one layer whose weight rows span two orders of magnitude (its

@@ -81,6 +81,9 @@ def test_distinguishing_decimals_stop_at_four():
     assert distinguishing_decimals("sqnr_db", 30.00001, 30.0) == 4
     assert distinguishing_decimals("sqnr_db", math.inf, 30.0) == 1
     assert format_value(30.004, "sqnr_db", distinguishing_decimals("sqnr_db", 30.004, 30.0)) == "30.004 dB"
+    # a value and a baseline shown alike need no more digits for their small delta; shown apart, they do
+    assert distinguishing_decimals("sqnr_db", 32.6903, 20.0, 32.69, 0.0003) == 1
+    assert distinguishing_decimals("sqnr_db", 35.446, 20.0, 35.45, -0.004) == 2
 
 
 def test_xdist_workers_print_plain_progress_lines(pytester):

@@ -17,12 +17,24 @@ def test_ci_runs_the_readme_test_command():
     assert commands[0].endswith("pytest --qreport examples/")
 
 
-def test_the_options_table_is_the_settings_schema():
+def test_the_options_page_is_generated_from_the_settings_schema():
+    import importlib.util
+
     from pytest_qreport.checks import BUILTIN_CHECKS
     from pytest_qreport.core.settings import options_table
 
-    expected = options_table(BUILTIN_CHECKS)
-    assert expected in (ROOT / "README.md").read_text(), f"README's options table should read:\n{expected}"
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = (ROOT / "docs" / "reference" / "options.md").read_text()
+    assert options_table(BUILTIN_CHECKS) in hooks.options_page_markdown(page)
+
+
+def test_the_readme_is_short_and_points_to_the_documentation():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    for link in re.findall(r"\]\((docs/[^)#]+)", text):
+        assert (ROOT / link).exists(), link
 
 
 def test_every_setting_is_an_option_an_ini_key_and_a_qmodel_keyword_where_declared(pytester):
@@ -44,7 +56,7 @@ def test_the_readme_gives_the_cpu_wheel_index_and_a_pathspec_that_works_at_the_r
 
     text = (ROOT / "README.md").read_text()
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
-    pathspec = re.search(r"git add '(:\(glob\)[^']+)'", text).group(1)
+    pathspec = re.search(r"git add '(:\(glob\)[^']+)'", (ROOT / "docs" / "guide" / "ci.md").read_text()).group(1)
     (tmp_path / "__qreport__").mkdir()
     (tmp_path / "__qreport__" / "root.json").write_text("{}")
     (tmp_path / "sub" / "__qreport__").mkdir(parents=True)

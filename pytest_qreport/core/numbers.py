@@ -67,22 +67,24 @@ def format_delta(delta: float | None, metric: str = "", decimals: int | None = N
     return text + unit(metric)
 
 
-def distinguishing_decimals(metric: str, value: float | None, *others: float | None, delta: float | None = None,
-                            most: int = 4) -> int | None:
-    """The decimals that show `value` apart from each of `others` it differs from (a threshold, a baseline), and
-    a non-zero `delta` as non-zero: the metric's own, or more, up to `most`. A row whose value fails its threshold
-    or its baseline then shows why."""
+def distinguishing_decimals(metric: str, value: float | None, threshold: float | None = None,
+                            baseline: float | None = None, delta: float | None = None, most: int = 4) -> int | None:
+    """The decimals a row's numbers are shown with: the metric's own, or more (up to `most`) where needed to show
+    a value apart from a threshold it differs from, and to show a non-zero delta wherever the value and its
+    baseline are shown apart (never '35.4 dB, baseline 35.5 dB, delta 0 dB')."""
     places = _decimals(metric)
-    if places is None:
+    if places is None or value is None or not math.isfinite(value):
         return places
-    if value is not None and math.isfinite(value):
-        for other in others:
-            if other is None or not math.isfinite(other) or other == value:
-                continue
-            while places < most and format_value(value, metric, places) == format_value(other, metric, places):
-                places += 1
+
+    def apart(other: float | None) -> bool:
+        return other is not None and math.isfinite(other) and \
+            format_value(value, metric, places) != format_value(other, metric, places)
+
+    if threshold is not None and math.isfinite(threshold) and threshold != value:
+        while places < most and not apart(threshold):
+            places += 1
     if delta is not None and math.isfinite(delta) and delta != 0:
-        while places < most and format_delta(delta, metric, places) == f"0{unit(metric)}":
+        while places < most and apart(baseline) and format_delta(delta, metric, places) == f"0{unit(metric)}":
             places += 1
     return places
 

@@ -52,9 +52,7 @@ def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[s
     headers += (["baseline", "delta"] if with_baseline else []) + ["verdict"] + (["note"] if with_notes else [])
     table = []
     for r in shown:
-        moved = r.failed or r.baseline_status in ("regressed", "improved")  # a change within tolerance is noise
-        places = distinguishing_decimals(r.metric, r.value, r.threshold, *((r.baseline,) if moved else ()),
-                                         delta=r.delta if moved else None)
+        places = distinguishing_decimals(r.metric, r.value, r.threshold, r.baseline, r.delta)
         cells = [printable(r.model), r.check, printable(r.layer), format_value(r.value, r.metric, places),
                  format_value(r.threshold, r.metric, places)]
         if with_baseline:
