@@ -161,7 +161,7 @@ def _analyse(model, batches, checks, between=None) -> tuple[float, float]:
 def _forward_seconds(model, batches) -> float:
     import torch
 
-    from qcore.inputs import call_model
+    from qcore.graph.inputs import call_model
 
     best = float("inf")
     with torch.no_grad():
@@ -247,7 +247,7 @@ def _activation_bytes(model, batch) -> int:
     from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from qcore.inputs import call_model
+    from qcore.graph.inputs import call_model
 
     class Counter(TorchDispatchMode):
         total = 0

@@ -3,7 +3,7 @@
 ResNet-style CNN on 16x3x64x64 (20 batches) and an MLP of 6 x Linear(256) on 256 rows (50 batches).
 Times calibration passes (observers running on every batch). This machine's timings swing by up to 2x
 from minute to minute, so the contenders take turns, round after round; it prints each one's best pass and
-the median of the per-round ratios to the plain pass. Report generation is timed apart. Prints whether our observers ran the native kernel (qcore.native),
+the median of the per-round ratios to the plain pass. Report generation is timed apart. Prints whether our observers ran the native kernel (qcore.runtime.native),
 and times qcore a second time with every observer on its torch path (what QCORE_NATIVE=0 runs), in the same rounds.
 
     python benchmarks/bench_calibration.py
@@ -49,8 +49,13 @@ def _pass(model, batches) -> float:
 
 def ours(model, batches):
     """qcore's ModelReport with all four detectors: (observed model, report-generation callable)."""
-    from qcore.report import (DynamicStaticDetector, InputWeightEqualizationDetector, ModelReport, OutlierDetector,
-                              PerChannelDetector)
+    from qcore.report import (
+        DynamicStaticDetector,
+        InputWeightEqualizationDetector,
+        ModelReport,
+        OutlierDetector,
+        PerChannelDetector,
+    )
 
     report = ModelReport(copy.deepcopy(model), [PerChannelDetector(), DynamicStaticDetector(),
                                                 InputWeightEqualizationDetector(0.5), OutlierDetector()],
@@ -88,7 +93,7 @@ def measure(model, batches) -> dict[str, float]:
 
     Returns each contender's best pass, the median over rounds of each round's ratio to that round's plain
     pass (a slow spell of this machine hits both halves of a ratio alike), and report-generation times."""
-    from qcore.capture import capture
+    from qcore.graph.capture import capture
 
     contenders = {"plain": (model, None), "qcore graph": (capture(copy.deepcopy(model), batches[0]), None),
                   "qcore": ours(model, batches), "qcore torch path": ours_torch_path(model, batches),
@@ -121,7 +126,7 @@ def main() -> None:
     cnn = settle_batchnorm(TinyResNet().eval(), _batches((16, 3, 64, 64), 4, seed=9))
     cases = [("ResNet-style CNN 16x3x64x64, 20 batches", cnn, _batches((16, 3, 64, 64), 20)),
              ("MLP 6 x Linear(256), 256 rows, 50 batches", mlp(), _batches((256, 256), 50))]
-    from qcore import native
+    from qcore.runtime import native
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; qcore observers: {native.status()}")
     print(f"{ROUNDS} interleaved rounds ({AO_ROUNDS} with torch.ao): best pass, and the median of per-round "

@@ -83,7 +83,7 @@ def _synchronized(function) -> float:
 def _forward(model, batches) -> None:
     import torch
 
-    from qcore.inputs import call_model
+    from qcore.graph.inputs import call_model
 
     with torch.no_grad():
         for batch in batches:
@@ -161,7 +161,7 @@ def _traffic(model, batches):
 
 def _sqnrs(model, batches):
     import qcore
-    from qcore.measure import measure_model
+    from qcore.measure.passes import measure_model
 
     measured = measure_model(qcore.capture(model, batches[0]), batches, qcore.Int8StaticQuantizer())
     return ({layer: value.shadow_sqnr_db for layer, value in measured.sqnr.layers.items()},
@@ -174,7 +174,7 @@ def run_case(name: str, compare_with_cpu: bool, light: bool = False) -> dict:
 
     import torch
 
-    from qcore.inputs import move_to
+    from qcore.graph.inputs import move_to
 
     model, cpu_batches = _case(name)
     cpu_model = copy.deepcopy(model) if compare_with_cpu else None

@@ -4,7 +4,7 @@ The models' input channels span four orders of magnitude (a sensor-style MLP and
 channels are scaled alike), with the default quantizer (int8, per-channel weights, min/max activations); a
 third case has unbalanced conv output channels and per-tensor weights, where cross-layer equalization helps.
 
-Smoothing (qcore.equalize.smooth) on the BERT-style example (examples/models.py TinyEncoder: pre-norm, HF-style
+Smoothing (qcore.rewrites.equalize.smooth) on the BERT-style example (examples/models.py TinyEncoder: pre-norm, HF-style
 input_ids/attention_mask), made realistic by giving a few hidden channels of every LayerNorm large gains, as
 trained BERTs have: per-layer shadow SQNR before and after sqrt equalization, smoothing with alpha 0.5 and with
 a searched alpha; the median gain on the smoothed layers; each group's searched alpha against 0.5; the float
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import qcore
-from qcore.equalize import cross_layer_equalize, equalize
 from qcore.analysis import measure_sqnr
+from qcore.rewrites.equalize import cross_layer_equalize, equalize
 
 
 def _mlp() -> nn.Module:
@@ -103,7 +103,7 @@ def smoothing_on_the_encoder() -> None:
     import time
 
     from qcore.analysis import ModelAnalysis
-    from qcore.smoothing import smooth
+    from qcore.rewrites.smoothing import smooth
 
     torch.set_num_threads(2)
     model, batches = _encoder()
@@ -148,7 +148,7 @@ def smoothing_on_hf_bert() -> None:
     except ImportError:
         print("transformers is not installed: skipping BertModel")
         return
-    from qcore.smoothing import smooth
+    from qcore.rewrites.smoothing import smooth
 
     config = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                                      intermediate_size=512, max_position_embeddings=64)

@@ -1,4 +1,4 @@
-"""Fake-quantization throughput of each deployed preset (qcore.presets) against the same format computed with
+"""Fake-quantization throughput of each deployed preset (qcore.formats.presets) against the same format computed with
 torchao 0.18's reference functions, in the same run: a 4096 x 4096 weight and a [8, 512, 4096] activation.
 
     python benchmarks/bench_formats.py [--device cuda] [--repeats 5]
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from test_presets import ACTIVATION_REFERENCES, CALIBRATION_AMAX, WEIGHT_REFERENCES  # noqa: E402
 
-from qcore.presets import PRESETS  # noqa: E402
+from qcore.formats.presets import PRESETS  # noqa: E402
 
 
 def _best(function, repeats: int, device: str) -> float:

@@ -4,7 +4,7 @@
    4x64 tokens): one plain analysis (capture, calibrate, quantize, SQNR) against the sensitivity ranking over
    every quantized layer on 2 batches, and with a layer budget; the same ranking done the naive way
    (re-preparing and re-calibrating the model once per layer) for scale.
-2. Resumed runs (qcore.resume): the ranking over every layer and a float_layers search that never reaches its
+2. Resumed runs (qcore.search.resume): the ranking over every layer and a float_layers search that never reaches its
    target (so all 8 greedy steps run), with each trial run from the last recorded cut before the layer it
    changes, against the same with every trial run whole, in the same process; the results must be equal. On
    the BERT-style encoder and a 4-layer Llama (transformers.LlamaConfig, hidden 512, 2 batches of 2 x 128 tokens).
@@ -23,7 +23,7 @@ import torch
 
 import qcore
 from qcore.analysis import ModelAnalysis, measure_sqnr
-from qcore.sensitivity import find_float_layers, with_float_layers
+from qcore.search.sensitivity import find_float_layers, with_float_layers
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 
@@ -97,7 +97,7 @@ def _llama():
 
 
 def bench_resume() -> None:
-    from qcore.sensitivity import SwitchableModel, layer_sensitivity
+    from qcore.search.sensitivity import SwitchableModel, layer_sensitivity
 
     torch.set_num_threads(2)
     for name, build in (("BERT-style encoder", _bert), ("4-layer Llama", _llama)):

@@ -42,7 +42,7 @@ def _time(fn, mapping):
 
 def main() -> None:
     import qcore
-    from qcore.prepare import get_edge_or_node_to_group_id
+    from qcore.quantization.prepare import get_edge_or_node_to_group_id
 
     try:
         from torchao.quantization.pt2e import quantizer as ao_quantizer
@@ -56,7 +56,7 @@ def main() -> None:
         line = f"{label}: qcore {ours_time:.3f} s ({ours_result})"
         if ao_group_ids is not None:
             ao_time, ao_result = _time(ao_group_ids, _chain(ao_quantizer, forward))
-            line += f" | torchao 0.18 " + (f"{ao_time:.3f} s ({ao_result}), ratio torchao/qcore "
+            line += " | torchao 0.18 " + (f"{ao_time:.3f} s ({ao_result}), ratio torchao/qcore "
                                              f"{ao_time / ours_time:.2f}" if ao_time else ao_result)
         print(line)
 

@@ -5,13 +5,11 @@ try:
     __version__ = _metadata.version("pytest-qreport")
 except _metadata.PackageNotFoundError:  # a source tree that is not installed
     __version__ = "0+unknown"
-from .calibrate import CalibrationError, calibrate
-from .capture import CaptureError, capture
-from .convert import convert, quantize
-from .diagnose import NonDeterministicModelError
-from .format_quantizer import FormatQuantizer
-from .graph import QuantizableOp, find_quantizable_ops
-from .observers import (
+from qcore.formats.presets import PRESETS, Preset, TensorFormat, preset
+from qcore.graph.capture import CaptureError, capture
+from qcore.graph.ops import QuantizableOp, find_quantizable_ops
+from qcore.measure.diagnose import NonDeterministicModelError
+from qcore.observe.observers import (
     DerivedObserver,
     FixedQParamsObserver,
     HistogramObserver,
@@ -21,9 +19,11 @@ from .observers import (
     PerChannelMinMaxObserver,
     PlaceholderObserver,
 )
-from .prepare import QuantizationConfigError, get_edge_or_node_to_group_id, prepare
-from .presets import PRESETS, Preset, TensorFormat, preset
-from .quantizer import (
+from qcore.quantization.calibrate import CalibrationError, calibrate
+from qcore.quantization.convert import convert, quantize
+from qcore.quantization.format_quantizer import FormatQuantizer
+from qcore.quantization.prepare import QuantizationConfigError, get_edge_or_node_to_group_id, prepare
+from qcore.quantization.quantizer import (
     DerivedQuantizationSpec,
     FixedQParamsQuantizationSpec,
     Int8StaticQuantizer,
@@ -33,7 +33,7 @@ from .quantizer import (
     Quantizer,
     SharedQuantizationSpec,
 )
-from .report import ModelReport
+from qcore.report import ModelReport
 
 __all__ = [
     "CalibrationError", "CaptureError", "DerivedObserver", "DerivedQuantizationSpec", "FixedQParamsObserver",

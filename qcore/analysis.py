@@ -21,22 +21,19 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from .calibrate import calibrate, model_device
-from .calibrated import CalibratedObservers
-from .capture import capture, clone_graph_module
-from .convert import weights_quantized_where_read
-from .deferred import deferred_parameters, materialized, read_rewritten_where_used
-from .diagnose import (
+from qcore.graph.capture import capture, clone_graph_module
+from qcore.graph.deferred import deferred_parameters, materialized, read_rewritten_where_used
+from qcore.graph.inputs import call_model, move_to
+from qcore.graph.ops import find_quantizable_ops, matches_layer
+from qcore.graph.rewritable import equalization_refusal
+from qcore.measure.blockwise import BlockwiseError, split_into_blocks
+from qcore.measure.diagnose import (
     Nondeterminism,
     NonDeterministicModelError,
     describe_outputs,
     first_nondeterministic,
 )
-from .equalize import cross_layer_equalize, equalize
-from .format_quantizer import FORMAT_REFUSAL_KEY
-from .graph import find_quantizable_ops
-from .inputs import call_model, move_to
-from .measure import (
+from qcore.measure.passes import (
     LayerSqnr,
     ModelMeasurement,
     OutputSqnr,
@@ -45,18 +42,27 @@ from .measure import (
     measure_model,
     measure_sqnr,
 )
-from .numeric.logits import LogitsComparator, LogitsMeasurement
-from .progress import stage
-from .quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
-from .report import ModelReport
-from .report.detectors import DetectorBase
-from .rewritable import equalization_refusal
-from .screens import Screen, ScreenedLayers
-from .smoothing import smooth, smoothing_alpha
+from qcore.measure.screens import Screen, ScreenedLayers
+from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
+from qcore.quantization.calibrate import calibrate, model_device
+from qcore.quantization.calibrated import CalibratedObservers
+from qcore.quantization.convert import quantize_weights_where_read, weights_quantized_where_read
+from qcore.quantization.format_quantizer import FORMAT_REFUSAL_KEY
+from qcore.quantization.quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer, with_layer_overrides
+from qcore.report import ModelReport
+from qcore.report.detectors import DetectorBase
+from qcore.rewrites.equalize import cross_layer_equalize, equalize
+from qcore.rewrites.smoothing import smooth, smoothing_alpha
+from qcore.runtime.progress import StageTimes, stage, tracked
+from qcore.search.sensitivity import with_float_layers
 
-__all__ = ["MEASUREMENTS", "AnalysisPlan", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis", "OutputSqnr",
-           "QuantizedLayer", "SqnrMeasurement", "VariantSqnr", "analyze_model", "calibration_digest", "describe",
-           "measure_sqnr", "quantized_layers"]
+__all__ = ["MEASUREMENTS", "AnalysisPlan", "BlockwiseError", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis",
+           "OutputSqnr", "QuantizedLayer", "Screen", "SqnrMeasurement", "StageTimes", "VariantSqnr", "analyze_model",
+           "calibration_digest", "describe", "matches_layer", "measure_sqnr", "model_device", "move_to",
+           "quantize_weights_where_read", "quantized_layers", "smoothing_alpha", "split_into_blocks", "stage",
+           "tracked", "with_float_layers", "with_layer_overrides"]
+# the plugin reads qcore through this module, qcore itself, qcore.report and qcore.numeric only (an import-linter
+# contract): the names above that live deeper are re-exported for it
 
 _DIGEST_COPY_BYTES = 64 << 20  # calibration_digest copies batches on an accelerator to the host this much at a time
 
@@ -74,7 +80,7 @@ class QuantizedLayer:
     clipping: bool
     equalizable: bool
     equalization_refusal: str = ""  # why a linear/conv layer cannot be equalized ("" when it can, or is no candidate)
-    format: str = "int8"  # the deployed format of a FormatQuantizer's layer (qcore.presets), else "int8"
+    format: str = "int8"  # the deployed format of a FormatQuantizer's layer (qcore.formats.presets), else "int8"
     format_refusal: str = ""  # why the layer's shapes cannot take its format (it then stays in float)
 
 
@@ -174,7 +180,8 @@ class ModelAnalysis:
     alpha 0.5), "smooth:search" or "smooth:<alpha>", or a list of layers.
     The model as quantized is the equalized one when `equalize` is set.
     blockwise: True (or the module path of a stack of blocks, "model.layers") measures one block at a time
-    (qcore.blockwise): the same numbers, with one block's quantized copy in memory at a time. What needs the whole
+    (qcore.measure.blockwise): the same numbers, with one block's quantized copy in memory at a time. What needs the
+    whole
     model quantized at once (sensitivity, float-layer and format searches, the quantized model itself) then raises
     BlockwiseUnsupported.
     """
@@ -373,7 +380,7 @@ class ModelAnalysis:
         return measured
 
     def _measure_blocks(self, float_gm: fx.GraphModule, **options: Any) -> ModelMeasurement:
-        from .blockwise import measure_blockwise
+        from qcore.measure.blockwise import measure_blockwise
 
         stack = self.blockwise if isinstance(self.blockwise, str) else None
         return measure_blockwise(float_gm, self.batches, self.quantizer, stack=stack, **options)
@@ -401,9 +408,9 @@ class ModelAnalysis:
     def quantized_gm(self) -> fx.GraphModule:
         """The model as quantized (equalized first when equalization is on), calibrated on the calibration batches:
         a standalone graph called like the float one (one calibration pass of its own)."""
-        from .convert import restore_model_state
-        from .measure import calibrate_and_convert
-        from .prepare import prepare
+        from qcore.measure.passes import calibrate_and_convert
+        from qcore.quantization.convert import restore_model_state
+        from qcore.quantization.prepare import prepare
 
         self.whole_model("the quantized model")
         self.require_deterministic()
@@ -421,7 +428,7 @@ class ModelAnalysis:
         kept = self._logits_on.get(id(batches))
         if kept is not None and kept[0] is batches:
             return kept[1]
-        from .numeric.compare import run_both
+        from qcore.numeric.compare import run_both
 
         comparator, outputs = LogitsComparator(), []  # type: ignore[var-annotated]
         device = model_device(self.float_gm)
@@ -497,8 +504,8 @@ class ModelAnalysis:
 
     @cached_property
     def switchable(self) -> Any:
-        """The quantized model with per-layer quantizer switches (qcore.sensitivity), built on first use."""
-        from .sensitivity import SwitchableModel
+        """The quantized model with per-layer quantizer switches (qcore.search.sensitivity), built on first use."""
+        from qcore.search.sensitivity import SwitchableModel
 
         self.whole_model("switching layers between float and quantized")
         self.require_deterministic()
@@ -506,9 +513,9 @@ class ModelAnalysis:
 
     def sensitivity(self, max_layers: int | None = None, max_batches: int | None = None,
                     only_quantized: bool = True) -> Any:
-        """qcore.sensitivity.SensitivityResult of the quantized layers (kept per budget; see layer_sensitivity
+        """qcore.search.sensitivity.SensitivityResult of the quantized layers (kept per budget; see layer_sensitivity
         for `only_quantized`)."""
-        from .sensitivity import layer_sensitivity
+        from qcore.search.sensitivity import layer_sensitivity
 
         self.whole_model("the sensitivity ranking")
         key = (max_layers, max_batches, only_quantized)
@@ -521,10 +528,10 @@ class ModelAnalysis:
         return cache[key]
 
     def format_fix(self, target_db: float, max_moves: int = 16, max_batches: int | None = 2) -> Any:
-        """qcore.format_search.FormatFix: verified moves up the format ladder to reach `target_db` (a
+        """qcore.search.format_search.FormatFix: verified moves up the format ladder to reach `target_db` (a
         FormatQuantizer's model only)."""
-        from .format_quantizer import FormatQuantizer
-        from .format_search import search_formats
+        from qcore.quantization.format_quantizer import FormatQuantizer
+        from qcore.search.format_search import search_formats
 
         if not isinstance(self.quantizer, FormatQuantizer):
             raise TypeError(f"format_fix needs a FormatQuantizer, not {type(self.quantizer).__name__}")
@@ -538,8 +545,8 @@ class ModelAnalysis:
         return self._fixes[key]
 
     def float_layers_fix(self, target_db: float, max_float_layers: int = 8, max_batches: int | None = 2) -> Any:
-        """qcore.sensitivity.FloatLayersFix: a verified set of layers to keep in float to reach `target_db`."""
-        from .sensitivity import find_float_layers
+        """qcore.search.sensitivity.FloatLayersFix: a verified set of layers to keep in float to reach `target_db`."""
+        from qcore.search.sensitivity import find_float_layers
 
         self.whole_model("the float_layers search")
         key = (target_db, max_float_layers, max_batches)

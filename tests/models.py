@@ -1,6 +1,5 @@
 """Small models for the tests."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 

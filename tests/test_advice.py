@@ -146,7 +146,7 @@ def test_outlier_heuristic_overruled_by_measurement_passes_with_a_note():
                     r"channels 7 have outliers .*\); measured ([+-][\d.]+) dB on this layer's own SQNR \(float input\) "
                     r"[\d.]+ -> [\d.]+ dB \(the minimum gain is 1 dB\): not recommended$", finding.note), finding.note
     # the note's figure is the measurement: the same fix, applied, gives it
-    from qcore.quantizer import with_layer_overrides
+    from qcore.quantization.quantizer import with_layer_overrides
 
     tried = analysis.variant(with_layer_overrides(analysis.quantizer, {"layers.0": {
         "activation_observer": "histogram"}})).sqnr.layers["layers.0"].shadow_sqnr_db
@@ -292,8 +292,8 @@ def test_outlier_fix_is_printed_when_measured_to_help_and_works_when_pasted():
 
 def test_a_fix_keeps_a_quantizer_subclass_and_its_settings():
     import qcore
-    from qcore.quantizer import with_layer_overrides
-    from qcore.sensitivity import with_float_layers
+    from qcore.quantization.quantizer import with_layer_overrides
+    from qcore.search.sensitivity import with_float_layers
 
     class Mine(qcore.Int8StaticQuantizer):
         """A team's own quantizer: the measured fixes must measure it, not the base class."""
@@ -333,8 +333,8 @@ def test_screened_fixes_give_the_same_findings_with_one_trial_fewer(monkeypatch)
 def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():
     import qcore
     from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.measure.screens import Screen
     from qcore.report import OutlierDetector
-    from qcore.screens import Screen
 
     batches = _features(5)
     for x in batches:
@@ -349,7 +349,7 @@ def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():
     found = analysis.screened("outlier")
     assert analysis.screened("broken") is None
     assert dict(found.changes) == {layer: change for layer in layers}
-    trial = analysis.variant(qcore.quantizer.with_layer_overrides(analysis.quantizer, dict(found.changes)))
+    trial = analysis.variant(qcore.quantization.quantizer.with_layer_overrides(analysis.quantizer, dict(found.changes)))
     assert found.own_sqnr_db == {layer: trial.sqnr.layers[layer].shadow_sqnr_db for layer in layers}  # exactly
     assert found.own_sqnr_db != {layer: analysis.sqnr.layers[layer].shadow_sqnr_db for layer in layers}
 
@@ -358,8 +358,8 @@ def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_
     import qcore
     from qcore import screens as screens_module
     from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.measure.screens import Screen
     from qcore.report import OutlierDetector
-    from qcore.screens import Screen
 
     batches = _features(5)
     for x in batches:

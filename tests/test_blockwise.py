@@ -1,4 +1,4 @@
-"""Block-wise analysis (qcore.blockwise): the blocks chained compute the model, and every measurement equals the
+"""Block-wise analysis (qcore.measure.blockwise): the blocks chained compute the model, and every measurement equals the
 whole-model analysis's; one block's quantized copy is alive at a time."""
 import gc
 
@@ -10,18 +10,18 @@ from torch import nn
 
 import qcore
 from qcore.analysis import AnalysisPlan, BlockwiseUnsupported, ModelAnalysis, quantized_layers
-from qcore.blockwise import BlockwiseError, block_stack, measure_blockwise, split_into_blocks
-from qcore.calibrate import calibrate
-from qcore.inputs import call_model
-from qcore.equalize import equalize
-from qcore.measure import ProbedModel, measure_model
-from qcore.smoothing import smooth
+from qcore.graph.inputs import call_model
+from qcore.measure.blockwise import BlockwiseError, block_stack, measure_blockwise, split_into_blocks
+from qcore.measure.passes import ProbedModel, measure_model
+from qcore.quantization.calibrate import calibrate
 from qcore.report.detectors import (
     DynamicStaticDetector,
     InputWeightEqualizationDetector,
     OutlierDetector,
     PerChannelDetector,
 )
+from qcore.rewrites.equalize import equalize
+from qcore.rewrites.smoothing import smooth
 
 from .models import SmallMLP, tiny_llama
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import qcore
-import qcore.measure
+import qcore.measure.passes
 from qcore.analysis import ModelAnalysis
-from qcore.calibrated import CalibratedObservers
-from qcore.observers import MinMaxObserver
-from qcore.quantizer import Int8StaticQuantizer, with_layer_overrides
+from qcore.observe.observers import MinMaxObserver
+from qcore.quantization.calibrated import CalibratedObservers
+from qcore.quantization.quantizer import Int8StaticQuantizer, with_layer_overrides
 
 from .models import SmallMLP, batches
 
@@ -24,13 +24,13 @@ def model_and_batches():
 @pytest.fixture
 def calibration_passes(monkeypatch):
     passes = []
-    original = qcore.measure.calibrate
+    original = qcore.measure.passes.calibrate
 
     def counted(model, batches, *args, **kwargs):
         passes.append([name for name, module in model.named_modules() if getattr(module, "frozen", None) is False])
         return original(model, batches, *args, **kwargs)
 
-    monkeypatch.setattr(qcore.measure, "calibrate", counted)
+    monkeypatch.setattr(qcore.measure.passes, "calibrate", counted)
     return passes
 
 
@@ -103,8 +103,8 @@ def test_a_users_own_observer_class_is_always_calibrated(model_and_batches, cali
 
 def test_signatures_tell_apart_what_observers_watch_and_how(model_and_batches):
     float_gm, data = model_and_batches
-    from qcore.capture import clone_graph_module
-    from qcore.prepare import prepare
+    from qcore.graph.capture import clone_graph_module
+    from qcore.quantization.prepare import prepare
 
     kept = CalibratedObservers()
     minmax = prepare(clone_graph_module(float_gm, share_parameters=True), Int8StaticQuantizer())

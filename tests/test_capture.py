@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import qcore
-from qcore.graph import FQN_KEY, HANDLE_KEY, find_quantizable_ops
-from qcore.inputs import call_model
+from qcore.graph.inputs import call_model
+from qcore.graph.ops import FQN_KEY, HANDLE_KEY, find_quantizable_ops
 from tests.models import CatModel, DataDependent, KwargsModel, SmallCNN, SmallMLP, batches
 
 
@@ -58,7 +58,7 @@ def test_handles_and_fqns_survive_prepare_and_convert():
 @pytest.mark.parametrize("method", ["export", "fx"])
 @pytest.mark.parametrize("share_parameters", [False, True])
 def test_a_clone_without_code_generation_equals_a_full_clone_once_recompiled(method, share_parameters):
-    from qcore.capture import clone_graph_module
+    from qcore.graph.capture import clone_graph_module
 
     for model, inputs in ((SmallCNN().eval(), torch.randn(2, 3, 16, 16)),
                           (KwargsModel().eval(), {"input_ids": torch.randint(0, 50, (2, 5)),

@@ -4,8 +4,8 @@ import json
 import torch
 from torch import nn
 
-from pytest_qreport.core.layer_cache import LayerCache, model_cache_key
 from pytest_qreport.checks import BUILTIN_CHECKS
+from pytest_qreport.core.layer_cache import LayerCache, model_cache_key
 from pytest_qreport.core.settings import ModelSettings
 
 from .test_plugin import CONFTEST, SQNR_ONLY
@@ -14,7 +14,7 @@ COUNT_CAPTURES = """
 
 import os
 import qcore
-import qcore.capture
+import qcore.graph.capture
 import pytest_qreport.core.pipeline
 
 _real_capture = qcore.capture
@@ -94,7 +94,8 @@ def test_a_model_past_the_share_of_the_budget_for_held_captures_is_captured_agai
 
 
 def test_under_xdist_each_model_is_built_once_at_collection_cold_warm_and_without_a_cache(pytester):
-    from .test_memory_budget import CONFTEST as TWO_MODELS, EVENTS
+    from .test_memory_budget import CONFTEST as TWO_MODELS
+    from .test_memory_budget import EVENTS
 
     source = TWO_MODELS.replace("    torch.manual_seed(0)\n", "    log('build wide')\n    torch.manual_seed(0)\n")
     pytester.makeconftest(source.replace("    torch.manual_seed(1)\n", "    log('build narrow')\n    torch.manual_seed(1)\n")

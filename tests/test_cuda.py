@@ -13,7 +13,7 @@ from pytest_qreport.core.pipeline import ModelPipeline, collect_model
 from pytest_qreport.core.registry import CheckRegistry
 from pytest_qreport.core.settings import ModelSettings
 from qcore.analysis import calibration_digest
-from qcore.measure import measure_model
+from qcore.measure.passes import measure_model
 from qcore.report import DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

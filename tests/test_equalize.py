@@ -12,7 +12,9 @@ from torch.ao.quantization.fx import _equalize as ao_eq
 from torch.ao.quantization.quantize_fx import prepare_fx
 
 import qcore
-from qcore.equalize import (
+from qcore.graph.deferred import deferred_parameters, materialized
+from qcore.numeric import compare
+from qcore.rewrites.equalize import (
     EqualizationError,
     InputEqualizationObserver,
     WeightEqualizationObserver,
@@ -20,9 +22,7 @@ from qcore.equalize import (
     cross_layer_equalize,
     equalize,
 )
-from qcore.deferred import deferred_parameters, materialized
-from qcore.numeric import compare
-from qcore.smoothing import smooth
+from qcore.rewrites.smoothing import smooth
 
 
 def _rel(a, b):

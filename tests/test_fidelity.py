@@ -4,8 +4,8 @@ import torch
 from torch import fx, nn
 
 import qcore
-from qcore.convert import QPARAMS_KEY
 from qcore.numeric import compute_sqnr
+from qcore.quantization.convert import QPARAMS_KEY
 
 torchao_pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
 tq = pytest.importorskip("torchao.quantization.pt2e.quantizer")
@@ -207,7 +207,7 @@ def test_add_loggers_names_and_scope_follow_torch_ao(method):
     # an input entry names the node that produced the input; add logs both of its arguments
     add_inputs = ours["add"]["node_input"]["fp32"]
     assert [(e["prev_node_name"], e["index_of_arg"]) for e in add_inputs] == [("relu", 0), ("sigmoid", 1)]
-    assert ours["fc2"]["node_input"]["int8"][0]["prev_node_target_type"] == "qcore.qparams.fake_quantize_per_tensor"
+    assert ours["fc2"]["node_input"]["int8"][0]["prev_node_target_type"] == "qcore.observe.qparams.fake_quantize_per_tensor"
     assert ours["pool"]["node_output"]["fp32"][0]["fqn"] == "pool"
     # the streaming compare's scope: quantized layers only
     a, b = qns.add_loggers("fp32", float_gm, "int8", quant_gm, qns.OutputLogger, only_quantized_layers=True)
@@ -388,7 +388,7 @@ def test_per_channel_affine_float_qparams_match_torch_ao():
     (scale, zero_point), (ref_scale, ref_zero_point) = ours.calculate_qparams(), reference.calculate_qparams()
     torch.testing.assert_close(scale, ref_scale)
     torch.testing.assert_close(zero_point, ref_zero_point)     # float zero points: [-127.5, 85.0]
-    from qcore.qparams import fake_quantize_per_channel
+    from qcore.observe.qparams import fake_quantize_per_channel
 
     expected = torch.quantize_per_channel(weight, ref_scale, ref_zero_point, 0, torch.quint8).dequantize()
     torch.testing.assert_close(fake_quantize_per_channel(weight, scale, zero_point, 0, 0, 255), expected)
@@ -515,7 +515,7 @@ def test_prepare_calls_the_quantizers_observer_callback_as_torchao_does():
 
 
 def test_selective_equalization_helpers_follow_torch_ao():
-    from qcore.equalize import equalize, get_equalization_qconfig_dict, get_layer_sqnr_dict
+    from qcore.rewrites.equalize import equalize, get_equalization_qconfig_dict, get_layer_sqnr_dict
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()

@@ -9,9 +9,9 @@ from torch import nn
 
 import qcore
 from qcore import numeric as qns
-from qcore.capture import clone_graph_module
-from qcore.convert import convert
-from qcore.prepare import prepare
+from qcore.graph.capture import clone_graph_module
+from qcore.quantization.convert import convert
+from qcore.quantization.prepare import prepare
 
 ao_ns = pytest.importorskip("torch.ao.ns._numeric_suite_fx")
 quantize_fx = pytest.importorskip("torch.ao.quantization.quantize_fx")

@@ -8,8 +8,8 @@ from torch import nn
 
 import qcore
 from qcore.analysis import ModelAnalysis
-from qcore.format_quantizer import FORMAT_REFUSAL_KEY, FormatQuantizer
-from qcore.presets import PRESETS
+from qcore.formats.presets import PRESETS
+from qcore.quantization.format_quantizer import FORMAT_REFUSAL_KEY, FormatQuantizer
 from tests.test_presets import ACTIVATION_REFERENCES, WEIGHT_REFERENCES
 
 
@@ -84,7 +84,7 @@ def test_layer_overrides_choose_formats_and_float_and_a_shape_that_cannot_take_i
 @pytest.mark.parametrize("name,static", [("NVFP4", True), ("FP8", True), ("FP8_DYNAMIC", False), ("MXFP4", False),
                                          ("W8A8", False)])
 def test_a_static_activation_scale_is_the_calibration_amax_and_dynamic_ones_keep_nothing(name, static):
-    from qcore.format_quantizer import FormatFakeQuantize
+    from qcore.quantization.format_quantizer import FormatFakeQuantize
 
     model, batches = Loud().eval(), _batches()
     _float_gm, quant_gm = qcore.quantize(model, batches[0], batches, FormatQuantizer(name))
@@ -96,8 +96,8 @@ def test_a_static_activation_scale_is_the_calibration_amax_and_dynamic_ones_keep
 
 
 def test_the_sensitivity_ranking_switches_a_formats_quantizers_layer_by_layer():
-    from qcore.measure import measure_sqnr
-    from qcore.sensitivity import layer_sensitivity
+    from qcore.measure.passes import measure_sqnr
+    from qcore.search.sensitivity import layer_sensitivity
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).eval()

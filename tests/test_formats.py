@@ -1,4 +1,4 @@
-"""qcore.formats against torchao 0.18's reference functions, bit for bit, on random and adversarial tensors: NaN,
+"""qcore.formats.numerics against torchao 0.18's reference functions, bit for bit, on random and adversarial tensors: NaN,
 inf, all-zero blocks, subnormals, values at the saturation points, and shapes that do not fit the block."""
 import math
 
@@ -21,7 +21,7 @@ from torchao.quantization.quant_primitives import (
     quantize_affine,
 )
 
-from qcore import formats
+from qcore.formats import numerics as formats
 
 SPECIAL = [0.0, -0.0, 448.0, -448.0, 449.0, 464.0, 6.0, -6.0, 5.0, 2.5, 0.25, 0.75, 1.25, 1e-40, -1e-45, 1e-30,
            3.4e38, -3.4e38, 57344.0, math.inf, -math.inf, math.nan]
@@ -148,7 +148,7 @@ def test_shapes_that_do_not_fit_the_block_are_refused():
         formats.nvfp4_quantize(torch.randn(4, 40), torch.tensor(1.0))
 
 
-@pytest.mark.skipif(__import__("qcore.native").native.kernel() is None, reason="no C compiler: torch path only")
+@pytest.mark.skipif(__import__("qcore.runtime.native").runtime.native.kernel() is None, reason="no C compiler: torch path only")
 @settings(max_examples=80, deadline=None)
 @given(x=tensors(columns=(32, 64, 96, 128)), elements=st.sampled_from(["e4m3", "e2m1"]),
        amax_from=st.sampled_from(["tensor", "calibration"]))

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import qcore
-from qcore.format_quantizer import FormatQuantizer
-from qcore.graph import fetch_attr
+from qcore.graph.ops import fetch_attr
+from qcore.quantization.format_quantizer import FormatQuantizer
 
 transformers = pytest.importorskip("transformers")
 

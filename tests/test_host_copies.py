@@ -5,9 +5,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qcore
-from qcore.measure import measure_model
+from qcore.measure.passes import measure_model
+from qcore.measure.screens import Screen
 from qcore.report import DynamicStaticDetector, InputWeightEqualizationDetector, OutlierDetector, PerChannelDetector
-from qcore.screens import Screen
 
 
 class _CountScalarReads(TorchDispatchMode):

@@ -17,16 +17,16 @@ from torch import nn
 
 import qcore
 from qcore.analysis import AnalysisPlan, ModelAnalysis, measure_sqnr
-from qcore.capture import clone_graph_module
-from qcore.convert import convert
-from qcore.equalize import equalize
-from qcore.smoothing import smooth
-from qcore.measure import FirstOutputs, measure_model
-from qcore.variants import variant_batches
+from qcore.graph.capture import clone_graph_module
+from qcore.measure.passes import FirstOutputs, measure_model
+from qcore.measure.variants import variant_batches
 from qcore.numeric.compare import compare, compare_propagated_and_shadow
 from qcore.numeric.loggers import StreamingComparator
+from qcore.quantization.convert import convert
 from qcore.report import InputWeightEqualizationDetector, OutlierDetector
 from qcore.report.detectors import DynamicStaticDetector
+from qcore.rewrites.equalize import equalize
+from qcore.rewrites.smoothing import smooth
 
 from .models import SmallCNN, SmallMLP
 
@@ -255,8 +255,8 @@ def test_a_deterministic_model_needs_no_runs_beyond_the_two_passes(monkeypatch):
 
 
 def test_the_batch_0_outputs_are_compared_in_the_comparison_pass_and_not_held_after_it(monkeypatch):
-    # the modules (qcore.measure and qcore.numeric.compare are also functions)
-    measure_module, compare_module = sys.modules["qcore.measure"], sys.modules["qcore.numeric.compare"]
+    # the modules (qcore.measure.passes and qcore.numeric.compare are also functions)
+    measure_module, compare_module = sys.modules["qcore.measure.passes"], sys.modules["qcore.numeric.compare"]
     torch.manual_seed(0)
     data = [torch.randn(8, 32) for _ in range(3)]
     float_gm = qcore.capture(SmallMLP().eval(), data[0])

@@ -112,9 +112,9 @@ def headed():
 
 
 def test_a_module_name_reaches_the_layers_inside_it_and_a_name_that_matches_nothing_is_an_error(pytester):
-    import qcore
     from torch import nn
 
+    import qcore
     from qcore.analysis import quantized_layers
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qcore import native
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
-from qcore.qparams import fake_quantize_per_channel, fake_quantize_per_tensor
+from qcore.observe.qparams import fake_quantize_per_channel, fake_quantize_per_tensor
+from qcore.runtime import native
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=f"no native kernel here: {native.status()}")
 RANGES = [(-128, 127), (0, 255), (-8, 7), (-(2**31), 2**31 - 1)]
@@ -150,7 +150,7 @@ def test_the_stash_keeps_a_contiguous_copy_in_the_values_own_dtype():
        sizes=st.lists(st.sampled_from([1, 5, 300, native.PARALLEL_MIN_NUMEL * 3 + 1]), min_size=1, max_size=4),
        spread=st.floats(1e-30, 1e4), constant=st.booleans(), strided=st.booleans())
 def test_histogram_observer_update_is_bit_identical_to_the_torch_path(seed, bins, sizes, spread, constant, strided):
-    from qcore.observers import HistogramObserver
+    from qcore.observe.observers import HistogramObserver
 
     g = torch.Generator().manual_seed(seed)
     native_path, torch_path = HistogramObserver(bins=bins), HistogramObserver(bins=bins)
@@ -171,7 +171,7 @@ def test_histogram_observer_update_is_bit_identical_to_the_torch_path(seed, bins
 
 @needs_kernel
 def test_a_histogram_batch_holding_nan_or_inf_takes_the_torch_path():
-    from qcore.observers import HistogramObserver
+    from qcore.observe.observers import HistogramObserver
 
     observer = HistogramObserver(bins=16)
     observer(torch.tensor([0.0, 1.0]))

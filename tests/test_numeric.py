@@ -7,7 +7,7 @@ from torch.ao.ns.fx import utils as ao_utils
 
 import qcore
 from qcore import numeric as ns
-from qcore.graph import find_quantizable_ops
+from qcore.graph.ops import find_quantizable_ops
 from qcore.numeric.matching import layer_value
 from tests.models import SmallCNN, SmallMLP, batches
 

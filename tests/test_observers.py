@@ -5,13 +5,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.ao.quantization import observer as ao
 
-from qcore.convert import fake_quantize_with
-from qcore.observers import (
+from qcore.observe.observers import (
     HistogramObserver,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     PerChannelMinMaxObserver,
 )
+from qcore.quantization.convert import fake_quantize_with
 
 
 def _batches(n=6, shape=(16, 32)):
@@ -123,7 +123,7 @@ def _every_pair_clipping_range(histogram, min_val, max_val, levels):
 @given(st.integers(0, 2**31 - 1), st.sampled_from(["normal", "relu", "offset", "heavy", "spike", "uniform"]),
        st.sampled_from([64, 256, 2048]))
 def test_histogram_clipping_search_equals_the_search_over_every_pair(seed, kind, bins):
-    from qcore.observers import HistogramObserver, _best_clipping_range
+    from qcore.observe.observers import HistogramObserver, _best_clipping_range
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3000, generator=g)

@@ -12,7 +12,7 @@ from torch import nn
 
 import qcore
 from qcore.analysis import AnalysisPlan, ModelAnalysis
-from qcore.inputs import call_model
+from qcore.graph.inputs import call_model
 from qcore.numeric.logits import LogitsComparator, logits_leaf
 
 from .models import tiny_llama

@@ -4,7 +4,6 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-
 # the two-layer model most plugin tests declare; other test modules reuse it
 TINY_SOURCE = '''
 import pytest

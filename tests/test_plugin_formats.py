@@ -58,8 +58,8 @@ def test_a_layer_that_cannot_take_its_format_errors_and_the_pasted_fix_passes(py
 
 
 def test_format_names_are_qcores_presets_and_unknown_ones_name_the_closest(pytester):
-    from qcore.presets import PRESETS
     from pytest_qreport.core.quantizers import FORMAT_NAMES
+    from qcore.formats.presets import PRESETS
 
     assert FORMAT_NAMES == tuple(PRESETS)
     pytester.makeconftest(MIXED.replace("{extra}", ""))

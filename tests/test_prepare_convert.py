@@ -10,7 +10,7 @@ from torch.ao.quantization.quantize_fx import convert_to_reference_fx, prepare_f
 import qcore
 from qcore.numeric import compute_sqnr
 from qcore.numeric.compare import compare
-from qcore.prepare import get_edge_or_node_to_qspec
+from qcore.quantization.prepare import get_edge_or_node_to_qspec
 from tests.models import CatModel, SmallCNN, SmallMLP, batches
 
 
@@ -131,7 +131,7 @@ class _BiasAndSigmoidQuantizer(qcore.Quantizer):
     """Linear with an int32 bias whose scale derives from input x weight scales; sigmoid with fixed qparams."""
 
     def annotate(self, gm):
-        from qcore.quantizer import int8_activation_spec, int8_weight_spec
+        from qcore.quantization.quantizer import int8_activation_spec, int8_weight_spec
 
         for node in gm.graph.nodes:
             if node.target == torch.ops.aten.linear.default:
@@ -176,7 +176,7 @@ def test_derived_bias_and_fixed_qparams_specs():
 
 
 def test_derived_spec_on_unannotated_key_is_a_clear_error():
-    from qcore.prepare import QuantizationConfigError
+    from qcore.quantization.prepare import QuantizationConfigError
 
     class Broken(_BiasAndSigmoidQuantizer):
         def annotate(self, gm):

@@ -16,7 +16,7 @@ from torchao.quantization.quant_primitives import (
     quantize_affine,
 )
 
-from qcore.presets import PRESETS, TensorFormat, preset
+from qcore.formats.presets import PRESETS, TensorFormat, preset
 
 E4M3 = torch.float8_e4m3fn
 

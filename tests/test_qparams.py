@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.ao.quantization import observer as ao
 
-from qcore import qparams
-from qcore.qparams import (
+from qcore.observe import qparams
+from qcore.observe.qparams import (
     calculate_qparams,
     default_quant_range,
     fake_quantize_dynamic,
@@ -106,7 +106,7 @@ def test_dynamic_fake_quant_uses_own_range():
 
 
 def test_bad_range_is_rejected():
-    from qcore.qparams import resolve_quant_range
+    from qcore.observe.qparams import resolve_quant_range
 
     with pytest.raises(ValueError, match="does not fit"):
         resolve_quant_range(torch.int8, -200, 127)

@@ -74,7 +74,7 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     mapped: list[int] = []
     monkeypatch.setattr(runtime, "_set_mmap_threshold", mapped.append)
     where_read: list[bool] = []
-    converting = importlib.import_module("qcore.convert")  # qcore.convert is the function
+    converting = importlib.import_module("qcore.quantization.convert")  # qcore.quantization.convert is the function
     original = converting.quantize_weights_where_read
 
     def recorded_where_read(enabled=True):
@@ -211,10 +211,10 @@ def test_warnings_point_at_the_declaring_conftest(pytester):
 
 def test_the_checks_needs_are_the_analysis_plan():
     import qcore
-    from qcore.analysis import MEASUREMENTS, AnalysisPlan
     from pytest_qreport.core import registry
     from pytest_qreport.core.pipeline import collect_model
     from pytest_qreport.core.settings import ModelSettings
+    from qcore.analysis import MEASUREMENTS, AnalysisPlan
 
     assert registry.MEASUREMENTS == MEASUREMENTS
     with pytest.raises(ValueError, match="unknown measurement"):
@@ -234,7 +234,7 @@ def test_the_checks_needs_are_the_analysis_plan():
 def test_a_quantizer_states_its_own_clipping_and_per_channel_behaviour():
     import qcore
     from qcore.analysis import quantized_layers
-    from qcore.observers import HistogramObserver, MinMaxObserver
+    from qcore.observe.observers import HistogramObserver, MinMaxObserver
 
     assert HistogramObserver.clips_outliers and not MinMaxObserver.clips_outliers
     gm = qcore.capture(_tiny(), torch.randn(2, 8))

@@ -507,7 +507,7 @@ def test_a_model_whose_buffers_change_in_forward_is_not_called_non_deterministic
     from torch import nn
 
     from qcore import capture
-    from qcore.diagnose import first_nondeterministic
+    from qcore.measure.diagnose import first_nondeterministic
 
     class Running(nn.Module):
         def __init__(self):
@@ -586,7 +586,7 @@ def test_a_range_below_the_quantizers_resolution_says_so_with_options_that_work(
 def test_two_runs_outputs_are_compared_a_bounded_number_of_elements_at_a_time(monkeypatch, elements):
     import torch
 
-    from qcore import diagnose
+    from qcore.measure import diagnose
 
     monkeypatch.setattr(diagnose, "_COMPARED_ELEMENTS", elements)
     first = torch.randn(6, 10, generator=torch.Generator().manual_seed(0))

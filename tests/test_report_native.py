@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qcore import native
 from qcore.report.observer import ReportObserver
+from qcore.runtime import native
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=f"no native kernel here: {native.status()}")
 STATE = ("extremes", "extreme_sums", "min_val", "max_val", "ratio_sums", "ratio_counts", "constant_channels")

@@ -1,4 +1,4 @@
-"""Resumed runs (qcore.resume): a switch setting run from a recorded cut gives exactly the outputs of a full run."""
+"""Resumed runs (qcore.search.resume): a switch setting run from a recorded cut gives exactly the outputs of a full run."""
 import itertools
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from torch import fx, nn
 
 import qcore
-from qcore.resume import ResumableGraph, last_writes
-from qcore.sensitivity import SwitchableModel, find_float_layers, layer_sensitivity
+from qcore.search.resume import ResumableGraph, last_writes
+from qcore.search.sensitivity import SwitchableModel, find_float_layers, layer_sensitivity
 
 from .models import SmallCNN, batches, tiny_llama
 
@@ -138,8 +138,8 @@ def test_a_traced_graph_always_runs_whole_and_no_cut_holds_a_value_written_to_la
 
 
 def test_the_format_search_resumed_equals_it_run_whole():
-    from qcore.format_quantizer import FormatQuantizer
-    from qcore.format_search import FormatSwitchModel, search_formats
+    from qcore.quantization.format_quantizer import FormatQuantizer
+    from qcore.search.format_search import FormatSwitchModel, search_formats
 
     model, model_batches = _cases()["llama"]
     float_gm = qcore.capture(model, model_batches[0])

@@ -7,7 +7,7 @@ import pytest
 
 import qcore
 from qcore.analysis import measure_sqnr
-from qcore.sensitivity import SwitchableModel, find_float_layers, layer_sensitivity, with_float_layers
+from qcore.search.sensitivity import SwitchableModel, find_float_layers, layer_sensitivity, with_float_layers
 
 FRAGILE_SOURCE = '''
 import torch

@@ -7,7 +7,7 @@ from torch import nn
 
 import qcore
 from qcore.analysis import measure_sqnr
-from qcore.smoothing import smooth
+from qcore.rewrites.smoothing import smooth
 
 
 class LayerNormLinear(nn.Module):
@@ -231,9 +231,9 @@ def test_the_equalization_item_names_smoothing_and_its_setting_which_works_when_
 
 def test_a_fix_trial_rewrites_with_the_scales_the_comparison_pass_measured_without_observing_again(monkeypatch):
     from qcore import equalize as equalizing
-    from qcore import smoothing
     from qcore.analysis import AnalysisPlan, ModelAnalysis
-    from qcore.equalize import equalize
+    from qcore.rewrites import smoothing
+    from qcore.rewrites.equalize import equalize
 
     torch.manual_seed(0)
     model, batches = nn.Sequential(Attention(16, 2), LinearLinear(16, 1)).eval(), _batches(16, count=4)

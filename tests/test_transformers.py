@@ -54,7 +54,7 @@ def test_plugin_collects_an_sqnr_item_for_every_bert_linear(bert):
 
 
 def test_model_report_covers_every_bert_linear(bert):
-    from qcore.inputs import call_model
+    from qcore.graph.inputs import call_model
     from qcore.report import DynamicStaticDetector, InputWeightEqualizationDetector, ModelReport, OutlierDetector
 
     model, data = bert

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from torch import fx
 
 import qcore
-from qcore.prepare import QuantizationConfigError, get_edge_or_node_to_group_id
-from qcore.unionfind import UnionFind
+from qcore.quantization.prepare import QuantizationConfigError, get_edge_or_node_to_group_id
+from qcore.quantization.unionfind import UnionFind
 
 torchao_prepare = pytest.importorskip("torchao.quantization.pt2e.prepare")
 torchao_quantizer = pytest.importorskip("torchao.quantization.pt2e.quantizer")

@@ -1,5 +1,5 @@
-"""Large models' weights quantized and rewritten where they are read (qcore.convert.quantize_weights_where_read,
-qcore.deferred.read_rewritten_where_used): the same numbers, no copy of the weights."""
+"""Large models' weights quantized and rewritten where they are read (qcore.quantization.convert.quantize_weights_where_read,
+qcore.graph.deferred.read_rewritten_where_used): the same numbers, no copy of the weights."""
 import importlib
 
 import pytest
@@ -9,16 +9,16 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qcore
-from qcore import variants
 from qcore.analysis import AnalysisPlan, ModelAnalysis
-from qcore.convert import fake_quantize_over_input, fake_quantize_with, quantize_weights_where_read
-from qcore.deferred import deferred_parameters
-from qcore.graph import QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, weight_value
-from qcore.measure import measure_model
-from qcore.observers import MinMaxObserver, PerChannelMinMaxObserver
+from qcore.graph.deferred import deferred_parameters
+from qcore.graph.ops import QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, weight_value
+from qcore.measure import variants
+from qcore.measure.passes import measure_model
+from qcore.measure.variants import ScaledWeightQuantizer
+from qcore.observe.observers import MinMaxObserver, PerChannelMinMaxObserver
+from qcore.quantization.convert import fake_quantize_over_input, fake_quantize_with, quantize_weights_where_read
 from qcore.report.detectors import OutlierDetector, PerChannelDetector
-from qcore.sensitivity import SwitchableModel
-from qcore.variants import ScaledWeightQuantizer
+from qcore.search.sensitivity import SwitchableModel
 
 from .models import tiny_llama
 
@@ -167,7 +167,7 @@ def test_a_variants_weight_quantized_by_rows_where_read_equals_it_quantized_whol
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_a_large_weight_quantized_where_read_is_compared_a_few_rows_at_a_time_with_the_same_sqnr(net, per_channel,
                                                                                                  monkeypatch):
-    measure = importlib.import_module("qcore.measure")  # the module, not qcore.measure the function
+    measure = importlib.import_module("qcore.measure.passes")  # the module, not qcore.measure.passes the function
     metrics = importlib.import_module("qcore.numeric.metrics")
     float_gm, batches = net
     monkeypatch.setattr(metrics, "_ROWS_ELEMENTS", 40)  # every weight is "large": compared a few rows at a time

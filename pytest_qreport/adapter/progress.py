@@ -18,7 +18,8 @@ _PLAIN_AFTER, _PLAIN_INTERVAL = 5.0, 10.0  # plain lines (CI logs) for slow anal
 
 
 class AnalysisProgress:
-    """The listener of one model's analysis (qcore.progress): `progress(stages, done, total)`, then `done(seconds)`."""
+    """The listener of one model's analysis (qcore.runtime.progress): `progress(stages, done, total)`, then
+    `done(seconds)`."""
 
     def __init__(self, item: pytest.Item, model: str) -> None:
         config = item.config

@@ -4,7 +4,8 @@ A fix is one qmodel() keyword with its whole value, merged with the model's own 
 paste). `try_fix` measures the model with it, exactly as the pasted settings would, in one more calibration and
 comparison pass (kept per configuration by the qcore analysis), of the layers the fix concerns and the outputs:
 a trial's other layers are nan. `verify` tries a fix on the layers a heuristic
-names (or takes their own SQNR with it from the model's comparison pass: qcore.screens), keeps the layers where it
+names (or takes their own SQNR with it from the model's comparison pass: qcore.measure.screens), keeps the layers where
+it
 helps by at least the check's minimum gain, measures that smaller fix again, and recommends it only when the
 model's output SQNR does not fall.
 """
@@ -43,7 +44,7 @@ class Trial:
     own: Mapping[str, tuple[float, float]]
     propagated: Mapping[str, tuple[float, float]]
     weight: Mapping[str, tuple[float, float]]
-    screened: bool = False  # own SQNR only, from the model's comparison pass (qcore.screens): no output measured
+    screened: bool = False  # own SQNR only, from the model's comparison pass (qcore.measure.screens): no output
 
     @property
     def output_gain(self) -> float:
@@ -95,8 +96,7 @@ def equalize_fix(value: Any, layers: Iterable[str]) -> Fix:
 def _variant(model: ModelContext, fix: Fix) -> Any:
     """The model's analysis with the fix applied as the pasted setting would apply it, measuring the layers the fix
     concerns (a trial reads nothing else but the outputs; every layer when one of them is not a layer's name)."""
-    from qcore.quantizer import with_layer_overrides
-    from qcore.sensitivity import with_float_layers
+    from qcore.analysis import with_float_layers, with_layer_overrides
 
     analysis = model.analysis
     known = {entry.layer for entry in analysis.layers}
@@ -112,7 +112,7 @@ def _variant(model: ModelContext, fix: Fix) -> Any:
 
 def try_fix(model: ModelContext, fix: Fix) -> Trial:
     """The model measured with `fix`, against the model as it is."""
-    from qcore.progress import stage
+    from qcore.analysis import stage
 
     before = model.analysis.sqnr
     with stage("trials"):

@@ -117,7 +117,7 @@ class DetectorCheck(Check):
         None for a check whose advice is not a layer_overrides change."""
         if type(self).advise is not DetectorCheck.advise or type(self).fix_change is DetectorCheck.fix_change:
             return None
-        from qcore.screens import Screen
+        from qcore.analysis import Screen
 
         ahead = {}
         if self.fix_observes_activations:  # every change the screen may make, its observers calibrated ahead

@@ -87,7 +87,7 @@ def below(value: float, threshold: float) -> str:
 
 
 def below_resolution_advice(model: ModelContext, layer: str, limits: tuple) -> str:
-    """Why a layer whose tensors are below int8's resolution fails, and the options that help (qcore.diagnose
+    """Why a layer whose tensors are below int8's resolution fails, and the options that help (qcore.measure.diagnose
     ResolutionLimit records: role, observed_range, smallest_scale)."""
     ranges = " and ".join(f"{limit.role} range {limit.observed_range:.3g}" for limit in limits)
     verb, them = ("are", "them") if len(limits) > 1 else ("is", "it")

@@ -26,7 +26,7 @@ ANALYSIS_FACTOR = 5.0
 
 # A model with at least this many parameter bytes trades time for memory: its analysis maps large allocations
 # (core.runtime) and measures each fix in a trial of its own, one quantized copy at a time, instead of screening
-# the detectors' fixes in its comparison pass (qcore.screens) beside the model's own quantized copy.
+# the detectors' fixes in its comparison pass (qcore.measure.screens) beside the model's own quantized copy.
 LARGE_MODEL_BYTES = 256 << 20
 
 # Collection captures every model before the first analysis starts. The captures a process keeps until their
@@ -55,7 +55,7 @@ def available_memory() -> int | None:
 def on_accelerator(float_gm: Any) -> bool:
     """Whether a model's parameters, so its analysis's tensors, are on a device other than the CPU: then its memory is
     that device's, which the budget does not cover (an out-of-memory error there is raised, not a kill)."""
-    from qcore.calibrate import model_device
+    from qcore.analysis import model_device
 
     return model_device(float_gm).type != "cpu"
 
@@ -76,7 +76,7 @@ def estimated_analysis_bytes(module: Any) -> tuple[int, int]:
 def estimated_blockwise_bytes(float_gm: Any, stack: str | None = None) -> tuple[int, int]:
     """(the biggest block's parameter and buffer bytes, what a block-wise analysis is expected to add: ANALYSIS_FACTOR
     times those bytes); BlockwiseError when the graph has no stack of blocks."""
-    from qcore.blockwise import split_into_blocks
+    from qcore.analysis import split_into_blocks
 
     biggest = max(estimated_analysis_bytes(block.gm)[0] for block in split_into_blocks(float_gm, stack))
     return biggest, int(biggest * ANALYSIS_FACTOR)
@@ -87,7 +87,7 @@ def budgeted_estimate(model: str, analysis: Any, mode: bool | str, budget: int |
     """(what the model's analysis is expected to add, "") or (0, why it must not start). The analysis goes
     block-wise when `mode` (its blockwise setting) says so, or, for "auto", when the whole model's estimate
     exceeds the budget and a block-wise one does not: then `analysis.blockwise` is set."""
-    from qcore.blockwise import BlockwiseError
+    from qcore.analysis import BlockwiseError
 
     weights, estimate = estimated_analysis_bytes(analysis.float_gm)
     blockwise: tuple[int, int] | str | None = None

@@ -44,7 +44,7 @@ class Stage(enum.Enum):
 def select_layers(names: Iterable[str], layers: list[str] | None, skip_layers: list[str] | None) -> list[str]:
     """Keep names matching any `layers` glob (all if none) and no `skip_layers` glob, in order; a glob also
     matches the layers inside the module it names (`head` matches `head.1`)."""
-    from qcore.graph import matches_layer
+    from qcore.analysis import matches_layer
 
     kept = []
     for name in names:
@@ -149,10 +149,10 @@ class ModelPipeline:
         """collected -> analysed (-> judged with `baseline` options), or analysis failed. Measures once, on
         `threads` torch threads; later calls do nothing. `resolve` turns another batch setting (eval_batches: a
         fixture name, a callable or batches) into batches. `progress(stages, done, total)` hears where the
-        analysis stands (qcore.progress); `seconds` gets the time of each stage."""
+        analysis stands (qcore.runtime.progress); `seconds` gets the time of each stage."""
         if self.stage is not Stage.COLLECTED:
             return
-        from qcore.progress import StageTimes, tracked
+        from qcore.analysis import StageTimes, tracked
 
         before = sum(self.seconds.values())
         start = time.perf_counter()
@@ -173,7 +173,7 @@ class ModelPipeline:
             if weights is None:
                 weights = estimated_analysis_bytes(self.context.analysis.float_gm)[0]
             large = weights >= LARGE_MODEL_BYTES
-            from qcore.convert import quantize_weights_where_read
+            from qcore.analysis import quantize_weights_where_read
 
             with torch_threads(threads), young_garbage_collection(large), quiet_torch_trace_log(), \
                     quantize_weights_where_read(large):
@@ -247,7 +247,7 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     if not hasattr(model, "forward"):
         raise QReportModelError(f"model {name!r}: the qmodel function returned {type(model).__name__}, "
                                 "not an nn.Module")
-    from qcore.progress import tracked
+    from qcore.analysis import tracked
 
     if settings.device is not None:
         model, example_inputs = on_device(name, settings.device, model, example_inputs)
@@ -285,7 +285,7 @@ def on_device(name: str, device: str, model: Any, example_inputs: Any) -> tuple[
     calibration and evaluation batches follow the model, one batch at a time."""
     import torch
 
-    from qcore.inputs import move_to
+    from qcore.analysis import move_to
 
     try:
         torch.empty(0, device=device)
@@ -302,7 +302,7 @@ def _check_globs(name: str, settings: ModelSettings, quantizer: Any, float_gm: A
     """A layer glob that matches no layer is a typo or a stale name: say so, with the layer names. Checked for
     layers, skip_layers, float_layers, layer_formats and the quantizer's own layer_overrides."""
     import qcore
-    from qcore.graph import matches_layer
+    from qcore.analysis import matches_layer
 
     ops = qcore.find_quantizable_ops(float_gm)
     given = {"layers": settings.layers, "skip_layers": settings.skip_layers, "float_layers": settings.float_layers,
@@ -323,8 +323,7 @@ def fingerprint(analysis: Any, equalize: Any, threads: int) -> dict[str, Any]:
     import torch
 
     import qcore
-    from qcore.analysis import calibration_digest, describe
-    from qcore.calibrate import model_device
+    from qcore.analysis import calibration_digest, describe, model_device
 
     return {"torch": str(torch.__version__), "qcore": str(qcore.__version__), "quantizer": describe(analysis.quantizer),
             "calibration": calibration_digest(analysis.batches), "equalize": describe(equalize), "threads": threads,

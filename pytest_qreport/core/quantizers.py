@@ -1,5 +1,5 @@
 """The built-in quantizer names, resolved through the pytest_qreport_make_quantizer hook: the int8 ones, and the
-deployed formats by their compressed-tensors names (W8A8, W4A16, FP8, NVFP4, ...; see qcore.presets)."""
+deployed formats by their compressed-tensors names (W8A8, W4A16, FP8, NVFP4, ...; see qcore.formats.presets)."""
 from __future__ import annotations
 
 import difflib
@@ -93,7 +93,7 @@ def model_quantizer(settings: Any, hook: Any) -> Any:
         quantizer = _with_layer_formats(quantizer, layer_formats)
     overrides = dict(getattr(settings, "layer_overrides", None) or {})
     if overrides:
-        from qcore.quantizer import with_layer_overrides
+        from qcore.analysis import with_layer_overrides
 
         try:
             quantizer = with_layer_overrides(quantizer, overrides)
@@ -101,7 +101,7 @@ def model_quantizer(settings: Any, hook: Any) -> Any:
             raise ValueError(f"layer_overrides={overrides!r}: {error}") from None
     if not settings.float_layers:
         return quantizer
-    from qcore.sensitivity import with_float_layers
+    from qcore.analysis import with_float_layers
 
     try:
         return with_float_layers(quantizer, settings.float_layers)
@@ -121,6 +121,6 @@ def _with_layer_formats(quantizer: Any, layer_formats: dict[str, str]) -> Any:
         raise ValueError(f"layer_formats={layer_formats!r}: {type(quantizer).__name__} cannot give layers the "
                          f"formats {formats or ['float']}; choose a format as the model's quantizer (quantizer='W8A8', "
                          "'FP8', 'NVFP4', ...), on top of which layer_formats sets each layer's")
-    from qcore.sensitivity import with_float_layers
+    from qcore.analysis import with_float_layers
 
     return with_float_layers(quantizer, list(layer_formats))

@@ -106,7 +106,8 @@ class Check(ABC):
         return [entry.layer for entry in model.analysis.layers]
 
     def screen(self, model: ModelContext, layers: list[str]) -> Any | None:
-        """A qcore.screens.Screen whose fix the comparison pass measures on the layers the check's detector names
+        """A qcore.measure.screens.Screen whose fix the comparison pass measures on the layers the check's detector
+        names
         among its items `layers`, so that its advice needs no trial of the whole list (default: None)."""
         return None
 

@@ -319,7 +319,7 @@ def equalize_value(value: Any, checks: Sequence[str]) -> Any:
         if word == "cross_layer":
             return "cross_layer"
         if word == "smooth" or word.startswith("smooth:"):
-            from qcore.smoothing import smoothing_alpha
+            from qcore.analysis import smoothing_alpha
 
             smoothing_alpha(word)
             return word

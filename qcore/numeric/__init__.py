@@ -1,9 +1,9 @@
 """qcore.numeric: the FX numeric suite on qcore graphs, plus a streaming comparison."""
-from .compare import compare
-from .loggers import ActivationStash, OutputLogger, StreamingComparator
-from .matching import LayerMatchError, LayerPair, match_layers
-from .metrics import compute_cosine_similarity, compute_normalized_l2_error, compute_sqnr
-from .suite import (
+from qcore.numeric.compare import compare
+from qcore.numeric.loggers import ActivationStash, OutputLogger, StreamingComparator
+from qcore.numeric.matching import LayerMatchError, LayerPair, match_layers
+from qcore.numeric.metrics import compute_cosine_similarity, compute_normalized_l2_error, compute_sqnr
+from qcore.numeric.suite import (
     NSResultsType,
     add_loggers,
     add_shadow_loggers,

@@ -9,14 +9,14 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from ..calibrate import OutputSink, model_device
-from ..capture import clone_graph_module
-from ..inputs import call_model, move_to
-from ..progress import batch_done, stage
-from .instrument import attach_after, copy_layer_into
-from .loggers import ActivationStash, StreamingComparator
-from .logits import LogitsComparator
-from .matching import LayerPair, layer_value, match_layers
+from qcore.graph.capture import clone_graph_module
+from qcore.graph.inputs import call_model, move_to
+from qcore.numeric.instrument import attach_after, copy_layer_into
+from qcore.numeric.loggers import ActivationStash, StreamingComparator
+from qcore.numeric.logits import LogitsComparator
+from qcore.numeric.matching import LayerPair, layer_value, match_layers
+from qcore.quantization.calibrate import OutputSink, model_device
+from qcore.runtime.progress import batch_done, stage
 
 __all__ = ["ExtraShadows", "ShadowGraph", "compare", "compare_propagated_and_shadow", "run_both"]
 

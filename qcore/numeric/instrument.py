@@ -5,8 +5,8 @@ from collections.abc import Callable
 
 from torch import fx, nn
 
-from ..graph import HANDLE_KEY, REWRITTEN_KEY, QuantizableOp, is_inserted
-from .matching import layer_value, nodes_by_handle
+from qcore.graph.ops import HANDLE_KEY, REWRITTEN_KEY, QuantizableOp, is_inserted
+from qcore.numeric.matching import layer_value, nodes_by_handle
 
 __all__ = ["attach_after", "copy_layer_into"]
 

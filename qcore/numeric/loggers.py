@@ -6,8 +6,8 @@ import math
 import torch
 from torch import nn
 
-from .. import native
-from .metrics import sqnr_from_sums
+from qcore.numeric.metrics import sqnr_from_sums
+from qcore.runtime import native
 
 __all__ = ["ActivationStash", "OutputLogger", "StreamingComparator"]
 _COMPARED_ELEMENTS = 1 << 20  # of a non-float32 pair compared at a time on the torch path (8 MB float64 each)

@@ -55,7 +55,7 @@ def _producer(node: Any) -> Any:
 def logits_leaf(gm: fx.GraphModule, output: Any) -> tuple[int | None, str, str]:
     """(index among the floating output leaves, its name, "") of the logits in `output` (the model's output on a
     batch), or (None, "", why the output is not logits)."""
-    from ..graph import find_quantizable_ops
+    from qcore.graph.ops import find_quantizable_ops
 
     paths, _ = pytree.tree_flatten_with_path(output)
     floating = [(pytree.keystr(path), leaf) for path, leaf in paths

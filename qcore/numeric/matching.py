@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ..graph import (
+from qcore.graph.ops import (
     FQN_KEY,
     HANDLE_KEY,
     QuantizableOp,

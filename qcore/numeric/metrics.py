@@ -6,7 +6,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..qparams import row_slices
+from qcore.observe.qparams import row_slices
 
 __all__ = ["compared_by_rows", "compute_cosine_similarity", "compute_normalized_l2_error", "compute_sqnr",
            "large_tensor_sqnr", "rowwise_sqnr", "sqnr_from_sums"]

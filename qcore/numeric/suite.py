@@ -11,10 +11,10 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 
-from ..capture import clone_graph_module
-from ..graph import weight_value
-from .instrument import attach_after, copy_layer_into
-from .matching import LoggedNode, NodePair, logged_node, match_layers, match_nodes, target_type
+from qcore.graph.capture import clone_graph_module
+from qcore.graph.ops import weight_value
+from qcore.numeric.instrument import attach_after, copy_layer_into
+from qcore.numeric.matching import LoggedNode, NodePair, logged_node, match_layers, match_nodes, target_type
 
 __all__ = ["NSResultsType", "add_loggers", "add_shadow_loggers", "extend_logger_results_with_comparison",
     "extract_logger_info", "extract_shadow_logger_info", "extract_weights"]
@@ -25,7 +25,8 @@ _SHADOW_PREFIX = "qcore_shadow_b"
 
 def _require_graph(model: nn.Module, role: str) -> fx.GraphModule:
     if not isinstance(model, fx.GraphModule):
-        raise TypeError(f"{role} must be a GraphModule from qcore.capture/qcore.quantize, got {type(model).__name__}")
+        raise TypeError(f"{role} must be a GraphModule from qcore.capture or qcore.quantize, got "
+                        f"{type(model).__name__}")
     return model
 
 

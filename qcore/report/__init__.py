@@ -1,5 +1,5 @@
 """qcore.report: ModelReport, its detectors and observer, and the visualizer."""
-from .detectors import (
+from qcore.report.detectors import (
     DetectorBase,
     DetectorQConfigInfo,
     DynamicStaticDetector,
@@ -7,8 +7,8 @@ from .detectors import (
     OutlierDetector,
     PerChannelDetector,
 )
-from .model_report import ModelReport, ModelReportError
-from .observer import ReportObserver
+from qcore.report.model_report import ModelReport, ModelReportError
+from qcore.report.observer import ReportObserver
 
 __all__ = ["DetectorBase", "DetectorQConfigInfo", "DynamicStaticDetector", "InputWeightEqualizationDetector",
            "ModelReport", "ModelReportError", "OutlierDetector", "PerChannelDetector", "ReportObserver"]

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..equalize import weight_column_ranges
-from ..graph import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted
-from ..quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
-from .observer import ReportObserver
+from qcore.graph.ops import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted
+from qcore.quantization.quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
+from qcore.report.observer import ReportObserver
+from qcore.rewrites.equalize import weight_column_ranges
 
 __all__ = ["DETECTOR_IS_POST_OBS_KEY", "DETECTOR_OBS_ARGS_KEY", "DETECTOR_OBS_TO_INSERT_KEY",
     "DETECTOR_TARGET_NODE_KEY", "DetectorBase", "DetectorQConfigInfo", "DynamicStaticDetector",
@@ -198,7 +198,7 @@ class PerChannelDetector(DetectorBase):
 
 
 def _annotated_copy(model: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
-    from ..capture import clone_graph_module
+    from qcore.graph.capture import clone_graph_module
 
     copy_ = clone_graph_module(model, share_parameters=True)
     for node in copy_.graph.nodes:

@@ -6,9 +6,9 @@ from typing import Any
 
 from torch import fx, nn
 
-from ..capture import capture
-from ..graph import INSERTED_KEY
-from .detectors import (
+from qcore.graph.capture import capture
+from qcore.graph.ops import INSERTED_KEY
+from qcore.report.detectors import (
     DETECTOR_IS_POST_OBS_KEY,
     DETECTOR_OBS_ARGS_KEY,
     DETECTOR_OBS_TO_INSERT_KEY,
@@ -16,7 +16,7 @@ from .detectors import (
     DetectorQConfigInfo,
     InputWeightEqualizationDetector,
 )
-from .observer import ReportObserver
+from qcore.report.observer import ReportObserver
 
 __all__ = ["ModelReport", "ModelReportError"]
 
@@ -139,7 +139,7 @@ class ModelReport:
 
     def generate_visualizer(self):
         """A ModelReportVisualizer over the last generated report."""
-        from .visualizer import ModelReportVisualizer
+        from qcore.report.visualizer import ModelReportVisualizer
 
         if not self._generated_reports:
             raise ModelReportError("generate_model_report() must run before generate_visualizer()")

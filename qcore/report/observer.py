@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from .. import native
+from qcore.runtime import native
 
 __all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportObserver"]
 

@@ -1,0 +1,264 @@
+"""Capture an nn.Module as a GraphModule: torch.export first, torch.fx.symbolic_trace as the fallback."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from qcore.graph.fold import fold_batch_norm, fold_computed_weights, linear_from_transposed_weight_matmuls
+from qcore.graph.inputs import as_args_kwargs
+from qcore.graph.ops import FQN_KEY, HANDLE_KEY
+from qcore.runtime.progress import stage
+
+__all__ = ["CaptureError", "annotate_fqns_and_handles", "capture", "clone_graph_module", "module_fqn"]
+
+
+class CaptureError(RuntimeError):
+    """Neither torch.export nor torch.fx could capture the model."""
+
+
+class _TraceThroughLayers(fx.Tracer):
+    """FX tracer that traces into Linear/Conv so that their weights become get_attr nodes, like export."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def capture(model: nn.Module, example_inputs: Any, name: str | None = None, method: str = "auto",
+            fold_bn: bool = True) -> fx.GraphModule:
+    """Capture `model` called on `example_inputs` (a tensor, a tuple of args, or a dict of kwargs).
+
+    `method` is "auto" (torch.export, then FX on failure), "export" or "fx". With `fold_bn`, each eval-mode
+    BatchNorm that directly follows a conv (or a linear on [N, C] inputs) is folded into it, as torchao's
+    prepare_pt2e does; gm.meta["qcore_folded_bn"] lists them.
+
+    Every op node gets meta[FQN_KEY] (its module's fully qualified name) and meta[HANDLE_KEY]
+    (a debug handle, unique and stable in graph order) that later rewrites keep.
+    """
+    if isinstance(model, fx.GraphModule) and _is_annotated(model):
+        return model
+    with stage("capture"):
+        return _capture(model, example_inputs, name, method, fold_bn)
+
+
+def _capture(model: nn.Module, example_inputs: Any, name: str | None, method: str, fold_bn: bool) -> fx.GraphModule:
+    label = name or type(model).__name__
+    args, kwargs = as_args_kwargs(example_inputs)
+    was_training = model.training
+    model.eval()
+    _materialize_lazy_modules(model, args, kwargs)
+    if method not in ("auto", "export", "fx"):
+        raise ValueError(f"capture method must be 'auto', 'export' or 'fx', not {method!r}")
+    export_error: BaseException | None = None
+    try:
+        try:
+            if method == "fx":
+                raise CaptureError("export skipped (method='fx')")
+            with without_kv_cache(model):
+                gm = _export(model, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - any export failure means: try FX
+            export_error = error
+            try:
+                if method == "export":
+                    raise CaptureError("FX skipped (method='export')")
+                gm = _fx_trace(model)
+            except Exception as fx_error:  # noqa: BLE001
+                raise CaptureError(
+                    f"model {label!r} could not be captured.\n"
+                    f"  torch.export failed: {_first_line(export_error)}\n"
+                    f"  torch.fx.symbolic_trace failed: {_first_line(fx_error)}\n"
+                    f"  Fix: {_capture_fix(export_error)}"
+                ) from fx_error
+    finally:
+        model.train(was_training)
+    annotate_fqns_and_handles(gm)
+    fold_computed_weights(gm)
+    linear_from_transposed_weight_matmuls(gm)
+    if fold_bn:
+        gm.meta["qcore_folded_bn"] = fold_batch_norm(gm)
+    gm.meta["qcore_model_name"] = label
+    gm.meta["qcore_capture_method"] = "fx" if export_error is not None else "export"
+    if export_error is not None and method == "auto":  # FX took over: keep why export did not
+        gm.meta["qcore_export_error"] = f"{type(export_error).__name__}: {_first_line(export_error)}"
+    return gm
+
+
+@contextlib.contextmanager
+def without_kv_cache(model: nn.Module) -> Iterator[None]:
+    """Run `model` without a key-value cache for the duration: a Hugging Face model whose config has `use_cache`
+    (every causal LM and seq2seq model, True by default) returns a cache object that torch.export cannot flatten,
+    and a quality comparison needs the logits and hidden states only. The config is restored afterwards."""
+    found = [m.config for m in model.modules() if getattr(getattr(m, "config", None), "use_cache", None)]
+    configs = list({id(c): c for c in found}.values())  # submodules often share their model's config
+    try:
+        for config in configs:
+            config.use_cache = False
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True
+
+
+def _capture_fix(export_error: BaseException | None) -> str:
+    """The fix for the construct torch.export named, where it named one."""
+    text = str(export_error or "")
+    unknown = re.search(r"Found <class '([^']+)'> in (output|input)", text)
+    if unknown:
+        kind = unknown.group(2)
+        return (f"forward() takes or returns a {unknown.group(1)} ({kind}), which torch.export cannot flatten into "
+                "tensors. Return tensors, tuples, dicts or dataclasses instead (register a dataclass with "
+                "torch.export.register_dataclass), or, for a cache object, turn the cache off "
+                "(model.config.use_cache = False).")
+    return ("make the failing construct export-friendly (for example replace data-dependent Python control flow "
+            "with torch.cond or tensor ops), or pass example inputs that match forward().")
+
+
+def _materialize_lazy_modules(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Run a model with lazy modules (nn.LazyLinear, nn.LazyConv2d) once, so that their parameters get shapes."""
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+        with torch.no_grad():
+            model(*args, **kwargs)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    try:
+        exported = torch.export.export(model, args, kwargs, dynamic_shapes=_auto_batch_dims(args, kwargs), strict=False)
+    except Exception:  # noqa: BLE001 - a model that refuses a dynamic batch dim still exports statically
+        exported = torch.export.export(model, args, kwargs, strict=False)
+    gm = exported.module()
+    for node in list(gm.graph.nodes):  # the input-guard submodule is not part of the model's computation
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    _drop_input_constraint_check(gm)
+    gm.recompile()
+    return gm
+
+
+def _drop_input_constraint_check(gm: fx.GraphModule) -> None:
+    """Remove export's per-call input-shape check: it costs about 40 us a call, as much as the observers of a
+    small layer, and a mismatched input still fails in the first op it reaches."""
+    for key, hook in list(gm._forward_pre_hooks.items()):
+        if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
+            del gm._forward_pre_hooks[key]
+            gm._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _auto_batch_dims(args: tuple, kwargs: dict):
+    auto = torch.export.Dim.AUTO
+
+    def spec(value):
+        return {0: auto} if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+
+    if kwargs:
+        return {"args": tuple(spec(a) for a in args), "kwargs": {k: spec(v) for k, v in kwargs.items()}}
+    return tuple(spec(a) for a in args)
+
+
+def _fx_trace(model: nn.Module) -> fx.GraphModule:
+    graph = _TraceThroughLayers().trace(model)
+    return fx.GraphModule(model, graph, class_name=type(model).__name__)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _is_annotated(gm: fx.GraphModule) -> bool:
+    return any(HANDLE_KEY in n.meta for n in gm.graph.nodes)
+
+
+def module_fqn(node: fx.Node) -> str:
+    """The FQN of the innermost module a node was called from ('' for the top level)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return _normalize_path(str(path))
+    if node.op == "call_module":
+        return str(node.target)
+    return ""
+
+
+def _normalize_path(path: str) -> str:
+    for prefix in ("L['self'].", "L__self__.", "L['self']", "L__self__"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return path.lstrip(".")
+
+
+def annotate_fqns_and_handles(gm: fx.GraphModule) -> None:
+    """Give every op node its FQN and a debug handle, numbering in graph order."""
+    handle = 0
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            node.meta.setdefault(FQN_KEY, module_fqn(node))
+            node.meta.setdefault(HANDLE_KEY, handle)
+            handle += 1
+
+
+def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recompile: bool = True) -> fx.GraphModule:
+    """Deep copy of a captured GraphModule, node meta (FQNs, handles) included. share_parameters=True keeps the
+    same parameter tensors (for a copy whose passes never write to them: no memory for a second set of weights);
+    buffers, which a forward may update, are always copied. recompile=False skips the copy's code generation, for
+    a caller that edits the graph and recompiles it before running it (until then the copy cannot run)."""
+    # what copy.deepcopy(gm) keeps, without deep-copying the attributes GraphModule.__init__ then drops
+    memo: dict[int, Any] = {id(parameter): parameter for parameter in gm.parameters()} if share_parameters else {}
+    holder = nn.Module()
+    for name in {str(node.target).split(".")[0] for node in gm.graph.nodes if node.op in ("get_attr", "call_module")}:
+        value = copy.deepcopy(getattr(gm, name), memo)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            holder.register_buffer(name, value)
+        else:
+            setattr(holder, name, value)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        if recompile or not hasattr(gm.graph, "_codegen"):
+            clone = fx.GraphModule(holder, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+        else:
+            clone = fx.GraphModule(holder, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes
+            _copy_graph_into(gm.graph, clone.graph)
+            for node in clone.graph.nodes:
+                if node.op in ("get_attr", "call_module"):
+                    _install_attribute(holder, clone, str(node.target))
+    clone.meta = copy.deepcopy(getattr(gm, "meta", {}), memo)
+    return clone
+
+
+def _install_attribute(source: nn.Module, target: nn.Module, path: str) -> None:
+    """Give `target` the attribute at dotted `path` of `source`, as GraphModule.__init__ does for each get_attr and
+    call_module target: intermediate modules are new, empty ones, unless a parent was installed already."""
+    *prefix, field = path.split(".")
+    for item in prefix:
+        source_item, target_item = getattr(source, item), getattr(target, item, None)
+        if source_item is target_item:
+            return
+        if target_item is None:
+            target_item = nn.Module()
+            setattr(target, item, target_item)
+        source, target = source_item, target_item
+    value = getattr(source, field)
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        target.register_buffer(field, value)
+    else:
+        setattr(target, field, value)
+
+
+def _copy_graph_into(source: fx.Graph, target: fx.Graph) -> None:
+    """What Graph.__deepcopy__ does, into the empty graph a GraphModule already owns (setting a GraphModule's graph
+    generates its code)."""
+    copied = target.graph_copy(source, val_map={}, return_output_node=True)
+    target.set_codegen(copy.deepcopy(source._codegen))  # the exported graph's pytree calling convention
+    if isinstance(copied, tuple):
+        value, old_output = copied
+        output = target.output(value, type_expr=getattr(old_output, "type", None))
+        output.meta = copy.copy(old_output.meta)

@@ -1,0 +1,419 @@
+"""One calibration pass and one comparison pass that feed every measurement of a model.
+
+- Calibration runs the prepared graph once over the batches. The quantizer's observers, the detectors'
+  observers and the channel ranges that equalization and smoothing need all watch the same float activations.
+- Comparison runs the float graph once per batch, carrying shadow copies of the quantized layers and of their
+  equalized and smoothed variants, and the quantized graph once per batch for the propagated SQNR.
+
+The equalization variants (qcore.measure.variants) are single layers re-run on their float input with the method
+applied: a method's gain is measured on the layers concerned, with no second pass over the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from qcore.graph.capture import clone_graph_module
+from qcore.graph.ops import QUANTIZED_WHERE_READ_KEY, find_quantizable_ops, weight_value
+from qcore.measure.diagnose import ResolutionLimit, first_non_finite, outputs_agree, resolution_limits
+from qcore.measure.probes import ChannelStatisticsProbe, DetectorProbe, Probe
+from qcore.measure.screens import ObserversAhead, Screen, ScreenedLayers, quantize_for_screen
+from qcore.measure.variants import (
+    VariantSqnr,
+    add_variant_shadow,
+    detector_channel_ranges,
+    kept_producer_outputs,
+    plan_variants,
+    rewrite_scales,
+    variant_batches,
+    variant_results,
+)
+from qcore.numeric.compare import ExtraShadows, ShadowGraph, compare, compare_propagated_and_shadow
+from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
+from qcore.numeric.matching import match_layers
+from qcore.numeric.metrics import compared_by_rows, large_tensor_sqnr, rowwise_sqnr
+from qcore.observe.qparams import fake_quantize_per_channel, fake_quantize_per_tensor
+from qcore.quantization.calibrate import CalibrationError, OutputSink, calibrate
+from qcore.quantization.calibrated import CalibratedObservers
+from qcore.quantization.convert import convert, fake_quantize_over_input, restore_model_state
+from qcore.quantization.prepare import prepare
+from qcore.quantization.quantizer import Int8StaticQuantizer, Quantizer
+from qcore.report.detectors import DetectorBase
+from qcore.rewrites.equalize import (
+    InputEqualizationObserver,
+    input_channel_axis,
+)
+from qcore.rewrites.smoothing import group_observer, smoothing_groups
+
+__all__ = ["FirstOutputs", "LayerSqnr", "ModelMeasurement", "OutputSqnr", "ProbedModel", "SqnrMeasurement",
+           "VariantSqnr", "calibrate_and_convert", "compare_quantized", "diagnosed_calibration", "measure_model",
+           "measure_sqnr", "sqnr_measurement", "weight_sqnrs"]
+
+
+@dataclass(frozen=True)
+class LayerSqnr:
+    """SQNR of one quantized layer: propagated (quantized inputs), shadow (float inputs) and weight."""
+
+    layer: str
+    fqn: str
+    op: str
+    sqnr_db: float
+    shadow_sqnr_db: float
+    normalized_l2: float
+    cosine: float
+    batches: int
+    weight_sqnr_db: float | None = None
+    below_resolution: tuple[ResolutionLimit, ...] = ()  # its input/output/weight that int8 rounds to ~zero
+
+
+@dataclass(frozen=True)
+class OutputSqnr:
+    """SQNR of one floating output leaf of the model."""
+
+    name: str
+    sqnr_db: float
+    cosine: float
+    normalized_l2: float
+
+
+@dataclass(frozen=True)
+class SqnrMeasurement:
+    """Float vs quantized, per layer and per output leaf, in graph order."""
+
+    layers: Mapping[str, LayerSqnr]
+    outputs: Mapping[str, OutputSqnr]
+
+    def worst_output(self) -> OutputSqnr | None:
+        """The output leaf with the lowest SQNR (a model with several outputs is judged by its worst)."""
+        return min(self.outputs.values(), key=lambda o: o.sqnr_db, default=None)
+
+
+@dataclass(frozen=True)
+class ModelMeasurement:
+    """Everything one calibration pass and one comparison pass measured."""
+
+    sqnr: SqnrMeasurement
+    detector_reports: Mapping[str, dict[str, Any]]  # {detector key: {layer: raw detector entry}}
+    variants: Mapping[str, Mapping[str, VariantSqnr]]  # {layer: {method: VariantSqnr}}
+    unmeasured: Mapping[str, str]  # {layer: why its variants could not be measured}
+    smoothing: Mapping[str, Mapping[str, Any]]  # {layer: {"alpha", "producer", "producer_name"} | {"refused": why}}
+    logits: LogitsMeasurement = LogitsMeasurement(reason="not measured (measure_model(..., logits=True))")
+    # whether the float outputs of batch 0 in calibration and in comparison agree (None: not both were run)
+    first_outputs_agree: bool | None = None
+    # {(method, layer): (alpha, s)}: the scales an equalize/smooth rewrite of the same graph and batches would use
+    rewrite_scales: Mapping[tuple[str, str], tuple[float | None, torch.Tensor]] = dataclasses.field(
+        default_factory=dict)
+    screens: Mapping[str, ScreenedLayers] = dataclasses.field(default_factory=dict)  # {screen name: what it measured}
+
+
+def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
+                  propagate: bool = True, detectors: Mapping[str, DetectorBase] | None = None,
+                  equalization_layers: Iterable[str] = (), smoothing: float | str | None = None,
+                  logits: bool = False, observers: CalibratedObservers | None = None,
+                  layers: Collection[str] | None = None, screens: Sequence[Screen] = ()) -> ModelMeasurement:
+    """Quantize a copy of `float_gm` on `batches` and measure it in one calibration and one comparison pass:
+    per-layer and output SQNR (propagate=False: shadow SQNR only), the detectors' reports, the input-weight
+    equalization variant of `equalization_layers`, the smoothing variant (alpha, or "search") of every
+    smoothable layer, and with `logits` the output logits' KL, top-1 agreement and perplexity. `observers`: the
+    activation observers calibrated earlier on this graph and these batches; those it holds are not calibrated
+    again (no calibration pass when it holds them all), and the others are added to it. `layers`, when given, are
+    the only layers measured (a fix trial's: the outputs are always measured). `screens` measure their fixes on
+    the layers the detectors' reports name for them (qcore.measure.screens), in the same comparison pass."""
+    batches = list(batches)
+    kept = observers if observers is not None else CalibratedObservers()
+    ahead = ObserversAhead(float_gm, quantizer or Int8StaticQuantizer(), screens, kept)
+    probed = ProbedModel(float_gm, quantizer, detectors, equalization_layers, smoothing,
+                         ahead if ahead.screens else None)
+    planned: list[Any] = []
+    first_outputs = FirstOutputs(float_gm)  # two float runs of batch 0 from the same state: they must agree
+    signatures = observers.signatures(probed.prepared) if observers is not None else {}
+    still_to_calibrate = observers.take(probed.prepared, signatures) if observers is not None else None
+
+    def read() -> None:
+        planned.extend(probed.read())
+        if observers is not None:
+            observers.keep(probed.prepared, signatures)
+
+    # compare_quantized adds its comparators to quant_gm and generates its code once, below
+    if still_to_calibrate == [] and not probed.probes:  # every observer's state is known: nothing to watch
+        read()
+        quant_gm = convert(probed.prepared, keep_float_weights=False, recompile=False)
+    else:
+        quant_gm = calibrate_and_convert(probed.prepared, float_gm, batches, read, keep_float_weights=False,
+                                         keep_first_output=first_outputs, recompile=False)
+    variants, unmeasured, smoothed = planned
+    restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
+    screened = _screen_copies(float_gm, batches, quantizer, screens, probed.detector_reports, kept)
+    comparator = (LogitsComparator() if logits else None) if propagate else None
+    sqnr, baselines = compare_quantized(float_gm, quant_gm, batches, variants, unmeasured, propagate=propagate,
+                                        logits=comparator, keep_first_output=first_outputs, layers=layers,
+                                        extra_shadows=[extra for _, _, extra in screened])
+    compared = comparator.result() if comparator is not None else ModelMeasurement.logits
+    screen_results = {name: ScreenedLayers(changes, {layer: float(extra.results[layer]["sqnr_db"])
+                                                     for layer in changes if layer in extra.results})
+                      for name, changes, extra in screened}
+    return ModelMeasurement(sqnr, probed.detector_reports, variant_results(variants, baselines, unmeasured),
+                            unmeasured, smoothed, compared, first_outputs.agree, rewrite_scales(variants),
+                            screen_results)
+
+
+class FirstOutputs:
+    """Collects the float outputs of batch 0 in the calibration and in the comparison pass (`append`, as a list
+    would): compared as soon as the second is made, then let go, so that an LM's logits are not held through the
+    comparison pass. `agree` is None until both were made."""
+
+    def __init__(self, float_gm: fx.GraphModule) -> None:
+        self.float_gm = float_gm
+        self.agree: bool | None = None
+        self._first: Any = None
+        self._count = 0
+
+    def append(self, output: Any) -> None:
+        """Keep the first output; compare the second with it."""
+        self._count += 1
+        if self._count == 1:
+            self._first = output
+        elif self._count == 2:
+            self.agree = outputs_agree(self.float_gm, self._first, output)
+            self._first = None
+
+
+def _screen_copies(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None,
+                   screens: Sequence[Screen], reports: Mapping[str, dict[str, Any]],
+                   kept: CalibratedObservers) -> list[tuple[str, dict[str, Any], ExtraShadows]]:
+    """(screen name, {layer: change}, its quantized copy to shadow) of each screen that names layers."""
+    found = []
+    for screen in screens:
+        try:
+            changes = {layer: dict(change) for layer, change in screen.candidates(reports).items()}
+            if changes:
+                quantized = quantize_for_screen(float_gm, batches, quantizer or Int8StaticQuantizer(), changes, kept)
+                found.append((screen.name, changes, ExtraShadows(quantized, set(changes))))
+        except Exception:  # noqa: BLE001 - a screen only saves a trial: its advice then runs the trial, which reports
+            continue
+    return found
+
+
+class ProbedModel:
+    """A prepared copy of a float graph with the detectors' observers and the channel statistics that the
+    equalization and smoothing variants need, all watching one calibration pass (`prepared`); `read()` after it."""
+
+    def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer | None,
+                 detectors: Mapping[str, DetectorBase] | None, equalization_layers: Iterable[str],
+                 smoothing: float | str | None, ahead: Probe | None = None) -> None:
+        self.float_gm, self.smoothing = float_gm, smoothing
+        self.equalization_layers = list(equalization_layers)
+        # one code generation for the quantizer's, the detectors' and the statistics' observers: below
+        prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False),
+                           quantizer or Int8StaticQuantizer(), recompile=False)
+        self.detector_probe = DetectorProbe(detectors) if detectors else None
+        if self.detector_probe is not None:
+            self.detector_probe.attach(prepared)
+        self.ops = {op.layer: op for op in find_quantizable_ops(prepared)}
+        self.statistics: list[ChannelStatisticsProbe] = []
+        for index, layer in enumerate(self.equalization_layers):
+            op = self.ops.get(layer)
+            if op is None or not op.activation_inputs:
+                continue
+            shared = detector_channel_ranges(prepared, op, detectors or {})
+            if shared is not None:  # the input-weight equalization detector already watches these channel ranges
+                self.statistics.append(ChannelStatisticsProbe("input_weight", op, shared))
+                continue
+            self.statistics.append(ChannelStatisticsProbe("input_weight", op, InputEqualizationObserver(
+                ch_axis=input_channel_axis(op)), op.activation_inputs[0], f"qcore_eq_stats_{index}"))
+            self.statistics[-1].attach(prepared)
+        groups, self.refused = smoothing_groups(float_gm) if smoothing is not None else ([], {})
+        nodes = {node.name: node for node in prepared.graph.nodes}
+        for index, group in enumerate(groups):
+            self.statistics.append(ChannelStatisticsProbe("smoothing", group, group_observer(
+                float_gm, group, keep_first=smoothing == "search"), nodes[group.input_node.name],
+                f"qcore_smooth_stats_{index}"))
+            self.statistics[-1].attach(prepared)
+        self.ahead = ahead  # the screens' observers (qcore.measure.screens.ObserversAhead)
+        if ahead is not None:
+            ahead.attach(prepared)
+        prepared.recompile()
+        self.prepared = prepared
+        self.probes: list[Probe] = [*self.statistics, *([self.detector_probe] if self.detector_probe else []),
+                                    *([ahead] if ahead is not None else [])]
+
+    def read(self) -> tuple[list[Any], dict[str, str], dict[str, dict[str, Any]]]:
+        """After calibration: read and remove the probes; (variants to measure, {layer: why not}, smoothing)."""
+        if self.ahead is not None:  # its observers are not the variants' to see
+            self.ahead.read(self.prepared)
+            self.ahead.detach(self.prepared)
+            self.probes.remove(self.ahead)
+        for probe in self.probes:
+            probe.read(self.prepared)
+        variants, unmeasured, smoothed = plan_variants(
+            self.prepared, self.ops, self.statistics, self.smoothing,
+            kept_producer_outputs(self.float_gm, self.prepared, self.equalization_layers))
+        for probe in self.probes:  # convert recompiles the graph once for all
+            probe.detach(self.prepared)
+        smoothed.update({layer: {"refused": reason} for layer, reason in self.refused.items()})
+        return variants, unmeasured, smoothed
+
+    @property
+    def detector_reports(self) -> dict[str, dict[str, Any]]:
+        """{detector key: {layer: raw detector entry}} once read."""
+        return self.detector_probe.reports if self.detector_probe is not None else {}
+
+
+def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batches: list[Any], variants: list[Any],
+                      unmeasured: dict[str, str], *, propagate: bool = True, logits: LogitsComparator | None = None,
+                      keep_first_output: OutputSink | None = None, quant_batches: list | None = None,
+                      streams: list | None = None, layers: Collection[str] | None = None,
+                      extra_shadows: Sequence[ExtraShadows] = ()) -> tuple[SqnrMeasurement, dict[str, dict]]:
+    """The comparison pass of a converted graph (instrumented in place) against its float graph, with the shadows
+    of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). The other
+    keywords are compare_propagated_and_shadow's."""
+    limits = resolution_limits(quant_gm)
+    weights = weight_sqnrs(float_gm, quant_gm)
+    own_layers = {op.layer for op in find_quantizable_ops(float_gm)}
+    here = [v for v in variants if v.layer in own_layers]
+    baselines: dict[str, dict[str, Any]] = {}
+
+    def instrument(graph: ShadowGraph) -> Callable[[], None]:
+        by_layer = {pair.layer: pair for pair in graph.pairs}
+        measured = [v for v in here if v.layer in by_layer]
+        for index, variant in enumerate(measured):
+            reason = add_variant_shadow(graph, by_layer[variant.layer], variant, index)
+            if reason:
+                unmeasured.setdefault(variant.layer, reason)
+        # the unequalized layer's own SQNR over the same batches as its variants
+        return lambda: baselines.update({v.layer: graph.shadows[v.layer].result() for v in measured})
+
+    propagated, shadow_records = compare_propagated_and_shadow(
+        float_gm, quant_gm, batches, own_quant_model=True, propagate=propagate, instrument=instrument if here
+        else None, instrument_batches=variant_batches(len(batches)), keep_first_output=keep_first_output,
+        logits=logits, quant_batches=quant_batches, streams=streams, layers=layers, extra_shadows=extra_shadows)
+    shadows = {r["layer"]: r for r in shadow_records}
+    return sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits), baselines
+
+
+def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, batches: list[Any],
+                          before_convert: Callable[[], None] | None = None, keep_float_weights: bool = True,
+                          keep_first_output: OutputSink | None = None, recompile: bool = True) -> fx.GraphModule:
+    """Calibrate `prepared` and convert it (in place); a failure caused by NaN or inf in the float model says where
+    they appear. `before_convert` runs between the two (to read and remove other observers); recompile=False
+    leaves the converted graph's code generation to the caller (see convert)."""
+    with diagnosed_calibration(float_gm, batches):
+        calibrate(prepared, batches, keep_first_output)
+        if before_convert is not None:
+            before_convert()
+        return convert(prepared, keep_float_weights, recompile=recompile)
+
+
+@contextlib.contextmanager
+def diagnosed_calibration(float_gm: fx.GraphModule, batches: list[Any]) -> Iterator[None]:
+    """Re-raise a failure of calibration or conversion caused by NaN or inf in the float model as a
+    CalibrationError that says where they appear."""
+    try:
+        yield
+    except Exception as error:
+        try:
+            found = first_non_finite(float_gm, batches)
+        except Exception:  # noqa: BLE001 - the diagnosis fails the same way: the original error says it best
+            found = None
+        if found is None:
+            raise
+        raise CalibrationError(
+            f"the float model computes NaN or inf at {found.describe()}, so its ranges cannot be observed "
+            "and it cannot be quantized. Fix the model (a log, sqrt or division of out-of-range values?) or the "
+            "calibration data there.") from error
+
+
+def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule) -> dict[str, float]:
+    """{layer: SQNR of its quantized weight against the float one}, one layer's weights at a time (a weight kept
+    as codes is dequantized for its own comparison only)."""
+    found = {}
+    for pair in match_layers(float_gm, quant_gm):
+        if pair.a.weight is None or pair.b.weight is None:
+            continue
+        original = weight_value(float_gm, pair.a.weight).detach()
+        rows = _quantized_weight_rows(quant_gm, pair.b.weight, pair.a.weight, original)
+        if rows is not None:
+            found[pair.layer] = rowwise_sqnr(original, rows)
+            del original
+            continue
+        quantized = _quantized_weight_value(quant_gm, pair.b.weight, pair.a.weight, original).detach()
+        # an exact reconstruction (an all-zero weight, say) is inf, as for activations, not 0/0 = nan
+        exact = bool(torch.equal(original, quantized))
+        found[pair.layer] = math.inf if exact else large_tensor_sqnr(original, quantized)
+        del original, quantized
+    return found
+
+
+def _reads_float_weight(node: fx.Node, float_node: fx.Node) -> bool:
+    """Whether `node` quantizes, where it is read, the float weight `float_node` reads in the float graph."""
+    source = node.args[0] if node.meta.get(QUANTIZED_WHERE_READ_KEY) and node.args else None
+    # the quantized graph is a copy of the float one: the same attribute path, or the same rewrite of it
+    return isinstance(source, fx.Node) and source.op == float_node.op and source.target == float_node.target
+
+
+def _quantized_weight_rows(quant_gm: fx.GraphModule, node: fx.Node, float_node: fx.Node, original: torch.Tensor
+                           ) -> Callable[[slice], torch.Tensor] | None:
+    """rows -> those rows of a large weight quantized where it is read, per tensor or per output channel (the
+    quantization of a row depends on that row alone); None for any other weight."""
+    if not compared_by_rows(original) or not _reads_float_weight(node, float_node):
+        return None
+    rest = [weight_value(quant_gm, a) if isinstance(a, fx.Node) else a for a in node.args[1:]]
+    if node.target is fake_quantize_per_tensor:
+        return lambda part: fake_quantize_per_tensor(original[part], *rest)
+    if node.target in (fake_quantize_per_channel, fake_quantize_over_input) and rest[2] % original.dim() == 0:
+        scale, zero_point, _, quant_min, quant_max = rest
+        return lambda part: fake_quantize_per_channel(original[part], scale[part], zero_point[part], 0, quant_min,
+                                                      quant_max)
+    return None
+
+
+def _quantized_weight_value(quant_gm: fx.GraphModule, node: fx.Node, float_node: fx.Node, original: torch.Tensor
+                            ) -> torch.Tensor:
+    """The quantized weight `node` reads; one quantized where it is read from the same float weight as `float_node`
+    is computed from `original` (that float weight, already made: a rewritten LM head is not made twice)."""
+    if not _reads_float_weight(node, float_node):
+        return weight_value(quant_gm, node)
+    rest = [weight_value(quant_gm, a) if isinstance(a, fx.Node) else a for a in node.args[1:]]
+    over_input = node.target is fake_quantize_over_input  # which writes over `original`: give it a copy
+    return node.target(original.clone() if over_input else original, *rest)
+
+
+def sqnr_measurement(records: list[dict], shadows: dict[str, dict], weights: Mapping[str, float],
+                      limits: dict[str, tuple[ResolutionLimit, ...]]) -> SqnrMeasurement:
+    """Typed records from the numeric suite's propagated (or shadow) records, shadow records and weight SQNRs."""
+    layers: dict[str, LayerSqnr] = {}
+    outputs: dict[str, OutputSqnr] = {}
+    for record in records:
+        if record["op"] == "output":
+            outputs[record["layer"]] = OutputSqnr(record["layer"], float(record["sqnr_db"]), float(record["cosine"]),
+                                                  float(record["normalized_l2"]))
+            continue
+        weight_db = weights.get(record["layer"])
+        shadow = shadows.get(record["layer"], {}).get("sqnr_db", math.nan)
+        layers[record["layer"]] = LayerSqnr(
+            layer=record["layer"], fqn=record["fqn"], op=record["op"], sqnr_db=float(record["sqnr_db"]),
+            shadow_sqnr_db=float(shadow), normalized_l2=float(record["normalized_l2"]),
+            cosine=float(record["cosine"]), batches=int(record["batches"]), weight_sqnr_db=weight_db,
+            below_resolution=limits.get(record["layer"], ()))
+    return SqnrMeasurement(layers, outputs)
+
+
+def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None = None, *,
+                 shadow: bool = True) -> SqnrMeasurement:
+    """Quantize a copy of `float_gm` on `batches`, then compare it with the float graph. shadow=False skips the
+    shadow pass (each layer fed float inputs): shadow_sqnr_db is then nan."""
+    if shadow:
+        return measure_model(float_gm, batches, quantizer).sqnr
+    prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
+    quant_gm = calibrate_and_convert(prepared, float_gm, batches)
+    restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
+    weights = weight_sqnrs(float_gm, quant_gm)
+    return sqnr_measurement(compare(float_gm, quant_gm, batches, propagate=True), {}, weights,
+                            resolution_limits(quant_gm))

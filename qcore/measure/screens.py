@@ -1,0 +1,133 @@
+"""Screens: a fix's own SQNR on the layers a detector names, measured inside the model's comparison pass.
+
+A detector's heuristic names layers after the calibration pass (its observers watch that pass), and its fix is a
+per-layer quantizer change (`layer_overrides`). A screen quantizes the model with that change on the named layers
+(its new activation observers calibrated in one more pass; those it shares with the model's are taken as they
+are), and the comparison pass that follows runs each named layer of that quantized copy on its float input as
+one more shadow: each layer's own SQNR with the fix, over every batch, exactly as a separate trial of the same
+quantizer would measure it, without that trial's float and quantized passes. Only the named layers' weights
+are quantized in the copy.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+from qcore.graph.capture import clone_graph_module
+from qcore.graph.ops import INSERTED_KEY, find_quantizable_ops, original_input
+from qcore.measure.probes import Probe
+from qcore.quantization.calibrate import calibrate
+from qcore.quantization.calibrated import CalibratedObservers, watched_values
+from qcore.quantization.convert import convert, restore_model_state
+from qcore.quantization.prepare import prepare
+from qcore.quantization.quantizer import Quantizer, with_layer_overrides
+
+__all__ = ["ObserversAhead", "Screen", "ScreenedLayers", "quantize_for_screen"]
+
+
+@dataclass(frozen=True)
+class Screen:
+    """A fix to screen: `candidates(reports)` gives {layer: its layer_overrides change} from the detectors'
+    reports ({detector key: {layer: raw entry}}) of the calibration pass. `ahead`, for a fix that adds activation
+    observers, is every change it may make ({layer: change}): their observers then watch the model's calibration
+    pass (ObserversAhead), so the screen's quantized copy needs no calibration pass of its own."""
+
+    name: str
+    candidates: Callable[[Mapping[str, Mapping[str, Any]]], Mapping[str, Mapping[str, Any]]] = field(compare=False)
+    ahead: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class ScreenedLayers:
+    """What a screen measured: the changes it made ({layer: change}) and each changed layer's own SQNR with them
+    (dB, float input, every batch)."""
+
+    changes: Mapping[str, Mapping[str, Any]]
+    own_sqnr_db: Mapping[str, float]
+
+
+def quantize_for_screen(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer,
+                        changes: Mapping[str, Mapping[str, Any]], observers: CalibratedObservers) -> fx.GraphModule:
+    """`float_gm` quantized with `changes` merged into `quantizer`'s layer_overrides, calibrated where `observers`
+    has no twin of an activation observer, with only the changed layers' weights quantized (the others stay
+    float: the screen copies the changed layers only). ValueError for a quantizer without layer_overrides."""
+    changed = with_layer_overrides(quantizer, {layer: dict(change) for layer, change in changes.items()})
+    prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False), changed,
+                       recompile=False)
+    _unobserve_other_weights(prepared, set(changes))
+    signatures = observers.signatures(prepared)
+    missing = observers.take(prepared, signatures)
+    prepared.recompile()
+    if missing:
+        calibrate(prepared, batches)
+        observers.keep(prepared, signatures)
+    quantized = convert(prepared, keep_float_weights=False, recompile=False)
+    restore_model_state(quantized, float_gm)  # calibration ran forward, which may update buffers in place
+    return quantized
+
+
+def _unobserve_other_weights(prepared: fx.GraphModule, layers: set[str]) -> None:
+    """Feed the unchanged layers their float weights, so that convert quantizes the changed layers' only."""
+    observers: dict[fx.Node, bool] = {}  # weight observer node: whether a changed layer reads it
+    for op in find_quantizable_ops(prepared):
+        for node in op.node.all_input_nodes:
+            if node.meta.get(INSERTED_KEY) == "observer" and op.weight is not None and \
+                    original_input(node) is op.weight:
+                observers[node] = observers.get(node, False) or op.layer in layers
+    for observer, read_by_changed_layer in observers.items():
+        if not read_by_changed_layer:
+            observer.replace_all_uses_with(observer.args[0])
+            prepared.graph.erase_node(observer)
+
+
+class ObserversAhead(Probe):
+    """The activation observers that screens' fixes may add (each screen's `ahead` changes, all at once), watching
+    the model's calibration pass beside its own observers. Once read they are kept in `observers`: a screen's copy
+    that makes some of those changes takes their states wherever union-find grouped its observers the same way (the
+    same values, class and settings), and calibrates only the others. An observer sees the same values in the same
+    order as in a pass of its own, so it ends in the same state."""
+
+    def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer, screens: Sequence[Screen],
+                 observers: CalibratedObservers) -> None:
+        self.float_gm, self.quantizer, self.observers = float_gm, quantizer, observers
+        self.screens = [screen for screen in screens if screen.ahead]
+        self._attached: list[tuple[str, str, list[fx.Node]]] = []  # (submodule name, signature, its call nodes)
+
+    def attach(self, prepared: fx.GraphModule) -> None:
+        own = set(self.observers.signatures(prepared).values())
+        nodes = {node.name: node for node in prepared.graph.nodes}
+        for screen in self.screens:
+            try:
+                changed = with_layer_overrides(self.quantizer, {layer: dict(c) for layer, c in screen.ahead.items()})
+                ahead = prepare(clone_graph_module(self.float_gm, share_parameters=True, recompile=False), changed,
+                                recompile=False)
+            except Exception:  # noqa: BLE001 - observers ahead only save a pass: the screen calibrates its own
+                continue
+            calls = {name: [value.name for value in values] for name, values in watched_values(ahead).items()}
+            for name, signature in self.observers.signatures(ahead).items():
+                if signature is None or signature in own or signature in self.observers or \
+                        not all(value in nodes for value in calls[name]):
+                    continue
+                own.add(signature)
+                target = f"qcore_ahead_{len(self._attached)}"
+                prepared.add_submodule(target, ahead.get_submodule(name))
+                inserted = []
+                for value in calls[name]:
+                    with prepared.graph.inserting_after(nodes[value]):  # where prepare puts an observer
+                        inserted.append(prepared.graph.call_module(target, (nodes[value],)))
+                    inserted[-1].meta[INSERTED_KEY] = "observer_ahead"
+                self._attached.append((target, signature, inserted))
+
+    def read(self, prepared: fx.GraphModule) -> None:
+        for target, signature, _ in self._attached:
+            self.observers.adopt(signature, prepared.get_submodule(target))
+
+    def detach(self, prepared: fx.GraphModule) -> None:
+        for target, _, inserted in self._attached:
+            for node in inserted:
+                prepared.graph.erase_node(node)
+            delattr(prepared, target)
+        self._attached = []

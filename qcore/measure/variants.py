@@ -1,0 +1,340 @@
+"""Equalization variants: one quantized layer re-run on its float input with a per-input-channel factor m > 0.
+
+x * m is quantized per tensor with the qparams its calibrated channel ranges give (exact for a min/max observer,
+since scaling by m > 0 keeps each channel's minimum and maximum), and the weight columns divided by m are
+quantized with a fresh copy of the layer's weight observer. Input-weight equalization uses m = s, smoothing
+m = 1 / s. After a quantized producer that keeps its output (an add, say), input-weight equalization quantizes
+the producer's output, scales it and quantizes it again, as the equalized model does. The variant's SQNR
+against the float layer output is the layer's own (shadow) SQNR under that equalization.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from qcore.graph.ops import INSERTED_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, is_inserted, is_weight_value
+from qcore.measure.probes import ChannelStatisticsProbe
+from qcore.numeric.compare import ShadowGraph
+from qcore.numeric.instrument import attach_after, copy_layer_into
+from qcore.numeric.loggers import StreamingComparator
+from qcore.numeric.matching import LayerPair
+from qcore.observe.observers import MinMaxObserver, ObserverBase
+from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor, row_slices
+from qcore.quantization.convert import fake_quantize_with, weights_quantized_where_read
+from qcore.quantization.quantizer import ANNOTATION_KEY
+from qcore.report import InputWeightEqualizationDetector, ReportObserver
+from qcore.report.detectors import DetectorBase, observer_name
+from qcore.rewrites.equalize import (
+    InputEqualizationObserver,
+    input_channel_axis,
+    input_weight_scale,
+    producer_layer,
+    weight_column_factor,
+)
+
+__all__ = ["Variant", "VariantSqnr", "add_variant_shadow", "as_input_observer", "detector_channel_ranges",
+           "kept_producer_outputs", "plan_variants", "rewrite_scales", "ScaledWeightQuantizer", "variant_batches",
+           "variant_results"]
+
+
+@dataclass(frozen=True)
+class VariantSqnr:
+    """A layer's own SQNR (float input, as in the shadow comparison) with an equalization method applied, and
+    without it under the same input quantization."""
+
+    layer: str
+    method: str  # "input_weight" or "smoothing"
+    sqnr_db: float
+    baseline_db: float
+    alpha: float | None = None  # smoothing only
+    producer_name: str = ""  # smoothing only: what absorbs 1/s
+
+    @property
+    def gain_db(self) -> float:
+        """How much the method raises the layer's own SQNR."""
+        return self.sqnr_db - self.baseline_db
+
+
+@dataclass
+class Variant:
+    layer: str
+    method: str
+    factor: torch.Tensor  # m, one per input channel
+    low: torch.Tensor  # the input's calibrated channel minima and maxima
+    high: torch.Tensor
+    alpha: float | None = None
+    producer_name: str = ""
+    comparator: StreamingComparator | None = None
+    baseline: Variant | None = None  # the same layer with m = 1, when the quantizer's own qparams are not min/max
+    requantize: bool = False  # the input is quantized before the mul too (a quantized producer that keeps its output)
+    extras: dict[str, Any] = field(default_factory=dict)
+    rewrite_scale: torch.Tensor | None = None  # the scale s the float rewrite uses (equalize/smooth), unrounded
+
+
+def variant_batches(batches: int) -> int:
+    """How many of the calibration batches measure the equalization variants: a quarter, at least 2 (the
+    variants' qparams still come from every batch)."""
+    return min(batches, max(2, batches // 4))
+
+
+def detector_channel_ranges(prepared: fx.GraphModule, op: QuantizableOp, detectors: Mapping[str, DetectorBase]
+                             ) -> ReportObserver | None:
+    """The input-weight equalization detector's observer of this layer's input channels, when it has one on the
+    same channel axis (its per-channel minima and maxima are what input-weight equalization needs)."""
+    for detector in detectors.values():
+        if not isinstance(detector, InputWeightEqualizationDetector):
+            continue
+        name = observer_name(op.layer, detector.get_detector_name(), "pre")
+        observer = getattr(prepared, name, None)
+        if isinstance(observer, ReportObserver) and observer.per_channel and \
+                observer.ch_axis == input_channel_axis(op):
+            return observer
+    return None
+
+
+def as_input_observer(observer: Any) -> InputEqualizationObserver:
+    """An InputEqualizationObserver holding a calibrated observer's per-channel ranges."""
+    if isinstance(observer, InputEqualizationObserver):
+        return observer
+    copy_ = InputEqualizationObserver(ch_axis=observer.ch_axis)
+    copy_.min_val, copy_.max_val = observer.min_val.clone(), observer.max_val.clone()
+    return copy_
+
+
+def kept_producer_outputs(float_gm: fx.GraphModule, prepared: fx.GraphModule, layers: Iterable[str]) -> set[str]:
+    """The layers whose equalization mul would sit after a quantized producer output: input-weight equalization
+    keeps that quantization, then quantizes the scaled input again. A linear/conv producer that is equalized
+    too absorbs the scale into its rows instead, and a model input or float producer is quantized once."""
+    chosen = set(layers)
+    float_ops = find_quantizable_ops(float_gm)
+    by_node = {op.node: op for op in float_ops}
+    annotated = {node.name: node for node in prepared.graph.nodes}
+    kept = set()
+    for op in float_ops:
+        if op.layer not in chosen or not op.activation_inputs:
+            continue
+        producer = producer_layer(float_gm, op, by_node)
+        if producer is not None and producer.layer in chosen:
+            continue
+        source = annotated.get(op.activation_inputs[0].name)
+        annotation = source.meta.get(ANNOTATION_KEY) if source is not None else None
+        if annotation is not None and annotation.output_qspec is not None:
+            kept.add(op.layer)
+    return kept
+
+
+def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], statistics: list[ChannelStatisticsProbe],
+              smoothing: float | str | None, requantized: set[str]
+              ) -> tuple[list[Variant], dict[str, str], dict[str, dict[str, Any]]]:
+    """The variants to measure, {layer: why not} for layers whose input is not quantized per tensor, and the
+    smoothing groups' alphas by layer."""
+    variants: list[Variant] = []
+    unmeasured: dict[str, str] = {}
+    smoothed: dict[str, dict[str, Any]] = {}
+    for probe in statistics:
+        kind, key, observer = probe.kind, probe.key, probe.observer
+        if kind == "input_weight":
+            observer = as_input_observer(observer)
+            scale = input_weight_scale(prepared, key, observer)
+            variants.append(Variant(key.layer, kind, scale, observer.min_val, observer.max_val,
+                                     requantize=key.layer in requantized, rewrite_scale=scale))
+            continue
+        alpha = observer.best_alpha() if smoothing == "search" else float(smoothing)  # type: ignore[arg-type]
+        observer.first = None
+        scale = observer.scale(alpha)
+        inverse = 1.0 / scale
+        for layer in key.layers:
+            smoothed[layer] = {"alpha": alpha, "producer": key.producer, "producer_name": key.producer_name}
+            variants.append(Variant(layer, kind, inverse, observer.low, observer.high, alpha, key.producer_name,
+                                    rewrite_scale=scale))
+    kept: list[Variant] = []
+    identities: dict[str, Variant] = {}  # one unequalized baseline per layer, shared by its methods
+    for variant in variants:
+        op = ops[variant.layer]
+        reason = _prepare_variant(prepared, op, variant)
+        if reason:
+            unmeasured[variant.layer] = reason
+            continue
+        kept.append(variant)
+        if type(_observer_of(prepared, op.node.args[0])) is not MinMaxObserver:
+            # a clipping or averaging observer's qparams do not follow from channel ranges: compare like with like
+            if variant.layer not in identities:
+                identity = Variant(variant.layer, "identity", torch.ones_like(variant.factor), variant.low,
+                                   variant.high)
+                _prepare_variant(prepared, op, identity)
+                identities[variant.layer] = identity
+                kept.append(identity)
+            variant.baseline = identities[variant.layer]
+    return kept, unmeasured, smoothed
+
+
+def _observer_of(prepared: fx.GraphModule, arg: Any) -> ObserverBase | None:
+    if isinstance(arg, fx.Node) and arg.op == "call_module" and arg.meta.get(INSERTED_KEY) == "observer":
+        module = prepared.get_submodule(str(arg.target))
+        return module if isinstance(module, ObserverBase) else None
+    return None
+
+
+def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Variant) -> str:
+    """Compute the variant's input qparams, and how to make its quantized weight (in variant.extras); else the
+    reason it cannot be measured."""
+    input_observer = _observer_of(prepared, op.node.args[0])
+    weight_observer = _observer_of(prepared, op.node.args[1] if len(op.node.args) > 1 else None)
+    if input_observer is None or weight_observer is None:
+        return "its input or weight is not quantized, so equalization changes nothing it measures"
+    if input_observer.is_dynamic or input_observer.per_channel or getattr(input_observer, "is_float", False):
+        return "its input is not quantized statically per tensor, which is what equalization balances"
+    factor = variant.factor.float()
+    low, high = (variant.low * factor).amin(), (variant.high * factor).amax()
+    scale, zero_point = calculate_qparams(low, high, input_observer.quant_min, input_observer.quant_max,
+                                          input_observer.symmetric, input_observer.eps)
+    weight = fetch_attr(prepared, op.weight_target).detach()
+
+    def make_weight() -> Any:  # made when its shadow is added: one block's at a time, block-wise
+        column_factor = weight_column_factor(op, variant.factor, weight)
+        scaled = weight / column_factor
+        fresh = _fresh_copy(weight_observer)
+        with torch.no_grad():
+            fresh(scaled)
+            if weights_quantized_where_read():  # a large model: quantized from the float weight where read
+                return ScaledWeightQuantizer(fresh, column_factor)
+            return fake_quantize_with(fresh, scaled)
+
+    shape = [1, -1] + [1] * (weight.dim() - 2) if op.kind == "conv" else [-1]
+    variant.extras = {"scale": float(scale.reshape(-1)[0]), "zero_point": int(zero_point.reshape(-1)[0]),
+                      "factor": variant.factor.reshape(shape).to(weight.dtype), "weight": make_weight}
+    return ""
+
+
+_ROWS_ELEMENTS = 1 << 20  # of a variant's weight quantized at a time where it is read (4 MB of float32)
+
+
+class ScaledWeightQuantizer(nn.Module):
+    """A variant's quantized weight computed from the float weight each time it is read: the float weight divided
+    by the column factor, fake-quantized with the qparams observed on it once (the same values as the weight
+    quantized ahead, without holding them)."""
+
+    def __init__(self, observer: ObserverBase, column_factor: torch.Tensor) -> None:
+        super().__init__()
+        scale, zero_point = observer.calculate_qparams()
+        self.register_buffer("column_factor", column_factor)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero_point", zero_point)
+        self.axis = (observer.ch_axis or 0) if observer.per_channel else None
+        self.quant_min, self.quant_max = observer.quant_min, observer.quant_max
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        """The variant's fake-quantized weight, a bounded number of rows at a time (no scaled copy of an LM head)."""
+        weight, factor = weight.detach(), self.column_factor
+        whole = weight.dim() == 0 or weight.numel() <= _ROWS_ELEMENTS or self.axis not in (None, 0)
+        parts = [slice(None)] if whole else row_slices(weight, _ROWS_ELEMENTS)
+        out = None if whole else torch.empty_like(weight)
+        with torch.no_grad():
+            for part in parts:  # elementwise: the same values as the whole at once
+                scaled = weight[part] / (factor[part] if factor.dim() and factor.shape[0] > 1 else factor)
+                if self.axis is None:
+                    result = fake_quantize_per_tensor(scaled, float(self.scale.reshape(-1)[0]),
+                                                      int(self.zero_point.reshape(-1)[0]), self.quant_min,
+                                                      self.quant_max)
+                else:
+                    channels = part if self.axis == 0 else slice(None)
+                    result = fake_quantize_per_channel(scaled, self.scale[channels], self.zero_point[channels],
+                                                       self.axis, self.quant_min, self.quant_max, in_place=True)
+                if out is None:
+                    return result
+                out[part] = result
+        return out
+
+
+def _fresh_copy(observer: ObserverBase) -> ObserverBase:
+    """The observer with the same settings and nothing observed."""
+    fresh = copy.deepcopy(observer)
+    fresh.frozen = False
+    if fresh.per_channel:
+        fresh.min_val, fresh.max_val = torch.empty(0), torch.empty(0)
+    else:
+        fresh.min_val, fresh.max_val = torch.tensor(math.inf), torch.tensor(-math.inf)
+    if hasattr(fresh, "histogram"):
+        fresh.histogram = torch.zeros_like(fresh.histogram)
+    return fresh
+
+
+def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, index: int) -> str:
+    """Copy the quantized layer into the float graph with the variant's input factor, input qparams and weight,
+    and compare it with the float layer; else the reason it cannot be."""
+    gm_a, prefix = graph.gm, graph.prefix
+    quant_input = pair.b.node.args[0]
+    quant_weight = pair.b.node.args[1] if len(pair.b.node.args) > 1 else None
+    if not (is_inserted(quant_input) and quant_input.target is fake_quantize_per_tensor) or \
+            not is_weight_value(quant_weight):
+        return "its quantized input or weight is not in the form a variant can replace"
+    copies: dict[fx.Node, fx.Node] = {}
+    result = copy_layer_into(gm_a, pair.a, pair.b, prefix, copies)
+    input_copy = copies[quant_input]
+    base = f"qcore_variant_{index}"
+    gm_a.register_buffer(f"{base}_factor", variant.extras["factor"])
+    made = variant.extras["weight"]()
+    qparams = (variant.extras["scale"], variant.extras["zero_point"], *input_copy.args[3:])
+    if variant.requantize:  # the producer's quantized output, scaled, quantized again
+        with gm_a.graph.inserting_after(input_copy):
+            factor = gm_a.graph.get_attr(f"{base}_factor")
+        with gm_a.graph.inserting_after(factor):
+            scaled = gm_a.graph.call_function(torch.mul, (input_copy, factor))
+        with gm_a.graph.inserting_after(scaled):
+            requantized = gm_a.graph.call_function(fake_quantize_per_tensor, (scaled, *qparams))
+        copies[pair.b.node].replace_input_with(input_copy, requantized)
+        requantized.meta[INSERTED_KEY] = "shadow"
+    else:
+        with gm_a.graph.inserting_before(input_copy):
+            factor = gm_a.graph.get_attr(f"{base}_factor")
+            scaled = gm_a.graph.call_function(torch.mul, (input_copy.args[0], factor))
+        input_copy.args = (scaled, *qparams)
+    scaled.meta[INSERTED_KEY] = "shadow"
+    weight_copy = copies[quant_weight]
+    with gm_a.graph.inserting_before(weight_copy):
+        if isinstance(made, ScaledWeightQuantizer):
+            gm_a.add_submodule(f"{base}_weight", made)
+            weight_node = gm_a.graph.call_module(f"{base}_weight", (pair.a.weight,))
+        else:
+            gm_a.register_buffer(f"{base}_weight", made)
+            weight_node = gm_a.graph.get_attr(f"{base}_weight")
+    weight_node.meta[INSERTED_KEY] = "shadow"
+    weight_copy.replace_all_uses_with(weight_node)
+    for node in [weight_copy, *weight_copy.all_input_nodes]:  # the quantized graph's weight, read no more
+        if not node.users:
+            gm_a.graph.erase_node(node)
+    variant.comparator = StreamingComparator()
+    attach_after(gm_a, result, f"{base}_compare", variant.comparator, graph.references[variant.layer])
+    return ""
+
+
+def rewrite_scales(variants: list[Variant]) -> dict[tuple[str, str], tuple[float | None, torch.Tensor]]:
+    """{(method, layer): (alpha, s)}: what input-weight equalization and smoothing (searched alpha) of each layer
+    rewrite the float weights with, from the same channel ranges (equalize() and smooth() take them instead of a
+    calibration pass of their own)."""
+    return {(v.method, v.layer): (v.alpha, v.rewrite_scale) for v in variants if v.rewrite_scale is not None}
+
+
+def variant_results(variants: list[Variant], shadows: dict[str, dict], unmeasured: dict[str, str]
+                     ) -> dict[str, dict[str, VariantSqnr]]:
+    """{layer: {method: VariantSqnr}}; `shadows` holds each layer's shadow result over the variants' batches."""
+    results: dict[str, dict[str, VariantSqnr]] = {}
+    for variant in variants:
+        if variant.method == "identity" or variant.comparator is None or variant.layer in unmeasured:
+            continue
+        if variant.baseline is not None:
+            if variant.baseline.comparator is None:
+                continue
+            baseline = variant.baseline.comparator.result()["sqnr_db"]
+        else:
+            baseline = shadows[variant.layer]["sqnr_db"]
+        results.setdefault(variant.layer, {})[variant.method] = VariantSqnr(
+            variant.layer, variant.method, float(variant.comparator.result()["sqnr_db"]), float(baseline),
+            variant.alpha, variant.producer_name)
+    return results

@@ -1,0 +1,1 @@
+"""Observers and the qparams they compute."""

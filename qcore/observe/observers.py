@@ -1,0 +1,342 @@
+"""Streaming observers: statistics that stay on the tensor's device, with no per-batch host copies."""
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from qcore.observe.qparams import FLOAT32_EPS, calculate_qparams, is_per_channel, is_symmetric, resolve_quant_range
+from qcore.runtime import native
+
+__all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinMaxObserver",
+    "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver"]
+
+
+class ObserverBase(nn.Module, abc.ABC):
+    """Common fields of every observer: dtype, range, qscheme and channel axis. `clips_outliers` says whether the
+    observer's range may leave out the extremes it saw (to lower the expected error), rather than cover them."""
+
+    clips_outliers: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.int8,
+        quant_min: int | None = None,
+        quant_max: int | None = None,
+        qscheme: torch.qscheme = torch.per_tensor_affine,
+        ch_axis: int | None = None,
+        is_dynamic: bool = False,
+        eps: float = FLOAT32_EPS,
+    ) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.quant_min, self.quant_max = resolve_quant_range(dtype, quant_min, quant_max)
+        self.qscheme = qscheme
+        self.ch_axis = ch_axis
+        self.is_dynamic = is_dynamic
+        self.eps = eps
+        self.frozen = False  # set once a constant input (a weight) has been observed: later calls are no-ops
+
+    def observe_constant(self, value: torch.Tensor) -> None:
+        """Observe a tensor that never changes (a weight) once, then ignore further calls."""
+        with torch.no_grad():
+            self(value)
+        self.frozen = True
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether the qscheme is symmetric."""
+        return is_symmetric(self.qscheme)
+
+    @property
+    def per_channel(self) -> bool:
+        """Whether the qscheme is per-channel."""
+        return is_per_channel(self.qscheme)
+
+    @abc.abstractmethod
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (scale, zero_point) from what was observed."""
+
+    def extra_repr(self) -> str:
+        return f"dtype={self.dtype}, quant_range=[{self.quant_min}, {self.quant_max}], qscheme={self.qscheme}"
+
+
+class _RangeObserver(ObserverBase):
+    """Observers that keep a running min/max and derive qparams from it."""
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("min_val", torch.tensor(float("inf")))
+        self.register_buffer("max_val", torch.tensor(float("-inf")))
+
+    @property
+    def has_observed(self) -> bool:
+        """True once at least one batch was seen (a host sync: call after calibration only)."""
+        return bool(torch.isfinite(self.min_val).all()) and self.min_val.numel() > 0
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (scale, zero_point) covering the observed range."""
+        if not self.has_observed:
+            raise RuntimeError(f"{type(self).__name__} has observed no data: run calibration batches before convert")
+        return calculate_qparams(self.min_val, self.max_val, self.quant_min, self.quant_max, self.symmetric, self.eps,
+                                 float_qparams=self.qscheme == torch.per_channel_affine_float_qparams)
+
+
+class MinMaxObserver(_RangeObserver):
+    """Running minimum and maximum of every value seen."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.frozen or x.numel() == 0:
+            return x
+        low, high = torch.aminmax(x.detach())
+        if self.min_val.device == low.device and self.min_val.dtype == self.max_val.dtype == torch.float32:
+            torch.minimum(self.min_val, low.float(), out=self.min_val)  # in place: no Module.__setattr__ per batch
+            torch.maximum(self.max_val, high.float(), out=self.max_val)
+            return x
+        self.min_val = torch.minimum(self.min_val.to(low.device), low.float())
+        self.max_val = torch.maximum(self.max_val.to(high.device), high.float())
+        return x
+
+
+class MovingAverageMinMaxObserver(_RangeObserver):
+    """Exponential moving average of each batch's min and max."""
+
+    def __init__(self, averaging_constant: float = 0.01, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.averaging_constant = averaging_constant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.frozen or x.numel() == 0:
+            return x
+        low, high = torch.aminmax(x.detach())
+        old_min, old_max = self.min_val.to(low.device), self.max_val.to(high.device)
+        c = self.averaging_constant
+        first = torch.isinf(old_min)
+        self.min_val = torch.where(first, low.float(), old_min + c * (low.float() - old_min))
+        self.max_val = torch.where(first, high.float(), old_max + c * (high.float() - old_max))
+        return x
+
+
+class PerChannelMinMaxObserver(_RangeObserver):
+    """Running min/max per slice along ch_axis (weights use ch_axis=0)."""
+
+    def __init__(self, ch_axis: int = 0, qscheme: torch.qscheme = torch.per_channel_symmetric, **kwargs) -> None:
+        super().__init__(ch_axis=ch_axis, qscheme=qscheme, **kwargs)
+        self.min_val = torch.empty(0)
+        self.max_val = torch.empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.frozen or x.numel() == 0:
+            return x
+        flat = x.detach().movedim(self.ch_axis, 0).reshape(x.shape[self.ch_axis], -1)
+        low, high = torch.aminmax(flat, dim=1)
+        if self.min_val.numel() == 0:
+            self.min_val, self.max_val = low.float(), high.float()
+        else:
+            self.min_val = torch.minimum(self.min_val.to(low.device), low.float())
+            self.max_val = torch.maximum(self.max_val.to(high.device), high.float())
+        return x
+
+
+class HistogramObserver(_RangeObserver):
+    """Streaming histogram; the clipping range minimizes the expected L2 quantization error."""
+
+    clips_outliers: ClassVar[bool] = True
+    histogram: torch.Tensor
+
+    def __init__(self, bins: int = 2048, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.bins = bins
+        self.register_buffer("histogram", torch.zeros(bins, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.frozen or x.numel() == 0 or self._update_native(x):
+            return x
+        values = x.detach().float().reshape(-1)
+        low, high = torch.aminmax(values)
+        old_min, old_max = self.min_val.to(values.device), self.max_val.to(values.device)
+        new_min, new_max = torch.minimum(old_min, low), torch.maximum(old_max, high)
+        width = torch.clamp(new_max - new_min, min=FLOAT32_EPS)
+        histogram = _rebin(self.histogram.to(values.device), old_min, old_max, new_min, width, self.bins)
+        index = torch.sub(values, new_min).div_(width).mul_(self.bins).long().clamp_(0, self.bins - 1)
+        if index.device.type == "cpu":  # whole counts, exact in float64; on a GPU bincount reads its size back
+            histogram += torch.bincount(index, minlength=self.bins)
+        else:
+            histogram.index_add_(0, index, torch.ones_like(values, dtype=torch.float64))
+        self.histogram, self.min_val, self.max_val = histogram, new_min, new_max
+        return x
+
+    def _update_native(self, x: torch.Tensor) -> bool:
+        """The same update in one call of the native kernel (a float32 CPU batch, float32 CPU state); False leaves
+        it to the torch path (which also takes a batch holding NaN or inf)."""
+        state = (self.histogram, self.min_val, self.max_val)
+        if not (x.__class__ in (torch.Tensor, nn.Parameter) and x.dtype == torch.float32 and x.is_cpu
+                and all(t.is_cpu and t.is_contiguous() for t in state)
+                and self.histogram.dtype == torch.float64 and self.min_val.dtype == self.max_val.dtype == torch.float32
+                and self.min_val.numel() == self.max_val.numel() == 1 and self.histogram.numel() == self.bins):
+            return False
+        library = native.kernel()
+        if library is None:
+            return False
+        values = x.detach().contiguous()
+        return library.qcore_histogram_update(values.data_ptr(), values.numel(), native.threads(values.numel()),
+                                              self.histogram.data_ptr(), self.bins, self.min_val.data_ptr(),
+                                              self.max_val.data_ptr()) == 0
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (scale, zero_point) for the clipping range with the lowest expected error."""
+        if not self.has_observed:
+            raise RuntimeError("HistogramObserver has observed no data: run calibration batches before convert")
+        low, high = _best_clipping_range(
+            self.histogram, self.min_val, self.max_val, self.quant_max - self.quant_min, self.symmetric
+        )
+        return calculate_qparams(low, high, self.quant_min, self.quant_max, self.symmetric, self.eps)
+
+
+def _rebin(histogram: torch.Tensor, old_min, old_max, new_min, new_width, bins: int) -> torch.Tensor:
+    """Spread an old histogram over the new range by interpolating its cumulative counts."""
+    finite = torch.isfinite(old_min)
+    old_width = torch.where(finite, torch.clamp(old_max - old_min, min=FLOAT32_EPS), torch.ones_like(old_min))
+    old_min = torch.where(finite, old_min, new_min)
+    cumulative = torch.cat([histogram.new_zeros(1), histogram.cumsum(0)])
+    new_edges = new_min + new_width * torch.arange(bins + 1, device=histogram.device) / bins
+    position = ((new_edges - old_min) / old_width * bins).clamp(0, bins).double()
+    left = position.floor().long().clamp(max=bins - 1)
+    fraction = position - left
+    at_edges = cumulative[left] + fraction * (cumulative[left + 1] - cumulative[left])
+    return at_edges.diff()
+
+
+def _best_clipping_range(histogram, min_val, max_val, levels: int, symmetric: bool):
+    """Search clipping ranges on the histogram's bin edges for the least expected squared error."""
+    bins = histogram.numel()
+    counts = histogram.double()
+    width = (max_val - min_val).double() / bins
+    centers = min_val.double() + width * (torch.arange(bins, device=counts.device, dtype=torch.float64) + 0.5)
+    edges = min_val.double() + width * torch.arange(bins + 1, device=counts.device, dtype=torch.float64)
+    if symmetric:
+        magnitude = torch.maximum(-min_val, max_val).double()
+        limits = magnitude * torch.linspace(1.0 / 512, 1.0, 512, device=counts.device, dtype=torch.float64)
+        step = 2 * limits / levels
+        over = torch.clamp(centers.abs()[None, :] - limits[:, None], min=0.0)
+        inside = (over == 0).double()
+        error = (counts * (inside * step[:, None] ** 2 / 12 + over**2)).sum(1)
+        best = limits[torch.argmin(error)]
+        return (-best).float(), best.float()
+    # Affine: error(lo, hi) = rounding noise of the values inside + clipping error of the values outside,
+    # from prefix sums, for pairs of bin edges.
+    n, s1, s2 = (torch.cat([counts.new_zeros(1), t.cumsum(0)]) for t in (counts, counts * centers, counts * centers**2))
+    total_n, total_s1, total_s2 = n[-1], s1[-1], s2[-1]
+    below = s2 - 2 * edges * s1 + edges**2 * n  # clipping error of the values under each edge
+    above = (total_s2 - s2) - 2 * edges * (total_s1 - s1) + edges**2 * (total_n - n)
+
+    def errors(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        lo, hi = edges[i], edges[j]
+        span = torch.clamp(hi, min=0.0) - torch.clamp(lo, max=0.0)
+        inside = total_n - n[i] - (total_n - n[j])
+        error = below[i] + above[j] + torch.clamp(inside, min=0.0) * (span / levels) ** 2 / 12
+        return torch.where(lo < hi, error, torch.full_like(error, float("inf")))
+
+    i, j = _affine_candidates(edges, n, below, above, levels, errors)
+    error = errors(i, j)
+    best = error.min()
+    # the first minimum in (lo, hi) order, as an argmin over every pair would pick
+    flat = torch.where(error == best, i * (bins + 1) + j, torch.full_like(i, (bins + 1) ** 2)).min()
+    return edges[flat // (bins + 1)].float(), edges[flat % (bins + 1)].float()
+
+
+def _affine_candidates(edges, n, below, above, levels: int, errors, stride: int = 16):
+    """(lo, hi) edge index pairs that hold the least error over every pair: the cells of a coarse grid whose lower
+    bound does not exceed the best coarse point, refined to every pair (every pair when few cells can be ruled
+    out). below[i] grows with i, above[j] shrinks with j, and the rounding noise grows with the span and the count
+    inside, so a cell's least error is at least below[its first lo] + above[its last hi] + the noise of its
+    narrowest pair."""
+    size = edges.numel()
+    points = torch.arange(0, size, stride, device=edges.device)
+    if int(points[-1]) != size - 1:
+        points = torch.cat([points, points.new_tensor([size - 1])])
+    upper = errors(points[:, None], points[None, :]).min()
+    first, last = points[:-1], points[1:]
+    narrow_lo, narrow_hi = edges[last][:, None], edges[first][None, :]
+    span = torch.clamp(narrow_hi, min=0.0) - torch.clamp(narrow_lo, max=0.0)
+    inside = torch.clamp(n[first][None, :] - n[last][:, None], min=0.0)
+    bound = below[first][:, None] + above[last][None, :] + inside * (span / levels) ** 2 / 12
+    bound = torch.where(first[:, None] < last[None, :], bound, torch.full_like(bound, float("inf")))
+    cells = torch.nonzero(bound <= upper + upper.abs() * 1e-9)
+    if cells.shape[0] * (stride + 1) ** 2 >= size * size // 2:
+        every = torch.arange(size, device=edges.device)
+        return every[:, None].expand(size, size).reshape(-1), every[None, :].expand(size, size).reshape(-1)
+    offsets = torch.arange(stride + 1, device=edges.device)
+    lo = (first[cells[:, 0]][:, None] + offsets[None, :]).clamp(max=size - 1)  # [cells, stride + 1]
+    hi = (first[cells[:, 1]][:, None] + offsets[None, :]).clamp(max=size - 1)
+    i = lo[:, :, None].expand(-1, -1, stride + 1).reshape(-1)
+    j = hi[:, None, :].expand(-1, stride + 1, -1).reshape(-1)
+    return i, j
+
+
+class PlaceholderObserver(ObserverBase):
+    """Records nothing: for dynamic specs, whose qparams are chosen per tensor at run time, and for float specs
+    (dtype float32/float16/bfloat16, torchao's way of keeping a bias in float): convert inserts no fake-quant
+    for float32, and a round trip through float16/bfloat16 for those."""
+
+    def __init__(self, dtype: torch.dtype = torch.int8, quant_min: int | None = None, quant_max: int | None = None,
+                 **kwargs) -> None:
+        float_dtype = dtype if dtype.is_floating_point else None
+        super().__init__(torch.int8 if float_dtype else dtype, None if float_dtype else quant_min,
+                         None if float_dtype else quant_max, **kwargs)
+        if float_dtype is not None:
+            self.dtype = float_dtype
+
+    @property
+    def is_float(self) -> bool:
+        """True for a float spec: the tensor is not integer-quantized."""
+        return self.dtype.is_floating_point
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic observers have no static qparams."""
+        raise RuntimeError("a dynamic (placeholder) observer has no static qparams")
+
+
+class FixedQParamsObserver(ObserverBase):
+    """Returns the scale and zero point it was given (sigmoid/tanh-style outputs)."""
+
+    def __init__(self, scale: float, zero_point: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("scale", torch.tensor([float(scale)]))
+        self.register_buffer("zero_point", torch.tensor([int(zero_point)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed (scale, zero_point)."""
+        return self.scale, self.zero_point
+
+
+class DerivedObserver(ObserverBase):
+    """Qparams computed from other observers (for example bias scale = input scale x weight scale)."""
+
+    def __init__(
+        self,
+        observers: Sequence[nn.Module],
+        derive_qparams_fn: Callable[[list], tuple[torch.Tensor, torch.Tensor]],
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._sources = list(observers)  # plain list: the sources are owned by their own graph nodes
+        self.derive_qparams_fn = derive_qparams_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ask derive_qparams_fn for the qparams, given the source observers."""
+        return self.derive_qparams_fn(self._sources)

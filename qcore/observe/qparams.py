@@ -1,0 +1,210 @@
+"""Quantization parameters and fake quantization (quantize then dequantize), vectorized."""
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import torch
+
+from qcore.runtime import native
+
+__all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRIC_SCHEMES", "calculate_qparams",
+    "default_quant_range", "fake_quantize_dynamic", "fake_quantize_per_channel", "fake_quantize_per_tensor",
+    "is_per_channel", "is_symmetric", "resolve_quant_range", "row_slices"]
+
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+
+_RANGES: dict[torch.dtype, tuple[int, int]] = {
+    torch.int8: (-128, 127),
+    torch.uint8: (0, 255),
+    torch.int32: (-(2**31), 2**31 - 1),
+}
+if hasattr(torch, "int4"):
+    _RANGES[torch.int4] = (-8, 7)
+
+PER_TENSOR_SCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
+PER_CHANNEL_SCHEMES = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
+SYMMETRIC_SCHEMES = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
+
+
+def default_quant_range(dtype: torch.dtype) -> tuple[int, int]:
+    """Return the (quant_min, quant_max) of an integer dtype (int8, uint8, int4)."""
+    try:
+        return _RANGES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported quantized dtype {dtype}; use torch.int8, torch.uint8 or torch.int4") from None
+
+
+def resolve_quant_range(dtype: torch.dtype, quant_min: int | None, quant_max: int | None) -> tuple[int, int]:
+    """Fill a missing quant_min/quant_max from the dtype and check the range is valid."""
+    low, high = default_quant_range(dtype)
+    quant_min = low if quant_min is None else int(quant_min)
+    quant_max = high if quant_max is None else int(quant_max)
+    if not (low <= quant_min < quant_max <= high):
+        raise ValueError(f"quant range [{quant_min}, {quant_max}] does not fit {dtype} [{low}, {high}]")
+    return quant_min, quant_max
+
+
+def is_symmetric(qscheme: torch.qscheme) -> bool:
+    """True for the symmetric qschemes."""
+    return qscheme in SYMMETRIC_SCHEMES
+
+
+def is_per_channel(qscheme: torch.qscheme) -> bool:
+    """True for the per-channel qschemes."""
+    return qscheme in PER_CHANNEL_SCHEMES
+
+
+def calculate_qparams(
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    symmetric: bool,
+    eps: float = FLOAT32_EPS,
+    float_qparams: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point that cover [min_val, max_val] (extended to include 0), elementwise.
+
+    Same formulas as torch.ao's observers: symmetric ranges are centred on zero with
+    scale = max|x| / ((quant_max - quant_min) / 2); affine ranges map min..max onto quant_min..quant_max.
+    float_qparams (per_channel_affine_float_qparams): the range is min..max itself, not extended to 0, a scale
+    at or below eps becomes 1, and the zero point is the float -min / scale.
+    """
+    if float_qparams:
+        scale = (max_val.float() - min_val.float()) / float(quant_max - quant_min)
+        scale = torch.where(scale > eps, scale, torch.ones_like(scale))
+        return scale, -min_val.float() / scale
+    min_neg = torch.clamp(min_val.float(), max=0.0)
+    max_pos = torch.clamp(max_val.float(), min=0.0)
+    if symmetric:
+        max_abs = torch.maximum(-min_neg, max_pos)
+        scale = torch.clamp(max_abs / ((quant_max - quant_min) / 2), min=eps)
+        mid = 0 if quant_min < 0 else (quant_min + quant_max + 1) // 2
+        zero_point = torch.full_like(scale, mid, dtype=torch.int64)
+    else:
+        scale = torch.clamp((max_pos - min_neg) / float(quant_max - quant_min), min=eps)
+        zero_point = quant_min - torch.round(min_neg / scale).to(torch.int64)
+        zero_point = torch.clamp(zero_point, quant_min, quant_max)
+    return scale, zero_point
+
+
+def _float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _working(x: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 values are quantized in float32 (their own precision cannot hold x/scale exactly)."""
+    return x.float() if x.dtype in _HALF_DTYPES else x
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a weight read where it is used is a Parameter
+_NATIVE_RANGE = 1 << 16  # integer bounds and zero points the native per-row kernel takes (float32-exact sums)
+_ROWS_ELEMENTS = 1 << 20  # fake-quantized at a time on the torch path (bf16, fp16): 4 MB of float32 working values
+
+
+def _by_rows(x: torch.Tensor, rows: Callable[[torch.Tensor, slice], torch.Tensor], in_place: bool = False
+             ) -> torch.Tensor:
+    """rows(x[part], part) over slices `part` of dim 0, a bounded number of elements at a time, into one tensor
+    (x itself with `in_place`; the computation is elementwise: the same values as rows(x, slice(None)))."""
+    if x.dim() == 0 or x.numel() <= _ROWS_ELEMENTS or (x.requires_grad and torch.is_grad_enabled()):
+        return rows(x, slice(None))
+    out = x if in_place else torch.empty_like(x)
+    for part in row_slices(x, _ROWS_ELEMENTS):
+        out[part] = rows(x[part], part)
+    return out
+
+
+def row_slices(x: torch.Tensor, elements: int) -> list[slice]:
+    """Slices of x's first dimension (x has one) of about `elements` elements each, at least one row."""
+    step = max(1, elements * x.shape[0] // max(1, x.numel()))
+    return [slice(start, start + step) for start in range(0, x.shape[0], step)]
+
+
+def fake_quantize_per_tensor(
+    x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int
+) -> torch.Tensor:
+    """Quantize then dequantize with one scale and zero point (float32 arithmetic, round half to even); the
+    result has x's dtype."""
+    inv_scale = _float32(1.0 / _float32(scale))
+    if (x.__class__ is torch.Tensor and x.dtype == torch.float32 and x.is_cpu
+            and not (x.requires_grad and torch.is_grad_enabled())):
+        library = native.kernel()
+        if library is not None:  # the same roundings in one pass (native.py)
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            library.qcore_fake_quantize_per_tensor(x.data_ptr(), out.data_ptr(), x.numel(), inv_scale, scale,
+                                                   quant_min - zero_point, quant_max - zero_point,
+                                                   native.threads(x.numel()))
+            return out
+
+    def rows(values: torch.Tensor, _: slice) -> torch.Tensor:
+        q = _working(values) * inv_scale  # a new tensor: the steps below run in place on it, same roundings
+        # clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp): float32 holds these
+        # integers exactly, and a rounded value too large for that is clamped either way. Adding 0.0 turns
+        # round()'s -0.0 into the 0.0 that integer arithmetic gives (torch's kernel): a later x / 0 keeps its sign.
+        q = q.round_().clamp_(quant_min - zero_point, quant_max - zero_point)
+        return q.mul_(scale).add_(0.0).to(x.dtype)
+
+    return _by_rows(x, rows)
+
+
+def fake_quantize_per_channel(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    in_place: bool = False,
+) -> torch.Tensor:
+    """Quantize then dequantize with one scale and zero point per slice along `axis`; the result has x's dtype.
+    in_place=True may write the result over x (a large contiguous x, made for this call alone), instead of
+    allocating a second copy."""
+    shape = [1] * x.dim()
+    shape[axis] = -1
+    scale = scale.to(device=x.device, dtype=torch.float32).reshape(shape)
+    float_zero_point = zero_point.is_floating_point()
+    zero_point = zero_point.to(device=x.device).reshape(shape).to(torch.float32 if x.dtype in _HALF_DTYPES else x.dtype)
+    inv_scale = 1.0 / scale
+    if (x.__class__ in _PLAIN_TENSORS and x.dtype == torch.float32 and x.is_cpu and x.dim() and axis % x.dim() == 0
+            and not float_zero_point and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
+            and not (x.requires_grad and torch.is_grad_enabled())):
+        library = native.kernel()
+        if library is not None and bool(zero_point.abs().le(_NATIVE_RANGE).all()):  # the same roundings, one pass
+            in_place = in_place and x.is_contiguous()
+            x = x.contiguous()
+            out = x if in_place else torch.empty_like(x)
+            channels = x.shape[0]
+            inverse, steps, low, high = (value.reshape(-1).expand(channels).contiguous() for value in (
+                inv_scale, scale, quant_min - zero_point, quant_max - zero_point))
+            library.qcore_fake_quantize_per_row(x.data_ptr(), out.data_ptr(), channels, x.numel() // max(1, channels),
+                                                inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
+                                                native.threads(x.numel()))
+            return out
+
+    def rows(values: torch.Tensor, part: slice) -> torch.Tensor:
+        channels = part if axis % x.dim() == 0 else slice(None)  # the qparams of these rows' channels
+        step_scale, step_zero_point = scale[channels], zero_point[channels]
+        q = _working(values)  # a new tensor for bf16/fp16 values: the steps below run in place on it
+        q = q.mul_(inv_scale[channels]) if q is not values else q * inv_scale[channels]
+        if float_zero_point:  # float qparams: the zero point is added before rounding, as torch does
+            q.add_(step_zero_point).round_()
+        else:
+            q.round_().add_(step_zero_point)
+        return q.clamp_(quant_min, quant_max).sub_(step_zero_point).mul_(step_scale).to(x.dtype)
+
+    return _by_rows(x, rows, in_place)
+
+
+def fake_quantize_dynamic(x: torch.Tensor, quant_min: int, quant_max: int, symmetric: bool) -> torch.Tensor:
+    """Fake-quantize with qparams chosen from this tensor's own range (dynamic quantization)."""
+    work = _working(x)
+    min_val, max_val = torch.aminmax(work.detach())
+    scale, zero_point = calculate_qparams(min_val, max_val, quant_min, quant_max, symmetric)
+    inv_scale = 1.0 / scale
+    q = torch.clamp(torch.round(work * inv_scale) + zero_point, quant_min, quant_max)
+    return ((q - zero_point) * scale).to(x.dtype)

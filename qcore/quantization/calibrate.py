@@ -1,0 +1,53 @@
+"""Run calibration batches through a prepared model."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sized
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from qcore.graph.inputs import call_model, move_to
+from qcore.runtime.progress import batch_done, stage
+
+__all__ = ["CalibrationError", "OutputSink", "calibrate", "model_device"]
+
+
+class CalibrationError(RuntimeError):
+    """Calibration could not run (no batches, or the model failed on a batch)."""
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (CPU if it has none)."""
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+class OutputSink(Protocol):
+    """Where a pass puts the outputs it keeps: a list, or anything with its append (measure.FirstOutputs)."""
+
+    def append(self, output: Any, /) -> None:
+        """Keep one output."""
+
+
+def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: OutputSink | None = None, *,
+              keep_all: bool = False) -> int:
+    """Feed every batch to `model` under no_grad, on the model's device; returns the batch count. The first
+    batch's output (keep_all: every batch's) is appended to `keep_first_output` when given."""
+    device = model_device(model)
+    count = 0
+    total = len(batches) if isinstance(batches, Sized) else None
+    with torch.no_grad(), stage("calibration", total):
+        for index, batch in enumerate(batches):
+            try:
+                output = call_model(model, move_to(batch, device))
+            except Exception as error:  # noqa: BLE001 - re-raised with the batch index
+                raise CalibrationError(f"calibration batch {index} failed: {type(error).__name__}: {error}") from error
+            if (index == 0 or keep_all) and keep_first_output is not None:
+                keep_first_output.append(output)
+            count += 1
+            batch_done(count, total)
+    if count == 0:
+        raise CalibrationError("no calibration batches: give at least one batch")
+    return count

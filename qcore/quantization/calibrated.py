@@ -1,0 +1,100 @@
+"""Calibrated activation observers kept for the configurations of the same float model that follow.
+
+A fix trial quantizes the same float graph on the same batches under another quantizer. Its activation observers
+that watch the same values with the same settings as an observer already calibrated would end in the same state,
+so they take that state instead of watching the batches again; when every one of them does, the trial needs no
+calibration pass at all. Only observers whose state is what they saw are kept (the range and histogram observers
+and a format's amax), never one that derives its qparams from others or a user's own observer class.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import fx, nn
+
+from qcore.graph.ops import INSERTED_KEY, is_weight_value, original_input
+from qcore.observe.observers import (
+    DerivedObserver,
+    FixedQParamsObserver,
+    HistogramObserver,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    PerChannelMinMaxObserver,
+    PlaceholderObserver,
+)
+from qcore.quantization.format_quantizer import FormatObserver
+
+__all__ = ["CalibratedObservers", "watched_values"]
+
+_STATEFUL = (MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver, HistogramObserver,
+             FormatObserver)
+_STATELESS = (PlaceholderObserver, FixedQParamsObserver, DerivedObserver)
+
+
+def watched_values(prepared: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """{observer module name: the original values it watches, in the order the graph calls it on them}."""
+    watched: dict[str, list[fx.Node]] = {}
+    for node in prepared.graph.nodes:
+        if node.op == "call_module" and node.meta.get(INSERTED_KEY) == "observer":
+            watched.setdefault(str(node.target), []).append(original_input(node.args[0]))
+    return watched
+
+
+class CalibratedObservers:
+    """Calibrated activation observers of one float graph and batch set, by what they watch and how."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, nn.Module] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, signature: object) -> bool:
+        return signature in self._states
+
+    def signatures(self, prepared: fx.GraphModule) -> dict[str, str | None]:
+        """{observer module name: signature} of the prepared graph's activation observers, read before calibration:
+        the values they watch (original node names) and their class and settings; None for one that cannot be kept
+        (a user's own observer class). Observers with no state to calibrate are left out."""
+        found: dict[str, str | None] = {}
+        for name, values in watched_values(prepared).items():
+            observer = prepared.get_submodule(name)
+            if isinstance(observer, _STATELESS) or any(is_weight_value(value) for value in values):
+                continue  # weights are observed at prepare, once: nothing to keep
+            if type(observer) not in _STATEFUL:
+                found[name] = None
+                continue
+            settings = sorted((key, repr(value)) for key, value in vars(observer).items()
+                              if not key.startswith("_") and key != "training")
+            found[name] = repr((type(observer).__qualname__, [value.name for value in values], settings))
+        return found
+
+    def take(self, prepared: fx.GraphModule, signatures: dict[str, str | None]) -> list[str]:
+        """Give each observer of `signatures` that has a kept twin its twin's state, frozen so that calibration
+        passes it by; returns the names of those still to calibrate."""
+        missing = []
+        for name, signature in signatures.items():
+            kept = None if signature is None else self._states.get(signature)
+            if kept is None:
+                missing.append(name)
+                continue
+            observer = prepared.get_submodule(name)
+            for key, buffer in kept._buffers.items():
+                observer._buffers[key] = None if buffer is None else buffer.clone()
+            for key, value in vars(kept).items():
+                if not key.startswith("_") and key != "training":
+                    setattr(observer, key, value.clone() if isinstance(value, torch.Tensor) else copy.copy(value))
+            observer.frozen = True
+        return missing
+
+    def adopt(self, signature: str, observer: nn.Module) -> None:
+        """Keep `observer`, calibrated elsewhere, as the state of `signature` (its signature in another prepared
+        graph of the same float graph); a signature kept already keeps its state."""
+        self._states.setdefault(signature, observer)
+
+    def keep(self, prepared: fx.GraphModule, signatures: dict[str, str | None]) -> None:
+        """After calibration: keep a copy of each observer of `signatures` not kept yet."""
+        for name, signature in signatures.items():
+            if signature is not None and signature not in self._states:
+                self._states[signature] = copy.deepcopy(prepared.get_submodule(name))

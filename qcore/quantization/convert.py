@@ -1,0 +1,309 @@
+"""Convert: observers become quantize->dequantize (fake-quant) with the observed qparams."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from qcore.graph.capture import capture, clone_graph_module
+from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, weight_value
+from qcore.observe.observers import ObserverBase
+from qcore.observe.qparams import fake_quantize_dynamic, fake_quantize_per_channel, fake_quantize_per_tensor
+from qcore.quantization.calibrate import calibrate
+from qcore.quantization.format_quantizer import (
+    FormatFakeQuantize,
+    FormatObserver,
+    fake_quantize_format,
+    fake_quantize_weight,
+)
+from qcore.quantization.prepare import prepare
+from qcore.quantization.quantizer import Int8StaticQuantizer, Quantizer
+
+QPARAMS_KEY = "qcore_qparams"
+_WHERE_READ = contextvars.ContextVar("qcore_quantize_weights_where_read", default=False)
+
+
+@contextlib.contextmanager
+def quantize_weights_where_read(enabled: bool = True) -> Iterator[None]:
+    """Within the block, convert keeps no quantized copy of an integer-quantized weight: the converted graph
+    fake-quantizes the float weight each time it reads it (the same values, bit for bit; one pass of a native
+    kernel for float32), with only the qparams held. Meant for large models, where a copy per weight would add
+    its bytes again to the weights' memory."""
+    token = _WHERE_READ.set(enabled)
+    try:
+        yield
+    finally:
+        _WHERE_READ.reset(token)
+
+
+def weights_quantized_where_read() -> bool:
+    """Whether weights are quantized where they are read here (within quantize_weights_where_read())."""
+    return _WHERE_READ.get()
+
+
+def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile: bool = True) -> fx.GraphModule:
+    """Replace every observer node of `prepared` by fake quantization with its observed qparams (in place).
+
+    Weights (observed get_attr values) are quantized once, here, and stored as buffers; activations get
+    quantize->dequantize nodes. keep_float_weights=False drops the float weights the graph no longer reads.
+    recompile=False leaves the code generation to a caller that edits the graph further before running it.
+    """
+    graph = prepared.graph
+    weight_cache: dict[tuple[str, str], Any] = {}
+    for node in list(graph.nodes):
+        if node.meta.get(INSERTED_KEY) != "observer":
+            continue
+        observer = prepared.get_submodule(str(node.target))
+        source = node.args[0]
+        if isinstance(observer, FormatObserver):
+            _convert_format_node(prepared, node, source, observer, weight_cache)
+            continue
+        if getattr(observer, "is_float", False) and observer.dtype == torch.float32:
+            node.replace_all_uses_with(source)  # a float32 spec keeps the tensor as it is
+            graph.erase_node(node)
+            continue
+        with graph.inserting_before(node):
+            if (_is_float_weight(source) and not observer.is_dynamic
+                    and not getattr(observer, "is_float", False)):
+                replacement = _quantized_weight_node(prepared, source, node.target, observer, weight_cache)
+            else:
+                replacement = _qdq_node(prepared, node, source, observer)
+        replacement.meta.update({k: v for k, v in node.meta.items() if k.startswith("qcore_") or k == "val"})
+        replacement.meta[INSERTED_KEY] = "qdq"
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+    _move_weight_quantization_to_first_reader(graph)
+    for node in list(graph.nodes):  # rewritten weights that only fed weight observers
+        if node.meta.get(REWRITTEN_KEY) and not node.users:
+            graph.erase_node(node)
+    unread = set()
+    for node in list(graph.nodes):  # float weights that only fed weight observers
+        if node.op == "get_attr" and not node.users:
+            unread.add(str(node.target))
+            graph.erase_node(node)
+    if not keep_float_weights:
+        unread -= {str(node.target) for node in graph.nodes if node.op == "get_attr"}
+        for target in unread:
+            owner, _, name = target.rpartition(".")
+            delattr(prepared.get_submodule(owner) if owner else prepared, name)
+    for name, module in list(prepared.named_children()):
+        if isinstance(module, ObserverBase):
+            delattr(prepared, name)
+    graph.lint()
+    if recompile:
+        prepared.recompile()
+    return prepared
+
+
+def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: FormatObserver,
+                         weight_cache: dict[tuple[str, str], str]) -> None:
+    """A deployed format's observer node becomes a fake-quantized weight buffer, or a FormatFakeQuantize call."""
+    graph = gm.graph
+    meta = {"format": repr(observer.format), "dynamic": observer.format.dynamic}
+    with graph.inserting_before(node):
+        if _is_float_weight(source):
+            key = (_float_weight_name(source), str(node.target))
+            if key not in weight_cache:
+                weight = weight_value(gm, source)
+                with torch.no_grad():
+                    quantized = fake_quantize_weight(observer.format, weight.detach(), observer.transposed)
+                weight_cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
+                gm.register_buffer(weight_cache[key], quantized)
+            replacement = graph.get_attr(weight_cache[key])
+            replacement.meta["qcore_float_weight"] = key[0]
+        else:
+            name = _free_name(gm, f"qcore_format_{node.name}")
+            gm.add_submodule(name, FormatFakeQuantize(observer.format, observer.amax))
+            replacement = graph.call_function(fake_quantize_format, (source, graph.get_attr(name)))
+    replacement.meta.update({k: v for k, v in node.meta.items() if k.startswith("qcore_") or k == "val"})
+    replacement.meta[QPARAMS_KEY] = meta
+    replacement.meta[INSERTED_KEY] = "qdq"
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
+
+
+def _free_name(gm: nn.Module, name: str) -> str:
+    while hasattr(gm, name):
+        name += "_"
+    return name
+
+
+def _qparams_meta(observer: ObserverBase, scale, zero_point) -> dict[str, Any]:
+    meta = {"dtype": str(observer.dtype), "quant_min": observer.quant_min, "quant_max": observer.quant_max,
+            "qscheme": str(observer.qscheme), "ch_axis": observer.ch_axis, "eps": float(observer.eps),
+            "scale": scale.detach().cpu().reshape(-1).tolist(),
+            "zero_point": zero_point.detach().cpu().reshape(-1).tolist()}
+    low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
+    if isinstance(low, torch.Tensor) and isinstance(high, torch.Tensor):  # the observed range, before any clipping
+        meta["min_val"] = low.detach().cpu().float().reshape(-1).tolist()
+        meta["max_val"] = high.detach().cpu().float().reshape(-1).tolist()
+    return meta
+
+
+def fake_quantize_with(observer: ObserverBase, value: torch.Tensor) -> torch.Tensor:
+    """Fake-quantize a tensor with an observer's qparams (per tensor or per channel)."""
+    scale, zero_point = observer.calculate_qparams()
+    if observer.per_channel:
+        return fake_quantize_per_channel(value, scale, zero_point, observer.ch_axis or 0, observer.quant_min,
+                                         observer.quant_max)
+    return fake_quantize_per_tensor(value, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]),
+                                    observer.quant_min, observer.quant_max)
+
+
+def _is_float_weight(source: Any) -> bool:
+    """A parameter read, or a rewritten weight computed from one (qcore.graph.deferred)."""
+    return isinstance(source, fx.Node) and (source.op == "get_attr" or bool(source.meta.get(REWRITTEN_KEY)))
+
+
+def _float_weight_name(source: fx.Node) -> str:
+    """The attribute path of a float weight node's parameter (the original, for a rewritten one)."""
+    return str(source.meta["qcore_float_weight"]) if source.meta.get(REWRITTEN_KEY) else str(source.target)
+
+
+def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) -> fx.Node:
+    key = (_float_weight_name(source), str(observer_name))
+    if key not in cache:
+        weight = weight_value(gm, source)
+        with torch.no_grad():
+            if _saw_nothing(observer):  # not calibrated: the weight is known, observe it here
+                observer(weight.detach())
+            if _WHERE_READ.get():  # a large model: quantized from the float weight where it is read
+                cache[key] = None
+            else:
+                cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
+                gm.register_buffer(cache[key], fake_quantize_with(observer, weight.detach()))
+    if cache[key] is None:
+        node = _read_weight_quantized_where_used(gm, source, "qcore_fq_" + key[0].replace(".", "_"), observer)
+    else:
+        node = gm.graph.get_attr(cache[key])
+    scale, zero_point = observer.calculate_qparams()
+    node.meta[QPARAMS_KEY] = _qparams_meta(observer, scale, zero_point)
+    node.meta["qcore_float_weight"] = key[0]
+    return node
+
+
+def fake_quantize_over_input(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
+                             quant_min: int, quant_max: int) -> torch.Tensor:
+    """fake_quantize_per_channel written over x, a tensor made for this call alone (a rewritten weight)."""
+    return fake_quantize_per_channel(x, scale, zero_point, axis, quant_min, quant_max, in_place=True)
+
+
+def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name: str, observer: ObserverBase
+                                      ) -> fx.Node:
+    """A node (at the insertion point) computing fake_quantize_with(observer, the float weight `source` reads) each
+    time it runs: the observer's qparams as buffers (per channel) or constants (per tensor), no quantized copy."""
+    graph = gm.graph
+    scale, zero_point = observer.calculate_qparams()
+    if observer.per_channel:
+        name = _free_name(gm, name)
+        gm.register_buffer(name + "_scale", scale)
+        gm.register_buffer(name + "_zero_point", zero_point)
+        # a rewritten weight made for this read alone is quantized over itself: no second copy of an LM head
+        alone = bool(source.meta.get(REWRITTEN_KEY)) and len(source.users) == 1
+        node = graph.call_function(fake_quantize_over_input if alone else fake_quantize_per_channel, (
+            source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), observer.ch_axis or 0,
+            observer.quant_min, observer.quant_max))
+    else:
+        node = graph.call_function(fake_quantize_per_tensor, (
+            source, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), observer.quant_min,
+            observer.quant_max))
+    node.meta[QUANTIZED_WHERE_READ_KEY] = True
+    return node
+
+
+def _move_weight_quantization_to_first_reader(graph: fx.Graph) -> None:
+    """Move each weight quantized where it is read (and its reads) to just before its first user: at the graph's
+    top, where the weight observers were, every layer's quantized weight would be alive at once."""
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for node in [n for n in graph.nodes if n.meta.get(QUANTIZED_WHERE_READ_KEY)]:
+        if not node.users:
+            continue
+        first = min(node.users, key=lambda user: order[user])
+        first.prepend(node)
+        for value in node.all_input_nodes:
+            if len(value.users) == 1:
+                node.prepend(value)
+
+
+def round_trip_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast to a lower-precision float dtype and back (the float16/bfloat16 'quantization' of a float spec)."""
+    return x.to(dtype).to(x.dtype)
+
+
+def _saw_nothing(observer: ObserverBase) -> bool:
+    """Whether an observer is in its initial state (no batch reached it; NaN or inf values are not nothing)."""
+    low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
+    if not (isinstance(low, torch.Tensor) and isinstance(high, torch.Tensor)):
+        return False
+    return low.numel() == 0 or (bool(torch.isposinf(low).all()) and bool(torch.isneginf(high).all()))
+
+
+def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
+    if getattr(observer, "is_float", False):
+        new = gm.graph.call_function(round_trip_through, (source, observer.dtype))
+        new.meta[QPARAMS_KEY] = {"dtype": str(observer.dtype)}
+        return new
+    if observer.is_dynamic:
+        new = gm.graph.call_function(fake_quantize_dynamic, (source, observer.quant_min, observer.quant_max,
+                                                             observer.symmetric))
+        new.meta[QPARAMS_KEY] = {"dynamic": True, "quant_min": observer.quant_min, "quant_max": observer.quant_max}
+        return new
+    if _saw_nothing(observer) and not observer.per_channel:
+        # calibration never reached this tensor: torch.ao's convert warns and uses scale 1 and zero point 0
+        warnings.warn(f"the observer of {node.name} saw no calibration data (the batches never reach it): its "
+                      "quantization uses scale 1.0 and zero point 0, as torch.ao's convert does", stacklevel=3)
+        scale, zero_point = torch.tensor([1.0]), torch.tensor([0])
+    else:
+        scale, zero_point = observer.calculate_qparams()
+    if observer.per_channel:
+        base = f"qcore_qparams_{node.name}"
+        gm.register_buffer(base + "_scale", scale.detach().float().clone())
+        gm.register_buffer(base + "_zero_point", zero_point.detach().clone())
+        args: tuple = (source, gm.graph.get_attr(base + "_scale"), gm.graph.get_attr(base + "_zero_point"),
+                observer.ch_axis or 0, observer.quant_min, observer.quant_max)
+        new = gm.graph.call_function(fake_quantize_per_channel, args)
+    else:
+        args = (source, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), observer.quant_min,
+                observer.quant_max)
+        new = gm.graph.call_function(fake_quantize_per_tensor, args)
+    new.meta[QPARAMS_KEY] = _qparams_meta(observer, scale, zero_point)
+    return new
+
+
+def restore_model_state(quant_gm: nn.Module, float_gm: nn.Module) -> list[str]:
+    """Give `quant_gm` the float model's buffers back (running statistics, caches that forward updates
+    during calibration), so that the two are compared from the same state; returns the names restored."""
+    restored = []
+    quant_buffers = dict(quant_gm.named_buffers())
+    for name, value in float_gm.named_buffers():
+        target = quant_buffers.get(name)
+        if target is not None and target.shape == value.shape and not torch.equal(target, value.to(target.device)):
+            target.copy_(value)
+            restored.append(name)
+    return restored
+
+
+def quantize(
+    model: nn.Module,
+    example_inputs: Any,
+    calibration: Iterable[Any],
+    quantizer: Quantizer | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Capture, prepare, calibrate and convert in one call; returns (float_gm, quant_gm)."""
+    float_gm = capture(model, example_inputs)
+    prepared = prepare(clone_graph_module(float_gm), quantizer or Int8StaticQuantizer())
+    calibrate(prepared, calibration)
+    quant_gm = convert(prepared)
+    restore_model_state(quant_gm, float_gm)
+    return float_gm, quant_gm
+
+
+__all__ = ["convert", "quantize", "fake_quantize_over_input", "fake_quantize_with", "quantize_weights_where_read",
+           "weights_quantized_where_read", "restore_model_state",
+           "round_trip_through",
+           "QPARAMS_KEY", "FQN_KEY"]

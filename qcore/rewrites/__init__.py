@@ -1,0 +1,1 @@
+"""Float-equivalent rewrites: input-weight and cross-layer equalization, SmoothQuant-style smoothing."""

@@ -1,0 +1,412 @@
+"""Input-weight equalization (calibrated) and cross-layer equalization (data-free) as graph rewrites.
+
+Input-weight equalization, per input channel j of a layer: s_j = sqrt(weight range_j / input range_j)
+(inf/nan/0 become 1); weight columns are divided by s_j and the input is multiplied by s_j, so the float
+result is unchanged while the input the quantizer sees is better balanced. When the input comes straight
+from another linear/conv (through at most a relu, which is positively homogeneous), that layer's weight rows
+and bias absorb s instead of a mul node.
+
+Cross-layer equalization (Nagel et al. 2019): for conv/linear -> (relu) -> conv/linear pairs,
+s_i = sqrt(r1_i * r2_i) / r2_i; the first layer's output channel i is divided by s_i and the second layer's
+input channel i multiplied by s_i.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import namedtuple
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from qcore.graph.capture import clone_graph_module
+from qcore.graph.deferred import rewrite
+from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, op_kind
+from qcore.graph.rewritable import conv_groups, equalization_refusal, fetch_tensor, node_is_transposed
+from qcore.quantization.calibrate import calibrate
+
+__all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserver", "WeightEqualizationObserver",
+    "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
+    "equalization_refusal", "equalize", "get_equalization_qconfig_dict", "get_layer_sqnr_dict", "input_channel_axis",
+    "input_weight_scale", "node_is_transposed", "producer_layer", "resolve_layers", "weight_column_factor",
+    "weight_column_ranges"]
+
+
+class EqualizationError(ValueError):
+    """A layer cannot be equalized (names the layer and the reason)."""
+
+
+def _minmax_along(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    axis = axis % x.dim()
+    others = [d for d in range(x.dim()) if d != axis]
+    return x.amin(dim=others).float(), x.amax(dim=others).float()
+
+
+def weight_column_ranges(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max (float32) of each weight column (axis 1, the input channels)."""
+    # a conv's kernel window first: twice as fast as one reduction over dims (0, 2, 3)
+    if w.dim() == 2:
+        return _minmax_along(w, 1)
+    windows = w.flatten(2)
+    return windows.amin(dim=2).amin(dim=0).float(), windows.amax(dim=2).amax(dim=0).float()
+
+
+class InputEqualizationObserver(nn.Module):
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+    """Running min/max per input channel (the feature axis: 1 for conv, last for linear)."""
+
+    def __init__(self, dtype: torch.dtype = torch.uint8, qscheme: torch.qscheme = torch.per_tensor_affine,
+                 quant_min: int | None = None, quant_max: int | None = None, ch_axis: int = 1) -> None:
+        super().__init__()
+        if qscheme not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            raise TypeError("input qscheme must be per-tensor")
+        self.dtype, self.qscheme, self.ch_axis = dtype, qscheme, ch_axis
+        self.quant_min, self.quant_max = quant_min, quant_max
+        self.register_buffer("min_val", torch.empty(0))
+        self.register_buffer("max_val", torch.empty(0))
+        self.equalization_scale = torch.tensor(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.dim() > 5:
+            raise ValueError("InputEqualizationObserver supports linear and conv inputs (2 to 5 dims)")
+        low, high = _minmax_along(x.detach(), self.ch_axis)
+        if self.min_val.numel() == 0:
+            self.min_val, self.max_val = low, high
+        else:
+            torch.minimum(self.min_val, low, out=self.min_val)
+            torch.maximum(self.max_val, high, out=self.max_val)
+        return x
+
+    def get_input_minmax(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel (min, max)."""
+        return self.min_val, self.max_val
+
+    def set_equalization_scale(self, equalization_scale: torch.Tensor) -> None:
+        """Remember the scale (for calculate_scaled_minmax)."""
+        self.equalization_scale = equalization_scale
+
+    def calculate_scaled_minmax(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The overall (min, max) of the input after scaling, for the next quantization observer."""
+        if self.equalization_scale.numel() == 1 and float(self.equalization_scale) == 1.0:
+            warnings.warn("call calculate_equalization_scale before calculate_scaled_minmax", stacklevel=2)
+            return None, None
+        return (self.min_val * self.equalization_scale).min(), (self.max_val * self.equalization_scale).max()
+
+
+class WeightEqualizationObserver(nn.Module):
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+    """Min/max per weight column (input channel, axis 1)."""
+
+    def __init__(self, dtype: torch.dtype = torch.int8, qscheme: torch.qscheme = torch.per_tensor_affine,
+                 quant_min: int | None = None, quant_max: int | None = None) -> None:
+        super().__init__()
+        self.dtype, self.qscheme, self.quant_min, self.quant_max, self.ch_axis = dtype, qscheme, quant_min, quant_max, 1
+        self.register_buffer("min_val", torch.empty(0))
+        self.register_buffer("max_val", torch.empty(0))
+        self.equalization_scale = torch.tensor(1.0)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if w.dim() < 2 or w.dim() > 5:
+            raise ValueError("WeightEqualizationObserver supports linear and conv weights (2 to 5 dims)")
+        low, high = weight_column_ranges(w.detach())
+        if self.min_val.numel() == 0:
+            self.min_val, self.max_val = low, high
+        else:
+            self.min_val, self.max_val = torch.minimum(self.min_val, low), torch.maximum(self.max_val, high)
+        return w
+
+    def get_weight_col_minmax(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-column (min, max)."""
+        return self.min_val, self.max_val
+
+    def set_equalization_scale(self, equalization_scale: torch.Tensor) -> None:
+        """Remember the scale."""
+        self.equalization_scale = equalization_scale
+
+
+def calculate_equalization_scale(input_obs: InputEqualizationObserver,
+                                 weight_obs: WeightEqualizationObserver) -> torch.Tensor:
+    """sqrt((max_w - min_w) / (max_x - min_x)) per column; 0, nan and inf become 1."""
+    min_inputs, max_inputs = input_obs.get_input_minmax()
+    min_weights, max_weights = weight_obs.get_weight_col_minmax()
+    if min_inputs.numel() == 0 or min_weights.numel() == 0:
+        warnings.warn("run the observers before calculate_equalization_scale; returning scale 1", stacklevel=2)
+        return torch.tensor(1)
+    if min_inputs.shape != min_weights.shape:
+        raise ValueError(f"input and weight must have the same number of columns, got {tuple(min_inputs.shape)} "
+                         f"and {tuple(min_weights.shape)}")
+    scale = torch.sqrt((max_weights - min_weights) / (max_inputs - min_inputs))
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+EqualizationQConfig = namedtuple("EqualizationQConfig", ["input_activation", "weight"])
+EqualizationQConfig.__doc__ = "Observer factories for input-weight equalization (input columns, weight columns)."
+default_equalization_qconfig = EqualizationQConfig(InputEqualizationObserver, WeightEqualizationObserver)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# graph helpers
+
+
+def _check_layer(gm: fx.GraphModule, op: QuantizableOp) -> None:
+    reason = equalization_refusal(gm, op)
+    if reason:
+        raise EqualizationError(f"layer {op.layer}: {reason}. Remove it from the equalization mapping")
+
+
+def _input_channel_scale(op: QuantizableOp, scale: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The per-input-channel scale laid out over the weight: [out, in/groups, ...] broadcastable."""
+    groups = conv_groups(op)
+    out_channels, in_per_group = weight.shape[0], weight.shape[1]
+    if groups == 1:  # one row of factors, broadcast over the output channels: no weight-sized tensor
+        return scale.reshape(1, in_per_group, *([1] * (weight.dim() - 2)))
+    per_group = scale.reshape(groups, in_per_group)  # input channel g * in_per_group + j
+    expanded = per_group.repeat_interleave(out_channels // groups, dim=0)  # row o belongs to group o // (out/groups)
+    return expanded.reshape(out_channels, in_per_group, *([1] * (weight.dim() - 2)))
+
+
+def _scale_weight_columns(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool,
+                          deferred: bool = False) -> None:
+    def rule(weight: torch.Tensor) -> torch.Tensor:
+        factor = _input_channel_scale(op, scale.to(weight), weight)
+        return weight / factor if inverse else weight * factor
+
+    rewrite(gm, op.weight_target, rule, deferred)
+
+
+def _scale_output_rows(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool,
+                       deferred: bool = False) -> None:
+    def rule(value: torch.Tensor) -> torch.Tensor:
+        factor = scale.to(value).reshape(-1, *([1] * (value.dim() - 1)))
+        return value / factor if inverse else value * factor
+
+    for node in (op.weight, op.bias):
+        if node is not None:
+            rewrite(gm, str(node.target), rule, deferred)
+
+
+def producer_layer(gm: fx.GraphModule, op: QuantizableOp, layers: dict[fx.Node, QuantizableOp]
+                   ) -> QuantizableOp | None:
+    """The linear/conv whose output feeds `op` directly (or through one relu) and nothing else."""
+    node = op.activation_inputs[0] if op.activation_inputs else None
+    if node is None:
+        return None
+    if op_kind(node, gm) == "relu" and len(node.users) == 1:
+        node = node.args[0]
+    producer = layers.get(node)
+    if producer is None or len(node.users) != 1 or producer.weight is None:
+        return None
+    return producer
+
+
+def _channel_axis(op: QuantizableOp) -> int:
+    return 1 if op.kind == "conv" else -1
+
+
+def resolve_layers(gm: fx.GraphModule, equalization_mapping: Any) -> list[QuantizableOp]:
+    """The layers named by a ModelReport equalization mapping, a torch.ao equalization_qconfig_dict
+    ({"module_name": [(fqn, qconfig)]}), a dict or a list of FQNs (graph order)."""
+    if isinstance(equalization_mapping, dict) and isinstance(equalization_mapping.get("module_name"), list):
+        names = [name for name, qconfig in equalization_mapping["module_name"] if qconfig is not None]
+    elif isinstance(equalization_mapping, dict):
+        names = [k for k, v in equalization_mapping.items() if v is not None and v is not False and
+                 not (isinstance(v, dict) and v.get("equalize") is False)]
+    else:
+        names = list(equalization_mapping)
+    ops = {op.layer: op for op in find_quantizable_ops(gm)}
+    ops.update({op.fqn: op for op in ops.values() if op.fqn not in ops})
+    missing = [n for n in names if n not in ops]
+    if missing:
+        raise EqualizationError(f"layer(s) {missing} are not quantizable ops of this graph; known layers: "
+                                f"{sorted(op.layer for op in find_quantizable_ops(gm))}")
+    chosen = {id(ops[n].node): ops[n] for n in names}
+    return [op for op in find_quantizable_ops(gm) if id(op.node) in chosen]
+
+
+def get_layer_sqnr_dict(model_a: fx.GraphModule, model_b: fx.GraphModule, x: Any) -> dict[str, float]:
+    """{layer: SQNR of model_b's output against model_a's} for the quantized layers, on one batch `x`
+    (torch.ao's selective-equalization helper, through qcore's numeric suite)."""
+    from qcore.graph.inputs import call_model, move_to
+    from qcore.numeric import (
+        OutputLogger,
+        add_loggers,
+        compute_sqnr,
+        extend_logger_results_with_comparison,
+        extract_logger_info,
+    )
+    from qcore.quantization.calibrate import model_device
+
+    logged_a, logged_b = add_loggers("fp32", model_a, "int8", model_b, OutputLogger, only_quantized_layers=True)
+    x = move_to(x, model_device(model_a))
+    with torch.no_grad():
+        call_model(logged_a, x)
+        call_model(logged_b, x)
+    results = extract_logger_info(logged_a, logged_b, OutputLogger, "int8")
+    extend_logger_results_with_comparison(results, "fp32", "int8", compute_sqnr, "sqnr")
+    return {layer: float(entry["node_output"]["int8"][0]["sqnr"][0]) for layer, entry in results.items()}
+
+
+def get_equalization_qconfig_dict(layer_sqnr_dict: dict[str, float], num_layers_to_equalize: int = 1) -> dict:
+    """{"module_name": [(layer, default_equalization_qconfig)]} for the layers with the lowest SQNR, which
+    `equalize` accepts as its mapping (torch.ao's equalization_qconfig_dict)."""
+    worst = sorted(layer_sqnr_dict.items(), key=lambda item: item[1])[:num_layers_to_equalize]
+    return {"module_name": [(layer, default_equalization_qconfig) for layer, _ in worst]}
+
+
+def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterable[Any], *,
+             deferred: bool = False, known: Mapping[tuple[str, str], tuple[Any, torch.Tensor]] | None = None
+             ) -> fx.GraphModule:
+    """A float-equivalent copy of `gm` with input-weight equalization applied to the mapped layers. deferred=True:
+    the rewritten weights are computed when needed (qcore.graph.deferred), not held. `known`: {("input_weight", layer):
+    (None, s)} found on the same graph and batches before (a measurement's rewrite_scales); when it holds every
+    mapped layer, no calibration pass observes their inputs again."""
+    result = clone_graph_module(gm, share_parameters=True)  # rewrites assign new tensors: the rest is shared
+    ops = resolve_layers(result, equalization_mapping)
+    for op in ops:
+        _check_layer(result, op)
+    if known is not None and all(("input_weight", op.layer) in known for op in ops):
+        scales = {op.layer: known[("input_weight", op.layer)][1] for op in ops}
+    else:
+        scales = _observed_scales(result, ops, calibration)
+    _apply_scales(result, ops, scales, deferred)
+    result.meta["qcore_equalization_scales"] = {layer: scale.tolist() for layer, scale in scales.items()}
+    return result
+
+
+def _observed_scales(result: fx.GraphModule, ops: list[QuantizableOp], calibration: Iterable[Any]
+                     ) -> dict[str, torch.Tensor]:
+    """Each op's equalization scale from its input channel ranges, observed in one calibration pass of `result`."""
+    observers = {}
+    for index, op in enumerate(ops):
+        observer = InputEqualizationObserver(ch_axis=_channel_axis(op))
+        name = f"qcore_equalization_observer_{index}"
+        result.add_submodule(name, observer)
+        with result.graph.inserting_after(op.activation_inputs[0]):
+            node = result.graph.call_module(name, (op.activation_inputs[0],))
+        node.meta[INSERTED_KEY] = "equalization_observer"
+        observers[op.layer] = (observer, node)
+    result.recompile()
+    calibrate(result, calibration)
+    scales = {op.layer: input_weight_scale(result, op, observers[op.layer][0]) for op in ops}
+    for _observer, node in observers.values():
+        result.graph.erase_node(node)
+        delattr(result, node.target)
+    return scales
+
+
+def input_weight_scale(gm: fx.GraphModule, op: QuantizableOp, input_observer: InputEqualizationObserver
+                       ) -> torch.Tensor:
+    """The equalization scale s of one layer (1-d, per input channel) from its calibrated input observer."""
+    weight_observer = WeightEqualizationObserver()
+    weight = fetch_tensor(gm, op.weight_target).detach()
+    groups = conv_groups(op)
+    if groups > 1:  # columns of a grouped conv weight: channel g * in_per_group + j
+        weight_observer.min_val, weight_observer.max_val = _grouped_column_minmax(weight, groups)
+    else:
+        weight_observer(weight)
+    return calculate_equalization_scale(input_observer, weight_observer).reshape(-1)
+
+
+def input_channel_axis(op: QuantizableOp) -> int:
+    """The channel axis of a linear (last) or conv (1) layer's input."""
+    return _channel_axis(op)
+
+
+def weight_column_factor(op: QuantizableOp, scale: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A per-input-channel scale laid out to multiply the weight's columns (grouped convs included)."""
+    return _input_channel_scale(op, scale.to(weight), weight)
+
+
+def _grouped_column_minmax(weight: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out_per_group = weight.shape[0] // groups
+    blocks = weight.reshape(groups, out_per_group, weight.shape[1], -1)  # group, out, in/groups, kernel
+    low = blocks.amin(dim=(1, 3)).reshape(-1).float()
+    high = blocks.amax(dim=(1, 3)).reshape(-1).float()
+    return low, high
+
+
+def _apply_scales(gm: fx.GraphModule, ops: list[QuantizableOp], scales: dict[str, torch.Tensor],
+                  deferred: bool = False) -> None:
+    layers = {op.node: op for op in find_quantizable_ops(gm)}
+    chosen = {op.layer for op in ops}
+    for op in ops:
+        scale = scales[op.layer]
+        _scale_weight_columns(gm, op, scale, inverse=True, deferred=deferred)
+        producer = producer_layer(gm, op, layers)
+        if producer is not None and producer.layer in chosen:  # connected equalized layers: no mul between them
+            _scale_output_rows(gm, producer, scale, inverse=False, deferred=deferred)
+            continue
+        _insert_input_mul(gm, op, scale)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _insert_input_mul(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor) -> None:
+    source = op.activation_inputs[0]
+    name = "qcore_equalization_scale_" + op.layer.replace(".", "_")
+    while hasattr(gm, name):
+        name += "_"
+    if op.kind == "conv":  # [1, C, 1(, 1)]: the channel axis of a Conv1d/Conv2d input
+        weight = fetch_tensor(gm, op.weight_target)
+        shape = [1, -1] + [1] * (weight.dim() - 2)
+    else:  # the feature (last) axis broadcasts from a 1-d scale
+        shape = [-1]
+    gm.register_buffer(name, scale.reshape(shape).to(fetch_tensor(gm, op.weight_target).dtype))  # the model's dtype
+    with gm.graph.inserting_before(op.node):
+        attr = gm.graph.get_attr(name)
+        mul = gm.graph.call_function(torch.mul, (source, attr))
+    mul.meta[INSERTED_KEY] = "equalization"
+    mul.meta[FQN_KEY] = op.fqn
+    op.node.replace_input_with(source, mul)
+
+
+def _weight_ranges(gm: fx.GraphModule, op: QuantizableOp, axis: int) -> torch.Tensor:
+    """max |w| per output channel (axis 0) or per input channel (axis 1, grouped convs included)."""
+    weight = fetch_tensor(gm, op.weight_target).detach().abs()
+    if axis == 0:
+        return weight.reshape(weight.shape[0], -1).amax(dim=1)
+    groups = conv_groups(op)
+    if groups > 1:
+        return _grouped_column_minmax(weight, groups)[1]
+    return weight.movedim(1, 0).reshape(weight.shape[1], -1).amax(dim=1)
+
+
+def cross_layer_pairs(gm: fx.GraphModule) -> list[tuple[QuantizableOp, QuantizableOp]]:
+    """conv/linear -> (relu) -> conv/linear pairs whose intermediate tensor feeds only the second layer."""
+    layers = {op.node: op for op in find_quantizable_ops(gm)}
+    pairs = []
+    for op in layers.values():
+        if op.kind not in ("linear", "conv") or op.weight is None or op.weight.op != "get_attr":
+            continue
+        producer = producer_layer(gm, op, layers)
+        if producer is not None and producer.kind in ("linear", "conv") and producer.weight is not None and \
+                producer.weight.op == "get_attr":
+            pairs.append((producer, op))
+    return pairs
+
+
+def cross_layer_equalize(gm: fx.GraphModule, iterations: int = 1) -> fx.GraphModule:
+    """A float-equivalent copy of `gm` with data-free cross-layer equalization of every eligible pair."""
+    result = clone_graph_module(gm, share_parameters=True)  # rewrites assign new tensors: the rest is shared
+    pairs = cross_layer_pairs(result)
+    for first, second in pairs:
+        for op in (first, second):
+            _check_layer(result, op)
+    for _ in range(iterations):
+        for first, second in pairs:
+            r1 = _weight_ranges(result, first, axis=0)
+            r2 = _weight_ranges(result, second, axis=1)
+            scale = torch.sqrt(r1 * r2) / r2
+            scale = torch.nan_to_num(torch.where(scale == 0, torch.ones_like(scale), scale), nan=1.0, posinf=1.0,
+                                     neginf=1.0)
+            _scale_output_rows(result, first, scale, inverse=True)
+            _scale_weight_columns(result, second, scale, inverse=False)
+    result.recompile()
+    result.meta["qcore_cross_layer_equalized"] = [(a.layer, b.layer) for a, b in pairs]
+    return result
+
+

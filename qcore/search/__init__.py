@@ -1,0 +1,1 @@
+"""Searches over quantized configurations: layer sensitivity, the float_layers and format fixes."""

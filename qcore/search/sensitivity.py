@@ -1,0 +1,362 @@
+"""Per-layer sensitivity, and a verified set of layers to keep in float.
+
+One prepared and converted graph serves every measurement: each fake-quant node becomes a switch, and a
+layer's switches are its input, weight and output quantizers (the observer groups its annotation asked
+for). Toggling them gives the model-output SQNR with only one layer quantized, or with one layer left in
+float, without re-capturing or re-preparing. Metrics stream as sums over the batches.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from qcore.graph.capture import clone_graph_module
+from qcore.graph.inputs import call_model, move_to
+from qcore.graph.ops import INSERTED_KEY, fetch_attr, find_quantizable_ops, is_weight_value
+from qcore.numeric.metrics import sqnr_from_sums
+from qcore.quantization.calibrate import calibrate, model_device
+from qcore.quantization.convert import convert, restore_model_state
+from qcore.quantization.prepare import prepare
+from qcore.quantization.quantizer import Int8StaticQuantizer, Quantizer, with_layer_overrides
+from qcore.search.resume import ResumableGraph
+
+__all__ = ["FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult", "SwitchableModel",
+           "SwitchedRuns", "find_float_layers", "layer_sensitivity", "with_float_layers"]
+
+_GROUP_KEY = "qcore_observer_group"
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    """Model-output SQNR with only this layer quantized, and with only this layer left in float."""
+
+    layer: str
+    only_quantized_db: float
+    only_float_db: float
+    gain_db: float  # only_float_db minus the SQNR with every layer quantized
+
+
+@dataclass(frozen=True)
+class SensitivityResult:
+    """Layers ranked by how much leaving each in float helps the model's output, most first."""
+
+    all_quantized_db: float
+    layers: tuple[LayerSensitivity, ...]
+    skipped: tuple[str, ...]  # quantized layers left out by the layer budget
+    batches: int
+
+
+@dataclass(frozen=True)
+class FloatLayersFix:
+    """A small set of layers whose float-ification reaches `target_db`, with the SQNR measured after
+    re-quantizing the model with exactly that set kept in float."""
+
+    float_layers: tuple[str, ...]
+    estimated_db: float   # from the switches, during the search
+    measured_db: float    # re-prepared and re-calibrated with with_float_layers(quantizer, float_layers)
+    target_db: float
+    reached: bool
+    # with compare_with_ranking: how many layers of the ranking, taken in order, reach the target (0: not within
+    # max_float_layers); None when not asked
+    naive_top_k: int | None = None
+
+
+class _Switch(nn.Module):
+    """Applies one fake quantization, or passes its input through when off."""
+
+    def __init__(self, function: Any) -> None:
+        super().__init__()
+        self.function, self.enabled = function, True
+
+    def forward(self, x: Any, *args: Any) -> Any:
+        return self.function(x, *args) if self.enabled else x
+
+
+class _WeightSwitch(nn.Module):
+    """The fake-quantized weight, or the float one when off."""
+
+    def __init__(self, quantized: torch.Tensor, original: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("quantized", quantized, persistent=False)
+        self.register_buffer("original", original, persistent=False)
+        self.enabled = True
+
+    def forward(self) -> torch.Tensor:
+        return self.quantized if self.enabled else self.original
+
+
+class _WhereReadWeightSwitch(nn.Module):
+    """A weight quantized where it is read, by `function` from the call's arguments, or the float one when off."""
+
+    def __init__(self, function: Any, original: torch.Tensor) -> None:
+        super().__init__()
+        self.function, self.enabled = function, True
+        self.register_buffer("original", original, persistent=False)
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.function(*args) if self.enabled else self.original
+
+
+class SwitchedRuns(ABC):
+    """Model-output SQNR runs of a graph whose switch modules select each layer's quantization: each setting
+    measured once per set of batches, and run from the values recorded before its first change (qcore.search.resume)."""
+
+    gm: fx.GraphModule
+
+    def _init_runs(self, float_gm: fx.GraphModule, switch_nodes: list[fx.Node], resume: bool) -> None:
+        self._reference = FloatReference(float_gm)
+        self._measured: dict[tuple, float] = {}  # (switch setting, batch ids) -> output SQNR
+        self._resumable = ResumableGraph(self.gm, switch_nodes if resume else [], self._switch_state)
+
+    @abstractmethod
+    def _switch_state(self) -> list[Any]:
+        """One hashable per switch node, in their order: what each selects now."""
+
+    def run(self, batches: Iterable[Any]) -> float:
+        """Model-output SQNR (dB) against the float graph over `batches`, worst output leaf.
+
+        Every setting is compared with the same float outputs, so those are computed once per batch and kept (the
+        output leaves of the batches measured: 2 batches by default in the searches). A run after record() starts
+        each batch from the values recorded before the first layer whose switches differ from the recorded
+        setting. A setting measured before on the same batches is not run again (the float_layers search's
+        ranking and the sensitivity check's share their one-layer-in-float runs).
+        """
+        batches = list(batches)
+        key = self._setting(batches)
+        if key not in self._measured:
+            self._measured[key] = self._reference.output_sqnr(
+                self.gm, batches, lambda batch, moved: self._resumable.run(id(batch), moved))
+        return self._measured[key]
+
+    def record(self, batches: Iterable[Any]) -> float:
+        """run(), keeping the values later runs of the same batches can start from (the last two settings)."""
+        batches = list(batches)
+        key = self._setting(batches)
+        if key in self._measured and all(self._resumable.recorded(id(batch)) for batch in batches):
+            return self._measured[key]
+        self._measured[key] = self._reference.output_sqnr(
+            self.gm, batches, lambda batch, moved: self._resumable.record(id(batch), moved))
+        return self._measured[key]
+
+    def _setting(self, batches: list[Any]) -> tuple:
+        # batches are kept by the float reference once measured, so their ids stay theirs
+        return tuple(self._switch_state()), tuple(id(batch) for batch in batches)
+
+    def forget(self) -> None:
+        """Drop what record() kept."""
+        self._resumable.forget()
+
+
+class SwitchableModel(SwitchedRuns):
+    """A quantized copy of a float graph whose layers' quantizers can be switched on and off."""
+
+    def __init__(self, float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None = None, *,
+                 resume: bool = True) -> None:
+        """resume=False: every run computes the whole graph (qcore.search.resume otherwise)."""
+        prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
+        owners = _group_owners(prepared)
+        calibrate(prepared, batches)
+        self.gm = convert(prepared)
+        restore_model_state(self.gm, float_gm)
+        self.float_gm = float_gm
+        self.layers = [layer for layer in dict.fromkeys(name for names in owners.values() for name in names)]
+        self._switches: list[tuple[nn.Module, frozenset[str]]] = []
+        self._init_runs(float_gm, self._install(owners), resume)
+
+    def _install(self, owners: dict[str, set[str]]) -> list[fx.Node]:
+        graph = self.gm.graph
+        nodes = []
+        for index, node in enumerate(list(graph.nodes)):
+            if node.meta.get(INSERTED_KEY) != "qdq":
+                continue
+            name = f"qcore_switch_{index}"
+            if is_weight_value(node):
+                original = node.meta.get("qcore_float_weight")
+                if original is None:
+                    continue
+                if node.op == "get_attr":
+                    switch: nn.Module = _WeightSwitch(fetch_attr(self.gm, str(node.target)),
+                                                      fetch_attr(self.gm, original))
+                    args: tuple = ()
+                else:  # quantized where it is read (quantize_weights_where_read): when on
+                    switch, args = _WhereReadWeightSwitch(node.target, fetch_attr(self.gm, original)), node.args
+            else:
+                switch, args = _Switch(node.target), node.args
+            self.gm.add_submodule(name, switch)
+            with graph.inserting_before(node):
+                replacement = graph.call_module(name, args)
+            replacement.meta.update(node.meta)
+            node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
+            nodes.append(replacement)
+            self._switches.append((switch, frozenset(owners.get(node.meta.get(_GROUP_KEY, ""), ()))))
+        graph.lint()
+        self.gm.recompile()
+        return nodes
+
+    def quantize_only(self, quantized: Iterable[str]) -> None:
+        """Switch on the quantizers of `quantized` layers only (a quantizer shared by several layers is on
+        when any of them is; quantizers no layer owns, such as an add's output, are on when most layers are)."""
+        chosen = set(quantized)
+        majority = len(chosen) * 2 > len(self.layers)
+        for switch, owners in self._switches:
+            switch.enabled = bool(owners & chosen) if owners else majority
+
+    def _switch_state(self) -> list[Any]:
+        return [switch.enabled for switch, _ in self._switches]
+
+
+class FloatReference:
+    """A float graph's output leaves per batch, computed on first use and kept, against which quantized copies'
+    outputs are measured."""
+
+    def __init__(self, float_gm: fx.GraphModule) -> None:
+        self.float_gm = float_gm
+        self._references: dict[int, tuple[Any, Any, list[torch.Tensor]]] = {}
+
+    def output_sqnr(self, gm: fx.GraphModule, batches: Iterable[Any],
+                    run: Callable[[Any, Any], Any] | None = None) -> float:
+        """Model-output SQNR (dB) of `gm` against the float graph over `batches`, worst output leaf; `run(batch,
+        moved batch)` computes gm's outputs where given."""
+        device = model_device(self.float_gm)
+        sums: list[torch.Tensor] = []
+        with torch.no_grad():
+            for batch in batches:
+                if id(batch) not in self._references:  # the batch is kept too, so its id cannot be reused
+                    moved = move_to(batch, device)
+                    self._references[id(batch)] = (batch, moved, _float_leaves(call_model(self.float_gm, moved)))
+                _, moved, reference = self._references[id(batch)]
+                actual = _float_leaves(call_model(gm, moved) if run is None else run(batch, moved))
+                for index, (a, b) in enumerate(zip(reference, actual)):
+                    pair = torch.stack([a.double().square().sum(), (a.double() - b.double()).square().sum()])
+                    if index == len(sums):
+                        sums.append(pair)
+                    else:
+                        sums[index] = sums[index] + pair
+        values = [sqnr_from_sums(*(float(v) for v in pair.tolist())) for pair in sums]
+        return min(values) if values else math.nan
+
+
+def _float_leaves(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _group_owners(prepared: fx.GraphModule) -> dict[str, set[str]]:
+    """{observer module name: layers whose input, weight or output it observes}; tags observer nodes."""
+    owners: dict[str, set[str]] = {}
+    for node in prepared.graph.nodes:
+        if node.meta.get(INSERTED_KEY) == "observer":
+            node.meta[_GROUP_KEY] = str(node.target)
+    for op in find_quantizable_ops(prepared):
+        touching = [a for a in op.node.all_input_nodes if a.meta.get(INSERTED_KEY) == "observer"]
+        output = op.output or op.node
+        touching += [u for u in output.users if u.meta.get(INSERTED_KEY) == "observer"]
+        for observer in touching:
+            owners.setdefault(str(observer.target), set()).add(op.layer)
+    return owners
+
+
+def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None = None, *,
+                      layers: Sequence[str] | None = None, max_layers: int | None = None,
+                      max_batches: int | None = None, model: SwitchableModel | None = None,
+                      only_quantized: bool = True) -> SensitivityResult:
+    """Rank the quantized layers (or `layers`) by the output SQNR gained when each alone stays in float.
+
+    Costs 2 passes of the quantized model per layer over `max_batches` batches (all by default), one with
+    only_quantized=False (only_quantized_db is then nan: a search that ranks by the gain needs no more); layers
+    past `max_layers` (graph order) are skipped and listed.
+    """
+    model = model or SwitchableModel(float_gm, batches, quantizer)
+    subset = list(batches)[:max_batches] if max_batches else list(batches)
+    chosen = [name for name in model.layers if layers is None or name in layers]
+    measured, skipped = chosen[:max_layers] if max_layers else chosen, chosen[max_layers:] if max_layers else []
+    if only_quantized:  # "only this layer quantized" starts from the float run's values
+        model.quantize_only([])
+        model.record(subset)
+    model.quantize_only(model.layers)
+    baseline = model.record(subset)
+    results = []
+    for layer in measured:
+        alone = math.nan
+        if only_quantized:
+            model.quantize_only([layer])
+            alone = model.run(subset)
+        model.quantize_only([name for name in model.layers if name != layer])
+        without = model.run(subset)
+        results.append(LayerSensitivity(layer, alone, without, without - baseline))
+    model.quantize_only(model.layers)
+    model.forget()
+    ranked = sorted(results, key=lambda r: (-r.gain_db if not math.isnan(r.gain_db) else math.inf, r.layer))
+    return SensitivityResult(baseline, tuple(ranked), tuple(skipped), len(subset))
+
+
+def with_float_layers(quantizer: Quantizer, layers: Iterable[str]) -> Quantizer:
+    """A copy of `quantizer` that keeps the layers matching `layers` (globs) in float, through its
+    `layer_overrides`; ValueError for a quantizer without them."""
+    if not isinstance(getattr(quantizer, "layer_overrides", None), dict):
+        raise ValueError(f"{type(quantizer).__name__} has no layer_overrides, so it cannot keep layers in float; "
+                         "use qcore.Int8StaticQuantizer or a quantizer that honours layer_overrides={glob: "
+                         "{'skip': True}}")
+    return with_layer_overrides(quantizer, {glob: {"skip": True} for glob in layers})
+
+
+def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None, target_db: float,
+                      *, max_float_layers: int = 8, candidates: int = 12, max_batches: int | None = 2,
+                      sensitivity: SensitivityResult | None = None, model: SwitchableModel | None = None,
+                      compare_with_ranking: bool = False) -> FloatLayersFix:
+    """Greedy search for a small set of layers to keep in float so that the output SQNR reaches `target_db`,
+    then one exact measurement with that set skipped by the quantizer.
+
+    Each step keeps in float the candidate whose float-ification helps most (candidates: the `candidates`
+    most sensitive layers), until the target is met or `max_float_layers` are chosen.
+    """
+    quantizer = quantizer or Int8StaticQuantizer()
+    model = model or SwitchableModel(float_gm, batches, quantizer)
+    subset = list(batches)[:max_batches] if max_batches else list(batches)
+    ranking = sensitivity or layer_sensitivity(float_gm, subset, quantizer, model=model)
+    pool = [entry.layer for entry in ranking.layers][:candidates]
+    chosen: list[str] = []
+    estimate = ranking.all_quantized_db
+    while estimate < target_db and len(chosen) < max_float_layers and len(chosen) < len(pool):
+        trials = []
+        model.quantize_only([name for name in model.layers if name not in chosen])
+        model.record(subset)
+        for layer in pool:
+            if layer in chosen:
+                continue
+            model.quantize_only([name for name in model.layers if name not in chosen and name != layer])
+            trials.append((model.run(subset), layer))
+        best_db, best = max(trials, key=lambda t: (t[0] if not math.isnan(t[0]) else -math.inf, t[1]))
+        chosen.append(best)
+        estimate = best_db
+    model.quantize_only(model.layers)
+    model.forget()
+    from qcore.measure.passes import measure_sqnr
+
+    measured = (measure_sqnr(float_gm, list(batches), with_float_layers(quantizer, chosen), shadow=False)
+                if chosen else None)
+    worst = measured.worst_output() if measured is not None else None
+    measured_db = worst.sqnr_db if worst is not None else ranking.all_quantized_db
+    naive = _naive_top_k(model, ranking, subset, target_db, max_float_layers) if compare_with_ranking else None
+    return FloatLayersFix(tuple(chosen), estimate, measured_db, target_db, measured_db >= target_db, naive)
+
+
+def _naive_top_k(model: SwitchableModel, ranking: SensitivityResult, batches: list, target_db: float,
+                 limit: int) -> int:
+    """How many layers of the ranking, taken in order, the switches need to reach the target (0: not within
+    `limit`)."""
+    order = [entry.layer for entry in ranking.layers]
+    for k in range(1, min(limit, len(order)) + 1):
+        model.quantize_only([name for name in model.layers if name not in order[:k]])
+        if model.run(batches) >= target_db:
+            model.quantize_only(model.layers)
+            return k
+    model.quantize_only(model.layers)
+    return 0
