@@ -28,10 +28,9 @@ from ..core.runtime import torch_threads, young_garbage_collection
 from ..core.settings import resolve_settings
 from ..xdist.crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_crash
 from .progress import AnalysisProgress
+from .state import STATE_KEY
 
-__all__ = ["STATE_KEY", "QReportFile", "QReportItem", "QReportWarning"]
-
-STATE_KEY: pytest.StashKey = pytest.StashKey()
+__all__ = ["QReportFile", "QReportItem", "QReportWarning"]
 
 
 def qreport_check(request) -> None:
@@ -123,7 +122,8 @@ class QReportFile(pytest.File):
         """Take the layer list the worker that claimed the model stored; False when none came (capture it here)."""
         session = self.config.stash[STATE_KEY]
         awaited = session.awaited.pop(key, None)
-        entry = awaited and session.capture_rendezvous.wait(index)
+        rendezvous = session.capture_rendezvous
+        entry = awaited and rendezvous is not None and rendezvous.wait(index)
         if not entry:
             return False
         session.models[key] = awaited.recalled(awaited.settings, awaited.quantizer, entry["items"],
