@@ -20,7 +20,7 @@ class QuietHeapAtEnd:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_terminal_summary(self) -> Any:
         """Every plugin's terminal summary, with the collector on the objects the summaries make only: one that
-        imports a library there (hypothesis does) otherwise set off full collections of the session's heap,
-        1.0-1.5 s of each process's end, measured."""
+        imports a library there (hypothesis does) otherwise sets off full collections of the session's heap at
+        each process's end."""
         with young_garbage_collection(map_large_allocations=False):
             return (yield)

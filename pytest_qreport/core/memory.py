@@ -17,11 +17,9 @@ __all__ = ["ANALYSIS_FACTOR", "HELD_CAPTURES_SHARE", "LARGE_MODEL_BYTES", "Memor
            "budgeted_estimate", "estimated_analysis_bytes", "estimated_blockwise_bytes", "holds_capture", "human_bytes",
            "on_accelerator", "over_budget_message"]
 
-# What an analysis with every default check adds beyond the model itself, in its parameter bytes: 3.6x (0.5B
-# transformers Llama) and 4.7x (1B) when this was set; since weights are quantized where read, 0.9x and 0.4x
-# (benchmarks/bench_memory.py, process start-up included), but 2.7x for ResNet-18 and 6x for a 4.9M-parameter
-# BERT (benchmarks/bench_analysis.py), whose activations outweigh their weights. Kept: cautious for the large
-# models the budget concerns (blockwise="auto" goes block-wise sooner than it must), about right for small ones.
+# What an analysis with every default check may add beyond the model itself, in its parameter bytes. Cautious for
+# the large models the budget concerns (blockwise="auto" goes block-wise sooner than it must) and about right for
+# small ones, whose activations outweigh their weights; the performance page gives the measured peaks.
 ANALYSIS_FACTOR = 5.0
 
 # A model with at least this many parameter bytes trades time for memory: its analysis maps large allocations

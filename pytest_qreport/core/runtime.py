@@ -60,17 +60,15 @@ _MAPPED_AFTER = 32 << 20
 def _set_mmap_threshold(size: int) -> None:
     """Allocate blocks of `size` bytes or more with mmap (glibc; a no-op elsewhere), so that freeing them gives them
     back to the system. glibc otherwise raises its threshold as blocks are freed, up to 32 MiB, and keeps the
-    freed blocks below it in its heap: an analysis's activation streams and quantized copies then stay resident
-    (a 0.5B Llama's block-wise default checks peaked at 2.98 GB with the default, 2.19 GB with 1 MiB). A mapped
-    block is faulted in page by page each time it is allocated, though: with 1 MiB, every forward of ResNet-18
-    took 1.5-1.75x as long, and the threshold is a process setting, so it is set back to 32 MiB (where glibc's
-    own would end) after the block instead of slowing down what follows.
+    freed blocks below it in its heap: an analysis's activation streams and quantized copies then stay resident.
+    A mapped block is faulted in page by page each time it is allocated, though, which slows every forward of a
+    small model; the threshold is a process setting, so it is set back to 32 MiB (where glibc's own would end)
+    after the block instead of slowing down what follows.
 
     Setting the threshold also stops glibc's own adjustment of when free() shrinks the heap, which it keeps at
-    twice the threshold: left at its 128 KiB start, every activation freed at the top of the heap went back to
-    the system and was faulted in again at the next allocation (four ResNets of the xdist zoo: 2.5 million page
-    faults, 5.6 s of system time in 36 s). So it is set to twice the threshold here too (0.88 million, 1.9 s,
-    29 s; the same peak); the explicit trim after each analysis still gives the free pages back."""
+    twice the threshold: left at its 128 KiB start, every activation freed at the top of the heap would go back
+    to the system and be faulted in again at the next allocation. So it is set to twice the threshold here too;
+    the explicit trim after each analysis still gives the free pages back."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL("libc.so.6")
@@ -90,8 +88,8 @@ _freezing_at_exit: list[bool] = []
 
 def freeze_heap_at_exit() -> None:
     """At interpreter exit, freeze every object (gc.freeze) before CPython's final collection would walk them all.
-    A process that imported torch.export and analysed models holds 350,000-680,000 objects, and that collection
-    took 1.3-2.5 s of its exit, which an xdist controller waits for once per worker. Objects are still freed
+    A process that imported torch.export and analysed models holds hundreds of thousands of objects, and walking
+    them costs seconds of its exit, which an xdist controller waits for once per worker. Objects are still freed
     by reference counting as the modules are cleared; only those in reference cycles are left to the operating
     system, as CPython already does with objects alive at exit. Registered once per process; the other atexit
     handlers run as before (none of them needs the collector)."""

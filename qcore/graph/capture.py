@@ -145,8 +145,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
 
 
 def _drop_input_constraint_check(gm: fx.GraphModule) -> None:
-    """Remove export's per-call input-shape check: it costs about 40 us a call, as much as the observers of a
-    small layer, and a mismatched input still fails in the first op it reaches."""
+    """Remove export's per-call input-shape check: it costs as much as the observers of a small layer on every
+    call, and a mismatched input still fails in the first op it reaches."""
     for key, hook in list(gm._forward_pre_hooks.items()):
         if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
             del gm._forward_pre_hooks[key]
