@@ -16,7 +16,7 @@ from pytest_qreport.core.baseline import (
     write_baseline,
 )
 from pytest_qreport.core.findings import Finding
-from tests.test_plugin import TINY_SOURCE, _outcomes, _summary
+from tests.helpers import TINY_SOURCE, outcomes, summary_section
 
 FINGERPRINT = {"torch": "2.13.0", "qcore": "0.1.0", "quantizer": {"class": "Q"}, "calibration": "sha256:1",
                "equalize": None, "threads": 1}
@@ -154,13 +154,13 @@ def test_a_perturbed_layer_fails_against_its_baseline_and_passes_the_absolute_th
     pytester.runpytest("--qreport", "--qreport-update-baseline").assert_outcomes(passed=7)
     monkeypatch.setenv("PERTURB", "1")
     result = pytester.runpytest("--qreport", "-v", "--junitxml=junit.xml", "--qreport-json=report.json")
-    failed = {node for node, outcome in _outcomes(result).items() if outcome == "FAILED"}
+    failed = {node for node, outcome in outcomes(result).items() if outcome == "FAILED"}
     assert failed == {"conftest.py::qreport/three/sqnr/fc3", "conftest.py::qreport/three/weight_sqnr/fc3"}
     result.stdout.fnmatch_lines(["*weight_sqnr/fc3 regressed against the baseline: * dB now, * dB in *three.json "
                                  "(delta -*, tolerance 0.5). Fix the regression, or accept it with pytest --qreport "
                                  "--qreport-update-baseline."])
     assert re.search(r"three\s+weight_sqnr\s+fc3\s+\S+ dB\s+30.0 dB\s+\S+ dB\s+-\d+\.\d dB\s+FAIL\s+regressed",
-                     _summary(result))
+                     summary_section(result))
     cases = {c.get("name"): {p.get("name"): p.get("value") for p in c.iter("property")}
              for c in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}
     assert cases["qreport/three/weight_sqnr/fc3"]["baseline_status"] == "regressed"
@@ -194,11 +194,11 @@ def test_stale_new_and_strict(pytester):
     path.write_text(json.dumps(data))
     result = pytester.runpytest("--qreport", "-v")
     result.assert_outcomes(passed=7)
-    summary = _summary(result)
+    summary = summary_section(result)
     assert re.search(r"three\s+sqnr\s+fc2\s+.*PASS\s+new: not in the baseline", summary)
     assert re.search(r"three\s+baseline\s+.*PASS\s+stale: sqnr/fc0", summary)
     strict = pytester.runpytest("--qreport", "-v", "--qreport-baseline-strict")
-    assert {n for n, o in _outcomes(strict).items() if o == "FAILED"} == {
+    assert {n for n, o in outcomes(strict).items() if o == "FAILED"} == {
         "conftest.py::qreport/three/sqnr/fc2", "conftest.py::qreport/three/baseline"}
 
 
@@ -207,7 +207,7 @@ def test_another_calibration_set_is_one_fingerprint_failure_not_n_layer_failures
     pytester.runpytest("--qreport", "--qreport-update-baseline")
     monkeypatch.setenv("SEED", "1")
     result = pytester.runpytest("--qreport", "-v")
-    assert {n for n, o in _outcomes(result).items() if o != "PASSED"} == {"conftest.py::qreport/three/baseline"}
+    assert {n for n, o in outcomes(result).items() if o != "PASSED"} == {"conftest.py::qreport/three/baseline"}
     result.stdout.fnmatch_lines(["*recorded under other conditions*calibration: 'sha256:*' -> 'sha256:*'*"
                                  "run pytest --qreport --qreport-update-baseline*"])
     other_threads = pytester.runpytest("--qreport", "--qreport-threads", "2")
@@ -242,7 +242,7 @@ def test_per_check_tolerance_from_qmodel(pytester, monkeypatch):
                                         'checks="sqnr,weight_sqnr", baseline_tolerance_db={"weight_sqnr": 40.0}'))
     monkeypatch.setenv("PERTURB", "1")
     result = pytester.runpytest("--qreport", "-v")
-    assert {n for n, o in _outcomes(result).items() if o == "FAILED"} == {"conftest.py::qreport/three/sqnr/fc3"}
+    assert {n for n, o in outcomes(result).items() if o == "FAILED"} == {"conftest.py::qreport/three/sqnr/fc3"}
     assert path.exists()
 
 
@@ -287,7 +287,7 @@ def test_the_qreport_fixture_with_and_without_the_flag_and_under_xdist(pytester)
     gated = pytester.runpytest("--qreport", "--qreport-table=all", "--junitxml=junit.xml", "-n", "2",
                                "--qreport-junitxml=qreport.xml")
     gated.assert_outcomes(passed=1, failed=1)
-    summary = _summary(gated)
+    summary = summary_section(gated)
     assert re.search(r"two\s+sqnr\s+fc1\s+\S+ dB\s+20.0 dB\s+\S+ dB\s+0 dB\s+PASS", summary)
     assert re.search(r"two_strict\s+sqnr\s+fc1\s+\S+ dB\s+20.0 dB", summary)
     cases = {c.get("name"): {p.get("name") for p in c.iter("property")}

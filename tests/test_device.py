@@ -11,8 +11,7 @@ from pytest_qreport.core.baseline import fingerprint_differences
 from pytest_qreport.core.explain import explain
 from pytest_qreport.core.memory import on_accelerator
 from pytest_qreport.core.schema import device_value
-from tests.test_memory_budget import CONFTEST as BUDGET_CONFTEST
-from tests.test_plugin import TINY_SOURCE
+from tests.helpers import BUDGET_CONFTEST, TINY_SOURCE
 
 FINGERPRINT = {"torch": "2.13.0", "qcore": "0.1.0", "quantizer": {"class": "Q"}, "calibration": "sha256:1",
                "equalize": None, "threads": 1}

@@ -10,7 +10,7 @@ import qcore
 from qcore.analysis import ModelAnalysis
 from qcore.formats.presets import PRESETS
 from qcore.quantization.format_quantizer import FORMAT_REFUSAL_KEY, FormatQuantizer
-from tests.test_presets import ACTIVATION_REFERENCES, WEIGHT_REFERENCES
+from tests.helpers import ACTIVATION_REFERENCES, WEIGHT_REFERENCES
 
 
 class Loud(nn.Module):

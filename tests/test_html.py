@@ -6,8 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.test_plugin import TINY_SOURCE
-from tests.test_sensitivity import FRAGILE_SOURCE
+from tests.helpers import FRAGILE_SOURCE, TINY_SOURCE
 
 pytest.importorskip("jinja2")
 pytest.importorskip("plotly")

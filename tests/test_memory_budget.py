@@ -8,31 +8,7 @@ from torch import nn
 
 from pytest_qreport.core.memory import ANALYSIS_FACTOR, MemoryLedger, estimated_analysis_bytes
 from pytest_qreport.core.schema import byte_size
-
-CONFTEST = """
-import pytest
-import torch
-from torch import nn
-from pytest_qreport import qmodel
-
-
-@pytest.fixture
-def batches():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(4, 256, generator=g) for _ in range(2)]
-
-
-@qmodel(calibration="batches", checks=["sqnr"])
-def wide():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).eval()  # 514 KiB of weights
-
-
-@qmodel(calibration="batches", checks=["sqnr"])
-def narrow():
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)).eval()  # 8.2 KiB
-"""
+from tests.helpers import BUDGET_CONFTEST
 
 
 def test_sizes_parse_with_decimal_and_binary_units_and_auto():
@@ -78,7 +54,7 @@ def test_the_reservation_of_a_dead_process_is_dropped(tmp_path):
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2", "-p", "xdist"]], ids=["serial", "xdist"])
 def test_a_model_over_the_budget_errors_with_its_estimate_and_the_others_run(pytester, workers):
-    pytester.makeconftest(CONFTEST)
+    pytester.makeconftest(BUDGET_CONFTEST)
     run = pytester.runpytest_subprocess if workers else pytester.runpytest
     result = run("--qreport", "-p", "no:randomly", "--qreport-memory-budget=1MiB", *workers)
     result.assert_outcomes(passed=2, errors=2)  # narrow's 2 layers pass; wide's 2 items error
@@ -92,7 +68,7 @@ def test_a_model_over_the_budget_errors_with_its_estimate_and_the_others_run(pyt
 
 
 def test_two_models_that_fit_the_budget_only_one_at_a_time_both_run_under_xdist(pytester):
-    pytester.makeconftest(CONFTEST.replace("nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)",
+    pytester.makeconftest(BUDGET_CONFTEST.replace("nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)",
                                            "nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)"))
     # each estimate is 2.5 MiB: both fit 3 MiB alone, not together, so one worker waits for the other
     result = pytester.runpytest_subprocess("--qreport", "-p", "no:randomly", "-p", "xdist", "-n", "2",
@@ -120,7 +96,7 @@ def pytest_qreport_modify_findings(model, findings):
 def test_a_worker_that_waits_for_memory_has_not_built_its_model_yet(pytester):
     # two models of 514 KiB: each analysis (6x with the model) fits 3.5 MiB alone, not two at once; and each model is
     # past the eighth of the budget that captures may hold from collection to analysis, so both are built again
-    source = CONFTEST.replace("nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)",
+    source = BUDGET_CONFTEST.replace("nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)",
                               "nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)")
     source = source.replace("    torch.manual_seed(0)\n", "    log('build wide')\n    torch.manual_seed(0)\n")
     source = source.replace("    torch.manual_seed(1)\n", "    log('build narrow')\n    torch.manual_seed(1)\n")
@@ -171,7 +147,7 @@ def pytest_collection_finish(session):
 
 
 def test_a_model_built_at_collection_is_freed_before_the_next_one_is_built(pytester):
-    pytester.makeconftest(CONFTEST + FREED)
+    pytester.makeconftest(BUDGET_CONFTEST + FREED)
     result = pytester.runpytest("--qreport", "-p", "no:randomly", "-s")
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines(["models built: 1, alive after collection: 0"])

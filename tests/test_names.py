@@ -5,7 +5,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from tests.test_plugin import TINY_SOURCE
+from tests.helpers import TINY_SOURCE
 
 HOSTILE = '<script>alert("x")</script>\x07\'\ud800'
 

@@ -4,23 +4,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-# the two-layer model most plugin tests declare; other test modules reuse it
-TINY_SOURCE = '''
-import pytest
-import torch
-from torch import nn
-from pytest_qreport import qmodel
-
-
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-'''
+from tests.helpers import TINY_SOURCE, outcomes, summary_section
 
 CONFTEST = TINY_SOURCE + '''
 
@@ -79,20 +63,8 @@ def _project(pytester, options="", extra="", ini=SQNR_ONLY):
     return pytester
 
 
-def _outcomes(result):
-    """{node id: outcome} from -v output, serial ("id OUTCOME") or xdist ("OUTCOME id")."""
-    text = result.stdout.str()
-    found = dict(re.findall(r"(conftest\.py::qreport/\S+) (PASSED|FAILED|ERROR)", text))
-    found.update({node: outcome for outcome, node in re.findall(r"(PASSED|FAILED|ERROR) (conftest\.py::qreport/\S+)", text)})
-    return found
 
 
-def _summary(result):
-    """The summary section, less its timing line (times differ from run to run)."""
-    text = result.stdout.str()
-    start = text.index("qreport summary")
-    lines = text[start:text.index("\n=", start)].splitlines()
-    return "\n".join(line for line in lines if not line.startswith("analysis time: "))
 
 
 def test_items_per_model_check_layer(pytester):
@@ -139,10 +111,10 @@ def test_failing_threshold_fails_with_value_threshold_and_shadow(pytester):
     result = pytester.runpytest("--qreport", "--qreport-sqnr-min-db", "90", "-v")
     result.assert_outcomes(passed=3, failed=2)
     result.stdout.fnmatch_lines(["*SQNR * dB < 90.0 dB (shadow SQNR * dB)*"])
-    summary = _summary(result)
+    summary = summary_section(result)
     assert re.search(r"tiny\s+sqnr\s+fc1\s+\S+ dB\s+90.0 dB\s+FAIL", summary)
     assert "weight_sqnr" not in summary  # passing rows are not listed by default
-    assert "weight_sqnr" in _summary(pytester.runpytest("--qreport", "--qreport-table=all"))
+    assert "weight_sqnr" in summary_section(pytester.runpytest("--qreport", "--qreport-table=all"))
 
 
 @pytest.mark.parametrize("options,ini,cli,failed", [
@@ -177,7 +149,7 @@ def test_uncapturable_model_errors_and_others_run_on(pytester):
     result = pytester.runpytest("--qreport", "-v")
     result.assert_outcomes(passed=5, errors=1)
     result.stdout.fnmatch_lines(["*qreport/branchy/capture ERROR*", "*model 'branchy' could not be captured*"])
-    assert re.search(r"branchy\s+capture\s+.*ERROR", _summary(result))
+    assert re.search(r"branchy\s+capture\s+.*ERROR", summary_section(result))
 
 
 def test_calibration_failure_errors_that_model_only(pytester):
@@ -234,10 +206,10 @@ def test_xdist_gives_same_items_outcomes_and_summary(pytester):
     args = ("--qreport", "--qreport-sqnr-min-db", "45", "--qreport-table=all", "-v", "-p", "no:cacheprovider")
     serial = pytester.runpytest_subprocess(*args)
     parallel = pytester.runpytest_subprocess(*args, "-n", "2")
-    assert _outcomes(serial) and _outcomes(serial) == _outcomes(parallel)
+    assert outcomes(serial) and outcomes(serial) == outcomes(parallel)
     counts = ("passed", "failed", "errors")
     assert [serial.parseoutcomes().get(k) for k in counts] == [parallel.parseoutcomes().get(k) for k in counts]
-    assert _summary(serial) == _summary(parallel)
+    assert summary_section(serial) == summary_section(parallel)
 
 
 CALLABLE_CALIBRATION = '''
@@ -289,7 +261,7 @@ def test_detector_failure_says_what_to_change(pytester):
                                  "fix: its own SQNR (float input) 40.30 -> 41.07 dB (+0.77 dB), the model output "
                                  "37.64 -> 38.36 dB. Fix: qmodel(..., layer_overrides={'fc1': {'per_channel': True}, "
                                  "'fc2': {'per_channel': True}})*"])
-    assert re.search(r"tiny\s+per_channel\s+fc1\s+0\s+1\s+FAIL", _summary(result))
+    assert re.search(r"tiny\s+per_channel\s+fc1\s+0\s+1\s+FAIL", summary_section(result))
 
 
 @pytest.mark.parametrize("options,ini,cli,outcome", [
@@ -305,9 +277,9 @@ def test_severity_fail_warn_off(pytester, options, ini, cli, outcome):
     counts = {k: v for k, v in result.parseoutcomes().items() if k in ("passed", "failed", "warnings")}
     assert counts == outcome
     if outcome.get("warnings"):  # counted under the default table, listed under --qreport-table=all
-        assert "2 warn (2 warning(s) not listed: --qreport-table=all lists them)" in _summary(result)
+        assert "2 warn (2 warning(s) not listed: --qreport-table=all lists them)" in summary_section(result)
         listed = pytester.runpytest("--qreport", "--qreport-table=all", *cli)
-        assert re.search(r"tiny\s+per_channel\s+fc1\s+.*WARN", _summary(listed))
+        assert re.search(r"tiny\s+per_channel\s+fc1\s+.*WARN", summary_section(listed))
 
 
 def test_outlier_items_for_spiky_inputs_pass_with_a_note_when_clipping_was_measured_not_to_help(pytester):
@@ -338,11 +310,11 @@ def spiky_histogram():
     _project(pytester, extra=spiky, ini="")
     result = pytester.runpytest("--qreport", "-v", "-k", "spiky", "--qreport-table=all")
     result.assert_outcomes(passed=2)
-    assert _outcomes(result) == {"conftest.py::qreport/spiky_default/outlier/fc1": "PASSED",
+    assert outcomes(result) == {"conftest.py::qreport/spiky_default/outlier/fc1": "PASSED",
                                  "conftest.py::qreport/spiky_histogram/outlier/fc1": "PASSED"}
     # the heuristic flags channel 2 under the min/max observer; a histogram observer there was measured, and the
     # note names both (the model with a histogram observer already clips: nothing to recommend)
-    summary = " ".join(_summary(result).split())
+    summary = " ".join(summary_section(result).split())
     assert re.search(r"spiky_default outlier fc1 .* PASS torch\.ao's outlier heuristic recommends a clipping "
                      r"\(histogram\) activation observer \(input channels 2 have outliers \(q100/q_ref up to [\d.]+ > 3\.5\) and the "
                      r"activation observer does not clip\); measured [+-]\d\.\d\d dB on this layer's own SQNR "
@@ -381,15 +353,15 @@ def cross_layer_model():
 def test_equalization_checks(pytester):
     _project(pytester, extra=SKEWED, ini="")
     result = pytester.runpytest("--qreport", "-v", "-k", "model and not tiny", "--qreport-table=all")
-    outcomes = _outcomes(result)
-    assert outcomes["conftest.py::qreport/plain_model/equalization/fc1"] == "FAILED"
+    found = outcomes(result)
+    assert found["conftest.py::qreport/plain_model/equalization/fc1"] == "FAILED"
     assert "conftest.py::qreport/plain_model/equalization_equivalence/output" not in outcomes  # not equalized
-    assert outcomes["conftest.py::qreport/equalized_model/equalization/fc1"] == "PASSED"
-    assert outcomes["conftest.py::qreport/equalized_model/equalization_equivalence/output"] == "PASSED"
-    assert outcomes["conftest.py::qreport/cross_layer_model/equalization_equivalence/output"] == "PASSED"
+    assert found["conftest.py::qreport/equalized_model/equalization/fc1"] == "PASSED"
+    assert found["conftest.py::qreport/equalized_model/equalization_equivalence/output"] == "PASSED"
+    assert found["conftest.py::qreport/cross_layer_model/equalization_equivalence/output"] == "PASSED"
     result.stdout.fnmatch_lines(["*layer fc1: input-weight equalization raises its own SQNR (float input) by * dB*"
                                  "measured with the fix: its own SQNR*the model output*Fix: qmodel(..., equalize=*fc1*"])
-    assert re.search(r"equalized_model\s+equalization\s+fc1\s+\d+\.\d dB\s+1.0 dB\s+PASS", _summary(result))
+    assert re.search(r"equalized_model\s+equalization\s+fc1\s+\d+\.\d dB\s+1.0 dB\s+PASS", summary_section(result))
     relaxed = pytester.runpytest("--qreport", "-k", "plain_model", "--qreport-equalization-min-gain-db", "60")
     relaxed.assert_outcomes(passed=2)
 

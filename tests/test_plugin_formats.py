@@ -8,7 +8,7 @@ from torch import nn
 from torchao.prototype.mx_formats.inference_workflow import NVFP4WeightOnlyConfig  # at import: see conftest.py
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-from tests.test_plugin import TINY_SOURCE
+from tests.helpers import TINY_SOURCE
 
 MIXED = TINY_SOURCE + '''
 

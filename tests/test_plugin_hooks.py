@@ -5,7 +5,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tests.test_plugin import TINY_SOURCE, _outcomes, _summary
+from tests.helpers import TINY_SOURCE, outcomes, summary_section
 
 EXTENDED = TINY_SOURCE + '''
 import qcore
@@ -79,15 +79,15 @@ def test_custom_check_quantizer_and_waiver_from_a_conftest(pytester):
     _extended(pytester)
     result = pytester.runpytest("--qreport", "-v", "--qreport-table=all", "--junitxml=pytest.xml",
                                 "--qreport-junitxml=qreport.xml")
-    outcomes = _outcomes(result)
-    assert outcomes == {
+    found = outcomes(result)
+    assert found == {
         "conftest.py::qreport/tiny/sqnr/fc1": "PASSED",       # failed at 90 dB, waived by the hook
         "conftest.py::qreport/tiny/sqnr/fc2": "FAILED",
         "conftest.py::qreport/tiny/normalized_l2/fc1": "PASSED",
         "conftest.py::qreport/tiny/normalized_l2/fc2": "PASSED",
         "conftest.py::qreport/float_head/sqnr/fc1": "PASSED",  # fc2 is kept in float by the custom quantizer
     }
-    summary = _summary(result)
+    summary = summary_section(result)
     assert re.search(r"tiny\s+sqnr\s+fc1\s+\S+ dB\s+90.0 dB\s+WAIVED\s+waived: accepted in review #7", summary)
     assert re.search(r"tiny\s+normalized_l2\s+fc2\s+0\.\d+\s+0.9\s+PASS", summary)
     assert "1 waived" in result.stdout.str()
@@ -109,8 +109,8 @@ def test_extensions_under_xdist_give_the_same_items_and_summary(pytester):
     _extended(pytester)
     args = ("--qreport", "-v", "--qreport-table=all", "-p", "no:cacheprovider")
     serial, parallel = pytester.runpytest(*args), pytester.runpytest(*args, "-n", "2")
-    assert len(_outcomes(serial)) == 5 and _outcomes(serial) == _outcomes(parallel)
-    assert _summary(serial) == _summary(parallel)
+    assert len(outcomes(serial)) == 5 and outcomes(serial) == outcomes(parallel)
+    assert summary_section(serial) == summary_section(parallel)
 
 
 def test_collect_only_prints_no_summary(pytester):
@@ -208,4 +208,4 @@ def pasted():
 ''')
     assert "'fc1'" in hint
     result = pytester.runpytest("--qreport", "-v", "-k", "pasted")
-    assert _outcomes(result) == {"conftest.py::qreport/pasted/sqnr/fc2": "PASSED"}  # fc1 now stays in float
+    assert outcomes(result) == {"conftest.py::qreport/pasted/sqnr/fc2": "PASSED"}  # fc1 now stays in float

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tests.test_plugin import TINY_SOURCE
+from tests.helpers import TINY_SOURCE
 
 PROJECT = TINY_SOURCE + '''
 

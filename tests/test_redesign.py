@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.test_plugin import TINY_SOURCE, _summary
+from tests.helpers import TINY_SOURCE, summary_section
 
 
 def _tiny():
@@ -46,7 +46,7 @@ def tiny():
         cosine, sqnr = rows[("cosine", layer)], rows[("sqnr", layer)]
         assert cosine["threshold"] == 0.99999 and cosine["value"] == pytest.approx(sqnr["details"]["cosine"])
         assert cosine["verdict"] == ("pass" if cosine["value"] >= 0.99999 else "fail")
-    assert "cosine" in _summary(result)
+    assert "cosine" in summary_section(result)
     # the threshold is a command-line option too, and the command line wins over qmodel(...)
     loose = pytester.runpytest("--qreport", "--qreport-json=r.json", "--qreport-cosine-min", "0.5")
     assert {r["threshold"] for r in json.loads((pytester.path / "r.json").read_text())["rows"]

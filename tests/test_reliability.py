@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.test_plugin import TINY_SOURCE, _outcomes
+from tests.helpers import TINY_SOURCE, outcomes
 
 
 def _rows(pytester, *args):
@@ -25,7 +25,7 @@ def zero_head():
     return model
 ''')
     result, rows = _rows(pytester)
-    assert _outcomes(result)["conftest.py::qreport/zero_head/weight_sqnr/fc2"] == "PASSED"
+    assert outcomes(result)["conftest.py::qreport/zero_head/weight_sqnr/fc2"] == "PASSED"
     assert rows[("zero_head", "weight_sqnr", "fc2")]["value"] == "inf"
 
 
@@ -49,7 +49,7 @@ def one_dict():
     return Keyword().eval()
 ''')
     result, rows = _rows(pytester)
-    assert set(_outcomes(result).values()) == {"PASSED"}
+    assert set(outcomes(result).values()) == {"PASSED"}
     assert rows[("one_tensor", "sqnr", "fc1")]["details"]["batches"] == 1  # not 64 one-row batches
     assert rows[("one_dict", "sqnr", "fc1")]["details"]["batches"] == 1
 
@@ -245,7 +245,7 @@ def session_generator():
     return Tiny().eval()
 ''')
     result, rows = _rows(pytester)
-    assert set(_outcomes(result).values()) == {"PASSED"}
+    assert set(outcomes(result).values()) == {"PASSED"}
     reference = rows[("as_list", "sqnr", "fc1")]
     for model in ("as_generator", "shared_first", "shared_second"):
         row = rows[(model, "sqnr", "fc1")]
@@ -282,18 +282,18 @@ def tied_equalized():
     return Tied().eval()
 ''')
     result, rows = _rows(pytester, "-rs")
-    outcomes = _outcomes(result)
+    found = outcomes(result)
     for model in ("tied", "tied_equalized"):
         for layer in ("shared.linear", "shared.linear_1"):
             row = rows[(model, "equalization", layer)]
             assert row["verdict"] == "skip" and "weight is shared" in row["message"]
         assert rows[(model, "sqnr", "shared.linear")]["verdict"] == "pass"  # the model's other checks are unaffected
-        assert outcomes[f"conftest.py::qreport/{model}/model_sqnr/output"] == "PASSED"
+        assert found[f"conftest.py::qreport/{model}/model_sqnr/output"] == "PASSED"
     assert rows[("tied_equalized", "equalization_equivalence", "output")]["verdict"] == "pass"
     assert rows[("tied_equalized", "equalization", "fc1")]["details"]["applied"] is True
     iwe = rows[("tied_equalized", "input_weight_equalization", "shared.linear")]
     assert iwe["verdict"] == "skip" and "cannot be equalized" in iwe["message"]  # no advice that cannot work
-    assert "ERROR" not in outcomes.values()
+    assert "ERROR" not in found.values()
     result.stdout.fnmatch_lines(["SKIPPED*layer shared.linear: not equalized: its weight is shared*"])
 
 
@@ -318,7 +318,7 @@ def running():
     return Running().eval()
 ''')
     result, rows = _rows(pytester)
-    assert set(_outcomes(result).values()) == {"PASSED"}
+    assert set(outcomes(result).values()) == {"PASSED"}
     assert rows[("running", "model_sqnr", "output")]["value"] > 30  # not the false -5 to 5 dB of a stale state
 
 
@@ -356,7 +356,7 @@ for dtype in ("float16", "bfloat16", "float64"):
                               equalize=True, severity="outlier=off,input_weight_equalization=off")(factory)
 ''')
     result, rows = _rows(pytester)
-    assert set(_outcomes(result).values()) == {"PASSED"}
+    assert set(outcomes(result).values()) == {"PASSED"}
     for dtype in ("float16", "bfloat16", "float64"):
         assert rows[(dtype, "model_sqnr", "output")]["value"] > 30
         assert rows[(dtype, "equalization_equivalence", "output")]["verdict"] == "pass"

@@ -8,31 +8,7 @@ import pytest
 import qcore
 from qcore.analysis import measure_sqnr
 from qcore.search.sensitivity import SwitchableModel, find_float_layers, layer_sensitivity, with_float_layers
-
-FRAGILE_SOURCE = '''
-import torch
-from torch import nn
-from pytest_qreport import qmodel
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
-                                    nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
-        with torch.no_grad():   # four loud hidden units, scaled back by the next layer: float-equivalent
-            self.layers[2].weight[:4] *= 60.0
-            self.layers[4].weight[:, :4] /= 60.0
-
-    def forward(self, x):
-        return self.layers(x)
-
-
-def batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randn(32, 64, generator=g) for _ in range(4)]
-'''
+from tests.helpers import FRAGILE_SOURCE
 
 
 def _fragile():
