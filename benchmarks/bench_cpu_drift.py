@@ -1,4 +1,4 @@
-"""How far the examples' values move between CPU kernels: the tolerance of tests/test_examples_values.py.
+"""How far the examples' values move between CPU kernels: the tolerance of tests/e2e/test_examples_values.py.
 
 Runs `pytest --qreport examples/` once per kernel set and prints, for each, the largest absolute and relative
 change of any row's value against tests/data/examples_values.json:

@@ -11,7 +11,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
-timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -p pytest_qreport.plugin -p no:cacheprovider -q -rfE --show-capture=no tests/test_cuda.py \
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -p pytest_qreport.plugin -p no:cacheprovider -q -rfE --show-capture=no tests/gpu/test_cuda.py \
     2>&1 | tail -80 | tee "$OUT/test_cuda.log"
 if [ -z "${SKIP_EXAMPLES:-}" ]; then
     timeout "${EXAMPLES_TIMEOUT:-120}" python3 -m pytest -p pytest_qreport.plugin -p no:cacheprovider --qreport \

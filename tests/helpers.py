@@ -17,6 +17,12 @@ from torchao.quantization.quant_primitives import (
     quantize_affine,
 )
 
+from pytest_qreport.checks import BUILTIN_CHECKS
+from pytest_qreport.core.pipeline import collect_model
+from pytest_qreport.core.quantizers import model_quantizer, pytest_qreport_make_quantizer
+from pytest_qreport.core.registry import CheckRegistry
+from pytest_qreport.core.settings import ModelSettings
+
 # the two-layer model most plugin tests declare; other test modules reuse it
 TINY_SOURCE = '''
 import pytest
@@ -102,6 +108,73 @@ def narrow():
     torch.manual_seed(1)
     return nn.Sequential(nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)).eval()  # 8.2 KiB
 """
+
+
+PLUGIN_CONFTEST = TINY_SOURCE + '''
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return x
+
+
+@pytest.fixture
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 8, generator=g) for _ in range(4)]
+
+
+@pytest.fixture
+def wrong_batches():
+    return [torch.randn(16, 8), torch.randn(16, 5)]
+
+
+@qmodel(calibration="batches", {options})
+def tiny():
+    torch.manual_seed(0)
+    return Tiny().eval()
+{extra}
+'''
+
+SQNR_ONLY = "qreport_checks = sqnr,weight_sqnr,model_sqnr\n"
+
+BUDGET_EVENTS = """
+
+import os
+import time
+
+
+def log(event):
+    with open(os.path.join(os.path.dirname(__file__), "events.txt"), "a") as events:
+        events.write(event + "\\n")
+
+
+def pytest_qreport_modify_findings(model, findings):
+    log(f"analysed {model}")
+    return None
+"""
+
+
+class PluginHook:
+    def pytest_qreport_make_quantizer(self, name):
+        return pytest_qreport_make_quantizer(name)
+
+
+def analyze_with_checks(factory, batches, **settings):
+    """{(check, layer): Finding} of a model, as the plugin computes them, and the model's qcore analysis."""
+    registry = CheckRegistry()
+    for check in BUILTIN_CHECKS:
+        registry.register(check)
+    resolved = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, **settings)
+    pipeline = collect_model("m", resolved, registry, model_quantizer(resolved, PluginHook()), factory(), batches[0])
+    pipeline.analyze(lambda: batches, lambda found: None)
+    assert pipeline.findings is not None, pipeline.error
+    return pipeline.findings, pipeline.context.analysis
 
 
 # ---- torchao 0.18's reference numerics of each preset (tests/conftest.py imports torchao already)

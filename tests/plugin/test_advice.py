@@ -9,28 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pytest_qreport.checks import BUILTIN_CHECKS
-from pytest_qreport.core.pipeline import collect_model
-from pytest_qreport.core.quantizers import model_quantizer, pytest_qreport_make_quantizer
-from pytest_qreport.core.registry import CheckRegistry
-from pytest_qreport.core.settings import ModelSettings
-
-
-class _Hook:
-    def pytest_qreport_make_quantizer(self, name):
-        return pytest_qreport_make_quantizer(name)
-
-
-def _run(factory, batches, **settings):
-    """{(check, layer): Finding} of a model, as the plugin computes them, and the model's qcore analysis."""
-    registry = CheckRegistry()
-    for check in BUILTIN_CHECKS:
-        registry.register(check)
-    resolved = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, **settings)
-    pipeline = collect_model("m", resolved, registry, model_quantizer(resolved, _Hook()), factory(), batches[0])
-    pipeline.analyze(lambda: batches, lambda found: None)
-    assert pipeline.findings is not None, pipeline.error
-    return pipeline.findings, pipeline.context.analysis
+from tests.helpers import analyze_with_checks
 
 
 def _pasted(found):
@@ -87,7 +66,7 @@ def _features(seed=1, scales=None):
 
 def test_per_channel_fix_is_measured_and_works_when_pasted():
     batches = _features()
-    found, before = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["per_channel", "sqnr"])
+    found, before = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["per_channel", "sqnr"])
     verdicts = {layer: f.verdict for (check, layer), f in found.items() if check == "per_channel"}
     assert verdicts == {"layers.0": "pass", "layers.2": "fail", "layers.4": "pass", "layers.6": "pass"}
     # torch.ao's heuristic names all four; the three where the fix does not gain 1 dB pass with a note naming both
@@ -102,12 +81,12 @@ def test_per_channel_fix_is_measured_and_works_when_pasted():
     own_before, own_after, out_before, out_after = _claims(message)
     assert own_after - own_before >= 1.0 and out_after > out_before
     assert out_before == pytest.approx(_output_db(before), abs=0.005)
-    again, after = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["per_channel", "sqnr"], **fix)
+    again, after = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["per_channel", "sqnr"], **fix)
     assert again[("per_channel", "layers.2")].verdict == "pass" and again[("per_channel", "layers.2")].value == 1.0
     assert after.sqnr.layers["layers.2"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
     assert _output_db(after) == pytest.approx(out_after, abs=0.005)
     # the advice it replaces, quantizer='int8' (per-channel everywhere), was worse than this verified fix
-    _, everywhere = _run(wide_rows, batches, quantizer="int8", checks=["sqnr"])
+    _, everywhere = analyze_with_checks(wide_rows, batches, quantizer="int8", checks=["sqnr"])
     assert _output_db(everywhere) < _output_db(after)
 
 
@@ -118,7 +97,7 @@ def test_dynamic_fix_is_measured_and_works_when_pasted():
 
     # batches whose scales differ by 75x: one static range is too coarse for the quiet ones
     batches = _features(0, [0.02, 0.05, 1, 0.1, 0.03, 0.2, 0.04, 1.5])
-    found, before = _run(model, batches, checks=["dynamic_static"])
+    found, before = analyze_with_checks(model, batches, checks=["dynamic_static"])
     failing = {layer: f for (check, layer), f in found.items() if f.verdict == "fail"}
     assert failing, {k: (f.verdict, f.note) for k, f in found.items()}
     assert len({str(_pasted(f)) for f in failing.values()}) == 1  # one fix for the model, listing the layers it helps
@@ -126,7 +105,7 @@ def test_dynamic_fix_is_measured_and_works_when_pasted():
     fix = _pasted(next(iter(failing.values())))
     assert set(fix["layer_overrides"]) == set(failing)
     assert all(v == {"is_dynamic": True} for v in fix["layer_overrides"].values())
-    again, after = _run(model, batches, checks=["dynamic_static"], **fix)
+    again, after = analyze_with_checks(model, batches, checks=["dynamic_static"], **fix)
     for layer, finding in failing.items():
         own_before, own_after, out_before, out_after = _claims(finding.message)
         assert own_after - own_before >= 1.0
@@ -139,7 +118,7 @@ def test_outlier_heuristic_overruled_by_measurement_passes_with_a_note():
     batches = _features(3)
     for x in batches:
         x[5, 7] = 150.0  # rare spikes: clipping them costs more than the finer scale saves
-    found, analysis = _run(seeded_mlp, batches, checks=["outlier"], layers=["layers.0"])
+    found, analysis = analyze_with_checks(seeded_mlp, batches, checks=["outlier"], layers=["layers.0"])
     finding = found[("outlier", "layers.0")]
     assert finding.verdict == "pass" and finding.details["advised"] is False
     assert re.match(r"torch\.ao's outlier heuristic recommends a clipping \(histogram\) activation observer \(input "
@@ -168,7 +147,7 @@ def _sensor_batches():
 def test_equalization_fix_names_only_the_layers_it_helps_and_works_when_pasted():
     batches = _sensor_batches()
     checks = ["equalization", "input_weight_equalization", "model_sqnr"]
-    found, before = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=checks)
+    found, before = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=checks)
     failing = [layer for (check, layer), f in found.items() if check == "equalization" and f.verdict == "fail"]
     assert failing == ["layers.0"]
     message = found[("equalization", "layers.0")].message
@@ -186,18 +165,18 @@ def test_equalization_fix_names_only_the_layers_it_helps_and_works_when_pasted()
             assert iwe.verdict == "pass" and "measured" in iwe.note and "not recommended" in iwe.note
             assert iwe.details["advised"] is False
     own_before, own_after, out_before, out_after = _claims(message)
-    _, after = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=checks, **fix)
+    _, after = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=checks, **fix)
     assert _output_db(after) == pytest.approx(out_after, abs=0.005) and out_after > out_before
     assert after.sqnr.layers["layers.0"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
     for other in (["layers.0"], "smooth:search"):
-        _, alternative = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=["model_sqnr"], equalize=other)
+        _, alternative = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=["model_sqnr"], equalize=other)
         assert _output_db(alternative) < _output_db(after)
 
 
 def test_input_weight_equalization_items_fail_with_the_equalization_fix_when_it_helps():
     batches = _sensor_batches()
     checks = ["equalization", "input_weight_equalization"]
-    found, _ = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=checks, equalization_min_gain_db=0.3)
+    found, _ = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=checks, equalization_min_gain_db=0.3)
     iwe = {layer: f for (check, layer), f in found.items() if check == "input_weight_equalization"}
     failing = [layer for layer, f in iwe.items() if f.verdict == "fail"]
     assert failing and all(f.note for layer, f in iwe.items() if layer not in failing and f.details["recommended"])
@@ -206,7 +185,7 @@ def test_input_weight_equalization_items_fail_with_the_equalization_fix_when_it_
                     if check == "equalization" and f.verdict == "fail"}
     assert fixes == equalization  # both checks print the same measured fix
     fix = _pasted(iwe[failing[0]])
-    _, after = _run(sensor_mlp, batches, quantizer="int8_histogram", checks=["model_sqnr"], **fix)
+    _, after = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=["model_sqnr"], **fix)
     for layer in failing:
         own_before, own_after, out_before, out_after = _claims(iwe[layer].message)
         assert own_after - own_before >= 0.3
@@ -226,7 +205,7 @@ def _fixes(message):
 
 def test_sqnr_fixes_are_listed_only_when_measured_and_work_when_pasted():
     batches = _features()
-    found, before = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr", "weight_sqnr"],
+    found, before = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr", "weight_sqnr"],
                          sqnr_min_db=45, weight_sqnr_min_db=45, layers=["layers.2"])
     message = found[("sqnr", "layers.2")].message
     listed = _fixes(message)
@@ -235,13 +214,13 @@ def test_sqnr_fixes_are_listed_only_when_measured_and_work_when_pasted():
     layer_before, layer_after = (float(v) for v in re.search(r"its SQNR ([\d.]+) -> ([\d.]+) dB", claim).groups())
     out_before, out_after = (float(v) for v in re.search(r"model output ([\d.]+) -> ([\d.]+) dB", claim).groups())
     assert layer_after > layer_before and out_after > out_before
-    _, after = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr"], **fix)
+    _, after = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr"], **fix)
     assert after.sqnr.layers["layers.2"].sqnr_db == pytest.approx(layer_after, abs=0.005)
     assert _output_db(after) == pytest.approx(out_after, abs=0.005)
     claim, fix = listed["keeping it in float"]
     assert fix == {"float_layers": ["layers.2"]}
     out_before, out_after = (float(v) for v in re.search(r"model output ([\d.]+) -> ([\d.]+) dB", claim).groups())
-    _, in_float = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr"], **fix)
+    _, in_float = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr"], **fix)
     assert "layers.2" not in [entry.layer for entry in in_float.layers]
     assert _output_db(in_float) == pytest.approx(out_after, abs=0.005)
     assert out_after > out_before
@@ -249,7 +228,7 @@ def test_sqnr_fixes_are_listed_only_when_measured_and_work_when_pasted():
     weight = _fixes(found[("weight_sqnr", "layers.2")].message)
     claim, fix = weight["per-channel weights"]
     weight_after = float(re.search(r"its weight SQNR [\d.]+ -> ([\d.]+) dB", claim).group(1))
-    _, after = _run(wide_rows, batches, quantizer="int8_per_tensor", checks=["weight_sqnr"], **fix)
+    _, after = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["weight_sqnr"], **fix)
     assert after.sqnr.layers["layers.2"].weight_sqnr_db == pytest.approx(weight_after, abs=0.005)
 
 
@@ -263,7 +242,7 @@ def test_a_fix_that_lowers_the_output_is_not_printed():
 
 
 def test_the_sqnr_fix_search_can_be_turned_off_for_big_models():
-    found, analysis = _run(wide_rows, _features(), quantizer="int8_per_tensor", checks=["sqnr", "weight_sqnr"],
+    found, analysis = analyze_with_checks(wide_rows, _features(), quantizer="int8_per_tensor", checks=["sqnr", "weight_sqnr"],
                            sqnr_min_db=45, weight_sqnr_min_db=45, layers=["layers.2"],
                            check_options={"sqnr": {"fix": False}, "weight_sqnr": {"fix": False}})
     assert found[("sqnr", "layers.2")].message.endswith("(no fix was measured: check_options={'sqnr': {'fix': "
@@ -277,14 +256,14 @@ def test_outlier_fix_is_printed_when_measured_to_help_and_works_when_pasted():
     for x in batches:
         x[5, 7] = 10.0  # a moderate spike: clipping it costs less than the finer scale saves (+0.27 dB)
     settings = {"checks": ["outlier", "sqnr"], "layers": ["layers.0"], "outlier_min_gain_db": 0.1}
-    found, before = _run(seeded_mlp, batches, **settings)
+    found, before = analyze_with_checks(seeded_mlp, batches, **settings)
     finding = found[("outlier", "layers.0")]
     assert finding.verdict == "fail", finding.note
     fix = _pasted(finding.message)
     assert fix == {"layer_overrides": {"layers.0": {"activation_observer": "histogram"}}}
     own_before, own_after, out_before, out_after = _claims(finding.message)
     assert own_after - own_before >= 0.1 and out_after > out_before
-    again, after = _run(seeded_mlp, batches, **settings, **fix)
+    again, after = analyze_with_checks(seeded_mlp, batches, **settings, **fix)
     assert again[("outlier", "layers.0")].verdict == "pass"  # the layer's observer clips now
     assert after.sqnr.layers["layers.0"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
     assert _output_db(after) == pytest.approx(out_after, abs=0.005)
@@ -312,7 +291,7 @@ def test_screened_fixes_give_the_same_findings_with_one_trial_fewer(monkeypatch)
 
     batches = _features()
     settings = {"quantizer": "int8_per_tensor", "checks": ["per_channel", "dynamic_static", "outlier", "sqnr"]}
-    screened, with_screens = _run(wide_rows, batches, **settings)
+    screened, with_screens = analyze_with_checks(wide_rows, batches, **settings)
     assert {s.name for s in with_screens.plan.screens} == {"per_channel", "dynamic_static", "outlier"}
     # only the outlier fix adds activation observers: they watch the model's calibration pass ahead of its verdict
     ahead = {s.name: dict(s.ahead) for s in with_screens.plan.screens}
@@ -320,7 +299,7 @@ def test_screened_fixes_give_the_same_findings_with_one_trial_fewer(monkeypatch)
     assert ahead["outlier"] and \
         all(change == {"activation_observer": "histogram"} for change in ahead["outlier"].values())
     monkeypatch.setattr(pipelines, "LARGE_MODEL_BYTES", 0)  # a big model's fixes are tried one at a time
-    tried, without = _run(wide_rows, batches, **settings)
+    tried, without = analyze_with_checks(wide_rows, batches, **settings)
     assert not without.plan.screens
     as_text = {key: json.dumps(f.to_dict(), sort_keys=True) for key, f in screened.items()}
     assert as_text == {key: json.dumps(f.to_dict(), sort_keys=True) for key, f in tried.items()}

@@ -19,8 +19,7 @@ from qcore.observe.observers import MinMaxObserver, PerChannelMinMaxObserver
 from qcore.quantization.convert import fake_quantize_over_input, fake_quantize_with, quantize_weights_where_read
 from qcore.report.detectors import OutlierDetector, PerChannelDetector
 from qcore.search.sensitivity import SwitchableModel
-
-from .models import tiny_llama
+from tests.models import tiny_llama
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 

@@ -12,7 +12,7 @@ from pytest_qreport.checks.detectors import OutlierCheck
 from pytest_qreport.core.findings import Finding
 from pytest_qreport.reports.terminal import render_summary
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_fragile_gets_one_fix_on_every_item(tmp_path):

@@ -7,8 +7,7 @@ from torch import nn
 from pytest_qreport.checks import BUILTIN_CHECKS
 from pytest_qreport.core.layer_cache import LayerCache, model_cache_key
 from pytest_qreport.core.settings import ModelSettings
-
-from .test_plugin import CONFTEST, SQNR_ONLY
+from tests.helpers import PLUGIN_CONFTEST, SQNR_ONLY
 
 COUNT_CAPTURES = """
 
@@ -37,7 +36,7 @@ def other():
 
 
 def _project(pytester, model_width=16):
-    source = CONFTEST.replace("{options}", "").replace("{extra}", COUNT_CAPTURES)
+    source = PLUGIN_CONFTEST.replace("{options}", "").replace("{extra}", COUNT_CAPTURES)
     pytester.makeconftest(source.replace("nn.Linear(8, 16)", f"nn.Linear(8, {model_width})")
                           .replace("nn.Linear(16, 4)", f"nn.Linear({model_width}, 4)"))
     pytester.makeini("[pytest]\n" + SQNR_ONLY)
@@ -94,8 +93,8 @@ def test_a_model_past_the_share_of_the_budget_for_held_captures_is_captured_agai
 
 
 def test_under_xdist_each_model_is_built_once_at_collection_cold_warm_and_without_a_cache(pytester):
-    from .test_memory_budget import CONFTEST as TWO_MODELS
-    from .test_memory_budget import EVENTS
+    from tests.helpers import BUDGET_CONFTEST as TWO_MODELS
+    from tests.helpers import BUDGET_EVENTS as EVENTS
 
     source = TWO_MODELS.replace("    torch.manual_seed(0)\n", "    log('build wide')\n    torch.manual_seed(0)\n")
     pytester.makeconftest(source.replace("    torch.manual_seed(1)\n", "    log('build narrow')\n    torch.manual_seed(1)\n")

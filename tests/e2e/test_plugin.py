@@ -4,38 +4,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tests.helpers import TINY_SOURCE, outcomes, summary_section
-
-CONFTEST = TINY_SOURCE + '''
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x):
-        if x.sum() > 0:
-            return self.fc(x)
-        return x
-
-
-@pytest.fixture
-def batches():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(16, 8, generator=g) for _ in range(4)]
-
-
-@pytest.fixture
-def wrong_batches():
-    return [torch.randn(16, 8), torch.randn(16, 5)]
-
-
-@qmodel(calibration="batches", {options})
-def tiny():
-    torch.manual_seed(0)
-    return Tiny().eval()
-{extra}
-'''
+from tests.helpers import PLUGIN_CONFTEST, SQNR_ONLY, outcomes, summary_section
 
 BROKEN_CAPTURE = '''
 
@@ -53,11 +22,10 @@ def tiny_bad_data():
 '''
 
 
-SQNR_ONLY = "qreport_checks = sqnr,weight_sqnr,model_sqnr\n"
 
 
 def _project(pytester, options="", extra="", ini=SQNR_ONLY):
-    pytester.makeconftest(CONFTEST.replace("{options}", options).replace("{extra}", extra))
+    pytester.makeconftest(PLUGIN_CONFTEST.replace("{options}", options).replace("{extra}", extra))
     if ini:
         pytester.makeini("[pytest]\n" + ini)
     return pytester

@@ -8,8 +8,7 @@ from torch import fx, nn
 import qcore
 from qcore.search.resume import ResumableGraph, last_writes
 from qcore.search.sensitivity import SwitchableModel, find_float_layers, layer_sensitivity
-
-from .models import SmallCNN, batches, tiny_llama
+from tests.models import SmallCNN, batches, tiny_llama
 
 
 class _Residual(nn.Module):

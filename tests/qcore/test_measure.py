@@ -27,8 +27,7 @@ from qcore.report import InputWeightEqualizationDetector, OutlierDetector
 from qcore.report.detectors import DynamicStaticDetector
 from qcore.rewrites.equalize import equalize
 from qcore.rewrites.smoothing import smooth
-
-from .models import SmallCNN, SmallMLP
+from tests.models import SmallCNN, SmallMLP
 
 
 class SkewedMLP(nn.Module):

@@ -22,8 +22,7 @@ from qcore.report.detectors import (
 )
 from qcore.rewrites.equalize import equalize
 from qcore.rewrites.smoothing import smooth
-
-from .models import SmallMLP, tiny_llama
+from tests.models import SmallMLP, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,8 +10,7 @@ from qcore.analysis import ModelAnalysis
 from qcore.observe.observers import MinMaxObserver
 from qcore.quantization.calibrated import CalibratedObservers
 from qcore.quantization.quantizer import Int8StaticQuantizer, with_layer_overrides
-
-from .models import SmallMLP, batches
+from tests.models import SmallMLP, batches
 
 
 @pytest.fixture

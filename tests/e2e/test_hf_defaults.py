@@ -15,7 +15,7 @@ from qcore.quantization.format_quantizer import FormatQuantizer
 
 transformers = pytest.importorskip("transformers")
 
-ZOO = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "hf_zoo"
+ZOO = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "hf_zoo"
 
 
 def _architectures():

@@ -8,7 +8,7 @@ from torch import nn
 
 from pytest_qreport.core.memory import ANALYSIS_FACTOR, MemoryLedger, estimated_analysis_bytes
 from pytest_qreport.core.schema import byte_size
-from tests.helpers import BUDGET_CONFTEST
+from tests.helpers import BUDGET_CONFTEST, BUDGET_EVENTS
 
 
 def test_sizes_parse_with_decimal_and_binary_units_and_auto():
@@ -76,21 +76,6 @@ def test_two_models_that_fit_the_budget_only_one_at_a_time_both_run_under_xdist(
     result.assert_outcomes(passed=4)
 
 
-EVENTS = """
-
-import os
-import time
-
-
-def log(event):
-    with open(os.path.join(os.path.dirname(__file__), "events.txt"), "a") as events:
-        events.write(event + "\\n")
-
-
-def pytest_qreport_modify_findings(model, findings):
-    log(f"analysed {model}")
-    return None
-"""
 
 
 def test_a_worker_that_waits_for_memory_has_not_built_its_model_yet(pytester):
@@ -100,7 +85,7 @@ def test_a_worker_that_waits_for_memory_has_not_built_its_model_yet(pytester):
                               "nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)")
     source = source.replace("    torch.manual_seed(0)\n", "    log('build wide')\n    torch.manual_seed(0)\n")
     source = source.replace("    torch.manual_seed(1)\n", "    log('build narrow')\n    torch.manual_seed(1)\n")
-    pytester.makeconftest(source + EVENTS)
+    pytester.makeconftest(source + BUDGET_EVENTS)
     result = pytester.runpytest_subprocess("--qreport", "-p", "no:randomly", "-p", "xdist", "-n", "2",
                                            "--qreport-memory-budget=3.5MiB")
     result.assert_outcomes(passed=4)
