@@ -224,9 +224,8 @@ class QReport:
                 **settings: Any) -> QReportResult:
         """Capture, calibrate, quantize and check `model` once; other qmodel() settings go in `settings`."""
         from ..core.errors import QReportModelError
-        from ..core.pipeline import collect_model
-        from ..core.quantizers import model_quantizer
-        from ..core.settings import model_schema, resolve_settings, session_settings
+        from ..core.pipeline import analyze_in_session, collect_model, settings_and_quantizer
+        from ..core.settings import model_schema, session_settings
 
         config, node = self._request.config, self._request.node
         name = name or getattr(node, "originalname", None) or node.name
@@ -247,14 +246,14 @@ class QReport:
                  "equalize": equalize, "checks": checks, **settings}
         declaration = ModelDeclaration(name=name, factory=lambda: model, source_file=str(self._request.path),
                                        settings={key: value for key, value in given.items() if value is not None})
-        resolved = resolve_settings(session, declaration, registry)
-        pipeline = collect_model(name, resolved, registry, model_quantizer(resolved, config.hook), model,
+        resolved, quantizer = settings_and_quantizer(declaration, session, registry, config.hook)
+        pipeline = collect_model(name, resolved, registry, quantizer, model,
                                  batches[0] if example_inputs is None else example_inputs)
         pipeline.baseline_path = str(baseline_path(self._request.path.parent, name, session["baseline"]["dir"]))
-        hook = node.ihook
-        pipeline.analyze(lambda: batches, lambda found: hook.pytest_qreport_modify_findings(model=name, findings=found),
-                         threads=session["threads"],
-                         resolve=lambda source: as_batches(resolve_source(source, self._request.getfixturevalue)))
+        resolve = self._request.getfixturevalue
+        # judged by the result's assertions (assert_baseline), not when analysed
+        analyze_in_session(pipeline, lambda: batches, node.ihook, session,
+                           lambda source: as_batches(resolve_source(source, resolve)), judge=False)
         if pipeline.failed:
             raise QReportModelError(pipeline.error) from pipeline.error_cause
         assert pipeline.findings is not None

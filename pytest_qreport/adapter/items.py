@@ -21,11 +21,9 @@ from ..core.layer_cache import model_cache_key
 from ..core.memory import ANALYSIS_FACTOR, MemoryLedger, budgeted_estimate, holds_capture, on_accelerator
 from ..core.nodeids import item_name, model_scope
 from ..core.numbers import printable
-from ..core.pipeline import ModelPipeline, Stage, collect_model
-from ..core.quantizers import model_quantizer
+from ..core.pipeline import ModelPipeline, Stage, analyze_in_session, collect_model, settings_and_quantizer
 from ..core.results import ModelFacts
 from ..core.runtime import torch_threads, young_garbage_collection
-from ..core.settings import resolve_settings
 from ..xdist.crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_crash
 from .progress import AnalysisProgress
 from .state import STATE_KEY
@@ -138,8 +136,7 @@ class QReportFile(pytest.File):
         try:
             if declaration.error:
                 raise ValueError(declaration.error)
-            settings = resolve_settings(session_settings, declaration, registry)
-            quantizer = model_quantizer(settings, self.ihook)
+            settings, quantizer = settings_and_quantizer(declaration, session_settings, registry, self.ihook)
         except ValueError as error:
             text = str(error)
             return ModelPipeline(name).collection_failed(text if f"'{name}'" in text else f"model {name!r}: {text}")
@@ -329,14 +326,11 @@ class QReportItem(pytest.Function):
                 pipeline.analysis_failed(refusal)
                 return
             reserve(estimate + (pipeline.parameter_bytes or 0))
-        hook = self.ihook
         progress = AnalysisProgress(self, pipeline.name)
         with analysis_guard(crash_dir, self.model_key, worker_id):
-            pipeline.analyze(lambda: self._calibration_batches(pipeline, request),
-                             lambda found: hook.pytest_qreport_modify_findings(model=pipeline.name, findings=found),
-                             threads=settings["threads"], baseline=settings["baseline"],
-                             resolve=lambda source: as_batches(resolve_source(source, request.getfixturevalue)),
-                             progress=progress)
+            analyze_in_session(pipeline, lambda: self._calibration_batches(pipeline, request), self.ihook, settings,
+                               lambda source: as_batches(resolve_source(source, request.getfixturevalue)),
+                               progress=progress)
         progress.done(pipeline.seconds)
 
     def _capture_recalled(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> None:

@@ -25,8 +25,8 @@ from .results import ModelFacts
 from .runtime import quiet_torch_trace_log, torch_threads, young_garbage_collection
 from .settings import ModelSettings
 
-__all__ = ["ModelPipeline", "Stage", "collect_model", "fingerprint", "format_refusal_message", "on_device",
-           "select_layers"]
+__all__ = ["ModelPipeline", "Stage", "analyze_in_session", "collect_model", "fingerprint", "format_refusal_message",
+           "on_device", "select_layers", "settings_and_quantizer"]
 
 
 class Stage(enum.Enum):
@@ -235,6 +235,28 @@ def format_refusal_message(model: str, layer: Any) -> str:
     return (f"model {model!r}, layer {layer.layer}: it cannot be quantized as {layer.format_refusal}. Nothing is "
             f"skipped silently: give it a format that fits with layer_formats={{{layer.layer!r}: {fitting!r}}}, or "
             f"keep it in float with layer_formats={{{layer.layer!r}: 'float'}}.")
+
+
+def settings_and_quantizer(declaration: Any, session: dict[str, Any], registry: CheckRegistry,
+                           hook: Any) -> tuple[ModelSettings, Any]:
+    """declared: a model's effective settings (command line, qmodel, ini, defaults) and its quantizer, as the items
+    and the `qreport` fixture both take them; ValueError naming the problem."""
+    from .quantizers import model_quantizer
+    from .settings import resolve_settings
+
+    settings = resolve_settings(session, declaration, registry)
+    return settings, model_quantizer(settings, hook)
+
+
+def analyze_in_session(pipeline: ModelPipeline, batches: Callable[[], Iterable[Any]], hook: Any,
+                       session: dict[str, Any], resolve: Callable[[Any], list[Any]], *, judge: bool = True,
+                       progress: Any = None) -> None:
+    """collected -> analysed (-> judged against its baseline when `judge`): the session's thread count, the
+    pytest_qreport_modify_findings hook, and `resolve` for the model's other batch settings, as the items and the
+    `qreport` fixture both run it."""
+    pipeline.analyze(batches, lambda found: hook.pytest_qreport_modify_findings(model=pipeline.name, findings=found),
+                     threads=session["threads"], baseline=session["baseline"] if judge else None, resolve=resolve,
+                     progress=progress)
 
 
 def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, quantizer: Any, model: Any,
