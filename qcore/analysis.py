@@ -57,10 +57,10 @@ from qcore.runtime.progress import StageTimes, stage, tracked
 from qcore.search.sensitivity import with_float_layers
 
 __all__ = ["MEASUREMENTS", "AnalysisPlan", "BlockwiseError", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis",
-           "OutputSqnr", "QuantizedLayer", "Screen", "SqnrMeasurement", "StageTimes", "VariantSqnr", "analyze_model",
-           "calibration_digest", "describe", "matches_layer", "measure_sqnr", "model_device", "move_to",
-           "quantize_weights_where_read", "quantized_layers", "smoothing_alpha", "split_into_blocks", "stage",
-           "tracked", "with_float_layers", "with_layer_overrides"]
+           "OutputSqnr", "QuantizedLayer", "Screen", "SharedMeasurements", "SqnrMeasurement", "StageTimes",
+           "VariantSqnr", "analyze_model", "calibration_digest", "describe", "matches_layer", "measure_sqnr",
+           "model_device", "move_to", "quantize_weights_where_read", "quantized_layers", "smoothing_alpha",
+           "split_into_blocks", "stage", "tracked", "with_float_layers", "with_layer_overrides"]
 # the plugin reads qcore through this module, qcore itself, qcore.report and qcore.numeric only (an import-linter
 # contract): the names above that live deeper are re-exported for it
 
@@ -173,6 +173,18 @@ _UNKNOWN = _Unknown()
 _KEEP: Any = object()  # variant(): keep the analysis's own equalize recipe
 
 
+@dataclass(frozen=True)
+class SharedMeasurements:
+    """What a variant of a model's analysis takes from the analysis it varies: the layers it measures (None: every
+    one), the determinism found for the same float model, the rewrite scales measured on the same graph and
+    batches, and the calibrated observers when it quantizes the same float graph (None: its own)."""
+
+    focus: frozenset[str] | None
+    nondeterminism: Any
+    rewrite_scales: Mapping[tuple[str, str], tuple[Any, torch.Tensor]]
+    observers: CalibratedObservers | None
+
+
 class ModelAnalysis:
     """Measures one captured model once; every measurement is computed on first use and kept.
 
@@ -188,7 +200,9 @@ class ModelAnalysis:
 
     def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer | None = None,
                  batches: Iterable[Any] | None = None, *, equalize: Any = None, plan: AnalysisPlan | None = None,
-                 layers: Iterable[QuantizedLayer] | None = None, blockwise: bool | str = False) -> None:
+                 layers: Iterable[QuantizedLayer] | None = None, blockwise: bool | str = False,
+                 shared: SharedMeasurements | None = None) -> None:
+        """`shared`: what a variant takes from the analysis it varies (see variant()); None for a model's own."""
         self.float_gm = float_gm
         self.quantizer = quantizer or Int8StaticQuantizer()
         self.equalize_recipe = equalize
@@ -196,16 +210,18 @@ class ModelAnalysis:
         self.plan = plan or AnalysisPlan()
         self._batches = None if batches is None else list(batches)
         self._known_layers = None if layers is None else list(layers)
-        self._nondeterminism: Nondeterminism | None | _Unknown = _UNKNOWN
+        self._nondeterminism: Nondeterminism | None | _Unknown = _UNKNOWN if shared is None else shared.nondeterminism
         self._sensitivity: dict[tuple, Any] = {}
         self._fixes: dict[tuple, Any] = {}
         self._variants: dict[str, ModelAnalysis] = {}
         self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
-        self._keeps_graphs = True  # a variant drops its equalized graph once measured (a copy of the weights)
-        self._observers = CalibratedObservers()  # shared with the variants that quantize the same float graph
-        self._focus: frozenset[str] | None = None  # a variant's only measured layers (see variant())
+        self._keeps_graphs = shared is None  # a variant drops its equalized graph once measured (a copy of the weights)
+        # shared with the variants that quantize the same float graph
+        self._observers = CalibratedObservers() if shared is None or shared.observers is None else shared.observers
+        self._focus: frozenset[str] | None = None if shared is None else shared.focus  # a variant's measured layers
         # {(method, layer): (alpha, s)} of equalization/smoothing rewrites measured on this float graph and batches
-        self._rewrite_scales: Mapping[tuple[str, str], tuple[Any, torch.Tensor]] = {}
+        self._rewrite_scales: Mapping[tuple[str, str], tuple[Any, torch.Tensor]] = \
+            {} if shared is None else shared.rewrite_scales
 
     def planned(self, plan: AnalysisPlan) -> ModelAnalysis:
         """The same model's analysis, to measure what `plan` names in one calibration and one comparison pass
@@ -231,13 +247,12 @@ class ModelAnalysis:
         key = repr((describe(quantizer), describe(recipe), None if focus is None else sorted(focus)))
         if key not in self._variants:
             self.require_deterministic()
-            variant = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe, blockwise=self.blockwise)
-            variant._keeps_graphs, variant._focus = False, focus
-            variant._nondeterminism = self._nondeterminism  # the same float model, found deterministic
-            variant._rewrite_scales = self._measured_rewrite_scales()
-            if describe(recipe) == describe(self.equalize_recipe):  # the same float graph is quantized
-                variant._observers = self._observers
-            self._variants[key] = variant
+            same_graph = describe(recipe) == describe(self.equalize_recipe)  # the same float graph is quantized
+            shared = SharedMeasurements(focus=focus, nondeterminism=self._nondeterminism,
+                                        rewrite_scales=self._measured_rewrite_scales(),
+                                        observers=self._observers if same_graph else None)
+            self._variants[key] = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe,
+                                                blockwise=self.blockwise, shared=shared)
         return self._variants[key]
 
     @property
