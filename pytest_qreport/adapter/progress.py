@@ -3,6 +3,7 @@ lines elsewhere (CI logs, pytest-xdist workers), and its time per stage once it 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -15,6 +16,15 @@ __all__ = ["AnalysisProgress"]
 
 _LIVE_AFTER, _LIVE_INTERVAL = 1.0, 0.1  # a fast analysis shows nothing; then a rewrite every 0.1 s at most
 _PLAIN_AFTER, _PLAIN_INTERVAL = 5.0, 10.0  # plain lines (CI logs) for slow analyses only, and few of them
+# seconds an analysis runs before it shows progress (both kinds): QREPORT_PROGRESS_AFTER=0 shows every analysis
+AFTER_VARIABLE = "QREPORT_PROGRESS_AFTER"
+
+
+def _after(default: float) -> float:
+    try:
+        return float(os.environ[AFTER_VARIABLE])
+    except (KeyError, ValueError):
+        return default
 
 
 class AnalysisProgress:
@@ -30,6 +40,7 @@ class AnalysisProgress:
         quiet = config.get_verbosity() < 0
         self.live = bool(self.terminal is not None and not self.worker and not quiet and self.terminal.isatty())
         self.plain = not self.live and not quiet
+        self.live_after, self.plain_after = _after(_LIVE_AFTER), _after(_PLAIN_AFTER)
         self.start = time.perf_counter()
         self.shown = -1.0  # when a line was last shown (never yet)
         self.last_stage = ""
@@ -38,11 +49,11 @@ class AnalysisProgress:
         now = time.perf_counter()
         where = " > ".join(stages)
         if self.live:
-            if now - self.start >= _LIVE_AFTER and (self.shown < 0 or now - self.shown >= _LIVE_INTERVAL):
+            if now - self.start >= self.live_after and (self.shown < 0 or now - self.shown >= _LIVE_INTERVAL):
                 batches = f", batch {done}/{total}" if total else f", batch {done}" if done else ""
                 self._rewrite(f"qreport: {self.model}: {where}{batches} ({now - self.start:.1f} s)")
                 self.shown = now
-        elif self.plain and now - self.start >= _PLAIN_AFTER and \
+        elif self.plain and now - self.start >= self.plain_after and \
                 (self.shown < 0 or (stages[0] != self.last_stage and now - self.shown >= _PLAIN_INTERVAL)):
             self._line(f"qreport: {self.model}: {where} ({now - self.start:.1f} s)")
             self.shown = now

@@ -25,14 +25,12 @@ def tiny():
 
 
 def test_a_slow_analysis_shows_its_stage_and_its_time(pytester, monkeypatch):
-    from pytest_qreport.adapter import progress
-
-    monkeypatch.setattr(progress, "_PLAIN_AFTER", 0.0)  # as if every analysis were slow
+    monkeypatch.setenv("QREPORT_PROGRESS_AFTER", "0")  # as if every analysis were slow
     pytester.makeconftest(PROJECT)
-    result = pytester.runpytest_inprocess("--qreport", "-p", "no:cacheprovider", "--qreport-checks=sqnr")
+    result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-checks=sqnr")
     result.stdout.fnmatch_lines(["qreport: tiny: calibration (*s)", "qreport: tiny analysed in * s*",
                                  "conftest.py F*"])
-    quiet = pytester.runpytest_inprocess("--qreport", "-p", "no:cacheprovider", "--qreport-checks=sqnr", "-q")
+    quiet = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-checks=sqnr", "-q")
     assert "qreport: tiny:" not in quiet.stdout.str()
 
 
@@ -86,13 +84,9 @@ def test_distinguishing_decimals_stop_at_four():
     assert distinguishing_decimals("sqnr_db", 35.446, 20.0, 35.45, -0.004) == 2
 
 
-def test_xdist_workers_print_plain_progress_lines(pytester):
-    pytester.makeconftest(PROJECT + '''
-
-import pytest_qreport.adapter.progress as _progress
-
-_progress._PLAIN_AFTER = 0.0  # in every process, workers included: as if every analysis were slow
-''')
+def test_xdist_workers_print_plain_progress_lines(pytester, monkeypatch):
+    monkeypatch.setenv("QREPORT_PROGRESS_AFTER", "0")  # workers inherit it: as if every analysis were slow
+    pytester.makeconftest(PROJECT)
     result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-checks=sqnr", "-n", "2")
     output = result.stdout.str() + result.stderr.str()
     assert re.search(r"\[gw[01]\] qreport: tiny: calibration \(\d+\.\d s\)", output), output
