@@ -74,7 +74,7 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     mapped: list[int] = []
     monkeypatch.setattr(runtime, "_set_mmap_threshold", mapped.append)
     where_read: list[bool] = []
-    converting = importlib.import_module("qcore.quantization.convert")  # qcore.quantization.convert is the function
+    converting = importlib.import_module("qcore.analysis")  # where the plugin reads it
     original = converting.quantize_weights_where_read
 
     def recorded_where_read(enabled=True):

@@ -49,7 +49,7 @@ def test_weight_sqnr_and_sqnr_equal_torchaos_reference(name, monkeypatch):
         _sqnr(float((weight.double() ** 2).sum()), float(((weight - reference_weight).double() ** 2).sum())), abs=0.02)
     chosen = PRESETS[name]
     if chosen.activation is not None:  # a static scale's amax is the calibration's
-        import tests.test_presets as references
+        import tests.helpers as references
 
         monkeypatch.setattr(references, "CALIBRATION_AMAX", torch.stack([b.abs().amax() for b in batches]).amax())
     signal = noise = 0.0

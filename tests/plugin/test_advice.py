@@ -335,7 +335,7 @@ def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():
 
 def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_a_pass_of_its_own(monkeypatch):
     import qcore
-    from qcore import screens as screens_module
+    from qcore.measure import screens as screens_module
     from qcore.analysis import AnalysisPlan, ModelAnalysis
     from qcore.measure.screens import Screen
     from qcore.report import OutlierDetector
