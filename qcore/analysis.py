@@ -193,9 +193,8 @@ class ModelAnalysis:
     The model as quantized is the equalized one when `equalize` is set.
     blockwise: True (or the module path of a stack of blocks, "model.layers") measures one block at a time
     (qcore.measure.blockwise): the same numbers, with one block's quantized copy in memory at a time. What needs the
-    whole
-    model quantized at once (sensitivity, float-layer and format searches, the quantized model itself) then raises
-    BlockwiseUnsupported.
+    whole model quantized at once (sensitivity, float-layer and format searches, the quantized model itself) then
+    raises BlockwiseUnsupported.
     """
 
     def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer | None = None,

@@ -3,11 +3,10 @@
 A fix is one qmodel() keyword with its whole value, merged with the model's own (`Fix.paste()` is the text to
 paste). `try_fix` measures the model with it, exactly as the pasted settings would, in one more calibration and
 comparison pass (kept per configuration by the qcore analysis), of the layers the fix concerns and the outputs:
-a trial's other layers are nan. `verify` tries a fix on the layers a heuristic
-names (or takes their own SQNR with it from the model's comparison pass: qcore.measure.screens), keeps the layers where
-it
-helps by at least the check's minimum gain, measures that smaller fix again, and recommends it only when the
-model's output SQNR does not fall.
+a trial's other layers are nan. `verify` tries a fix on the layers a heuristic names (or takes their own SQNR
+with it from the model's comparison pass: qcore.measure.screens), keeps the layers where it helps by at least the
+check's minimum gain, measures that smaller fix again, and recommends it only when the model's output SQNR does
+not fall.
 """
 from __future__ import annotations
 

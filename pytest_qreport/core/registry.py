@@ -107,8 +107,7 @@ class Check(ABC):
 
     def screen(self, model: ModelContext, layers: list[str]) -> Any | None:
         """A qcore.measure.screens.Screen whose fix the comparison pass measures on the layers the check's detector
-        names
-        among its items `layers`, so that its advice needs no trial of the whole list (default: None)."""
+        names among its items `layers`, so that its advice needs no trial of the whole list (default: None)."""
         return None
 
     @abstractmethod

@@ -198,7 +198,7 @@ def _erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
         current = pending.pop()
         if current.users or current.op not in ("call_function", "get_attr"):
             continue
-        inputs = [n for n in current.all_input_nodes]
+        inputs = list(current.all_input_nodes)
         gm.graph.erase_node(current)
         pending.extend(inputs)
 
@@ -247,7 +247,7 @@ def _transposed_parameter(node: object) -> fx.Node | None:
     value = source.meta.get("val")
     if value is None or getattr(value, "dim", lambda: 0)() != 2:
         return None
-    target, rest = node.target, [a for a in node.args[1:]]
+    target, rest = node.target, list(node.args[1:])
     if target in (aten.t.default, aten.numpy_T.default, torch.t) or \
             (target is aten.transpose.int and sorted(int(a) % 2 for a in rest) == [0, 1]) or \
             (target is aten.permute.default and [int(a) % 2 for a in rest[0]] == [1, 0]):

@@ -1,7 +1,6 @@
-"""A quantizer for the deployed formats (qcore.formats.presets): it annotates each weighted layer (linear, conv) with
-its
-preset's weight format and, unless the preset is weight-only, its activation format on the layer's input. Layer
-outputs stay in float: the next layer quantizes its own input, as deployed kernels do.
+"""A quantizer for the deployed formats (qcore.formats.presets): it annotates each weighted layer (linear, conv,
+addmm) with its preset's weight format and, unless the preset is weight-only, its activation format on the layer's
+input. Layer outputs stay in float: the next layer quantizes its own input, as deployed kernels do.
 
 Prepare gives each annotated tensor a FormatObserver: a static activation scale (FP8 per tensor, NVFP4's global
 scale) needs the calibration amax, which it keeps as it streams; dynamic formats and weights need nothing (their

@@ -274,9 +274,8 @@ def smooth(gm: fx.GraphModule, calibration: Iterable[Any], alpha: float | str = 
     The copy's meta["qcore_smoothing"] lists each group ({"layers", "producer", "producer_name", "alpha"}),
     meta["qcore_smoothing_refused"] the layers left alone with the reason. deferred=True: the rewritten weights are
     computed when needed (qcore.graph.deferred), not held. `searched`: {("smoothing", layer): (alpha, s)} found on the
-    same
-    graph and batches before (a measurement's rewrite_scales); with alpha="search" and every group's layers in it,
-    no calibration pass observes the groups again.
+    same graph and batches before (a measurement's rewrite_scales); with alpha="search" and every group's layers in
+    it, no calibration pass observes the groups again.
     """
     if alpha != "search" and not (isinstance(alpha, (int, float)) and 0 <= float(alpha) <= 1):
         raise ValueError(f"alpha must be a number in [0, 1] or 'search', not {alpha!r}")
