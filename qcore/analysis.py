@@ -57,7 +57,7 @@ from qcore.runtime.progress import StageTimes, stage, tracked
 from qcore.search.sensitivity import with_float_layers
 
 __all__ = ["MEASUREMENTS", "AnalysisPlan", "BlockwiseError", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis",
-           "OutputSqnr", "QuantizedLayer", "Screen", "SharedMeasurements", "SqnrMeasurement", "StageTimes",
+           "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes",
            "VariantSqnr", "analyze_model", "calibration_digest", "describe", "matches_layer", "measure_sqnr",
            "model_device", "move_to", "quantize_weights_where_read", "quantized_layers", "smoothing_alpha",
            "split_into_blocks", "stage", "tracked", "with_float_layers", "with_layer_overrides"]
@@ -173,20 +173,72 @@ _UNKNOWN = _Unknown()
 _KEEP: Any = object()  # variant(): keep the analysis's own equalize recipe
 
 
-@dataclass(frozen=True)
-class SharedMeasurements:
-    """What a variant of a model's analysis takes from the analysis it varies: the layers it measures (None: every
-    one), the determinism found for the same float model, the rewrite scales measured on the same graph and
-    batches, and the calibrated observers when it quantizes the same float graph (None: its own)."""
+class CapturedModel:
+    """What every configuration of one model's analysis shares: the float graph, the calibration batches, whether
+    two float runs agree, the equalization and smoothing scales measured on the float graph, the calibrated
+    observers of each quantized float graph, and the variants measured so far."""
 
-    focus: frozenset[str] | None
-    nondeterminism: Any
-    rewrite_scales: Mapping[tuple[str, str], tuple[Any, torch.Tensor]]
-    observers: CalibratedObservers | None
+    def __init__(self, float_gm: fx.GraphModule, batches: Iterable[Any] | None = None, *,
+                 blockwise: bool | str = False) -> None:
+        """`blockwise`: see ModelAnalysis."""
+        self.float_gm = float_gm
+        self.blockwise = blockwise
+        self._batches = None if batches is None else list(batches)
+        self._nondeterminism: Nondeterminism | None | _Unknown = _UNKNOWN
+        self._rewrite_scales: dict[tuple[str, str], tuple[Any, torch.Tensor]] = {}
+        self._observers: dict[str, CalibratedObservers] = {}
+        self.variants: dict[str, ModelAnalysis] = {}  # by configuration (see ModelAnalysis.variant)
+
+    @property
+    def batches(self) -> list[Any]:
+        """The calibration batches, materialized once."""
+        if self._batches is None:
+            raise ValueError("this analysis was made without calibration batches; pass batches=... to measure")
+        return self._batches
+
+    def attach_batches(self, batches: Iterable[Any]) -> None:
+        """Give the model its calibration batches (materialized once; later calls keep the first set)."""
+        if self._batches is None:
+            self._batches = list(batches)
+
+    @property
+    def determinism_known(self) -> bool:
+        """Whether it is known yet if two float runs agree."""
+        return not isinstance(self._nondeterminism, _Unknown)
+
+    @property
+    def nondeterminism(self) -> Nondeterminism | None:
+        """Where two float runs on the first batch differ (None when they agree): two forward passes, unless a
+        measurement already saw batch 0 run alike twice."""
+        if isinstance(self._nondeterminism, _Unknown):
+            self._nondeterminism = first_nondeterministic(self.float_gm, self.batches[0])
+        return self._nondeterminism
+
+    def saw_float_runs_agree(self) -> None:
+        """Record that two float runs on batch 0 gave the same outputs (a calibration and a comparison pass)."""
+        if isinstance(self._nondeterminism, _Unknown):
+            self._nondeterminism = None
+
+    @property
+    def rewrite_scales(self) -> Mapping[tuple[str, str], tuple[Any, torch.Tensor]]:
+        """{(method, layer): (alpha, scale)} of the equalization and smoothing rewrites measured on the float
+        graph and batches so far."""
+        return MappingProxyType(self._rewrite_scales)
+
+    def keep_rewrite_scales(self, scales: Mapping[tuple[str, str], tuple[Any, torch.Tensor]]) -> None:
+        """Keep the rewrite scales a measurement of the float graph found (the first found for a layer stays)."""
+        for key, value in scales.items():
+            self._rewrite_scales.setdefault(key, value)
+
+    def observers_for(self, recipe: Any) -> CalibratedObservers:
+        """The calibrated observers of the float graph as the equalize `recipe` rewrites it, shared by every
+        quantizer that quantizes that graph."""
+        return self._observers.setdefault(repr(describe(recipe)), CalibratedObservers())
 
 
 class ModelAnalysis:
-    """Measures one captured model once; every measurement is computed on first use and kept.
+    """Measures one configuration (quantizer, equalize recipe) of a captured model; every measurement is computed
+    on first use and kept. What the configurations of a model share lives in its CapturedModel.
 
     equalize: None, True (input-weight on every equalizable layer), "cross_layer", "smooth" (SmoothQuant-style,
     alpha 0.5), "smooth:search" or "smooth:<alpha>", or a list of layers.
@@ -197,36 +249,38 @@ class ModelAnalysis:
     raises BlockwiseUnsupported.
     """
 
-    def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer | None = None,
+    def __init__(self, model: fx.GraphModule | CapturedModel, quantizer: Quantizer | None = None,
                  batches: Iterable[Any] | None = None, *, equalize: Any = None, plan: AnalysisPlan | None = None,
                  layers: Iterable[QuantizedLayer] | None = None, blockwise: bool | str = False,
-                 shared: SharedMeasurements | None = None) -> None:
-        """`shared`: what a variant takes from the analysis it varies (see variant()); None for a model's own."""
-        self.float_gm = float_gm
+                 focus: Iterable[str] | None = None, keep_graphs: bool = True) -> None:
+        """`model`: a captured float graph, or the context of a model whose other configurations are analysed
+        (its batches and blockwise then apply). `focus`: the only layers its SQNR measures (None: every one), with
+        the model's outputs. `keep_graphs`: False drops the equalized graph once measured (a fix trial's copy of
+        the weights)."""
+        if isinstance(model, CapturedModel):
+            self.context = model
+            if batches is not None:
+                model.attach_batches(batches)
+        else:
+            self.context = CapturedModel(model, batches, blockwise=blockwise)
+        self.float_gm = self.context.float_gm
+        self.blockwise = self.context.blockwise
         self.quantizer = quantizer or Int8StaticQuantizer()
         self.equalize_recipe = equalize
-        self.blockwise = blockwise
         self.plan = plan or AnalysisPlan()
-        self._batches = None if batches is None else list(batches)
+        self.focus = None if focus is None else frozenset(focus)
         self._known_layers = None if layers is None else list(layers)
-        self._nondeterminism: Nondeterminism | None | _Unknown = _UNKNOWN if shared is None else shared.nondeterminism
+        self._keeps_graphs = keep_graphs
         self._sensitivity: dict[tuple, Any] = {}
         self._fixes: dict[tuple, Any] = {}
-        self._variants: dict[str, ModelAnalysis] = {}
         self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
-        self._keeps_graphs = shared is None  # a variant drops its equalized graph once measured (a copy of the weights)
-        # shared with the variants that quantize the same float graph
-        self._observers = CalibratedObservers() if shared is None or shared.observers is None else shared.observers
-        self._focus: frozenset[str] | None = None if shared is None else shared.focus  # a variant's measured layers
-        # {(method, layer): (alpha, s)} of equalization/smoothing rewrites measured on this float graph and batches
-        self._rewrite_scales: Mapping[tuple[str, str], tuple[Any, torch.Tensor]] = \
-            {} if shared is None else shared.rewrite_scales
+        self._observers = self.context.observers_for(equalize)
 
     def planned(self, plan: AnalysisPlan) -> ModelAnalysis:
-        """The same model's analysis, to measure what `plan` names in one calibration and one comparison pass
+        """The same configuration, to measure what `plan` names in one calibration and one comparison pass
         (the layers found so far are kept; nothing has been measured yet)."""
-        return ModelAnalysis(self.float_gm, self.quantizer, self._batches, equalize=self.equalize_recipe, plan=plan,
-                             layers=self.layers, blockwise=self.blockwise)
+        return ModelAnalysis(self.context, self.quantizer, equalize=self.equalize_recipe, plan=plan,
+                             layers=self.layers)
 
     def whole_model(self, purpose: str) -> None:
         """Raise BlockwiseUnsupported when the analysis is block-wise: `purpose` needs the whole model quantized."""
@@ -238,33 +292,28 @@ class ModelAnalysis:
     def variant(self, quantizer: Quantizer | None = None, equalize: Any = _KEEP,
                 layers: Iterable[str] | None = None) -> ModelAnalysis:
         """The same model and batches under another quantizer and/or equalize recipe (the same as pasting them
-        into the model's settings), kept per configuration: a fix is measured once, however many checks ask.
-        `layers`, when given, are the only layers its SQNR measures (a fix trial's), with the model's outputs."""
+        into the model's settings), kept per configuration in the model's context: a fix is measured once, however
+        many checks ask. `layers`, when given, are the only layers its SQNR measures (a fix trial's), with the
+        model's outputs."""
         quantizer = self.quantizer if quantizer is None else quantizer
         recipe = self.equalize_recipe if equalize is _KEEP else equalize
         focus = None if layers is None else frozenset(layers)
         key = repr((describe(quantizer), describe(recipe), None if focus is None else sorted(focus)))
-        if key not in self._variants:
+        variants = self.context.variants
+        if key not in variants:
             self.require_deterministic()
-            same_graph = describe(recipe) == describe(self.equalize_recipe)  # the same float graph is quantized
-            shared = SharedMeasurements(focus=focus, nondeterminism=self._nondeterminism,
-                                        rewrite_scales=self._measured_rewrite_scales(),
-                                        observers=self._observers if same_graph else None)
-            self._variants[key] = ModelAnalysis(self.float_gm, quantizer, self.batches, equalize=recipe,
-                                                blockwise=self.blockwise, shared=shared)
-        return self._variants[key]
+            variants[key] = ModelAnalysis(self.context, quantizer, equalize=recipe, focus=focus, keep_graphs=False)
+        return variants[key]
 
     @property
     def batches(self) -> list[Any]:
         """The calibration batches, materialized once."""
-        if self._batches is None:
-            raise ValueError("this analysis was made without calibration batches; pass batches=... to measure")
-        return self._batches
+        return self.context.batches
 
     def attach_batches(self, batches: Iterable[Any]) -> None:
         """Give the analysis its calibration batches (materialized once; later calls keep the first set)."""
-        if self._batches is None:
-            self._batches = list(batches)
+        self.context.attach_batches(batches)
+
 
     @cached_property
     def layers(self) -> list[QuantizedLayer]:
@@ -318,7 +367,7 @@ class ModelAnalysis:
         # measures) computes each where it is read, instead of holding a rewritten copy of every weight
         where_read = not self.blockwise and not self._keeps_graphs and weights_quantized_where_read()
         deferred = bool(self.blockwise) or where_read
-        known = self._rewrite_scales  # a trial's: its parent's measurement (an equalized model measures none)
+        known = self.context.rewrite_scales  # measured on the float graph (an equalized model measures none)
         if layers == "cross_layer":
             return cross_layer_equalize(self.float_gm)
         if isinstance(layers, str) and layers.startswith("smooth"):
@@ -328,14 +377,6 @@ class ModelAnalysis:
         if where_read:
             read_rewritten_where_used(result)
         return result
-
-    def _measured_rewrite_scales(self) -> Mapping[tuple[str, str], tuple[Any, torch.Tensor]]:
-        """The equalization and smoothing scales this analysis measured on its unequalized float graph so far."""
-        if self.equalize_recipe:
-            return {}
-        if "_variant_measurement" in self.__dict__:
-            return self._variant_measurement.rewrite_scales
-        return self.measurement.rewrite_scales if "measurement" in self.__dict__ else {}
 
     @cached_property
     def quantized_input_gm(self) -> fx.GraphModule:
@@ -347,11 +388,8 @@ class ModelAnalysis:
 
     @property
     def nondeterminism(self) -> Nondeterminism | None:
-        """Where two float runs on the first batch differ (None when they agree): two forward passes, unless the
-        measurement already saw batch 0 run alike twice."""
-        if isinstance(self._nondeterminism, _Unknown):
-            self._nondeterminism = first_nondeterministic(self.float_gm, self.batches[0])
-        return self._nondeterminism
+        """Where two float runs on the first batch differ (None when they agree); see CapturedModel."""
+        return self.context.nondeterminism
 
     def require_deterministic(self) -> None:
         """Raise NonDeterministicModelError when float runs differ: every float-vs-quantized number would be noise."""
@@ -368,7 +406,7 @@ class ModelAnalysis:
     def measurement(self) -> ModelMeasurement:
         """The model as quantized, measured in one calibration and one comparison pass, with what the plan names
         (the detectors and variants only when the model is not equalized: they concern the original graph)."""
-        if not isinstance(self._nondeterminism, _Unknown):  # already known (a failed measurement is not kept)
+        if self.context.determinism_known:  # already known (a failed measurement is not kept)
             self.require_deterministic()
         original = not self.equalize_recipe
         planned = self.plan.equalization and original
@@ -382,11 +420,12 @@ class ModelAnalysis:
         else:
             screens = self.plan.screens if original and self.plan.detectors else ()
             measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers,
-                                     layers=self._focus, screens=screens, **options)
-            if isinstance(self._nondeterminism, _Unknown) and self.quantized_input_gm is self.float_gm and \
-                    measured.first_outputs_agree:
-                self._nondeterminism = None  # calibration and comparison ran batch 0 alike: no extra runs
+                                     layers=self.focus, screens=screens, **options)
+            if self.quantized_input_gm is self.float_gm and measured.first_outputs_agree:
+                self.context.saw_float_runs_agree()  # calibration and comparison ran batch 0 alike: no extra runs
             self.require_deterministic()  # otherwise two runs (four to name the node where they differ)
+        if not self.equalize_recipe:
+            self.context.keep_rewrite_scales(measured.rewrite_scales)
         if not self._keeps_graphs:
             self.__dict__.pop("quantized_input_gm", None)  # built again if asked for
         if weights_quantized_where_read():  # a large model: its quantized copies (fx graphs, in cycles) go now
@@ -465,10 +504,14 @@ class ModelAnalysis:
             return self.measurement
         self.require_deterministic()
         if self.blockwise:
-            return self._measure_blocks(self.float_gm, propagate=False,
-                                        equalization_layers=self.equalizable_layers, smoothing="search")
-        return measure_model(self.float_gm, self.batches, self.quantizer, propagate=False,
-                             equalization_layers=self.equalizable_layers, smoothing="search")
+            measured = self._measure_blocks(self.float_gm, propagate=False,
+                                            equalization_layers=self.equalizable_layers, smoothing="search")
+        else:
+            measured = measure_model(self.float_gm, self.batches, self.quantizer, propagate=False,
+                                     equalization_layers=self.equalizable_layers, smoothing="search")
+        if not self.equalize_recipe:
+            self.context.keep_rewrite_scales(measured.rewrite_scales)
+        return measured
 
     @property
     def equalization_variants(self) -> Mapping[str, Mapping[str, VariantSqnr]]:

@@ -248,7 +248,7 @@ def test_the_sqnr_fix_search_can_be_turned_off_for_big_models():
     assert found[("sqnr", "layers.2")].message.endswith("(no fix was measured: check_options={'sqnr': {'fix': "
                                                          "False}}).")
     assert "No fix was measured" in found[("weight_sqnr", "layers.2")].message
-    assert not analysis._variants  # no other configuration was measured
+    assert not analysis.context.variants  # no other configuration was measured
 
 
 def test_outlier_fix_is_printed_when_measured_to_help_and_works_when_pasted():
@@ -306,7 +306,7 @@ def test_screened_fixes_give_the_same_findings_with_one_trial_fewer(monkeypatch)
     assert screened[("per_channel", "layers.2")].verdict == "fail"  # advised, and measured by its trial
     assert screened[("per_channel", "layers.0")].note.endswith("not recommended")
     # each screened check measured its heuristic's whole list in the comparison pass, not in a trial
-    assert len(with_screens._variants) < len(without._variants)
+    assert len(with_screens.context.variants) < len(without.context.variants)
 
 
 def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():

@@ -1,0 +1,100 @@
+"""The check registry and settings: a check owns its threshold, an unknown setting names the closest one, the
+checks' needs make the analysis plan, and a quantizer states its own clipping and per-channel behaviour."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import TINY_SOURCE, summary_section
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+def _registry():
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.registry import CheckRegistry
+
+    registry = CheckRegistry()
+    for check in BUILTIN_CHECKS:
+        registry.register(check)
+    return registry
+
+
+def test_the_cosine_check_owns_its_threshold_and_measures_the_numeric_suites_cosine(pytester):
+    from pytest_qreport.checks import CosineCheck
+    from pytest_qreport.core.settings import model_schema
+
+    assert [s.name for s in CosineCheck.settings] == ["cosine_min"] and "cosine_min" in model_schema([CosineCheck])
+    pytester.makeconftest(TINY_SOURCE + '''
+
+@qmodel(calibration=[torch.randn(16, 8) for _ in range(2)], checks="cosine,sqnr", severity={"cosine": "fail"},
+        cosine_min=0.99999)
+def tiny():
+    torch.manual_seed(0)
+    return Tiny().eval()
+''')
+    result = pytester.runpytest("--qreport", "--qreport-json=r.json", "--qreport-table=all")
+    report = json.loads((pytester.path / "r.json").read_text())
+    rows = {(r["check"], r["layer"]): r for r in report["rows"]}
+    for layer in ("fc1", "fc2"):
+        cosine, sqnr = rows[("cosine", layer)], rows[("sqnr", layer)]
+        assert cosine["threshold"] == 0.99999 and cosine["value"] == pytest.approx(sqnr["details"]["cosine"])
+        assert cosine["verdict"] == ("pass" if cosine["value"] >= 0.99999 else "fail")
+    assert "cosine" in summary_section(result)
+    # the threshold is a command-line option too, and the command line wins over qmodel(...)
+    loose = pytester.runpytest("--qreport", "--qreport-json=r.json", "--qreport-cosine-min", "0.5")
+    assert {r["threshold"] for r in json.loads((pytester.path / "r.json").read_text())["rows"]
+            if r["check"] == "cosine"} == {0.5}
+    loose.assert_outcomes(passed=4)
+
+
+def test_an_unknown_setting_names_the_closest_one():
+    from pytest_qreport.core.declare import ModelDeclaration
+    from pytest_qreport.core.settings import resolve_settings
+
+    session = {"cli": {}, "ini": {}}
+    declaration = ModelDeclaration("m", _tiny, __file__, settings={"cosine_mn": 0.9})
+    with pytest.raises(ValueError, match="'cosine_mn' \\(did you mean 'cosine_min'\\?\\)"):
+        resolve_settings(session, declaration, _registry())
+
+
+def test_the_checks_needs_are_the_analysis_plan():
+    import qcore
+    from pytest_qreport.core import registry
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.settings import ModelSettings
+    from qcore.analysis import MEASUREMENTS, AnalysisPlan
+
+    assert registry.MEASUREMENTS == MEASUREMENTS
+    with pytest.raises(ValueError, match="unknown measurement"):
+        AnalysisPlan(measurements=frozenset({"speed"}))
+    checks = _registry()
+    batch = torch.randn(4, 8)
+    settings = ModelSettings.defaults(checks.checks(), checks=["sqnr", "outlier", "equalization"])
+    plan = collect_model("tiny", settings, checks, qcore.Int8StaticQuantizer(), _tiny(), batch).context.analysis.plan
+    assert plan.measurements == {"sqnr", "detectors", "equalization"} and list(plan.detectors) == ["outlier"]
+    with pytest.raises(TypeError):
+        plan.detectors["other"] = None  # immutable
+    sqnr_only = ModelSettings.defaults(checks.checks(), checks=["sqnr"])
+    plan = collect_model("tiny", sqnr_only, checks, qcore.Int8StaticQuantizer(), _tiny(), batch).context.analysis.plan
+    assert plan.measurements == {"sqnr"} and not plan.detectors and not plan.equalization
+
+
+def test_a_quantizer_states_its_own_clipping_and_per_channel_behaviour():
+    import qcore
+    from qcore.analysis import quantized_layers
+    from qcore.observe.observers import HistogramObserver, MinMaxObserver
+
+    assert HistogramObserver.clips_outliers and not MinMaxObserver.clips_outliers
+    gm = qcore.capture(_tiny(), torch.randn(2, 8))
+    described = {name: [(entry.per_channel, entry.clipping) for entry in quantized_layers(gm, quantizer)]
+                 for name, quantizer in [("int8", qcore.Int8StaticQuantizer()),
+                                         ("per_tensor", qcore.Int8StaticQuantizer(per_channel=False)),
+                                         ("histogram", qcore.Int8StaticQuantizer(activation_observer="histogram"))]}
+    assert described == {"int8": [(True, False)] * 2, "per_tensor": [(False, False)] * 2,
+                         "histogram": [(True, True)] * 2}
+
