@@ -21,6 +21,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from qcore.artifact import ArtifactAnalysis, ArtifactError, ArtifactFix, ArtifactMismatchError, tool_recipes
 from qcore.graph.capture import capture, clone_graph_module
 from qcore.graph.deferred import deferred_parameters, materialized, read_rewritten_where_used
 from qcore.graph.inputs import call_model, move_to
@@ -56,11 +57,12 @@ from qcore.rewrites.smoothing import smooth, smoothing_alpha
 from qcore.runtime.progress import StageTimes, stage, tracked
 from qcore.search.sensitivity import with_float_layers
 
-__all__ = ["MEASUREMENTS", "AnalysisPlan", "BlockwiseError", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis",
+__all__ = ["MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix", "ArtifactMismatchError",
+           "BlockwiseError", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis",
            "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes",
            "VariantSqnr", "analyze_model", "calibration_digest", "describe", "matches_layer", "measure_sqnr",
            "model_device", "move_to", "quantize_weights_where_read", "quantized_layers", "smoothing_alpha",
-           "split_into_blocks", "stage", "tracked", "with_float_layers", "with_layer_overrides"]
+           "split_into_blocks", "stage", "tool_recipes", "tracked", "with_float_layers", "with_layer_overrides"]
 # the plugin reads qcore through this module, qcore itself, qcore.report and qcore.numeric only (an import-linter
 # contract): the names above that live deeper are re-exported for it
 

@@ -237,3 +237,106 @@ ACTIVATION_REFERENCES = {
 }
 
 
+
+
+# -- artifacts: quantized models as the tools users ship them make them -----------------------------------------------
+def tiny_llama(seed=0, layers=2):
+    """A tiny Llama with seeded weights, default config otherwise (the float reference of the artifact tests)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def token_batches(count=4, seed=1):
+    """Causal-LM batches for tiny_llama: input_ids only."""
+    generator = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, 128, (2, 16), generator=generator)} for _ in range(count)]
+
+
+def torchao_artifact(reference, config):
+    """`reference` copied and quantized in place by torchao's quantize_ with `config`."""
+    import copy
+
+    from torchao.quantization import quantize_
+
+    model = copy.deepcopy(reference)
+    quantize_(model, config)
+    return model
+
+
+def compressed_tensors_checkpoint(reference, directory, preset="W8A8", group_size=None, damaged=None):
+    """`reference` quantized with compressed-tensors' preset scheme (round-to-nearest scales from its own
+    calculate_qparams; `damaged`: a layer whose weight scale is multiplied by 3), saved in its compressed format to
+    `directory` and loaded back with transformers' from_pretrained, as a checkpoint from llm-compressor is."""
+    import copy
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = copy.deepcopy(reference)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if group_size:
+        scheme.weights.group_size = group_size
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for name, module in model.named_modules():
+        args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
+        if args is None:
+            continue
+        weight = module.weight.detach()
+        if args.strategy == "group":
+            weight = weight.reshape(weight.shape[0], -1, args.group_size)
+            low, high = weight.amin(-1), weight.amax(-1)
+        elif args.strategy == "channel":
+            low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
+        else:
+            low, high = weight.amin().reshape(1), weight.amax().reshape(1)
+        scale, zero_point = calculate_qparams(low, high, args)
+        module.weight_scale.data.copy_((scale * 3 if name == damaged else scale).reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+    fmt = {"W4A16": "pack-quantized", "FP8_DYNAMIC": "float-quantized"}.get(preset, "int-quantized")
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(directory)
+    return AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def direct_layer_sqnr(reference, quantized, names, batches):
+    """{layer: SQNR in dB} of each layer's output, quantized model against reference, computed with forward hooks on
+    both models over `batches` (float64 sums), and the mean KL(reference || quantized) of the logits' softmax."""
+    outputs = {"reference": {}, "quantized": {}}
+    sums = {name: [0.0, 0.0] for name in names}
+    kl, positions = 0.0, 0
+
+    def keep(side, name):
+        def hook(module, args, output):
+            outputs[side][name] = output.detach().double()
+        return hook
+
+    handles = [model.get_submodule(name).register_forward_hook(keep(side, name))
+               for side, model in (("reference", reference), ("quantized", quantized)) for name in names]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                expected = reference(**batch, use_cache=False).logits.double()
+                actual = quantized(**batch, use_cache=False).logits.double()
+                for name in names:
+                    ref, ours = outputs["reference"][name], outputs["quantized"][name]
+                    sums[name][0] += float((ref * ref).sum())
+                    sums[name][1] += float(((ours - ref) ** 2).sum())
+                log_p = torch.log_softmax(expected.reshape(-1, expected.shape[-1]), -1)
+                log_q = torch.log_softmax(actual.reshape(-1, actual.shape[-1]), -1)
+                kl += float((log_p.exp() * (log_p - log_q)).sum())
+                positions += log_p.shape[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    import math
+
+    return {name: 10 * math.log10(signal / noise) for name, (signal, noise) in sums.items()}, kl / positions

@@ -14,7 +14,7 @@ import pytest
 from tabulate import tabulate
 
 from ..core.baseline import baseline_path, write_baseline
-from ..core.batches import as_batches, resolve_source
+from ..core.batches import as_batches, resolve_model, resolve_source
 from ..core.declare import ModelDeclaration, model_name_problem
 from ..core.errors import QReportAssertionError
 from ..core.findings import Finding
@@ -222,7 +222,9 @@ class QReport:
     def analyze(self, model: Any, calibration: Any, example_inputs: Any = None, quantizer: Any = "int8",
                 equalize: Any = None, checks: Iterable[str] | str | None = None, name: str | None = None,
                 **settings: Any) -> QReportResult:
-        """Capture, calibrate, quantize and check `model` once; other qmodel() settings go in `settings`."""
+        """Capture, calibrate, quantize and check `model` once; other qmodel() settings go in `settings`. With
+        quantized=... (a model, a fixture name or a callable), `model` is the float reference and the quantized
+        model is checked against it as given (artifact mode)."""
         from ..core.errors import QReportModelError
         from ..core.pipeline import analyze_in_session, collect_model, settings_and_quantizer
         from ..core.settings import model_schema, session_settings
@@ -247,8 +249,10 @@ class QReport:
         declaration = ModelDeclaration(name=name, factory=lambda: model, source_file=str(self._request.path),
                                        settings={key: value for key, value in given.items() if value is not None})
         resolved, quantizer = settings_and_quantizer(declaration, session, registry, config.hook)
+        quantized = None if resolved.quantized is None else resolve_model(resolved.quantized,
+                                                                           self._request.getfixturevalue)
         pipeline = collect_model(name, resolved, registry, quantizer, model,
-                                 batches[0] if example_inputs is None else example_inputs)
+                                 batches[0] if example_inputs is None else example_inputs, quantized)
         pipeline.baseline_path = str(baseline_path(self._request.path.parent, name, session["baseline"]["dir"]))
         resolve = self._request.getfixturevalue
         # judged by the result's assertions (assert_baseline), not when analysed

@@ -12,7 +12,7 @@ from typing import Any, cast
 import pytest
 
 from ..core.baseline import baseline_path
-from ..core.batches import as_batches, first_batch, resolve_source
+from ..core.batches import as_batches, first_batch, resolve_model, resolve_source
 from ..core.declare import ModelDeclaration, declarations_in, model_name_problem, safe_name
 from ..core.errors import QReportCheckFailed, QReportError, QReportModelError
 from ..core.explain import error_finding, explain
@@ -164,6 +164,9 @@ class QReportFile(pytest.File):
         """_collect_or_recall with the model's fixtures set up for it, and torn down again."""
         # the model's fixtures may compute (BatchNorm settling, training): same thread count as the analysis
         with torch_threads(threads), self._fixtures_at_collection(name, names) as values:
+            if settings.quantized is not None:  # artifact mode: both models, matched by module name, no capture
+                quantized = resolve_model(settings.quantized, values.__getitem__)
+                return collect_model(name, settings, registry, quantizer, values[name], None, quantized)
             example = self._example_inputs(settings, values.__getitem__)
             return self._collect_or_recall(name, settings, registry, quantizer, values[name], example)
 
@@ -204,6 +207,8 @@ class QReportFile(pytest.File):
     def _fixture_names(declaration: ModelDeclaration, settings) -> list[str]:
         """The fixtures collection needs: the model's own fixture, and the example-inputs or calibration one."""
         names = [declaration.name]
+        if isinstance(settings.quantized, str):
+            names.append(settings.quantized)
         for source in (settings.example_inputs, None if settings.example_inputs is not None else settings.calibration):
             if isinstance(source, str) and source not in names:
                 names.append(source)
@@ -339,18 +344,25 @@ class QReportItem(pytest.Function):
         session = self.config.stash[STATE_KEY]
         try:
             with torch_threads(session.settings["threads"]):
-                settings = pipeline.settings
-                if settings.example_inputs is None:
-                    example = first_batch(session.replayable(resolve_source(settings.calibration,
-                                                                            request.getfixturevalue)))
-                else:
-                    example = resolve_source(settings.example_inputs, request.getfixturevalue)
-                fresh = collect_model(pipeline.name, settings, session.registry, pipeline.quantizer,
-                                      request.getfixturevalue(pipeline.name), example)
+                fresh = self._collected_again(pipeline, request)
         except Exception as error:  # noqa: BLE001 - reported on every item of the model
             pipeline.analysis_failed(explain(pipeline.name, "capture", error), error)
             return
         pipeline.attach_capture(fresh)
+
+    def _collected_again(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> ModelPipeline:
+        """The model collected again in this process, from its fixtures (and its artifact's, in artifact mode)."""
+        assert pipeline.settings is not None
+        settings, session = pipeline.settings, self.config.stash[STATE_KEY]
+        model = request.getfixturevalue(pipeline.name)
+        if settings.quantized is not None:
+            return collect_model(pipeline.name, settings, session.registry, pipeline.quantizer, model, None,
+                                 resolve_model(settings.quantized, request.getfixturevalue))
+        if settings.example_inputs is None:
+            example = first_batch(session.replayable(resolve_source(settings.calibration, request.getfixturevalue)))
+        else:
+            example = resolve_source(settings.example_inputs, request.getfixturevalue)
+        return collect_model(pipeline.name, settings, session.registry, pipeline.quantizer, model, example)
 
     def _calibration_batches(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> list:
         assert pipeline.settings is not None

@@ -100,6 +100,10 @@ def _variant(model: ModelContext, fix: Fix) -> Any:
     analysis = model.analysis
     known = {entry.layer for entry in analysis.layers}
     layers = fix.layers if set(fix.layers) <= known else None
+    if getattr(analysis, "artifact", False):  # the reference's modules swapped in: the one fix an artifact takes
+        if fix.setting != "float_layers":
+            raise ValueError(f"an artifact takes no {fix.setting} fix: it is quantized already")
+        return analysis.variant(float_layers=fix.value, layers=layers)
     if fix.setting == "layer_overrides":
         return analysis.variant(with_layer_overrides(analysis.quantizer, fix.value), layers=layers)
     if fix.setting == "float_layers":

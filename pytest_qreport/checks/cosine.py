@@ -15,6 +15,7 @@ class CosineCheck(Check):
     """Cosine similarity of each quantized layer's output, quantized model against float model."""
 
     name, order, metric, needs, default_severity = "cosine", 15, "cosine", frozenset({"sqnr"}), "off"
+    measures_artifacts = True
     settings = (Setting("cosine_min", fraction(), 0.999, "minimum cosine similarity of each quantized layer's "
                         "output with the float model's", metavar="COS"),)
 

@@ -13,6 +13,7 @@ from typing import Any
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, fraction, function, number
+from .artifact import artifact_fix_advice, is_artifact
 
 __all__ = ["KlDivergenceCheck", "OutputCheck", "PerplexityCheck", "TaskMetricCheck", "Top1AgreementCheck"]
 
@@ -29,8 +30,21 @@ def _where(model: ModelContext) -> str:
 class OutputCheck(Check):
     """A check of the model's output: one item per model, named `output`."""
 
+    measures_artifacts = True
+
     def layers(self, model: ModelContext) -> list[str]:
         return ["output"]
+
+    def artifact_advice(self, model: ModelContext, measured_metric: str, threshold: float, message: str,
+                        details: dict[str, Any], show: Any = lambda value: f"{value:.4g}") -> str:
+        """In artifact mode, `message` with the verified float_layers fix (and `details["recipe"]`); else as is."""
+        if not is_artifact(model.analysis):
+            return message
+        advice, recipe = artifact_fix_advice(model, self.name, measured_metric, threshold, model.eval_batches(), show)
+        if recipe is not None:
+            details["recipe"] = recipe
+        return message.replace(" See the model_sqnr and sensitivity items for the layers to keep in float.", "") \
+            + advice
 
 
 class KlDivergenceCheck(OutputCheck):
@@ -48,7 +62,10 @@ class KlDivergenceCheck(OutputCheck):
         message = (f"model output {measured.leaf}: mean KL(float || quantized) {measured.kl_nats:.4g} nats > "
                    f"{threshold:g} over {measured.positions} positions of {_where(model)}. See the model_sqnr and "
                    "sensitivity items for the layers to keep in float.")
-        details = {"positions": measured.positions, "leaf": measured.leaf}
+        details: dict[str, Any] = {"positions": measured.positions, "leaf": measured.leaf}
+        if measured.kl_nats > threshold:
+            message = self.artifact_advice(model, "kl_nats", threshold, message, details,
+                                           lambda value: f"KL {value:.4g} nats")
         return [self.finding(model, "output", measured.kl_nats, threshold, message=message, details=details)]
 
 
@@ -67,7 +84,10 @@ class Top1AgreementCheck(OutputCheck):
         message = (f"model output {measured.leaf}: the quantized model keeps the top-1 prediction at "
                    f"{measured.top1_agreement:.2%} of {measured.positions} positions of {_where(model)} "
                    f"(< {threshold:.2%}). See the model_sqnr and sensitivity items for the layers to keep in float.")
-        details = {"positions": measured.positions, "leaf": measured.leaf}
+        details: dict[str, Any] = {"positions": measured.positions, "leaf": measured.leaf}
+        if measured.top1_agreement < threshold:
+            message = self.artifact_advice(model, "top1_agreement", threshold, message, details,
+                                           lambda value: f"top-1 agreement {value:.2%}")
         return [self.finding(model, "output", measured.top1_agreement, threshold, message=message, details=details)]
 
 
@@ -89,8 +109,11 @@ class PerplexityCheck(OutputCheck):
         message = (f"model output {measured.leaf}: next-token perplexity {measured.float_perplexity:.3f} (float) -> "
                    f"{measured.quantized_perplexity:.3f} (quantized), +{increase:.2f}% > {threshold:g}% over "
                    f"{measured.tokens} tokens of {_where(model)}.")
-        details = {"float_perplexity": measured.float_perplexity, "quantized_perplexity": measured.quantized_perplexity,
-                   "tokens": measured.tokens}
+        details: dict[str, Any] = {"float_perplexity": measured.float_perplexity,
+                                   "quantized_perplexity": measured.quantized_perplexity, "tokens": measured.tokens}
+        if increase > threshold:
+            message = self.artifact_advice(model, "perplexity_increase_pct", threshold, message, details,
+                                           lambda value: f"+{value:.2f}% perplexity")
         return [self.finding(model, "output", increase, threshold, message=message, details=details)]
 
 

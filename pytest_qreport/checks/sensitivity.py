@@ -6,6 +6,7 @@ from typing import Any
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
+from .artifact import artifact_fix, artifact_fix_advice, is_artifact
 
 __all__ = ["BLOCKWISE_NOTE", "SensitivityCheck", "float_layers_advice", "output_fix", "output_float_layers_fix",
            "recipe"]
@@ -28,6 +29,9 @@ def recipe(model: ModelContext) -> dict[str, Any] | None:
 def output_fix(model: ModelContext, target_db: float) -> tuple[str, dict[str, Any] | None]:
     """The verified fix for a low model output SQNR and, for a model in deployed formats, its recipe
     ({"default": format, "layers": {layer: format}}): a format_fix under a format quantizer, else float_layers."""
+    if is_artifact(model.analysis):
+        return artifact_fix_advice(model, "model_sqnr", "output_sqnr_db", target_db, model.analysis.batches,
+                                   lambda value: f"{value:.1f} dB")
     formats = recipe(model)
     if formats is None:
         return float_layers_advice(model, target_db), None
@@ -52,6 +56,8 @@ def output_fix(model: ModelContext, target_db: float) -> tuple[str, dict[str, An
 def output_float_layers_fix(model: ModelContext, target_db: float) -> Any | None:
     """The float_layers fix model_sqnr advises for a low output SQNR (qcore's FloatLayersFix, searched once per
     model and kept), or None where model_sqnr searches none (its fix is off, a format quantizer, blockwise)."""
+    if is_artifact(model.analysis):
+        return artifact_fix(model, "model_sqnr", "output_sqnr_db", target_db, model.analysis.batches)
     options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
     if options.get("fix") is False or model.analysis.blockwise or recipe(model) is not None:
         return None

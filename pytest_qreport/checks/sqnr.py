@@ -8,6 +8,7 @@ from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
 from .advice import float_layers_fix, layer_overrides_fix, try_fix, verify
+from .artifact import is_artifact
 
 __all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "keep_in_float_hint",
            "measured_fixes"]
@@ -134,6 +135,7 @@ class SqnrCheck(Check):
     """Propagated SQNR of each quantized layer's output (quantized inputs, so upstream error counts)."""
 
     name, order, metric, needs = "sqnr", 10, "sqnr_db", frozenset({"sqnr"})
+    measures_artifacts = True
     settings = (Setting("sqnr_min_db", decibels(), 20.0, "minimum per-layer SQNR in dB (propagated error)",
                         metavar="DB"),)
 
@@ -147,20 +149,26 @@ class SqnrCheck(Check):
                 results.append(_not_measured(self, model, layer, threshold))
                 continue
             quantized = model.analysis.layer(layer)
+            not_comparable = getattr(model.analysis, "not_comparable", {}).get(layer, "")
             message = self.message(model, layer, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
-                                   entry.below_resolution, None if fixes is None else fixes.get(layer, []))
+                                   entry.below_resolution, None if fixes is None else fixes.get(layer, []),
+                                   not_comparable)
             details = {"shadow_sqnr_db": entry.shadow_sqnr_db, "normalized_l2": entry.normalized_l2,
                        "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn,
                        "format": quantized.format}
+            if not_comparable:
+                details["shadow_not_comparable"] = not_comparable
             results.append(self.finding(model, layer, entry.sqnr_db, threshold, message=message, details=details))
         return results
 
     @staticmethod
     def message(model: ModelContext, layer: str, value: float, threshold: float, shadow: float,
-                below_resolution: tuple = (), fixes: list[str] | None = None) -> str:
+                below_resolution: tuple = (), fixes: list[str] | None = None, not_comparable: str = "") -> str:
         """Explain a low propagated SQNR, telling inherited error from the layer's own, with the fixes measured
-        to help it (measured_fixes; None: none was searched)."""
-        text = f"layer {layer}: SQNR {below(value, threshold)} (shadow SQNR {shadow:.1f} dB)."
+        to help it (measured_fixes; None: none was searched). `not_comparable`: why the layer's own error was not
+        measured (an artifact that rescales its input)."""
+        own = f"({not_comparable})" if not_comparable else f"(shadow SQNR {shadow:.1f} dB)"
+        text = f"layer {layer}: SQNR {below(value, threshold)} {own}."
         if below_resolution:
             return text + below_resolution_advice(model, layer, below_resolution)
         if not math.isnan(shadow) and shadow >= threshold:
@@ -172,21 +180,25 @@ class SqnrCheck(Check):
             return text + (" No layer before it fails on its own: the error builds up over many layers. Keep the "
                            "layers that cost most in float (the model_sqnr and sensitivity items measure them), "
                            f"lower sqnr_min_db, or hide this layer from the checks with skip_layers=[{layer!r}].")
+        whose = "The layer's own quantization error is too large" if not not_comparable else \
+            "Its own error or the error it inherits is too large"
         if fixes is None:
-            return text + (" The layer's own quantization error is too large (no fix was measured: "
-                           "check_options={'sqnr': {'fix': False}}).")
+            return text + (f" {whose} (no fix was measured: check_options={{'sqnr': {{'fix': False}}}}).")
         if not fixes:
-            return text + (" The layer's own quantization error is too large, and neither per-channel weights, a "
-                           "clipping observer, nor keeping the failing layers in float was measured to raise it "
+            tried = "keeping the failing layers in float" if is_artifact(model.analysis) else \
+                "per-channel weights, a clipping observer, nor keeping the failing layers in float"
+            return text + (f" {whose}, and neither {tried} was measured to raise it "
                            "without lowering the model's output SQNR: the output does not depend on it. Hide it "
                            f"from the checks with skip_layers=[{layer!r}], or lower sqnr_min_db.")
-        return text + " The layer's own quantization error is too large. Measured fixes: " + "; or ".join(fixes) + "."
+        return text + f" {whose}. Measured fixes: " + "; or ".join(fixes) + "."
 
 
 class WeightSqnrCheck(Check):
     """SQNR of each quantized weight."""
 
     name, order, metric, needs = "weight_sqnr", 20, "weight_sqnr_db", frozenset({"sqnr"})
+    # GPTQ and AWQ lower a weight's SQNR on purpose to raise its output's: in artifact mode this check informs
+    measures_artifacts, artifact_severity = True, "warn"
     settings = (Setting("weight_sqnr_min_db", decibels(), 30.0, "minimum SQNR of each quantized weight in dB",
                         metavar="DB"),)
 
@@ -198,7 +210,8 @@ class WeightSqnrCheck(Check):
         failing = [layer for layer in layers if (entry := measured.get(layer)) is not None
                    and entry.weight_sqnr_db is not None and entry.weight_sqnr_db < threshold
                    and not any(limit.role == "weight" for limit in entry.below_resolution)]
-        search = self.options.get("fix", True)  # check_options={'weight_sqnr': {'fix': False}}
+        artifact = is_artifact(model.analysis)
+        search = self.options.get("fix", True) and not artifact  # check_options={'weight_sqnr': {'fix': False}}
         fixes = measured_fixes(model, failing, kind="weight") if search else {}
         for layer in layers:
             entry = measured.get(layer)
@@ -212,7 +225,12 @@ class WeightSqnrCheck(Check):
                 results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
                 continue
             found = fixes.get(layer, [])
-            advice = (" (No fix was measured: check_options={'weight_sqnr': {'fix': False}}.)" if not search else
+            rescaled = getattr(model.analysis, "not_comparable", {}).get(layer)
+            scaled = ", compared up to its input channels' scales" if rescaled else ""
+            advice = (f" It is the artifact's own weight{scaled}: GPTQ and AWQ lower weight SQNR on purpose to "
+                      "raise the output's, so in artifact mode this "
+                      f"check warns; this layer's sqnr item and the output items judge what it computes." if artifact
+                      else " (No fix was measured: check_options={'weight_sqnr': {'fix': False}}.)" if not search else
                       " Measured fixes: " + "; or ".join(found) + "." if found else
                       " Neither per-channel weights nor keeping it in float was measured to help without lowering "
                       f"the model's output SQNR: hide it from the checks with skip_layers=[{layer!r}], or lower "
@@ -226,6 +244,7 @@ class ModelSqnrCheck(Check):
     """SQNR of the model's output (the worst output leaf when there are several)."""
 
     name, order, metric, needs = "model_sqnr", 30, "sqnr_db", frozenset({"sqnr"})
+    measures_artifacts = True
     settings = (Setting("model_sqnr_min_db", decibels(), 20.0, "minimum SQNR of the model's final output in dB",
                         metavar="DB"),)
 

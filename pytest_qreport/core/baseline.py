@@ -31,7 +31,7 @@ from .findings import Finding
 from .numbers import format_delta, format_value
 
 __all__ = ["COMPARED_FINGERPRINT_FIELDS", "SCHEMA", "Baseline", "BaselineError", "baseline_path", "compare_findings",
-           "dumps_baseline", "fingerprint_differences", "load_baseline", "write_baseline"]
+           "dumps_baseline", "fingerprint_differences", "join_messages", "load_baseline", "write_baseline"]
 
 SCHEMA = 1
 BASELINE_DIR = "__qreport__"
@@ -195,8 +195,9 @@ def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Cal
             failed = strict and enforce and finding.verdict != "error"
             message = (f"{finding.check}/{finding.layer}: no entry in the baseline {baseline.path} "
                        "(--qreport-baseline-strict). Add it with --qreport-update-baseline.")
+            joined = join_messages(finding.message, message) if failed else finding.message
             compared.append(finding.replace(baseline_status="new", verdict="fail" if failed else finding.verdict,
-                                            message=_join(finding.message, message) if failed else finding.message))
+                                            message=joined))
             continue
         value, verdict = _normalized(entry[0]), entry[1]
         current = _normalized(finding.value)
@@ -212,12 +213,14 @@ def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Cal
         elif verdict == "pass" and finding.verdict in ("fail", "warn") and finding.check != "baseline":
             setting = threshold_setting(finding.check)
             if setting is not None and _fails(value, finding.threshold, higher_is_better(finding.check)):
-                compared.append(finding.replace(baseline=value, delta=delta, baseline_status="ok", message=_join(
-                    finding.message, f"{finding.check}/{finding.layer} is below the threshold "
+                why = (
+                    f"{finding.check}/{finding.layer} is below the threshold "
                     f"{format_value(finding.threshold, finding.metric)} ({setting}); its baseline value "
                     f"{format_value(value, finding.metric)} in {baseline.path} is below it too, so the threshold "
                     f"changed, not the model: updating the baseline would not fix this. Fix the layer, or set "
-                    f"{setting} to what it was.")))
+                    f"{setting} to what it was.")
+                compared.append(finding.replace(baseline=value, delta=delta, baseline_status="ok",
+                                                message=join_messages(finding.message, why)))
                 continue
             status = "regressed"
             rule = (f"{finding.check}/{finding.layer} passed in the baseline {baseline.path} and is {finding.verdict} "
@@ -227,7 +230,7 @@ def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Cal
         changed = finding.replace(baseline=value, delta=delta, baseline_status=status)
         if status == "regressed" and enforce and finding.verdict not in ("error", "waived"):
             hint = " Fix the regression, or accept it with pytest --qreport --qreport-update-baseline."
-            changed = changed.replace(verdict="fail", message=_join(finding.message, rule + hint))
+            changed = changed.replace(verdict="fail", message=join_messages(finding.message, rule + hint))
         compared.append(changed)
     return compared
 
@@ -239,5 +242,6 @@ def _fails(value: float, threshold: float, higher_is_better: bool) -> bool:
     return value < threshold if higher_is_better else value > threshold
 
 
-def _join(first: str, second: str) -> str:
+def join_messages(first: str, second: str) -> str:
+    """Two messages, one per line (the first may be empty)."""
     return f"{first}\n{second}" if first else second

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["as_batches", "first_batch", "is_single_batch", "resolve_source"]
+__all__ = ["as_batches", "first_batch", "is_single_batch", "resolve_model", "resolve_source"]
 
 
 def is_single_batch(source: Any) -> bool:
@@ -34,3 +34,13 @@ def resolve_source(source: Any, fixture_value: Callable[[str], Any]) -> Any:
     if isinstance(source, str):
         return fixture_value(source)
     return source() if callable(source) else source
+
+
+def resolve_model(source: Any, fixture_value: Callable[[str], Any]) -> Any:
+    """A model setting's value (quantized=): a fixture name (looked up), a model (itself: a module is callable but
+    is not called), or a callable returning the model (called)."""
+    if isinstance(source, str):
+        return fixture_value(source)
+    if hasattr(source, "forward") or not callable(source):
+        return source
+    return source()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from .baseline import BaselineError, compare_findings, fingerprint_differences, load_baseline
+from .baseline import BaselineError, compare_findings, fingerprint_differences, join_messages, load_baseline
 from .findings import Finding
 
 if TYPE_CHECKING:
@@ -60,13 +60,30 @@ def compare_with_baseline(state: ModelPipeline, found: list[Finding], options: d
     compared = compare_findings(found, recorded, tolerance,
                                 lambda check: checks[check].higher_is_better if check in checks else True,
                                 strict, enforce, lambda check: _threshold_setting(checks.get(check)))
+    changed = _artifact_change(recorded.fingerprint, state.fingerprint or {})
+    if changed:  # the artifact changing is what the baseline gates: its values are compared, and it is said
+        details["artifact_changed"] = changed
+        note = f"The artifact changed since the baseline ({changed})."
+        compared = [f.replace(message=join_messages(f.message, note)) if f.baseline_status == "regressed" else f
+                    for f in compared]
     stale = sorted(f"{check}/{layer}" for check, layer in recorded.entries if f"{check}/{layer}" not in still_collected)
     details["stale"] = stale
     message = (f"model {state.name!r}: the baseline {path} has entries for layers that no longer exist: "
                f"{', '.join(stale)}. {update_hint}") if stale else ""
+    if changed:
+        message = join_messages(message, f"model {state.name!r}: artifact changed since the baseline ({changed}).")
     return compared + [model_finding(not (stale and strict), message, stale=len(stale))]
 
 
+
+
+def _artifact_change(recorded: dict[str, Any] | Any, current: dict[str, Any]) -> str:
+    """'sha256:1234abcd… -> sha256:5678ef01…' when the quantized model a baseline was recorded with is not the one
+    measured now (artifact mode); "" otherwise."""
+    old, new = recorded.get("artifact"), current.get("artifact")
+    if not old or not new or old == new:
+        return ""
+    return f"{str(old)[:15]}… -> {str(new)[:15]}…"
 
 
 def _threshold_setting(check: Any) -> str | None:

@@ -58,11 +58,25 @@ def on_accelerator(float_gm: Any) -> bool:
     return model_device(float_gm).type != "cpu"
 
 
+def _storage_tensors(tensors: list[Any]) -> list[Any]:
+    """The tensors that hold storage: a quantized tensor subclass (torchao's) holds its inner tensors'."""
+    import torch
+
+    found = []
+    for tensor in tensors:
+        if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+            found.append(tensor)
+        else:
+            names, _ = tensor.__tensor_flatten__()
+            found += _storage_tensors([getattr(tensor, name) for name in names])
+    return found
+
+
 def estimated_analysis_bytes(module: Any) -> tuple[int, int]:
     """(parameter and buffer bytes of `module`, the memory its analysis is expected to add: ANALYSIS_FACTOR times
     those bytes). Storages shared by several tensors count once."""
     seen, total = set(), 0
-    for tensor in [*module.parameters(), *module.buffers()]:
+    for tensor in _storage_tensors([*module.parameters(), *module.buffers()]):
         storage = tensor.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         if key not in seen:
@@ -88,6 +102,8 @@ def budgeted_estimate(model: str, analysis: Any, mode: bool | str, budget: int |
     from qcore.analysis import BlockwiseError
 
     weights, estimate = estimated_analysis_bytes(analysis.float_gm)
+    if getattr(analysis, "artifact", False):  # eager hooks over both models: one batch's activations on top
+        return estimate, ""
     blockwise: tuple[int, int] | str | None = None
     if analysis.blockwise or (mode == "auto" and budget is not None and estimate > budget):
         try:

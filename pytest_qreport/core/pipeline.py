@@ -10,6 +10,7 @@ Items and the `qreport` fixture are thin adapters over it: they supply fixture v
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,8 +26,16 @@ from .results import ModelFacts
 from .runtime import quiet_torch_trace_log, torch_threads, young_garbage_collection
 from .settings import ModelSettings
 
-__all__ = ["ModelPipeline", "Stage", "analyze_in_session", "collect_model", "fingerprint", "format_refusal_message",
-           "on_device", "select_layers", "settings_and_quantizer"]
+__all__ = ["ARTIFACT_SKIP", "ModelPipeline", "Stage", "analyze_in_session", "collect_model", "fingerprint",
+           "format_refusal_message", "is_artifact", "on_device", "select_layers", "settings_and_quantizer"]
+
+ARTIFACT_SKIP = ("concerns choosing a quantizer, and in artifact mode (quantized=) the model is quantized already; "
+                 "its layers are judged by the sqnr, weight_sqnr and output checks")
+
+
+def is_artifact(analysis: Any) -> bool:
+    """Whether a model's analysis measures a quantized model the user gave (quantized=), not qcore's simulation."""
+    return bool(getattr(analysis, "artifact", False))
 
 
 class Stage(enum.Enum):
@@ -209,6 +218,10 @@ class ModelPipeline:
         assert self.context is not None and self.settings is not None
         check = self.context.checks[check_name]
         severity = self.settings.severity.get(check_name, check.default_severity)
+        if is_artifact(self.context.analysis) and not check.measures_artifacts:
+            return [Finding(model=self.name, check=check_name, layer=layer, metric=check.metric, value=math.nan,
+                            threshold=math.nan, verdict="skip",
+                            message=f"model {self.name!r}: check {check_name!r} {ARTIFACT_SKIP}.") for layer in layers]
         refused = {entry.layer: entry for entry in self.context.analysis.layers if entry.format_refusal}
         if any(layer in refused for layer in layers):
             measurable = [layer for layer in layers if layer not in refused]
@@ -260,12 +273,15 @@ def analyze_in_session(pipeline: ModelPipeline, batches: Callable[[], Iterable[A
 
 
 def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, quantizer: Any, model: Any,
-                  example_inputs: Any) -> ModelPipeline:
-    """declared -> collected: capture the model and list each check's layers (no calibration). Errors propagate
-    to the caller."""
+                  example_inputs: Any, quantized: Any = None) -> ModelPipeline:
+    """declared -> collected: capture the model and list each check's layers (no calibration); in artifact mode
+    (settings.quantized), match the quantized model's layers with the reference's instead. Errors propagate to the
+    caller."""
     import qcore
     from qcore.analysis import AnalysisPlan, ModelAnalysis
 
+    if settings.quantized is not None:
+        return collect_artifact(name, settings, registry, model, quantized)
     if not hasattr(model, "forward"):
         raise QReportModelError(f"model {name!r}: the qmodel function returned {type(model).__name__}, "
                                 "not an nn.Module")
@@ -300,6 +316,79 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     context.analysis = analysis.planned(AnalysisPlan(measurements=needs, detectors=context.detectors(),
                                                      screens=screens))
     return pipeline
+
+
+def collect_artifact(name: str, settings: ModelSettings, registry: CheckRegistry, model: Any,
+                     quantized: Any) -> ModelPipeline:
+    """declared -> collected, in artifact mode: `model` is the float reference and `quantized` the model the user
+    ships; their quantized layers are matched by module name (no capture, nothing quantized here)."""
+    import torch
+
+    from qcore.analysis import ArtifactAnalysis, ArtifactMismatchError, tracked
+
+    for what, value in (("the qmodel function", model), ("quantized=", quantized)):
+        if not isinstance(value, torch.nn.Module):
+            raise QReportModelError(f"model {name!r}: {what} gave {type(value).__name__}, not an nn.Module; in "
+                                    "artifact mode the model function returns the float reference and quantized= the "
+                                    "quantized model")
+    if settings.device is not None:
+        model, _ = on_device(name, settings.device, model, None)
+        quantized = quantized.to(settings.device)
+    try:
+        with tracked() as times:
+            analysis = ArtifactAnalysis(model, quantized)
+    except ArtifactMismatchError as error:
+        raise QReportModelError(f"model {name!r}: {error}") from None
+    names = [entry.layer for entry in analysis.layers]
+    _check_artifact_globs(name, settings, names)
+    float_layers = _artifact_float_layers(name, settings, names)
+    checks = {check_name: registry.get(check_name)(settings.check_options.get(check_name))
+              for check_name in settings.checks}
+    context = ModelContext(name, settings, analysis, checks)
+    weights = estimated_analysis_bytes(model)[0] + estimated_analysis_bytes(quantized)[0]
+    pipeline = ModelPipeline(name, Stage.COLLECTED, settings, None, context, capture={"method": "eager (artifact)"},
+                             parameter_bytes=weights, seconds=dict(times.seconds))
+    for check_name, check in checks.items():
+        if not check.measures_artifacts:
+            pipeline.items[check_name] = ["model"]  # one item, skipped with the reason
+            continue
+        check.bind(context)
+        if check.applies(context):
+            pipeline.items[check_name] = select_layers(check.layers(context), settings.layers, settings.skip_layers)
+    context.checks = {n: c for n, c in checks.items() if n in pipeline.items}
+    needs = frozenset().union(*(check.needs for check in context.checks.values() if check.measures_artifacts))
+    context.analysis = analysis.planned(logits="logits" in needs, float_layers=float_layers)
+    return pipeline
+
+
+def _artifact_float_layers(name: str, settings: ModelSettings, names: list[str]) -> list[str]:
+    """The artifact's layers that float_layers globs name (their reference modules are swapped in)."""
+    from qcore.analysis import matches_layer
+
+    if not settings.float_layers:
+        return []
+    unmatched = [glob for glob in settings.float_layers if not any(matches_layer(glob, layer) for layer in names)]
+    if unmatched:
+        raise QReportModelError(f"model {name!r}: float_layers {unmatched} match no quantized layer of the artifact; "
+                                f"its layers: {', '.join(names)}")
+    return [layer for layer in names if any(matches_layer(glob, layer) for glob in settings.float_layers)]
+
+
+def _check_artifact_globs(name: str, settings: ModelSettings, layers: list[str]) -> None:
+    """layers and skip_layers globs must match an artifact layer (or an output item)."""
+    from qcore.analysis import matches_layer
+
+    for setting, globs in (("layers", settings.layers), ("skip_layers", settings.skip_layers)):
+        unmatched = [glob for glob in globs or () if not any(matches_layer(glob, layer) for layer in
+                                                              [*layers, "output", "model"])]
+        if unmatched:
+            raise QReportModelError(f"model {name!r}: {setting} {unmatched} match no quantized layer of the artifact; "
+                                    f"its layers: {', '.join(layers)}")
+    if settings.layer_formats or settings.layer_overrides or settings.equalize:
+        given = [key for key in ("layer_formats", "layer_overrides", "equalize") if getattr(settings, key)]
+        raise QReportModelError(f"model {name!r}: {', '.join(given)} choose how qcore quantizes a model, and in "
+                                "artifact mode (quantized=) the model is quantized already. Fix: drop them, or drop "
+                                "quantized= to gate qcore's simulation of the float model")
 
 
 def on_device(name: str, device: str, model: Any, example_inputs: Any) -> tuple[Any, Any]:
@@ -347,6 +436,10 @@ def fingerprint(analysis: Any, equalize: Any, threads: int) -> dict[str, Any]:
     import qcore
     from qcore.analysis import calibration_digest, describe, model_device
 
+    if is_artifact(analysis):  # the artifact's identity is recorded, not compared: its changing is what is gated
+        return {"torch": str(torch.__version__), "qcore": str(qcore.__version__), "quantizer": "artifact",
+                "artifact": analysis.digest, "calibration": calibration_digest(analysis.batches),
+                "equalize": None, "threads": threads, "device": model_device(analysis.reference).type}
     return {"torch": str(torch.__version__), "qcore": str(qcore.__version__), "quantizer": describe(analysis.quantizer),
             "calibration": calibration_digest(analysis.batches), "equalize": describe(equalize), "threads": threads,
             "device": model_device(analysis.float_gm).type}

@@ -15,7 +15,7 @@ from .findings import Finding
 from .schema import SEVERITIES, Setting
 
 if TYPE_CHECKING:
-    from qcore.analysis import ModelAnalysis
+    from qcore.analysis import ArtifactAnalysis, ModelAnalysis
 
     from .settings import ModelSettings
 
@@ -27,11 +27,13 @@ MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence", "l
 class ModelContext:
     """What a check sees of one model: its name, settings, checks and qcore analysis."""
 
-    def __init__(self, name: str, settings: ModelSettings, analysis: ModelAnalysis,
+    def __init__(self, name: str, settings: ModelSettings, analysis: ModelAnalysis | ArtifactAnalysis,
                  checks: Mapping[str, Check] | None = None) -> None:
         self.name = name
         self.settings = settings
-        self.analysis = analysis
+        # a ModelAnalysis of qcore's simulation, or an ArtifactAnalysis of the model the user ships (quantized=):
+        # the checks that measure artifacts read what both answer
+        self.analysis: Any = analysis
         self.checks: dict[str, Check] = dict(checks or {})
         self._detector_reports: dict[str, Any] | None = None
         # turns a batch setting (fixture name, callable or batches) into a list of batches; set by the pipeline
@@ -90,6 +92,10 @@ class Check(ABC):
     settings: ClassVar[tuple[Setting, ...]] = ()
     threshold_is_setting: ClassVar[bool] = True  # the first of `settings` is the threshold values are judged by
     baseline_tolerance: ClassVar[float | None] = None  # its default baseline tolerance, in its metric's unit
+    # artifact mode (qmodel(quantized=...)): whether the check judges a quantized model the user gives (False: its
+    # items skip, as checks that concern choosing a quantizer do), and its default severity there (None: as usual)
+    measures_artifacts: ClassVar[bool] = False
+    artifact_severity: ClassVar[str | None] = None
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self.options = dict(options or {})

@@ -41,6 +41,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     Setting("eval_batches", text, None, "fixture name giving evaluation batches for kl_divergence, top1_agreement, "
             "perplexity and task_metric (default: the calibration batches; in qmodel: also a callable or an "
             "iterable of batches)", metavar="NAME", shown_default="calibration"),
+    Setting("quantized", text, None, "the quantized model to gate, as shipped (artifact mode): a fixture name or a "
+            "callable returning it (a torchao, compressed-tensors or ModelOpt model); the model function then "
+            "returns its float reference, and nothing is quantized by the plugin", places=_NOT_ON_COMMAND_LINE,
+            shown_default="—"),
     Setting("example_inputs", text, None, "fixture name giving example inputs (default: the first calibration "
             "batch)", metavar="NAME", shown_default="first batch"),
     Setting("quantizer", text, "int8", "int8, int8_per_tensor, int8_histogram, a deployed format (W8A8, W8A16, "
@@ -272,7 +276,9 @@ def resolve_settings(session: dict[str, Any], declaration, registry) -> ModelSet
             values[name] = merged
         else:
             values[name] = next((v for v in reversed(sources) if v is not None), setting.default)
-    severity = {check.name: check.default_severity for check in registry.checks()}
+    artifact = values.get("quantized") is not None  # checks may judge a shipped artifact more leniently
+    severity = {check.name: (check.artifact_severity if artifact and check.artifact_severity else
+                             check.default_severity) for check in registry.checks()}
     values["severity"] = {**severity, **values["severity"]}
     values["baseline_tolerance_db"] = {"*": DEFAULT_TOLERANCE, **values["baseline_tolerance_db"]}
     values["check_options"] = {**values.pop("detector_options"), **values["check_options"]}

@@ -52,7 +52,7 @@ def _producer(node: Any) -> Any:
     return node
 
 
-def logits_leaf(gm: fx.GraphModule, output: Any) -> tuple[int | None, str, str]:
+def logits_leaf(gm: fx.GraphModule | None, output: Any) -> tuple[int | None, str, str]:
     """(index among the floating output leaves, its name, "") of the logits in `output` (the model's output on a
     batch), or (None, "", why the output is not logits)."""
     from qcore.graph.ops import find_quantizable_ops
@@ -72,6 +72,8 @@ def logits_leaf(gm: fx.GraphModule, output: Any) -> tuple[int | None, str, str]:
     if tensor.dim() < 2 or tensor.shape[-1] < 2:
         return None, "", (f"its output has shape {tuple(tensor.shape)}: a regression head or a score, not logits "
                           "over classes")
+    if gm is None:  # an eager model: its one floating output of [..., classes] is taken for logits
+        return 0, name or "output", ""
     node = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     leaves = [leaf for leaf in pytree.tree_leaves(node) if isinstance(leaf, fx.Node)]
     heads = {op.output for op in find_quantizable_ops(gm) if op.kind in ("linear", "addmm", "matmul")}
@@ -91,8 +93,8 @@ class LogitsComparator:
         self._sums: dict[str, torch.Tensor] = {}  # on the logits' device: nothing is copied to the host per batch
         self._positions = 0
 
-    def decide(self, gm: fx.GraphModule, output: Any) -> None:
-        """Find the logits leaf from the float model's first output."""
+    def decide(self, gm: fx.GraphModule | None, output: Any) -> None:
+        """Find the logits leaf from the float model's first output (`gm`: its graph; None for an eager model)."""
         if not self._decided:
             self.index, self.leaf, self.reason = logits_leaf(gm, output)
             self._decided = True

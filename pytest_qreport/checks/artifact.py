@@ -1,0 +1,46 @@
+"""Verified advice in artifact mode (qmodel(quantized=...)): the layers to keep in float, found by swapping the
+reference's modules into the user's quantized model and measuring, printed as the plugin's float_layers and as the
+line to paste into the tool that made the artifact (llm-compressor, ModelOpt, torchao)."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.pipeline import is_artifact
+from ..core.registry import ModelContext
+
+__all__ = ["DEFAULT_BATCHES", "DEFAULT_MAX_FLOAT_LAYERS", "artifact_fix", "artifact_fix_advice", "is_artifact"]
+
+DEFAULT_MAX_FLOAT_LAYERS = 8
+DEFAULT_BATCHES = 2  # a trial's batches; the printed set is measured on every batch the item is judged on
+
+
+def artifact_fix(model: ModelContext, check: str, metric: str, target: float, batches: list[Any]) -> Any | None:
+    """The artifact's verified float_layers fix for `metric` to meet `target` (qcore's ArtifactFix, searched once per
+    check and target), or None where the check's fix is off (check_options={check: {'fix': False}})."""
+    options = model.checks[check].options if check in model.checks else {}
+    if options.get("fix") is False:
+        return None
+    most = int(options.get("max_float_layers", DEFAULT_MAX_FLOAT_LAYERS))
+    return model.analysis.float_layers_fix(target, metric, most, options.get("batches", DEFAULT_BATCHES),
+                                           batches=batches)
+
+
+def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: float, batches: list[Any],
+                        show: Any = lambda value: f"{value:.4g}") -> tuple[str, dict[str, Any] | None]:
+    """(the advice to print for a failing output item in artifact mode, the recipe for the JSON and HTML: the
+    float_layers setting and each tool's line)."""
+    fix = artifact_fix(model, check, metric, target, batches)
+    if fix is None or not fix.float_layers:
+        return "", None
+    recipes = fix.recipes
+    layers = list(fix.float_layers)
+    recipe: dict[str, Any] = {**recipes, "float_layers": layers, "qmodel": recipes["float_layers"],
+                              "measured": fix.measured, "reached": fix.reached}
+    lines = (f"qmodel(..., {recipes['float_layers']}) swaps the reference's modules in; in the tool that made the "
+             f"artifact: llm-compressor {recipes['llm-compressor']}; ModelOpt {recipes['modelopt']}; torchao "
+             f"{recipes['torchao']}")
+    if fix.reached:
+        return (f" Keeping {len(layers)} layer(s) in float was measured to reach {show(fix.measured)} "
+                f"(from {show(fix.before)}): {lines}."), recipe
+    return (f" No set of up to {len(layers)} layers kept in float reaches {show(target)}; the best found was measured "
+            f"at {show(fix.measured)} (from {show(fix.before)}): {lines}."), recipe

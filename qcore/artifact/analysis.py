@@ -1,0 +1,277 @@
+"""A user's quantized model (the artifact it ships) analysed against its float reference: the same questions a
+ModelAnalysis answers of qcore's own simulation (per-layer and output SQNR, logits, a task metric, a verified set
+of layers to keep in float), asked of the artifact, with nothing quantized here.
+
+`float_layers` swaps the reference's modules in for those layers, as a fix does; the search for a fix swaps sets of
+layers and measures each set on a few batches, then the set it prints on every batch.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import nn
+
+from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, artifact_layers, state_digest
+from qcore.artifact.measure import ArtifactError, ArtifactMeasurement, float_layers_swapped, measure_artifact
+from qcore.measure.passes import SqnrMeasurement
+from qcore.numeric.logits import LogitsMeasurement
+from qcore.runtime.progress import stage
+
+__all__ = ["OUTPUT_METRICS", "ArtifactAnalysis", "ArtifactError", "ArtifactFix", "ArtifactLayer",
+           "ArtifactMismatchError", "tool_recipes"]
+
+# metric -> (read from a measurement, higher is better)
+OUTPUT_METRICS: dict[str, tuple[Callable[[ArtifactMeasurement], float], bool]] = {
+    "output_sqnr_db": (lambda m: _worst_output_db(m.sqnr), True),
+    "kl_nats": (lambda m: m.logits.kl_nats if m.logits else math.nan, False),
+    "top1_agreement": (lambda m: m.logits.top1_agreement if m.logits else math.nan, True),
+    "perplexity_increase_pct": (lambda m: m.logits.perplexity_increase_pct if m.logits else math.nan, False),
+}
+
+
+def _worst_output_db(sqnr: SqnrMeasurement) -> float:
+    worst = sqnr.worst_output()
+    return worst.sqnr_db if worst is not None else math.nan
+
+
+def tool_recipes(float_layers: Iterable[str]) -> dict[str, str]:
+    """The lines that keep `float_layers` unquantized in the tools that make artifacts: qmodel's float_layers,
+    llm-compressor's modifier `ignore`, ModelOpt's `quant_cfg` entries, torchao's `quantize_` filter_fn."""
+    names = list(float_layers)
+    modelopt = ", ".join(f"{'*' + name + '*'!r}: {{'enable': False}}" for name in names)
+    return {
+        "float_layers": f"float_layers={names!r}",
+        "llm-compressor": f"ignore=[..., {', '.join(repr(name) for name in names)}]",
+        "modelopt": f"config['quant_cfg'].update({{{modelopt}}})",
+        "torchao": f"quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear) "
+                   f"and fqn not in {sorted(names)!r})",
+    }
+
+
+@dataclass(frozen=True)
+class ArtifactFix:
+    """A verified set of layers to keep in float (the reference's modules swapped in): `measured` is the metric
+    with them on the batches the item is judged on, `before` without them; `reached` whether it meets `target`."""
+
+    metric: str
+    target: float
+    before: float
+    float_layers: tuple[str, ...]
+    measured: float
+    reached: bool
+    trials: int
+
+    @property
+    def measured_db(self) -> float:
+        """`measured`, for a fix of the output SQNR (read as a FloatLayersFix is)."""
+        return self.measured
+
+    @property
+    def recipes(self) -> dict[str, str]:
+        """The fix as each tool's line (tool_recipes)."""
+        return tool_recipes(self.float_layers)
+
+
+def _meets(value: float, target: float, higher_is_better: bool) -> bool:
+    return not math.isnan(value) and (value >= target if higher_is_better else value <= target)
+
+
+class ArtifactAnalysis:
+    """A quantized model measured against its float reference, layer by layer by module name; measurements are
+    computed on first use and kept. Both models are put in eval mode, and `device` moves both."""
+
+    artifact = True
+    blockwise = False
+    quantizer = None
+    equalize_recipe = None
+
+    def __init__(self, reference: nn.Module, quantized: nn.Module, batches: Iterable[Any] | None = None, *,
+                 float_layers: Iterable[str] = (), layers: list[ArtifactLayer] | None = None,
+                 logits: bool = False, focus: Iterable[str] | None = None) -> None:
+        """`logits`: compare the logits in the same pass (the output checks ask for them)."""
+        self.reference, self.quantized = reference.eval(), quantized.eval()
+        self.float_layers = tuple(float_layers)
+        self.logits_planned = logits
+        self.focus = None if focus is None else frozenset(focus)
+        self._batches = None if batches is None else list(batches)
+        self._artifact_layers = list(layers) if layers is not None else artifact_layers(reference, quantized)
+        unknown = [name for name in self.float_layers if name not in {layer.name for layer in self._artifact_layers}]
+        if unknown:
+            raise ArtifactMismatchError(f"float_layers {unknown} name no quantized layer of the artifact; its layers: "
+                                        + ", ".join(layer.name for layer in self._artifact_layers))
+        self._variants: dict[tuple, ArtifactAnalysis] = {}
+        self._fixes: dict[tuple, ArtifactFix] = {}
+        self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
+
+    def planned(self, logits: bool = False, float_layers: Iterable[str] = ()) -> ArtifactAnalysis:
+        """The same artifact, to measure with the logits compared in its pass, and the reference's modules swapped
+        in at `float_layers` (nothing has been measured yet)."""
+        return ArtifactAnalysis(self.reference, self.quantized, self._batches, float_layers=float_layers,
+                                layers=self._artifact_layers, logits=logits)
+
+    # -- what the checks read, as of a ModelAnalysis ---------------------------------------------------------------
+    @property
+    def float_gm(self) -> nn.Module:
+        """The float reference (what a ModelAnalysis captured)."""
+        return self.reference
+
+    @property
+    def batches(self) -> list[Any]:
+        """The calibration batches, materialized once."""
+        if self._batches is None:
+            raise ValueError("this analysis was made without batches; pass batches=... to measure")
+        return self._batches
+
+    def attach_batches(self, batches: Iterable[Any]) -> None:
+        """Give the analysis its batches (materialized once; later calls keep the first set)."""
+        if self._batches is None:
+            self._batches = list(batches)
+
+    @property
+    def layers(self) -> list[ArtifactLayer]:
+        """The artifact's quantized layers, in module order."""
+        return list(self._artifact_layers)
+
+    def layer(self, name: str) -> Any:
+        """One quantized layer by name."""
+        found = {entry.layer: entry for entry in self.layers}
+        if name not in found:
+            raise KeyError(f"{name!r} is not a quantized layer of the artifact; known: {list(found)}")
+        return found[name]
+
+    @cached_property
+    def digest(self) -> str:
+        """'sha256:...' of the quantized model's state (its identity in a baseline)."""
+        return state_digest(self.quantized)
+
+    def describe_outputs(self) -> list[str]:
+        """What each output leaf of the reference is on the first batch."""
+        from qcore.measure.diagnose import describe_outputs
+
+        return describe_outputs(self.reference, self.batches[0])
+
+    @cached_property
+    def measurement(self) -> ArtifactMeasurement:
+        """Both models over the batches: one reference pass, one quantized pass and the shadow layers."""
+        with stage("comparison"):
+            return measure_artifact(self.reference, self.quantized, self._artifact_layers, self.batches,
+                                    float_layers=self.float_layers, focus=self.focus, logits=self.logits_planned)
+
+    @property
+    def sqnr(self) -> SqnrMeasurement:
+        """Per layer (propagated, shadow, weight) and per output leaf."""
+        return self.measurement.sqnr
+
+    @property
+    def not_comparable(self) -> Mapping[str, str]:
+        """{layer: why its own error (shadow) is not measured}."""
+        return self.measurement.not_comparable
+
+    @property
+    def logits(self) -> LogitsMeasurement:
+        """KL, top-1 agreement and perplexity over the batches."""
+        if self.logits_planned:
+            assert self.measurement.logits is not None
+            return self.measurement.logits
+        return self.logits_on(self.batches)
+
+    def logits_on(self, batches: Iterable[Any]) -> LogitsMeasurement:
+        """The logits compared on other batches (evaluation data); kept per batch list."""
+        batches = batches if isinstance(batches, list) else list(batches)
+        kept = self._logits_on.get(id(batches))
+        if kept is None or kept[0] is not batches:
+            with stage("comparison"):
+                measured = measure_artifact(self.reference, self.quantized, self._artifact_layers, batches,
+                                            float_layers=self.float_layers, focus=(), logits=True, shadow=False)
+            assert measured.logits is not None
+            kept = self._logits_on[id(batches)] = (batches, measured.logits)
+        return kept[1]
+
+    def task_metric(self, metric: Any, batches: Any) -> tuple[float, float]:
+        """(reference, artifact) values of a user's `metric(model, batches) -> float` (higher is better)."""
+        with torch.no_grad():
+            reference = float(metric(self.reference, batches))
+            with float_layers_swapped(self.quantized, self.reference, self.float_layers):
+                return reference, float(metric(self.quantized, batches))
+
+    # -- fixes -----------------------------------------------------------------------------------------------------
+    def variant(self, float_layers: Iterable[str] = (), layers: Iterable[str] | None = None,
+                logits: bool = False) -> ArtifactAnalysis:
+        """The same artifact with the reference's modules swapped in at `float_layers` too (the same as pasting
+        them), kept per set; `layers`: the only layers measured (the outputs always)."""
+        swapped = tuple(dict.fromkeys([*self.float_layers, *float_layers]))
+        key = (swapped, None if layers is None else tuple(sorted(layers)), logits)
+        if key not in self._variants:
+            self._variants[key] = ArtifactAnalysis(self.reference, self.quantized, self.batches, float_layers=swapped,
+                                                   layers=self._artifact_layers, logits=logits, focus=layers)
+        return self._variants[key]
+
+    def _value(self, metric: str, float_layers: Iterable[str], batches: list[Any]) -> float:
+        read, _ = OUTPUT_METRICS[metric]
+        measured = measure_artifact(self.reference, self.quantized, self._artifact_layers, batches,
+                                    float_layers=[*self.float_layers, *float_layers], focus=(),
+                                    logits=metric != "output_sqnr_db", shadow=False)
+        return read(measured)
+
+    def _candidates(self, max_candidates: int) -> list[str]:
+        """The layers whose own error is largest first: shadow SQNR where measured, else the propagated SQNR."""
+        measured = self.sqnr.layers
+
+        def own(name: str) -> float:
+            entry = measured.get(name)
+            if entry is None:
+                return math.inf
+            return entry.shadow_sqnr_db if not math.isnan(entry.shadow_sqnr_db) else entry.sqnr_db
+
+        names = [layer.name for layer in self._artifact_layers if layer.name not in self.float_layers]
+        return sorted(names, key=own)[:max_candidates]
+
+    def float_layers_fix(self, target: float, metric: str = "output_sqnr_db", max_float_layers: int = 8,
+                         max_batches: int | None = 2, batches: list[Any] | None = None,
+                         max_candidates: int = 32) -> ArtifactFix:
+        """A verified set of up to `max_float_layers` layers to keep in float (the reference's modules swapped in)
+        for `metric` (OUTPUT_METRICS) to meet `target` on `batches` (default: the analysis's): each of the
+        `max_candidates` layers with the largest own error is swapped in alone on `max_batches` batches, then
+        the best are added one at a time until the target is met; the set is measured on every batch."""
+        batches = self.batches if batches is None else batches
+        key = (metric, target, max_float_layers, max_batches, max_candidates, id(batches))
+        if key in self._fixes:
+            return self._fixes[key]
+        _, higher = OUTPUT_METRICS[metric]
+        trial_batches = batches[:max_batches] if max_batches else batches
+        with stage("trials"):
+            before = self._value(metric, (), batches)
+            if _meets(before, target, higher):  # nothing to fix
+                fix = ArtifactFix(metric, target, before, (), before, True, 1)
+                self._fixes[key] = fix
+                return fix
+            base = self._value(metric, (), trial_batches) if trial_batches is not batches else before
+            singles = {name: self._value(metric, (name,), trial_batches)
+                       for name in self._candidates(max_candidates)}
+            trials = len(singles) + 2
+            ranked = sorted((name for name in singles if not math.isnan(singles[name])),
+                            key=lambda name: -singles[name] if higher else singles[name])
+            better = [name for name in ranked if (singles[name] > base if higher else singles[name] < base)]
+            chosen: list[str] = []
+            measured = before
+            for name in better[:max_float_layers]:
+                chosen.append(name)
+                trials += 1
+                if _meets(self._value(metric, chosen, trial_batches), target, higher):
+                    measured = self._value(metric, chosen, batches)
+                    trials += 1
+                    if _meets(measured, target, higher):
+                        break
+            else:
+                if chosen:
+                    measured = self._value(metric, chosen, batches)
+                    trials += 1
+        fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher), trials)
+        self._fixes[key] = fix
+        return fix
+

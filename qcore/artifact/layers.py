@@ -1,0 +1,204 @@
+"""Which modules of a user's quantized model (the artifact it ships) are quantized layers, matched by module name with
+its float reference, and what their weights are once dequantized.
+
+A module is a quantized layer when it holds a quantized weight (a tensor subclass with `dequantize()`, as torchao's
+`quantize_` leaves; quantization parameters the reference's module does not have, as compressed-tensors' `weight_scale`
+and `weight_packed`; ModelOpt's weight quantizer), when its class differs from the reference's, when its forward is
+replaced (compressed-tensors fake-quantizes activations so), or when its weight differs from the reference's.
+No tool is imported: each leaves these marks on the modules of the model it returns.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ArtifactLayer", "ArtifactMismatchError", "artifact_layers", "changed_modules", "dequantized_weight",
+           "state_digest"]
+
+_LISTED = 8  # names listed in a mismatch error
+
+
+class ArtifactMismatchError(ValueError):
+    """The quantized model does not match its float reference (names, outputs, shapes)."""
+
+
+@dataclass(frozen=True)
+class ArtifactLayer:
+    """A quantized layer of the artifact: its module name (the same in both models), the reference module's class,
+    and what holds its quantization, in words."""
+
+    name: str
+    kind: str
+    format: str
+    weighted: bool
+    # read as a QuantizedLayer is: an artifact's layer is quantized already, no quantizer setting applies to it
+    per_channel: bool = True
+    dynamic: bool = False
+    clipping: bool = True
+    equalizable: bool = False
+    equalization_refusal: str = ""
+    format_refusal: str = ""
+
+    @property
+    def layer(self) -> str:
+        """The layer's name (its module name)."""
+        return self.name
+
+    @property
+    def fqn(self) -> str:
+        """Its module name."""
+        return self.name
+
+    @property
+    def op(self) -> str:
+        """The reference module's class."""
+        return self.kind
+
+
+def _plain(tensor: Any) -> bool:
+    return type(tensor) in (torch.Tensor, nn.Parameter)
+
+
+def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+
+
+def _args_text(args: Any) -> str:
+    if args is None:
+        return "-"
+    kind = f"{getattr(args, 'type', '')}{getattr(args, 'num_bits', '')}"
+    strategy = str(getattr(args, "strategy", "") or "")
+    strategy = strategy.split(".")[-1].lower()
+    group = getattr(args, "group_size", None)
+    text = f"{kind} {strategy}" + (f" {group}" if strategy == "group" and group else "")
+    return text + (" dynamic" if getattr(args, "dynamic", False) is True else "")
+
+
+def _format(module: nn.Module, reference: nn.Module | None) -> str:
+    """What holds the module's quantization, in words; "" for a module that is not quantized."""
+    weight = getattr(module, "weight", None)
+    scheme = getattr(module, "quantization_scheme", None)
+    if scheme is not None:  # compressed-tensors
+        weights, inputs = getattr(scheme, "weights", None), getattr(scheme, "input_activations", None)
+        return f"compressed-tensors weights {_args_text(weights)}, activations {_args_text(inputs)}"
+    if isinstance(weight, torch.Tensor) and not _plain(weight):
+        return type(weight).__name__
+    if reference is None:
+        return ""
+    if type(module) is not type(reference):
+        return type(module).__name__
+    reference_own, own = _own_tensors(reference), _own_tensors(module)
+    ref_weight = reference_own.get("weight")
+    if not (isinstance(ref_weight, torch.Tensor) and ref_weight.dim() >= 2):
+        return ""  # a norm's or a bias-only module's parameters may change (SmoothQuant folds scales into norms)
+    extra = sorted(set(own) - set(reference_own))
+    if extra:
+        return f"{type(module).__name__} with {', '.join(extra)}"
+    if "forward" in vars(module):
+        return f"{type(module).__name__} with a replaced forward"
+    if isinstance(weight, torch.Tensor) and weight.shape != ref_weight.shape:
+        return f"{type(module).__name__} with a weight of shape {tuple(weight.shape)}"
+    if isinstance(weight, torch.Tensor):
+        with torch.no_grad():
+            if not torch.equal(weight.detach(), ref_weight.detach().to(weight.dtype)):
+                return f"{type(module).__name__} with changed weights"
+    return ""
+
+
+def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[ArtifactLayer]:
+    """The quantized layers of `quantized`, in module order; ArtifactMismatchError listing the names that match
+    nothing on either side (a model of another architecture, or modules renamed)."""
+    references = dict(reference.named_modules())
+    layers: list[ArtifactLayer] = []
+    only_quantized: list[str] = []
+    inside: tuple[str, ...] = ()
+    for name, module in quantized.named_modules():
+        if name and any(name.startswith(prefix + ".") for prefix in inside):
+            continue  # a quantizer's own submodules (ModelOpt's weight_quantizer)
+        twin = references.get(name)
+        if twin is None and name:
+            only_quantized.append(name)
+            continue
+        found = _format(module, twin) if name else ""
+        if found:
+            weight = getattr(twin, "weight", None)
+            layers.append(ArtifactLayer(name, type(twin).__name__, found, isinstance(weight, torch.Tensor)))
+            inside += (name,)
+    kept = {name for name, _ in quantized.named_modules()}
+    only_reference = [name for name in references if name and name not in kept
+                      and not any(name.startswith(prefix + ".") for prefix in inside)]
+    if only_quantized or only_reference:
+        raise ArtifactMismatchError(
+            "the quantized model's modules do not match the float reference's by name: "
+            + "; ".join(f"only in the {side} ({len(names)}): {', '.join(names[:_LISTED])}"
+                        + (", ..." if len(names) > _LISTED else "")
+                        for side, names in (("quantized model", only_quantized), ("reference", only_reference))
+                        if names)
+            + ". Fix: the qmodel function must return the float model the artifact was made from (the same "
+              "architecture and module names), and quantized= the artifact loaded with the same class")
+    if not layers:
+        raise ArtifactMismatchError(
+            "the quantized model holds no quantized layer: no module has a quantized weight, quantization "
+            "parameters, a replaced forward or weights that differ from the reference's. Fix: pass the "
+            "quantized checkpoint as quantized=, and the float model it was made from as the model")
+    return layers
+
+
+def changed_modules(reference: nn.Module, quantized: nn.Module, layers: Iterable[str]) -> list[str]:
+    """The modules outside `layers` whose own parameters differ from the reference's (SmoothQuant and AWQ fold
+    their scales into the norms before the layers they rescale)."""
+    skipped = tuple(layers)
+    references = dict(reference.named_modules())
+    changed = []
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if name in skipped or any(name.startswith(prefix + ".") for prefix in skipped) or name not in references:
+                continue
+            twin = dict(references[name].named_parameters(recurse=False))
+            for key, value in module.named_parameters(recurse=False):
+                other = twin.get(key)
+                if _plain(value) and isinstance(other, torch.Tensor) and other.shape == value.shape and \
+                        not torch.equal(value.detach(), other.detach().to(value.dtype)):
+                    changed.append(name)
+                    break
+    return changed
+
+
+def dequantized_weight(module: nn.Module) -> torch.Tensor | None:
+    """The weight the module computes with, dequantized; None when it has none (a compressed-tensors module before
+    its first forward keeps only its packed weight)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    with torch.no_grad():
+        if not _plain(weight) and hasattr(weight, "dequantize"):
+            return weight.dequantize()
+        quantizer = getattr(module, "weight_quantizer", None)
+        if callable(quantizer) and isinstance(quantizer, nn.Module):  # ModelOpt: fake-quantized when called
+            return quantizer(weight.detach())
+        return weight.detach()
+
+
+def _flat_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    if _plain(tensor) or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [part for name in names for part in _flat_tensors(getattr(tensor, name))]
+
+
+def state_digest(model: nn.Module) -> str:
+    """'sha256:...' of the model's state: names, dtypes, shapes and bytes of every parameter and buffer (the inner
+    tensors of a quantized tensor subclass)."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, value in [*model.named_parameters(), *model.named_buffers()]:
+            for part in _flat_tensors(value):
+                digest.update(f"{name}:{part.dtype}:{tuple(part.shape)};".encode())
+                data = part.detach().contiguous().cpu().reshape(-1)
+                digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return "sha256:" + digest.hexdigest()

@@ -1,0 +1,322 @@
+"""One pass of the float reference and one of the quantized model per batch, in eager mode, with forward hooks by
+module name: each quantized layer's output against the reference's (propagated error), the quantized layer run on the
+reference's input of the same layer (shadow: its own error), the weights, and the model outputs and logits.
+
+Nothing is kept across batches but streaming sums on the model's device: within a batch, the reference's layer
+inputs and outputs wait for the quantized pass. The sums come to the host once, at the end.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict, deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, changed_modules, dequantized_weight
+from qcore.graph.capture import without_kv_cache
+from qcore.graph.inputs import call_model
+from qcore.measure.passes import LayerSqnr, OutputSqnr, SqnrMeasurement
+from qcore.numeric.loggers import StreamingComparator
+from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
+from qcore.numeric.metrics import large_tensor_sqnr
+
+__all__ = ["RESCALED_GAIN_DB", "ArtifactError", "ArtifactMeasurement", "float_layers_swapped", "input_channel_scales",
+           "measure_artifact"]
+
+# a layer whose weight matches the reference's this much better once each input channel is rescaled was rescaled
+# (SmoothQuant, AWQ): quantization noise alone is nearly orthogonal to the weight, so the fit gains ~0 dB
+RESCALED_GAIN_DB = 3.0
+
+
+class ArtifactError(RuntimeError):
+    """The quantized model could not be measured against its reference (a forward that raises, NaN)."""
+
+
+@dataclass(frozen=True)
+class ArtifactMeasurement:
+    """The artifact against its reference over some batches: per layer and per output leaf (SqnrMeasurement, the
+    same records as a simulated model's), the logits when asked for, the layers whose own error cannot be measured
+    and why, and the layers in the order the quantized model ran them."""
+
+    sqnr: SqnrMeasurement
+    logits: LogitsMeasurement | None
+    not_comparable: Mapping[str, str]
+    order: tuple[str, ...]
+
+
+class _FloatLayer(nn.Module):
+    """The reference's module in place of a quantized one: its input cast to the reference's dtype, its output back
+    to the dtype the quantized model runs in."""
+
+    def __init__(self, reference: nn.Module) -> None:
+        super().__init__()
+        self.reference = reference
+        tensors = [*reference.parameters(), *reference.buffers()]
+        self.dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        floating = [a for a in pytree.tree_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        dtype = floating[0].dtype if floating else self.dtype
+        args, kwargs = _cast((args, kwargs), self.dtype)
+        return _cast(self.reference(*args, **kwargs), dtype)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                           value)
+
+
+@contextlib.contextmanager
+def float_layers_swapped(quantized: nn.Module, reference: nn.Module, names: Iterable[str]) -> Iterator[None]:
+    """The reference's modules swapped into the quantized model at `names` for the duration."""
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = quantized.get_submodule(parent_name)
+            swapped.append((parent, child, parent.get_submodule(child)))
+            parent._modules[child] = _FloatLayer(reference.get_submodule(name))
+        yield
+    finally:
+        for parent, child, original in reversed(swapped):
+            parent._modules[child] = original
+
+
+def _output_tensor(output: Any) -> torch.Tensor | None:
+    """A layer's output tensor (the first floating leaf of a tuple)."""
+    return next((leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)
+                 and leaf.is_floating_point()), None)
+
+
+def _floating_leaves(output: Any) -> list[tuple[str, torch.Tensor]]:
+    paths, _ = pytree.tree_flatten_with_path(output)
+    return [(pytree.keystr(path) or "output", leaf) for path, leaf in paths
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+
+
+def input_channel_scales(reference: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per input channel (dim 1), the least-squares scale c with weight[:, j] ~ c * reference[:, j]."""
+    ref, ours = reference.double().flatten(2) if reference.dim() > 2 else reference.double(), weight.double()
+    ours = ours.reshape(ref.shape)
+    dims = [d for d in range(ref.dim()) if d != 1]
+    energy = (ref * ref).sum(dim=dims)
+    return torch.where(energy > 0, (ours * ref).sum(dim=dims) / energy.clamp_min(1e-300), 1.0)
+
+
+def _weight_sqnr(reference: torch.Tensor, weight: torch.Tensor) -> tuple[float, float]:
+    """(weight SQNR in dB, its gain when each input channel's scale is fitted first)."""
+    ref = reference.detach().float()
+    ours = weight.detach().float().reshape(ref.shape)
+    plain = float(large_tensor_sqnr(ref, ours))
+    if ref.dim() < 2 or not math.isfinite(plain):
+        return plain, 0.0
+    scales = input_channel_scales(ref, ours).float()
+    shape = [1, -1] + [1] * (ref.dim() - 2)
+    usable = scales.abs() > 1e-12
+    fitted = float(large_tensor_sqnr(ref, ours / torch.where(usable, scales, 1.0).reshape(shape)))
+    return plain, fitted - plain
+
+
+def _rescaled_reason(name: str, changed: list[str]) -> str:
+    near = max(changed, key=lambda other: len(_common_prefix(other, name)), default="")
+    where = f" ({near} differs from the reference's)" if near else ""
+    return ("the artifact rescales this layer's input channels against the reference (SmoothQuant or AWQ fold the "
+            f"inverse scales into the layer before it{where}), so the layer run on the reference's input is not "
+            "comparable: its own error is not measured")
+
+
+def _common_prefix(a: str, b: str) -> str:
+    parts = []
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        parts.append(x)
+    return ".".join(parts)
+
+
+class _Pass:
+    """The hooks of one comparison over a batch list: the reference stores each layer's input and output, the
+    quantized model's hooks compare against them and run the shadow."""
+
+    def __init__(self, names: Sequence[str], shadow: bool) -> None:
+        self.names, self.shadow = list(names), shadow
+        self.stash: dict[str, deque] = defaultdict(deque)
+        self.propagated = {name: StreamingComparator() for name in names}
+        self.shadows = {name: StreamingComparator() for name in names}
+        self.nan: dict[str, torch.Tensor] = {}
+        self.order: list[str] = []
+        self.entered: list[str] = []
+        self.in_shadow = False
+        self.recording = False  # the reference's pass: its modules also run inside the quantized model when swapped in
+
+    def reference_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            tensor = _output_tensor(output)
+            if tensor is not None and self.recording:
+                kept_inputs = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
+                                              (args, kwargs)) if self.shadow else None
+                self.stash[name].append((kept_inputs, tensor.detach()))
+        return hook
+
+    def entered_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if not self.in_shadow:
+                self.entered.append(name)
+        return hook
+
+    def quantized_hook(self, name: str, first_batch: bool) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if self.in_shadow:
+                return
+            if self.entered and self.entered[-1] == name:
+                self.entered.pop()
+            tensor = _output_tensor(output)
+            if tensor is None:
+                return
+            if not self.stash[name]:
+                raise ArtifactMismatchError(f"layer {name} ran in the quantized model but not in the reference (or "
+                                            "more often): the two models do not compute alike")
+            inputs, reference = self.stash[name].popleft()
+            if tensor.shape != reference.shape:
+                raise ArtifactMismatchError(
+                    f"layer {name}: its output has shape {tuple(tensor.shape)} in the quantized model and "
+                    f"{tuple(reference.shape)} in the reference. Fix: quantized= must be the reference quantized, "
+                    "with the same layer sizes")
+            if first_batch and name not in self.order:
+                self.order.append(name)
+            self.propagated[name].update(reference, tensor)
+            count = torch.isnan(tensor.detach()).sum()
+            self.nan[name] = self.nan[name] + count if name in self.nan else count
+            if self.shadow and inputs is not None:
+                dtype = tensor.dtype
+                self.in_shadow = True
+                try:
+                    with torch.no_grad():
+                        own = _output_tensor(module(*_cast(inputs[0], dtype), **_cast(inputs[1], dtype)))
+                finally:
+                    self.in_shadow = False
+                if own is not None:
+                    self.shadows[name].update(reference, own)
+        return hook
+
+    def first_nan(self) -> str:
+        """The first layer, in the order the quantized model ran them, whose output held NaN."""
+        counts = {name: int(count) for name, count in self.nan.items()}
+        return next((name for name in self.order if counts.get(name, 0)), "")
+
+
+def measure_artifact(reference: nn.Module, quantized: nn.Module, layers: Sequence[ArtifactLayer],
+                     batches: Iterable[Any], *, float_layers: Iterable[str] = (), focus: Iterable[str] | None = None,
+                     logits: bool = False, shadow: bool = True) -> ArtifactMeasurement:
+    """Compare `quantized` with `reference` over `batches`, with the reference's modules swapped in at
+    `float_layers`. `focus`: the only layers measured (None: every one; the outputs always); `logits`: the logits
+    compared too (KL, top-1, perplexity); `shadow`: each layer's own error measured too."""
+    float_layers = list(float_layers)
+    kept = {layer.name: layer for layer in layers}
+    names = [name for name in kept if focus is None or name in set(focus)]
+    measured = _Pass(names, shadow)
+    outputs: list[tuple[str, StreamingComparator]] = []
+    comparator = LogitsComparator() if logits else None
+    handles = []
+    with float_layers_swapped(quantized, reference, float_layers), without_kv_cache(reference), \
+            without_kv_cache(quantized), torch.no_grad():
+        try:
+            for name in names:
+                handles.append(reference.get_submodule(name).register_forward_hook(
+                    measured.reference_hook(name), with_kwargs=True))
+            for index, batch in enumerate(batches):
+                quantized_hooks = []
+                for name in names:
+                    module = quantized.get_submodule(name)
+                    quantized_hooks.append(module.register_forward_pre_hook(measured.entered_hook(name),
+                                                                            with_kwargs=True))
+                    quantized_hooks.append(module.register_forward_hook(measured.quantized_hook(name, index == 0),
+                                                                        with_kwargs=True))
+                try:
+                    measured.recording = True
+                    expected = call_model(reference, batch)
+                    measured.recording = False
+                    measured.entered.clear()
+                    try:
+                        actual = call_model(quantized, batch)
+                    except ArtifactMismatchError:
+                        raise
+                    except Exception as error:
+                        where = f" in layer {measured.entered[-1]}" if measured.entered else ""
+                        raise ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: "
+                                            f"{error}") from error
+                finally:
+                    for handle in quantized_hooks:
+                        handle.remove()
+                _compare_outputs(expected, actual, outputs, comparator, batch)
+                measured.stash.clear()
+        finally:
+            for handle in handles:
+                handle.remove()
+    return _measurement(reference, quantized, kept, measured, outputs, comparator, float_layers)
+
+
+def _compare_outputs(expected: Any, actual: Any, outputs: list[tuple[str, StreamingComparator]],
+                     comparator: LogitsComparator | None, batch: Any) -> None:
+    reference_leaves, quantized_leaves = _floating_leaves(expected), _floating_leaves(actual)
+    shapes = [(n, tuple(t.shape)) for n, t in reference_leaves], [(n, tuple(t.shape)) for n, t in quantized_leaves]
+    if shapes[0] != shapes[1]:
+        raise ArtifactMismatchError(
+            f"the quantized model's outputs differ in structure from the reference's: its floating leaves (name, "
+            f"shape) are {shapes[1]}, against {shapes[0]}. Fix: quantized= must be the reference quantized, called "
+            "the same way and returning the same structure")
+    if not outputs:
+        outputs.extend((name, StreamingComparator()) for name, _ in reference_leaves)
+    for (_, streaming), (_, ref), (_, ours) in zip(outputs, reference_leaves, quantized_leaves):
+        streaming.update(ref, ours)
+    if comparator is not None:
+        comparator.decide(None, expected)
+        comparator.update([t for _, t in reference_leaves], [t for _, t in quantized_leaves], batch)
+
+
+def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, ArtifactLayer], measured: _Pass,
+                 outputs: list[tuple[str, StreamingComparator]], comparator: LogitsComparator | None,
+                 float_layers: list[str]) -> ArtifactMeasurement:
+    output_records = {}
+    for name, streaming in outputs:
+        numbers = streaming.result()
+        output_records[name] = OutputSqnr(name, numbers["sqnr_db"], numbers["cosine"], numbers["normalized_l2"])
+    if any(math.isnan(record.sqnr_db) for record in output_records.values()):
+        first = measured.first_nan()
+        where = (f"; the first layer whose output holds NaN is {first}. Fix: look at that layer's scales in the "
+                 f"artifact, or keep it in float with float_layers={[first]!r}") if first else ""
+        raise ArtifactError(f"the quantized model's output holds NaN{where}")
+    changed = changed_modules(reference, quantized, list(kept))
+    records, not_comparable = {}, {}
+    for name in measured.names:
+        numbers = measured.propagated[name].result()
+        if not numbers["batches"]:
+            continue  # not run on these batches
+        weight_db, rescaled = None, False
+        reference_weight = getattr(reference.get_submodule(name), "weight", None)
+        if kept[name].weighted and name not in float_layers and isinstance(reference_weight, torch.Tensor):
+            ours = dequantized_weight(quantized.get_submodule(name))
+            if ours is not None and ours.numel() == reference_weight.numel():
+                weight_db, gain = _weight_sqnr(reference_weight, ours)
+                rescaled = gain > RESCALED_GAIN_DB
+                if rescaled:
+                    weight_db += gain  # compared up to its input channels' scales, which the rescaling moved
+        shadow_db = measured.shadows[name].result()["sqnr_db"] if measured.shadows[name].batches else math.nan
+        if rescaled:
+            not_comparable[name] = _rescaled_reason(name, changed)
+            shadow_db = math.nan
+        records[name] = LayerSqnr(layer=name, fqn=name, op=kept[name].kind, sqnr_db=numbers["sqnr_db"],
+                                  shadow_sqnr_db=shadow_db, normalized_l2=numbers["normalized_l2"],
+                                  cosine=numbers["cosine"], batches=int(numbers["batches"]), weight_sqnr_db=weight_db)
+    ordered = [name for name in measured.order if name in records] + \
+        [name for name in records if name not in measured.order]
+    return ArtifactMeasurement(sqnr=SqnrMeasurement({name: records[name] for name in ordered}, output_records),
+                               logits=comparator.result() if comparator is not None else None,
+                               not_comparable=not_comparable, order=tuple(measured.order))
