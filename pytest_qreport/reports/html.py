@@ -130,9 +130,12 @@ def build_html(report: dict[str, Any]) -> str:
                   "delta": _cell(r.get("delta"), r["metric"], delta=True), "verdict": r["verdict"],
                   "message": r["message"] or r.get("note", "")} for r in ordered]
         recipe = next((r["details"]["recipe"] for r in rows if r["check"] == "model_sqnr"
-                        and isinstance(r["details"].get("recipe"), dict)), None)
+                        and isinstance(r["details"].get("recipe"), dict) and "default" in r["details"]["recipe"]),
+                      None)
+        float_fixes = [{"check": r["check"], **r["details"]["recipe"]} for r in rows
+                       if isinstance(r["details"].get("recipe"), dict) and "float_layers" in r["details"]["recipe"]]
         models.append({"name": name, "counts": counts, "rows": table, "charts": charts,
-                       "info": report["models"].get(name, {}), "recipe": recipe})
+                       "info": report["models"].get(name, {}), "recipe": recipe, "float_fixes": float_fixes})
     return environment.get_template("report.html.j2").render(
         models=models, versions=report["versions"], created=report["created"], plotlyjs=plotly.offline.get_plotlyjs())
 

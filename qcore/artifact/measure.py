@@ -24,7 +24,6 @@ from qcore.graph.inputs import call_model
 from qcore.measure.passes import LayerSqnr, OutputSqnr, SqnrMeasurement
 from qcore.numeric.loggers import StreamingComparator
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
-from qcore.numeric.metrics import large_tensor_sqnr
 
 __all__ = ["RESCALED_GAIN_DB", "ArtifactError", "ArtifactMeasurement", "float_layers_swapped", "input_channel_scales",
            "measure_artifact"]
@@ -101,27 +100,43 @@ def _floating_leaves(output: Any) -> list[tuple[str, torch.Tensor]]:
             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
 
 
+_ROWS_ELEMENTS = 1 << 20  # weight elements taken at a time in float64: the sums stay exact, the copies small
+
+
+def _column_sums(reference: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per input channel (dim 1) of two weights of one shape: sum(r*r), sum(w*w), sum(w*r) in float64, a bounded
+    number of output rows at a time."""
+    ref = reference.detach().reshape(reference.shape[0], reference.shape[1] if reference.dim() > 1 else 1, -1)
+    ours = weight.detach().reshape(ref.shape)
+    step = max(1, _ROWS_ELEMENTS // max(1, ref[0].numel()))
+    sums = torch.zeros(3, ref.shape[1], dtype=torch.float64, device=ref.device)
+    for start in range(0, ref.shape[0], step):
+        r, w = ref[start:start + step].double(), ours[start:start + step].double().to(ref.device)
+        sums += torch.stack([(r * r).sum(dim=(0, 2)), (w * w).sum(dim=(0, 2)), (w * r).sum(dim=(0, 2))])
+    return sums[0], sums[1], sums[2]
+
+
 def input_channel_scales(reference: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Per input channel (dim 1), the least-squares scale c with weight[:, j] ~ c * reference[:, j]."""
-    ref, ours = reference.double().flatten(2) if reference.dim() > 2 else reference.double(), weight.double()
-    ours = ours.reshape(ref.shape)
-    dims = [d for d in range(ref.dim()) if d != 1]
-    energy = (ref * ref).sum(dim=dims)
-    return torch.where(energy > 0, (ours * ref).sum(dim=dims) / energy.clamp_min(1e-300), 1.0)
+    energy, _, cross = _column_sums(reference, weight)
+    return torch.where(energy > 0, cross / energy.clamp_min(1e-300), 1.0)
+
+
+def _sqnr_db(signal: float, noise: float) -> float:
+    if noise <= 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
 def _weight_sqnr(reference: torch.Tensor, weight: torch.Tensor) -> tuple[float, float]:
-    """(weight SQNR in dB, its gain when each input channel's scale is fitted first)."""
-    ref = reference.detach().float()
-    ours = weight.detach().float().reshape(ref.shape)
-    plain = float(large_tensor_sqnr(ref, ours))
-    if ref.dim() < 2 or not math.isfinite(plain):
+    """(weight SQNR in dB, its gain when each input channel's scale is fitted first), from per-channel sums."""
+    energy, own, cross = _column_sums(reference, weight)
+    plain = _sqnr_db(float(energy.sum()), float((own - 2 * cross + energy).sum()))
+    if reference.dim() < 2 or not math.isfinite(plain):
         return plain, 0.0
-    scales = input_channel_scales(ref, ours).float()
-    shape = [1, -1] + [1] * (ref.dim() - 2)
-    usable = scales.abs() > 1e-12
-    fitted = float(large_tensor_sqnr(ref, ours / torch.where(usable, scales, 1.0).reshape(shape)))
-    return plain, fitted - plain
+    scales = torch.where((energy > 0) & (cross.abs() > 1e-300), cross / energy.clamp_min(1e-300), 1.0)
+    fitted_noise = own / scales**2 - 2 * cross / scales + energy  # sum over rows of (w / c - r)^2
+    return plain, _sqnr_db(float(energy.sum()), float(fitted_noise.sum())) - plain
 
 
 def _rescaled_reason(name: str, changed: list[str]) -> str:
@@ -150,7 +165,6 @@ class _Pass:
         self.stash: dict[str, deque] = defaultdict(deque)
         self.propagated = {name: StreamingComparator() for name in names}
         self.shadows = {name: StreamingComparator() for name in names}
-        self.nan: dict[str, torch.Tensor] = {}
         self.order: list[str] = []
         self.entered: list[str] = []
         self.in_shadow = False
@@ -191,9 +205,7 @@ class _Pass:
                     "with the same layer sizes")
             if first_batch and name not in self.order:
                 self.order.append(name)
-            self.propagated[name].update(reference, tensor)
-            count = torch.isnan(tensor.detach()).sum()
-            self.nan[name] = self.nan[name] + count if name in self.nan else count
+            self.propagated[name].update(reference, tensor)  # a NaN makes its sums NaN: first_nan reads them
             if self.shadow and inputs is not None:
                 dtype = tensor.dtype
                 self.in_shadow = True
@@ -207,9 +219,8 @@ class _Pass:
         return hook
 
     def first_nan(self) -> str:
-        """The first layer, in the order the quantized model ran them, whose output held NaN."""
-        counts = {name: int(count) for name, count in self.nan.items()}
-        return next((name for name in self.order if counts.get(name, 0)), "")
+        """The first layer, in the order the quantized model ran them, whose output held NaN (its sums are NaN)."""
+        return next((name for name in self.order if bool(torch.isnan(self.propagated[name].sums).any())), "")
 
 
 def measure_artifact(reference: nn.Module, quantized: nn.Module, layers: Sequence[ArtifactLayer],
@@ -249,14 +260,19 @@ def measure_artifact(reference: nn.Module, quantized: nn.Module, layers: Sequenc
                     except ArtifactMismatchError:
                         raise
                     except Exception as error:
-                        where = f" in layer {measured.entered[-1]}" if measured.entered else ""
+                        layer = measured.entered[-1] if measured.entered else ""
+                        where = f" in layer {layer}" if layer else ""
+                        fix = (f" Fix: run the artifact where its kernels run (device=...), or keep that layer in "
+                               f"float with float_layers={[layer]!r}" if layer else
+                               " Fix: call the quantized model as the reference is called, where its kernels run")
                         raise ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: "
-                                            f"{error}") from error
+                                            f"{error}.{fix}") from error
                 finally:
                     for handle in quantized_hooks:
                         handle.remove()
                 _compare_outputs(expected, actual, outputs, comparator, batch)
                 measured.stash.clear()
+                del expected, actual  # before the next batch's passes: one batch's values at a time
         finally:
             for handle in handles:
                 handle.remove()

@@ -74,8 +74,15 @@ def _torchao_items_equal_hooks_on_both_models(rows):
         assert row["verdict"] == "skip" and "the model is quantized already" in row["message"]
 
 
-def _damaged_layer_fails_and_the_output_names_a_fix(rows):
+def _damaged_layer_fails_and_the_output_names_a_fix(rows, directory):
     order = [layer for (model, check, layer) in rows if model == "shipped" and check == "sqnr"]
+    reference = tiny_llama()
+    checkpoint = compressed_tensors_checkpoint(reference, directory, "W8A8", damaged=DAMAGED)
+    direct, kl = direct_layer_sqnr(reference, checkpoint, order, token_batches())
+    assert len(order) == 14  # lm_head is in its ignore list
+    for layer in order:
+        assert rows[("shipped", "sqnr", layer)]["value"] == pytest.approx(direct[layer], abs=0.05)
+    assert rows[("shipped", "kl_divergence", "output")]["value"] == pytest.approx(kl, rel=0.02)
     damaged = order.index(DAMAGED)
     assert rows[("shipped", "sqnr", DAMAGED)]["verdict"] == "fail"
     assert all(rows[("shipped", "sqnr", layer)]["verdict"] == "pass" for layer in order[:damaged])
@@ -92,10 +99,13 @@ def _damaged_layer_fails_and_the_output_names_a_fix(rows):
     return recipe
 
 
-def test_shipped_artifacts_are_gated_layer_by_layer_with_a_verified_fix_serially_and_under_xdist(pytester):
-    result, rows = _run(pytester, "--qreport-update-baseline")
+def test_shipped_artifacts_are_gated_layer_by_layer_with_a_verified_fix_serially_and_under_xdist(pytester, tmp_path):
+    result, rows = _run(pytester, "--qreport-update-baseline", "--qreport-html=report.html")
     _torchao_items_equal_hooks_on_both_models(rows)
-    recipe = _damaged_layer_fails_and_the_output_names_a_fix(rows)
+    recipe = _damaged_layer_fails_and_the_output_names_a_fix(rows, tmp_path)
+    html = (pytester.path / "report.html").read_text()
+    assert "layers to keep in float (model_sqnr, measured: reaches the threshold)" in html
+    assert "filter_fn=lambda module, fqn:" in html
     # names that match nothing error that model's items; the others ran on
     result.stdout.fnmatch_lines(["*model 'mismatched': the quantized model's modules do not match the float "
                                  "reference's by name: only in the quantized model (*): model.layers.2*"])

@@ -78,6 +78,25 @@ def held_out():
 @pytest.fixture
 def trained_model():
     return load_classifier()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """A float tiny Llama and its W4A16 compressed-tensors checkpoint, saved as llm-compressor saves one."""
+    sys.path.insert(0, {str(ROOT)!r})
+    from tests.helpers import compressed_tensors_checkpoint, tiny_llama
+
+    directory = tmp_path_factory.mktemp("checkpoints")
+    reference = tiny_llama()
+    reference.save_pretrained(directory / "llama")
+    compressed_tensors_checkpoint(reference, directory / "llama-w4a16", "W4A16", group_size=32)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def token_batches():
+    g = torch.Generator().manual_seed(0)
+    return [{{"input_ids": torch.randint(0, 128, (2, 16), generator=g)}} for _ in range(4)]
 '''
 
 # what a script snippet may use without defining it

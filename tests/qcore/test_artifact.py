@@ -42,6 +42,11 @@ def test_a_torchao_artifact_gets_every_quantized_layer_with_the_numbers_of_a_dir
     first = analysis.sqnr.layers["model.layers.0.self_attn.q_proj"]
     assert first.shadow_sqnr_db == pytest.approx(first.sqnr_db, abs=1e-6)
     assert 35 < first.weight_sqnr_db < 60 and not analysis.not_comparable
+    for name in ("model.layers.0.self_attn.q_proj", "lm_head"):  # the dequantized weight against the reference's
+        ours = quantized.get_submodule(name).weight.dequantize().double()
+        theirs = reference.get_submodule(name).weight.double()
+        direct = 10 * math.log10(float((theirs**2).sum()) / float(((ours - theirs) ** 2).sum()))
+        assert analysis.sqnr.layers[name].weight_sqnr_db == pytest.approx(direct, abs=1e-6)
 
 
 @pytest.mark.parametrize("preset, group_size", [("W4A16", 32), ("W8A8", None)])
@@ -135,7 +140,8 @@ def test_a_forward_that_raises_names_the_layer():
         raise RuntimeError("kernel not available")
 
     quantized.fc2.forward = broken
-    with pytest.raises(ArtifactError, match="raised RuntimeError in layer fc2: kernel not available"):
+    with pytest.raises(ArtifactError, match=r"raised RuntimeError in layer fc2: kernel not available\. Fix: .* "
+                                            r"float_layers=\['fc2'\]"):
         ArtifactAnalysis(reference, quantized, [torch.randn(4, 8)]).sqnr  # noqa: B018
 
 
