@@ -1,6 +1,7 @@
 """Gating the artifact a team ships: qmodel(quantized=...) with torchao and compressed-tensors artifacts of a tiny
 Llama, serial and under xdist; every value against a direct computation with hooks on both models."""
 import json
+import pathlib
 
 import pytest
 from torchao.quantization import Int8DynamicActivationInt8WeightConfig
@@ -8,9 +9,14 @@ from torchao.quantization import Int8DynamicActivationInt8WeightConfig
 from tests.helpers import compressed_tensors_checkpoint, direct_layer_sqnr, tiny_llama, token_batches, torchao_artifact
 
 DAMAGED = "model.layers.0.self_attn.v_proj"
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the projects below import tests.helpers from it
 
 ARTIFACT_SOURCE = '''
-import pytest
+import sys
+
+sys.path.insert(0, {root!r})
+
+import pytest  # noqa: E402
 from torchao.quantization import Int8DynamicActivationInt8WeightConfig
 
 from pytest_qreport import qmodel
@@ -52,7 +58,7 @@ def mismatched():
 
 
 def _run(pytester, *args, damaged=DAMAGED, options=""):
-    pytester.makeconftest(ARTIFACT_SOURCE.format(damaged=damaged, options=options))
+    pytester.makeconftest(ARTIFACT_SOURCE.format(root=str(ROOT), damaged=damaged, options=options))
     result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json", *args)
     report = json.loads((pytester.path / "r.json").read_text())
     return result, {(row["model"], row["check"], row["layer"]): row for row in report["rows"]}
@@ -127,8 +133,12 @@ def test_shipped_artifacts_are_gated_layer_by_layer_with_a_verified_fix_serially
 
 
 def test_the_qreport_fixture_takes_quantized_too(pytester):
-    pytester.makepyfile('''
-from tests.helpers import compressed_tensors_checkpoint, tiny_llama, token_batches
+    pytester.makepyfile(f'''
+import sys
+
+sys.path.insert(0, {str(ROOT)!r})
+
+from tests.helpers import compressed_tensors_checkpoint, tiny_llama, token_batches  # noqa: E402
 
 
 def test_shipped_checkpoint(qreport, tmp_path):
