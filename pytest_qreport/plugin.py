@@ -37,13 +37,13 @@ def pytest_configure(config) -> None:
         return
     from .adapter.heap import QuietHeapAtEnd
     from .adapter.session import QReportSession
-    from .reports import html, jsonfile, junit, terminal
+    from .reports import github, html, jsonfile, junit, terminal
 
     # items carry one xdist_group per model; without pytest-xdist nobody else registers the marker
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist --dist loadgroup runs a group in one worker")
 
     for name, module in (("qreport-summary", terminal), ("qreport-junit", junit), ("qreport-json", jsonfile),
-                         ("qreport-html", html)):
+                         ("qreport-html", html), ("qreport-github", github)):
         if not config.pluginmanager.has_plugin(name):
             config.pluginmanager.register(module, name)
     if not config.pluginmanager.has_plugin("qreport-heap"):

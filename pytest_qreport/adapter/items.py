@@ -3,6 +3,7 @@ thin adapter over the model's ModelPipeline: it supplies fixture values and repo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import warnings
@@ -269,7 +270,7 @@ class QReportItem(pytest.Function):
 
     def model_facts(self) -> ModelFacts:
         """What the controller needs of this item's model, sent with its row."""
-        return self.pipeline.facts()
+        return dataclasses.replace(self.pipeline.facts(), line=self.declared_line)
 
     def setup(self) -> None:
         super().setup()

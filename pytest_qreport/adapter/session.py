@@ -17,6 +17,7 @@ from ..core.numbers import printable
 from ..core.quantizers import resolve_quantizer
 from ..core.results import ModelFacts, RowKey, RunResults
 from ..core.settings import session_settings
+from ..xdist.durations import UnitDurations, work_unit
 from ..xdist.rendezvous import CaptureRendezvous
 from .fixture import FIXTURE_RESULTS
 from .state import STATE_KEY, SessionState
@@ -89,13 +90,14 @@ class RowCollector:
             files.setdefault(model, set()).add(file)
         return {(file, model): model if len(files[model]) == 1 else f"{file}::{model}" for file, model in self.facts}
 
-    def results(self, outcome: RunOutcome) -> RunResults:
-        """Every row in collection order, named by its model's label, with the facts of each model."""
+    def results(self, outcome: RunOutcome, shard: dict[str, Any] | None = None) -> RunResults:
+        """Every row in collection order, named by its model's label, with the facts of each model (and the
+        shard's models under --qreport-shard)."""
         labels = self.labels()
         rows = [row.replace(model=labels.get((file, row.model), row.model))
                 for _key, file, row in sorted(self.rows, key=lambda entry: entry[0])]
         return RunResults(rows=tuple(rows), models={labels[key]: facts for key, facts in self.facts.items()},
-                          outcome=outcome)
+                          outcome=outcome, shard=shard)
 
 
 class QReportSession:
@@ -107,6 +109,8 @@ class QReportSession:
         self.rows = RowCollector()
         self._reported = False  # reports are written once, from the terminal summary or at session finish
         self._facts_sent: dict[tuple[str, str], dict[str, Any]] = {}  # model key -> the facts its rows last sent
+        self.shard_info: dict[str, Any] | None = None  # under --qreport-shard: what this shard runs, of which units
+        self.unit_seconds = UnitDurations()  # each model's seconds in this run, for --qreport-store-durations
         config.stash[STATE_KEY] = self.state
 
     def start(self) -> None:
@@ -136,7 +140,8 @@ class QReportSession:
         elif getattr(self.config.option, "dist", "no") != "no":
             from ..xdist.crashes import XdistController
 
-            self.config.pluginmanager.register(XdistController(self.rows.collected), "qreport-xdist")
+            self.config.pluginmanager.register(XdistController(self.rows.collected, self._shard_seen),
+                                               "qreport-xdist")
 
     def _share_captures(self) -> None:
         """Join the controller's capture rendezvous (none on a remote host)."""
@@ -191,7 +196,41 @@ class QReportSession:
         if not self.is_worker:
             self.rows.collected([item.nodeid for item in session.items])
 
+    @pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs: shards split what is left
+    def pytest_collection_modifyitems(self, session, config, items) -> None:
+        """Under --qreport-shard=I/N keep shard I's models (every item of each) and the tests that are not qreport
+        items; deselect the other models' items before anything is analysed."""
+        shard = self.state.settings["shard"]
+        if shard is None:
+            return
+        from ..core.shards import assign_shards, read_durations
+
+        counts: dict[str, int] = {}
+        for item in items:
+            if parse_item_nodeid(item.nodeid) is not None:
+                counts[work_unit(item.nodeid)] = counts.get(work_unit(item.nodeid), 0) + 1
+        try:
+            known = read_durations(self.state.settings["durations"]) or UnitDurations.recorded(config)
+        except ValueError as error:
+            raise pytest.UsageError(f"qreport: {error}") from None
+        assigned = assign_shards(counts, shard.count, known)
+        kept = [item for item in items if assigned.get(work_unit(item.nodeid), shard.index) == shard.index]
+        dropped = [item for item in items if assigned.get(work_unit(item.nodeid), shard.index) != shard.index]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+        self._shard_seen({**shard.to_dict(), "units": list(counts),
+                          "run": [unit for unit in counts if assigned[unit] == shard.index]})
+        if self.is_worker:
+            self.config.workeroutput["qreport_shard"] = self.shard_info
+
+    def _shard_seen(self, info: dict[str, Any]) -> None:
+        """What this shard runs (from this process's collection, or from an xdist worker's)."""
+        self.shard_info = dict(info)
+
     def pytest_runtest_logreport(self, report) -> None:
+        if not self.is_worker and parse_item_nodeid(report.nodeid) is not None:
+            self.unit_seconds.add(work_unit(report.nodeid), report.duration)
         payload = getattr(report, "qreport", None)
         if payload:
             self.rows.add(report.nodeid, payload)
@@ -221,6 +260,13 @@ class QReportSession:
     def pytest_sessionfinish(self, session) -> None:
         if self.is_worker or self.config.option.collectonly:
             return
+        settings = self.state.settings
+        if settings["shard"] is not None and session.exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+            session.exitstatus = pytest.ExitCode.OK  # a shard with no model is a shard that passed
+        if settings["store_durations"] and self.unit_seconds.seconds:
+            from ..core.shards import write_durations
+
+            write_durations(settings["durations"], self.unit_seconds.seconds)
         if not self.config.pluginmanager.has_plugin("terminalreporter"):
             self._report()  # with -p no:terminal there is no terminal summary to report from
 
@@ -230,8 +276,10 @@ class QReportSession:
         if self.is_worker or self.config.option.collectonly or self._reported:
             return []
         self._reported = True
-        results = self.rows.results(self.outcome())
+        results = self.rows.results(self.outcome(), self.shard_info)
         lines: list[tuple[str, bool]] = []
+        if self.shard_info is not None:
+            lines.append((shard_line(self.shard_info), False))
         if self.state.settings["baseline"]["update"]:
             from ..reports.baselines import update_baselines
 
@@ -247,6 +295,15 @@ class QReportSession:
     def _fail_session(self) -> None:
         if self.session.exitstatus == pytest.ExitCode.OK:
             self.session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def shard_line(info: dict[str, Any]) -> str:
+    """'qreport shard 2/3: 2 of 5 models' (or that the shard has none)."""
+    shard, run, units = f"{info['index']}/{info['count']}", len(info["run"]), len(info["units"])
+    if not run:
+        return (f"qreport shard {shard}: no model in this shard ({units} model(s) in all); its report is empty and "
+                "the merge accepts it")
+    return f"qreport shard {shard}: {run} of {units} model(s)"
 
 
 def conftest_module(config: pytest.Config, path: Any) -> Any:

@@ -15,7 +15,8 @@ __all__ = ["ModelFacts", "RowKey", "RunResults"]
 class ModelFacts:
     """What is known of one model, sent once rather than copied onto every row: where its baseline lives, what its
     numbers depend on (fingerprint), how it was captured, why it failed before its checks ran ("" if not), and
-    the seconds its analysis took per stage (`seconds`: capture, calibration, comparison, trials, other)."""
+    the seconds its analysis took per stage (`seconds`: capture, calibration, comparison, trials, other), and the
+    line of its declaration in its conftest (0 when unknown: a model of the `qreport` fixture)."""
 
     name: str
     baseline_path: str | None = None
@@ -23,6 +24,7 @@ class ModelFacts:
     capture: Mapping[str, str] = field(default_factory=dict)
     error: str = ""
     seconds: Mapping[str, float] = field(default_factory=dict)
+    line: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fingerprint", None if self.fingerprint is None else to_builtins(self.fingerprint))
@@ -37,20 +39,22 @@ class ModelFacts:
     def to_dict(self) -> dict[str, Any]:
         """The facts as builtins (survive xdist and JSON)."""
         return {"name": self.name, "baseline_path": self.baseline_path, "fingerprint": self.fingerprint,
-                "capture": dict(self.capture), "error": self.error, "seconds": dict(self.seconds)}
+                "capture": dict(self.capture), "error": self.error, "seconds": dict(self.seconds), "line": self.line}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelFacts:
         """The facts back from `to_dict()`."""
         return cls(name=str(data["name"]), baseline_path=data.get("baseline_path"),
                    fingerprint=data.get("fingerprint"), capture=dict(data.get("capture") or {}),
-                   error=str(data.get("error") or ""), seconds=dict(data.get("seconds") or {}))
+                   error=str(data.get("error") or ""), seconds=dict(data.get("seconds") or {}),
+                   line=int(data.get("line") or 0))
 
     def merged(self, other: ModelFacts) -> ModelFacts:
         """These facts with the gaps filled from `other` (items of one model report what each of them knows)."""
         return ModelFacts(name=self.name, baseline_path=self.baseline_path or other.baseline_path,
                           fingerprint=self.fingerprint or other.fingerprint, capture=self.capture or other.capture,
-                          error=self.error or other.error, seconds=self.seconds or other.seconds)
+                          error=self.error or other.error, seconds=self.seconds or other.seconds,
+                          line=self.line or other.line)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class RunResults:
     rows: tuple[Finding, ...]
     models: Mapping[str, ModelFacts]
     outcome: RunOutcome
+    # under --qreport-shard: {"index", "count", "units": every model's unit in collection order, "run": this shard's}
+    shard: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", tuple(self.rows))

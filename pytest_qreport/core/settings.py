@@ -4,6 +4,7 @@ start-up; a bad one is a pytest.UsageError.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from .schema import (
     text,
     tolerance_pairs,
 )
+from .shards import shard_value
 
 __all__ = ["DEFAULT_TOLERANCE", "MODEL_SETTINGS", "SESSION_SETTINGS", "ModelSettings", "add_options", "argparse_help",
            "model_schema", "resolve_settings", "session_settings", "table_mode"]
@@ -108,6 +110,16 @@ SESSION_SETTINGS: tuple[Setting, ...] = (
             scope="session", places=frozenset({"cli", "ini"}), metavar="DIR", shown_default="`__qreport__/`"),
     Setting("threads", positive_integer, 1, "torch threads for the analysis (default 1, so that serial and -n N "
             "runs agree)", scope="session", places=frozenset({"cli", "ini"}), metavar="N", shown_default="1"),
+    Setting("shard", shard_value, None, "run shard I of N (e.g. 2/4): whole models only, spread over the shards by "
+            "their recorded seconds (the durations file, else the cache, else item counts); other tests are left "
+            "alone; merge the shards' JSON reports with python -m pytest_qreport.merge", scope="session",
+            places=frozenset({"cli", "ini"}), metavar="I/N", shown_default="—"),
+    Setting("durations", text, ".qreport_durations", "the file of each model's seconds that --qreport-shard spreads "
+            "models by (commit it, as pytest-split's .test_durations), relative to the rootdir", scope="session",
+            places=frozenset({"cli", "ini"}), metavar="PATH", shown_default="`.qreport_durations`"),
+    Setting("store_durations", boolean, False, "write each model's seconds in this run into the durations file "
+            "(merged with the models it already holds)", scope="session", places=frozenset({"cli"}),
+            flag_action="store_true", shown_default="off"),
     Setting("memory_budget", byte_size, None, "host memory the analyses may add, shared by the -n workers (e.g. "
             "16GiB; default: what is available when the session starts); a model estimated to need more errors at "
             "once, and a worker waits while the others' analyses hold too much (a model on a GPU uses the GPU's "
@@ -221,6 +233,9 @@ def session_settings(config, registry) -> dict[str, Any]:
     parsed["threads"] = values["threads"]
     parsed["memory_budget"] = values["memory_budget"]
     parsed["table"] = values["table"]
+    parsed["shard"] = values["shard"]
+    parsed["store_durations"] = bool(values["store_durations"])
+    parsed["durations"] = os.path.join(str(config.rootpath), values["durations"])
     parsed["baseline"] = {"update": bool(values["update_baseline"]), "strict": bool(values["baseline_strict"]),
                           "dir": _baseline_dir(config)}
     return parsed

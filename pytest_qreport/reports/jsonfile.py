@@ -9,7 +9,7 @@ Schema 1::
       "models": {"<model>": {"baseline_path": "...", "fingerprint": {...} | null,
                              "capture": {"method": "export" | "fx", "export_error": "..."}, "error": "...",
                              "seconds": {"capture": 1.2, "calibration": 0.4, "comparison": 0.6, "trials": 2.1,
-                                         "other": 0.3}}},
+                                         "other": 0.3}, "line": 12}},
       "rows": [{"model", "check", "layer", "metric", "value", "threshold", "verdict", "message", "details",
                 "waiver", "nodeid", "duration", "baseline", "delta", "baseline_status"}, ...]
     }
@@ -17,7 +17,8 @@ Schema 1::
 A model's key is its name, or "<conftest path>::<name>" when conftests in two directories declare the
 same name; its rows carry the same key in "model". Rows come in collection order; `duration` is the item's
 check time; a model's analysis time is in its "seconds", per stage. Non-finite numbers are the strings "nan", "inf"
-and "-inf", so that the file is strict JSON.
+and "-inf", so that the file is strict JSON. A --qreport-shard run adds
+"shard": {"index": I, "count": N, "units": [every model's unit, in collection order], "run": [this shard's units]}.
 """
 from __future__ import annotations
 
@@ -52,13 +53,14 @@ def _strict(value: Any) -> Any:
     return value
 
 
-def build_report(rows: list[Finding], models: Mapping[str, ModelFacts]) -> dict[str, Any]:
-    """The report as builtins (schema 1)."""
+def build_report(rows: list[Finding], models: Mapping[str, ModelFacts],
+                 shard: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The report as builtins (schema 1); `shard`: what a --qreport-shard run ran (the merge reads it)."""
     import torch
 
     import qcore
 
-    return _strict({
+    report = {
         "schema": JSON_SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"pytest_qreport": qcore.__version__, "qcore": qcore.__version__, "torch": str(torch.__version__),
@@ -66,11 +68,14 @@ def build_report(rows: list[Finding], models: Mapping[str, ModelFacts]) -> dict[
         "models": {name: {key: value for key, value in facts.to_dict().items() if key != "name"}
                    for name, facts in sorted(models.items())},
         "rows": [row.to_dict() for row in rows],
-    })
+    }
+    if shard is not None:
+        report["shard"] = dict(shard)
+    return _strict(report)
 
 
 def pytest_qreport_report(results: RunResults, config: pytest.Config) -> str | None:
     """Write --qreport-json when it is given (and the run completed); ReportError when it cannot be written."""
     return write_report(config, results, "--qreport-json", "JSON report",
-                        lambda: json.dumps(build_report(list(results.rows), results.models), indent=1,
+                        lambda: json.dumps(build_report(list(results.rows), results.models, results.shard), indent=1,
                                            sort_keys=True, allow_nan=False) + "\n")

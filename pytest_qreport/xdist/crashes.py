@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ..core.nodeids import model_scope, parse_item_nodeid
 from .durations import UnitDurations
@@ -92,10 +93,13 @@ class XdistController:
     model), learn what they collected, and schedule each model's items together under --dist load and
     loadgroup, on the worker that captured it."""
 
-    def __init__(self, collected: Callable[[list[str]], None]) -> None:
+    def __init__(self, collected: Callable[[list[str]], None],
+                 shard_seen: Callable[[dict[str, Any]], None] = lambda info: None) -> None:
+        """`collected` hears each worker's collection; `shard_seen` what a worker's shard runs (--qreport-shard)."""
         self.crash_dir = tempfile.mkdtemp(prefix="pytest-qreport-")
         os.mkdir(os.path.join(self.crash_dir, "captures"))
         self.collected = collected
+        self.shard_seen = shard_seen
         self.durations = UnitDurations()
 
     def pytest_configure_node(self, node) -> None:
@@ -113,6 +117,12 @@ class XdistController:
         from .scheduling import ModelGroupScheduling
 
         return ModelGroupScheduling(config, log, capture_dir({CRASH_DIR_KEY: self.crash_dir}))
+
+    def pytest_testnodedown(self, node, error) -> None:
+        """A worker's shard (every worker computes the same one), from what it sent back."""
+        info = getattr(node, "workeroutput", {}).get("qreport_shard")
+        if isinstance(info, dict):
+            self.shard_seen(info)
 
     def pytest_runtest_logreport(self, report) -> None:
         """Time each model's unit, for the next run's scheduling."""

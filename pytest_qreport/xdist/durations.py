@@ -3,10 +3,10 @@ ModelGroupScheduling can queue the longest first. An item count says little of a
 has few items and a slow analysis), so measured seconds are used where there are any."""
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from ..core.nodeids import model_scope, parse_item_nodeid
+from ..core.shards import estimated_seconds
 
 __all__ = ["CACHE_KEY", "UnitDurations", "estimated_seconds", "work_unit"]
 
@@ -21,15 +21,6 @@ def work_unit(nodeid: str) -> str:
     if "@" in nodeid:
         return "@" + nodeid.rsplit("@", 1)[1]
     return nodeid
-
-
-def estimated_seconds(units: Mapping[str, int], known: Mapping[str, float]) -> dict[str, float]:
-    """Seconds for each unit of {unit: items}: the recorded ones, and for the rest their items at the recorded
-    units' seconds per item (1 s per item when nothing is recorded, which orders them by items)."""
-    recorded = {unit: float(known[unit]) for unit in units if isinstance(known.get(unit), (int, float))}
-    recorded_items = sum(units[unit] for unit in recorded)
-    per_item = sum(recorded.values()) / recorded_items if recorded_items and sum(recorded.values()) > 0 else 1.0
-    return {unit: recorded.get(unit, items * per_item) for unit, items in units.items()}
 
 
 class UnitDurations:

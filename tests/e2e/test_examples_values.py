@@ -15,13 +15,19 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_every_example_value_is_unchanged(tmp_path):
+def _examples(tmp_path, *args):
+    """Run pytest --qreport examples/ (its layer lists cached under tmp_path for the runs after the first)."""
+    return subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:xdist", "-o",
+                           f"cache_dir={tmp_path / 'cache'}", *args, "examples/"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_every_example_value_is_unchanged_and_three_shards_merge_into_the_same_run(tmp_path):
     report = tmp_path / "report.json"
-    subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                    f"--qreport-json={report}", "examples/"], cwd=ROOT, capture_output=True, timeout=600)
+    _examples(tmp_path, f"--qreport-json={report}")
     recorded = json.loads((ROOT / "tests" / "data" / "examples_values.json").read_text())["values"]
-    measured = {f'{r["model"]}/{r["check"]}/{r["layer"]}': r["value"]
-                for r in json.loads(report.read_text())["rows"]}
+    whole = json.loads(report.read_text())["rows"]
+    measured = {f'{r["model"]}/{r["check"]}/{r["layer"]}': r["value"] for r in whole}
     assert set(measured) == set(recorded)
     moved = {}
     for key, old in recorded.items():
@@ -33,3 +39,22 @@ def test_every_example_value_is_unchanged(tmp_path):
         if not same:
             moved[key] = (old, new)
     assert not moved, moved
+    # the same examples as 3 CI shards (--qreport-shard) merged (python -m pytest_qreport.merge): the same run
+    shards = [tmp_path / f"shard{index}.json" for index in (1, 2, 3)]
+    for index, shard in enumerate(shards, 1):
+        result = _examples(tmp_path, f"--qreport-shard={index}/3", f"--qreport-json={shard}")
+        assert result.returncode == 0 and f"qreport shard {index}/3: " in result.stdout, result.stdout
+    ran = [unit for shard in shards for unit in json.loads(shard.read_text())["shard"]["run"]]
+    assert len(ran) == len(set(ran)) == 5  # every model on exactly one shard
+    merged = subprocess.run([sys.executable, "-m", "pytest_qreport.merge", *map(str, shards), "--json",
+                             str(tmp_path / "merged.json"), "--junitxml", str(tmp_path / "merged.xml"), "--html",
+                             str(tmp_path / "merged.html")], capture_output=True, text=True, timeout=120)
+    assert merged.returncode == 0 and "232 pass, 8 skip" in merged.stdout, merged.stderr
+
+    def row(entry):
+        return entry["model"], entry["check"], entry["layer"], entry["value"], entry["verdict"]
+
+    assert [row(entry) for entry in json.loads((tmp_path / "merged.json").read_text())["rows"]] == \
+        [row(entry) for entry in whole]
+    assert (tmp_path / "merged.xml").read_text().count("<testsuite ") == 5
+    assert "tiny_resnet" in (tmp_path / "merged.html").read_text()
