@@ -165,11 +165,23 @@ class PluginHook:
         return pytest_qreport_make_quantizer(name)
 
 
-def analyze_with_checks(factory, batches, **settings):
-    """{(check, layer): Finding} of a model, as the plugin computes them, and the model's qcore analysis."""
+def builtin_registry():
+    """A CheckRegistry holding the built-in checks, as a session's has them."""
     registry = CheckRegistry()
     for check in BUILTIN_CHECKS:
         registry.register(check)
+    return registry
+
+
+def tiny_sequential():
+    """A seeded 8 -> 16 -> 4 MLP as nn.Sequential, in eval mode."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+
+
+def analyze_with_checks(factory, batches, **settings):
+    """{(check, layer): Finding} of a model, as the plugin computes them, and the model's qcore analysis."""
+    registry = builtin_registry()
     resolved = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, **settings)
     pipeline = collect_model("m", resolved, registry, model_quantizer(resolved, PluginHook()), factory(), batches[0])
     pipeline.analyze(lambda: batches, lambda found: None)

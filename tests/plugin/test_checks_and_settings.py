@@ -4,24 +4,8 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
-from tests.helpers import TINY_SOURCE, summary_section
-
-
-def _tiny():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
-
-
-def _registry():
-    from pytest_qreport.checks import BUILTIN_CHECKS
-    from pytest_qreport.core.registry import CheckRegistry
-
-    registry = CheckRegistry()
-    for check in BUILTIN_CHECKS:
-        registry.register(check)
-    return registry
+from tests.helpers import TINY_SOURCE, builtin_registry, summary_section, tiny_sequential
 
 
 def test_the_cosine_check_owns_its_threshold_and_measures_the_numeric_suites_cosine(pytester):
@@ -57,9 +41,9 @@ def test_an_unknown_setting_names_the_closest_one():
     from pytest_qreport.core.settings import resolve_settings
 
     session = {"cli": {}, "ini": {}}
-    declaration = ModelDeclaration("m", _tiny, __file__, settings={"cosine_mn": 0.9})
+    declaration = ModelDeclaration("m", tiny_sequential, __file__, settings={"cosine_mn": 0.9})
     with pytest.raises(ValueError, match="'cosine_mn' \\(did you mean 'cosine_min'\\?\\)"):
-        resolve_settings(session, declaration, _registry())
+        resolve_settings(session, declaration, builtin_registry())
 
 
 def test_the_checks_needs_are_the_analysis_plan():
@@ -72,15 +56,15 @@ def test_the_checks_needs_are_the_analysis_plan():
     assert registry.MEASUREMENTS == MEASUREMENTS
     with pytest.raises(ValueError, match="unknown measurement"):
         AnalysisPlan(measurements=frozenset({"speed"}))
-    checks = _registry()
+    checks = builtin_registry()
     batch = torch.randn(4, 8)
     settings = ModelSettings.defaults(checks.checks(), checks=["sqnr", "outlier", "equalization"])
-    plan = collect_model("tiny", settings, checks, qcore.Int8StaticQuantizer(), _tiny(), batch).context.analysis.plan
+    plan = collect_model("tiny", settings, checks, qcore.Int8StaticQuantizer(), tiny_sequential(), batch).context.analysis.plan
     assert plan.measurements == {"sqnr", "detectors", "equalization"} and list(plan.detectors) == ["outlier"]
     with pytest.raises(TypeError):
         plan.detectors["other"] = None  # immutable
     sqnr_only = ModelSettings.defaults(checks.checks(), checks=["sqnr"])
-    plan = collect_model("tiny", sqnr_only, checks, qcore.Int8StaticQuantizer(), _tiny(), batch).context.analysis.plan
+    plan = collect_model("tiny", sqnr_only, checks, qcore.Int8StaticQuantizer(), tiny_sequential(), batch).context.analysis.plan
     assert plan.measurements == {"sqnr"} and not plan.detectors and not plan.equalization
 
 
@@ -90,7 +74,7 @@ def test_a_quantizer_states_its_own_clipping_and_per_channel_behaviour():
     from qcore.observe.observers import HistogramObserver, MinMaxObserver
 
     assert HistogramObserver.clips_outliers and not MinMaxObserver.clips_outliers
-    gm = qcore.capture(_tiny(), torch.randn(2, 8))
+    gm = qcore.capture(tiny_sequential(), torch.randn(2, 8))
     described = {name: [(entry.per_channel, entry.clipping) for entry in quantized_layers(gm, quantizer)]
                  for name, quantizer in [("int8", qcore.Int8StaticQuantizer()),
                                          ("per_tensor", qcore.Int8StaticQuantizer(per_channel=False)),

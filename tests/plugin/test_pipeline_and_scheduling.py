@@ -2,22 +2,8 @@
 import importlib
 
 import torch
-from torch import nn
 
-
-def _tiny():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
-
-
-def _registry():
-    from pytest_qreport.checks import BUILTIN_CHECKS
-    from pytest_qreport.core.registry import CheckRegistry
-
-    registry = CheckRegistry()
-    for check in BUILTIN_CHECKS:
-        registry.register(check)
-    return registry
+from tests.helpers import builtin_registry, tiny_sequential
 
 
 def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
@@ -39,10 +25,10 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
 
     monkeypatch.setattr(converting, "quantize_weights_where_read", recorded_where_read)
 
-    registry = _registry()
+    registry = builtin_registry()
     batches = [torch.randn(4, 8) for _ in range(2)]
     settings = ModelSettings.defaults(registry.checks(), checks=["sqnr", "model_sqnr"])
-    pipeline = collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0])
+    pipeline = collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), tiny_sequential(), batches[0])
     assert pipeline.stage is Stage.COLLECTED and not pipeline.needs_capture
     assert pipeline.checks_and_layers() == [("sqnr", "0"), ("sqnr", "2"), ("model_sqnr", "output")]
     pipeline.analyze(lambda: batches, lambda found: None)
@@ -51,13 +37,13 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     assert mapped == []  # a small model's analysis allocates from the heap: no page faults per activation
     assert where_read == [False]  # and keeps its quantized weights as tensors: no dequantization per forward
 
-    broken = collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0])
+    broken = collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), tiny_sequential(), batches[0])
     broken.analyze(lambda: [torch.randn(4, 3)], lambda found: None)
     assert broken.stage is Stage.ANALYSIS_FAILED and broken.failed and "model 'tiny'" in broken.error
     assert broken.facts().error == broken.error
     assert mapped == []
     monkeypatch.setattr(pipelines, "LARGE_MODEL_BYTES", 0)  # as if the model were big: its peak matters more
-    collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), _tiny(), batches[0]).analyze(
+    collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), tiny_sequential(), batches[0]).analyze(
         lambda: batches, lambda found: None)
     assert mapped == [1 << 20, 32 << 20]
     assert where_read[-1] is True  # a big model's weights are quantized where read (tests/qcore/test_weights_where_read.py)
