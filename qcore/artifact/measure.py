@@ -81,11 +81,11 @@ def float_layers_swapped(quantized: nn.Module, reference: nn.Module, names: Iter
             parent_name, _, child = name.rpartition(".")
             parent = quantized.get_submodule(parent_name)
             swapped.append((parent, child, parent.get_submodule(child)))
-            parent._modules[child] = _FloatLayer(reference.get_submodule(name))
+            setattr(parent, child, _FloatLayer(reference.get_submodule(name)))
         yield
     finally:
         for parent, child, original in reversed(swapped):
-            parent._modules[child] = original
+            setattr(parent, child, original)
 
 
 def _output_tensor(output: Any) -> torch.Tensor | None:
@@ -309,8 +309,8 @@ def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, 
         where = (f"; the first layer whose output holds NaN is {first}. Fix: look at that layer's scales in the "
                  f"artifact, or keep it in float with float_layers={[first]!r}") if first else ""
         raise ArtifactError(f"the quantized model's output holds NaN{where}")
-    changed = changed_modules(reference, quantized, list(kept))
     records, not_comparable = {}, {}
+    changed: list[str] | None = None  # the modules outside the layers whose parameters changed, once one is rescaled
     for name in measured.names:
         numbers = measured.propagated[name].result()
         if not numbers["batches"]:
@@ -326,6 +326,8 @@ def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, 
                     weight_db += gain  # compared up to its input channels' scales, which the rescaling moved
         shadow_db = measured.shadows[name].result()["sqnr_db"] if measured.shadows[name].batches else math.nan
         if rescaled:
+            if changed is None:
+                changed = changed_modules(reference, quantized, list(kept))
             not_comparable[name] = _rescaled_reason(name, changed)
             shadow_db = math.nan
         records[name] = LayerSqnr(layer=name, fqn=name, op=kept[name].kind, sqnr_db=numbers["sqnr_db"],
