@@ -179,6 +179,22 @@ def tiny_sequential():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
 
 
+def count_aten_ops(function):
+    """(the aten ops `function()` dispatches, what it returned)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.total += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        returned = function()
+    return Counter.total, returned
+
+
 def analyze_with_checks(factory, batches, **settings):
     """{(check, layer): Finding} of a model, as the plugin computes them, and the model's qcore analysis."""
     registry = builtin_registry()

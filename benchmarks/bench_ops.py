@@ -1,0 +1,88 @@
+"""How many aten ops an analysis dispatches against the plain forward over the same batches: the launch count a GPU
+pays, measured on the CPU (QCORE_NATIVE=0: qcore's C kernels off, the path a GPU takes).
+
+    python benchmarks/bench_ops.py                 # the examples' TinyResNet ("cnn"), a MiniLM-shaped BERT, ResNet-18
+    python benchmarks/bench_ops.py --quick         # the examples' TinyResNet only
+
+The cases are bench_analysis.py's, 8 batches each.
+
+Each case runs in a subprocess of its own: every default check (as `pytest --qreport` runs them), and `sqnr,model_sqnr`
+alone, each counted with a TorchDispatchMode from capture to the last finding, against the eager forward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.helpers: the plugin's analysis as the tests run it
+
+
+def _case(name: str):
+    """(model, batches) of a case: bench_analysis.py's, so that the two benchmarks' figures concern one model."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_analysis import _case as analysis_case  # noqa: E402 - the benchmarks are scripts, not a package
+
+    return analysis_case(name)
+
+
+def analysis_ops(model, batches, checks=None) -> int:
+    """Aten ops of one model's analysis, capture included, with the plugin's checks (every default one, or
+    `checks`)."""
+    import torch
+
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from tests.helpers import analyze_with_checks, count_aten_ops
+
+    chosen = checks or [check.name for check in BUILTIN_CHECKS if check.default_severity != "off"]
+    with torch.no_grad():
+        return count_aten_ops(lambda: analyze_with_checks(lambda: model, batches, checks=chosen))[0]
+
+
+def forward_ops(model, batches) -> int:
+    """Aten ops of the eager forward over the batches."""
+    import torch
+
+    from qcore.graph.inputs import call_model
+    from tests.helpers import count_aten_ops
+
+    with torch.no_grad():
+        return count_aten_ops(lambda: [call_model(model, batch) for batch in batches])[0]
+
+
+def measure(name: str) -> dict:
+    """One case, in this process."""
+    model, batches = _case(name)
+    forward = forward_ops(model, batches)
+    return {"case": name, "forward": forward, "all": analysis_ops(model, batches),
+            "sqnr": analysis_ops(model, batches, ["sqnr", "model_sqnr"])}
+
+
+def main() -> None:
+    """Each case in a subprocess with the native kernels off; the table of counts and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one)))
+        return
+    cases = ["cnn"] if args.quick else ["cnn", "minilm", "resnet18"]
+    print(f"{'case':12} {'forward ops':>12} {'every default check':>28} {'sqnr,model_sqnr':>24}")
+    for name in cases:
+        output = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=ROOT,
+                                env={**os.environ, "QCORE_NATIVE": "0"}, timeout=3000)
+        if output.returncode:
+            print(f"{name}: failed: {output.stderr[-500:]}")
+            continue
+        row = json.loads(output.stdout.strip().splitlines()[-1])
+        print(f"{name:12} {row['forward']:>12,} {row['all']:>16,} ({row['all'] / row['forward']:>6.1f}x) "
+              f"{row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
