@@ -205,17 +205,19 @@ class QReportSession:
             return
         from ..core.shards import assign_shards, read_durations
 
+        units = [work_unit(item.nodeid) if parse_item_nodeid(item.nodeid) is not None else None for item in items]
         counts: dict[str, int] = {}
-        for item in items:
-            if parse_item_nodeid(item.nodeid) is not None:
-                counts[work_unit(item.nodeid)] = counts.get(work_unit(item.nodeid), 0) + 1
+        for unit in units:
+            if unit is not None:
+                counts[unit] = counts.get(unit, 0) + 1
         try:
             known = read_durations(self.state.settings["durations"]) or UnitDurations.recorded(config)
         except ValueError as error:
             raise pytest.UsageError(f"qreport: {error}") from None
         assigned = assign_shards(counts, shard.count, known)
-        kept = [item for item in items if assigned.get(work_unit(item.nodeid), shard.index) == shard.index]
-        dropped = [item for item in items if assigned.get(work_unit(item.nodeid), shard.index) != shard.index]
+        mine = [unit is None or assigned[unit] == shard.index for unit in units]  # other tests stay
+        kept = [item for item, keep in zip(items, mine) if keep]
+        dropped = [item for item, keep in zip(items, mine) if not keep]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept

@@ -8,7 +8,7 @@ both models and gates on the recovery, quantized / float.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
@@ -31,20 +31,23 @@ class OutputCheck(Check):
     """A check of the model's output: one item per model, named `output`."""
 
     measures_artifacts = True
+    hint: ClassVar[str] = " See the model_sqnr and sensitivity items for the layers to keep in float."
 
     def layers(self, model: ModelContext) -> list[str]:
         return ["output"]
 
-    def artifact_advice(self, model: ModelContext, measured_metric: str, threshold: float, message: str,
-                        details: dict[str, Any], show: Any = lambda value: f"{value:.4g}") -> str:
-        """In artifact mode, `message` with the verified float_layers fix (and `details["recipe"]`); else as is."""
+    def fix_advice(self, model: ModelContext, measured_metric: str, threshold: float, failing: bool,
+                   details: dict[str, Any], show: Any) -> str:
+        """What to change, to end the message: in artifact mode the verified float_layers fix when the item fails
+        (and `details["recipe"]`), else the check's hint."""
         if not is_artifact(model.analysis):
-            return message
+            return self.hint
+        if not failing:
+            return ""
         advice, recipe = artifact_fix_advice(model, self.name, measured_metric, threshold, model.eval_batches(), show)
         if recipe is not None:
             details["recipe"] = recipe
-        return message.replace(" See the model_sqnr and sensitivity items for the layers to keep in float.", "") \
-            + advice
+        return advice
 
 
 class KlDivergenceCheck(OutputCheck):
@@ -60,12 +63,10 @@ class KlDivergenceCheck(OutputCheck):
         if measured.reason:
             return [_skip(self, model, threshold, measured.reason)]
         message = (f"model output {measured.leaf}: mean KL(float || quantized) {measured.kl_nats:.4g} nats > "
-                   f"{threshold:g} over {measured.positions} positions of {_where(model)}. See the model_sqnr and "
-                   "sensitivity items for the layers to keep in float.")
+                   f"{threshold:g} over {measured.positions} positions of {_where(model)}.")
         details: dict[str, Any] = {"positions": measured.positions, "leaf": measured.leaf}
-        if measured.kl_nats > threshold:
-            message = self.artifact_advice(model, "kl_nats", threshold, message, details,
-                                           lambda value: f"KL {value:.4g} nats")
+        message += self.fix_advice(model, "kl_nats", threshold, measured.kl_nats > threshold, details,
+                                   lambda value: f"KL {value:.4g} nats")
         return [self.finding(model, "output", measured.kl_nats, threshold, message=message, details=details)]
 
 
@@ -83,11 +84,10 @@ class Top1AgreementCheck(OutputCheck):
             return [_skip(self, model, threshold, measured.reason)]
         message = (f"model output {measured.leaf}: the quantized model keeps the top-1 prediction at "
                    f"{measured.top1_agreement:.2%} of {measured.positions} positions of {_where(model)} "
-                   f"(< {threshold:.2%}). See the model_sqnr and sensitivity items for the layers to keep in float.")
+                   f"(< {threshold:.2%}).")
         details: dict[str, Any] = {"positions": measured.positions, "leaf": measured.leaf}
-        if measured.top1_agreement < threshold:
-            message = self.artifact_advice(model, "top1_agreement", threshold, message, details,
-                                           lambda value: f"top-1 agreement {value:.2%}")
+        message += self.fix_advice(model, "top1_agreement", threshold, measured.top1_agreement < threshold, details,
+                                   lambda value: f"top-1 agreement {value:.2%}")
         return [self.finding(model, "output", measured.top1_agreement, threshold, message=message, details=details)]
 
 
@@ -96,6 +96,7 @@ class PerplexityCheck(OutputCheck):
 
     name, order, metric, needs, higher_is_better = "perplexity", 33, "perplexity_increase_pct", \
         frozenset({"sqnr", "logits"}), False
+    hint = ""
     baseline_tolerance = 0.5
     settings = (Setting("perplexity_max_increase_pct", number("%", non_negative=True), 5.0, "maximum relative "
                         "increase of the next-token perplexity (causal LMs), in %", metavar="PCT"),)
@@ -111,9 +112,8 @@ class PerplexityCheck(OutputCheck):
                    f"{measured.tokens} tokens of {_where(model)}.")
         details: dict[str, Any] = {"float_perplexity": measured.float_perplexity,
                                    "quantized_perplexity": measured.quantized_perplexity, "tokens": measured.tokens}
-        if increase > threshold:
-            message = self.artifact_advice(model, "perplexity_increase_pct", threshold, message, details,
-                                           lambda value: f"+{value:.2f}% perplexity")
+        message += self.fix_advice(model, "perplexity_increase_pct", threshold, increase > threshold, details,
+                                   lambda value: f"+{value:.2f}% perplexity")
         return [self.finding(model, "output", increase, threshold, message=message, details=details)]
 
 

@@ -100,7 +100,8 @@ class ArtifactAnalysis:
         self.focus = None if focus is None else frozenset(focus)
         self._batches = None if batches is None else list(batches)
         self._artifact_layers = list(layers) if layers is not None else artifact_layers(reference, quantized)
-        unknown = [name for name in self.float_layers if name not in {layer.name for layer in self._artifact_layers}]
+        self._by_name = {layer.name: layer for layer in self._artifact_layers}
+        unknown = [name for name in self.float_layers if name not in self._by_name]
         if unknown:
             raise ArtifactMismatchError(f"float_layers {unknown} name no quantized layer of the artifact; its layers: "
                                         + ", ".join(layer.name for layer in self._artifact_layers))
@@ -137,12 +138,11 @@ class ArtifactAnalysis:
         """The artifact's quantized layers, in module order."""
         return list(self._artifact_layers)
 
-    def layer(self, name: str) -> Any:
+    def layer(self, name: str) -> ArtifactLayer:
         """One quantized layer by name."""
-        found = {entry.layer: entry for entry in self.layers}
-        if name not in found:
-            raise KeyError(f"{name!r} is not a quantized layer of the artifact; known: {list(found)}")
-        return found[name]
+        if name not in self._by_name:
+            raise KeyError(f"{name!r} is not a quantized layer of the artifact; known: {list(self._by_name)}")
+        return self._by_name[name]
 
     @cached_property
     def digest(self) -> str:

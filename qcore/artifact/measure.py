@@ -165,7 +165,8 @@ class _Pass:
         self.stash: dict[str, deque] = defaultdict(deque)
         self.propagated = {name: StreamingComparator() for name in names}
         self.shadows = {name: StreamingComparator() for name in names}
-        self.order: list[str] = []
+        self.order: list[str] = []  # the layers in the order the quantized model first ran them
+        self._ordered: set[str] = set()
         self.entered: list[str] = []
         self.in_shadow = False
         self.recording = False  # the reference's pass: its modules also run inside the quantized model when swapped in
@@ -185,7 +186,40 @@ class _Pass:
                 self.entered.append(name)
         return hook
 
-    def quantized_hook(self, name: str, first_batch: bool) -> Any:
+    def attach(self, reference: nn.Module, quantized: nn.Module) -> list[Any]:
+        """Hook every measured layer of both models (the reference's modules swapped in included); the handles."""
+        handles = []
+        for name in self.names:
+            handles.append(reference.get_submodule(name).register_forward_hook(self.reference_hook(name),
+                                                                               with_kwargs=True))
+            module = quantized.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(self.entered_hook(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(self.quantized_hook(name), with_kwargs=True))
+        return handles
+
+    def run(self, reference: nn.Module, quantized: nn.Module, batch: Any) -> tuple[Any, Any]:
+        """Both models on one batch: (the reference's output, the quantized model's); ArtifactError naming the layer
+        the quantized model's forward raised in."""
+        self.recording = True
+        expected = call_model(reference, batch)
+        self.recording = False
+        self.entered.clear()
+        try:
+            actual = call_model(quantized, batch)
+        except ArtifactMismatchError:
+            raise
+        except Exception as error:
+            layer = self.entered[-1] if self.entered else ""
+            where = f" in layer {layer}" if layer else ""
+            fix = (f" Fix: run the artifact where its kernels run (device=...), or keep that layer in float with "
+                   f"float_layers={[layer]!r}" if layer else
+                   " Fix: call the quantized model as the reference is called, where its kernels run")
+            raise ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: "
+                                f"{error}.{fix}") from error
+        self.stash.clear()
+        return expected, actual
+
+    def quantized_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if self.in_shadow:
                 return
@@ -203,7 +237,8 @@ class _Pass:
                     f"layer {name}: its output has shape {tuple(tensor.shape)} in the quantized model and "
                     f"{tuple(reference.shape)} in the reference. Fix: quantized= must be the reference quantized, "
                     "with the same layer sizes")
-            if first_batch and name not in self.order:
+            if name not in self._ordered:
+                self._ordered.add(name)
                 self.order.append(name)
             self.propagated[name].update(reference, tensor)  # a NaN makes its sums NaN: first_nan reads them
             if self.shadow and inputs is not None:
@@ -231,47 +266,17 @@ def measure_artifact(reference: nn.Module, quantized: nn.Module, layers: Sequenc
     compared too (KL, top-1, perplexity); `shadow`: each layer's own error measured too."""
     float_layers = list(float_layers)
     kept = {layer.name: layer for layer in layers}
-    names = [name for name in kept if focus is None or name in set(focus)]
-    measured = _Pass(names, shadow)
+    focused = None if focus is None else set(focus)
+    measured = _Pass([name for name in kept if focused is None or name in focused], shadow)
     outputs: list[tuple[str, StreamingComparator]] = []
     comparator = LogitsComparator() if logits else None
-    handles = []
     with float_layers_swapped(quantized, reference, float_layers), without_kv_cache(reference), \
             without_kv_cache(quantized), torch.no_grad():
+        handles = measured.attach(reference, quantized)
         try:
-            for name in names:
-                handles.append(reference.get_submodule(name).register_forward_hook(
-                    measured.reference_hook(name), with_kwargs=True))
-            for index, batch in enumerate(batches):
-                quantized_hooks = []
-                for name in names:
-                    module = quantized.get_submodule(name)
-                    quantized_hooks.append(module.register_forward_pre_hook(measured.entered_hook(name),
-                                                                            with_kwargs=True))
-                    quantized_hooks.append(module.register_forward_hook(measured.quantized_hook(name, index == 0),
-                                                                        with_kwargs=True))
-                try:
-                    measured.recording = True
-                    expected = call_model(reference, batch)
-                    measured.recording = False
-                    measured.entered.clear()
-                    try:
-                        actual = call_model(quantized, batch)
-                    except ArtifactMismatchError:
-                        raise
-                    except Exception as error:
-                        layer = measured.entered[-1] if measured.entered else ""
-                        where = f" in layer {layer}" if layer else ""
-                        fix = (f" Fix: run the artifact where its kernels run (device=...), or keep that layer in "
-                               f"float with float_layers={[layer]!r}" if layer else
-                               " Fix: call the quantized model as the reference is called, where its kernels run")
-                        raise ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: "
-                                            f"{error}.{fix}") from error
-                finally:
-                    for handle in quantized_hooks:
-                        handle.remove()
+            for batch in batches:
+                expected, actual = measured.run(reference, quantized, batch)
                 _compare_outputs(expected, actual, outputs, comparator, batch)
-                measured.stash.clear()
                 del expected, actual  # before the next batch's passes: one batch's values at a time
         finally:
             for handle in handles:
