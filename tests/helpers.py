@@ -42,6 +42,15 @@ class Tiny(nn.Module):
 '''
 
 
+def run_with_rows(pytester, *args):
+    """(the result of `pytest --qreport -v` with `args`, its JSON rows by (model, check, layer))."""
+    import json
+
+    result = pytester.runpytest("--qreport", "-v", "--qreport-json=report.json", *args)
+    rows = json.loads((pytester.path / "report.json").read_text())["rows"]
+    return result, {(r["model"], r["check"], r["layer"]): r for r in rows}
+
+
 def outcomes(result):
     """{node id: outcome} from -v output, serial ("id OUTCOME") or xdist ("OUTCOME id")."""
     text = result.stdout.str()

@@ -1,16 +1,8 @@
 """Messages that fit the numbers: advice for the quantizer and severity in force, enough digits near a threshold,
 ranges below the quantizer's resolution and zero percentiles said in words."""
-import json
 import re
 
-from tests.helpers import TINY_SOURCE
-
-
-def _rows(pytester, *args):
-    result = pytester.runpytest("--qreport", "-v", "--qreport-json=report.json", *args)
-    rows = json.loads((pytester.path / "report.json").read_text())["rows"]
-    return result, {(r["model"], r["check"], r["layer"]): r for r in rows}
-
+from tests.helpers import TINY_SOURCE, run_with_rows
 
 TINY_ACTIVATION_SOURCE = TINY_SOURCE + '''
 
@@ -141,7 +133,7 @@ def test_a_value_just_below_its_threshold_prints_enough_digits():
 
 def test_a_range_below_the_quantizers_resolution_says_so_with_options_that_work(pytester):
     pytester.makeconftest("import qcore\n" + TINY_ACTIVATION_SOURCE)
-    result, rows = _rows(pytester)
+    result, rows = run_with_rows(pytester)
     sqnr, weight = rows[("faint", "sqnr", "gate")], rows[("faint", "weight_sqnr", "gate")]
     assert sqnr["verdict"] == weight["verdict"] == "fail" and sqnr["value"] == weight["value"] == 0.0
     assert re.search(r"Its weight range \d\.\d+e-13 and output range \d\.\d+e-1[23] are below the quantizer's "

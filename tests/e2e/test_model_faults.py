@@ -4,14 +4,7 @@ import json
 
 import pytest
 
-from tests.helpers import TINY_SOURCE
-
-
-def _rows(pytester, *args):
-    result = pytester.runpytest("--qreport", "-v", "--qreport-json=report.json", *args)
-    rows = json.loads((pytester.path / "report.json").read_text())["rows"]
-    return result, {(r["model"], r["check"], r["layer"]): r for r in rows}
-
+from tests.helpers import TINY_SOURCE, run_with_rows
 
 RANDOM_SOURCE = TINY_SOURCE + '''
 import torch.nn.functional as F
@@ -67,7 +60,7 @@ def logs():
 def argmax():
     return Argmax().eval()
 ''')
-    result, rows = _rows(pytester)
+    result, rows = run_with_rows(pytester)
     message = rows[("logs", "sqnr", "fc1")]["message"]
     assert "NaN or inf at node log" in message and "calibration batch 0" in message
     assert "observed no data" not in message
@@ -100,7 +93,7 @@ class Custom(Tiny):
 def custom():
     return Custom().eval()
 ''')
-    result, rows = _rows(pytester)
+    result, rows = run_with_rows(pytester)
     message = rows[("custom", "sqnr", "fc1")]["message"]
     first = message.splitlines()[0]
     assert "conftest.py:" in first and "(scaled): " in first and "ValueError: scaled() only takes" in first
@@ -129,7 +122,7 @@ class NumpyInside(Tiny):
 def fallback():
     return NumpyInside().eval()
 ''')
-    result, rows = _rows(pytester, "--junitxml=j.xml")
+    result, rows = run_with_rows(pytester, "--junitxml=j.xml")
     assert "capture" not in rows[("fallback", "sqnr", "fc1")]["details"]  # a model's facts are sent once, not per row
     capture = json.loads((pytester.path / "report.json").read_text())["models"]["fallback"]["capture"]
     assert capture["method"] == "fx" and "numpy" in capture["export_error"].lower()
@@ -141,7 +134,7 @@ def fallback():
 
 def test_a_non_deterministic_model_is_named_with_its_first_random_op(pytester):
     pytester.makeconftest(RANDOM_SOURCE)
-    result, rows = _rows(pytester)
+    result, rows = run_with_rows(pytester)
     for layer in ("fc1", "fc2"):
         assert rows[("noisy", "sqnr", layer)]["verdict"] == "error"
     message = rows[("noisy", "model_sqnr", "output")]["message"]

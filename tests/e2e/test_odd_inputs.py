@@ -1,13 +1,6 @@
 """Odd weights, batches, buffers and dtypes land on the right item with the right numbers."""
-import json
 
-from tests.helpers import TINY_SOURCE, outcomes
-
-
-def _rows(pytester, *args):
-    result = pytester.runpytest("--qreport", "-v", "--qreport-json=report.json", *args)
-    rows = json.loads((pytester.path / "report.json").read_text())["rows"]
-    return result, {(r["model"], r["check"], r["layer"]): r for r in rows}
+from tests.helpers import TINY_SOURCE, outcomes, run_with_rows
 
 
 def test_an_all_zero_weight_is_an_exact_reconstruction_not_nan(pytester):
@@ -21,7 +14,7 @@ def zero_head():
         model.fc2.weight.zero_()   # as torchvision's ViT initializes its head
     return model
 ''')
-    result, rows = _rows(pytester)
+    result, rows = run_with_rows(pytester)
     assert outcomes(result)["conftest.py::qreport/zero_head/weight_sqnr/fc2"] == "PASSED"
     assert rows[("zero_head", "weight_sqnr", "fc2")]["value"] == "inf"
 
@@ -45,7 +38,7 @@ def one_dict():
     torch.manual_seed(0)
     return Keyword().eval()
 ''')
-    result, rows = _rows(pytester)
+    result, rows = run_with_rows(pytester)
     assert set(outcomes(result).values()) == {"PASSED"}
     assert rows[("one_tensor", "sqnr", "fc1")]["details"]["batches"] == 1  # not 64 one-row batches
     assert rows[("one_dict", "sqnr", "fc1")]["details"]["batches"] == 1
@@ -96,7 +89,7 @@ def session_generator():
     torch.manual_seed(0)
     return Tiny().eval()
 ''')
-    result, rows = _rows(pytester)
+    result, rows = run_with_rows(pytester)
     assert set(outcomes(result).values()) == {"PASSED"}
     reference = rows[("as_list", "sqnr", "fc1")]
     for model in ("as_generator", "shared_first", "shared_second"):
@@ -133,7 +126,7 @@ def tied_equalized():
     torch.manual_seed(0)
     return Tied().eval()
 ''')
-    result, rows = _rows(pytester, "-rs")
+    result, rows = run_with_rows(pytester, "-rs")
     found = outcomes(result)
     for model in ("tied", "tied_equalized"):
         for layer in ("shared.linear", "shared.linear_1"):
@@ -169,7 +162,7 @@ def running():
     torch.manual_seed(0)
     return Running().eval()
 ''')
-    result, rows = _rows(pytester)
+    result, rows = run_with_rows(pytester)
     assert set(outcomes(result).values()) == {"PASSED"}
     assert rows[("running", "model_sqnr", "output")]["value"] > 30  # not the false -5 to 5 dB of a stale state
 
@@ -207,7 +200,7 @@ for dtype in ("float16", "bfloat16", "float64"):
     globals()[dtype] = qmodel(calibration=[torch.randn(16, 8, dtype=getattr(torch, dtype)) for _ in range(2)],
                               equalize=True, severity="outlier=off,input_weight_equalization=off")(factory)
 ''')
-    result, rows = _rows(pytester)
+    result, rows = run_with_rows(pytester)
     assert set(outcomes(result).values()) == {"PASSED"}
     for dtype in ("float16", "bfloat16", "float64"):
         assert rows[(dtype, "model_sqnr", "output")]["value"] > 30
