@@ -5,6 +5,8 @@ from typing import Any
 
 import torch
 
+from qcore.runtime.deferred import batched_updates
+
 __all__ = ["as_args_kwargs", "call_model", "move_to"]
 
 
@@ -18,9 +20,11 @@ def as_args_kwargs(inputs: Any) -> tuple[tuple, dict]:
 
 
 def call_model(model: Any, inputs: Any) -> Any:
-    """Call `model` on a batch given as a tensor, a tuple of args, or a dict of kwargs."""
+    """Call `model` on a batch given as a tensor, a tuple of args, or a dict of kwargs; the statistics its observers
+    and comparators queue run together as it returns (qcore.runtime.deferred)."""
     args, kwargs = as_args_kwargs(inputs)
-    return model(*args, **kwargs)
+    with batched_updates():
+        return model(*args, **kwargs)
 
 
 def move_to(inputs: Any, device: torch.device | str) -> Any:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from qcore.numeric.metrics import sqnr_from_sums
-from qcore.runtime import native
+from qcore.runtime import deferred, native
 
 __all__ = ["ActivationStash", "OutputLogger", "StreamingComparator"]
 _COMPARED_ELEMENTS = 1 << 20  # of a non-float32 pair compared at a time on the torch path (8 MB float64 each)
@@ -95,8 +95,22 @@ class StreamingComparator(nn.Module):
         if reference is None:
             reference = self._stash[0].value
             self._stash[0].value = None
-        self.update(reference, actual)
+        if not self._queue(reference, actual):
+            self.update(reference, actual)
         return actual
+
+    def _queue(self, reference: torch.Tensor, actual: torch.Tensor) -> bool:
+        """Queue copies of the pair for one update with the other comparators of this model call (on the torch path:
+        a GPU launches one chain for all of them); False leaves it to update()."""
+        if not (reference.is_floating_point() and actual.is_floating_point() and reference.numel() == actual.numel()
+                and self.sums.device == reference.device == actual.device and self.sums.dtype == torch.float64
+                and self.sums.shape == (4,) and not self._native_takes(reference, actual)):
+            return False
+        if not deferred.defer(self, _update_comparators, reference.numel(),
+                              lambda: (self, _flat_copy(reference), _flat_copy(actual))):
+            return False
+        self.batches += 1
+        return True
 
     def update(self, reference: torch.Tensor, actual: torch.Tensor) -> None:
         """Add one batch (no host sync)."""
@@ -114,15 +128,18 @@ class StreamingComparator(nn.Module):
         self.sums = sums
         self.batches += 1
 
+    def _native_takes(self, reference: torch.Tensor, actual: torch.Tensor) -> bool:
+        """Whether the native kernel takes this pair (float32 CPU tensors, the kernel built)."""
+        return (reference.__class__ is actual.__class__ is torch.Tensor and reference.dtype == actual.dtype ==
+                torch.float32 and reference.is_cpu and actual.is_cpu and reference.numel() == actual.numel()
+                and self.sums.is_cpu and self.sums.dtype == torch.float64 and self.sums.is_contiguous()
+                and native.kernel() is not None)
+
     def _update_native(self, reference: torch.Tensor, actual: torch.Tensor) -> bool:
         """The four sums in one pass of the native kernel (float32 CPU tensors); False leaves it to torch ops."""
-        if not (reference.__class__ is actual.__class__ is torch.Tensor and reference.dtype == actual.dtype ==
-                torch.float32 and reference.is_cpu and actual.is_cpu and reference.numel() == actual.numel()
-                and self.sums.is_cpu and self.sums.dtype == torch.float64 and self.sums.is_contiguous()):
+        if not self._native_takes(reference, actual):
             return False
         library = native.kernel()
-        if library is None:
-            return False
         reference, actual = reference.detach().contiguous(), actual.detach().contiguous()
         library.qcore_compare_sums(reference.data_ptr(), actual.data_ptr(), reference.numel(),
                                    native.threads(reference.numel()), self.sums.data_ptr())
@@ -130,8 +147,32 @@ class StreamingComparator(nn.Module):
 
     def result(self) -> dict[str, float]:
         """sqnr_db, normalized_l2, cosine and the batch count, as plain floats (one host copy)."""
+        deferred.run_pending(self)
         ref_sq, act_sq, dot, err_sq = self.sums.cpu().tolist()
         cosine = dot / math.sqrt(ref_sq * act_sq) if ref_sq > 0 and act_sq > 0 else (1.0 if err_sq == 0 else 0.0)
         normalized_l2 = math.sqrt(err_sq / ref_sq) if ref_sq > 0 else (0.0 if err_sq == 0 else math.inf)
         return {"sqnr_db": sqnr_from_sums(ref_sq, err_sq), "normalized_l2": normalized_l2, "cosine": cosine,
                 "batches": self.batches}
+
+
+def _flat_copy(x: torch.Tensor) -> torch.Tensor:
+    """x flattened into a new tensor of its dtype (an op after it in the graph may change x in place)."""
+    flat = x.detach() if x.requires_grad else x
+    return (flat if flat.dim() == 1 else flat.reshape(-1)).clone()
+
+
+def _update_comparators(entries: list[tuple[StreamingComparator, torch.Tensor, torch.Tensor]]) -> None:
+    """The queued pairs of several comparators in one chain of ops: each comparator's four float64 sums, as its own
+    update adds them (summed in another order: equal to float64 rounding)."""
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[StreamingComparator, torch.Tensor,
+                                                                          torch.Tensor]]] = {}
+    for comparator, reference, actual in entries:
+        groups.setdefault((reference.device, reference.dtype, actual.dtype), []).append((comparator, reference, actual))
+    for (device, _, _), group in groups.items():
+        references = (torch.cat([r for _, r, _ in group]) if len(group) > 1 else group[0][1]).double()
+        actuals = (torch.cat([a for _, _, a in group]) if len(group) > 1 else group[0][2]).double()
+        lengths = torch.tensor([r.numel() for _, r, _ in group], device=device)
+        diff = references - actuals
+        sums = torch.stack([torch.segment_reduce(product, "sum", lengths=lengths) for product in
+                            (references * references, actuals * actuals, references * actuals, diff * diff)], dim=1)
+        torch._foreach_add_([comparator.sums for comparator, _, _ in group], list(sums.unbind(0)))

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import abc
+import weakref
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from qcore.observe.qparams import FLOAT32_EPS, calculate_qparams, is_per_channel, is_symmetric, resolve_quant_range
-from qcore.runtime import native
+from qcore.runtime import deferred, native
 
 __all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinMaxObserver",
-    "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver"]
+    "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver", "share_qparams"]
 
 
 class ObserverBase(nn.Module, abc.ABC):
@@ -77,10 +78,29 @@ class _RangeObserver(ObserverBase):
     @property
     def has_observed(self) -> bool:
         """True once at least one batch was seen (a host sync: call after calibration only)."""
+        deferred.run_pending(self)
         return bool(torch.isfinite(self.min_val).all()) and self.min_val.numel() > 0
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (scale, zero_point) covering the observed range."""
+        """Return (scale, zero_point) from what was observed: computed once per state, and once for an observer and
+        the copies of its state that share_qparams links to it."""
+        deferred.run_pending(self)
+        key = _state_key(self)
+        twin = self.__dict__.get("_qparams_twin")
+        if twin is not None and key is not None and _same_state(twin[0], key):
+            source = twin[1]()
+            if source is not None and _same_state(twin[2], _state_key(source)):
+                return source.calculate_qparams()
+        memo = self.__dict__.get("_qparams_memo")
+        if memo is not None and key is not None and _same_state(memo[0], key):
+            return memo[1][0].clone(), memo[1][1].clone()
+        scale, zero_point = self._qparams()
+        if key is not None:
+            self.__dict__["_qparams_memo"] = (key, (scale.clone(), zero_point.clone()))
+        return scale, zero_point
+
+    def _qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero_point) covering the observed range."""
         if not self.has_observed:
             raise RuntimeError(f"{type(self).__name__} has observed no data: run calibration batches before convert")
         return calculate_qparams(self.min_val, self.max_val, self.quant_min, self.quant_max, self.symmetric, self.eps,
@@ -155,7 +175,7 @@ class HistogramObserver(_RangeObserver):
         self.register_buffer("histogram", torch.zeros(bins, dtype=torch.float64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.frozen or x.numel() == 0 or self._update_native(x):
+        if self.frozen or x.numel() == 0 or self._update_native(x) or self._queue(x):
             return x
         values = x.detach().float().reshape(-1)
         low, high = torch.aminmax(values)
@@ -171,6 +191,17 @@ class HistogramObserver(_RangeObserver):
         self.histogram, self.min_val, self.max_val = histogram, new_min, new_max
         return x
 
+    def _queue(self, x: torch.Tensor) -> bool:
+        """Queue a copy of the batch for one update with the other histograms of this model call (on the torch path:
+        a GPU launches one chain for all of them); False leaves it to this observer's own chain."""
+        state = (self.histogram, self.min_val, self.max_val)
+        if not (x.is_floating_point() and all(t.device == x.device for t in state)
+                and self.histogram.dtype == torch.float64 and self.histogram.shape == (self.bins,)
+                and self.min_val.dtype == self.max_val.dtype == torch.float32
+                and self.min_val.dim() == self.max_val.dim() == 0):
+            return False
+        return deferred.defer(self, _update_histograms, x.numel(), lambda: (self, _flat_copy(x, torch.float32)))
+
     def _update_native(self, x: torch.Tensor) -> bool:
         """The same update in one call of the native kernel (a float32 CPU batch, float32 CPU state); False leaves
         it to the torch path (which also takes a batch holding NaN or inf)."""
@@ -184,12 +215,16 @@ class HistogramObserver(_RangeObserver):
         if library is None:
             return False
         values = x.detach().contiguous()
-        return library.qcore_histogram_update(values.data_ptr(), values.numel(), native.threads(values.numel()),
-                                              self.histogram.data_ptr(), self.bins, self.min_val.data_ptr(),
-                                              self.max_val.data_ptr()) == 0
+        if library.qcore_histogram_update(values.data_ptr(), values.numel(), native.threads(values.numel()),
+                                          self.histogram.data_ptr(), self.bins, self.min_val.data_ptr(),
+                                          self.max_val.data_ptr()) != 0:
+            return False
+        for tensor in state:  # written through their pointers: their versions say so, for the qparams memo
+            torch.autograd.graph.increment_version(tensor)
+        return True
 
-    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (scale, zero_point) for the clipping range with the lowest expected error."""
+    def _qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero_point) for the clipping range with the lowest expected error."""
         if not self.has_observed:
             raise RuntimeError("HistogramObserver has observed no data: run calibration batches before convert")
         low, high = _best_clipping_range(
@@ -198,18 +233,87 @@ class HistogramObserver(_RangeObserver):
         return calculate_qparams(low, high, self.quant_min, self.quant_max, self.symmetric, self.eps)
 
 
+def share_qparams(observer: nn.Module, source: nn.Module) -> None:
+    """Let `observer`, which holds a copy of `source`'s state as it is now, take its qparams from `source`: computed
+    once for both, for as long as neither state changes (each then computes its own)."""
+    if isinstance(observer, _RangeObserver) and type(source) is type(observer):
+        key, source_key = _state_key(observer), _state_key(source)
+        if key is not None and source_key is not None:
+            observer.__dict__["_qparams_twin"] = (key, weakref.ref(source), source_key)
+
+
+def _state_key(observer: nn.Module) -> tuple[tuple[str, Any, int], ...] | None:
+    """The observer's state as (buffer name, tensor, its version): any write to a buffer, in place or by assignment,
+    changes it. None where tensors have no version (inference mode)."""
+    try:
+        return tuple((name, tensor, tensor._version) for name, tensor in observer._buffers.items()
+                     if tensor is not None)
+    except RuntimeError:
+        return None
+
+
+def _same_state(a: tuple[tuple[str, Any, int], ...] | None, b: tuple[tuple[str, Any, int], ...] | None) -> bool:
+    return (a is not None and b is not None and len(a) == len(b)
+            and all(x[0] == y[0] and x[1] is y[1] and x[2] == y[2] for x, y in zip(a, b)))
+
+
 def _rebin(histogram: torch.Tensor, old_min, old_max, new_min, new_width, bins: int) -> torch.Tensor:
-    """Spread an old histogram over the new range by interpolating its cumulative counts."""
+    """Spread old histograms (..., bins) over their new ranges (one per leading index) by interpolating their
+    cumulative counts."""
     finite = torch.isfinite(old_min)
     old_width = torch.where(finite, torch.clamp(old_max - old_min, min=FLOAT32_EPS), torch.ones_like(old_min))
     old_min = torch.where(finite, old_min, new_min)
-    cumulative = torch.cat([histogram.new_zeros(1), histogram.cumsum(0)])
-    new_edges = new_min + new_width * torch.arange(bins + 1, device=histogram.device) / bins
-    position = ((new_edges - old_min) / old_width * bins).clamp(0, bins).double()
+    cumulative = torch.cat([histogram.new_zeros(*histogram.shape[:-1], 1), histogram.cumsum(-1)], dim=-1)
+    new_edges = (_column(new_min) + _column(new_width) * torch.arange(bins + 1, device=histogram.device) / bins)
+    position = ((new_edges - _column(old_min)) / _column(old_width) * bins).clamp(0, bins).double()
     left = position.floor().long().clamp(max=bins - 1)
     fraction = position - left
-    at_edges = cumulative[left] + fraction * (cumulative[left + 1] - cumulative[left])
-    return at_edges.diff()
+    below = cumulative.gather(-1, left)
+    at_edges = below + fraction * (cumulative.gather(-1, left + 1) - below)
+    return at_edges.diff(dim=-1)
+
+
+def _column(value: torch.Tensor) -> torch.Tensor:
+    """One range per row of a histogram stack (a single histogram's 0-d range as it is)."""
+    return value.unsqueeze(-1) if value.dim() else value
+
+
+def _flat_copy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x flattened into a new tensor of `dtype` (an op after it in the graph may change x in place)."""
+    flat = x.detach() if x.requires_grad else x
+    flat = flat if flat.dim() == 1 else flat.reshape(-1)
+    return flat.to(dtype, copy=True)
+
+
+def _update_histograms(entries: list[tuple[HistogramObserver, torch.Tensor]]) -> None:
+    """The queued batches of several histogram observers in one chain of ops: each histogram gets exactly the
+    counts and range its own update gives (the same elementwise float32 steps, whole counts in float64)."""
+    groups: dict[tuple[torch.device, int], list[tuple[HistogramObserver, torch.Tensor]]] = {}
+    for observer, values in entries:
+        groups.setdefault((values.device, observer.bins), []).append((observer, values))
+    for (device, bins), group in groups.items():
+        observers = [observer for observer, _ in group]
+        values = torch.cat([flat for _, flat in group]) if len(group) > 1 else group[0][1]
+        lengths = torch.tensor([flat.numel() for _, flat in group], device=device)
+        old_min = torch.stack([observer.min_val for observer in observers])
+        old_max = torch.stack([observer.max_val for observer in observers])
+        new_min = torch.minimum(old_min, torch.segment_reduce(values, "min", lengths=lengths))
+        new_max = torch.maximum(old_max, torch.segment_reduce(values, "max", lengths=lengths))
+        width = torch.clamp(new_max - new_min, min=FLOAT32_EPS)
+        histograms = _rebin(torch.stack([observer.histogram for observer in observers]), old_min, old_max, new_min,
+                            width, bins)
+        segment = torch.repeat_interleave(torch.arange(len(group), device=device), lengths,
+                                          output_size=values.numel())
+        index = torch.sub(values, new_min[segment]).div_(width[segment]).mul_(bins).long().clamp_(0, bins - 1)
+        index.add_(segment, alpha=bins)
+        counts = histograms.view(-1)
+        if device.type == "cpu":  # whole counts, exact in float64; on a GPU bincount reads its size back
+            counts += torch.bincount(index, minlength=counts.numel())
+        else:
+            counts.index_add_(0, index, torch.ones_like(values, dtype=torch.float64))
+        torch._foreach_copy_([*(o.histogram for o in observers), *(o.min_val for o in observers),
+                              *(o.max_val for o in observers)],
+                             [*histograms.unbind(0), *new_min.unbind(0), *new_max.unbind(0)])
 
 
 def _best_clipping_range(histogram, min_val, max_val, levels: int, symmetric: bool):

@@ -22,6 +22,7 @@ from qcore.observe.observers import (
     MovingAverageMinMaxObserver,
     PerChannelMinMaxObserver,
     PlaceholderObserver,
+    share_qparams,
 )
 from qcore.quantization.format_quantizer import FormatObserver
 
@@ -86,6 +87,7 @@ class CalibratedObservers:
                 if not key.startswith("_") and key != "training":
                     setattr(observer, key, value.clone() if isinstance(value, torch.Tensor) else copy.copy(value))
             observer.frozen = True
+            share_qparams(observer, kept)
         return missing
 
     def adopt(self, signature: str, observer: nn.Module) -> None:
@@ -97,4 +99,6 @@ class CalibratedObservers:
         """After calibration: keep a copy of each observer of `signatures` not kept yet."""
         for name, signature in signatures.items():
             if signature is not None and signature not in self._states:
-                self._states[signature] = copy.deepcopy(prepared.get_submodule(name))
+                observer = prepared.get_submodule(name)
+                self._states[signature] = copy.deepcopy(observer)
+                share_qparams(observer, self._states[signature])

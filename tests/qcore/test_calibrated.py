@@ -7,7 +7,7 @@ import torch
 import qcore
 import qcore.measure.passes
 from qcore.analysis import ModelAnalysis
-from qcore.observe.observers import MinMaxObserver
+from qcore.observe.observers import HistogramObserver, MinMaxObserver, share_qparams
 from qcore.quantization.calibrated import CalibratedObservers
 from qcore.quantization.quantizer import Int8StaticQuantizer, with_layer_overrides
 from tests.models import SmallMLP, batches
@@ -125,3 +125,62 @@ def test_a_trial_of_some_layers_measures_them_and_the_outputs_as_a_whole_trial_d
     assert list(focused.sqnr.layers) == ["fc2"] and len(whole.sqnr.layers) == 3
     assert focused.sqnr.layers["fc2"] == whole.sqnr.layers["fc2"]
     assert focused.sqnr.outputs == whole.sqnr.outputs
+
+
+def _counting_qparams(monkeypatch):
+    """Wrap HistogramObserver._qparams: the list of observers it computed for."""
+    computed = []
+    original = HistogramObserver._qparams
+
+    def counted(self):
+        computed.append(self)
+        return original(self)
+
+    monkeypatch.setattr(HistogramObserver, "_qparams", counted)
+    return computed
+
+
+def test_qparams_are_computed_once_per_state_and_again_after_any_write(monkeypatch):
+    computed = _counting_qparams(monkeypatch)
+    observer = HistogramObserver(bins=64)
+    observer(torch.randn(500, generator=torch.Generator().manual_seed(0)))
+    first = observer.calculate_qparams()
+    again = observer.calculate_qparams()
+    assert len(computed) == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
+    again[0].mul_(2)  # what a caller does with its qparams does not reach the next caller's
+    assert torch.equal(observer.calculate_qparams()[0], first[0])
+    observer(torch.randn(500, generator=torch.Generator().manual_seed(1)) * 3)
+    grown = observer.calculate_qparams()
+    observer.max_val.fill_(100.0)  # a write in place is a new state too
+    written = observer.calculate_qparams()
+    assert len(computed) == 3 and grown[0] > first[0] and written[0] > grown[0]
+    fresh = HistogramObserver(bins=64)
+    fresh.load_state_dict(observer.state_dict())
+    assert torch.equal(fresh.calculate_qparams()[0], written[0]) and len(computed) == 4
+
+
+def test_kept_observers_and_the_trials_that_take_them_compute_their_qparams_once(model_and_batches, monkeypatch):
+    computed = _counting_qparams(monkeypatch)
+    model, data = model_and_batches
+    quantizer = Int8StaticQuantizer(per_channel=True, activation_observer=HistogramObserver)
+    analysis = ModelAnalysis(model, quantizer, data)
+    before = _numbers(analysis)
+    histograms = len(computed)
+    assert histograms > 0
+    per_tensor = with_layer_overrides(quantizer, {"fc2": {"per_channel": False}})
+    trial = analysis.variant(per_tensor)
+    assert _numbers(trial) != before
+    assert len(computed) == histograms  # every activation observer's state was known: its qparams too
+    scratch = ModelAnalysis(model, per_tensor, data)
+    assert _numbers(scratch) == _numbers(trial) and len(computed) == 2 * histograms
+
+
+def test_a_shared_state_that_changes_is_computed_anew():
+    observer, copy_ = HistogramObserver(bins=64), HistogramObserver(bins=64)
+    observer(torch.linspace(-1, 1, 100))
+    copy_.load_state_dict(observer.state_dict())
+    share_qparams(copy_, observer)
+    assert torch.equal(copy_.calculate_qparams()[0], observer.calculate_qparams()[0])
+    observer(torch.linspace(-5, 5, 100))  # the source moves on: the copy keeps its own state's qparams
+    assert torch.equal(copy_.calculate_qparams()[0], HistogramObserver.calculate_qparams(copy_)[0])
+    assert copy_.calculate_qparams()[0] < observer.calculate_qparams()[0]

@@ -1,0 +1,80 @@
+"""Streaming statistics updated together: within one model call, the observers and comparators that run on torch ops
+(a GPU, or the CPU without the native kernels) queue their batch instead of running a chain of small ops each, and
+every queued update of one kind runs as one chain over all of them when the call returns. A GPU then launches a few
+kernels per pass instead of a few per layer.
+
+The queue holds copies (a later in-place op of the graph must not change what was observed) and at most
+`PENDING_ELEMENTS` elements: it runs early when it would hold more. An owner called more than once in a model call (an
+observer shared along view and permute ops) has its updates in rounds, run in order: the first update of every owner,
+then the second, and so on. Nothing is held across model calls.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "run_pending"]
+
+PENDING_ELEMENTS = 1 << 21  # queued elements at most: 8 MB of float32 copies, and the working values of one run
+
+Flush = Callable[[list[Any]], None]  # runs the queued entries of one kind, in the order they were queued
+
+
+class _Queue:
+    """The updates queued in one open scope, by kind."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[Flush, list[list[Any]]] = {}
+        self.owners: dict[int, int] = {}  # owner: its updates queued
+        self.elements = 0
+
+    def run(self) -> None:
+        """Run and forget every queued update, round by round."""
+        rounds, self.rounds, self.owners, self.elements = self.rounds, {}, {}, 0
+        for flush, queued in rounds.items():
+            for entries in queued:
+                flush(entries)
+
+
+_open: list[_Queue] = []
+
+
+@contextlib.contextmanager
+def batched_updates() -> Iterator[None]:
+    """Queue the updates `defer` is given inside, and run them on the way out (a nested scope joins the outer one;
+    an exception drops what was queued, as the batch it came from failed)."""
+    if _open:
+        yield
+        return
+    queue = _Queue()
+    _open.append(queue)
+    try:
+        yield
+        queue.run()
+    finally:
+        _open.pop()
+
+
+def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any]) -> bool:
+    """Queue `entry()` (owner's update of `elements` values, made only once it is taken) to run with `flush`;
+    False when no scope is open or the update alone is larger than the queue: the caller then updates now."""
+    if not _open or elements > PENDING_ELEMENTS:
+        return False
+    queue = _open[-1]
+    if queue.elements + elements > PENDING_ELEMENTS:
+        queue.run()
+    position = queue.owners.get(id(owner), 0)
+    rounds = queue.rounds.setdefault(flush, [])
+    if position == len(rounds):
+        rounds.append([])
+    rounds[position].append(entry())
+    queue.owners[id(owner)] = position + 1
+    queue.elements += elements
+    return True
+
+
+def run_pending(owner: object) -> None:
+    """Run the queued updates now if `owner` has one (before its state is read inside a scope)."""
+    if _open and id(owner) in _open[-1].owners:
+        _open[-1].run()

@@ -1,0 +1,141 @@
+"""Observers and comparators updated together at the end of a model call (qcore.runtime.deferred) hold exactly what
+their own update, batch by batch, gives: on the torch path (native kernels off, as on a GPU), for any order of
+calls, owners called several times per call, a queue that fills up, and values changed in place after they were
+observed."""
+import contextlib
+from unittest import mock
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from qcore.graph.inputs import call_model
+from qcore.numeric.loggers import StreamingComparator
+from qcore.observe.observers import HistogramObserver
+from qcore.runtime import deferred, native
+from tests.helpers import count_aten_ops
+
+CALLS = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 300), st.floats(0.1, 50.0), st.booleans()),
+                 min_size=1, max_size=12)
+
+
+def _torch_path(pending: int = deferred.PENDING_ELEMENTS):
+    """qcore's native kernels off (the path a GPU takes), and a queue of `pending` elements."""
+    patches = mock.patch.dict(native._state, {"library": None}), mock.patch.object(deferred, "PENDING_ELEMENTS",
+                                                                                     pending)
+    stack = contextlib.ExitStack()
+    for patch in patches:
+        stack.enter_context(patch)
+    return stack
+
+
+def _values(size: int, spread: float, seed: int) -> torch.Tensor:
+    return torch.randn(size, generator=torch.Generator().manual_seed(seed)) * spread
+
+
+def _histograms(calls, batched: bool) -> list[HistogramObserver]:
+    observers = [HistogramObserver(bins=64) for _ in range(4)]
+    for seed, (owner, size, spread, changed_after) in enumerate(calls):
+        x = _values(size, spread, seed)
+        if batched:
+            with deferred.batched_updates():
+                observers[owner](x)
+                if changed_after:
+                    x.mul_(3.0)  # an in-place op after the observer: the queued copy keeps what was observed
+        else:
+            observers[owner](x)
+    return observers
+
+
+@settings(max_examples=30, deadline=None)
+@given(CALLS, st.sampled_from([1 << 21, 400]))
+def test_histograms_updated_together_equal_their_own_updates(calls, pending):
+    with _torch_path(pending):  # 400: the queue runs early, mid-call
+        _check_histograms(calls)
+
+
+def _check_histograms(calls) -> None:
+    alone = _histograms(calls, batched=False)
+    # every call in one scope: owners called several times run in rounds, in order
+    together = [HistogramObserver(bins=64) for _ in range(4)]
+    with deferred.batched_updates():
+        for seed, (owner, size, spread, _) in enumerate(calls):
+            together[owner](_values(size, spread, seed))
+    for mine, theirs in zip(together, alone):
+        assert torch.equal(mine.histogram, theirs.histogram)
+        assert torch.equal(mine.min_val, theirs.min_val) and torch.equal(mine.max_val, theirs.max_val)
+    for mine, theirs in zip(_histograms(calls, batched=True), alone):
+        assert torch.equal(mine.histogram, theirs.histogram)
+
+
+@settings(max_examples=30, deadline=None)
+@given(CALLS)
+def test_comparators_updated_together_equal_their_own_updates(calls):
+    with _torch_path():
+        _check_comparators(calls)
+
+
+def _check_comparators(calls) -> None:
+    alone, together = [StreamingComparator() for _ in range(4)], [StreamingComparator() for _ in range(4)]
+    with deferred.batched_updates():
+        for seed, (owner, size, spread, changed_after) in enumerate(calls):
+            reference = _values(size, spread, seed)
+            actual = reference + _values(size, spread / 10, seed + 1000)
+            alone[owner](actual.clone(), reference.clone())
+            together[owner](actual, reference)
+            if changed_after:
+                actual.zero_()
+    for mine, theirs in zip(together, alone):
+        assert mine.batches == theirs.batches
+        torch.testing.assert_close(mine.sums, theirs.sums, rtol=1e-12, atol=0)
+
+
+def test_state_read_inside_a_scope_includes_the_queued_batches(monkeypatch):
+    monkeypatch.setitem(native._state, "library", None)
+    observer, comparator = HistogramObserver(bins=32), StreamingComparator()
+    x = _values(100, 2.0, 0)
+    with deferred.batched_updates():
+        observer(x)
+        comparator(x + 0.01, x)
+        scale, _ = observer.calculate_qparams()
+        assert comparator.result()["batches"] == 1 and comparator.result()["sqnr_db"] > 0
+    assert scale > 0 and float(observer.max_val) == float(x.max())
+
+
+def test_a_failed_model_call_drops_what_it_queued(monkeypatch):
+    monkeypatch.setitem(native._state, "library", None)
+    observer = HistogramObserver(bins=32)
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            observer(x)
+            raise ValueError("the batch failed")
+
+    try:
+        call_model(Fails(), _values(10, 1.0, 0))
+    except ValueError:
+        pass
+    assert not observer.has_observed and observer.histogram.sum() == 0
+
+
+def test_a_model_call_runs_its_observers_in_one_chain_of_ops(monkeypatch):
+    monkeypatch.setitem(native._state, "library", None)
+    class Observed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(12))
+            self.observers = nn.ModuleList(HistogramObserver(bins=64) for _ in range(12))
+
+        def forward(self, x):
+            for layer, observer in zip(self.layers, self.observers):
+                x = observer(layer(x))
+            return x
+
+    model, x = Observed(), _values(64, 1.0, 0).reshape(4, 16)
+    with torch.no_grad():
+        together, _ = count_aten_ops(lambda: call_model(model, x))
+        monkeypatch.setattr(deferred, "PENDING_ELEMENTS", 0)
+        alone, _ = count_aten_ops(lambda: call_model(model, x))
+    # 12 observers: a copy each and one shared chain, against a chain each
+    assert together < alone / 3, (together, alone)
