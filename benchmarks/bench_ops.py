@@ -1,13 +1,17 @@
 """How many aten ops an analysis dispatches against the plain forward over the same batches: the launch count a GPU
-pays, measured on the CPU (QCORE_NATIVE=0: qcore's C kernels off, the path a GPU takes).
+pays, measured on the CPU (QCORE_NATIVE=0: qcore's C kernels off, the path a GPU takes); and, in the same run, what
+the analysis costs on this CPU against the forward (qcore's C kernels on).
 
     python benchmarks/bench_ops.py                 # the examples' TinyResNet ("cnn"), a MiniLM-shaped BERT, ResNet-18
     python benchmarks/bench_ops.py --quick         # the examples' TinyResNet only
+    python benchmarks/bench_ops.py --no-time       # the op counts alone
 
 The cases are bench_analysis.py's, 8 batches each.
 
-Each case runs in a subprocess of its own: every default check (as `pytest --qreport` runs them), and `sqnr,model_sqnr`
-alone, each counted with a TorchDispatchMode from capture to the last finding, against the eager forward.
+Each case runs in subprocesses of its own: every default check (as `pytest --qreport` runs them), and
+`sqnr,model_sqnr` alone, each counted with a TorchDispatchMode from capture to the last finding, against the eager
+forward; then bench_analysis.py's steady-state time of every default check against the forward (best of three
+rounds after a first analysis in the process, the capture apart).
 """
 from __future__ import annotations
 
@@ -66,13 +70,14 @@ def main() -> None:
     """Each case in a subprocess with the native kernels off; the table of counts and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-time", action="store_true", help="count the ops only")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one)))
         return
     cases = ["cnn"] if args.quick else ["cnn", "minilm", "resnet18"]
-    print(f"{'case':12} {'forward ops':>12} {'every default check':>28} {'sqnr,model_sqnr':>24}")
+    print(f"{'case':12} {'forward ops':>12} {'every default check':>28} {'sqnr,model_sqnr':>24} {'CPU time':>22}")
     for name in cases:
         output = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=ROOT,
                                 env={**os.environ, "QCORE_NATIVE": "0"}, timeout=3000)
@@ -80,8 +85,20 @@ def main() -> None:
             print(f"{name}: failed: {output.stderr[-500:]}")
             continue
         row = json.loads(output.stdout.strip().splitlines()[-1])
+        timed = "" if args.no_time else _cpu_time(name)
         print(f"{name:12} {row['forward']:>12,} {row['all']:>16,} ({row['all'] / row['forward']:>6.1f}x) "
-              f"{row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x)")
+              f"{row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x) {timed:>22}")
+
+
+def _cpu_time(name: str) -> str:
+    """bench_analysis.py's steady state of every default check on this CPU, native kernels on: 'analysis (ratio)'."""
+    environment = {key: value for key, value in os.environ.items() if key != "QCORE_NATIVE"}
+    output = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_analysis.py"), name, "full"],
+                            capture_output=True, text=True, cwd=ROOT, env=environment, timeout=3000)
+    if output.returncode:
+        return "failed"
+    row = json.loads(output.stdout.strip().splitlines()[-1])
+    return f"{row['steady_analysis']:.2f} s ({row['steady_analysis'] / row['steady_forward']:.1f}x)"
 
 
 if __name__ == "__main__":

@@ -140,6 +140,14 @@ def fake_quantize_per_tensor(
                                                    quant_min - zero_point, quant_max - zero_point,
                                                    native.threads(x.numel()))
             return out
+    if (x.dtype == torch.float32 and quant_min <= zero_point <= quant_max
+            and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
+            and not (x.requires_grad and torch.is_grad_enabled())):
+        # torch's fused kernel has the same roundings (1 / scale in float32, half to even, 0.0 for -0.0) in one
+        # op instead of five where it adds the zero point exactly (in float32); it makes a NaN a number, so a NaN
+        # is put back
+        out = torch.fake_quantize_per_tensor_affine(x, _float32(scale), zero_point, quant_min, quant_max)
+        return torch.where(torch.isnan(x), x, out)
 
     def rows(values: torch.Tensor, _: slice) -> torch.Tensor:
         q = _working(values) * inv_scale  # a new tensor: the steps below run in place on it, same roundings
