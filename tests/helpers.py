@@ -55,7 +55,8 @@ def outcomes(result):
     """{node id: outcome} from -v output, serial ("id OUTCOME") or xdist ("OUTCOME id")."""
     text = result.stdout.str()
     found = dict(re.findall(r"(conftest\.py::qreport/\S+) (PASSED|FAILED|ERROR)", text))
-    found.update({node: outcome for outcome, node in re.findall(r"(PASSED|FAILED|ERROR) (conftest\.py::qreport/\S+)", text)})
+    found.update({node: outcome for outcome, node in
+                  re.findall(r"(PASSED|FAILED|ERROR) (conftest\.py::qreport/\S+)", text)})
     return found
 
 
@@ -306,15 +307,18 @@ def torchao_artifact(reference, config):
 
 def compressed_tensors_checkpoint(reference, directory, preset="W8A8", group_size=None, damaged=None):
     """`reference` quantized with compressed-tensors' preset scheme (round-to-nearest scales from its own
-    calculate_qparams; `damaged`: a layer whose weight scale is multiplied by 3), saved in its compressed format to
-    `directory` and loaded back with transformers' from_pretrained, as a checkpoint from llm-compressor is."""
+    calculate_qparams; NVFP4's global scales from the weights and from the layer inputs of one calibration batch;
+    `damaged`: a layer whose weight scale is multiplied by 3), saved in its compressed format to `directory` and
+    loaded back with transformers' from_pretrained, as a checkpoint from llm-compressor is (NVFP4 in bfloat16, the
+    dtype its weights decompress to)."""
     import copy
 
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
     from transformers import AutoModelForCausalLM
 
+    input_ranges = _linear_input_ranges(reference) if preset == "NVFP4" else {}
     model = copy.deepcopy(reference)
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if group_size:
@@ -325,23 +329,47 @@ def compressed_tensors_checkpoint(reference, directory, preset="W8A8", group_siz
         if args is None:
             continue
         weight = module.weight.detach()
-        if args.strategy == "group":
+        global_scale = None
+        if hasattr(module, "weight_global_scale"):  # NVFP4: a per-tensor scale over the groups' FP8 scales
+            global_scale = generate_gparam(weight.amin().reshape(1), weight.amax().reshape(1))
+            module.weight_global_scale.data.copy_(global_scale.reshape(module.weight_global_scale.shape))
+        if hasattr(module, "input_global_scale"):
+            low, high = input_ranges[name]
+            module.input_global_scale.data.copy_(generate_gparam(low, high).reshape(module.input_global_scale.shape))
+        if args.strategy in ("group", "tensor_group"):
             weight = weight.reshape(weight.shape[0], -1, args.group_size)
             low, high = weight.amin(-1), weight.amax(-1)
         elif args.strategy == "channel":
             low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
         else:
             low, high = weight.amin().reshape(1), weight.amax().reshape(1)
-        scale, zero_point = calculate_qparams(low, high, args)
+        scale, zero_point = calculate_qparams(low, high, args, global_scale=global_scale)
         module.weight_scale.data.copy_((scale * 3 if name == damaged else scale).reshape(module.weight_scale.shape))
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
-    fmt = {"W4A16": "pack-quantized", "FP8_DYNAMIC": "float-quantized"}.get(preset, "int-quantized")
+    fmt = {"W4A16": "pack-quantized", "FP8_DYNAMIC": "float-quantized", "NVFP4": "nvfp4-pack-quantized"}.get(
+        preset, "int-quantized")
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(directory)
     compressor.update_config(directory)
-    return AutoModelForCausalLM.from_pretrained(directory).eval()
+    dtype = torch.bfloat16 if preset == "NVFP4" else None
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+
+
+def _linear_input_ranges(model):
+    """{Linear's name: (min, max) of its input} over one calibration batch of token_batches."""
+    ranges, handles = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            def hook(module, args, name=name):
+                ranges[name] = (args[0].detach().amin().reshape(1), args[0].detach().amax().reshape(1))
+            handles.append(module.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(**token_batches(1)[0])
+    for handle in handles:
+        handle.remove()
+    return ranges
 
 
 def direct_layer_sqnr(reference, quantized, names, batches):

@@ -58,6 +58,15 @@ def test_a_compressed_tensors_checkpoint_loaded_with_transformers_is_measured_as
     assert all(entry.weight_sqnr_db is not None for entry in analysis.sqnr.layers.values())
 
 
+def test_an_nvfp4_checkpoint_decompressed_to_bf16_is_measured_against_its_float32_reference(reference, tmp_path):
+    quantized = compressed_tensors_checkpoint(reference, tmp_path, "NVFP4")
+    analysis = _same_as_direct(reference, quantized, token_batches(), LINEARS)
+    assert quantized.get_submodule("model.layers.0.mlp.up_proj").weight.dtype == torch.bfloat16  # decompressed
+    assert analysis.layer("model.layers.0.mlp.up_proj").format.startswith("compressed-tensors weights float")
+    # FP4 values (E2M1) with FP8 group scales: far below int8's weight SQNR, and every layer's is measured
+    assert all(10 < entry.weight_sqnr_db < 30 for entry in analysis.sqnr.layers.values())
+
+
 def test_a_bf16_artifact_meets_its_float32_reference_in_float64(reference, tmp_path):
     quantized = torchao_artifact(reference, Int8WeightOnlyConfig()).to(torch.bfloat16)
     analysis = ArtifactAnalysis(reference, quantized, token_batches(2), logits=True)
@@ -96,7 +105,8 @@ def test_a_smoothquant_artifact_says_the_shadow_of_its_rescaled_layers_is_not_co
 def test_float_layers_swap_the_references_modules_in_and_restore_the_artifact(reference):
     quantized = torchao_artifact(reference, Int8DynamicActivationInt8WeightConfig())
     before = state_digest(quantized)
-    analysis = ArtifactAnalysis(reference, quantized, token_batches(2), float_layers=["model.layers.0.self_attn.q_proj"])
+    analysis = ArtifactAnalysis(reference, quantized, token_batches(2),
+                                float_layers=["model.layers.0.self_attn.q_proj"])
     assert analysis.sqnr.layers["model.layers.0.self_attn.q_proj"].sqnr_db == math.inf  # the reference's, exactly
     assert type(quantized.model.layers[0].self_attn.q_proj.weight).__name__ == "Int8Tensor"
     assert state_digest(quantized) == before
