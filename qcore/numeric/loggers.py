@@ -107,7 +107,7 @@ class StreamingComparator(nn.Module):
                 and self.sums.shape == (4,) and not self._native_takes(reference, actual)):
             return False
         if not deferred.defer(self, _update_comparators, reference.numel(),
-                              lambda: (self, _flat_copy(reference), _flat_copy(actual))):
+                              lambda: (self, deferred.flat_copy(reference), deferred.flat_copy(actual))):
             return False
         self.batches += 1
         return True
@@ -153,12 +153,6 @@ class StreamingComparator(nn.Module):
         normalized_l2 = math.sqrt(err_sq / ref_sq) if ref_sq > 0 else (0.0 if err_sq == 0 else math.inf)
         return {"sqnr_db": sqnr_from_sums(ref_sq, err_sq), "normalized_l2": normalized_l2, "cosine": cosine,
                 "batches": self.batches}
-
-
-def _flat_copy(x: torch.Tensor) -> torch.Tensor:
-    """x flattened into a new tensor of its dtype (an op after it in the graph may change x in place)."""
-    flat = x.detach() if x.requires_grad else x
-    return (flat if flat.dim() == 1 else flat.reshape(-1)).clone()
 
 
 def _update_comparators(entries: list[tuple[StreamingComparator, torch.Tensor, torch.Tensor]]) -> None:

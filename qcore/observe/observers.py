@@ -200,7 +200,7 @@ class HistogramObserver(_RangeObserver):
                 and self.min_val.dtype == self.max_val.dtype == torch.float32
                 and self.min_val.dim() == self.max_val.dim() == 0):
             return False
-        return deferred.defer(self, _update_histograms, x.numel(), lambda: (self, _flat_copy(x, torch.float32)))
+        return deferred.defer(self, _update_histograms, x.numel(), lambda: (self, deferred.flat_copy(x, torch.float32)))
 
     def _update_native(self, x: torch.Tensor) -> bool:
         """The same update in one call of the native kernel (a float32 CPU batch, float32 CPU state); False leaves
@@ -276,13 +276,6 @@ def _rebin(histogram: torch.Tensor, old_min, old_max, new_min, new_width, bins: 
 def _column(value: torch.Tensor) -> torch.Tensor:
     """One range per row of a histogram stack (a single histogram's 0-d range as it is)."""
     return value.unsqueeze(-1) if value.dim() else value
-
-
-def _flat_copy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x flattened into a new tensor of `dtype` (an op after it in the graph may change x in place)."""
-    flat = x.detach() if x.requires_grad else x
-    flat = flat if flat.dim() == 1 else flat.reshape(-1)
-    return flat.to(dtype, copy=True)
 
 
 def _update_histograms(entries: list[tuple[HistogramObserver, torch.Tensor]]) -> None:

@@ -14,7 +14,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "run_pending"]
+import torch
+
+__all__ = ["PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat_copy", "run_pending"]
 
 PENDING_ELEMENTS = 1 << 21  # queued elements at most: 8 MB of float32 copies, and the working values of one run
 
@@ -78,3 +80,11 @@ def run_pending(owner: object) -> None:
     """Run the queued updates now if `owner` has one (before its state is read inside a scope)."""
     if _open and id(owner) in _open[-1].owners:
         _open[-1].run()
+
+
+def flat_copy(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x flattened into a new tensor (of `dtype`, or its own) to queue: an op after it in the graph may change x in
+    place."""
+    flat = x.detach() if x.requires_grad else x
+    flat = flat if flat.dim() == 1 else flat.reshape(-1)
+    return flat.to(dtype or flat.dtype, copy=True)
