@@ -287,11 +287,12 @@ def _update_histograms(entries: list[tuple[HistogramObserver, torch.Tensor]]) ->
     for (device, bins), group in groups.items():
         observers = [observer for observer, _ in group]
         values = torch.cat([flat for _, flat in group]) if len(group) > 1 else group[0][1]
-        lengths = torch.tensor([flat.numel() for _, flat in group], device=device)
+        lengths = deferred.segment_lengths(device, tuple(flat.numel() for _, flat in group))
         old_min = torch.stack([observer.min_val for observer in observers])
         old_max = torch.stack([observer.max_val for observer in observers])
-        new_min = torch.minimum(old_min, torch.segment_reduce(values, "min", lengths=lengths))
-        new_max = torch.maximum(old_max, torch.segment_reduce(values, "max", lengths=lengths))
+        # unsafe: the lengths are the queue's own, and checking them reads them back (a host sync on a GPU)
+        new_min = torch.minimum(old_min, torch.segment_reduce(values, "min", lengths=lengths, unsafe=True))
+        new_max = torch.maximum(old_max, torch.segment_reduce(values, "max", lengths=lengths, unsafe=True))
         width = torch.clamp(new_max - new_min, min=FLOAT32_EPS)
         histograms = _rebin(torch.stack([observer.histogram for observer in observers]), old_min, old_max, new_min,
                             width, bins)

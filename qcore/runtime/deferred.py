@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat_copy", "run_pending"]
+__all__ = ["PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat_copy", "run_pending", "segment_lengths"]
 
 PENDING_ELEMENTS = 1 << 21  # queued elements at most: 8 MB of float32 copies, and the working values of one run
 
@@ -88,3 +88,19 @@ def flat_copy(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     flat = x.detach() if x.requires_grad else x
     flat = flat if flat.dim() == 1 else flat.reshape(-1)
     return flat.to(dtype or flat.dtype, copy=True)
+
+
+_LENGTHS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+_LENGTHS_KEPT = 256  # queues of distinct compositions: each model call repeats its own from batch to batch
+
+
+def segment_lengths(device: torch.device, sizes: tuple[int, ...]) -> torch.Tensor:
+    """The sizes of a queue's entries as an int64 tensor on `device`, made once per composition: a host-to-device
+    copy waits for the device, and the same composition comes again every batch."""
+    key = (device, sizes)
+    found = _LENGTHS.get(key)
+    if found is None:
+        if len(_LENGTHS) >= _LENGTHS_KEPT:
+            del _LENGTHS[next(iter(_LENGTHS))]
+        found = _LENGTHS[key] = torch.tensor(sizes, dtype=torch.int64, device=device)
+    return found

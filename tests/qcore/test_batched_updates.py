@@ -119,23 +119,45 @@ def test_a_failed_model_call_drops_what_it_queued(monkeypatch):
     assert not observer.has_observed and observer.histogram.sum() == 0
 
 
+class _Observed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(12))
+        self.observers = nn.ModuleList(HistogramObserver(bins=64) for _ in range(12))
+
+    def forward(self, x):
+        for layer, observer in zip(self.layers, self.observers):
+            x = observer(layer(x))
+        return x
+
+
 def test_a_model_call_runs_its_observers_in_one_chain_of_ops(monkeypatch):
     monkeypatch.setitem(native._state, "library", None)
-    class Observed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(12))
-            self.observers = nn.ModuleList(HistogramObserver(bins=64) for _ in range(12))
-
-        def forward(self, x):
-            for layer, observer in zip(self.layers, self.observers):
-                x = observer(layer(x))
-            return x
-
-    model, x = Observed(), _values(64, 1.0, 0).reshape(4, 16)
+    model, x = _Observed(), _values(64, 1.0, 0).reshape(4, 16)
     with torch.no_grad():
         together, _ = count_aten_ops(lambda: call_model(model, x))
         monkeypatch.setattr(deferred, "PENDING_ELEMENTS", 0)
         alone, _ = count_aten_ops(lambda: call_model(model, x))
     # 12 observers: a copy each and one shared chain, against a chain each
     assert together < alone / 3, (together, alone)
+
+
+def test_the_next_batch_makes_no_tensor_from_host_values(monkeypatch):
+    """On a GPU a tensor made from host values (the queue's segment lengths) is a copy that waits for the device:
+    a composition seen once is kept."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostTensors(TorchDispatchMode):
+        made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            HostTensors.made += func is torch.ops.aten.lift_fresh.default
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setitem(native._state, "library", None)
+    model, x = _Observed(), _values(64, 1.0, 0).reshape(4, 16)
+    with torch.no_grad():
+        call_model(model, x)
+        with HostTensors():
+            call_model(model, x + 1)
+    assert HostTensors.made == 0
