@@ -11,6 +11,7 @@ then the second, and so on. Nothing is held across model calls.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,31 +40,40 @@ class _Queue:
                 flush(entries)
 
 
-_open: list[_Queue] = []
+class _Open(threading.local):
+    """The queues open in this thread (a model call in another thread queues apart)."""
+
+    def __init__(self) -> None:
+        self.queues: list[_Queue] = []
+
+
+_open_here = _Open()
 
 
 @contextlib.contextmanager
 def batched_updates() -> Iterator[None]:
     """Queue the updates `defer` is given inside, and run them on the way out (a nested scope joins the outer one;
     an exception drops what was queued, as the batch it came from failed)."""
-    if _open:
+    opened = _open_here.queues
+    if opened:
         yield
         return
     queue = _Queue()
-    _open.append(queue)
+    opened.append(queue)
     try:
         yield
         queue.run()
     finally:
-        _open.pop()
+        opened.pop()
 
 
 def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any]) -> bool:
     """Queue `entry()` (owner's update of `elements` values, made only once it is taken) to run with `flush`;
     False when no scope is open or the update alone is larger than the queue: the caller then updates now."""
-    if not _open or elements > PENDING_ELEMENTS:
+    opened = _open_here.queues
+    if not opened or elements > PENDING_ELEMENTS:
         return False
-    queue = _open[-1]
+    queue = opened[-1]
     if queue.elements + elements > PENDING_ELEMENTS:
         queue.run()
     position = queue.owners.get(id(owner), 0)
@@ -78,8 +88,9 @@ def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any]) 
 
 def run_pending(owner: object) -> None:
     """Run the queued updates now if `owner` has one (before its state is read inside a scope)."""
-    if _open and id(owner) in _open[-1].owners:
-        _open[-1].run()
+    opened = _open_here.queues
+    if opened and id(owner) in opened[-1].owners:
+        opened[-1].run()
 
 
 def flat_copy(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -161,3 +161,15 @@ def test_the_next_batch_makes_no_tensor_from_host_values(monkeypatch):
         with HostTensors():
             call_model(model, x + 1)
     assert HostTensors.made == 0
+
+
+def test_another_thread_does_not_queue_into_this_threads_model_call(monkeypatch):
+    import threading
+
+    monkeypatch.setitem(native._state, "library", None)
+    observer = HistogramObserver(bins=32)
+    with deferred.batched_updates():  # open here, not in the thread: its update runs at once
+        thread = threading.Thread(target=observer, args=(_values(50, 1.0, 0),))
+        thread.start()
+        thread.join()
+        assert float(observer.histogram.sum()) == 50
