@@ -2,11 +2,12 @@
 pays, measured on the CPU (QCORE_NATIVE=0: qcore's C kernels off, the path a GPU takes); and, in the same run, what
 the analysis costs on this CPU against the forward (qcore's C kernels on).
 
-    python benchmarks/bench_ops.py                 # the examples' TinyResNet ("cnn"), a MiniLM-shaped BERT, ResNet-18
+    python benchmarks/bench_ops.py                 # the examples' TinyResNet ("cnn"), a MiniLM-shaped BERT, ResNet-18,
+                                                   # and the 0.5B Llama config (op counts only: minutes a run)
     python benchmarks/bench_ops.py --quick         # the examples' TinyResNet only
     python benchmarks/bench_ops.py --no-time       # the op counts alone
 
-The cases are bench_analysis.py's, 8 batches each.
+The cases are bench_analysis.py's and a 0.5B Llama config, 8 batches each.
 
 Each case runs in subprocesses of its own: every default check (as `pytest --qreport` runs them), and
 `sqnr,model_sqnr` alone, each counted with a TorchDispatchMode from capture to the last finding, against the eager
@@ -27,7 +28,19 @@ sys.path.insert(0, str(ROOT))  # tests.helpers: the plugin's analysis as the tes
 
 
 def _case(name: str):
-    """(model, batches) of a case: bench_analysis.py's, so that the two benchmarks' figures concern one model."""
+    """(model, batches) of a case: bench_analysis.py's, so that the two benchmarks' figures concern one model; or
+    "llama0.5b", the issue's 0.5B Llama config in bfloat16 with 8 batches of 1 x 32 tokens (an op count does not
+    depend on the tokens per batch, and short batches keep the count quick on a CPU)."""
+    if name == "llama0.5b":
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=14, num_attention_heads=16,
+                             num_key_value_heads=16, vocab_size=32000, use_cache=False)
+        generator = torch.Generator().manual_seed(1)
+        return (LlamaForCausalLM(config).to(torch.bfloat16).eval(),
+                [{"input_ids": torch.randint(0, 32000, (1, 32), generator=generator)} for _ in range(8)])
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_analysis import _case as analysis_case  # noqa: E402 - the benchmarks are scripts, not a package
 
@@ -76,7 +89,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(args.one)))
         return
-    cases = ["cnn"] if args.quick else ["cnn", "minilm", "resnet18"]
+    cases = ["cnn"] if args.quick else ["cnn", "minilm", "resnet18", "llama0.5b"]
     print(f"{'case':12} {'forward ops':>12} {'every default check':>28} {'sqnr,model_sqnr':>24} {'CPU time':>22}")
     for name in cases:
         output = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=ROOT,
@@ -85,7 +98,7 @@ def main() -> None:
             print(f"{name}: failed: {output.stderr[-500:]}")
             continue
         row = json.loads(output.stdout.strip().splitlines()[-1])
-        timed = "" if args.no_time else _cpu_time(name)
+        timed = "" if args.no_time or name == "llama0.5b" else _cpu_time(name)
         print(f"{name:12} {row['forward']:>12,} {row['all']:>16,} ({row['all'] / row['forward']:>6.1f}x) "
               f"{row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x) {timed:>22}")
 
