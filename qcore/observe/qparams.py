@@ -140,16 +140,19 @@ def fake_quantize_per_tensor(
                                                    quant_min - zero_point, quant_max - zero_point,
                                                    native.threads(x.numel()))
             return out
-    if (x.dtype == torch.float32 and quant_min <= zero_point <= quant_max
-            and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
-            and not (x.requires_grad and torch.is_grad_enabled())):
-        # torch's fused kernel has the same roundings (1 / scale in float32, half to even, 0.0 for -0.0) in one
-        # op instead of five where it adds the zero point exactly (in float32); it makes a NaN a number, so a NaN
-        # is put back
+    # torch's fused kernel has the same roundings (1 / scale in float32, half to even, 0.0 for -0.0) in one op
+    # instead of five where it adds the zero point exactly (in float32); it makes a NaN a number, so a NaN is put back
+    fused = (quant_min <= zero_point <= quant_max and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
+             and not (x.requires_grad and torch.is_grad_enabled()))
+    if fused and x.dtype == torch.float32:
         out = torch.fake_quantize_per_tensor_affine(x, _float32(scale), zero_point, quant_min, quant_max)
-        return torch.where(torch.isnan(x), x, out)
+        return torch.where(torch.isnan(x), x, out, out=out)
 
     def rows(values: torch.Tensor, _: slice) -> torch.Tensor:
+        if fused:  # fp16/bf16, a bounded number of elements at a time in float32
+            work = _working(values)
+            out = torch.fake_quantize_per_tensor_affine(work, _float32(scale), zero_point, quant_min, quant_max)
+            return torch.where(torch.isnan(work), work, out, out=out).to(x.dtype)
         q = _working(values) * inv_scale  # a new tensor: the steps below run in place on it, same roundings
         # clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp): float32 holds these
         # integers exactly, and a rounded value too large for that is clamped either way. Adding 0.0 turns
