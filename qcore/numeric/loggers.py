@@ -95,16 +95,18 @@ class StreamingComparator(nn.Module):
         if reference is None:
             reference = self._stash[0].value
             self._stash[0].value = None
-        if not self._queue(reference, actual):
+        if self._update_native(reference, actual):
+            self.batches += 1
+        elif not self._queue(reference, actual):
             self.update(reference, actual)
         return actual
 
     def _queue(self, reference: torch.Tensor, actual: torch.Tensor) -> bool:
-        """Queue copies of the pair for one update with the other comparators of this model call (on the torch path:
-        a GPU launches one chain for all of them); False leaves it to update()."""
+        """Queue copies of the pair (one the native kernel does not take) for one update with the other comparators of
+        this model call (a GPU launches one chain for all of them); False leaves it to update()."""
         if not (reference.is_floating_point() and actual.is_floating_point() and reference.numel() == actual.numel()
                 and self.sums.device == reference.device == actual.device and self.sums.dtype == torch.float64
-                and self.sums.shape == (4,) and not self._native_takes(reference, actual)):
+                and self.sums.shape == (4,)):
             return False
         if not deferred.defer(self, _update_comparators, reference.numel(),
                               lambda: (self, deferred.flat_copy(reference), deferred.flat_copy(actual))):
