@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import abc
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -13,7 +13,8 @@ from qcore.observe.qparams import FLOAT32_EPS, calculate_qparams, is_per_channel
 from qcore.runtime import deferred, native
 
 __all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinMaxObserver",
-    "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver", "share_qparams"]
+    "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
+    "best_clipping_ranges", "calculate_qparams_together", "share_qparams"]
 
 
 class ObserverBase(nn.Module, abc.ABC):
@@ -233,6 +234,64 @@ class HistogramObserver(_RangeObserver):
         return calculate_qparams(low, high, self.quant_min, self.quant_max, self.symmetric, self.eps)
 
 
+def calculate_qparams_together(observers: Iterable[nn.Module]) -> None:
+    """Compute the qparams of many observers at once, in a few chains of ops and one host read instead of a chain
+    and a read each: the per-tensor histogram searches as one batched search, the min/max observers' formulas over
+    their ranges laid end to end. Each observer then answers calculate_qparams from its memo, exactly what it would
+    have computed alone; observers of other kinds, and those that saw nothing, compute (or raise) when asked."""
+    chosen: dict[nn.Module, None] = {}
+    for observer in observers:  # a copy that shares its source's qparams brings the source instead
+        twin = observer.__dict__.get("_qparams_twin")
+        source = twin[1]() if twin is not None else None
+        chosen[source if source is not None and _same_state(twin[0], _state_key(observer))
+               and _same_state(twin[2], _state_key(source)) else observer] = None
+    pending: list[tuple[_RangeObserver, Any]] = []
+    for observer in chosen:
+        if not isinstance(observer, _RangeObserver) or not (
+                type(observer)._qparams is _RangeObserver._qparams
+                or (isinstance(observer, HistogramObserver) and observer.min_val.dim() == 0)):
+            continue
+        deferred.run_pending(observer)
+        key = _state_key(observer)
+        memo = observer.__dict__.get("_qparams_memo")
+        if key is not None and observer.min_val.numel() and not (memo is not None and _same_state(memo[0], key)):
+            pending.append((observer, key))
+    groups: dict[tuple[Any, ...], list[tuple[_RangeObserver, Any]]] = {}
+    for observer, key in _observed(pending):
+        histogram = observer.histogram.shape if isinstance(observer, HistogramObserver) else None
+        group = (histogram, observer.min_val.device, observer.min_val.dtype, observer.quant_min, observer.quant_max,
+                 observer.symmetric, observer.eps, observer.qscheme == torch.per_channel_affine_float_qparams)
+        groups.setdefault(group, []).append((observer, key))
+    for (histogram, _, _, quant_min, quant_max, symmetric, eps, float_qparams), members in groups.items():
+        lows = torch.cat([observer.min_val.reshape(-1) for observer, _ in members])
+        highs = torch.cat([observer.max_val.reshape(-1) for observer, _ in members])
+        if histogram is not None:
+            histograms = torch.stack([observer.histogram for observer, _ in members])
+            lows, highs = best_clipping_ranges(histograms, lows, highs, quant_max - quant_min, symmetric)
+        scales, zero_points = calculate_qparams(lows, highs, quant_min, quant_max, symmetric, eps,
+                                                float_qparams=float_qparams)
+        sizes = [observer.min_val.numel() for observer, _ in members]
+        for (observer, key), scale, zero_point in zip(members, scales.split(sizes), zero_points.split(sizes)):
+            shape = observer.min_val.shape
+            observer.__dict__["_qparams_memo"] = (key, (scale.view(shape), zero_point.view(shape)))
+
+
+def _observed(observers: list[tuple[_RangeObserver, Any]]) -> list[tuple[_RangeObserver, Any]]:
+    """Those that have seen a batch (has_observed), found with one host read per device."""
+    by_device: dict[torch.device, list[tuple[_RangeObserver, Any]]] = {}
+    for member in observers:
+        by_device.setdefault(member[0].min_val.device, []).append(member)
+    seen: list[tuple[_RangeObserver, Any]] = []
+    for device, members in by_device.items():
+        finite = torch.isfinite(torch.cat([observer.min_val.reshape(-1) for observer, _ in members]))
+        sizes = tuple(observer.min_val.numel() for observer, _ in members)
+        if any(size != 1 for size in sizes):
+            finite = torch.segment_reduce(finite.float(), "min", lengths=deferred.segment_lengths(device, sizes),
+                                          unsafe=True) > 0
+        seen.extend(member for member, observed in zip(members, finite.tolist()) if observed)
+    return seen
+
+
 def share_qparams(observer: nn.Module, source: nn.Module) -> None:
     """Let `observer`, which holds a copy of `source`'s state as it is now, take its qparams from `source`: computed
     once for both, for as long as neither state changes (each then computes its own)."""
@@ -312,69 +371,122 @@ def _update_histograms(entries: list[tuple[HistogramObserver, torch.Tensor]]) ->
 
 def _best_clipping_range(histogram, min_val, max_val, levels: int, symmetric: bool):
     """Search clipping ranges on the histogram's bin edges for the least expected squared error."""
-    bins = histogram.numel()
-    counts = histogram.double()
-    width = (max_val - min_val).double() / bins
-    centers = min_val.double() + width * (torch.arange(bins, device=counts.device, dtype=torch.float64) + 0.5)
-    edges = min_val.double() + width * torch.arange(bins + 1, device=counts.device, dtype=torch.float64)
+    low, high = best_clipping_ranges(histogram[None], min_val.reshape(1), max_val.reshape(1), levels, symmetric)
+    return low[0], high[0]
+
+
+_SYMMETRIC_LIMITS = 512  # clipping magnitudes tried by the symmetric search
+_SEARCH_ELEMENTS = 1 << 23  # float64 elements a symmetric search holds at a time (64 MB per temporary)
+
+
+def best_clipping_ranges(histograms: torch.Tensor, min_vals: torch.Tensor, max_vals: torch.Tensor, levels: int,
+                         symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipping range with the least expected squared error of each histogram of a stack (rows, bins) over its
+    own [min_val, max_val]: one chain of ops for every row, each row's result exactly its search alone."""
+    rows, bins = histograms.shape
+    counts = histograms.double()
+    width = ((max_vals - min_vals).double() / bins)[:, None]
+    start = min_vals.double()[:, None]
+    steps = torch.arange(bins + 1, device=counts.device, dtype=torch.float64)
+    centers = start + width * (steps[:-1] + 0.5)
     if symmetric:
-        magnitude = torch.maximum(-min_val, max_val).double()
-        limits = magnitude * torch.linspace(1.0 / 512, 1.0, 512, device=counts.device, dtype=torch.float64)
-        step = 2 * limits / levels
-        over = torch.clamp(centers.abs()[None, :] - limits[:, None], min=0.0)
-        inside = (over == 0).double()
-        error = (counts * (inside * step[:, None] ** 2 / 12 + over**2)).sum(1)
-        best = limits[torch.argmin(error)]
-        return (-best).float(), best.float()
+        magnitude = torch.maximum(-min_vals, max_vals).double()[:, None]
+        limits = magnitude * torch.linspace(1.0 / _SYMMETRIC_LIMITS, 1.0, _SYMMETRIC_LIMITS, device=counts.device,
+                                            dtype=torch.float64)
+        step = (2 * limits / levels)[:, :, None]
+        best = []
+        chunk = max(1, _SEARCH_ELEMENTS // (_SYMMETRIC_LIMITS * bins))
+        for first in range(0, rows, chunk):
+            part = slice(first, first + chunk)
+            over = torch.clamp(centers[part].abs()[:, None, :] - limits[part][:, :, None], min=0.0)
+            inside = (over == 0).double()
+            error = (counts[part][:, None, :] * (inside * step[part] ** 2 / 12 + over**2)).sum(-1)
+            best.append(limits[part].gather(1, torch.argmin(error, dim=1, keepdim=True))[:, 0])
+        magnitudes = torch.cat(best)
+        return (-magnitudes).float(), magnitudes.float()
+    edges = start + width * steps
     # Affine: error(lo, hi) = rounding noise of the values inside + clipping error of the values outside,
     # from prefix sums, for pairs of bin edges.
-    n, s1, s2 = (torch.cat([counts.new_zeros(1), t.cumsum(0)]) for t in (counts, counts * centers, counts * centers**2))
-    total_n, total_s1, total_s2 = n[-1], s1[-1], s2[-1]
+    n, s1, s2 = (torch.cat([counts.new_zeros(rows, 1), t.cumsum(-1)], dim=-1)
+                 for t in (counts, counts * centers, counts * centers**2))
+    total_n, total_s1, total_s2 = n[:, -1:], s1[:, -1:], s2[:, -1:]
     below = s2 - 2 * edges * s1 + edges**2 * n  # clipping error of the values under each edge
     above = (total_s2 - s2) - 2 * edges * (total_s1 - s1) + edges**2 * (total_n - n)
+    search = _AffineSearch(edges, n, below, above, levels)
+    row, i, j = search.candidates()
+    error = search.errors(row, i, j)
+    best = torch.full((rows,), float("inf"), dtype=error.dtype, device=error.device).scatter_reduce(
+        0, row, error, "amin")
+    # the first minimum in (lo, hi) order, as an argmin over every pair would pick
+    size = bins + 1
+    flat = torch.where(error == best[row], i * size + j, torch.full_like(i, size * size))
+    flat = torch.full((rows,), size * size, dtype=flat.dtype, device=flat.device).scatter_reduce(0, row, flat, "amin")
+    return (edges.gather(1, (flat // size)[:, None])[:, 0].float(),
+            edges.gather(1, (flat % size)[:, None])[:, 0].float())
 
-    def errors(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        lo, hi = edges[i], edges[j]
+
+class _AffineSearch:
+    """The expected error of (lo, hi) edge pairs of each row of a histogram stack, and the pairs to try."""
+
+    def __init__(self, edges, n, below, above, levels: int) -> None:
+        self.edges, self.n, self.below, self.above, self.levels = edges, n, below, above, levels
+        self.size = edges.shape[1]
+
+    def _at(self, values: torch.Tensor, row: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return values.reshape(-1)[row * self.size + index]
+
+    def errors(self, row: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """Expected squared error of clipping row `row` to [edge i, edge j] (inf where lo >= hi)."""
+        lo, hi = self._at(self.edges, row, i), self._at(self.edges, row, j)
         span = torch.clamp(hi, min=0.0) - torch.clamp(lo, max=0.0)
-        inside = total_n - n[i] - (total_n - n[j])
-        error = below[i] + above[j] + torch.clamp(inside, min=0.0) * (span / levels) ** 2 / 12
+        total_n = self.n[:, -1][row]
+        inside = total_n - self._at(self.n, row, i) - (total_n - self._at(self.n, row, j))
+        error = (self._at(self.below, row, i) + self._at(self.above, row, j)
+                 + torch.clamp(inside, min=0.0) * (span / self.levels) ** 2 / 12)
         return torch.where(lo < hi, error, torch.full_like(error, float("inf")))
 
-    i, j = _affine_candidates(edges, n, below, above, levels, errors)
-    error = errors(i, j)
-    best = error.min()
-    # the first minimum in (lo, hi) order, as an argmin over every pair would pick
-    flat = torch.where(error == best, i * (bins + 1) + j, torch.full_like(i, (bins + 1) ** 2)).min()
-    return edges[flat // (bins + 1)].float(), edges[flat % (bins + 1)].float()
-
-
-def _affine_candidates(edges, n, below, above, levels: int, errors, stride: int = 16):
-    """(lo, hi) edge index pairs that hold the least error over every pair: the cells of a coarse grid whose lower
-    bound does not exceed the best coarse point, refined to every pair (every pair when few cells can be ruled
-    out). below[i] grows with i, above[j] shrinks with j, and the rounding noise grows with the span and the count
-    inside, so a cell's least error is at least below[its first lo] + above[its last hi] + the noise of its
-    narrowest pair."""
-    size = edges.numel()
-    points = torch.arange(0, size, stride, device=edges.device)
-    if int(points[-1]) != size - 1:
-        points = torch.cat([points, points.new_tensor([size - 1])])
-    upper = errors(points[:, None], points[None, :]).min()
-    first, last = points[:-1], points[1:]
-    narrow_lo, narrow_hi = edges[last][:, None], edges[first][None, :]
-    span = torch.clamp(narrow_hi, min=0.0) - torch.clamp(narrow_lo, max=0.0)
-    inside = torch.clamp(n[first][None, :] - n[last][:, None], min=0.0)
-    bound = below[first][:, None] + above[last][None, :] + inside * (span / levels) ** 2 / 12
-    bound = torch.where(first[:, None] < last[None, :], bound, torch.full_like(bound, float("inf")))
-    cells = torch.nonzero(bound <= upper + upper.abs() * 1e-9)
-    if cells.shape[0] * (stride + 1) ** 2 >= size * size // 2:
-        every = torch.arange(size, device=edges.device)
-        return every[:, None].expand(size, size).reshape(-1), every[None, :].expand(size, size).reshape(-1)
-    offsets = torch.arange(stride + 1, device=edges.device)
-    lo = (first[cells[:, 0]][:, None] + offsets[None, :]).clamp(max=size - 1)  # [cells, stride + 1]
-    hi = (first[cells[:, 1]][:, None] + offsets[None, :]).clamp(max=size - 1)
-    i = lo[:, :, None].expand(-1, -1, stride + 1).reshape(-1)
-    j = hi[:, None, :].expand(-1, stride + 1, -1).reshape(-1)
-    return i, j
+    def candidates(self, stride: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row, lo, hi) edge index triples that hold each row's least error over every pair: the cells of a coarse
+        grid whose lower bound does not exceed the row's best coarse point, refined to every pair (every pair of a
+        row where few of its cells can be ruled out). below[i] grows with i, above[j] shrinks with j, and the
+        rounding noise grows with the span and the count inside, so a cell's least error is at least below[its
+        first lo] + above[its last hi] + the noise of its narrowest pair."""
+        edges, n, size = self.edges, self.n, self.size
+        rows, device = edges.shape[0], edges.device
+        points = torch.arange(0, size, stride, device=device)
+        if (size - 1) % stride:
+            points = torch.cat([points, points.new_tensor([size - 1])])
+        every_row = torch.arange(rows, device=device)
+        upper = self.errors(every_row[:, None, None], points[None, :, None], points[None, None, :]).amin(dim=(1, 2))
+        first, last = points[:-1], points[1:]
+        narrow_lo, narrow_hi = edges[:, last][:, :, None], edges[:, first][:, None, :]
+        span = torch.clamp(narrow_hi, min=0.0) - torch.clamp(narrow_lo, max=0.0)
+        inside = torch.clamp(n[:, first][:, None, :] - n[:, last][:, :, None], min=0.0)
+        bound = (self.below[:, first][:, :, None] + self.above[:, last][:, None, :]
+                 + inside * (span / self.levels) ** 2 / 12)
+        bound = torch.where(first[:, None] < last[None, :], bound, torch.full_like(bound, float("inf")))
+        cells = torch.nonzero(bound <= (upper + upper.abs() * 1e-9)[:, None, None])
+        per_row = torch.bincount(cells[:, 0], minlength=rows).tolist()
+        every_pair = [r for r, count in enumerate(per_row) if count * (stride + 1) ** 2 >= size * size // 2]
+        parts_row, parts_i, parts_j = [], [], []
+        if every_pair:
+            refined = torch.ones(rows, dtype=torch.bool, device=device)
+            refined[every_pair] = False
+            cells = cells[refined[cells[:, 0]]]
+            pairs = torch.arange(size, device=device)
+            for r in every_pair:
+                parts_row.append(torch.full((size * size,), r, dtype=torch.long, device=device))
+                parts_i.append(pairs[:, None].expand(size, size).reshape(-1))
+                parts_j.append(pairs[None, :].expand(size, size).reshape(-1))
+        offsets = torch.arange(stride + 1, device=device)
+        lo = (first[cells[:, 1]][:, None] + offsets[None, :]).clamp(max=size - 1)  # [cells, stride + 1]
+        hi = (first[cells[:, 2]][:, None] + offsets[None, :]).clamp(max=size - 1)
+        parts_row.append(cells[:, 0][:, None].expand(-1, (stride + 1) ** 2).reshape(-1))
+        parts_i.append(lo[:, :, None].expand(-1, -1, stride + 1).reshape(-1))
+        parts_j.append(hi[:, None, :].expand(-1, stride + 1, -1).reshape(-1))
+        if len(parts_row) == 1:
+            return parts_row[0], parts_i[0], parts_j[0]
+        return torch.cat(parts_row), torch.cat(parts_i), torch.cat(parts_j)
 
 
 class PlaceholderObserver(ObserverBase):

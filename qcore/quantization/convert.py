@@ -12,7 +12,7 @@ from torch import fx, nn
 
 from qcore.graph.capture import capture, clone_graph_module
 from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, weight_value
-from qcore.observe.observers import ObserverBase
+from qcore.observe.observers import ObserverBase, calculate_qparams_together
 from qcore.observe.qparams import fake_quantize_dynamic, fake_quantize_per_channel, fake_quantize_per_tensor
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.format_quantizer import (
@@ -55,6 +55,7 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
     """
     graph = prepared.graph
     weight_cache: dict[tuple[str, str], Any] = {}
+    reads = _HostReads(prepared)
     for node in list(graph.nodes):
         if node.meta.get(INSERTED_KEY) != "observer":
             continue
@@ -70,9 +71,9 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
         with graph.inserting_before(node):
             if (_is_float_weight(source) and not observer.is_dynamic
                     and not getattr(observer, "is_float", False)):
-                replacement = _quantized_weight_node(prepared, source, node.target, observer, weight_cache)
+                replacement = _quantized_weight_node(prepared, source, node.target, observer, weight_cache, reads)
             else:
-                replacement = _qdq_node(prepared, node, source, observer)
+                replacement = _qdq_node(prepared, node, source, observer, reads)
         replacement.meta.update({k: v for k, v in node.meta.items() if k.startswith("qcore_") or k == "val"})
         replacement.meta[INSERTED_KEY] = "qdq"
         node.replace_all_uses_with(replacement)
@@ -133,24 +134,110 @@ def _free_name(gm: nn.Module, name: str) -> str:
     return name
 
 
-def _qparams_meta(observer: ObserverBase, scale, zero_point) -> dict[str, Any]:
+def _qparams_meta(observer: ObserverBase, values: _QParamsValues) -> dict[str, Any]:
+    scale, zero_point, low, high = values
     meta = {"dtype": str(observer.dtype), "quant_min": observer.quant_min, "quant_max": observer.quant_max,
             "qscheme": str(observer.qscheme), "ch_axis": observer.ch_axis, "eps": float(observer.eps),
-            "scale": scale.detach().cpu().reshape(-1).tolist(),
-            "zero_point": zero_point.detach().cpu().reshape(-1).tolist()}
-    low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
-    if isinstance(low, torch.Tensor) and isinstance(high, torch.Tensor):  # the observed range, before any clipping
-        meta["min_val"] = low.detach().cpu().float().reshape(-1).tolist()
-        meta["max_val"] = high.detach().cpu().float().reshape(-1).tolist()
+            "scale": scale, "zero_point": zero_point}
+    if low is not None and high is not None:  # the observed range, before any clipping
+        meta["min_val"], meta["max_val"] = low, high
     return meta
 
 
-def fake_quantize_with(observer: ObserverBase, value: torch.Tensor) -> torch.Tensor:
-    """Fake-quantize a tensor with an observer's qparams (per tensor or per channel)."""
+_QParamsValues = tuple[list[float], list[Any], "list[float] | None", "list[float] | None"]
+
+
+class _HostReads:
+    """What convert reads of its observers on the host (whether each saw anything; qparams and observed ranges for
+    the graph's metadata and constants), read in one copy per kind and device instead of a few per observer: each
+    read of a GPU tensor waits for the device."""
+
+    def __init__(self, prepared: fx.GraphModule) -> None:
+        self.observers = [prepared.get_submodule(str(node.target)) for node in prepared.graph.nodes
+                          if node.meta.get(INSERTED_KEY) == "observer"]
+        ranged = [o for o in dict.fromkeys(self.observers) if isinstance(getattr(o, "min_val", None), torch.Tensor)
+                  and isinstance(getattr(o, "max_val", None), torch.Tensor)]
+        self.nothing = _saw_nothing_together(ranged)
+        self._values: dict[ObserverBase, _QParamsValues] | None = None
+
+    def saw_nothing(self, observer: ObserverBase) -> bool:
+        """Whether an observer is in its initial state (no batch reached it; NaN or inf values are not nothing)."""
+        return observer in self.nothing
+
+    def observed(self, observer: ObserverBase) -> None:
+        """An observer convert itself fed (a weight no batch reached) has now seen something."""
+        self.nothing.discard(observer)
+
+    def values(self, observer: ObserverBase) -> _QParamsValues:
+        """The observer's (scale, zero point, observed min, observed max) as lists: those of every observer still to
+        convert computed together and read at once, the first time one is asked for."""
+        if self._values is None or observer not in self._values:
+            wanted = [o for o in dict.fromkeys(self.observers) if o not in self.nothing
+                      and not isinstance(o, FormatObserver) and not o.is_dynamic and not getattr(o, "is_float", False)]
+            if observer not in wanted:
+                wanted.append(observer)
+            calculate_qparams_together(wanted)
+            self._values = _read_values(wanted)
+        return self._values[observer]
+
+
+def _saw_nothing_together(observers: list[nn.Module]) -> set[ObserverBase]:
+    """The observers still in their initial state, with one host read per device."""
+    nothing = {o for o in observers if o.min_val.numel() == 0}
+    by_device: dict[torch.device, list[nn.Module]] = {}
+    for observer in observers:
+        if observer not in nothing:
+            by_device.setdefault(observer.min_val.device, []).append(observer)
+    for members in by_device.values():
+        lows = torch.stack([o.min_val.reshape(-1)[0] if o.min_val.numel() == 1 else o.min_val.amin() for o in members])
+        highs = torch.stack([o.max_val.reshape(-1)[0] if o.max_val.numel() == 1 else o.max_val.amax()
+                             for o in members])
+        initial = torch.isposinf(lows) & torch.isneginf(highs)  # amin is +inf only where every value is +inf
+        nothing.update(o for o, flag in zip(members, initial.tolist()) if flag)
+    return nothing
+
+
+def _read_values(observers: list[ObserverBase]) -> dict[ObserverBase, _QParamsValues]:
+    """Each observer's qparams and observed range as host lists, one copy per device."""
+    layout: dict[torch.device, list[torch.Tensor]] = {}
+    spans = []
+    for observer in observers:
+        scale, zero_point = observer.calculate_qparams()
+        parts = [scale.detach(), zero_point.detach()]
+        low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
+        if isinstance(low, torch.Tensor) and isinstance(high, torch.Tensor):
+            parts += [low.detach().float(), high.detach().float()]
+        # float64 holds float32 values and int64 zero points (within 2^53) exactly
+        flats = [part.reshape(-1).to(torch.float64) for part in parts]
+        pieces = layout.setdefault(flats[0].device, [])
+        start = sum(piece.numel() for piece in pieces)
+        pieces.extend(flats)
+        spans.append((observer, flats[0].device, start, [f.numel() for f in flats], zero_point.is_floating_point()))
+    host = {device: (torch.cat(pieces).tolist() if len(pieces) > 1 else pieces[0].tolist())
+            for device, pieces in layout.items()}
+    values: dict[ObserverBase, _QParamsValues] = {}
+    for observer, device, start, sizes, float_zero_point in spans:
+        lists, at = [], start
+        for size in sizes:
+            lists.append(host[device][at:at + size])
+            at += size
+        zero_point = lists[1] if float_zero_point else [int(v) for v in lists[1]]
+        values[observer] = (lists[0], zero_point, lists[2] if len(lists) > 2 else None,
+                            lists[3] if len(lists) > 3 else None)
+    return values
+
+
+def fake_quantize_with(observer: ObserverBase, value: torch.Tensor, values: _QParamsValues | None = None
+                       ) -> torch.Tensor:
+    """Fake-quantize a tensor with an observer's qparams (per tensor or per channel); `values`: those qparams
+    already read to the host, for a per-tensor one."""
     scale, zero_point = observer.calculate_qparams()
     if observer.per_channel:
         return fake_quantize_per_channel(value, scale, zero_point, observer.ch_axis or 0, observer.quant_min,
                                          observer.quant_max)
+    if values is not None:
+        return fake_quantize_per_tensor(value, values[0][0], int(values[1][0]), observer.quant_min,
+                                        observer.quant_max)
     return fake_quantize_per_tensor(value, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]),
                                     observer.quant_min, observer.quant_max)
 
@@ -165,24 +252,25 @@ def _float_weight_name(source: fx.Node) -> str:
     return str(source.meta["qcore_float_weight"]) if source.meta.get(REWRITTEN_KEY) else str(source.target)
 
 
-def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache) -> fx.Node:
+def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache, reads: _HostReads) -> fx.Node:
     key = (_float_weight_name(source), str(observer_name))
     if key not in cache:
         weight = weight_value(gm, source)
         with torch.no_grad():
-            if _saw_nothing(observer):  # not calibrated: the weight is known, observe it here
+            if reads.saw_nothing(observer):  # not calibrated: the weight is known, observe it here
                 observer(weight.detach())
+                reads.observed(observer)
             if _WHERE_READ.get():  # a large model: quantized from the float weight where it is read
                 cache[key] = None
             else:
                 cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
-                gm.register_buffer(cache[key], fake_quantize_with(observer, weight.detach()))
+                gm.register_buffer(cache[key], fake_quantize_with(observer, weight.detach(), reads.values(observer)))
     if cache[key] is None:
-        node = _read_weight_quantized_where_used(gm, source, "qcore_fq_" + key[0].replace(".", "_"), observer)
+        node = _read_weight_quantized_where_used(gm, source, "qcore_fq_" + key[0].replace(".", "_"), observer,
+                                                 reads.values(observer))
     else:
         node = gm.graph.get_attr(cache[key])
-    scale, zero_point = observer.calculate_qparams()
-    node.meta[QPARAMS_KEY] = _qparams_meta(observer, scale, zero_point)
+    node.meta[QPARAMS_KEY] = _qparams_meta(observer, reads.values(observer))
     node.meta["qcore_float_weight"] = key[0]
     return node
 
@@ -193,13 +281,13 @@ def fake_quantize_over_input(x: torch.Tensor, scale: torch.Tensor, zero_point: t
     return fake_quantize_per_channel(x, scale, zero_point, axis, quant_min, quant_max, in_place=True)
 
 
-def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name: str, observer: ObserverBase
-                                      ) -> fx.Node:
+def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name: str, observer: ObserverBase,
+                                      values: _QParamsValues) -> fx.Node:
     """A node (at the insertion point) computing fake_quantize_with(observer, the float weight `source` reads) each
     time it runs: the observer's qparams as buffers (per channel) or constants (per tensor), no quantized copy."""
     graph = gm.graph
-    scale, zero_point = observer.calculate_qparams()
     if observer.per_channel:
+        scale, zero_point = observer.calculate_qparams()
         name = _free_name(gm, name)
         gm.register_buffer(name + "_scale", scale)
         gm.register_buffer(name + "_zero_point", zero_point)
@@ -210,8 +298,7 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
             observer.quant_min, observer.quant_max))
     else:
         node = graph.call_function(fake_quantize_per_tensor, (
-            source, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), observer.quant_min,
-            observer.quant_max))
+            source, values[0][0], int(values[1][0]), observer.quant_min, observer.quant_max))
     node.meta[QUANTIZED_WHERE_READ_KEY] = True
     return node
 
@@ -235,15 +322,7 @@ def round_trip_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(x.dtype)
 
 
-def _saw_nothing(observer: ObserverBase) -> bool:
-    """Whether an observer is in its initial state (no batch reached it; NaN or inf values are not nothing)."""
-    low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
-    if not (isinstance(low, torch.Tensor) and isinstance(high, torch.Tensor)):
-        return False
-    return low.numel() == 0 or (bool(torch.isposinf(low).all()) and bool(torch.isneginf(high).all()))
-
-
-def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
+def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase, reads: _HostReads) -> fx.Node:
     if getattr(observer, "is_float", False):
         new = gm.graph.call_function(round_trip_through, (source, observer.dtype))
         new.meta[QPARAMS_KEY] = {"dtype": str(observer.dtype)}
@@ -253,14 +332,16 @@ def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
                                                              observer.symmetric))
         new.meta[QPARAMS_KEY] = {"dynamic": True, "quant_min": observer.quant_min, "quant_max": observer.quant_max}
         return new
-    if _saw_nothing(observer) and not observer.per_channel:
+    if reads.saw_nothing(observer) and not observer.per_channel:
         # calibration never reached this tensor: torch.ao's convert warns and uses scale 1 and zero point 0
         warnings.warn(f"the observer of {node.name} saw no calibration data (the batches never reach it): its "
                       "quantization uses scale 1.0 and zero point 0, as torch.ao's convert does", stacklevel=3)
-        scale, zero_point = torch.tensor([1.0]), torch.tensor([0])
+        values: _QParamsValues = ([1.0], [0], [float("inf")] * observer.min_val.numel(),
+                                  [float("-inf")] * observer.max_val.numel())
     else:
-        scale, zero_point = observer.calculate_qparams()
+        values = reads.values(observer)
     if observer.per_channel:
+        scale, zero_point = observer.calculate_qparams()
         base = f"qcore_qparams_{node.name}"
         gm.register_buffer(base + "_scale", scale.detach().float().clone())
         gm.register_buffer(base + "_zero_point", zero_point.detach().clone())
@@ -268,10 +349,9 @@ def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase) -> fx.Node:
                 observer.ch_axis or 0, observer.quant_min, observer.quant_max)
         new = gm.graph.call_function(fake_quantize_per_channel, args)
     else:
-        args = (source, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), observer.quant_min,
-                observer.quant_max)
+        args = (source, values[0][0], int(values[1][0]), observer.quant_min, observer.quant_max)
         new = gm.graph.call_function(fake_quantize_per_tensor, args)
-    new.meta[QPARAMS_KEY] = _qparams_meta(observer, scale, zero_point)
+    new.meta[QPARAMS_KEY] = _qparams_meta(observer, values)
     return new
 
 

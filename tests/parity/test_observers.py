@@ -135,3 +135,29 @@ def test_histogram_clipping_search_equals_the_search_over_every_pair(seed, kind,
     expected = _every_pair_clipping_range(observer.histogram, observer.min_val, observer.max_val, 255)
     found = _best_clipping_range(observer.histogram, observer.min_val, observer.max_val, 255, False)
     assert torch.equal(found[0], expected[0]) and torch.equal(found[1], expected[1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**31 - 1), st.sampled_from(["normal", "relu", "offset", "heavy", "flat"])),
+                min_size=1, max_size=5), st.sampled_from([16, 32, 256]), st.booleans())
+def test_histograms_searched_together_get_each_its_search_alone(rows, bins, symmetric):
+    from qcore.observe.observers import HistogramObserver, _best_clipping_range, best_clipping_ranges
+
+    observers = []
+    for seed, kind in rows:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(2000, generator=g)
+        x = {"normal": x, "relu": torch.relu(x), "offset": x * 0.01 + 3, "flat": torch.full((50,), 0.5),
+             "heavy": x / (torch.rand(2000, generator=g) + 1e-3)}[kind]
+        observer = HistogramObserver(bins=bins)
+        observer(x)
+        observers.append(observer)
+    low, high = best_clipping_ranges(torch.stack([o.histogram for o in observers]),
+                                     torch.stack([o.min_val for o in observers]),
+                                     torch.stack([o.max_val for o in observers]), 255, symmetric)
+    for row, observer in enumerate(observers):
+        alone = _best_clipping_range(observer.histogram, observer.min_val, observer.max_val, 255, symmetric)
+        assert torch.equal(low[row], alone[0]) and torch.equal(high[row], alone[1])
+        if not symmetric:
+            expected = _every_pair_clipping_range(observer.histogram, observer.min_val, observer.max_val, 255)
+            assert torch.equal(low[row], expected[0]) and torch.equal(high[row], expected[1])

@@ -128,15 +128,17 @@ def test_a_trial_of_some_layers_measures_them_and_the_outputs_as_a_whole_trial_d
 
 
 def _counting_qparams(monkeypatch):
-    """Wrap HistogramObserver._qparams: the list of observers it computed for."""
+    """Count the histogram searches, alone or batched: a list with an entry per histogram searched."""
+    import qcore.observe.observers as observers
+
     computed = []
-    original = HistogramObserver._qparams
+    original = observers.best_clipping_ranges
 
-    def counted(self):
-        computed.append(self)
-        return original(self)
+    def counted(histograms, *args):
+        computed.extend(histograms.unbind(0))
+        return original(histograms, *args)
 
-    monkeypatch.setattr(HistogramObserver, "_qparams", counted)
+    monkeypatch.setattr(observers, "best_clipping_ranges", counted)
     return computed
 
 
@@ -184,3 +186,72 @@ def test_a_shared_state_that_changes_is_computed_anew():
     observer(torch.linspace(-5, 5, 100))  # the source moves on: the copy keeps its own state's qparams
     assert torch.equal(copy_.calculate_qparams()[0], HistogramObserver.calculate_qparams(copy_)[0])
     assert copy_.calculate_qparams()[0] < observer.calculate_qparams()[0]
+
+
+def _observer_zoo():
+    """Observers of every kind calculate_qparams_together takes or leaves, fed a few batches."""
+    from qcore.observe.observers import MovingAverageMinMaxObserver, PerChannelMinMaxObserver
+
+    g = torch.Generator().manual_seed(3)
+    observers = [HistogramObserver(bins=64), HistogramObserver(bins=64), HistogramObserver(bins=128),
+                 HistogramObserver(bins=64, qscheme=torch.per_tensor_symmetric), MinMaxObserver(),
+                 MinMaxObserver(dtype=torch.uint8), MovingAverageMinMaxObserver(), PerChannelMinMaxObserver(),
+                 PerChannelMinMaxObserver(qscheme=torch.per_channel_affine_float_qparams)]
+    for scale in (1.0, 3.0):
+        for observer in observers:
+            observer(torch.randn(6, 40, generator=g) * scale + 0.5)
+    unobserved, poisoned = HistogramObserver(bins=64), MinMaxObserver()
+    poisoned(torch.full((4,), float("nan")))
+    return observers, [unobserved, poisoned]
+
+
+def test_qparams_computed_together_are_each_observers_own():
+    from qcore.observe.observers import calculate_qparams_together
+
+    observers, failing = _observer_zoo()
+    alone = [type(o)._qparams(o) for o in observers]
+    copy_ = HistogramObserver(bins=64)
+    copy_.load_state_dict(observers[0].state_dict())
+    share_qparams(copy_, observers[0])
+    calculate_qparams_together([*observers, *failing, copy_])
+    assert all("_qparams_memo" in o.__dict__ for o in observers)  # computed together, not when asked
+    for observer, (scale, zero_point) in zip(observers, alone):
+        found = observer.calculate_qparams()
+        assert torch.equal(found[0], scale) and torch.equal(found[1], zero_point)
+        assert found[0].shape == scale.shape and found[1].dtype == zero_point.dtype
+    assert torch.equal(copy_.calculate_qparams()[0], alone[0][0])
+    for observer in failing:  # they raise when asked, as alone
+        with pytest.raises(RuntimeError, match="observed no data"):
+            observer.calculate_qparams()
+
+
+def test_convert_reads_the_host_a_few_times_whatever_the_number_of_layers(monkeypatch):
+    """On the torch path (native kernels off, as on a GPU, where each read waits for the device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qcore.runtime import native
+
+    from qcore.graph.capture import capture
+    from qcore.quantization.calibrate import calibrate
+    from qcore.quantization.convert import convert
+    from qcore.quantization.prepare import prepare
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    def host_reads(layers):
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).eval()
+        data = batches((2, 8))
+        prepared = prepare(capture(model, data[0]), Int8StaticQuantizer(activation_observer=HistogramObserver))
+        calibrate(prepared, data)
+        Reads.count = 0
+        with Reads():
+            convert(prepared)
+        return Reads.count
+
+    monkeypatch.setitem(native._state, "library", None)
+    assert host_reads(12) == host_reads(2) <= 3
