@@ -100,6 +100,20 @@ class _RangeObserver(ObserverBase):
             self.__dict__["_qparams_memo"] = (key, (scale.clone(), zero_point.clone()))
         return scale, zero_point
 
+    def memoized_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """calculate_qparams's tensors themselves, not copies: to be read, never written."""
+        deferred.run_pending(self)
+        key = _state_key(self)
+        twin = self.__dict__.get("_qparams_twin")
+        if twin is not None and key is not None and _same_state(twin[0], key):
+            source = twin[1]()
+            if source is not None and _same_state(twin[2], _state_key(source)):
+                return source.memoized_qparams()
+        memo = self.__dict__.get("_qparams_memo")
+        if memo is None or key is None or not _same_state(memo[0], key):
+            return self.calculate_qparams()
+        return memo[1]
+
     def _qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero_point) covering the observed range."""
         if not self.has_observed:
@@ -263,17 +277,30 @@ def calculate_qparams_together(observers: Iterable[nn.Module]) -> None:
                  observer.symmetric, observer.eps, observer.qscheme == torch.per_channel_affine_float_qparams)
         groups.setdefault(group, []).append((observer, key))
     for (histogram, _, _, quant_min, quant_max, symmetric, eps, float_qparams), members in groups.items():
-        lows = torch.cat([observer.min_val.reshape(-1) for observer, _ in members])
-        highs = torch.cat([observer.max_val.reshape(-1) for observer, _ in members])
+        lows = laid_end_to_end([observer.min_val for observer, _ in members])
+        highs = laid_end_to_end([observer.max_val for observer, _ in members])
         if histogram is not None:
             histograms = torch.stack([observer.histogram for observer, _ in members])
             lows, highs = best_clipping_ranges(histograms, lows, highs, quant_max - quant_min, symmetric)
         scales, zero_points = calculate_qparams(lows, highs, quant_min, quant_max, symmetric, eps,
                                                 float_qparams=float_qparams)
-        sizes = [observer.min_val.numel() for observer, _ in members]
-        for (observer, key), scale, zero_point in zip(members, scales.split(sizes), zero_points.split(sizes)):
-            shape = observer.min_val.shape
-            observer.__dict__["_qparams_memo"] = (key, (scale.view(shape), zero_point.view(shape)))
+        for (observer, key), scale, zero_point in zip(members, pieces(scales, [o.min_val for o, _ in members]),
+                                                      pieces(zero_points, [o.min_val for o, _ in members])):
+            observer.__dict__["_qparams_memo"] = (key, (scale, zero_point))
+
+
+def laid_end_to_end(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every element of `tensors` in one 1-d tensor, in order: one op (stack) where they are all scalars."""
+    if all(t.dim() == 0 for t in tensors):
+        return torch.stack(list(tensors))
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def pieces(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """laid_end_to_end undone: views of `flat` with the shapes of `like`."""
+    if all(t.dim() == 0 for t in like):
+        return list(flat.unbind(0))
+    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def _observed(observers: list[tuple[_RangeObserver, Any]]) -> list[tuple[_RangeObserver, Any]]:
@@ -283,7 +310,7 @@ def _observed(observers: list[tuple[_RangeObserver, Any]]) -> list[tuple[_RangeO
         by_device.setdefault(member[0].min_val.device, []).append(member)
     seen: list[tuple[_RangeObserver, Any]] = []
     for device, members in by_device.items():
-        finite = torch.isfinite(torch.cat([observer.min_val.reshape(-1) for observer, _ in members]))
+        finite = torch.isfinite(laid_end_to_end([observer.min_val for observer, _ in members]))
         sizes = tuple(observer.min_val.numel() for observer, _ in members)
         if any(size != 1 for size in sizes):
             finite = torch.segment_reduce(finite.float(), "min", lengths=deferred.segment_lengths(device, sizes),

@@ -12,7 +12,7 @@ from torch import fx, nn
 
 from qcore.graph.capture import capture, clone_graph_module
 from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, weight_value
-from qcore.observe.observers import ObserverBase, calculate_qparams_together
+from qcore.observe.observers import ObserverBase, calculate_qparams_together, laid_end_to_end
 from qcore.observe.qparams import fake_quantize_dynamic, fake_quantize_per_channel, fake_quantize_per_tensor
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.format_quantizer import (
@@ -189,40 +189,42 @@ def _saw_nothing_together(observers: list[nn.Module]) -> set[ObserverBase]:
         if observer not in nothing:
             by_device.setdefault(observer.min_val.device, []).append(observer)
     for members in by_device.values():
-        lows = torch.stack([o.min_val.reshape(-1)[0] if o.min_val.numel() == 1 else o.min_val.amin() for o in members])
-        highs = torch.stack([o.max_val.reshape(-1)[0] if o.max_val.numel() == 1 else o.max_val.amax()
-                             for o in members])
-        initial = torch.isposinf(lows) & torch.isneginf(highs)  # amin is +inf only where every value is +inf
+        # amin is +inf only where every value is +inf
+        lows = laid_end_to_end([o.min_val if o.min_val.numel() == 1 else o.min_val.amin() for o in members])
+        highs = laid_end_to_end([o.max_val if o.max_val.numel() == 1 else o.max_val.amax() for o in members])
+        initial = torch.isposinf(lows) & torch.isneginf(highs)
         nothing.update(o for o, flag in zip(members, initial.tolist()) if flag)
     return nothing
 
 
 def _read_values(observers: list[ObserverBase]) -> dict[ObserverBase, _QParamsValues]:
-    """Each observer's qparams and observed range as host lists, one copy per device."""
-    layout: dict[torch.device, list[torch.Tensor]] = {}
-    spans = []
+    """Each observer's qparams and observed range as host lists: one copy per device and dtype."""
+    columns: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    places = []
     for observer in observers:
-        scale, zero_point = observer.calculate_qparams()
-        parts = [scale.detach(), zero_point.detach()]
+        reader = getattr(observer, "memoized_qparams", observer.calculate_qparams)
+        parts = list(reader())
         low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
         if isinstance(low, torch.Tensor) and isinstance(high, torch.Tensor):
-            parts += [low.detach().float(), high.detach().float()]
-        # float64 holds float32 values and int64 zero points (within 2^53) exactly
-        flats = [part.reshape(-1).to(torch.float64) for part in parts]
-        pieces = layout.setdefault(flats[0].device, [])
-        start = sum(piece.numel() for piece in pieces)
-        pieces.extend(flats)
-        spans.append((observer, flats[0].device, start, [f.numel() for f in flats], zero_point.is_floating_point()))
-    host = {device: (torch.cat(pieces).tolist() if len(pieces) > 1 else pieces[0].tolist())
-            for device, pieces in layout.items()}
+            parts += [low.float(), high.float()]
+        place = []
+        for part in parts:
+            column = columns.setdefault((part.device, part.dtype), [])
+            place.append((part.device, part.dtype, len(column)))
+            column.append(part)
+        places.append((observer, place))
+    host: dict[tuple[torch.device, torch.dtype], list[list[Any]]] = {}
+    for key, column in columns.items():
+        flat = laid_end_to_end(column).tolist()
+        at, lists = 0, []
+        for part in column:
+            lists.append(flat[at:at + part.numel()])
+            at += part.numel()
+        host[key] = lists
     values: dict[ObserverBase, _QParamsValues] = {}
-    for observer, device, start, sizes, float_zero_point in spans:
-        lists, at = [], start
-        for size in sizes:
-            lists.append(host[device][at:at + size])
-            at += size
-        zero_point = lists[1] if float_zero_point else [int(v) for v in lists[1]]
-        values[observer] = (lists[0], zero_point, lists[2] if len(lists) > 2 else None,
+    for observer, place in places:
+        lists = [host[(device, dtype)][index] for device, dtype, index in place]
+        values[observer] = (lists[0], lists[1], lists[2] if len(lists) > 2 else None,
                             lists[3] if len(lists) > 3 else None)
     return values
 

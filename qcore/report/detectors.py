@@ -449,12 +449,12 @@ class OutlierDetector(DetectorBase):
         lines = ["Outlier detection report:"]
         found = False
         for layer, entry in info.items():
-            for channel, outlier in enumerate(entry[self.OUTLIER_KEY]):
-                if outlier:
-                    found = True
-                    lines.append(f"\t{layer}, channel {channel}: outliers in the input (max value "
-                                 f"{float(entry[self.MAX_VALS_KEY][channel]):.4g}, ratio "
-                                 f"{float(entry[self.COMP_METRIC_KEY][channel]):.3g} > {self.ratio_threshold}).")
+            if any(entry[self.OUTLIER_KEY]):  # read once per layer, not once per channel
+                found = True
+                max_vals, ratios = _tolist(entry[self.MAX_VALS_KEY]), _tolist(entry[self.COMP_METRIC_KEY])
+                lines.extend(f"\t{layer}, channel {channel}: outliers in the input (max value {max_vals[channel]:.4g}, "
+                             f"ratio {ratios[channel]:.3g} > {self.ratio_threshold})."
+                             for channel, outlier in enumerate(entry[self.OUTLIER_KEY]) if outlier)
             constant = [c for c, n in enumerate(_tolist(entry[self.CONSTANT_COUNTS_KEY])) if n]
             if constant:
                 found = True
