@@ -69,7 +69,7 @@ class ActivationStash(nn.Module):
 
     def forward(self, x):
         # copy=True: the graph may run an in-place op on x (Hardswish(inplace=True)) before a comparator reads it
-        x = x.detach()
+        x = x.detach() if x.requires_grad else x  # detach is an op even under no_grad
         if not self.copy:
             self.value = x.reshape(-1)
             return self.value

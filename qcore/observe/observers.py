@@ -128,7 +128,7 @@ class MinMaxObserver(_RangeObserver):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.frozen or x.numel() == 0:
             return x
-        low, high = torch.aminmax(x.detach())
+        low, high = torch.aminmax(x.detach() if x.requires_grad else x)  # detach is an op even under no_grad
         if self.min_val.device == low.device and self.min_val.dtype == self.max_val.dtype == torch.float32:
             torch.minimum(self.min_val, low.float(), out=self.min_val)  # in place: no Module.__setattr__ per batch
             torch.maximum(self.max_val, high.float(), out=self.max_val)
@@ -148,7 +148,7 @@ class MovingAverageMinMaxObserver(_RangeObserver):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.frozen or x.numel() == 0:
             return x
-        low, high = torch.aminmax(x.detach())
+        low, high = torch.aminmax(x.detach() if x.requires_grad else x)
         old_min, old_max = self.min_val.to(low.device), self.max_val.to(high.device)
         c = self.averaging_constant
         first = torch.isinf(old_min)
@@ -168,7 +168,7 @@ class PerChannelMinMaxObserver(_RangeObserver):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.frozen or x.numel() == 0:
             return x
-        flat = x.detach().movedim(self.ch_axis, 0).reshape(x.shape[self.ch_axis], -1)
+        flat = (x.detach() if x.requires_grad else x).movedim(self.ch_axis, 0).reshape(x.shape[self.ch_axis], -1)
         low, high = torch.aminmax(flat, dim=1)
         if self.min_val.numel() == 0:
             self.min_val, self.max_val = low.float(), high.float()
@@ -293,14 +293,15 @@ def laid_end_to_end(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Every element of `tensors` in one 1-d tensor, in order: one op (stack) where they are all scalars."""
     if all(t.dim() == 0 for t in tensors):
         return torch.stack(list(tensors))
-    return torch.cat([t.reshape(-1) for t in tensors])
+    return torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors])
 
 
 def pieces(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """laid_end_to_end undone: views of `flat` with the shapes of `like`."""
     if all(t.dim() == 0 for t in like):
         return list(flat.unbind(0))
-    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+    return [piece if t.dim() == 1 else piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]),
+                                                                              like)]
 
 
 def _observed(observers: list[tuple[_RangeObserver, Any]]) -> list[tuple[_RangeObserver, Any]]:

@@ -198,8 +198,9 @@ def _saw_nothing_together(observers: list[nn.Module]) -> set[ObserverBase]:
 
 
 def _read_values(observers: list[ObserverBase]) -> dict[ObserverBase, _QParamsValues]:
-    """Each observer's qparams and observed range as host lists: one copy per device and dtype."""
-    columns: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    """Each observer's qparams and observed range as host lists: a copy per device, dtype and rank (scalar or
+    not)."""
+    columns: dict[tuple[torch.device, torch.dtype, bool], list[torch.Tensor]] = {}
     places = []
     for observer in observers:
         reader = getattr(observer, "memoized_qparams", observer.calculate_qparams)
@@ -209,11 +210,12 @@ def _read_values(observers: list[ObserverBase]) -> dict[ObserverBase, _QParamsVa
             parts += [low.float(), high.float()]
         place = []
         for part in parts:
-            column = columns.setdefault((part.device, part.dtype), [])
-            place.append((part.device, part.dtype, len(column)))
+            key = (part.device, part.dtype, part.dim() == 0)  # scalars stacked, the rest laid end to end
+            column = columns.setdefault(key, [])
+            place.append((key, len(column)))
             column.append(part)
         places.append((observer, place))
-    host: dict[tuple[torch.device, torch.dtype], list[list[Any]]] = {}
+    host: dict[tuple[torch.device, torch.dtype, bool], list[list[Any]]] = {}
     for key, column in columns.items():
         flat = laid_end_to_end(column).tolist()
         at, lists = 0, []
@@ -223,7 +225,7 @@ def _read_values(observers: list[ObserverBase]) -> dict[ObserverBase, _QParamsVa
         host[key] = lists
     values: dict[ObserverBase, _QParamsValues] = {}
     for observer, place in places:
-        lists = [host[(device, dtype)][index] for device, dtype, index in place]
+        lists = [host[key][index] for key, index in place]
         values[observer] = (lists[0], lists[1], lists[2] if len(lists) > 2 else None,
                             lists[3] if len(lists) > 3 else None)
     return values

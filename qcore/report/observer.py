@@ -93,7 +93,7 @@ class ReportObserver(nn.Module):
     def _observe(self, x: torch.Tensor, native: bool = True) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
             return x
-        values = x.detach()
+        values = x.detach() if x.requires_grad else x  # detach is an op even under no_grad
         if self.extremes.device != values.device:
             self.to(values.device)
         if self.per_channel:  # what reports name as the axis used (ch_axis -1: the last)
