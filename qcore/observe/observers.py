@@ -130,12 +130,31 @@ class MinMaxObserver(_RangeObserver):
             return x
         low, high = torch.aminmax(x.detach() if x.requires_grad else x)  # detach is an op even under no_grad
         if self.min_val.device == low.device and self.min_val.dtype == self.max_val.dtype == torch.float32:
+            if self.min_val.dim() == 0 and deferred.defer(self, _update_ranges, 0, lambda: (self, low, high)):
+                return x  # with the other ranges of this model call, in one chain
             torch.minimum(self.min_val, low.float(), out=self.min_val)  # in place: no Module.__setattr__ per batch
             torch.maximum(self.max_val, high.float(), out=self.max_val)
             return x
         self.min_val = torch.minimum(self.min_val.to(low.device), low.float())
         self.max_val = torch.maximum(self.max_val.to(high.device), high.float())
         return x
+
+
+def _update_ranges(entries: list[tuple[MinMaxObserver, torch.Tensor, torch.Tensor]]) -> None:
+    """The queued batch minima and maxima of several MinMaxObservers in one chain of ops: each running range exactly
+    what its own update gives."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[MinMaxObserver, torch.Tensor, torch.Tensor]]] = {}
+    for entry in entries:
+        groups.setdefault((entry[1].device, entry[1].dtype), []).append(entry)
+    for members in groups.values():
+        observers = [observer for observer, _, _ in members]
+        lows, highs = torch.stack([low for _, low, _ in members]), torch.stack([high for _, _, high in members])
+        if lows.dtype != torch.float32:
+            lows, highs = lows.float(), highs.float()
+        new_min = torch.minimum(torch.stack([observer.min_val for observer in observers]), lows)
+        new_max = torch.maximum(torch.stack([observer.max_val for observer in observers]), highs)
+        torch._foreach_copy_([*(o.min_val for o in observers), *(o.max_val for o in observers)],
+                             [*new_min.unbind(0), *new_max.unbind(0)])
 
 
 class MovingAverageMinMaxObserver(_RangeObserver):

@@ -12,7 +12,7 @@ from torch import nn
 
 from qcore.graph.inputs import call_model
 from qcore.numeric.loggers import StreamingComparator
-from qcore.observe.observers import HistogramObserver
+from qcore.observe.observers import HistogramObserver, MinMaxObserver
 from qcore.runtime import deferred, native
 from tests.helpers import count_aten_ops
 
@@ -89,6 +89,29 @@ def _check_comparators(calls) -> None:
     for mine, theirs in zip(together, alone):
         assert mine.batches == theirs.batches
         torch.testing.assert_close(mine.sums, theirs.sums, rtol=1e-12, atol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(CALLS, st.lists(st.sampled_from([torch.float32, torch.bfloat16, "nan"]), min_size=12, max_size=12))
+def test_minmax_ranges_updated_together_equal_their_own_updates(calls, kinds):
+    def batch(seed, size, spread, kind):
+        x = _values(size, spread, seed)
+        return x.index_fill(0, torch.tensor([0]), float("nan")) if kind == "nan" else x.to(kind)
+
+    alone, together = [MinMaxObserver() for _ in range(4)], [MinMaxObserver() for _ in range(4)]
+    with _torch_path():
+        for seed, ((owner, size, spread, _), kind) in enumerate(zip(calls, kinds)):
+            alone[owner](batch(seed, size, spread, kind))
+        with deferred.batched_updates():  # owners called several times run in rounds, in order
+            for seed, ((owner, size, spread, changed_after), kind) in enumerate(zip(calls, kinds)):
+                x = batch(seed, size, spread, kind)
+                together[owner](x)
+                if changed_after:
+                    x.mul_(3.0)
+            assert any(deferred._open_here.queues[-1].rounds.values())  # they were queued
+    for mine, theirs in zip(together, alone):
+        assert torch.equal(mine.min_val, theirs.min_val) or (mine.min_val.isnan() and theirs.min_val.isnan())
+        assert torch.equal(mine.max_val, theirs.max_val) or (mine.max_val.isnan() and theirs.max_val.isnan())
 
 
 def test_state_read_inside_a_scope_includes_the_queued_batches(monkeypatch):
