@@ -212,7 +212,7 @@ def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Varia
     return ""
 
 
-_ROWS_ELEMENTS = 1 << 20  # of a variant's weight quantized at a time where it is read (4 MB of float32)
+_ROWS_ELEMENTS = 1 << 22  # of a variant's weight quantized at a time where it is read (16 MB of float32)
 
 
 class ScaledWeightQuantizer(nn.Module):

@@ -390,10 +390,14 @@ def _update_histograms(entries: list[tuple[HistogramObserver, torch.Tensor]]) ->
     groups: dict[tuple[torch.device, int], list[tuple[HistogramObserver, torch.Tensor]]] = {}
     for observer, values in entries:
         groups.setdefault((values.device, observer.bins), []).append((observer, values))
+    entries.clear()  # the queued copies are freed once laid end to end
     for (device, bins), group in groups.items():
         observers = [observer for observer, _ in group]
-        values = torch.cat([flat for _, flat in group]) if len(group) > 1 else group[0][1]
-        lengths = deferred.segment_lengths(device, tuple(flat.numel() for _, flat in group))
+        flats = [flat for _, flat in group]
+        group.clear()
+        values = torch.cat(flats) if len(flats) > 1 else flats[0]
+        lengths = deferred.segment_lengths(device, tuple(flat.numel() for flat in flats))
+        del flats
         old_min = torch.stack([observer.min_val for observer in observers])
         old_max = torch.stack([observer.max_val for observer in observers])
         # unsafe: the lengths are the queue's own, and checking them reads them back (a host sync on a GPU)
@@ -402,15 +406,18 @@ def _update_histograms(entries: list[tuple[HistogramObserver, torch.Tensor]]) ->
         width = torch.clamp(new_max - new_min, min=FLOAT32_EPS)
         histograms = _rebin(torch.stack([observer.histogram for observer in observers]), old_min, old_max, new_min,
                             width, bins)
-        segment = torch.repeat_interleave(torch.arange(len(group), device=device), lengths,
+        segment = torch.repeat_interleave(torch.arange(len(observers), device=device), lengths,
                                           output_size=values.numel())
-        index = torch.sub(values, new_min[segment]).div_(width[segment]).mul_(bins).long().clamp_(0, bins - 1)
+        # in place: the values are this run's own copy, and the working memory is what bounds the queue
+        index = values.sub_(new_min[segment]).div_(width[segment]).mul_(bins).long().clamp_(0, bins - 1)
+        del values
         index.add_(segment, alpha=bins)
+        del segment
         counts = histograms.view(-1)
         if device.type == "cpu":  # whole counts, exact in float64; on a GPU bincount reads its size back
             counts += torch.bincount(index, minlength=counts.numel())
         else:
-            counts.index_add_(0, index, torch.ones_like(values, dtype=torch.float64))
+            counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
         torch._foreach_copy_([*(o.histogram for o in observers), *(o.min_val for o in observers),
                               *(o.max_val for o in observers)],
                              [*histograms.unbind(0), *new_min.unbind(0), *new_max.unbind(0)])

@@ -19,7 +19,7 @@ import torch
 
 __all__ = ["PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat_copy", "run_pending", "segment_lengths"]
 
-PENDING_ELEMENTS = 1 << 22  # queued elements at most: 16 MB of float32 copies, and the working values of one run
+PENDING_ELEMENTS = 1 << 21  # queued elements at most: 8 MB of float32 copies, and the working values of one run
 
 Flush = Callable[[list[Any]], None]  # runs the queued entries of one kind, in the order they were queued
 
