@@ -85,20 +85,8 @@ class _RangeObserver(ObserverBase):
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (scale, zero_point) from what was observed: computed once per state, and once for an observer and
         the copies of its state that share_qparams links to it."""
-        deferred.run_pending(self)
-        key = _state_key(self)
-        twin = self.__dict__.get("_qparams_twin")
-        if twin is not None and key is not None and _same_state(twin[0], key):
-            source = twin[1]()
-            if source is not None and _same_state(twin[2], _state_key(source)):
-                return source.calculate_qparams()
-        memo = self.__dict__.get("_qparams_memo")
-        if memo is not None and key is not None and _same_state(memo[0], key):
-            return memo[1][0].clone(), memo[1][1].clone()
-        scale, zero_point = self._qparams()
-        if key is not None:
-            self.__dict__["_qparams_memo"] = (key, (scale.clone(), zero_point.clone()))
-        return scale, zero_point
+        scale, zero_point = self.memoized_qparams()
+        return scale.clone(), zero_point.clone()
 
     def memoized_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """calculate_qparams's tensors themselves, not copies: to be read, never written."""
@@ -110,9 +98,12 @@ class _RangeObserver(ObserverBase):
             if source is not None and _same_state(twin[2], _state_key(source)):
                 return source.memoized_qparams()
         memo = self.__dict__.get("_qparams_memo")
-        if memo is None or key is None or not _same_state(memo[0], key):
-            return self.calculate_qparams()
-        return memo[1]
+        if memo is not None and key is not None and _same_state(memo[0], key):
+            return memo[1]
+        scale, zero_point = self._qparams()
+        if key is not None:
+            self.__dict__["_qparams_memo"] = (key, (scale, zero_point))
+        return scale, zero_point
 
     def _qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero_point) covering the observed range."""
