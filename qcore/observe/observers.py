@@ -91,12 +91,10 @@ class _RangeObserver(ObserverBase):
     def memoized_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """calculate_qparams's tensors themselves, not copies: to be read, never written."""
         deferred.run_pending(self)
+        source = _live_twin(self)
+        if source is not None:
+            return source.memoized_qparams()
         key = _state_key(self)
-        twin = self.__dict__.get("_qparams_twin")
-        if twin is not None and key is not None and _same_state(twin[0], key):
-            source = twin[1]()
-            if source is not None and _same_state(twin[2], _state_key(source)):
-                return source.memoized_qparams()
         memo = self.__dict__.get("_qparams_memo")
         if memo is not None and key is not None and _same_state(memo[0], key):
             return memo[1]
@@ -265,10 +263,8 @@ def calculate_qparams_together(observers: Iterable[nn.Module]) -> None:
     have computed alone; observers of other kinds, and those that saw nothing, compute (or raise) when asked."""
     chosen: dict[nn.Module, None] = {}
     for observer in observers:  # a copy that shares its source's qparams brings the source instead
-        twin = observer.__dict__.get("_qparams_twin")
-        source = twin[1]() if twin is not None else None
-        chosen[source if source is not None and _same_state(twin[0], _state_key(observer))
-               and _same_state(twin[2], _state_key(source)) else observer] = None
+        source = _live_twin(observer)
+        chosen[observer if source is None else source] = None
     pending: list[tuple[_RangeObserver, Any]] = []
     for observer in chosen:
         if not isinstance(observer, _RangeObserver) or not (
@@ -337,6 +333,15 @@ def share_qparams(observer: nn.Module, source: nn.Module) -> None:
         key, source_key = _state_key(observer), _state_key(source)
         if key is not None and source_key is not None:
             observer.__dict__["_qparams_twin"] = (key, weakref.ref(source), source_key)
+
+
+def _live_twin(observer: nn.Module) -> nn.Module | None:
+    """The observer whose qparams `observer` takes (share_qparams), while neither state has changed since; else None."""
+    twin = observer.__dict__.get("_qparams_twin")
+    source = twin[1]() if twin is not None else None
+    if source is not None and _same_state(twin[0], _state_key(observer)) and _same_state(twin[2], _state_key(source)):
+        return source
+    return None
 
 
 def _state_key(observer: nn.Module) -> tuple[tuple[str, Any, int], ...] | None:
