@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from qcore.runtime import native
+from qcore.runtime import deferred, native
 
 __all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportObserver"]
 
@@ -102,24 +102,48 @@ class ReportObserver(nn.Module):
             return x
         if not self.per_channel:
             low, high = torch.aminmax(values)
-            self._update_range(torch.stack([-low, high]))
+            if not (self._queueable(low.numel()) and deferred.defer(self, _update_reports, 0, lambda: (self, low, high,
+                                                                                                      None))):
+                self._update_range(torch.stack([-low, high]))
             return x
         axis = self.ch_axis % values.dim()
         rows = values.reshape(-1, values.shape[-1]) if axis == values.dim() - 1 and values.is_contiguous() else None
         others = 0 if rows is not None else [d for d in range(values.dim()) if d != axis]
         source = rows if rows is not None else values
         low_c, high_c = source.amin(dim=others), source.amax(dim=others)  # faster than aminmax(dim=0) on CPU
-        if low_c.dtype != torch.float32:
-            low_c, high_c = low_c.float(), high_c.float()
         if self.min_val.numel() == 0:
             self._init_channels(low_c.numel(), low_c.device)
+        if low_c.dim() == 1 and self._queueable(low_c.numel()):
+            quantiles = self._batch_quantiles(values, rows, axis) if self.percentiles else None
+            if deferred.defer(self, _update_reports, 0, lambda: (self, low_c, high_c, quantiles)):
+                return x
+        if low_c.dtype != torch.float32:
+            low_c, high_c = low_c.float(), high_c.float()
         self._update_range(torch.cat([-low_c, high_c]).view(2, -1).amax(dim=1))
         torch.minimum(self.min_val, low_c, out=self.min_val)
         torch.maximum(self.max_val, high_c, out=self.max_val)
         self.constant_channels.add_(high_c == low_c)
         if self.percentiles:
-            self._update_ratios(values, rows, axis, high_c)
+            self._add_ratios(self._batch_quantiles(values, rows, axis), high_c)
         return x
+
+    def _queueable(self, channels: int) -> bool:
+        """Whether this batch's statistics can wait for one update with the other report observers of the model call
+        (`_update_reports`): the state has the dtypes and shapes that update writes (`channels` per channel)."""
+        device = self.extremes.device
+        if not (self.extremes.dtype == torch.float32 and self.extremes.shape == (2,)
+                and self.extreme_sums.dtype == torch.float64 and self.extreme_sums.shape == (2,)
+                and self.extreme_sums.device == device):
+            return False
+        if not self.per_channel:
+            return True
+        rows = len(self.percentiles)
+        return (self.min_val.shape == self.max_val.shape == self.constant_channels.shape == (channels,)
+                and self.ratio_sums.shape == self.ratio_counts.shape == (rows, channels)
+                and self.min_val.dtype == self.max_val.dtype == self.constant_channels.dtype == torch.float32
+                and self.ratio_sums.dtype == torch.float64 and self.ratio_counts.dtype == torch.float32
+                and all(t.device == device for t in (self.min_val, self.max_val, self.constant_channels,
+                                                     self.ratio_sums, self.ratio_counts)))
 
     def _observe_native(self, values: torch.Tensor) -> bool:
         """Plan the native kernel for this shape and run it; False leaves the batch to the torch path."""
@@ -237,19 +261,19 @@ class ReportObserver(nn.Module):
             self._sample_key = key
         return self._sample_index
 
-    def _update_ratios(self, values: torch.Tensor, rows: torch.Tensor | None, axis: int, high_c: torch.Tensor) -> None:
+    def _batch_quantiles(self, values: torch.Tensor, rows: torch.Tensor | None, axis: int) -> torch.Tensor:
+        """[len(percentiles), channels]: this batch's per-channel percentiles, of its sample (in values' dtype)."""
         if rows is not None:  # [positions, channels], a view
             if rows.shape[0] > self.sample_size:
                 rows = rows.index_select(0, self._row_sample(rows.shape[0], rows.device))
-            quantiles = _column_quantiles(rows, self.percentiles, dim=0)
-        else:
-            sample = values.take(self._sample_positions(values.shape, axis, values.device))
-            quantiles = _column_quantiles(sample, self.percentiles, dim=1)
-        if quantiles.dtype != torch.float32:
-            quantiles = quantiles.float()
-        quantiles = quantiles + 0.0  # -0.0 -> +0.0: which of two equal zeros a selection returns is arbitrary
-        self.ratio_sums.add_(torch.nan_to_num(high_c / quantiles))  # 0/0 -> 0: all-zero channels add nothing
-        self.ratio_counts.add_(torch.logical_or(quantiles, high_c))
+            return _column_quantiles(rows, self.percentiles, dim=0)
+        sample = values.take(self._sample_positions(values.shape, axis, values.device))
+        return _column_quantiles(sample, self.percentiles, dim=1)
+
+    def _add_ratios(self, quantiles: torch.Tensor, high_c: torch.Tensor) -> None:
+        ratio_sums, ratio_counts = _batch_ratios(quantiles, high_c)
+        self.ratio_sums.add_(ratio_sums)
+        self.ratio_counts.add_(ratio_counts)
 
     def _row_sample(self, count: int, device) -> torch.Tensor:
         key = ("rows", count, str(device))
@@ -315,6 +339,62 @@ class ReportObserver(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ch_axis={self.ch_axis}, percentiles={self.percentiles}, per_channel={self.per_channel}"
+
+
+def _batch_ratios(quantiles: torch.Tensor, high_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q100 / q_p, whether it counts) of a batch's per-channel percentiles and maximum (float32 high_c)."""
+    if quantiles.dtype != torch.float32:
+        quantiles = quantiles.float()
+    quantiles = quantiles + 0.0  # -0.0 -> +0.0: which of two equal zeros a selection returns is arbitrary
+    return torch.nan_to_num(high_c / quantiles), torch.logical_or(quantiles, high_c)  # 0/0 -> 0: zero channels add 0
+
+
+def _update_reports(entries: list[tuple[ReportObserver, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:
+    """The queued batches of several report observers in one chain of ops per kind: each observer's state gets
+    exactly what its own update gives (the same elementwise steps over their statistics laid end to end)."""
+    groups: dict[tuple[torch.device, tuple[float, ...] | None], list] = {}
+    for observer, low, high, quantiles in entries:
+        key = (low.device, observer.percentiles if observer.per_channel else None)
+        groups.setdefault(key, []).append((observer, low, high, quantiles))
+    entries.clear()
+    for (device, percentiles), group in groups.items():
+        observers = [observer for observer, _, _, _ in group]
+        lows = torch.stack([low for _, low, _, _ in group]) if percentiles is None else torch.cat(
+            [low for _, low, _, _ in group])
+        highs = torch.stack([high for _, _, high, _ in group]) if percentiles is None else torch.cat(
+            [high for _, _, high, _ in group])
+        if lows.dtype != torch.float32:
+            lows, highs = lows.float(), highs.float()
+        if percentiles is None:
+            _update_extremes(observers, torch.stack([-lows, highs], dim=1))
+            continue
+        sizes = tuple(observer.min_val.numel() for observer in observers)
+        lengths = deferred.segment_lengths(device, sizes)
+        # unsafe: the lengths are the observers' own, and checking them reads them back (a host sync on a GPU)
+        _update_extremes(observers, torch.stack([-torch.segment_reduce(lows, "min", lengths=lengths, unsafe=True),
+                                                 torch.segment_reduce(highs, "max", lengths=lengths, unsafe=True)],
+                                                dim=1))
+        targets = [[observer.min_val for observer in observers], [observer.max_val for observer in observers],
+                   [observer.constant_channels for observer in observers]]
+        results = [torch.minimum(torch.cat(targets[0]), lows), torch.maximum(torch.cat(targets[1]), highs),
+                   torch.cat(targets[2]).add_(highs == lows)]
+        if percentiles:
+            ratios, counts = _batch_ratios(torch.cat([quantiles for _, _, _, quantiles in group], dim=1), highs)
+            targets += [[observer.ratio_sums for observer in observers],
+                        [observer.ratio_counts for observer in observers]]
+            results += [torch.cat(targets[3], dim=1).add_(ratios), torch.cat(targets[4], dim=1).add_(counts)]
+        torch._foreach_copy_([target for kind in targets for target in kind],
+                             [piece for result in results for piece in result.split(sizes, dim=-1)])
+
+
+def _update_extremes(observers: list[ReportObserver], extremes: torch.Tensor) -> None:
+    """Each observer's range update by its row of extremes ([observers, 2]: -min and max, float32)."""
+    current = torch.maximum(torch.stack([observer.extremes for observer in observers]), extremes)
+    sums = torch.stack([observer.extreme_sums for observer in observers]).add_(extremes)
+    torch._foreach_copy_([*(observer.extremes for observer in observers),
+                          *(observer.extreme_sums for observer in observers)], [*current.unbind(0), *sums.unbind(0)])
+    for observer in observers:
+        observer.__dict__["num_batches_tracked"] += 1  # a plain counter: skip nn.Module.__setattr__
 
 
 @functools.lru_cache(maxsize=256)

@@ -13,6 +13,7 @@ from torch import nn
 from qcore.graph.inputs import call_model
 from qcore.numeric.loggers import StreamingComparator
 from qcore.observe.observers import HistogramObserver, MinMaxObserver
+from qcore.report.observer import ReportObserver
 from qcore.runtime import deferred, native
 from tests.helpers import count_aten_ops
 
@@ -112,6 +113,64 @@ def test_minmax_ranges_updated_together_equal_their_own_updates(calls, kinds):
     for mine, theirs in zip(together, alone):
         assert torch.equal(mine.min_val, theirs.min_val) or (mine.min_val.isnan() and theirs.min_val.isnan())
         assert torch.equal(mine.max_val, theirs.max_val) or (mine.max_val.isnan() and theirs.max_val.isnan())
+
+
+def _report_observers() -> list[ReportObserver]:
+    """Per tensor; channel-major with a percentile; channels last with two, sampled; per channel, no percentile."""
+    return [ReportObserver(per_channel=False), ReportObserver(ch_axis=1, percentiles=(0.99,)),
+            ReportObserver(ch_axis=-1, percentiles=(0.5, 0.99), sample_size=64), ReportObserver(ch_axis=1)]
+
+
+def _report_batch(owner: int, size: int, spread: float, seed: int, kind) -> torch.Tensor:
+    rows = 1 + size // 40
+    shape = [(rows, 7), (rows, 8, 5), (2, rows, 6), (rows, 5)][owner]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * spread
+    if kind == "zeros":  # channels that are all zero, and zeros of both signs
+        x[:, :2] = 0.0
+        x[0, 2:] = -0.0
+    if kind == "nan":
+        x.view(-1)[0] = float("nan")
+    return x.to(kind) if isinstance(kind, torch.dtype) else x
+
+
+@settings(max_examples=30, deadline=None)
+@given(CALLS, st.lists(st.sampled_from([torch.float32, torch.bfloat16, "nan", "zeros"]), min_size=12,
+                       max_size=12))
+def test_report_observers_updated_together_equal_their_own_updates(calls, kinds):
+    alone, together = _report_observers(), _report_observers()
+    with _torch_path():
+        for seed, ((owner, size, spread, _), kind) in enumerate(zip(calls, kinds)):
+            alone[owner](_report_batch(owner, size, spread, seed, kind))
+        with deferred.batched_updates():  # owners called several times run in rounds, in order
+            for seed, ((owner, size, spread, changed_after), kind) in enumerate(zip(calls, kinds)):
+                x = _report_batch(owner, size, spread, seed, kind)
+                together[owner](x)
+                if changed_after:
+                    x.mul_(3.0)
+            assert any(deferred._open_here.queues[-1].rounds.values())  # they were queued
+    for mine, theirs in zip(together, alone):
+        assert mine.num_batches_tracked == theirs.num_batches_tracked
+        for (name, value), (_, expected) in zip(mine.named_buffers(), theirs.named_buffers()):
+            assert value.dtype == expected.dtype and value.shape == expected.shape, name
+            torch.testing.assert_close(value, expected, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def test_report_observers_of_a_model_call_update_in_a_few_chains(monkeypatch):
+    monkeypatch.setitem(native._state, "library", None)
+    observers = [ReportObserver(ch_axis=1, percentiles=(0.99,)) for _ in range(12)]
+    x = _values(64, 1.0, 0).reshape(4, 16)
+
+    def call() -> None:
+        with deferred.batched_updates():
+            for observer in observers:
+                observer(x)
+
+    with torch.no_grad():
+        call()  # the first batch sizes the per-channel state
+        together, _ = count_aten_ops(call)
+        monkeypatch.setattr(deferred, "PENDING_ELEMENTS", -1)
+        alone, _ = count_aten_ops(call)
+    assert together < alone / 2, (together, alone)
 
 
 def test_state_read_inside_a_scope_includes_the_queued_batches(monkeypatch):
