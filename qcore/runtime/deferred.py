@@ -4,9 +4,10 @@ every queued update of one kind runs as one chain over all of them when the call
 kernels per pass instead of a few per layer.
 
 The queue holds copies (a later in-place op of the graph must not change what was observed) and at most
-`PENDING_ELEMENTS` elements: it runs early when it would hold more. An owner called more than once in a model call (an
-observer shared along view and permute ops) has its updates in rounds, run in order: the first update of every owner,
-then the second, and so on. Nothing is held across model calls.
+`PENDING_ELEMENTS` elements: the kinds whose entries hold them run early when it would hold more (the small entries,
+a batch's range or per-channel statistics, wait for the end of the call). An owner called more than once in a model
+call (an observer shared along view and permute ops) has its updates in rounds, run in order: the first update of
+every owner, then the second, and so on. Nothing is held across model calls.
 """
 from __future__ import annotations
 
@@ -29,15 +30,24 @@ class _Queue:
 
     def __init__(self) -> None:
         self.rounds: dict[Flush, list[list[Any]]] = {}
-        self.owners: dict[int, int] = {}  # owner: its updates queued
+        self.owners: dict[Flush, dict[int, int]] = {}  # by kind, owner: its updates queued
+        self.held: dict[Flush, int] = {}  # by kind, the elements its entries hold
         self.elements = 0
 
-    def run(self) -> None:
-        """Run and forget every queued update, round by round."""
-        rounds, self.rounds, self.owners, self.elements = self.rounds, {}, {}, 0
-        for flush, queued in rounds.items():
+    def run(self, only_holding: bool = False) -> None:
+        """Run and forget the queued updates, round by round: every kind's, or (only_holding) only those of the
+        kinds whose entries hold elements (the queue is full: the small entries wait for the end of the call)."""
+        kinds = [kind for kind, held in self.held.items() if held or not only_holding]
+        for kind in kinds:
+            queued = self.rounds.pop(kind)
+            del self.owners[kind]
+            self.elements -= self.held.pop(kind)
             for entries in queued:
-                flush(entries)
+                kind(entries)
+
+    def owner_queued(self, owner: object) -> bool:
+        """Whether `owner` has an update in this queue."""
+        return any(id(owner) in owners for owners in self.owners.values())
 
 
 class _Open(threading.local):
@@ -75,13 +85,15 @@ def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any]) 
         return False
     queue = opened[-1]
     if queue.elements + elements > PENDING_ELEMENTS:
-        queue.run()
-    position = queue.owners.get(id(owner), 0)
+        queue.run(only_holding=True)
+    owners = queue.owners.setdefault(flush, {})
+    position = owners.get(id(owner), 0)
     rounds = queue.rounds.setdefault(flush, [])
     if position == len(rounds):
         rounds.append([])
     rounds[position].append(entry())
-    queue.owners[id(owner)] = position + 1
+    owners[id(owner)] = position + 1
+    queue.held[flush] = queue.held.get(flush, 0) + elements
     queue.elements += elements
     return True
 
@@ -89,7 +101,7 @@ def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any]) 
 def run_pending(owner: object) -> None:
     """Run the queued updates now if `owner` has one (before its state is read inside a scope)."""
     opened = _open_here.queues
-    if opened and id(owner) in opened[-1].owners:
+    if opened and opened[-1].owner_queued(owner):
         opened[-1].run()
 
 
