@@ -176,11 +176,12 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
         references[pair.layer] = attach_after(gm_a, layer_value(pair.a), f"qcore_stash_{index}", stash)
         stashes.append(stash)
         shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
-        shadow = StreamingComparator()
+        # the shadow's value is read by its comparator only, and the reference is the stash's
+        shadow = StreamingComparator(actual_held=True, reference_held=True)
         attach_after(gm_a, shadow_value, f"qcore_shadow_compare_{index}", shadow, references[pair.layer])
         shadowed.append(shadow)
         if propagate:
-            comparator = StreamingComparator(stash)
+            comparator = StreamingComparator(stash, actual_held=not may_change_after(layer_value(pair.b)))
             attach_after(gm_b, layer_value(pair.b), f"qcore_compare_{index}", comparator)
             propagated.append(comparator)
     extra_comparators = _add_extra_shadows(gm_a, extra_shadows, extra_pairs, references)
@@ -238,7 +239,7 @@ def _add_extra_shadows(gm_a: fx.GraphModule, extras: Sequence[ExtraShadows], ext
         gm_a.add_submodule(holder, _QuantizedHolder(extra.quantized))
         for number, pair in enumerate(p for p in pairs if p.layer in references):
             value = copy_layer_into(gm_a, pair.a, pair.b, f"{holder}.quantized")
-            comparator = StreamingComparator()
+            comparator = StreamingComparator(actual_held=True, reference_held=True)  # as a shadow's
             attach_after(gm_a, value, f"{holder}_compare_{number}", comparator, references[pair.layer])
             found.append((extra, pair.layer, comparator))
     return found

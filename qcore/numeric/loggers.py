@@ -85,11 +85,16 @@ class StreamingComparator(nn.Module):
 
     sums: torch.Tensor
 
-    def __init__(self, stash: ActivationStash | None = None) -> None:
+    def __init__(self, stash: ActivationStash | None = None, *, actual_held: bool = False,
+                 reference_held: bool = False) -> None:
+        """`stash`: where the reference is read when none is given. actual_held / reference_held: that side of the
+        pair stays as it is until the model call returns (a value no op changes after it ran, or a stash's, which
+        the next batch overwrites), so an update queued until then holds it, not a copy of it."""
         super().__init__()
         self._stash = [stash] if stash is not None else []  # a list, so the stash is not a submodule here
         self.register_buffer("sums", torch.zeros(4, dtype=torch.float64))
         self.batches = 0
+        self.actual_held, self.reference_held = actual_held, reference_held or stash is not None
 
     def forward(self, actual, reference=None):
         if reference is None:
@@ -109,7 +114,8 @@ class StreamingComparator(nn.Module):
                 and self.sums.shape == (4,)):
             return False
         if not deferred.defer(self, _update_comparators, reference.numel(),
-                              lambda: (self, deferred.flat_copy(reference), deferred.flat_copy(actual))):
+                              lambda: (self, _queued(reference, self.reference_held),
+                                       _queued(actual, self.actual_held))):
             return False
         self.batches += 1
         return True
@@ -155,6 +161,14 @@ class StreamingComparator(nn.Module):
         normalized_l2 = math.sqrt(err_sq / ref_sq) if ref_sq > 0 else (0.0 if err_sq == 0 else math.inf)
         return {"sqnr_db": sqnr_from_sums(ref_sq, err_sq), "normalized_l2": normalized_l2, "cosine": cosine,
                 "batches": self.batches}
+
+
+def _queued(x: torch.Tensor, held: bool) -> torch.Tensor:
+    """What a comparator queues of one side: x itself, flat, when it stays as it is until the flush, else a copy."""
+    if not held:
+        return deferred.flat_copy(x)
+    x = x.detach() if x.requires_grad else x
+    return x if x.dim() == 1 else x.reshape(-1)
 
 
 def _update_comparators(entries: list[tuple[StreamingComparator, torch.Tensor, torch.Tensor]]) -> None:

@@ -92,6 +92,23 @@ def _check_comparators(calls) -> None:
         torch.testing.assert_close(mine.sums, theirs.sums, rtol=1e-12, atol=0)
 
 
+@settings(max_examples=20, deadline=None)
+@given(CALLS)
+def test_comparators_that_hold_their_values_equal_those_that_copy_them(calls):
+    """A value that stays as it is until the call returns is queued as it is: the same sums as a copy's."""
+    copying = [StreamingComparator() for _ in range(4)]
+    holding = [StreamingComparator(actual_held=True, reference_held=True) for _ in range(4)]
+    with _torch_path(), deferred.batched_updates():
+        for seed, (owner, size, spread, _) in enumerate(calls):
+            reference = _values(size, spread, seed).reshape(-1, 1) if size % 2 else _values(size, spread, seed)
+            actual = reference + 0.1
+            copying[owner](actual, reference)
+            holding[owner](actual, reference)
+    for mine, theirs in zip(holding, copying):
+        assert mine.batches == theirs.batches
+        assert torch.equal(mine.sums, theirs.sums)
+
+
 @settings(max_examples=30, deadline=None)
 @given(CALLS, st.lists(st.sampled_from([torch.float32, torch.bfloat16, "nan"]), min_size=12, max_size=12))
 def test_minmax_ranges_updated_together_equal_their_own_updates(calls, kinds):
