@@ -19,7 +19,7 @@ from torch import fx, nn
 
 from qcore.graph.ops import REWRITTEN_KEY
 
-__all__ = ["DEFERRED_KEY", "Rule", "RewrittenTensor", "defer", "deferred_parameters", "materialized",
+__all__ = ["DEFERRED_KEY", "Rule", "RewrittenTensor", "RuleFactors", "defer", "deferred_parameters", "materialized",
            "read_rewritten_where_used", "rewrite", "rewritten_value"]
 
 DEFERRED_KEY = "qcore_deferred_parameters"
@@ -57,6 +57,23 @@ def rewritten_value(module: nn.Module, target: str) -> torch.Tensor:
         for rule in deferred_parameters(module).get(target, []):
             value = rule(value.detach())
     return value
+
+
+class RuleFactors:
+    """A rule's factors laid out for the weight it rewrites, made once per weight dtype, device and shape (a weight
+    rewritten where it is read runs its rule every batch)."""
+
+    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.make = make
+        self.made: dict[tuple[torch.dtype, torch.device, torch.Size], torch.Tensor] = {}
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        """The factors for `weight`."""
+        key = (weight.dtype, weight.device, weight.shape)
+        found = self.made.get(key)
+        if found is None:
+            found = self.made[key] = self.make(weight)
+        return found
 
 
 def _set(owner: Any, name: str, original: Any, value: torch.Tensor) -> None:
@@ -114,7 +131,7 @@ class RewrittenTensor:
         self.__name__ = "rewritten_" + target.replace(".", "_")  # the node's name, and its name in generated code
 
     def __call__(self, original: torch.Tensor) -> torch.Tensor:
-        value = original.detach()
+        value = original  # the rules run without grad: no detach op (one per read, every batch)
         with torch.no_grad():
             for rule in self.rules:
                 value = rule(value)

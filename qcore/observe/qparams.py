@@ -9,8 +9,9 @@ import torch
 from qcore.runtime import native
 
 __all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRIC_SCHEMES", "calculate_qparams",
-    "default_quant_range", "fake_quantize_dynamic", "fake_quantize_per_channel", "fake_quantize_per_tensor",
-    "is_per_channel", "is_symmetric", "resolve_quant_range", "row_slices"]
+    "default_quant_range", "fake_quantize_dynamic", "fake_quantize_per_channel", "fake_quantize_per_channel_steps",
+    "fake_quantize_per_tensor", "is_per_channel", "is_symmetric", "per_channel_steps", "resolve_quant_range",
+    "row_slices"]
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 
@@ -144,15 +145,12 @@ def fake_quantize_per_tensor(
     # instead of five where it adds the zero point exactly (in float32); it makes a NaN a number, so a NaN is put back
     fused = (quant_min <= zero_point <= quant_max and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
              and not (x.requires_grad and torch.is_grad_enabled()))
-    if fused and x.dtype == torch.float32:
+    # for fp16/bf16 the kernel computes in float32 and rounds the result to x's dtype, as a cast after it would
+    if fused and (x.dtype == torch.float32 or x.dtype in _HALF_DTYPES):
         out = torch.fake_quantize_per_tensor_affine(x, _float32(scale), zero_point, quant_min, quant_max)
         return torch.where(torch.isnan(x), x, out, out=out)
 
     def rows(values: torch.Tensor, _: slice) -> torch.Tensor:
-        if fused:  # fp16/bf16, a bounded number of elements at a time in float32
-            work = _working(values)
-            out = torch.fake_quantize_per_tensor_affine(work, _float32(scale), zero_point, quant_min, quant_max)
-            return torch.where(torch.isnan(work), work, out, out=out).to(x.dtype)
         q = _working(values) * inv_scale  # a new tensor: the steps below run in place on it, same roundings
         # clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp): float32 holds these
         # integers exactly, and a rounded value too large for that is clamped either way. Adding 0.0 turns
@@ -175,12 +173,8 @@ def fake_quantize_per_channel(
     """Quantize then dequantize with one scale and zero point per slice along `axis`; the result has x's dtype.
     in_place=True may write the result over x (a large contiguous x, made for this call alone), instead of
     allocating a second copy."""
-    shape = [1] * x.dim()
-    shape[axis] = -1
-    scale = scale.to(device=x.device, dtype=torch.float32).reshape(shape)
     float_zero_point = zero_point.is_floating_point()
-    zero_point = zero_point.to(device=x.device).reshape(shape).to(torch.float32 if x.dtype in _HALF_DTYPES else x.dtype)
-    inv_scale = torch.reciprocal(scale)  # 1.0 / scale, in one op instead of two
+    scale, inv_scale, zero_point = per_channel_steps(scale, zero_point, axis, x)
     if (x.__class__ in _PLAIN_TENSORS and x.dtype == torch.float32 and x.is_cpu and x.dim() and axis % x.dim() == 0
             and not float_zero_point and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
             and not (x.requires_grad and torch.is_grad_enabled())):
@@ -197,13 +191,43 @@ def fake_quantize_per_channel(
                                                 native.threads(x.numel()))
             return out
 
+    return _per_channel_by_rows(x, scale, inv_scale, zero_point, axis, quant_min, quant_max, in_place,
+                                float_zero_point)
+
+
+def per_channel_steps(scale: torch.Tensor, zero_point: torch.Tensor, axis: int, x: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale, 1 / scale, zero point) laid out along `axis` of x, in the dtypes the torch path computes with (float32;
+    the zero point in x's dtype, float32 for fp16/bf16): what fake_quantize_per_channel makes at each call."""
+    shape = [1] * x.dim()
+    shape[axis] = -1
+    scale = scale.to(device=x.device, dtype=torch.float32).reshape(shape)
+    zero_point = zero_point.to(device=x.device).reshape(shape).to(torch.float32 if x.dtype in _HALF_DTYPES else x.dtype)
+    return scale, torch.reciprocal(scale), zero_point  # 1.0 / scale, in one op instead of two
+
+
+def fake_quantize_per_channel_steps(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor,
+                                    zero_point: torch.Tensor | None, axis: int, quant_min: int, quant_max: int,
+                                    in_place: bool = False) -> torch.Tensor:
+    """fake_quantize_per_channel on torch ops with its steps made already (`per_channel_steps` of integer zero points;
+    zero_point None: every one is 0): a weight quantized where it is read, every batch."""
+    return _per_channel_by_rows(x, scale, inv_scale, zero_point, axis, quant_min, quant_max, in_place, False)
+
+
+def _per_channel_by_rows(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor,
+                         zero_point: torch.Tensor | None, axis: int, quant_min: int, quant_max: int, in_place: bool,
+                         float_zero_point: bool) -> torch.Tensor:
     def rows(values: torch.Tensor, part: slice) -> torch.Tensor:
+        step_zero_point = zero_point
         if part == slice(None) or axis % x.dim():  # every channel's qparams (no slicing op)
-            step_scale, step_zero_point, step_inverse = scale, zero_point, inv_scale
+            step_scale, step_inverse = scale, inv_scale
         else:  # the qparams of these rows' channels
-            step_scale, step_zero_point, step_inverse = scale[part], zero_point[part], inv_scale[part]
+            step_scale, step_inverse = scale[part], inv_scale[part]
+            step_zero_point = None if zero_point is None else zero_point[part]
         q = _working(values)  # a new tensor for bf16/fp16 values: the steps below run in place on it
         q = q.mul_(step_inverse) if q is not values else q * step_inverse
+        if step_zero_point is None:  # zero points all 0: adding 0.0 last turns round()'s -0.0 into 0.0, as above
+            return q.round_().clamp_(quant_min, quant_max).mul_(step_scale).add_(0.0).to(x.dtype)
         if float_zero_point:  # float qparams: the zero point is added before rounding, as torch does
             q.add_(step_zero_point).round_()
         else:

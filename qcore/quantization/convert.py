@@ -11,9 +11,15 @@ import torch
 from torch import fx, nn
 
 from qcore.graph.capture import capture, clone_graph_module
-from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, weight_value
+from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, fetch_attr, weight_value
 from qcore.observe.observers import ObserverBase, calculate_qparams_together, laid_end_to_end
-from qcore.observe.qparams import fake_quantize_dynamic, fake_quantize_per_channel, fake_quantize_per_tensor
+from qcore.observe.qparams import (
+    fake_quantize_dynamic,
+    fake_quantize_per_channel,
+    fake_quantize_per_channel_steps,
+    fake_quantize_per_tensor,
+    per_channel_steps,
+)
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.format_quantizer import (
     FormatFakeQuantize,
@@ -293,13 +299,26 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
     if observer.per_channel:
         scale, zero_point = observer.calculate_qparams()
         name = _free_name(gm, name)
-        gm.register_buffer(name + "_scale", scale)
-        gm.register_buffer(name + "_zero_point", zero_point)
         # a rewritten weight made for this read alone is quantized over itself: no second copy of an LM head
         alone = bool(source.meta.get(REWRITTEN_KEY)) and len(source.users) == 1
-        node = graph.call_function(fake_quantize_over_input if alone else fake_quantize_per_channel, (
-            source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), observer.ch_axis or 0,
-            observer.quant_min, observer.quant_max))
+        weight = fetch_attr(gm, _float_weight_name(source))  # its dtype and device: a rule keeps them
+        axis = observer.ch_axis or 0
+        if (weight.dtype == torch.float32 and weight.is_cpu) or zero_point.is_floating_point():
+            gm.register_buffer(name + "_scale", scale)  # the native kernel's path, or float zero points
+            gm.register_buffer(name + "_zero_point", zero_point)
+            node = graph.call_function(fake_quantize_over_input if alone else fake_quantize_per_channel, (
+                source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), axis,
+                observer.quant_min, observer.quant_max))
+        else:  # torch ops (a GPU, fp16/bf16): the qparams laid out once, not at every read
+            steps = per_channel_steps(scale, zero_point, axis, weight)
+            kept = ("_scale", "_inverse_scale") if all(z == 0 for z in values[1]) else (
+                "_scale", "_inverse_scale", "_zero_point")
+            for suffix, step in zip(kept, steps):
+                gm.register_buffer(name + suffix, step)
+            reads = [graph.get_attr(name + suffix) for suffix in kept]
+            node = graph.call_function(fake_quantize_per_channel_steps, (
+                source, *reads, *([None] if len(reads) == 2 else []), axis, observer.quant_min, observer.quant_max,
+                alone))
     else:
         node = graph.call_function(fake_quantize_per_tensor, (
             source, values[0][0], int(values[1][0]), observer.quant_min, observer.quant_max))

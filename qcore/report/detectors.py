@@ -135,7 +135,7 @@ class DetectorBase(abc.ABC):
 
 
 def _tolist(t: torch.Tensor) -> list:
-    return t.detach().cpu().tolist()
+    return (t.detach() if t.requires_grad else t).cpu().tolist()  # detach is an op even where nothing needs grad
 
 
 class PerChannelDetector(DetectorBase):

@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 
 from qcore.graph.capture import clone_graph_module
-from qcore.graph.deferred import rewrite
+from qcore.graph.deferred import RuleFactors, rewrite
 from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, op_kind
 from qcore.graph.rewritable import conv_groups, equalization_refusal, fetch_tensor, node_is_transposed
 from qcore.quantization.calibrate import calibrate
@@ -171,8 +171,10 @@ def _input_channel_scale(op: QuantizableOp, scale: torch.Tensor, weight: torch.T
 
 def _scale_weight_columns(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tensor, inverse: bool,
                           deferred: bool = False) -> None:
+    factors = RuleFactors(lambda weight: _input_channel_scale(op, scale.to(weight), weight))
+
     def rule(weight: torch.Tensor) -> torch.Tensor:
-        factor = _input_channel_scale(op, scale.to(weight), weight)
+        factor = factors(weight)
         return weight / factor if inverse else weight * factor
 
     rewrite(gm, op.weight_target, rule, deferred)

@@ -26,7 +26,7 @@ import torch
 from torch import fx, nn
 
 from qcore.graph.capture import clone_graph_module
-from qcore.graph.deferred import rewrite
+from qcore.graph.deferred import RuleFactors, rewrite
 from qcore.graph.ops import FQN_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, op_kind
 from qcore.graph.rewritable import equalization_refusal
 from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor
@@ -341,11 +341,14 @@ def group_observer(gm: fx.GraphModule, group: SmoothingGroup, keep_first: bool) 
 
 
 def _rewrite(gm: fx.GraphModule, group: SmoothingGroup, scale: torch.Tensor, deferred: bool = False) -> None:
+    column_factors = RuleFactors(lambda weight: scale.to(weight).reshape(1, -1))
+    row_factors = RuleFactors(lambda value: scale.to(value).reshape(-1, *([1] * (value.dim() - 1))))
+
     def columns(weight: torch.Tensor) -> torch.Tensor:
-        return weight * scale.to(weight).reshape(1, -1)
+        return weight * column_factors(weight)
 
     def rows(value: torch.Tensor) -> torch.Tensor:
-        return value / scale.to(value).reshape(-1, *([1] * (value.dim() - 1)))
+        return value / row_factors(value)
 
     for op in group.ops:
         rewrite(gm, op.weight_target, columns, deferred)

@@ -159,3 +159,21 @@ def test_the_calibration_digest_is_the_same_on_cuda_as_on_the_cpu():
     batches = [{"image": x, "ids": torch.arange(5)} for x in batches]
     on_cuda = [{name: value.to("cuda") for name, value in batch.items()} for batch in batches]
     assert calibration_digest(on_cuda) == calibration_digest(batches)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_fake_quantization_on_cuda_is_the_float32_one_rounded_back(dtype):
+    """The CUDA kernel takes fp16/bf16 in their own dtype: what float32 gives, rounded back (the CPU test's claim)."""
+    from qcore.observe import qparams
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 40
+    x[:5] = torch.tensor([float("nan"), -0.0, -1e-4, float("inf"), -float("inf")])
+    x = x.to(dtype).cuda()
+    wide = x.float()
+    for scale, zero_point in ((0.05, 0), (0.013, 17)):
+        ours = qparams.fake_quantize_per_tensor(x, scale, zero_point, -128, 127)
+        expected = torch.fake_quantize_per_tensor_affine(wide, qparams._float32(scale), zero_point, -128, 127)
+        expected = torch.where(wide.isnan(), wide, expected).to(dtype)
+        assert torch.equal(ours.isnan(), expected.isnan())
+        assert torch.equal(torch.nan_to_num(ours), torch.nan_to_num(expected))
+        assert torch.equal(ours.signbit(), expected.signbit())

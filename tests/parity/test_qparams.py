@@ -13,7 +13,9 @@ from qcore.observe.qparams import (
     default_quant_range,
     fake_quantize_dynamic,
     fake_quantize_per_channel,
+    fake_quantize_per_channel_steps,
     fake_quantize_per_tensor,
+    per_channel_steps,
 )
 
 RANGES = [(-128, 127), (0, 255), (-8, 7), (-127, 127)]
@@ -67,6 +69,59 @@ def test_large_tensors_are_fake_quantized_a_few_rows_at_a_time_with_the_same_val
     assert torch.equal(per_channel, torch.fake_quantize_per_channel_affine(wide, scale, zero_point, axis, -128,
                                                                            127).to(dtype))
     assert torch.equal(per_tensor, torch.fake_quantize_per_tensor_affine(wide, 0.05, 3, -128, 127).to(dtype))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       scale=st.floats(1e-3, 1.0), zp=st.integers(-128, 127))
+def test_half_tensors_are_fake_quantized_as_their_float32_values_then_rounded_back(seed, dtype, scale, zp):
+    """fp16/bf16 activations go through torch's kernel in their own dtype: what float32 gives, rounded back, NaN
+    kept, sign of zero included."""
+    x = torch.randn(300, generator=torch.Generator().manual_seed(seed)) * 40
+    x[:5] = torch.tensor([float("nan"), -0.0, -1e-4, float("inf"), -float("inf")])
+    x = x.to(dtype)
+    with mock.patch.dict(qparams.native._state, {"library": None}):
+        ours = fake_quantize_per_tensor(x, scale, zp, -128, 127)
+    wide = x.float()
+    expected = torch.fake_quantize_per_tensor_affine(wide, qparams._float32(scale), zp, -128, 127)
+    expected = torch.where(wide.isnan(), wide, expected).to(dtype)
+    assert ours.dtype == dtype
+    assert torch.equal(ours.isnan(), expected.isnan())
+    assert torch.equal(torch.nan_to_num(ours), torch.nan_to_num(expected))
+    assert torch.equal(ours.signbit(), expected.signbit())
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), axis=st.integers(0, 2),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), zero=st.booleans(),
+       rows_at_a_time=st.sampled_from([1, 7, 1 << 22]), special=st.booleans())
+def test_per_channel_steps_made_once_give_what_each_call_computes(seed, axis, dtype, zero, rows_at_a_time, special):
+    """A weight quantized where it is read takes its qparams laid out once (and no zero point when all are 0): the
+    same values, bit for bit, sign of zero and NaN included, as fake_quantize_per_channel and torch's kernel."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(9, 5, 4, generator=g) * 4
+    if special:
+        x.view(-1)[:5] = torch.tensor([float("nan"), -0.0, -1e-4, float("inf"), -float("inf")])
+    x = x.to(dtype)
+    channels = x.shape[axis]
+    scale = torch.rand(channels, generator=g) * 0.1 + 1e-3
+    zero_point = torch.zeros(channels, dtype=torch.int64) if zero else torch.randint(-128, 128, (channels,),
+                                                                                      generator=g)
+    with mock.patch.dict(qparams.native._state, {"library": None}), \
+            mock.patch.object(qparams, "_ROWS_ELEMENTS", rows_at_a_time):
+        expected = fake_quantize_per_channel(x, scale, zero_point, axis, -128, 127)
+        steps = list(per_channel_steps(scale, zero_point, axis, x))
+        if zero:
+            steps[2] = None
+        ours = fake_quantize_per_channel_steps(x.clone(), *steps, axis, -128, 127, in_place=True)
+    assert ours.dtype == dtype
+    assert torch.equal(ours.isnan(), expected.isnan())
+    assert torch.equal(torch.nan_to_num(ours), torch.nan_to_num(expected))
+    assert torch.equal(torch.nan_to_num(ours).signbit(), torch.nan_to_num(expected).signbit())
+    if not special:  # torch's per-channel kernel makes inf the lowest level
+        reference = torch.fake_quantize_per_channel_affine(x.float(), scale, zero_point.int(), axis, -128, 127)
+        assert torch.equal(ours, reference.to(dtype))
+        assert torch.equal(ours.signbit(), reference.to(dtype).signbit())
 
 
 @settings(max_examples=60, deadline=None)

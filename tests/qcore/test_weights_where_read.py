@@ -16,6 +16,7 @@ from qcore.measure import variants
 from qcore.measure.passes import measure_model
 from qcore.measure.variants import ScaledWeightQuantizer
 from qcore.observe.observers import MinMaxObserver, PerChannelMinMaxObserver
+from qcore.observe.qparams import fake_quantize_per_channel_steps
 from qcore.quantization.convert import fake_quantize_over_input, fake_quantize_with, quantize_weights_where_read
 from qcore.report.detectors import OutlierDetector, PerChannelDetector
 from qcore.search.sensitivity import SwitchableModel
@@ -105,10 +106,12 @@ def test_the_sensitivity_switches_of_a_model_quantized_where_read_give_the_same_
         assert where_read.run(batches) == plain.run(batches)
 
 
-def test_a_llama_analysis_quantized_where_read_equals_the_one_with_quantized_copies_whole_and_block_wise():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_llama_analysis_quantized_where_read_equals_the_one_with_quantized_copies_whole_and_block_wise(dtype):
+    """float32 on the CPU takes the native kernel where read; bf16 the torch ops with qparams laid out once."""
     pytest.importorskip("transformers")
     model, batches = tiny_llama(layers=2, batch=2)
-    float_gm = qcore.capture(model, batches[0])
+    float_gm = qcore.capture(model.to(dtype), batches[0])
     plan = AnalysisPlan(measurements=frozenset({"sqnr", "equalization", "logits"}))
     plain = ModelAnalysis(float_gm, batches=batches, plan=plan).measurement
     with quantize_weights_where_read():
@@ -116,6 +119,10 @@ def test_a_llama_analysis_quantized_where_read_equals_the_one_with_quantized_cop
         blockwise = ModelAnalysis(float_gm, batches=batches, plan=plan, blockwise=True).measurement
     for where_read in (whole, blockwise):
         assert where_read.sqnr == plain.sqnr and where_read.variants == plain.variants and where_read.logits == plain.logits
+    with quantize_weights_where_read():
+        quantized = ModelAnalysis(float_gm, batches=batches).quantized_gm
+    steps = [node for node in quantized.graph.nodes if node.target is fake_quantize_per_channel_steps]
+    assert bool(steps) == (dtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize("recipe", [True, "smooth:search"])
