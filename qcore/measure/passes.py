@@ -39,7 +39,12 @@ from qcore.numeric.compare import ExtraShadows, ShadowGraph, compare, compare_pr
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 from qcore.numeric.matching import match_layers
 from qcore.numeric.metrics import compared_by_rows, large_tensor_sqnr, rowwise_sqnr
-from qcore.observe.qparams import fake_quantize_per_channel, fake_quantize_per_channel_steps, fake_quantize_per_tensor
+from qcore.observe.qparams import (
+    fake_quantize_finite_per_channel,
+    fake_quantize_per_channel,
+    fake_quantize_per_channel_steps,
+    fake_quantize_per_tensor,
+)
 from qcore.quantization.calibrate import CalibrationError, OutputSink, calibrate
 from qcore.quantization.calibrated import CalibratedObservers
 from qcore.quantization.convert import convert, fake_quantize_over_input, restore_model_state
@@ -371,6 +376,10 @@ def _quantized_weight_rows(quant_gm: fx.GraphModule, node: fx.Node, float_node: 
         scale, zero_point, _, quant_min, quant_max = rest
         return lambda part: fake_quantize_per_channel(original[part], scale[part], zero_point[part], 0, quant_min,
                                                       quant_max)
+    if node.target is fake_quantize_finite_per_channel and rest[2] % original.dim() == 0:
+        scale, zero_point, _, quant_min, quant_max = rest
+        return lambda part: fake_quantize_finite_per_channel(original[part], scale[part], zero_point[part], 0,
+                                                             quant_min, quant_max)
     if node.target is fake_quantize_per_channel_steps and rest[3] % original.dim() == 0:
         scale, inverse, zero_point, _, quant_min, quant_max, _ = rest
         return lambda part: fake_quantize_per_channel_steps(

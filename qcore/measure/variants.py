@@ -9,7 +9,6 @@ against the float layer output is the layer's own (shadow) SQNR under that equal
 """
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from qcore.numeric.compare import ShadowGraph
 from qcore.numeric.instrument import attach_after, copy_layer_into
 from qcore.numeric.loggers import StreamingComparator
 from qcore.numeric.matching import LayerPair
-from qcore.observe.observers import MinMaxObserver, ObserverBase
+from qcore.observe.observers import MinMaxObserver, ObserverBase, copied
 from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor, row_slices
 from qcore.quantization.convert import fake_quantize_with, weights_quantized_where_read
 from qcore.quantization.quantizer import ANNOTATION_KEY
@@ -254,7 +253,7 @@ class ScaledWeightQuantizer(nn.Module):
 
 def _fresh_copy(observer: ObserverBase) -> ObserverBase:
     """The observer with the same settings and nothing observed."""
-    fresh = copy.deepcopy(observer)
+    fresh = copied(observer)
     fresh.frozen = False
     if fresh.per_channel:
         fresh.min_val, fresh.max_val = torch.empty(0), torch.empty(0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import copy
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
@@ -14,7 +15,7 @@ from qcore.runtime import deferred, native
 
 __all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinMaxObserver",
     "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
-    "best_clipping_ranges", "calculate_qparams_together", "share_qparams"]
+    "best_clipping_ranges", "calculate_qparams_together", "copied", "share_qparams"]
 
 
 class ObserverBase(nn.Module, abc.ABC):
@@ -324,6 +325,12 @@ def _observed(observers: list[tuple[_RangeObserver, Any]]) -> list[tuple[_RangeO
                                           unsafe=True) > 0
         seen.extend(member for member, observed in zip(members, finite.tolist()) if observed)
     return seen
+
+
+def copied(observer: nn.Module) -> nn.Module:
+    """A deep copy of an observer, its buffers cloned in one op each (a tensor's own deep copy takes a few)."""
+    memo: dict[int, Any] = {id(buffer): buffer.clone() for buffer in observer._buffers.values() if buffer is not None}
+    return copy.deepcopy(observer, memo)
 
 
 def share_qparams(observer: nn.Module, source: nn.Module) -> None:

@@ -9,7 +9,8 @@ import torch
 from qcore.runtime import native
 
 __all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRIC_SCHEMES", "calculate_qparams",
-    "default_quant_range", "fake_quantize_dynamic", "fake_quantize_per_channel", "fake_quantize_per_channel_steps",
+    "default_quant_range", "fake_quantize_dynamic", "fake_quantize_finite_per_channel", "fake_quantize_per_channel",
+    "fake_quantize_per_channel_steps",
     "fake_quantize_per_tensor", "is_per_channel", "is_symmetric", "per_channel_steps", "resolve_quant_range",
     "row_slices"]
 
@@ -212,6 +213,16 @@ def fake_quantize_per_channel_steps(x: torch.Tensor, scale: torch.Tensor, inv_sc
     """fake_quantize_per_channel on torch ops with its steps made already (`per_channel_steps` of integer zero points;
     zero_point None: every one is 0): a weight quantized where it is read, every batch."""
     return _per_channel_by_rows(x, scale, inv_scale, zero_point, axis, quant_min, quant_max, in_place, False)
+
+
+def fake_quantize_finite_per_channel(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
+                                     quant_min: int, quant_max: int) -> torch.Tensor:
+    """fake_quantize_per_channel in one op of torch's fused kernel, for what it computes alike: a tensor known to be
+    finite, with |x / scale| well inside int64, zero points all 0 (int32) and float32 scales. Its roundings are the
+    torch path's there (1 / scale in float32, half to even, the product rounded once to x's dtype); fp16/bf16 go in
+    as they are (the kernel computes in float32). The CUDA kernel adds the zero point before rounding, in float, and
+    so keeps round()'s -0.0: adding 0.0 makes it the 0.0 of the torch path (and of the CPU kernel)."""
+    return torch.fake_quantize_per_channel_affine(x, scale, zero_point, axis, quant_min, quant_max).add_(0.0)
 
 
 def _per_channel_by_rows(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor,

@@ -9,7 +9,6 @@ and a format's amax), never one that derives its qparams from others or a user's
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 from torch import fx, nn
@@ -23,6 +22,7 @@ from qcore.observe.observers import (
     MovingAverageMinMaxObserver,
     PerChannelMinMaxObserver,
     PlaceholderObserver,
+    copied,
     share_qparams,
 )
 from qcore.quantization.format_quantizer import FormatObserver
@@ -101,11 +101,6 @@ class CalibratedObservers:
         for name, signature in signatures.items():
             if signature is not None and signature not in self._states:
                 observer = prepared.get_submodule(name)
-                self._states[signature] = _copy(observer)
+                self._states[signature] = copied(observer)
                 share_qparams(observer, self._states[signature])
 
-
-def _copy(observer: nn.Module) -> nn.Module:
-    """A deep copy of an observer whose buffers are cloned in one op each (a tensor's own deep copy takes a few)."""
-    memo: dict[int, Any] = {id(buffer): buffer.clone() for buffer in observer._buffers.values() if buffer is not None}
-    return copy.deepcopy(observer, memo)

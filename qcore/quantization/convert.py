@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -15,6 +16,7 @@ from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QUANTIZED_WHERE_READ_KEY, REW
 from qcore.observe.observers import ObserverBase, calculate_qparams_together, laid_end_to_end
 from qcore.observe.qparams import (
     fake_quantize_dynamic,
+    fake_quantize_finite_per_channel,
     fake_quantize_per_channel,
     fake_quantize_per_channel_steps,
     fake_quantize_per_tensor,
@@ -309,6 +311,12 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
             node = graph.call_function(fake_quantize_over_input if alone else fake_quantize_per_channel, (
                 source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), axis,
                 observer.quant_min, observer.quant_max))
+        elif not alone and _fused_kernel_takes(values, observer):  # one op (a GPU, fp16/bf16)
+            gm.register_buffer(name + "_scale", scale.to(torch.float32))
+            gm.register_buffer(name + "_zero_point", zero_point.to(torch.int32))
+            node = graph.call_function(fake_quantize_finite_per_channel, (
+                source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), axis,
+                observer.quant_min, observer.quant_max))
         else:  # torch ops (a GPU, fp16/bf16): the qparams laid out once, not at every read
             steps = per_channel_steps(scale, zero_point, axis, weight)
             kept = ("_scale", "_inverse_scale") if all(z == 0 for z in values[1]) else (
@@ -324,6 +332,22 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
             source, values[0][0], int(values[1][0]), observer.quant_min, observer.quant_max))
     node.meta[QUANTIZED_WHERE_READ_KEY] = True
     return node
+
+
+def _fused_kernel_takes(values: _QParamsValues, observer: ObserverBase) -> bool:
+    """Whether torch's fused per-channel kernel quantizes the weight an observer saw as fake_quantize_per_channel
+    does (fake_quantize_finite_per_channel): zero points all 0, and a finite range (no NaN or inf in the weight)
+    whose largest magnitude over the smallest scale is well inside int64. Read from the host lists convert has."""
+    scales, zero_points, lows, highs = values
+    if lows is None or highs is None or not scales or any(z != 0 for z in zero_points):
+        return False
+    if max(abs(observer.quant_min), abs(observer.quant_max)) > 1 << 16:
+        return False
+    ranges = [*lows, *highs]
+    if not all(math.isfinite(v) for v in ranges):  # max() would pass a NaN by
+        return False
+    smallest = min(scales)
+    return smallest > 0 and max(abs(v) for v in ranges) / smallest < 2.0 ** 60
 
 
 def _move_weight_quantization_to_first_reader(graph: fx.Graph) -> None:

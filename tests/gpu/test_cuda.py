@@ -177,3 +177,18 @@ def test_half_fake_quantization_on_cuda_is_the_float32_one_rounded_back(dtype):
         assert torch.equal(ours.isnan(), expected.isnan())
         assert torch.equal(torch.nan_to_num(ours), torch.nan_to_num(expected))
         assert torch.equal(ours.signbit(), expected.signbit())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_per_channel_kernel_on_cuda_gives_the_torch_paths_values(dtype):
+    """What convert takes it for (finite weights, zero points 0): the torch path's values, sign of zero included."""
+    from qcore.observe import qparams
+
+    x = (torch.randn(16, 300, generator=torch.Generator().manual_seed(0)) * 0.05).to(dtype)
+    x[0, :3] = torch.tensor([0.0, -0.0, -1e-30]).to(dtype)
+    x = x.cuda()
+    scale = torch.clamp(x.float().abs().amax(dim=1) / 127.5, min=torch.finfo(torch.float32).eps)
+    zero_point = torch.zeros(16, dtype=torch.int64, device="cuda")
+    expected = qparams.fake_quantize_per_channel(x, scale, zero_point, 0, -128, 127)
+    ours = qparams.fake_quantize_finite_per_channel(x, scale, zero_point.int(), 0, -128, 127)
+    assert torch.equal(ours, expected) and torch.equal(ours.signbit(), expected.signbit())

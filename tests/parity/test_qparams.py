@@ -12,6 +12,7 @@ from qcore.observe.qparams import (
     calculate_qparams,
     default_quant_range,
     fake_quantize_dynamic,
+    fake_quantize_finite_per_channel,
     fake_quantize_per_channel,
     fake_quantize_per_channel_steps,
     fake_quantize_per_tensor,
@@ -69,6 +70,29 @@ def test_large_tensors_are_fake_quantized_a_few_rows_at_a_time_with_the_same_val
     assert torch.equal(per_channel, torch.fake_quantize_per_channel_affine(wide, scale, zero_point, axis, -128,
                                                                            127).to(dtype))
     assert torch.equal(per_tensor, torch.fake_quantize_per_tensor_affine(wide, 0.05, 3, -128, 127).to(dtype))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), axis=st.integers(0, 1),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), qrange=st.sampled_from(RANGES),
+       spread=st.floats(1e-3, 1e3))
+def test_the_fused_per_channel_kernel_gives_the_torch_paths_values_where_convert_takes_it(seed, axis, dtype, qrange,
+                                                                                        spread):
+    """Finite weights, zero points 0, scales from their own range: one op of torch's kernel, bit for bit the torch
+    path's values (sign of zero included), in the weight's own dtype."""
+    quant_min, quant_max = qrange
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(6, 40, generator=g) * spread).to(dtype)
+    x[0, :3] = torch.tensor([0.0, -0.0, -1e-30]).to(dtype)
+    wide = x.float()
+    amax = wide.abs().amax(dim=1 - axis)
+    scale = torch.clamp(amax / ((quant_max - quant_min) / 2), min=torch.finfo(torch.float32).eps)
+    zero_point = torch.zeros(x.shape[axis], dtype=torch.int64)
+    with mock.patch.dict(qparams.native._state, {"library": None}):
+        expected = fake_quantize_per_channel(x, scale, zero_point, axis, quant_min, quant_max)
+    ours = fake_quantize_finite_per_channel(x, scale, zero_point.int(), axis, quant_min, quant_max)
+    assert ours.dtype == dtype
+    assert torch.equal(ours, expected) and torch.equal(ours.signbit(), expected.signbit())
 
 
 @settings(max_examples=40, deadline=None)

@@ -7,7 +7,13 @@ import torch
 import qcore
 import qcore.measure.passes
 from qcore.analysis import ModelAnalysis
-from qcore.observe.observers import HistogramObserver, MinMaxObserver, share_qparams
+from qcore.observe.observers import (
+    HistogramObserver,
+    MinMaxObserver,
+    PerChannelMinMaxObserver,
+    copied,
+    share_qparams,
+)
 from qcore.quantization.calibrated import CalibratedObservers
 from qcore.quantization.quantizer import Int8StaticQuantizer, with_layer_overrides
 from tests.models import SmallMLP, batches
@@ -255,3 +261,16 @@ def test_convert_reads_the_host_a_few_times_whatever_the_number_of_layers(monkey
 
     monkeypatch.setitem(native._state, "library", None)
     assert host_reads(12) == host_reads(2) <= 3
+
+
+@pytest.mark.parametrize("make", [MinMaxObserver, HistogramObserver,
+                                  lambda: PerChannelMinMaxObserver(ch_axis=1)])
+def test_a_copied_observer_holds_its_own_buffers_with_the_same_state(make):
+    observer = make()
+    observer(torch.randn(4, 6, generator=torch.Generator().manual_seed(0)))
+    copy = copied(observer)
+    assert type(copy) is type(observer) and vars(copy).keys() == vars(observer).keys()
+    for (name, mine), (_, theirs) in zip(copy.named_buffers(), observer.named_buffers()):
+        assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr(), name
+    copy(torch.full((4, 6), 100.0))  # the copy observes on its own
+    assert float(observer.max_val.max()) < 100 <= float(copy.max_val.max())

@@ -16,7 +16,7 @@ from qcore.measure import variants
 from qcore.measure.passes import measure_model
 from qcore.measure.variants import ScaledWeightQuantizer
 from qcore.observe.observers import MinMaxObserver, PerChannelMinMaxObserver
-from qcore.observe.qparams import fake_quantize_per_channel_steps
+from qcore.observe.qparams import fake_quantize_finite_per_channel, fake_quantize_per_channel_steps
 from qcore.quantization.convert import fake_quantize_over_input, fake_quantize_with, quantize_weights_where_read
 from qcore.report.detectors import OutlierDetector, PerChannelDetector
 from qcore.search.sensitivity import SwitchableModel
@@ -108,7 +108,7 @@ def test_the_sensitivity_switches_of_a_model_quantized_where_read_give_the_same_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_llama_analysis_quantized_where_read_equals_the_one_with_quantized_copies_whole_and_block_wise(dtype):
-    """float32 on the CPU takes the native kernel where read; bf16 the torch ops with qparams laid out once."""
+    """float32 on the CPU takes the native kernel where read; bf16 torch's fused kernel."""
     pytest.importorskip("transformers")
     model, batches = tiny_llama(layers=2, batch=2)
     float_gm = qcore.capture(model.to(dtype), batches[0])
@@ -121,8 +121,8 @@ def test_a_llama_analysis_quantized_where_read_equals_the_one_with_quantized_cop
         assert where_read.sqnr == plain.sqnr and where_read.variants == plain.variants and where_read.logits == plain.logits
     with quantize_weights_where_read():
         quantized = ModelAnalysis(float_gm, batches=batches).quantized_gm
-    steps = [node for node in quantized.graph.nodes if node.target is fake_quantize_per_channel_steps]
-    assert bool(steps) == (dtype == torch.bfloat16)
+    fused = [node for node in quantized.graph.nodes if node.target is fake_quantize_finite_per_channel]
+    assert bool(fused) == (dtype == torch.bfloat16)  # finite weights with zero points 0: torch's kernel, one op
 
 
 @pytest.mark.parametrize("recipe", [True, "smooth:search"])
@@ -193,3 +193,18 @@ def test_a_large_weight_quantized_where_read_is_compared_a_few_rows_at_a_time_wi
     assert all(value is not None and 0 < value < float("inf") for value in weights.values())
     # the conv (8 x 27), fc (32 x 128), head (10 x 32) and table (10 x 6) weights, never whole: one row or a few
     assert quantized_rows and max(quantized_rows) <= 128 and len(quantized_rows) >= 8 + 32 + 10
+
+
+def test_a_bf16_models_fix_trial_quantizes_each_rewritten_weight_over_itself_with_the_same_numbers():
+    """bf16 weights rewritten where read are quantized over themselves on torch ops, qparams laid out once."""
+    pytest.importorskip("transformers")
+    model, batches = tiny_llama(layers=2, batch=2)
+    float_gm = qcore.capture(model.to(torch.bfloat16), batches[0])
+    plain = ModelAnalysis(float_gm, batches=batches).variant(equalize=True).sqnr
+    with quantize_weights_where_read():
+        analysis = ModelAnalysis(float_gm, batches=batches)
+        assert analysis.variant(equalize=True).sqnr == plain
+        trial = analysis.variant(equalize=True, layers=["model.layers.0.mlp.down_proj"])
+        quantized = trial.quantized_gm
+    over = [node for node in quantized.graph.nodes if node.target is fake_quantize_per_channel_steps]
+    assert over and all(node.args[-1] is True and node.args[0].meta.get(REWRITTEN_KEY) for node in over)
