@@ -3,11 +3,11 @@
 every queued update of one kind runs as one chain over all of them when the call returns. A GPU then launches a few
 kernels per pass instead of a few per layer.
 
-The queue holds copies (a later in-place op of the graph must not change what was observed) and at most
-`PENDING_ELEMENTS` elements: the kinds whose entries hold them run early when it would hold more (the small entries,
-a batch's range or per-channel statistics, wait for the end of the call). An owner called more than once in a model
-call (an observer shared along view and permute ops) has its updates in rounds, run in order: the first update of
-every owner, then the second, and so on. Nothing is held across model calls.
+The queue holds copies (a later in-place op of the graph must not change what was observed): each kind at most
+`PENDING_ELEMENTS` elements (or a multiple it names), and a kind runs early when it would hold more (the small
+entries, a batch's range or per-channel statistics, wait for the end of the call). An owner called more than once in
+a model call (an observer shared along view and permute ops) has its updates in rounds, run in order: the first
+update of every owner, then the second, and so on. Nothing is held across model calls.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 __all__ = ["PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat_copy", "run_pending", "segment_lengths"]
 
-PENDING_ELEMENTS = 1 << 21  # queued elements at most: 8 MB of float32 copies, and the working values of one run
+PENDING_ELEMENTS = 1 << 21  # queued elements of a kind at most: 8 MB of float32 copies, and the working values of a run
 
 Flush = Callable[[list[Any]], None]  # runs the queued entries of one kind, in the order they were queued
 
@@ -32,18 +32,16 @@ class _Queue:
         self.rounds: dict[Flush, list[list[Any]]] = {}
         self.owners: dict[Flush, dict[int, int]] = {}  # by kind, owner: its updates queued
         self.held: dict[Flush, int] = {}  # by kind, the elements its entries hold
-        self.elements = 0
 
-    def run(self, only_holding: bool = False) -> None:
-        """Run and forget the queued updates, round by round: every kind's, or (only_holding) only those of the
-        kinds whose entries hold elements (the queue is full: the small entries wait for the end of the call)."""
-        kinds = [kind for kind, held in self.held.items() if held or not only_holding]
-        for kind in kinds:
-            queued = self.rounds.pop(kind)
-            del self.owners[kind]
-            self.elements -= self.held.pop(kind)
+    def run(self, kind: Flush | None = None) -> None:
+        """Run and forget the queued updates, round by round: every kind's, or only `kind`'s (it is full: the other
+        kinds wait for the end of the call)."""
+        for flush in list(self.rounds) if kind is None else [kind]:
+            queued = self.rounds.pop(flush)
+            del self.owners[flush]
+            del self.held[flush]
             for entries in queued:
-                kind(entries)
+                flush(entries)
 
     def owner_queued(self, owner: object) -> bool:
         """Whether `owner` has an update in this queue."""
@@ -77,15 +75,17 @@ def batched_updates() -> Iterator[None]:
         opened.pop()
 
 
-def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any]) -> bool:
-    """Queue `entry()` (owner's update of `elements` values, made only once it is taken) to run with `flush`;
-    False when no scope is open or the update alone is larger than the queue: the caller then updates now."""
+def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any], scale: int = 1) -> bool:
+    """Queue `entry()` (owner's update of `elements` values, made only once it is taken) to run with `flush`, whose
+    entries hold at most `scale` times PENDING_ELEMENTS values (a kind whose run works in less memory per value
+    holds more); False when no scope is open or the update alone is larger: the caller then updates now."""
     opened = _open_here.queues
-    if not opened or elements > PENDING_ELEMENTS:
+    limit = scale * PENDING_ELEMENTS
+    if not opened or elements > limit:
         return False
     queue = opened[-1]
-    if queue.elements + elements > PENDING_ELEMENTS:
-        queue.run(only_holding=True)
+    if queue.held.get(flush, 0) + elements > limit:
+        queue.run(flush)
     owners = queue.owners.setdefault(flush, {})
     position = owners.get(id(owner), 0)
     rounds = queue.rounds.setdefault(flush, [])
@@ -94,7 +94,6 @@ def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any]) 
     rounds[position].append(entry())
     owners[id(owner)] = position + 1
     queue.held[flush] = queue.held.get(flush, 0) + elements
-    queue.elements += elements
     return True
 
 

@@ -272,3 +272,20 @@ def test_another_thread_does_not_queue_into_this_threads_model_call(monkeypatch)
         thread.start()
         thread.join()
         assert float(observer.histogram.sum()) == 50
+
+
+def test_a_full_kind_runs_early_alone_and_the_small_updates_wait_for_the_end_of_the_call(monkeypatch):
+    from qcore.observe.observers import _update_histograms, _update_ranges
+
+    monkeypatch.setitem(native._state, "library", None)
+    monkeypatch.setattr(deferred, "PENDING_ELEMENTS", 100)  # histograms hold 200 values at most
+    ranges, histograms = [MinMaxObserver() for _ in range(3)], [HistogramObserver(bins=16) for _ in range(3)]
+    with deferred.batched_updates():
+        for minmax, histogram in zip(ranges, histograms):
+            minmax(_values(10, 1.0, 0))
+            histogram(_values(90, 1.0, 1))
+        queue = deferred._open_here.queues[-1]
+        assert len(queue.rounds[_update_ranges][0]) == 3  # none ran with the histograms
+        assert len(queue.rounds[_update_histograms][0]) == 1  # the third ran the first two early
+        assert float(histograms[0].histogram.sum()) == 90 and not ranges[0].min_val.isfinite()
+    assert all(float(h.histogram.sum()) == 90 for h in histograms) and all(m.min_val.isfinite() for m in ranges)
