@@ -20,6 +20,7 @@ from qcore.observe.qparams import (
     fake_quantize_per_channel,
     fake_quantize_per_channel_steps,
     fake_quantize_per_tensor,
+    fused_kernels_preferred,
     per_channel_steps,
 )
 from qcore.quantization.calibrate import calibrate
@@ -311,7 +312,7 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
             node = graph.call_function(fake_quantize_over_input if alone else fake_quantize_per_channel, (
                 source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), axis,
                 observer.quant_min, observer.quant_max))
-        elif not alone and _fused_kernel_takes(values, observer):  # one op (a GPU, fp16/bf16)
+        elif not alone and fused_kernels_preferred(weight) and _fused_kernel_takes(values, observer):  # one op
             gm.register_buffer(name + "_scale", scale.to(torch.float32))
             gm.register_buffer(name + "_zero_point", zero_point.to(torch.int32))
             node = graph.call_function(fake_quantize_finite_per_channel, (

@@ -97,14 +97,16 @@ def test_the_fused_per_channel_kernel_gives_the_torch_paths_values_where_convert
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
-       scale=st.floats(1e-3, 1.0), zp=st.integers(-128, 127))
-def test_half_tensors_are_fake_quantized_as_their_float32_values_then_rounded_back(seed, dtype, scale, zp):
-    """fp16/bf16 activations go through torch's kernel in their own dtype: what float32 gives, rounded back, NaN
-    kept, sign of zero included."""
+       scale=st.floats(1e-3, 1.0), zp=st.integers(-128, 127), torch_path=st.booleans())
+def test_half_tensors_are_fake_quantized_as_their_float32_values_then_rounded_back(seed, dtype, scale, zp,
+                                                                                  torch_path):
+    """fp16/bf16 activations, through torch's kernel in their own dtype (the torch path) or in float32 (the CPU):
+    what float32 gives, rounded back, NaN kept, sign of zero included."""
     x = torch.randn(300, generator=torch.Generator().manual_seed(seed)) * 40
     x[:5] = torch.tensor([float("nan"), -0.0, -1e-4, float("inf"), -float("inf")])
     x = x.to(dtype)
-    with mock.patch.dict(qparams.native._state, {"library": None}):
+    with mock.patch.dict(qparams.native._state, {"library": None} if torch_path else {}):
+        assert qparams.fused_kernels_preferred(x) == (torch_path or qparams.native.kernel() is None)
         ours = fake_quantize_per_tensor(x, scale, zp, -128, 127)
     wide = x.float()
     expected = torch.fake_quantize_per_tensor_affine(wide, qparams._float32(scale), zp, -128, 127)

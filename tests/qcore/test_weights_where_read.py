@@ -2,6 +2,8 @@
 qcore.graph.deferred.read_rewritten_where_used): the same numbers, no copy of the weights."""
 import importlib
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,6 +21,7 @@ from qcore.observe.observers import MinMaxObserver, PerChannelMinMaxObserver
 from qcore.observe.qparams import fake_quantize_finite_per_channel, fake_quantize_per_channel_steps
 from qcore.quantization.convert import fake_quantize_over_input, fake_quantize_with, quantize_weights_where_read
 from qcore.report.detectors import OutlierDetector, PerChannelDetector
+from qcore.runtime import native
 from qcore.search.sensitivity import SwitchableModel
 from tests.models import tiny_llama
 
@@ -108,7 +111,8 @@ def test_the_sensitivity_switches_of_a_model_quantized_where_read_give_the_same_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_llama_analysis_quantized_where_read_equals_the_one_with_quantized_copies_whole_and_block_wise(dtype):
-    """float32 on the CPU takes the native kernel where read; bf16 torch's fused kernel."""
+    """float32 on the CPU takes the native kernel where read; bf16 a chain of ops there, torch's fused kernel on the
+    torch path (a GPU)."""
     pytest.importorskip("transformers")
     model, batches = tiny_llama(layers=2, batch=2)
     float_gm = qcore.capture(model.to(dtype), batches[0])
@@ -120,9 +124,17 @@ def test_a_llama_analysis_quantized_where_read_equals_the_one_with_quantized_cop
     for where_read in (whole, blockwise):
         assert where_read.sqnr == plain.sqnr and where_read.variants == plain.variants and where_read.logits == plain.logits
     with quantize_weights_where_read():
-        quantized = ModelAnalysis(float_gm, batches=batches).quantized_gm
-    fused = [node for node in quantized.graph.nodes if node.target is fake_quantize_finite_per_channel]
-    assert bool(fused) == (dtype == torch.bfloat16)  # finite weights with zero points 0: torch's kernel, one op
+        on_cpu = ModelAnalysis(float_gm, batches=batches).quantized_gm
+        with mock.patch.dict(native._state, {"library": None}):  # the torch path, as on a GPU
+            torch_path = ModelAnalysis(float_gm, batches=batches)
+            as_on_gpu = torch_path.quantized_gm
+            with quantize_weights_where_read(False):
+                copies = ModelAnalysis(float_gm, batches=batches, plan=plan).measurement
+            assert ModelAnalysis(float_gm, batches=batches, plan=plan).measurement.sqnr == copies.sqnr
+    for quantized, fused_expected in ((on_cpu, False), (as_on_gpu, dtype == torch.bfloat16)):
+        # finite weights with zero points 0 in fp16/bf16: torch's kernel, one op (on the CPU it is slower)
+        fused = [node for node in quantized.graph.nodes if node.target is fake_quantize_finite_per_channel]
+        assert bool(fused) == fused_expected
 
 
 @pytest.mark.parametrize("recipe", [True, "smooth:search"])
