@@ -71,11 +71,13 @@ class ReportObserver(nn.Module):
     @property
     def epoch_activation_min(self) -> torch.Tensor:
         """Smallest value seen."""
+        deferred.run_pending(self)  # a batch queued in this model call counts
         return -self.extremes[0]
 
     @property
     def epoch_activation_max(self) -> torch.Tensor:
         """Largest value seen."""
+        deferred.run_pending(self)  # a batch queued in this model call counts
         return self.extremes[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -286,6 +288,7 @@ class ReportObserver(nn.Module):
 
     def batch_to_epoch_ratio(self) -> float:
         """Mean batch range / epoch range; nan when the activation was constant or never observed."""
+        deferred.run_pending(self)  # a batch queued in this model call counts
         if self.num_batches_tracked == 0:
             return float("nan")
         epoch_range = float(self.extremes.sum())
@@ -297,6 +300,7 @@ class ReportObserver(nn.Module):
     def average_batch_activation_range(self) -> torch.Tensor:
         """Mean over batches of (batch max - batch min), a float32 tensor as torch.ao's attribute of that name
         (0 before data)."""
+        deferred.run_pending(self)  # a batch queued in this model call counts
         if self.num_batches_tracked == 0:
             return torch.zeros((), device=self.extremes.device)
         return (self.extreme_sums.sum() / self.num_batches_tracked).float()
@@ -305,12 +309,14 @@ class ReportObserver(nn.Module):
         """torch.ao's name for the mean batch range / epoch range. Before any data this raises ValueError, where
         torch.ao returns -0.0 (its range starts at -inf and its no-data check looks for +inf only): a ratio of no
         data is no number. A constant activation (epoch range 0) gives nan instead of torch.ao's ValueError."""
+        deferred.run_pending(self)  # a batch queued in this model call counts
         if self.num_batches_tracked == 0 or not bool(torch.isfinite(self.extremes).all()):
             raise ValueError("No data has been run through observer or infinity value present")
         return torch.tensor(self.batch_to_epoch_ratio())
 
     def reset_batch_and_epoch_values(self) -> None:
         """Forget every statistic (for a new epoch), keeping the device, as torch.ao's observer does."""
+        deferred.run_pending(self)  # a batch queued before the reset belongs to the epoch it ends
         device = self.extremes.device
         self.__dict__["num_batches_tracked"] = 0
         for name, value in (("extremes", torch.full((2,), float("-inf"), device=device)),
@@ -323,11 +329,13 @@ class ReportObserver(nn.Module):
 
     def is_constant(self) -> bool:
         """True when every value seen was the same."""
+        deferred.run_pending(self)  # a batch queued in this model call counts
         return self.num_batches_tracked > 0 and float(self.extremes.sum()) == 0
 
     def average_ratios(self, percentile: float) -> torch.Tensor:
         """Per-channel mean of q100/q_percentile over the batches where the channel was not all zero
         (nan for channels that were always zero)."""
+        deferred.run_pending(self)  # a batch queued in this model call counts
         row = self.percentiles.index(percentile)
         counts = self.ratio_counts[row].double()
         nan = torch.full_like(counts, float("nan"))
@@ -335,6 +343,7 @@ class ReportObserver(nn.Module):
 
     def batches_used(self, percentile: float) -> torch.Tensor:
         """Per-channel number of batches that contributed a ratio."""
+        deferred.run_pending(self)  # a batch queued in this model call counts
         return self.ratio_counts[self.percentiles.index(percentile)]
 
     def extra_repr(self) -> str:

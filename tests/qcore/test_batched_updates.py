@@ -202,6 +202,15 @@ def test_state_read_inside_a_scope_includes_the_queued_batches(monkeypatch):
     assert scale > 0 and float(observer.max_val) == float(x.max())
 
 
+def test_a_report_observers_statistics_read_inside_a_scope_include_the_queued_batches(monkeypatch):
+    monkeypatch.setitem(native._state, "library", None)
+    observer, x = ReportObserver(ch_axis=1, percentiles=(0.9,)), _values(64, 2.0, 0).reshape(8, 8)
+    with deferred.batched_updates():
+        observer(x)
+        assert float(observer.epoch_activation_max) == float(x.max())
+        assert int(observer.batches_used(0.9).min()) == 1 and observer.num_batches_tracked == 1
+
+
 def test_a_failed_model_call_drops_what_it_queued(monkeypatch):
     monkeypatch.setitem(native._state, "library", None)
     observer = HistogramObserver(bins=32)
