@@ -318,7 +318,7 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
             node = graph.call_function(fake_quantize_finite_per_channel, (
                 source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), axis,
                 observer.quant_min, observer.quant_max))
-        else:  # torch ops (a GPU, fp16/bf16): the qparams laid out once, not at every read
+        else:  # torch ops, with the qparams laid out once, not at every read
             steps = per_channel_steps(scale, zero_point, axis, weight)
             kept = ("_scale", "_inverse_scale") if all(z == 0 for z in values[1]) else (
                 "_scale", "_inverse_scale", "_zero_point")
