@@ -165,10 +165,7 @@ class StreamingComparator(nn.Module):
 
 def _queued(x: torch.Tensor, held: bool) -> torch.Tensor:
     """What a comparator queues of one side: x itself, flat, when it stays as it is until the flush, else a copy."""
-    if not held:
-        return deferred.flat_copy(x)
-    x = x.detach() if x.requires_grad else x
-    return x if x.dim() == 1 else x.reshape(-1)
+    return deferred.flat(x) if held else deferred.flat_copy(x)
 
 
 def _update_comparators(entries: list[tuple[StreamingComparator, torch.Tensor, torch.Tensor]]) -> None:

@@ -103,4 +103,3 @@ class CalibratedObservers:
                 observer = prepared.get_submodule(name)
                 self._states[signature] = copied(observer)
                 share_qparams(observer, self._states[signature])
-

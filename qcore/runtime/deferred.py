@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat_copy", "run_pending", "segment_lengths"]
+__all__ = ["PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat", "flat_copy", "run_pending",
+           "segment_lengths"]
 
 PENDING_ELEMENTS = 1 << 21  # queued elements of a kind at most: 8 MB of float32 copies, and the working values of a run
 
@@ -104,12 +105,18 @@ def run_pending(owner: object) -> None:
         opened[-1].run()
 
 
+def flat(x: torch.Tensor) -> torch.Tensor:
+    """x flattened, without grad (a view where it can be), to queue as it is: for a value nothing changes before the
+    queue runs."""
+    x = x.detach() if x.requires_grad else x  # detach is an op even under no_grad
+    return x if x.dim() == 1 else x.reshape(-1)
+
+
 def flat_copy(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """x flattened into a new tensor (of `dtype`, or its own) to queue: an op after it in the graph may change x in
     place."""
-    flat = x.detach() if x.requires_grad else x
-    flat = flat if flat.dim() == 1 else flat.reshape(-1)
-    return flat.to(dtype or flat.dtype, copy=True)
+    values = flat(x)
+    return values.to(dtype or values.dtype, copy=True)
 
 
 _LENGTHS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
