@@ -23,8 +23,8 @@ __all__ = ["ANALYSIS_FACTOR", "HELD_CAPTURES_SHARE", "LARGE_MODEL_BYTES", "Memor
 ANALYSIS_FACTOR = 5.0
 
 # A model with at least this many parameter bytes trades time for memory: its analysis maps large allocations
-# (core.runtime) and measures each fix in a trial of its own, one quantized copy at a time, instead of screening
-# the detectors' fixes in its comparison pass (qcore.measure.screens) beside the model's own quantized copy.
+# (core.runtime) and quantizes its weights where they are read (qcore.quantization.convert), so that no quantized
+# copy of them is held: not the model's own, nor that of a screen (qcore.measure.screens) or a trial.
 LARGE_MODEL_BYTES = 256 << 20
 
 # Collection captures every model before the first analysis starts. The captures a process keeps until their

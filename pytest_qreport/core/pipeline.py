@@ -310,9 +310,8 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
             pipeline.items[check_name] = select_layers(check.layers(context), settings.layers, settings.skip_layers)
     context.checks = {n: c for n, c in checks.items() if n in pipeline.items}
     needs = frozenset().union(*(check.needs for check in context.checks.values()))
-    screens = () if weights >= LARGE_MODEL_BYTES else tuple(
-        screen for name, check in context.checks.items()
-        if (screen := check.screen(context, pipeline.items[name])) is not None)
+    screens = tuple(screen for name, check in context.checks.items()
+                    if (screen := check.screen(context, pipeline.items[name])) is not None)
     context.analysis = analysis.planned(AnalysisPlan(measurements=needs, detectors=context.detectors(),
                                                      screens=screens))
     return pipeline

@@ -21,7 +21,7 @@ from qcore.graph.ops import INSERTED_KEY, find_quantizable_ops, original_input
 from qcore.measure.probes import Probe
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.calibrated import CalibratedObservers, watched_values
-from qcore.quantization.convert import convert, restore_model_state
+from qcore.quantization.convert import QPARAMS_KEY, convert, restore_model_state
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Quantizer, with_layer_overrides
 
@@ -66,6 +66,8 @@ def quantize_for_screen(float_gm: fx.GraphModule, batches: list[Any], quantizer:
         observers.keep(prepared, signatures)
     quantized = convert(prepared, keep_float_weights=False, recompile=False)
     restore_model_state(quantized, float_gm)  # calibration ran forward, which may update buffers in place
+    for node in quantized.graph.nodes:  # read by no shadow: a float per weight channel, held once (the model's)
+        node.meta.pop(QPARAMS_KEY, None)
     return quantized
 
 

@@ -287,6 +287,7 @@ def test_a_fix_keeps_a_quantizer_subclass_and_its_settings():
 def test_screened_fixes_give_the_same_findings_with_one_trial_fewer(monkeypatch):
     import json
 
+    from pytest_qreport.checks.detectors import DetectorCheck
     from pytest_qreport.core import pipeline as pipelines
 
     batches = _features()
@@ -298,10 +299,15 @@ def test_screened_fixes_give_the_same_findings_with_one_trial_fewer(monkeypatch)
     assert ahead["per_channel"] == ahead["dynamic_static"] == {}
     assert ahead["outlier"] and \
         all(change == {"activation_observer": "histogram"} for change in ahead["outlier"].values())
-    monkeypatch.setattr(pipelines, "LARGE_MODEL_BYTES", 0)  # a big model's fixes are tried one at a time
+    as_text = {key: json.dumps(f.to_dict(), sort_keys=True) for key, f in screened.items()}
+    with monkeypatch.context() as patched:  # as a big model is: weights quantized where read, screens still on
+        patched.setattr(pipelines, "LARGE_MODEL_BYTES", 0)
+        large, with_large_screens = analyze_with_checks(wide_rows, batches, **settings)
+    assert {s.name for s in with_large_screens.plan.screens} == {"per_channel", "dynamic_static", "outlier"}
+    assert as_text == {key: json.dumps(f.to_dict(), sort_keys=True) for key, f in large.items()}
+    monkeypatch.setattr(DetectorCheck, "screen", lambda self, model, layers: None)  # each fix tried in a trial
     tried, without = analyze_with_checks(wide_rows, batches, **settings)
     assert not without.plan.screens
-    as_text = {key: json.dumps(f.to_dict(), sort_keys=True) for key, f in screened.items()}
     assert as_text == {key: json.dumps(f.to_dict(), sort_keys=True) for key, f in tried.items()}
     assert screened[("per_channel", "layers.2")].verdict == "fail"  # advised, and measured by its trial
     assert screened[("per_channel", "layers.0")].note.endswith("not recommended")
