@@ -8,6 +8,7 @@ reports never modify observer state; DynamicStaticDetector also covers conv.
 from __future__ import annotations
 
 import abc
+import itertools
 import re
 from typing import Any
 
@@ -16,8 +17,9 @@ from torch import fx
 
 from qcore.graph.ops import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted
 from qcore.quantization.quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
-from qcore.report.observer import ReportObserver
+from qcore.report.observer import ReportObserver, average_ratio_values, batch_to_epoch_ratios
 from qcore.rewrites.equalize import weight_column_ranges
+from qcore.runtime import deferred
 
 __all__ = ["DETECTOR_IS_POST_OBS_KEY", "DETECTOR_OBS_ARGS_KEY", "DETECTOR_OBS_TO_INSERT_KEY",
     "DETECTOR_TARGET_NODE_KEY", "DetectorBase", "DetectorQConfigInfo", "DynamicStaticDetector",
@@ -134,6 +136,16 @@ class DetectorBase(abc.ABC):
                 DETECTOR_IS_POST_OBS_KEY: post, DETECTOR_OBS_ARGS_KEY: (observed,)}
 
 
+def _to_channels(weight_ranges: torch.Tensor, channels: int) -> torch.Tensor:
+    """A weight's per-column ranges for `channels` input channels: a grouped conv's weight holds in/groups columns,
+    repeated once per group."""
+    if weight_ranges.numel() == channels:
+        return weight_ranges
+    if weight_ranges.numel() == 0 or channels % weight_ranges.numel():
+        raise ValueError(f"a weight with {weight_ranges.numel()} input columns cannot serve {channels} input channels")
+    return weight_ranges.repeat(channels // weight_ranges.numel())
+
+
 def _tolist(t: torch.Tensor) -> list:
     return (t.detach() if t.requires_grad else t).cpu().tolist()  # detach is an op even where nothing needs grad
 
@@ -248,13 +260,14 @@ class DynamicStaticDetector(DetectorBase):
         return self.STATIONARY_STR if stat > self.tolerance else self.NON_STATIONARY_STR
 
     def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
-        info = {}
+        info, observed = {}, []
         for op in self.layers(model):
             pre, post = self._observer(model, op.layer, "pre"), self._observer(model, op.layer, "post")
-            if pre is None or post is None or post.num_batches_tracked == 0:
-                continue
-            pre_stat, post_stat = pre.batch_to_epoch_ratio(), post.batch_to_epoch_ratio()
-            info[op.layer] = {
+            if pre is not None and post is not None and post.num_batches_tracked:
+                observed.append((op.layer, pre, post))
+        stats = batch_to_epoch_ratios([observer for _, pre, post in observed for observer in (pre, post)])
+        for (layer, _, _), pre_stat, post_stat in zip(observed, stats[0::2], stats[1::2]):
+            info[layer] = {
                 self.TOLERANCE_KEY: self.tolerance,
                 # tensors, as torch.ao reports them (its visualizer plots tensor-valued features only)
                 self.DEFAULT_DYNAMIC_REC_KEY: torch.tensor(post_stat <= self.tolerance),  # nan (constant): static
@@ -329,32 +342,53 @@ class InputWeightEqualizationDetector(DetectorBase):
         return weight_column_ranges(_fetch(model, op.weight_target).detach())
 
     def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
-        info = {}
-        for op in self.layers(model):
+        # every layer's channels laid end to end, one chain of ops and one host read for all layers on a device;
+        # each layer's extremes are its own segment's (segment_reduce keeps a nan, as max() and min() do)
+        groups: dict[tuple, list[tuple[QuantizableOp, ReportObserver, torch.Tensor, torch.Tensor]]] = {}
+        layers = self.layers(model)
+        for op in layers:
             observer = self._observer(model, op.layer, "pre")
-            if observer is None or observer.min_val.numel() == 0:
+            if observer is None:
                 continue
-            in_min, in_max = observer.min_val.clone(), observer.max_val.clone()
+            deferred.run_pending(observer)  # a batch queued in this model call counts
+            if observer.min_val.numel() == 0:
+                continue
             w_min, w_max = self._weight_ranges(model, op)
-            weight_ratio = (w_max - w_min) / (w_max.max() - w_min.min())
-            input_ratio = (in_max - in_min) / (in_max.max() - in_min.min())
-            if input_ratio.numel() != weight_ratio.numel():  # grouped conv: weight holds in/groups channels
-                weight_ratio = weight_ratio.repeat(input_ratio.numel() // weight_ratio.numel())
+            key = (observer.min_val.device, observer.min_val.dtype, w_min.device, w_min.dtype)
+            groups.setdefault(key, []).append((op, observer, w_min, w_max))
+        found = {}
+        for members in groups.values():
+            sizes = [observer.min_val.numel() for _, observer, _, _ in members]
+            lengths = deferred.segment_lengths(members[0][1].min_val.device, tuple(sizes))
+            in_min = torch.cat([observer.min_val for _, observer, _, _ in members])
+            in_max = torch.cat([observer.max_val for _, observer, _, _ in members])
+            w_low = torch.cat([_to_channels(w_min, n) for (_, _, w_min, _), n in zip(members, sizes)])
+            w_high = torch.cat([_to_channels(w_max, n) for (_, _, _, w_max), n in zip(members, sizes)])
+            in_top, in_bottom, w_top, w_bottom = (torch.segment_reduce(values, reduction, lengths=lengths) for
+                                                  values, reduction in ((in_max, "max"), (in_min, "min"),
+                                                                        (w_high, "max"), (w_low, "min")))
+            input_ratio = (in_max - in_min) / (in_top - in_bottom).repeat_interleave(lengths)
+            weight_ratio = (w_high - w_low) / (w_top - w_bottom).repeat_interleave(lengths)
             comparison = torch.sqrt(weight_ratio) / torch.sqrt(input_ratio)
             recommended = _tolist((comparison >= self.ratio_threshold) & (comparison <= 1 / self.ratio_threshold))
-            info[op.layer] = {
-                self.RECOMMENDED_KEY: recommended, self.COMP_METRIC_KEY: comparison,
-                self.THRESHOLD_KEY: self.ratio_threshold, self.CHANNEL_KEY: reported_axis(op, self.ch_axis, observer),
-                self.ACTIVATION_PREFIX + self.PER_CHANNEL_MAX_KEY: in_max,
-                self.ACTIVATION_PREFIX + self.PER_CHANNEL_MIN_KEY: in_min,
-                self.ACTIVATION_PREFIX + self.GLOBAL_MAX_KEY: in_max.max(),
-                self.ACTIVATION_PREFIX + self.GLOBAL_MIN_KEY: in_min.min(),
-                self.WEIGHT_PREFIX + self.PER_CHANNEL_MAX_KEY: w_max,
-                self.WEIGHT_PREFIX + self.PER_CHANNEL_MIN_KEY: w_min,
-                self.WEIGHT_PREFIX + self.GLOBAL_MAX_KEY: w_max.max(),
-                self.WEIGHT_PREFIX + self.GLOBAL_MIN_KEY: w_min.min(),
-            }
-        return info
+            ends = list(itertools.accumulate(sizes))
+            for number, ((op, observer, w_min, w_max), (metric, layer_max, layer_min), extremes) in enumerate(zip(
+                    members, zip(*(torch.split(t, sizes) for t in (comparison, in_max, in_min))),
+                    zip(*(t.unbind() for t in (in_top, in_bottom, w_top, w_bottom))))):
+                found[op.layer] = {
+                    self.RECOMMENDED_KEY: recommended[ends[number] - sizes[number]:ends[number]],
+                    self.COMP_METRIC_KEY: metric, self.THRESHOLD_KEY: self.ratio_threshold,
+                    self.CHANNEL_KEY: reported_axis(op, self.ch_axis, observer),
+                    self.ACTIVATION_PREFIX + self.PER_CHANNEL_MAX_KEY: layer_max,
+                    self.ACTIVATION_PREFIX + self.PER_CHANNEL_MIN_KEY: layer_min,
+                    self.ACTIVATION_PREFIX + self.GLOBAL_MAX_KEY: extremes[0],
+                    self.ACTIVATION_PREFIX + self.GLOBAL_MIN_KEY: extremes[1],
+                    self.WEIGHT_PREFIX + self.PER_CHANNEL_MAX_KEY: w_max,
+                    self.WEIGHT_PREFIX + self.PER_CHANNEL_MIN_KEY: w_min,
+                    self.WEIGHT_PREFIX + self.GLOBAL_MAX_KEY: extremes[2],
+                    self.WEIGHT_PREFIX + self.GLOBAL_MIN_KEY: extremes[3],
+                }
+        return {op.layer: found[op.layer] for op in layers if op.layer in found}  # in graph order
 
     def is_layer_recommended(self, entry: dict[str, Any]) -> bool:
         """At least 40% of the layer's channels qualify."""
@@ -423,26 +457,46 @@ class OutlierDetector(DetectorBase):
         return points
 
     def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
-        info = {}
-        for op in self.layers(model):
+        # every layer's channels laid end to end, one chain of ops and two host reads for all layers that share
+        # a device, their percentile's row and their batch count; each value is what its layer alone gives
+        groups: dict[tuple, list[tuple[QuantizableOp, ReportObserver]]] = {}
+        layers = self.layers(model)
+        for op in layers:
             observer = self._observer(model, op.layer, "pre")
-            if observer is None or observer.min_val.numel() == 0:
+            if observer is None:
                 continue
-            ratios = observer.average_ratios(self.reference_percentile).abs()
+            deferred.run_pending(observer)  # a batch queued in this model call counts
+            if observer.min_val.numel() == 0:
+                continue
+            row = observer.percentiles.index(self.reference_percentile)
+            key = (observer.ratio_sums.device, observer.ratio_sums.shape[0], row, observer.num_batches_tracked)
+            groups.setdefault(key, []).append((op, observer))
+        found = {}
+        for (_, _, row, total), members in groups.items():
+            observers = [observer for _, observer in members]
+            sizes = [observer.min_val.numel() for observer in observers]
+            counts = torch.cat([observer.ratio_counts for observer in observers], 1)[row]
+            ratios = average_ratio_values(torch.cat([observer.ratio_sums for observer in observers], 1)[row],
+                                          counts).abs()
             ratios = torch.where(ratios < 1, 1 / ratios, ratios)  # magnitude either way; nan stays nan
-            used = observer.batches_used(self.reference_percentile).to(torch.int32)  # torch.ao's dtype
-            total = observer.num_batches_tracked
-            info[op.layer] = {
-                self.CHANNEL_AXIS_KEY: reported_axis(op, self.ch_axis, observer),
-                self.REF_PERCENTILE_KEY: self.reference_percentile,
-                self.RATIO_THRES_KEY: self.ratio_threshold, self.COMP_METRIC_KEY: ratios,
-                self.NUM_BATCHES_KEY: used,
-                self.OUTLIER_KEY: _tolist(ratios > self.ratio_threshold),  # nan (all-zero channel) is no outlier
-                self.IS_SUFFICIENT_BATCHES_KEY: _tolist(used / max(total, 1) >= self.fraction_batches_used_threshold),
-                self.CONSTANT_COUNTS_KEY: observer.constant_channels.to(torch.int32),
-                self.MAX_VALS_KEY: observer.max_val.clone(),
-            }
-        return info
+            used = counts.to(torch.int32)  # torch.ao's dtype
+            outliers = _tolist(ratios > self.ratio_threshold)  # nan (all-zero channel) is no outlier
+            sufficient = _tolist(used / max(total, 1) >= self.fraction_batches_used_threshold)
+            constant = torch.cat([observer.constant_channels for observer in observers]).to(torch.int32)
+            maxima = torch.cat([observer.max_val for observer in observers])
+            ends = list(itertools.accumulate(sizes))
+            for number, ((op, observer), values) in enumerate(zip(members, zip(*(
+                    torch.split(t, sizes) for t in (ratios, used, constant, maxima))))):
+                channels = slice(ends[number] - sizes[number], ends[number])
+                found[op.layer] = {
+                    self.CHANNEL_AXIS_KEY: reported_axis(op, self.ch_axis, observer),
+                    self.REF_PERCENTILE_KEY: self.reference_percentile,
+                    self.RATIO_THRES_KEY: self.ratio_threshold, self.COMP_METRIC_KEY: values[0],
+                    self.NUM_BATCHES_KEY: values[1], self.OUTLIER_KEY: outliers[channels],
+                    self.IS_SUFFICIENT_BATCHES_KEY: sufficient[channels],
+                    self.CONSTANT_COUNTS_KEY: values[2], self.MAX_VALS_KEY: values[3],
+                }
+        return {op.layer: found[op.layer] for op in layers if op.layer in found}  # in graph order
 
     def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
         info = self._info(model)

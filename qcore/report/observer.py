@@ -26,7 +26,8 @@ from torch import nn
 
 from qcore.runtime import deferred, native
 
-__all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportObserver"]
+__all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportObserver", "average_ratio_values",
+           "batch_to_epoch_ratios"]
 
 DEFAULT_SAMPLE_SIZE = 4096
 NATIVE_MAX_NUMEL = 1 << 20  # above this, per-op overhead is small next to the work: torch ops do as well
@@ -288,13 +289,7 @@ class ReportObserver(nn.Module):
 
     def batch_to_epoch_ratio(self) -> float:
         """Mean batch range / epoch range; nan when the activation was constant or never observed."""
-        deferred.run_pending(self)  # a batch queued in this model call counts
-        if self.num_batches_tracked == 0:
-            return float("nan")
-        epoch_range = float(self.extremes.sum())
-        if epoch_range == 0 or epoch_range != epoch_range:
-            return float("nan")
-        return float(self.extreme_sums.sum()) / self.num_batches_tracked / epoch_range
+        return batch_to_epoch_ratios([self])[0]
 
     @property
     def average_batch_activation_range(self) -> torch.Tensor:
@@ -337,9 +332,7 @@ class ReportObserver(nn.Module):
         (nan for channels that were always zero)."""
         deferred.run_pending(self)  # a batch queued in this model call counts
         row = self.percentiles.index(percentile)
-        counts = self.ratio_counts[row].double()
-        nan = torch.full_like(counts, float("nan"))
-        return torch.where(counts > 0, self.ratio_sums[row] / counts.clamp(min=1), nan)
+        return average_ratio_values(self.ratio_sums[row], self.ratio_counts[row])
 
     def batches_used(self, percentile: float) -> torch.Tensor:
         """Per-channel number of batches that contributed a ratio."""
@@ -348,6 +341,35 @@ class ReportObserver(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ch_axis={self.ch_axis}, percentiles={self.percentiles}, per_channel={self.per_channel}"
+
+
+def batch_to_epoch_ratios(observers: list[ReportObserver]) -> list[float]:
+    """Each observer's batch_to_epoch_ratio, read to the host in two copies per device for all of them instead of
+    two each (each read of a GPU tensor waits for the device)."""
+    for observer in observers:
+        deferred.run_pending(observer)  # a batch queued in this model call counts
+    ratios = [float("nan")] * len(observers)
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype], list[int]] = {}
+    for index, observer in enumerate(observers):
+        if observer.num_batches_tracked:
+            key = (observer.extremes.device, observer.extremes.dtype, observer.extreme_sums.dtype)
+            groups.setdefault(key, []).append(index)
+    for members in groups.values():
+        epoch_ranges = torch.stack([observers[i].extremes for i in members]).sum(1).tolist()
+        range_sums = torch.stack([observers[i].extreme_sums for i in members]).sum(1).tolist()
+        for index, epoch_range, range_sum in zip(members, epoch_ranges, range_sums):
+            if epoch_range != 0 and epoch_range == epoch_range:
+                ratios[index] = range_sum / observers[index].num_batches_tracked / epoch_range
+    return ratios
+
+
+def average_ratio_values(ratio_sums: torch.Tensor, ratio_counts: torch.Tensor) -> torch.Tensor:
+    """Per channel, the sum of a percentile's ratios over the batches that gave one, divided by their count, in
+    float64 (nan where none did): ReportObserver.average_ratios of one observer's row, or of several laid end to
+    end."""
+    counts = ratio_counts.double()
+    nan = torch.full_like(counts, float("nan"))
+    return torch.where(counts > 0, ratio_sums / counts.clamp(min=1), nan)
 
 
 def _batch_ratios(quantiles: torch.Tensor, high_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -437,3 +437,60 @@ def test_custom_detector_subclass_works_the_same_way():
     reports = report.generate_model_report(remove_inserted_observers=True)
     assert reports["range_detector"][1]["fc1"]["too_wide"] is True  # the inputs have spikes of 40
     assert reports["range_detector"][1]["fc2"]["too_wide"] is False  # tanh outputs stay in [-1, 1]
+
+
+def _same(a, b):
+    """Equal to the bit (nan where nan), as tensors of one dtype."""
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and \
+        torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+def test_reports_of_all_layers_at_once_equal_each_layers_own():
+    """The detectors compute every layer's values laid end to end (one chain of ops, one host read): each value is
+    what the layer's own observer and weight give alone, a grouped conv's included."""
+    from qcore.rewrites.equalize import weight_column_ranges
+
+    torch.manual_seed(0)
+    model, data = TanhCNN().eval(), _cnn_data()
+    for batch in data:
+        batch[:, 1] = 0.0  # an input channel always zero: nan outlier ratios
+    detectors = [InputWeightEqualizationDetector(ratio_threshold=0.6), OutlierDetector(reference_percentile=0.95),
+                 DynamicStaticDetector(tolerance=0.5)]
+    report = _calibrated_report(detectors, model, data)
+    reports = report.generate_model_report(remove_inserted_observers=False)
+    graph = report.model
+    equalization, outliers, dynamic = (reports[d.get_detector_name()][1] for d in detectors)
+    assert {"conv1", "conv2", "fc"} <= set(equalization) and set(dynamic) == {"conv1", "conv2", "fc"}
+    for layer, entry in equalization.items():
+        observer = detectors[0]._observer(graph, layer, "pre")
+        in_min, in_max = observer.min_val, observer.max_val
+        w_min, w_max = weight_column_ranges(dict(model.named_parameters())[layer + ".weight"].detach())
+        weight_ratio = (w_max - w_min) / (w_max.max() - w_min.min())
+        input_ratio = (in_max - in_min) / (in_max.max() - in_min.min())
+        weight_ratio = weight_ratio.repeat(input_ratio.numel() // weight_ratio.numel())
+        comparison = torch.sqrt(weight_ratio) / torch.sqrt(input_ratio)
+        assert _same(entry["input_weight_channel_comparison_metrics"], comparison), layer
+        assert entry["input_weight_equalization_recommended"] == ((comparison >= 0.6) & (comparison <= 1 / 0.6)).tolist()
+        for key, value in (("input_activation_global_max", in_max.max()), ("input_activation_global_min", in_min.min()),
+                           ("weight_global_max", w_max.max()), ("weight_global_min", w_min.min()),
+                           ("input_activation_per_channel_max", in_max), ("weight_per_channel_min", w_min)):
+            assert _same(entry[key], value), (layer, key)
+    assert equalization["conv2"]["weight_per_channel_max"].numel() * 2 == \
+        equalization["conv2"]["input_activation_per_channel_max"].numel()  # the grouped conv
+    for layer, entry in outliers.items():
+        observer = detectors[1]._observer(graph, layer, "pre")
+        ratios = observer.average_ratios(0.95).abs()
+        ratios = torch.where(ratios < 1, 1 / ratios, ratios)
+        assert _same(entry["outlier_detection_percentile_ratios"], ratios), layer
+        assert entry["outliers_detected"] == (ratios > 3.5).tolist()
+        assert _same(entry["outlier_detection_batches_used"], observer.batches_used(0.95).to(torch.int32))
+        assert _same(entry["input_activation_per_channel_max"], observer.max_val)
+    assert any(torch.isnan(entry["outlier_detection_percentile_ratios"]).any() for entry in outliers.values())
+    for layer, entry in dynamic.items():
+        pre = detectors[2]._observer(graph, layer, "pre")
+        post = detectors[2]._observer(graph, layer, "post")
+        for observer, key in ((pre, "input_activation_dynamic_static_comp_stat"),
+                              (post, "output_activation_dynamic_static_comp_stat")):
+            alone = float(observer.extreme_sums.sum()) / observer.num_batches_tracked / float(observer.extremes.sum())
+            assert float(entry[key]) == float(torch.tensor(alone)), (layer, key)
