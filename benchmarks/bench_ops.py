@@ -6,13 +6,17 @@ the analysis costs on this CPU against the forward (qcore's C kernels on).
                                                    # and the 0.5B Llama config (op counts only: minutes a run)
     python benchmarks/bench_ops.py --quick         # the examples' TinyResNet only
     python benchmarks/bench_ops.py --no-time       # the op counts alone
+    python benchmarks/bench_ops.py --llama1b       # also the 1B Llama config's CPU time (about 10-30 minutes)
 
 The cases are bench_analysis.py's and a 0.5B Llama config, 8 batches each.
 
 Each case runs in subprocesses of its own: every default check (as `pytest --qreport` runs them), and
 `sqnr,model_sqnr` alone, each counted with a TorchDispatchMode from capture to the last finding, against the eager
 forward; then bench_analysis.py's steady-state time of every default check against the forward (best of three
-rounds after a first analysis in the process, the capture apart).
+rounds after a first analysis in the process, the capture apart). With --llama1b, the 1B Llama config in float32
+(hidden 2048, 16 layers, 32,000-token vocabulary, seeded weights; bench_memory.py's 3 batches of 2 x 64 tokens) is
+analysed once with every default check, native kernels on, against its forward over the same batches: the capture
+and the analysis proper apart, as a session pays them.
 """
 from __future__ import annotations
 
@@ -84,10 +88,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-time", action="store_true", help="count the ops only")
+    parser.add_argument("--llama1b", action="store_true", help="also time the 1B Llama config on this CPU")
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--time-llama1b", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one)))
+        return
+    if args.time_llama1b:
+        print(json.dumps(time_llama1b()))
         return
     cases = ["cnn"] if args.quick else ["cnn", "minilm", "resnet18", "llama0.5b"]
     print(f"{'case':12} {'forward ops':>12} {'every default check':>28} {'sqnr,model_sqnr':>24} {'CPU time':>22}")
@@ -101,6 +110,36 @@ def main() -> None:
         timed = "" if args.no_time or name == "llama0.5b" else _cpu_time(name)
         print(f"{name:12} {row['forward']:>12,} {row['all']:>16,} ({row['all'] / row['forward']:>6.1f}x) "
               f"{row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x) {timed:>22}")
+    if args.llama1b:
+        environment = {key: value for key, value in os.environ.items() if key != "QCORE_NATIVE"}
+        output = subprocess.run([sys.executable, __file__, "--time-llama1b"], capture_output=True, text=True,
+                                cwd=ROOT, env=environment, timeout=7200)
+        if output.returncode:
+            print(f"llama1b: failed: {output.stderr[-500:]}")
+            return
+        row = json.loads(output.stdout.strip().splitlines()[-1])
+        print(f"llama1b, every default check, CPU: forward {row['forward']:.2f} s; capture {row['capture']:.1f} s; "
+              f"analysis {row['analysis']:.1f} s ({row['analysis'] / row['forward']:.0f}x the forward)")
+
+
+def time_llama1b() -> dict[str, float]:
+    """The 1B Llama config's forward, capture and analysis seconds on this CPU (native kernels on, 2 threads)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_analysis import _analyse, _forward_seconds  # noqa: E402 - the benchmarks are scripts
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000, use_cache=False)
+    model = LlamaForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, 32000, (2, 64), generator=generator)} for _ in range(3)]
+    forward = _forward_seconds(model, batches)
+    capture, analysis = _analyse(model, batches, None)
+    return {"forward": forward, "capture": capture, "analysis": analysis}
 
 
 def _cpu_time(name: str) -> str:
