@@ -15,8 +15,8 @@ Each case runs in subprocesses of its own: every default check (as `pytest --qre
 forward; then bench_analysis.py's steady-state time of every default check against the forward (best of three
 rounds after a first analysis in the process, the capture apart). With --llama1b, the 1B Llama config in float32
 (hidden 2048, 16 layers, 32,000-token vocabulary, seeded weights; bench_memory.py's 3 batches of 2 x 64 tokens) is
-analysed once with every default check, native kernels on, against its forward over the same batches: the capture
-and the analysis proper apart, as a session pays them.
+analysed once with every default check, native kernels on, against its forward over the same batches: the
+collection (capture) and the analysis proper apart, as a session pays them.
 """
 from __future__ import annotations
 
@@ -118,12 +118,14 @@ def main() -> None:
             print(f"llama1b: failed: {output.stderr[-500:]}")
             return
         row = json.loads(output.stdout.strip().splitlines()[-1])
-        print(f"llama1b, every default check, CPU: forward {row['forward']:.2f} s; capture {row['capture']:.1f} s; "
-              f"analysis {row['analysis']:.1f} s ({row['analysis'] / row['forward']:.0f}x the forward)")
+        print(f"llama1b, every default check, CPU: forward {row['forward']:.2f} s; "
+              f"collection {row['collection']:.1f} s; analysis {row['analysis']:.1f} s "
+              f"({row['analysis'] / row['forward']:.0f}x the forward)")
 
 
 def time_llama1b() -> dict[str, float]:
-    """The 1B Llama config's forward, capture and analysis seconds on this CPU (native kernels on, 2 threads)."""
+    """The 1B Llama config's forward, collection (capture) and analysis seconds on this CPU (native kernels on, 2
+    threads)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -138,8 +140,8 @@ def time_llama1b() -> dict[str, float]:
     generator = torch.Generator().manual_seed(1)
     batches = [{"input_ids": torch.randint(0, 32000, (2, 64), generator=generator)} for _ in range(3)]
     forward = _forward_seconds(model, batches)
-    capture, analysis = _analyse(model, batches, None)
-    return {"forward": forward, "capture": capture, "analysis": analysis}
+    collection, analysis = _analyse(model, batches, None)
+    return {"forward": forward, "collection": collection, "analysis": analysis}
 
 
 def _cpu_time(name: str) -> str:
