@@ -354,7 +354,8 @@ class InputWeightEqualizationDetector(DetectorBase):
             if observer.min_val.numel() == 0:
                 continue
             w_min, w_max = self._weight_ranges(model, op)
-            key = (observer.min_val.device, observer.min_val.dtype, w_min.device, w_min.dtype)
+            key = (observer.min_val.device, observer.min_val.dtype, observer.max_val.dtype, w_min.device, w_min.dtype,
+                   w_max.dtype)
             groups.setdefault(key, []).append((op, observer, w_min, w_max))
         found = {}
         for members in groups.values():
@@ -458,7 +459,7 @@ class OutlierDetector(DetectorBase):
 
     def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
         # every layer's channels laid end to end, one chain of ops and two host reads for all layers that share
-        # a device, their percentile's row and their batch count; each value is what its layer alone gives
+        # a device, dtypes, their percentile's row and their batch count; each value is what its layer alone gives
         groups: dict[tuple, list[tuple[QuantizableOp, ReportObserver]]] = {}
         layers = self.layers(model)
         for op in layers:
@@ -469,10 +470,12 @@ class OutlierDetector(DetectorBase):
             if observer.min_val.numel() == 0:
                 continue
             row = observer.percentiles.index(self.reference_percentile)
-            key = (observer.ratio_sums.device, observer.ratio_sums.shape[0], row, observer.num_batches_tracked)
+            buffers = (observer.ratio_sums, observer.ratio_counts, observer.constant_channels, observer.max_val)
+            key = (observer.ratio_sums.device, *(t.dtype for t in buffers), observer.ratio_sums.shape[0], row,
+                   observer.num_batches_tracked)
             groups.setdefault(key, []).append((op, observer))
         found = {}
-        for (_, _, row, total), members in groups.items():
+        for (*_, row, total), members in groups.items():
             observers = [observer for _, observer in members]
             sizes = [observer.min_val.numel() for observer in observers]
             counts = torch.cat([observer.ratio_counts for observer in observers], 1)[row]

@@ -494,3 +494,11 @@ def test_reports_of_all_layers_at_once_equal_each_layers_own():
                               (post, "output_activation_dynamic_static_comp_stat")):
             alone = float(observer.extreme_sums.sum()) / observer.num_batches_tracked / float(observer.extremes.sum())
             assert float(entry[key]) == float(torch.tensor(alone)), (layer, key)
+    widened = detectors[1]._observer(graph, "conv2", "pre").double()  # an observer of other dtypes: a group of its own
+    again = detectors[1].generate_detector_report(graph)[1]
+    ratios = widened.average_ratios(0.95).abs()
+    assert widened.max_val.dtype == torch.float64 and _same(again["conv2"]["input_activation_per_channel_max"],
+                                                             widened.max_val)
+    assert _same(again["conv2"]["outlier_detection_percentile_ratios"], torch.where(ratios < 1, 1 / ratios, ratios))
+    assert all(_same(again[layer][key], outliers[layer][key]) for layer in outliers if layer != "conv2"
+               for key in ("outlier_detection_percentile_ratios", "input_activation_per_channel_max"))
