@@ -131,6 +131,18 @@ class DetectorBase(abc.ABC):
         except AttributeError:
             return None
 
+    def _observed_inputs(self, model: fx.GraphModule) -> list[tuple[QuantizableOp, ReportObserver]]:
+        """(layer, its input's observer) of the layers whose input observer saw data, in graph order (the batches
+        it queued in this model call counted)."""
+        found = []
+        for op in self.layers(model):
+            observer = self._observer(model, op.layer, "pre")
+            if observer is not None:
+                deferred.run_pending(observer)
+                if observer.min_val.numel():
+                    found.append((op, observer))
+        return found
+
     def _point(self, node: fx.Node, observed: fx.Node, observer, post: bool) -> dict[str, Any]:
         return {DETECTOR_TARGET_NODE_KEY: node, DETECTOR_OBS_TO_INSERT_KEY: observer,
                 DETECTOR_IS_POST_OBS_KEY: post, DETECTOR_OBS_ARGS_KEY: (observed,)}
@@ -144,6 +156,12 @@ def _to_channels(weight_ranges: torch.Tensor, channels: int) -> torch.Tensor:
     if weight_ranges.numel() == 0 or channels % weight_ranges.numel():
         raise ValueError(f"a weight with {weight_ranges.numel()} input columns cannot serve {channels} input channels")
     return weight_ranges.repeat(channels // weight_ranges.numel())
+
+
+def _split_list(values: list, sizes: list[int]) -> list[list]:
+    """A host list of values laid end to end, cut back into its pieces of `sizes`."""
+    ends = list(itertools.accumulate(sizes))
+    return [values[end - size:end] for end, size in zip(ends, sizes)]
 
 
 def _tolist(t: torch.Tensor) -> list:
@@ -345,14 +363,8 @@ class InputWeightEqualizationDetector(DetectorBase):
         # every layer's channels laid end to end, one chain of ops and one host read for all layers on a device;
         # each layer's extremes are its own segment's (segment_reduce keeps a nan, as max() and min() do)
         groups: dict[tuple, list[tuple[QuantizableOp, ReportObserver, torch.Tensor, torch.Tensor]]] = {}
-        layers = self.layers(model)
-        for op in layers:
-            observer = self._observer(model, op.layer, "pre")
-            if observer is None:
-                continue
-            deferred.run_pending(observer)  # a batch queued in this model call counts
-            if observer.min_val.numel() == 0:
-                continue
+        observed = self._observed_inputs(model)
+        for op, observer in observed:
             w_min, w_max = self._weight_ranges(model, op)
             key = (observer.min_val.device, observer.min_val.dtype, observer.max_val.dtype, w_min.device, w_min.dtype,
                    w_max.dtype)
@@ -371,13 +383,13 @@ class InputWeightEqualizationDetector(DetectorBase):
             input_ratio = (in_max - in_min) / (in_top - in_bottom).repeat_interleave(lengths)
             weight_ratio = (w_high - w_low) / (w_top - w_bottom).repeat_interleave(lengths)
             comparison = torch.sqrt(weight_ratio) / torch.sqrt(input_ratio)
-            recommended = _tolist((comparison >= self.ratio_threshold) & (comparison <= 1 / self.ratio_threshold))
-            ends = list(itertools.accumulate(sizes))
-            for number, ((op, observer, w_min, w_max), (metric, layer_max, layer_min), extremes) in enumerate(zip(
-                    members, zip(*(torch.split(t, sizes) for t in (comparison, in_max, in_min))),
-                    zip(*(t.unbind() for t in (in_top, in_bottom, w_top, w_bottom))))):
+            recommended = _split_list(_tolist((comparison >= self.ratio_threshold)
+                                              & (comparison <= 1 / self.ratio_threshold)), sizes)
+            for (op, observer, w_min, w_max), flags, (metric, layer_max, layer_min), extremes in zip(
+                    members, recommended, zip(*(torch.split(t, sizes) for t in (comparison, in_max, in_min))),
+                    zip(*(t.unbind() for t in (in_top, in_bottom, w_top, w_bottom)))):
                 found[op.layer] = {
-                    self.RECOMMENDED_KEY: recommended[ends[number] - sizes[number]:ends[number]],
+                    self.RECOMMENDED_KEY: flags,
                     self.COMP_METRIC_KEY: metric, self.THRESHOLD_KEY: self.ratio_threshold,
                     self.CHANNEL_KEY: reported_axis(op, self.ch_axis, observer),
                     self.ACTIVATION_PREFIX + self.PER_CHANNEL_MAX_KEY: layer_max,
@@ -389,7 +401,7 @@ class InputWeightEqualizationDetector(DetectorBase):
                     self.WEIGHT_PREFIX + self.GLOBAL_MAX_KEY: extremes[2],
                     self.WEIGHT_PREFIX + self.GLOBAL_MIN_KEY: extremes[3],
                 }
-        return {op.layer: found[op.layer] for op in layers if op.layer in found}  # in graph order
+        return {op.layer: found[op.layer] for op, _ in observed}  # in graph order
 
     def is_layer_recommended(self, entry: dict[str, Any]) -> bool:
         """At least 40% of the layer's channels qualify."""
@@ -461,14 +473,8 @@ class OutlierDetector(DetectorBase):
         # every layer's channels laid end to end, one chain of ops and two host reads for all layers that share
         # a device, dtypes, their percentile's row and their batch count; each value is what its layer alone gives
         groups: dict[tuple, list[tuple[QuantizableOp, ReportObserver]]] = {}
-        layers = self.layers(model)
-        for op in layers:
-            observer = self._observer(model, op.layer, "pre")
-            if observer is None:
-                continue
-            deferred.run_pending(observer)  # a batch queued in this model call counts
-            if observer.min_val.numel() == 0:
-                continue
+        observed = self._observed_inputs(model)
+        for op, observer in observed:
             row = observer.percentiles.index(self.reference_percentile)
             buffers = (observer.ratio_sums, observer.ratio_counts, observer.constant_channels, observer.max_val)
             key = (observer.ratio_sums.device, *(t.dtype for t in buffers), observer.ratio_sums.shape[0], row,
@@ -483,23 +489,22 @@ class OutlierDetector(DetectorBase):
                                           counts).abs()
             ratios = torch.where(ratios < 1, 1 / ratios, ratios)  # magnitude either way; nan stays nan
             used = counts.to(torch.int32)  # torch.ao's dtype
-            outliers = _tolist(ratios > self.ratio_threshold)  # nan (all-zero channel) is no outlier
-            sufficient = _tolist(used / max(total, 1) >= self.fraction_batches_used_threshold)
+            outliers = _split_list(_tolist(ratios > self.ratio_threshold), sizes)  # nan (all-zero) is no outlier
+            sufficient = _split_list(_tolist(used / max(total, 1) >= self.fraction_batches_used_threshold), sizes)
             constant = torch.cat([observer.constant_channels for observer in observers]).to(torch.int32)
             maxima = torch.cat([observer.max_val for observer in observers])
-            ends = list(itertools.accumulate(sizes))
-            for number, ((op, observer), values) in enumerate(zip(members, zip(*(
-                    torch.split(t, sizes) for t in (ratios, used, constant, maxima))))):
-                channels = slice(ends[number] - sizes[number], ends[number])
+            for (op, observer), layer_outliers, layer_sufficient, values in zip(
+                    members, outliers, sufficient, zip(*(torch.split(t, sizes) for t in (ratios, used, constant,
+                                                                                       maxima)))):
                 found[op.layer] = {
                     self.CHANNEL_AXIS_KEY: reported_axis(op, self.ch_axis, observer),
                     self.REF_PERCENTILE_KEY: self.reference_percentile,
                     self.RATIO_THRES_KEY: self.ratio_threshold, self.COMP_METRIC_KEY: values[0],
-                    self.NUM_BATCHES_KEY: values[1], self.OUTLIER_KEY: outliers[channels],
-                    self.IS_SUFFICIENT_BATCHES_KEY: sufficient[channels],
+                    self.NUM_BATCHES_KEY: values[1], self.OUTLIER_KEY: layer_outliers,
+                    self.IS_SUFFICIENT_BATCHES_KEY: layer_sufficient,
                     self.CONSTANT_COUNTS_KEY: values[2], self.MAX_VALS_KEY: values[3],
                 }
-        return {op.layer: found[op.layer] for op in layers if op.layer in found}  # in graph order
+        return {op.layer: found[op.layer] for op, _ in observed}  # in graph order
 
     def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
         info = self._info(model)
