@@ -47,7 +47,7 @@ from qcore.observe.qparams import (
 )
 from qcore.quantization.calibrate import CalibrationError, OutputSink, calibrate
 from qcore.quantization.calibrated import CalibratedObservers
-from qcore.quantization.convert import convert, fake_quantize_over_input, restore_model_state
+from qcore.quantization.convert import convert, fake_quantize_over_input, fake_quantize_where_read, restore_model_state
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Int8StaticQuantizer, Quantizer
 from qcore.report.detectors import DetectorBase
@@ -372,7 +372,8 @@ def _quantized_weight_rows(quant_gm: fx.GraphModule, node: fx.Node, float_node: 
     rest = [weight_value(quant_gm, a) if isinstance(a, fx.Node) else a for a in node.args[1:]]
     if node.target is fake_quantize_per_tensor:
         return lambda part: fake_quantize_per_tensor(original[part], *rest)
-    if node.target in (fake_quantize_per_channel, fake_quantize_over_input) and rest[2] % original.dim() == 0:
+    per_channel = (fake_quantize_per_channel, fake_quantize_where_read, fake_quantize_over_input)
+    if node.target in per_channel and rest[2] % original.dim() == 0:
         scale, zero_point, _, quant_min, quant_max = rest
         return lambda part: fake_quantize_per_channel(original[part], scale[part], zero_point[part], 0, quant_min,
                                                       quant_max)

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from qcore.observe.qparams import row_slices
+from qcore.runtime import native
 
 __all__ = ["compared_by_rows", "compute_cosine_similarity", "compute_normalized_l2_error", "compute_sqnr",
-           "large_tensor_sqnr", "rowwise_sqnr", "sqnr_from_sums"]
+           "large_tensor_sqnr", "rowwise_sqnr", "signal_and_noise", "sqnr_from_sums"]
 
 _ROWS_ELEMENTS = 1 << 20  # compared at a time by large_tensor_sqnr (in float64: four 8 MB transients)
 
@@ -82,10 +83,23 @@ def large_tensor_sqnr(x: torch.Tensor, y: torch.Tensor) -> float:
 def rowwise_sqnr(x: torch.Tensor, rows_of_y: Callable[[slice], torch.Tensor]) -> float:
     """large_tensor_sqnr(x, y) of an x compared_by_rows, with y made a few rows at a time by `rows_of_y(rows)` and
     never whole (an LM head's quantized copy): the same sums, and inf where y equals x."""
-    signal = torch.zeros((), dtype=torch.float64, device=x.device)
-    noise = torch.zeros((), dtype=torch.float64, device=x.device)
+    sums = torch.zeros(2, dtype=torch.float64, device=x.device)
     for part in row_slices(x, _ROWS_ELEMENTS):
-        a, b = x[part].double(), rows_of_y(part).double()
-        signal += a.square().sum()
-        noise += (a - b).square_().sum()
-    return sqnr_from_sums(float(signal), float(noise))
+        sums += signal_and_noise(x[part], rows_of_y(part))
+    signal, noise = sums.tolist()
+    return sqnr_from_sums(signal, noise)
+
+
+def signal_and_noise(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[sum(x^2), sum((x - y)^2)] in float64 of two tensors of one shape (no host sync): one pass of the native
+    kernel for float32 CPU tensors (no float64 copies, which for an LM head's logits are fresh pages each time),
+    else torch ops on float64 copies."""
+    if (x.__class__ is y.__class__ is torch.Tensor and x.dtype == y.dtype == torch.float32 and x.is_cpu and y.is_cpu
+            and x.shape == y.shape and native.kernel() is not None):
+        x, y = x.detach().contiguous(), y.detach().contiguous()
+        sums = torch.zeros(4, dtype=torch.float64)
+        native.kernel().qcore_compare_sums(x.data_ptr(), y.data_ptr(), x.numel(), native.threads(x.numel()),
+                                           sums.data_ptr())
+        return sums[[0, 3]]
+    a = x.double()
+    return torch.stack([a.square().sum(), (a - y.double()).square_().sum()])

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from qcore.runtime import native
+from qcore.runtime import native, scratch
 
 __all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRIC_SCHEMES", "calculate_qparams",
     "default_quant_range", "fake_quantize_dynamic", "fake_quantize_finite_per_channel", "fake_quantize_per_channel",
@@ -180,10 +180,12 @@ def fake_quantize_per_channel(
     quant_min: int,
     quant_max: int,
     in_place: bool = False,
+    reuse_output: bool = False,
 ) -> torch.Tensor:
     """Quantize then dequantize with one scale and zero point per slice along `axis`; the result has x's dtype.
     in_place=True may write the result over x (a large contiguous x, made for this call alone), instead of
-    allocating a second copy."""
+    allocating a second copy; reuse_output=True may write it into a buffer of qcore.runtime.scratch's pool (a
+    result that lives briefly: a weight quantized where it is read)."""
     float_zero_point = zero_point.is_floating_point()
     scale, inv_scale, zero_point = per_channel_steps(scale, zero_point, axis, x)
     if (x.__class__ in _PLAIN_TENSORS and x.dtype == torch.float32 and x.is_cpu and x.dim() and axis % x.dim() == 0
@@ -193,7 +195,8 @@ def fake_quantize_per_channel(
         if library is not None and bool(zero_point.abs().le(_NATIVE_RANGE).all()):  # the same roundings, one pass
             in_place = in_place and x.is_contiguous()
             x = x.contiguous()
-            out = x if in_place else torch.empty_like(x)
+            reused = scratch.reused_like(x) if reuse_output and not in_place else None
+            out = x if in_place else torch.empty_like(x) if reused is None else reused
             channels = x.shape[0]
             inverse, steps, low, high = (value.reshape(-1).expand(channels).contiguous() for value in (
                 inv_scale, scale, quant_min - zero_point, quant_max - zero_point))

@@ -32,6 +32,7 @@ from qcore.quantization.format_quantizer import (
 )
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Int8StaticQuantizer, Quantizer
+from qcore.runtime.scratch import reused_outputs
 
 QPARAMS_KEY = "qcore_qparams"
 _WHERE_READ = contextvars.ContextVar("qcore_quantize_weights_where_read", default=False)
@@ -42,10 +43,13 @@ def quantize_weights_where_read(enabled: bool = True) -> Iterator[None]:
     """Within the block, convert keeps no quantized copy of an integer-quantized weight: the converted graph
     fake-quantizes the float weight each time it reads it (the same values, bit for bit; one pass of a native
     kernel for float32), with only the qparams held. Meant for large models, where a copy per weight would add
-    its bytes again to the weights' memory."""
+    its bytes again to the weights' memory. The float32 weights quantized on the CPU are written into buffers
+    reused within the block (qcore.runtime.scratch): a fresh allocation of their size costs more than the
+    quantization."""
     token = _WHERE_READ.set(enabled)
     try:
-        yield
+        with reused_outputs() if enabled else contextlib.nullcontext():
+            yield
     finally:
         _WHERE_READ.reset(token)
 
@@ -288,6 +292,13 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache, 
     return node
 
 
+def fake_quantize_where_read(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
+                             quant_min: int, quant_max: int) -> torch.Tensor:
+    """fake_quantize_per_channel of a weight where it is read, into a reused buffer where one is free (its result
+    lives until its layer's matmul: qcore.runtime.scratch)."""
+    return fake_quantize_per_channel(x, scale, zero_point, axis, quant_min, quant_max, reuse_output=True)
+
+
 def fake_quantize_over_input(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
                              quant_min: int, quant_max: int) -> torch.Tensor:
     """fake_quantize_per_channel written over x, a tensor made for this call alone (a rewritten weight)."""
@@ -309,7 +320,7 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
         if (weight.dtype == torch.float32 and weight.is_cpu) or zero_point.is_floating_point():
             gm.register_buffer(name + "_scale", scale)  # the native kernel's path, or float zero points
             gm.register_buffer(name + "_zero_point", zero_point)
-            node = graph.call_function(fake_quantize_over_input if alone else fake_quantize_per_channel, (
+            node = graph.call_function(fake_quantize_over_input if alone else fake_quantize_where_read, (
                 source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), axis,
                 observer.quant_min, observer.quant_max))
         elif not alone and fused_kernels_preferred(weight) and _fused_kernel_takes(values, observer):  # one op
@@ -431,7 +442,8 @@ def quantize(
     return float_gm, quant_gm
 
 
-__all__ = ["convert", "quantize", "fake_quantize_over_input", "fake_quantize_with", "quantize_weights_where_read",
+__all__ = ["convert", "quantize", "fake_quantize_over_input", "fake_quantize_where_read", "fake_quantize_with",
+           "quantize_weights_where_read",
            "weights_quantized_where_read", "restore_model_state",
            "round_trip_through",
            "QPARAMS_KEY", "FQN_KEY"]

@@ -25,6 +25,7 @@ from qcore.graph.deferred import RuleFactors, rewrite
 from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, op_kind
 from qcore.graph.rewritable import conv_groups, equalization_refusal, fetch_tensor, node_is_transposed
 from qcore.quantization.calibrate import calibrate
+from qcore.runtime import scratch
 
 __all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserver", "WeightEqualizationObserver",
     "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
@@ -175,7 +176,7 @@ def _scale_weight_columns(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Te
 
     def rule(weight: torch.Tensor) -> torch.Tensor:
         factor = factors(weight)
-        return weight / factor if inverse else weight * factor
+        return scratch.elementwise(torch.div if inverse else torch.mul, weight, factor)
 
     rewrite(gm, op.weight_target, rule, deferred)
 
@@ -184,7 +185,7 @@ def _scale_output_rows(gm: fx.GraphModule, op: QuantizableOp, scale: torch.Tenso
                        deferred: bool = False) -> None:
     def rule(value: torch.Tensor) -> torch.Tensor:
         factor = scale.to(value).reshape(-1, *([1] * (value.dim() - 1)))
-        return value / factor if inverse else value * factor
+        return scratch.elementwise(torch.div if inverse else torch.mul, value, factor)
 
     for node in (op.weight, op.bias):
         if node is not None:

@@ -31,6 +31,7 @@ from qcore.graph.ops import FQN_KEY, QuantizableOp, fetch_attr, find_quantizable
 from qcore.graph.rewritable import equalization_refusal
 from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor
 from qcore.quantization.calibrate import calibrate
+from qcore.runtime import scratch
 
 __all__ = ["ALPHA_GRID", "SmoothingGroup", "smooth", "smoothing_alpha", "smoothing_groups"]
 
@@ -345,10 +346,10 @@ def _rewrite(gm: fx.GraphModule, group: SmoothingGroup, scale: torch.Tensor, def
     row_factors = RuleFactors(lambda value: scale.to(value).reshape(-1, *([1] * (value.dim() - 1))))
 
     def columns(weight: torch.Tensor) -> torch.Tensor:
-        return weight * column_factors(weight)
+        return scratch.elementwise(torch.mul, weight, column_factors(weight))
 
     def rows(value: torch.Tensor) -> torch.Tensor:
-        return value / row_factors(value)
+        return scratch.elementwise(torch.div, value, row_factors(value))
 
     for op in group.ops:
         rewrite(gm, op.weight_target, columns, deferred)

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.inputs import call_model, move_to
 from qcore.graph.ops import INSERTED_KEY, fetch_attr, find_quantizable_ops, is_weight_value
-from qcore.numeric.metrics import sqnr_from_sums
+from qcore.numeric.metrics import signal_and_noise, sqnr_from_sums
 from qcore.quantization.calibrate import calibrate, model_device
 from qcore.quantization.convert import convert, restore_model_state
 from qcore.quantization.prepare import prepare
@@ -235,7 +235,7 @@ class FloatReference:
                 _, moved, reference = self._references[id(batch)]
                 actual = _float_leaves(call_model(gm, moved) if run is None else run(batch, moved))
                 for index, (a, b) in enumerate(zip(reference, actual)):
-                    pair = torch.stack([a.double().square().sum(), (a.double() - b.double()).square().sum()])
+                    pair = signal_and_noise(a, b)
                     if index == len(sums):
                         sums.append(pair)
                     else:

@@ -1,0 +1,83 @@
+"""Output buffers reused for large values that live briefly on the CPU.
+
+A weight quantized where it is read lives from that read to its layer's matmul. On the CPU a fresh allocation of
+tens of MB comes from the system as new pages, each zeroed on its first write: for a 46 MB weight that costs ten
+times the fake quantization that fills it (and an LM head's, every batch of every pass). Within `reused_outputs()`,
+`reused_like()` hands out a buffer of the same shape that nothing holds any more instead: no tensor, view or storage
+other than the pool's refers to it, which the storage's use count tells.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+
+import torch
+
+__all__ = ["ScratchBuffers", "elementwise", "reused_like", "reused_outputs"]
+
+# smaller allocations come from the heap's free lists already
+MIN_REUSED_BYTES = 1 << 20
+_POOL: contextvars.ContextVar[ScratchBuffers | None] = contextvars.ContextVar("qcore_scratch_buffers", default=None)
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class ScratchBuffers:
+    """At most `per_shape` buffers of each CPU shape and dtype, each handed out again once nothing else holds it."""
+
+    def __init__(self, per_shape: int = 2) -> None:
+        self.per_shape = per_shape
+        # (shape, dtype) -> [(a buffer's storage, its use count when only the pool holds it)]
+        self._buffers: dict[tuple, list[tuple[torch.UntypedStorage, int]]] = {}
+
+    def empty_like(self, x: torch.Tensor) -> torch.Tensor:
+        """A contiguous uninitialized tensor of x's shape and dtype on a free pooled buffer, or on a new one (pooled
+        while the pool has room for its shape). Each is a tensor of its own on the buffer's storage, so that while
+        it, or a view of it, is alive the storage's use count says the buffer is taken."""
+        entries = self._buffers.setdefault((tuple(x.shape), x.dtype), [])
+        for storage, idle in entries:
+            if _use_count(storage._cdata) == idle:  # type: ignore[misc]
+                return torch.empty(0, dtype=x.dtype).set_(storage, 0, x.shape)
+        if len(entries) >= self.per_shape:
+            return torch.empty(x.shape, dtype=x.dtype)
+        storage = torch.empty(x.shape, dtype=x.dtype).untyped_storage()  # the pool alone holds it now
+        entries.append((storage, _use_count(storage._cdata)))  # type: ignore[misc]
+        return torch.empty(0, dtype=x.dtype).set_(storage, 0, x.shape)
+
+    def clear(self) -> None:
+        """Let every pooled buffer go."""
+        self._buffers.clear()
+
+
+@contextlib.contextmanager
+def reused_outputs(per_shape: int = 2) -> Iterator[ScratchBuffers]:
+    """Within the block, reused_like() of a large CPU tensor reuses buffers nothing holds any more; they go at the
+    end of the block."""
+    pool = ScratchBuffers(per_shape)
+    token = _POOL.set(pool)
+    try:
+        yield pool
+    finally:
+        _POOL.reset(token)
+        pool.clear()
+
+
+def reused_like(x: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous uninitialized tensor of x's shape and dtype from reused_outputs()'s pool, for a large CPU x
+    outside autograd; None where no pool is open or x is not such a tensor."""
+    pool = _POOL.get()
+    if (pool is None or _use_count is None or not x.is_cpu or x.layout is not torch.strided
+            or x.numel() * x.element_size() < MIN_REUSED_BYTES or (x.requires_grad and torch.is_grad_enabled())):
+        return None
+    return pool.empty_like(x)
+
+
+def elementwise(op: Callable[..., torch.Tensor], x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """op(x, other) of a binary elementwise op (torch.mul, torch.div), into a reused buffer where one is free and the
+    result has x's shape and dtype: the same values."""
+    if other.is_floating_point() and other.dtype != x.dtype:
+        return op(x, other)
+    out = reused_like(x)
+    if out is None or torch.broadcast_shapes(x.shape, other.shape) != x.shape or other.requires_grad:
+        return op(x, other)
+    return op(x, other, out=out)

@@ -1,0 +1,108 @@
+"""Reused output buffers for large short-lived CPU values (qcore.runtime.scratch): handed out again only once nothing
+holds them, and the analyses that use them give the same numbers."""
+import pytest
+import torch
+
+import qcore
+from qcore.analysis import AnalysisPlan, ModelAnalysis
+from qcore.observe.qparams import fake_quantize_per_channel
+from qcore.quantization.convert import fake_quantize_where_read, quantize_weights_where_read
+from qcore.runtime import scratch
+from qcore.search.sensitivity import SwitchableModel
+from tests.models import tiny_llama
+
+LARGE = (1024, 512)  # 2 MiB in float32: above scratch.MIN_REUSED_BYTES
+
+
+def test_a_buffer_is_handed_out_again_only_once_nothing_holds_it():
+    x = torch.randn(LARGE)
+    with scratch.reused_outputs():
+        first = scratch.reused_like(x)
+        pointer = first.data_ptr()
+        view = first.t()  # a view keeps the storage: the buffer is not free
+        del first
+        second = scratch.reused_like(x)
+        assert second.data_ptr() != pointer and second.shape == x.shape and second.is_contiguous()
+        del view
+        del second
+        third = scratch.reused_like(x)  # both are free now: the first one pooled
+        assert third.data_ptr() == pointer
+        held = scratch.reused_like(x)
+        extra = scratch.reused_like(x)  # two are pooled per shape and both are held: a fresh one
+        assert len({third.data_ptr(), held.data_ptr(), extra.data_ptr()}) == 3
+
+
+def test_no_buffer_is_reused_outside_the_block_for_small_tensors_or_under_autograd():
+    x = torch.randn(LARGE)
+    assert scratch.reused_like(x) is None
+    with scratch.reused_outputs():
+        assert scratch.reused_like(torch.randn(8, 8)) is None
+        with torch.enable_grad():
+            assert scratch.reused_like(x.requires_grad_()) is None
+        assert scratch.reused_like(torch.randn(LARGE, dtype=torch.bfloat16)) is not None
+
+
+def test_elementwise_gives_the_values_of_the_op_and_leaves_what_it_cannot_write_over_to_the_op():
+    x, columns, rows = torch.randn(LARGE), torch.rand(1, LARGE[1]) + 0.5, torch.rand(LARGE[0], 1) + 0.5
+    with scratch.reused_outputs():
+        kept = scratch.elementwise(torch.mul, x, columns)
+        again = scratch.elementwise(torch.div, x, rows)  # `kept` is held: another buffer
+        assert torch.equal(kept, x * columns) and torch.equal(again, x / rows)
+        assert kept.data_ptr() != again.data_ptr()
+        wider = scratch.elementwise(torch.mul, torch.randn(1, LARGE[1]), torch.randn(LARGE))  # broadcast to other's
+        assert wider.shape == LARGE
+        promoted = scratch.elementwise(torch.mul, x, columns.double())
+        assert promoted.dtype == torch.float64
+
+
+def test_a_weight_quantized_where_read_into_reused_buffers_keeps_the_values_it_gave():
+    torch.manual_seed(0)
+    weights = [torch.randn(LARGE) for _ in range(3)]
+    scale = torch.rand(LARGE[0]) * 0.02 + 0.005
+    zero_point = torch.zeros(LARGE[0], dtype=torch.int64)
+    expected = [fake_quantize_per_channel(w, scale, zero_point, 0, -127, 127) for w in weights]
+    with scratch.reused_outputs():
+        held = [fake_quantize_where_read(w, scale, zero_point, 0, -127, 127) for w in weights]
+        assert all(torch.equal(a, b) for a, b in zip(held, expected))  # three held at once: none written over
+        del held
+        pointers = set()
+        for w, value in zip(weights, expected):  # one at a time: one buffer serves them all
+            result = fake_quantize_where_read(w, scale, zero_point, 0, -127, 127)
+            assert torch.equal(result, value)
+            pointers.add(result.data_ptr())
+            del result
+        assert len(pointers) == 1
+
+
+@pytest.fixture
+def every_weight_reused(monkeypatch):
+    """Tiny models' weights go through the pool too."""
+    monkeypatch.setattr(scratch, "MIN_REUSED_BYTES", 0)
+
+
+def test_an_analysis_quantized_where_read_into_reused_buffers_equals_the_one_with_quantized_copies(
+        every_weight_reused):
+    pytest.importorskip("transformers")
+    model, batches = tiny_llama(layers=2, batch=2)
+    float_gm = qcore.capture(model, batches[0])
+    plan = AnalysisPlan(measurements=frozenset({"sqnr", "equalization", "logits"}))
+    plain = ModelAnalysis(float_gm, batches=batches, plan=plan)
+    settings = ([], ["model.layers.0.self_attn.q_proj", "lm_head"], None)
+    plain_switches = SwitchableModel(float_gm, batches)
+    expected = []
+    for kept in settings:
+        plain_switches.quantize_only(plain_switches.layers if kept is None else kept)
+        expected.append(plain_switches.run(batches))
+    with quantize_weights_where_read():
+        reused = ModelAnalysis(float_gm, batches=batches, plan=plan)
+        measured = reused.measurement
+        trial = reused.variant(equalize="smooth:search").sqnr
+        switches = SwitchableModel(float_gm, batches)
+        found = []
+        for kept in settings:
+            switches.quantize_only(switches.layers if kept is None else kept)
+            found.append(switches.run(batches))
+    assert found == expected
+    assert measured.sqnr == plain.measurement.sqnr and measured.variants == plain.measurement.variants
+    assert measured.logits == plain.measurement.logits
+    assert trial == plain.variant(equalize="smooth:search").sqnr
