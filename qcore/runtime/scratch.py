@@ -27,22 +27,23 @@ class ScratchBuffers:
 
     def __init__(self, per_shape: int = 2) -> None:
         self.per_shape = per_shape
-        # (shape, dtype) -> [(a buffer's storage, its use count when only the pool holds it)]
-        self._buffers: dict[tuple, list[tuple[torch.UntypedStorage, int]]] = {}
+        # (shape, dtype) -> [(buffer, its storage, the storage's use count when only the pool holds it)]
+        self._buffers: dict[tuple, list[tuple[torch.Tensor, torch.UntypedStorage, int]]] = {}
 
     def empty_like(self, x: torch.Tensor) -> torch.Tensor:
         """A contiguous uninitialized tensor of x's shape and dtype on a free pooled buffer, or on a new one (pooled
-        while the pool has room for its shape). Each is a tensor of its own on the buffer's storage, so that while
-        it, or a view of it, is alive the storage's use count says the buffer is taken."""
+        while the pool has room for its shape). Each is a view of the pooled buffer, so that while it, or a view of
+        it, is alive the storage's use count says the buffer is taken."""
         entries = self._buffers.setdefault((tuple(x.shape), x.dtype), [])
-        for storage, idle in entries:
+        for buffer, storage, idle in entries:
             if _use_count(storage._cdata) == idle:  # type: ignore[misc]
-                return torch.empty(0, dtype=x.dtype).set_(storage, 0, x.shape)
+                return buffer.view(buffer.shape)
+        buffer = torch.empty(x.shape, dtype=x.dtype)
         if len(entries) >= self.per_shape:
-            return torch.empty(x.shape, dtype=x.dtype)
-        storage = torch.empty(x.shape, dtype=x.dtype).untyped_storage()  # the pool alone holds it now
-        entries.append((storage, _use_count(storage._cdata)))  # type: ignore[misc]
-        return torch.empty(0, dtype=x.dtype).set_(storage, 0, x.shape)
+            return buffer
+        storage = buffer.untyped_storage()
+        entries.append((buffer, storage, _use_count(storage._cdata)))  # type: ignore[misc]
+        return buffer.view(buffer.shape)
 
     def clear(self) -> None:
         """Let every pooled buffer go."""

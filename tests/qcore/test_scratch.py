@@ -9,6 +9,7 @@ from qcore.observe.qparams import fake_quantize_per_channel
 from qcore.quantization.convert import fake_quantize_where_read, quantize_weights_where_read
 from qcore.runtime import scratch
 from qcore.search.sensitivity import SwitchableModel
+from tests.helpers import count_aten_ops
 from tests.models import tiny_llama
 
 LARGE = (1024, 512)  # 2 MiB in float32: above scratch.MIN_REUSED_BYTES
@@ -27,6 +28,9 @@ def test_a_buffer_is_handed_out_again_only_once_nothing_holds_it():
         del second
         third = scratch.reused_like(x)  # both are free now: the first one pooled
         assert third.data_ptr() == pointer
+        del third
+        ops, third = count_aten_ops(lambda: scratch.reused_like(x))
+        assert ops == 1 and third.data_ptr() == pointer  # one op, as torch.empty_like: the op count is unchanged
         held = scratch.reused_like(x)
         extra = scratch.reused_like(x)  # two are pooled per shape and both are held: a fresh one
         assert len({third.data_ptr(), held.data_ptr(), extra.data_ptr()}) == 3
