@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from qcore.runtime import native
+
 __all__ = ["ScratchBuffers", "elementwise", "reused_like", "reused_outputs"]
 
 # smaller allocations come from the heap's free lists already
@@ -65,9 +67,10 @@ def reused_outputs(per_shape: int = 2) -> Iterator[ScratchBuffers]:
 
 def reused_like(x: torch.Tensor) -> torch.Tensor | None:
     """A contiguous uninitialized tensor of x's shape and dtype from reused_outputs()'s pool, for a large CPU x
-    outside autograd; None where no pool is open or x is not such a tensor."""
+    outside autograd; None where no pool is open or x is not such a tensor. Not on the torch path (QCORE_NATIVE=0):
+    it stands for a GPU, whose caching allocator reuses memory already, so its op count stays a GPU's."""
     pool = _POOL.get()
-    if (pool is None or _use_count is None or not x.is_cpu or x.layout is not torch.strided
+    if (pool is None or _use_count is None or not x.is_cpu or native.kernel() is None or x.layout is not torch.strided
             or x.numel() * x.element_size() < MIN_REUSED_BYTES or (x.requires_grad and torch.is_grad_enabled())):
         return None
     return pool.empty_like(x)

@@ -1,5 +1,7 @@
 """Reused output buffers for large short-lived CPU values (qcore.runtime.scratch): handed out again only once nothing
 holds them, and the analyses that use them give the same numbers."""
+from unittest import mock
+
 import pytest
 import torch
 
@@ -7,10 +9,13 @@ import qcore
 from qcore.analysis import AnalysisPlan, ModelAnalysis
 from qcore.observe.qparams import fake_quantize_per_channel
 from qcore.quantization.convert import fake_quantize_where_read, quantize_weights_where_read
-from qcore.runtime import scratch
+from qcore.runtime import native, scratch
 from qcore.search.sensitivity import SwitchableModel
 from tests.helpers import count_aten_ops
 from tests.models import tiny_llama
+
+pytestmark = pytest.mark.skipif(native.kernel() is None, reason="the pool serves the CPU path with qcore's native "
+                                "kernels; the torch path stands for a GPU")
 
 LARGE = (1024, 512)  # 2 MiB in float32: above scratch.MIN_REUSED_BYTES
 
@@ -44,6 +49,8 @@ def test_no_buffer_is_reused_outside_the_block_for_small_tensors_or_under_autogr
         with torch.enable_grad():
             assert scratch.reused_like(x.requires_grad_()) is None
         assert scratch.reused_like(torch.randn(LARGE, dtype=torch.bfloat16)) is not None
+        with mock.patch.dict(native._state, {"library": None}):  # the torch path, as on a GPU: no pool, no extra op
+            assert scratch.reused_like(x.detach()) is None
 
 
 def test_elementwise_gives_the_values_of_the_op_and_leaves_what_it_cannot_write_over_to_the_op():
