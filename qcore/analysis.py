@@ -614,7 +614,6 @@ class ModelAnalysis:
             with stage("trials"):
                 cache[key] = find_float_layers(self.quantized_input_gm, self.batches, self.quantizer, target_db,
                                                max_float_layers=max_float_layers, max_batches=max_batches,
-                                               sensitivity=self.sensitivity(None, max_batches, only_quantized=False),
                                                model=self.switchable)
         return cache[key]
 

@@ -112,7 +112,8 @@ class SwitchedRuns(ABC):
 
     def _init_runs(self, float_gm: fx.GraphModule, switch_nodes: list[fx.Node], resume: bool) -> None:
         self._reference = FloatReference(float_gm)
-        self._measured: dict[tuple, float] = {}  # (switch setting, batch ids) -> output SQNR
+        # (switch setting, batch id) -> that batch's (signal, noise) sums per output leaf
+        self._sums: dict[tuple, list[torch.Tensor]] = {}
         self._resumable = ResumableGraph(self.gm, switch_nodes if resume else [], self._switch_state)
 
     @abstractmethod
@@ -125,29 +126,28 @@ class SwitchedRuns(ABC):
         Every setting is compared with the same float outputs, so those are computed once per batch and kept (the
         output leaves of the batches measured: 2 batches by default in the searches). A run after record() starts
         each batch from the values recorded before the first layer whose switches differ from the recorded
-        setting. A setting measured before on the same batches is not run again (the float_layers search's
-        ranking and the sensitivity check's share their one-layer-in-float runs).
+        setting. A setting measured before on a batch is not run on it again: its sums are kept per batch, so a
+        setting estimated on one batch and then measured on two runs the second batch only (the float_layers
+        search's ranking and the sensitivity check's share their one-layer-in-float runs).
         """
-        batches = list(batches)
-        key = self._setting(batches)
-        if key not in self._measured:
-            self._measured[key] = self._reference.output_sqnr(
-                self.gm, batches, lambda batch, moved: self._resumable.run(id(batch), moved))
-        return self._measured[key]
+        return self._measure(list(batches), record=False)
 
     def record(self, batches: Iterable[Any]) -> float:
         """run(), keeping the values later runs of the same batches can start from (the last two settings)."""
-        batches = list(batches)
-        key = self._setting(batches)
-        if key in self._measured and all(self._resumable.recorded(id(batch)) for batch in batches):
-            return self._measured[key]
-        self._measured[key] = self._reference.output_sqnr(
-            self.gm, batches, lambda batch, moved: self._resumable.record(id(batch), moved))
-        return self._measured[key]
+        return self._measure(list(batches), record=True)
 
-    def _setting(self, batches: list[Any]) -> tuple:
-        # batches are kept by the float reference once measured, so their ids stay theirs
-        return tuple(self._switch_state()), tuple(id(batch) for batch in batches)
+    def _measure(self, batches: list[Any], record: bool) -> float:
+        state = tuple(self._switch_state())
+        step = self._resumable.record if record else self._resumable.run
+        per_batch = []
+        for batch in batches:
+            # batches are kept by the float reference once measured, so their ids stay theirs
+            key = (state, id(batch))
+            if key not in self._sums or (record and not self._resumable.recorded(id(batch))):
+                self._sums[key] = self._reference.batch_sums(self.gm, batch,
+                                                             lambda batch, moved: step(id(batch), moved))
+            per_batch.append(self._sums[key])
+        return output_sqnr_from(per_batch)
 
     def forget(self) -> None:
         """Drop what record() kept."""
@@ -225,23 +225,32 @@ class FloatReference:
                     run: Callable[[Any, Any], Any] | None = None) -> float:
         """Model-output SQNR (dB) of `gm` against the float graph over `batches`, worst output leaf; `run(batch,
         moved batch)` computes gm's outputs where given."""
-        device = model_device(self.float_gm)
-        sums: list[torch.Tensor] = []
+        return output_sqnr_from([self.batch_sums(gm, batch, run) for batch in batches])
+
+    def batch_sums(self, gm: fx.GraphModule, batch: Any, run: Callable[[Any, Any], Any] | None = None
+                   ) -> list[torch.Tensor]:
+        """The (signal, noise) sums of each output leaf of `gm` against the float graph on one batch."""
+        if id(batch) not in self._references:  # the batch is kept too, so its id cannot be reused
+            moved = move_to(batch, model_device(self.float_gm))
+            with torch.no_grad():
+                self._references[id(batch)] = (batch, moved, _float_leaves(call_model(self.float_gm, moved)))
+        _, moved, reference = self._references[id(batch)]
         with torch.no_grad():
-            for batch in batches:
-                if id(batch) not in self._references:  # the batch is kept too, so its id cannot be reused
-                    moved = move_to(batch, device)
-                    self._references[id(batch)] = (batch, moved, _float_leaves(call_model(self.float_gm, moved)))
-                _, moved, reference = self._references[id(batch)]
-                actual = _float_leaves(call_model(gm, moved) if run is None else run(batch, moved))
-                for index, (a, b) in enumerate(zip(reference, actual)):
-                    pair = signal_and_noise(a, b)
-                    if index == len(sums):
-                        sums.append(pair)
-                    else:
-                        sums[index] = sums[index] + pair
-        values = [sqnr_from_sums(*(float(v) for v in pair.tolist())) for pair in sums]
-        return min(values) if values else math.nan
+            actual = _float_leaves(call_model(gm, moved) if run is None else run(batch, moved))
+            return [signal_and_noise(a, b) for a, b in zip(reference, actual)]
+
+
+def output_sqnr_from(per_batch: Sequence[list[torch.Tensor]]) -> float:
+    """The worst output leaf's SQNR (dB) from per-batch (signal, noise) sums, added in batch order."""
+    sums: list[torch.Tensor] = []
+    for pairs in per_batch:
+        for index, pair in enumerate(pairs):
+            if index == len(sums):
+                sums.append(pair)
+            else:
+                sums[index] = sums[index] + pair
+    values = [sqnr_from_sums(*(float(v) for v in pair.tolist())) for pair in sums]
+    return min(values) if values else math.nan
 
 
 def _float_leaves(value: Any) -> list[torch.Tensor]:
@@ -310,32 +319,37 @@ def with_float_layers(quantizer: Quantizer, layers: Iterable[str]) -> Quantizer:
 def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None, target_db: float,
                       *, max_float_layers: int = 8, candidates: int = 12, max_batches: int | None = 2,
                       sensitivity: SensitivityResult | None = None, model: SwitchableModel | None = None,
-                      compare_with_ranking: bool = False) -> FloatLayersFix:
+                      compare_with_ranking: bool = False, estimate: bool = True) -> FloatLayersFix:
     """Greedy search for a small set of layers to keep in float so that the output SQNR reaches `target_db`,
     then one exact measurement with that set skipped by the quantizer.
 
-    Each step keeps in float the candidate whose float-ification helps most (candidates: the `candidates`
-    most sensitive layers), until the target is met or `max_float_layers` are chosen.
+    Each step keeps in float the candidate whose float-ification helps most over the search batches (the first
+    `max_batches`), until the target is met or `max_float_layers` are chosen. The candidates are the `candidates`
+    layers that help most alone (from `sensitivity` when given). Every layer, and every candidate of a step, is
+    estimated on the first search batch; only the best estimates are measured on the other batches
+    (REMEASURED_CANDIDATES of a step, twice `candidates` of the ranking), and the best measured is chosen.
+    estimate=False measures every one on every search batch.
     """
     quantizer = quantizer or Int8StaticQuantizer()
     model = model or SwitchableModel(float_gm, batches, quantizer)
     subset = list(batches)[:max_batches] if max_batches else list(batches)
-    ranking = sensitivity or layer_sensitivity(float_gm, subset, quantizer, model=model)
-    pool = [entry.layer for entry in ranking.layers][:candidates]
+    if sensitivity is not None:
+        pool = [entry.layer for entry in sensitivity.layers][:candidates]
+        all_quantized_db = sensitivity.all_quantized_db
+    else:
+        pool, all_quantized_db = _candidate_pool(model, subset, candidates,
+                                                 2 * candidates if estimate else len(model.layers))
     chosen: list[str] = []
-    estimate = ranking.all_quantized_db
-    while estimate < target_db and len(chosen) < max_float_layers and len(chosen) < len(pool):
-        trials = []
+    estimated_db = all_quantized_db
+    while estimated_db < target_db and len(chosen) < max_float_layers and len(chosen) < len(pool):
         model.quantize_only([name for name in model.layers if name not in chosen])
         model.record(subset)
-        for layer in pool:
-            if layer in chosen:
-                continue
-            model.quantize_only([name for name in model.layers if name not in chosen and name != layer])
-            trials.append((model.run(subset), layer))
-        best_db, best = max(trials, key=lambda t: (t[0] if not math.isnan(t[0]) else -math.inf, t[1]))
+        settings = {layer: [name for name in model.layers if name not in chosen and name != layer]
+                    for layer in pool if layer not in chosen}
+        best_db, best = _best_measured(model, settings, subset,
+                                       REMEASURED_CANDIDATES if estimate else len(settings))
         chosen.append(best)
-        estimate = best_db
+        estimated_db = best_db
     model.quantize_only(model.layers)
     model.forget()
     from qcore.measure.passes import measure_sqnr
@@ -343,9 +357,61 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     measured = (measure_sqnr(float_gm, list(batches), with_float_layers(quantizer, chosen), shadow=False)
                 if chosen else None)
     worst = measured.worst_output() if measured is not None else None
-    measured_db = worst.sqnr_db if worst is not None else ranking.all_quantized_db
-    naive = _naive_top_k(model, ranking, subset, target_db, max_float_layers) if compare_with_ranking else None
-    return FloatLayersFix(tuple(chosen), estimate, measured_db, target_db, measured_db >= target_db, naive)
+    measured_db = worst.sqnr_db if worst is not None else all_quantized_db
+    naive = None
+    if compare_with_ranking:
+        ranking = sensitivity or layer_sensitivity(float_gm, subset, quantizer, model=model, only_quantized=False)
+        naive = _naive_top_k(model, ranking, subset, target_db, max_float_layers)
+    return FloatLayersFix(tuple(chosen), estimated_db, measured_db, target_db, measured_db >= target_db, naive)
+
+
+REMEASURED_CANDIDATES = 3  # of a greedy step's estimates, how many best are measured on every search batch
+
+
+def _candidate_pool(model: SwitchableModel, batches: list[Any], candidates: int,
+                    remeasured: int) -> tuple[list[str], float]:
+    """(the `candidates` layers whose float-ification alone helps most over `batches`, the SQNR with every layer
+    quantized): every layer estimated on the first batch, the `remeasured` best estimates measured on all."""
+    model.quantize_only(model.layers)
+    all_quantized_db = model.record(batches)
+    settings = {layer: [name for name in model.layers if name != layer] for layer in model.layers}
+    ranked = _ranked(model, settings, batches, remeasured)
+    return [layer for _, layer in ranked][:candidates], all_quantized_db
+
+
+def _best_measured(model: SwitchableModel, settings: dict[str, list[str]], batches: list[Any],
+                   remeasured: int) -> tuple[float, str]:
+    """(SQNR, name) of the best of `settings` ({name: the layers quantized}) measured over `batches`, of the
+    `remeasured` best estimates on the first batch (of equal SQNRs, the last name)."""
+    def key(found: tuple[float, str]) -> tuple[float, str]:
+        return (found[0] if not math.isnan(found[0]) else -math.inf, found[1])
+
+    return max(_remeasured(model, settings, batches, remeasured, lambda found: sorted(found, key=key, reverse=True)),
+               key=key)
+
+
+def _ranked(model: SwitchableModel, settings: dict[str, list[str]], batches: list[Any],
+            remeasured: int) -> list[tuple[float, str]]:
+    """The `remeasured` best of `settings` ({name: the layers quantized}), estimated on the first batch, measured over
+    `batches`, best first: (SQNR, name), of equal SQNRs the first name first (as layer_sensitivity ranks)."""
+    def best_first(found: list[tuple[float, str]]) -> list[tuple[float, str]]:
+        return sorted(found, key=lambda t: (-t[0] if not math.isnan(t[0]) else math.inf, t[1]))
+
+    return best_first(_remeasured(model, settings, batches, remeasured, best_first))
+
+
+def _remeasured(model: SwitchableModel, settings: dict[str, list[str]], batches: list[Any], remeasured: int,
+                best_first: Callable[[list[tuple[float, str]]], list[tuple[float, str]]]) -> list[tuple[float, str]]:
+    """(SQNR over `batches`, name) of the `remeasured` settings whose SQNR on the first batch is best."""
+    estimates = []
+    for name, quantized in settings.items():
+        model.quantize_only(quantized)
+        estimates.append((model.run(batches[:1]), name))
+    measured = []
+    for _, name in best_first(estimates)[:remeasured]:
+        model.quantize_only(settings[name])
+        measured.append((model.run(batches), name))
+    return measured
 
 
 def _naive_top_k(model: SwitchableModel, ranking: SensitivityResult, batches: list, target_db: float,

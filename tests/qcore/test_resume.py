@@ -45,13 +45,13 @@ def switchable(request):
 
 
 def _full(switchable_model, model_batches):
-    """The same setting run whole, without any recording."""
-    kept = switchable_model._resumable._recordings
-    switchable_model._resumable._recordings = {}
+    """The same setting run whole, without any recording or sums kept from earlier runs."""
+    kept, sums = switchable_model._resumable._recordings, switchable_model._sums
+    switchable_model._resumable._recordings, switchable_model._sums = {}, {}
     try:
         return switchable_model.run(model_batches)
     finally:
-        switchable_model._resumable._recordings = kept
+        switchable_model._resumable._recordings, switchable_model._sums = kept, sums
 
 
 def test_every_one_layer_change_resumes_to_the_full_runs_numbers(switchable):
@@ -162,3 +162,43 @@ def test_a_setting_measured_before_on_the_same_batches_is_not_run_again():
     both = layer_sensitivity(switchable_model.float_gm, model_batches, model=switchable_model)
     assert len(executed) == len(gains.layers) * len(model_batches)   # only the only-quantized runs are new
     assert [(e.layer, e.only_float_db) for e in both.layers] == [(e.layer, e.only_float_db) for e in gains.layers]
+
+
+def _counting_batch_runs(switchable_model):
+    """A list that gets one entry per batch the switchable model computes."""
+    runs = []
+    measure = switchable_model._reference.batch_sums
+
+    def counted(*args, **kwargs):
+        runs.append(args[1])
+        return measure(*args, **kwargs)
+
+    switchable_model._reference.batch_sums = counted
+    return runs
+
+
+def test_a_setting_estimated_on_one_batch_then_measured_on_two_runs_the_second_batch_only():
+    model, model_batches = _cases()["llama"]
+    float_gm = qcore.capture(model, model_batches[0])
+    switchable_model, fresh = SwitchableModel(float_gm, model_batches), SwitchableModel(float_gm, model_batches)
+    runs = _counting_batch_runs(switchable_model)
+    switchable_model.quantize_only(switchable_model.layers[1:])
+    fresh.quantize_only(fresh.layers[1:])
+    switchable_model.run(model_batches[:1])
+    assert switchable_model.run(model_batches) == fresh.run(model_batches)
+    assert [id(batch) for batch in runs] == [id(model_batches[0]), id(model_batches[1])]
+
+
+@pytest.mark.parametrize("case", ["llama", "cnn"])
+def test_the_search_estimating_on_the_first_batch_picks_what_measuring_every_candidate_on_every_batch_picks(case):
+    model, model_batches = _cases()[case]
+    float_gm = qcore.capture(model, model_batches[0])
+    found, runs = {}, {}
+    for estimate in (True, False):
+        switchable_model = SwitchableModel(float_gm, model_batches)
+        runs[estimate] = _counting_batch_runs(switchable_model)
+        found[estimate] = find_float_layers(float_gm, model_batches, None, target_db=80.0, max_float_layers=3,
+                                            candidates=4, model=switchable_model, estimate=estimate)
+    assert found[True] == found[False] and len(found[True].float_layers) == 3
+    # the Llama's 17 layers are more than the 8 the ranking re-measures, and its first step's 4 candidates more than 3
+    assert len(runs[True]) < len(runs[False]) if case == "llama" else len(runs[True]) == len(runs[False])
