@@ -4,7 +4,9 @@ A search that toggles one layer's quantizers at a time reruns the whole model fo
 node before that layer computes what it computed in the configuration the trial starts from. ResumableGraph
 runs that configuration once with its values recorded at a few cut points (graph positions before layers), and
 runs each trial from the last cut before the first node its changed switches feed, on the recorded values: the
-same ops on the same inputs, so the same outputs as a full run, for about half the compute on average.
+same ops on the same inputs, so the same outputs as a full run, for about half the compute on average. Recording
+another configuration starts the same way from a recording it shares its first layers with: a greedy search records
+each step's configuration, which differs from the last step's in one layer.
 
 Only ATen graphs (torch.export) with qcore's own functions and modules resume, and only from cuts whose values
 no later op writes to in place (an in-place ReLU or residual add is seen through the ops' schemas); any other
@@ -107,6 +109,8 @@ class ResumableGraph:
         self._cuts = usable[step - 1::step]
         self._live = {cut: live[cut] for cut in self._cuts}
         self._suffixes: dict[int, tuple[fx.GraphModule, list[str]]] = {}
+        self._recording_suffixes: dict[int, tuple[fx.GraphModule, list[str]]] = {}
+        self._recorder: _Recorder | None = None
         self._recordings: dict[tuple[Hashable, ...], dict[Any, dict[str, Any]]] = {}
         self._recording_gm: fx.GraphModule | None = None
         # a switch that writes in place would write to a recorded value each time the suffix emits it again
@@ -139,18 +143,24 @@ class ResumableGraph:
         self._recordings.clear()
 
     def record(self, key: Any, inputs: Any) -> Any:
-        """Run whole on `inputs` (a batch; `key` names it) and keep the values at the cuts for the current state;
-        returns the outputs."""
+        """Run on `inputs` (a batch; `key` names it) and keep the values at the cuts for the current state; returns
+        the outputs. A recording of the batch in another state lends the values before the last cut ahead of the
+        changes, and the run starts there."""
         if not self.enabled:
             return call_model(self.gm, inputs)
-        recording_gm = self._recording_module()
-        recorder = recording_gm.get_submodule("qcore_recorder")
+        recorder = self._recording_module().get_submodule("qcore_recorder")
+        state = tuple(self._state())
+        start = self._start(state, key)
         try:
-            outputs = call_model(recording_gm, inputs)
-            values = dict(recorder.values)
+            if start is None:
+                outputs = call_model(self._recording_module(), inputs)
+                values = dict(recorder.values)
+            else:  # the values before the cut are the lending recording's; those after it this run's
+                suffix, names = self._suffix(start[0], recording=True)
+                outputs = self.gm.graph._codegen.process_outputs(suffix(*(start[1][name] for name in names)))
+                values = {**start[1], **recorder.values}
         finally:
             recorder.values.clear()
-        state = tuple(self._state())
         recordings = self._recordings.pop(state, {})
         recordings[key] = values
         self._recordings[state] = recordings  # most recent last
@@ -160,7 +170,15 @@ class ResumableGraph:
 
     def run(self, key: Any, inputs: Any) -> Any:
         """The outputs of `gm` on `inputs` in the current state: from a recording's last usable cut, or whole."""
-        state = tuple(self._state())
+        start = self._start(tuple(self._state()), key)
+        if start is None:
+            return call_model(self.gm, inputs)
+        suffix, names = self._suffix(start[0])
+        return self.gm.graph._codegen.process_outputs(suffix(*(start[1][name] for name in names)))
+
+    def _start(self, state: tuple[Hashable, ...], key: Any) -> tuple[int, dict[str, Any]] | None:
+        """(the latest cut before every switch that differs from a recording of batch `key`, that recording's
+        values), over the recordings kept; None when there is none to start from."""
         best: tuple[int, dict[str, Any]] | None = None
         for recorded_state, recordings in self._recordings.items():
             if key not in recordings:
@@ -169,10 +187,19 @@ class ResumableGraph:
             cut_index = bisect.bisect_right(self._cuts, min(changed, default=len(self._position))) - 1
             if cut_index >= 0 and (best is None or self._cuts[cut_index] > best[0]):
                 best = (self._cuts[cut_index], recordings[key])
-        if best is None:
-            return call_model(self.gm, inputs)
-        suffix, names = self._suffix(best[0])
-        return self.gm.graph._codegen.process_outputs(suffix(*(best[1][name] for name in names)))
+        return best
+
+    def _recorded(self) -> list[fx.Node]:
+        """The nodes whose values some cut needs, in graph order."""
+        return sorted({n for live, _ in self._live.values() for n in live}, key=self._position.__getitem__)
+
+    def _attributes(self) -> dict[str, Any]:
+        """The attributes and modules `gm`'s nodes name, with the recorder, for the graphs that record."""
+        if self._recorder is None:
+            self._recorder = _Recorder()
+        found: dict[str, Any] = {str(n.target): fetch_attr(self.gm, str(n.target))
+                                 for n in self.gm.graph.nodes if n.op in ("get_attr", "call_module")}
+        return {**found, "qcore_recorder": self._recorder}
 
     def _recording_module(self) -> fx.GraphModule:
         """A copy of `gm` that passes each value a cut needs to a recorder as soon as it is computed."""
@@ -181,19 +208,19 @@ class ResumableGraph:
             mapping: dict[fx.Node, fx.Node] = {}
             graph.output(graph.graph_copy(self.gm.graph, mapping))
             graph._codegen = self.gm.graph._codegen
-            recorded = sorted({n for live, _ in self._live.values() for n in live}, key=self._position.__getitem__)
             last_placeholder = [mapping[n] for n in self.gm.graph.nodes if n.op == "placeholder"][-1:]
-            for node in recorded:
+            for node in self._recorded():
                 anchor = last_placeholder[0] if node.op == "placeholder" else mapping[node]
                 with graph.inserting_after(anchor):
                     graph.call_module("qcore_recorder", (mapping[node], node.name))
-            attributes: dict[str, Any] = {str(n.target): fetch_attr(self.gm, str(n.target))
-                                          for n in self.gm.graph.nodes if n.op in ("get_attr", "call_module")}
-            self._recording_gm = fx.GraphModule({**attributes, "qcore_recorder": _Recorder()}, graph)
+            self._recording_gm = fx.GraphModule(self._attributes(), graph)
         return self._recording_gm
 
-    def _suffix(self, cut: int) -> tuple[fx.GraphModule, list[str]]:
-        if cut not in self._suffixes:
+    def _suffix(self, cut: int, recording: bool = False) -> tuple[fx.GraphModule, list[str]]:
+        """(the graph from position `cut` on, taking the values live there; the names of those values, in its
+        argument order); recording=True: it also passes the values later cuts need to the recorder."""
+        suffixes = self._recording_suffixes if recording else self._suffixes
+        if cut not in suffixes:
             nodes = list(self._position)
             live, emitted = self._live[cut]
             graph = fx.Graph()
@@ -202,5 +229,11 @@ class ResumableGraph:
                 mapping[node] = graph.placeholder(node.name)
             for node in emitted + nodes[cut:]:
                 mapping[node] = graph.node_copy(node, mapping.__getitem__)
-            self._suffixes[cut] = (fx.GraphModule(self.gm, graph), [node.name for node in live])
-        return self._suffixes[cut]
+            if recording:
+                for node in self._recorded():
+                    if self._position[node] >= cut:
+                        with graph.inserting_after(mapping[node]):
+                            graph.call_module("qcore_recorder", (mapping[node], node.name))
+            suffixes[cut] = (fx.GraphModule(self._attributes() if recording else self.gm, graph),
+                             [node.name for node in live])
+        return suffixes[cut]

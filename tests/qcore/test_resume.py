@@ -202,3 +202,28 @@ def test_the_search_estimating_on_the_first_batch_picks_what_measuring_every_can
     assert found[True] == found[False] and len(found[True].float_layers) == 3
     # the Llama's 17 layers are more than the 8 the ranking re-measures, and its first step's 4 candidates more than 3
     assert len(runs[True]) < len(runs[False]) if case == "llama" else len(runs[True]) == len(runs[False])
+
+
+def test_a_recording_started_from_another_keeps_what_a_whole_recording_keeps(switchable):
+    model, model_batches = switchable
+    resumable, batch = model._resumable, model_batches[0]
+    model.forget()
+    model.quantize_only(model.layers)
+    model.record(model_batches)
+    last = model.layers[-1]
+    model.quantize_only([name for name in model.layers if name != last])
+    state = tuple(model._switch_state())
+    resumable._recording_suffixes.clear()
+    started_outputs = resumable.record(id(batch), batch)  # from the all-quantized recording's last usable cut
+    started = resumable._recordings[state][id(batch)]
+    assert resumable._recording_suffixes
+    resumable.forget()
+    whole_outputs = resumable.record(id(batch), batch)
+    whole = resumable._recordings[state][id(batch)]
+    assert started.keys() == whole.keys()
+    for name, value in whole.items():
+        assert torch.equal(value, started[name]), name
+    assert all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(started_outputs),
+                                                 torch.utils._pytree.tree_leaves(whole_outputs)))
+    model.forget()
+    model.quantize_only(model.layers)
