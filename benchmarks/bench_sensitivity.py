@@ -8,7 +8,11 @@
    target (so all 8 greedy steps run), with each trial run from the last recorded cut before the layer it
    changes, against the same with every trial run whole, in the same process; the results must be equal. On
    the BERT-style encoder and a 4-layer Llama (transformers.LlamaConfig, hidden 512, 2 batches of 2 x 128 tokens).
-3. A model built to fail model_sqnr (examples/models.py fragile_mlp): the greedy fix's measured SQNR and size,
+3. Estimates (find_float_layers' estimate=True, the default): the float_layers search as model_sqnr runs it (its
+   own ranking, 8 greedy steps), every setting estimated on the first of the 2 search batches and the best
+   measured on both, against every setting measured on both; the picks, the SQNR they reach and the time of each,
+   alternated in the same process, on the same two models.
+4. A model built to fail model_sqnr (examples/models.py fragile_mlp): the greedy fix's measured SQNR and size,
    against how many layers of the single-layer ranking, taken in order, reach the same target.
 
     python benchmarks/bench_sensitivity.py
@@ -118,7 +122,31 @@ def bench_resume() -> None:
               "(equal results)")
 
 
+def bench_estimate() -> None:
+    from qcore.search.sensitivity import SwitchableModel
+
+    torch.set_num_threads(2)
+    for name, build in (("BERT-style encoder", _bert), ("4-layer Llama", _llama)):
+        model, batches = build()
+        batches = batches[:2]
+        float_gm = qcore.capture(model, batches[0])
+        results, seconds = {}, {}
+        for estimate in (False, True, False, True):   # alternated: this machine's speed drifts
+            switchable = SwitchableModel(float_gm, batches)
+            start = time.perf_counter()
+            fix = find_float_layers(float_gm, batches, None, 200.0, model=switchable, estimate=estimate)
+            seconds[estimate] = min(seconds.get(estimate, float("inf")), time.perf_counter() - start)
+            results[estimate] = (fix.float_layers, fix.estimated_db, fix.measured_db)
+        same = "the same picks" if results[True][0] == results[False][0] else (
+            f"other picks: {list(results[True][0])} against {list(results[False][0])}")
+        print(f"{name}, 8-step float_layers search with its ranking, 2 batches: every setting on both "
+              f"{seconds[False]:.2f} s, estimated on the first {seconds[True]:.2f} s: "
+              f"{seconds[False] / seconds[True]:.2f}x; {same}, measured {results[True][2]:.2f} dB against "
+              f"{results[False][2]:.2f} dB")
+
+
 if __name__ == "__main__":
     bench_resume()
+    bench_estimate()
     bench_fix()
     bench_cost()

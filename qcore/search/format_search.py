@@ -9,7 +9,7 @@ amax of the layer's input, so that trying a move costs one forward pass over a c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from qcore.quantization.format_quantizer import (
     layer_shapes,
     preset_refusal,
 )
-from qcore.search.sensitivity import SwitchedRuns
+from qcore.search.sensitivity import REMEASURED_CANDIDATES, SwitchedRuns, best_first
 
 __all__ = ["LADDERS", "FormatFix", "FormatSwitchModel", "search_formats"]
 
@@ -157,52 +157,60 @@ def _next_rung(model: FormatSwitchModel, layer: str, current: str) -> str | None
 
 def search_formats(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: FormatQuantizer, target_db: float,
                    *, max_moves: int = 16, candidates: int = 12, max_batches: int | None = 2,
-                   model: FormatSwitchModel | None = None) -> FormatFix:
-    """Greedy: each step makes the one move (a layer one rung up its ladder) that raises the output SQNR most,
-    among the `candidates` layers whose first move helped most, until `target_db` is met or `max_moves` are made;
-    then the moves are measured for real, quantizing with them over every batch."""
+                   model: FormatSwitchModel | None = None, estimate: bool = True) -> FormatFix:
+    """Greedy: each step makes the one move (a layer one rung up its ladder) that raises the output SQNR most over
+    the search batches (the first `max_batches`), among the `candidates` layers whose first move helped most, until
+    `target_db` is met or `max_moves` are made; then the moves are measured for real, quantizing with them over every
+    batch. Every move is estimated on the first search batch and the best estimates measured on all (twice
+    `candidates` of the first step, REMEASURED_CANDIDATES of a later one); estimate=False measures every one on all."""
     model = model or FormatSwitchModel(float_gm, batches, quantizer)
     subset = list(batches)[:max_batches] if max_batches else list(batches)
     current = dict(model.start)
     model.assign(current)
-    estimate, pool, moves = model.run(subset), list(current), 0
+    estimate_db, pool, moves = model.run(subset), list(current), 0
     measured_db = math.nan
+
+    def best_move() -> tuple[tuple[float, str, str], list[str]] | None:
+        remeasured = (2 * candidates if moves == 0 else REMEASURED_CANDIDATES) if estimate else len(pool)
+        return _best_move(model, current, pool, subset, remeasured)
+
     while True:
-        while estimate < target_db and moves < max_moves:
-            step = _best_move(model, current, pool, subset)
+        while estimate_db < target_db and moves < max_moves:
+            step = best_move()
             if step is None:
                 break
             if moves == 0:  # later steps look only at the layers whose first move helped most
                 pool = step[1][:candidates]
-            (estimate, layer, rung), moves = step[0], moves + 1
+            (estimate_db, layer, rung), moves = step[0], moves + 1
             current[layer] = rung
             model.assign(current)
         changed = {layer: name for layer, name in current.items() if name != model.start[layer]}
-        measured_db = _measure(float_gm, batches, quantizer, changed) if changed else estimate
-        if measured_db >= target_db or moves >= max_moves or _best_move(model, current, pool, subset) is None:
+        measured_db = _measure(float_gm, batches, quantizer, changed) if changed else estimate_db
+        if measured_db >= target_db or moves >= max_moves or best_move() is None:
             break
-        estimate = -math.inf  # the estimate on a few batches was optimistic: one more move, then measure again
+        estimate_db = -math.inf  # the estimate on a few batches was optimistic: one more move, then measure again
     model.forget()
-    return FormatFix(changed, estimate, measured_db, target_db, measured_db >= target_db)
+    return FormatFix(changed, estimate_db, measured_db, target_db, measured_db >= target_db)
 
 
-def _best_move(model: FormatSwitchModel, current: dict[str, str], pool: list[str],
-               batches: list[Any]) -> tuple[tuple[float, str, str], list[str]] | None:
-    """The move that raises the output SQNR most ((SQNR, layer, format)), with the pool's layers ranked by their
-    own move's SQNR; None when no layer can move."""
-    trials = []
+def _best_move(model: FormatSwitchModel, current: dict[str, str], pool: list[str], batches: list[Any],
+               remeasured: int) -> tuple[tuple[float, str, str], list[str]] | None:
+    """The move that raises the output SQNR most ((SQNR, layer, format)), with the pool's layers whose moves were
+    measured on every batch ranked by their move's SQNR; None when no layer can move. Each move is estimated on the
+    first batch, and the `remeasured` best estimates are measured on all."""
     model.assign(current)
     model.record(batches)
-    for layer in pool:
-        rung = _next_rung(model, layer, current[layer])
-        if rung is not None:
-            model.assign({**current, layer: rung})
-            trials.append((model.run(batches), layer, rung))
+    rungs = {layer: rung for layer in pool if (rung := _next_rung(model, layer, current[layer])) is not None}
+
+    def move(layer: str, rung: str) -> Callable[[], None]:
+        return lambda: model.assign({**current, layer: rung})
+
+    ranked = model.best_measured({layer: move(layer, rung) for layer, rung in rungs.items()}, batches, remeasured,
+                                 best_first)
     model.assign(current)
-    if not trials:
+    if not ranked:
         return None
-    ranked = sorted(trials, key=lambda t: (-t[0] if not math.isnan(t[0]) else math.inf, t[1]))
-    return ranked[0], [layer for _db, layer, _rung in ranked]
+    return (ranked[0][0], ranked[0][1], rungs[ranked[0][1]]), [layer for _db, layer in ranked]
 
 
 def _measure(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: FormatQuantizer,

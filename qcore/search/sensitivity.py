@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +135,22 @@ class SwitchedRuns(ABC):
     def record(self, batches: Iterable[Any]) -> float:
         """run(), keeping the values later runs of the same batches can start from (the last two settings)."""
         return self._measure(list(batches), record=True)
+
+    def best_measured(self, settings: Mapping[str, Callable[[], None]], batches: list[Any], remeasured: int,
+                      best_first: Callable[[list[tuple[float, str]]], list[tuple[float, str]]]
+                      ) -> list[tuple[float, str]]:
+        """(SQNR over `batches`, name) of the `remeasured` settings whose SQNR on the first batch is best, sorted by
+        `best_first`; `settings` are {name: a function that sets the switches}. The others run on the first batch
+        only: a search estimates every candidate there and measures the promising ones on every batch."""
+        estimates = []
+        for name, apply in settings.items():
+            apply()
+            estimates.append((self.run(batches[:1]), name))
+        measured = []
+        for _, name in best_first(estimates)[:remeasured]:
+            settings[name]()
+            measured.append((self.run(batches), name))
+        return best_first(measured)
 
     def _measure(self, batches: list[Any], record: bool) -> float:
         state = tuple(self._switch_state())
@@ -344,10 +360,9 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     while estimated_db < target_db and len(chosen) < max_float_layers and len(chosen) < len(pool):
         model.quantize_only([name for name in model.layers if name not in chosen])
         model.record(subset)
-        settings = {layer: [name for name in model.layers if name not in chosen and name != layer]
-                    for layer in pool if layer not in chosen}
-        best_db, best = _best_measured(model, settings, subset,
-                                       REMEASURED_CANDIDATES if estimate else len(settings))
+        settings = _float_one_more(model, chosen, pool)
+        best_db, best = model.best_measured(settings, subset, REMEASURED_CANDIDATES if estimate else len(settings),
+                                            _last_name_first)[0]
         chosen.append(best)
         estimated_db = best_db
     model.quantize_only(model.layers)
@@ -374,44 +389,26 @@ def _candidate_pool(model: SwitchableModel, batches: list[Any], candidates: int,
     quantized): every layer estimated on the first batch, the `remeasured` best estimates measured on all."""
     model.quantize_only(model.layers)
     all_quantized_db = model.record(batches)
-    settings = {layer: [name for name in model.layers if name != layer] for layer in model.layers}
-    ranked = _ranked(model, settings, batches, remeasured)
+    ranked = model.best_measured(_float_one_more(model, [], model.layers), batches, remeasured, best_first)
     return [layer for _, layer in ranked][:candidates], all_quantized_db
 
 
-def _best_measured(model: SwitchableModel, settings: dict[str, list[str]], batches: list[Any],
-                   remeasured: int) -> tuple[float, str]:
-    """(SQNR, name) of the best of `settings` ({name: the layers quantized}) measured over `batches`, of the
-    `remeasured` best estimates on the first batch (of equal SQNRs, the last name)."""
-    def key(found: tuple[float, str]) -> tuple[float, str]:
-        return (found[0] if not math.isnan(found[0]) else -math.inf, found[1])
+def _float_one_more(model: SwitchableModel, chosen: list[str], layers: Iterable[str]) -> dict[str, Callable[[], None]]:
+    """{layer: sets the switches with `chosen` and that layer in float} for each of `layers` not chosen."""
+    def setting(layer: str) -> Callable[[], None]:
+        return lambda: model.quantize_only([name for name in model.layers if name not in chosen and name != layer])
 
-    return max(_remeasured(model, settings, batches, remeasured, lambda found: sorted(found, key=key, reverse=True)),
-               key=key)
+    return {layer: setting(layer) for layer in layers if layer not in chosen}
 
 
-def _ranked(model: SwitchableModel, settings: dict[str, list[str]], batches: list[Any],
-            remeasured: int) -> list[tuple[float, str]]:
-    """The `remeasured` best of `settings` ({name: the layers quantized}), estimated on the first batch, measured over
-    `batches`, best first: (SQNR, name), of equal SQNRs the first name first (as layer_sensitivity ranks)."""
-    def best_first(found: list[tuple[float, str]]) -> list[tuple[float, str]]:
-        return sorted(found, key=lambda t: (-t[0] if not math.isnan(t[0]) else math.inf, t[1]))
-
-    return best_first(_remeasured(model, settings, batches, remeasured, best_first))
+def best_first(found: list[tuple[float, str]]) -> list[tuple[float, str]]:
+    """(SQNR, name) pairs sorted best first, NaN last, equal SQNRs by name (as layer_sensitivity ranks)."""
+    return sorted(found, key=lambda t: (-t[0] if not math.isnan(t[0]) else math.inf, t[1]))
 
 
-def _remeasured(model: SwitchableModel, settings: dict[str, list[str]], batches: list[Any], remeasured: int,
-                best_first: Callable[[list[tuple[float, str]]], list[tuple[float, str]]]) -> list[tuple[float, str]]:
-    """(SQNR over `batches`, name) of the `remeasured` settings whose SQNR on the first batch is best."""
-    estimates = []
-    for name, quantized in settings.items():
-        model.quantize_only(quantized)
-        estimates.append((model.run(batches[:1]), name))
-    measured = []
-    for _, name in best_first(estimates)[:remeasured]:
-        model.quantize_only(settings[name])
-        measured.append((model.run(batches), name))
-    return measured
+def _last_name_first(found: list[tuple[float, str]]) -> list[tuple[float, str]]:
+    """(SQNR, name) pairs sorted best first, NaN last, of equal SQNRs the last name first (the greedy step's pick)."""
+    return sorted(found, key=lambda t: (t[0] if not math.isnan(t[0]) else -math.inf, t[1]), reverse=True)
 
 
 def _naive_top_k(model: SwitchableModel, ranking: SensitivityResult, batches: list, target_db: float,

@@ -227,3 +227,20 @@ def test_a_recording_started_from_another_keeps_what_a_whole_recording_keeps(swi
                                                  torch.utils._pytree.tree_leaves(whole_outputs)))
     model.forget()
     model.quantize_only(model.layers)
+
+
+def test_the_format_search_estimating_on_the_first_batch_moves_as_measuring_every_move_on_every_batch_does():
+    from qcore.quantization.format_quantizer import FormatQuantizer
+    from qcore.search.format_search import FormatSwitchModel, search_formats
+
+    model, model_batches = _cases()["llama"]
+    float_gm = qcore.capture(model, model_batches[0])
+    quantizer = FormatQuantizer("NVFP4")
+    found, runs = {}, {}
+    for estimate in (True, False):
+        switchable_model = FormatSwitchModel(float_gm, model_batches, quantizer)
+        runs[estimate] = _counting_batch_runs(switchable_model)
+        found[estimate] = search_formats(float_gm, model_batches, quantizer, 60.0, max_moves=4,
+                                         model=switchable_model, estimate=estimate)
+    assert found[True] == found[False] and len(found[True].layer_formats) == 4
+    assert len(runs[True]) < len(runs[False])
