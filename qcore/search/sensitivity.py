@@ -27,8 +27,9 @@ from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Int8StaticQuantizer, Quantizer, with_layer_overrides
 from qcore.search.resume import ResumableGraph
 
-__all__ = ["FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult", "SwitchableModel",
-           "SwitchedRuns", "find_float_layers", "layer_sensitivity", "with_float_layers"]
+__all__ = ["REMEASURED_CANDIDATES", "FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult",
+           "SwitchableModel", "SwitchedRuns", "best_first", "find_float_layers", "layer_sensitivity",
+           "output_sqnr_from", "with_float_layers"]
 
 _GROUP_KEY = "qcore_observer_group"
 
