@@ -100,43 +100,51 @@ def _llama():
     return model, [{"input_ids": torch.randint(0, 4096, (2, 128), generator=g)} for _ in range(2)]
 
 
+def _both_ways(build, search, flag_is_resume=False):
+    """{flag: search(float_gm, batches, switchable, flag)}, {flag: best seconds} for flag False, True, False, True
+    (alternated: this machine's speed drifts), on the model and first 2 batches `build()` gives; the switchable copy
+    (SwitchableModel; with flag_is_resume, the flag is its `resume`) is built outside the time."""
+    from qcore.search.sensitivity import SwitchableModel
+
+    model, batches = build()
+    batches = batches[:2]
+    float_gm = qcore.capture(model, batches[0])
+    results, seconds = {}, {}
+    for flag in (False, True, False, True):
+        switchable = SwitchableModel(float_gm, batches, resume=flag or not flag_is_resume)
+        start = time.perf_counter()
+        results[flag] = search(float_gm, batches, switchable, flag)
+        seconds[flag] = min(seconds.get(flag, float("inf")), time.perf_counter() - start)
+    return results, seconds
+
+
 def bench_resume() -> None:
-    from qcore.search.sensitivity import SwitchableModel, layer_sensitivity
+    from qcore.search.sensitivity import layer_sensitivity
 
     torch.set_num_threads(2)
+
+    def resumed(float_gm, batches, switchable, resume):
+        ranking = layer_sensitivity(float_gm, batches, model=switchable, only_quantized=False)
+        fix = find_float_layers(float_gm, batches, None, 200.0, sensitivity=ranking, model=switchable)
+        return ranking, fix.float_layers, fix.estimated_db, len(switchable.layers)
+
     for name, build in (("BERT-style encoder", _bert), ("4-layer Llama", _llama)):
-        model, batches = build()
-        batches = batches[:2]
-        float_gm = qcore.capture(model, batches[0])
-        results, seconds = {}, {}
-        for resume in (False, True, False, True):   # alternated: this machine's speed drifts
-            switchable = SwitchableModel(float_gm, batches, resume=resume)
-            start = time.perf_counter()
-            ranking = layer_sensitivity(float_gm, batches, model=switchable, only_quantized=False)
-            fix = find_float_layers(float_gm, batches, None, 200.0, sensitivity=ranking, model=switchable)
-            seconds[resume] = min(seconds.get(resume, float("inf")), time.perf_counter() - start)
-            results[resume] = (ranking, fix.float_layers, fix.estimated_db)
+        results, seconds = _both_ways(build, resumed, flag_is_resume=True)
         assert results[True] == results[False], "resumed runs changed the results"
-        print(f"{name}, {len(switchable.layers)} layers, ranking + 8-step search on 2 batches: whole runs "
+        print(f"{name}, {results[True][3]} layers, ranking + 8-step search on 2 batches: whole runs "
               f"{seconds[False]:.2f} s, resumed {seconds[True]:.2f} s: {seconds[False] / seconds[True]:.2f}x "
               "(equal results)")
 
 
 def bench_estimate() -> None:
-    from qcore.search.sensitivity import SwitchableModel
-
     torch.set_num_threads(2)
+
+    def estimated(float_gm, batches, switchable, estimate):
+        fix = find_float_layers(float_gm, batches, None, 200.0, model=switchable, estimate=estimate)
+        return fix.float_layers, fix.estimated_db, fix.measured_db
+
     for name, build in (("BERT-style encoder", _bert), ("4-layer Llama", _llama)):
-        model, batches = build()
-        batches = batches[:2]
-        float_gm = qcore.capture(model, batches[0])
-        results, seconds = {}, {}
-        for estimate in (False, True, False, True):   # alternated: this machine's speed drifts
-            switchable = SwitchableModel(float_gm, batches)
-            start = time.perf_counter()
-            fix = find_float_layers(float_gm, batches, None, 200.0, model=switchable, estimate=estimate)
-            seconds[estimate] = min(seconds.get(estimate, float("inf")), time.perf_counter() - start)
-            results[estimate] = (fix.float_layers, fix.estimated_db, fix.measured_db)
+        results, seconds = _both_ways(build, estimated)
         same = "the same picks" if results[True][0] == results[False][0] else (
             f"other picks: {list(results[True][0])} against {list(results[False][0])}")
         print(f"{name}, 8-step float_layers search with its ranking, 2 batches: every setting on both "
