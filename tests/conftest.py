@@ -9,7 +9,9 @@ import torch.export  # noqa: F401
 
 # Modules that register torch operator libraries (dynamo imports torch._inductor.test_operators) are imported
 # here, once per process: a pytester test removes from sys.modules what it imported, and a second import of such
-# a module would register its library again and fail.
+# a module would register its library again and fail. A first export imports more of them (the compile caches
+# register their artifact types), so one tiny export runs here too.
+torch.export.export(torch.nn.Linear(1, 1), (torch.zeros(1, 1),))
 
 if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
     # one share of the cores per xdist worker: oversubscribed OpenMP threads slow everything down
