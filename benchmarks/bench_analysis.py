@@ -227,7 +227,8 @@ def measure(name: str, mode: str) -> dict:
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     batch_bytes = sum(t.numel() * t.element_size() for t in _tensors(batches[0]))
     result = {"collection": collection, "analysis": analysis, "peak_above_bytes": above, "params": params,
-              "batch_bytes": batch_bytes, "activation_bytes": _activation_bytes(model, batches[0]), "forward": forward, "capture_above_bytes": marks["capture_peak"] - before,
+              "batch_bytes": batch_bytes, "activation_bytes": _activation_bytes(model, batches[0]), "forward": forward,
+              "capture_above_bytes": marks["capture_peak"] - before,
               "analysis_only": start is not None}
     if mode == "full":
         # the steady state: each later model of a session pays neither the imports nor the first calls of ops;
@@ -312,7 +313,8 @@ def main() -> None:
     print(f"8 x Linear(4096), 200 batches of 64: forward {forward:.2f} s; sqnr,model_sqnr {sqnr['analysis']:.2f} s = "
           f"{sqnr['analysis'] / forward:.1f}x; the analysis's peak RSS +{sqnr['peak_above_bytes'] / 2**20:.0f} MiB = "
           f"{sqnr['peak_above_bytes'] / sqnr['params']:.1f}x the parameters ({sqnr['params'] / 2**20:.0f} MiB; "
-          f"one batch {sqnr['batch_bytes'] / 2**20:.1f} MiB, its activations {sqnr['activation_bytes'] / 2**20:.0f} MiB)")
+          f"one batch {sqnr['batch_bytes'] / 2**20:.1f} MiB, its activations "
+          f"{sqnr['activation_bytes'] / 2**20:.0f} MiB)")
 
 
 if __name__ == "__main__":

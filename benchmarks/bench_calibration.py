@@ -3,7 +3,8 @@
 ResNet-style CNN on 16x3x64x64 (20 batches) and an MLP of 6 x Linear(256) on 256 rows (50 batches).
 Times calibration passes (observers running on every batch). This machine's timings swing by up to 2x
 from minute to minute, so the contenders take turns, round after round; it prints each one's best pass and
-the median of the per-round ratios to the plain pass. Report generation is timed apart. Prints whether our observers ran the native kernel (qcore.runtime.native),
+the median of the per-round ratios to the plain pass. Report generation is timed apart. Prints whether our
+observers ran the native kernel (qcore.runtime.native),
 and times qcore a second time with every observer on its torch path (what QCORE_NATIVE=0 runs), in the same rounds.
 
     python benchmarks/bench_calibration.py
@@ -140,8 +141,10 @@ def main() -> None:
               f"{result['qcore graph median ratio']:.2f}x)")
         for name in ("qcore", "qcore torch path", "torch.ao"):
             print(f"  {name + ' ModelReport':32s} {result[name] * 1e3:9.1f} ms  = {result[name] / plain:5.2f}x forward"
-                  f" (median ratio {result[name + ' median ratio']:5.2f}x; report {result[name + ' report'] * 1e3:.0f} ms)")
-        print(f"  native kernel vs torch path: {result['qcore torch path'] / result['qcore']:.2f}x faster (best passes)")
+                  f" (median ratio {result[name + ' median ratio']:5.2f}x; "
+                  f"report {result[name + ' report'] * 1e3:.0f} ms)")
+        print(f"  native kernel vs torch path: {result['qcore torch path'] / result['qcore']:.2f}x faster "
+              "(best passes)")
         print(f"  qcore is {result['torch.ao'] / result['qcore']:.1f}x faster than torch.ao (best passes; "
               f"{result['torch.ao median ratio'] / result['qcore median ratio']:.1f}x by median ratios)")
 

@@ -92,8 +92,9 @@ def _forward(model, batches) -> None:
 
 def _collected(model, batches):
     """The plugin's pipeline of `model` with every built-in check, collected (captured), not analysed."""
-    from pytest_qreport.checks import BUILTIN_CHECKS
     from tests.test_cuda import collected
+
+    from pytest_qreport.checks import BUILTIN_CHECKS
 
     return collected(model, batches, [check.name for check in BUILTIN_CHECKS])
 

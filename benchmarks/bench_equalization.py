@@ -127,9 +127,9 @@ def smoothing_on_the_encoder() -> None:
             print(f"  {layer:22} {before[layer].shadow_sqnr_db:7.1f} {sqrt_equalized[layer].shadow_sqnr_db:9.1f} "
                   f"{after_half[layer].shadow_sqnr_db:11.1f} {after_search[layer].shadow_sqnr_db:14.1f}")
     gains = {layer: after_search[layer].shadow_sqnr_db - before[layer].shadow_sqnr_db for layer in smoothed}
+    half = statistics.median(after_half[k].shadow_sqnr_db - before[k].shadow_sqnr_db for k in smoothed)
     print(f"  median gain on the {len(smoothed)} smoothed layers: search {statistics.median(gains.values()):+.1f} dB, "
-          f"alpha 0.5 {statistics.median(after_half[k].shadow_sqnr_db - before[k].shadow_sqnr_db for k in smoothed):+.1f}"
-          " dB")
+          f"alpha 0.5 {half:+.1f} dB")
     for group in searched.meta["qcore_smoothing"]:
         layers = group["layers"]
         search_db = sum(after_search[k].shadow_sqnr_db for k in layers) / len(layers)

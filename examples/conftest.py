@@ -13,19 +13,19 @@ import os
 
 import pytest
 import torch
-
 from models import (
     MLP,
     VOCABULARY,
     TinyEncoder,
     TinyResNet,
     WordTokenizer,
-    wide_rows,
     fragile_mlp,
     seeded,
     sentences,
     settle_batchnorm,
+    wide_rows,
 )
+
 from pytest_qreport import qmodel
 
 # torch.ao's input-weight equalization detector recommends equalization for almost every well-balanced layer.

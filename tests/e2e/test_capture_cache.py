@@ -97,8 +97,8 @@ def test_under_xdist_each_model_is_built_once_at_collection_cold_warm_and_withou
     from tests.helpers import BUDGET_EVENTS as EVENTS
 
     source = TWO_MODELS.replace("    torch.manual_seed(0)\n", "    log('build wide')\n    torch.manual_seed(0)\n")
-    pytester.makeconftest(source.replace("    torch.manual_seed(1)\n", "    log('build narrow')\n    torch.manual_seed(1)\n")
-                          + EVENTS)
+    source = source.replace("    torch.manual_seed(1)\n", "    log('build narrow')\n    torch.manual_seed(1)\n")
+    pytester.makeconftest(source + EVENTS)
     events = pytester.path / "events.txt"
     for cache in ("cold", "warm", "none"):
         options = ["-p", "no:cacheprovider"] if cache == "none" else []

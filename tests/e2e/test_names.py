@@ -125,7 +125,8 @@ def test_a_module_name_reaches_the_layers_inside_it_and_a_name_that_matches_noth
     pytester.makeconftest(SEQUENTIAL_HEAD.replace("{options}", "float_layers='head'"))
     result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json")
     result.assert_outcomes(passed=1)  # only body is quantized: head.1 and head.3 stay in float
-    settings = {"float_layers": "float_layers='heads'", "skip_layers": "skip_layers='heads'", "layers": "layers='heads'",
+    settings = {"float_layers": "float_layers='heads'", "skip_layers": "skip_layers='heads'",
+                "layers": "layers='heads'",
                 "layer_overrides": "quantizer=qcore.Int8StaticQuantizer(layer_overrides={'heads': {'skip': True}})"}
     source = SEQUENTIAL_HEAD.replace("{options}", settings["float_layers"]).replace(
         "from pytest_qreport import qmodel", "from pytest_qreport import qmodel\nimport qcore")

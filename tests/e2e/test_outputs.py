@@ -45,7 +45,8 @@ def _direct(float_gm, quant_gm, batches):
 
 def test_llama_output_gates_equal_a_direct_computation(llama):
     model, batches = llama
-    found, analysis = analyze_with_checks(lambda: model, batches, checks=["kl_divergence", "top1_agreement", "perplexity"])
+    found, analysis = analyze_with_checks(lambda: model, batches,
+                                          checks=["kl_divergence", "top1_agreement", "perplexity"])
     kl, agreement, float_ppl, quant_ppl = _direct(analysis.float_gm, analysis.quantized_gm, batches)
     assert found[("kl_divergence", "output")].value == pytest.approx(kl, rel=0.02)
     assert abs(found[("top1_agreement", "output")].value - agreement) <= 0.01
@@ -99,7 +100,8 @@ class Embedder(nn.Module):
 def test_an_output_that_is_not_logits_skips_with_the_reason(factory, why):
     torch.manual_seed(0)
     batches = [torch.randn(16, 8) for _ in range(2)]
-    found, _ = analyze_with_checks(lambda: factory().eval(), batches, checks=["kl_divergence", "top1_agreement", "perplexity"])
+    found, _ = analyze_with_checks(lambda: factory().eval(), batches,
+                                   checks=["kl_divergence", "top1_agreement", "perplexity"])
     for check in ("kl_divergence", "top1_agreement", "perplexity"):
         finding = found[(check, "output")]
         assert finding.verdict == "skip" and why in finding.message, finding.message

@@ -284,7 +284,8 @@ def spiky_histogram():
     # note names both (the model with a histogram observer already clips: nothing to recommend)
     summary = " ".join(summary_section(result).split())
     assert re.search(r"spiky_default outlier fc1 .* PASS torch\.ao's outlier heuristic recommends a clipping "
-                     r"\(histogram\) activation observer \(input channels 2 have outliers \(q100/q_ref up to [\d.]+ > 3\.5\) and the "
+                     r"\(histogram\) activation observer \(input channels 2 have outliers "
+                     r"\(q100/q_ref up to [\d.]+ > 3\.5\) and the "
                      r"activation observer does not clip\); measured [+-]\d\.\d\d dB on this layer's own SQNR "
                      r"\(float input\) [\d.]+ -> [\d.]+ dB \(the minimum gain is 1 dB\): not recommended", summary)
     assert re.search(r"spiky_histogram outlier fc1 \S+ \S+ PASS(?! torch)", summary)
@@ -328,7 +329,8 @@ def test_equalization_checks(pytester):
     assert found["conftest.py::qreport/equalized_model/equalization_equivalence/output"] == "PASSED"
     assert found["conftest.py::qreport/cross_layer_model/equalization_equivalence/output"] == "PASSED"
     result.stdout.fnmatch_lines(["*layer fc1: input-weight equalization raises its own SQNR (float input) by * dB*"
-                                 "measured with the fix: its own SQNR*the model output*Fix: qmodel(..., equalize=*fc1*"])
+                                 "measured with the fix: its own SQNR*the model output*"
+                                 "Fix: qmodel(..., equalize=*fc1*"])
     assert re.search(r"equalized_model\s+equalization\s+fc1\s+\d+\.\d dB\s+1.0 dB\s+PASS", summary_section(result))
     relaxed = pytester.runpytest("--qreport", "-k", "plain_model", "--qreport-equalization-min-gain-db", "60")
     relaxed.assert_outcomes(passed=2)
@@ -343,7 +345,8 @@ def orphan():
 """)
     result = pytester.runpytest("--qreport", "-v")
     result.assert_outcomes(passed=5, errors=1)
-    result.stdout.fnmatch_lines(["*qreport/orphan/capture ERROR*", "*model 'orphan': fixture 'no_such_fixture' not found*"])
+    result.stdout.fnmatch_lines(["*qreport/orphan/capture ERROR*",
+                                 "*model 'orphan': fixture 'no_such_fixture' not found*"])
 
 
 def test_workers_share_the_cores(monkeypatch):

@@ -230,8 +230,8 @@ def test_the_equalization_item_names_smoothing_and_its_setting_which_works_when_
 
 
 def test_a_fix_trial_rewrites_with_the_scales_the_comparison_pass_measured_without_observing_again(monkeypatch):
-    from qcore.rewrites import equalize as equalizing
     from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.rewrites import equalize as equalizing
     from qcore.rewrites import smoothing
     from qcore.rewrites.equalize import equalize
 

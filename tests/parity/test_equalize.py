@@ -87,7 +87,8 @@ def test_matches_torch_ao_convert_equalization_ref(make):
     torch.manual_seed(0)
     model, data = make().eval(), _skewed((32, 6))
     eq_config = {"object_type": [(nn.Linear, ao_eq.default_equalization_qconfig)]}
-    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping(), (data[0],), _equalization_config=eq_config)
+    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping(), (data[0],),
+                          _equalization_config=eq_config)
     for batch in data:
         prepared(batch)
     reference = ao_eq._convert_equalization_ref(prepared)
@@ -97,8 +98,8 @@ def test_matches_torch_ao_convert_equalization_ref(make):
         ours_layer = dict(ours.named_modules())[name]
         ref_layer = dict(reference.named_modules())[name]
         ref_weight = ref_layer.weight() if callable(ref_layer.weight) else ref_layer.weight
-        torch.testing.assert_close(ours_layer.weight, ref_weight.dequantize() if ref_weight.is_quantized else ref_weight,
-                                   rtol=1e-5, atol=1e-7)
+        expected = ref_weight.dequantize() if ref_weight.is_quantized else ref_weight
+        torch.testing.assert_close(ours_layer.weight, expected, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(ours_layer.bias, ref_layer.bias, rtol=1e-5, atol=1e-7)
     with torch.no_grad():
         for batch in data:

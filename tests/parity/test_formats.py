@@ -1,5 +1,5 @@
-"""qcore.formats.numerics against torchao 0.18's reference functions, bit for bit, on random and adversarial tensors: NaN,
-inf, all-zero blocks, subnormals, values at the saturation points, and shapes that do not fit the block."""
+"""qcore.formats.numerics against torchao 0.18's reference functions, bit for bit, on random and adversarial tensors:
+NaN, inf, all-zero blocks, subnormals, values at the saturation points, and shapes that do not fit the block."""
 import math
 
 import pytest
@@ -76,7 +76,8 @@ def test_integers_match_choose_quantize_dequantize_affine(bits, symmetric, x, gr
     values = dequantize_affine(codes, block, scale, zero_point, torch.int8, qmin, qmax)
     _same(formats.dequantize_affine(our_codes, block, our_scale, our_zero_point), values)
     if symmetric:  # the symmetric scale: amax / ((qmax - qmin) / 2), e.g. amax / 127.5 for int8, amax / 7.5 for int4
-        assert torch.allclose(our_scale[:, 0], x[:, :block[1]].abs().amax(1).clamp(min=1.1754944e-38) / ((qmax - qmin) / 2))
+        amax = x[:, :block[1]].abs().amax(1).clamp(min=1.1754944e-38)
+        assert torch.allclose(our_scale[:, 0], amax / ((qmax - qmin) / 2))
 
 
 @settings(max_examples=60, deadline=None)
@@ -148,7 +149,8 @@ def test_shapes_that_do_not_fit_the_block_are_refused():
         formats.nvfp4_quantize(torch.randn(4, 40), torch.tensor(1.0))
 
 
-@pytest.mark.skipif(__import__("qcore.runtime.native").runtime.native.kernel() is None, reason="no C compiler: torch path only")
+@pytest.mark.skipif(__import__("qcore.runtime.native").runtime.native.kernel() is None,
+                    reason="no C compiler: torch path only")
 @settings(max_examples=80, deadline=None)
 @given(x=tensors(columns=(32, 64, 96, 128)), elements=st.sampled_from(["e4m3", "e2m1"]),
        amax_from=st.sampled_from(["tensor", "calibration"]))

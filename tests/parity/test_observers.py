@@ -65,7 +65,8 @@ def _mse(observer, data):
 def test_histogram_error_at_most_minmax_and_torch_ao(distribution, qscheme, ao_qscheme):
     g = torch.Generator().manual_seed(0)
     laplace = torch.distributions.Laplace(0.0, 1.0)
-    draw = (lambda: torch.randn(4096, generator=g) ** 3) if distribution == "cube" else (lambda: laplace.sample((4096,)))
+    draw = ((lambda: torch.randn(4096, generator=g) ** 3) if distribution == "cube"
+            else (lambda: laplace.sample((4096,))))
     batches = [draw() for _ in range(8)]
     data = torch.cat(batches)
     histogram, minmax = HistogramObserver(qscheme=qscheme), MinMaxObserver(qscheme=qscheme)

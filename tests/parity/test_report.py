@@ -471,7 +471,8 @@ def test_reports_of_all_layers_at_once_equal_each_layers_own():
         weight_ratio = weight_ratio.repeat(input_ratio.numel() // weight_ratio.numel())
         comparison = torch.sqrt(weight_ratio) / torch.sqrt(input_ratio)
         assert _same(entry["input_weight_channel_comparison_metrics"], comparison), layer
-        assert entry["input_weight_equalization_recommended"] == ((comparison >= 0.6) & (comparison <= 1 / 0.6)).tolist()
+        recommended = ((comparison >= 0.6) & (comparison <= 1 / 0.6)).tolist()
+        assert entry["input_weight_equalization_recommended"] == recommended
         for key, value in (("input_activation_global_max", in_max.max()), ("input_activation_global_min", in_min.min()),
                            ("weight_global_max", w_max.max()), ("weight_global_min", w_min.min()),
                            ("input_activation_per_channel_max", in_max), ("weight_per_channel_min", w_min)):

@@ -207,7 +207,8 @@ def test_add_loggers_names_and_scope_follow_torch_ao(method):
     # an input entry names the node that produced the input; add logs both of its arguments
     add_inputs = ours["add"]["node_input"]["fp32"]
     assert [(e["prev_node_name"], e["index_of_arg"]) for e in add_inputs] == [("relu", 0), ("sigmoid", 1)]
-    assert ours["fc2"]["node_input"]["int8"][0]["prev_node_target_type"] == "qcore.observe.qparams.fake_quantize_per_tensor"
+    assert (ours["fc2"]["node_input"]["int8"][0]["prev_node_target_type"]
+            == "qcore.observe.qparams.fake_quantize_per_tensor")
     assert ours["pool"]["node_output"]["fp32"][0]["fqn"] == "pool"
     # the streaming compare's scope: quantized layers only
     a, b = qns.add_loggers("fp32", float_gm, "int8", quant_gm, qns.OutputLogger, only_quantized_layers=True)

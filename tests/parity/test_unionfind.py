@@ -74,7 +74,7 @@ def annotated_graphs(draw):
     extra = [draw(st.lists(st.integers(0, 20), max_size=1)) for _ in range(n)]
     graph = _Graph(n, extra)
     plan = []  # (key_kind, node_index, input_position, spec_plan)
-    for index, node in enumerate(graph.nodes[1:], start=1):
+    for node in graph.nodes[1:]:
         implicit = draw(st.booleans())
         inputs = []
         for arg in node.all_input_nodes:

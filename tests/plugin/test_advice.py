@@ -81,7 +81,8 @@ def test_per_channel_fix_is_measured_and_works_when_pasted():
     own_before, own_after, out_before, out_after = _claims(message)
     assert own_after - own_before >= 1.0 and out_after > out_before
     assert out_before == pytest.approx(_output_db(before), abs=0.005)
-    again, after = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["per_channel", "sqnr"], **fix)
+    again, after = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["per_channel", "sqnr"],
+                                       **fix)
     assert again[("per_channel", "layers.2")].verdict == "pass" and again[("per_channel", "layers.2")].value == 1.0
     assert after.sqnr.layers["layers.2"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
     assert _output_db(after) == pytest.approx(out_after, abs=0.005)
@@ -169,14 +170,16 @@ def test_equalization_fix_names_only_the_layers_it_helps_and_works_when_pasted()
     assert _output_db(after) == pytest.approx(out_after, abs=0.005) and out_after > out_before
     assert after.sqnr.layers["layers.0"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
     for other in (["layers.0"], "smooth:search"):
-        _, alternative = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=["model_sqnr"], equalize=other)
+        _, alternative = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=["model_sqnr"],
+                                             equalize=other)
         assert _output_db(alternative) < _output_db(after)
 
 
 def test_input_weight_equalization_items_fail_with_the_equalization_fix_when_it_helps():
     batches = _sensor_batches()
     checks = ["equalization", "input_weight_equalization"]
-    found, _ = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=checks, equalization_min_gain_db=0.3)
+    found, _ = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=checks,
+                                   equalization_min_gain_db=0.3)
     iwe = {layer: f for (check, layer), f in found.items() if check == "input_weight_equalization"}
     failing = [layer for layer, f in iwe.items() if f.verdict == "fail"]
     assert failing and all(f.note for layer, f in iwe.items() if layer not in failing and f.details["recommended"])
@@ -242,9 +245,10 @@ def test_a_fix_that_lowers_the_output_is_not_printed():
 
 
 def test_the_sqnr_fix_search_can_be_turned_off_for_big_models():
-    found, analysis = analyze_with_checks(wide_rows, _features(), quantizer="int8_per_tensor", checks=["sqnr", "weight_sqnr"],
-                           sqnr_min_db=45, weight_sqnr_min_db=45, layers=["layers.2"],
-                           check_options={"sqnr": {"fix": False}, "weight_sqnr": {"fix": False}})
+    found, analysis = analyze_with_checks(wide_rows, _features(), quantizer="int8_per_tensor",
+                                          checks=["sqnr", "weight_sqnr"], sqnr_min_db=45, weight_sqnr_min_db=45,
+                                          layers=["layers.2"],
+                                          check_options={"sqnr": {"fix": False}, "weight_sqnr": {"fix": False}})
     assert found[("sqnr", "layers.2")].message.endswith("(no fix was measured: check_options={'sqnr': {'fix': "
                                                          "False}}).")
     assert "No fix was measured" in found[("weight_sqnr", "layers.2")].message
@@ -341,8 +345,8 @@ def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():
 
 def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_a_pass_of_its_own(monkeypatch):
     import qcore
-    from qcore.measure import screens as screens_module
     from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.measure import screens as screens_module
     from qcore.measure.screens import Screen
     from qcore.report import OutlierDetector
 

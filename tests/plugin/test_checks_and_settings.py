@@ -59,12 +59,14 @@ def test_the_checks_needs_are_the_analysis_plan():
     checks = builtin_registry()
     batch = torch.randn(4, 8)
     settings = ModelSettings.defaults(checks.checks(), checks=["sqnr", "outlier", "equalization"])
-    plan = collect_model("tiny", settings, checks, qcore.Int8StaticQuantizer(), tiny_sequential(), batch).context.analysis.plan
+    plan = collect_model("tiny", settings, checks, qcore.Int8StaticQuantizer(), tiny_sequential(),
+                         batch).context.analysis.plan
     assert plan.measurements == {"sqnr", "detectors", "equalization"} and list(plan.detectors) == ["outlier"]
     with pytest.raises(TypeError):
         plan.detectors["other"] = None  # immutable
     sqnr_only = ModelSettings.defaults(checks.checks(), checks=["sqnr"])
-    plan = collect_model("tiny", sqnr_only, checks, qcore.Int8StaticQuantizer(), tiny_sequential(), batch).context.analysis.plan
+    plan = collect_model("tiny", sqnr_only, checks, qcore.Int8StaticQuantizer(), tiny_sequential(),
+                         batch).context.analysis.plan
     assert plan.measurements == {"sqnr"} and not plan.detectors and not plan.equalization
 
 

@@ -46,7 +46,8 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), tiny_sequential(), batches[0]).analyze(
         lambda: batches, lambda found: None)
     assert mapped == [1 << 20, 32 << 20]
-    assert where_read[-1] is True  # a big model's weights are quantized where read (tests/qcore/test_weights_where_read.py)
+    # a big model's weights are quantized where read (tests/qcore/test_weights_where_read.py)
+    assert where_read[-1] is True
     broken.analyze(lambda: batches, lambda found: None)  # a failed stage is final
     assert broken.stage is Stage.ANALYSIS_FAILED
     assert ModelPipeline("m").collection_failed("why").stage is Stage.COLLECTION_FAILED

@@ -162,8 +162,8 @@ def test_histogram_observer_update_is_bit_identical_to_the_torch_path(seed, bins
         x = x[::2] if strided else x[:numel]
         native_path(x)
         _torch_path(torch_path, x)
-        for ours, reference in ((native_path.histogram, torch_path.histogram), (native_path.min_val, torch_path.min_val),
-                                (native_path.max_val, torch_path.max_val)):
+        for ours, reference in ((native_path.histogram, torch_path.histogram),
+                                (native_path.min_val, torch_path.min_val), (native_path.max_val, torch_path.max_val)):
             assert ours.dtype == reference.dtype and torch.equal(ours, reference), step
     assert calls == [True] * len(sizes)  # every batch took the kernel
     assert torch.equal(native_path.calculate_qparams()[0], torch_path.calculate_qparams()[0])

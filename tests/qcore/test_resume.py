@@ -1,4 +1,5 @@
-"""Resumed runs (qcore.search.resume): a switch setting run from a recorded cut gives exactly the outputs of a full run."""
+"""Resumed runs (qcore.search.resume): a switch setting run from a recorded cut gives exactly the outputs of a full
+run; the searches' estimates on one batch."""
 import itertools
 
 import pytest
@@ -122,7 +123,8 @@ def test_a_traced_graph_always_runs_whole_and_no_cut_holds_a_value_written_to_la
     exported = qcore.capture(_InPlace().eval(), torch.randn(2, 8))
     writes = last_writes(exported)
     relu = next(n for n in exported.graph.nodes if "relu_" in str(n.target))
-    assert writes == {relu.args[0]: list(exported.graph.nodes).index(relu), relu: list(exported.graph.nodes).index(relu)}
+    position = list(exported.graph.nodes).index(relu)
+    assert writes == {relu.args[0]: position, relu: position}
     nodes = list(exported.graph.nodes)
     first_linear = nodes[nodes.index(relu) - 1]
     state = [0]

@@ -1,7 +1,7 @@
-"""Large models' weights quantized and rewritten where they are read (qcore.quantization.convert.quantize_weights_where_read,
-qcore.graph.deferred.read_rewritten_where_used): the same numbers, no copy of the weights."""
+"""Large models' weights quantized and rewritten where they are read
+(qcore.quantization.convert.quantize_weights_where_read, qcore.graph.deferred.read_rewritten_where_used): the same
+numbers, no copy of the weights."""
 import importlib
-
 from unittest import mock
 
 import pytest
@@ -122,7 +122,8 @@ def test_a_llama_analysis_quantized_where_read_equals_the_one_with_quantized_cop
         whole = ModelAnalysis(float_gm, batches=batches, plan=plan).measurement
         blockwise = ModelAnalysis(float_gm, batches=batches, plan=plan, blockwise=True).measurement
     for where_read in (whole, blockwise):
-        assert where_read.sqnr == plain.sqnr and where_read.variants == plain.variants and where_read.logits == plain.logits
+        assert where_read.sqnr == plain.sqnr and where_read.variants == plain.variants
+        assert where_read.logits == plain.logits
     with quantize_weights_where_read():
         on_cpu = ModelAnalysis(float_gm, batches=batches).quantized_gm
         with mock.patch.dict(native._state, {"library": None}):  # the torch path, as on a GPU
@@ -161,7 +162,8 @@ def test_a_large_models_fix_trial_rewrites_each_weight_where_it_is_read_with_the
         quantized = trial.quantized_gm
     over = [node for node in quantized.graph.nodes if node.target is fake_quantize_over_input]
     assert over and all(node.args[0].meta.get(REWRITTEN_KEY) and len(node.args[0].users) == 1 for node in over)
-    with quantize_weights_where_read():  # the model's own equalized graph is kept for its later passes: it holds its weights
+    # the model's own equalized graph is kept for its later passes: it holds its weights
+    with quantize_weights_where_read():
         own = ModelAnalysis(float_gm, batches=batches, equalize=recipe)
         assert not any(node.meta.get(REWRITTEN_KEY) for node in own.quantized_input_gm.graph.nodes)
 
