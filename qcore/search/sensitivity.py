@@ -29,7 +29,7 @@ from qcore.search.resume import ResumableGraph
 
 __all__ = ["REMEASURED_CANDIDATES", "FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult",
            "SwitchableModel", "SwitchedRuns", "best_first", "find_float_layers", "layer_sensitivity",
-           "output_sqnr_from", "with_float_layers"]
+           "with_float_layers"]
 
 _GROUP_KEY = "qcore_observer_group"
 
@@ -164,7 +164,7 @@ class SwitchedRuns(ABC):
                 self._sums[key] = self._reference.batch_sums(self.gm, batch,
                                                              lambda batch, moved: step(id(batch), moved))
             per_batch.append(self._sums[key])
-        return output_sqnr_from(per_batch)
+        return _worst_output_sqnr(per_batch)
 
     def forget(self) -> None:
         """Drop what record() kept."""
@@ -238,12 +238,6 @@ class FloatReference:
         self.float_gm = float_gm
         self._references: dict[int, tuple[Any, Any, list[torch.Tensor]]] = {}
 
-    def output_sqnr(self, gm: fx.GraphModule, batches: Iterable[Any],
-                    run: Callable[[Any, Any], Any] | None = None) -> float:
-        """Model-output SQNR (dB) of `gm` against the float graph over `batches`, worst output leaf; `run(batch,
-        moved batch)` computes gm's outputs where given."""
-        return output_sqnr_from([self.batch_sums(gm, batch, run) for batch in batches])
-
     def batch_sums(self, gm: fx.GraphModule, batch: Any, run: Callable[[Any, Any], Any] | None = None
                    ) -> list[torch.Tensor]:
         """The (signal, noise) sums of each output leaf of `gm` against the float graph on one batch."""
@@ -257,7 +251,7 @@ class FloatReference:
             return [signal_and_noise(a, b) for a, b in zip(reference, actual)]
 
 
-def output_sqnr_from(per_batch: Sequence[list[torch.Tensor]]) -> float:
+def _worst_output_sqnr(per_batch: Sequence[list[torch.Tensor]]) -> float:
     """The worst output leaf's SQNR (dB) from per-batch (signal, noise) sums, added in batch order."""
     sums: list[torch.Tensor] = []
     for pairs in per_batch:
