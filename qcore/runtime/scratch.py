@@ -79,9 +79,8 @@ def reused_like(x: torch.Tensor) -> torch.Tensor | None:
 def elementwise(op: Callable[..., torch.Tensor], x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """op(x, other) of a binary elementwise op (torch.mul, torch.div), into a reused buffer where one is free and the
     result has x's shape and dtype: the same values."""
-    if other.is_floating_point() and other.dtype != x.dtype:
+    if ((other.is_floating_point() and other.dtype != x.dtype) or other.requires_grad
+            or torch.broadcast_shapes(x.shape, other.shape) != x.shape):
         return op(x, other)
     out = reused_like(x)
-    if out is None or torch.broadcast_shapes(x.shape, other.shape) != x.shape or other.requires_grad:
-        return op(x, other)
-    return op(x, other, out=out)
+    return op(x, other) if out is None else op(x, other, out=out)
