@@ -44,6 +44,7 @@ from qcore.measure.passes import (
     measure_sqnr,
 )
 from qcore.measure.screens import Screen, ScreenedLayers
+from qcore.numeric.compare import KeptFloatOutputs
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 from qcore.quantization.calibrate import calibrate, model_device
 from qcore.quantization.calibrated import CalibratedObservers
@@ -57,8 +58,8 @@ from qcore.rewrites.smoothing import smooth, smoothing_alpha
 from qcore.runtime.progress import StageTimes, stage, tracked
 from qcore.search.sensitivity import with_float_layers
 
-__all__ = ["MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix", "ArtifactMismatchError",
-           "BlockwiseError", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis",
+__all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix",
+           "ArtifactMismatchError", "BlockwiseError", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis",
            "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes",
            "VariantSqnr", "analyze_model", "calibration_digest", "describe", "matches_layer", "measure_sqnr",
            "model_device", "move_to", "quantize_weights_where_read", "quantized_layers", "smoothing_alpha",
@@ -135,6 +136,7 @@ def _max_relative_error(reference: fx.GraphModule, candidate: fx.GraphModule, ba
 
 
 MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence", "logits"})
+LAYER_KINDS = frozenset({"own", "propagated"})  # the per-layer SQNRs a measurement makes: shadow and propagated
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,8 @@ class CapturedModel:
         self._rewrite_scales: dict[tuple[str, str], tuple[Any, torch.Tensor]] = {}
         self._observers: dict[str, CalibratedObservers] = {}
         self.variants: dict[str, ModelAnalysis] = {}  # by configuration (see ModelAnalysis.variant)
+        # the float graph's output on each calibration batch, from a comparison pass (KeptFloatOutputs)
+        self.float_outputs: list[Any] | None = None
 
     @property
     def batches(self) -> list[Any]:
@@ -254,11 +258,12 @@ class ModelAnalysis:
     def __init__(self, model: fx.GraphModule | CapturedModel, quantizer: Quantizer | None = None,
                  batches: Iterable[Any] | None = None, *, equalize: Any = None, plan: AnalysisPlan | None = None,
                  layers: Iterable[QuantizedLayer] | None = None, blockwise: bool | str = False,
-                 focus: Iterable[str] | None = None, keep_graphs: bool = True) -> None:
+                 focus: Iterable[str] | None = None, keep_graphs: bool = True,
+                 layer_kinds: Iterable[str] = LAYER_KINDS) -> None:
         """`model`: a captured float graph, or the context of a model whose other configurations are analysed
         (its batches and blockwise then apply). `focus`: the only layers its SQNR measures (None: every one), with
-        the model's outputs. `keep_graphs`: False drops the equalized graph once measured (a fix trial's copy of
-        the weights)."""
+        the model's outputs; `layer_kinds`: which of their SQNRs ("own", "propagated"; the others are nan).
+        `keep_graphs`: False drops the equalized graph once measured (a fix trial's copy of the weights)."""
         if isinstance(model, CapturedModel):
             self.context = model
             if batches is not None:
@@ -271,6 +276,10 @@ class ModelAnalysis:
         self.equalize_recipe = equalize
         self.plan = plan or AnalysisPlan()
         self.focus = None if focus is None else frozenset(focus)
+        self.layer_kinds = frozenset(layer_kinds)
+        unknown_kinds = self.layer_kinds - LAYER_KINDS
+        if unknown_kinds:
+            raise ValueError(f"unknown layer SQNR kind(s) {sorted(unknown_kinds)}; known: {sorted(LAYER_KINDS)}")
         self._known_layers = None if layers is None else list(layers)
         self._keeps_graphs = keep_graphs
         self._sensitivity: dict[tuple, Any] = {}
@@ -292,19 +301,23 @@ class ModelAnalysis:
                 "(blockwise); give the model blockwise=False on a machine with the memory for its whole analysis")
 
     def variant(self, quantizer: Quantizer | None = None, equalize: Any = _KEEP,
-                layers: Iterable[str] | None = None) -> ModelAnalysis:
+                layers: Iterable[str] | None = None, layer_kinds: Iterable[str] = LAYER_KINDS) -> ModelAnalysis:
         """The same model and batches under another quantizer and/or equalize recipe (the same as pasting them
         into the model's settings), kept per configuration in the model's context: a fix is measured once, however
         many checks ask. `layers`, when given, are the only layers its SQNR measures (a fix trial's), with the
-        model's outputs."""
+        model's outputs, and `layer_kinds` which of their SQNRs (see ModelAnalysis)."""
         quantizer = self.quantizer if quantizer is None else quantizer
         recipe = self.equalize_recipe if equalize is _KEEP else equalize
         focus = None if layers is None else frozenset(layers)
+        kinds = LAYER_KINDS if focus is None else frozenset(layer_kinds)
         key = repr((describe(quantizer), describe(recipe), None if focus is None else sorted(focus)))
         variants = self.context.variants
-        if key not in variants:
+        known = variants.get(key)
+        if known is None or not kinds <= known.layer_kinds:  # one measuring the kinds of both serves both
             self.require_deterministic()
-            variants[key] = ModelAnalysis(self.context, quantizer, equalize=recipe, focus=focus, keep_graphs=False)
+            kinds = kinds | (known.layer_kinds if known is not None else frozenset())
+            variants[key] = ModelAnalysis(self.context, quantizer, equalize=recipe, focus=focus, keep_graphs=False,
+                                          layer_kinds=kinds)
         return variants[key]
 
     @property
@@ -421,8 +434,14 @@ class ModelAnalysis:
             measured = self._measure_blocks(self.quantized_input_gm, **options)
         else:
             screens = self.plan.screens if original and self.plan.detectors else ()
+            float_graph = self.quantized_input_gm is self.float_gm  # its float outputs may be kept, or were
+            keep = KeptFloatOutputs() if float_graph and self.context.float_outputs is None else None
             measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers,
-                                     layers=self.focus, screens=screens, **options)
+                                     layers=self.focus, screens=screens, layer_kinds=self.layer_kinds,
+                                     float_outputs=self.context.float_outputs if float_graph else None,
+                                     keep_float_outputs=keep, **options)
+            if keep is not None and keep.outputs is not None and len(keep.outputs) == len(self.batches):
+                self.context.float_outputs = keep.outputs
             if self.quantized_input_gm is self.float_gm and measured.first_outputs_agree:
                 self.context.saw_float_runs_agree()  # calibration and comparison ran batch 0 alike: no extra runs
             self.require_deterministic()  # otherwise two runs (four to name the node where they differ)

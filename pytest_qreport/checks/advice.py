@@ -3,21 +3,24 @@
 A fix is one qmodel() keyword with its whole value, merged with the model's own (`Fix.paste()` is the text to
 paste). `try_fix` measures the model with it, exactly as the pasted settings would, in one more calibration and
 comparison pass (kept per configuration by the qcore analysis), of the layers the fix concerns and the outputs:
-a trial's other layers are nan. `verify` tries a fix on the layers a heuristic names (or takes their own SQNR
-with it from the model's comparison pass: qcore.measure.screens), keeps the layers where it helps by at least the
-check's minimum gain, measures that smaller fix again, and recommends it only when the model's output SQNR does
-not fall.
+a trial's other layers are nan, and so are the kinds of SQNR it was not asked for (a check reads one). The
+comparison pass compares the quantized outputs with the float outputs the model's own pass kept, and runs the
+float graph only as far as the layer values it measures. `verify` tries a fix on the layers a heuristic names (or
+takes their own SQNR with it from the model's comparison pass: qcore.measure.screens), keeps the layers where it
+helps by at least the check's minimum gain, measures that smaller fix again, and recommends it only when the
+model's output SQNR does not fall.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.registry import ModelContext
 
-__all__ = ["Advice", "Fix", "Trial", "equalize_fix", "float_layers_fix", "layer_overrides_fix", "try_fix", "verify"]
+__all__ = ["KINDS", "Advice", "Fix", "Trial", "equalize_fix", "float_layers_fix", "layer_overrides_fix", "try_fix",
+           "verify"]
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,14 @@ class Fix:
         return f"{self.setting}={self.value!r}"
 
 
+KINDS = ("own", "propagated", "weight")  # a layer's SQNRs a trial can measure
+
+
 @dataclass(frozen=True)
 class Trial:
     """The model measured with a fix, against the model as it is: per layer (own SQNR with float inputs,
-    propagated SQNR, weight SQNR) and at its output (the worst output leaf)."""
+    propagated SQNR, weight SQNR; a kind the trial was not asked for is nan after the fix) and at its output (the
+    worst output leaf)."""
 
     fix: Fix
     output: tuple[float, float]
@@ -92,34 +99,37 @@ def equalize_fix(value: Any, layers: Iterable[str]) -> Fix:
     return Fix("equalize", value, tuple(layers))
 
 
-def _variant(model: ModelContext, fix: Fix) -> Any:
+def _variant(model: ModelContext, fix: Fix, reads: Collection[str]) -> Any:
     """The model's analysis with the fix applied as the pasted setting would apply it, measuring the layers the fix
-    concerns (a trial reads nothing else but the outputs; every layer when one of them is not a layer's name)."""
-    from qcore.analysis import with_float_layers, with_layer_overrides
+    concerns (a trial reads nothing else but the outputs; every layer when one of them is not a layer's name), and
+    of their SQNRs those in `reads`."""
+    from qcore.analysis import LAYER_KINDS, with_float_layers, with_layer_overrides
 
     analysis = model.analysis
     known = {entry.layer for entry in analysis.layers}
     layers = fix.layers if set(fix.layers) <= known else None
+    kinds = LAYER_KINDS & set(reads)
     if getattr(analysis, "artifact", False):  # the reference's modules swapped in: the one fix an artifact takes
         if fix.setting != "float_layers":
             raise ValueError(f"an artifact takes no {fix.setting} fix: it is quantized already")
         return analysis.variant(float_layers=fix.value, layers=layers)
     if fix.setting == "layer_overrides":
-        return analysis.variant(with_layer_overrides(analysis.quantizer, fix.value), layers=layers)
+        return analysis.variant(with_layer_overrides(analysis.quantizer, fix.value), layers=layers, layer_kinds=kinds)
     if fix.setting == "float_layers":
-        return analysis.variant(with_float_layers(analysis.quantizer, fix.value), layers=layers)
+        return analysis.variant(with_float_layers(analysis.quantizer, fix.value), layers=layers, layer_kinds=kinds)
     if fix.setting == "equalize":
-        return analysis.variant(equalize=fix.value, layers=layers)
+        return analysis.variant(equalize=fix.value, layers=layers, layer_kinds=kinds)
     raise ValueError(f"no verified fix sets {fix.setting!r}")
 
 
-def try_fix(model: ModelContext, fix: Fix) -> Trial:
-    """The model measured with `fix`, against the model as it is."""
+def try_fix(model: ModelContext, fix: Fix, reads: Collection[str] = KINDS) -> Trial:
+    """The model measured with `fix`, against the model as it is: its output, and of the layers the fix concerns
+    the SQNRs in `reads` (of KINDS; the others are nan)."""
     from qcore.analysis import stage
 
     before = model.analysis.sqnr
     with stage("trials"):
-        after = _variant(model, fix).sqnr
+        after = _variant(model, fix, reads).sqnr
     worst_before, worst_after = before.worst_output(), after.worst_output()
     output = (worst_before.sqnr_db if worst_before else math.nan, worst_after.sqnr_db if worst_after else math.nan)
 
@@ -177,7 +187,7 @@ def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[l
     if screened is not None and kind == "own":
         first = Trial(make_fix(candidates), (math.nan, math.nan), dict(screened), {}, {}, screened=True)
     else:
-        first = try_fix(model, make_fix(candidates))
+        first = try_fix(model, make_fix(candidates), (kind,))
     notes: dict[str, str] = {}
     whose = "this layer's"
 
@@ -190,7 +200,7 @@ def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[l
             notes[layer] = measured(first, layer) + f" (the minimum gain is {min_gain:g} dB)"
     if not helpful:
         return Advice(first, None, (), min_gain, kind, notes)
-    trial = first if helpful == candidates and not first.screened else try_fix(model, make_fix(helpful))
+    trial = first if helpful == candidates and not first.screened else try_fix(model, make_fix(helpful), (kind,))
     if not trial.output_kept:
         for layer in helpful:
             notes[layer] = (f"{measured(trial, layer)}, but with {trial.fix.paste()} the model output falls "

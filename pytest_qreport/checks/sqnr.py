@@ -40,7 +40,7 @@ def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propaga
                 model, {c: {"activation_observer": "histogram"} for c in chosen}), MIN_FIX_GAIN_DB, kind)))
     output_target, output_fix = _output_float_layers(model) if failing else (None, None)
     uncovered = [layer for layer in failing if output_fix is None or layer not in output_fix.float_layers]
-    in_float = try_fix(model, float_layers_fix(model, failing)) if uncovered else None
+    in_float = try_fix(model, float_layers_fix(model, failing), reads=()) if uncovered else None  # its output
     fixes: dict[str, list[str]] = {}
     for layer in failing:
         found = [f"{label} ({advice.claim(layer)}): {advice.fix_text()}" for label, advice in options

@@ -35,7 +35,13 @@ from qcore.measure.variants import (
     variant_batches,
     variant_results,
 )
-from qcore.numeric.compare import ExtraShadows, ShadowGraph, compare, compare_propagated_and_shadow
+from qcore.numeric.compare import (
+    ExtraShadows,
+    KeptFloatOutputs,
+    ShadowGraph,
+    compare,
+    compare_propagated_and_shadow,
+)
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 from qcore.numeric.matching import match_layers
 from qcore.numeric.metrics import compared_by_rows, large_tensor_sqnr, rowwise_sqnr
@@ -122,7 +128,9 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                   propagate: bool = True, detectors: Mapping[str, DetectorBase] | None = None,
                   equalization_layers: Iterable[str] = (), smoothing: float | str | None = None,
                   logits: bool = False, observers: CalibratedObservers | None = None,
-                  layers: Collection[str] | None = None, screens: Sequence[Screen] = ()) -> ModelMeasurement:
+                  layers: Collection[str] | None = None, screens: Sequence[Screen] = (),
+                  layer_kinds: Collection[str] = ("own", "propagated"), float_outputs: Sequence[Any] | None = None,
+                  keep_float_outputs: KeptFloatOutputs | None = None) -> ModelMeasurement:
     """Quantize a copy of `float_gm` on `batches` and measure it in one calibration and one comparison pass:
     per-layer and output SQNR (propagate=False: shadow SQNR only), the detectors' reports, the input-weight
     equalization variant of `equalization_layers`, the smoothing variant (alpha, or "search") of every
@@ -130,7 +138,9 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     activation observers calibrated earlier on this graph and these batches; those it holds are not calibrated
     again (no calibration pass when it holds them all), and the others are added to it. `layers`, when given, are
     the only layers measured (a fix trial's: the outputs are always measured). `screens` measure their fixes on
-    the layers the detectors' reports name for them (qcore.measure.screens), in the same comparison pass."""
+    the layers the detectors' reports name for them (qcore.measure.screens), in the same comparison pass.
+    `layer_kinds` are the per-layer SQNRs measured ("own": shadow, "propagated"; the others are nan): a trial
+    measures those it reads. `float_outputs` and `keep_float_outputs` are compare_propagated_and_shadow's."""
     batches = list(batches)
     kept = observers if observers is not None else CalibratedObservers()
     ahead = ObserversAhead(float_gm, quantizer or Int8StaticQuantizer(), screens, kept)
@@ -157,9 +167,13 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
     screened = _screen_copies(float_gm, batches, quantizer, screens, probed.detector_reports, kept)
     comparator = (LogitsComparator() if logits else None) if propagate else None
+    every = None if layers is None else set(layers)
     sqnr, baselines = compare_quantized(float_gm, quant_gm, batches, variants, unmeasured, propagate=propagate,
                                         logits=comparator, keep_first_output=first_outputs, layers=layers,
-                                        extra_shadows=[extra for _, _, extra in screened])
+                                        extra_shadows=[extra for _, _, extra in screened],
+                                        shadowed_layers=every if "own" in layer_kinds else set(),
+                                        propagated_layers=every if "propagated" in layer_kinds else set(),
+                                        float_outputs=float_outputs, keep_float_outputs=keep_float_outputs)
     compared = comparator.result() if comparator is not None else ModelMeasurement.logits
     screen_results = {name: ScreenedLayers(changes, {layer: float(extra.results[layer]["sqnr_db"])
                                                      for layer in changes if layer in extra.results})
@@ -275,7 +289,10 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
                       unmeasured: dict[str, str], *, propagate: bool = True, logits: LogitsComparator | None = None,
                       keep_first_output: OutputSink | None = None, quant_batches: list | None = None,
                       streams: list | None = None, layers: Collection[str] | None = None,
-                      extra_shadows: Sequence[ExtraShadows] = ()) -> tuple[SqnrMeasurement, dict[str, dict]]:
+                      extra_shadows: Sequence[ExtraShadows] = (), shadowed_layers: Collection[str] | None = None,
+                      propagated_layers: Collection[str] | None = None, float_outputs: Sequence[Any] | None = None,
+                      keep_float_outputs: KeptFloatOutputs | None = None
+                      ) -> tuple[SqnrMeasurement, dict[str, dict]]:
     """The comparison pass of a converted graph (instrumented in place) against its float graph, with the shadows
     of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). The other
     keywords are compare_propagated_and_shadow's."""
@@ -298,7 +315,9 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
     propagated, shadow_records = compare_propagated_and_shadow(
         float_gm, quant_gm, batches, own_quant_model=True, propagate=propagate, instrument=instrument if here
         else None, instrument_batches=variant_batches(len(batches)), keep_first_output=keep_first_output,
-        logits=logits, quant_batches=quant_batches, streams=streams, layers=layers, extra_shadows=extra_shadows)
+        logits=logits, quant_batches=quant_batches, streams=streams, layers=layers, extra_shadows=extra_shadows,
+        shadowed_layers=shadowed_layers, propagated_layers=propagated_layers, float_outputs=float_outputs,
+        keep_float_outputs=keep_float_outputs)
     shadows = {r["layer"]: r for r in shadow_records}
     return sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits), baselines
 

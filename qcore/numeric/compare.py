@@ -1,6 +1,7 @@
 """Streaming float-vs-quantized comparison: per-layer sums on the device, memory flat in the batch count."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterable, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,9 +19,12 @@ from qcore.numeric.matching import LayerPair, layer_value, match_layers
 from qcore.quantization.calibrate import OutputSink, model_device
 from qcore.runtime.progress import batch_done, stage
 
-__all__ = ["ExtraShadows", "ShadowGraph", "compare", "compare_propagated_and_shadow", "run_both"]
+__all__ = ["KEPT_FLOAT_OUTPUT_BYTES", "ExtraShadows", "KeptFloatOutputs", "ShadowGraph", "compare",
+           "compare_propagated_and_shadow", "run_both"]
 
 _SHADOW_PREFIX = "qcore_shadow_b.quantized"
+
+KEPT_FLOAT_OUTPUT_BYTES = 64 << 20  # the float outputs a comparison pass keeps for later passes, at most
 
 
 class _QuantizedHolder(nn.Module):
@@ -92,6 +96,14 @@ def run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: li
     outputs."""
     result = call_model(gm_a, batch)
     result_b = call_model(gm_b, batch if batch_b is None else batch_b)
+    compare_outputs(gm_a, batch, result, result_b, outputs, logits)
+    return result, result_b
+
+
+def compare_outputs(gm_a: fx.GraphModule, batch: Any, result: Any, result_b: Any, outputs: list[StreamingComparator],
+                    logits: LogitsComparator | None = None) -> None:
+    """Add the floating output leaves of A's and B's results on one batch to `outputs` (one comparator per leaf),
+    and to `logits` when given."""
     out_a, out_b = pytree.tree_leaves(result), pytree.tree_leaves(result_b)
     tensors = [(a, b) for a, b in zip(out_a, out_b) if isinstance(a, torch.Tensor) and a.is_floating_point()]
     while len(outputs) < len(tensors):
@@ -101,7 +113,6 @@ def run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: li
     if logits is not None:
         logits.decide(gm_a, result)
         logits.update([a for a, _ in tensors], [b for _, b in tensors], batch)
-    return result, result_b
 
 
 def _shadowed(float_model, quant_model):
@@ -148,7 +159,12 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                                   instrument_batches: int | None = None, keep_first_output: OutputSink | None = None,
                                   logits: LogitsComparator | None = None, quant_batches: list | None = None,
                                   streams: list | None = None, layers: Collection[str] | None = None,
-                                  extra_shadows: Sequence[ExtraShadows] = ()) -> tuple[list[dict], list[dict]]:
+                                  extra_shadows: Sequence[ExtraShadows] = (),
+                                  shadowed_layers: Collection[str] | None = None,
+                                  propagated_layers: Collection[str] | None = None,
+                                  float_outputs: Sequence[Any] | None = None,
+                                  keep_float_outputs: KeptFloatOutputs | None = None
+                                  ) -> tuple[list[dict], list[dict]]:
     """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
 
     The float graph runs once per batch with the shadow copies of the quantized layers inside it, and its
@@ -162,6 +178,13 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     when given, gets each batch's (float output, quantized output): a block of a block-wise analysis hands both on.
     `layers`, when given, are the only layers compared (the output leaves always are). Each of `extra_shadows`
     adds its layers' shadows from its own quantized copy, compared with the same float layer values.
+
+    A caller that reads only some of these values says which: `shadowed_layers` and `propagated_layers` (default:
+    every compared layer) are the layers whose shadow and propagated SQNR are measured (the others' records hold
+    nan). `float_outputs`, the float graph's output on each batch kept from an earlier pass over the same graph and
+    batches (KeptFloatOutputs), are compared with the quantized outputs instead, and the float copy then runs only as
+    far as the last layer value it still has to give (not at all when it has none). `keep_float_outputs` keeps this
+    pass's float outputs for such a later pass.
     """
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
@@ -170,26 +193,39 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     extra_pairs = [[pair for pair in match_layers(gm_a, extra.quantized) if pair.layer in extra.layers]
                    for extra in extra_shadows]
     _hold(gm_a, gm_b)
-    propagated, shadowed, stashes, references = [], [], [], {}
+    propagated: list[StreamingComparator | None] = []
+    shadowed: list[StreamingComparator | None] = []
+    stashes, references = [], {}
     for index, pair in enumerate(pairs):
+        shadow_it = shadowed_layers is None or pair.layer in shadowed_layers
+        propagate_it = propagate and (propagated_layers is None or pair.layer in propagated_layers)
+        if not (shadow_it or propagate_it or any(pair.layer in extra.layers for extra in extra_shadows)):
+            shadowed.append(None)
+            propagated.append(None)
+            continue
         stash = ActivationStash(copy=rewritten[index])  # the float layer value, for every comparator that reads it
         references[pair.layer] = attach_after(gm_a, layer_value(pair.a), f"qcore_stash_{index}", stash)
         stashes.append(stash)
-        shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
-        # the shadow's value is read by its comparator only, and the reference is the stash's
-        shadow = StreamingComparator(actual_held=True, reference_held=True)
-        attach_after(gm_a, shadow_value, f"qcore_shadow_compare_{index}", shadow, references[pair.layer])
+        shadow = None
+        if shadow_it:
+            shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
+            # the shadow's value is read by its comparator only, and the reference is the stash's
+            shadow = StreamingComparator(actual_held=True, reference_held=True)
+            attach_after(gm_a, shadow_value, f"qcore_shadow_compare_{index}", shadow, references[pair.layer])
         shadowed.append(shadow)
-        if propagate:
+        comparator = None
+        if propagate_it:
             comparator = StreamingComparator(stash, actual_held=not may_change_after(layer_value(pair.b)))
             attach_after(gm_b, layer_value(pair.b), f"qcore_compare_{index}", comparator)
-            propagated.append(comparator)
+        propagated.append(comparator)
     extra_comparators = _add_extra_shadows(gm_a, extra_shadows, extra_pairs, references)
     before = set(gm_a.graph.nodes)
     finish = None
     if instrument is not None:
         finish = instrument(ShadowGraph(gm_a, pairs, _SHADOW_PREFIX, references,
-                                        {pair.layer: c for pair, c in zip(pairs, shadowed)}))
+                                        {pair.layer: c for pair, c in zip(pairs, shadowed) if c is not None}))
+    kept = float_outputs is not None and propagate and instrument is None
+    run_float = not kept or _truncate_after_last_logger(gm_a)
     gm_a.graph.lint()
     gm_a.recompile()
     gm_b.recompile()
@@ -200,14 +236,23 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     with torch.no_grad(), stage("comparison", total):
         for batch in batches:
             batch = move_to(batch, device)
-            if propagate:
-                batch_b = None if quant_batches is None else move_to(quant_batches[count], device)
+            batch_b = None if quant_batches is None else move_to(quant_batches[count], device)
+            if kept:
+                assert float_outputs is not None
+                if run_float:
+                    call_model(gm_a, batch)
+                result = float_outputs[count]
+                result_b = call_model(gm_b, batch if batch_b is None else batch_b)
+                compare_outputs(float_model, batch, result, result_b, outputs, logits)
+            elif propagate:
                 result, result_b = run_both(gm_a, gm_b, batch, outputs, logits, batch_b)
             else:
                 result = result_b = call_model(gm_a, batch)
+            if keep_float_outputs is not None:
+                keep_float_outputs.add(result)
             if streams is not None:
                 streams.append((result, result_b))
-            if count == 0 and keep_first_output is not None:
+            if count == 0 and keep_first_output is not None and not kept:
                 keep_first_output.append(result)
             for stash in stashes:
                 stash.value = None
@@ -220,14 +265,58 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                 _remove_nodes_since(gm_a, before)
     if count == 0:
         raise ValueError("compare needs at least one batch")
-    records = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **c.result()} for p, c in zip(pairs, propagated)]
+    records = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **_result(c, count)}
+               for p, c in zip(pairs, propagated)] if propagate else []
     for index, comparator in enumerate(outputs):
         records.append({"layer": "output" if len(outputs) == 1 else f"output.{index}", "fqn": "", "op": "output",
                         **comparator.result()})
-    shadows = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **c.result()} for p, c in zip(pairs, shadowed)]
+    shadows = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **_result(c, count)} for p, c in zip(pairs, shadowed)]
     for extra, layer, comparator in extra_comparators:
         extra.results[layer] = comparator.result()
     return records, shadows
+
+
+def _result(comparator: StreamingComparator | None, batches: int) -> dict[str, float]:
+    """A comparator's result; nan for a value the caller did not ask to measure."""
+    if comparator is None:
+        return {"sqnr_db": math.nan, "normalized_l2": math.nan, "cosine": math.nan, "batches": batches}
+    return comparator.result()
+
+
+def _truncate_after_last_logger(gm: fx.GraphModule) -> bool:
+    """Erase the nodes after the last inserted logger (nothing after it feeds one), the graph returning None for
+    each output leaf; False when it has no logger (nothing to run)."""
+    nodes = list(gm.graph.nodes)
+    last = max((i for i, node in enumerate(nodes) if node.meta.get("qcore_inserted") == "logger"), default=None)
+    output = nodes[-1]
+    output.args = fx.node.map_arg(output.args, lambda _: None)
+    for node in reversed(nodes[(last if last is not None else -1) + 1:-1]):
+        if node.op != "placeholder":
+            gm.graph.erase_node(node)
+    return last is not None
+
+
+class KeptFloatOutputs:
+    """The float graph's output on each batch of a comparison pass, kept while their tensors hold at most `limit`
+    bytes in all, so that a later pass over the same float graph and batches (a fix trial's) need not run it again;
+    `outputs` is None once they would hold more."""
+
+    def __init__(self, limit: int = KEPT_FLOAT_OUTPUT_BYTES) -> None:
+        self.limit = limit
+        self.outputs: list[Any] | None = []
+        self._bytes = 0
+
+    def add(self, output: Any) -> None:
+        """Keep one batch's output (or give up on keeping them)."""
+        if self.outputs is None:
+            return
+        size = sum(leaf.numel() * leaf.element_size() for leaf in pytree.tree_leaves(output)
+                   if isinstance(leaf, torch.Tensor))
+        if self._bytes + size > self.limit:
+            self.outputs = None
+            return
+        self.outputs.append(output)
+        self._bytes += size
 
 
 def _add_extra_shadows(gm_a: fx.GraphModule, extras: Sequence[ExtraShadows], extra_pairs: list[list[LayerPair]],

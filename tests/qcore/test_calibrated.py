@@ -1,6 +1,8 @@
 """A fix trial takes the calibrated state of the activation observers it shares with earlier measurements of the same
 float graph (issue: scale, analysis cost): the same numbers as a trial calibrated from scratch, with no
 calibration pass when every observer is known, and only the new observers watching the batches otherwise."""
+import math
+
 import pytest
 import torch
 
@@ -131,6 +133,77 @@ def test_a_trial_of_some_layers_measures_them_and_the_outputs_as_a_whole_trial_d
     assert list(focused.sqnr.layers) == ["fc2"] and len(whole.sqnr.layers) == 3
     assert focused.sqnr.layers["fc2"] == whole.sqnr.layers["fc2"]
     assert focused.sqnr.outputs == whole.sqnr.outputs
+
+
+def _linear_calls(function):
+    """(the linear layers `function()` runs, what it returned): addmm calls, one per layer and batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.calls += func.overloadpacket is torch.ops.aten.addmm
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        returned = function()
+    return Counter.calls, returned
+
+
+def test_a_trial_compares_with_the_kept_float_outputs_and_runs_the_float_graph_only_as_far_as_it_reads(
+        model_and_batches):
+    float_gm, data = model_and_batches
+    fix = with_layer_overrides(Int8StaticQuantizer(), {"fc1": {"per_channel": True}})  # no observer to calibrate
+    fresh = ModelAnalysis(float_gm, None, data).variant(fix, layers=["fc1"])
+    linears, expected = _linear_calls(lambda: fresh.sqnr)
+    assert linears == len(data) * (3 + 3 + 3 + 1)  # calibration, float graph, quantized graph, fc1's shadow
+    assert fresh.context.float_outputs is not None  # a trial's pass keeps them for the next one when none are kept
+    base = ModelAnalysis(float_gm, None, data)
+    assert base.sqnr.outputs == expected.outputs
+    kept = base.context.float_outputs
+    assert kept is not None and len(kept) == len(data)
+    assert all(torch.equal(a, float_gm(b)) for a, b in zip(kept, data))
+
+    # fc1's values: the float graph as far as fc1 (its value, and its shadow), the quantized graph whole
+    linears, trial = _linear_calls(lambda: base.variant(fix, layers=["fc1"]).sqnr)
+    assert linears == len(data) * (1 + 1 + 3)
+    assert trial == expected  # the same numbers as a trial that runs the float graph
+    # the output alone: the quantized graph only
+    linears, alone = _linear_calls(lambda: base.variant(fix, layers=["fc2"], layer_kinds=()).sqnr)
+    assert linears == len(data) * 3
+    assert alone.outputs == expected.outputs
+
+
+def test_a_trial_measures_the_layer_sqnrs_it_is_asked_for_and_a_later_ask_for_more_measures_them_all(
+        model_and_batches):
+    float_gm, data = model_and_batches
+    base = ModelAnalysis(float_gm, None, data)
+    fix = with_layer_overrides(base.quantizer, {"fc2": {"activation_observer": "histogram"}})
+    whole = base.variant(fix).sqnr.layers["fc2"]
+    own = base.variant(fix, layers=["fc2"], layer_kinds={"own"})
+    assert own.sqnr.layers["fc2"].shadow_sqnr_db == whole.shadow_sqnr_db
+    assert math.isnan(own.sqnr.layers["fc2"].sqnr_db) and math.isnan(own.sqnr.layers["fc2"].cosine)
+    assert base.variant(fix, layers=["fc2"], layer_kinds=["own"]) is own  # kept per configuration and kinds
+    both = base.variant(fix, layers=["fc2"], layer_kinds={"propagated"})
+    assert both is not own and both.layer_kinds == {"own", "propagated"}
+    assert both.sqnr.layers["fc2"] == whole
+    assert base.variant(fix, layers=["fc2"], layer_kinds={"own"}) is both
+    with pytest.raises(ValueError, match="unknown layer SQNR kind"):
+        base.variant(fix, layers=["fc1"], layer_kinds={"weight"})
+
+
+def test_float_outputs_are_kept_only_within_their_byte_limit():
+    from qcore.numeric.compare import KeptFloatOutputs
+
+    kept = KeptFloatOutputs(limit=3 * 4 * 8)
+    kept.add(torch.zeros(4, 4))
+    kept.add({"logits": torch.zeros(2, 4), "rest": None})
+    assert kept.outputs is not None and len(kept.outputs) == 2
+    kept.add(torch.zeros(1))  # past the limit: none are kept
+    assert kept.outputs is None
+    kept.add(torch.zeros(1))
+    assert kept.outputs is None
 
 
 def _counting_qparams(monkeypatch):
