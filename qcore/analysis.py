@@ -194,6 +194,8 @@ class CapturedModel:
         self.variants: dict[str, ModelAnalysis] = {}  # by configuration (see ModelAnalysis.variant)
         # the float graph's output on each calibration batch, from a comparison pass (KeptFloatOutputs)
         self.float_outputs: list[Any] | None = None
+        # {layer: [(shadow_signature, shadow record)]} the screens of the float graph's comparison pass measured
+        self.screened_shadows: dict[str, list[tuple[tuple, Mapping[str, float]]]] = {}
 
     @property
     def batches(self) -> list[Any]:
@@ -439,9 +441,15 @@ class ModelAnalysis:
             measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers,
                                      layers=self.focus, screens=screens, layer_kinds=self.layer_kinds,
                                      float_outputs=self.context.float_outputs if float_graph else None,
-                                     keep_float_outputs=keep, **options)
+                                     keep_float_outputs=keep,
+                                     known_shadows=self.context.screened_shadows if float_graph else None, **options)
             if keep is not None and keep.outputs is not None and len(keep.outputs) == len(self.batches):
                 self.context.float_outputs = keep.outputs
+            if float_graph:
+                for screened in measured.screens.values():
+                    for layer, (signature, record) in screened.shadows.items():
+                        if signature is not None:
+                            self.context.screened_shadows.setdefault(layer, []).append((signature, record))
             if self.quantized_input_gm is self.float_gm and measured.first_outputs_agree:
                 self.context.saw_float_runs_agree()  # calibration and comparison ran batch 0 alike: no extra runs
             self.require_deterministic()  # otherwise two runs (four to name the node where they differ)

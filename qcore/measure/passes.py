@@ -38,6 +38,7 @@ from qcore.measure.variants import (
 from qcore.numeric.compare import (
     ExtraShadows,
     KeptFloatOutputs,
+    KnownShadows,
     ShadowGraph,
     compare,
     compare_propagated_and_shadow,
@@ -130,7 +131,8 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                   logits: bool = False, observers: CalibratedObservers | None = None,
                   layers: Collection[str] | None = None, screens: Sequence[Screen] = (),
                   layer_kinds: Collection[str] = ("own", "propagated"), float_outputs: Sequence[Any] | None = None,
-                  keep_float_outputs: KeptFloatOutputs | None = None) -> ModelMeasurement:
+                  keep_float_outputs: KeptFloatOutputs | None = None,
+                  known_shadows: KnownShadows | None = None) -> ModelMeasurement:
     """Quantize a copy of `float_gm` on `batches` and measure it in one calibration and one comparison pass:
     per-layer and output SQNR (propagate=False: shadow SQNR only), the detectors' reports, the input-weight
     equalization variant of `equalization_layers`, the smoothing variant (alpha, or "search") of every
@@ -140,7 +142,8 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     the only layers measured (a fix trial's: the outputs are always measured). `screens` measure their fixes on
     the layers the detectors' reports name for them (qcore.measure.screens), in the same comparison pass.
     `layer_kinds` are the per-layer SQNRs measured ("own": shadow, "propagated"; the others are nan): a trial
-    measures those it reads. `float_outputs` and `keep_float_outputs` are compare_propagated_and_shadow's."""
+    measures those it reads. `float_outputs`, `keep_float_outputs` and `known_shadows` (from the screens of an
+    earlier measurement of the same float graph: ScreenedLayers.shadows) are compare_propagated_and_shadow's."""
     batches = list(batches)
     kept = observers if observers is not None else CalibratedObservers()
     ahead = ObserversAhead(float_gm, quantizer or Int8StaticQuantizer(), screens, kept)
@@ -173,10 +176,13 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                                         extra_shadows=[extra for _, _, extra in screened],
                                         shadowed_layers=every if "own" in layer_kinds else set(),
                                         propagated_layers=every if "propagated" in layer_kinds else set(),
-                                        float_outputs=float_outputs, keep_float_outputs=keep_float_outputs)
+                                        float_outputs=float_outputs, keep_float_outputs=keep_float_outputs,
+                                        known_shadows=known_shadows)
     compared = comparator.result() if comparator is not None else ModelMeasurement.logits
     screen_results = {name: ScreenedLayers(changes, {layer: float(extra.results[layer]["sqnr_db"])
-                                                     for layer in changes if layer in extra.results})
+                                                     for layer in changes if layer in extra.results},
+                                           {layer: (extra.signatures.get(layer), extra.results[layer])
+                                            for layer in changes if layer in extra.results})
                       for name, changes, extra in screened}
     return ModelMeasurement(sqnr, probed.detector_reports, variant_results(variants, baselines, unmeasured),
                             unmeasured, smoothed, compared, first_outputs.agree, rewrite_scales(variants),
@@ -291,7 +297,8 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
                       streams: list | None = None, layers: Collection[str] | None = None,
                       extra_shadows: Sequence[ExtraShadows] = (), shadowed_layers: Collection[str] | None = None,
                       propagated_layers: Collection[str] | None = None, float_outputs: Sequence[Any] | None = None,
-                      keep_float_outputs: KeptFloatOutputs | None = None
+                      keep_float_outputs: KeptFloatOutputs | None = None,
+                      known_shadows: KnownShadows | None = None
                       ) -> tuple[SqnrMeasurement, dict[str, dict]]:
     """The comparison pass of a converted graph (instrumented in place) against its float graph, with the shadows
     of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). The other
@@ -317,7 +324,7 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
         else None, instrument_batches=variant_batches(len(batches)), keep_first_output=keep_first_output,
         logits=logits, quant_batches=quant_batches, streams=streams, layers=layers, extra_shadows=extra_shadows,
         shadowed_layers=shadowed_layers, propagated_layers=propagated_layers, float_outputs=float_outputs,
-        keep_float_outputs=keep_float_outputs)
+        keep_float_outputs=keep_float_outputs, known_shadows=known_shadows)
     shadows = {r["layer"]: r for r in shadow_records}
     return sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits), baselines
 

@@ -19,6 +19,7 @@ from torch import fx
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.ops import INSERTED_KEY, find_quantizable_ops, original_input
 from qcore.measure.probes import Probe
+from qcore.numeric.instrument import QPARAMS_DIGEST_KEY, qparams_digest
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.calibrated import CalibratedObservers, watched_values
 from qcore.quantization.convert import QPARAMS_KEY, convert, restore_model_state
@@ -43,10 +44,13 @@ class Screen:
 @dataclass(frozen=True)
 class ScreenedLayers:
     """What a screen measured: the changes it made ({layer: change}) and each changed layer's own SQNR with them
-    (dB, float input, every batch)."""
+    (dB, float input, every batch); `shadows` holds each one's (shadow_signature, shadow record), which a later
+    pass over the same float graph and batches takes instead of running the same shadow again."""
 
     changes: Mapping[str, Mapping[str, Any]]
     own_sqnr_db: Mapping[str, float]
+    shadows: Mapping[str, tuple[tuple | None, Mapping[str, float]]] = field(default_factory=dict, compare=False,
+                                                                             repr=False)
 
 
 def quantize_for_screen(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer,
@@ -66,7 +70,10 @@ def quantize_for_screen(float_gm: fx.GraphModule, batches: list[Any], quantizer:
         observers.keep(prepared, signatures)
     quantized = convert(prepared, keep_float_weights=False, recompile=False)
     restore_model_state(quantized, float_gm)  # calibration ran forward, which may update buffers in place
-    for node in quantized.graph.nodes:  # read by no shadow: a float per weight channel, held once (the model's)
+    for node in quantized.graph.nodes:  # a float per weight channel, held once (the model's); a digest tells them
+        digest = qparams_digest(node)
+        if digest is not None:
+            node.meta[QPARAMS_DIGEST_KEY] = digest
         node.meta.pop(QPARAMS_KEY, None)
     return quantized
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable, Sequence, Sized
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,19 +12,22 @@ from torch.utils import _pytree as pytree
 
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.inputs import call_model, move_to
-from qcore.numeric.instrument import attach_after, copy_layer_into
+from qcore.numeric.instrument import attach_after, copy_layer_into, shadow_signature
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
 from qcore.numeric.logits import LogitsComparator
 from qcore.numeric.matching import LayerPair, layer_value, match_layers
 from qcore.quantization.calibrate import OutputSink, model_device
 from qcore.runtime.progress import batch_done, stage
 
-__all__ = ["KEPT_FLOAT_OUTPUT_BYTES", "ExtraShadows", "KeptFloatOutputs", "ShadowGraph", "compare",
-           "compare_propagated_and_shadow", "run_both"]
+__all__ = ["KEPT_FLOAT_OUTPUT_BYTES", "ExtraShadows", "KeptFloatOutputs", "KnownShadows", "ShadowGraph", "compare",
+           "compare_outputs", "compare_propagated_and_shadow", "run_both"]
 
 _SHADOW_PREFIX = "qcore_shadow_b.quantized"
 
 KEPT_FLOAT_OUTPUT_BYTES = 64 << 20  # the float outputs a comparison pass keeps for later passes, at most
+
+# {layer: [(shadow_signature, shadow record)]}: shadows measured before over the same float graph and batches
+KnownShadows = Mapping[str, Sequence[tuple[tuple, Mapping[str, float]]]]
 
 
 class _QuantizedHolder(nn.Module):
@@ -151,6 +154,7 @@ class ExtraShadows:
     quantized: fx.GraphModule
     layers: Collection[str]
     results: dict[str, dict[str, float]] = field(default_factory=dict)
+    signatures: dict[str, tuple | None] = field(default_factory=dict)  # {layer: its shadow's shadow_signature}
 
 
 def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.GraphModule, batches: Iterable[Any],
@@ -163,7 +167,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                                   shadowed_layers: Collection[str] | None = None,
                                   propagated_layers: Collection[str] | None = None,
                                   float_outputs: Sequence[Any] | None = None,
-                                  keep_float_outputs: KeptFloatOutputs | None = None
+                                  keep_float_outputs: KeptFloatOutputs | None = None,
+                                  known_shadows: KnownShadows | None = None
                                   ) -> tuple[list[dict], list[dict]]:
     """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
 
@@ -184,7 +189,9 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     nan). `float_outputs`, the float graph's output on each batch kept from an earlier pass over the same graph and
     batches (KeptFloatOutputs), are compared with the quantized outputs instead, and the float copy then runs only as
     far as the last layer value it still has to give (not at all when it has none). `keep_float_outputs` keeps this
-    pass's float outputs for such a later pass.
+    pass's float outputs for such a later pass. `known_shadows`, {layer: [(shadow_signature, shadow record)]} of
+    shadows measured before over the same float graph and batches (ExtraShadows.signatures and results), give a
+    layer's shadow record where its shadow here has one of those signatures, instead of running it again.
     """
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
@@ -196,8 +203,16 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     propagated: list[StreamingComparator | None] = []
     shadowed: list[StreamingComparator | None] = []
     stashes, references = [], {}
+    known: dict[str, dict] = {}
+    for pair in pairs:
+        earlier = (known_shadows or {}).get(pair.layer, ())
+        if earlier and (shadowed_layers is None or pair.layer in shadowed_layers):
+            signature = shadow_signature(gm_b, pair.b)
+            record = next((record for seen, record in earlier if signature is not None and seen == signature), None)
+            if record is not None:
+                known[pair.layer] = dict(record)
     for index, pair in enumerate(pairs):
-        shadow_it = shadowed_layers is None or pair.layer in shadowed_layers
+        shadow_it = (shadowed_layers is None or pair.layer in shadowed_layers) and pair.layer not in known
         propagate_it = propagate and (propagated_layers is None or pair.layer in propagated_layers)
         if not (shadow_it or propagate_it or any(pair.layer in extra.layers for extra in extra_shadows)):
             shadowed.append(None)
@@ -270,7 +285,9 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     for index, comparator in enumerate(outputs):
         records.append({"layer": "output" if len(outputs) == 1 else f"output.{index}", "fqn": "", "op": "output",
                         **comparator.result()})
-    shadows = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **_result(c, count)} for p, c in zip(pairs, shadowed)]
+    shadows = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **(known[p.layer] if p.layer in known else
+                                                                      _result(c, count))}
+               for p, c in zip(pairs, shadowed)]
     for extra, layer, comparator in extra_comparators:
         extra.results[layer] = comparator.result()
     return records, shadows
@@ -327,6 +344,7 @@ def _add_extra_shadows(gm_a: fx.GraphModule, extras: Sequence[ExtraShadows], ext
         holder = f"qcore_screen_{index}"
         gm_a.add_submodule(holder, _QuantizedHolder(extra.quantized))
         for number, pair in enumerate(p for p in pairs if p.layer in references):
+            extra.signatures[pair.layer] = shadow_signature(extra.quantized, pair.b)
             value = copy_layer_into(gm_a, pair.a, pair.b, f"{holder}.quantized")
             comparator = StreamingComparator(actual_held=True, reference_held=True)  # as a shadow's
             attach_after(gm_a, value, f"{holder}_compare_{number}", comparator, references[pair.layer])

@@ -1,14 +1,21 @@
 """Graph surgery for the numeric suite: loggers after layers, and shadow copies of quantized layers."""
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch import fx, nn
 
-from qcore.graph.ops import HANDLE_KEY, REWRITTEN_KEY, QuantizableOp, is_inserted
+from qcore.graph.ops import HANDLE_KEY, REWRITTEN_KEY, QuantizableOp, fetch_attr, is_inserted
 from qcore.numeric.matching import layer_value, nodes_by_handle
 
-__all__ = ["attach_after", "copy_layer_into"]
+__all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "qparams_digest", "shadow_signature"]
+
+_QPARAMS_KEY = "qcore_qparams"  # qcore.quantization.convert.QPARAMS_KEY: the qparams a converted weight was made with
+_FLOAT_WEIGHT_KEY = "qcore_float_weight"  # and the float weight it was made from
+QPARAMS_DIGEST_KEY = "qcore_qparams_digest"  # qparams_digest of the qparams, where a graph drops them
 
 
 def attach_after(gm: fx.GraphModule, node: fx.Node, name: str, module: nn.Module, *extra: fx.Node) -> fx.Node:
@@ -92,3 +99,91 @@ def copy_layer_into(
     if copies is not None:
         copies.update(env)
     return env[_layer_chain(op_b)[-1]]
+
+
+def shadow_signature(gm_b: fx.GraphModule, op_b: QuantizableOp) -> tuple | None:
+    """What a shadow copy of op_b's quantized layer (copy_layer_into) computes from its float inputs, as a value that
+    two quantized graphs of the same float graph share only when their shadows compute the same values: the ops and
+    their constants in order, each input by its float node, each converted weight by the float weight and qparams
+    it was made from, any other tensor by identity. None where that cannot be told (a module call, a rewritten
+    weight, a tensor constant)."""
+    chain = _layer_chain(op_b)
+    position = {node: index for index, node in enumerate(chain)}
+
+    def describe(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            if value in position:
+                return ("op", position[value])
+            if value.meta.get(REWRITTEN_KEY):
+                raise _Untold
+            if value.op == "get_attr":
+                return _attribute(gm_b, value)
+            if value.op == "placeholder":
+                return ("placeholder", value.target)
+            if value.meta.get(HANDLE_KEY) is None:
+                raise _Untold
+            return ("input", value.meta[HANDLE_KEY])
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__, *[describe(item) for item in value])
+        if isinstance(value, dict):
+            return ("dict", *sorted((key, describe(item)) for key, item in value.items()))
+        if isinstance(value, torch.Tensor):
+            raise _Untold
+        return ("constant", type(value).__name__, repr(value))
+
+    try:
+        return tuple((repr(node.target), describe(node.args), describe(node.kwargs)) if node.op == "call_function"
+                     else _untold() for node in chain)
+    except _Untold:
+        return None
+
+
+class _Untold(Exception):
+    """shadow_signature cannot tell what a node computes."""
+
+
+def _untold() -> Any:
+    raise _Untold
+
+
+class _Same:
+    """A tensor in a signature: equal to the same tensor object at the same version only (held, so that its id is
+    not another tensor's while the signature lives)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.tensor is self.tensor and other.version == self.version
+
+    def __hash__(self) -> int:
+        return id(self.tensor)
+
+
+def qparams_digest(node: fx.Node) -> str | None:
+    """A digest of the qparams a converted weight node was made with (None for a node without them)."""
+    if QPARAMS_DIGEST_KEY in node.meta:
+        return str(node.meta[QPARAMS_DIGEST_KEY])
+    qparams = node.meta.get(_QPARAMS_KEY)
+    if qparams is None:
+        return None
+    return hashlib.sha256(repr(sorted(qparams.items())).encode()).hexdigest()
+
+
+def _attribute(gm: fx.GraphModule, node: fx.Node) -> tuple:
+    """A get_attr's value as shadow_signature describes it: a converted weight by the float weight and the qparams it
+    was made from, any other tensor by identity and version (held by the signature)."""
+    source = node.meta.get(_FLOAT_WEIGHT_KEY)
+    if source is not None:
+        digest = qparams_digest(node)
+        if digest is None:
+            raise _Untold
+        try:  # the float weight, where the converted graph still holds it (it may have dropped it)
+            weight: Any = _Same(fetch_attr(gm, str(source)))
+        except AttributeError:
+            weight = None
+        return ("converted", str(source), weight, digest)
+    value = fetch_attr(gm, str(node.target))
+    if not isinstance(value, torch.Tensor):
+        raise _Untold
+    return ("tensor", str(node.target), _Same(value))

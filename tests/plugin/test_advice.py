@@ -338,9 +338,94 @@ def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():
     found = analysis.screened("outlier")
     assert analysis.screened("broken") is None
     assert dict(found.changes) == {layer: change for layer in layers}
-    trial = analysis.variant(qcore.quantization.quantizer.with_layer_overrides(analysis.quantizer, dict(found.changes)))
+    fix = qcore.quantization.quantizer.with_layer_overrides(analysis.quantizer, dict(found.changes))
+    trial = ModelAnalysis(float_gm, batches=batches).variant(fix)  # a model of its own: every shadow runs
     assert found.own_sqnr_db == {layer: trial.sqnr.layers[layer].shadow_sqnr_db for layer in layers}  # exactly
     assert found.own_sqnr_db != {layer: analysis.sqnr.layers[layer].shadow_sqnr_db for layer in layers}
+
+
+def _linear_calls(function):
+    """(the linear layers `function()` runs, what it returned): addmm calls, one per layer and batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.calls += func.overloadpacket is torch.ops.aten.addmm
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        returned = function()
+    return Counter.calls, returned
+
+
+def test_a_trial_takes_the_screens_own_sqnr_of_each_layer_it_quantizes_the_same_way():
+    import qcore
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.measure.screens import Screen
+    from qcore.quantization.quantizer import with_layer_overrides
+    from qcore.report import OutlierDetector
+
+    batches = _features(5)
+    for x in batches:
+        x[5, 7] = 10.0
+    change = {"activation_observer": "histogram"}
+    float_gm = qcore.capture(seeded_mlp(), batches[0])
+    layers = ["layers.0", "layers.2", "layers.4"]
+    screen = Screen("outlier", lambda reports: {layer: change for layer in layers if layer in reports["outlier"]})
+    analysis = ModelAnalysis(float_gm, batches=batches, plan=AnalysisPlan(
+        frozenset({"sqnr", "detectors"}), {"outlier": OutlierDetector()}, (screen,)))
+    assert dict(analysis.screened("outlier").changes) == {layer: change for layer in layers}
+
+    def trials(changes, focus):
+        fix = with_layer_overrides(analysis.quantizer, changes)
+        fresh = ModelAnalysis(float_gm, batches=batches).variant(fix, layers=focus, layer_kinds={"own"}).sqnr
+        linears, taken = _linear_calls(lambda: analysis.variant(fix, layers=focus, layer_kinds={"own"}).sqnr)
+        assert taken == fresh  # the same numbers, to the bit, as a trial that runs every shadow
+        return linears
+
+    # the screen's fix: every shadow is the screen's, and the trial runs the quantized graph alone (4 linears)
+    assert trials({layer: change for layer in layers}, layers) == 4 * len(batches)
+    # without layers.0's change, layers.2's input is quantized otherwise than in the screen's copy (its observer is
+    # the one layers.0's output shares): its shadow runs, on the float graph as far as layers.2
+    assert trials({"layers.2": change, "layers.4": change}, ["layers.2"]) == (4 + 2 + 1) * len(batches)
+    # layers.4's shadow is the screen's: the quantized graph alone
+    assert trials({"layers.2": change, "layers.4": change}, ["layers.4"]) == 4 * len(batches)
+
+
+def test_a_shadow_signature_tells_the_same_computation_from_another():
+    import qcore
+    from qcore.graph.capture import clone_graph_module
+    from qcore.graph.ops import find_quantizable_ops
+    from qcore.measure.passes import calibrate_and_convert, compare_quantized
+    from qcore.numeric.instrument import shadow_signature
+    from qcore.quantization.prepare import prepare
+    from qcore.quantization.quantizer import with_layer_overrides
+
+    batches = _features(3)
+    for x in batches:
+        x[5, 7] = 10.0
+    float_gm = qcore.capture(seeded_mlp(), batches[0])
+
+    def measured(quantizer):
+        prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer)
+        quantized = calibrate_and_convert(prepared, float_gm, batches, keep_float_weights=False)
+        signatures = {op.layer: shadow_signature(quantized, op) for op in find_quantizable_ops(quantized)}
+        sqnr, _ = compare_quantized(float_gm, quantized, batches, [], {})
+        return signatures, {layer: entry.shadow_sqnr_db for layer, entry in sqnr.layers.items()}
+
+    base = qcore.Int8StaticQuantizer(per_channel=False)
+    plain, again = measured(base), measured(base)
+    assert all(signature is not None for signature in plain[0].values())
+    assert plain == again  # another quantized copy, made the same way
+    for changes in ({"layers.2": {"per_channel": True}}, {"layers.2": {"activation_observer": "histogram"}},
+                    {"layers.4": {"activation_observer": "histogram"}, "layers.6": {"per_channel": True}}):
+        other = measured(with_layer_overrides(base, changes))
+        assert all(other[0][layer] != plain[0][layer] for layer in changes)  # quantized otherwise
+        same = [layer for layer in plain[0] if other[0][layer] == plain[0][layer]]
+        assert same and all(other[1][layer] == plain[1][layer] for layer in same)  # the same shadow, the same value
+
 
 
 def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_a_pass_of_its_own(monkeypatch):
