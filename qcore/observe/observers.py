@@ -178,7 +178,10 @@ class PerChannelMinMaxObserver(_RangeObserver):
         if self.frozen or x.numel() == 0:
             return x
         flat = (x.detach() if x.requires_grad else x).movedim(self.ch_axis, 0).reshape(x.shape[self.ch_axis], -1)
-        low, high = torch.aminmax(flat, dim=1)
+        if flat.is_cpu:  # torch's CPU aminmax along a dim is 8-20x slower than amin and amax (one launch elsewhere)
+            low, high = flat.amin(dim=1), flat.amax(dim=1)
+        else:
+            low, high = torch.aminmax(flat, dim=1)
         if self.min_val.numel() == 0:
             self.min_val, self.max_val = low.float(), high.float()
         else:
