@@ -16,6 +16,7 @@ __all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "qparams_dig
 _QPARAMS_KEY = "qcore_qparams"  # qcore.quantization.convert.QPARAMS_KEY: the qparams a converted weight was made with
 _FLOAT_WEIGHT_KEY = "qcore_float_weight"  # and the float weight it was made from
 QPARAMS_DIGEST_KEY = "qcore_qparams_digest"  # qparams_digest of the qparams, where a graph drops them
+_DIGESTED_ELEMENTS = 1 << 16  # a smaller tensor that is no parameter is told by its values (a per-channel scale)
 
 
 def attach_after(gm: fx.GraphModule, node: fx.Node, name: str, module: nn.Module, *extra: fx.Node) -> fx.Node:
@@ -105,8 +106,8 @@ def shadow_signature(gm_b: fx.GraphModule, op_b: QuantizableOp) -> tuple | None:
     """What a shadow copy of op_b's quantized layer (copy_layer_into) computes from its float inputs, as a value that
     two quantized graphs of the same float graph share only when their shadows compute the same values: the ops and
     their constants in order, each input by its float node, each converted weight by the float weight and qparams
-    it was made from, any other tensor by identity. None where that cannot be told (a module call, a rewritten
-    weight, a tensor constant)."""
+    it was made from, a small tensor by its values, any other by identity. None where that cannot be told (a module
+    call, a rewritten weight, a tensor constant)."""
     chain = _layer_chain(op_b)
     position = {node: index for index, node in enumerate(chain)}
 
@@ -172,7 +173,8 @@ def qparams_digest(node: fx.Node) -> str | None:
 
 def _attribute(gm: fx.GraphModule, node: fx.Node) -> tuple:
     """A get_attr's value as shadow_signature describes it: a converted weight by the float weight and the qparams it
-    was made from, any other tensor by identity and version (held by the signature)."""
+    was made from, a small tensor that is no parameter by its values, any other by identity and version (held by
+    the signature)."""
     source = node.meta.get(_FLOAT_WEIGHT_KEY)
     if source is not None:
         digest = qparams_digest(node)
@@ -186,4 +188,7 @@ def _attribute(gm: fx.GraphModule, node: fx.Node) -> tuple:
     value = fetch_attr(gm, str(node.target))
     if not isinstance(value, torch.Tensor):
         raise _Untold
+    if not isinstance(value, nn.Parameter) and value.numel() <= _DIGESTED_ELEMENTS:  # qparams convert made, say
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return ("value", str(value.dtype), tuple(value.shape), hashlib.sha256(data.numpy().tobytes()).hexdigest())
     return ("tensor", str(node.target), _Same(value))

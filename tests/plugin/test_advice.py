@@ -394,12 +394,14 @@ def test_a_trial_takes_the_screens_own_sqnr_of_each_layer_it_quantizes_the_same_
     assert trials({"layers.2": change, "layers.4": change}, ["layers.4"]) == 4 * len(batches)
 
 
-def test_a_shadow_signature_tells_the_same_computation_from_another():
+@pytest.mark.parametrize("where_read", [False, True])  # a large model's weights are quantized where they are read
+def test_a_shadow_signature_tells_the_same_computation_from_another(where_read):
     import qcore
     from qcore.graph.capture import clone_graph_module
     from qcore.graph.ops import find_quantizable_ops
     from qcore.measure.passes import calibrate_and_convert, compare_quantized
     from qcore.numeric.instrument import shadow_signature
+    from qcore.quantization.convert import quantize_weights_where_read
     from qcore.quantization.prepare import prepare
     from qcore.quantization.quantizer import with_layer_overrides
 
@@ -410,7 +412,8 @@ def test_a_shadow_signature_tells_the_same_computation_from_another():
 
     def measured(quantizer):
         prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer)
-        quantized = calibrate_and_convert(prepared, float_gm, batches, keep_float_weights=False)
+        with quantize_weights_where_read(where_read):
+            quantized = calibrate_and_convert(prepared, float_gm, batches, keep_float_weights=False)
         signatures = {op.layer: shadow_signature(quantized, op) for op in find_quantizable_ops(quantized)}
         sqnr, _ = compare_quantized(float_gm, quantized, batches, [], {})
         return signatures, {layer: entry.shadow_sqnr_db for layer, entry in sqnr.layers.items()}
