@@ -205,6 +205,23 @@ def count_aten_ops(function):
     return Counter.total, returned
 
 
+def count_op_calls(function, op):
+    """(how many times `function()` dispatches the aten op `op` (an overload packet: torch.ops.aten.addmm), what it
+    returned)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.calls += func.overloadpacket is op
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        returned = function()
+    return Counter.calls, returned
+
+
 def analyze_with_checks(factory, batches, **settings):
     """{(check, layer): Finding} of a model, as the plugin computes them, and the model's qcore analysis."""
     registry = builtin_registry()

@@ -319,7 +319,9 @@ def test_screened_fixes_give_the_same_findings_with_one_trial_fewer(monkeypatch)
     assert len(with_screens.context.variants) < len(without.context.variants)
 
 
-def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():
+def _outlier_screened(*other_screens):
+    """(float graph, batches, its analysis with an outlier screen of layers 0, 2 and 4 and `other_screens`, the
+    screen's change): an input channel far out in every batch."""
     import qcore
     from qcore.analysis import AnalysisPlan, ModelAnalysis
     from qcore.measure.screens import Screen
@@ -330,58 +332,45 @@ def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():
         x[5, 7] = 10.0
     change = {"activation_observer": "histogram"}
     float_gm = qcore.capture(seeded_mlp(), batches[0])
-    layers = ["layers.0", "layers.2", "layers.4"]
-    screen = Screen("outlier", lambda reports: {layer: change for layer in layers if layer in reports["outlier"]})
-    broken = Screen("broken", lambda reports: 1 / 0)  # a screen only saves a trial: the measurement goes on
+    screen = Screen("outlier", lambda reports: {layer: change for layer in SCREENED if layer in reports["outlier"]})
     analysis = ModelAnalysis(float_gm, batches=batches, plan=AnalysisPlan(
-        frozenset({"sqnr", "detectors"}), {"outlier": OutlierDetector()}, (screen, broken)))
+        frozenset({"sqnr", "detectors"}), {"outlier": OutlierDetector()}, (screen, *other_screens)))
+    return float_gm, batches, analysis, change
+
+
+SCREENED = ["layers.0", "layers.2", "layers.4"]
+
+
+def test_a_screen_measures_each_layer_as_a_trial_of_the_same_fix_would():
+    import qcore
+    from qcore.analysis import ModelAnalysis
+    from qcore.measure.screens import Screen
+
+    broken = Screen("broken", lambda reports: 1 / 0)  # a screen only saves a trial: the measurement goes on
+    float_gm, batches, analysis, change = _outlier_screened(broken)
     found = analysis.screened("outlier")
     assert analysis.screened("broken") is None
-    assert dict(found.changes) == {layer: change for layer in layers}
+    assert dict(found.changes) == {layer: change for layer in SCREENED}
     fix = qcore.quantization.quantizer.with_layer_overrides(analysis.quantizer, dict(found.changes))
     trial = ModelAnalysis(float_gm, batches=batches).variant(fix)  # a model of its own: every shadow runs
-    assert found.own_sqnr_db == {layer: trial.sqnr.layers[layer].shadow_sqnr_db for layer in layers}  # exactly
-    assert found.own_sqnr_db != {layer: analysis.sqnr.layers[layer].shadow_sqnr_db for layer in layers}
-
-
-def _linear_calls(function):
-    """(the linear layers `function()` runs, what it returned): addmm calls, one per layer and batch."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.calls += func.overloadpacket is torch.ops.aten.addmm
-            return func(*args, **(kwargs or {}))
-
-    with Counter():
-        returned = function()
-    return Counter.calls, returned
+    assert found.own_sqnr_db == {layer: trial.sqnr.layers[layer].shadow_sqnr_db for layer in SCREENED}  # exactly
+    assert found.own_sqnr_db != {layer: analysis.sqnr.layers[layer].shadow_sqnr_db for layer in SCREENED}
 
 
 def test_a_trial_takes_the_screens_own_sqnr_of_each_layer_it_quantizes_the_same_way():
-    import qcore
-    from qcore.analysis import AnalysisPlan, ModelAnalysis
-    from qcore.measure.screens import Screen
+    from qcore.analysis import ModelAnalysis
     from qcore.quantization.quantizer import with_layer_overrides
-    from qcore.report import OutlierDetector
+    from tests.helpers import count_op_calls
 
-    batches = _features(5)
-    for x in batches:
-        x[5, 7] = 10.0
-    change = {"activation_observer": "histogram"}
-    float_gm = qcore.capture(seeded_mlp(), batches[0])
-    layers = ["layers.0", "layers.2", "layers.4"]
-    screen = Screen("outlier", lambda reports: {layer: change for layer in layers if layer in reports["outlier"]})
-    analysis = ModelAnalysis(float_gm, batches=batches, plan=AnalysisPlan(
-        frozenset({"sqnr", "detectors"}), {"outlier": OutlierDetector()}, (screen,)))
+    float_gm, batches, analysis, change = _outlier_screened()
+    layers = SCREENED
     assert dict(analysis.screened("outlier").changes) == {layer: change for layer in layers}
 
     def trials(changes, focus):
         fix = with_layer_overrides(analysis.quantizer, changes)
         fresh = ModelAnalysis(float_gm, batches=batches).variant(fix, layers=focus, layer_kinds={"own"}).sqnr
-        linears, taken = _linear_calls(lambda: analysis.variant(fix, layers=focus, layer_kinds={"own"}).sqnr)
+        linears, taken = count_op_calls(lambda: analysis.variant(fix, layers=focus, layer_kinds={"own"}).sqnr,
+                                        torch.ops.aten.addmm)
         assert taken == fresh  # the same numbers, to the bit, as a trial that runs every shadow
         return linears
 

@@ -18,6 +18,7 @@ from qcore.observe.observers import (
 )
 from qcore.quantization.calibrated import CalibratedObservers
 from qcore.quantization.quantizer import Int8StaticQuantizer, with_layer_overrides
+from tests.helpers import count_op_calls
 from tests.models import SmallMLP, batches
 
 
@@ -137,18 +138,7 @@ def test_a_trial_of_some_layers_measures_them_and_the_outputs_as_a_whole_trial_d
 
 def _linear_calls(function):
     """(the linear layers `function()` runs, what it returned): addmm calls, one per layer and batch."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.calls += func.overloadpacket is torch.ops.aten.addmm
-            return func(*args, **(kwargs or {}))
-
-    with Counter():
-        returned = function()
-    return Counter.calls, returned
+    return count_op_calls(function, torch.ops.aten.addmm)
 
 
 def test_a_trial_compares_with_the_kept_float_outputs_and_runs_the_float_graph_only_as_far_as_it_reads(
