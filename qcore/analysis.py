@@ -35,6 +35,7 @@ from qcore.measure.diagnose import (
     first_nondeterministic,
 )
 from qcore.measure.passes import (
+    LAYER_KINDS,
     LayerSqnr,
     ModelMeasurement,
     OutputSqnr,
@@ -136,7 +137,6 @@ def _max_relative_error(reference: fx.GraphModule, candidate: fx.GraphModule, ba
 
 
 MEASUREMENTS = frozenset({"sqnr", "detectors", "equalization", "equivalence", "logits"})
-LAYER_KINDS = frozenset({"own", "propagated"})  # the per-layer SQNRs a measurement makes: shadow and propagated
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,12 @@ from qcore.rewrites.equalize import (
 )
 from qcore.rewrites.smoothing import group_observer, smoothing_groups
 
-__all__ = ["FirstOutputs", "LayerSqnr", "ModelMeasurement", "OutputSqnr", "ProbedModel", "SqnrMeasurement",
-           "VariantSqnr", "calibrate_and_convert", "compare_quantized", "diagnosed_calibration", "measure_model",
-           "measure_sqnr", "sqnr_measurement", "weight_sqnrs"]
+__all__ = ["LAYER_KINDS", "FirstOutputs", "LayerSqnr", "ModelMeasurement", "OutputSqnr", "ProbedModel",
+           "SqnrMeasurement", "VariantSqnr", "calibrate_and_convert", "compare_quantized", "diagnosed_calibration",
+           "measure_model", "measure_sqnr", "sqnr_measurement", "weight_sqnrs"]
+
+
+LAYER_KINDS = frozenset({"own", "propagated"})  # the per-layer SQNRs a measurement makes: shadow and propagated
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                   equalization_layers: Iterable[str] = (), smoothing: float | str | None = None,
                   logits: bool = False, observers: CalibratedObservers | None = None,
                   layers: Collection[str] | None = None, screens: Sequence[Screen] = (),
-                  layer_kinds: Collection[str] = ("own", "propagated"), float_outputs: Sequence[Any] | None = None,
+                  layer_kinds: Collection[str] = LAYER_KINDS, float_outputs: Sequence[Any] | None = None,
                   keep_float_outputs: KeptFloatOutputs | None = None,
                   known_shadows: KnownShadows | None = None) -> ModelMeasurement:
     """Quantize a copy of `float_gm` on `batches` and measure it in one calibration and one comparison pass:

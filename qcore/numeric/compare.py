@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.inputs import call_model, move_to
+from qcore.graph.ops import INSERTED_KEY
 from qcore.numeric.instrument import attach_after, copy_layer_into, shadow_signature
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
 from qcore.numeric.logits import LogitsComparator
@@ -304,7 +305,7 @@ def _truncate_after_last_logger(gm: fx.GraphModule) -> bool:
     """Erase the nodes after the last inserted logger (nothing after it feeds one), the graph returning None for
     each output leaf; False when it has no logger (nothing to run)."""
     nodes = list(gm.graph.nodes)
-    last = max((i for i, node in enumerate(nodes) if node.meta.get("qcore_inserted") == "logger"), default=None)
+    last = max((i for i, node in enumerate(nodes) if node.meta.get(INSERTED_KEY) == "logger"), default=None)
     output = nodes[-1]
     output.args = fx.node.map_arg(output.args, lambda _: None)
     for node in reversed(nodes[(last if last is not None else -1) + 1:-1]):

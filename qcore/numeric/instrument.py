@@ -10,11 +10,11 @@ from torch import fx, nn
 
 from qcore.graph.ops import HANDLE_KEY, REWRITTEN_KEY, QuantizableOp, fetch_attr, is_inserted
 from qcore.numeric.matching import layer_value, nodes_by_handle
+from qcore.quantization.convert import QPARAMS_KEY
 
 __all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "qparams_digest", "shadow_signature"]
 
-_QPARAMS_KEY = "qcore_qparams"  # qcore.quantization.convert.QPARAMS_KEY: the qparams a converted weight was made with
-_FLOAT_WEIGHT_KEY = "qcore_float_weight"  # and the float weight it was made from
+_FLOAT_WEIGHT_KEY = "qcore_float_weight"  # the float weight a converted one was made from (convert's metadata)
 QPARAMS_DIGEST_KEY = "qcore_qparams_digest"  # qparams_digest of the qparams, where a graph drops them
 _DIGESTED_ELEMENTS = 1 << 16  # a smaller tensor that is no parameter is told by its values (a per-channel scale)
 
@@ -165,7 +165,7 @@ def qparams_digest(node: fx.Node) -> str | None:
     """A digest of the qparams a converted weight node was made with (None for a node without them)."""
     if QPARAMS_DIGEST_KEY in node.meta:
         return str(node.meta[QPARAMS_DIGEST_KEY])
-    qparams = node.meta.get(_QPARAMS_KEY)
+    qparams = node.meta.get(QPARAMS_KEY)
     if qparams is None:
         return None
     return hashlib.sha256(repr(sorted(qparams.items())).encode()).hexdigest()
