@@ -45,7 +45,7 @@ from qcore.measure.passes import (
     measure_sqnr,
 )
 from qcore.measure.screens import Screen, ScreenedLayers
-from qcore.numeric.compare import KeptFloatOutputs
+from qcore.numeric.compare import KeptFloatOutputs, KeptLayerInputs
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 from qcore.quantization.calibrate import calibrate, model_device
 from qcore.quantization.calibrated import CalibratedObservers
@@ -194,6 +194,8 @@ class CapturedModel:
         self.variants: dict[str, ModelAnalysis] = {}  # by configuration (see ModelAnalysis.variant)
         # the float graph's output on each calibration batch, from a comparison pass (KeptFloatOutputs)
         self.float_outputs: list[Any] | None = None
+        # the float inputs of the screened layers on each calibration batch, from the same pass (KeptLayerInputs)
+        self.layer_inputs: KeptLayerInputs | None = None
         # {layer: [(shadow_signature, shadow record)]} the screens of the float graph's comparison pass measured
         self.screened_shadows: dict[str, list[tuple[tuple, Mapping[str, float]]]] = {}
 
@@ -438,13 +440,17 @@ class ModelAnalysis:
             screens = self.plan.screens if original and self.plan.detectors else ()
             float_graph = self.quantized_input_gm is self.float_gm  # its float outputs may be kept, or were
             keep = KeptFloatOutputs() if float_graph and self.context.float_outputs is None else None
+            keep_inputs = KeptLayerInputs() if keep is not None and screens else None
             measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers,
                                      layers=self.focus, screens=screens, layer_kinds=self.layer_kinds,
                                      float_outputs=self.context.float_outputs if float_graph else None,
                                      keep_float_outputs=keep,
-                                     known_shadows=self.context.screened_shadows if float_graph else None, **options)
+                                     known_shadows=self.context.screened_shadows if float_graph else None,
+                                     layer_inputs=self.context.layer_inputs if float_graph else None,
+                                     keep_layer_inputs=keep_inputs, **options)
             if keep is not None and keep.outputs is not None and len(keep.outputs) == len(self.batches):
                 self.context.float_outputs = keep.outputs
+                self.context.layer_inputs = keep_inputs
             if float_graph:
                 for screened in measured.screens.values():
                     for layer, (signature, record) in screened.shadows.items():

@@ -38,6 +38,7 @@ from qcore.measure.variants import (
 from qcore.numeric.compare import (
     ExtraShadows,
     KeptFloatOutputs,
+    KeptLayerInputs,
     KnownShadows,
     ShadowGraph,
     compare,
@@ -135,7 +136,8 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                   layers: Collection[str] | None = None, screens: Sequence[Screen] = (),
                   layer_kinds: Collection[str] = LAYER_KINDS, float_outputs: Sequence[Any] | None = None,
                   keep_float_outputs: KeptFloatOutputs | None = None,
-                  known_shadows: KnownShadows | None = None) -> ModelMeasurement:
+                  known_shadows: KnownShadows | None = None, layer_inputs: KeptLayerInputs | None = None,
+                  keep_layer_inputs: KeptLayerInputs | None = None) -> ModelMeasurement:
     """Quantize a copy of `float_gm` on `batches` and measure it in one calibration and one comparison pass:
     per-layer and output SQNR (propagate=False: shadow SQNR only), the detectors' reports, the input-weight
     equalization variant of `equalization_layers`, the smoothing variant (alpha, or "search") of every
@@ -145,8 +147,9 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     the only layers measured (a fix trial's: the outputs are always measured). `screens` measure their fixes on
     the layers the detectors' reports name for them (qcore.measure.screens), in the same comparison pass.
     `layer_kinds` are the per-layer SQNRs measured ("own": shadow, "propagated"; the others are nan): a trial
-    measures those it reads. `float_outputs`, `keep_float_outputs` and `known_shadows` (from the screens of an
-    earlier measurement of the same float graph: ScreenedLayers.shadows) are compare_propagated_and_shadow's."""
+    measures those it reads. `float_outputs`, `keep_float_outputs`, `known_shadows` (from the screens of an
+    earlier measurement of the same float graph: ScreenedLayers.shadows), `layer_inputs` and `keep_layer_inputs`
+    (the float inputs of the screened layers) are compare_propagated_and_shadow's."""
     batches = list(batches)
     kept = observers if observers is not None else CalibratedObservers()
     ahead = ObserversAhead(float_gm, quantizer or Int8StaticQuantizer(), screens, kept)
@@ -180,7 +183,8 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                                         shadowed_layers=every if "own" in layer_kinds else set(),
                                         propagated_layers=every if "propagated" in layer_kinds else set(),
                                         float_outputs=float_outputs, keep_float_outputs=keep_float_outputs,
-                                        known_shadows=known_shadows)
+                                        known_shadows=known_shadows, layer_inputs=layer_inputs,
+                                        keep_layer_inputs=keep_layer_inputs)
     compared = comparator.result() if comparator is not None else ModelMeasurement.logits
     screen_results = {name: ScreenedLayers(changes, {layer: float(extra.results[layer]["sqnr_db"])
                                                      for layer in changes if layer in extra.results},
@@ -301,7 +305,8 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
                       extra_shadows: Sequence[ExtraShadows] = (), shadowed_layers: Collection[str] | None = None,
                       propagated_layers: Collection[str] | None = None, float_outputs: Sequence[Any] | None = None,
                       keep_float_outputs: KeptFloatOutputs | None = None,
-                      known_shadows: KnownShadows | None = None
+                      known_shadows: KnownShadows | None = None, layer_inputs: KeptLayerInputs | None = None,
+                      keep_layer_inputs: KeptLayerInputs | None = None
                       ) -> tuple[SqnrMeasurement, dict[str, dict]]:
     """The comparison pass of a converted graph (instrumented in place) against its float graph, with the shadows
     of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). The other
@@ -327,7 +332,8 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
         else None, instrument_batches=variant_batches(len(batches)), keep_first_output=keep_first_output,
         logits=logits, quant_batches=quant_batches, streams=streams, layers=layers, extra_shadows=extra_shadows,
         shadowed_layers=shadowed_layers, propagated_layers=propagated_layers, float_outputs=float_outputs,
-        keep_float_outputs=keep_float_outputs, known_shadows=known_shadows)
+        keep_float_outputs=keep_float_outputs, known_shadows=known_shadows, layer_inputs=layer_inputs,
+        keep_layer_inputs=keep_layer_inputs)
     shadows = {r["layer"]: r for r in shadow_records}
     return sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits), baselines
 

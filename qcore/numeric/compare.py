@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.inputs import call_model, move_to
-from qcore.graph.ops import INSERTED_KEY
+from qcore.graph.ops import INSERTED_KEY, REWRITTEN_KEY, is_inserted
 from qcore.numeric.instrument import attach_after, copy_layer_into, shadow_signature
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
 from qcore.numeric.logits import LogitsComparator
@@ -20,12 +20,13 @@ from qcore.numeric.matching import LayerPair, layer_value, match_layers
 from qcore.quantization.calibrate import OutputSink, model_device
 from qcore.runtime.progress import batch_done, stage
 
-__all__ = ["KEPT_FLOAT_OUTPUT_BYTES", "ExtraShadows", "KeptFloatOutputs", "KnownShadows", "ShadowGraph", "compare",
-           "compare_outputs", "compare_propagated_and_shadow", "run_both"]
+__all__ = ["KEPT_FLOAT_OUTPUT_BYTES", "KEPT_LAYER_INPUT_BYTES", "ExtraShadows", "KeptFloatOutputs", "KeptLayerInputs",
+           "KnownShadows", "ShadowGraph", "compare", "compare_outputs", "compare_propagated_and_shadow", "run_both"]
 
 _SHADOW_PREFIX = "qcore_shadow_b.quantized"
 
 KEPT_FLOAT_OUTPUT_BYTES = 64 << 20  # the float outputs a comparison pass keeps for later passes, at most
+KEPT_LAYER_INPUT_BYTES = 64 << 20  # the screened layers' float inputs a comparison pass keeps for later passes, at most
 
 # {layer: [(shadow_signature, shadow record)]}: shadows measured before over the same float graph and batches
 KnownShadows = Mapping[str, Sequence[tuple[tuple, Mapping[str, float]]]]
@@ -169,7 +170,9 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                                   propagated_layers: Collection[str] | None = None,
                                   float_outputs: Sequence[Any] | None = None,
                                   keep_float_outputs: KeptFloatOutputs | None = None,
-                                  known_shadows: KnownShadows | None = None
+                                  known_shadows: KnownShadows | None = None,
+                                  layer_inputs: KeptLayerInputs | None = None,
+                                  keep_layer_inputs: KeptLayerInputs | None = None
                                   ) -> tuple[list[dict], list[dict]]:
     """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
 
@@ -193,6 +196,9 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     pass's float outputs for such a later pass. `known_shadows`, {layer: [(shadow_signature, shadow record)]} of
     shadows measured before over the same float graph and batches (ExtraShadows.signatures and results), give a
     layer's shadow record where its shadow here has one of those signatures, instead of running it again.
+    `keep_layer_inputs` keeps the float inputs of the `extra_shadows`' layers on each batch; `layer_inputs`, kept so
+    by an earlier pass over the same float graph and batches, feed the float copy where it reads them when the float
+    outputs are kept too: it then runs only what its layer values need from those inputs on.
     """
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
@@ -200,6 +206,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     rewritten = [may_change_after(layer_value(pair.a)) for pair in pairs]  # before any node is added
     extra_pairs = [[pair for pair in match_layers(gm_a, extra.quantized) if pair.layer in extra.layers]
                    for extra in extra_shadows]
+    if keep_layer_inputs is not None:  # before any node is added: a shadow's op may change what it reads
+        keep_layer_inputs.watch(gm_a, [pair.a for extra in extra_pairs for pair in extra])
     _hold(gm_a, gm_b)
     propagated: list[StreamingComparator | None] = []
     shadowed: list[StreamingComparator | None] = []
@@ -242,15 +250,21 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                                         {pair.layer: c for pair, c in zip(pairs, shadowed) if c is not None}))
     kept = float_outputs is not None and propagate and instrument is None
     run_float = not kept or _truncate_after_last_logger(gm_a)
+    total = len(batches) if isinstance(batches, Sized) else None
+    if kept and run_float and layer_inputs is not None and total is not None:
+        run_float = layer_inputs.feed(gm_a, total)
+        before = set(gm_a.graph.nodes)  # no instrument runs with kept outputs: nothing to remove after some batches
     gm_a.graph.lint()
     gm_a.recompile()
     gm_b.recompile()
     outputs: list[StreamingComparator] = []
     device = model_device(float_model)
     count = 0
-    total = len(batches) if isinstance(batches, Sized) else None
     with torch.no_grad(), stage("comparison", total):
         for batch in batches:
+            for inputs in (layer_inputs, keep_layer_inputs):
+                if inputs is not None:
+                    inputs.position = count
             batch = move_to(batch, device)
             batch_b = None if quant_batches is None else move_to(quant_batches[count], device)
             if kept:
@@ -335,6 +349,83 @@ class KeptFloatOutputs:
             return
         self.outputs.append(output)
         self._bytes += size
+
+
+class KeptLayerInputs:
+    """The float inputs of some layers (the float graph's values their shadow copies read) on each batch of a
+    comparison pass, kept while they hold at most `limit` bytes in all (a value that would pass it is not kept on
+    any batch), so that a later pass over the same float graph and batches (a fix trial's) feeds those layers' float
+    values and shadows from them instead of running the float graph up to them. `values`: {float node name: one
+    tensor per batch}."""
+
+    def __init__(self, limit: int = KEPT_LAYER_INPUT_BYTES) -> None:
+        self.limit = limit
+        self.values: dict[str, list[torch.Tensor]] = {}
+        self.position = 0  # the batch being run
+        self._refused: set[str] = set()
+        self._bytes = 0
+
+    def watch(self, gm: fx.GraphModule, ops: Iterable[Any]) -> None:
+        """Keep, on each batch `gm` runs, the values the float `ops` read that an op computes (not weights or model
+        inputs) and that nothing may change in place later (held without a copy); before anything is added to `gm`."""
+        watched: dict[fx.Node, None] = {}
+        for op in ops:
+            for node in op.node.all_input_nodes:
+                if node.op in ("call_function", "call_module", "call_method") and not is_inserted(node) and \
+                        not node.meta.get(REWRITTEN_KEY) and not may_change_after(node):
+                    watched.setdefault(node)
+        for index, node in enumerate(watched):
+            attach_after(gm, node, f"qcore_keep_input_{index}", _InputKeeper(self, node.name))
+
+    def add(self, name: str, value: Any) -> None:
+        """Keep one batch's value of the float node `name` (or give up on keeping it)."""
+        if name in self._refused:
+            return
+        kept = self.values.setdefault(name, [])
+        size = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+        if not isinstance(value, torch.Tensor) or len(kept) != self.position or self._bytes + size > self.limit:
+            self._refused.add(name)
+            self._bytes -= sum(v.numel() * v.element_size() for v in self.values.pop(name))
+            return
+        kept.append(value if value._base is None else value.clone())  # a view would hold all of its base
+        self._bytes += size
+
+    def feed(self, gm: fx.GraphModule, batches: int) -> bool:
+        """Read the values kept on all `batches` from here in `gm` (a float copy, cut after its last logger), and
+        erase what only computed them; whether a logger is left to run."""
+        complete = {name for name, values in self.values.items() if len(values) == batches}
+        for index, node in enumerate([node for node in gm.graph.nodes if node.name in complete and node.users]):
+            gm.add_submodule(f"qcore_kept_input_{index}", _KeptInput(self, node.name))
+            with gm.graph.inserting_after(node):
+                read = gm.graph.call_module(f"qcore_kept_input_{index}", ())
+            node.replace_all_uses_with(read)
+        for node in reversed(list(gm.graph.nodes)):
+            if not node.users and node.op not in ("placeholder", "output") and \
+                    node.meta.get(INSERTED_KEY) != "logger" and not (node.op == "call_function" and node.is_impure()):
+                gm.graph.erase_node(node)
+        return any(node.meta.get(INSERTED_KEY) == "logger" for node in gm.graph.nodes)
+
+
+class _InputKeeper(nn.Module):
+    """Hands each batch's value of one float node to KeptLayerInputs."""
+
+    def __init__(self, kept: KeptLayerInputs, name: str) -> None:
+        super().__init__()
+        self.kept, self.name = kept, name
+
+    def forward(self, value: Any) -> None:
+        self.kept.add(self.name, value.detach() if isinstance(value, torch.Tensor) else value)
+
+
+class _KeptInput(nn.Module):
+    """The value of one float node on the batch being run, from KeptLayerInputs."""
+
+    def __init__(self, kept: KeptLayerInputs, name: str) -> None:
+        super().__init__()
+        self.kept, self.name = kept, name
+
+    def forward(self) -> torch.Tensor:
+        return self.kept.values[self.name][self.kept.position]
 
 
 def _add_extra_shadows(gm_a: fx.GraphModule, extras: Sequence[ExtraShadows], extra_pairs: list[list[LayerPair]],

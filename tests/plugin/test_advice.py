@@ -377,8 +377,9 @@ def test_a_trial_takes_the_screens_own_sqnr_of_each_layer_it_quantizes_the_same_
     # the screen's fix: every shadow is the screen's, and the trial runs the quantized graph alone (4 linears)
     assert trials({layer: change for layer in layers}, layers) == 4 * len(batches)
     # without layers.0's change, layers.2's input is quantized otherwise than in the screen's copy (its observer is
-    # the one layers.0's output shares): its shadow runs, on the float graph as far as layers.2
-    assert trials({"layers.2": change, "layers.4": change}, ["layers.2"]) == (4 + 2 + 1) * len(batches)
+    # the one layers.0's output shares): its shadow runs, on layers.2's float input that the model's comparison pass
+    # kept for the screened layers, and compares with layers.4's kept input (layers.2's float value): no float layer
+    assert trials({"layers.2": change, "layers.4": change}, ["layers.2"]) == (4 + 1) * len(batches)
     # layers.4's shadow is the screen's: the quantized graph alone
     assert trials({"layers.2": change, "layers.4": change}, ["layers.4"]) == 4 * len(batches)
 

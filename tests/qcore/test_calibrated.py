@@ -196,6 +196,23 @@ def test_float_outputs_are_kept_only_within_their_byte_limit():
     assert kept.outputs is None
 
 
+def test_layer_inputs_are_kept_within_their_byte_limit_and_a_value_past_it_on_no_batch():
+    from qcore.numeric.compare import KeptLayerInputs
+
+    kept = KeptLayerInputs(limit=128)
+    whole = torch.arange(32.0).reshape(2, 16)
+    for position in range(2):
+        kept.position = position
+        kept.add("wide", torch.zeros(4, 4))  # 64 bytes a batch: past the limit on the second
+        kept.add("row", whole[position])  # a view: kept as a copy of its 64 bytes, not with its base
+    assert list(kept.values) == ["row"] and len(kept.values["row"]) == 2
+    assert all(value._base is None for value in kept.values["row"])
+    assert torch.equal(torch.stack(kept.values["row"]), whole)
+    kept.position = 2
+    kept.add("wide", torch.zeros(1))  # refused once: not kept from a later batch on either
+    assert "wide" not in kept.values
+
+
 def _counting_qparams(monkeypatch):
     """Count the histogram searches, alone or batched: a list with an entry per histogram searched."""
     import qcore.observe.observers as observers
