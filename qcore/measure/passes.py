@@ -170,8 +170,26 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
         read()
         quant_gm = convert(probed.prepared, keep_float_weights=False, recompile=False)
     else:
-        quant_gm = calibrate_and_convert(probed.prepared, float_gm, batches, read, keep_float_weights=False,
-                                         keep_first_output=first_outputs, recompile=False)
+        # a pass that measures some layers only (a trial's) takes the float outputs and those layers' float inputs
+        # from its calibration pass, whose observers change no value: its comparison then runs only the rest
+        calibration_outputs = KeptFloatOutputs() if layers is not None and float_outputs is None else None
+        calibration_inputs = KeptLayerInputs() if calibration_outputs is not None else None
+        if calibration_inputs is not None:
+            calibration_inputs.watch(probed.prepared, [op for op in find_quantizable_ops(float_gm)
+                                                       if op.layer in set(layers or ())])
+            probed.prepared.recompile()
+
+        def read_and_unwatch() -> None:
+            if calibration_inputs is not None:
+                calibration_inputs.unwatch(probed.prepared)  # convert generates the code once for all
+            read()
+
+        quant_gm = calibrate_and_convert(probed.prepared, float_gm, batches, read_and_unwatch,
+                                         keep_float_weights=False, keep_first_output=first_outputs, recompile=False,
+                                         every_output=calibration_outputs)
+        if calibration_outputs is not None and calibration_outputs.outputs is not None and \
+                len(calibration_outputs.outputs) == len(batches):
+            float_outputs, layer_inputs = calibration_outputs.outputs, calibration_inputs
     variants, unmeasured, smoothed = planned
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
     screened = _screen_copies(float_gm, batches, quantizer, screens, probed.detector_reports, kept)
@@ -340,12 +358,14 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
 
 def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, batches: list[Any],
                           before_convert: Callable[[], None] | None = None, keep_float_weights: bool = True,
-                          keep_first_output: OutputSink | None = None, recompile: bool = True) -> fx.GraphModule:
+                          keep_first_output: OutputSink | None = None, recompile: bool = True,
+                          every_output: OutputSink | None = None) -> fx.GraphModule:
     """Calibrate `prepared` and convert it (in place); a failure caused by NaN or inf in the float model says where
     they appear. `before_convert` runs between the two (to read and remove other observers); recompile=False
-    leaves the converted graph's code generation to the caller (see convert)."""
+    leaves the converted graph's code generation to the caller (see convert). `every_output` gets the output of
+    every calibration batch (the float graph's: observers change no value)."""
     with diagnosed_calibration(float_gm, batches):
-        calibrate(prepared, batches, keep_first_output)
+        calibrate(prepared, batches, keep_first_output, every_output=every_output)
         if before_convert is not None:
             before_convert()
         return convert(prepared, keep_float_weights, recompile=recompile)

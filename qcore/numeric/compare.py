@@ -262,9 +262,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     count = 0
     with torch.no_grad(), stage("comparison", total):
         for batch in batches:
-            for inputs in (layer_inputs, keep_layer_inputs):
-                if inputs is not None:
-                    inputs.position = count
+            if layer_inputs is not None:
+                layer_inputs.position = count
             batch = move_to(batch, device)
             batch_b = None if quant_batches is None else move_to(quant_batches[count], device)
             if kept:
@@ -350,6 +349,8 @@ class KeptFloatOutputs:
         self.outputs.append(output)
         self._bytes += size
 
+    append = add  # an OutputSink: calibrate() keeps every batch's output in it
+
 
 class KeptLayerInputs:
     """The float inputs of some layers (the float graph's values their shadow copies read) on each batch of a
@@ -364,18 +365,33 @@ class KeptLayerInputs:
         self.position = 0  # the batch being run
         self._refused: set[str] = set()
         self._bytes = 0
+        self._keepers: list[fx.Node] = []
 
     def watch(self, gm: fx.GraphModule, ops: Iterable[Any]) -> None:
-        """Keep, on each batch `gm` runs, the values the float `ops` read that an op computes (not weights or model
-        inputs) and that nothing may change in place later (held without a copy); before anything is added to `gm`."""
-        watched: dict[fx.Node, None] = {}
+        """Keep, on each batch `gm` runs, the values the float `ops` read that an aten op computes (not weights or
+        model inputs) and that nothing writes to in place later (a view is kept as a copy). `ops` are of a float graph
+        without observers (the float copy before anything is added to it, or the graph `gm` was prepared from):
+        their values are `gm`'s nodes of the same names."""
+        names: dict[str, None] = {}
         for op in ops:
             for node in op.node.all_input_nodes:
-                if node.op in ("call_function", "call_module", "call_method") and not is_inserted(node) and \
-                        not node.meta.get(REWRITTEN_KEY) and not may_change_after(node):
-                    watched.setdefault(node)
-        for index, node in enumerate(watched):
-            attach_after(gm, node, f"qcore_keep_input_{index}", _InputKeeper(self, node.name))
+                if _op_schema(node) is not None and not node.meta.get(REWRITTEN_KEY) \
+                        and (not is_inserted(node) or node.meta[INSERTED_KEY] == "equalization") \
+                        and not _written_after(_viewed(node)):
+                    names.setdefault(node.name)
+        nodes = {node.name: node for node in gm.graph.nodes}
+        for name in names:
+            if name in nodes:
+                target = f"qcore_keep_input_{len(self._keepers)}"
+                self._keepers.append(attach_after(gm, nodes[name], target, _InputKeeper(self, name)))
+
+    def unwatch(self, gm: fx.GraphModule) -> None:
+        """Take the nodes `watch` added out of `gm` (recompiled by the caller)."""
+        for node in self._keepers:
+            target = str(node.target)
+            gm.graph.erase_node(node)
+            delattr(gm, target)
+        self._keepers = []
 
     def add(self, name: str, value: Any) -> None:
         """Keep one batch's value of the float node `name` (or give up on keeping it)."""
@@ -383,7 +399,7 @@ class KeptLayerInputs:
             return
         kept = self.values.setdefault(name, [])
         size = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-        if not isinstance(value, torch.Tensor) or len(kept) != self.position or self._bytes + size > self.limit:
+        if not isinstance(value, torch.Tensor) or self._bytes + size > self.limit:
             self._refused.add(name)
             self._bytes -= sum(v.numel() * v.element_size() for v in self.values.pop(name))
             return
@@ -399,9 +415,9 @@ class KeptLayerInputs:
             with gm.graph.inserting_after(node):
                 read = gm.graph.call_module(f"qcore_kept_input_{index}", ())
             node.replace_all_uses_with(read)
-        for node in reversed(list(gm.graph.nodes)):
-            if not node.users and node.op not in ("placeholder", "output") and \
-                    node.meta.get(INSERTED_KEY) != "logger" and not (node.op == "call_function" and node.is_impure()):
+        for node in reversed(list(gm.graph.nodes)):  # a random op (dropout) is pure here: the model is deterministic
+            if not node.users and node.op not in ("placeholder", "output") and node.meta.get(INSERTED_KEY) != "logger" \
+                    and not (node.op == "call_function" and node.is_impure(impure_random=False)):
                 gm.graph.erase_node(node)
         return any(node.meta.get(INSERTED_KEY) == "logger" for node in gm.graph.nodes)
 
@@ -450,6 +466,20 @@ def may_change_after(node: fx.Node) -> bool:
     methods (an FX graph's ReLU(inplace=True)) may, and so may any op whose schema mutates an argument (aten.relu_)."""
     if _op_schema(node) is None or any(r.alias_info is not None for r in _op_schema(node).returns):
         return True
+    return _written_after(node)
+
+
+def _viewed(node: fx.Node) -> fx.Node:
+    """The value a chain of view ops ends at `node` views (`node` itself when it is no view)."""
+    while (schema := _op_schema(node)) is not None and any(r.alias_info is not None for r in schema.returns) and \
+            node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _written_after(node: fx.Node) -> bool:
+    """Whether an op after `node` may write to its value in place, directly or through a view of it (an op without
+    a schema may)."""
     pending, seen = [node], {node}
     while pending:
         for user in pending.pop().users:

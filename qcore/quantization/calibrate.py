@@ -32,9 +32,10 @@ class OutputSink(Protocol):
 
 
 def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: OutputSink | None = None, *,
-              keep_all: bool = False) -> int:
+              keep_all: bool = False, every_output: OutputSink | None = None) -> int:
     """Feed every batch to `model` under no_grad, on the model's device; returns the batch count. The first
-    batch's output (keep_all: every batch's) is appended to `keep_first_output` when given."""
+    batch's output (keep_all: every batch's) is appended to `keep_first_output` when given, and every batch's to
+    `every_output`."""
     device = model_device(model)
     count = 0
     total = len(batches) if isinstance(batches, Sized) else None
@@ -46,6 +47,8 @@ def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: Outpu
                 raise CalibrationError(f"calibration batch {index} failed: {type(error).__name__}: {error}") from error
             if (index == 0 or keep_all) and keep_first_output is not None:
                 keep_first_output.append(output)
+            if every_output is not None:
+                every_output.append(output)
             count += 1
             batch_done(count, total)
     if count == 0:

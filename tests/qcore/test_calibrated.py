@@ -147,7 +147,8 @@ def test_a_trial_compares_with_the_kept_float_outputs_and_runs_the_float_graph_o
     fix = with_layer_overrides(Int8StaticQuantizer(), {"fc1": {"per_channel": True}})  # no observer to calibrate
     fresh = ModelAnalysis(float_gm, None, data).variant(fix, layers=["fc1"])
     linears, expected = _linear_calls(lambda: fresh.sqnr)
-    assert linears == len(data) * (3 + 3 + 3 + 1)  # calibration, float graph, quantized graph, fc1's shadow
+    # calibration, quantized graph, fc1's float value and its shadow: the float outputs are the calibration pass's
+    assert linears == len(data) * (3 + 3 + 1 + 1)
     assert fresh.context.float_outputs is not None  # a trial's pass keeps them for the next one when none are kept
     base = ModelAnalysis(float_gm, None, data)
     assert base.sqnr.outputs == expected.outputs
@@ -163,6 +164,20 @@ def test_a_trial_compares_with_the_kept_float_outputs_and_runs_the_float_graph_o
     linears, alone = _linear_calls(lambda: base.variant(fix, layers=["fc2"], layer_kinds=()).sqnr)
     assert linears == len(data) * 3
     assert alone.outputs == expected.outputs
+
+
+def test_a_trial_that_calibrates_takes_the_float_outputs_and_its_layers_inputs_from_its_calibration_pass(
+        model_and_batches):
+    float_gm, data = model_and_batches
+    base = ModelAnalysis(float_gm, None, data)
+    fix = with_layer_overrides(base.quantizer, {"fc2": {"activation_observer": "histogram"}})  # a new observer
+    whole = base.variant(fix).sqnr  # every layer: the float graph runs whole
+    fresh = ModelAnalysis(float_gm, None, data)  # no float outputs kept
+    fresh.context.saw_float_runs_agree()  # as after a first measurement (no runs of batch 0 to tell)
+    linears, focused = _linear_calls(lambda: fresh.variant(fix, layers=["fc2"]).sqnr)
+    # calibration, quantized graph, and on fc2's kept float input its float value and its shadow
+    assert linears == len(data) * (3 + 3 + 1 + 1)
+    assert focused.layers["fc2"] == whole.layers["fc2"] and focused.outputs == whole.outputs  # to the bit
 
 
 def test_a_trial_measures_the_layer_sqnrs_it_is_asked_for_and_a_later_ask_for_more_measures_them_all(
