@@ -175,8 +175,9 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
         calibration_outputs = KeptFloatOutputs() if layers is not None and float_outputs is None else None
         calibration_inputs = KeptLayerInputs() if calibration_outputs is not None else None
         if calibration_inputs is not None:
+            focus = set(layers or ())
             calibration_inputs.watch(probed.prepared, [op for op in find_quantizable_ops(float_gm)
-                                                       if op.layer in set(layers or ())])
+                                                       if op.layer in focus])
             probed.prepared.recompile()
 
         def read_and_unwatch() -> None:
