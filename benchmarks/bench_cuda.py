@@ -36,6 +36,7 @@ CASES = {
     "minilm": "BERT-sized encoder (MiniLM-L6-H384 shape), 8 x 4x64 tokens",
     "minilm_b32": "BERT-sized encoder, 8 x 32x128 tokens",
     "llama_bf16": "Llama 0.5B config (bench_memory's), bfloat16, 3 x 2x64 tokens",
+    "llama_bf16_512": "Llama 0.5B config, bfloat16, 8 x 4x512 tokens",
 }
 
 
@@ -54,29 +55,36 @@ def _case(name: str):
         g = torch.Generator().manual_seed(0)
         return model, [{"input_ids": torch.randint(0, 30522, (32, 128), generator=g),
                         "attention_mask": torch.ones(32, 128, dtype=torch.long)} for _ in range(8)]
-    if name == "llama_bf16":
+    if name in ("llama_bf16", "llama_bf16_512"):
         import transformers
         from bench_memory import SIZES
 
         hidden, intermediate, layers, heads, kv_heads, vocabulary = SIZES["0.5b"]
         config = transformers.LlamaConfig(vocab_size=vocabulary, hidden_size=hidden, intermediate_size=intermediate,
                                           num_hidden_layers=layers, num_attention_heads=heads,
-                                          num_key_value_heads=kv_heads, max_position_embeddings=128, use_cache=False)
+                                          num_key_value_heads=kv_heads, max_position_embeddings=512, use_cache=False)
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16)
         g = torch.Generator().manual_seed(0)
-        return model, [{"input_ids": torch.randint(0, vocabulary, (2, 64), generator=g)} for _ in range(3)]
+        count, shape = (8, (4, 512)) if name == "llama_bf16_512" else (3, (2, 64))
+        return model, [{"input_ids": torch.randint(0, vocabulary, shape, generator=g)} for _ in range(count)]
     return bench_analysis._case(name)
 
 
-def _synchronized(function) -> float:
+def _synchronize() -> None:
+    """Wait for the GPU's queued work (nothing on the CPU)."""
     import torch
 
-    synchronize = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
-    synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _synchronized(function) -> float:
+    """Seconds `function` takes, the GPU's queued work included."""
+    _synchronize()
     start = time.perf_counter()
     function()
-    synchronize()
+    _synchronize()
     return time.perf_counter() - start
 
 
@@ -92,9 +100,8 @@ def _forward(model, batches) -> None:
 
 def _collected(model, batches):
     """The plugin's pipeline of `model` with every built-in check, collected (captured), not analysed."""
-    from tests.test_cuda import collected
-
     from pytest_qreport.checks import BUILTIN_CHECKS
+    from tests.gpu.test_cuda import collected
 
     return collected(model, batches, [check.name for check in BUILTIN_CHECKS])
 
@@ -109,6 +116,35 @@ def _analyzed(pipeline, batches):
 def _analysis(model, batches):
     """The plugin's analysis of `model` (collection, then every built-in check)."""
     return _analyzed(_collected(model, batches), batches)
+
+
+def _timed_analysis(model, batches) -> tuple[float, dict[str, float], dict[str, float]]:
+    """One analysis after its collection: its seconds (synchronized), the seconds of its stages (the plugin's:
+    calibration, comparison, trials, other) and of each check (a check that first reads a measurement pays for it,
+    so the trials show under the checks that run them)."""
+    from pytest_qreport.core.pipeline import ModelPipeline
+
+    pipeline, checks = _collected(model, batches), {}
+    before = dict(pipeline.seconds)
+    per_check = ModelPipeline._check_findings
+
+    def timed(self, check_name, layers):
+        _synchronize()
+        start = time.perf_counter()
+        try:
+            return per_check(self, check_name, layers)
+        finally:
+            _synchronize()
+            checks[check_name] = checks.get(check_name, 0.0) + time.perf_counter() - start
+
+    ModelPipeline._check_findings = timed
+    try:
+        seconds = _synchronized(lambda: _analyzed(pipeline, batches))
+    finally:
+        ModelPipeline._check_findings = per_check
+    stages = {stage: value - before.get(stage, 0.0) for stage, value in pipeline.seconds.items()
+              if value - before.get(stage, 0.0) > 0}
+    return seconds, stages, checks
 
 
 def _op_count(function) -> int:
@@ -153,7 +189,7 @@ def _profile(model, batches, path: pathlib.Path) -> float:
 def _traffic(model, batches):
     from contextlib import nullcontext
 
-    from tests.test_cuda import HostTraffic
+    from tests.gpu.test_cuda import HostTraffic
 
     with HostTraffic() if DEVICE == "cuda" else nullcontext(HostTraffic()) as traffic:
         _analysis(model, batches)
@@ -169,8 +205,9 @@ def _sqnrs(model, batches):
             {name: value.sqnr_db for name, value in measured.sqnr.outputs.items()})
 
 
-def run_case(name: str, compare_with_cpu: bool, light: bool = False) -> dict:
-    """Every figure of one case (`light`: the forward, two analyses and the GPU memory only)."""
+def run_case(name: str, compare_with_cpu: bool, light: bool = False, profile_light: bool = False) -> dict:
+    """Every figure of one case (`light`: the forward, two analyses and the GPU memory only, and with
+    `profile_light` a third analysis under the profiler)."""
     import copy
 
     import torch
@@ -191,11 +228,14 @@ def run_case(name: str, compare_with_cpu: bool, light: bool = False) -> dict:
     held = torch.cuda.memory_allocated() if on_gpu else 0
     first = _synchronized(lambda: _analysis(model, batches))
     peak = torch.cuda.max_memory_allocated() - held if on_gpu else 0
-    steady = min(_synchronized(lambda: _analysis(model, batches)) for _ in range(1 if light else 2))
+    steady, stages, checks = min((_timed_analysis(model, batches) for _ in range(1 if light else 2)),
+                                 key=lambda timed: timed[0])
     result = {"case": name, "params": params, "forward_s": forward, "first_s": first, "steady_s": steady,
               "ratio": steady / forward, "first_ratio": first / forward, "gpu_peak_above_bytes": peak,
-              "batches": len(batches)}
+              "batches": len(batches), "stages_s": stages, "checks_s": checks}
     if light:
+        if PROFILE_DIR and profile_light:
+            result["device_busy"] = _profile(model, batches, PROFILE_DIR / f"profile_{name}.txt")
         return result
     four = batches[:4]
     once, twice = _traffic(model, four), _traffic(model, four + [move_to(b, DEVICE) for b in cpu_batches[:4]])
@@ -227,8 +267,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--json", default=None)
-    parser.add_argument("--light", default="llama_bf16", help="cases timed without traffic, op counts or profile")
+    parser.add_argument("--light", default="llama_bf16,llama_bf16_512",
+                        help="cases timed without traffic, op counts or profile")
     parser.add_argument("--profile-dir", default=None, help="write each case's profiler tables there")
+    parser.add_argument("--profile-light", action="store_true", help="profile the light cases too")
     parser.add_argument("--device", default="cuda", help="cpu runs every step but the GPU's own (a dry run)")
     parser.add_argument("--deadline-s", type=float, default=480.0, help="start no case after this many seconds")
     options = parser.parse_args()
@@ -247,7 +289,7 @@ def main() -> None:
             continue
         try:
             result = run_case(name, compare_with_cpu=name in ("cnn", "resnet18", "minilm"),
-                              light=name in options.light.split(","))
+                              light=name in options.light.split(","), profile_light=options.profile_light)
         except Exception:  # noqa: BLE001 - one case's failure is printed, the others still run
             print(f"{name}: FAILED\n{traceback.format_exc()[-3000:]}", flush=True)
             continue
@@ -263,7 +305,13 @@ def main() -> None:
         print(f"{CASES[r['case']]:<55} {r['forward_s'] * 1e3:>7.1f}ms {r['steady_s']:>8.2f}s {r['ratio']:>5.1f}x "
               f"{r['first_ratio']:>5.1f}x {per_batch[0]:>10} {per_batch[1]:>11} "
               f"{r['gpu_peak_above_bytes'] / r['params']:>8.2f}x")
+        forward = r["forward_s"]
+        print("    stages: " + ", ".join(f"{k} {v / forward:.1f}x" for k, v in r["stages_s"].items()))
+        slowest = sorted(r["checks_s"].items(), key=lambda item: -item[1])[:6]
+        print("    checks: " + ", ".join(f"{k} {v / forward:.1f}x" for k, v in slowest))
         if "syncs" not in r:
+            if r.get("device_busy") is not None:
+                print(f"    the GPU busy {r['device_busy']:.0%} of the analysis")
             continue
         busy = f"; the GPU busy {r['device_busy']:.0%} of the analysis" if r["device_busy"] is not None else ""
         print(f"    aten ops: analysis {r['analysis_ops']}, forward {r['forward_ops']} "

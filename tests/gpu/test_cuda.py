@@ -176,7 +176,9 @@ def test_half_fake_quantization_on_cuda_is_the_float32_one_rounded_back(dtype):
         expected = torch.where(wide.isnan(), wide, expected).to(dtype)
         assert torch.equal(ours.isnan(), expected.isnan())
         assert torch.equal(torch.nan_to_num(ours), torch.nan_to_num(expected))
-        assert torch.equal(ours.signbit(), expected.signbit())
+        numbers = ~x.isnan()  # a NaN's sign is no value: the cast to fp16/bf16 makes its own NaN, ours keeps x's
+        assert torch.equal(ours[numbers].signbit(), expected[numbers].signbit())
+        assert torch.equal(ours[~numbers].view(torch.int16), x[~numbers].view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
