@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,8 @@ from torch import fx
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
            "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
            "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
-           "WEIGHT_VIEWS", "is_weight_value", "weight_value"]
+           "WEIGHT_VIEWS", "is_weight_value", "may_change_after", "op_schema", "viewed_value", "weight_value",
+           "written_after"]
 
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
@@ -257,3 +259,48 @@ def matches_layer(pattern: str, *names: str) -> bool:
     """Whether a layer glob matches any of `names` (a layer's name, its module's FQN): as a glob, or as the name of
     a module that contains the layer (`head` matches `head.1`), so that a Sequential's name reaches its layers."""
     return any(name and (fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".")) for name in names)
+
+
+def may_change_after(node: fx.Node, passes_through: Callable[[fx.Node], bool] | None = None) -> bool:
+    """Whether the value of `node` may change after its op ran: an op may write to it in place, directly or through
+    a view, or it is a view itself. Functional aten ops (most of a torch.export graph) cannot; module calls and
+    methods (an FX graph's ReLU(inplace=True)) may, and so may any op whose schema mutates an argument (aten.relu_).
+    `passes_through(user)`: a node that returns its input as it is (an observer), followed like a view."""
+    schema = op_schema(node)
+    if schema is None or any(r.alias_info is not None for r in schema.returns):
+        return True
+    return written_after(node, passes_through)
+
+
+def viewed_value(node: fx.Node) -> fx.Node:
+    """The value a chain of view ops ends at `node` views (`node` itself when it is no view)."""
+    while (schema := op_schema(node)) is not None and any(r.alias_info is not None for r in schema.returns) and \
+            node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def written_after(node: fx.Node, passes_through: Callable[[fx.Node], bool] | None = None) -> bool:
+    """Whether an op after `node` may write to its value in place, directly or through a view of it (an op without
+    a schema may, unless `passes_through` says it returns its input as it is)."""
+    pending, seen = [node], {node}
+    while pending:
+        for user in pending.pop().users:
+            if user.op == "output" or user in seen:
+                continue
+            if passes_through is not None and passes_through(user):
+                seen.add(user)
+                pending.append(user)
+                continue
+            schema = op_schema(user)
+            if schema is None or schema.is_mutable:
+                return True
+            if any(r.alias_info is not None for r in schema.returns):  # a view: writing to it writes to `node`
+                seen.add(user)
+                pending.append(user)
+    return False
+
+
+def op_schema(node: fx.Node) -> Any:
+    """The aten schema of a call_function node, or None for anything else."""
+    return getattr(node.target, "_schema", None) if node.op == "call_function" else None

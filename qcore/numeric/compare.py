@@ -12,7 +12,15 @@ from torch.utils import _pytree as pytree
 
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.inputs import call_model, move_to
-from qcore.graph.ops import INSERTED_KEY, REWRITTEN_KEY, is_inserted
+from qcore.graph.ops import (
+    INSERTED_KEY,
+    REWRITTEN_KEY,
+    is_inserted,
+    may_change_after,
+    op_schema,
+    viewed_value,
+    written_after,
+)
 from qcore.numeric.instrument import attach_after, copy_layer_into, shadow_signature
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
 from qcore.numeric.logits import LogitsComparator
@@ -375,9 +383,9 @@ class KeptLayerInputs:
         names: dict[str, None] = {}
         for op in ops:
             for node in op.node.all_input_nodes:
-                if _op_schema(node) is not None and not node.meta.get(REWRITTEN_KEY) \
+                if op_schema(node) is not None and not node.meta.get(REWRITTEN_KEY) \
                         and (not is_inserted(node) or node.meta[INSERTED_KEY] == "equalization") \
-                        and not _written_after(_viewed(node)):
+                        and not written_after(viewed_value(node)):
                     names.setdefault(node.name)
         nodes = {node.name: node for node in gm.graph.nodes}
         for name in names:
@@ -458,45 +466,6 @@ def _add_extra_shadows(gm_a: fx.GraphModule, extras: Sequence[ExtraShadows], ext
             attach_after(gm_a, value, f"{holder}_compare_{number}", comparator, references[pair.layer])
             found.append((extra, pair.layer, comparator))
     return found
-
-
-def may_change_after(node: fx.Node) -> bool:
-    """Whether the value of `node` may change after its op ran: an op may write to it in place, directly or through
-    a view, or it is a view itself. Functional aten ops (most of a torch.export graph) cannot; module calls and
-    methods (an FX graph's ReLU(inplace=True)) may, and so may any op whose schema mutates an argument (aten.relu_)."""
-    if _op_schema(node) is None or any(r.alias_info is not None for r in _op_schema(node).returns):
-        return True
-    return _written_after(node)
-
-
-def _viewed(node: fx.Node) -> fx.Node:
-    """The value a chain of view ops ends at `node` views (`node` itself when it is no view)."""
-    while (schema := _op_schema(node)) is not None and any(r.alias_info is not None for r in schema.returns) and \
-            node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
-def _written_after(node: fx.Node) -> bool:
-    """Whether an op after `node` may write to its value in place, directly or through a view of it (an op without
-    a schema may)."""
-    pending, seen = [node], {node}
-    while pending:
-        for user in pending.pop().users:
-            if user.op == "output" or user in seen:
-                continue
-            schema = _op_schema(user)
-            if schema is None or schema.is_mutable:
-                return True
-            if any(r.alias_info is not None for r in schema.returns):  # a view: writing to it writes to `node`
-                seen.add(user)
-                pending.append(user)
-    return False
-
-
-def _op_schema(node: fx.Node):
-    """The aten schema of a call_function node, or None for anything else."""
-    return getattr(node.target, "_schema", None) if node.op == "call_function" else None
 
 
 def _remove_nodes_since(gm: fx.GraphModule, kept: set[fx.Node]) -> None:

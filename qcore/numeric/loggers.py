@@ -59,7 +59,7 @@ class ActivationStash(nn.Module):
     """Holds the latest value only, flattened and in its own dtype, for comparators to read within the same batch:
     a comparator in another model reads `value`, one in the same graph takes the call's result as its reference
     (comparators upcast both sides themselves). copy=False holds the value itself, for a value nothing changes after
-    its op ran (compare.may_change_after); else a copy is overwritten by the next batch's."""
+    its op ran (qcore.graph.ops.may_change_after); else a copy is overwritten by the next batch's."""
 
     def __init__(self, copy: bool = True) -> None:
         super().__init__()

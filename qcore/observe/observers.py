@@ -195,6 +195,9 @@ class HistogramObserver(_RangeObserver):
 
     clips_outliers: ClassVar[bool] = True
     histogram: torch.Tensor
+    # set by prepare where no op of the graph writes to an observed value after this observer reads it: a float32
+    # value is then queued as it is, not copied (it stays as it is until the queue runs, as the model call returns)
+    input_held: bool = False
 
     def __init__(self, bins: int = 2048, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -227,9 +230,13 @@ class HistogramObserver(_RangeObserver):
                 and self.min_val.dtype == self.max_val.dtype == torch.float32
                 and self.min_val.dim() == self.max_val.dim() == 0):
             return False
+        held = self.input_held and x.dtype == torch.float32
+
+        def entry() -> tuple[HistogramObserver, torch.Tensor, bool]:
+            return (self, deferred.flat(x), False) if held else (self, deferred.flat_copy(x, torch.float32), True)
+
         # its run works in about half the memory per value of a comparator's: it holds twice as many
-        return deferred.defer(self, _update_histograms, x.numel(), lambda: (self, deferred.flat_copy(x, torch.float32)),
-                              scale=2)
+        return deferred.defer(self, _update_histograms, x.numel(), entry, scale=2)
 
     def _update_native(self, x: torch.Tensor) -> bool:
         """The same update in one call of the native kernel (a float32 CPU batch, float32 CPU state); False leaves
@@ -393,18 +400,21 @@ def _column(value: torch.Tensor) -> torch.Tensor:
     return value.unsqueeze(-1) if value.dim() else value
 
 
-def _update_histograms(entries: list[tuple[HistogramObserver, torch.Tensor]]) -> None:
+def _update_histograms(entries: list[tuple[HistogramObserver, torch.Tensor, bool]]) -> None:
     """The queued batches of several histogram observers in one chain of ops: each histogram gets exactly the
-    counts and range its own update gives (the same elementwise float32 steps, whole counts in float64)."""
-    groups: dict[tuple[torch.device, int], list[tuple[HistogramObserver, torch.Tensor]]] = {}
-    for observer, values in entries:
-        groups.setdefault((values.device, observer.bins), []).append((observer, values))
+    counts and range its own update gives (the same elementwise float32 steps, whole counts in float64). An entry
+    is (observer, values, whether the values are the queue's own copy or the graph's value itself)."""
+    groups: dict[tuple[torch.device, int], list[tuple[HistogramObserver, torch.Tensor, bool]]] = {}
+    for entry in entries:
+        groups.setdefault((entry[1].device, entry[0].bins), []).append(entry)
     entries.clear()  # the queued copies are freed once laid end to end
     for (device, bins), group in groups.items():
-        observers = [observer for observer, _ in group]
-        flats = [flat for _, flat in group]
+        observers = [observer for observer, _, _ in group]
+        flats = [flat for _, flat, _ in group]
+        own = group[0][2]
         group.clear()
-        values = torch.cat(flats) if len(flats) > 1 else flats[0]
+        # the steps below run in place on `values`: a graph's value itself is copied first
+        values = torch.cat(flats) if len(flats) > 1 else flats[0] if own else flats[0].clone()
         lengths = deferred.segment_lengths(device, tuple(flat.numel() for flat in flats))
         del flats
         old_min = torch.stack([observer.min_val for observer in observers])
@@ -416,7 +426,7 @@ def _update_histograms(entries: list[tuple[HistogramObserver, torch.Tensor]]) ->
         histograms = _rebin(torch.stack([observer.histogram for observer in observers]), old_min, old_max, new_min,
                             width, bins)
         total = values.numel()
-        # in place, each value with its own observer's range laid beside it: the values are this run's own copy,
+        # in place, each value with its own observer's range laid beside it: the values are this run's own,
         # and the working memory (12 bytes a value at most) is what bounds the queue
         values.sub_(torch.repeat_interleave(new_min, lengths, output_size=total))
         values.div_(torch.repeat_interleave(width, lengths, output_size=total))

@@ -247,9 +247,13 @@ def _read_values(observers: list[ObserverBase]) -> dict[ObserverBase, _QParamsVa
 def fake_quantize_with(observer: ObserverBase, value: torch.Tensor, values: _QParamsValues | None = None
                        ) -> torch.Tensor:
     """Fake-quantize a tensor with an observer's qparams (per tensor or per channel); `values`: those qparams
-    already read to the host, for a per-tensor one."""
+    already read to the host (convert's lists: a per-tensor one's constants; for a per-channel one, whether torch's
+    fused kernel gives the same values in one op, on the torch path)."""
     scale, zero_point = observer.calculate_qparams()
     if observer.per_channel:
+        if values is not None and fused_kernels_preferred(value) and _fused_kernel_takes(values, observer):
+            return fake_quantize_finite_per_channel(value, scale.to(torch.float32), zero_point.to(torch.int32),
+                                                    observer.ch_axis or 0, observer.quant_min, observer.quant_max)
         return fake_quantize_per_channel(value, scale, zero_point, observer.ch_axis or 0, observer.quant_min,
                                          observer.quant_max)
     if values is not None:

@@ -10,8 +10,11 @@ from qcore.graph.ops import (
     INSERTED_KEY,
     is_inserted,
     is_weight_value,
+    op_schema,
     original_input,
+    viewed_value,
     weight_value,
+    written_after,
 )
 from qcore.observe.observers import DerivedObserver, FixedQParamsObserver
 from qcore.quantization.quantizer import (
@@ -263,10 +266,36 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer, recompile: bool = True) ->
                 if user is not observer_node:
                     user.replace_input_with(node, observer_node)
     _observe_constants_once(gm)
+    _mark_held_inputs(gm)
     gm.graph.lint()
     if recompile:
         gm.recompile()
     return gm
+
+
+def _mark_held_inputs(gm: fx.GraphModule) -> None:
+    """Tell each observer that can queue a value as it is (`input_held`) whether every value it observes stays as it
+    is after it (no later op writes to it in place, directly or through a view); observers pass values through."""
+    held: dict[str, bool] = {}
+
+    def is_observer(node: fx.Node) -> bool:
+        return node.meta.get(INSERTED_KEY) == "observer"
+
+    def stays(value: object) -> bool:  # a view, or an observer's output, stays as it is where its source does
+        if not isinstance(value, fx.Node):
+            return False
+        root = viewed_value(value)
+        while is_observer(root) and isinstance(root.args[0], fx.Node):
+            root = viewed_value(root.args[0])
+        return (root.op == "placeholder" or op_schema(root) is not None) and not written_after(root, is_observer)
+
+    for node in gm.graph.nodes:
+        if is_observer(node):
+            held[str(node.target)] = held.get(str(node.target), True) and stays(node.args[0])
+    for name, unchanged in held.items():
+        observer = gm.get_submodule(name)
+        if hasattr(observer, "input_held"):
+            observer.input_held = unchanged
 
 
 def _after_callback(gm, quantizer: Quantizer, mapping, group_ids, observers):

@@ -30,6 +30,7 @@ __all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportO
            "batch_to_epoch_ratios"]
 
 DEFAULT_SAMPLE_SIZE = 4096
+_NO_CHANNELS = torch.empty(0)  # the per-channel state before a first batch: never written to, only replaced
 NATIVE_MAX_NUMEL = 1 << 20  # above this, per-op overhead is small next to the work: torch ops do as well
 NATIVE_MAX_TOP = 128  # the kernel keeps each channel's k largest values in a sorted list (MAX_TOP in _stats.c)
 # channel-major channels (runs) insert value by value into that list: for a longer top k, selecting among all of a
@@ -55,7 +56,8 @@ class ReportObserver(nn.Module):
         self.register_buffer("extremes", torch.full((2,), float("-inf")))
         self.register_buffer("extreme_sums", torch.zeros(2, dtype=torch.float64))
         for name in ("min_val", "max_val", "ratio_sums", "ratio_counts", "constant_channels"):
-            self.register_buffer(name, torch.empty(0))
+            # one empty tensor for every observer: the first batch replaces each with its own (_init_channels)
+            self.register_buffer(name, _NO_CHANNELS)
         self._sample_key: tuple | None = None
         self._sample_index: torch.Tensor | None = None
         self._native_plan: tuple | None = None  # (shape, kernel function, its arguments after the data pointer)

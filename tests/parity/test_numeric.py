@@ -155,7 +155,7 @@ def test_an_in_place_activation_after_a_layer_does_not_rewrite_its_reference(act
 
 
 def test_a_layer_value_is_copied_for_the_comparison_only_where_something_may_change_it_later():
-    from qcore.numeric.compare import may_change_after
+    from qcore.graph.ops import may_change_after
 
     def model(inplace):
         return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(inplace=inplace), torch.nn.Linear(16, 4),

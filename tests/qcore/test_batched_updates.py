@@ -298,3 +298,79 @@ def test_a_full_kind_runs_early_alone_and_the_small_updates_wait_for_the_end_of_
         assert len(queue.rounds[_update_histograms][0]) == 1  # the third ran the first two early
         assert float(histograms[0].histogram.sum()) == 90 and not ranges[0].min_val.isfinite()
     assert all(float(h.histogram.sum()) == 90 for h in histograms) and all(m.min_val.isfinite() for m in ranges)
+
+
+@settings(max_examples=20, deadline=None)
+@given(CALLS, st.sampled_from([1 << 21, 400]))
+def test_histograms_that_hold_their_values_equal_those_that_copy_them(calls, pending):
+    """A float32 value that stays as it is until the call returns is queued as it is, not copied: the same
+    histograms, and the value is left as it was (a run of one entry works on a copy of it)."""
+    copying = [HistogramObserver(bins=64) for _ in range(4)]
+    holding = [HistogramObserver(bins=64) for _ in range(4)]
+    for observer in holding:
+        observer.input_held = True
+    with _torch_path(pending):
+        for seed, (owner, size, spread, _) in enumerate(calls):
+            x = _values(size, spread, seed).reshape(-1, 1) if size % 2 else _values(size, spread, seed)
+            with deferred.batched_updates():
+                copying[owner](x)
+            with deferred.batched_updates():
+                holding[owner](x)
+            assert torch.equal(x, _values(size, spread, seed).reshape(x.shape))
+    for mine, theirs in zip(holding, copying):
+        assert torch.equal(mine.histogram, theirs.histogram)
+        assert torch.equal(mine.min_val, theirs.min_val) and torch.equal(mine.max_val, theirs.max_val)
+
+
+def test_histograms_holding_their_values_make_no_copies(monkeypatch):
+    monkeypatch.setitem(native._state, "library", None)
+    xs = [_values(256, 1.0, seed) for seed in range(6)]
+
+    def ops(held: bool) -> int:
+        observers = [HistogramObserver(bins=64) for _ in xs]
+        for observer in observers:
+            observer.input_held = held
+
+        def call() -> None:
+            with deferred.batched_updates():
+                for observer, x in zip(observers, xs):
+                    observer(x)
+
+        return count_aten_ops(call)[0]
+
+    ops(held=False)  # the first run makes what the next ones reuse (segment lengths, aranges)
+    assert ops(held=True) == ops(held=False) - len(xs)  # one copy per value fewer, the chain the same
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_prepare_lets_an_observer_hold_only_values_no_later_op_writes_to():
+    """An exported graph's functional values are held; a value that an op writes to in place (aten.relu_, as an FX
+    graph may keep) is copied."""
+    import qcore
+    from qcore.graph.ops import INSERTED_KEY, op_kind
+    from qcore.quantization.prepare import prepare
+    from qcore.quantization.quantizer import with_layer_overrides
+
+    x = _values(32, 1.0, 0).reshape(4, 8)
+    held = {}
+    for written in (False, True):
+        torch.manual_seed(0)
+        gm = qcore.capture(_TwoLinears().eval(), x)
+        if written:  # relu_ on the second linear's output (which the histogram observes), as its last op
+            second = [node for node in gm.graph.nodes if op_kind(node) == "linear"][-1]
+            with gm.graph.inserting_before(next(iter(gm.graph.find_nodes(op="output")))):
+                gm.graph.call_function(torch.ops.aten.relu_.default, (second,))
+        quantizer = with_layer_overrides(qcore.Int8StaticQuantizer(), {"second": {"activation_observer": "histogram"}})
+        prepared = prepare(gm, quantizer)
+        observers = [prepared.get_submodule(str(node.target)) for node in prepared.graph.nodes
+                     if node.meta.get(INSERTED_KEY) == "observer"]
+        held[written] = {o.input_held for o in observers if isinstance(o, HistogramObserver)}
+    assert held == {False: {True}, True: {False}}

@@ -222,3 +222,33 @@ def test_a_bf16_models_fix_trial_quantizes_each_rewritten_weight_over_itself_wit
         quantized = trial.quantized_gm
     over = [node for node in quantized.graph.nodes if node.target is fake_quantize_per_channel_steps]
     assert over and all(node.args[-1] is True and node.args[0].meta.get(REWRITTEN_KEY) for node in over)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_convert_on_the_torch_path_quantizes_weight_copies_with_the_fused_kernel_to_the_same_values(dtype):
+    """A weight quantized once, at convert (a model under 256 MiB), on the torch path: finite weights with zero
+    points 0 take torch's fused kernel, and give what the chain of ops gives, bit for bit."""
+    from qcore.quantization import convert
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    with torch.no_grad():
+        model[0].weight[3] *= 1e-30  # a channel of tiny values next to ordinary ones
+        model[2].weight[1] = 0.0  # a channel of zeros
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    float_gm = qcore.capture(model.to(dtype), x)
+
+    def copies(fused: bool) -> dict[str, torch.Tensor]:
+        kernel = mock.Mock(wraps=convert.fake_quantize_finite_per_channel)
+        with mock.patch.dict(native._state, {"library": None}), \
+                mock.patch.object(convert, "fake_quantize_finite_per_channel", kernel), \
+                mock.patch.object(convert, "_fused_kernel_takes", convert._fused_kernel_takes if fused else
+                                  (lambda values, observer: False)):
+            quantized = ModelAnalysis(float_gm, batches=[x]).quantized_gm
+        assert kernel.call_count == (2 if fused else 0)
+        return {name: buffer for name, buffer in quantized.named_buffers() if name.startswith("qcore_fq_")}
+
+    fused, chain = copies(fused=True), copies(fused=False)
+    assert fused.keys() == chain.keys() and len(fused) == 2
+    for name, value in fused.items():
+        assert value.dtype == dtype
+        assert torch.equal(value, chain[name]) and torch.equal(value.signbit(), chain[name].signbit())
