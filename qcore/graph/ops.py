@@ -267,6 +267,9 @@ def may_change_after(node: fx.Node, passes_through: Callable[[fx.Node], bool] | 
     methods (an FX graph's ReLU(inplace=True)) may, and so may any op whose schema mutates an argument (aten.relu_).
     `passes_through(user)`: a node that returns its input as it is (an observer), followed like a view."""
     schema = op_schema(node)
+    if schema is None and node.op == "call_function" and node.target is operator.getitem and node.args and \
+            isinstance(node.args[0], fx.Node):  # one result of an op with several (native_layer_norm's output)
+        schema = op_schema(node.args[0])
     if schema is None or any(r.alias_info is not None for r in schema.returns):
         return True
     return written_after(node, passes_through)

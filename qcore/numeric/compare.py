@@ -21,7 +21,7 @@ from qcore.graph.ops import (
     viewed_value,
     written_after,
 )
-from qcore.numeric.instrument import attach_after, copy_layer_into, shadow_signature
+from qcore.numeric.instrument import attach_after, copy_layer_into, merge_repeated_shadow_inputs, shadow_signature
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
 from qcore.numeric.logits import LogitsComparator
 from qcore.numeric.matching import LayerPair, layer_value, match_layers
@@ -251,6 +251,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
             attach_after(gm_b, layer_value(pair.b), f"qcore_compare_{index}", comparator)
         propagated.append(comparator)
     extra_comparators = _add_extra_shadows(gm_a, extra_shadows, extra_pairs, references)
+    merge_repeated_shadow_inputs(gm_a.graph)
     before = set(gm_a.graph.nodes)
     finish = None
     if instrument is not None:

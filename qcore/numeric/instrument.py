@@ -8,11 +8,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from qcore.graph.ops import HANDLE_KEY, REWRITTEN_KEY, QuantizableOp, fetch_attr, is_inserted
+from qcore.graph.ops import HANDLE_KEY, REWRITTEN_KEY, QuantizableOp, fetch_attr, is_inserted, may_change_after
 from qcore.numeric.matching import layer_value, nodes_by_handle
+from qcore.observe.qparams import fake_quantize_per_tensor
 from qcore.quantization.convert import QPARAMS_KEY
 
-__all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "qparams_digest", "shadow_signature"]
+__all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "merge_repeated_shadow_inputs", "qparams_digest",
+           "shadow_signature"]
 
 _FLOAT_WEIGHT_KEY = "qcore_float_weight"  # the float weight a converted one was made from (convert's metadata)
 QPARAMS_DIGEST_KEY = "qcore_qparams_digest"  # qparams_digest of the qparams, where a graph drops them
@@ -192,3 +194,35 @@ def _attribute(gm: fx.GraphModule, node: fx.Node) -> tuple:
         data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         return ("value", str(value.dtype), tuple(value.shape), hashlib.sha256(data.numpy().tobytes()).hexdigest())
     return ("tensor", str(node.target), _Same(value))
+
+
+def merge_repeated_shadow_inputs(graph: fx.Graph) -> int:
+    """Let shadow layers that quantize the same float value with the same qparams (the query, key and value
+    projections of one input) share one fake quantization: the later copies read the first. Only values that no op
+    changes in place are merged. Returns how many copies were erased."""
+    first: dict[tuple[Any, ...], fx.Node] = {}
+    repeated = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not fake_quantize_per_tensor or \
+                node.meta.get("qcore_inserted") != "shadow" or node.kwargs:
+            continue
+        value = node.args[0]
+        if not isinstance(value, fx.Node) or may_change_after(value, _reads_only) or \
+                any(isinstance(arg, fx.Node) for arg in node.args[1:]):
+            continue
+        key = (value, *node.args[1:])
+        if key in first:
+            repeated.append((node, first[key]))
+        else:
+            first[key] = node
+    for node, kept in repeated:
+        node.replace_all_uses_with(kept)
+        graph.erase_node(node)
+    return len(repeated)
+
+
+def _reads_only(node: fx.Node) -> bool:
+    """A call attach_after added (it reads its value and changes nothing; a stash's copy or its value goes on), or a
+    shadow's fake quantization (a new tensor)."""
+    return node.meta.get("qcore_inserted") == "logger" or (
+        node.op == "call_function" and node.target is fake_quantize_per_tensor)

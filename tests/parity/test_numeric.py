@@ -204,3 +204,40 @@ def test_a_stashed_layer_value_keeps_its_dtype(dtype, copy):
     assert (held.data_ptr() == value.data_ptr()) is not copy
     value.mul_(2)  # an in-place op after the layer: only the copy keeps the layer's value
     assert torch.equal(stash.value, (value / 2 if copy else value).reshape(-1))
+
+
+class _ThreeProjections(torch.nn.Module):
+    """Query, key and value projections of one input, as an attention block has them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.query, self.key, self.value = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        x = self.norm(x)
+        return self.query(x) + self.key(x) * self.value(x)
+
+
+def test_shadows_of_one_input_share_its_fake_quantization_with_the_same_sqnrs(monkeypatch):
+    """The three projections' shadows quantize the same float value with the same qparams once, not three times."""
+    from qcore.numeric import instrument
+
+    compare_module = __import__("sys").modules["qcore.numeric.compare"]
+    torch.manual_seed(0)
+    data = batches((4, 8, 16), n=3)
+    float_gm, quant_gm = qcore.quantize(_ThreeProjections().eval(), data[0], data)
+    erased = []
+
+    def shadows(merge: bool) -> dict:
+        def merging(graph):
+            erased.append(instrument.merge_repeated_shadow_inputs(graph) if merge else 0)
+            return erased[-1]
+
+        monkeypatch.setattr(compare_module, "merge_repeated_shadow_inputs", merging)
+        _, shadow_records = compare_module.compare_propagated_and_shadow(float_gm, quant_gm, data)
+        return {r["layer"]: r["sqnr_db"] for r in shadow_records}
+
+    merged, apart = shadows(merge=True), shadows(merge=False)
+    assert merged == apart and set(merged) == {"query", "key", "value"}
+    assert erased == [2, 0]  # the key's and the value's copies read the query's
