@@ -261,11 +261,15 @@ def matches_layer(pattern: str, *names: str) -> bool:
     return any(name and (fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".")) for name in names)
 
 
-def may_change_after(node: fx.Node, passes_through: Callable[[fx.Node], bool] | None = None) -> bool:
+def may_change_after(node: fx.Node, passes_through: Callable[[fx.Node], bool] | None = None,
+                     makes_new: Callable[[fx.Node], bool] | None = None) -> bool:
     """Whether the value of `node` may change after its op ran: an op may write to it in place, directly or through
     a view, or it is a view itself. Functional aten ops (most of a torch.export graph) cannot; module calls and
     methods (an FX graph's ReLU(inplace=True)) may, and so may any op whose schema mutates an argument (aten.relu_).
-    `passes_through(user)`: a node that returns its input as it is (an observer), followed like a view."""
+    `passes_through(user)`: a node that returns its input as it is (an observer), followed like a view;
+    `makes_new(node)`: a call without an aten schema that returns a new tensor (qcore's fake quantization)."""
+    if makes_new is not None and op_schema(node) is None and makes_new(node):
+        return written_after(node, passes_through)
     schema = op_schema(node)
     if schema is None and node.op == "call_function" and node.target is operator.getitem and node.args and \
             isinstance(node.args[0], fx.Node):  # one result of an op with several (native_layer_norm's output)

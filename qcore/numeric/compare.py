@@ -21,7 +21,14 @@ from qcore.graph.ops import (
     viewed_value,
     written_after,
 )
-from qcore.numeric.instrument import attach_after, copy_layer_into, merge_repeated_shadow_inputs, shadow_signature
+from qcore.numeric.instrument import (
+    attach_after,
+    copy_layer_into,
+    makes_new_tensor,
+    merge_repeated_shadow_inputs,
+    reads_only,
+    shadow_signature,
+)
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
 from qcore.numeric.logits import LogitsComparator
 from qcore.numeric.matching import LayerPair, layer_value, match_layers
@@ -211,7 +218,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
     pairs = [pair for pair in match_layers(gm_a, gm_b) if layers is None or pair.layer in layers]
-    rewritten = [may_change_after(layer_value(pair.a)) for pair in pairs]  # before any node is added
+    rewritten = [may_change_after(layer_value(pair.a), reads_only) for pair in pairs]  # before any node is added
     extra_pairs = [[pair for pair in match_layers(gm_a, extra.quantized) if pair.layer in extra.layers]
                    for extra in extra_shadows]
     if keep_layer_inputs is not None:  # before any node is added: a shadow's op may change what it reads
@@ -247,8 +254,10 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
         shadowed.append(shadow)
         comparator = None
         if propagate_it:
-            comparator = StreamingComparator(stash, actual_held=not may_change_after(layer_value(pair.b)))
-            attach_after(gm_b, layer_value(pair.b), f"qcore_compare_{index}", comparator)
+            quantized_value = layer_value(pair.b)
+            held = not may_change_after(quantized_value, reads_only, makes_new_tensor)
+            comparator = StreamingComparator(stash, actual_held=held)
+            attach_after(gm_b, quantized_value, f"qcore_compare_{index}", comparator)
         propagated.append(comparator)
     extra_comparators = _add_extra_shadows(gm_a, extra_shadows, extra_pairs, references)
     merge_repeated_shadow_inputs(gm_a.graph)

@@ -13,8 +13,8 @@ from qcore.numeric.matching import layer_value, nodes_by_handle
 from qcore.observe.qparams import fake_quantize_per_tensor
 from qcore.quantization.convert import QPARAMS_KEY
 
-__all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "merge_repeated_shadow_inputs", "qparams_digest",
-           "shadow_signature"]
+__all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "merge_repeated_shadow_inputs", "makes_new_tensor",
+           "qparams_digest", "reads_only", "shadow_signature"]
 
 _FLOAT_WEIGHT_KEY = "qcore_float_weight"  # the float weight a converted one was made from (convert's metadata)
 QPARAMS_DIGEST_KEY = "qcore_qparams_digest"  # qparams_digest of the qparams, where a graph drops them
@@ -207,7 +207,7 @@ def merge_repeated_shadow_inputs(graph: fx.Graph) -> int:
                 node.meta.get("qcore_inserted") != "shadow" or node.kwargs:
             continue
         value = node.args[0]
-        if not isinstance(value, fx.Node) or may_change_after(value, _reads_only) or \
+        if not isinstance(value, fx.Node) or may_change_after(value, reads_only) or \
                 any(isinstance(arg, fx.Node) for arg in node.args[1:]):
             continue
         key = (value, *node.args[1:])
@@ -221,8 +221,12 @@ def merge_repeated_shadow_inputs(graph: fx.Graph) -> int:
     return len(repeated)
 
 
-def _reads_only(node: fx.Node) -> bool:
-    """A call attach_after added (it reads its value and changes nothing; a stash's copy or its value goes on), or a
-    shadow's fake quantization (a new tensor)."""
-    return node.meta.get("qcore_inserted") == "logger" or (
-        node.op == "call_function" and node.target is fake_quantize_per_tensor)
+def reads_only(node: fx.Node) -> bool:
+    """Whether `node` reads its inputs and changes none: a call attach_after added (a stash's copy or its value goes
+    on), or a per-tensor fake quantization."""
+    return node.meta.get("qcore_inserted") == "logger" or makes_new_tensor(node)
+
+
+def makes_new_tensor(node: fx.Node) -> bool:
+    """Whether `node` is a per-tensor fake quantization: a new tensor from an input it does not change."""
+    return node.op == "call_function" and node.target is fake_quantize_per_tensor

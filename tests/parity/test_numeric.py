@@ -241,3 +241,36 @@ def test_shadows_of_one_input_share_its_fake_quantization_with_the_same_sqnrs(mo
     merged, apart = shadows(merge=True), shadows(merge=False)
     assert merged == apart and set(merged) == {"query", "key", "value"}
     assert erased == [2, 0]  # the key's and the value's copies read the query's
+
+
+class _DoubledInPlace(torch.nn.Module):
+    def forward(self, x):
+        return x.mul_(2.0)
+
+
+def test_a_quantized_layer_value_is_queued_as_it_is_where_nothing_changes_it(monkeypatch):
+    """A quantized layer's value is its output's fake quantization, a new tensor: its comparator holds it, not a
+    copy, unless an op writes to it in place (an exported x.mul_ after the last layer)."""
+    from qcore.numeric.loggers import StreamingComparator
+
+    compare_module = __import__("sys").modules["qcore.numeric.compare"]
+    held = []
+
+    class Recording(StreamingComparator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if args:  # a propagated comparator (it reads a stash)
+                held.append(kwargs.get("actual_held", False))
+
+    monkeypatch.setattr(compare_module, "StreamingComparator", Recording)
+    verdicts = {}
+    for written in (False, True):
+        layers = [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]
+        model = torch.nn.Sequential(*layers, *([_DoubledInPlace()] if written else []))
+        data = batches((2, 8), n=2)
+        float_gm, quant_gm = qcore.quantize(model.eval(), data[0], data)
+        held.clear()
+        propagated, _ = compare_module.compare_propagated_and_shadow(float_gm, quant_gm, data)
+        verdicts[written] = list(held)
+        assert all(record["sqnr_db"] > 20 for record in propagated)
+    assert verdicts == {False: [True, True], True: [True, False]}
