@@ -54,6 +54,11 @@ class DetectorCheck(Check):
         the heuristic's verdict stands."""
         return None
 
+    def host_keys(self) -> tuple[str, ...]:
+        """The entry keys whose tensors layer_finding reads as numbers: read for all layers in one host copy (on a
+        GPU, one wait instead of one per layer), as Python numbers (0-d) or lists."""
+        return ()
+
     def min_gain(self, model: ModelContext) -> float:
         """The least gain, in dB of the layer's own SQNR, for which the fix is recommended."""
         return float(getattr(model.settings, f"{self.name}_min_gain_db", 1.0))
@@ -72,7 +77,7 @@ class DetectorCheck(Check):
         return [op.layer for op in self.detector.layers(model.analysis.float_gm) if op.layer in quantized]
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
-        report, results = model.detector_report(self.name), []
+        report, results = read_to_host(model.detector_report(self.name), layers, self.host_keys()), []
         for layer in layers:
             entry = report.get(layer)
             if entry is None:
@@ -131,6 +136,7 @@ class DetectorCheck(Check):
                          ) -> dict[str, dict[str, Any]]:
         """{layer: fix_change} of the layers among `layers` whose heuristic verdict fails on `report`."""
         changes = {}
+        report = read_to_host(report, layers, self.host_keys())
         for layer in layers:
             entry, quantized = report.get(layer), model.analysis.layer(layer)
             if entry is None or quantized.format != "int8":
@@ -207,6 +213,10 @@ class DynamicStaticCheck(DetectorCheck):
     def fix_change(self, quantized: Any) -> dict[str, Any] | None:
         return {"is_dynamic": True}
 
+    def host_keys(self) -> tuple[str, ...]:
+        d = self.detector
+        return d.DEFAULT_DYNAMIC_REC_KEY, d.PRE_OBS_COMP_STAT_KEY, d.POST_OBS_COMP_STAT_KEY
+
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         d = self.detector
         details = {"recommended": bool(entry[d.DEFAULT_DYNAMIC_REC_KEY]),
@@ -279,14 +289,17 @@ class OutlierCheck(DetectorCheck):
     def fix_change(self, quantized: Any) -> dict[str, Any] | None:
         return {"activation_observer": "histogram"}
 
+    def host_keys(self) -> tuple[str, ...]:
+        return self.detector.COMP_METRIC_KEY, self.detector.CONSTANT_COUNTS_KEY
+
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         d = self.detector
-        ratios = entry[d.COMP_METRIC_KEY].tolist()
+        ratios = numbers(entry[d.COMP_METRIC_KEY])
         outliers = [i for i, flag in enumerate(entry[d.OUTLIER_KEY]) if flag]
         finite = [r for r in ratios if not math.isnan(r)]
         details = {"outlier_channels": outliers, "max_ratio": max(finite) if finite else math.nan,
                    "threshold": float(d.ratio_threshold), "channels": len(ratios),
-                   "constant_channels": [i for i, n in enumerate(entry[d.CONSTANT_COUNTS_KEY].tolist()) if n]}
+                   "constant_channels": [i for i, n in enumerate(numbers(entry[d.CONSTANT_COUNTS_KEY])) if n]}
         shown = ", ".join(str(c) for c in outliers[:8])
         more = "" if len(outliers) <= 8 else f" and {len(outliers) - 8} more"
         reference = f"{d.reference_percentile:.1%}".replace(".0%", "%")
@@ -297,3 +310,36 @@ class OutlierCheck(DetectorCheck):
                    "does not clip")
         return self.finding(model, layer, max(finite) if finite else math.nan, float(d.ratio_threshold),
                             passed=not (outliers and not quantized.clipping), message=message, details=details)
+
+
+def read_to_host(report: Mapping[str, dict[str, Any]], layers: list[str], keys: tuple[str, ...]
+                 ) -> Mapping[str, dict[str, Any]]:
+    """The report with the tensors under `keys` of the `layers`' entries read to the host together (one copy per
+    device, dtype and rank): a 0-d tensor becomes a Python number, a 1-d one a list; the rest is as it was."""
+    import torch
+
+    if not keys:
+        return report
+    groups: dict[tuple[Any, ...], list[tuple[str, str, Any]]] = {}
+    for layer in layers:
+        entry = report.get(layer)
+        for key in keys:
+            value = None if entry is None else entry.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() <= 1:
+                groups.setdefault((value.device, value.dtype, value.dim()), []).append((layer, key, value))
+    if not groups:
+        return report
+    read = {layer: dict(report[layer]) for members in groups.values() for layer, _, _ in members}
+    for (_, _, rank), members in groups.items():
+        tensors = [value for _, _, value in members]
+        flat = (torch.stack(tensors) if rank == 0 else torch.cat(tensors)).tolist()
+        start = 0
+        for (layer, key, _), size in zip(members, (t.numel() for t in tensors)):
+            read[layer][key] = flat[start] if rank == 0 else flat[start:start + size]
+            start += 1 if rank == 0 else size
+    return {**report, **read}
+
+
+def numbers(value: Any) -> list[Any]:
+    """A 1-d tensor's values, or a list's (read_to_host's)."""
+    return value.tolist() if hasattr(value, "tolist") else list(value)

@@ -168,6 +168,20 @@ def _tolist(t: torch.Tensor) -> list:
     return (t.detach() if t.requires_grad else t).cpu().tolist()  # detach is an op even where nothing needs grad
 
 
+def _scalars_on_host(rows: list[list[Any]]) -> list[list[Any]]:
+    """Rows of 0-d tensors (or numbers) as Python numbers, the tensors of each device and dtype read in one copy."""
+    groups: dict[tuple[Any, ...], list[tuple[int, int, torch.Tensor]]] = {}
+    out = [list(row) for row in rows]
+    for i, row in enumerate(rows):
+        for j, value in enumerate(row):
+            if isinstance(value, torch.Tensor):
+                groups.setdefault((value.device, value.dtype), []).append((i, j, value))
+    for members in groups.values():
+        for (i, j, _), number in zip(members, _tolist(torch.stack([value for _, _, value in members]))):
+            out[i][j] = number
+    return out
+
+
 class PerChannelDetector(DetectorBase):
     """Recommends per-channel weights for linear/conv layers quantized per tensor."""
 
@@ -307,12 +321,14 @@ class DynamicStaticDetector(DetectorBase):
     def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
         info = self._info(model)
         lines = ["Dynamic vs. static quantization suggestions:"]
-        for layer, entry in info.items():
-            kind = "dynamic" if bool(entry[self.DEFAULT_DYNAMIC_REC_KEY]) else "static"
+        keys = (self.DEFAULT_DYNAMIC_REC_KEY, self.PRE_OBS_COMP_STAT_KEY, self.POST_OBS_COMP_STAT_KEY)
+        numbers = _scalars_on_host([[entry[key] for key in keys] for entry in info.values()])
+        for (layer, entry), (dynamic, before, after) in zip(info.items(), numbers):
+            kind = "dynamic" if bool(dynamic) else "static"
             lines.append(f"\t{layer}: {kind} quantization is recommended; the data before it is "
-                         f"{entry[self.PRE_OBS_DATA_DIST_KEY]} (S={entry[self.PRE_OBS_COMP_STAT_KEY]:.3f}) "
+                         f"{entry[self.PRE_OBS_DATA_DIST_KEY]} (S={before:.3f}) "
                          "and after it "
-                         f"{entry[self.POST_OBS_DATA_DIST_KEY]} (S={entry[self.POST_OBS_COMP_STAT_KEY]:.3f}), "
+                         f"{entry[self.POST_OBS_DATA_DIST_KEY]} (S={after:.3f}), "
                          f"tolerance {self.tolerance}.")
         if not info:
             lines.append("\tNo linear or conv layers were observed.")

@@ -84,3 +84,18 @@ def test_a_quantizer_states_its_own_clipping_and_per_channel_behaviour():
     assert described == {"int8": [(True, False)] * 2, "per_tensor": [(False, False)] * 2,
                          "histogram": [(True, True)] * 2}
 
+
+
+def test_detector_entries_are_read_to_the_host_together():
+    """A detector check reads the numbers its findings need for all layers in one copy per dtype and rank (on a GPU,
+    one wait instead of one per layer); keys and layers it does not read stay as they were."""
+    from pytest_qreport.checks.detectors import read_to_host
+    from tests.helpers import count_aten_ops
+
+    report = {f"layer{i}": {"stat": torch.tensor(0.25 * i), "flag": torch.tensor(i % 2 == 0),
+                            "ratios": torch.arange(3.0) + i, "other": torch.ones(2)} for i in range(5)}
+    ops, read = count_aten_ops(lambda: read_to_host(report, ["layer1", "layer2", "layer3"], ("stat", "flag", "ratios")))
+    assert ops <= 3 * 2  # a stack or cat, and one read to the host, for each of the 3 groups
+    assert read["layer2"]["stat"] == 0.5 and read["layer2"]["flag"] is True and read["layer3"]["ratios"] == [3, 4, 5]
+    assert isinstance(read["layer1"]["other"], torch.Tensor) and isinstance(read["layer4"]["stat"], torch.Tensor)
+    assert isinstance(report["layer2"]["stat"], torch.Tensor)  # the report itself is left as it was
