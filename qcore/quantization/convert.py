@@ -327,7 +327,9 @@ def _read_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name:
             node = graph.call_function(fake_quantize_over_input if alone else fake_quantize_where_read, (
                 source, graph.get_attr(name + "_scale"), graph.get_attr(name + "_zero_point"), axis,
                 observer.quant_min, observer.quant_max))
-        elif not alone and fused_kernels_preferred(weight) and _fused_kernel_takes(values, observer):  # one op
+        elif fused_kernels_preferred(weight) and _fused_kernel_takes(values, observer):
+            # one op (and a 0.0 added in place), where the chain is five or more per chunk of rows; for a rewritten
+            # weight read alone the result is a second weight-sized tensor while the op runs, as any read makes
             gm.register_buffer(name + "_scale", scale.to(torch.float32))
             gm.register_buffer(name + "_zero_point", zero_point.to(torch.int32))
             node = graph.call_function(fake_quantize_finite_per_channel, (

@@ -1,6 +1,7 @@
 """Large models' weights quantized and rewritten where they are read
 (qcore.quantization.convert.quantize_weights_where_read, qcore.graph.deferred.read_rewritten_where_used): the same
 numbers, no copy of the weights."""
+import copy
 import importlib
 from unittest import mock
 
@@ -147,7 +148,8 @@ def test_a_large_models_fix_trial_rewrites_each_weight_where_it_is_read_with_the
     with quantize_weights_where_read():  # as the pipeline runs a model of 256 MiB or more
         analysis = ModelAnalysis(float_gm, batches=batches)
         assert analysis.variant(equalize=recipe).sqnr == plain
-        trial = analysis.variant(equalize=recipe, layers=["model.layers.0.mlp.down_proj"])
+        layers = ["model.layers.0.mlp.down_proj"]
+        trial = analysis.variant(equalize=recipe, layers=layers)
         equalized = trial._equalized(trial.equalizable_layers if recipe is True else recipe)
     rewritten = [node for node in equalized.graph.nodes if node.meta.get(REWRITTEN_KEY)]
     assert rewritten and not deferred_parameters(equalized)
@@ -162,6 +164,17 @@ def test_a_large_models_fix_trial_rewrites_each_weight_where_it_is_read_with_the
         quantized = trial.quantized_gm
     over = [node for node in quantized.graph.nodes if node.target is fake_quantize_over_input]
     assert over and all(node.args[0].meta.get(REWRITTEN_KEY) and len(node.args[0].users) == 1 for node in over)
+    # on the torch path (a GPU) a bf16 one is quantized by torch's fused kernel, with the same numbers
+    bf16_gm = qcore.capture(copy.deepcopy(model).to(torch.bfloat16), batches[0])
+    with mock.patch.dict(native._state, {"library": None}):
+        expected = ModelAnalysis(bf16_gm, batches=batches).variant(equalize=recipe, layers=layers).sqnr
+        with quantize_weights_where_read():
+            trial = ModelAnalysis(bf16_gm, batches=batches).variant(equalize=recipe, layers=layers)
+            assert trial.sqnr == expected
+            nodes = list(trial.quantized_gm.graph.nodes)
+    fused = [node for node in nodes if node.target is fake_quantize_finite_per_channel]
+    assert any(node.args[0].meta.get(REWRITTEN_KEY) for node in fused)
+    assert not any(node.target in (fake_quantize_over_input, fake_quantize_per_channel_steps) for node in nodes)
     # the model's own equalized graph is kept for its later passes: it holds its weights
     with quantize_weights_where_read():
         own = ModelAnalysis(float_gm, batches=batches, equalize=recipe)
