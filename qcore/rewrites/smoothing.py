@@ -222,18 +222,23 @@ class _ChannelStats(nn.Module):
         ones, the input quantized with the qparams the whole calibration gives it."""
         assert self.first is not None and self.low is not None and self.high is not None
         flat = self.first
-        references = [flat @ weight.float().t() for weight in self.weights]
+        weights = [weight.float() for weight in self.weights]  # one float32 copy each, not one per alpha
+        references = [flat @ weight.t() for weight in weights]
         signal = sum(reference.double().square().sum() for reference in references)
+        scales = [self.scale(alpha) for alpha in grid]
+        # x / s is monotone per channel, so its range is the observed channel ranges divided by s; the grid's
+        # qparams in one computation and one read (elementwise: each alpha's are those it would get alone)
+        stacked = torch.stack(scales)
+        steps, zero_points = calculate_qparams((self.low / stacked).amin(1), (self.high / stacked).amax(1), -128, 127,
+                                               False)
         noises = []
-        for alpha in grid:
-            scale = self.scale(alpha)
-            # x / s is monotone per channel, so its range is the observed channel ranges divided by s
-            s, z = calculate_qparams((self.low / scale).amin(), (self.high / scale).amax(), -128, 127, False)
-            quantized_x = fake_quantize_per_tensor(flat / scale, float(s), int(z), -128, 127)
+        for scale, step, zero_point in zip(scales, steps.tolist(), zero_points.tolist()):
+            quantized_x = fake_quantize_per_tensor(flat / scale, step, zero_point, -128, 127)
             noise = torch.zeros((), dtype=torch.float64)
-            for weight, reference in zip(self.weights, references):
-                w = weight.float() * scale
-                ws, wz = calculate_qparams(w.amin(1), w.amax(1), -127, 127, True)
+            for weight, reference in zip(weights, references):
+                w = weight * scale
+                low, high = torch.aminmax(w, dim=1)
+                ws, wz = calculate_qparams(low, high, -127, 127, True)
                 output = quantized_x @ fake_quantize_per_channel(w, ws, wz, 0, -127, 127).t()
                 noise = noise + (reference - output).double().square().sum()
             noises.append(noise)
@@ -242,12 +247,21 @@ class _ChannelStats(nn.Module):
 
     def scale(self, alpha: float) -> torch.Tensor:
         """s for one alpha from the observed activation range and the group's weights."""
-        assert self.low is not None and self.high is not None
-        activation = torch.maximum(self.low.abs(), self.high.abs()).clamp(min=1e-5)
-        weight = torch.stack([w.abs().amax(0).float() for w in self.weights]).amax(0).clamp(min=1e-5)
+        activation, weight = self._scale_terms()
         scale = activation.pow(alpha) / weight.pow(1 - alpha)
         return torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale)).clamp(1e-4, 1e4)
 
+    def _scale_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(activation, weight) magnitudes per channel that every alpha's s is made of, made once per range."""
+        assert self.low is not None and self.high is not None
+        known = self.__dict__.get("_terms")
+        if known is not None and known[0] is self.low and known[1] is self.high and len(known[2]) == len(self.weights) \
+                and all(a is b for a, b in zip(known[2], self.weights)):
+            return known[3]
+        activation = torch.maximum(self.low.abs(), self.high.abs()).clamp(min=1e-5)
+        weight = torch.stack([w.abs().amax(0).float() for w in self.weights]).amax(0).clamp(min=1e-5)
+        self.__dict__["_terms"] = (self.low, self.high, list(self.weights), (activation, weight))
+        return activation, weight
 
 
 def smoothing_alpha(recipe: str) -> float | str:

@@ -13,6 +13,8 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import qcore
@@ -318,3 +320,44 @@ def test_a_measured_variant_drops_its_equalized_copy_of_the_weights_and_rebuilds
     rebuilt = variant.quantized_input_gm
     assert rebuilt is not analysis.float_gm
     assert not torch.equal(rebuilt.get_parameter("fc1.weight"), analysis.float_gm.get_parameter("fc1.weight"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       weights=st.integers(1, 3), skew=st.floats(0.0, 3.0))
+def test_the_smoothing_alpha_search_ranks_each_alpha_as_measured_alone(seed, dtype, weights, skew):
+    """The grid's qparams are made together and each alpha's scale from terms made once per range: the search
+    picks the alpha that measuring each alpha on its own picks."""
+    from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor
+    from qcore.rewrites.smoothing import ALPHA_GRID, _ChannelStats
+
+    generator = torch.Generator().manual_seed(seed)
+    observer = _ChannelStats(keep_first=True)
+    observer.weights = [torch.randn(12, 8, generator=generator).to(dtype) for _ in range(weights)]
+    spread = torch.logspace(0, skew, 8)
+    for _ in range(3):
+        observer(torch.randn(5, 8, generator=generator) * spread)
+
+    def alone(alpha):
+        low, high = observer.low, observer.high
+        activation = torch.maximum(low.abs(), high.abs()).clamp(min=1e-5)
+        magnitude = torch.stack([w.abs().amax(0).float() for w in observer.weights]).amax(0).clamp(min=1e-5)
+        scale = activation.pow(alpha) / magnitude.pow(1 - alpha)
+        scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale)).clamp(1e-4, 1e4)
+        s, z = calculate_qparams((low / scale).amin(), (high / scale).amax(), -128, 127, False)
+        x = fake_quantize_per_tensor(observer.first / scale, float(s), int(z), -128, 127)
+        noise = signal = 0.0
+        for weight in observer.weights:
+            reference = observer.first @ weight.float().t()
+            w = weight.float() * scale
+            ws, wz = calculate_qparams(w.amin(1), w.amax(1), -127, 127, True)
+            noise += float((reference - x @ fake_quantize_per_channel(w, ws, wz, 0, -127, 127).t()).double()
+                           .square().sum())
+            signal += float(reference.double().square().sum())
+        return torch.equal(observer.scale(alpha), scale), 10 * math.log10(signal / max(noise, 1e-30))
+
+    measured = [alone(alpha) for alpha in ALPHA_GRID]
+    assert all(same for same, _ in measured)
+    assert observer.best_alpha() == ALPHA_GRID[max(range(len(ALPHA_GRID)), key=lambda i: (measured[i][1], -i))]
+    observer(torch.full((1, 8), 1e3))  # a new range: the terms are made again
+    assert alone(0.5)[0]
