@@ -177,7 +177,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
         if calibration_inputs is not None:
             focus = set(layers or ())
             calibration_inputs.watch(probed.prepared, [op for op in find_quantizable_ops(float_gm)
-                                                       if op.layer in focus])
+                                                       if op.layer in focus], outputs=True)
             probed.prepared.recompile()
 
         def read_and_unwatch() -> None:

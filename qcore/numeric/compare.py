@@ -375,33 +375,44 @@ class KeptLayerInputs:
     comparison pass, kept while they hold at most `limit` bytes in all (a value that would pass it is not kept on
     any batch), so that a later pass over the same float graph and batches (a fix trial's) feeds those layers' float
     values and shadows from them instead of running the float graph up to them. `values`: {float node name: one
-    tensor per batch}."""
+    tensor per batch}. The layers' own float values, when watched too, are kept within a limit of their own, so that
+    they never take the place of an input."""
 
     def __init__(self, limit: int = KEPT_LAYER_INPUT_BYTES) -> None:
         self.limit = limit
         self.values: dict[str, list[torch.Tensor]] = {}
         self.position = 0  # the batch being run
         self._refused: set[str] = set()
-        self._bytes = 0
+        self._bytes = {False: 0, True: 0}  # {a layer's own value: bytes kept}
         self._keepers: list[fx.Node] = []
 
-    def watch(self, gm: fx.GraphModule, ops: Iterable[Any]) -> None:
+    def watch(self, gm: fx.GraphModule, ops: Iterable[Any], outputs: bool = False) -> None:
         """Keep, on each batch `gm` runs, the values the float `ops` read that an aten op computes (not weights or
-        model inputs) and that nothing writes to in place later (a view is kept as a copy). `ops` are of a float graph
-        without observers (the float copy before anything is added to it, or the graph `gm` was prepared from):
-        their values are `gm`'s nodes of the same names."""
-        names: dict[str, None] = {}
+        model inputs) and that nothing writes to in place later (a view is kept as a copy); with `outputs`, each op's
+        layer value too (the float graph then need not compute it again). `ops` are of a float graph without
+        observers (the float copy before anything is added to it, or the graph `gm` was prepared from): their values
+        are `gm`'s nodes of the same names."""
+        names: dict[str, bool] = {}
+        ops = list(ops)
+
+        def keepable(node: fx.Node) -> bool:
+            return op_schema(node) is not None and not node.meta.get(REWRITTEN_KEY) \
+                and (not is_inserted(node) or node.meta[INSERTED_KEY] == "equalization") \
+                and not written_after(viewed_value(node))
+
         for op in ops:
             for node in op.node.all_input_nodes:
-                if op_schema(node) is not None and not node.meta.get(REWRITTEN_KEY) \
-                        and (not is_inserted(node) or node.meta[INSERTED_KEY] == "equalization") \
-                        and not written_after(viewed_value(node)):
-                    names.setdefault(node.name)
+                if keepable(node):
+                    names.setdefault(node.name, False)
+        for op in ops if outputs else ():
+            node = layer_value(op)
+            if keepable(node):
+                names.setdefault(node.name, True)
         nodes = {node.name: node for node in gm.graph.nodes}
-        for name in names:
+        for name, own in names.items():
             if name in nodes:
                 target = f"qcore_keep_input_{len(self._keepers)}"
-                self._keepers.append(attach_after(gm, nodes[name], target, _InputKeeper(self, name)))
+                self._keepers.append(attach_after(gm, nodes[name], target, _InputKeeper(self, name, own)))
 
     def unwatch(self, gm: fx.GraphModule) -> None:
         """Take the nodes `watch` added out of `gm` (recompiled by the caller)."""
@@ -411,18 +422,18 @@ class KeptLayerInputs:
             delattr(gm, target)
         self._keepers = []
 
-    def add(self, name: str, value: Any) -> None:
-        """Keep one batch's value of the float node `name` (or give up on keeping it)."""
+    def add(self, name: str, value: Any, own: bool = False) -> None:
+        """Keep one batch's value of the float node `name` (`own`: a layer's own value) or give up on keeping it."""
         if name in self._refused:
             return
         kept = self.values.setdefault(name, [])
         size = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-        if not isinstance(value, torch.Tensor) or self._bytes + size > self.limit:
+        if not isinstance(value, torch.Tensor) or self._bytes[own] + size > self.limit:
             self._refused.add(name)
-            self._bytes -= sum(v.numel() * v.element_size() for v in self.values.pop(name))
+            self._bytes[own] -= sum(v.numel() * v.element_size() for v in self.values.pop(name))
             return
         kept.append(value if value._base is None else value.clone())  # a view would hold all of its base
-        self._bytes += size
+        self._bytes[own] += size
 
     def feed(self, gm: fx.GraphModule, batches: int) -> bool:
         """Read the values kept on all `batches` from here in `gm` (a float copy, cut after its last logger), and
@@ -443,12 +454,12 @@ class KeptLayerInputs:
 class _InputKeeper(nn.Module):
     """Hands each batch's value of one float node to KeptLayerInputs."""
 
-    def __init__(self, kept: KeptLayerInputs, name: str) -> None:
+    def __init__(self, kept: KeptLayerInputs, name: str, own: bool = False) -> None:
         super().__init__()
-        self.kept, self.name = kept, name
+        self.kept, self.name, self.own = kept, name, own
 
     def forward(self, value: Any) -> None:
-        self.kept.add(self.name, value.detach() if isinstance(value, torch.Tensor) else value)
+        self.kept.add(self.name, value.detach() if isinstance(value, torch.Tensor) else value, self.own)
 
 
 class _KeptInput(nn.Module):

@@ -147,8 +147,9 @@ def test_a_trial_compares_with_the_kept_float_outputs_and_runs_the_float_graph_o
     fix = with_layer_overrides(Int8StaticQuantizer(), {"fc1": {"per_channel": True}})  # no observer to calibrate
     fresh = ModelAnalysis(float_gm, None, data).variant(fix, layers=["fc1"])
     linears, expected = _linear_calls(lambda: fresh.sqnr)
-    # calibration, quantized graph, fc1's float value and its shadow: the float outputs are the calibration pass's
-    assert linears == len(data) * (3 + 3 + 1 + 1)
+    # calibration, quantized graph, and fc1's shadow: the float outputs and fc1's float input and value are the
+    # calibration pass's
+    assert linears == len(data) * (3 + 3 + 1)
     assert fresh.context.float_outputs is not None  # a trial's pass keeps them for the next one when none are kept
     base = ModelAnalysis(float_gm, None, data)
     assert base.sqnr.outputs == expected.outputs
@@ -175,8 +176,8 @@ def test_a_trial_that_calibrates_takes_the_float_outputs_and_its_layers_inputs_f
     fresh = ModelAnalysis(float_gm, None, data)  # no float outputs kept
     fresh.context.saw_float_runs_agree()  # as after a first measurement (no runs of batch 0 to tell)
     linears, focused = _linear_calls(lambda: fresh.variant(fix, layers=["fc2"]).sqnr)
-    # calibration, quantized graph, and on fc2's kept float input its float value and its shadow
-    assert linears == len(data) * (3 + 3 + 1 + 1)
+    # calibration, quantized graph, and on fc2's kept float input its shadow (its float value is kept too)
+    assert linears == len(data) * (3 + 3 + 1)
     assert focused.layers["fc2"] == whole.layers["fc2"] and focused.outputs == whole.outputs  # to the bit
 
 
@@ -226,6 +227,19 @@ def test_layer_inputs_are_kept_within_their_byte_limit_and_a_value_past_it_on_no
     kept.position = 2
     kept.add("wide", torch.zeros(1))  # refused once: not kept from a later batch on either
     assert "wide" not in kept.values
+
+
+def test_layers_own_values_are_kept_within_a_limit_of_their_own_and_never_take_an_inputs_place():
+    from qcore.numeric.compare import KeptLayerInputs
+
+    kept = KeptLayerInputs(limit=64)
+    for position in range(2):
+        kept.position = position
+        kept.add("fc1_output", torch.zeros(2, 4), own=True)  # 32 bytes a batch: both fit the own values' limit
+        kept.add("fc2_input", torch.ones(2, 4))  # as do the inputs' 32 bytes a batch, in a limit of their own
+        kept.add("fc2_output", torch.zeros(16), own=True)  # past the own values' limit on the first batch
+    assert sorted(kept.values) == ["fc1_output", "fc2_input"]
+    assert all(len(values) == 2 for values in kept.values.values())
 
 
 def _counting_qparams(monkeypatch):
