@@ -211,9 +211,10 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     pass's float outputs for such a later pass. `known_shadows`, {layer: [(shadow_signature, shadow record)]} of
     shadows measured before over the same float graph and batches (ExtraShadows.signatures and results), give a
     layer's shadow record where its shadow here has one of those signatures, instead of running it again.
-    `keep_layer_inputs` keeps the float inputs of the `extra_shadows`' layers on each batch; `layer_inputs`, kept so
-    by an earlier pass over the same float graph and batches, feed the float copy where it reads them when the float
-    outputs are kept too: it then runs only what its layer values need from those inputs on.
+    `keep_layer_inputs` keeps the float inputs and values of the `extra_shadows`' layers on each batch;
+    `layer_inputs`, kept so by an earlier pass over the same float graph and batches, feed the float copy where it
+    reads them when the float outputs are kept too: it then runs only what its layer values need from those inputs
+    on.
     """
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
@@ -222,7 +223,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     extra_pairs = [[pair for pair in match_layers(gm_a, extra.quantized) if pair.layer in extra.layers]
                    for extra in extra_shadows]
     if keep_layer_inputs is not None:  # before any node is added: a shadow's op may change what it reads
-        keep_layer_inputs.watch(gm_a, [pair.a for extra in extra_pairs for pair in extra])
+        keep_layer_inputs.watch(gm_a, [pair.a for extra in extra_pairs for pair in extra], outputs=True)
     _hold(gm_a, gm_b)
     propagated: list[StreamingComparator | None] = []
     shadowed: list[StreamingComparator | None] = []
