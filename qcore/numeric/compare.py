@@ -433,7 +433,9 @@ class KeptLayerInputs:
             self._refused.add(name)
             self._bytes[own] -= sum(v.numel() * v.element_size() for v in self.values.pop(name))
             return
-        kept.append(value if value._base is None else value.clone())  # a view would hold all of its base
+        # a view of part of its base would hold all of it; a whole one (a linear's 3-d result) holds no more
+        whole = value._base is None or value._base.numel() == value.numel()
+        kept.append(value if whole else value.clone())
         self._bytes[own] += size
 
     def feed(self, gm: fx.GraphModule, batches: int) -> bool:
@@ -460,7 +462,9 @@ class _InputKeeper(nn.Module):
         self.kept, self.name, self.own = kept, name, own
 
     def forward(self, value: Any) -> None:
-        self.kept.add(self.name, value.detach() if isinstance(value, torch.Tensor) else value, self.own)
+        if isinstance(value, torch.Tensor) and value.requires_grad:  # detach is an op even under no_grad
+            value = value.detach()
+        self.kept.add(self.name, value, self.own)
 
 
 class _KeptInput(nn.Module):

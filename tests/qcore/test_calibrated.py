@@ -240,6 +240,10 @@ def test_layers_own_values_are_kept_within_a_limit_of_their_own_and_never_take_a
         kept.add("fc2_output", torch.zeros(16), own=True)  # past the own values' limit on the first batch
     assert sorted(kept.values) == ["fc1_output", "fc2_input"]
     assert all(len(values) == 2 for values in kept.values.values())
+    result = torch.zeros(6, 4).view(2, 3, 4)  # a whole view (a linear's 3-d result): kept as it is, no copy
+    fresh = KeptLayerInputs()
+    fresh.add("fc3_output", result, own=True)
+    assert fresh.values["fc3_output"][0] is result
 
 
 def _counting_qparams(monkeypatch):
