@@ -389,10 +389,10 @@ class KeptLayerInputs:
 
     def watch(self, gm: fx.GraphModule, ops: Iterable[Any], outputs: bool = False) -> None:
         """Keep, on each batch `gm` runs, the values the float `ops` read that an aten op computes (not weights or
-        model inputs) and that nothing writes to in place later (a view is kept as a copy); with `outputs`, each op's
-        layer value too (the float graph then need not compute it again). `ops` are of a float graph without
-        observers (the float copy before anything is added to it, or the graph `gm` was prepared from): their values
-        are `gm`'s nodes of the same names."""
+        model inputs) and that nothing writes to in place later (a view of part of a tensor is kept as a copy); with
+        `outputs`, each op's layer value too (the float graph then need not compute it again). `ops` are of a float
+        graph without observers (the float copy before anything is added to it, or the graph `gm` was prepared
+        from): their values are `gm`'s nodes of the same names."""
         names: dict[str, bool] = {}
         ops = list(ops)
 
