@@ -45,8 +45,8 @@ from qcore.numeric.compare import (
     compare_propagated_and_shadow,
 )
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
-from qcore.numeric.matching import match_layers
-from qcore.numeric.metrics import compared_by_rows, large_tensor_sqnr, rowwise_sqnr
+from qcore.numeric.matching import LayerPair, match_layers
+from qcore.numeric.metrics import compared_by_rows, compute_sqnr, large_tensor_sqnr, rowwise_sqnr
 from qcore.observe.qparams import (
     fake_quantize_finite_per_channel,
     fake_quantize_per_channel,
@@ -393,8 +393,10 @@ def diagnosed_calibration(float_gm: fx.GraphModule, batches: list[Any]) -> Itera
 
 def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule) -> dict[str, float]:
     """{layer: SQNR of its quantized weight against the float one}, one layer's weights at a time (a weight kept
-    as codes is dequantized for its own comparison only)."""
-    found = {}
+    as codes is dequantized for its own comparison only); the SQNRs of the weights compared whole are read to the
+    host together, not one wait per layer."""
+    found: dict[str, float] = {}
+    on_device: list[tuple[LayerPair, torch.Tensor]] = []
     for pair in match_layers(float_gm, quant_gm):
         if pair.a.weight is None or pair.b.weight is None:
             continue
@@ -405,11 +407,25 @@ def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule) -> dict[str
             del original
             continue
         quantized = _quantized_weight_value(quant_gm, pair.b.weight, pair.a.weight, original).detach()
-        # an exact reconstruction (an all-zero weight, say) is inf, as for activations, not 0/0 = nan
-        exact = bool(torch.equal(original, quantized))
-        found[pair.layer] = math.inf if exact else large_tensor_sqnr(original, quantized)
+        if compared_by_rows(original):
+            found[pair.layer] = _exact_or_sqnr(original, quantized)
+        else:
+            found[pair.layer] = math.nan  # its place in graph order; read below
+            on_device.append((pair, compute_sqnr(original, quantized).float()))
         del original, quantized
+    if on_device:
+        for (pair, _), value in zip(on_device, torch.stack([value for _, value in on_device]).tolist()):
+            if math.isnan(value):  # 0/0 or a NaN: made again, to tell an exact copy (an all-zero weight, say)
+                original = weight_value(float_gm, pair.a.weight).detach()
+                value = _exact_or_sqnr(original, _quantized_weight_value(quant_gm, pair.b.weight, pair.a.weight,
+                                                                         original).detach())
+            found[pair.layer] = value
     return found
+
+
+def _exact_or_sqnr(original: torch.Tensor, quantized: torch.Tensor) -> float:
+    """The SQNR of a quantized weight; an exact reconstruction is inf, as for activations, not 0/0 = nan."""
+    return math.inf if bool(torch.equal(original, quantized)) else large_tensor_sqnr(original, quantized)
 
 
 def _reads_float_weight(node: fx.Node, float_node: fx.Node) -> bool:

@@ -361,3 +361,28 @@ def test_the_smoothing_alpha_search_ranks_each_alpha_as_measured_alone(seed, dty
     assert observer.best_alpha() == ALPHA_GRID[max(range(len(ALPHA_GRID)), key=lambda i: (measured[i][1], -i))]
     observer(torch.full((1, 8), 1e3))  # a new range: the terms are made again
     assert alone(0.5)[0]
+
+
+def test_weight_sqnrs_are_read_to_the_host_together_and_an_exact_copy_is_inf():
+    """One host read for every weight compared whole, with the values each gives alone: an all-zero weight (0/0) is
+    inf, as an exact activation is, and a weight with a NaN stays nan."""
+    from qcore.measure.passes import weight_sqnrs
+    from qcore.numeric.metrics import compute_sqnr
+    from tests.helpers import count_op_calls
+
+    torch.manual_seed(0)
+    model = SmallMLP().eval()
+    with torch.no_grad():
+        model.fc2.weight.zero_()
+    float_gm = qcore.capture(model, (torch.randn(4, 32),))
+    quant_gm = convert(qcore.prepare(clone_graph_module(float_gm), qcore.Int8StaticQuantizer()))
+    reads, found = count_op_calls(lambda: weight_sqnrs(float_gm, quant_gm), torch.ops.aten._local_scalar_dense)
+    assert found["fc2"] == math.inf and reads == 0  # tolist reads them all at once, without a scalar read each
+    for layer, value in found.items():
+        if layer != "fc2":
+            original = getattr(model, layer).weight.detach()
+            quantized = getattr(quant_gm, f"qcore_fq_{layer}_weight")
+            assert value == float(compute_sqnr(original, quantized))
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = math.nan
+    assert math.isnan(weight_sqnrs(float_gm, quant_gm)["fc1"])
