@@ -314,29 +314,20 @@ class OutlierCheck(DetectorCheck):
 
 def read_to_host(report: Mapping[str, dict[str, Any]], layers: list[str], keys: tuple[str, ...]
                  ) -> Mapping[str, dict[str, Any]]:
-    """The report with the tensors under `keys` of the `layers`' entries read to the host together (one copy per
-    device, dtype and rank): a 0-d tensor becomes a Python number, a 1-d one a list; the rest is as it was."""
+    """The report with the tensors under `keys` of the `layers`' entries read to the host together
+    (qcore.numeric.metrics.read_to_host): a 0-d tensor becomes a Python number, a 1-d one a list; the rest is as it
+    was."""
     import torch
 
-    if not keys:
+    from qcore.numeric.metrics import read_to_host as tensors_to_host
+
+    places = [(layer, key) for layer in layers if report.get(layer) is not None for key in keys
+              if isinstance(report[layer].get(key), torch.Tensor) and report[layer][key].dim() <= 1]
+    if not places:
         return report
-    groups: dict[tuple[Any, ...], list[tuple[str, str, Any]]] = {}
-    for layer in layers:
-        entry = report.get(layer)
-        for key in keys:
-            value = None if entry is None else entry.get(key)
-            if isinstance(value, torch.Tensor) and value.dim() <= 1:
-                groups.setdefault((value.device, value.dtype, value.dim()), []).append((layer, key, value))
-    if not groups:
-        return report
-    read = {layer: dict(report[layer]) for members in groups.values() for layer, _, _ in members}
-    for (_, _, rank), members in groups.items():
-        tensors = [value for _, _, value in members]
-        flat = (torch.stack(tensors) if rank == 0 else torch.cat(tensors)).tolist()
-        start = 0
-        for (layer, key, _), size in zip(members, (t.numel() for t in tensors)):
-            read[layer][key] = flat[start] if rank == 0 else flat[start:start + size]
-            start += 1 if rank == 0 else size
+    read = {layer: dict(report[layer]) for layer, _ in places}
+    for (layer, key), value in zip(places, tensors_to_host([report[layer][key] for layer, key in places])):
+        read[layer][key] = value
     return {**report, **read}
 
 

@@ -46,7 +46,7 @@ from qcore.numeric.compare import (
 )
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 from qcore.numeric.matching import LayerPair, match_layers
-from qcore.numeric.metrics import compared_by_rows, compute_sqnr, large_tensor_sqnr, rowwise_sqnr
+from qcore.numeric.metrics import compared_by_rows, compute_sqnr, large_tensor_sqnr, read_to_host, rowwise_sqnr
 from qcore.observe.qparams import (
     fake_quantize_finite_per_channel,
     fake_quantize_per_channel,
@@ -411,10 +411,10 @@ def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule) -> dict[str
             found[pair.layer] = _exact_or_sqnr(original, quantized)
         else:
             found[pair.layer] = math.nan  # its place in graph order; read below
-            on_device.append((pair, compute_sqnr(original, quantized).float()))
+            on_device.append((pair, compute_sqnr(original, quantized)))
         del original, quantized
     if on_device:
-        for (pair, _), value in zip(on_device, torch.stack([value for _, value in on_device]).tolist()):
+        for (pair, _), value in zip(on_device, read_to_host([value for _, value in on_device])):
             if math.isnan(value):  # 0/0 or a NaN: made again, to tell an exact copy (an all-zero weight, say)
                 original = weight_value(float_gm, pair.a.weight).detach()
                 value = _exact_or_sqnr(original, _quantized_weight_value(quant_gm, pair.b.weight, pair.a.weight,

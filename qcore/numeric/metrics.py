@@ -1,7 +1,8 @@
 """Comparison metrics, with the formulas of the FX numeric suite."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,7 @@ from qcore.observe.qparams import row_slices
 from qcore.runtime import native
 
 __all__ = ["compared_by_rows", "compute_cosine_similarity", "compute_normalized_l2_error", "compute_sqnr",
-           "large_tensor_sqnr", "rowwise_sqnr", "signal_and_noise", "sqnr_from_sums"]
+           "large_tensor_sqnr", "read_to_host", "rowwise_sqnr", "signal_and_noise", "sqnr_from_sums"]
 
 _ROWS_ELEMENTS = 1 << 20  # compared at a time by large_tensor_sqnr (in float64: four 8 MB transients)
 
@@ -103,3 +104,21 @@ def signal_and_noise(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return sums[[0, 3]]
     a = x.double()
     return torch.stack([a.square().sum(), (a - y.double()).square_().sum()])
+
+
+def read_to_host(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Each 0-d tensor as a Python number and each 1-d one as a list, in order; those of one device, dtype and rank
+    read in one copy (on a GPU, one wait for them all instead of one each)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype, tensor.dim()), []).append(index)
+    found: list[Any] = [None] * len(tensors)
+    for (_, _, rank), members in groups.items():
+        values = [tensors[index] for index in members]
+        flat = (torch.stack(values) if rank == 0 else torch.cat(values)).tolist()
+        start = 0
+        for index, value in zip(members, values):
+            size = 1 if rank == 0 else value.numel()
+            found[index] = flat[start] if rank == 0 else flat[start:start + size]
+            start += size
+    return found

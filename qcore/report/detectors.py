@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from qcore.graph.ops import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted
+from qcore.numeric.metrics import read_to_host
 from qcore.quantization.quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from qcore.report.observer import ReportObserver, average_ratio_values, batch_to_epoch_ratios
 from qcore.rewrites.equalize import weight_column_ranges
@@ -170,15 +171,10 @@ def _tolist(t: torch.Tensor) -> list:
 
 def _scalars_on_host(rows: list[list[Any]]) -> list[list[Any]]:
     """Rows of 0-d tensors (or numbers) as Python numbers, the tensors of each device and dtype read in one copy."""
-    groups: dict[tuple[Any, ...], list[tuple[int, int, torch.Tensor]]] = {}
+    places = [(i, j) for i, row in enumerate(rows) for j, value in enumerate(row) if isinstance(value, torch.Tensor)]
     out = [list(row) for row in rows]
-    for i, row in enumerate(rows):
-        for j, value in enumerate(row):
-            if isinstance(value, torch.Tensor):
-                groups.setdefault((value.device, value.dtype), []).append((i, j, value))
-    for members in groups.values():
-        for (i, j, _), number in zip(members, _tolist(torch.stack([value for _, _, value in members]))):
-            out[i][j] = number
+    for (i, j), number in zip(places, read_to_host([rows[i][j] for i, j in places])):
+        out[i][j] = number
     return out
 
 

@@ -225,7 +225,8 @@ class _ChannelStats(nn.Module):
         weights = [weight.float() for weight in self.weights]  # one float32 copy each, not one per alpha
         references = [flat @ weight.t() for weight in weights]
         signal = sum(reference.double().square().sum() for reference in references)
-        scales = [self.scale(alpha) for alpha in grid]
+        terms = self._scale_terms()  # alike for every alpha: made once
+        scales = [self._scale(alpha, *terms) for alpha in grid]
         # x / s is monotone per channel, so its range is the observed channel ranges divided by s; the grid's
         # qparams in one computation and one read (elementwise: each alpha's are those it would get alone)
         stacked = torch.stack(scales)
@@ -247,21 +248,19 @@ class _ChannelStats(nn.Module):
 
     def scale(self, alpha: float) -> torch.Tensor:
         """s for one alpha from the observed activation range and the group's weights."""
-        activation, weight = self._scale_terms()
-        scale = activation.pow(alpha) / weight.pow(1 - alpha)
-        return torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale)).clamp(1e-4, 1e4)
+        return self._scale(alpha, *self._scale_terms())
 
     def _scale_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(activation, weight) magnitudes per channel that every alpha's s is made of, made once per range."""
+        """(activation, weight) magnitudes per channel that every alpha's s is made of."""
         assert self.low is not None and self.high is not None
-        known = self.__dict__.get("_terms")
-        if known is not None and known[0] is self.low and known[1] is self.high and len(known[2]) == len(self.weights) \
-                and all(a is b for a, b in zip(known[2], self.weights)):
-            return known[3]
         activation = torch.maximum(self.low.abs(), self.high.abs()).clamp(min=1e-5)
         weight = torch.stack([w.abs().amax(0).float() for w in self.weights]).amax(0).clamp(min=1e-5)
-        self.__dict__["_terms"] = (self.low, self.high, list(self.weights), (activation, weight))
         return activation, weight
+
+    @staticmethod
+    def _scale(alpha: float, activation: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        scale = activation.pow(alpha) / weight.pow(1 - alpha)
+        return torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale)).clamp(1e-4, 1e4)
 
 
 def smoothing_alpha(recipe: str) -> float | str:
