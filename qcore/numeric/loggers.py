@@ -115,7 +115,7 @@ class StreamingComparator(nn.Module):
             return False
         if not deferred.defer(self, _update_comparators, reference.numel(),
                               lambda: (self, _queued(reference, self.reference_held),
-                                       _queued(actual, self.actual_held))):
+                                       _queued(actual, self.actual_held)), device=reference.device):
             return False
         self.batches += 1
         return True

@@ -236,7 +236,7 @@ class HistogramObserver(_RangeObserver):
             return (self, deferred.flat(x), False) if held else (self, deferred.flat_copy(x, torch.float32), True)
 
         # its run works in about half the memory per value of a comparator's: it holds twice as many
-        return deferred.defer(self, _update_histograms, x.numel(), entry, scale=2)
+        return deferred.defer(self, _update_histograms, x.numel(), entry, scale=2, device=x.device)
 
     def _update_native(self, x: torch.Tensor) -> bool:
         """The same update in one call of the native kernel (a float32 CPU batch, float32 CPU state); False leaves

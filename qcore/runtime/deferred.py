@@ -4,7 +4,8 @@ every queued update of one kind runs as one chain over all of them when the call
 kernels per pass instead of a few per layer.
 
 The queue holds copies (a later in-place op of the graph must not change what was observed): each kind at most
-`PENDING_ELEMENTS` elements (or a multiple it names), and a kind runs early when it would hold more (the small
+`PENDING_ELEMENTS` elements (or a multiple it names; `LAUNCH_BOUND_SCALE` times as many for values on a GPU and on
+the torch path QCORE_NATIVE=0 stands for), and a kind runs early when it would hold more (the small
 entries, a batch's range or per-channel statistics, wait for the end of the call). An owner called more than once in
 a model call (an observer shared along view and permute ops) has its updates in rounds, run in order: the first
 update of every owner, then the second, and so on. Nothing is held across model calls.
@@ -18,10 +19,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat", "flat_copy", "run_pending",
-           "segment_lengths"]
+from qcore.runtime import native
+
+__all__ = ["LAUNCH_BOUND_SCALE", "PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat", "flat_copy",
+           "launch_bound", "run_pending", "segment_lengths"]
 
 PENDING_ELEMENTS = 1 << 21  # queued elements of a kind at most: 8 MB of float32 copies, and the working values of a run
+# where each early run is a chain of kernel launches (a GPU, or the CPU without the native kernels, which stands for
+# one), a kind holds this many times as many: a model call of a small model then runs each kind once or twice, not
+# eight times, for a few hundred MB of device memory at the run's peak. A CPU model in bfloat16 (the torch path
+# beside the native kernels) keeps the smaller queue: its memory is the host's.
+LAUNCH_BOUND_SCALE = 4
 
 Flush = Callable[[list[Any]], None]  # runs the queued entries of one kind, in the order they were queued
 
@@ -76,12 +84,14 @@ def batched_updates() -> Iterator[None]:
         opened.pop()
 
 
-def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any], scale: int = 1) -> bool:
-    """Queue `entry()` (owner's update of `elements` values, made only once it is taken) to run with `flush`, whose
-    entries hold at most `scale` times PENDING_ELEMENTS values (a kind whose run works in less memory per value
-    holds more); False when no scope is open or the update alone is larger: the caller then updates now."""
+def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any], scale: int = 1,
+          device: torch.device | None = None) -> bool:
+    """Queue `entry()` (owner's update of `elements` values on `device`, made only once it is taken) to run with
+    `flush`, whose entries hold at most `scale` times PENDING_ELEMENTS values (a kind whose run works in less memory
+    per value holds more; LAUNCH_BOUND_SCALE times that on a launch-bound device); False when no scope is open or
+    the update alone is larger: the caller then updates now."""
     opened = _open_here.queues
-    limit = scale * PENDING_ELEMENTS
+    limit = scale * PENDING_ELEMENTS * (LAUNCH_BOUND_SCALE if device is not None and launch_bound(device) else 1)
     if not opened or elements > limit:
         return False
     queue = opened[-1]
@@ -96,6 +106,12 @@ def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any], 
     owners[id(owner)] = position + 1
     queue.held[flush] = queue.held.get(flush, 0) + elements
     return True
+
+
+def launch_bound(device: torch.device) -> bool:
+    """Whether updates on `device` run as chains of kernel launches: a GPU, or the CPU without qcore's native
+    kernels (the path a GPU takes)."""
+    return device.type != "cpu" or native.kernel() is None
 
 
 def run_pending(owner: object) -> None:

@@ -5,6 +5,7 @@ observed."""
 import contextlib
 from unittest import mock
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,9 +23,9 @@ CALLS = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 300), st.floats(0.1
 
 
 def _torch_path(pending: int = deferred.PENDING_ELEMENTS):
-    """qcore's native kernels off (the path a GPU takes), and a queue of `pending` elements."""
-    patches = mock.patch.dict(native._state, {"library": None}), mock.patch.object(deferred, "PENDING_ELEMENTS",
-                                                                                     pending)
+    """qcore's native kernels off (the path a GPU takes), and a queue of `pending` elements there."""
+    patches = (mock.patch.dict(native._state, {"library": None}),
+               mock.patch.object(deferred, "PENDING_ELEMENTS", pending // deferred.LAUNCH_BOUND_SCALE))
     stack = contextlib.ExitStack()
     for patch in patches:
         stack.enter_context(patch)
@@ -287,7 +288,8 @@ def test_a_full_kind_runs_early_alone_and_the_small_updates_wait_for_the_end_of_
     from qcore.observe.observers import _update_histograms, _update_ranges
 
     monkeypatch.setitem(native._state, "library", None)
-    monkeypatch.setattr(deferred, "PENDING_ELEMENTS", 100)  # histograms hold 200 values at most
+    # histograms hold 2 x PENDING_ELEMENTS values, LAUNCH_BOUND_SCALE times that on the torch path: 200 at most
+    monkeypatch.setattr(deferred, "PENDING_ELEMENTS", 100 // deferred.LAUNCH_BOUND_SCALE)
     ranges, histograms = [MinMaxObserver() for _ in range(3)], [HistogramObserver(bins=16) for _ in range(3)]
     with deferred.batched_updates():
         for minmax, histogram in zip(ranges, histograms):
@@ -298,6 +300,30 @@ def test_a_full_kind_runs_early_alone_and_the_small_updates_wait_for_the_end_of_
         assert len(queue.rounds[_update_histograms][0]) == 1  # the third ran the first two early
         assert float(histograms[0].histogram.sum()) == 90 and not ranges[0].min_val.isfinite()
     assert all(float(h.histogram.sum()) == 90 for h in histograms) and all(m.min_val.isfinite() for m in ranges)
+
+
+def test_the_queue_holds_more_where_each_run_is_a_chain_of_launches(monkeypatch):
+    """On the torch path (a GPU, or native kernels off) a kind holds LAUNCH_BOUND_SCALE times as many values; a CPU
+    bfloat16 model beside the native kernels keeps the host's smaller queue."""
+    from qcore.observe.observers import _update_histograms
+
+    if native.kernel() is None:
+        pytest.skip(f"needs qcore's native kernels: {native.status()}")
+    monkeypatch.setattr(deferred, "PENDING_ELEMENTS", 100)  # histograms hold 200 values, or 200 x LAUNCH_BOUND_SCALE
+
+    def queued(library) -> int:
+        monkeypatch.setitem(native._state, "library", library)
+        histograms = [HistogramObserver(bins=16) for _ in range(3)]
+        with deferred.batched_updates():
+            for histogram in histograms:
+                histogram(_values(90, 1.0, 1).bfloat16())  # bfloat16: the torch path either way
+            queue = deferred._open_here.queues[-1]
+            held = len(queue.rounds[_update_histograms][0])
+        assert all(float(h.histogram.sum()) == 90 for h in histograms)
+        return held
+
+    assert queued(native.kernel()) == 1  # the third ran the first two early
+    assert queued(None) == 3
 
 
 @settings(max_examples=20, deadline=None)
