@@ -9,7 +9,6 @@ against the float layer output is the layer's own (shadow) SQNR under that equal
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from qcore.numeric.compare import ShadowGraph
 from qcore.numeric.instrument import attach_after, copy_layer_into
 from qcore.numeric.loggers import StreamingComparator
 from qcore.numeric.matching import LayerPair
-from qcore.observe.observers import MinMaxObserver, ObserverBase, copied
+from qcore.observe.observers import MinMaxObserver, ObserverBase, fresh_copy
 from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor, row_slices
 from qcore.quantization.convert import fake_quantize_with, weights_quantized_where_read
 from qcore.quantization.quantizer import ANNOTATION_KEY
@@ -198,7 +197,7 @@ def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Varia
     def make_weight() -> Any:  # made when its shadow is added: one block's at a time, block-wise
         column_factor = weight_column_factor(op, variant.factor, weight)
         scaled = weight / column_factor
-        fresh = _fresh_copy(weight_observer)
+        fresh = fresh_copy(weight_observer)
         with torch.no_grad():
             fresh(scaled)
             if weights_quantized_where_read():  # a large model: quantized from the float weight where read
@@ -249,19 +248,6 @@ class ScaledWeightQuantizer(nn.Module):
                     return result
                 out[part] = result
         return out
-
-
-def _fresh_copy(observer: ObserverBase) -> ObserverBase:
-    """The observer with the same settings and nothing observed."""
-    fresh = copied(observer)
-    fresh.frozen = False
-    if fresh.per_channel:
-        fresh.min_val, fresh.max_val = torch.empty(0), torch.empty(0)
-    else:
-        fresh.min_val, fresh.max_val = torch.tensor(math.inf), torch.tensor(-math.inf)
-    if hasattr(fresh, "histogram"):
-        fresh.histogram = torch.zeros_like(fresh.histogram)
-    return fresh
 
 
 def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, index: int) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
@@ -15,7 +16,7 @@ from qcore.runtime import deferred, native
 
 __all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinMaxObserver",
     "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
-    "best_clipping_ranges", "calculate_qparams_together", "copied", "share_qparams"]
+    "best_clipping_ranges", "calculate_qparams_together", "copied", "fresh_copy", "share_qparams"]
 
 
 class ObserverBase(nn.Module, abc.ABC):
@@ -343,6 +344,26 @@ def copied(observer: nn.Module) -> nn.Module:
     """A deep copy of an observer, its buffers cloned in one op each (a tensor's own deep copy takes a few)."""
     memo: dict[int, Any] = {id(buffer): buffer.clone() for buffer in observer._buffers.values() if buffer is not None}
     return copy.deepcopy(observer, memo)
+
+
+def fresh_copy(observer: ObserverBase) -> ObserverBase:
+    """A copy of an observer with the same settings and nothing observed: its range and histogram made anew rather
+    than cloned, its memoized qparams left behind."""
+    memo: dict[int, Any] = {id(value): None for key in ("_qparams_memo", "_qparams_twin")
+                            if (value := observer.__dict__.get(key)) is not None}
+    for name, buffer in observer._buffers.items():
+        if buffer is None:
+            continue
+        if name in ("min_val", "max_val"):
+            memo[id(buffer)] = (torch.empty(0) if observer.per_channel else
+                                torch.tensor(math.inf if name == "min_val" else -math.inf))
+        elif name == "histogram":
+            memo[id(buffer)] = torch.zeros_like(buffer)
+        else:
+            memo[id(buffer)] = buffer.clone()
+    fresh = copy.deepcopy(observer, memo)
+    fresh.frozen = False
+    return fresh
 
 
 def share_qparams(observer: nn.Module, source: nn.Module) -> None:

@@ -14,6 +14,7 @@ from qcore.observe.observers import (
     MinMaxObserver,
     PerChannelMinMaxObserver,
     copied,
+    fresh_copy,
     share_qparams,
 )
 from qcore.quantization.calibrated import CalibratedObservers
@@ -386,3 +387,25 @@ def test_a_copied_observer_holds_its_own_buffers_with_the_same_state(make):
         assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr(), name
     copy(torch.full((4, 6), 100.0))  # the copy observes on its own
     assert float(observer.max_val.max()) < 100 <= float(copy.max_val.max())
+
+
+@pytest.mark.parametrize("make", [MinMaxObserver, HistogramObserver,
+                                  lambda: PerChannelMinMaxObserver(ch_axis=1, qscheme=torch.per_channel_symmetric)])
+def test_a_fresh_copy_has_the_settings_and_none_of_the_state(make):
+    """fresh_copy (a variant's weight observer) observes as a new observer of the same settings does, and leaves the
+    source's state and memoized qparams alone."""
+    generator = torch.Generator().manual_seed(0)
+    seen, later = torch.randn(4, 6, generator=generator), torch.randn(4, 6, generator=generator) * 3
+    observer = make()
+    observer(seen)
+    before = [tensor.clone() for tensor in observer.calculate_qparams()]
+    fresh = fresh_copy(observer)
+    assert vars(fresh).get("_qparams_memo") is None and not fresh.frozen
+    new = make()
+    fresh(later)
+    new(later)
+    for mine, theirs in zip(fresh.calculate_qparams(), new.calculate_qparams()):
+        assert torch.equal(mine, theirs)
+    for (name, mine), (_, theirs) in zip(fresh.named_buffers(), new.named_buffers()):
+        assert torch.equal(mine, theirs), name
+    assert all(torch.equal(a, b) for a, b in zip(observer.calculate_qparams(), before))
