@@ -28,6 +28,7 @@ from qcore.numeric.instrument import (
     merge_repeated_shadow_inputs,
     reads_only,
     shadow_signature,
+    skip_requantizations,
 )
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
 from qcore.numeric.logits import LogitsComparator
@@ -275,6 +276,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
         before = set(gm_a.graph.nodes)  # no instrument runs with kept outputs: nothing to remove after some batches
     gm_a.graph.lint()
     gm_a.recompile()
+    skip_requantizations(gm_b.graph)  # the shadows copied the layers' own quantizations above
     gm_b.recompile()
     outputs: list[StreamingComparator] = []
     device = model_device(float_model)

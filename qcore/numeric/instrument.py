@@ -8,13 +8,22 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from qcore.graph.ops import HANDLE_KEY, REWRITTEN_KEY, QuantizableOp, fetch_attr, is_inserted, may_change_after
+from qcore.graph.ops import (
+    HANDLE_KEY,
+    REWRITTEN_KEY,
+    QuantizableOp,
+    fetch_attr,
+    is_inserted,
+    may_change_after,
+    viewed_value,
+    written_after,
+)
 from qcore.numeric.matching import layer_value, nodes_by_handle
 from qcore.observe.qparams import fake_quantize_per_tensor
 from qcore.quantization.convert import QPARAMS_KEY
 
 __all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "merge_repeated_shadow_inputs", "makes_new_tensor",
-           "qparams_digest", "reads_only", "shadow_signature"]
+           "qparams_digest", "reads_only", "shadow_signature", "skip_requantizations"]
 
 _FLOAT_WEIGHT_KEY = "qcore_float_weight"  # the float weight a converted one was made from (convert's metadata)
 QPARAMS_DIGEST_KEY = "qcore_qparams_digest"  # qparams_digest of the qparams, where a graph drops them
@@ -219,6 +228,47 @@ def merge_repeated_shadow_inputs(graph: fx.Graph) -> int:
         node.replace_all_uses_with(kept)
         graph.erase_node(node)
     return len(repeated)
+
+
+def skip_requantizations(graph: fx.Graph) -> int:
+    """Let each per-tensor fake quantization of a view of a value fake-quantized with the same qparams (a projection's
+    output viewed as heads, then transposed) pass its input on, for the quantized graph's own run: the values are on
+    that grid already, so quantizing them again gives them back bit for bit where the dtype holds a grid value to
+    within a quarter step (float32, and float16 for 8-bit ranges; not bfloat16). A shadow copy of the layer still
+    quantizes, as it reads a float value: copy the layers before. Values an op changes in place are left alone.
+    Returns how many were skipped."""
+    skipped = 0
+    for node in list(graph.nodes):
+        if _requantizes(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            skipped += 1
+    return skipped
+
+
+def _requantizes(node: fx.Node) -> bool:
+    """Whether `node` fake-quantizes a view of a per-tensor fake quantization's value with its qparams, where that
+    gives the same values (see skip_requantizations)."""
+    if not makes_new_tensor(node) or node.kwargs or len(node.args) != 5 or \
+            any(isinstance(arg, fx.Node) for arg in node.args[1:]):
+        return False
+    value = node.args[0]
+    if not isinstance(value, fx.Node):
+        return False
+    source = viewed_value(value)
+    if source is value or not makes_new_tensor(source) or tuple(source.args[1:]) != tuple(node.args[1:]):
+        return False
+    dtype = getattr(value.meta.get("val"), "dtype", None)
+    if dtype not in (torch.float32, torch.float16):
+        return False
+    _, zero_point, quant_min, quant_max = node.args[1:]
+    steps = max(abs(quant_min - zero_point), abs(quant_max - zero_point))
+    # a grid value k * scale in the dtype, times 1 / scale, is k to within steps * eps / 2 (plus float32's roundings)
+    if steps * torch.finfo(dtype).eps > 0.25:
+        return False
+    # node's users then read the source's value through the views: nothing may write to it (a later fake
+    # quantization reads only, and is followed as if it passed its input on)
+    return not written_after(source, reads_only)
 
 
 def reads_only(node: fx.Node) -> bool:

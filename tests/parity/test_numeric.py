@@ -3,6 +3,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.ao.ns.fx import utils as ao_utils
 
 import qcore
@@ -241,6 +243,74 @@ def test_shadows_of_one_input_share_its_fake_quantization_with_the_same_sqnrs(mo
     merged, apart = shadows(merge=True), shadows(merge=False)
     assert merged == apart and set(merged) == {"query", "key", "value"}
     assert erased == [2, 0]  # the key's and the value's copies read the query's
+
+
+class _Heads(torch.nn.Module):
+    """An attention block's projections viewed as heads and transposed before scaled_dot_product_attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key, self.value = (torch.nn.Linear(16, 16) for _ in range(3))
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        def heads(projection):
+            return projection(x).view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)
+
+        attended = torch.nn.functional.scaled_dot_product_attention(heads(self.query), heads(self.key),
+                                                                    heads(self.value))
+        return self.out(attended.transpose(1, 2).reshape(x.shape))
+
+
+@pytest.mark.parametrize("dtype,skipped", [(torch.float32, 6), (torch.bfloat16, 0)])
+def test_the_quantized_run_skips_requantizing_a_view_of_a_value_on_the_grid_with_the_same_records(
+        monkeypatch, dtype, skipped):
+    """A projection's output, fake-quantized, viewed as heads and transposed, is not quantized again with the same
+    qparams in the quantized graph's run (twice per projection here): the same propagated and shadow records. Not in
+    bfloat16, whose rounding of a grid value may move it by a step."""
+    from qcore.numeric import instrument
+
+    compare_module = __import__("sys").modules["qcore.numeric.compare"]
+    torch.manual_seed(0)
+    data = [batch.to(dtype) for batch in batches((2, 8, 16), n=3)]
+    float_gm, quant_gm = qcore.quantize(_Heads().eval().to(dtype), data[0], data)
+    counts = []
+
+    def records(skip: bool) -> tuple:
+        def skipping(graph):
+            counts.append(instrument.skip_requantizations(graph) if skip else 0)
+            return counts[-1]
+
+        monkeypatch.setattr(compare_module, "skip_requantizations", skipping)
+        propagated, shadows = compare_module.compare_propagated_and_shadow(float_gm, quant_gm, data)
+        return ([(r["layer"], r["sqnr_db"], r["cosine"]) for r in propagated],
+                [(r["layer"], r["sqnr_db"], r["cosine"]) for r in shadows])
+
+    assert records(skip=True) == records(skip=False)
+    assert counts == [skipped, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.floats(1e-4, 10.0), st.integers(-128, 127), st.booleans(),
+       st.sampled_from([torch.float32, torch.float16]))
+def test_a_value_fake_quantized_again_with_the_same_qparams_is_itself(seed, scale, zero_point, native_kernels, dtype):
+    """What skip_requantizations relies on: a fake-quantized int8 value, viewed and fake-quantized again with the
+    same qparams, is the same bits (signs of zero and NaN included), float32 or float16, either path."""
+    from unittest import mock
+
+    from qcore.observe.qparams import fake_quantize_per_tensor
+    from qcore.runtime import native
+
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(3, 5, 8, generator=generator) * scale * 200).to(dtype)
+    x[0, 0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    patch = mock.patch.dict(native._state, {} if native_kernels else {"library": None})
+    with patch:
+        once = fake_quantize_per_tensor(x, scale, zero_point, -128, 127)
+        viewed = once.view(3, 5, 2, 4).transpose(1, 2)
+        again = fake_quantize_per_tensor(viewed, scale, zero_point, -128, 127)
+    same = (again == viewed) | (again.isnan() & viewed.isnan())
+    assert bool(same.all()) and torch.equal(again.signbit(), viewed.signbit())
 
 
 class _DoubledInPlace(torch.nn.Module):
