@@ -132,20 +132,29 @@ class MinMaxObserver(_RangeObserver):
 
 
 def _update_ranges(entries: list[tuple[MinMaxObserver, torch.Tensor, torch.Tensor]]) -> None:
-    """The queued batch minima and maxima of several MinMaxObservers in one chain of ops: each running range exactly
-    what its own update gives."""
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[MinMaxObserver, torch.Tensor, torch.Tensor]]] = {}
-    for entry in entries:
-        groups.setdefault((entry[1].device, entry[1].dtype), []).append(entry)
-    for members in groups.values():
-        observers = [observer for observer, _, _ in members]
-        lows, highs = torch.stack([low for _, low, _ in members]), torch.stack([high for _, _, high in members])
+    """The queued batch minima and maxima of several MinMaxObservers, every round of the call's in one chain of ops:
+    each running range exactly what its own updates give (a minimum and a maximum do not depend on the order)."""
+    groups: dict[tuple[torch.device, torch.dtype], dict[MinMaxObserver, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+    for observer, low, high in entries:  # an observer called more than once in the call: its batches side by side
+        groups.setdefault((low.device, low.dtype), {}).setdefault(observer, []).append((low, high))
+    for (device, _), members in groups.items():
+        observers = list(members)
+        lows = torch.stack([low for batches in members.values() for low, _ in batches])
+        highs = torch.stack([high for batches in members.values() for _, high in batches])
         if lows.dtype != torch.float32:
             lows, highs = lows.float(), highs.float()
+        if len(lows) > len(observers):  # each observer's least and greatest over its batches (a NaN stays)
+            lengths = deferred.segment_lengths(device, tuple(len(batches) for batches in members.values()))
+            # unsafe: the lengths are the queue's own, and checking them reads them back (a host sync on a GPU)
+            lows = torch.segment_reduce(lows, "min", lengths=lengths, unsafe=True)
+            highs = torch.segment_reduce(highs, "max", lengths=lengths, unsafe=True)
         new_min = torch.minimum(torch.stack([observer.min_val for observer in observers]), lows)
         new_max = torch.maximum(torch.stack([observer.max_val for observer in observers]), highs)
         torch._foreach_copy_([*(o.min_val for o in observers), *(o.max_val for o in observers)],
                              [*new_min.unbind(0), *new_max.unbind(0)])
+
+
+_update_ranges.takes_rounds_together = True  # type: ignore[attr-defined]
 
 
 class MovingAverageMinMaxObserver(_RangeObserver):

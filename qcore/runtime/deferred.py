@@ -8,7 +8,9 @@ The queue holds copies (a later in-place op of the graph must not change what wa
 the torch path QCORE_NATIVE=0 stands for), and a kind runs early when it would hold more (the small
 entries, a batch's range or per-channel statistics, wait for the end of the call). An owner called more than once in
 a model call (an observer shared along view and permute ops) has its updates in rounds, run in order: the first
-update of every owner, then the second, and so on. Nothing is held across model calls.
+update of every owner, then the second, and so on; a kind whose update does not depend on the order (a running
+minimum and maximum) sets `takes_rounds_together` on its flush, and gets every round's entries in one run. Nothing is
+held across model calls.
 """
 from __future__ import annotations
 
@@ -49,8 +51,11 @@ class _Queue:
             queued = self.rounds.pop(flush)
             del self.owners[flush]
             del self.held[flush]
-            for entries in queued:
-                flush(entries)
+            if getattr(flush, "takes_rounds_together", False):  # its update does not depend on their order
+                flush([entry for entries in queued for entry in entries])
+            else:
+                for entries in queued:
+                    flush(entries)
 
     def owner_queued(self, owner: object) -> bool:
         """Whether `owner` has an update in this queue."""

@@ -251,6 +251,28 @@ def test_a_model_call_runs_its_observers_in_one_chain_of_ops(monkeypatch):
     assert together < alone / 3, (together, alone)
 
 
+def test_ranges_of_observers_called_several_times_in_a_call_update_in_one_chain(monkeypatch):
+    """A min/max observer shared along views (called three times a model call here) takes all of its batches in the
+    call's one range update, not a round each: the same ranges."""
+    from tests.helpers import count_op_calls
+
+    monkeypatch.setitem(native._state, "library", None)
+    xs = [_values(24, 1.0 + seed, seed) for seed in range(9)]
+    alone, together = [MinMaxObserver() for _ in range(3)], [MinMaxObserver() for _ in range(3)]
+    for index, x in enumerate(xs):
+        alone[index % 3](x)
+
+    def call() -> None:
+        with deferred.batched_updates():
+            for index, x in enumerate(xs):
+                together[index % 3](x.view(4, 6) if index >= 3 else x)
+
+    chains, _ = count_op_calls(call, torch.ops.aten.minimum)
+    assert chains == 1
+    for mine, theirs in zip(together, alone):
+        assert torch.equal(mine.min_val, theirs.min_val) and torch.equal(mine.max_val, theirs.max_val)
+
+
 def test_the_next_batch_makes_no_tensor_from_host_values(monkeypatch):
     """On a GPU a tensor made from host values (the queue's segment lengths) is a copy that waits for the device:
     a composition seen once is kept."""
