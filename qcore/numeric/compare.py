@@ -34,6 +34,7 @@ from qcore.numeric.loggers import ActivationStash, StreamingComparator
 from qcore.numeric.logits import LogitsComparator
 from qcore.numeric.matching import LayerPair, layer_value, match_layers
 from qcore.quantization.calibrate import OutputSink, model_device
+from qcore.runtime.deferred import batched_updates
 from qcore.runtime.progress import batch_done, stage
 
 __all__ = ["KEPT_FLOAT_OUTPUT_BYTES", "KEPT_LAYER_INPUT_BYTES", "ExtraShadows", "KeptFloatOutputs", "KeptLayerInputs",
@@ -116,21 +117,23 @@ def run_both(gm_a: fx.GraphModule, gm_b: fx.GraphModule, batch: Any, outputs: li
     floating output leaves to `outputs` (one comparator per leaf), and to `logits` when given; returns both
     outputs."""
     result = call_model(gm_a, batch)
-    result_b = call_model(gm_b, batch if batch_b is None else batch_b)
-    compare_outputs(gm_a, batch, result, result_b, outputs, logits)
+    with batched_updates():  # the output comparators update with the quantized graph's, in one chain
+        result_b = call_model(gm_b, batch if batch_b is None else batch_b)
+        compare_outputs(gm_a, batch, result, result_b, outputs, logits)
     return result, result_b
 
 
 def compare_outputs(gm_a: fx.GraphModule, batch: Any, result: Any, result_b: Any, outputs: list[StreamingComparator],
                     logits: LogitsComparator | None = None) -> None:
     """Add the floating output leaves of A's and B's results on one batch to `outputs` (one comparator per leaf),
-    and to `logits` when given."""
+    and to `logits` when given; inside a model call's scope (qcore.runtime.deferred), the leaves join its queue:
+    nothing may change them in place before the scope closes."""
     out_a, out_b = pytree.tree_leaves(result), pytree.tree_leaves(result_b)
     tensors = [(a, b) for a, b in zip(out_a, out_b) if isinstance(a, torch.Tensor) and a.is_floating_point()]
     while len(outputs) < len(tensors):
-        outputs.append(StreamingComparator())
+        outputs.append(StreamingComparator(actual_held=True, reference_held=True))
     for comparator, (a, b) in zip(outputs, tensors):
-        comparator.update(a, b)
+        comparator.add(a, b)
     if logits is not None:
         logits.decide(gm_a, result)
         logits.update([a for a, _ in tensors], [b for _, b in tensors], batch)
@@ -292,8 +295,9 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                 if run_float:
                     call_model(gm_a, batch)
                 result = float_outputs[count]
-                result_b = call_model(gm_b, batch if batch_b is None else batch_b)
-                compare_outputs(float_model, batch, result, result_b, outputs, logits)
+                with batched_updates():  # the output comparators update with the quantized graph's
+                    result_b = call_model(gm_b, batch if batch_b is None else batch_b)
+                    compare_outputs(float_model, batch, result, result_b, outputs, logits)
             elif propagate:
                 result, result_b = run_both(gm_a, gm_b, batch, outputs, logits, batch_b)
             else:

@@ -100,11 +100,16 @@ class StreamingComparator(nn.Module):
         if reference is None:
             reference = self._stash[0].value
             self._stash[0].value = None
+        self.add(reference, actual)
+        return actual
+
+    def add(self, reference: torch.Tensor, actual: torch.Tensor) -> None:
+        """Add one batch: by the native kernel, else queued with the other comparators of the model call when one
+        is open (qcore.runtime.deferred), else now."""
         if self._update_native(reference, actual):
             self.batches += 1
         elif not self._queue(reference, actual):
             self.update(reference, actual)
-        return actual
 
     def _queue(self, reference: torch.Tensor, actual: torch.Tensor) -> bool:
         """Queue copies of the pair (one the native kernel does not take) for one update with the other comparators of
