@@ -117,7 +117,8 @@ class MinMaxObserver(_RangeObserver):
     """Running minimum and maximum of every value seen."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.frozen or x.numel() == 0:
+        # the same values again in this model call (shared along a view) leave the range as it is
+        if self.frozen or x.numel() == 0 or deferred.seen_whole(self, x):
             return x
         low, high = torch.aminmax(x.detach() if x.requires_grad else x)  # detach is an op even under no_grad
         if self.min_val.device == low.device and self.min_val.dtype == self.max_val.dtype == torch.float32:

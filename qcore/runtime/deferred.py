@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from qcore.runtime import native
 
 __all__ = ["LAUNCH_BOUND_SCALE", "PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat", "flat_copy",
-           "launch_bound", "run_pending", "segment_lengths"]
+           "launch_bound", "run_pending", "seen_whole", "segment_lengths"]
 
 PENDING_ELEMENTS = 1 << 21  # queued elements of a kind at most: 8 MB of float32 copies, and the working values of a run
 # where each early run is a chain of kernel launches (a GPU, or the CPU without the native kernels, which stands for
@@ -43,6 +44,7 @@ class _Queue:
         self.rounds: dict[Flush, list[list[Any]]] = {}
         self.owners: dict[Flush, dict[int, int]] = {}  # by kind, owner: its updates queued
         self.held: dict[Flush, int] = {}  # by kind, the elements its entries hold
+        self.seen: dict[int, tuple[weakref.ref, int]] = {}  # by owner, the tensor it was last given whole (seen_whole)
 
     def run(self, kind: Flush | None = None) -> None:
         """Run and forget the queued updates, round by round: every kind's, or only `kind`'s (it is full: the other
@@ -111,6 +113,25 @@ def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any], 
     owners[id(owner)] = position + 1
     queue.held[flush] = queue.held.get(flush, 0) + elements
     return True
+
+
+def seen_whole(owner: object, x: torch.Tensor) -> bool:
+    """Whether `owner` was given all of the tensor `x` views earlier in this model call, and no op wrote to it since
+    (an observer shared along view ops sees the same values again); else notes x's tensor when x covers all of it.
+    False outside a model call."""
+    opened = _open_here.queues
+    if not opened or x.requires_grad or x.is_inference():  # no version counter in inference mode
+        return False
+    viewed = x._base
+    base = x if viewed is None else viewed
+    if x.numel() != base.numel() or x.dtype != base.dtype:
+        return False
+    seen = opened[-1].seen
+    noted = seen.get(id(owner))
+    if noted is not None and noted[1] == base._version and noted[0]() is base:
+        return True
+    seen[id(owner)] = (weakref.ref(base), base._version)
+    return False
 
 
 def launch_bound(device: torch.device) -> bool:

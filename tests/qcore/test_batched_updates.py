@@ -273,6 +273,37 @@ def test_ranges_of_observers_called_several_times_in_a_call_update_in_one_chain(
         assert torch.equal(mine.min_val, theirs.min_val) and torch.equal(mine.max_val, theirs.max_val)
 
 
+def test_a_minmax_observer_given_a_whole_view_of_what_it_saw_in_the_call_does_not_observe_it_again(monkeypatch):
+    """The same values again (a view of all of the tensor it saw, written to by no op since) leave a range as it is:
+    no reduction for them. A part of it, a written tensor, equal values in another tensor, or another call are
+    observed; the ranges are those of an observer given every value."""
+    from tests.helpers import count_op_calls
+
+    monkeypatch.setitem(native._state, "library", None)
+    x, other = _values(24, 1.0, 0).reshape(4, 6), _values(24, 2.0, 1).reshape(4, 6)
+    original = x.clone()
+    together, alone = MinMaxObserver(), MinMaxObserver()
+
+    def call() -> None:
+        with deferred.batched_updates():
+            together(x)
+            together(x.view(6, 4))
+            together(x.t())  # the same values: not observed again
+            together(x[:2])  # a part: observed
+            together(x.clone())  # equal values in a tensor of their own: observed
+            x.mul_(-3.0)
+            together(x.view(-1))  # written to since: observed
+            together(other)
+
+    reductions, _ = count_op_calls(call, torch.ops.aten.aminmax)
+    assert reductions == 5
+    for value in (original, original[:2], original, original * -3.0, other):
+        alone(value)
+    assert torch.equal(together.min_val, alone.min_val) and torch.equal(together.max_val, alone.max_val)
+    seen_before, _ = count_op_calls(lambda: together(other.view(-1)), torch.ops.aten.aminmax)
+    assert seen_before == 1  # a new call (here none: no scope) observes it
+
+
 def test_the_next_batch_makes_no_tensor_from_host_values(monkeypatch):
     """On a GPU a tensor made from host values (the queue's segment lengths) is a copy that waits for the device:
     a composition seen once is kept."""
