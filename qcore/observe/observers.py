@@ -19,6 +19,9 @@ __all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinM
     "best_clipping_ranges", "calculate_qparams_together", "copied", "fresh_copy", "share_qparams"]
 
 
+_NO_CHANNELS = torch.empty(0)  # a per-channel range before a first batch: never written to, only replaced
+
+
 class ObserverBase(nn.Module, abc.ABC):
     """Common fields of every observer: dtype, range, qscheme and channel axis. `clips_outliers` says whether the
     observer's range may leave out the extremes it saw (to lower the expected error), rather than cover them."""
@@ -75,8 +78,13 @@ class _RangeObserver(ObserverBase):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.register_buffer("min_val", torch.tensor(float("inf")))
-        self.register_buffer("max_val", torch.tensor(float("-inf")))
+        low, high = self._initial_range()
+        self.register_buffer("min_val", low)
+        self.register_buffer("max_val", high)
+
+    def _initial_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min_val, max_val) before any value: +inf and -inf."""
+        return torch.tensor(math.inf), torch.tensor(-math.inf)
 
     @property
     def has_observed(self) -> bool:
@@ -182,8 +190,10 @@ class PerChannelMinMaxObserver(_RangeObserver):
 
     def __init__(self, ch_axis: int = 0, qscheme: torch.qscheme = torch.per_channel_symmetric, **kwargs) -> None:
         super().__init__(ch_axis=ch_axis, qscheme=qscheme, **kwargs)
-        self.min_val = torch.empty(0)
-        self.max_val = torch.empty(0)
+
+    def _initial_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """No channels before a first batch, which replaces them (every prepare makes one per weight)."""
+        return _NO_CHANNELS, _NO_CHANNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.frozen or x.numel() == 0:
@@ -365,7 +375,7 @@ def fresh_copy(observer: ObserverBase) -> ObserverBase:
         if buffer is None:
             continue
         if name in ("min_val", "max_val"):
-            memo[id(buffer)] = (torch.empty(0) if observer.per_channel else
+            memo[id(buffer)] = (_NO_CHANNELS if observer.per_channel else
                                 torch.tensor(math.inf if name == "min_val" else -math.inf))
         elif name == "histogram":
             memo[id(buffer)] = torch.zeros_like(buffer)

@@ -409,3 +409,18 @@ def test_a_fresh_copy_has_the_settings_and_none_of_the_state(make):
     for (name, mine), (_, theirs) in zip(fresh.named_buffers(), new.named_buffers()):
         assert torch.equal(mine, theirs), name
     assert all(torch.equal(a, b) for a, b in zip(observer.calculate_qparams(), before))
+
+
+def test_per_channel_observers_start_from_one_shared_empty_range_and_observe_apart():
+    """A per-channel observer made for a weight holds no channels until it observes (one shared empty range, not
+    a range made and dropped at each prepare); observing replaces it, so observers never share a range."""
+    from tests.helpers import count_aten_ops
+
+    made, (first, second) = count_aten_ops(lambda: [PerChannelMinMaxObserver(ch_axis=0) for _ in range(2)])
+    assert made == 0 and first.min_val.numel() == 0 and not first.has_observed
+    generator = torch.Generator().manual_seed(0)
+    first(torch.randn(3, 4, generator=generator))
+    second(torch.randn(5, 4, generator=generator) * 10)
+    assert first.min_val.shape == (3,) and second.min_val.shape == (5,)
+    assert float(first.max_val.max()) < float(second.max_val.max())
+    assert PerChannelMinMaxObserver().min_val.numel() == 0
