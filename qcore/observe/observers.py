@@ -195,6 +195,19 @@ class PerChannelMinMaxObserver(_RangeObserver):
         """No channels before a first batch, which replaces them (every prepare makes one per weight)."""
         return _NO_CHANNELS, _NO_CHANNELS
 
+    def observe_constant(self, value: torch.Tensor) -> None:
+        """Observe a weight once; a weight that an observer of the same settings observed as it is now (the same
+        tensor, unchanged: each prepare of a graph observes its weights) is not reduced again: that observer's range
+        is copied, and its qparams computed once for both."""
+        source = _observer_of_constant(self, value) if self.min_val is _NO_CHANNELS else None
+        if source is None:
+            super().observe_constant(value)
+            _remember_constant(self, value)
+            return
+        self.min_val, self.max_val = source.min_val.clone(), source.max_val.clone()
+        share_qparams(self, source)
+        self.frozen = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.frozen or x.numel() == 0:
             return x
@@ -384,6 +397,43 @@ def fresh_copy(observer: ObserverBase) -> ObserverBase:
     fresh = copy.deepcopy(observer, memo)
     fresh.frozen = False
     return fresh
+
+
+_CONSTANTS_KEPT = 4096
+# (id of a weight, the observer's type and settings) -> (the weight, its version, the observer, the observer's state),
+# weakly: which observer observed that weight, while both live and neither changed
+_OBSERVED_CONSTANTS: dict[tuple, tuple[weakref.ref, int, weakref.ref, Any]] = {}
+
+
+def _constant_key(observer: ObserverBase, value: torch.Tensor) -> tuple:
+    return (id(value), type(observer), observer.dtype, observer.quant_min, observer.quant_max, observer.qscheme,
+            observer.ch_axis, observer.eps, observer.is_dynamic)
+
+
+def _remember_constant(observer: _RangeObserver, value: torch.Tensor) -> None:
+    state = _state_key(observer)
+    if state is None or value.is_inference():  # no versions in inference mode
+        return
+    if len(_OBSERVED_CONSTANTS) >= _CONSTANTS_KEPT:
+        del _OBSERVED_CONSTANTS[next(iter(_OBSERVED_CONSTANTS))]
+    _OBSERVED_CONSTANTS[_constant_key(observer, value)] = (weakref.ref(value), value._version, weakref.ref(observer),
+                                                           state)
+
+
+def _observer_of_constant(observer: _RangeObserver, value: torch.Tensor) -> _RangeObserver | None:
+    """The live observer of the same type and settings that observed `value` as it is now, its range unchanged since;
+    else None."""
+    if value.is_inference():
+        return None
+    found = _OBSERVED_CONSTANTS.get(_constant_key(observer, value))
+    if found is None:
+        return None
+    value_ref, version, observer_ref, state = found
+    source = observer_ref()
+    if (version != value._version or value_ref() is not value or source is None or not source.frozen
+            or not _same_state(state, _state_key(source))):
+        return None
+    return source
 
 
 def share_qparams(observer: nn.Module, source: nn.Module) -> None:

@@ -424,3 +424,30 @@ def test_per_channel_observers_start_from_one_shared_empty_range_and_observe_apa
     assert first.min_val.shape == (3,) and second.min_val.shape == (5,)
     assert float(first.max_val.max()) < float(second.max_val.max())
     assert PerChannelMinMaxObserver().min_val.numel() == 0
+
+
+def test_a_weight_observed_at_an_earlier_prepare_is_not_reduced_again(model_and_batches):
+    """Each prepare of a graph observes its weights: a weight an observer of the same settings observed as it is
+    now takes that observer's range and qparams (no reduction), the same as observing it; a weight written to since,
+    or other settings, is observed."""
+    from qcore.quantization.prepare import prepare
+    from tests.helpers import count_op_calls
+
+    float_gm, _ = model_and_batches
+
+    def weight_observers(quantizer) -> list:
+        prepared = prepare(qcore.graph.capture.clone_graph_module(float_gm, share_parameters=True), quantizer)
+        return [m for m in prepared.modules() if isinstance(m, PerChannelMinMaxObserver)]
+
+    first = weight_observers(Int8StaticQuantizer())
+    reductions, again = count_op_calls(lambda: weight_observers(Int8StaticQuantizer()), torch.ops.aten.amax)
+    assert reductions == 0 and len(again) == len(first) > 0
+    for mine, theirs in zip(again, first):
+        assert torch.equal(mine.min_val, theirs.min_val) and torch.equal(mine.max_val, theirs.max_val)
+        assert all(torch.equal(a, b) for a, b in zip(mine.calculate_qparams(), theirs.calculate_qparams()))
+        assert mine.min_val.data_ptr() != theirs.min_val.data_ptr()
+    weight = next(p for p in float_gm.parameters() if p.dim() == 2)
+    with torch.no_grad():
+        weight.mul_(2.0)
+    reductions, changed = count_op_calls(lambda: weight_observers(Int8StaticQuantizer()), torch.ops.aten.amax)
+    assert reductions == 1 and max(float(o.max_val.max()) for o in changed) > 0
