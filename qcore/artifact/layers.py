@@ -79,6 +79,12 @@ def _args_text(args: Any) -> str:
     return text + (" dynamic" if getattr(args, "dynamic", False) is True else "")
 
 
+def _same_class(a: type, b: type) -> bool:
+    """Whether two classes are one by their module and name: a module imported again (pytester's in-process runs,
+    an autoreload, transformers' remote code) makes the same class a new object."""
+    return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
 def _format(module: nn.Module, reference: nn.Module | None) -> str:
     """What holds the module's quantization, in words; "" for a module that is not quantized."""
     weight = getattr(module, "weight", None)
@@ -90,7 +96,7 @@ def _format(module: nn.Module, reference: nn.Module | None) -> str:
         return type(weight).__name__
     if reference is None:
         return ""
-    if type(module) is not type(reference):
+    if not _same_class(type(module), type(reference)):
         return type(module).__name__
     reference_own, own = _own_tensors(reference), _own_tensors(module)
     ref_weight = reference_own.get("weight")

@@ -2,6 +2,7 @@
 by module name; every number against a direct computation with forward hooks on both models."""
 import copy
 import math
+import sys
 
 import pytest
 import torch
@@ -47,6 +48,19 @@ def test_a_torchao_artifact_gets_every_quantized_layer_with_the_numbers_of_a_dir
         theirs = reference.get_submodule(name).weight.detach().double()
         direct = 10 * math.log10(float((theirs**2).sum()) / float(((ours - theirs) ** 2).sum()))
         assert analysis.sqnr.layers[name].weight_sqnr_db == pytest.approx(direct, abs=1e-6)
+
+
+def test_modules_whose_classes_were_imported_again_match_the_reference_by_class_name(reference, tmp_path,
+                                                                                    monkeypatch):
+    """A module imported again (pytester's in-process runs, an autoreload) makes the same class a new object: the
+    artifact's modules still match the reference's, and only its quantized layers are named."""
+    from qcore.artifact.layers import artifact_layers
+
+    for name in [module for module in list(sys.modules) if module.startswith("transformers.models.llama")]:
+        monkeypatch.delitem(sys.modules, name)
+    quantized = compressed_tensors_checkpoint(reference, tmp_path, "W8A8", None)
+    assert type(quantized.model) is not type(reference.model)
+    assert [layer.name for layer in artifact_layers(reference, quantized)] == LINEARS
 
 
 @pytest.mark.parametrize("preset, group_size", [("W4A16", 32), ("W8A8", None)])
