@@ -208,6 +208,18 @@ def test_a_stashed_layer_value_keeps_its_dtype(dtype, copy):
     assert torch.equal(stash.value, (value / 2 if copy else value).reshape(-1))
 
 
+def _run_graph_pass(monkeypatch, name: str, run: bool, counts: list[int]) -> None:
+    """Let compare_propagated_and_shadow run its graph pass `name` (of qcore.numeric.instrument), or not, and append
+    what each call returns (0 when not run) to `counts`."""
+    from qcore.numeric import instrument
+
+    def counted(graph):
+        counts.append(getattr(instrument, name)(graph) if run else 0)
+        return counts[-1]
+
+    monkeypatch.setattr(__import__("sys").modules["qcore.numeric.compare"], name, counted)
+
+
 class _ThreeProjections(torch.nn.Module):
     """Query, key and value projections of one input, as an attention block has them."""
 
@@ -223,20 +235,14 @@ class _ThreeProjections(torch.nn.Module):
 
 def test_shadows_of_one_input_share_its_fake_quantization_with_the_same_sqnrs(monkeypatch):
     """The three projections' shadows quantize the same float value with the same qparams once, not three times."""
-    from qcore.numeric import instrument
-
     compare_module = __import__("sys").modules["qcore.numeric.compare"]
     torch.manual_seed(0)
     data = batches((4, 8, 16), n=3)
     float_gm, quant_gm = qcore.quantize(_ThreeProjections().eval(), data[0], data)
-    erased = []
+    erased: list[int] = []
 
     def shadows(merge: bool) -> dict:
-        def merging(graph):
-            erased.append(instrument.merge_repeated_shadow_inputs(graph) if merge else 0)
-            return erased[-1]
-
-        monkeypatch.setattr(compare_module, "merge_repeated_shadow_inputs", merging)
+        _run_graph_pass(monkeypatch, "merge_repeated_shadow_inputs", merge, erased)
         _, shadow_records = compare_module.compare_propagated_and_shadow(float_gm, quant_gm, data)
         return {r["layer"]: r["sqnr_db"] for r in shadow_records}
 
@@ -268,20 +274,14 @@ def test_the_quantized_run_skips_requantizing_a_view_of_a_value_on_the_grid_with
     """A projection's output, fake-quantized, viewed as heads and transposed, is not quantized again with the same
     qparams in the quantized graph's run (twice per projection here): the same propagated and shadow records. Not in
     bfloat16, whose rounding of a grid value may move it by a step."""
-    from qcore.numeric import instrument
-
     compare_module = __import__("sys").modules["qcore.numeric.compare"]
     torch.manual_seed(0)
     data = [batch.to(dtype) for batch in batches((2, 8, 16), n=3)]
     float_gm, quant_gm = qcore.quantize(_Heads().eval().to(dtype), data[0], data)
-    counts = []
+    counts: list[int] = []
 
     def records(skip: bool) -> tuple:
-        def skipping(graph):
-            counts.append(instrument.skip_requantizations(graph) if skip else 0)
-            return counts[-1]
-
-        monkeypatch.setattr(compare_module, "skip_requantizations", skipping)
+        _run_graph_pass(monkeypatch, "skip_requantizations", skip, counts)
         propagated, shadows = compare_module.compare_propagated_and_shadow(float_gm, quant_gm, data)
         return ([(r["layer"], r["sqnr_db"], r["cosine"]) for r in propagated],
                 [(r["layer"], r["sqnr_db"], r["cosine"]) for r in shadows])
