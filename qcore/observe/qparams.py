@@ -169,7 +169,7 @@ def fused_kernels_preferred(x: torch.Tensor) -> bool:
     """Whether fp16/bf16 values are fake-quantized by torch's fused kernels in their own dtype (one launch: a GPU,
     and the torch path QCORE_NATIVE=0 stands for), rather than through float32 copies on a chain of ops (the CPU,
     where torch's fused kernels are scalar loops: 2-3x slower on an LM head)."""
-    return x.device.type != "cpu" or native.kernel() is None
+    return native.launch_bound(x.device)
 
 
 def fake_quantize_per_channel(

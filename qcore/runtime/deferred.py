@@ -25,7 +25,7 @@ import torch
 from qcore.runtime import native
 
 __all__ = ["LAUNCH_BOUND_SCALE", "PENDING_ELEMENTS", "Flush", "batched_updates", "defer", "flat", "flat_copy",
-           "launch_bound", "run_pending", "seen_whole", "segment_lengths"]
+           "run_pending", "seen_whole", "segment_lengths"]
 
 PENDING_ELEMENTS = 1 << 21  # queued elements of a kind at most: 8 MB of float32 copies, and the working values of a run
 # where each early run is a chain of kernel launches (a GPU, or the CPU without the native kernels, which stands for
@@ -98,7 +98,7 @@ def defer(owner: object, flush: Flush, elements: int, entry: Callable[[], Any], 
     per value holds more; LAUNCH_BOUND_SCALE times that on a launch-bound device); False when no scope is open or
     the update alone is larger: the caller then updates now."""
     opened = _open_here.queues
-    limit = scale * PENDING_ELEMENTS * (LAUNCH_BOUND_SCALE if device is not None and launch_bound(device) else 1)
+    limit = scale * PENDING_ELEMENTS * (LAUNCH_BOUND_SCALE if device is not None and native.launch_bound(device) else 1)
     if not opened or elements > limit:
         return False
     queue = opened[-1]
@@ -132,12 +132,6 @@ def seen_whole(owner: object, x: torch.Tensor) -> bool:
         return True
     seen[id(owner)] = (weakref.ref(base), base._version)
     return False
-
-
-def launch_bound(device: torch.device) -> bool:
-    """Whether updates on `device` run as chains of kernel launches: a GPU, or the CPU without qcore's native
-    kernels (the path a GPU takes)."""
-    return device.type != "cpu" or native.kernel() is None
 
 
 def run_pending(owner: object) -> None:

@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 from typing import Any
 
-__all__ = ["PARALLEL_MIN_NUMEL", "REFUSED", "kernel", "status", "threads"]
+__all__ = ["PARALLEL_MIN_NUMEL", "REFUSED", "kernel", "launch_bound", "status", "threads"]
 
 _SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("_stats.c", "_fused.c", "_formats.c"))
 _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
@@ -206,6 +206,12 @@ def kernel():
         except Exception as error:  # noqa: BLE001 - whatever fails here, the torch path computes the same
             _state["library"], _state["status"] = None, f"torch path only: {type(error).__name__}: {error}"
     return _state["library"]
+
+
+def launch_bound(device: Any) -> bool:
+    """Whether torch ops on `device` (a torch.device) run as kernel launches, each worth saving: a GPU, or the CPU
+    without these kernels (the path a GPU takes, QCORE_NATIVE=0)."""
+    return device.type != "cpu" or kernel() is None
 
 
 def status() -> str:
