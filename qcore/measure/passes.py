@@ -30,6 +30,7 @@ from qcore.measure.variants import (
     add_variant_shadow,
     detector_channel_ranges,
     kept_producer_outputs,
+    make_variant_weights,
     plan_variants,
     rewrite_scales,
     variant_batches,
@@ -339,6 +340,7 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
     def instrument(graph: ShadowGraph) -> Callable[[], None]:
         by_layer = {pair.layer: pair for pair in graph.pairs}
         measured = [v for v in here if v.layer in by_layer]
+        make_variant_weights(measured)
         for index, variant in enumerate(measured):
             reason = add_variant_shadow(graph, by_layer[variant.layer], variant, index)
             if reason:

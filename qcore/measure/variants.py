@@ -22,7 +22,7 @@ from qcore.numeric.compare import ShadowGraph
 from qcore.numeric.instrument import attach_after, copy_layer_into
 from qcore.numeric.loggers import StreamingComparator
 from qcore.numeric.matching import LayerPair
-from qcore.observe.observers import MinMaxObserver, ObserverBase, fresh_copy
+from qcore.observe.observers import MinMaxObserver, ObserverBase, PerChannelMinMaxObserver, fresh_copy
 from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor, row_slices
 from qcore.quantization.convert import fake_quantize_with, weights_quantized_where_read
 from qcore.quantization.quantizer import ANNOTATION_KEY
@@ -35,10 +35,11 @@ from qcore.rewrites.equalize import (
     producer_layer,
     weight_column_factor,
 )
+from qcore.runtime import deferred
 
 __all__ = ["Variant", "VariantSqnr", "add_variant_shadow", "as_input_observer", "detector_channel_ranges",
-           "kept_producer_outputs", "plan_variants", "rewrite_scales", "ScaledWeightQuantizer", "variant_batches",
-           "variant_results"]
+           "kept_producer_outputs", "make_variant_weights", "plan_variants", "rewrite_scales",
+           "ScaledWeightQuantizer", "variant_batches", "variant_results"]
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], stati
     identities: dict[str, Variant] = {}  # one unequalized baseline per layer, shared by its methods
     for variant in variants:
         op = ops[variant.layer]
-        reason = _prepare_variant(prepared, op, variant)
+        reason = _variant_refusal(prepared, op)
         if reason:
             unmeasured[variant.layer] = reason
             continue
@@ -165,10 +166,10 @@ def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], stati
             if variant.layer not in identities:
                 identity = Variant(variant.layer, "identity", torch.ones_like(variant.factor), variant.low,
                                    variant.high)
-                _prepare_variant(prepared, op, identity)
                 identities[variant.layer] = identity
                 kept.append(identity)
             variant.baseline = identities[variant.layer]
+    _prepare_variants(prepared, [(ops[variant.layer], variant) for variant in kept])
     return kept, unmeasured, smoothed
 
 
@@ -179,22 +180,62 @@ def _observer_of(prepared: fx.GraphModule, arg: Any) -> ObserverBase | None:
     return None
 
 
-def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Variant) -> str:
-    """Compute the variant's input qparams, and how to make its quantized weight (in variant.extras); else the
-    reason it cannot be measured."""
+def _variant_refusal(prepared: fx.GraphModule, op: QuantizableOp) -> str:
+    """Why a layer's variants cannot be measured ("" when they can)."""
     input_observer = _observer_of(prepared, op.node.args[0])
     weight_observer = _observer_of(prepared, op.node.args[1] if len(op.node.args) > 1 else None)
     if input_observer is None or weight_observer is None:
         return "its input or weight is not quantized, so equalization changes nothing it measures"
     if input_observer.is_dynamic or input_observer.per_channel or getattr(input_observer, "is_float", False):
         return "its input is not quantized statically per tensor, which is what equalization balances"
-    factor = variant.factor.float()
-    low, high = (variant.low * factor).amin(), (variant.high * factor).amax()
-    scale, zero_point = calculate_qparams(low, high, input_observer.quant_min, input_observer.quant_max,
-                                          input_observer.symmetric, input_observer.eps)
+    return ""
+
+
+def _prepare_variants(prepared: fx.GraphModule, chosen: list[tuple[QuantizableOp, Variant]]) -> None:
+    """Each variant's input qparams and how to make its quantized weight (variant.extras). The input ranges x * m
+    of the variants whose input observers share settings are reduced and their qparams computed together, in one
+    chain of ops and one host read (elementwise: each variant's are those it would get alone)."""
+    groups: dict[tuple, list[tuple[QuantizableOp, Variant]]] = {}
+    for op, variant in chosen:
+        observer = _observer_of(prepared, op.node.args[0])
+        assert observer is not None
+        key = (observer.quant_min, observer.quant_max, observer.symmetric, observer.eps, variant.low.device)
+        groups.setdefault(key, []).append((op, variant))
+    for (quant_min, quant_max, symmetric, eps, device), members in groups.items():
+        low, high = _scaled_ranges([variant for _, variant in members], device)
+        scales, zero_points = calculate_qparams(low, high, quant_min, quant_max, symmetric, eps)
+        for (op, variant), scale, zero_point in zip(members, scales.tolist(), zero_points.tolist()):
+            variant.extras = _weight_plan(prepared, op, variant)
+            variant.extras.update(scale=float(scale), zero_point=int(zero_point))
+
+
+def _scaled_ranges(variants: list[Variant], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each variant's input range with its factor applied, (min of low * m, max of high * m), as two 1-d tensors:
+    x * m is monotone per channel for m > 0."""
+    factors = [variant.factor.float() for variant in variants]
+    if all(v.low.shape == v.high.shape == f.shape and f.dim() == 1 for v, f in zip(variants, factors)):
+        lengths = deferred.segment_lengths(device, tuple(f.numel() for f in factors))
+        factor = torch.cat(factors)
+        low = torch.segment_reduce(torch.cat([v.low for v in variants]) * factor, "min", lengths=lengths,
+                                   unsafe=True)  # a NaN stays, as with amin
+        high = torch.segment_reduce(torch.cat([v.high for v in variants]) * factor, "max", lengths=lengths,
+                                    unsafe=True)
+        return low, high
+    return (torch.stack([(v.low * f).amin() for v, f in zip(variants, factors)]),
+            torch.stack([(v.high * f).amax() for v, f in zip(variants, factors)]))
+
+
+def _weight_plan(prepared: fx.GraphModule, op: QuantizableOp, variant: Variant) -> dict[str, Any]:
+    """How a variant's quantized weight is made: its factor laid out for its input, and "weight", which makes the
+    weight (once: make_variant_weights may have made it with others ahead)."""
+    weight_observer = _observer_of(prepared, op.node.args[1] if len(op.node.args) > 1 else None)
+    assert weight_observer is not None
     weight = fetch_attr(prepared, op.weight_target).detach()
+    extras: dict[str, Any] = {}
 
     def make_weight() -> Any:  # made when its shadow is added: one block's at a time, block-wise
+        if "made" in extras:  # handed over once: the graph that reads it holds it from then on
+            return extras.pop("made")
         column_factor = weight_column_factor(op, variant.factor, weight)
         scaled = weight / column_factor
         fresh = fresh_copy(weight_observer)
@@ -205,9 +246,47 @@ def _prepare_variant(prepared: fx.GraphModule, op: QuantizableOp, variant: Varia
             return fake_quantize_with(fresh, scaled)
 
     shape = [1, -1] + [1] * (weight.dim() - 2) if op.kind == "conv" else [-1]
-    variant.extras = {"scale": float(scale.reshape(-1)[0]), "zero_point": int(zero_point.reshape(-1)[0]),
-                      "factor": variant.factor.reshape(shape).to(weight.dtype), "weight": make_weight}
-    return ""
+    extras.update(factor=variant.factor.reshape(shape).to(weight.dtype), weight=make_weight,
+                  weight_source=(op, weight, weight_observer))
+    return extras
+
+
+def make_variant_weights(variants: Iterable[Variant]) -> None:
+    """Make the quantized weights of variants ahead, together: the weights divided by their column factors are
+    laid end to end along their rows wherever their observers quantize per row with the same settings (the same
+    dtype, device and row shape too), then observed and fake-quantized in one chain of ops and one host read
+    instead of a chain and a read each. Per-row qparams depend on the row alone: each variant gets exactly the
+    weight it would make alone. Not where weights are quantized where read (a large model holds no such copy)."""
+    if weights_quantized_where_read():
+        return
+    groups: dict[tuple, list[Variant]] = {}
+    for variant in variants:
+        source = variant.extras.get("weight_source")
+        if source is None or "made" in variant.extras:
+            continue
+        _, weight, observer = source
+        if type(observer) is not PerChannelMinMaxObserver or (observer.ch_axis or 0) != 0 or weight.dim() < 2:
+            continue
+        key = (observer.dtype, observer.quant_min, observer.quant_max, observer.qscheme, observer.eps,
+               tuple(weight.shape[1:]), weight.dtype, weight.device)
+        groups.setdefault(key, []).append(variant)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        sources = [variant.extras["weight_source"] for variant in members]
+        rows = [weight.shape[0] for _, weight, _ in sources]
+        first = sources[0][1]
+        with torch.no_grad():
+            scaled = torch.empty((sum(rows), *first.shape[1:]), dtype=first.dtype, device=first.device)
+            for variant, (op, weight, _), part in zip(members, sources, scaled.split(rows)):
+                torch.div(weight, weight_column_factor(op, variant.factor, weight), out=part)
+            fresh = fresh_copy(sources[0][2])
+            fresh(scaled)
+            scale, zero_point = fresh.calculate_qparams()
+            quantized = fake_quantize_per_channel(scaled, scale, zero_point, 0, fresh.quant_min, fresh.quant_max,
+                                                  in_place=True)
+        for variant, piece in zip(members, quantized.split(rows)):
+            variant.extras["made"] = piece
 
 
 _ROWS_ELEMENTS = 1 << 22  # of a variant's weight quantized at a time where it is read (16 MB of float32)

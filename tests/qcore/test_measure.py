@@ -386,3 +386,78 @@ def test_weight_sqnrs_are_read_to_the_host_together_and_an_exact_copy_is_inf():
     with torch.no_grad():
         model.fc1.weight[0, 0] = math.nan
     assert math.isnan(weight_sqnrs(float_gm, quant_gm)["fc1"])
+
+
+class NormHeads(nn.Module):
+    """A LayerNorm read by three linears of one width (a smoothing group) and two convolutions of one shape: the
+    variants' weights of a row shape are made together."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 12), nn.Linear(16, 16)
+        self.stem, self.conv_a, self.conv_b = nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 8, 3), nn.Conv2d(8, 8, 3)
+        with torch.no_grad():
+            self.norm.weight[:3] *= 40.0
+
+    def forward(self, x, image):
+        h = self.norm(x)
+        stem = torch.relu(self.stem(image))
+        return self.q(h) * self.v(h), self.k(h), self.conv_a(stem) + self.conv_b(stem)
+
+
+def _variants_each_alone(monkeypatch):
+    """Plan and make each variant's input qparams and weight on its own, a chain of ops and host reads each."""
+    import qcore.measure.passes as passes_module
+    import qcore.measure.variants as variants_module
+    from qcore.observe.qparams import calculate_qparams
+
+    def alone(prepared, chosen):
+        for op, variant in chosen:
+            observer = variants_module._observer_of(prepared, op.node.args[0])
+            factor = variant.factor.float()
+            scale, zero_point = calculate_qparams((variant.low * factor).amin(), (variant.high * factor).amax(),
+                                                  observer.quant_min, observer.quant_max, observer.symmetric,
+                                                  observer.eps)
+            variant.extras = variants_module._weight_plan(prepared, op, variant)
+            variant.extras.update(scale=float(scale.reshape(-1)[0]), zero_point=int(zero_point.reshape(-1)[0]))
+
+    monkeypatch.setattr(variants_module, "_prepare_variants", alone)
+    monkeypatch.setattr(passes_module, "make_variant_weights", lambda variants: None)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-path"])
+def test_variants_planned_and_made_together_measure_what_each_would_alone(native, monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qcore.runtime import native as native_module
+
+    if not native:
+        monkeypatch.setattr(native_module, "kernel", lambda: None)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 6, 16, generator=g) * torch.logspace(-1, 1, 16), torch.randn(2, 4, 9, 9, generator=g))
+            for _ in range(2)]
+    float_gm = qcore.capture(NormHeads().eval(), data[0])
+    layers = ["q", "k", "v", "stem", "conv_a", "conv_b"]
+
+    class HostReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            HostReads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    def measured():
+        HostReads.count = 0
+        with HostReads():
+            found = measure_model(float_gm, data, equalization_layers=layers, smoothing="search")
+        return found.variants, HostReads.count
+
+    together, reads_together = measured()
+    with monkeypatch.context() as patched:
+        _variants_each_alone(patched)
+        alone, reads_alone = measured()
+    assert together == alone
+    assert sum(len(methods) for methods in together.values()) == 9  # 6 input-weight, 3 smoothing
+    # per variant two reads of its input qparams and one of whether its weight observer saw a batch, now per group
+    assert reads_alone - reads_together >= 2 * 9
