@@ -267,7 +267,8 @@ class ReportObserver(nn.Module):
         return self._sample_index
 
     def _batch_quantiles(self, values: torch.Tensor, rows: torch.Tensor | None, axis: int) -> torch.Tensor:
-        """[len(percentiles), channels]: this batch's per-channel percentiles, of its sample (in values' dtype)."""
+        """[len(percentiles), channels] ([channels] for one percentile): this batch's per-channel percentiles, of its
+        sample (in values' dtype)."""
         if rows is not None:  # [positions, channels], a view
             if rows.shape[0] > self.sample_size:
                 rows = rows.index_select(0, self._row_sample(rows.shape[0], rows.device))
@@ -412,7 +413,7 @@ def _update_reports(entries: list[tuple[ReportObserver, torch.Tensor, torch.Tens
         results = [torch.minimum(torch.cat(targets[0]), lows), torch.maximum(torch.cat(targets[1]), highs),
                    torch.cat(targets[2]).add_(highs == lows)]
         if percentiles:
-            ratios, counts = _batch_ratios(torch.cat([quantiles for _, _, _, quantiles in group], dim=1), highs)
+            ratios, counts = _batch_ratios(torch.cat([quantiles for _, _, _, quantiles in group], dim=-1), highs)
             targets += [[observer.ratio_sums for observer in observers],
                         [observer.ratio_counts for observer in observers]]
             results += [torch.cat(targets[3], dim=1).add_(ratios), torch.cat(targets[4], dim=1).add_(counts)]
@@ -456,7 +457,8 @@ def channel_sample_offsets(shape: tuple[int, ...], axis: int, size: int, seed: i
 
 
 def _column_quantiles(sample: torch.Tensor, percentiles: tuple[float, ...], dim: int) -> torch.Tensor:
-    """[len(percentiles), channels]: torch.quantile(..., interpolation="lower") of each channel's sample.
+    """[len(percentiles), channels] (one percentile: [channels]): torch.quantile(..., interpolation="lower") of each
+    channel's sample.
 
     High percentiles are read from a top-k (cheaper than a selection over every value); others use kthvalue.
     """
@@ -468,4 +470,4 @@ def _column_quantiles(sample: torch.Tensor, percentiles: tuple[float, ...], dim:
         picks = [top.select(dim, count - r) for r in ranks]  # views into the descending top-k
     else:
         picks = [torch.kthvalue(sample, r, dim=dim).values for r in ranks]
-    return picks[0][None] if len(picks) == 1 else torch.stack(picks)
+    return picks[0] if len(picks) == 1 else torch.stack(picks)  # one percentile: its row alone, one view fewer
