@@ -29,13 +29,14 @@ from qcore.graph.capture import clone_graph_module
 from qcore.graph.deferred import RuleFactors, rewrite
 from qcore.graph.ops import FQN_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, op_kind
 from qcore.graph.rewritable import equalization_refusal
-from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor
+from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel
 from qcore.quantization.calibrate import calibrate
 from qcore.runtime import scratch
 
 __all__ = ["ALPHA_GRID", "SmoothingGroup", "smooth", "smoothing_alpha", "smoothing_groups"]
 
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+_ALPHAS_ELEMENTS = 1 << 24  # of an input or weight scaled for several alphas at once (64 MB of float32)
 _CHANNEL_VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "flatten", "contiguous", "clone",
                   "unflatten"}
 _ROW_SELECTIONS = {"select", "slice", "getitem"}
@@ -220,31 +221,48 @@ class _ChannelStats(nn.Module):
     def best_alpha(self, grid: Sequence[float] = ALPHA_GRID) -> float:
         """The alpha of the grid whose fake-quantized group outputs on the first batch are closest to the float
         ones, the input quantized with the qparams the whole calibration gives it."""
+        signal, noises = self.alpha_errors(grid)
+        sqnr = 10 * torch.log10(signal / noises.clamp(min=1e-30))
+        return float(grid[int(torch.argmax(sqnr))])
+
+    def alpha_errors(self, grid: Sequence[float] = ALPHA_GRID) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the group's float output energy on the first batch, each alpha's squared error of the fake-quantized
+        outputs), float64. The alphas' scaled inputs and weights are quantized together (per alpha along a first
+        dimension: each alpha's qparams and values are those it would get alone); each alpha's matmul then runs
+        on its own copies, as alone (the CPU's matmul roundings depend on where its operands lie in memory)."""
         assert self.first is not None and self.low is not None and self.high is not None
         flat = self.first
         weights = [weight.float() for weight in self.weights]  # one float32 copy each, not one per alpha
         references = [flat @ weight.t() for weight in weights]
         signal = sum(reference.double().square().sum() for reference in references)
         terms = self._scale_terms()  # alike for every alpha: made once
-        scales = [self._scale(alpha, *terms) for alpha in grid]
-        # x / s is monotone per channel, so its range is the observed channel ranges divided by s; the grid's
-        # qparams in one computation and one read (elementwise: each alpha's are those it would get alone)
-        stacked = torch.stack(scales)
-        steps, zero_points = calculate_qparams((self.low / stacked).amin(1), (self.high / stacked).amax(1), -128, 127,
+        scales = torch.stack([self._scale(alpha, *terms) for alpha in grid])
+        # x / s is monotone per channel, so its range is the observed channel ranges divided by s
+        steps, zero_points = calculate_qparams((self.low / scales).amin(1), (self.high / scales).amax(1), -128, 127,
                                                False)
-        noises = []
-        for scale, step, zero_point in zip(scales, steps.tolist(), zero_points.tolist()):
-            quantized_x = fake_quantize_per_tensor(flat / scale, step, zero_point, -128, 127)
-            noise = torch.zeros((), dtype=torch.float64)
+        noises = torch.zeros(len(grid), dtype=torch.float64, device=flat.device)
+        largest = max([flat.numel(), *(weight.numel() for weight in weights)])
+        chunk = max(1, _ALPHAS_ELEMENTS // max(1, largest))  # alphas at a time: a bounded copy of each
+        for begin in range(0, len(grid), chunk):
+            part = slice(begin, begin + chunk)
+            inputs = fake_quantize_per_channel(flat[None] / scales[part, None, :], steps[part], zero_points[part], 0,
+                                               -128, 127, in_place=True)
+            quantized_x = _apart(inputs)
+            errors = []
             for weight, reference in zip(weights, references):
-                w = weight * scale
-                low, high = torch.aminmax(w, dim=1)
-                ws, wz = calculate_qparams(low, high, -127, 127, True)
-                output = quantized_x @ fake_quantize_per_channel(w, ws, wz, 0, -127, 127).t()
-                noise = noise + (reference - output).double().square().sum()
-            noises.append(noise)
-        sqnr = 10 * torch.log10(signal / torch.stack(noises).clamp(min=1e-30))
-        return float(grid[int(torch.argmax(sqnr))])
+                scaled = weight[None] * scales[part, None, :]  # [alphas, out, in]
+                rows = scaled.view(-1, scaled.shape[-1])
+                low, high = torch.aminmax(rows, dim=1)
+                row_steps, row_zero_points = calculate_qparams(low, high, -127, 127, True)
+                quantized_w = _apart(fake_quantize_per_channel(rows, row_steps, row_zero_points, 0, -127, 127,
+                                                               in_place=True).view(scaled.shape))
+                errors.append(torch.stack([(reference - x @ w.t()).double().square().sum()
+                                           for x, w in zip(quantized_x, quantized_w)]))
+            total = errors[0]
+            for error in errors[1:]:  # weight by weight, in the order a single alpha adds them
+                total = total + error
+            noises[part] = total
+        return signal, noises
 
     def scale(self, alpha: float) -> torch.Tensor:
         """s for one alpha from the observed activation range and the group's weights."""
@@ -261,6 +279,11 @@ class _ChannelStats(nn.Module):
     def _scale(alpha: float, activation: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         scale = activation.pow(alpha) / weight.pow(1 - alpha)
         return torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale)).clamp(1e-4, 1e4)
+
+
+def _apart(stacked: torch.Tensor) -> list[torch.Tensor]:
+    """The slices of `stacked` along its first dimension, each in an allocation of its own, in one op."""
+    return list(torch._foreach_mul(list(stacked.unbind(0)), 1.0))  # x * 1.0 is x, bit for bit
 
 
 def smoothing_alpha(recipe: str) -> float | str:

@@ -363,6 +363,49 @@ def test_the_smoothing_alpha_search_ranks_each_alpha_as_measured_alone(seed, dty
     assert alone(0.5)[0]
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       weights=st.integers(1, 3), rows=st.integers(1, 19), width=st.integers(1, 37), native=st.booleans(),
+       chunk=st.sampled_from([1, 3, 7]))
+def test_the_alphas_quantized_together_have_the_errors_each_has_alone(seed, dtype, weights, rows, width, native, chunk):
+    """Every alpha's scaled input and weights are quantized in one chain (a first dimension of alphas, in chunks
+    of a bounded size), and each alpha's squared error equals, to the bit, the error of that alpha measured alone
+    (the same steps on its own tensors, the weights' errors added in order), on both paths."""
+    from unittest import mock
+
+    from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor
+    from qcore.rewrites import smoothing
+    from qcore.runtime import native as native_module
+
+    generator = torch.Generator().manual_seed(seed)
+    observer = smoothing._ChannelStats(keep_first=True)
+    observer.weights = [torch.randn(int(torch.randint(1, 23, (), generator=generator)), width,
+                                    generator=generator).to(dtype) for _ in range(weights)]
+    for _ in range(2):
+        observer(torch.randn(rows, width, generator=generator) * torch.logspace(0, 2, width))
+
+    def alone(alpha):
+        scale = observer.scale(alpha)
+        s, z = calculate_qparams((observer.low / scale).amin(), (observer.high / scale).amax(), -128, 127, False)
+        x = fake_quantize_per_tensor(observer.first / scale, float(s), int(z), -128, 127)
+        noise = torch.zeros((), dtype=torch.float64)
+        for weight in observer.weights:
+            reference = observer.first @ weight.float().t()
+            w = weight.float() * scale
+            low, high = torch.aminmax(w, dim=1)
+            ws, wz = calculate_qparams(low, high, -127, 127, True)
+            noise = noise + (reference - x @ fake_quantize_per_channel(w, ws, wz, 0, -127, 127).t()).double() \
+                .square().sum()
+        return noise
+
+    largest = max([observer.first.numel(), *(w.numel() for w in observer.weights)])
+    with mock.patch.object(smoothing, "_ALPHAS_ELEMENTS", largest * chunk), \
+            mock.patch.object(native_module, "kernel", native_module.kernel if native else lambda: None):
+        _, noises = observer.alpha_errors()
+        expected = torch.stack([alone(alpha) for alpha in smoothing.ALPHA_GRID])
+    assert torch.equal(noises, expected)
+
+
 def test_weight_sqnrs_are_read_to_the_host_together_and_an_exact_copy_is_inf():
     """One host read for every weight compared whole, with the values each gives alone: an all-zero weight (0/0) is
     inf, as an exact activation is, and a weight with a NaN stays nan."""
