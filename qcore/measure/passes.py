@@ -332,7 +332,7 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
     of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). The other
     keywords are compare_propagated_and_shadow's."""
     limits = resolution_limits(quant_gm)
-    weights = weight_sqnrs(float_gm, quant_gm)
+    weights = weight_sqnrs(float_gm, quant_gm, layers)
     own_layers = {op.layer for op in find_quantizable_ops(float_gm)}
     here = [v for v in variants if v.layer in own_layers]
     baselines: dict[str, dict[str, Any]] = {}
@@ -393,14 +393,16 @@ def diagnosed_calibration(float_gm: fx.GraphModule, batches: list[Any]) -> Itera
             "calibration data there.") from error
 
 
-def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule) -> dict[str, float]:
+def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, layers: Collection[str] | None = None
+                 ) -> dict[str, float]:
     """{layer: SQNR of its quantized weight against the float one}, one layer's weights at a time (a weight kept
     as codes is dequantized for its own comparison only); the SQNRs of the weights compared whole are read to the
-    host together, not one wait per layer."""
+    host together, not one wait per layer. `layers`, when given, are the only layers compared (a fix trial's, whose
+    measurement holds no others)."""
     found: dict[str, float] = {}
     on_device: list[tuple[LayerPair, torch.Tensor]] = []
     for pair in match_layers(float_gm, quant_gm):
-        if pair.a.weight is None or pair.b.weight is None:
+        if pair.a.weight is None or pair.b.weight is None or (layers is not None and pair.layer not in layers):
             continue
         original = weight_value(float_gm, pair.a.weight).detach()
         rows = _quantized_weight_rows(quant_gm, pair.b.weight, pair.a.weight, original)

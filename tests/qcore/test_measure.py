@@ -504,3 +504,23 @@ def test_variants_planned_and_made_together_measure_what_each_would_alone(native
     assert sum(len(methods) for methods in together.values()) == 9  # 6 input-weight, 3 smoothing
     # per variant two reads of its input qparams and one of whether its weight observer saw a batch, now per group
     assert reads_alone - reads_together >= 2 * 9
+
+
+def test_a_trial_compares_the_weights_of_its_own_layers_only(monkeypatch):
+    """A fix trial measures the layers it concerns (its measurement holds no others): their weight SQNRs are the
+    whole variant's, and the other layers' weights are not compared."""
+    import qcore.measure.passes as passes_module
+    from qcore.analysis import with_layer_overrides
+
+    compared = []
+    real = passes_module.compute_sqnr
+    monkeypatch.setattr(passes_module, "compute_sqnr", lambda a, b: compared.append(1) or real(a, b))
+    data = _skewed(2)
+    analysis = ModelAnalysis(qcore.capture(SkewedMLP().eval(), data[0]), None, data)
+    quantizer = with_layer_overrides(analysis.quantizer, {"fc2": {"activation_observer": "histogram"}})
+    whole = analysis.variant(quantizer).sqnr.layers
+    assert len(compared) == 4
+    trial = analysis.variant(quantizer, layers=["fc2"]).sqnr.layers
+    assert len(compared) == 5
+    assert trial["fc2"].weight_sqnr_db == whole["fc2"].weight_sqnr_db and not math.isnan(whole["fc2"].weight_sqnr_db)
+    assert set(trial) == {"fc2"}
