@@ -16,7 +16,7 @@ from qcore.runtime import deferred, native
 
 __all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinMaxObserver",
     "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
-    "best_clipping_ranges", "calculate_qparams_together", "copied", "fresh_copy", "share_qparams"]
+    "best_clipping_ranges", "calculate_qparams_together", "copied", "fresh_copy", "has_qparams", "share_qparams"]
 
 
 _NO_CHANNELS = torch.empty(0)  # a per-channel range before a first batch: never written to, only replaced
@@ -452,6 +452,15 @@ def _live_twin(observer: nn.Module) -> nn.Module | None:
     if source is not None and _same_state(twin[0], _state_key(observer)) and _same_state(twin[2], _state_key(source)):
         return source
     return None
+
+
+def has_qparams(observer: nn.Module) -> bool:
+    """Whether the observer's qparams are known without computing them: memoized for its state as it is now, or
+    taken from a live twin (share_qparams). Either means it has observed something (no host read to tell)."""
+    if _live_twin(observer) is not None:
+        return True
+    memo = observer.__dict__.get("_qparams_memo")
+    return memo is not None and _same_state(memo[0], _state_key(observer))
 
 
 def _state_key(observer: nn.Module) -> tuple[tuple[str, Any, int], ...] | None:

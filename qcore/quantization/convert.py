@@ -13,7 +13,7 @@ from torch import fx, nn
 
 from qcore.graph.capture import capture, clone_graph_module
 from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, fetch_attr, weight_value
-from qcore.observe.observers import ObserverBase, calculate_qparams_together, laid_end_to_end
+from qcore.observe.observers import ObserverBase, calculate_qparams_together, has_qparams, laid_end_to_end
 from qcore.observe.qparams import (
     fake_quantize_dynamic,
     fake_quantize_finite_per_channel,
@@ -199,7 +199,7 @@ def _saw_nothing_together(observers: list[nn.Module]) -> set[ObserverBase]:
     nothing = {o for o in observers if o.min_val.numel() == 0}
     by_device: dict[torch.device, list[nn.Module]] = {}
     for observer in observers:
-        if observer not in nothing:
+        if observer not in nothing and not has_qparams(observer):
             by_device.setdefault(observer.min_val.device, []).append(observer)
     for members in by_device.values():
         # amin is +inf only where every value is +inf
@@ -249,7 +249,8 @@ def fake_quantize_with(observer: ObserverBase, value: torch.Tensor, values: _QPa
     """Fake-quantize a tensor with an observer's qparams (per tensor or per channel); `values`: those qparams
     already read to the host (convert's lists: a per-tensor one's constants; for a per-channel one, whether torch's
     fused kernel gives the same values in one op, on the torch path)."""
-    scale, zero_point = observer.calculate_qparams()
+    # only read here: a memo's own tensors, not copies of them
+    scale, zero_point = getattr(observer, "memoized_qparams", observer.calculate_qparams)()
     if observer.per_channel:
         if values is not None and fused_kernels_preferred(value) and _fused_kernel_takes(values, observer):
             return fake_quantize_finite_per_channel(value, scale.to(torch.float32), zero_point.to(torch.int32),

@@ -451,3 +451,30 @@ def test_a_weight_observed_at_an_earlier_prepare_is_not_reduced_again(model_and_
         weight.mul_(2.0)
     reductions, changed = count_op_calls(lambda: weight_observers(Int8StaticQuantizer()), torch.ops.aten.amax)
     assert reductions == 1 and max(float(o.max_val.max()) for o in changed) > 0
+
+
+def test_weights_whose_qparams_an_earlier_prepare_made_convert_without_reducing_or_copying_them(model_and_batches):
+    """A convert's weight observers whose qparams are known (those of the observer of an earlier prepare, while it
+    lives, as a model's do while its trials prepare) are not reduced again to tell whether they saw anything, and
+    their qparams are read, not copied: the same quantized weights as the first convert's."""
+    from qcore.quantization.convert import convert
+    from qcore.quantization.prepare import prepare
+    from tests.helpers import count_op_calls
+
+    float_gm, data = model_and_batches
+
+    def calibrated():
+        prepared = prepare(qcore.graph.capture.clone_graph_module(float_gm, share_parameters=True),
+                           Int8StaticQuantizer())
+        for batch in data:
+            prepared(batch)
+        return prepared
+
+    first = calibrated()
+    observers = [m for m in first.modules() if isinstance(m, PerChannelMinMaxObserver)]
+    weights = {name: buffer for name, buffer in convert(first).named_buffers() if name.startswith("qcore_fq_")}
+    second, third = calibrated(), calibrated()
+    reductions, again = count_op_calls(lambda: convert(second), torch.ops.aten.amin)
+    copies, _ = count_op_calls(lambda: convert(third), torch.ops.aten.clone)
+    assert observers and weights and reductions == 0 and copies == 0
+    assert all(torch.equal(again.get_buffer(name), buffer) for name, buffer in weights.items())
