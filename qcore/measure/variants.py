@@ -31,14 +31,14 @@ from qcore.report.detectors import DetectorBase, observer_name
 from qcore.rewrites.equalize import (
     InputEqualizationObserver,
     input_channel_axis,
-    input_weight_scale,
+    input_weight_scales,
     producer_layer,
     weight_column_factor,
 )
 from qcore.runtime import deferred
 
-__all__ = ["Variant", "VariantSqnr", "add_variant_shadow", "as_input_observer", "detector_channel_ranges",
-           "kept_producer_outputs", "make_variant_weights", "plan_variants", "rewrite_scales",
+__all__ = ["Variant", "VariantSqnr", "add_variant_shadow", "detector_channel_ranges",
+           "input_ranges", "kept_producer_outputs", "make_variant_weights", "plan_variants", "rewrite_scales",
            "ScaledWeightQuantizer", "variant_batches", "variant_results"]
 
 
@@ -97,13 +97,12 @@ def detector_channel_ranges(prepared: fx.GraphModule, op: QuantizableOp, detecto
     return None
 
 
-def as_input_observer(observer: Any) -> InputEqualizationObserver:
-    """An InputEqualizationObserver holding a calibrated observer's per-channel ranges."""
+def input_ranges(observer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A calibrated observer's per-channel (min, max): an InputEqualizationObserver's own, another's copied (a report
+    observer goes on updating its state in place)."""
     if isinstance(observer, InputEqualizationObserver):
-        return observer
-    copy_ = InputEqualizationObserver(ch_axis=observer.ch_axis)
-    copy_.min_val, copy_.max_val = observer.min_val.clone(), observer.max_val.clone()
-    return copy_
+        return observer.min_val, observer.max_val
+    return observer.min_val.clone(), observer.max_val.clone()
 
 
 def kept_producer_outputs(float_gm: fx.GraphModule, prepared: fx.GraphModule, layers: Iterable[str]) -> set[str]:
@@ -136,13 +135,16 @@ def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], stati
     variants: list[Variant] = []
     unmeasured: dict[str, str] = {}
     smoothed: dict[str, dict[str, Any]] = {}
-    for probe in statistics:
+    ranges = {index: input_ranges(probe.observer) for index, probe in enumerate(statistics)
+              if probe.kind == "input_weight"}
+    scales = dict(zip(ranges, input_weight_scales(prepared, [(statistics[index].key, *found)
+                                                              for index, found in ranges.items()])))
+    for index, probe in enumerate(statistics):
         kind, key, observer = probe.kind, probe.key, probe.observer
         if kind == "input_weight":
-            observer = as_input_observer(observer)
-            scale = input_weight_scale(prepared, key, observer)
-            variants.append(Variant(key.layer, kind, scale, observer.min_val, observer.max_val,
-                                     requantize=key.layer in requantized, rewrite_scale=scale))
+            scale = scales[index]
+            variants.append(Variant(key.layer, kind, scale, *ranges[index], requantize=key.layer in requantized,
+                                    rewrite_scale=scale))
             continue
         alpha = observer.best_alpha() if smoothing == "search" else float(smoothing)  # type: ignore[arg-type]
         observer.first = None

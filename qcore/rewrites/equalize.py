@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections import namedtuple
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,8 +30,8 @@ from qcore.runtime import scratch
 __all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserver", "WeightEqualizationObserver",
     "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
     "equalization_refusal", "equalize", "get_equalization_qconfig_dict", "get_layer_sqnr_dict", "input_channel_axis",
-    "input_weight_scale", "node_is_transposed", "producer_layer", "resolve_layers", "weight_column_factor",
-    "weight_column_ranges"]
+    "input_weight_scale", "input_weight_scales", "node_is_transposed", "producer_layer", "resolve_layers",
+    "weight_column_factor", "weight_column_ranges"]
 
 
 class EqualizationError(ValueError):
@@ -133,6 +133,11 @@ def calculate_equalization_scale(input_obs: InputEqualizationObserver,
     """sqrt((max_w - min_w) / (max_x - min_x)) per column; 0, nan and inf become 1."""
     min_inputs, max_inputs = input_obs.get_input_minmax()
     min_weights, max_weights = weight_obs.get_weight_col_minmax()
+    return _equalization_scale(min_inputs, max_inputs, min_weights, max_weights)
+
+
+def _equalization_scale(min_inputs: torch.Tensor, max_inputs: torch.Tensor, min_weights: torch.Tensor,
+                        max_weights: torch.Tensor) -> torch.Tensor:
     if min_inputs.numel() == 0 or min_weights.numel() == 0:
         warnings.warn("run the observers before calculate_equalization_scale; returning scale 1", stacklevel=2)
         return torch.tensor(1)
@@ -294,7 +299,8 @@ def _observed_scales(result: fx.GraphModule, ops: list[QuantizableOp], calibrati
         observers[op.layer] = (observer, node)
     result.recompile()
     calibrate(result, calibration)
-    scales = {op.layer: input_weight_scale(result, op, observers[op.layer][0]) for op in ops}
+    scales = dict(zip([op.layer for op in ops], input_weight_scales(
+        result, [(op, *observers[op.layer][0].get_input_minmax()) for op in ops])))
     for _observer, node in observers.values():
         result.graph.erase_node(node)
         delattr(result, node.target)
@@ -304,14 +310,36 @@ def _observed_scales(result: fx.GraphModule, ops: list[QuantizableOp], calibrati
 def input_weight_scale(gm: fx.GraphModule, op: QuantizableOp, input_observer: InputEqualizationObserver
                        ) -> torch.Tensor:
     """The equalization scale s of one layer (1-d, per input channel) from its calibrated input observer."""
-    weight_observer = WeightEqualizationObserver()
-    weight = fetch_tensor(gm, op.weight_target).detach()
-    groups = conv_groups(op)
-    if groups > 1:  # columns of a grouped conv weight: channel g * in_per_group + j
-        weight_observer.min_val, weight_observer.max_val = _grouped_column_minmax(weight, groups)
-    else:
-        weight_observer(weight)
-    return calculate_equalization_scale(input_observer, weight_observer).reshape(-1)
+    return input_weight_scales(gm, [(op, *input_observer.get_input_minmax())])[0]
+
+
+def input_weight_scales(gm: fx.GraphModule, layers: Sequence[tuple[QuantizableOp, torch.Tensor, torch.Tensor]]
+                        ) -> list[torch.Tensor]:
+    """input_weight_scale of several layers from their input channel ranges (min, max): each weight's column ranges
+    reduced on its own, the scale's formula over all of them laid end to end, per dtype and device (elementwise:
+    each layer's scale is the one it gets alone)."""
+    found: list[torch.Tensor | None] = [None] * len(layers)
+    groups: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    for index, (op, min_inputs, max_inputs) in enumerate(layers):
+        weight = fetch_tensor(gm, op.weight_target).detach()
+        groups_of_conv = conv_groups(op)
+        # a grouped conv's columns: channel g * in_per_group + j
+        min_weights, max_weights = (_grouped_column_minmax(weight, groups_of_conv) if groups_of_conv > 1
+                                    else weight_column_ranges(weight))
+        if min_inputs.numel() == 0 or min_weights.numel() == 0 or min_inputs.shape != min_weights.shape \
+                or min_inputs.dim() != 1:  # warned about or refused as alone
+            found[index] = _equalization_scale(min_inputs, max_inputs, min_weights, max_weights).reshape(-1)
+            continue
+        key = (min_inputs.dtype, max_inputs.dtype, min_weights.dtype, max_weights.dtype, min_inputs.device,
+               min_weights.device)
+        groups.setdefault(key, []).append((index, min_inputs, max_inputs, min_weights, max_weights))
+    for members in groups.values():
+        ranges = [torch.cat([member[kind] for member in members]) if len(members) > 1 else members[0][kind]
+                  for kind in (1, 2, 3, 4)]
+        scales = _equalization_scale(*ranges)
+        for member, scale in zip(members, scales.split([member[1].numel() for member in members])):
+            found[member[0]] = scale
+    return [scale for scale in found if scale is not None]
 
 
 def input_channel_axis(op: QuantizableOp) -> int:

@@ -312,3 +312,50 @@ def test_a_layer_after_a_quantized_producer_quantizes_its_scaled_input_again():
     mul = observer.args[0]
     assert mul.meta.get("qcore_inserted") == "equalization"
     assert mul.args[0].meta.get("qcore_inserted") == "observer"  # the add's own output quantizer stays
+
+
+class _Mixed(nn.Module):
+    """Two linears of one width, a convolution and a grouped one: their equalization scales are made together."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 6), nn.Linear(12, 9)
+        self.conv, self.grouped = nn.Conv2d(4, 6, 3), nn.Conv2d(6, 6, 1, groups=3)
+
+    def forward(self, x, image):
+        return self.a(x), self.b(x), self.grouped(self.conv(image))
+
+
+@given(seed=st.integers(0, 10_000), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       zeros=st.integers(0, 3))
+@settings(max_examples=30, deadline=None)
+def test_equalization_scales_made_together_equal_each_layers_alone(seed, dtype, zeros):
+    """input_weight_scales lays several layers' ranges end to end: each layer's scale is, to the bit, what
+    calculate_equalization_scale gives it alone from an input and a weight observer (zero ranges: scale 1)."""
+    from qcore.graph.ops import find_quantizable_ops
+    from qcore.rewrites.equalize import input_weight_scales
+
+    generator = torch.Generator().manual_seed(seed)
+    model = _Mixed().to(dtype).eval()
+    gm = qcore.capture(model, (torch.randn(2, 12, dtype=dtype), torch.randn(1, 4, 5, 5, dtype=dtype)))
+    ops = [op for op in find_quantizable_ops(gm) if op.weight_target is not None]
+    ranges = []
+    for op in ops:
+        channels = qcore.graph.ops.fetch_attr(gm, op.weight_target).shape[1] * (3 if op.layer == "grouped" else 1)
+        low = -torch.rand(channels, generator=generator) * 10
+        high = torch.rand(channels, generator=generator) * 10
+        low[:zeros], high[:zeros] = 0.0, 0.0  # zero input ranges: scale 1
+        ranges.append((low, high))
+    together = input_weight_scales(gm, [(op, low, high) for op, (low, high) in zip(ops, ranges)])
+    assert len(together) == len(ops) == 4
+    for op, (low, high), scale in zip(ops, ranges, together):
+        inputs, weights = InputEqualizationObserver(), WeightEqualizationObserver()
+        inputs.min_val, inputs.max_val = low, high
+        weight = qcore.graph.ops.fetch_attr(gm, op.weight_target).detach()
+        if op.layer == "grouped":  # channel g * in_per_group + j
+            blocks = weight.reshape(3, 2, 2, -1)
+            weights.min_val = blocks.amin(dim=(1, 3)).reshape(-1).float()
+            weights.max_val = blocks.amax(dim=(1, 3)).reshape(-1).float()
+        else:
+            weights(weight)
+        assert torch.equal(scale, calculate_equalization_scale(inputs, weights).reshape(-1)), op.layer
