@@ -235,8 +235,7 @@ class _ChannelStats(nn.Module):
         weights = [weight.float() for weight in self.weights]  # one float32 copy each, not one per alpha
         references = [flat @ weight.t() for weight in weights]
         signal = sum(reference.double().square().sum() for reference in references)
-        terms = self._scale_terms()  # alike for every alpha: made once
-        scales = torch.stack([self._scale(alpha, *terms) for alpha in grid])
+        scales = self.scales(grid)
         # x / s is monotone per channel, so its range is the observed channel ranges divided by s
         steps, zero_points = calculate_qparams((self.low / scales).amin(1), (self.high / scales).amax(1), -128, 127,
                                                False)
@@ -265,8 +264,31 @@ class _ChannelStats(nn.Module):
         return signal, noises
 
     def scale(self, alpha: float) -> torch.Tensor:
-        """s for one alpha from the observed activation range and the group's weights."""
+        """s for one alpha from the observed activation range and the group's weights (the row `scales` made, while
+        neither has changed since)."""
+        known = self.__dict__.get("_known_scales")
+        if known is not None and self._same_terms(known[0]) and alpha in known[1]:
+            return known[1][alpha]
         return self._scale(alpha, *self._scale_terms())
+
+    def scales(self, grid: Sequence[float]) -> torch.Tensor:
+        """[len(grid), channels]: each alpha's s (scale(alpha), to the bit), in one chain of ops but the powers; kept
+        for scale() until the ranges or the weights change."""
+        activation, weight = self._scale_terms()  # alike for every alpha: made once
+        found = torch.stack([activation.pow(alpha) for alpha in grid]) / torch.stack([weight.pow(1 - alpha)
+                                                                                     for alpha in grid])
+        found = self._usable(found)
+        self.__dict__["_known_scales"] = (self._terms_key(), dict(zip(grid, found.unbind(0))))
+        return found
+
+    def _terms_key(self) -> tuple:
+        """What the scales are made of: the ranges and the weights (each as it is now)."""
+        return (self.low, self.high, [(weight, weight._version) for weight in self.weights])
+
+    def _same_terms(self, key: tuple) -> bool:
+        low, high, weights = key
+        return (low is self.low and high is self.high and len(weights) == len(self.weights)
+                and all(w is now and version == now._version for (w, version), now in zip(weights, self.weights)))
 
     def _scale_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(activation, weight) magnitudes per channel that every alpha's s is made of."""
@@ -277,8 +299,12 @@ class _ChannelStats(nn.Module):
 
     @staticmethod
     def _scale(alpha: float, activation: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        scale = activation.pow(alpha) / weight.pow(1 - alpha)
-        return torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale)).clamp(1e-4, 1e4)
+        return _ChannelStats._usable(activation.pow(alpha) / weight.pow(1 - alpha))
+
+    @staticmethod
+    def _usable(scale: torch.Tensor) -> torch.Tensor:
+        """Scales that are no positive number become 1; the others are kept within [1e-4, 1e4]."""
+        return torch.where(torch.isfinite(scale) & (scale > 0), scale, 1.0).clamp(1e-4, 1e4)
 
 
 def _apart(stacked: torch.Tensor) -> list[torch.Tensor]:

@@ -404,6 +404,14 @@ def test_the_alphas_quantized_together_have_the_errors_each_has_alone(seed, dtyp
         _, noises = observer.alpha_errors()
         expected = torch.stack([alone(alpha) for alpha in smoothing.ALPHA_GRID])
     assert torch.equal(noises, expected)
+    # the search's scales serve scale() (the same bits as one alpha's alone), until a weight or a range changes
+    assert all(torch.equal(observer.scale(alpha), observer._scale(alpha, *observer._scale_terms()))
+               for alpha in smoothing.ALPHA_GRID)
+    assert observer.scale(0.5) is observer.__dict__["_known_scales"][1][0.5]
+    with torch.no_grad():
+        observer.weights[0].mul_(2.0)
+    assert observer.scale(0.5) is not observer.__dict__["_known_scales"][1][0.5]
+    assert torch.equal(observer.scale(0.5), observer._scale(0.5, *observer._scale_terms()))
 
 
 def test_weight_sqnrs_are_read_to_the_host_together_and_an_exact_copy_is_inf():
