@@ -18,7 +18,7 @@ from torch import fx
 from qcore.graph.ops import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted
 from qcore.numeric.metrics import read_to_host
 from qcore.quantization.quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
-from qcore.report.observer import ReportObserver, average_ratio_values, batch_to_epoch_ratios
+from qcore.report.observer import ReportObserver, average_ratio_values, batch_to_epoch_ratios, fresh_ranges
 from qcore.rewrites.equalize import weight_column_ranges
 from qcore.runtime import deferred
 
@@ -272,14 +272,14 @@ class DynamicStaticDetector(DetectorBase):
 
     def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
         points = {}
-        for op in self.layers(model):
-            if not op.activation_inputs:
-                continue
+        ops = [op for op in self.layers(model) if op.activation_inputs]
+        ranges = iter(fresh_ranges(2 * len(ops)))
+        for op in ops:
             name = self.get_detector_name()
             points[observer_name(op.layer, name, "pre")] = self._point(
-                op.node, op.activation_inputs[0], ReportObserver(per_channel=False), post=False)
+                op.node, op.activation_inputs[0], ReportObserver(per_channel=False, ranges=next(ranges)), post=False)
             points[observer_name(op.layer, name, "post")] = self._point(
-                op.node, op.node, ReportObserver(per_channel=False), post=True)
+                op.node, op.node, ReportObserver(per_channel=False, ranges=next(ranges)), post=True)
         return points
 
     def _classify(self, stat: float) -> str:
@@ -361,11 +361,11 @@ class InputWeightEqualizationDetector(DetectorBase):
 
     def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
         points = {}
-        for op in self.layers(model):
-            if op.activation_inputs:
-                observer = ReportObserver(ch_axis=channel_axis(op, self.ch_axis))
-                points[observer_name(op.layer, self.get_detector_name(), "pre")] = self._point(
-                    op.node, op.activation_inputs[0], observer, post=False)
+        ops = [op for op in self.layers(model) if op.activation_inputs]
+        for op, ranges in zip(ops, fresh_ranges(len(ops))):
+            observer = ReportObserver(ch_axis=channel_axis(op, self.ch_axis), ranges=ranges)
+            points[observer_name(op.layer, self.get_detector_name(), "pre")] = self._point(
+                op.node, op.activation_inputs[0], observer, post=False)
         return points
 
     def _weight_ranges(self, model: fx.GraphModule, op: QuantizableOp) -> tuple[torch.Tensor, torch.Tensor]:
@@ -475,8 +475,10 @@ class OutlierDetector(DetectorBase):
 
     def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
         points = {}
-        for op in self.layers(model):
-            observer = ReportObserver(ch_axis=channel_axis(op, self.ch_axis), percentiles=(self.reference_percentile,))
+        ops = self.layers(model)
+        for op, ranges in zip(ops, fresh_ranges(len(ops))):
+            observer = ReportObserver(ch_axis=channel_axis(op, self.ch_axis), percentiles=(self.reference_percentile,),
+                                      ranges=ranges)
             points[observer_name(op.layer, self.get_detector_name(), "pre")] = self._point(
                 op.node, op.activation_inputs[0], observer, post=False)
         return points

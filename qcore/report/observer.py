@@ -27,7 +27,7 @@ from torch import nn
 from qcore.runtime import deferred, native
 
 __all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportObserver", "average_ratio_values",
-           "batch_to_epoch_ratios"]
+           "batch_to_epoch_ratios", "fresh_ranges"]
 
 DEFAULT_SAMPLE_SIZE = 4096
 _NO_CHANNELS = torch.empty(0)  # the per-channel state before a first batch: never written to, only replaced
@@ -44,7 +44,9 @@ class ReportObserver(nn.Module):
     """Streaming statistics of one activation; `percentiles` may be empty (range statistics only)."""
 
     def __init__(self, ch_axis: int = 1, percentiles: tuple[float, ...] = (), per_channel: bool = True,
-                 sample_size: int = DEFAULT_SAMPLE_SIZE, seed: int = 0) -> None:
+                 sample_size: int = DEFAULT_SAMPLE_SIZE, seed: int = 0,
+                 ranges: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`ranges`: the starting (extremes, extreme_sums), from fresh_ranges (made anew when None)."""
         super().__init__()
         self.ch_axis = ch_axis
         self.per_channel = per_channel or bool(percentiles)
@@ -53,8 +55,10 @@ class ReportObserver(nn.Module):
         self.seed = seed
         self.num_batches_tracked = 0
         # [-min, max] of the whole tensor: running maximum, and sum over batches (for the mean batch range)
-        self.register_buffer("extremes", torch.full((2,), float("-inf")))
-        self.register_buffer("extreme_sums", torch.zeros(2, dtype=torch.float64))
+        extremes, extreme_sums = ranges if ranges is not None else (
+            torch.full((2,), float("-inf")), torch.zeros(2, dtype=torch.float64))
+        self.register_buffer("extremes", extremes)
+        self.register_buffer("extreme_sums", extreme_sums)
         for name in ("min_val", "max_val", "ratio_sums", "ratio_counts", "constant_channels"):
             # one empty tensor for every observer: the first batch replaces each with its own (_init_channels)
             self.register_buffer(name, _NO_CHANNELS)
@@ -344,6 +348,16 @@ class ReportObserver(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ch_axis={self.ch_axis}, percentiles={self.percentiles}, per_channel={self.per_channel}"
+
+
+def fresh_ranges(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The starting range state (extremes, extreme_sums) of `count` report observers, made in four ops for all of
+    them instead of two each: each a row of one allocation, its own to update in place."""
+    if count <= 0:
+        return []
+    extremes = torch.full((count, 2), float("-inf")).unbind(0)
+    extreme_sums = torch.zeros(count, 2, dtype=torch.float64).unbind(0)
+    return list(zip(extremes, extreme_sums))
 
 
 def batch_to_epoch_ratios(observers: list[ReportObserver]) -> list[float]:

@@ -280,3 +280,30 @@ def test_the_kernel_source_compiles_without_warnings(tmp_path):
     flags = ["-std=c99", "-fopenmp", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-fsyntax-only"]
     done = subprocess.run(["cc", *flags, *map(str, native._SOURCES)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@settings(max_examples=60, deadline=None)
+@given(activations(), activations(), st.booleans(), st.booleans())
+def test_observers_on_rows_of_one_range_allocation_observe_as_observers_made_alone(first, second, kernel, queued):
+    """A detector makes its observers' starting ranges together (fresh_ranges: rows of one allocation): each ends
+    in the state an observer made alone ends in, on the native and torch paths and through the queue of a model
+    call, whatever the others observe."""
+    import contextlib
+    from unittest import mock
+
+    from qcore.report.observer import fresh_ranges
+    from qcore.runtime import deferred
+
+    cases = [first, second]
+    with mock.patch.object(native, "kernel", native.kernel if kernel else lambda: None):
+        pooled = [ReportObserver(**settings_, ranges=ranges) for (_, settings_), ranges in zip(cases, fresh_ranges(2))]
+        alone = [ReportObserver(**settings_) for _, settings_ in cases]
+        for observers in (pooled, alone):
+            with deferred.batched_updates() if queued else contextlib.nullcontext():
+                for index in range(max(len(batches) for batches, _ in cases)):
+                    for observer, (batches, _) in zip(observers, cases):
+                        if index < len(batches):
+                            observer(batches[index])
+    for ours, reference in zip(pooled, alone):
+        _assert_same_state(ours, reference)
+    assert pooled[0].extremes.data_ptr() != pooled[1].extremes.data_ptr()
