@@ -1,6 +1,7 @@
 """How many aten ops an analysis dispatches against the plain forward over the same batches: the launch count a GPU
-pays, measured on the CPU (QCORE_NATIVE=0: qcore's C kernels off, the path a GPU takes); and, in the same run, what
-the analysis costs on this CPU against the forward (qcore's C kernels on).
+pays, measured on the CPU (QCORE_NATIVE=0: qcore's C kernels off, the path a GPU takes), with its host reads (each a
+wait for a GPU); and, in the same run, what the analysis costs on this CPU against the forward (qcore's C kernels
+on).
 
     python benchmarks/bench_ops.py                 # the examples' TinyResNet ("cnn"), a MiniLM-shaped BERT, ResNet-18,
                                                    # and the 0.5B Llama config (op counts only: minutes a run)
@@ -51,17 +52,28 @@ def _case(name: str):
     return analysis_case(name)
 
 
-def analysis_ops(model, batches, checks=None) -> int:
-    """Aten ops of one model's analysis, capture included, with the plugin's checks (every default one, or
-    `checks`)."""
+def analysis_ops(model, batches, checks=None) -> tuple[int, int]:
+    """(aten ops, host reads) of one model's analysis, capture included, with the plugin's checks (every default one,
+    or `checks`). A host read is a scalar read of a tensor (`.item()`, `float(t)`, `bool(t)`: aten._local_scalar_dense),
+    which on a GPU waits for the device."""
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from pytest_qreport.checks import BUILTIN_CHECKS
-    from tests.helpers import analyze_with_checks, count_aten_ops
+    from tests.helpers import analyze_with_checks
+
+    class Counter(TorchDispatchMode):
+        ops = reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.ops += 1
+            Counter.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
 
     chosen = checks or [check.name for check in BUILTIN_CHECKS if check.default_severity != "off"]
-    with torch.no_grad():
-        return count_aten_ops(lambda: analyze_with_checks(lambda: model, batches, checks=chosen))[0]
+    with torch.no_grad(), Counter():
+        analyze_with_checks(lambda: model, batches, checks=chosen)
+    return Counter.ops, Counter.reads
 
 
 def forward_ops(model, batches) -> int:
@@ -79,8 +91,9 @@ def measure(name: str) -> dict:
     """One case, in this process."""
     model, batches = _case(name)
     forward = forward_ops(model, batches)
-    return {"case": name, "forward": forward, "all": analysis_ops(model, batches),
-            "sqnr": analysis_ops(model, batches, ["sqnr", "model_sqnr"])}
+    every, reads = analysis_ops(model, batches)
+    return {"case": name, "forward": forward, "all": every, "reads": reads,
+            "sqnr": analysis_ops(model, batches, ["sqnr", "model_sqnr"])[0]}
 
 
 def main() -> None:
@@ -99,7 +112,8 @@ def main() -> None:
         print(json.dumps(time_llama1b()))
         return
     cases = ["cnn"] if args.quick else ["cnn", "minilm", "resnet18", "llama0.5b"]
-    print(f"{'case':12} {'forward ops':>12} {'every default check':>28} {'sqnr,model_sqnr':>24} {'CPU time':>22}")
+    print(f"{'case':12} {'forward ops':>12} {'every default check':>28} {'host reads':>11} {'sqnr,model_sqnr':>24} "
+          f"{'CPU time':>22}")
     for name in cases:
         output = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=ROOT,
                                 env={**os.environ, "QCORE_NATIVE": "0"}, timeout=3000)
@@ -109,7 +123,7 @@ def main() -> None:
         row = json.loads(output.stdout.strip().splitlines()[-1])
         timed = "" if args.no_time or name == "llama0.5b" else _cpu_time(name)
         print(f"{name:12} {row['forward']:>12,} {row['all']:>16,} ({row['all'] / row['forward']:>6.1f}x) "
-              f"{row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x) {timed:>22}")
+              f"{row['reads']:>11,} {row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x) {timed:>22}")
     if args.llama1b:
         environment = {key: value for key, value in os.environ.items() if key != "QCORE_NATIVE"}
         output = subprocess.run([sys.executable, __file__, "--time-llama1b"], capture_output=True, text=True,
