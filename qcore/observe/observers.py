@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import math
+import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -16,10 +18,26 @@ from qcore.runtime import deferred, native
 
 __all__ = ["DerivedObserver", "FixedQParamsObserver", "HistogramObserver", "MinMaxObserver",
     "MovingAverageMinMaxObserver", "ObserverBase", "PerChannelMinMaxObserver", "PlaceholderObserver",
-    "best_clipping_ranges", "calculate_qparams_together", "copied", "fresh_copy", "has_qparams", "share_qparams"]
+    "best_clipping_ranges", "calculate_qparams_together", "copied", "fresh_copy", "has_qparams", "pooled_ranges",
+    "share_qparams"]
 
 
 _NO_CHANNELS = torch.empty(0)  # a per-channel range before a first batch: never written to, only replaced
+_RANGE_POOL = threading.local()  # the rows pooled_ranges() hands out: (+inf rows, -inf rows, rows per allocation)
+
+
+@contextlib.contextmanager
+def pooled_ranges(rows: int = 256) -> Iterator[None]:
+    """Within the block, per-tensor range observers start from rows of shared allocations (+inf and -inf, `rows`
+    at a time in four ops) instead of two new tensors each. Rows of one allocation share a version counter: a write
+    to one makes the others' memoized qparams be computed again, never stale; so a pool serves observers calibrated
+    together (one prepare's)."""
+    previous = getattr(_RANGE_POOL, "rows", None)
+    _RANGE_POOL.rows = ([], [], rows)
+    try:
+        yield
+    finally:
+        _RANGE_POOL.rows = previous
 
 
 class ObserverBase(nn.Module, abc.ABC):
@@ -83,8 +101,15 @@ class _RangeObserver(ObserverBase):
         self.register_buffer("max_val", high)
 
     def _initial_range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(min_val, max_val) before any value: +inf and -inf."""
-        return torch.tensor(math.inf), torch.tensor(-math.inf)
+        """(min_val, max_val) before any value: +inf and -inf (rows of a pool within pooled_ranges())."""
+        pool = getattr(_RANGE_POOL, "rows", None)
+        if pool is None:
+            return torch.tensor(math.inf), torch.tensor(-math.inf)
+        lows, highs, size = pool
+        if not lows:
+            lows.extend(torch.full((size,), math.inf).unbind(0))
+            highs.extend(torch.full((size,), -math.inf).unbind(0))
+        return lows.pop(), highs.pop()
 
     @property
     def has_observed(self) -> bool:

@@ -16,7 +16,7 @@ from qcore.graph.ops import (
     weight_value,
     written_after,
 )
-from qcore.observe.observers import DerivedObserver, FixedQParamsObserver
+from qcore.observe.observers import DerivedObserver, FixedQParamsObserver, pooled_ranges
 from qcore.quantization.quantizer import (
     ANNOTATION_KEY,
     DerivedQuantizationSpec,
@@ -247,8 +247,9 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer, recompile: bool = True) ->
     quantizer.validate(gm)
     mapping = get_edge_or_node_to_qspec(gm)
     group_ids = get_edge_or_node_to_group_id(mapping)
-    observers = create_group_observers(mapping, group_ids)
-    group_ids, observers = _after_callback(gm, quantizer, mapping, group_ids, observers)
+    with pooled_ranges():  # observers calibrated together: their starting ranges made a few hundred at a time
+        observers = create_group_observers(mapping, group_ids)
+        group_ids, observers = _after_callback(gm, quantizer, mapping, group_ids, observers)
     names = {}
     for gid, observer in observers.items():
         names[gid] = f"{OBSERVER_PREFIX}{gid}"

@@ -1,6 +1,7 @@
 """A fix trial takes the calibrated state of the activation observers it shares with earlier measurements of the same
 float graph (issue: scale, analysis cost): the same numbers as a trial calibrated from scratch, with no
 calibration pass when every observer is known, and only the new observers watching the batches otherwise."""
+import contextlib
 import math
 
 import pytest
@@ -478,3 +479,35 @@ def test_weights_whose_qparams_an_earlier_prepare_made_convert_without_reducing_
     copies, _ = count_op_calls(lambda: convert(third), torch.ops.aten.clone)
     assert observers and weights and reductions == 0 and copies == 0
     assert all(torch.equal(again.get_buffer(name), buffer) for name, buffer in weights.items())
+
+
+def test_range_observers_of_one_prepare_start_from_rows_of_a_pool_and_observe_as_made_alone(model_and_batches):
+    """prepare makes its range observers' starting ranges a few hundred at a time (pooled_ranges): each observer
+    holds a row of its own and ends, through a model call's queue or not, in the state of one made alone; a memo
+    taken before more batches is never stale (a write to any row of a pool makes its rows' memos be computed
+    again)."""
+    from qcore.observe.observers import MinMaxObserver, pooled_ranges
+    from qcore.quantization.prepare import prepare
+    from qcore.runtime import deferred
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(16, 8, generator=g) * scale for scale in (1.0, 3.0, 0.5)]
+    with pooled_ranges(rows=4):  # two allocations for six observers
+        pooled = [MinMaxObserver() for _ in range(6)]
+    alone = [MinMaxObserver() for _ in range(6)]
+    assert pooled[0].min_val._base is not None and pooled[0].min_val.data_ptr() != pooled[1].min_val.data_ptr()
+    for observers in (pooled, alone):
+        for step, batch in enumerate(data):
+            with deferred.batched_updates() if step != 1 else contextlib.nullcontext():
+                for index, observer in enumerate(observers):
+                    observer(batch * (index + 1))
+            if step == 0:
+                [observer.calculate_qparams() for observer in observers]  # memoized, then written again
+    for ours, theirs in zip(pooled, alone):
+        assert torch.equal(ours.min_val, theirs.min_val) and torch.equal(ours.max_val, theirs.max_val)
+        assert all(torch.equal(a, b) for a, b in zip(ours.calculate_qparams(), theirs.calculate_qparams()))
+    float_gm, _ = model_and_batches
+    made, prepared = count_op_calls(lambda: prepare(
+        qcore.graph.capture.clone_graph_module(float_gm, share_parameters=True), Int8StaticQuantizer()),
+        torch.ops.aten.lift_fresh)
+    assert made == 0 and any(type(module) is MinMaxObserver for module in prepared.modules())
