@@ -284,7 +284,7 @@ def make_variant_weights(variants: Iterable[Variant]) -> None:
                 torch.div(weight, weight_column_factor(op, variant.factor, weight), out=part)
             fresh = fresh_copy(sources[0][2])
             fresh(scaled)
-            scale, zero_point = fresh.calculate_qparams()
+            scale, zero_point = fresh.memoized_qparams()  # only read: not copied
             quantized = fake_quantize_per_channel(scaled, scale, zero_point, 0, fresh.quant_min, fresh.quant_max,
                                                   in_place=True)
         for variant, piece in zip(members, quantized.split(rows)):
