@@ -143,18 +143,19 @@ def fake_quantize_per_tensor(
             return out
     # torch's fused kernel has the same roundings (1 / scale in float32, half to even, 0.0 for -0.0) in one op
     # instead of five where it adds the zero point exactly (in float32); it makes a NaN a number, so a NaN is put back
+    # by one more op (_nan_where_nan)
     fused = (quant_min <= zero_point <= quant_max and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
              and not (x.requires_grad and torch.is_grad_enabled()))
     # for fp16/bf16 the kernel computes in float32 and rounds the result to x's dtype, as a cast after it would
     if fused and (x.dtype == torch.float32 or (x.dtype in _HALF_DTYPES and fused_kernels_preferred(x))):
-        out = torch.fake_quantize_per_tensor_affine(x, _float32(scale), zero_point, quant_min, quant_max)
-        return torch.where(torch.isnan(x), x, out, out=out)
+        return _nan_where_nan(torch.fake_quantize_per_tensor_affine(x, _float32(scale), zero_point, quant_min,
+                                                                    quant_max), x)
 
     def rows(values: torch.Tensor, _: slice) -> torch.Tensor:
         if fused:  # fp16/bf16 on the CPU, a bounded number of elements at a time in float32
             work = _working(values)
             out = torch.fake_quantize_per_tensor_affine(work, _float32(scale), zero_point, quant_min, quant_max)
-            return torch.where(torch.isnan(work), work, out, out=out).to(x.dtype)
+            return _nan_where_nan(out, work).to(x.dtype)
         q = _working(values) * inv_scale  # a new tensor: the steps below run in place on it, same roundings
         # clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp): float32 holds these
         # integers exactly, and a rounded value too large for that is clamped either way. Adding 0.0 turns
@@ -163,6 +164,14 @@ def fake_quantize_per_tensor(
         return q.mul_(scale).add_(0.0).to(x.dtype)
 
     return _by_rows(x, rows)
+
+
+def _nan_where_nan(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`out` (written over) with a NaN wherever x holds one, in one op where isnan and where take two: clamp(out,
+    min=x, max=out) is out to the bit, sign of zero included (max(out, x) then min with out: a tie of 0.0 and -0.0
+    gives out's 0.0 in the CPU's vector lanes and in its scalar tail), and NaN where x is NaN (a NaN bound gives
+    NaN). Of the NaN only its being one is kept, not x's sign and payload: neither is a value."""
+    return torch.clamp(out, min=x, max=out, out=out)
 
 
 def fused_kernels_preferred(x: torch.Tensor) -> bool:

@@ -35,6 +35,33 @@ def test_per_tensor_matches_torch_kernel(seed, scale, zp_frac, qrange):
     assert torch.equal(ours, ref)
 
 
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), numel=st.integers(1, 80), dtype=st.sampled_from([torch.float32, torch.bfloat16,
+                                                                                      torch.float16]),
+       scale=st.floats(1e-3, 1.0), zp_frac=st.floats(0, 1), qrange=st.sampled_from(RANGES), strided=st.booleans())
+def test_the_torch_paths_fake_quantization_is_torchs_kernel_with_nan_put_back(seed, numel, dtype, scale, zp_frac,
+                                                                            qrange, strided):
+    """The torch path (what a GPU runs) puts a NaN back in one op: the kernel's value to the bit elsewhere, sign of
+    zero included, at every position (the CPU's vector lanes and its scalar tail), infinities clamped."""
+    quant_min, quant_max = qrange
+    zero_point = int(quant_min + zp_frac * (quant_max - quant_min))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel * (2 if strided else 1), generator=g) * scale * 100
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1e-30, 3e38, -3e38])
+    index = torch.randint(0, x.numel(), (max(1, x.numel() // 3),), generator=g)
+    x[index] = specials[torch.randint(0, len(specials), index.shape, generator=g)]
+    x = (x[::2] if strided else x).to(dtype)
+    with mock.patch.dict(qparams.native._state, {"library": None}):
+        ours = fake_quantize_per_tensor(x, scale, zero_point, quant_min, quant_max)
+    wide = x.float()
+    kernel = torch.fake_quantize_per_tensor_affine(wide, qparams._float32(scale), zero_point, quant_min, quant_max)
+    expected = torch.where(wide.isnan(), wide, kernel).to(dtype)
+    assert torch.equal(ours.isnan(), expected.isnan())
+    numbers = ~expected.isnan()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(ours[numbers].view(bits), expected[numbers].view(bits))
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), channels=st.integers(1, 8), axis=st.integers(0, 2),
        qrange=st.sampled_from(RANGES))
@@ -114,7 +141,8 @@ def test_half_tensors_are_fake_quantized_as_their_float32_values_then_rounded_ba
     assert ours.dtype == dtype
     assert torch.equal(ours.isnan(), expected.isnan())
     assert torch.equal(torch.nan_to_num(ours), torch.nan_to_num(expected))
-    assert torch.equal(ours.signbit(), expected.signbit())
+    numbers = ~expected.isnan()  # a NaN's sign is no value
+    assert torch.equal(ours[numbers].signbit(), expected[numbers].signbit())
 
 
 @settings(max_examples=40, deadline=None)
