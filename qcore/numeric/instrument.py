@@ -1,6 +1,7 @@
 """Graph surgery for the numeric suite: loggers after layers, and shadow copies of quantized layers."""
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from qcore.observe.qparams import fake_quantize_per_tensor
 from qcore.quantization.convert import QPARAMS_KEY
 
 __all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "merge_repeated_shadow_inputs", "makes_new_tensor",
-           "qparams_digest", "reads_only", "shadow_signature", "skip_requantizations"]
+           "grid_comes_back", "qparams_digest", "reads_only", "shadow_signature", "skip_requantizations"]
 
 _FLOAT_WEIGHT_KEY = "qcore_float_weight"  # the float weight a converted one was made from (convert's metadata)
 QPARAMS_DIGEST_KEY = "qcore_qparams_digest"  # qparams_digest of the qparams, where a graph drops them
@@ -234,7 +235,8 @@ def skip_requantizations(graph: fx.Graph) -> int:
     """Let each per-tensor fake quantization of a view of a value fake-quantized with the same qparams (a projection's
     output viewed as heads, then transposed) pass its input on, for the quantized graph's own run: the values are on
     that grid already, so quantizing them again gives them back bit for bit where the dtype holds a grid value to
-    within a quarter step (float32, and float16 for 8-bit ranges; not bfloat16). A shadow copy of the layer still
+    within a quarter step (float32, and float16 for 8-bit ranges), or where every value of the grid, as the dtype
+    holds it, was quantized again and came back (bfloat16: `grid_comes_back`). A shadow copy of the layer still
     quantizes, as it reads a float value: copy the layers before. Values an op changes in place are left alone.
     Returns how many were skipped."""
     skipped = 0
@@ -259,16 +261,30 @@ def _requantizes(node: fx.Node) -> bool:
     if source is value or not makes_new_tensor(source) or tuple(source.args[1:]) != tuple(node.args[1:]):
         return False
     dtype = getattr(value.meta.get("val"), "dtype", None)
-    if dtype not in (torch.float32, torch.float16):
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return False
-    _, zero_point, quant_min, quant_max = node.args[1:]
+    scale, zero_point, quant_min, quant_max = node.args[1:]
     steps = max(abs(quant_min - zero_point), abs(quant_max - zero_point))
     # a grid value k * scale in the dtype, times 1 / scale, is k to within steps * eps / 2 (plus float32's roundings)
-    if steps * torch.finfo(dtype).eps > 0.25:
+    if steps * torch.finfo(dtype).eps > 0.25 and not grid_comes_back(scale, zero_point, quant_min, quant_max, dtype):
         return False
     # node's users then read the source's value through the views: nothing may write to it (a later fake
     # quantization reads only, and is followed as if it passed its input on)
     return not written_after(source, reads_only)
+
+
+@functools.lru_cache(maxsize=4096)
+def grid_comes_back(scale: float, zero_point: int, quant_min: int, quant_max: int, dtype: torch.dtype) -> bool:
+    """Whether every value a per-tensor fake quantization can give in `dtype` ((q - zero_point) * scale in float32,
+    rounded to the dtype, for each q of the range; NaN stays NaN) is given back, bit for bit, by quantizing it again
+    with the same qparams: tried on all of them (at most 2**16 + 1), on the CPU, once per qparams and dtype."""
+    if quant_max - quant_min > 1 << 16 or not quant_min <= zero_point <= quant_max:
+        return False
+    steps = torch.arange(quant_min - zero_point, quant_max - zero_point + 1, dtype=torch.float32)
+    grid = steps.mul_(torch.tensor(scale, dtype=torch.float32)).to(dtype)
+    again = fake_quantize_per_tensor(grid, scale, zero_point, quant_min, quant_max)
+    bits = torch.int32 if dtype.itemsize == 4 else torch.int16
+    return again.dtype == dtype and torch.equal(again.view(bits), grid.view(bits))
 
 
 def reads_only(node: fx.Node) -> bool:

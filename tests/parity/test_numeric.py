@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.ao.ns.fx import utils as ao_utils
 
@@ -268,12 +268,11 @@ class _Heads(torch.nn.Module):
         return self.out(attended.transpose(1, 2).reshape(x.shape))
 
 
-@pytest.mark.parametrize("dtype,skipped", [(torch.float32, 6), (torch.bfloat16, 0)])
-def test_the_quantized_run_skips_requantizing_a_view_of_a_value_on_the_grid_with_the_same_records(
-        monkeypatch, dtype, skipped):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_quantized_run_skips_requantizing_a_view_of_a_value_on_the_grid_with_the_same_records(monkeypatch, dtype):
     """A projection's output, fake-quantized, viewed as heads and transposed, is not quantized again with the same
-    qparams in the quantized graph's run (twice per projection here): the same propagated and shadow records. Not in
-    bfloat16, whose rounding of a grid value may move it by a step."""
+    qparams in the quantized graph's run (twice per projection here): the same propagated and shadow records. In
+    bfloat16 where each grid was tried and came back (these grids do)."""
     compare_module = __import__("sys").modules["qcore.numeric.compare"]
     torch.manual_seed(0)
     data = [batch.to(dtype) for batch in batches((2, 8, 16), n=3)]
@@ -287,7 +286,45 @@ def test_the_quantized_run_skips_requantizing_a_view_of_a_value_on_the_grid_with
                 [(r["layer"], r["sqnr_db"], r["cosine"]) for r in shadows])
 
     assert records(skip=True) == records(skip=False)
-    assert counts == [skipped, 0]
+    assert counts == [6, 0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.floats(1e-4, 10.0), st.sampled_from([(-128, 127), (0, 255), (-8, 7)]),
+       st.floats(0, 1), st.booleans(), st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+@example(0, 0.6790452599525452, (-128, 127), 65.5 / 255, False, torch.bfloat16)  # a grid that moves: zero point -62
+def test_a_grid_said_to_come_back_is_given_back_by_a_second_fake_quantization(seed, scale, qrange, zp_frac,
+                                                                              native_kernels, dtype):
+    """grid_comes_back's verdict, against values: where it says so, any value fake-quantized, viewed and fake-quantized
+    again with the same qparams is the same bits (NaN stays NaN), either path; where it does not, some grid value
+    moves."""
+    from unittest import mock
+
+    from qcore.numeric.instrument import grid_comes_back
+    from qcore.observe.qparams import fake_quantize_per_tensor
+    from qcore.runtime import native
+
+    quant_min, quant_max = qrange
+    zero_point = int(quant_min + zp_frac * (quant_max - quant_min))
+    scale = float(torch.tensor(scale, dtype=torch.float32))
+    comes_back = grid_comes_back(scale, zero_point, quant_min, quant_max, dtype)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 6, 8, generator=generator) * scale * (quant_max - quant_min)
+    x[0, 0, :4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")])
+    grid = (torch.arange(quant_min, quant_max + 1, dtype=torch.float32) - zero_point) * scale
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    with mock.patch.dict(native._state, {} if native_kernels else {"library": None}):
+        once = fake_quantize_per_tensor(torch.cat([x.reshape(-1), grid]).to(dtype), scale, zero_point, quant_min,
+                                        quant_max)
+        viewed = once.view(2, -1).t()
+        again = fake_quantize_per_tensor(viewed, scale, zero_point, quant_min, quant_max)
+        grid_in_dtype = grid.to(dtype)
+        grid_again = fake_quantize_per_tensor(grid_in_dtype, scale, zero_point, quant_min, quant_max)
+    assert comes_back == torch.equal(grid_again.view(bits), grid_in_dtype.view(bits))
+    numbers = ~viewed.isnan()
+    if comes_back:
+        assert torch.equal(again.isnan(), viewed.isnan())
+        assert torch.equal(again[numbers].view(bits), viewed[numbers].view(bits))
 
 
 @settings(max_examples=60, deadline=None)
