@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from qcore.runtime import deferred, native
+from qcore.runtime.native import launch_bound
 
 __all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportObserver", "average_ratio_values",
            "batch_to_epoch_ratios", "fresh_ranges"]
@@ -119,7 +120,10 @@ class ReportObserver(nn.Module):
         rows = values.reshape(-1, values.shape[-1]) if axis == values.dim() - 1 and values.is_contiguous() else None
         others = 0 if rows is not None else [d for d in range(values.dim()) if d != axis]
         source = rows if rows is not None else values
-        low_c, high_c = source.amin(dim=others), source.amax(dim=others)  # faster than aminmax(dim=0) on CPU
+        if rows is not None and launch_bound(rows.device):  # one launch for both
+            low_c, high_c = torch.aminmax(rows, dim=0)
+        else:  # faster than aminmax(dim=0) on the CPU, and aminmax takes one dim
+            low_c, high_c = source.amin(dim=others), source.amax(dim=others)
         if self.min_val.numel() == 0:
             self._init_channels(low_c.numel(), low_c.device)
         if low_c.dim() == 1 and self._queueable(low_c.numel()):

@@ -81,6 +81,23 @@ def test_native_kernel_equals_torch_path(case):
     _assert_same_state(native_observer, torch_observer)
 
 
+@settings(max_examples=60, deadline=None)
+@given(activations())
+def test_a_launch_bound_device_reduces_each_channel_in_one_op_to_the_same_state(case):
+    """On a GPU (and the torch path standing for it) a batch's per-channel minimum and maximum are one aminmax where
+    the CPU takes amin and amax: the same state."""
+    from qcore.report import observer as observer_module
+
+    batches, observer_settings = case
+    with pytest.MonkeyPatch.context() as patch:
+        _torch_path(patch)
+        patch.setattr(observer_module, "launch_bound", lambda device: False)
+        separate = _observe(batches, **observer_settings)
+        patch.setattr(observer_module, "launch_bound", lambda device: True)
+        together = _observe(batches, **observer_settings)
+    _assert_same_state(together, separate)
+
+
 @needs_kernel
 @pytest.mark.parametrize("shape", [(256, 256), (1000, 48), (2, 128, 96), (4, 32, 12, 12), (4, 6, 48, 48)])
 def test_threads_split_the_work_without_changing_the_result(shape, monkeypatch):
