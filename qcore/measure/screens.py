@@ -131,8 +131,8 @@ class ObserversAhead(Probe):
                 self._attached.append((target, signature, inserted))
 
     def read(self, prepared: fx.GraphModule) -> None:
-        for target, signature, _ in self._attached:
-            self.observers.adopt(signature, prepared.get_submodule(target))
+        for target, signature, _ in self._attached:  # detached next: nothing calls them again
+            self.observers.adopt(signature, prepared.get_submodule(target), done=True)
 
     def detach(self, prepared: fx.GraphModule) -> None:
         for target, _, inserted in self._attached:

@@ -223,13 +223,14 @@ class PerChannelMinMaxObserver(_RangeObserver):
     def observe_constant(self, value: torch.Tensor) -> None:
         """Observe a weight once; a weight that an observer of the same settings observed as it is now (the same
         tensor, unchanged: each prepare of a graph observes its weights) is not reduced again: that observer's range
-        is copied, and its qparams computed once for both."""
+        tensors are shared (frozen, both), and its qparams computed once for both."""
         source = _observer_of_constant(self, value) if self.min_val is _NO_CHANNELS else None
         if source is None:
             super().observe_constant(value)
             _remember_constant(self, value)
             return
-        self.min_val, self.max_val = source.min_val.clone(), source.max_val.clone()
+        # both are frozen: nothing writes either range again, so they are shared rather than copied
+        self.min_val, self.max_val = source.min_val, source.max_val
         share_qparams(self, source)
         self.frozen = True
 

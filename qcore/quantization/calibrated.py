@@ -48,6 +48,7 @@ class CalibratedObservers:
 
     def __init__(self) -> None:
         self._states: dict[str, nn.Module] = {}
+        self._snapshots: set[str] = set()  # signatures whose kept state nothing calls: keep()'s copies, done ones
 
     def __len__(self) -> int:
         return len(self._states)
@@ -74,7 +75,8 @@ class CalibratedObservers:
 
     def take(self, prepared: fx.GraphModule, signatures: dict[str, str | None]) -> list[str]:
         """Give each observer of `signatures` that has a kept twin its twin's state, frozen so that calibration
-        passes it by; returns the names of those still to calibrate."""
+        passes it by; returns the names of those still to calibrate. A kept state nothing calls any more shares its
+        tensors, not copies: neither it nor the frozen observer writes them again (a live one's are copied)."""
         missing = []
         for name, signature in signatures.items():
             kept = None if signature is None else self._states.get(signature)
@@ -82,19 +84,25 @@ class CalibratedObservers:
                 missing.append(name)
                 continue
             observer = prepared.get_submodule(name)
+            shared = signature in self._snapshots
             for key, buffer in kept._buffers.items():
-                observer._buffers[key] = None if buffer is None else buffer.clone()
+                observer._buffers[key] = None if buffer is None else _taken(buffer, shared)
             for key, value in vars(kept).items():
                 if not key.startswith("_") and key != "training":
-                    setattr(observer, key, value.clone() if isinstance(value, torch.Tensor) else copy.copy(value))
+                    setattr(observer, key, _taken(value, shared) if isinstance(value, torch.Tensor) else
+                            copy.copy(value))
             observer.frozen = True
             share_qparams(observer, kept)
         return missing
 
-    def adopt(self, signature: str, observer: nn.Module) -> None:
+    def adopt(self, signature: str, observer: nn.Module, done: bool = False) -> None:
         """Keep `observer`, calibrated elsewhere, as the state of `signature` (its signature in another prepared
-        graph of the same float graph); a signature kept already keeps its state."""
-        self._states.setdefault(signature, observer)
+        graph of the same float graph); a signature kept already keeps its state. done=True: no graph calls the
+        observer any more (its caller detached it), so observers that take its state share its tensors."""
+        if signature not in self._states:
+            self._states[signature] = observer
+            if done:
+                self._snapshots.add(signature)
 
     def keep(self, prepared: fx.GraphModule, signatures: dict[str, str | None]) -> None:
         """After calibration: keep a copy of each observer of `signatures` not kept yet."""
@@ -102,4 +110,10 @@ class CalibratedObservers:
             if signature is not None and signature not in self._states:
                 observer = prepared.get_submodule(name)
                 self._states[signature] = copied(observer)
+                self._snapshots.add(signature)
                 share_qparams(observer, self._states[signature])
+
+
+def _taken(value: torch.Tensor, shared: bool) -> torch.Tensor:
+    """A kept state's tensor as an observer takes it: itself where nothing writes it again, else a copy."""
+    return value if shared else value.clone()

@@ -298,6 +298,45 @@ def test_kept_observers_and_the_trials_that_take_them_compute_their_qparams_once
     assert _numbers(scratch) == _numbers(trial) and len(computed) == 2 * histograms
 
 
+def test_a_taken_state_shares_the_tensors_of_what_nothing_calls_and_copies_a_live_observers(model_and_batches):
+    """A trial's observers take a kept state: keep()'s own copy, or an observer adopted once its graph let it go,
+    shares its tensors (no copy made: neither side writes them again); one adopted while live is copied."""
+    from qcore.graph.capture import clone_graph_module
+    from qcore.quantization.calibrate import calibrate
+    from qcore.quantization.prepare import prepare
+
+    float_gm, data = model_and_batches
+    quantizer = Int8StaticQuantizer()
+
+    def prepared():
+        return prepare(clone_graph_module(float_gm, share_parameters=True), quantizer)
+
+    calibrated = prepared()
+    kept = CalibratedObservers()
+    signatures = kept.signatures(calibrated)
+    calibrate(calibrated, data)
+    kept.keep(calibrated, signatures)
+    trial = prepared()
+    clones, missing = count_op_calls(lambda: kept.take(trial, kept.signatures(trial)), torch.ops.aten.clone)
+    assert missing == [] and clones == 0
+    for name, signature in signatures.items():
+        mine, source = trial.get_submodule(name), kept._states[signature]
+        assert mine.frozen and mine.min_val is source.min_val and mine.max_val is source.max_val
+        assert mine.min_val is not calibrated.get_submodule(name).min_val  # keep() copied the calibrated one
+
+    for done in (True, False):
+        adopted = CalibratedObservers()
+        for name, signature in signatures.items():
+            adopted.adopt(signature, calibrated.get_submodule(name), done=done)
+        trial = prepared()
+        clones, missing = count_op_calls(lambda kept=adopted, graph=trial: kept.take(graph, kept.signatures(graph)),
+                                         torch.ops.aten.clone)
+        assert missing == [] and (clones == 0) == done
+        for name in signatures:
+            assert (trial.get_submodule(name).min_val is calibrated.get_submodule(name).min_val) == done
+            assert torch.equal(trial.get_submodule(name).min_val, calibrated.get_submodule(name).min_val)
+
+
 def test_a_shared_state_that_changes_is_computed_anew():
     observer, copy_ = HistogramObserver(bins=64), HistogramObserver(bins=64)
     observer(torch.linspace(-1, 1, 100))
@@ -429,8 +468,8 @@ def test_per_channel_observers_start_from_one_shared_empty_range_and_observe_apa
 
 def test_a_weight_observed_at_an_earlier_prepare_is_not_reduced_again(model_and_batches):
     """Each prepare of a graph observes its weights: a weight an observer of the same settings observed as it is
-    now takes that observer's range and qparams (no reduction), the same as observing it; a weight written to since,
-    or other settings, is observed."""
+    now takes that observer's range tensors (shared, no copy: both are frozen) and qparams (no reduction), the same as
+    observing it; a weight written to since, or other settings, is observed."""
     from qcore.quantization.prepare import prepare
     from tests.helpers import count_op_calls
 
@@ -446,12 +485,15 @@ def test_a_weight_observed_at_an_earlier_prepare_is_not_reduced_again(model_and_
     for mine, theirs in zip(again, first):
         assert torch.equal(mine.min_val, theirs.min_val) and torch.equal(mine.max_val, theirs.max_val)
         assert all(torch.equal(a, b) for a, b in zip(mine.calculate_qparams(), theirs.calculate_qparams()))
-        assert mine.min_val.data_ptr() != theirs.min_val.data_ptr()
+        assert mine.min_val is theirs.min_val and mine.max_val is theirs.max_val and mine.frozen and theirs.frozen
     weight = next(p for p in float_gm.parameters() if p.dim() == 2)
     with torch.no_grad():
         weight.mul_(2.0)
+    kept = [(o.min_val.clone(), o.max_val.clone()) for o in first]
     reductions, changed = count_op_calls(lambda: weight_observers(Int8StaticQuantizer()), torch.ops.aten.amax)
     assert reductions == 1 and max(float(o.max_val.max()) for o in changed) > 0
+    # the new observation made its own range: the shared ones are as they were
+    assert all(torch.equal(o.min_val, low) and torch.equal(o.max_val, high) for o, (low, high) in zip(first, kept))
 
 
 def test_weights_whose_qparams_an_earlier_prepare_made_convert_without_reducing_or_copying_them(model_and_batches):
