@@ -213,6 +213,7 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recom
     a caller that edits the graph and recompiles it before running it (until then the copy cannot run)."""
     # what copy.deepcopy(gm) keeps, without deep-copying the attributes GraphModule.__init__ then drops
     memo: dict[int, Any] = {id(parameter): parameter for parameter in gm.parameters()} if share_parameters else {}
+    memo.update(_buffer_clones(gm, memo))
     holder = nn.Module()
     for name in {str(node.target).split(".")[0] for node in gm.graph.nodes if node.op in ("get_attr", "call_module")}:
         value = copy.deepcopy(getattr(gm, name), memo)
@@ -232,6 +233,21 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recom
                     _install_attribute(holder, clone, str(node.target))
     clone.meta = copy.deepcopy(getattr(gm, "meta", {}), memo)
     return clone
+
+
+def _buffer_clones(gm: fx.GraphModule, memo: dict[int, Any]) -> dict[int, torch.Tensor]:
+    """{id: clone} of the module's plain buffers and tensor attributes that share their storage with no other tensor
+    of it: what deepcopy makes of each (a tensor's own deep copy takes a few ops, a clone one); tensors sharing a
+    storage are left to deepcopy, which keeps them sharing a copy."""
+    tensors = {id(t): t for t in [*gm.buffers(), *gm.parameters(), *(value for value in vars(gm).values()
+                                                                      if isinstance(value, torch.Tensor))]}
+    storages: dict[tuple, int] = {}
+    for tensor in tensors.values():
+        key = (tensor.device, tensor.untyped_storage().data_ptr())
+        storages[key] = storages.get(key, 0) + 1
+    return {key: tensor.clone() for key, tensor in tensors.items()
+            if key not in memo and type(tensor) is torch.Tensor and not tensor.requires_grad
+            and storages[(tensor.device, tensor.untyped_storage().data_ptr())] == 1}
 
 
 def _install_attribute(source: nn.Module, target: nn.Module, path: str) -> None:

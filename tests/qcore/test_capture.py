@@ -55,6 +55,40 @@ def test_handles_and_fqns_survive_prepare_and_convert():
     assert len(set(before)) == len(before)
 
 
+@pytest.mark.parametrize("recompile", [True, False])
+def test_a_clone_copies_each_buffer_in_one_op_and_keeps_buffers_sharing_a_storage_sharing_one(recompile):
+    """A clone's buffers are copies (a forward may update them): each in one op where its storage is its own, and
+    buffers that share a storage sharing one copy of it, as a deep copy keeps them."""
+    from qcore.graph.capture import clone_graph_module
+    from tests.helpers import count_aten_ops
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(3, 3))
+    storage = torch.arange(6.0)
+    gm.register_buffer("low", storage[:3])
+    gm.register_buffer("high", storage[2:5])
+    gm.register_buffer("own", torch.ones(3))
+    gm.register_buffer("other", torch.full((3,), 2.0))
+    graph, output = gm.graph, next(node for node in gm.graph.nodes if node.op == "output")
+    value = output.args[0]
+    with graph.inserting_before(output):
+        for name in ("low", "high", "own", "other"):
+            value = graph.call_function(torch.add, (value, graph.get_attr(name)))
+    output.args = (value,)
+    gm.recompile()
+    ops, clone = count_aten_ops(lambda: clone_graph_module(gm, share_parameters=True, recompile=recompile))
+    clone.recompile()
+    assert clone.weight is gm.weight
+    assert all(getattr(clone, name).data_ptr() != getattr(gm, name).data_ptr() for name in ("own", "other", "low"))
+    assert clone.low.untyped_storage().data_ptr() == clone.high.untyped_storage().data_ptr()
+    separate = count_aten_ops(lambda: (gm.own.clone(), gm.other.clone()))[0]
+    shared = count_aten_ops(lambda: __import__("copy").deepcopy((gm.low, gm.high)))[0]
+    assert ops == separate + shared
+    x = torch.randn(2, 3)
+    assert torch.equal(clone(x), gm(x))
+    clone.own.add_(1.0)  # a forward's update of the copy leaves the original as it was
+    assert torch.equal(gm.own, torch.ones(3))
+
+
 @pytest.mark.parametrize("method", ["export", "fx"])
 @pytest.mark.parametrize("share_parameters", [False, True])
 def test_a_clone_without_code_generation_equals_a_full_clone_once_recompiled(method, share_parameters):
