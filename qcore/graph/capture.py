@@ -213,9 +213,10 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recom
     a caller that edits the graph and recompiles it before running it (until then the copy cannot run)."""
     # what copy.deepcopy(gm) keeps, without deep-copying the attributes GraphModule.__init__ then drops
     memo: dict[int, Any] = {id(parameter): parameter for parameter in gm.parameters()} if share_parameters else {}
-    memo.update(_buffer_clones(gm, memo))
+    names = {str(node.target).split(".")[0] for node in gm.graph.nodes if node.op in ("get_attr", "call_module")}
+    memo.update(_buffer_clones([getattr(gm, name) for name in names], memo))
     holder = nn.Module()
-    for name in {str(node.target).split(".")[0] for node in gm.graph.nodes if node.op in ("get_attr", "call_module")}:
+    for name in names:
         value = copy.deepcopy(getattr(gm, name), memo)
         if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
             holder.register_buffer(name, value)
@@ -235,12 +236,17 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recom
     return clone
 
 
-def _buffer_clones(gm: fx.GraphModule, memo: dict[int, Any]) -> dict[int, torch.Tensor]:
-    """{id: clone} of the module's plain buffers and tensor attributes that share their storage with no other tensor
-    of it: what deepcopy makes of each (a tensor's own deep copy takes a few ops, a clone one); tensors sharing a
-    storage are left to deepcopy, which keeps them sharing a copy."""
-    tensors = {id(t): t for t in [*gm.buffers(), *gm.parameters(), *(value for value in vars(gm).values()
-                                                                      if isinstance(value, torch.Tensor))]}
+def _buffer_clones(values: list[Any], memo: dict[int, Any]) -> dict[int, torch.Tensor]:
+    """{id: clone} of the plain tensors among `values` and of their modules' buffers that share their storage with no
+    other tensor there: what deepcopy makes of each (a tensor's own deep copy takes a few ops, a clone one); tensors
+    sharing a storage are left to deepcopy, which keeps them sharing a copy."""
+    found: list[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, nn.Module):
+            found.extend([*value.buffers(), *value.parameters()])
+        elif isinstance(value, torch.Tensor):
+            found.append(value)
+    tensors = {id(t): t for t in found}
     storages: dict[tuple, int] = {}
     for tensor in tensors.values():
         key = (tensor.device, tensor.untyped_storage().data_ptr())
