@@ -13,10 +13,13 @@ The cases are bench_analysis.py's and a 0.5B Llama config, 8 batches each.
 
 Each case runs in subprocesses of its own: every default check (as `pytest --qreport` runs them), and
 `sqnr,model_sqnr` alone, each counted with a TorchDispatchMode from capture to the last finding, against the eager
-forward; then bench_analysis.py's steady-state time of every default check against the forward (best of three
-rounds after a first analysis in the process, the capture apart). With --llama1b, the 1B Llama config in float32
-(hidden 2048, 16 layers, 32,000-token vocabulary, seeded weights; bench_memory.py's 3 batches of 2 x 64 tokens) is
-analysed once with every default check, native kernels on, against its forward over the same batches: the
+forward, with the floor of the passes the checks run (the ops the model graphs' own code dispatches in every
+calibration, float, quantized, shadow and trial run, plus one per fake quantization: what the analysis would
+dispatch if every observer, comparator and statistic cost nothing) and the part of that floor verified advice runs
+(its trials and searches); then bench_analysis.py's steady-state time of every default check against the forward
+(best of three rounds after a first analysis in the process, the capture apart). With --llama1b, the 1B Llama config
+in float32 (hidden 2048, 16 layers, 32,000-token vocabulary, seeded weights; bench_memory.py's 3 batches of 2 x 64
+tokens) is analysed once with every default check, native kernels on, against its forward over the same batches: the
 collection (capture) and the analysis proper apart, as a session pays them.
 """
 from __future__ import annotations
@@ -52,28 +55,77 @@ def _case(name: str):
     return analysis_case(name)
 
 
-def analysis_ops(model, batches, checks=None) -> tuple[int, int]:
-    """(aten ops, host reads) of one model's analysis, capture included, with the plugin's checks (every default one,
-    or `checks`). A host read is a scalar read of a tensor (`.item()`, `float(t)`, `bool(t)`: aten._local_scalar_dense),
-    which on a GPU waits for the device."""
+FAKE_QUANTIZATIONS = frozenset({"fake_quantize_per_tensor_affine", "fake_quantize_per_tensor_affine_cachemask",
+                                "fake_quantize_per_channel_affine", "fake_quantize_per_channel_affine_cachemask"})
+TRIALS = frozenset({("advice.py", "try_fix"), ("analysis.py", "sensitivity"), ("analysis.py", "float_layers_fix"),
+                    ("analysis.py", "format_fix")})  # the functions verified advice runs its trials and searches in
+
+
+def _op_origin(frame, packages: tuple[str, ...], inputs: str) -> tuple[bool, bool]:
+    """(whether the op dispatched under `frame` is a model graph's own: the innermost frame of qcore or the plugin
+    is call_model, so no observer, comparator or fake quantization of qcore's dispatched it; whether verified
+    advice dispatched it, in a trial or a search)."""
+    graph = trial = False
+    innermost = True
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(packages):
+            if innermost:
+                graph, innermost = path == inputs and frame.f_code.co_name == "call_model", False
+            if (os.path.basename(path), frame.f_code.co_name) in TRIALS:
+                trial = True
+                break
+        frame = frame.f_back
+    return graph, trial
+
+
+def op_counter():
+    """A TorchDispatchMode counting, in its `counts`, every aten op ("ops"), host reads ("reads"), the ops of model
+    graphs' own code ("graph"), fake quantizations ("fq"), and of these two those verified advice dispatched
+    ("trial_graph", "trial_fq"). A host read is a scalar read of a tensor (`.item()`, `float(t)`, `bool(t)`:
+    aten._local_scalar_dense), which on a GPU waits for the device."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    import pytest_qreport
+    import qcore
+
+    packages = tuple(os.path.dirname(module.__file__) + os.sep for module in (qcore, pytest_qreport))
+    inputs = os.path.join(os.path.dirname(qcore.__file__), "graph", "inputs.py")
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts = dict.fromkeys(("ops", "reads", "graph", "fq", "trial_graph", "trial_fq"), 0)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts = self.counts
+            counts["ops"] += 1
+            counts["reads"] += func is torch.ops.aten._local_scalar_dense.default
+            graph, trial = _op_origin(sys._getframe(1), packages, inputs)
+            kind = "fq" if func._overloadpacket.__name__ in FAKE_QUANTIZATIONS else "graph" if graph else None
+            if kind is not None:
+                counts[kind] += 1
+                counts["trial_" + kind] += trial
+            return func(*args, **(kwargs or {}))
+
+    return Counter()
+
+
+def analysis_ops(model, batches, checks=None) -> dict[str, int]:
+    """op_counter()'s counts of one model's analysis, capture included, with the plugin's checks (every default one,
+    or `checks`). "graph" and "fq" together are what the passes cost with no observer, comparator or statistic and
+    one op per fake quantization: the floor of the passes the checks run."""
+    import torch
 
     from pytest_qreport.checks import BUILTIN_CHECKS
     from tests.helpers import analyze_with_checks
 
-    class Counter(TorchDispatchMode):
-        ops = reads = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.ops += 1
-            Counter.reads += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
     chosen = checks or [check.name for check in BUILTIN_CHECKS if check.default_severity != "off"]
-    with torch.no_grad(), Counter():
+    counter = op_counter()
+    with torch.no_grad(), counter:
         analyze_with_checks(lambda: model, batches, checks=chosen)
-    return Counter.ops, Counter.reads
+    return counter.counts
 
 
 def forward_ops(model, batches) -> int:
@@ -91,9 +143,10 @@ def measure(name: str) -> dict:
     """One case, in this process."""
     model, batches = _case(name)
     forward = forward_ops(model, batches)
-    every, reads = analysis_ops(model, batches)
-    return {"case": name, "forward": forward, "all": every, "reads": reads,
-            "sqnr": analysis_ops(model, batches, ["sqnr", "model_sqnr"])[0]}
+    every = analysis_ops(model, batches)
+    return {"case": name, "forward": forward, "all": every["ops"], "reads": every["reads"],
+            "floor": every["graph"] + every["fq"], "trials_floor": every["trial_graph"] + every["trial_fq"],
+            "sqnr": analysis_ops(model, batches, ["sqnr", "model_sqnr"])["ops"]}
 
 
 def main() -> None:
@@ -112,8 +165,8 @@ def main() -> None:
         print(json.dumps(time_llama1b()))
         return
     cases = ["cnn"] if args.quick else ["cnn", "minilm", "resnet18", "llama0.5b"]
-    print(f"{'case':12} {'forward ops':>12} {'every default check':>28} {'host reads':>11} {'sqnr,model_sqnr':>24} "
-          f"{'CPU time':>22}")
+    print(f"{'case':12} {'forward ops':>12} {'every default check':>28} {'host reads':>11} {'passes floor':>15} "
+          f"{'of it, advice':>14} {'sqnr,model_sqnr':>24} {'CPU time':>22}")
     for name in cases:
         output = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=ROOT,
                                 env={**os.environ, "QCORE_NATIVE": "0"}, timeout=3000)
@@ -123,7 +176,9 @@ def main() -> None:
         row = json.loads(output.stdout.strip().splitlines()[-1])
         timed = "" if args.no_time or name == "llama0.5b" else _cpu_time(name)
         print(f"{name:12} {row['forward']:>12,} {row['all']:>16,} ({row['all'] / row['forward']:>6.1f}x) "
-              f"{row['reads']:>11,} {row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x) {timed:>22}")
+              f"{row['reads']:>11,} {row['floor'] / row['forward']:>14.1f}x "
+              f"{row['trials_floor'] / row['forward']:>13.1f}x "
+              f"{row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x) {timed:>22}")
     if args.llama1b:
         environment = {key: value for key, value in os.environ.items() if key != "QCORE_NATIVE"}
         output = subprocess.run([sys.executable, __file__, "--time-llama1b"], capture_output=True, text=True,
