@@ -36,3 +36,12 @@ def forbid_host_sync(monkeypatch):
     for name in ("item", "cpu", "tolist", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     yield
+
+
+@pytest.fixture
+def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """pytester whose runpytest runs in a forked child of this process (tests/forked.py)."""
+    from tests.forked import run_forked
+
+    monkeypatch.setattr(pytester, "runpytest", lambda *args, **kwargs: run_forked(pytester, *args, **kwargs))
+    return pytester
