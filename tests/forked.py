@@ -26,8 +26,8 @@ __all__ = ["HANG_SECONDS", "run_forked"]
 HANG_SECONDS = 600  # a run of this suite takes seconds
 
 
-def run_forked(pytester: pytest.Pytester, *args: str | os.PathLike[str], timeout: float | None = None,
-               **_: object) -> pytest.RunResult:
+def run_forked(pytester: pytest.Pytester, *args: str | os.PathLike[str],
+               timeout: float | None = None) -> pytest.RunResult:
     """pytester.runpytest_subprocess(*args), run in a forked child: the same arguments, working directory,
     environment (the pytester directory first on PYTHONPATH) and result."""
     __tracebackhide__ = True
@@ -91,10 +91,8 @@ def _child(arguments: list[str], out: int, err: int) -> None:
         os._exit(code)
 
 
-def _wait(pid: int, timeout: float | None, arguments: list[str]) -> int:
+def _wait(pid: int, timeout: float, arguments: list[str]) -> int:
     """The child's wait status; past `timeout` seconds the child is killed and Pytester.TimeoutExpired raised."""
-    if timeout is None:
-        return os.waitpid(pid, 0)[1]
     deadline = time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
