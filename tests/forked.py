@@ -5,7 +5,8 @@ is, so a test that needs a process that never imported torch runs `runpytest_sub
 
 The child runs torch on one thread: GNU OpenMP is not fork-safe, and a child whose parent ran a parallel region
 waits forever in its own first one with more than one thread. A run that asks for more torch threads
-(`--qreport-threads`) runs as a subprocess instead."""
+(`--qreport-threads`) runs as a subprocess instead, and so does every run once this process has initialized CUDA,
+which a forked child cannot use."""
 from __future__ import annotations
 
 import atexit
@@ -32,7 +33,7 @@ def run_forked(pytester: pytest.Pytester, *args: str | os.PathLike[str],
     environment (the pytester directory first on PYTHONPATH) and result."""
     __tracebackhide__ = True
     timeout = HANG_SECONDS if timeout is None else timeout  # a child that hangs fails its test, not the suite
-    if any(os.fspath(arg).startswith("--qreport-threads") for arg in args):
+    if torch.cuda.is_initialized() or any(os.fspath(arg).startswith("--qreport-threads") for arg in args):
         return pytester.runpytest_subprocess(*args, timeout=timeout)
     basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=pytester.path)
     arguments = [f"--basetemp={basetemp}", *(os.fspath(arg) for arg in args)]
