@@ -1,20 +1,22 @@
-"""--qreport-html PATH: one self-contained HTML file (Jinja2 template, Plotly charts, no CDN), written
-atomically by the controller.
+"""--qreport-html PATH: one self-contained HTML file (a Jinja2 template, charts as inline SVG, nothing fetched),
+written atomically by the controller.
 
 Per model: the verdict counts, a sortable and filterable table of every row (failures first, with baseline
-and delta), a per-layer chart in graph order (propagated and shadow SQNR, threshold, baseline; hover and zoom,
-with a range slider for long models), the sensitivity ranking, equalization gains, and the fingerprint and
-versions. Needs `pip install 'pytest-qreport[html]'`.
+and delta), a per-layer chart in graph order (propagated and shadow SQNR, threshold, baseline; hover a layer for
+its values; long models scroll sideways), the sensitivity ranking, equalization gains, and the fingerprint and
+versions. Needs `pip install 'pytest-qreport[html]'` (Jinja2).
 """
 from __future__ import annotations
 
 import math
+from html import escape
 from typing import Any
 
 import pytest
 
 from ..core.numbers import format_delta, format_value, printable
 from ..core.results import RunResults
+from .charts import Series, bar_chart, line_chart
 from .outputs import write_report
 
 __all__ = ["HTML_EXTRA", "build_html", "html_extra_missing", "pytest_qreport_report"]
@@ -24,10 +26,9 @@ _VERDICT_ORDER = {"error": 0, "fail": 1, "warn": 2, "waived": 3, "skip": 4, "pas
 
 
 def html_extra_missing() -> str:
-    """'' when Jinja2 and Plotly import; else the one line that names the extra to install."""
+    """'' when Jinja2 imports; else the one line that names the extra to install."""
     try:
         import jinja2  # noqa: F401
-        import plotly  # noqa: F401
     except ImportError as error:
         return f"--qreport-html needs the html extra ({error.name} is missing): {HTML_EXTRA}"
     return ""
@@ -43,58 +44,37 @@ def _finite(values: list[float]) -> list[float | None]:
     return [v if math.isfinite(v) else None for v in values]
 
 
-def _layer_chart(rows: list[dict[str, Any]]) -> Any:
-    import plotly.graph_objects as go
-
+def _layer_chart(rows: list[dict[str, Any]]) -> str | None:
     sqnr = [r for r in rows if r["check"] == "sqnr"]
     if not sqnr:
         return None
-    layers = [r["layer"] for r in sqnr]
-    figure = go.Figure()
-    figure.add_trace(go.Scatter(x=layers, y=_finite([_number(r["value"]) for r in sqnr]), mode="lines+markers",
-                                name="propagated SQNR"))
-    figure.add_trace(go.Scatter(x=layers, y=_finite([_number(r["details"].get("shadow_sqnr_db")) for r in sqnr]),
-                                mode="lines+markers", name="shadow SQNR (float inputs)"))
-    figure.add_trace(go.Scatter(x=layers, y=_finite([_number(r["threshold"]) for r in sqnr]), mode="lines",
-                                name="threshold", line={"dash": "dash"}))
+    series = [Series("propagated SQNR", [_number(r["value"]) for r in sqnr]),
+              Series("shadow SQNR (float inputs)", [_number(r["details"].get("shadow_sqnr_db")) for r in sqnr]),
+              Series("threshold", [_number(r["threshold"]) for r in sqnr], style="lines")]
     baseline = [_number(r.get("baseline")) for r in sqnr]
     if any(math.isfinite(v) for v in baseline):
-        figure.add_trace(go.Scatter(x=layers, y=_finite(baseline), mode="markers", name="baseline",
-                                    marker={"symbol": "x"}))
-    figure.update_layout(title={"text": "per-layer SQNR in graph order (dB)", "y": 0.97}, hovermode="x unified",
-                         height=480, margin={"l": 50, "r": 20, "t": 80, "b": 40},
-                         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0},
-                         xaxis={"rangeslider": {"visible": len(layers) > 40}, "showticklabels": len(layers) <= 80})
-    return figure
+        series.append(Series("baseline", baseline, style="markers"))
+    return line_chart("per-layer SQNR in graph order (dB)", [r["layer"] for r in sqnr], series)
 
 
-def _sensitivity_chart(rows: list[dict[str, Any]]) -> Any:
-    import plotly.graph_objects as go
-
+def _sensitivity_chart(rows: list[dict[str, Any]]) -> str | None:
     ranking = next((r["details"].get("ranking") for r in rows if r["check"] == "sensitivity"
                     and r["details"].get("ranking")), None)
     if not ranking:
         return None
-    top = ranking[:30][::-1]
-    figure = go.Figure(go.Bar(x=_finite([_number(e["gain_db"]) for e in top]), y=[e["layer"] for e in top],
-                              orientation="h", name="gain in float"))
-    figure.update_layout(title="sensitivity: output SQNR gained by keeping one layer in float (dB)",
-                         height=max(260, 22 * len(top) + 90), margin={"l": 180, "r": 20, "t": 50, "b": 40})
-    return figure
+    top = ranking[:30]
+    return bar_chart("sensitivity: output SQNR gained by keeping one layer in float (dB)", [e["layer"] for e in top],
+                     [_number(e["gain_db"]) for e in top], horizontal=True)
 
 
-def _equalization_chart(rows: list[dict[str, Any]]) -> Any:
-    import plotly.graph_objects as go
-
+def _equalization_chart(rows: list[dict[str, Any]]) -> str | None:
     gains = [r for r in rows if r["check"] == "equalization" and math.isfinite(_number(r["value"]))]
     if not gains:
         return None
     methods = sorted({str(r["details"].get("method", "")).split(" into ")[0] for r in gains} - {""})
-    figure = go.Figure(go.Bar(x=[r["layer"] for r in gains], y=[_number(r["value"]) for r in gains],
-                              hovertext=[r["details"].get("method", "") for r in gains], name="SQNR gain"))
-    figure.update_layout(title=f"equalization: SQNR gain per layer of the best method ({', '.join(methods)}) (dB)",
-                         height=320, margin={"l": 50, "r": 20, "t": 50, "b": 40})
-    return figure
+    return bar_chart(f"equalization: SQNR gain per layer of the best method ({', '.join(methods)}) (dB)",
+                     [r["layer"] for r in gains], [_number(r["value"]) for r in gains],
+                     hover=[str(r["details"].get("method", "")) for r in gains])
 
 
 def _cell(value: Any, metric: str, delta: bool = False) -> str:
@@ -107,11 +87,13 @@ def _cell(value: Any, metric: str, delta: bool = False) -> str:
 def build_html(report: dict[str, Any]) -> str:
     """The page for a JSON-form report (jsonreport.build_report): one section per model."""
     import jinja2
-    import plotly.offline
+    from markupsafe import Markup
 
     environment = jinja2.Environment(loader=jinja2.PackageLoader("pytest_qreport", "templates"),
                                      autoescape=jinja2.select_autoescape(["html", "j2"]))
-    environment.finalize = lambda value: printable(value) if isinstance(value, str) else value  # \x07, \ud800
+    # text is made printable (\x07, \ud800); markup marked safe (the charts) stays markup, or it would be escaped
+    environment.finalize = lambda value: printable(value) if isinstance(value, str) and not isinstance(
+        value, Markup) else value
     report = {**report, "rows": [{**row, "model": printable(row["model"]), "layer": printable(row["layer"])}
                                  for row in report["rows"]]}  # the charts' labels too
     models = []
@@ -123,9 +105,10 @@ def build_html(report: dict[str, Any]) -> str:
         counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in _VERDICT_ORDER if any(
             r["verdict"] == v for r in rows)}
         ordered = sorted(rows, key=lambda r: _VERDICT_ORDER.get(r["verdict"], 9))
-        charts = [chart.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
-                  for chart in (_layer_chart(rows), _sensitivity_chart(rows), _equalization_chart(rows)) if chart]
-        table = [{"check": r["check"], "layer": r["layer"], "value": _cell(r["value"], r["metric"]),
+        charts = [chart for chart in (_layer_chart(rows), _sensitivity_chart(rows), _equalization_chart(rows))
+                  if chart]
+        table = [{"check": r["check"], "check_breakable": Markup(escape(r["check"]).replace("_", "_<wbr>")),
+                  "layer": r["layer"], "value": _cell(r["value"], r["metric"]),
                   "threshold": _cell(r["threshold"], r["metric"]), "baseline": _cell(r.get("baseline"), r["metric"]),
                   "delta": _cell(r.get("delta"), r["metric"], delta=True), "verdict": r["verdict"],
                   "message": r["message"] or r.get("note", "")} for r in ordered]
@@ -137,7 +120,7 @@ def build_html(report: dict[str, Any]) -> str:
         models.append({"name": name, "counts": counts, "rows": table, "charts": charts,
                        "info": report["models"].get(name, {}), "recipe": recipe, "float_fixes": float_fixes})
     return environment.get_template("report.html.j2").render(
-        models=models, versions=report["versions"], created=report["created"], plotlyjs=plotly.offline.get_plotlyjs())
+        models=models, versions=report["versions"], created=report["created"])
 
 
 def pytest_qreport_report(results: RunResults, config: pytest.Config) -> str | None:
