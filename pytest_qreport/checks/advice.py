@@ -19,8 +19,8 @@ from typing import Any
 
 from ..core.registry import ModelContext
 
-__all__ = ["KINDS", "Advice", "Fix", "Trial", "equalize_fix", "float_layers_fix", "layer_overrides_fix", "try_fix",
-           "verify"]
+__all__ = ["KINDS", "Advice", "Fix", "Trial", "equalize_fix", "float_layers_fix", "float_search_limit",
+           "layer_overrides_fix", "quantized_layer_names", "try_fix", "verify"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,26 @@ def float_layers_fix(model: ModelContext, layers: Iterable[str]) -> Fix:
 def equalize_fix(value: Any, layers: Iterable[str]) -> Fix:
     """equalize=value (True, a list of layers, or a smoothing recipe)."""
     return Fix("equalize", value, tuple(layers))
+
+
+def quantized_layer_names(model: ModelContext) -> list[str]:
+    """The layers the model quantizes as declared, in graph order: not those its own float_layers keep in float,
+    nor layers whose format refused their shapes."""
+    analysis = model.analysis
+    kept = set(getattr(analysis, "float_layers", ()) or ())
+    return [entry.layer for entry in analysis.layers
+            if not getattr(entry, "format_refusal", "") and entry.layer not in kept]
+
+
+def float_search_limit(model: ModelContext, chosen: int, check: str) -> str:
+    """Why a float_layers search of `check` stopped at `chosen` layers short of its target: every layer but one is
+    in float (the threshold is above what the quantizer gives), or its max_float_layers budget."""
+    quantized = len(quantized_layer_names(model))
+    if chosen >= quantized - 1:
+        return (f"keeping all {quantized} quantized layers in float would quantize nothing, so the threshold is "
+                "above what this quantizer gives")
+    return (f"max_float_layers is {chosen}: search further with "
+            f"qmodel(check_options={{{check!r}: {{'max_float_layers': {min(2 * chosen, quantized - 1)}}}}})")
 
 
 def _variant(model: ModelContext, fix: Fix, reads: Collection[str]) -> Any:

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..core.pipeline import is_artifact
 from ..core.registry import ModelContext
+from .advice import float_search_limit
 
 __all__ = ["DEFAULT_BATCHES", "DEFAULT_MAX_FLOAT_LAYERS", "artifact_fix", "artifact_fix_advice", "is_artifact"]
 
@@ -42,5 +43,6 @@ def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: fl
     if fix.reached:
         return (f" Keeping {len(layers)} layer(s) in float was measured to reach {show(fix.measured)} "
                 f"(from {show(fix.before)}): {lines}."), recipe
-    return (f" No set of up to {len(layers)} layers kept in float reaches {show(target)}; the best found was measured "
-            f"at {show(fix.measured)} (from {show(fix.before)}): {lines}."), recipe
+    return (f" No set of up to {len(layers)} layers kept in float reaches {show(target)} "
+            f"({float_search_limit(model, len(layers), check)}); the best found was measured at {show(fix.measured)} "
+            f"(from {show(fix.before)}): {lines}."), recipe

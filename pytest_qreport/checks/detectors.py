@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from ..core.findings import Finding
@@ -103,7 +103,7 @@ class DetectorCheck(Check):
         if not changes:
             return results
         advice = self.advise(model, list(changes), changes)
-        return [self.judged(f, advice) if f.layer in changes else f for f in results]
+        return [self.judged(f, advice, list(changes)) if f.layer in changes else f for f in results]
 
     def advise(self, model: ModelContext, layers: list[str], changes: dict[str, dict[str, Any]]) -> Advice:
         """The measured advice for the layers the heuristic names (their own SQNR with the fix comes from the
@@ -146,18 +146,21 @@ class DetectorCheck(Check):
                 changes[layer] = change
         return changes
 
-    def judged(self, found: Finding, advice: Advice) -> Finding:
-        """One heuristic failure after measurement."""
+    def judged(self, found: Finding, advice: Advice, failing: Sequence[str] | None = None) -> Finding:
+        """One heuristic failure after measurement. `failing`: the layers whose items fail this heuristic (default:
+        those the advice recommends); the fix they share is printed in full on the first of them it helps."""
         details = {**found.details, "measured_gain_db": advice.first.gain(found.layer),
                    "advised": advice.helps(found.layer)}
         if advice.helps(found.layer):
             details["fix"] = advice.fix_text()
-            first = advice.recommended[0]
-            if found.layer == first or len(advice.recommended) == 1:
+            # the items that keep the fix: the failing ones it helps (a model-wide fix may help passing layers too)
+            kept = [layer for layer in (advice.recommended if failing is None else failing) if advice.helps(layer)]
+            if found.layer == kept[0] or len(kept) == 1:
                 fix = f"Fix: {advice.fix_text()}."
-            else:  # one fix for every layer it helps: printed in full once, on the first one's item and the summary
-                fix = (f"Fix: the one layer_overrides fix for the {len(advice.recommended)} {self.name} layers, "
-                       f"given on the item of {first} and under the summary.")
+            else:  # one fix for every item it helps: printed in full once, on the first one's item and the summary
+                assert advice.trial is not None
+                fix = (f"Fix: the one {advice.trial.fix.setting} fix for the {len(kept)} failing {self.name} items, "
+                       f"given on the item of {kept[0]} and under the summary.")
             return found.replace(message=f"{found.message.rstrip('.')}; {advice.claim(found.layer)}. {fix}",
                                  details=details)
         seen = found.message.removeprefix(f"layer {found.layer}: ")

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
+from .advice import float_search_limit
 from .artifact import artifact_fix, artifact_fix_advice, is_artifact
 
 __all__ = ["BLOCKWISE_NOTE", "SensitivityCheck", "float_layers_advice", "output_fix", "output_float_layers_fix",
@@ -84,8 +85,9 @@ def float_layers_advice(model: ModelContext, target_db: float) -> str:
     if fix.reached:
         return (f" Keeping {len(fix.float_layers)} layer(s) in float was measured to reach {fix.measured_db:.1f} dB: "
                 f"float_layers={layers!r}")
-    return (f" No set of up to {len(fix.float_layers)} layers kept in float reaches {target_db:.1f} dB; the best "
-            f"found, float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")
+    return (f" No set of up to {len(fix.float_layers)} layers kept in float reaches {target_db:.1f} dB "
+            f"({float_search_limit(model, len(fix.float_layers), 'model_sqnr')}); the best found, "
+            f"float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")
 
 
 class SensitivityCheck(Check):

@@ -7,11 +7,11 @@ from typing import Any
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
-from .advice import float_layers_fix, layer_overrides_fix, try_fix, verify
+from .advice import Fix, Trial, float_layers_fix, layer_overrides_fix, quantized_layer_names, try_fix, verify
 from .artifact import is_artifact
 
-__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "keep_in_float_hint",
-           "measured_fixes"]
+__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "best_proper_subset",
+           "keep_in_float_hint", "measured_fixes", "threshold_limit"]
 
 # a fix for a failing layer is listed when it raises the layer's SQNR by at least this much (and not the output's)
 MIN_FIX_GAIN_DB = 0.1
@@ -23,10 +23,55 @@ def keep_in_float_hint(model: ModelContext, layers: list[str]) -> str:
     return float_layers_fix(model, layers).paste()
 
 
+DEFAULT_MAX_FLOAT_LAYERS = 8
+_THRESHOLDS = {"propagated": "sqnr_min_db", "weight": "weight_sqnr_min_db"}
+
+
+def best_proper_subset(model: ModelContext, failing: list[str], kind: str = "propagated") -> Trial | None:
+    """When every quantized layer fails on its own error (so keeping the failing layers in float would quantize
+    nothing): the model measured with the best proper subset kept in float, at most max_float_layers (default 8)
+    of the layers with the largest own error, every layer's `kind` SQNR read; else None."""
+    quantized = quantized_layer_names(model)
+    if len(quantized) < 2 or not set(quantized) <= set(failing):
+        return None
+    options = model.checks["sqnr"].options if "sqnr" in model.checks else {}
+    most = min(int(options.get("max_float_layers", DEFAULT_MAX_FLOAT_LAYERS)), len(quantized) - 1)
+    measured = model.analysis.sqnr.layers
+
+    def own_error(layer: str) -> float:
+        entry = measured[layer]
+        value = entry.weight_sqnr_db if kind == "weight" else entry.shadow_sqnr_db
+        return entry.sqnr_db if value is None or math.isnan(value) else value
+
+    subset = sorted(failing, key=own_error)[:most]  # stable: graph order among equals
+    fix = float_layers_fix(model, subset)
+    return try_fix(model, Fix(fix.setting, fix.value, tuple(quantized)), reads=(kind,))
+
+
+def threshold_limit(model: ModelContext, layer: str, failing: list[str], kind: str = "propagated") -> str:
+    """Why no fix keeps every item of this check passing when every quantized layer fails on its own error, and
+    what the best proper subset kept in float measures at this layer ('' when some layer passes)."""
+    trial = best_proper_subset(model, failing, kind)
+    if trial is None:
+        return ""
+    setting = _THRESHOLDS[kind]
+    threshold = getattr(model.settings, setting)
+    subset = [name for name in trial.fix.layers if name in trial.fix.value and name in failing]
+    text = (f" All {len(trial.fix.layers)} quantized layers fail {setting} {threshold:g} dB on their own error: the "
+            "threshold is above what this quantizer gives, and keeping every failing layer in float would quantize "
+            "nothing.")
+    if layer in subset:
+        return text
+    after = getattr(trial, kind).get(layer, (math.nan, math.nan))[1]
+    return text + (f" With the best subset of at most {len(subset)} layer(s) kept in float, qmodel(..., "
+                   f"{trial.fix.paste()}), this layer measures {after:.2f} dB ({trial.output_claim()}): lower "
+                   f"{setting} to {math.floor(after * 10) / 10:g} dB or below to pass it, or choose a finer quantizer.")
+
+
 def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propagated") -> dict[str, list[str]]:
     """Per failing layer, the fixes measured on the model to raise its `kind` SQNR ("propagated" or "weight")
     without lowering the output SQNR, as text to print: per-channel weights, a clipping observer, and keeping
-    the failing layers in float."""
+    the failing layers in float (when that leaves some layer quantized; else the best proper subset)."""
     layers = {layer: model.analysis.layer(layer) for layer in failing}
     options = []
     per_tensor = [layer for layer, q in layers.items() if q.weighted and not q.per_channel]
@@ -39,8 +84,9 @@ def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propaga
             model, not_clipping, lambda chosen: layer_overrides_fix(
                 model, {c: {"activation_observer": "histogram"} for c in chosen}), MIN_FIX_GAIN_DB, kind)))
     output_target, output_fix = _output_float_layers(model) if failing else (None, None)
+    subset = best_proper_subset(model, failing, kind) if failing else None
     uncovered = [layer for layer in failing if output_fix is None or layer not in output_fix.float_layers]
-    in_float = try_fix(model, float_layers_fix(model, failing), reads=()) if uncovered else None  # its output
+    in_float = try_fix(model, float_layers_fix(model, failing), reads=()) if uncovered and subset is None else None
     fixes: dict[str, list[str]] = {}
     for layer in failing:
         found = [f"{label} ({advice.claim(layer)}): {advice.fix_text()}" for label, advice in options
@@ -54,6 +100,13 @@ def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propaga
                          f"{before:.2f} -> {output_fix.measured_db:.2f} dB, {reach} model_sqnr_min_db "
                          f"{output_target:g} dB): qmodel(..., "
                          f"{float_layers_fix(model, output_fix.float_layers).paste()})")
+        elif subset is not None and layer in subset.fix.value:
+            left = [name for name in subset.fix.layers if name not in subset.fix.value]
+            still = ", ".join(f"{name} at {getattr(subset, kind).get(name, (math.nan, math.nan))[1]:.2f} dB"
+                              for name in left)
+            found.append(f"keeping it in float with the best subset of at most {len(subset.fix.layers) - 1} "
+                         f"layer(s), which leaves {still} (measured: {subset.output_claim()}): "
+                         f"qmodel(..., {subset.fix.paste()})")
         elif in_float is not None and in_float.output_kept and not math.isnan(in_float.output[0]):
             together = " with the other failing layers" if len(failing) > 1 else ""
             short = (f", still below model_sqnr_min_db {output_target:g} dB" if output_target is not None
@@ -142,7 +195,8 @@ class SqnrCheck(Check):
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         threshold, measured, results = model.settings.sqnr_min_db, model.analysis.sqnr.layers, []
         search = self.options.get("fix", True)  # check_options={'sqnr': {'fix': False}}: no fix is measured
-        fixes = measured_fixes(model, own_error_layers(measured, layers, threshold)) if search else None
+        own_errors = own_error_layers(measured, layers, threshold)
+        fixes = measured_fixes(model, own_errors) if search else None
         for layer in layers:
             entry = measured.get(layer)
             if entry is None:
@@ -150,9 +204,10 @@ class SqnrCheck(Check):
                 continue
             quantized = model.analysis.layer(layer)
             not_comparable = getattr(model.analysis, "not_comparable", {}).get(layer, "")
+            limit = threshold_limit(model, layer, own_errors) if search and layer in own_errors else ""
             message = self.message(model, layer, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
                                    entry.below_resolution, None if fixes is None else fixes.get(layer, []),
-                                   not_comparable)
+                                   not_comparable, limit)
             details = {"shadow_sqnr_db": entry.shadow_sqnr_db, "normalized_l2": entry.normalized_l2,
                        "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn,
                        "format": quantized.format}
@@ -163,10 +218,12 @@ class SqnrCheck(Check):
 
     @staticmethod
     def message(model: ModelContext, layer: str, value: float, threshold: float, shadow: float,
-                below_resolution: tuple = (), fixes: list[str] | None = None, not_comparable: str = "") -> str:
+                below_resolution: tuple = (), fixes: list[str] | None = None, not_comparable: str = "",
+                limit: str = "") -> str:
         """Explain a low propagated SQNR, telling inherited error from the layer's own, with the fixes measured
         to help it (measured_fixes; None: none was searched). `not_comparable`: why the layer's own error was not
-        measured (an artifact that rescales its input)."""
+        measured (an artifact that rescales its input); `limit`: why no proper subset in float passes every
+        item (threshold_limit)."""
         own = f"({not_comparable})" if not_comparable else f"(shadow SQNR {shadow:.1f} dB)"
         text = f"layer {layer}: SQNR {below(value, threshold)} {own}."
         if below_resolution:
@@ -177,13 +234,14 @@ class SqnrCheck(Check):
             if source:
                 return text + (f" The first layer before it that fails on its own is {source}: fix that one (see its "
                                f"item), or hide this layer from the checks with skip_layers=[{layer!r}].")
-            return text + (" No layer before it fails on its own: the error builds up over many layers. Keep the "
-                           "layers that cost most in float (the model_sqnr and sensitivity items measure them), "
-                           f"lower sqnr_min_db, or hide this layer from the checks with skip_layers=[{layer!r}].")
+            return text + " No layer before it fails on its own: the error builds up over many layers." + \
+                _built_up_error_advice(model, layer)
         whose = "The layer's own quantization error is too large" if not not_comparable else \
             "Its own error or the error it inherits is too large"
         if fixes is None:
             return text + (f" {whose} (no fix was measured: check_options={{'sqnr': {{'fix': False}}}}).")
+        if limit:
+            return text + f" {whose}." + limit + (" Measured fixes: " + "; or ".join(fixes) + "." if fixes else "")
         if not fixes:
             tried = "keeping the failing layers in float" if is_artifact(model.analysis) else \
                 "per-channel weights, a clipping observer, nor keeping the failing layers in float"
@@ -191,6 +249,23 @@ class SqnrCheck(Check):
                            "without lowering the model's output SQNR: the output does not depend on it. Hide it "
                            f"from the checks with skip_layers=[{layer!r}], or lower sqnr_min_db.")
         return text + f" {whose}. Measured fixes: " + "; or ".join(fixes) + "."
+
+
+def _built_up_error_advice(model: ModelContext, layer: str) -> str:
+    """For error that builds up over many layers: the model_sqnr item's measured float_layers fix when the output
+    fails and one was found, else what the output measures; never a pointer to an item that measured nothing."""
+    hide = f"hide this layer from the checks with skip_layers=[{layer!r}]"
+    target, fix = _output_float_layers(model)
+    if fix is not None:
+        reach = "reaching" if fix.reached else "still below"
+        return (f" The model_sqnr item's measured fix keeps {len(fix.float_layers)} layer(s) in float (the model "
+                f"output {fix.measured_db:.2f} dB, {reach} model_sqnr_min_db {target:g} dB): qmodel(..., "
+                f"{float_layers_fix(model, fix.float_layers).paste()}); or {hide}.")
+    worst = model.analysis.sqnr.worst_output()
+    if target is not None and worst is not None and worst.sqnr_db >= target:
+        return (f" The model output measures {worst.sqnr_db:.2f} dB, passing model_sqnr_min_db {target:g} dB, so the "
+                f"error that reaches it is within bounds: lower sqnr_min_db, or {hide}.")
+    return f" Lower sqnr_min_db, or {hide}."
 
 
 class WeightSqnrCheck(Check):
@@ -225,12 +300,14 @@ class WeightSqnrCheck(Check):
                 results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
                 continue
             found = fixes.get(layer, [])
+            limit = threshold_limit(model, layer, failing, "weight") if search and layer in failing else ""
             rescaled = getattr(model.analysis, "not_comparable", {}).get(layer)
             scaled = ", compared up to its input channels' scales" if rescaled else ""
             advice = (f" It is the artifact's own weight{scaled}: GPTQ and AWQ lower weight SQNR on purpose to "
                       "raise the output's, so in artifact mode this "
                       f"check warns; this layer's sqnr item and the output items judge what it computes." if artifact
                       else " (No fix was measured: check_options={'weight_sqnr': {'fix': False}}.)" if not search else
+                      limit + (" Measured fixes: " + "; or ".join(found) + "." if found else "") if limit else
                       " Measured fixes: " + "; or ".join(found) + "." if found else
                       " Neither per-channel weights nor keeping it in float was measured to help without lowering "
                       f"the model's output SQNR: hide it from the checks with skip_layers=[{layer!r}], or lower "

@@ -259,7 +259,8 @@ class ArtifactAnalysis:
             better = [name for name in ranked if (singles[name] > base if higher else singles[name] < base)]
             chosen: list[str] = []
             measured = before
-            for name in better[:max_float_layers]:
+            quantized = [layer for layer in self._artifact_layers if layer.name not in self.float_layers]
+            for name in better[:min(max_float_layers, len(quantized) - 1)]:  # a proper subset, never every layer
                 chosen.append(name)
                 trials += 1
                 if _meets(self._value(metric, chosen, trial_batches), target, higher):

@@ -335,7 +335,8 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     then one exact measurement with that set skipped by the quantizer.
 
     Each step keeps in float the candidate whose float-ification helps most over the search batches (the first
-    `max_batches`), until the target is met or `max_float_layers` are chosen. The candidates are the `candidates`
+    `max_batches`), until the target is met or `max_float_layers` are chosen, and never every layer (a fix that
+    quantizes nothing is none). The candidates are the `candidates`
     layers that help most alone (from `sensitivity` when given). Every layer, and every candidate of a step, is
     estimated on the first search batch; only the best estimates are measured on the other batches
     (REMEASURED_CANDIDATES of a step, twice `candidates` of the ranking), and the best measured is chosen.
@@ -352,7 +353,8 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
                                                  2 * candidates if estimate else len(model.layers))
     chosen: list[str] = []
     estimated_db = all_quantized_db
-    while estimated_db < target_db and len(chosen) < max_float_layers and len(chosen) < len(pool):
+    most = min(max_float_layers, len(model.layers) - 1)  # a proper subset: keeping every layer quantizes nothing
+    while estimated_db < target_db and len(chosen) < most and len(chosen) < len(pool):
         model.quantize_only([name for name in model.layers if name not in chosen])
         model.record(subset)
         settings = _float_one_more(model, chosen, pool)

@@ -1,0 +1,114 @@
+"""Every pointer in a message leads to a row that says what it promises: the examples' failing models and the
+README's model under raised thresholds, each message read against the rows it names; and no fix keeps every
+quantized layer in float."""
+import ast
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _readme_model():
+    text = (ROOT / "README.md").read_text()
+    return re.search(r"```python\n(# conftest.py of your model repository\n.*?)```", text, re.S).group(1)
+
+
+def _rows(path):
+    rows = json.loads(path.read_text())["rows"]
+    return {(r["model"], r["check"], r["layer"]): r for r in rows}
+
+
+def _check_pointers(rows, output):
+    """Assert that each message's pointers hold in `rows` and in the terminal `output`; the pointers seen."""
+    seen = set()
+    quantized = {}
+    for (model, check, layer) in rows:
+        if check == "sqnr":
+            quantized.setdefault(model, set()).add(layer)
+    for (model, check, layer), row in rows.items():
+        message = row["message"] or ""
+        for listed in re.findall(r"float_layers=(\[[^\]]*\])", message):
+            named = set(ast.literal_eval(listed))
+            assert not quantized.get(model) or not quantized[model] <= named, (model, check, layer, message)
+            seen.add("proper subset")
+        shared = re.search(r"Fix: the one (\w+) fix for the (\d+) failing (\w+) items, given on the item of (\S+) "
+                           r"and under the summary", message)
+        if shared:
+            setting, count, named_check, first = shared.groups()
+            target = rows[(model, named_check, first)]
+            assert target["verdict"] == "fail" and f"Fix: qmodel(..., {setting}=" in target["message"], target
+            assert f"fix for {model}'s {count} failing {named_check} items: qmodel(..., {setting}=" in output
+            seen.add("given on the item of")
+        source = re.search(r"The first layer before it that fails on its own is (\S+): fix that one \(see its item\)",
+                           message)
+        if source:
+            target = rows[(model, "sqnr", source.group(1))]
+            assert target["verdict"] == "fail" and "Measured fixes:" in target["message"], target
+            seen.add("see its item")
+        if "the layers the model_sqnr item names" in message or "The model_sqnr item's measured fix" in message:
+            fix = re.findall(r"float_layers=\[[^\]]*\]", message)[-1]
+            target = rows[(model, "model_sqnr", "output")]
+            assert target["verdict"] == "fail" and fix in target["message"], (message, target)
+            seen.add("model_sqnr item")
+        if "sensitivity" in message and "item" in message:
+            assert rows[(model, "sensitivity", "model")]["verdict"] != "skip", message
+            seen.add("sensitivity item")
+        if "See the per-layer sqnr items" in message:
+            assert any(k[0] == model and k[1] == "sqnr" for k in rows), message
+            seen.add("sqnr items")
+        if "this layer measures" in message:   # a proper subset's claim about a layer it leaves quantized
+            seen.add("left quantized")
+    return seen
+
+
+def _run(folder, *args, env=None):
+    report = folder / f"report{len(list(folder.glob('report*.json')))}.json"
+    done = subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           f"--qreport-json={report}", *args], cwd=folder, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **(env or {})})
+    return _rows(report), done.stdout
+
+
+def test_the_failing_examples_point_only_at_rows_that_hold_what_they_promise():
+    rows, output = _run(ROOT, "examples/", "-k", "wide_rows_mlp or sensor_mlp_unequalized or fragile or spiky_mlp",
+                        env={"QREPORT_EXAMPLES_FAILING": "1"})
+    seen = _check_pointers(rows, output)
+    assert {"see its item", "model_sqnr item", "sqnr items", "proper subset"} <= seen, seen
+    # the sensor model's input_weight_equalization item prints its fix itself (the layer that once carried it passes)
+    message = rows[("sensor_mlp_unequalized", "input_weight_equalization", "layers.4")]["message"]
+    assert "Fix: qmodel(..., equalize=True)." in message and "given on the item of" not in message
+
+
+@pytest.mark.parametrize("option", [["--qreport-sqnr-min-db", "45"], ["--qreport-sqnr-min-db", "38"],
+                                    ["--qreport-model-sqnr-min-db", "45"]], ids=["sqnr45", "sqnr38", "model45"])
+def test_the_readme_model_under_raised_thresholds_is_told_what_was_measured(tmp_path, option):
+    (tmp_path / "conftest.py").write_text(_readme_model())
+    rows, output = _run(tmp_path, *option)
+    seen = _check_pointers(rows, output)
+    failing = {key: row for key, row in rows.items() if row["verdict"] == "fail"}
+    assert failing
+    if option == ["--qreport-sqnr-min-db", "45"]:
+        # both layers fail on their own: no fix quantizes nothing; the best proper subset is named and measured
+        assert {"proper subset", "left quantized"} <= seen
+        for row in failing.values():
+            assert "the threshold is above what this quantizer gives" in row["message"], row["message"]
+        left = rows[("small_mlp", "sqnr", "2")]["message"]
+        measured = float(re.search(r"this layer measures ([\d.]+) dB", left).group(1))
+        pasted = re.search(r"qmodel\(\.\.\., (float_layers=\[[^\]]*\])\)", left).group(1)
+        (tmp_path / "conftest.py").write_text(_readme_model().replace("sqnr_min_db=30.0",
+                                                                       f"sqnr_min_db=30.0, {pasted}"))
+        after, _ = _run(tmp_path)
+        assert after[("small_mlp", "sqnr", "2")]["value"] == pytest.approx(measured, abs=0.01)
+        assert ("small_mlp", "sqnr", "0") not in after   # the pasted layer is in float
+    elif option == ["--qreport-sqnr-min-db", "38"]:
+        message = failing[("small_mlp", "sqnr", "2")]["message"]
+        assert "sensitivity" not in message and "passing model_sqnr_min_db" in message
+    else:
+        message = failing[("small_mlp", "model_sqnr", "output")]["message"]
+        assert "above what this quantizer gives" in message and "float_layers=['0']" in message
