@@ -137,7 +137,8 @@ def model_schema(check_classes: Iterable[Any] = ()) -> dict[str, Setting]:
 def add_options(parser, check_classes: Iterable[Any]) -> None:
     """Register the plugin's command-line flags and ini keys, all from the schema (the general settings, the
     session's, and the settings of `check_classes`: the checks known before pytest parses its options)."""
-    group = parser.getgroup("qreport", "quantization quality report")
+    group = parser.getgroup("qreport", "quantization quality report (a model's settings: the command line "
+                            "overrides qmodel(...), which overrides the ini file, which overrides the default)")
     group.addoption("--qreport", action="store_true", default=False,
                     help="collect and run quantization-quality items for models declared with @qmodel")
     for setting in (*SESSION_SETTINGS, *model_schema(check_classes).values()):
@@ -146,12 +147,29 @@ def add_options(parser, check_classes: Iterable[Any]) -> None:
                 # None when not given, so that the ini key can apply
                 default = None if setting.ini else setting.default
                 group.addoption(setting.flag, dest=setting.dest, action=setting.flag_action, default=default,
-                                help=argparse_help(setting.help))
+                                help=argparse_help(option_help(setting)))
             else:
                 group.addoption(setting.flag, dest=setting.dest, metavar=setting.metavar, default=None,
-                                help=argparse_help(setting.help))
+                                help=argparse_help(option_help(setting)))
         if setting.ini:
             parser.addini(setting.ini, setting.help, default=None)
+
+
+def shown_default(setting: Setting) -> str:
+    """The default as the options table and --help show it."""
+    return setting.shown_default or ("—" if setting.default is None else f"{setting.default}")
+
+
+def option_help(setting: Setting) -> str:
+    """A flag's --help text: what it does, its default, and what it overrides."""
+    text = setting.help.removesuffix("; merged key by key")  # said below, with what it is merged over
+    if "default" not in text:
+        default = shown_default(setting).replace("`", "")
+        text += f" (default: {'none' if default == '—' else default})"
+    if "qmodel" in setting.places:
+        over = "merged key by key over" if setting.merge else "overrides"
+        text += f"; {over} qmodel({setting.name}=...)"
+    return text
 
 
 def argparse_help(text: str) -> str:
@@ -317,7 +335,7 @@ def options_table(check_classes: Iterable[Any]) -> str:
         value = "" if setting.flag_action else f" {setting.metavar}"
         flag = f"`{setting.flag}{value}`" if setting.flag else "—"
         ini = f"`{setting.ini}`" if setting.ini else "—"
-        default = setting.shown_default or ("—" if setting.default is None else f"{setting.default}")
+        default = shown_default(setting)
         rows.append(f"| {argument} | {flag} | {ini} | {default} | {setting.help.replace('|', '/')} |")
     rows.append("| `name` | — | — | function name | the model's name in node ids and reports |")
     return "\n".join(rows)

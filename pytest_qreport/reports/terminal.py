@@ -19,7 +19,7 @@ from ..core.numbers import (
 from ..core.results import ModelFacts, RunResults
 from ..core.settings import table_mode
 
-__all__ = ["counts_line", "fallback_notes", "metric_legend", "note", "pytest_qreport_report", "render_summary",
+__all__ = ["baseline_lines", "counts_line", "fallback_notes", "metric_legend", "note", "pytest_qreport_report", "render_summary",
            "sensitivity_lines", "shared_fix_lines", "summary_rows", "timing_lines"]
 
 
@@ -123,10 +123,37 @@ def pytest_qreport_report(results: RunResults, config: pytest.Config) -> None:
     if mode == "all":
         for line in sensitivity_lines(rows):
             terminal.write_line(line)
+    for line in baseline_lines(rows, results.models):
+        terminal.write_line(line)
     for line in timing_lines(results.models, verbose=mode == "all" or config.get_verbosity() > 0):
         terminal.write_line(line)
     for line in fallback_notes(results.models):
         terminal.write_line(line, yellow=True)
+
+
+def baseline_lines(rows: list[Finding], models: Mapping[str, ModelFacts]) -> list[str]:
+    """'baselines: 232 items of 5 model(s) compared with examples/__qreport__ (232 within tolerance, ...)': what the
+    comparison with the committed baselines found, and which declared baselines do not exist yet."""
+    compared = [row for row in rows if row.baseline_status]
+    with_file = sorted({name for row in compared if (facts := models.get(row.model)) is not None
+                        and (name := facts.baseline_path)})
+    lines = []
+    if compared:
+        import os
+
+        folders = sorted({os.path.relpath(os.path.dirname(path)) for path in with_file})
+        where = ", ".join(folders) if len(folders) <= 3 else f"{len(folders)} folders"
+        counts = {status: sum(1 for row in compared if row.baseline_status == status)
+                  for status in ("ok", "regressed", "improved", "new")}
+        named = {"ok": "within tolerance", "regressed": "regressed", "improved": "improved", "new": "new"}
+        found = ", ".join(f"{count} {named[status]}" for status, count in counts.items() if count)
+        lines.append(f"baselines: {len(compared)} items of {len({row.model for row in compared})} model(s) compared "
+                     f"with {where} ({found})")
+    missing = [name for name, facts in models.items() if facts.baseline_path and name not in
+               {row.model for row in compared} and any(row.model == name for row in rows)]
+    if missing and compared:
+        lines.append(f"baselines: none yet for {', '.join(missing)} (--qreport-update-baseline writes them)")
+    return [printable(line) for line in lines]
 
 
 def timing_lines(models: Mapping[str, ModelFacts], top: int = 3, verbose: bool = False) -> list[str]:

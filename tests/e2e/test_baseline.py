@@ -161,6 +161,8 @@ def test_a_perturbed_layer_fails_against_its_baseline_and_passes_the_absolute_th
                                  "--qreport-update-baseline."])
     assert re.search(r"three\s+weight_sqnr\s+fc3\s+\S+ dB\s+30.0 dB\s+\S+ dB\s+-\d+\.\d dB\s+FAIL\s+regressed",
                      summary_section(result))
+    assert re.search(r"baselines: 6 items of 1 model\(s\) compared with \S*__qreport__ \(\d within tolerance, "
+                     r"\d regressed\)", summary_section(result))
     cases = {c.get("name"): {p.get("name"): p.get("value") for p in c.iter("property")}
              for c in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}
     assert cases["qreport/three/weight_sqnr/fc3"]["baseline_status"] == "regressed"
@@ -173,7 +175,9 @@ def test_a_perturbed_layer_fails_against_its_baseline_and_passes_the_absolute_th
     assert rows[("weight_sqnr", "fc3")]["baseline_status"] == "regressed"
     assert abs(rows[("sqnr", "fc1")]["delta"]) < 0.006
     path.unlink()
-    pytester.runpytest("--qreport").assert_outcomes(passed=6)  # the absolute thresholds alone pass it
+    alone = pytester.runpytest("--qreport")
+    alone.assert_outcomes(passed=6)  # the absolute thresholds alone pass it
+    assert "baselines:" not in alone.stdout.str()
 
 
 def test_update_round_trips_byte_for_byte_also_under_xdist(pytester):

@@ -99,6 +99,32 @@ def test_settings_precedence(pytester, options, ini, cli, failed):
     assert result.parseoutcomes().get("failed", 0) == failed
 
 
+def test_help_gives_each_options_default_and_what_it_overrides(pytester):
+    lines = pytester.runpytest("--help").outlines
+    text = " ".join(" ".join(lines).split())   # argparse wraps lines
+    options, current = {}, None
+    for line in lines:   # each option's text: from its flag to the next flag
+        if line.startswith("  -"):
+            current = line.split()[0].split("=")[0]
+            options[current] = line
+        elif current and line.startswith("    "):
+            options[current] += " " + line.strip()
+        else:
+            current = None
+    assert "the command line overrides qmodel(...), which overrides the ini file, which overrides the default" in text
+    assert "minimum per-layer SQNR in dB (propagated error) (default: 20.0); overrides qmodel(sqnr_min_db=...)" in text
+    assert "(default: all fail); merged key by key over qmodel(severity=...)" in text
+    assert "--qreport-json=PATH write every row" in text and "(schema 1) (default: none)" in text
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.settings import SESSION_SETTINGS, model_schema
+
+    for setting in (*model_schema(BUILTIN_CHECKS).values(), *SESSION_SETTINGS):
+        if setting.flag:
+            shown = " ".join(options[setting.flag].split())
+            assert "default" in shown, shown
+            assert ("qmodel" not in setting.places) or f"qmodel({setting.name}=...)" in shown, shown
+
+
 def test_layer_globs_and_checks_select_items(pytester):
     _project(pytester, options="skip_layers='fc1'")
     result = pytester.runpytest("--qreport", "--collect-only", "-q", "--qreport-checks", "sqnr,model_sqnr")
