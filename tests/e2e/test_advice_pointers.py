@@ -67,16 +67,16 @@ def _check_pointers(rows, output):
     return seen
 
 
-def _run(folder, *args, env=None):
-    report = folder / f"report{len(list(folder.glob('report*.json')))}.json"
+def _run(folder, reports, *args, env=None):
+    report = reports / f"report{len(list(reports.glob('report*.json')))}.json"
     done = subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-p", "no:cacheprovider", "-p", "no:xdist",
                            f"--qreport-json={report}", *args], cwd=folder, capture_output=True, text=True,
                           timeout=600, env={**os.environ, **(env or {})})
     return _rows(report), done.stdout
 
 
-def test_the_failing_examples_point_only_at_rows_that_hold_what_they_promise():
-    rows, output = _run(ROOT, "examples/", "-k", "wide_rows_mlp or sensor_mlp_unequalized or fragile or spiky_mlp",
+def test_the_failing_examples_point_only_at_rows_that_hold_what_they_promise(tmp_path):
+    rows, output = _run(ROOT, tmp_path, "examples/", "-k", "wide_rows_mlp or sensor_mlp_unequalized or fragile or spiky_mlp",
                         env={"QREPORT_EXAMPLES_FAILING": "1"})
     seen = _check_pointers(rows, output)
     assert {"see its item", "model_sqnr item", "sqnr items", "proper subset"} <= seen, seen
@@ -89,7 +89,7 @@ def test_the_failing_examples_point_only_at_rows_that_hold_what_they_promise():
                                     ["--qreport-model-sqnr-min-db", "45"]], ids=["sqnr45", "sqnr38", "model45"])
 def test_the_readme_model_under_raised_thresholds_is_told_what_was_measured(tmp_path, option):
     (tmp_path / "conftest.py").write_text(_readme_model())
-    rows, output = _run(tmp_path, *option)
+    rows, output = _run(tmp_path, tmp_path, *option)
     seen = _check_pointers(rows, output)
     failing = {key: row for key, row in rows.items() if row["verdict"] == "fail"}
     assert failing
@@ -103,7 +103,7 @@ def test_the_readme_model_under_raised_thresholds_is_told_what_was_measured(tmp_
         pasted = re.search(r"qmodel\(\.\.\., (float_layers=\[[^\]]*\])\)", left).group(1)
         (tmp_path / "conftest.py").write_text(_readme_model().replace("sqnr_min_db=30.0",
                                                                        f"sqnr_min_db=30.0, {pasted}"))
-        after, _ = _run(tmp_path)
+        after, _ = _run(tmp_path, tmp_path)
         assert after[("small_mlp", "sqnr", "2")]["value"] == pytest.approx(measured, abs=0.01)
         assert ("small_mlp", "sqnr", "0") not in after   # the pasted layer is in float
     elif option == ["--qreport-sqnr-min-db", "38"]:
