@@ -21,7 +21,14 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from qcore.artifact import ArtifactAnalysis, ArtifactError, ArtifactFix, ArtifactMismatchError, tool_recipes
+from qcore.artifact import (
+    ArtifactAnalysis,
+    ArtifactError,
+    ArtifactFix,
+    ArtifactMismatchError,
+    BlockwiseArtifactError,
+    tool_recipes,
+)
 from qcore.graph.capture import capture, clone_graph_module
 from qcore.graph.deferred import deferred_parameters, materialized, read_rewritten_where_used
 from qcore.graph.inputs import call_model, move_to
@@ -60,7 +67,8 @@ from qcore.runtime.progress import StageTimes, stage, tracked
 from qcore.search.sensitivity import with_float_layers
 
 __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix",
-           "ArtifactMismatchError", "BlockwiseError", "BlockwiseUnsupported", "LayerSqnr", "ModelAnalysis",
+           "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError", "BlockwiseUnsupported", "LayerSqnr",
+           "ModelAnalysis",
            "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes",
            "VariantSqnr", "analyze_model", "calibration_digest", "describe", "matches_layer", "measure_sqnr",
            "model_device", "move_to", "quantize_weights_where_read", "quantized_layers", "smoothing_alpha",

@@ -108,15 +108,18 @@ def quantized_layer_names(model: ModelContext) -> list[str]:
             if not getattr(entry, "format_refusal", "") and entry.layer not in kept]
 
 
-def float_search_limit(model: ModelContext, chosen: int, check: str) -> str:
+def float_search_limit(model: ModelContext, chosen: int, check: str, most: int) -> str:
     """Why a float_layers search of `check` stopped at `chosen` layers short of its target: every layer but one is
-    in float (the threshold is above what the quantizer gives), or its max_float_layers budget."""
+    in float (the threshold is above what the quantizer gives), its max_float_layers budget `most`, or no other
+    layer was measured to help."""
     quantized = len(quantized_layer_names(model))
     if chosen >= quantized - 1:
         return (f"keeping all {quantized} quantized layers in float would quantize nothing, so the threshold is "
                 "above what this quantizer gives")
-    return (f"max_float_layers is {chosen}: search further with "
-            f"qmodel(check_options={{{check!r}: {{'max_float_layers': {min(2 * chosen, quantized - 1)}}}}})")
+    if chosen >= most:
+        return (f"max_float_layers is {most}: search further with "
+                f"qmodel(check_options={{{check!r}: {{'max_float_layers': {min(2 * most, quantized - 1)}}}}})")
+    return "no other layer was measured to help when kept in float"
 
 
 def _variant(model: ModelContext, fix: Fix, reads: Collection[str]) -> Any:

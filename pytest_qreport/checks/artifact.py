@@ -21,9 +21,14 @@ def artifact_fix(model: ModelContext, check: str, metric: str, target: float, ba
     options = model.checks[check].options if check in model.checks else {}
     if options.get("fix") is False:
         return None
-    most = int(options.get("max_float_layers", DEFAULT_MAX_FLOAT_LAYERS))
+    most = _most(model, check)
     return model.analysis.float_layers_fix(target, metric, most, options.get("batches", DEFAULT_BATCHES),
                                            batches=batches)
+
+
+def _most(model: ModelContext, check: str) -> int:
+    options = model.checks[check].options if check in model.checks else {}
+    return int(options.get("max_float_layers", DEFAULT_MAX_FLOAT_LAYERS))
 
 
 def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: float, batches: list[Any],
@@ -44,5 +49,6 @@ def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: fl
         return (f" Keeping {len(layers)} layer(s) in float was measured to reach {show(fix.measured)} "
                 f"(from {show(fix.before)}): {lines}."), recipe
     return (f" No set of up to {len(layers)} layers kept in float reaches {show(target)} "
-            f"({float_search_limit(model, len(layers), check)}); the best found was measured at {show(fix.measured)} "
+            f"({float_search_limit(model, len(layers), check, _most(model, check))}); the best found was measured at "
+            f"{show(fix.measured)} "
             f"(from {show(fix.before)}): {lines}."), recipe

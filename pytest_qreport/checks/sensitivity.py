@@ -68,6 +68,11 @@ def output_float_layers_fix(model: ModelContext, target_db: float) -> Any | None
                                            options.get("batches", DEFAULT_BATCHES))
 
 
+def _max_float_layers(model: ModelContext) -> int:
+    options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
+    return int(options.get("max_float_layers", 8))
+
+
 def float_layers_advice(model: ModelContext, target_db: float) -> str:
     """The verified fix for a low model output SQNR: a float_layers line to paste and the SQNR it reached."""
     options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
@@ -86,7 +91,8 @@ def float_layers_advice(model: ModelContext, target_db: float) -> str:
         return (f" Keeping {len(fix.float_layers)} layer(s) in float was measured to reach {fix.measured_db:.1f} dB: "
                 f"float_layers={layers!r}")
     return (f" No set of up to {len(fix.float_layers)} layers kept in float reaches {target_db:.1f} dB "
-            f"({float_search_limit(model, len(fix.float_layers), 'model_sqnr')}); the best found, "
+            f"({float_search_limit(model, len(fix.float_layers), 'model_sqnr', _max_float_layers(model))}); the best "
+            "found, "
             f"float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")
 
 

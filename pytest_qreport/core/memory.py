@@ -55,7 +55,7 @@ def on_accelerator(float_gm: Any) -> bool:
     that device's, which the budget does not cover (an out-of-memory error there is raised, not a kill)."""
     from qcore.analysis import model_device
 
-    return model_device(float_gm).type != "cpu"
+    return model_device(float_gm).type not in ("cpu", "meta")  # meta: offloaded, onloaded to the host
 
 
 def _storage_tensors(tensors: list[Any]) -> list[Any]:
@@ -101,9 +101,9 @@ def budgeted_estimate(model: str, analysis: Any, mode: bool | str, budget: int |
     exceeds the budget and a block-wise one does not: then `analysis.blockwise` is set."""
     from qcore.analysis import BlockwiseError
 
+    if getattr(analysis, "artifact", False):
+        return _artifact_estimate(model, analysis, mode, budget)
     weights, estimate = estimated_analysis_bytes(analysis.float_gm)
-    if getattr(analysis, "artifact", False):  # eager hooks over both models: one batch's activations on top
-        return estimate, ""
     blockwise: tuple[int, int] | str | None = None
     if analysis.blockwise or (mode == "auto" and budget is not None and estimate > budget):
         try:
@@ -119,6 +119,26 @@ def budgeted_estimate(model: str, analysis: Any, mode: bool | str, budget: int |
     if budget is not None and estimate > budget:
         return 0, over_budget_message(model, weights, estimate, budget, given=given, blockwise=blockwise)
     return estimate, ""
+
+
+def _artifact_estimate(model: str, analysis: Any, mode: bool | str, budget: int | None) -> tuple[int, str]:
+    """An artifact's estimate and refusal: whole passes, or block by block when its blockwise setting says so, or
+    for "auto" when a model is offloaded or whole passes would not fit the budget (analysis.choose_blocks)."""
+    from qcore.analysis import BlockwiseArtifactError
+
+    try:
+        analysis.choose_blocks(mode, budget)
+    except BlockwiseArtifactError as error:
+        return 0, f"model {model!r}: blockwise={mode!r}: {error}"
+    if analysis.stack is None:
+        return analysis.whole_bytes(), ""
+    part, onloaded = analysis.blockwise_bytes()
+    if budget is not None and onloaded > budget:
+        return 0, (f"model {model!r}: does not fit even one block at a time: {part} takes {human_bytes(onloaded)} "
+                   f"onloaded in both models, over the memory budget of {human_bytes(budget)}. Fix: run it where "
+                   "more memory is free, or on a GPU with qmodel(device='cuda'), or give the budget with "
+                   "--qreport-memory-budget if more is free than was measured at the session's start")
+    return onloaded, ""
 
 
 def holds_capture(model_bytes: int, held_bytes: int, budget: int | None) -> bool:

@@ -330,13 +330,14 @@ def collect_artifact(name: str, settings: ModelSettings, registry: CheckRegistry
             raise QReportModelError(f"model {name!r}: {what} gave {type(value).__name__}, not an nn.Module; in "
                                     "artifact mode the model function returns the float reference and quantized= the "
                                     "quantized model")
-    if settings.device is not None:
+    offloaded = any(getattr(value, "hf_device_map", None) for value in (model, quantized))
+    if settings.device is not None and not offloaded:  # an offloaded model is onloaded to the device block by block
         model, _ = on_device(name, settings.device, model, None)
         quantized = quantized.to(settings.device)
     try:
         with tracked() as times:
-            analysis = ArtifactAnalysis(model, quantized)
-    except ArtifactMismatchError as error:
+            analysis = ArtifactAnalysis(model, quantized, device=settings.device if offloaded else None)
+    except (ArtifactMismatchError, ValueError) as error:
         raise QReportModelError(f"model {name!r}: {error}") from None
     names = [entry.layer for entry in analysis.layers]
     _check_artifact_globs(name, settings, names)
@@ -344,7 +345,7 @@ def collect_artifact(name: str, settings: ModelSettings, registry: CheckRegistry
     checks = {check_name: registry.get(check_name)(settings.check_options.get(check_name))
               for check_name in settings.checks}
     context = ModelContext(name, settings, analysis, checks)
-    weights = estimated_analysis_bytes(model)[0] + estimated_analysis_bytes(quantized)[0]
+    weights = analysis.resident_bytes()
     pipeline = ModelPipeline(name, Stage.COLLECTED, settings, None, context, capture={"method": "eager (artifact)"},
                              parameter_bytes=weights, seconds=dict(times.seconds))
     for check_name, check in checks.items():

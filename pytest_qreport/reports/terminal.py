@@ -19,8 +19,8 @@ from ..core.numbers import (
 from ..core.results import ModelFacts, RunResults
 from ..core.settings import table_mode
 
-__all__ = ["baseline_lines", "counts_line", "fallback_notes", "metric_legend", "note", "pytest_qreport_report", "render_summary",
-           "sensitivity_lines", "shared_fix_lines", "summary_rows", "timing_lines"]
+__all__ = ["baseline_lines", "counts_line", "fallback_notes", "metric_legend", "note", "pytest_qreport_report",
+           "render_summary", "sensitivity_lines", "shared_fix_lines", "summary_rows", "timing_lines"]
 
 
 def note(row: Finding) -> str:

@@ -16,14 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcore.artifact.blockwise import BlockwiseArtifactError, artifact_stack, measure_artifact_blockwise
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, artifact_layers, state_digest
 from qcore.artifact.measure import ArtifactError, ArtifactMeasurement, float_layers_swapped, measure_artifact
+from qcore.artifact.offload import is_offloaded, offloaded_bytes, parameter_bytes
 from qcore.measure.passes import SqnrMeasurement
 from qcore.numeric.logits import LogitsMeasurement
 from qcore.runtime.progress import stage
 
 __all__ = ["OUTPUT_METRICS", "ArtifactAnalysis", "ArtifactError", "ArtifactFix", "ArtifactLayer",
-           "ArtifactMismatchError", "tool_recipes"]
+           "ArtifactMismatchError", "BlockwiseArtifactError", "tool_recipes"]
 
 # metric -> (read from a measurement, higher is better)
 OUTPUT_METRICS: dict[str, tuple[Callable[[ArtifactMeasurement], float], bool]] = {
@@ -92,9 +94,13 @@ class ArtifactAnalysis:
 
     def __init__(self, reference: nn.Module, quantized: nn.Module, batches: Iterable[Any] | None = None, *,
                  float_layers: Iterable[str] = (), layers: list[ArtifactLayer] | None = None,
-                 logits: bool = False, focus: Iterable[str] | None = None) -> None:
-        """`logits`: compare the logits in the same pass (the output checks ask for them)."""
+                 logits: bool = False, focus: Iterable[str] | None = None, stack: str | None = None,
+                 device: Any = None) -> None:
+        """`logits`: compare the logits in the same pass (the output checks ask for them); `stack`: the module path
+        of the stack of blocks to go through one at a time (qcore.artifact.blockwise), None for whole passes;
+        `device`: where a block-wise pass onloads the blocks."""
         self.reference, self.quantized = reference.eval(), quantized.eval()
+        self.stack, self.device = stack, device
         self.float_layers = tuple(float_layers)
         self.logits_planned = logits
         self.focus = None if focus is None else frozenset(focus)
@@ -113,7 +119,61 @@ class ArtifactAnalysis:
         """The same artifact, to measure with the logits compared in its pass, and the reference's modules swapped
         in at `float_layers` (nothing has been measured yet)."""
         return ArtifactAnalysis(self.reference, self.quantized, self._batches, float_layers=float_layers,
-                                layers=self._artifact_layers, logits=logits)
+                                layers=self._artifact_layers, logits=logits, stack=self.stack, device=self.device)
+
+    # -- block by block --------------------------------------------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        """Whether either model waits on the meta device behind accelerate's offloading hooks."""
+        return is_offloaded(self.reference) or is_offloaded(self.quantized)
+
+    def whole_bytes(self) -> int:
+        """What whole passes are expected to hold besides the models as loaded: the offloaded weights onloaded, and
+        a decompressed copy of the quantized model (compressed-tensors decompresses every layer on the first
+        forward), about the reference's size."""
+        return offloaded_bytes(self.reference) + offloaded_bytes(self.quantized) + parameter_bytes(self.reference)
+
+    def resident_bytes(self) -> int:
+        """The bytes both models hold in memory as loaded (offloaded parameters not counted)."""
+        return sum(parameter_bytes(model) - offloaded_bytes(model) for model in (self.reference, self.quantized))
+
+    def blockwise_bytes(self) -> tuple[str, int]:
+        """(the biggest part a block-wise pass onloads: a block, or the modules outside the stack, and the bytes
+        both models' copies of it take onloaded)."""
+        assert self.stack is not None
+        parts = {f"{self.stack}.{index}": block for index, block in enumerate(self.reference.get_submodule(self.stack))}
+        outside = sum(parameter_bytes(module) for module in self.reference.children()) - parameter_bytes(
+            self.reference.get_submodule(self.stack))
+        name, biggest = max(((name, parameter_bytes(block)) for name, block in parts.items()), key=lambda e: e[1])
+        if outside > biggest:
+            name, biggest = "the modules outside the stack", outside
+        return name, 2 * biggest
+
+    def choose_blocks(self, mode: bool | str, budget: int | None) -> None:
+        """Set the stack to go through block by block: when `mode` (the blockwise setting) is True or a path, or,
+        for "auto", when a model is offloaded or whole passes would not fit `budget`; BlockwiseArtifactError when
+        asked for and the models have no stack."""
+        if mode is False:
+            return
+        if mode == "auto":
+            if not (self.offloaded or (budget is not None and self.whole_bytes() > budget)):
+                return
+            try:
+                self.stack = artifact_stack(self.reference, self.quantized)
+            except BlockwiseArtifactError:
+                return  # no stack: whole passes, onloading through the models' own hooks
+            return
+        self.stack = artifact_stack(self.reference, self.quantized, mode if isinstance(mode, str) else None)
+
+    def _measure(self, batches: list[Any], float_layers: Iterable[str], focus: Iterable[str] | None, logits: bool,
+                 shadow: bool = True) -> ArtifactMeasurement:
+        """One pass over `batches`: whole, or block by block when a stack is set."""
+        if self.stack is not None:
+            return measure_artifact_blockwise(self.reference, self.quantized, self._artifact_layers, batches,
+                                              self.stack, float_layers=float_layers, focus=focus, logits=logits,
+                                              shadow=shadow, device=self.device)
+        return measure_artifact(self.reference, self.quantized, self._artifact_layers, batches,
+                                float_layers=float_layers, focus=focus, logits=logits, shadow=shadow)
 
     # -- what the checks read, as of a ModelAnalysis ---------------------------------------------------------------
     @property
@@ -159,8 +219,7 @@ class ArtifactAnalysis:
     def measurement(self) -> ArtifactMeasurement:
         """Both models over the batches: one reference pass, one quantized pass and the shadow layers."""
         with stage("comparison"):
-            return measure_artifact(self.reference, self.quantized, self._artifact_layers, self.batches,
-                                    float_layers=self.float_layers, focus=self.focus, logits=self.logits_planned)
+            return self._measure(self.batches, self.float_layers, self.focus, self.logits_planned)
 
     @property
     def sqnr(self) -> SqnrMeasurement:
@@ -186,8 +245,7 @@ class ArtifactAnalysis:
         kept = self._logits_on.get(id(batches))
         if kept is None or kept[0] is not batches:
             with stage("comparison"):
-                measured = measure_artifact(self.reference, self.quantized, self._artifact_layers, batches,
-                                            float_layers=self.float_layers, focus=(), logits=True, shadow=False)
+                measured = self._measure(batches, self.float_layers, (), True, shadow=False)
             assert measured.logits is not None
             kept = self._logits_on[id(batches)] = (batches, measured.logits)
         return kept[1]
@@ -208,14 +266,14 @@ class ArtifactAnalysis:
         key = (swapped, None if layers is None else tuple(sorted(layers)), logits)
         if key not in self._variants:
             self._variants[key] = ArtifactAnalysis(self.reference, self.quantized, self.batches, float_layers=swapped,
-                                                   layers=self._artifact_layers, logits=logits, focus=layers)
+                                                   layers=self._artifact_layers, logits=logits, focus=layers,
+                                                   stack=self.stack, device=self.device)
         return self._variants[key]
 
     def _value(self, metric: str, float_layers: Iterable[str], batches: list[Any]) -> float:
         read, _ = OUTPUT_METRICS[metric]
-        measured = measure_artifact(self.reference, self.quantized, self._artifact_layers, batches,
-                                    float_layers=[*self.float_layers, *float_layers], focus=(),
-                                    logits=metric != "output_sqnr_db", shadow=False)
+        measured = self._measure(batches, [*self.float_layers, *float_layers], (), metric != "output_sqnr_db",
+                                 shadow=False)
         return read(measured)
 
     def _candidates(self, max_candidates: int) -> list[str]:

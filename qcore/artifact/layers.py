@@ -85,8 +85,19 @@ def _same_class(a: type, b: type) -> bool:
     return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
-def _format(module: nn.Module, reference: nn.Module | None) -> str:
-    """What holds the module's quantization, in words; "" for a module that is not quantized."""
+def _accelerate_forward(module: nn.Module) -> bool:
+    """Whether the module's replaced forward is accelerate's hook wrapper (device placement, offload), not a tool's."""
+    return "_old_forward" in vars(module) and getattr(module, "_hf_hook", None) is not None
+
+
+def _real(module: nn.Module, name: str, tensor: torch.Tensor, read: Any) -> torch.Tensor:
+    """`tensor`, or its value from the model's offload when it waits on the meta device."""
+    return read(module, name) if tensor.device.type == "meta" and read is not None else tensor
+
+
+def _format(module: nn.Module, reference: nn.Module | None, read: Any = None, read_reference: Any = None) -> str:
+    """What holds the module's quantization, in words; "" for a module that is not quantized. `read(module, name)`:
+    a tensor's value when the model offloads it (module_tensor)."""
     weight = getattr(module, "weight", None)
     scheme = getattr(module, "quantization_scheme", None)
     if scheme is not None:  # compressed-tensors
@@ -105,13 +116,16 @@ def _format(module: nn.Module, reference: nn.Module | None) -> str:
     extra = sorted(set(own) - set(reference_own))
     if extra:
         return f"{type(module).__name__} with {', '.join(extra)}"
-    if "forward" in vars(module):
+    if "forward" in vars(module) and not _accelerate_forward(module):
         return f"{type(module).__name__} with a replaced forward"
     if isinstance(weight, torch.Tensor) and weight.shape != ref_weight.shape:
         return f"{type(module).__name__} with a weight of shape {tuple(weight.shape)}"
     if isinstance(weight, torch.Tensor):
+        ours, theirs = _real(module, "weight", weight, read), _real(reference, "weight", ref_weight, read_reference)
+        if ours.device.type == "meta" or theirs.device.type == "meta":
+            return ""  # nothing to compare: its weights are not held and no offload gives them
         with torch.no_grad():
-            if not torch.equal(weight.detach(), ref_weight.detach().to(weight.dtype)):
+            if not torch.equal(ours.detach(), theirs.detach().to(ours.dtype)):
                 return f"{type(module).__name__} with changed weights"
     return ""
 
@@ -119,6 +133,8 @@ def _format(module: nn.Module, reference: nn.Module | None) -> str:
 def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[ArtifactLayer]:
     """The quantized layers of `quantized`, in module order; ArtifactMismatchError listing the names that match
     nothing on either side (a model of another architecture, or modules renamed)."""
+    from qcore.artifact.offload import module_tensor
+
     references = dict(reference.named_modules())
     layers: list[ArtifactLayer] = []
     only_quantized: list[str] = []
@@ -130,7 +146,15 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
         if twin is None and name:
             only_quantized.append(name)
             continue
-        found = _format(module, twin) if name else ""
+        prefix = f"{name}." if name else ""
+
+        def read(_module: nn.Module, tensor: str, model: nn.Module = quantized, prefix: str = prefix) -> torch.Tensor:
+            return module_tensor(model, prefix + tensor)
+
+        def read_reference(_module: nn.Module, tensor: str, prefix: str = prefix) -> torch.Tensor:
+            return module_tensor(reference, prefix + tensor)
+
+        found = _format(module, twin, read, read_reference) if name else ""
         if found:
             weight = getattr(twin, "weight", None)
             layers.append(ArtifactLayer(name, type(twin).__name__, found, isinstance(weight, torch.Tensor)))
@@ -158,6 +182,8 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
 def changed_modules(reference: nn.Module, quantized: nn.Module, layers: Iterable[str]) -> list[str]:
     """The modules outside `layers` whose own parameters differ from the reference's (SmoothQuant and AWQ fold
     their scales into the norms before the layers they rescale)."""
+    from qcore.artifact.offload import module_tensor
+
     skipped = tuple(layers)
     references = dict(reference.named_modules())
     changed = []
@@ -168,8 +194,12 @@ def changed_modules(reference: nn.Module, quantized: nn.Module, layers: Iterable
             twin = dict(references[name].named_parameters(recurse=False))
             for key, value in module.named_parameters(recurse=False):
                 other = twin.get(key)
-                if _plain(value) and isinstance(other, torch.Tensor) and other.shape == value.shape and \
-                        not torch.equal(value.detach(), other.detach().to(value.dtype)):
+                if not (_plain(value) and isinstance(other, torch.Tensor) and other.shape == value.shape):
+                    continue
+                prefix = f"{name}." if name else ""
+                value = module_tensor(quantized, prefix + key) if value.device.type == "meta" else value
+                other = module_tensor(reference, prefix + key) if other.device.type == "meta" else other
+                if not torch.equal(value.detach(), other.detach().to(value.dtype)):
                     changed.append(name)
                     break
     return changed
@@ -200,9 +230,13 @@ def _flat_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
 def state_digest(model: nn.Module) -> str:
     """'sha256:...' of the model's state: names, dtypes, shapes and bytes of every parameter and buffer (the inner
     tensors of a quantized tensor subclass)."""
+    from qcore.artifact.offload import module_tensor
+
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, value in [*model.named_parameters(), *model.named_buffers()]:
+            if value.device.type == "meta":  # offloaded: read from the offload, one tensor at a time
+                value = module_tensor(model, name)
             for part in _flat_tensors(value):
                 digest.update(f"{name}:{part.dtype}:{tuple(part.shape)};".encode())
                 data = part.detach().contiguous().cpu().reshape(-1)

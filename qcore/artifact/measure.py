@@ -170,9 +170,12 @@ class _Pass:
         self.entered: list[str] = []
         self.in_shadow = False
         self.recording = False  # the reference's pass: its modules also run inside the quantized model when swapped in
+        self.active: set[str] | None = None  # the layers measured in this phase of a block-wise pass (None: all)
 
     def reference_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if self.active is not None and name not in self.active:
+                return
             tensor = _output_tensor(output)
             if tensor is not None and self.recording:
                 kept_inputs = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
@@ -182,7 +185,7 @@ class _Pass:
 
     def entered_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if not self.in_shadow:
+            if not self.in_shadow and (self.active is None or name in self.active):
                 self.entered.append(name)
         return hook
 
@@ -221,7 +224,7 @@ class _Pass:
 
     def quantized_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if self.in_shadow:
+            if self.in_shadow or (self.active is not None and name not in self.active):
                 return
             if self.entered and self.entered[-1] == name:
                 self.entered.pop()
@@ -304,7 +307,10 @@ def _compare_outputs(expected: Any, actual: Any, outputs: list[tuple[str, Stream
 
 def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, ArtifactLayer], measured: _Pass,
                  outputs: list[tuple[str, StreamingComparator]], comparator: LogitsComparator | None,
-                 float_layers: list[str]) -> ArtifactMeasurement:
+                 float_layers: list[str], weights: Mapping[str, tuple[float, float]] | None = None
+                 ) -> ArtifactMeasurement:
+    """The records of a pass. `weights`: each layer's (weight SQNR, rescaled-fit gain), measured while its weights
+    were onloaded (a block-wise pass); None reads them from the models now."""
     output_records = {}
     for name, streaming in outputs:
         numbers = streaming.result()
@@ -321,14 +327,20 @@ def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, 
         if not numbers["batches"]:
             continue  # not run on these batches
         weight_db, rescaled = None, False
-        reference_weight = getattr(reference.get_submodule(name), "weight", None)
-        if kept[name].weighted and name not in float_layers and isinstance(reference_weight, torch.Tensor):
-            ours = dequantized_weight(quantized.get_submodule(name))
-            if ours is not None and ours.numel() == reference_weight.numel():
-                weight_db, gain = _weight_sqnr(reference_weight, ours)
-                rescaled = gain > RESCALED_GAIN_DB
-                if rescaled:
-                    weight_db += gain  # compared up to its input channels' scales, which the rescaling moved
+        fitted = None
+        if weights is not None:
+            fitted = weights.get(name)
+        else:
+            reference_weight = getattr(reference.get_submodule(name), "weight", None)
+            if kept[name].weighted and name not in float_layers and isinstance(reference_weight, torch.Tensor):
+                ours = dequantized_weight(quantized.get_submodule(name))
+                if ours is not None and ours.numel() == reference_weight.numel():
+                    fitted = _weight_sqnr(reference_weight, ours)
+        if fitted is not None:
+            weight_db, gain = fitted
+            rescaled = gain > RESCALED_GAIN_DB
+            if rescaled:
+                weight_db += gain  # compared up to its input channels' scales, which the rescaling moved
         shadow_db = measured.shadows[name].result()["sqnr_db"] if measured.shadows[name].batches else math.nan
         if rescaled:
             if changed is None:

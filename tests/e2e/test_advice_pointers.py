@@ -76,7 +76,8 @@ def _run(folder, reports, *args, env=None):
 
 
 def test_the_failing_examples_point_only_at_rows_that_hold_what_they_promise(tmp_path):
-    rows, output = _run(ROOT, tmp_path, "examples/", "-k", "wide_rows_mlp or sensor_mlp_unequalized or fragile or spiky_mlp",
+    rows, output = _run(ROOT, tmp_path, "examples/", "-k",
+                        "wide_rows_mlp or sensor_mlp_unequalized or fragile or spiky_mlp",
                         env={"QREPORT_EXAMPLES_FAILING": "1"})
     seen = _check_pointers(rows, output)
     assert {"see its item", "model_sqnr item", "sqnr items", "proper subset"} <= seen, seen

@@ -201,7 +201,9 @@ def test_the_search_estimating_on_the_first_batch_picks_what_measuring_every_can
         runs[estimate] = _counting_batch_runs(switchable_model)
         found[estimate] = find_float_layers(float_gm, model_batches, None, target_db=80.0, max_float_layers=3,
                                             candidates=4, model=switchable_model, estimate=estimate)
-    assert found[True] == found[False] and len(found[True].float_layers) == 3
+    # three steps, or for the CNN's 3 layers two: a set that keeps every layer in float quantizes nothing
+    most = min(3, len(SwitchableModel(float_gm, model_batches).layers) - 1)
+    assert found[True] == found[False] and len(found[True].float_layers) == most
     # the Llama's 17 layers are more than the 8 the ranking re-measures, and its first step's 4 candidates more than 3
     assert len(runs[True]) < len(runs[False]) if case == "llama" else len(runs[True]) == len(runs[False])
 

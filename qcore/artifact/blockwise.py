@@ -1,0 +1,330 @@
+"""A shipped artifact against its float reference one block of their stack at a time, as llm-compressor's sequential
+pipeline quantizes: every batch goes through one block before the next block is onloaded.
+
+The first block's inputs (positional and keyword: hidden states, position embeddings, masks) are captured for every
+batch from each model's own forward, stopped at the block; the layers before the stack are measured on the way. Then
+for each block, the reference's block is onloaded, run on the float stream of every batch and released, and the
+quantized block likewise on the quantized stream (its compressed-tensors layers decompressed with it): the forward
+hooks of qcore.artifact.measure compare each layer's output and run its shadow, exactly as in a whole pass. Last,
+each model runs again with its stack replayed (every block returns the stream's final output), so the layers after
+the stack, the outputs and the logits are measured by the model's own code. The numbers are the whole pass's; each
+weight is read once per pass.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, dequantized_weight
+from qcore.artifact.measure import (
+    ArtifactError,
+    ArtifactMeasurement,
+    _compare_outputs,
+    _measurement,
+    _Pass,
+    _weight_sqnr,
+    float_layers_swapped,
+)
+from qcore.artifact.offload import (
+    compressed_layers_decompressed,
+    first_forward_decompression_held,
+    module_tensor,
+    onloaded,
+)
+from qcore.graph.capture import without_kv_cache
+from qcore.graph.inputs import call_model
+from qcore.numeric.loggers import StreamingComparator
+from qcore.numeric.logits import LogitsComparator
+
+__all__ = ["BlockwiseArtifactError", "artifact_stack", "measure_artifact_blockwise"]
+
+
+class BlockwiseArtifactError(ValueError):
+    """The models cannot be analysed one block at a time (no stack of blocks, or one that does not run as one)."""
+
+
+class _Stop(Exception):
+    """Raised at the first block once its inputs are captured: the rest of the forward is the blocks' pass's."""
+
+
+def artifact_stack(reference: nn.Module, quantized: nn.Module, path: str | None = None) -> str:
+    """The module path of the stack of blocks to go through one at a time: `path` when given, else the largest
+    nn.ModuleList or nn.Sequential of two or more modules of one class ("model.layers"), present in both models."""
+    if path:
+        found = dict(reference.named_modules()).get(path)
+        if not isinstance(found, (nn.ModuleList, nn.Sequential)) or len(found) < 2:
+            raise BlockwiseArtifactError(f"blockwise={path!r}: no stack of two or more numbered blocks at {path!r} in "
+                                         "the reference. Fix: name the model's stack of blocks (model.layers, "
+                                         "transformer.h, encoder.layer), or blockwise=False")
+        return path
+    stacks = [(len(module), name) for name, module in reference.named_modules()
+              if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2 and name
+              and len({type(child).__qualname__ for child in module}) == 1]
+    quantized_names = dict(quantized.named_modules())
+    stacks = [(count, name) for count, name in stacks if name in quantized_names]
+    if not stacks:
+        raise BlockwiseArtifactError("the model has no stack of numbered blocks (an nn.ModuleList of two or more "
+                                     "blocks of one class, such as model.layers) to analyse one at a time. Fix: "
+                                     "blockwise=False")
+    return max(stacks, key=lambda entry: (entry[0], -entry[1].count(".")))[1]
+
+
+def _block_index(name: str, stack: str) -> int | None:
+    if not name.startswith(stack + "."):
+        return None
+    head = name[len(stack) + 1:].split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
+def _outside(model: nn.Module, stack: str) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(the subtrees outside the stack, the stack's ancestors): what the capture and the replay run besides the
+    blocks."""
+    ancestors = {""} | {".".join(stack.split(".")[:depth]) for depth in range(1, stack.count(".") + 1)}
+    subtrees = []
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0] if name else None
+        if name and name != stack and name not in ancestors and parent in ancestors:
+            subtrees.append(module)
+    return subtrees, [model.get_submodule(name) for name in sorted(ancestors)]
+
+
+@contextlib.contextmanager
+def _outside_onloaded(model: nn.Module, stack: str, device: Any, which: str) -> Iterator[None]:
+    """Every module outside the stack onloaded (and the stack's ancestors' own tensors), for a whole phase."""
+    subtrees, ancestors = _outside(model, stack)
+    with contextlib.ExitStack() as held:
+        for module in subtrees:
+            name = next(key for key, value in model.named_modules() if value is module)
+            held.enter_context(_block_onloaded(module, device, which, name))
+            held.enter_context(compressed_layers_decompressed(module))
+        for module in ancestors:
+            held.enter_context(_own_tensors_onloaded(module))
+        yield
+
+
+@contextlib.contextmanager
+def _own_tensors_onloaded(module: nn.Module) -> Iterator[None]:
+    """Only `module`'s own tensors onloaded (an ancestor of the stack: the blocks are onloaded one at a time)."""
+    hooks = [h for h in getattr(getattr(module, "_hf_hook", None), "hooks", None) or
+             [getattr(module, "_hf_hook", None)] if h is not None and getattr(h, "offload", False)
+             and not getattr(h, "place_submodules", False)]
+    for hook in hooks:
+        hook.pre_forward(module)
+        hook.offload = False
+    try:
+        yield
+    finally:
+        for hook in reversed(hooks):
+            hook.offload = True
+            hook.post_forward(module, None)
+
+
+class _Replay(nn.Module):
+    """Stands in for every block of a stack: returns the stream's final output for the current batch."""
+
+    def __init__(self, outputs: Sequence[Any]) -> None:
+        super().__init__()
+        self.outputs, self.index = outputs, 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.outputs[self.index]
+
+
+@contextlib.contextmanager
+def _replayed(model: nn.Module, stack: str, outputs: Sequence[Any]) -> Iterator[_Replay]:
+    parent_name, _, child = stack.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    original = getattr(parent, child)
+    replay = _Replay(outputs)
+    setattr(parent, child, type(original)(*[replay] * len(original)) if isinstance(original, nn.Sequential)
+            else nn.ModuleList([replay] * len(original)))
+    try:
+        yield replay
+    finally:
+        setattr(parent, child, original)
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    """A block's output stream: the output itself, or the first tensor of a tuple (older transformers)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    leaves = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+    if not leaves:
+        raise BlockwiseArtifactError("a block of the stack returned no tensor to carry to the next block. Fix: "
+                                     "blockwise=False")
+    return leaves[0]
+
+
+def _advanced(args: tuple, kwargs: dict, output: Any) -> tuple[tuple, dict]:
+    """The next block's inputs: the same keywords, the stream replaced by this block's output."""
+    hidden = _hidden(output)
+    if args:
+        return (hidden, *args[1:]), kwargs
+    if "hidden_states" not in kwargs:
+        raise BlockwiseArtifactError("the stack's blocks take their stream neither as the first argument nor as "
+                                     "hidden_states=. Fix: blockwise=False")
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def _captured(model: nn.Module, first: nn.Module, batches: Sequence[Any], run: Callable[[Callable[[], Any]], Any]
+              ) -> list[tuple[tuple, dict]]:
+    """The first block's (args, kwargs) for each batch, from the model's own forward stopped at the block."""
+    inputs: list[tuple[tuple, dict]] = []
+
+    def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs.append((args, kwargs))
+        raise _Stop
+
+    handle = first.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for batch in batches:
+            with contextlib.suppress(_Stop):
+                run(functools.partial(call_model, model, batch))
+    finally:
+        handle.remove()
+    if len(inputs) != len(batches):
+        raise BlockwiseArtifactError("the stack's first block did not run on every batch: the stack is not what the "
+                                     "model computes with. Fix: name its stack with blockwise='...', or "
+                                     "blockwise=False")
+    return inputs
+
+
+def _quantized_call(measured: _Pass) -> Callable[[Callable[[], Any]], Any]:
+    """Runs one call of the quantized model (or a block of it): ArtifactError naming the layer it raised in."""
+    def run(call: Callable[[], Any]) -> Any:
+        measured.entered.clear()
+        try:
+            return call()
+        except (ArtifactMismatchError, _Stop, BlockwiseArtifactError):
+            raise
+        except Exception as error:
+            layer = measured.entered[-1] if measured.entered else ""
+            where = f" in layer {layer}" if layer else ""
+            fix = (f" Fix: run the artifact where its kernels run (device=...), or keep that layer in float with "
+                   f"float_layers={[layer]!r}" if layer else
+                   " Fix: call the quantized model as the reference is called, where its kernels run")
+            raise ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: "
+                                f"{error}.{fix}") from error
+    return run
+
+
+@contextlib.contextmanager
+def _block_onloaded(module: nn.Module, device: Any, which: str, where: str) -> Iterator[None]:
+    """onloaded(module), an unreadable offload named: which model, which block, and what to do."""
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(onloaded(module, device))
+        except Exception as error:
+            raise ArtifactError(f"{which}: {where} could not be onloaded: its weights could not be read from the "
+                                f"offload ({type(error).__name__}: {error}). Fix: load the model again with "
+                                "from_pretrained(..., device_map=..., offload_folder=...) pointing at an offload "
+                                "folder that exists and is writable, from a checkpoint whose shards are complete"
+                                ) from error
+        yield
+
+
+def _plain_call(call: Callable[[], Any]) -> Any:
+    return call()
+
+
+def measure_artifact_blockwise(reference: nn.Module, quantized: nn.Module, layers: Sequence[ArtifactLayer],
+                               batches: Iterable[Any], stack: str, *, float_layers: Iterable[str] = (),
+                               focus: Iterable[str] | None = None, logits: bool = False, shadow: bool = True,
+                               device: Any = None) -> ArtifactMeasurement:
+    """measure_artifact's numbers, one block of `stack` at a time (module docstring); `device`: where blocks are
+    onloaded to (default: where each model's hooks put them)."""
+    batches = list(batches)
+    float_layers = list(float_layers)
+    kept = {layer.name: layer for layer in layers}
+    focused = None if focus is None else set(focus)
+    measured = _Pass([name for name in kept if focused is None or name in focused], shadow)
+    reference_blocks, quantized_blocks = reference.get_submodule(stack), quantized.get_submodule(stack)
+    if len(reference_blocks) != len(quantized_blocks):
+        raise ArtifactMismatchError(f"the stack {stack} has {len(quantized_blocks)} blocks in the quantized model and "
+                                    f"{len(reference_blocks)} in the reference")
+    in_stack = {name for name in measured.names if _block_index(name, stack) is not None}
+    weights: dict[str, tuple[float, float]] = {}
+    swapped_blocks = {_block_index(name, stack) for name in float_layers} - {None}
+    run_quantized = _quantized_call(measured)
+
+    def weigh(names: Iterable[str]) -> None:  # while the quantized layers (and the reference's) are onloaded
+        for name in names:
+            if name in float_layers or not kept[name].weighted or name in weights:
+                continue
+            ours = dequantized_weight(quantized.get_submodule(name))
+            theirs = module_tensor(reference, name + ".weight")
+            if ours is not None and isinstance(theirs, torch.Tensor) and ours.numel() == theirs.numel():
+                weights[name] = _weight_sqnr(theirs, ours)
+
+    outputs: list[tuple[str, StreamingComparator]] = []
+    comparator = LogitsComparator() if logits else None
+    with float_layers_swapped(quantized, reference, float_layers), without_kv_cache(reference), \
+            without_kv_cache(quantized), first_forward_decompression_held(quantized), torch.no_grad():
+        handles = measured.attach(reference, quantized)
+        try:
+            # the first block's inputs for every batch, and the layers before the stack on the way
+            measured.active = set(measured.names) - in_stack
+            measured.recording = True
+            with _outside_onloaded(reference, stack, device, "the reference"):
+                reference_stream = _captured(reference, reference_blocks[0], batches, _plain_call)
+            measured.recording = False
+            with _outside_onloaded(quantized, stack, device, "the quantized model"):
+                quantized_stream = _captured(quantized, quantized_blocks[0], batches, run_quantized)
+                before = set(measured.order)
+                weigh(before)
+            reference_last: list[Any] = []
+            quantized_last: list[Any] = []
+            for index in range(len(reference_blocks)):
+                block_names = {name for name in in_stack if _block_index(name, stack) == index}
+                measured.active = block_names
+                measured.recording = True
+                with _block_onloaded(reference_blocks[index], device, "the reference", f"block {stack}.{index}"):
+                    reference_last = [reference_blocks[index](*args, **kwargs) for args, kwargs in reference_stream]
+                reference_stream = [_advanced(args, kwargs, out)
+                                    for (args, kwargs), out in zip(reference_stream, reference_last)]
+                measured.recording = False
+                with contextlib.ExitStack() as held:
+                    if index in swapped_blocks:  # the reference's layers swapped into this quantized block
+                        held.enter_context(_block_onloaded(reference_blocks[index], device, "the reference",
+                                                           f"block {stack}.{index}"))
+                    held.enter_context(_block_onloaded(quantized_blocks[index], device, "the quantized model",
+                                                       f"block {stack}.{index}"))
+                    held.enter_context(compressed_layers_decompressed(quantized_blocks[index]))
+                    block = quantized_blocks[index]
+                    quantized_last = [run_quantized(functools.partial(block, *args, **kwargs))
+                                      for args, kwargs in quantized_stream]
+                    weigh(block_names)
+                quantized_stream = [_advanced(args, kwargs, out)
+                                    for (args, kwargs), out in zip(quantized_stream, quantized_last)]
+            del reference_stream, quantized_stream
+            # the layers after the stack, the outputs and the logits: each model with its stack replayed
+            measured.active = set(measured.names) - in_stack - before
+            measured.recording = True
+            expected = []
+            with _outside_onloaded(reference, stack, device, "the reference"), \
+                    _replayed(reference, stack, reference_last) as replay:
+                for position, batch in enumerate(batches):
+                    replay.index = position
+                    expected.append(call_model(reference, batch))
+            measured.recording = False
+            del reference_last
+            with _outside_onloaded(quantized, stack, device, "the quantized model"), \
+                    _replayed(quantized, stack, quantized_last) as replay:
+                for position, batch in enumerate(batches):
+                    replay.index = position
+                    actual = run_quantized(functools.partial(call_model, quantized, batch))
+                    _compare_outputs(expected[position], actual, outputs, comparator, batch)
+                    expected[position] = None  # compared: let it go
+                    del actual
+                weigh(set(measured.names) - in_stack)
+        finally:
+            measured.active = None
+            for handle in handles:
+                handle.remove()
+    return _measurement(reference, quantized, kept, measured, outputs, comparator, float_layers, weights)

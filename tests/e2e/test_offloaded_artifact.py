@@ -1,0 +1,88 @@
+"""A checkpoint pair declared as a small machine loads it (accelerate's big-model offload: from_pretrained with
+device_map, max_memory and offload_folder) is gated block by block and gives the rows of the same pair loaded whole,
+serially and under -n 2."""
+import json
+import math
+import pathlib
+
+import pytest
+
+from tests.helpers import compressed_tensors_checkpoint, tiny_llama
+
+pytest.importorskip("accelerate")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+CONFTEST = '''
+import sys
+
+sys.path.insert(0, {root!r})
+
+import pytest  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from pytest_qreport import qmodel  # noqa: E402
+from tests.helpers import token_batches  # noqa: E402
+
+CHECKPOINTS = {checkpoints!r}
+
+
+def offloaded(name, folder):
+    return AutoModelForCausalLM.from_pretrained(f"{{CHECKPOINTS}}/{{name}}", device_map="auto",
+                                                max_memory={{"cpu": "150KiB"}}, offload_folder=folder).eval()
+
+
+@pytest.fixture(scope="session")
+def batches():
+    return token_batches(3)
+
+
+@qmodel(calibration="batches", quantized=lambda: AutoModelForCausalLM.from_pretrained(f"{{CHECKPOINTS}}/w4a16"),
+        sqnr_min_db=10, weight_sqnr_min_db=10, top1_agreement_min=0.7)
+def whole():
+    return AutoModelForCausalLM.from_pretrained(f"{{CHECKPOINTS}}/float").eval()
+
+
+@qmodel(calibration="batches", quantized=lambda: offloaded("w4a16", "offload-w4a16"), sqnr_min_db=10,
+        weight_sqnr_min_db=10, top1_agreement_min=0.7)
+def offload():
+    return offloaded("float", "offload-float")
+'''
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("checkpoints")
+    reference = tiny_llama(layers=4)
+    reference.save_pretrained(folder / "float")
+    compressed_tensors_checkpoint(reference, folder / "w4a16", "W4A16", group_size=32)
+    return folder
+
+
+def _rows(path):
+    rows = {}
+    for row in json.loads(path.read_text())["rows"]:
+        rows.setdefault(row["model"], {})[(row["check"], row["layer"])] = row
+    return rows
+
+
+def _number(value):
+    return float(value) if isinstance(value, (int, float, str)) else math.nan
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "-p", "xdist"]], ids=["serial", "xdist"])
+def test_an_offloaded_pair_is_gated_with_the_rows_of_the_pair_loaded_whole(pytester, checkpoints, workers):
+    pytester.makeconftest(CONFTEST.format(root=str(ROOT), checkpoints=str(checkpoints)))
+    run = pytester.runpytest_subprocess if workers else pytester.runpytest
+    result = run("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json", *workers)
+    rows = _rows(pytester.path / "r.json")
+    whole, offload = rows["whole"], rows["offload"]
+    assert not [key for key, row in offload.items() if row["verdict"] == "error"], result.stdout.str()[-3000:]
+    assert set(whole) == set(offload)
+    assert sum(1 for check, _ in offload if check == "sqnr") == 28   # every quantized Linear layer
+    for key, row in whole.items():
+        a, b = _number(row["value"]), _number(offload[key]["value"])
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 0.01 * max(1.0, abs(a)), (key, a, b)
+        assert row["verdict"] == offload[key]["verdict"], key
+    assert offload[("kl_divergence", "output")]["value"] == pytest.approx(whole[("kl_divergence", "output")]["value"],
+                                                                          rel=0.01)

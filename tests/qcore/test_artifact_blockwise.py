@@ -1,0 +1,143 @@
+"""An artifact gated one block at a time (qcore.artifact.blockwise) gives the whole pass's numbers, bit for bit, for
+models loaded whole and for models loaded with accelerate's big-model offload (weights on the meta device, read from
+the checkpoint or the offload folder one block at a time); compressed-tensors layers are decompressed with their
+block and compressed again after it."""
+import shutil
+
+import pytest
+import torch
+from torchao.quantization import Int8DynamicActivationInt8WeightConfig
+
+from qcore.artifact import (
+    ArtifactAnalysis,
+    ArtifactError,
+    BlockwiseArtifactError,
+    artifact_layers,
+    artifact_stack,
+    measure_artifact,
+    measure_artifact_blockwise,
+    state_digest,
+)
+from qcore.artifact.offload import is_offloaded, module_tensor, onloaded
+from tests.helpers import compressed_tensors_checkpoint, tiny_llama, token_batches, torchao_artifact
+
+pytest.importorskip("accelerate")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A 4-layer tiny Llama saved in float, and its W4A16 compressed-tensors checkpoint."""
+    folder = tmp_path_factory.mktemp("checkpoints")
+    reference = tiny_llama(layers=4)
+    reference.save_pretrained(folder / "float")
+    compressed_tensors_checkpoint(reference, folder / "w4a16", "W4A16", group_size=32)
+    return folder
+
+
+def _whole(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _offloaded(path, folder):
+    """As a small machine loads a big model: most of it to disk, behind accelerate's hooks."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, device_map="auto", max_memory={"cpu": "150KiB"},
+                                                offload_folder=str(folder)).eval()
+
+
+def _same(whole, blockwise):
+    assert list(whole.sqnr.layers) == list(blockwise.sqnr.layers)
+    for name, entry in whole.sqnr.layers.items():
+        other = blockwise.sqnr.layers[name]
+        assert (entry.sqnr_db, entry.shadow_sqnr_db, entry.weight_sqnr_db, entry.batches) == \
+            (other.sqnr_db, other.shadow_sqnr_db, other.weight_sqnr_db, other.batches), name
+    assert {k: v.sqnr_db for k, v in whole.sqnr.outputs.items()} == \
+        {k: v.sqnr_db for k, v in blockwise.sqnr.outputs.items()}
+    assert whole.logits == blockwise.logits
+
+
+def test_block_by_block_equals_the_whole_pass_for_a_compressed_tensors_and_a_torchao_artifact(checkpoints):
+    batches = token_batches(3)
+    reference = _whole(checkpoints / "float")
+    for quantized in (_whole(checkpoints / "w4a16"),
+                      torchao_artifact(reference, Int8DynamicActivationInt8WeightConfig())):
+        layers = artifact_layers(reference, quantized)
+        stack = artifact_stack(reference, quantized)
+        assert stack == "model.layers"
+        blockwise = measure_artifact_blockwise(reference, quantized, layers, batches, stack, logits=True)
+        whole = measure_artifact(reference, quantized, layers, batches, logits=True)
+        _same(whole, blockwise)
+        swapped = [layers[3].name]   # a fix trial: the reference's layer swapped into one block
+        _same(measure_artifact(reference, quantized, layers, batches, float_layers=swapped, logits=True),
+              measure_artifact_blockwise(reference, quantized, layers, batches, stack, float_layers=swapped,
+                                         logits=True))
+
+
+def test_an_offloaded_pair_gives_the_rows_of_the_pair_loaded_whole(checkpoints, tmp_path):
+    batches = token_batches(3)
+    reference, quantized = _whole(checkpoints / "float"), _whole(checkpoints / "w4a16")
+    whole = ArtifactAnalysis(reference, quantized, batches, logits=True)
+    offloaded_reference = _offloaded(checkpoints / "float", tmp_path / "f")
+    offloaded_quantized = _offloaded(checkpoints / "w4a16", tmp_path / "q")
+    assert is_offloaded(offloaded_reference) and is_offloaded(offloaded_quantized)
+    analysis = ArtifactAnalysis(offloaded_reference, offloaded_quantized, batches, logits=True)
+    assert [layer.name for layer in analysis.layers] == [layer.name for layer in whole.layers]   # 28 Linear layers
+    assert len(analysis.layers) == 28
+    analysis.choose_blocks("auto", None)   # an offloaded model goes block by block
+    assert analysis.stack == "model.layers"
+    _same(whole.measurement, analysis.measurement)
+    # after the pass, nothing stays onloaded or decompressed: the offloaded weights are back on the meta device
+    meta = [name for name, p in offloaded_quantized.named_parameters() if p.device.type == "meta"]
+    assert meta and all("weight_packed" in n or "weight_scale" in n or "norm" in n or "lm_head" in n
+                        or "weight_shape" in n for n in meta)
+    compressed = offloaded_quantized.model.layers[3].self_attn.q_proj
+    assert compressed.quantization_status.value == "compressed" and "weight" not in dict(
+        compressed.named_parameters(recurse=False))
+    # the digest reads offloaded tensors from the offload, one at a time
+    assert analysis.digest == state_digest(_whole(checkpoints / "w4a16"))
+
+
+def test_offloaded_tensors_are_read_one_at_a_time_and_onloaded_once_for_all_batches(checkpoints, tmp_path):
+    model = _offloaded(checkpoints / "float", tmp_path / "f")
+    whole = _whole(checkpoints / "float")
+    name = "model.layers.3.mlp.down_proj.weight"
+    assert model.get_submodule("model.layers.3.mlp.down_proj").weight.device.type == "meta"
+    assert torch.equal(module_tensor(model, name), whole.get_submodule("model.layers.3.mlp.down_proj").weight)
+    block = model.model.layers[3]
+    reads = []
+    hook = block.mlp.down_proj._hf_hook
+    kept = hook.weights_map
+
+    class Counting(dict):
+        def __getitem__(self, key):
+            reads.append(key)
+            return kept[key]
+
+    hook.weights_map = Counting()
+    try:
+        hidden = torch.randn(2, 16, 64)
+        with onloaded(block.mlp), torch.no_grad():
+            for _ in range(3):
+                block.mlp(hidden)
+            assert block.mlp.down_proj.weight.device.type == "cpu"
+    finally:
+        hook.weights_map = kept
+    assert reads.count("weight") == 1   # onloaded once, not once per call
+    assert block.mlp.down_proj.weight.device.type == "meta"
+
+
+def test_a_stack_that_is_not_there_and_an_offload_that_is_gone_are_named(checkpoints, tmp_path):
+    reference, quantized = _whole(checkpoints / "float"), _whole(checkpoints / "w4a16")
+    with pytest.raises(BlockwiseArtifactError, match="no stack of two or more numbered blocks at 'model.norm'"):
+        artifact_stack(reference, quantized, "model.norm")
+    folder = tmp_path / "copy"
+    shutil.copytree(checkpoints / "float", folder)
+    offloaded = _offloaded(folder, tmp_path / "f")
+    layers = artifact_layers(offloaded, quantized)
+    shutil.rmtree(folder)   # the checkpoint the offload reads from is gone
+    with pytest.raises(ArtifactError, match=r"the reference: (block model\.layers\.\d|model\.embed_tokens) could "
+                                            r"not be onloaded: .*No such file.*Fix: load the model again"):
+        measure_artifact_blockwise(offloaded, quantized, layers, token_batches(1), "model.layers")
