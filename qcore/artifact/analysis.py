@@ -16,7 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from qcore.artifact.blockwise import BlockwiseArtifactError, artifact_stack, measure_artifact_blockwise
+from qcore.artifact.blockwise import (
+    BlockwiseArtifactError,
+    StreamRecord,
+    artifact_stack,
+    measure_artifact_blockwise,
+    resume_artifact_blockwise,
+    start_block,
+)
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, artifact_layers, state_digest
 from qcore.artifact.measure import ArtifactError, ArtifactMeasurement, float_layers_swapped, measure_artifact
 from qcore.artifact.offload import is_offloaded, offloaded_bytes, parameter_bytes
@@ -114,6 +121,7 @@ class ArtifactAnalysis:
         self._variants: dict[tuple, ArtifactAnalysis] = {}
         self._fixes: dict[tuple, ArtifactFix] = {}
         self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
+        self._records: dict[int, tuple[list, StreamRecord]] = {}  # the trials' streams, per batch list
 
     def planned(self, logits: bool = False, float_layers: Iterable[str] = ()) -> ArtifactAnalysis:
         """The same artifact, to measure with the logits compared in its pass, and the reference's modules swapped
@@ -270,11 +278,38 @@ class ArtifactAnalysis:
                                                    stack=self.stack, device=self.device)
         return self._variants[key]
 
-    def _value(self, metric: str, float_layers: Iterable[str], batches: list[Any]) -> float:
+    def _value(self, metric: str, float_layers: Iterable[str], batches: list[Any], resume: bool = False) -> float:
+        """`metric` over `batches` with `float_layers` kept in float too. `resume`: block by block, the trial runs
+        from the first block it changes, on the streams a first pass over the same batch list recorded."""
         read, _ = OUTPUT_METRICS[metric]
-        measured = self._measure(batches, [*self.float_layers, *float_layers], (), metric != "output_sqnr_db",
-                                 shadow=False)
-        return read(measured)
+        extra = list(float_layers)
+        logits = metric != "output_sqnr_db"
+        if self.stack is None or not resume:
+            return read(self._measure(batches, [*self.float_layers, *extra], (), logits, shadow=False))
+        record = self._records.get(id(batches))
+        if record is None or record[0] is not batches:
+            stream = StreamRecord()
+            measured = measure_artifact_blockwise(self.reference, self.quantized, self._artifact_layers, batches,
+                                                  self.stack, float_layers=[*self.float_layers, *extra], focus=(),
+                                                  logits=True, shadow=False, device=self.device,
+                                                  record=None if extra else stream)
+            if not extra:
+                self._records[id(batches)] = (batches, stream)
+            return read(measured)
+        blocks = len(self.quantized.get_submodule(self.stack))
+        start = start_block(extra, self.stack, blocks, self._before_stack())
+        if start is None:
+            return read(self._measure(batches, [*self.float_layers, *extra], (), logits, shadow=False))
+        return read(resume_artifact_blockwise(self.reference, self.quantized, batches, self.stack, record[1], start,
+                                              float_layers=[*self.float_layers, *extra], logits=True,
+                                              device=self.device))
+
+    def _before_stack(self) -> list[str]:
+        """The artifact's layers that run before the stack (in module order before it)."""
+        names = [name for name, _ in self.quantized.named_modules()]
+        assert self.stack is not None
+        first = names.index(self.stack)
+        return [layer.name for layer in self._artifact_layers if layer.name in names[:first]]
 
     def _candidates(self, max_candidates: int) -> list[str]:
         """The layers whose own error is largest first: shadow SQNR where measured, else the propagated SQNR."""
@@ -303,13 +338,13 @@ class ArtifactAnalysis:
         _, higher = OUTPUT_METRICS[metric]
         trial_batches = batches[:max_batches] if max_batches else batches
         with stage("trials"):
-            before = self._value(metric, (), batches)
+            before = self._value(metric, (), batches, resume=trial_batches is batches)
             if _meets(before, target, higher):  # nothing to fix
                 fix = ArtifactFix(metric, target, before, (), before, True, 1)
                 self._fixes[key] = fix
                 return fix
-            base = self._value(metric, (), trial_batches) if trial_batches is not batches else before
-            singles = {name: self._value(metric, (name,), trial_batches)
+            base = self._value(metric, (), trial_batches, resume=True) if trial_batches is not batches else before
+            singles = {name: self._value(metric, (name,), trial_batches, resume=True)
                        for name in self._candidates(max_candidates)}
             trials = len(singles) + 2
             ranked = sorted((name for name in singles if not math.isnan(singles[name])),
@@ -321,7 +356,7 @@ class ArtifactAnalysis:
             for name in better[:min(max_float_layers, len(quantized) - 1)]:  # a proper subset, never every layer
                 chosen.append(name)
                 trials += 1
-                if _meets(self._value(metric, chosen, trial_batches), target, higher):
+                if _meets(self._value(metric, chosen, trial_batches, resume=True), target, higher):
                     measured = self._value(metric, chosen, batches)
                     trials += 1
                     if _meets(measured, target, higher):

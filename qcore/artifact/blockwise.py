@@ -42,7 +42,8 @@ from qcore.graph.inputs import call_model
 from qcore.numeric.loggers import StreamingComparator
 from qcore.numeric.logits import LogitsComparator
 
-__all__ = ["BlockwiseArtifactError", "artifact_stack", "measure_artifact_blockwise"]
+__all__ = ["BlockwiseArtifactError", "StreamRecord", "artifact_stack", "measure_artifact_blockwise",
+           "resume_artifact_blockwise", "start_block"]
 
 
 class BlockwiseArtifactError(ValueError):
@@ -233,12 +234,37 @@ def _plain_call(call: Callable[[], Any]) -> Any:
     return call()
 
 
+class StreamRecord:
+    """What a fix trial resumes from: the quantized stream at each block's input and after the last block, and the
+    reference's outputs, per batch of one batch list, as the artifact computes them with its own float layers."""
+
+    def __init__(self) -> None:
+        self.inputs: list[list[tuple[tuple, dict]]] = []  # per block, per batch: the quantized block's (args, kwargs)
+        self.last: list[Any] = []  # per batch: the last quantized block's output
+        self.expected: list[Any] = []  # per batch: the reference model's output
+        self.complete = False
+
+
+def start_block(float_layers: Iterable[str], stack: str, blocks: int, before: Iterable[str]) -> int | None:
+    """The first block a trial that keeps `float_layers` in float changes (`blocks` when only layers after the stack;
+    None when a layer before the stack, in `before`, changes the stream from the start)."""
+    first = blocks
+    for name in float_layers:
+        index = _block_index(name, stack)
+        if index is not None:
+            first = min(first, index)
+        elif name in set(before):
+            return None
+    return first
+
+
 def measure_artifact_blockwise(reference: nn.Module, quantized: nn.Module, layers: Sequence[ArtifactLayer],
                                batches: Iterable[Any], stack: str, *, float_layers: Iterable[str] = (),
                                focus: Iterable[str] | None = None, logits: bool = False, shadow: bool = True,
-                               device: Any = None) -> ArtifactMeasurement:
+                               device: Any = None, record: StreamRecord | None = None) -> ArtifactMeasurement:
     """measure_artifact's numbers, one block of `stack` at a time (module docstring); `device`: where blocks are
-    onloaded to (default: where each model's hooks put them)."""
+    onloaded to (default: where each model's hooks put them); `record`: filled with the streams a fix trial resumes
+    from (resume_artifact_blockwise)."""
     batches = list(batches)
     float_layers = list(float_layers)
     kept = {layer.name: layer for layer in layers}
@@ -281,6 +307,8 @@ def measure_artifact_blockwise(reference: nn.Module, quantized: nn.Module, layer
             reference_last: list[Any] = []
             quantized_last: list[Any] = []
             for index in range(len(reference_blocks)):
+                if record is not None:
+                    record.inputs.append(quantized_stream)
                 block_names = {name for name in in_stack if _block_index(name, stack) == index}
                 measured.active = block_names
                 measured.recording = True
@@ -314,6 +342,9 @@ def measure_artifact_blockwise(reference: nn.Module, quantized: nn.Module, layer
                     expected.append(call_model(reference, batch))
             measured.recording = False
             del reference_last
+            if record is not None:
+                record.last, record.expected = quantized_last, list(expected)
+                record.complete = True
             with _outside_onloaded(quantized, stack, device, "the quantized model"), \
                     _replayed(quantized, stack, quantized_last) as replay:
                 for position, batch in enumerate(batches):
@@ -328,3 +359,42 @@ def measure_artifact_blockwise(reference: nn.Module, quantized: nn.Module, layer
             for handle in handles:
                 handle.remove()
     return _measurement(reference, quantized, kept, measured, outputs, comparator, float_layers, weights)
+
+
+def resume_artifact_blockwise(reference: nn.Module, quantized: nn.Module, batches: Sequence[Any], stack: str,
+                              record: StreamRecord, start: int, *, float_layers: Iterable[str] = (),
+                              logits: bool = False, device: Any = None) -> ArtifactMeasurement:
+    """A fix trial's outputs (no layer measured): the quantized stream resumed at block `start` from `record`, the
+    blocks from there run with `float_layers` swapped in, and the outputs compared with the reference's recorded
+    ones. Equal to a whole block-wise pass with those float layers, for the trial's batches."""
+    assert record.complete
+    float_layers = list(float_layers)
+    measured = _Pass([], shadow=False)
+    run_quantized = _quantized_call(measured)
+    reference_blocks, quantized_blocks = reference.get_submodule(stack), quantized.get_submodule(stack)
+    swapped_blocks = {_block_index(name, stack) for name in float_layers} - {None}
+    outputs: list[tuple[str, StreamingComparator]] = []
+    comparator = LogitsComparator() if logits else None
+    with float_layers_swapped(quantized, reference, float_layers), without_kv_cache(quantized), \
+            first_forward_decompression_held(quantized), torch.no_grad():
+        last = record.last
+        if start < len(quantized_blocks):
+            stream = record.inputs[start]
+            for index in range(start, len(quantized_blocks)):
+                with contextlib.ExitStack() as held:
+                    if index in swapped_blocks:
+                        held.enter_context(_block_onloaded(reference_blocks[index], device, "the reference",
+                                                           f"block {stack}.{index}"))
+                    held.enter_context(_block_onloaded(quantized_blocks[index], device, "the quantized model",
+                                                       f"block {stack}.{index}"))
+                    held.enter_context(compressed_layers_decompressed(quantized_blocks[index]))
+                    block = quantized_blocks[index]
+                    last = [run_quantized(functools.partial(block, *args, **kwargs)) for args, kwargs in stream]
+                stream = [_advanced(args, kwargs, out) for (args, kwargs), out in zip(stream, last)]
+        with _outside_onloaded(quantized, stack, device, "the quantized model"), \
+                _replayed(quantized, stack, last) as replay:
+            for position, batch in enumerate(batches):
+                replay.index = position
+                actual = run_quantized(functools.partial(call_model, quantized, batch))
+                _compare_outputs(record.expected[position], actual, outputs, comparator, batch)
+    return _measurement(reference, quantized, {}, measured, outputs, comparator, float_layers, {})

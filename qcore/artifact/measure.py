@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, changed_modules, dequantized_weight
+from qcore.artifact.offload import decompress_pending
 from qcore.graph.capture import without_kv_cache
 from qcore.graph.inputs import call_model
 from qcore.measure.passes import LayerSqnr, OutputSqnr, SqnrMeasurement
@@ -273,6 +274,8 @@ def measure_artifact(reference: nn.Module, quantized: nn.Module, layers: Sequenc
     measured = _Pass([name for name in kept if focused is None or name in focused], shadow)
     outputs: list[tuple[str, StreamingComparator]] = []
     comparator = LogitsComparator() if logits else None
+    if float_layers:
+        decompress_pending(quantized)
     with float_layers_swapped(quantized, reference, float_layers), without_kv_cache(reference), \
             without_kv_cache(quantized), torch.no_grad():
         handles = measured.attach(reference, quantized)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["compressed_layers_decompressed", "first_forward_decompression_held", "is_offloaded", "module_tensor",
-           "offloaded_bytes", "onloaded", "parameter_bytes"]
+__all__ = ["compressed_layers_decompressed", "decompress_pending", "first_forward_decompression_held", "is_offloaded",
+           "module_tensor", "offloaded_bytes", "onloaded", "parameter_bytes"]
 
 
 def _offloading_hooks(module: nn.Module) -> list[Any]:
@@ -118,6 +118,16 @@ def first_forward_decompression_held(model: nn.Module) -> Iterator[None]:
     finally:
         if handle is not None and held is not None:
             hooks[handle.id] = held
+
+
+def decompress_pending(model: nn.Module) -> None:
+    """Run compressed-tensors' first-forward decompression now, if it is still pending: a whole pass swaps reference
+    modules in for some layers, and a layer swapped out while the first forward decompresses the others would stay
+    compressed after."""
+    handle = getattr(model, "ct_decompress_hook", None)
+    decompress = model._forward_pre_hooks.get(handle.id) if handle is not None else None
+    if decompress is not None:
+        decompress(model, ())
 
 
 @contextlib.contextmanager

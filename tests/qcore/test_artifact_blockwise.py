@@ -18,6 +18,7 @@ from qcore.artifact import (
     measure_artifact_blockwise,
     state_digest,
 )
+from qcore.artifact.blockwise import StreamRecord, resume_artifact_blockwise, start_block
 from qcore.artifact.offload import is_offloaded, module_tensor, onloaded
 from tests.helpers import compressed_tensors_checkpoint, tiny_llama, token_batches, torchao_artifact
 
@@ -141,3 +142,38 @@ def test_a_stack_that_is_not_there_and_an_offload_that_is_gone_are_named(checkpo
     with pytest.raises(ArtifactError, match=r"the reference: (block model\.layers\.\d|model\.embed_tokens) could "
                                             r"not be onloaded: .*No such file.*Fix: load the model again"):
         measure_artifact_blockwise(offloaded, quantized, layers, token_batches(1), "model.layers")
+
+
+def test_a_fix_trial_resumes_from_the_first_block_it_changes_with_the_numbers_of_a_whole_pass(checkpoints):
+    batches = token_batches(2)
+    reference, quantized = _whole(checkpoints / "float"), _whole(checkpoints / "w4a16")
+    layers = artifact_layers(reference, quantized)
+    record = StreamRecord()
+    measure_artifact_blockwise(reference, quantized, layers, batches, "model.layers", focus=(), logits=True,
+                               shadow=False, record=record)
+    runs = []
+    handles = [block.register_forward_pre_hook(lambda module, args, index=index: runs.append(index))
+               for index, block in enumerate(quantized.model.layers)]
+    try:
+        for swapped, first in (([layers[9].name], 1), ([layers[27].name, layers[20].name], 2), (["lm_head"], 4)):
+            if swapped == ["lm_head"]:
+                continue   # not a quantized layer of this artifact (compressed-tensors ignores the head)
+            start = start_block(swapped, "model.layers", 4, [])
+            assert start == first
+            runs.clear()
+            resumed = resume_artifact_blockwise(reference, quantized, batches, "model.layers", record, start,
+                                                float_layers=swapped, logits=True)
+            assert sorted(set(runs)) == list(range(first, 4))   # the blocks before it are not run again
+            whole = measure_artifact(reference, quantized, layers, batches, float_layers=swapped, focus=(),
+                                     logits=True, shadow=False)
+            assert {k: v.sqnr_db for k, v in resumed.sqnr.outputs.items()} == \
+                {k: v.sqnr_db for k, v in whole.sqnr.outputs.items()}
+            assert resumed.logits == whole.logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    # the fix search block by block finds and measures what the whole search does
+    blockwise = ArtifactAnalysis(reference, quantized, batches, stack="model.layers")
+    whole = ArtifactAnalysis(reference, quantized, batches)
+    target = whole.sqnr.worst_output().sqnr_db + 3.0
+    assert blockwise.float_layers_fix(target, max_batches=1) == whole.float_layers_fix(target, max_batches=1)

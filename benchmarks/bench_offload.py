@@ -1,0 +1,213 @@
+"""Gating an LLM checkpoint pair as a small machine loads it: the float reference and its W4A16 compressed-tensors
+checkpoint (round-to-nearest, group 128: what llm-compressor's QuantizationModifier(scheme="W4A16") writes), Llama
+shapes with seeded random weights in bfloat16, declared loaded whole and loaded with accelerate's big-model offload
+(device_map="auto", max_memory, offload_folder), every default check through `pytest --qreport`.
+
+    python benchmarks/bench_offload.py --size 1b            # Llama-3.2-1B's shapes
+    python benchmarks/bench_offload.py --size 1b --layers 4  # fewer blocks of the same width (depth against memory)
+
+Each run is a subprocess of its own; it prints, per declaration: the analysis's seconds (the report's, loading
+aside), the peak anonymous memory of the process (RssAnon sampled every 20 ms) against one block's float and
+decompressed quantized weights, and the plain forward of the quantized model over the same batches; then how far
+the offloaded rows are from the whole rows (dB, KL in %).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SIZES = {  # hidden, intermediate, layers, heads, kv heads (vocabulary 128,256)
+    "1b": (2048, 8192, 16, 32, 8),
+    "3b": (3072, 8192, 28, 24, 8),
+    "8b": (4096, 14336, 32, 32, 8),
+}
+
+SAMPLER = '''
+import threading, time, json, os, pytest
+
+PEAK = {"anon": 0}
+
+def _anon():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+def _sample():
+    while True:
+        PEAK["anon"] = max(PEAK["anon"], _anon())
+        time.sleep(0.02)
+
+threading.Thread(target=_sample, daemon=True).start()
+
+def pytest_sessionfinish(session):
+    with open(os.environ["BENCH_PEAK_FILE"], "w") as out:
+        json.dump(PEAK, out)
+'''
+
+CONFTEST = '''
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pytest_qreport import qmodel
+
+FOLDER = {folder!r}
+OFFLOAD = {offload!r}
+
+
+def load(name):
+    if OFFLOAD:
+        return AutoModelForCausalLM.from_pretrained(f"{{FOLDER}}/{{name}}", device_map="auto",
+                                                    max_memory={{"cpu": "1GiB"}},
+                                                    offload_folder=f"{{FOLDER}}/offload-{{name}}-{{OFFLOAD}}").eval()
+    return AutoModelForCausalLM.from_pretrained(f"{{FOLDER}}/{{name}}").eval()
+
+
+@pytest.fixture(scope="session")
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [{{"input_ids": torch.randint(0, 128256, (1, {tokens}), generator=g)}} for _ in range({count})]
+
+
+@qmodel(calibration="batches", quantized=lambda: load("w4a16"), sqnr_min_db={sqnr}, weight_sqnr_min_db={sqnr},
+        model_sqnr_min_db={sqnr}, kl_max_nats={kl}, top1_agreement_min={top1}, perplexity_max_increase_pct={ppl})
+def pair():
+    return load("float")
+'''
+
+
+def make(folder: pathlib.Path, size: str, layers: int | None) -> None:
+    """The float checkpoint and its W4A16 checkpoint, in `folder`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT))
+    from tests.helpers import compressed_tensors_checkpoint
+
+    hidden, intermediate, depth, heads, kv = SIZES[size]
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers or depth, num_attention_heads=heads, num_key_value_heads=kv,
+                         dtype=torch.bfloat16)
+    with torch.device("cpu"):
+        reference = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    reference.save_pretrained(folder / "float")
+    compressed_tensors_checkpoint(reference, folder / "w4a16", "W4A16", group_size=128)
+
+
+# random weights quantized to 4 bits fail the default thresholds, and a failing output gate searches a fix: its
+# trials are issue 70's cost, the same in both declarations. These thresholds let the pair pass, so that the run
+# measures the passes themselves; --default-thresholds keeps the defaults (and the searches).
+PASSING = {"sqnr": 0.0, "kl": 100.0, "top1": 0.0, "ppl": 1e9}
+DEFAULTS = {"sqnr": 20.0, "kl": 0.02, "top1": 0.95, "ppl": 5.0}
+
+
+def run(folder: pathlib.Path, offload: str, tokens: int, count: int, thresholds: dict) -> dict:
+    """One `pytest --qreport` of the pair: its rows, seconds and peak anonymous memory."""
+    project = folder / f"project-{offload or 'whole'}"
+    project.mkdir(exist_ok=True)
+    (project / "conftest.py").write_text(SAMPLER + CONFTEST.format(folder=str(folder), offload=offload,
+                                                                   tokens=tokens, count=count, **thresholds))
+    peak, report = project / "peak.json", project / "report.json"
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:cacheprovider",
+                           f"--qreport-json={report}", str(project)], cwd=project, capture_output=True, text=True,
+                          env={**__import__("os").environ, "BENCH_PEAK_FILE": str(peak)}, timeout=7200)
+    wall = time.perf_counter() - start
+    if not report.exists():
+        raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
+    data = json.loads(report.read_text())
+    seconds = sum(data["models"]["pair"]["seconds"].values())
+    return {"rows": {(r["check"], r["layer"]): r for r in data["rows"]}, "seconds": seconds, "wall": wall,
+            "peak_anon": json.loads(peak.read_text())["anon"],
+            "errors": sum(1 for r in data["rows"] if r["verdict"] == "error")}
+
+
+def forward_seconds(folder: pathlib.Path, offload: bool, tokens: int, count: int) -> float:
+    """A plain forward of the quantized model over the same batches, loaded as declared (a second run: the first
+    decompresses)."""
+    code = f'''
+import time, torch
+from transformers import AutoModelForCausalLM
+kwargs = {{}}
+if {offload}:
+    kwargs = dict(device_map="auto", max_memory={{"cpu": "1GiB"}}, offload_folder="{folder}/offload-fwd")
+model = AutoModelForCausalLM.from_pretrained("{folder}/w4a16", **kwargs).eval()
+g = torch.Generator().manual_seed(1)
+batches = [torch.randint(0, 128256, (1, {tokens}), generator=g) for _ in range({count})]
+with torch.no_grad():
+    for attempt in range(2):
+        try:
+            start = time.perf_counter()
+            for ids in batches:
+                model(input_ids=ids, use_cache=False)
+            print(time.perf_counter() - start)
+        except AttributeError as error:  # compressed-tensors trades accelerate's hooks for its own on the first call
+            print("nan")
+'''
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=7200)
+    lines = [line for line in done.stdout.split() if line]
+    return float(lines[-1]) if lines else math.nan
+
+
+def block_bytes(size: str) -> tuple[int, int]:
+    """(one block's float bytes in bfloat16, its decompressed quantized weights: the same)."""
+    hidden, intermediate, _, heads, kv = SIZES[size]
+    head_dim = hidden // heads
+    weights = hidden * hidden * 2 + hidden * kv * head_dim * 2 + 3 * hidden * intermediate
+    return weights * 2, weights * 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the size's own)")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--batches", type=int, default=2)
+    parser.add_argument("--folder", default=None, help="reuse checkpoints made here")
+    parser.add_argument("--default-thresholds", action="store_true", help="keep the default thresholds")
+    args = parser.parse_args()
+    folder = pathlib.Path(args.folder or tempfile.mkdtemp(prefix="bench-offload-"))
+    if not (folder / "w4a16").exists():
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                        f"from benchmarks.bench_offload import make; import pathlib; "
+                        f"make(pathlib.Path({str(folder)!r}), {args.size!r}, {args.layers!r})"], check=True,
+                       capture_output=True)
+        print(f"checkpoints made in {time.perf_counter() - start:.0f} s: {folder}")
+    float_block, quantized_block = block_bytes(args.size)
+    print(f"{args.size} shapes, {args.layers or SIZES[args.size][2]} blocks, {args.batches} x {args.tokens} tokens; "
+          f"one block: {float_block / 2**20:.0f} MiB float + {quantized_block / 2**20:.0f} MiB decompressed")
+    results = {}
+    for declared, offload in (("whole", ""), ("offloaded", "run")):
+        results[declared] = run(folder, offload, args.tokens, args.batches,
+                                DEFAULTS if args.default_thresholds else PASSING)
+        forward = forward_seconds(folder, bool(offload), args.tokens, args.batches)
+        r = results[declared]
+        print(f"{declared:>9}: analysis {r['seconds']:.1f} s ({r['wall']:.1f} s with loading), {len(r['rows'])} rows, "
+              f"{sum(1 for c, _ in r['rows'] if c == 'sqnr')} sqnr items, {r['errors']} errors; peak anonymous "
+              f"{r['peak_anon'] / 2**30:.2f} GiB; the quantized model's forward {forward:.1f} s "
+              f"(analysis {r['seconds'] / forward:.1f}x)")
+    whole, offloaded = results["whole"]["rows"], results["offloaded"]["rows"]
+    worst = 0.0
+    for key, row in whole.items():
+        other = offloaded.get(key)
+        if other is None or row["metric"] != "sqnr_db":
+            continue
+        a, b = float(row["value"]), float(other["value"])
+        if math.isfinite(a) and math.isfinite(b):
+            worst = max(worst, abs(a - b))
+    kl = [float(r[("kl_divergence", "output")]["value"]) for r in (whole, offloaded)]
+    ratio = results["offloaded"]["seconds"] / results["whole"]["seconds"]
+    print(f"offloaded against whole: SQNR rows within {worst:.2g} dB, KL {kl[1]:.4g} vs {kl[0]:.4g} nats "
+          f"({abs(kl[1] - kl[0]) / kl[0] * 100:.2g} %), time {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
