@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIZES = {  # hidden, intermediate, layers, heads, kv heads (vocabulary 128,256)
@@ -82,23 +84,123 @@ def pair():
 '''
 
 
-def make(folder: pathlib.Path, size: str, layers: int | None) -> None:
-    """The float checkpoint and its W4A16 checkpoint, in `folder`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+SHARD_BYTES = 2 << 30
 
-    sys.path.insert(0, str(ROOT))
-    from tests.helpers import compressed_tensors_checkpoint
+
+def _write_shards(folder: pathlib.Path, tensors: Iterator[tuple[str, Any]]) -> None:
+    """safetensors shards of at most SHARD_BYTES and their index, from (name, tensor) pairs made one at a time."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, Any] = {}
+    held, files, weight_map, total = 0, [], {}, 0
+
+    def flush() -> None:
+        nonlocal shard, held
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({key: name for key in shard})
+        shard, held = {}, 0
+
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if held + size > SHARD_BYTES:
+            flush()
+        shard[name], held, total = tensor.contiguous(), held + size, total + size
+        del tensor
+    flush()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _config(size: str, layers: int | None) -> Any:
+    import torch
+    from transformers import LlamaConfig
 
     hidden, intermediate, depth, heads, kv = SIZES[size]
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers or depth, num_attention_heads=heads, num_key_value_heads=kv,
-                         dtype=torch.bfloat16)
-    with torch.device("cpu"):
-        reference = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    reference.save_pretrained(folder / "float")
-    compressed_tensors_checkpoint(reference, folder / "w4a16", "W4A16", group_size=128)
+    return LlamaConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers or depth, num_attention_heads=heads, num_key_value_heads=kv,
+                       dtype=torch.bfloat16)
+
+
+def make_float(folder: pathlib.Path, config: Any, seed: int = 0) -> None:
+    """A float checkpoint of `config` with seeded random weights (normal, std 0.02; norms 1), written one tensor at
+    a time: an 8B one never needs its 16 GB in memory."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
+    generator = torch.Generator().manual_seed(seed)
+
+    def tensors() -> Iterator[tuple[str, Any]]:
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight"):
+                yield name, torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                yield name, (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+    _write_shards(folder, tensors())
+    config.save_pretrained(folder)
+
+
+def make_w4a16(source: pathlib.Path, folder: pathlib.Path, config: Any, group_size: int = 128) -> None:
+    """The W4A16 compressed-tensors checkpoint of the float checkpoint at `source` (round-to-nearest, symmetric,
+    groups of `group_size`; lm_head left in float), compressed one Linear at a time with compressed-tensors' own
+    calculate_qparams and pack-quantized compressor: what llm-compressor's QuantizationModifier(scheme="W4A16")
+    saves, made without the whole model in memory."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    scheme = preset_name_to_scheme("W4A16", ["Linear"])
+    scheme.weights.group_size = group_size
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    index = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def tensors() -> Iterator[tuple[str, Any]]:
+        for name, file in index.items():
+            with safe_open(str(source / file), framework="pt") as handle:
+                tensor = handle.get_tensor(name)
+            layer = name.removesuffix(".weight")
+            if not (name.endswith("_proj.weight") and ".layers." in name):
+                yield name, tensor
+                continue
+            grouped = tensor.float().reshape(tensor.shape[0], -1, group_size)
+            scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), scheme.weights)
+            compressed = compressor.compress({"weight": tensor, "weight_scale": scale.to(tensor.dtype),
+                                              "weight_zero_point": zero_point}, scheme)
+            for key, value in compressed.items():
+                if value is not None:
+                    yield f"{layer}.{key}", value
+
+    _write_shards(folder, tensors())
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    apply_quantization_config(model, quantization)
+    saved = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    assert saved is not None and saved.quantization_config is not None
+    saved.quantization_config.quantization_status = QuantizationStatus.COMPRESSED
+    config.save_pretrained(folder)
+    saved.update_config(str(folder))
+
+
+def make(folder: pathlib.Path, size: str, layers: int | None) -> None:
+    """The float checkpoint and its W4A16 checkpoint, in `folder`."""
+    config = _config(size, layers)
+    make_float(folder / "float", config)
+    make_w4a16(folder / "float", folder / "w4a16", config)
 
 
 # random weights quantized to 4 bits fail the default thresholds, and a failing output gate searches a fix: its
@@ -124,7 +226,9 @@ def run(folder: pathlib.Path, offload: str, tokens: int, count: int, thresholds:
         raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
     data = json.loads(report.read_text())
     seconds = sum(data["models"]["pair"]["seconds"].values())
+    written = sum(f.stat().st_size for f in folder.glob(f"offload-*-{offload}/**/*") if f.is_file()) if offload else 0
     return {"rows": {(r["check"], r["layer"]): r for r in data["rows"]}, "seconds": seconds, "wall": wall,
+            "offload_written": written,
             "peak_anon": json.loads(peak.read_text())["anon"],
             "errors": sum(1 for r in data["rows"] if r["verdict"] == "error")}
 
@@ -193,7 +297,8 @@ def main() -> None:
         print(f"{declared:>9}: analysis {r['seconds']:.1f} s ({r['wall']:.1f} s with loading), {len(r['rows'])} rows, "
               f"{sum(1 for c, _ in r['rows'] if c == 'sqnr')} sqnr items, {r['errors']} errors; peak anonymous "
               f"{r['peak_anon'] / 2**30:.2f} GiB; the quantized model's forward {forward:.1f} s "
-              f"(analysis {r['seconds'] / forward:.1f}x)")
+              f"(analysis {r['seconds'] / forward:.1f}x)"
+              + (f"; {r['offload_written'] / 2**30:.2f} GiB written to the offload folders" if offload else ""))
     whole, offloaded = results["whole"]["rows"], results["offloaded"]["rows"]
     worst = 0.0
     for key, row in whole.items():

@@ -39,35 +39,53 @@ def _is_meta(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "meta"
 
 
+def _placing_hooks(module: nn.Module) -> list[Any]:
+    """Every hook of accelerate's on `module` that places inputs on an execution device (offloading or not)."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    return [h for h in list(getattr(hook, "hooks", None) or [hook]) if hasattr(h, "execution_device")]
+
+
 @contextlib.contextmanager
 def onloaded(module: nn.Module, device: torch.device | str | None = None) -> Iterator[None]:
     """`module` and its submodules with their weights onloaded for the duration (read once), through their offloading
-    hooks; a module without hooks is moved to `device` and back when one is given."""
-    opened: list[tuple[nn.Module, Any, Any]] = []
-    hooked = any(_offloading_hooks(sub) for sub in module.modules())
-    tensors = [t for t in [*module.parameters(), *module.buffers()] if not _is_meta(t)]
-    original = tensors[0].device if tensors else None
-    move = device is not None and not hooked and original is not None and original != torch.device(device)
+    hooks. With `device`: the hooks' execution device is set to it, and the tensors the module holds are moved there
+    too, the originals put back after."""
+    opened: list[tuple[nn.Module, Any]] = []
+    placed: list[tuple[Any, Any]] = []
+    moved: list[tuple[dict, str, torch.Tensor]] = []
+    target = torch.device(device) if device is not None else None
     try:
+        if target is not None:
+            for sub in module.modules():
+                for hook in _placing_hooks(sub):
+                    placed.append((hook, hook.execution_device))
+                    hook.execution_device = target
         for sub in module.modules():
             for hook in _offloading_hooks(sub):
                 if not hook.offload:
                     continue  # onloaded already (an enclosing context), or never offloaded
-                before = hook.execution_device
-                if device is not None:
-                    hook.execution_device = torch.device(device)
                 hook.pre_forward(sub)
                 hook.offload = False
-                opened.append((sub, hook, before))
-        if move:
-            module.to(device)
+                opened.append((sub, hook))
+        if target is not None:
+            for sub in module.modules():
+                for table in (sub._parameters, sub._buffers):
+                    for name, value in list(table.items()):
+                        if value is None or _is_meta(value) or value.device == target:
+                            continue
+                        moved.append((table, name, value))
+                        table[name] = (nn.Parameter(value.to(target), requires_grad=value.requires_grad)
+                                       if isinstance(value, nn.Parameter) else value.to(target))
         yield
     finally:
-        if move:
-            module.to(original)
-        for sub, hook, before in reversed(opened):
+        for table, name, value in reversed(moved):
+            table[name] = value
+        for sub, hook in reversed(opened):
             hook.offload = True
             hook.post_forward(sub, None)
+        for hook, before in reversed(placed):
             hook.execution_device = before
 
 
