@@ -42,6 +42,32 @@ class Tiny(nn.Module):
 '''
 
 
+# a residual stack of blocks with a stem and a head (Block, Stack), for block-wise runs; uses torch and nn
+STACK_SOURCE = '''
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 64)
+        self.layers = nn.ModuleList([Block(64) for _ in range(4)])  # 66 KiB each
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+'''
+
+
 def run_with_rows(pytester, *args):
     """(the result of `pytest --qreport -v` with `args`, its JSON rows by (model, check, layer))."""
     import json
@@ -372,6 +398,15 @@ def compressed_tensors_checkpoint(reference, directory, preset="W8A8", group_siz
     compressor.update_config(directory)
     dtype = torch.bfloat16 if preset == "NVFP4" else None
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+
+
+def float_and_w4a16_checkpoints(folder, layers=4):
+    """`folder` with a tiny Llama of `layers` blocks saved in float (`float/`) and its W4A16 compressed-tensors
+    checkpoint (`w4a16/`, groups of 32), as llm-compressor saves one: the pair the offload tests load."""
+    reference = tiny_llama(layers=layers)
+    reference.save_pretrained(folder / "float")
+    compressed_tensors_checkpoint(reference, folder / "w4a16", "W4A16", group_size=32)
+    return folder
 
 
 def _linear_input_ranges(model):

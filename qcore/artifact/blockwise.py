@@ -30,6 +30,7 @@ from qcore.artifact.measure import (
     _Pass,
     _weight_sqnr,
     float_layers_swapped,
+    quantized_forward_error,
 )
 from qcore.artifact.offload import (
     compressed_layers_decompressed,
@@ -205,14 +206,23 @@ def _quantized_call(measured: _Pass) -> Callable[[Callable[[], Any]], Any]:
         except (ArtifactMismatchError, _Stop, BlockwiseArtifactError):
             raise
         except Exception as error:
-            layer = measured.entered[-1] if measured.entered else ""
-            where = f" in layer {layer}" if layer else ""
-            fix = (f" Fix: run the artifact where its kernels run (device=...), or keep that layer in float with "
-                   f"float_layers={[layer]!r}" if layer else
-                   " Fix: call the quantized model as the reference is called, where its kernels run")
-            raise ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: "
-                                f"{error}.{fix}") from error
+            raise quantized_forward_error(measured.entered, error) from error
     return run
+
+
+@contextlib.contextmanager
+def _quantized_block_ready(reference: nn.Module, quantized: nn.Module, stack: str, index: int, swapped: set,
+                           device: Any) -> Iterator[nn.Module]:
+    """The quantized model's block `index` onloaded and its compressed-tensors layers decompressed (with the
+    reference's block onloaded too when a trial swaps a reference layer into it)."""
+    where = f"block {stack}.{index}"
+    with contextlib.ExitStack() as held:
+        if index in swapped:
+            held.enter_context(_block_onloaded(reference.get_submodule(stack)[index], device, "the reference", where))
+        block = quantized.get_submodule(stack)[index]
+        held.enter_context(_block_onloaded(block, device, "the quantized model", where))
+        held.enter_context(compressed_layers_decompressed(block))
+        yield block
 
 
 @contextlib.contextmanager
@@ -317,14 +327,7 @@ def measure_artifact_blockwise(reference: nn.Module, quantized: nn.Module, layer
                 reference_stream = [_advanced(args, kwargs, out)
                                     for (args, kwargs), out in zip(reference_stream, reference_last)]
                 measured.recording = False
-                with contextlib.ExitStack() as held:
-                    if index in swapped_blocks:  # the reference's layers swapped into this quantized block
-                        held.enter_context(_block_onloaded(reference_blocks[index], device, "the reference",
-                                                           f"block {stack}.{index}"))
-                    held.enter_context(_block_onloaded(quantized_blocks[index], device, "the quantized model",
-                                                       f"block {stack}.{index}"))
-                    held.enter_context(compressed_layers_decompressed(quantized_blocks[index]))
-                    block = quantized_blocks[index]
+                with _quantized_block_ready(reference, quantized, stack, index, swapped_blocks, device) as block:
                     quantized_last = [run_quantized(functools.partial(block, *args, **kwargs))
                                       for args, kwargs in quantized_stream]
                     weigh(block_names)
@@ -371,7 +374,7 @@ def resume_artifact_blockwise(reference: nn.Module, quantized: nn.Module, batche
     float_layers = list(float_layers)
     measured = _Pass([], shadow=False)
     run_quantized = _quantized_call(measured)
-    reference_blocks, quantized_blocks = reference.get_submodule(stack), quantized.get_submodule(stack)
+    quantized_blocks = quantized.get_submodule(stack)
     swapped_blocks = {_block_index(name, stack) for name in float_layers} - {None}
     outputs: list[tuple[str, StreamingComparator]] = []
     comparator = LogitsComparator() if logits else None
@@ -381,14 +384,7 @@ def resume_artifact_blockwise(reference: nn.Module, quantized: nn.Module, batche
         if start < len(quantized_blocks):
             stream = record.inputs[start]
             for index in range(start, len(quantized_blocks)):
-                with contextlib.ExitStack() as held:
-                    if index in swapped_blocks:
-                        held.enter_context(_block_onloaded(reference_blocks[index], device, "the reference",
-                                                           f"block {stack}.{index}"))
-                    held.enter_context(_block_onloaded(quantized_blocks[index], device, "the quantized model",
-                                                       f"block {stack}.{index}"))
-                    held.enter_context(compressed_layers_decompressed(quantized_blocks[index]))
-                    block = quantized_blocks[index]
+                with _quantized_block_ready(reference, quantized, stack, index, swapped_blocks, device) as block:
                     last = [run_quantized(functools.partial(block, *args, **kwargs)) for args, kwargs in stream]
                 stream = [_advanced(args, kwargs, out) for (args, kwargs), out in zip(stream, last)]
         with _outside_onloaded(quantized, stack, device, "the quantized model"), \

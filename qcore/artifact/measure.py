@@ -27,7 +27,7 @@ from qcore.numeric.loggers import StreamingComparator
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 
 __all__ = ["RESCALED_GAIN_DB", "ArtifactError", "ArtifactMeasurement", "float_layers_swapped", "input_channel_scales",
-           "measure_artifact"]
+           "measure_artifact", "quantized_forward_error"]
 
 # a layer whose weight matches the reference's this much better once each input channel is rescaled was rescaled
 # (SmoothQuant, AWQ): quantization noise alone is nearly orthogonal to the weight, so the fit gains ~0 dB
@@ -157,6 +157,16 @@ def _common_prefix(a: str, b: str) -> str:
     return ".".join(parts)
 
 
+def quantized_forward_error(entered: Sequence[str], error: Exception) -> ArtifactError:
+    """The error of a quantized forward that raised, naming the last layer it entered and what to do."""
+    layer = entered[-1] if entered else ""
+    where = f" in layer {layer}" if layer else ""
+    fix = (f" Fix: run the artifact where its kernels run (device=...), or keep that layer in float with "
+           f"float_layers={[layer]!r}" if layer else
+           " Fix: call the quantized model as the reference is called, where its kernels run")
+    return ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: {error}.{fix}")
+
+
 class _Pass:
     """The hooks of one comparison over a batch list: the reference stores each layer's input and output, the
     quantized model's hooks compare against them and run the shadow."""
@@ -213,13 +223,7 @@ class _Pass:
         except ArtifactMismatchError:
             raise
         except Exception as error:
-            layer = self.entered[-1] if self.entered else ""
-            where = f" in layer {layer}" if layer else ""
-            fix = (f" Fix: run the artifact where its kernels run (device=...), or keep that layer in float with "
-                   f"float_layers={[layer]!r}" if layer else
-                   " Fix: call the quantized model as the reference is called, where its kernels run")
-            raise ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: "
-                                f"{error}.{fix}") from error
+            raise quantized_forward_error(self.entered, error) from error
         self.stash.clear()
         return expected, actual
 

@@ -22,6 +22,7 @@ from qcore.report.detectors import (
 )
 from qcore.rewrites.equalize import equalize
 from qcore.rewrites.smoothing import smooth
+from tests.helpers import STACK_SOURCE
 from tests.models import SmallMLP, tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -244,27 +245,7 @@ from torch import nn
 from pytest_qreport import qmodel
 
 
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Linear(8, 64)
-        self.layers = nn.ModuleList([Block(64) for _ in range(4)])  # 66 KiB each
-        self.head = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+""" + STACK_SOURCE + """
 
 
 @pytest.fixture

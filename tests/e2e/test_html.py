@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import FRAGILE_SOURCE, TINY_SOURCE
+from tests.helpers import FRAGILE_SOURCE, STACK_SOURCE, TINY_SOURCE
 
 pytest.importorskip("jinja2")
 
@@ -26,27 +26,7 @@ from torchao.quantization import Int8DynamicActivationInt8WeightConfig
 from tests.helpers import tiny_llama, token_batches, torchao_artifact
 
 
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Linear(8, 32)
-        self.layers = nn.ModuleList([Block(32) for _ in range(3)])
-        self.head = nn.Linear(32, 10)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+''' + STACK_SOURCE + '''
 
 
 @qmodel(calibration=batches, checks="sqnr,model_sqnr,sensitivity,outlier")

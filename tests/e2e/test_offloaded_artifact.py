@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from tests.helpers import compressed_tensors_checkpoint, tiny_llama
+from tests.helpers import float_and_w4a16_checkpoints
 
 pytest.importorskip("accelerate")
 
@@ -52,11 +52,8 @@ def offload():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("checkpoints")
-    reference = tiny_llama(layers=4)
-    reference.save_pretrained(folder / "float")
-    compressed_tensors_checkpoint(reference, folder / "w4a16", "W4A16", group_size=32)
-    return folder
+    """A 4-layer tiny Llama saved in float, and its W4A16 compressed-tensors checkpoint."""
+    return float_and_w4a16_checkpoints(tmp_path_factory.mktemp("checkpoints"))
 
 
 def _rows(path):
@@ -86,3 +83,15 @@ def test_an_offloaded_pair_is_gated_with_the_rows_of_the_pair_loaded_whole(pytes
         assert row["verdict"] == offload[key]["verdict"], key
     assert offload[("kl_divergence", "output")]["value"] == pytest.approx(whole[("kl_divergence", "output")]["value"],
                                                                           rel=0.01)
+
+
+def test_a_pair_that_does_not_fit_even_block_by_block_is_an_error_naming_the_block_and_the_fix(pytester, checkpoints):
+    pytester.makeconftest(CONFTEST.format(root=str(ROOT), checkpoints=str(checkpoints)))
+    result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "-k", "offload", "--qreport-json=r.json",
+                                "--qreport-memory-budget=64KiB")
+    rows = _rows(pytester.path / "r.json")["offload"]
+    assert {row["verdict"] for row in rows.values()} == {"error"}, result.stdout.str()[-2000:]
+    message = rows[("sqnr", "model.layers.0.self_attn.q_proj")]["message"]
+    assert "model 'offload': does not fit even one block at a time: model.layers." in message \
+        or "model 'offload': does not fit even one block at a time: the modules outside the stack" in message
+    assert "Fix: run it where more memory is free" in message

@@ -20,7 +20,7 @@ from qcore.artifact import (
 )
 from qcore.artifact.blockwise import StreamRecord, resume_artifact_blockwise, start_block
 from qcore.artifact.offload import is_offloaded, module_tensor, onloaded
-from tests.helpers import compressed_tensors_checkpoint, tiny_llama, token_batches, torchao_artifact
+from tests.helpers import float_and_w4a16_checkpoints, token_batches, torchao_artifact
 
 pytest.importorskip("accelerate")
 
@@ -28,11 +28,7 @@ pytest.importorskip("accelerate")
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A 4-layer tiny Llama saved in float, and its W4A16 compressed-tensors checkpoint."""
-    folder = tmp_path_factory.mktemp("checkpoints")
-    reference = tiny_llama(layers=4)
-    reference.save_pretrained(folder / "float")
-    compressed_tensors_checkpoint(reference, folder / "w4a16", "W4A16", group_size=32)
-    return folder
+    return float_and_w4a16_checkpoints(tmp_path_factory.mktemp("checkpoints"))
 
 
 def _whole(path):
