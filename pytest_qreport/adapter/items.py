@@ -322,7 +322,9 @@ class QReportItem(pytest.Function):
         assert pipeline.context is not None
         budget = self.config.stash[STATE_KEY].memory_budget
         assert pipeline.settings is not None
-        if on_accelerator(pipeline.context.analysis.float_gm):  # its tensors take the device's memory, not the host's
+        analysis = pipeline.context.analysis
+        # its tensors take the device's memory, not the host's (an offloaded model's wait on the meta device: host)
+        if on_accelerator(analysis.float_gm) and not getattr(analysis, "offloaded", False):
             reserve(0)
         else:
             estimate, refusal = budgeted_estimate(pipeline.name, pipeline.context.analysis,

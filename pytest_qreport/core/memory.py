@@ -55,7 +55,7 @@ def on_accelerator(float_gm: Any) -> bool:
     that device's, which the budget does not cover (an out-of-memory error there is raised, not a kill)."""
     from qcore.analysis import model_device
 
-    return model_device(float_gm).type not in ("cpu", "meta")  # meta: offloaded, onloaded to the host
+    return model_device(float_gm).type != "cpu"
 
 
 def _storage_tensors(tensors: list[Any]) -> list[Any]:

@@ -54,10 +54,14 @@ def test_modules_whose_classes_were_imported_again_match_the_reference_by_class_
                                                                                     monkeypatch):
     """A module imported again (pytester's in-process runs, an autoreload) makes the same class a new object: the
     artifact's modules still match the reference's, and only its quantized layers are named."""
+    from transformers.models.auto import modeling_auto
+
     from qcore.artifact.layers import artifact_layers
 
     for name in [module for module in list(sys.modules) if module.startswith("transformers.models.llama")]:
         monkeypatch.delitem(sys.modules, name)
+    # the auto classes keep the modules they loaded: a Llama loaded earlier in this process would be found there
+    monkeypatch.setattr(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, "_modules", {})
     quantized = compressed_tensors_checkpoint(reference, tmp_path, "W8A8", None)
     assert type(quantized.model) is not type(reference.model)
     assert [layer.name for layer in artifact_layers(reference, quantized)] == LINEARS
