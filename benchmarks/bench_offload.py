@@ -206,7 +206,7 @@ def make(folder: pathlib.Path, size: str, layers: int | None) -> None:
 # random weights quantized to 4 bits fail the default thresholds, and a failing output gate searches a fix: its
 # trials are issue 70's cost, the same in both declarations. These thresholds let the pair pass, so that the run
 # measures the passes themselves; --default-thresholds keeps the defaults (and the searches).
-PASSING = {"sqnr": 0.0, "kl": 100.0, "top1": 0.0, "ppl": 1e9}
+PASSING = {"sqnr": -1000.0, "kl": 1e9, "top1": 0.0, "ppl": 1e9}
 DEFAULTS = {"sqnr": 20.0, "kl": 0.02, "top1": 0.95, "ppl": 5.0}
 
 
@@ -276,6 +276,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument("--folder", default=None, help="reuse checkpoints made here")
     parser.add_argument("--default-thresholds", action="store_true", help="keep the default thresholds")
+    parser.add_argument("--no-forward", action="store_true", help="skip timing the quantized model's forward")
     parser.add_argument("--only-offloaded", action="store_true",
                         help="skip the whole declaration (an 8B pair does not fit a 24 GB machine whole)")
     args = parser.parse_args()
@@ -295,7 +296,7 @@ def main() -> None:
     for declared, offload in declarations:
         results[declared] = run(folder, offload, args.tokens, args.batches,
                                 DEFAULTS if args.default_thresholds else PASSING)
-        forward = forward_seconds(folder, bool(offload), args.tokens, args.batches)
+        forward = math.nan if args.no_forward else forward_seconds(folder, bool(offload), args.tokens, args.batches)
         r = results[declared]
         print(f"{declared:>9}: analysis {r['seconds']:.1f} s ({r['wall']:.1f} s with loading), {len(r['rows'])} rows, "
               f"{sum(1 for c, _ in r['rows'] if c == 'sqnr')} sqnr items, {r['errors']} errors; peak anonymous "
