@@ -19,8 +19,9 @@ from typing import Any
 
 from ..core.registry import ModelContext
 
-__all__ = ["KINDS", "Advice", "Fix", "Trial", "equalize_fix", "float_layers_fix", "float_search_limit",
-           "layer_overrides_fix", "quantized_layer_names", "try_fix", "verify"]
+__all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "Advice", "Fix", "Trial", "equalize_fix", "float_layers_fix",
+           "float_search_limit", "layer_overrides_fix", "max_float_layers", "quantized_layer_names", "try_fix",
+           "verify"]
 
 
 @dataclass(frozen=True)
@@ -108,11 +109,21 @@ def quantized_layer_names(model: ModelContext) -> list[str]:
             if not getattr(entry, "format_refusal", "") and entry.layer not in kept]
 
 
-def float_search_limit(model: ModelContext, chosen: int, check: str, most: int) -> str:
+DEFAULT_MAX_FLOAT_LAYERS = 8
+
+
+def max_float_layers(model: ModelContext, check: str) -> int:
+    """The most layers a float_layers search of `check` may keep in float: check_options={check: {'max_float_layers':
+    N}}, default DEFAULT_MAX_FLOAT_LAYERS."""
+    options = model.checks[check].options if check in model.checks else {}
+    return int(options.get("max_float_layers", DEFAULT_MAX_FLOAT_LAYERS))
+
+
+def float_search_limit(model: ModelContext, chosen: int, check: str) -> str:
     """Why a float_layers search of `check` stopped at `chosen` layers short of its target: every layer but one is
-    in float (the threshold is above what the quantizer gives), its max_float_layers budget `most`, or no other
-    layer was measured to help."""
-    quantized = len(quantized_layer_names(model))
+    in float (the threshold is above what the quantizer gives), its max_float_layers budget, or no other layer was
+    measured to help."""
+    quantized, most = len(quantized_layer_names(model)), max_float_layers(model, check)
     if chosen >= quantized - 1:
         return (f"keeping all {quantized} quantized layers in float would quantize nothing, so the threshold is "
                 "above what this quantizer gives")

@@ -7,11 +7,10 @@ from typing import Any
 
 from ..core.pipeline import is_artifact
 from ..core.registry import ModelContext
-from .advice import float_search_limit
+from .advice import DEFAULT_MAX_FLOAT_LAYERS, float_search_limit, max_float_layers
 
 __all__ = ["DEFAULT_BATCHES", "DEFAULT_MAX_FLOAT_LAYERS", "artifact_fix", "artifact_fix_advice", "is_artifact"]
 
-DEFAULT_MAX_FLOAT_LAYERS = 8
 DEFAULT_BATCHES = 2  # a trial's batches; the printed set is measured on every batch the item is judged on
 
 
@@ -21,14 +20,9 @@ def artifact_fix(model: ModelContext, check: str, metric: str, target: float, ba
     options = model.checks[check].options if check in model.checks else {}
     if options.get("fix") is False:
         return None
-    most = _most(model, check)
+    most = max_float_layers(model, check)
     return model.analysis.float_layers_fix(target, metric, most, options.get("batches", DEFAULT_BATCHES),
                                            batches=batches)
-
-
-def _most(model: ModelContext, check: str) -> int:
-    options = model.checks[check].options if check in model.checks else {}
-    return int(options.get("max_float_layers", DEFAULT_MAX_FLOAT_LAYERS))
 
 
 def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: float, batches: list[Any],
@@ -49,6 +43,5 @@ def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: fl
         return (f" Keeping {len(layers)} layer(s) in float was measured to reach {show(fix.measured)} "
                 f"(from {show(fix.before)}): {lines}."), recipe
     return (f" No set of up to {len(layers)} layers kept in float reaches {show(target)} "
-            f"({float_search_limit(model, len(layers), check, _most(model, check))}); the best found was measured at "
-            f"{show(fix.measured)} "
+            f"({float_search_limit(model, len(layers), check)}); the best found was measured at {show(fix.measured)} "
             f"(from {show(fix.before)}): {lines}."), recipe

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
-from .advice import float_search_limit
+from .advice import float_search_limit, max_float_layers
 from .artifact import artifact_fix, artifact_fix_advice, is_artifact
 
 __all__ = ["BLOCKWISE_NOTE", "SensitivityCheck", "float_layers_advice", "output_fix", "output_float_layers_fix",
@@ -64,13 +64,8 @@ def output_float_layers_fix(model: ModelContext, target_db: float) -> Any | None
         return None
     if not isinstance(getattr(model.analysis.quantizer, "layer_overrides", None), dict):
         return None
-    return model.analysis.float_layers_fix(target_db, int(options.get("max_float_layers", 8)),
+    return model.analysis.float_layers_fix(target_db, max_float_layers(model, "model_sqnr"),
                                            options.get("batches", DEFAULT_BATCHES))
-
-
-def _max_float_layers(model: ModelContext) -> int:
-    options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
-    return int(options.get("max_float_layers", 8))
 
 
 def float_layers_advice(model: ModelContext, target_db: float) -> str:
@@ -91,8 +86,7 @@ def float_layers_advice(model: ModelContext, target_db: float) -> str:
         return (f" Keeping {len(fix.float_layers)} layer(s) in float was measured to reach {fix.measured_db:.1f} dB: "
                 f"float_layers={layers!r}")
     return (f" No set of up to {len(fix.float_layers)} layers kept in float reaches {target_db:.1f} dB "
-            f"({float_search_limit(model, len(fix.float_layers), 'model_sqnr', _max_float_layers(model))}); the best "
-            "found, "
+            f"({float_search_limit(model, len(fix.float_layers), 'model_sqnr')}); the best found, "
             f"float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")
 
 

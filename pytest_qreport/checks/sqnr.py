@@ -7,7 +7,16 @@ from typing import Any
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
-from .advice import Fix, Trial, float_layers_fix, layer_overrides_fix, quantized_layer_names, try_fix, verify
+from .advice import (
+    Fix,
+    Trial,
+    float_layers_fix,
+    layer_overrides_fix,
+    max_float_layers,
+    quantized_layer_names,
+    try_fix,
+    verify,
+)
 from .artifact import is_artifact
 
 __all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "best_proper_subset",
@@ -23,7 +32,6 @@ def keep_in_float_hint(model: ModelContext, layers: list[str]) -> str:
     return float_layers_fix(model, layers).paste()
 
 
-DEFAULT_MAX_FLOAT_LAYERS = 8
 _THRESHOLDS = {"propagated": "sqnr_min_db", "weight": "weight_sqnr_min_db"}
 
 
@@ -34,8 +42,7 @@ def best_proper_subset(model: ModelContext, failing: list[str], kind: str = "pro
     quantized = quantized_layer_names(model)
     if len(quantized) < 2 or not set(quantized) <= set(failing):
         return None
-    options = model.checks["sqnr"].options if "sqnr" in model.checks else {}
-    most = min(int(options.get("max_float_layers", DEFAULT_MAX_FLOAT_LAYERS)), len(quantized) - 1)
+    most = min(max_float_layers(model, "sqnr"), len(quantized) - 1)
     measured = model.analysis.sqnr.layers
 
     def own_error(layer: str) -> float:
@@ -48,10 +55,11 @@ def best_proper_subset(model: ModelContext, failing: list[str], kind: str = "pro
     return try_fix(model, Fix(fix.setting, fix.value, tuple(quantized)), reads=(kind,))
 
 
-def threshold_limit(model: ModelContext, layer: str, failing: list[str], kind: str = "propagated") -> str:
+def threshold_limit(model: ModelContext, layer: str, failing: list[str], trial: Trial | None,
+                    kind: str = "propagated") -> str:
     """Why no fix keeps every item of this check passing when every quantized layer fails on its own error, and
-    what the best proper subset kept in float measures at this layer ('' when some layer passes)."""
-    trial = best_proper_subset(model, failing, kind)
+    what the best proper subset kept in float (`trial`: best_proper_subset) measures at this layer ('' when some
+    layer passes)."""
     if trial is None:
         return ""
     setting = _THRESHOLDS[kind]
@@ -197,6 +205,7 @@ class SqnrCheck(Check):
         search = self.options.get("fix", True)  # check_options={'sqnr': {'fix': False}}: no fix is measured
         own_errors = own_error_layers(measured, layers, threshold)
         fixes = measured_fixes(model, own_errors) if search else None
+        subset = best_proper_subset(model, own_errors) if search and own_errors else None
         for layer in layers:
             entry = measured.get(layer)
             if entry is None:
@@ -204,7 +213,7 @@ class SqnrCheck(Check):
                 continue
             quantized = model.analysis.layer(layer)
             not_comparable = getattr(model.analysis, "not_comparable", {}).get(layer, "")
-            limit = threshold_limit(model, layer, own_errors) if search and layer in own_errors else ""
+            limit = threshold_limit(model, layer, own_errors, subset) if layer in own_errors else ""
             message = self.message(model, layer, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
                                    entry.below_resolution, None if fixes is None else fixes.get(layer, []),
                                    not_comparable, limit)
@@ -288,6 +297,7 @@ class WeightSqnrCheck(Check):
         artifact = is_artifact(model.analysis)
         search = self.options.get("fix", True) and not artifact  # check_options={'weight_sqnr': {'fix': False}}
         fixes = measured_fixes(model, failing, kind="weight") if search else {}
+        subset = best_proper_subset(model, failing, "weight") if search and failing else None
         for layer in layers:
             entry = measured.get(layer)
             if entry is None or entry.weight_sqnr_db is None:
@@ -300,7 +310,7 @@ class WeightSqnrCheck(Check):
                 results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
                 continue
             found = fixes.get(layer, [])
-            limit = threshold_limit(model, layer, failing, "weight") if search and layer in failing else ""
+            limit = threshold_limit(model, layer, failing, subset, "weight") if layer in failing else ""
             rescaled = getattr(model.analysis, "not_comparable", {}).get(layer)
             scaled = ", compared up to its input channels' scales" if rescaled else ""
             advice = (f" It is the artifact's own weight{scaled}: GPTQ and AWQ lower weight SQNR on purpose to "

@@ -1,6 +1,7 @@
 """The terminal summary table, written through the pytest_qreport_report hook."""
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import pytest
@@ -139,8 +140,6 @@ def baseline_lines(rows: list[Finding], models: Mapping[str, ModelFacts]) -> lis
                         and (name := facts.baseline_path)})
     lines = []
     if compared:
-        import os
-
         folders = sorted({os.path.relpath(os.path.dirname(path)) for path in with_file})
         where = ", ".join(folders) if len(folders) <= 3 else f"{len(folders)} folders"
         counts = {status: sum(1 for row in compared if row.baseline_status == status)

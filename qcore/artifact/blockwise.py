@@ -84,47 +84,30 @@ def _block_index(name: str, stack: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _outside(model: nn.Module, stack: str) -> tuple[list[nn.Module], list[nn.Module]]:
-    """(the subtrees outside the stack, the stack's ancestors): what the capture and the replay run besides the
-    blocks."""
+def _outside(model: nn.Module, stack: str) -> tuple[list[tuple[str, nn.Module]], list[nn.Module]]:
+    """(the subtrees outside the stack, by name; the stack's ancestors): what the capture and the replay run besides
+    the blocks."""
     ancestors = {""} | {".".join(stack.split(".")[:depth]) for depth in range(1, stack.count(".") + 1)}
     subtrees = []
     for name, module in model.named_modules():
         parent = name.rpartition(".")[0] if name else None
         if name and name != stack and name not in ancestors and parent in ancestors:
-            subtrees.append(module)
+            subtrees.append((name, module))
     return subtrees, [model.get_submodule(name) for name in sorted(ancestors)]
 
 
 @contextlib.contextmanager
 def _outside_onloaded(model: nn.Module, stack: str, device: Any, which: str) -> Iterator[None]:
-    """Every module outside the stack onloaded (and the stack's ancestors' own tensors), for a whole phase."""
+    """Every module outside the stack onloaded (and the stack's ancestors' own tensors: their blocks are onloaded
+    one at a time), for a whole phase."""
     subtrees, ancestors = _outside(model, stack)
     with contextlib.ExitStack() as held:
-        for module in subtrees:
-            name = next(key for key, value in model.named_modules() if value is module)
+        for name, module in subtrees:
             held.enter_context(_block_onloaded(module, device, which, name))
             held.enter_context(compressed_layers_decompressed(module))
         for module in ancestors:
-            held.enter_context(_own_tensors_onloaded(module))
+            held.enter_context(onloaded(module, recurse=False))
         yield
-
-
-@contextlib.contextmanager
-def _own_tensors_onloaded(module: nn.Module) -> Iterator[None]:
-    """Only `module`'s own tensors onloaded (an ancestor of the stack: the blocks are onloaded one at a time)."""
-    hooks = [h for h in getattr(getattr(module, "_hf_hook", None), "hooks", None) or
-             [getattr(module, "_hf_hook", None)] if h is not None and getattr(h, "offload", False)
-             and not getattr(h, "place_submodules", False)]
-    for hook in hooks:
-        hook.pre_forward(module)
-        hook.offload = False
-    try:
-        yield
-    finally:
-        for hook in reversed(hooks):
-            hook.offload = True
-            hook.post_forward(module, None)
 
 
 class _Replay(nn.Module):

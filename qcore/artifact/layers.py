@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcore.artifact.offload import module_tensor
+
 __all__ = ["ArtifactLayer", "ArtifactMismatchError", "artifact_layers", "changed_modules", "dequantized_weight",
            "state_digest"]
 
@@ -90,14 +92,9 @@ def _accelerate_forward(module: nn.Module) -> bool:
     return "_old_forward" in vars(module) and getattr(module, "_hf_hook", None) is not None
 
 
-def _real(module: nn.Module, name: str, tensor: torch.Tensor, read: Any) -> torch.Tensor:
-    """`tensor`, or its value from the model's offload when it waits on the meta device."""
-    return read(module, name) if tensor.device.type == "meta" and read is not None else tensor
-
-
-def _format(module: nn.Module, reference: nn.Module | None, read: Any = None, read_reference: Any = None) -> str:
-    """What holds the module's quantization, in words; "" for a module that is not quantized. `read(module, name)`:
-    a tensor's value when the model offloads it (module_tensor)."""
+def _format(module: nn.Module, reference: nn.Module | None, weights: Any = None) -> str:
+    """What holds the module's quantization, in words; "" for a module that is not quantized. `weights()`: the two
+    weights' values, read from the offload where a model holds them on the meta device (module_tensor)."""
     weight = getattr(module, "weight", None)
     scheme = getattr(module, "quantization_scheme", None)
     if scheme is not None:  # compressed-tensors
@@ -121,7 +118,7 @@ def _format(module: nn.Module, reference: nn.Module | None, read: Any = None, re
     if isinstance(weight, torch.Tensor) and weight.shape != ref_weight.shape:
         return f"{type(module).__name__} with a weight of shape {tuple(weight.shape)}"
     if isinstance(weight, torch.Tensor):
-        ours, theirs = _real(module, "weight", weight, read), _real(reference, "weight", ref_weight, read_reference)
+        ours, theirs = weights() if weights is not None else (weight, ref_weight)
         if ours.device.type == "meta" or theirs.device.type == "meta":
             return ""  # nothing to compare: its weights are not held and no offload gives them
         with torch.no_grad():
@@ -133,8 +130,6 @@ def _format(module: nn.Module, reference: nn.Module | None, read: Any = None, re
 def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[ArtifactLayer]:
     """The quantized layers of `quantized`, in module order; ArtifactMismatchError listing the names that match
     nothing on either side (a model of another architecture, or modules renamed)."""
-    from qcore.artifact.offload import module_tensor
-
     references = dict(reference.named_modules())
     layers: list[ArtifactLayer] = []
     only_quantized: list[str] = []
@@ -146,15 +141,8 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
         if twin is None and name:
             only_quantized.append(name)
             continue
-        prefix = f"{name}." if name else ""
-
-        def read(_module: nn.Module, tensor: str, model: nn.Module = quantized, prefix: str = prefix) -> torch.Tensor:
-            return module_tensor(model, prefix + tensor)
-
-        def read_reference(_module: nn.Module, tensor: str, prefix: str = prefix) -> torch.Tensor:
-            return module_tensor(reference, prefix + tensor)
-
-        found = _format(module, twin, read, read_reference) if name else ""
+        found = _format(module, twin, lambda name=name: (module_tensor(quantized, f"{name}.weight"),
+                                                         module_tensor(reference, f"{name}.weight"))) if name else ""
         if found:
             weight = getattr(twin, "weight", None)
             layers.append(ArtifactLayer(name, type(twin).__name__, found, isinstance(weight, torch.Tensor)))
@@ -182,8 +170,6 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
 def changed_modules(reference: nn.Module, quantized: nn.Module, layers: Iterable[str]) -> list[str]:
     """The modules outside `layers` whose own parameters differ from the reference's (SmoothQuant and AWQ fold
     their scales into the norms before the layers they rescale)."""
-    from qcore.artifact.offload import module_tensor
-
     skipped = tuple(layers)
     references = dict(reference.named_modules())
     changed = []
@@ -196,9 +182,8 @@ def changed_modules(reference: nn.Module, quantized: nn.Module, layers: Iterable
                 other = twin.get(key)
                 if not (_plain(value) and isinstance(other, torch.Tensor) and other.shape == value.shape):
                     continue
-                prefix = f"{name}." if name else ""
-                value = module_tensor(quantized, prefix + key) if value.device.type == "meta" else value
-                other = module_tensor(reference, prefix + key) if other.device.type == "meta" else other
+                prefix = f"{name}." if name else ""  # read from the offload where a model holds it on meta
+                value, other = module_tensor(quantized, prefix + key), module_tensor(reference, prefix + key)
                 if not torch.equal(value.detach(), other.detach().to(value.dtype)):
                     changed.append(name)
                     break
@@ -230,13 +215,10 @@ def _flat_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
 def state_digest(model: nn.Module) -> str:
     """'sha256:...' of the model's state: names, dtypes, shapes and bytes of every parameter and buffer (the inner
     tensors of a quantized tensor subclass)."""
-    from qcore.artifact.offload import module_tensor
-
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, value in [*model.named_parameters(), *model.named_buffers()]:
-            if value.device.type == "meta":  # offloaded: read from the offload, one tensor at a time
-                value = module_tensor(model, name)
+            value = module_tensor(model, name)  # an offloaded one from its offload, one tensor at a time
             for part in _flat_tensors(value):
                 digest.update(f"{name}:{part.dtype}:{tuple(part.shape)};".encode())
                 data = part.detach().contiguous().cpu().reshape(-1)

@@ -48,29 +48,31 @@ def _placing_hooks(module: nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def onloaded(module: nn.Module, device: torch.device | str | None = None) -> Iterator[None]:
+def onloaded(module: nn.Module, device: torch.device | str | None = None, recurse: bool = True) -> Iterator[None]:
     """`module` and its submodules with their weights onloaded for the duration (read once), through their offloading
     hooks. With `device`: the hooks' execution device is set to it, and the tensors the module holds are moved there
-    too, the originals put back after."""
+    too, the originals put back after. `recurse=False`: the module's own tensors only (not a hook that places its
+    submodules)."""
+    modules = list(module.modules()) if recurse else [module]
     opened: list[tuple[nn.Module, Any]] = []
     placed: list[tuple[Any, Any]] = []
     moved: list[tuple[dict, str, torch.Tensor]] = []
     target = torch.device(device) if device is not None else None
     try:
         if target is not None:
-            for sub in module.modules():
+            for sub in modules:
                 for hook in _placing_hooks(sub):
                     placed.append((hook, hook.execution_device))
                     hook.execution_device = target
-        for sub in module.modules():
+        for sub in modules:
             for hook in _offloading_hooks(sub):
-                if not hook.offload:
-                    continue  # onloaded already (an enclosing context), or never offloaded
+                if not hook.offload or (not recurse and getattr(hook, "place_submodules", False)):
+                    continue  # onloaded already (an enclosing context), never offloaded, or placing the children
                 hook.pre_forward(sub)
                 hook.offload = False
                 opened.append((sub, hook))
         if target is not None:
-            for sub in module.modules():
+            for sub in modules:
                 for table in (sub._parameters, sub._buffers):
                     for name, value in list(table.items()):
                         if value is None or _is_meta(value) or value.device == target:
