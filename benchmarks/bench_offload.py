@@ -5,11 +5,29 @@ shapes with seeded random weights in bfloat16, declared loaded whole and loaded 
 
     python benchmarks/bench_offload.py --size 1b            # Llama-3.2-1B's shapes
     python benchmarks/bench_offload.py --size 1b --layers 4  # fewer blocks of the same width (depth against memory)
+    python benchmarks/bench_offload.py --size 8b --only-offloaded --maker llm-compressor --llmcompressor-python P
+
+The W4A16 checkpoint is made by llm-compressor itself with `--maker llm-compressor` (oneshot with
+QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]), the whole float model in memory), run by
+the interpreter P of a virtual environment of its own: llm-compressor 0.14 pins compressed-tensors 0.19 and
+transformers <= 5.17, which the gate's environment does not have:
+
+    python -m venv /tmp/venv-llmc && /tmp/venv-llmc/bin/pip install torch==2.13.0 llmcompressor==0.14.0
+
+The default maker writes the same checkpoint one Linear at a time with compressed-tensors' own functions (an 8B float
+model whole needs 16 GB); `--compare-makers` checks that both write the same tensors.
 
 Each run is a subprocess of its own; it prints, per declaration: the analysis's seconds (the report's, loading
 aside), the peak anonymous memory of the process (RssAnon sampled every 20 ms) against one block's float and
-decompressed quantized weights, and the plain forward of the quantized model over the same batches; then how far
-the offloaded rows are from the whole rows (dB, KL in %).
+decompressed quantized weights, and the plain forward of the quantized model over the same batches on as many torch
+threads as the analysis (`--threads`, default 2, given as --qreport-threads); then how far the offloaded rows are
+from the whole rows (dB, KL in %).
+
+The forward of the offloaded quantized model cannot be compressed-tensors' own: its first forward decompresses every
+layer and trades accelerate's hooks for its own, which raises `'LlamaForCausalLM' object has no attribute '_hf_hook'`
+on an offloaded 8B model. So the forward onloads each decoder layer through accelerate's hooks and decompresses it
+with compressed-tensors' decompress_module on entry, and puts both back after (qcore.artifact.offload): a forward
+that reads each weight once, as the gate's passes do.
 """
 from __future__ import annotations
 
@@ -196,11 +214,53 @@ def make_w4a16(source: pathlib.Path, folder: pathlib.Path, config: Any, group_si
     saved.update_config(str(folder))
 
 
-def make(folder: pathlib.Path, size: str, layers: int | None) -> None:
-    """The float checkpoint and its W4A16 checkpoint, in `folder`."""
+LLMCOMPRESSOR = '''
+import sys, torch
+from transformers import AutoModelForCausalLM
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]))
+model.save_pretrained(sys.argv[2], save_compressed=True)
+'''
+
+
+def make_w4a16_with_llmcompressor(source: pathlib.Path, folder: pathlib.Path, python: str) -> None:
+    """The W4A16 checkpoint of `source` made by llm-compressor's oneshot, run by `python` (an interpreter with
+    llmcompressor installed)."""
+    subprocess.run([python, "-c", LLMCOMPRESSOR, str(source), str(folder)], check=True, capture_output=True,
+                   timeout=7200)
+
+
+def make(folder: pathlib.Path, size: str, layers: int | None, maker: str = "compressed-tensors",
+         python: str | None = None) -> None:
+    """The float checkpoint and its W4A16 checkpoint (made by `maker`), in `folder`."""
     config = _config(size, layers)
     make_float(folder / "float", config)
-    make_w4a16(folder / "float", folder / "w4a16", config)
+    if maker == "llm-compressor":
+        assert python is not None, "--maker llm-compressor needs --llmcompressor-python"
+        make_w4a16_with_llmcompressor(folder / "float", folder / "w4a16", python)
+    else:
+        make_w4a16(folder / "float", folder / "w4a16", config)
+
+
+def same_tensors(one: pathlib.Path, other: pathlib.Path) -> tuple[int, list[str]]:
+    """(how many tensors the two checkpoints hold, the names whose values, dtypes or presence differ)."""
+    import torch
+    from safetensors import safe_open
+
+    def tensors(folder: pathlib.Path) -> dict[str, Any]:
+        found = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                found.update({name: handle.get_tensor(name) for name in handle.keys()})
+        return found
+
+    a, b = tensors(one), tensors(other)
+    differing = sorted(name for name in a.keys() | b.keys()
+                       if name not in a or name not in b or a[name].dtype != b[name].dtype
+                       or a[name].shape != b[name].shape or not torch.equal(a[name], b[name]))
+    return len(a), differing
 
 
 # random weights quantized to 4 bits fail the default thresholds, and a failing output gate searches a fix: its
@@ -210,7 +270,7 @@ PASSING = {"sqnr": -1000.0, "kl": 1e9, "top1": 0.0, "ppl": 1e9}
 DEFAULTS = {"sqnr": 20.0, "kl": 0.02, "top1": 0.95, "ppl": 5.0}
 
 
-def run(folder: pathlib.Path, offload: str, tokens: int, count: int, thresholds: dict) -> dict:
+def run(folder: pathlib.Path, offload: str, tokens: int, count: int, thresholds: dict, threads: int) -> dict:
     """One `pytest --qreport` of the pair: its rows, seconds and peak anonymous memory."""
     project = folder / f"project-{offload or 'whole'}"
     project.mkdir(exist_ok=True)
@@ -219,7 +279,8 @@ def run(folder: pathlib.Path, offload: str, tokens: int, count: int, thresholds:
     peak, report = project / "peak.json", project / "report.json"
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:cacheprovider",
-                           f"--qreport-json={report}", str(project)], cwd=project, capture_output=True, text=True,
+                           f"--qreport-threads={threads}", f"--qreport-json={report}", str(project)], cwd=project,
+                          capture_output=True, text=True,
                           env={**__import__("os").environ, "BENCH_PEAK_FILE": str(peak)}, timeout=7200)
     wall = time.perf_counter() - start
     if not report.exists():
@@ -233,31 +294,55 @@ def run(folder: pathlib.Path, offload: str, tokens: int, count: int, thresholds:
             "errors": sum(1 for r in data["rows"] if r["verdict"] == "error")}
 
 
-def forward_seconds(folder: pathlib.Path, offload: bool, tokens: int, count: int) -> float:
-    """A plain forward of the quantized model over the same batches, loaded as declared (a second run: the first
-    decompresses)."""
+def forward_seconds(folder: pathlib.Path, offload: bool, tokens: int, count: int, threads: int) -> float:
+    """A plain forward of the quantized model over the same batches on `threads` torch threads, loaded as declared:
+    whole, its second run (the first decompresses every layer); offloaded, each decoder layer onloaded and
+    decompressed on entry (module docstring)."""
     code = f'''
-import time, torch
+import contextlib, sys, time, torch
+sys.path.insert(0, {str(ROOT)!r})
 from transformers import AutoModelForCausalLM
+from qcore.artifact.offload import compressed_layers_decompressed, first_forward_decompression_held, onloaded
+torch.set_num_threads({threads})
 kwargs = {{}}
 if {offload}:
     kwargs = dict(device_map="auto", max_memory={{"cpu": "1GiB"}}, offload_folder="{folder}/offload-fwd")
 model = AutoModelForCausalLM.from_pretrained("{folder}/w4a16", **kwargs).eval()
 g = torch.Generator().manual_seed(1)
 batches = [torch.randint(0, 128256, (1, {tokens}), generator=g) for _ in range({count})]
+held = {{}}
+
+def enter(layer, args, kwargs):
+    held[layer] = contextlib.ExitStack()
+    held[layer].enter_context(onloaded(layer))
+    held[layer].enter_context(compressed_layers_decompressed(layer))
+
+def leave(layer, args, kwargs, output):
+    held.pop(layer).close()
+
 with torch.no_grad():
-    for attempt in range(2):
-        try:
+    if {offload}:
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(enter, with_kwargs=True)
+            layer.register_forward_hook(leave, with_kwargs=True)
+        with first_forward_decompression_held(model):
             start = time.perf_counter()
             for ids in batches:
                 model(input_ids=ids, use_cache=False)
             print(time.perf_counter() - start)
-        except AttributeError as error:  # compressed-tensors trades accelerate's hooks for its own on the first call
-            print("nan")
+    else:
+        for attempt in range(2):
+            start = time.perf_counter()
+            for ids in batches:
+                model(input_ids=ids, use_cache=False)
+            print(time.perf_counter() - start)
 '''
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=7200)
     lines = [line for line in done.stdout.split() if line]
-    return float(lines[-1]) if lines else math.nan
+    if done.returncode != 0 or not lines:
+        print(f"the forward failed: {done.stderr[-2000:]}")
+        return math.nan
+    return float(lines[-1])
 
 
 def block_bytes(size: str) -> tuple[int, int]:
@@ -279,24 +364,43 @@ def main() -> None:
     parser.add_argument("--no-forward", action="store_true", help="skip timing the quantized model's forward")
     parser.add_argument("--only-offloaded", action="store_true",
                         help="skip the whole declaration (an 8B pair does not fit a 24 GB machine whole)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, the analysis's and the forward's")
+    parser.add_argument("--maker", choices=["compressed-tensors", "llm-compressor"], default="compressed-tensors",
+                        help="what writes the W4A16 checkpoint")
+    parser.add_argument("--llmcompressor-python", default=None, help="an interpreter with llmcompressor 0.14")
+    parser.add_argument("--compare-makers", action="store_true",
+                        help="make the W4A16 checkpoint both ways, say whether they are equal, and stop")
     args = parser.parse_args()
     folder = pathlib.Path(args.folder or tempfile.mkdtemp(prefix="bench-offload-"))
     if not (folder / "w4a16").exists():
         start = time.perf_counter()
         subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
                         f"from benchmarks.bench_offload import make; import pathlib; "
-                        f"make(pathlib.Path({str(folder)!r}), {args.size!r}, {args.layers!r})"], check=True,
-                       capture_output=True)
-        print(f"checkpoints made in {time.perf_counter() - start:.0f} s: {folder}")
+                        f"make(pathlib.Path({str(folder)!r}), {args.size!r}, {args.layers!r}, {args.maker!r}, "
+                        f"{args.llmcompressor_python!r})"], check=True, capture_output=True)
+        print(f"checkpoints made by {args.maker} in {time.perf_counter() - start:.0f} s: {folder}")
+    if args.compare_makers:
+        assert args.llmcompressor_python, "--compare-makers needs --llmcompressor-python"
+        other = folder / "w4a16-other"
+        if args.maker == "llm-compressor":
+            make_w4a16(folder / "float", other, _config(args.size, args.layers))
+        else:
+            make_w4a16_with_llmcompressor(folder / "float", other, args.llmcompressor_python)
+        count, differing = same_tensors(folder / "w4a16", other)
+        print(f"compressed-tensors' and llm-compressor's W4A16 checkpoints: {count} tensors, "
+              + (f"{len(differing)} differ: {differing[:8]}" if differing else "every one equal"))
+        return
     float_block, quantized_block = block_bytes(args.size)
-    print(f"{args.size} shapes, {args.layers or SIZES[args.size][2]} blocks, {args.batches} x {args.tokens} tokens; "
+    print(f"{args.size} shapes, {args.layers or SIZES[args.size][2]} blocks, {args.batches} x {args.tokens} tokens, "
+          f"{args.threads} torch threads; "
           f"one block: {float_block / 2**20:.0f} MiB float + {quantized_block / 2**20:.0f} MiB decompressed")
     results = {}
     declarations = [("offloaded", "run")] if args.only_offloaded else [("whole", ""), ("offloaded", "run")]
     for declared, offload in declarations:
         results[declared] = run(folder, offload, args.tokens, args.batches,
-                                DEFAULTS if args.default_thresholds else PASSING)
-        forward = math.nan if args.no_forward else forward_seconds(folder, bool(offload), args.tokens, args.batches)
+                                DEFAULTS if args.default_thresholds else PASSING, args.threads)
+        forward = math.nan if args.no_forward else forward_seconds(folder, bool(offload), args.tokens, args.batches,
+                                                                   args.threads)
         r = results[declared]
         print(f"{declared:>9}: analysis {r['seconds']:.1f} s ({r['wall']:.1f} s with loading), {len(r['rows'])} rows, "
               f"{sum(1 for c, _ in r['rows'] if c == 'sqnr')} sqnr items, {r['errors']} errors; peak anonymous "

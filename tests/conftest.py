@@ -12,6 +12,10 @@ import torch.export  # noqa: F401
 # a module would register its library again and fail. A first export imports more of them (the compile caches
 # register their artifact types), so one tiny export runs here too.
 torch.export.export(torch.nn.Linear(1, 1), (torch.zeros(1, 1),))
+# transformers imports HQQ where it is installed (cache_utils), and HQQ compiles a function at import, which
+# imports dynamo's debugging backends (they register "eager" once per process)
+import torch._dynamo.backends.debugging  # noqa: E402, F401
+import torch._dynamo.repro.after_dynamo  # noqa: E402, F401
 
 if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
     # one share of the cores per xdist worker: oversubscribed OpenMP threads slow everything down

@@ -457,3 +457,56 @@ def direct_layer_sqnr(reference, quantized, names, batches):
     import math
 
     return {name: 10 * math.log10(signal / noise) for name, (signal, noise) in sums.items()}, kl / positions
+
+
+FRAGILE_LAYER = "model.layers.1.mlp.down_proj"
+TINY_LLAMA_LINEARS = [f"model.layers.{i}.{part}" for i in range(2) for part in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj")]
+
+
+def fragile_llama(seed=0):
+    """tiny_llama with one fragile layer, FRAGILE_LAYER: one weight of each row 60 times the others, so that any
+    per-row or per-block scale spends its range on it and the rest of the row is quantized coarsely."""
+    model = tiny_llama(seed)
+    weight = model.get_submodule(FRAGILE_LAYER).weight
+    with torch.no_grad():
+        columns = torch.arange(weight.shape[0]) * 7 % weight.shape[1]
+        weight[torch.arange(weight.shape[0]), columns] *= 60
+    return model
+
+
+def saved_llama(model, folder):
+    """`model` saved with a tiny word-level tokenizer (tools that load a checkpoint by path want one): `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(folder)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(model.config.vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", pad_token="t1", bos_token="t2",
+                            eos_token="t3").save_pretrained(folder)
+    return folder
+
+
+def weight_sqnr_db(reference_weight, weight):
+    """10 log10 of the reference weight's energy over the error's, in float64."""
+    import math
+
+    theirs = reference_weight.detach().double()
+    ours = weight.detach().double().reshape(theirs.shape)
+    return 10 * math.log10(float((theirs**2).sum()) / float(((ours - theirs) ** 2).sum()))
+
+
+def output_sqnr_db(reference, quantized, batches):
+    """The logits' SQNR over `batches`, quantized model against reference (float64 sums)."""
+    import math
+
+    signal = noise = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            expected = reference(**batch, use_cache=False).logits.double()
+            actual = quantized(**batch, use_cache=False).logits.double()
+            signal += float((expected**2).sum())
+            noise += float(((actual - expected) ** 2).sum())
+    return 10 * math.log10(signal / noise)

@@ -1,6 +1,7 @@
 """Verified advice in artifact mode (qmodel(quantized=...)): the layers to keep in float, found by swapping the
 reference's modules into the user's quantized model and measuring, printed as the plugin's float_layers and as the
-line to paste into the tool that made the artifact (llm-compressor, ModelOpt, torchao)."""
+line to paste into the tool that made the artifact, in its words (llm-compressor's ignore, a ModelOpt quant_cfg
+entry, bitsandbytes' llm_int8_skip_modules, ...); the JSON's recipe holds every tool's line."""
 from __future__ import annotations
 
 from typing import Any
@@ -36,9 +37,10 @@ def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: fl
     layers = list(fix.float_layers)
     recipe: dict[str, Any] = {**recipes, "float_layers": layers, "qmodel": recipes["float_layers"],
                               "measured": fix.measured, "reached": fix.reached}
-    lines = (f"qmodel(..., {recipes['float_layers']}) swaps the reference's modules in; in the tool that made the "
-             f"artifact: llm-compressor {recipes['llm-compressor']}; ModelOpt {recipes['modelopt']}; torchao "
-             f"{recipes['torchao']}")
+    recipe["tool"] = fix.tool
+    lines = f"qmodel(..., {recipes['float_layers']}) swaps the reference's modules in; " + (
+        f"in {fix.tool_name}, which made the artifact: {fix.tool_line}" if fix.tool_line else
+        "the tool that made the artifact was not recognised: the JSON report's recipe holds the line for each tool")
     if fix.reached:
         return (f" Keeping {len(layers)} layer(s) in float was measured to reach {show(fix.measured)} "
                 f"(from {show(fix.before)}): {lines}."), recipe

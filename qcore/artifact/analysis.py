@@ -27,6 +27,7 @@ from qcore.artifact.blockwise import (
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, artifact_layers, state_digest
 from qcore.artifact.measure import ArtifactError, ArtifactMeasurement, float_layers_swapped, measure_artifact
 from qcore.artifact.offload import is_offloaded, offloaded_bytes, parameter_bytes
+from qcore.artifact.tools import RECIPE_KEYS, TOOL_NAMES, artifact_tool, skipped_modules, tool_fix_lines, unwrapped_artifact
 from qcore.measure.passes import SqnrMeasurement
 from qcore.numeric.logits import LogitsMeasurement
 from qcore.runtime.progress import stage
@@ -48,18 +49,9 @@ def _worst_output_db(sqnr: SqnrMeasurement) -> float:
     return worst.sqnr_db if worst is not None else math.nan
 
 
-def tool_recipes(float_layers: Iterable[str]) -> dict[str, str]:
-    """The lines that keep `float_layers` unquantized in the tools that make artifacts: qmodel's float_layers,
-    llm-compressor's modifier `ignore`, ModelOpt's `quant_cfg` entries, torchao's `quantize_` filter_fn."""
-    names = list(float_layers)
-    modelopt = ", ".join(f"{'*' + name + '*'!r}: {{'enable': False}}" for name in names)
-    return {
-        "float_layers": f"float_layers={names!r}",
-        "llm-compressor": f"ignore=[..., {', '.join(repr(name) for name in names)}]",
-        "modelopt": f"config['quant_cfg'].update({{{modelopt}}})",
-        "torchao": f"quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear) "
-                   f"and fqn not in {sorted(names)!r})",
-    }
+def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head",)) -> dict[str, str]:
+    """The lines that keep `float_layers` unquantized: qmodel's float_layers, and each tool's (tool_fix_lines)."""
+    return tool_fix_lines(float_layers, skipped)
 
 
 @dataclass(frozen=True)
@@ -74,6 +66,8 @@ class ArtifactFix:
     measured: float
     reached: bool
     trials: int
+    tool: str | None = None  # the tool that made the artifact (qcore.artifact.tools), when its marks were found
+    skipped: tuple[str, ...] = ("lm_head",)  # what its quantization config kept in float already (skipped_modules)
 
     @property
     def measured_db(self) -> float:
@@ -83,7 +77,17 @@ class ArtifactFix:
     @property
     def recipes(self) -> dict[str, str]:
         """The fix as each tool's line (tool_recipes)."""
-        return tool_recipes(self.float_layers)
+        return tool_recipes(self.float_layers, self.skipped)
+
+    @property
+    def tool_line(self) -> str | None:
+        """The fix in the words of the tool that made the artifact; None when no tool was recognised."""
+        return self.recipes.get(RECIPE_KEYS.get(self.tool, self.tool)) if self.tool is not None else None
+
+    @property
+    def tool_name(self) -> str | None:
+        """The name its users know the tool that made the artifact by ('llm-compressor' for compressed-tensors)."""
+        return TOOL_NAMES.get(self.tool) if self.tool is not None else None
 
 
 def _meets(value: float, target: float, higher_is_better: bool) -> bool:
@@ -106,13 +110,15 @@ class ArtifactAnalysis:
         """`logits`: compare the logits in the same pass (the output checks ask for them); `stack`: the module path
         of the stack of blocks to go through one at a time (qcore.artifact.blockwise), None for whole passes;
         `device`: where a block-wise pass onloads the blocks."""
-        self.reference, self.quantized = reference.eval(), quantized.eval()
+        self.reference, self.quantized = reference.eval(), unwrapped_artifact(quantized).eval()
         self.stack, self.device = stack, device
         self.float_layers = tuple(float_layers)
         self.logits_planned = logits
         self.focus = None if focus is None else frozenset(focus)
         self._batches = None if batches is None else list(batches)
-        self._artifact_layers = list(layers) if layers is not None else artifact_layers(reference, quantized)
+        self._artifact_layers = list(layers) if layers is not None else artifact_layers(reference, self.quantized)
+        self.tool = artifact_tool(self.quantized)
+        self.skipped = tuple(skipped_modules(self.quantized))
         self._by_name = {layer.name: layer for layer in self._artifact_layers}
         unknown = [name for name in self.float_layers if name not in self._by_name]
         if unknown:
@@ -340,7 +346,7 @@ class ArtifactAnalysis:
         with stage("trials"):
             before = self._value(metric, (), batches, resume=trial_batches is batches)
             if _meets(before, target, higher):  # nothing to fix
-                fix = ArtifactFix(metric, target, before, (), before, True, 1)
+                fix = ArtifactFix(metric, target, before, (), before, True, 1, self.tool, self.skipped)
                 self._fixes[key] = fix
                 return fix
             base = self._value(metric, (), trial_batches, resume=True) if trial_batches is not batches else before
@@ -365,7 +371,8 @@ class ArtifactAnalysis:
                 if chosen:
                     measured = self._value(metric, chosen, batches)
                     trials += 1
-        fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher), trials)
+        fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher), trials,
+                          self.tool, self.skipped)
         self._fixes[key] = fix
         return fix
 

@@ -1,11 +1,12 @@
 """Which modules of a user's quantized model (the artifact it ships) are quantized layers, matched by module name with
 its float reference, and what their weights are once dequantized.
 
-A module is a quantized layer when it holds a quantized weight (a tensor subclass with `dequantize()`, as torchao's
-`quantize_` leaves; quantization parameters the reference's module does not have, as compressed-tensors' `weight_scale`
-and `weight_packed`; ModelOpt's weight quantizer), when its class differs from the reference's, when its forward is
-replaced (compressed-tensors fake-quantizes activations so), or when its weight differs from the reference's.
-No tool is imported: each leaves these marks on the modules of the model it returns.
+A module is a quantized layer when the tool that made the artifact quantized it (qcore.artifact.tools reads each
+tool's marks: an enabled quantizer, a quantized weight, quantization parameters), when it holds a quantized weight
+of another kind (a tensor subclass with its own `dequantize()`, as torchao's `quantize_` leaves), parameters the
+reference's module does not have, a replaced forward, or weights that differ from the reference's; at the finest
+module where that holds. No tool is imported to find them: each leaves these marks on the modules of the model it
+returns.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from qcore.artifact.offload import module_tensor
+from qcore.artifact.tools import bookkeeping_module, tool_dequantized_weight, tool_layer_format
 
 __all__ = ["ArtifactLayer", "ArtifactMismatchError", "artifact_layers", "changed_modules", "dequantized_weight",
            "state_digest"]
@@ -93,8 +95,12 @@ def _accelerate_forward(module: nn.Module) -> bool:
 
 
 def _format(module: nn.Module, reference: nn.Module | None, weights: Any = None) -> str:
-    """What holds the module's quantization, in words; "" for a module that is not quantized. `weights()`: the two
-    weights' values, read from the offload where a model holds them on the meta device (module_tensor)."""
+    """What holds the module's quantization, in words, from its own marks (not its class); "" for a module that is
+    not quantized. `weights()`: the two weights' values, read from the offload where a model holds them on the meta
+    device (module_tensor)."""
+    tool_format = tool_layer_format(module)
+    if tool_format is not None:
+        return tool_format  # "" where the tool's quantizers are all off
     weight = getattr(module, "weight", None)
     scheme = getattr(module, "quantization_scheme", None)
     if scheme is not None:  # compressed-tensors
@@ -104,8 +110,6 @@ def _format(module: nn.Module, reference: nn.Module | None, weights: Any = None)
         return type(weight).__name__
     if reference is None:
         return ""
-    if not _same_class(type(module), type(reference)):
-        return type(module).__name__
     reference_own, own = _own_tensors(reference), _own_tensors(module)
     ref_weight = reference_own.get("weight")
     if not (isinstance(ref_weight, torch.Tensor) and ref_weight.dim() >= 2):
@@ -127,29 +131,52 @@ def _format(module: nn.Module, reference: nn.Module | None, weights: Any = None)
     return ""
 
 
+def _under(name: str, prefixes: Iterable[str]) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
 def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[ArtifactLayer]:
-    """The quantized layers of `quantized`, in module order; ArtifactMismatchError listing the names that match
-    nothing on either side (a model of another architecture, or modules renamed)."""
+    """The quantized layers of `quantized`, in module order: each module the tool quantized (an enabled quantizer, a
+    quantized weight, quantization parameters, a replaced forward or changed weights), at the finest module where
+    that holds; a module whose only mark is a changed class is a layer when nothing under it is (a container of
+    quantized layers is not). Modules a tool adds for its own state are not the architecture's.
+    ArtifactMismatchError listing the names that match nothing on either side (a model of another architecture,
+    or modules renamed)."""
     references = dict(reference.named_modules())
-    layers: list[ArtifactLayer] = []
+    modules = [(name, module) for name, module in quantized.named_modules() if name]
+    bookkeeping = [name for name, module in modules if name not in references and bookkeeping_module(module)]
+    # a container the tool added around its own state only (ModelOpt's `_shared_quant_states` list) is its too
+    bookkeeping += [name for name, module in modules if name not in references and not _under(name, bookkeeping)
+                    and not any(True for _ in module.parameters(recurse=False))
+                    and all(_under(f"{name}.{child}", bookkeeping) for child, _ in module.named_children())
+                    and any(True for _ in module.children())]
+    found: dict[str, str] = {}
+    class_only: dict[str, str] = {}
     only_quantized: list[str] = []
-    inside: tuple[str, ...] = ()
-    for name, module in quantized.named_modules():
-        if name and any(name.startswith(prefix + ".") for prefix in inside):
-            continue  # a quantizer's own submodules (ModelOpt's weight_quantizer)
+    for name, module in modules:
+        if _under(name, bookkeeping) or _under(name, found) and name not in references:
+            continue  # a tool's own state, or a quantized layer's own submodules
         twin = references.get(name)
-        if twin is None and name:
+        if twin is None:
             only_quantized.append(name)
             continue
-        found = _format(module, twin, lambda name=name: (module_tensor(quantized, f"{name}.weight"),
-                                                         module_tensor(reference, f"{name}.weight"))) if name else ""
-        if found:
-            weight = getattr(twin, "weight", None)
-            layers.append(ArtifactLayer(name, type(twin).__name__, found, isinstance(weight, torch.Tensor)))
-            inside += (name,)
-    kept = {name for name, _ in quantized.named_modules()}
-    only_reference = [name for name in references if name and name not in kept
-                      and not any(name.startswith(prefix + ".") for prefix in inside)]
+        text = _format(module, twin, lambda name=name: (module_tensor(quantized, f"{name}.weight"),
+                                                        module_tensor(reference, f"{name}.weight")))
+        if text:
+            found[name] = text
+        elif tool_layer_format(module) is None and not _same_class(type(module), type(twin)):
+            class_only[name] = type(module).__name__
+    for name, text in class_only.items():  # the finest: a changed class around quantized layers is a container
+        if not any(other.startswith(name + ".") for other in found):
+            found[name] = text
+    order = {name: index for index, (name, _) in enumerate(modules)}
+    layers = []
+    for name in sorted(found, key=order.__getitem__):
+        weight = getattr(references[name], "weight", None)
+        layers.append(ArtifactLayer(name, type(references[name]).__name__, found[name],
+                                    isinstance(weight, torch.Tensor)))
+    kept = {name for name, _ in modules}
+    only_reference = [name for name in references if name and name not in kept and not _under(name, found)]
     if only_quantized or only_reference:
         raise ArtifactMismatchError(
             "the quantized model's modules do not match the float reference's by name: "
@@ -161,9 +188,9 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
               "architecture and module names), and quantized= the artifact loaded with the same class")
     if not layers:
         raise ArtifactMismatchError(
-            "the quantized model holds no quantized layer: no module has a quantized weight, quantization "
-            "parameters, a replaced forward or weights that differ from the reference's. Fix: pass the "
-            "quantized checkpoint as quantized=, and the float model it was made from as the model")
+            "the quantized model holds no quantized layer: no module has an enabled quantizer, a quantized weight, "
+            "quantization parameters, a replaced forward or weights that differ from the reference's. Fix: pass "
+            "the quantized checkpoint as quantized=, and the float model it was made from as the model")
     return layers
 
 
@@ -191,17 +218,17 @@ def changed_modules(reference: nn.Module, quantized: nn.Module, layers: Iterable
 
 
 def dequantized_weight(module: nn.Module) -> torch.Tensor | None:
-    """The weight the module computes with, dequantized; None when it has none (a compressed-tensors module before
-    its first forward keeps only its packed weight)."""
+    """The weight the module computes with, dequantized as the tool that made it does (tool_dequantized_weight);
+    None when it has none (a compressed-tensors module before its first forward keeps only its packed weight)."""
+    by_tool = tool_dequantized_weight(module)
+    if by_tool is not None:
+        return by_tool
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return None
     with torch.no_grad():
-        if not _plain(weight) and hasattr(weight, "dequantize"):
+        if not _plain(weight) and type(weight).dequantize is not torch.Tensor.dequantize:
             return weight.dequantize()
-        quantizer = getattr(module, "weight_quantizer", None)
-        if callable(quantizer) and isinstance(quantizer, nn.Module):  # ModelOpt: fake-quantized when called
-            return quantizer(weight.detach())
         return weight.detach()
 
 

@@ -164,7 +164,8 @@ def quantized_forward_error(entered: Sequence[str], error: Exception) -> Artifac
     fix = (f" Fix: run the artifact where its kernels run (device=...), or keep that layer in float with "
            f"float_layers={[layer]!r}" if layer else
            " Fix: call the quantized model as the reference is called, where its kernels run")
-    return ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: {error}.{fix}")
+    text = str(error).strip().rstrip(".")
+    return ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: {text}.{fix}")
 
 
 class _Pass:
@@ -345,14 +346,18 @@ def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, 
                     fitted = _weight_sqnr(reference_weight, ours)
         if fitted is not None:
             weight_db, gain = fitted
-            rescaled = gain > RESCALED_GAIN_DB
+            if gain > RESCALED_GAIN_DB:
+                # a better fit once rescaled is no evidence alone (a damaged layer fits a uniform scale): the
+                # artifact rescaled the layer only where a module outside the layers changed too (the norm or
+                # layer its inverse scales were folded into)
+                if changed is None:
+                    changed = changed_modules(reference, quantized, list(kept))
+                rescaled = bool(changed)
             if rescaled:
                 weight_db += gain  # compared up to its input channels' scales, which the rescaling moved
         shadow_db = measured.shadows[name].result()["sqnr_db"] if measured.shadows[name].batches else math.nan
         if rescaled:
-            if changed is None:
-                changed = changed_modules(reference, quantized, list(kept))
-            not_comparable[name] = _rescaled_reason(name, changed)
+            not_comparable[name] = _rescaled_reason(name, changed or [])
             shadow_db = math.nan
         records[name] = LayerSqnr(layer=name, fqn=name, op=kept[name].kind, sqnr_db=numbers["sqnr_db"],
                                   shadow_sqnr_db=shadow_db, normalized_l2=numbers["normalized_l2"],

@@ -99,7 +99,7 @@ def _damaged_layer_fails_and_the_output_names_a_fix(rows, directory):
     output = rows[("shipped", "model_sqnr", "output")]
     recipe = output["details"]["recipe"]
     assert output["verdict"] == "fail" and DAMAGED in recipe["float_layers"] and recipe["reached"]
-    assert f"{DAMAGED!r}" in recipe["llm-compressor"] and f"'*{DAMAGED}*': {{'enable': False}}" in recipe["modelopt"]
+    assert f"{DAMAGED!r}" in recipe["llm-compressor"] and f"{{'quantizer_name': '*{DAMAGED}*', 'enable': False}}" in recipe["modelopt"]
     assert "filter_fn=lambda module, fqn:" in recipe["torchao"]
     assert f"qmodel(..., {recipe['qmodel']})" in output["message"]
     return recipe

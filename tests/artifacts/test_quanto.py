@@ -1,0 +1,54 @@
+"""optimum-quanto artifacts as its users make them: transformers' QuantoConfig (int8, int4 weights), and quanto's own
+quantize + freeze."""
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, QuantoConfig
+
+from tests.artifacts.checks import assert_dequantized_as_computed, assert_fix_pastes, assert_gated_like_hooks
+from tests.helpers import FRAGILE_LAYER, fragile_llama, saved_llama, tiny_llama, token_batches
+
+CONFIGS = {"int8": "weights='int8'", "int4": "weights='int4'"}
+
+
+def _loaded(folder, arguments):
+    config = eval(f"QuantoConfig({arguments})", {"QuantoConfig": QuantoConfig})
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, device_map="cpu").eval()
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_a_quanto_model_is_gated_with_its_own_dequantization(tmp_path, kind):
+    reference = tiny_llama()
+    quantized = _loaded(saved_llama(reference, tmp_path / "float"), CONFIGS[kind])
+    analysis = assert_gated_like_hooks(reference, quantized, token_batches(), "quanto",
+                                       fmt=f"quanto weights q{kind} per-channel")
+    assert_dequantized_as_computed(quantized.get_submodule(FRAGILE_LAYER))
+    low, high = (35, 60) if kind == "int8" else (15, 25)
+    assert low < analysis.sqnr.layers[FRAGILE_LAYER].weight_sqnr_db < high
+
+
+def test_a_model_quantized_and_frozen_with_quanto_itself_is_gated():
+    from optimum.quanto import freeze, qint8, quantize
+
+    reference = tiny_llama()
+    quantized = copy.deepcopy(reference)
+    quantize(quantized, weights=qint8, exclude=["lm_head"])
+    freeze(quantized)
+    assert_gated_like_hooks(reference, quantized, token_batches(), "quanto", fmt="quanto weights qint8")
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_a_fragile_layer_is_caught_and_the_fix_in_modules_to_not_convert_passes(tmp_path, kind):
+    folder = saved_llama(fragile_llama(), tmp_path / "float")
+
+    def make(reference, line):
+        arguments = CONFIGS[kind] if line is None else line.removeprefix("QuantoConfig(").removesuffix(
+            ")").replace("...", CONFIGS[kind])
+        return _loaded(folder, arguments)
+
+    reference = fragile_llama()
+    fix = assert_fix_pastes(reference, make, token_batches(), "quanto")
+    assert fix.float_layers == (FRAGILE_LAYER,)
+    assert fix.tool_line == f"QuantoConfig(..., modules_to_not_convert=['lm_head', {FRAGILE_LAYER!r}])"
+    assert type(make(reference, fix.tool_line).get_submodule(FRAGILE_LAYER)) is torch.nn.Linear
