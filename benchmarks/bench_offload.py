@@ -391,8 +391,9 @@ def main() -> None:
               + (f"{len(differing)} differ: {differing[:8]}" if differing else "every one equal"))
         return
     float_block, quantized_block = block_bytes(args.size)
+    head_bytes = 2 * 128256 * SIZES[args.size][0] * 2  # the embeddings and the head, bfloat16
     print(f"{args.size} shapes, {args.layers or SIZES[args.size][2]} blocks, {args.batches} x {args.tokens} tokens, "
-          f"{args.threads} torch threads; "
+          f"{args.threads} torch threads; the embeddings and head: {head_bytes / 2**20:.0f} MiB a model; "
           f"one block: {float_block / 2**20:.0f} MiB float + {quantized_block / 2**20:.0f} MiB decompressed")
     results = {}
     declarations = [("offloaded", "run")] if args.only_offloaded else [("whole", ""), ("offloaded", "run")]

@@ -13,9 +13,13 @@ import torch.export  # noqa: F401
 # register their artifact types), so one tiny export runs here too.
 torch.export.export(torch.nn.Linear(1, 1), (torch.zeros(1, 1),))
 # transformers imports HQQ where it is installed (cache_utils), and HQQ compiles a function at import, which
-# imports dynamo's debugging backends (they register "eager" once per process)
+# imports dynamo's debugging backends (they register "eager" once per process). Imported here, once per process,
+# transformers and what it imports stay imported across pytester's runs, which drop what a run imported (about 10 s
+# to import again with HQQ installed)
 import torch._dynamo.backends.debugging  # noqa: E402, F401
 import torch._dynamo.repro.after_dynamo  # noqa: E402, F401
+import transformers.cache_utils  # noqa: E402, F401
+import transformers.models.llama.modeling_llama  # noqa: E402, F401
 
 if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
     # one share of the cores per xdist worker: oversubscribed OpenMP threads slow everything down

@@ -27,7 +27,14 @@ from qcore.artifact.blockwise import (
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, artifact_layers, state_digest
 from qcore.artifact.measure import ArtifactError, ArtifactMeasurement, float_layers_swapped, measure_artifact
 from qcore.artifact.offload import is_offloaded, offloaded_bytes, parameter_bytes
-from qcore.artifact.tools import RECIPE_KEYS, TOOL_NAMES, artifact_tool, skipped_modules, tool_fix_lines, unwrapped_artifact
+from qcore.artifact.tools import (
+    RECIPE_KEYS,
+    TOOL_NAMES,
+    artifact_tool,
+    skipped_modules,
+    tool_fix_lines,
+    unwrapped_artifact,
+)
 from qcore.measure.passes import SqnrMeasurement
 from qcore.numeric.logits import LogitsMeasurement
 from qcore.runtime.progress import stage

@@ -279,8 +279,7 @@ def measure_artifact(reference: nn.Module, quantized: nn.Module, layers: Sequenc
     measured = _Pass([name for name in kept if focused is None or name in focused], shadow)
     outputs: list[tuple[str, StreamingComparator]] = []
     comparator = LogitsComparator() if logits else None
-    if float_layers:
-        decompress_pending(quantized)
+    decompress_pending(quantized)  # now, where its progress bars are kept out of the run's output
     with float_layers_swapped(quantized, reference, float_layers), without_kv_cache(reference), \
             without_kv_cache(quantized), torch.no_grad():
         handles = measured.attach(reference, quantized)

@@ -11,6 +11,7 @@ after, so the decompressed weights of one block at a time exist. No tool is impo
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Iterator
 from typing import Any
 
@@ -141,13 +142,15 @@ def first_forward_decompression_held(model: nn.Module) -> Iterator[None]:
 
 
 def decompress_pending(model: nn.Module) -> None:
-    """Run compressed-tensors' first-forward decompression now, if it is still pending: a whole pass swaps reference
-    modules in for some layers, and a layer swapped out while the first forward decompresses the others would stay
-    compressed after."""
+    """Run compressed-tensors' first-forward decompression now, if it is still pending, its progress bar kept out of
+    the output: a whole pass swaps reference modules in for some layers, and a layer swapped out while the first
+    forward decompresses the others would stay compressed after."""
     handle = getattr(model, "ct_decompress_hook", None)
     decompress = model._forward_pre_hooks.get(handle.id) if handle is not None else None
     if decompress is not None:
-        decompress(model, ())
+        # its "Decompressing model" progress bar would land in a failing item's captured output
+        with contextlib.redirect_stderr(io.StringIO()):
+            decompress(model, ())
 
 
 @contextlib.contextmanager

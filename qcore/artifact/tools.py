@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RECIPE_KEYS", "TOOLS", "TOOL_NAMES", "artifact_tool", "bookkeeping_module", "quantizer_enabled", "tool_dequantized_weight",
-           "skipped_modules", "tool_fix_lines", "tool_layer_format", "tool_of_module", "unwrapped_artifact"]
+__all__ = ["RECIPE_KEYS", "TOOLS", "TOOL_NAMES", "artifact_tool", "bookkeeping_module", "quantizer_enabled",
+           "skipped_modules", "tool_dequantized_weight", "tool_fix_lines", "tool_layer_format", "tool_of_module",
+           "unwrapped_artifact"]
 
 TOOLS = ("compressed-tensors", "modelopt", "bitsandbytes", "quanto", "hqq", "gptqmodel", "torchao")
 RECIPE_KEYS = {"compressed-tensors": "llm-compressor"}  # a tool's line in the recipe: by the tool its users run

@@ -99,9 +99,13 @@ def _damaged_layer_fails_and_the_output_names_a_fix(rows, directory):
     output = rows[("shipped", "model_sqnr", "output")]
     recipe = output["details"]["recipe"]
     assert output["verdict"] == "fail" and DAMAGED in recipe["float_layers"] and recipe["reached"]
-    assert f"{DAMAGED!r}" in recipe["llm-compressor"] and f"{{'quantizer_name': '*{DAMAGED}*', 'enable': False}}" in recipe["modelopt"]
-    assert "filter_fn=lambda module, fqn:" in recipe["torchao"]
+    assert f"{DAMAGED!r}" in recipe["llm-compressor"] and recipe["tool"] == "compressed-tensors"
+    assert f"{{'quantizer_name': '*{DAMAGED}*', 'enable': False}}" in recipe["modelopt"]
+    assert "filter_fn=lambda module, fqn:" in recipe["torchao"] and "llm_int8_skip_modules" in recipe["bitsandbytes"]
     assert f"qmodel(..., {recipe['qmodel']})" in output["message"]
+    # the line of the tool that made the artifact, and no other tool's
+    assert f"in llm-compressor, which made the artifact: {recipe['llm-compressor']}" in output["message"]
+    assert "quant_cfg" not in output["message"] and "filter_fn" not in output["message"]
     return recipe
 
 

@@ -120,6 +120,21 @@ def test_a_smoothquant_artifact_says_the_shadow_of_its_rescaled_layers_is_not_co
     assert not math.isnan(smoothed.sqnr.layers["model.layers.0.self_attn.o_proj"].shadow_sqnr_db)
 
 
+def test_a_layer_whose_input_channels_are_rescaled_while_no_norm_changed_is_measured_as_damaged(reference):
+    """The weight fit alone is no evidence of SmoothQuant or AWQ: a layer damaged by per-channel scales (or a
+    uniform one) with every norm as the reference's keeps its shadow and its own error, which shows the damage."""
+    model = copy.deepcopy(reference)
+    damaged = "model.layers.1.mlp.down_proj"
+    with torch.no_grad():
+        model.get_submodule(damaged).weight *= torch.rand(128, generator=torch.Generator().manual_seed(4)) + 0.5
+        model.get_submodule("model.layers.0.mlp.up_proj").weight *= 0.1
+    analysis = ArtifactAnalysis(reference, torchao_artifact(model, Int8WeightOnlyConfig()), token_batches(2))
+    assert not analysis.not_comparable
+    for name in (damaged, "model.layers.0.mlp.up_proj"):
+        assert analysis.sqnr.layers[name].shadow_sqnr_db < 15  # the damage, measured as the layer's own error
+        assert analysis.sqnr.layers[name].weight_sqnr_db < 15
+
+
 def test_float_layers_swap_the_references_modules_in_and_restore_the_artifact(reference):
     quantized = torchao_artifact(reference, Int8DynamicActivationInt8WeightConfig())
     before = state_digest(quantized)
