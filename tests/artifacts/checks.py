@@ -58,3 +58,21 @@ def assert_fix_pastes(reference, make, batches, tool, margin_db=2.0):
     measured = output_sqnr_db(reference, ArtifactAnalysis(reference, fixed, batches).quantized, batches)
     assert measured >= target, (fix.tool_line, measured, target)
     return fix
+
+
+def loaded_with(folder, config_class, arguments):
+    """The checkpoint at `folder` loaded by transformers on the CPU with `config_class(<arguments>)`, the config's
+    keyword arguments as written in Python (as a user pastes them)."""
+    from transformers import AutoModelForCausalLM
+
+    name = config_class.__name__
+    config = eval(f"{name}({arguments})", {name: config_class})
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, device_map="cpu").eval()
+
+
+def pasted_arguments(line, config_class, arguments):
+    """The arguments of a printed `Config(..., key=value)` line, its `...` standing for `arguments` (`arguments`
+    alone when there is no line)."""
+    if line is None:
+        return arguments
+    return line.removeprefix(f"{config_class.__name__}(").removesuffix(")").replace("...", arguments)

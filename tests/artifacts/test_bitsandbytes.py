@@ -2,23 +2,24 @@
 (LLM.int8) and 4-bit NF4, on bitsandbytes' CPU backend."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import BitsAndBytesConfig
 
-from tests.artifacts.checks import assert_dequantized_as_computed, assert_fix_pastes, assert_gated_like_hooks
+from tests.artifacts.checks import (
+    assert_dequantized_as_computed,
+    assert_fix_pastes,
+    assert_gated_like_hooks,
+    loaded_with,
+    pasted_arguments,
+)
 from tests.helpers import FRAGILE_LAYER, fragile_llama, saved_llama, tiny_llama, token_batches
 
 CONFIGS = {"int8": "load_in_8bit=True", "nf4": "load_in_4bit=True, bnb_4bit_quant_type='nf4'"}
 
 
-def _loaded(folder, arguments):
-    config = eval(f"BitsAndBytesConfig({arguments})", {"BitsAndBytesConfig": BitsAndBytesConfig})
-    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, device_map="cpu").eval()
-
-
 @pytest.mark.parametrize("kind", CONFIGS)
 def test_a_bitsandbytes_model_is_gated_with_its_own_dequantization(tmp_path, kind):
     reference = tiny_llama()
-    quantized = _loaded(saved_llama(reference, tmp_path / "float"), CONFIGS[kind])
+    quantized = loaded_with(saved_llama(reference, tmp_path / "float"), BitsAndBytesConfig, CONFIGS[kind])
     analysis = assert_gated_like_hooks(reference, quantized, token_batches(), "bitsandbytes",
                                        fmt="int8 per-channel" if kind == "int8" else "nf4 block 64")
     if kind == "int8":  # bitsandbytes' own: the int8 codes times each row's absmax over 127
@@ -42,9 +43,7 @@ def test_a_fragile_layer_is_caught_and_the_fix_in_llm_int8_skip_modules_passes(t
     folder = saved_llama(fragile_llama(), tmp_path / "float")
 
     def make(reference, line):
-        arguments = CONFIGS[kind] if line is None else line.removeprefix("BitsAndBytesConfig(").removesuffix(
-            ")").replace("...", CONFIGS[kind])
-        return _loaded(folder, arguments)
+        return loaded_with(folder, BitsAndBytesConfig, pasted_arguments(line, BitsAndBytesConfig, CONFIGS[kind]))
 
     reference = fragile_llama()
     fix = assert_fix_pastes(reference, make, token_batches(), "bitsandbytes")

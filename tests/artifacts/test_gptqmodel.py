@@ -6,7 +6,12 @@ import os
 import pytest
 import torch
 
-from tests.artifacts.checks import assert_dequantized_as_computed, assert_fix_pastes, assert_gated_like_hooks
+from tests.artifacts.checks import (
+    assert_dequantized_as_computed,
+    assert_fix_pastes,
+    assert_gated_like_hooks,
+    pasted_arguments,
+)
 from tests.helpers import FRAGILE_LAYER, fragile_llama, saved_llama, tiny_llama, token_batches
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -18,8 +23,7 @@ def _gptq(reference, folder, line=None):
     from gptqmodel import GPTQModel, QuantizeConfig
 
     source = saved_llama(reference, folder / "float")
-    arguments = CONFIG if line is None else line.removeprefix("QuantizeConfig(").removesuffix(")").replace(
-        "...", CONFIG)
+    arguments = pasted_arguments(line, QuantizeConfig, CONFIG)
     config = eval(f"QuantizeConfig({arguments})", {"QuantizeConfig": QuantizeConfig})
     calibration = [{"input_ids": ids.unsqueeze(0), "attention_mask": torch.ones_like(ids).unsqueeze(0)}
                    for batch in token_batches(8) for ids in batch["input_ids"]]

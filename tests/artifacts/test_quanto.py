@@ -4,23 +4,24 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, QuantoConfig
+from transformers import QuantoConfig
 
-from tests.artifacts.checks import assert_dequantized_as_computed, assert_fix_pastes, assert_gated_like_hooks
+from tests.artifacts.checks import (
+    assert_dequantized_as_computed,
+    assert_fix_pastes,
+    assert_gated_like_hooks,
+    loaded_with,
+    pasted_arguments,
+)
 from tests.helpers import FRAGILE_LAYER, fragile_llama, saved_llama, tiny_llama, token_batches
 
 CONFIGS = {"int8": "weights='int8'", "int4": "weights='int4'"}
 
 
-def _loaded(folder, arguments):
-    config = eval(f"QuantoConfig({arguments})", {"QuantoConfig": QuantoConfig})
-    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, device_map="cpu").eval()
-
-
 @pytest.mark.parametrize("kind", CONFIGS)
 def test_a_quanto_model_is_gated_with_its_own_dequantization(tmp_path, kind):
     reference = tiny_llama()
-    quantized = _loaded(saved_llama(reference, tmp_path / "float"), CONFIGS[kind])
+    quantized = loaded_with(saved_llama(reference, tmp_path / "float"), QuantoConfig, CONFIGS[kind])
     analysis = assert_gated_like_hooks(reference, quantized, token_batches(), "quanto",
                                        fmt=f"quanto weights q{kind} per-channel")
     assert_dequantized_as_computed(quantized.get_submodule(FRAGILE_LAYER))
@@ -43,9 +44,7 @@ def test_a_fragile_layer_is_caught_and_the_fix_in_modules_to_not_convert_passes(
     folder = saved_llama(fragile_llama(), tmp_path / "float")
 
     def make(reference, line):
-        arguments = CONFIGS[kind] if line is None else line.removeprefix("QuantoConfig(").removesuffix(
-            ")").replace("...", CONFIGS[kind])
-        return _loaded(folder, arguments)
+        return loaded_with(folder, QuantoConfig, pasted_arguments(line, QuantoConfig, CONFIGS[kind]))
 
     reference = fragile_llama()
     fix = assert_fix_pastes(reference, make, token_batches(), "quanto")
