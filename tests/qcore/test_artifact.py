@@ -212,3 +212,23 @@ def test_nan_in_the_artifacts_output_names_the_first_layer_that_produced_it():
     with pytest.raises(ArtifactError, match=r"output holds NaN; the first layer whose output holds NaN is fc2\. "
                                             r"Fix: .* float_layers=\['fc2'\]"):
         ArtifactAnalysis(reference, nan_model, [torch.randn(4, 8)]).sqnr  # noqa: B018
+
+
+def test_an_artifact_no_tool_marked_is_gated_by_its_changed_weights_and_its_fix_offers_every_tools_line(reference):
+    """Weights rounded by hand, no tool's marks: its layers are the modules whose weights changed, no tool is named,
+    and the fix's recipe holds every tool's line (the message then points at the JSON's recipe)."""
+    quantized = copy.deepcopy(reference)
+    damaged = "model.layers.1.mlp.down_proj"
+    with torch.no_grad():
+        for name in LINEARS:
+            weight = quantized.get_submodule(name).weight
+            step = weight.abs().amax() / (7 if name == damaged else 127)
+            weight.copy_(torch.round(weight / step) * step)
+    analysis = ArtifactAnalysis(reference, quantized, token_batches(2), logits=True)
+    assert [layer.name for layer in analysis.layers] == LINEARS and analysis.tool is None
+    assert analysis.layer(damaged).format == "Linear with changed weights"
+    before = analysis.sqnr.worst_output().sqnr_db
+    fix = analysis.float_layers_fix(before + 3, "output_sqnr_db", 2)
+    assert fix.reached and damaged in fix.float_layers and fix.tool is None and fix.tool_line is None
+    assert set(fix.recipes) == {"float_layers", "llm-compressor", "modelopt", "bitsandbytes", "quanto", "hqq",
+                                "gptqmodel", "torchao"}
