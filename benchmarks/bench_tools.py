@@ -71,15 +71,9 @@ def makers(folder: pathlib.Path, batches: list[dict]) -> dict[str, Callable[[Any
         return make
 
     def hqq(bits: int) -> Callable[[Any], Any]:
-        def make(reference: Any) -> Any:
-            from hqq.core.quantize import BaseQuantizeConfig
-            from hqq.models.hf.base import AutoHQQHFModel
+        from tests.helpers import hqq_artifact
 
-            model = copy.deepcopy(reference)
-            AutoHQQHFModel.quantize_model(model, quant_config=BaseQuantizeConfig(nbits=bits, group_size=64),
-                                          compute_dtype=torch.float32, device="cpu")
-            return model.eval()
-        return make
+        return lambda reference: hqq_artifact(reference, bits)
 
     def compressed_tensors(preset: str) -> Callable[[Any], Any]:
         def make(reference: Any) -> Any:
@@ -90,20 +84,9 @@ def makers(folder: pathlib.Path, batches: list[dict]) -> dict[str, Callable[[Any
         return make
 
     def gptq(reference: Any) -> Any:
-        import contextlib
+        from tests.helpers import gptq_artifact
 
-        from gptqmodel import GPTQModel, QuantizeConfig
-
-        from tests.helpers import saved_llama
-
-        source = saved_llama(reference, folder / "gptq-float")
-        calibration = [{"input_ids": ids.unsqueeze(0), "attention_mask": torch.ones_like(ids).unsqueeze(0)}
-                       for batch in batches for ids in batch["input_ids"]]
-        with contextlib.chdir(folder):  # its log goes to ./logs
-            model = GPTQModel.load(str(source), QuantizeConfig(bits=4, group_size=128), device="cpu")
-            model.quantize(calibration, batch_size=1)
-            model.save(str(folder / "gptq"))
-        return GPTQModel.load(str(folder / "gptq"), device="cpu")
+        return gptq_artifact(reference, folder, "bits=4, group_size=128", batches)
 
     return {
         "compressed-tensors W8A8": compressed_tensors("W8A8"),

@@ -510,3 +510,37 @@ def output_sqnr_db(reference, quantized, batches):
             signal += float((expected**2).sum())
             noise += float(((actual - expected) ** 2).sum())
     return 10 * math.log10(signal / noise)
+
+
+def hqq_artifact(reference, bits=4, group_size=64):
+    """`reference` copied and quantized by HQQ's own AutoHQQHFModel.quantize_model (float32 compute, on the CPU)."""
+    import copy
+
+    from hqq.core.quantize import BaseQuantizeConfig
+    from hqq.models.hf.base import AutoHQQHFModel
+
+    model = copy.deepcopy(reference)
+    AutoHQQHFModel.quantize_model(model, quant_config=BaseQuantizeConfig(nbits=bits, group_size=group_size),
+                                  compute_dtype=torch.float32, device="cpu")
+    return model.eval()
+
+
+def gptq_artifact(reference, folder, config="bits=4, group_size=32", batches=None):
+    """`reference` quantized by GPTQModel as its users do: GPTQModel.load with QuantizeConfig(<config>) (keyword
+    arguments as written in Python), quantize on `batches` (default token_batches(8)) one sequence at a time, save
+    under `folder`, and GPTQModel.load of the saved checkpoint on the CPU (its wrapper, as returned)."""
+    import contextlib
+    import os
+
+    from gptqmodel import GPTQModel, QuantizeConfig
+
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
+    source = saved_llama(reference, folder / "float")
+    quantize_config = eval(f"QuantizeConfig({config})", {"QuantizeConfig": QuantizeConfig})
+    calibration = [{"input_ids": ids.unsqueeze(0), "attention_mask": torch.ones_like(ids).unsqueeze(0)}
+                   for batch in (batches or token_batches(8)) for ids in batch["input_ids"]]
+    with contextlib.chdir(folder):  # its quantization log goes to ./logs
+        model = GPTQModel.load(str(source), quantize_config, device="cpu")
+        model.quantize(calibration, batch_size=1)
+        model.save(str(folder / "gptq"))
+    return GPTQModel.load(str(folder / "gptq"), device="cpu")

@@ -32,7 +32,7 @@ from qcore.artifact.tools import (
     TOOL_NAMES,
     artifact_tool,
     skipped_modules,
-    tool_fix_lines,
+    tool_recipes,
     unwrapped_artifact,
 )
 from qcore.measure.passes import SqnrMeasurement
@@ -54,11 +54,6 @@ OUTPUT_METRICS: dict[str, tuple[Callable[[ArtifactMeasurement], float], bool]] =
 def _worst_output_db(sqnr: SqnrMeasurement) -> float:
     worst = sqnr.worst_output()
     return worst.sqnr_db if worst is not None else math.nan
-
-
-def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head",)) -> dict[str, str]:
-    """The lines that keep `float_layers` unquantized: qmodel's float_layers, and each tool's (tool_fix_lines)."""
-    return tool_fix_lines(float_layers, skipped)
 
 
 @dataclass(frozen=True)

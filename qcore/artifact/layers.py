@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from qcore.artifact.offload import module_tensor
-from qcore.artifact.tools import bookkeeping_module, tool_dequantized_weight, tool_layer_format
+from qcore.artifact.tools import bookkeeping_module, tool_dequantized_weight, tool_layer_format, tool_of_module
 
 __all__ = ["ArtifactLayer", "ArtifactMismatchError", "artifact_layers", "changed_modules", "dequantized_weight",
            "state_digest"]
@@ -164,7 +164,7 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
                                                         module_tensor(reference, f"{name}.weight")))
         if text:
             found[name] = text
-        elif tool_layer_format(module) is None and not _same_class(type(module), type(twin)):
+        elif tool_of_module(module) is None and not _same_class(type(module), type(twin)):
             class_only[name] = type(module).__name__
     for name, text in class_only.items():  # the finest: a changed class around quantized layers is a container
         if not any(other.startswith(name + ".") for other in found):

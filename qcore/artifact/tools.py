@@ -14,11 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RECIPE_KEYS", "TOOLS", "TOOL_NAMES", "artifact_tool", "bookkeeping_module", "quantizer_enabled",
-           "skipped_modules", "tool_dequantized_weight", "tool_fix_lines", "tool_layer_format", "tool_of_module",
-           "unwrapped_artifact"]
+__all__ = ["RECIPE_KEYS", "TOOL_NAMES", "artifact_tool", "bookkeeping_module", "skipped_modules",
+           "tool_dequantized_weight", "tool_layer_format", "tool_of_module", "tool_recipes", "unwrapped_artifact"]
 
-TOOLS = ("compressed-tensors", "modelopt", "bitsandbytes", "quanto", "hqq", "gptqmodel", "torchao")
 RECIPE_KEYS = {"compressed-tensors": "llm-compressor"}  # a tool's line in the recipe: by the tool its users run
 TOOL_NAMES = {"compressed-tensors": "llm-compressor", "modelopt": "ModelOpt", "bitsandbytes": "bitsandbytes",
               "quanto": "optimum-quanto", "hqq": "HQQ", "gptqmodel": "GPTQModel", "torchao": "torchao"}
@@ -32,7 +30,7 @@ def _is_modelopt_quantizer(module: Any) -> bool:
     return _class_module(module).startswith("modelopt.") and hasattr(module, "is_enabled")
 
 
-def quantizer_enabled(quantizer: Any) -> bool:
+def _quantizer_enabled(quantizer: Any) -> bool:
     """Whether a ModelOpt TensorQuantizer (or a SequentialQuantizer of them) quantizes."""
     parts = list(quantizer) if isinstance(quantizer, nn.Sequential) else [quantizer]
     return any(bool(getattr(part, "is_enabled", False)) for part in parts)
@@ -129,7 +127,7 @@ def _modelopt_quantizer_format(quantizer: Any) -> str:
 
 
 def _modelopt_format(module: nn.Module) -> str:
-    quantizers = {name: q for name, q in _modelopt_quantizers(module).items() if quantizer_enabled(q)}
+    quantizers = {name: q for name, q in _modelopt_quantizers(module).items() if _quantizer_enabled(q)}
     if not quantizers:
         return ""
     words = {"weight_quantizer": "weights", "input_quantizer": "inputs", "output_quantizer": "outputs"}
@@ -230,7 +228,9 @@ def _probed_weight(module: nn.Module, in_features: int, dtype: torch.dtype) -> t
     bias = getattr(module, "bias", None)
     columns = []
     for start in range(0, in_features, _PROBE_ROWS):
-        rows = torch.eye(in_features, dtype=dtype)[start:start + _PROBE_ROWS]
+        count = min(_PROBE_ROWS, in_features - start)
+        rows = torch.zeros(count, in_features, dtype=dtype)
+        rows[torch.arange(count), torch.arange(start, start + count)] = 1  # these rows of the identity only
         out = module(rows)
         columns.append(out - bias.to(out.dtype) if isinstance(bias, torch.Tensor) else out)
     return torch.cat(columns).t()
@@ -254,7 +254,7 @@ def _modelopt_weight(module: nn.Module) -> torch.Tensor | None:
     quantizer = getattr(module, "weight_quantizer", None)
     if not isinstance(weight, torch.Tensor):
         return None
-    ours = quantizer(weight.detach()) if quantizer is not None and quantizer_enabled(quantizer) else weight.detach()
+    ours = quantizer(weight.detach()) if quantizer is not None and _quantizer_enabled(quantizer) else weight.detach()
     scale = getattr(getattr(module, "input_quantizer", None), "pre_quant_scale", None)
     if isinstance(scale, torch.Tensor) and ours.dim() == 2:
         # SmoothQuant and AWQ in ModelOpt: the layer computes (x * pre_quant_scale) @ weight.T, so the weight the
@@ -312,7 +312,7 @@ def skipped_modules(model: nn.Module) -> list[str]:
     return ["lm_head"] if isinstance(getattr(model, "lm_head", None), nn.Module) else []
 
 
-def tool_fix_lines(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head",)) -> dict[str, str]:
+def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head",)) -> dict[str, str]:
     """The line that keeps `float_layers` unquantized in each tool that makes artifacts, by tool (and qmodel's
     float_layers); `skipped`: what the transformers-loaded tools' setting already held (skipped_modules)."""
     names = list(float_layers)

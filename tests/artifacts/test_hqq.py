@@ -4,17 +4,13 @@ import copy
 
 import pytest
 import torch
-from hqq.core.quantize import BaseQuantizeConfig
-from hqq.models.hf.base import AutoHQQHFModel
 
 from tests.artifacts.checks import assert_dequantized_as_computed, assert_fix_pastes, assert_gated_like_hooks
-from tests.helpers import FRAGILE_LAYER, fragile_llama, tiny_llama, token_batches
+from tests.helpers import FRAGILE_LAYER, fragile_llama, hqq_artifact, tiny_llama, token_batches
 
 
 def _quantized(reference, line=None):
-    model = copy.deepcopy(reference)
-    AutoHQQHFModel.quantize_model(model, quant_config=BaseQuantizeConfig(nbits=4, group_size=64),
-                                  compute_dtype=torch.float32, device="cpu")
+    model = hqq_artifact(reference)
     if line is not None:  # pasted as printed: it names `model` and `float_model`, the model before quantize_model
         exec(line, {"model": model, "float_model": copy.deepcopy(reference)})
     return model.eval()

@@ -1,27 +1,15 @@
 """The artifacts guide's thresholds, pasted: 8-bit artifacts pass the defaults, 4-bit weight-only artifacts of every
 tool pass the 4-bit settings, on the tests' tiny Llama."""
-import copy
 
 import pytest
-import torch
 from transformers import BitsAndBytesConfig, QuantoConfig
 
 from qcore.artifact import ArtifactAnalysis
 from tests.artifacts.checks import loaded_with
-from tests.helpers import compressed_tensors_checkpoint, saved_llama, tiny_llama, token_batches
+from tests.helpers import compressed_tensors_checkpoint, hqq_artifact, saved_llama, tiny_llama, token_batches
 
 DEFAULTS = {"sqnr_min_db": 20, "model_sqnr_min_db": 20, "kl_max_nats": 0.02}
 FOUR_BIT = {"sqnr_min_db": 5, "weight_sqnr_min_db": 15, "model_sqnr_min_db": 8, "kl_max_nats": 0.01}
-
-
-def _hqq_4bit(reference, folder):
-    from hqq.core.quantize import BaseQuantizeConfig
-    from hqq.models.hf.base import AutoHQQHFModel
-
-    model = copy.deepcopy(reference)
-    AutoHQQHFModel.quantize_model(model, quant_config=BaseQuantizeConfig(nbits=4, group_size=64),
-                                  compute_dtype=torch.float32, device="cpu")
-    return model
 
 
 ARTIFACTS = {
@@ -34,7 +22,7 @@ ARTIFACTS = {
                                                             "load_in_4bit=True, bnb_4bit_quant_type='nf4'")),
     "quanto int4": (FOUR_BIT, lambda reference, folder: loaded_with(saved_llama(reference, folder), QuantoConfig,
                                                                     "weights='int4'")),
-    "HQQ 4-bit": (FOUR_BIT, _hqq_4bit),
+    "HQQ 4-bit": (FOUR_BIT, lambda reference, folder: hqq_artifact(reference)),
 }
 
 
