@@ -25,6 +25,7 @@ from qcore.artifact import (
     ArtifactAnalysis,
     ArtifactError,
     ArtifactFix,
+    ArtifactGroup,
     ArtifactMismatchError,
     BlockwiseArtifactError,
     tool_recipes,
@@ -67,8 +68,8 @@ from qcore.runtime.progress import StageTimes, stage, tracked
 from qcore.search.sensitivity import with_float_layers
 
 __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix",
-           "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError", "BlockwiseUnsupported", "LayerSqnr",
-           "ModelAnalysis",
+           "ArtifactGroup", "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError", "BlockwiseUnsupported",
+           "LayerSqnr", "ModelAnalysis",
            "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes",
            "VariantSqnr", "analyze_model", "calibration_digest", "describe", "matches_layer", "measure_sqnr",
            "model_device", "move_to", "quantize_weights_where_read", "quantized_layers", "smoothing_alpha",

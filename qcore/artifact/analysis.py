@@ -7,6 +7,7 @@ layers and measures each set on a few batches, then the set it prints on every b
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -21,11 +22,19 @@ from qcore.artifact.blockwise import (
     StreamRecord,
     artifact_stack,
     measure_artifact_blockwise,
+    measure_artifacts_blockwise,
     resume_artifact_blockwise,
     start_block,
 )
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, artifact_layers, state_digest
-from qcore.artifact.measure import ArtifactError, ArtifactMeasurement, float_layers_swapped, measure_artifact
+from qcore.artifact.measure import (
+    ArtifactError,
+    ArtifactMeasurement,
+    ArtifactRun,
+    float_layers_swapped,
+    measure_artifact,
+    measure_artifacts,
+)
 from qcore.artifact.offload import is_offloaded, offloaded_bytes, parameter_bytes
 from qcore.artifact.tools import (
     RECIPE_KEYS,
@@ -39,7 +48,7 @@ from qcore.measure.passes import SqnrMeasurement
 from qcore.numeric.logits import LogitsMeasurement
 from qcore.runtime.progress import stage
 
-__all__ = ["OUTPUT_METRICS", "ArtifactAnalysis", "ArtifactError", "ArtifactFix", "ArtifactLayer",
+__all__ = ["OUTPUT_METRICS", "ArtifactAnalysis", "ArtifactError", "ArtifactFix", "ArtifactGroup", "ArtifactLayer",
            "ArtifactMismatchError", "BlockwiseArtifactError", "tool_recipes"]
 
 # metric -> (read from a measurement, higher is better)
@@ -92,6 +101,54 @@ class ArtifactFix:
         return TOOL_NAMES.get(self.tool) if self.tool is not None else None
 
 
+class ArtifactGroup:
+    """Several artifacts of one float reference, measured together: the first member's measurement runs the
+    reference once per batch for every member not measured yet (measure_artifacts), each compared with it. Members
+    join by key; a later analysis of the same key (ArtifactAnalysis.planned) takes its place."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, ArtifactAnalysis] = {}
+        self.stack_chosen = False  # a member chose whether to go block by block: every member keeps that choice
+
+    def join(self, key: str, analysis: ArtifactAnalysis) -> None:
+        """`analysis` is the group's member `key` (replacing an earlier analysis of that key)."""
+        self.members[key] = analysis
+
+    def whole_bytes(self) -> int:
+        """What whole passes of every member at once are expected to hold besides the models as loaded."""
+        members = list(self.members.values())
+        if not members:
+            return 0
+        reference = members[0].reference
+        return offloaded_bytes(reference) + sum(offloaded_bytes(member.quantized) + parameter_bytes(member.reference)
+                                                for member in members)
+
+    def measured(self, asking: ArtifactAnalysis) -> ArtifactMeasurement:
+        """`asking`'s measurement, taken in one pass with every member that shares its reference, stack, device and
+        batches and is not measured yet (a member without batches gets `asking`'s: they come from one declaration).
+        When that pass fails, each member is measured alone, so that an artifact that errors errors alone."""
+        together = [asking] + [member for member in self.members.values() if member is not asking
+                               and "measurement" not in member.__dict__ and member.reference is asking.reference
+                               and member.stack == asking.stack and member.device == asking.device
+                               and (member._batches is None or member._batches is asking._batches)]
+        if len(together) == 1:
+            return asking._measure(asking.batches, asking.float_layers, asking.focus, asking.logits_planned)
+        runs = [ArtifactRun(member.quantized, tuple(member._artifact_layers), member.float_layers, member.focus,
+                            member.logits_planned) for member in together]
+        try:
+            if asking.stack is not None:
+                results = measure_artifacts_blockwise(asking.reference, runs, asking.batches, asking.stack,
+                                                      device=asking.device)
+            else:
+                results = measure_artifacts(asking.reference, runs, asking.batches)
+        except Exception:  # noqa: BLE001 - measured alone below, where each member's own error is raised
+            return asking._measure(asking.batches, asking.float_layers, asking.focus, asking.logits_planned)
+        for member, result in zip(together[1:], results[1:]):
+            member.attach_batches(asking.batches)
+            member.__dict__["measurement"] = result
+        return results[0]
+
+
 def _meets(value: float, target: float, higher_is_better: bool) -> bool:
     return not math.isnan(value) and (value >= target if higher_is_better else value <= target)
 
@@ -108,10 +165,11 @@ class ArtifactAnalysis:
     def __init__(self, reference: nn.Module, quantized: nn.Module, batches: Iterable[Any] | None = None, *,
                  float_layers: Iterable[str] = (), layers: list[ArtifactLayer] | None = None,
                  logits: bool = False, focus: Iterable[str] | None = None, stack: str | None = None,
-                 device: Any = None) -> None:
+                 device: Any = None, group: ArtifactGroup | None = None, member: str = "") -> None:
         """`logits`: compare the logits in the same pass (the output checks ask for them); `stack`: the module path
         of the stack of blocks to go through one at a time (qcore.artifact.blockwise), None for whole passes;
-        `device`: where a block-wise pass onloads the blocks."""
+        `device`: where a block-wise pass onloads the blocks; `group`: the ArtifactGroup of artifacts of the same
+        reference this one is measured with, as its member `member`."""
         self.reference, self.quantized = reference.eval(), unwrapped_artifact(quantized).eval()
         self.stack, self.device = stack, device
         self.float_layers = tuple(float_layers)
@@ -130,12 +188,16 @@ class ArtifactAnalysis:
         self._fixes: dict[tuple, ArtifactFix] = {}
         self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
         self._records: dict[int, tuple[list, StreamRecord]] = {}  # the trials' streams, per batch list
+        self.group, self.member = group, member
+        if group is not None:
+            group.join(member, self)
 
     def planned(self, logits: bool = False, float_layers: Iterable[str] = ()) -> ArtifactAnalysis:
         """The same artifact, to measure with the logits compared in its pass, and the reference's modules swapped
         in at `float_layers` (nothing has been measured yet)."""
         return ArtifactAnalysis(self.reference, self.quantized, self._batches, float_layers=float_layers,
-                                layers=self._artifact_layers, logits=logits, stack=self.stack, device=self.device)
+                                layers=self._artifact_layers, logits=logits, stack=self.stack, device=self.device,
+                                group=self.group, member=self.member)
 
     # -- block by block --------------------------------------------------------------------------------------------
     @property
@@ -169,10 +231,24 @@ class ArtifactAnalysis:
         """Set the stack to go through block by block: when `mode` (the blockwise setting) is True or a path, or,
         for "auto", when a model is offloaded or whole passes would not fit `budget`; BlockwiseArtifactError when
         asked for and the models have no stack."""
+        if self.group is not None:
+            if self.group.stack_chosen:  # a member chose for the group, whose first pass measures them together
+                return
+            self.group.stack_chosen = True
+            members = self.group.members.values()
+            self._choose_blocks(mode, budget, self.group.whole_bytes(), any(other.offloaded for other in members))
+            for other in self.group.members.values():
+                if other is not self and self.stack is not None and other.stack is None:
+                    with contextlib.suppress(BlockwiseArtifactError):
+                        other.stack = artifact_stack(other.reference, other.quantized, self.stack)
+            return
+        self._choose_blocks(mode, budget, self.whole_bytes(), self.offloaded)
+
+    def _choose_blocks(self, mode: bool | str, budget: int | None, whole: int, offloaded: bool) -> None:
         if mode is False:
             return
         if mode == "auto":
-            if not (self.offloaded or (budget is not None and self.whole_bytes() > budget)):
+            if not (offloaded or (budget is not None and whole > budget)):
                 return
             try:
                 self.stack = artifact_stack(self.reference, self.quantized)
@@ -235,6 +311,8 @@ class ArtifactAnalysis:
     def measurement(self) -> ArtifactMeasurement:
         """Both models over the batches: one reference pass, one quantized pass and the shadow layers."""
         with stage("comparison"):
+            if self.group is not None:
+                return self.group.measured(self)
             return self._measure(self.batches, self.float_layers, self.focus, self.logits_planned)
 
     @property

@@ -25,9 +25,13 @@ from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, dequanti
 from qcore.artifact.measure import (
     ArtifactError,
     ArtifactMeasurement,
+    ArtifactRun,
     _compare_outputs,
     _measurement,
     _Pass,
+    _recording,
+    _runs_prepared,
+    _RunState,
     _weight_sqnr,
     float_layers_swapped,
     quantized_forward_error,
@@ -44,7 +48,7 @@ from qcore.numeric.loggers import StreamingComparator
 from qcore.numeric.logits import LogitsComparator
 
 __all__ = ["BlockwiseArtifactError", "StreamRecord", "artifact_stack", "measure_artifact_blockwise",
-           "resume_artifact_blockwise", "start_block"]
+           "measure_artifacts_blockwise", "resume_artifact_blockwise", "start_block"]
 
 
 class BlockwiseArtifactError(ValueError):
@@ -258,93 +262,135 @@ def measure_artifact_blockwise(reference: nn.Module, quantized: nn.Module, layer
     """measure_artifact's numbers, one block of `stack` at a time (module docstring); `device`: where blocks are
     onloaded to (default: where each model's hooks put them); `record`: filled with the streams a fix trial resumes
     from (resume_artifact_blockwise)."""
-    batches = list(batches)
-    float_layers = list(float_layers)
-    kept = {layer.name: layer for layer in layers}
-    focused = None if focus is None else set(focus)
-    measured = _Pass([name for name in kept if focused is None or name in focused], shadow)
-    reference_blocks, quantized_blocks = reference.get_submodule(stack), quantized.get_submodule(stack)
-    if len(reference_blocks) != len(quantized_blocks):
-        raise ArtifactMismatchError(f"the stack {stack} has {len(quantized_blocks)} blocks in the quantized model and "
-                                    f"{len(reference_blocks)} in the reference")
-    in_stack = {name for name in measured.names if _block_index(name, stack) is not None}
-    weights: dict[str, tuple[float, float]] = {}
-    swapped_blocks = {_block_index(name, stack) for name in float_layers} - {None}
-    run_quantized = _quantized_call(measured)
+    run = ArtifactRun(quantized, tuple(layers), tuple(float_layers), None if focus is None else frozenset(focus),
+                      logits)
+    return measure_artifacts_blockwise(reference, [run], batches, stack, shadow=shadow, device=device,
+                                       records=[record])[0]
 
-    def weigh(names: Iterable[str]) -> None:  # while the quantized layers (and the reference's) are onloaded
+
+class _BlockRun(_RunState):
+    """A run's hooks, sums, quantized stream and weights through a shared block-wise pass."""
+
+    def __init__(self, run: ArtifactRun, shadow: bool, stack: str, record: StreamRecord | None) -> None:
+        super().__init__(run, shadow)
+        self.stack, self.record = stack, record
+        self.in_stack = {name for name in self.measured.names if _block_index(name, stack) is not None}
+        self.weights: dict[str, tuple[float, float]] = {}
+        self.swapped_blocks = {_block_index(name, stack) for name in run.float_layers} - {None}
+        self.call = _quantized_call(self.measured)
+        self.stream: list[tuple[tuple, dict]] = []
+        self.last: list[Any] = []
+        self.before: set[str] = set()
+
+    def weigh(self, reference: nn.Module, names: Iterable[str]) -> None:
+        """Each named layer's weight SQNR, while its weights (and the reference's) are onloaded."""
         for name in names:
-            if name in float_layers or not kept[name].weighted or name in weights:
+            if name in self.run.float_layers or not self.kept[name].weighted or name in self.weights:
                 continue
-            ours = dequantized_weight(quantized.get_submodule(name))
+            ours = dequantized_weight(self.quantized.get_submodule(name))
             theirs = module_tensor(reference, name + ".weight")
             if ours is not None and isinstance(theirs, torch.Tensor) and ours.numel() == theirs.numel():
-                weights[name] = _weight_sqnr(theirs, ours)
+                self.weights[name] = _weight_sqnr(theirs, ours)
 
-    outputs: list[tuple[str, StreamingComparator]] = []
-    comparator = LogitsComparator() if logits else None
-    with float_layers_swapped(quantized, reference, float_layers), without_kv_cache(reference), \
-            without_kv_cache(quantized), first_forward_decompression_held(quantized), torch.no_grad():
-        handles = measured.attach(reference, quantized)
+    def block_names(self, index: int) -> set[str]:
+        """The measured layers in block `index`."""
+        return {name for name in self.in_stack if _block_index(name, self.stack) == index}
+
+
+def _activate(states: Sequence[_BlockRun], active: Callable[[_BlockRun], set[str] | None]) -> None:
+    for state in states:
+        state.measured.active = active(state)
+
+
+def measure_artifacts_blockwise(reference: nn.Module, runs: Sequence[ArtifactRun], batches: Iterable[Any],
+                                stack: str, *, shadow: bool = True, device: Any = None,
+                                records: Sequence[StreamRecord | None] | None = None) -> list[ArtifactMeasurement]:
+    """measure_artifact_blockwise for several artifacts of one reference at once: each reference block is onloaded
+    and run once per batch, then each artifact's block on that artifact's stream (measure_artifacts' rule: one
+    measurement per run, each equal to its own pass's). `records`: per run, a StreamRecord to fill or None."""
+    batches = list(batches)
+    records = list(records) if records is not None else [None] * len(runs)
+    states = [_BlockRun(run, shadow, stack, record) for run, record in zip(runs, records)]
+    reference_blocks = reference.get_submodule(stack)
+    for state in states:
+        quantized_blocks = state.quantized.get_submodule(stack)
+        if len(reference_blocks) != len(quantized_blocks):
+            raise ArtifactMismatchError(f"the stack {stack} has {len(quantized_blocks)} blocks in the quantized model "
+                                        f"and {len(reference_blocks)} in the reference")
+    with contextlib.ExitStack() as held:
+        for state in states:
+            held.enter_context(first_forward_decompression_held(state.quantized))
+        held.enter_context(_runs_prepared(reference, states))
+        held.callback(_activate, states, lambda state: None)
+        # the first block's inputs for every batch, and the layers before the stack on the way
+        _activate(states, lambda state: set(state.measured.names) - state.in_stack)
+        _recording(states, True)
         try:
-            # the first block's inputs for every batch, and the layers before the stack on the way
-            measured.active = set(measured.names) - in_stack
-            measured.recording = True
             with _outside_onloaded(reference, stack, device, "the reference"):
                 reference_stream = _captured(reference, reference_blocks[0], batches, _plain_call)
-            measured.recording = False
-            with _outside_onloaded(quantized, stack, device, "the quantized model"):
-                quantized_stream = _captured(quantized, quantized_blocks[0], batches, run_quantized)
-                before = set(measured.order)
-                weigh(before)
-            reference_last: list[Any] = []
-            quantized_last: list[Any] = []
-            for index in range(len(reference_blocks)):
-                if record is not None:
-                    record.inputs.append(quantized_stream)
-                block_names = {name for name in in_stack if _block_index(name, stack) == index}
-                measured.active = block_names
-                measured.recording = True
+        finally:
+            _recording(states, False)
+        for state in states:
+            with _outside_onloaded(state.quantized, stack, device, "the quantized model"):
+                state.stream = _captured(state.quantized, state.quantized.get_submodule(stack)[0], batches,
+                                         state.call)
+                state.before = set(state.measured.order)
+                state.weigh(reference, state.before)
+        reference_last: list[Any] = []
+        for index in range(len(reference_blocks)):
+            for state in states:
+                if state.record is not None:
+                    state.record.inputs.append(state.stream)
+            _activate(states, lambda state: state.block_names(index))  # noqa: B023 - used at once
+            _recording(states, True)
+            try:
                 with _block_onloaded(reference_blocks[index], device, "the reference", f"block {stack}.{index}"):
                     reference_last = [reference_blocks[index](*args, **kwargs) for args, kwargs in reference_stream]
-                reference_stream = [_advanced(args, kwargs, out)
-                                    for (args, kwargs), out in zip(reference_stream, reference_last)]
-                measured.recording = False
-                with _quantized_block_ready(reference, quantized, stack, index, swapped_blocks, device) as block:
-                    quantized_last = [run_quantized(functools.partial(block, *args, **kwargs))
-                                      for args, kwargs in quantized_stream]
-                    weigh(block_names)
-                quantized_stream = [_advanced(args, kwargs, out)
-                                    for (args, kwargs), out in zip(quantized_stream, quantized_last)]
-            del reference_stream, quantized_stream
-            # the layers after the stack, the outputs and the logits: each model with its stack replayed
-            measured.active = set(measured.names) - in_stack - before
-            measured.recording = True
-            expected = []
+            finally:
+                _recording(states, False)
+            reference_stream = [_advanced(args, kwargs, out)
+                                for (args, kwargs), out in zip(reference_stream, reference_last)]
+            for state in states:
+                with _quantized_block_ready(reference, state.quantized, stack, index, state.swapped_blocks,
+                                            device) as block:
+                    state.last = [state.call(functools.partial(block, *args, **kwargs))
+                                  for args, kwargs in state.stream]
+                    state.weigh(reference, state.block_names(index))
+                state.stream = [_advanced(args, kwargs, out) for (args, kwargs), out in zip(state.stream, state.last)]
+        del reference_stream
+        for state in states:
+            state.stream = []
+        # the layers after the stack, the outputs and the logits: each model with its stack replayed
+        _activate(states, lambda state: set(state.measured.names) - state.in_stack - state.before)
+        _recording(states, True)
+        expected = []
+        try:
             with _outside_onloaded(reference, stack, device, "the reference"), \
                     _replayed(reference, stack, reference_last) as replay:
                 for position, batch in enumerate(batches):
                     replay.index = position
                     expected.append(call_model(reference, batch))
-            measured.recording = False
-            del reference_last
-            if record is not None:
-                record.last, record.expected = quantized_last, list(expected)
-                record.complete = True
-            with _outside_onloaded(quantized, stack, device, "the quantized model"), \
-                    _replayed(quantized, stack, quantized_last) as replay:
+        finally:
+            _recording(states, False)
+        del reference_last
+        for state in states:
+            if state.record is not None:
+                state.record.last, state.record.expected = state.last, list(expected)
+                state.record.complete = True
+        for number, state in enumerate(states):
+            with _outside_onloaded(state.quantized, stack, device, "the quantized model"), \
+                    _replayed(state.quantized, stack, state.last) as replay:
                 for position, batch in enumerate(batches):
                     replay.index = position
-                    actual = run_quantized(functools.partial(call_model, quantized, batch))
-                    _compare_outputs(expected[position], actual, outputs, comparator, batch)
-                    expected[position] = None  # compared: let it go
+                    actual = state.call(functools.partial(call_model, state.quantized, batch))
+                    _compare_outputs(expected[position], actual, state.outputs, state.comparator, batch)
+                    if number == len(states) - 1:
+                        expected[position] = None  # compared by every run: let it go
                     del actual
-                weigh(set(measured.names) - in_stack)
-        finally:
-            measured.active = None
-            for handle in handles:
-                handle.remove()
-    return _measurement(reference, quantized, kept, measured, outputs, comparator, float_layers, weights)
+                state.weigh(reference, set(state.measured.names) - state.in_stack)
+            if state.record is None:
+                state.last = []
+    return [state.result(reference, state.weights) for state in states]
 
 
 def resume_artifact_blockwise(reference: nn.Module, quantized: nn.Module, batches: Sequence[Any], stack: str,

@@ -26,8 +26,8 @@ from qcore.measure.passes import LayerSqnr, OutputSqnr, SqnrMeasurement
 from qcore.numeric.loggers import StreamingComparator
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 
-__all__ = ["RESCALED_GAIN_DB", "ArtifactError", "ArtifactMeasurement", "float_layers_swapped", "input_channel_scales",
-           "measure_artifact", "quantized_forward_error"]
+__all__ = ["RESCALED_GAIN_DB", "ArtifactError", "ArtifactMeasurement", "ArtifactRun", "float_layers_swapped",
+           "input_channel_scales", "measure_artifact", "measure_artifacts", "quantized_forward_error"]
 
 # a layer whose weight matches the reference's this much better once each input channel is rescaled was rescaled
 # (SmoothQuant, AWQ): quantization noise alone is nearly orthogonal to the weight, so the fit gains ~0 dB
@@ -48,6 +48,23 @@ class ArtifactMeasurement:
     logits: LogitsMeasurement | None
     not_comparable: Mapping[str, str]
     order: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ArtifactRun:
+    """One artifact of a pass shared with others of the same reference: the quantized model and its layers, the
+    reference's modules swapped in at `float_layers`, the only layers measured (`focus`, None: every one) and
+    whether its logits are compared."""
+
+    quantized: nn.Module
+    layers: Sequence[ArtifactLayer]
+    float_layers: tuple[str, ...] = ()
+    focus: frozenset[str] | None = None
+    logits: bool = False
+
+    def measured_names(self) -> list[str]:
+        """The layers this run measures, in the artifact's module order."""
+        return [layer.name for layer in self.layers if self.focus is None or layer.name in self.focus]
 
 
 class _FloatLayer(nn.Module):
@@ -212,12 +229,9 @@ class _Pass:
             handles.append(module.register_forward_hook(self.quantized_hook(name), with_kwargs=True))
         return handles
 
-    def run(self, reference: nn.Module, quantized: nn.Module, batch: Any) -> tuple[Any, Any]:
-        """Both models on one batch: (the reference's output, the quantized model's); ArtifactError naming the layer
-        the quantized model's forward raised in."""
-        self.recording = True
-        expected = call_model(reference, batch)
-        self.recording = False
+    def compare(self, quantized: nn.Module, batch: Any) -> Any:
+        """The quantized model on one batch, compared with what the reference's pass stashed: its output;
+        ArtifactError naming the layer the quantized model's forward raised in."""
         self.entered.clear()
         try:
             actual = call_model(quantized, batch)
@@ -225,8 +239,9 @@ class _Pass:
             raise
         except Exception as error:
             raise quantized_forward_error(self.entered, error) from error
-        self.stash.clear()
-        return expected, actual
+        finally:
+            self.stash.clear()
+        return actual
 
     def quantized_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -273,25 +288,70 @@ def measure_artifact(reference: nn.Module, quantized: nn.Module, layers: Sequenc
     """Compare `quantized` with `reference` over `batches`, with the reference's modules swapped in at
     `float_layers`. `focus`: the only layers measured (None: every one; the outputs always); `logits`: the logits
     compared too (KL, top-1, perplexity); `shadow`: each layer's own error measured too."""
-    float_layers = list(float_layers)
-    kept = {layer.name: layer for layer in layers}
-    focused = None if focus is None else set(focus)
-    measured = _Pass([name for name in kept if focused is None or name in focused], shadow)
-    outputs: list[tuple[str, StreamingComparator]] = []
-    comparator = LogitsComparator() if logits else None
-    decompress_pending(quantized)  # now, where its progress bars are kept out of the run's output
-    with float_layers_swapped(quantized, reference, float_layers), without_kv_cache(reference), \
-            without_kv_cache(quantized), torch.no_grad():
-        handles = measured.attach(reference, quantized)
-        try:
-            for batch in batches:
-                expected, actual = measured.run(reference, quantized, batch)
-                _compare_outputs(expected, actual, outputs, comparator, batch)
-                del expected, actual  # before the next batch's passes: one batch's values at a time
-        finally:
-            for handle in handles:
-                handle.remove()
-    return _measurement(reference, quantized, kept, measured, outputs, comparator, float_layers)
+    run = ArtifactRun(quantized, tuple(layers), tuple(float_layers), None if focus is None else frozenset(focus),
+                      logits)
+    return measure_artifacts(reference, [run], batches, shadow=shadow)[0]
+
+
+class _RunState:
+    """A run's hooks and sums through a shared pass."""
+
+    def __init__(self, run: ArtifactRun, shadow: bool) -> None:
+        self.run, self.quantized = run, run.quantized
+        self.kept = {layer.name: layer for layer in run.layers}
+        self.measured = _Pass(run.measured_names(), shadow)
+        self.outputs: list[tuple[str, StreamingComparator]] = []
+        self.comparator = LogitsComparator() if run.logits else None
+
+    def result(self, reference: nn.Module, weights: Mapping[str, tuple[float, float]] | None = None
+               ) -> ArtifactMeasurement:
+        """The run's records."""
+        return _measurement(reference, self.quantized, self.kept, self.measured, self.outputs, self.comparator,
+                            list(self.run.float_layers), weights)
+
+
+@contextlib.contextmanager
+def _runs_prepared(reference: nn.Module, states: Sequence[_RunState]) -> Iterator[None]:
+    """Every run's float layers swapped in, no KV cache in any model, no autograd, and every run's hooks attached."""
+    with contextlib.ExitStack() as held:
+        for state in states:
+            held.enter_context(float_layers_swapped(state.quantized, reference, state.run.float_layers))
+        held.enter_context(without_kv_cache(reference))
+        for state in states:
+            held.enter_context(without_kv_cache(state.quantized))
+        held.enter_context(torch.no_grad())
+        for state in states:
+            for handle in state.measured.attach(reference, state.quantized):
+                held.callback(handle.remove)
+        yield
+
+
+def _recording(states: Sequence[_RunState], on: bool) -> None:
+    for state in states:
+        state.measured.recording = on
+
+
+def measure_artifacts(reference: nn.Module, runs: Sequence[ArtifactRun], batches: Iterable[Any], *,
+                      shadow: bool = True) -> list[ArtifactMeasurement]:
+    """measure_artifact for several artifacts of one reference at once: per batch the reference runs once, and each
+    artifact's pass is compared with it (the reference's layer inputs and outputs are shared, not copied); one
+    measurement per run, each equal to measure_artifact's for that run alone."""
+    states = [_RunState(run, shadow) for run in runs]
+    for state in states:
+        decompress_pending(state.quantized)  # now, where its progress bars are kept out of the run's output
+    with _runs_prepared(reference, states):
+        for batch in batches:
+            _recording(states, True)
+            try:
+                expected = call_model(reference, batch)
+            finally:
+                _recording(states, False)
+            for state in states:
+                actual = state.measured.compare(state.quantized, batch)
+                _compare_outputs(expected, actual, state.outputs, state.comparator, batch)
+                del actual
+            del expected  # before the next batch's passes: one batch's values at a time
+    return [state.result(reference) for state in states]
 
 
 def _compare_outputs(expected: Any, actual: Any, outputs: list[tuple[str, StreamingComparator]],
