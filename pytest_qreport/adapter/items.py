@@ -14,7 +14,7 @@ import pytest
 
 from ..core.baseline import baseline_path
 from ..core.batches import as_batches, first_batch, resolve_model, resolve_source
-from ..core.declare import ModelDeclaration, declarations_in, model_name_problem, safe_name
+from ..core.declare import ModelDeclaration, declarations_in, model_group, model_name_problem, safe_name
 from ..core.errors import QReportCheckFailed, QReportError, QReportModelError
 from ..core.explain import error_finding, explain
 from ..core.findings import Finding
@@ -22,7 +22,14 @@ from ..core.layer_cache import model_cache_key
 from ..core.memory import ANALYSIS_FACTOR, MemoryLedger, budgeted_estimate, holds_capture, on_accelerator
 from ..core.nodeids import item_name, model_scope
 from ..core.numbers import printable
-from ..core.pipeline import ModelPipeline, Stage, analyze_in_session, collect_model, settings_and_quantizer
+from ..core.pipeline import (
+    ModelPipeline,
+    Stage,
+    analyze_in_session,
+    artifact_group,
+    collect_model,
+    settings_and_quantizer,
+)
 from ..core.results import ModelFacts
 from ..core.runtime import torch_threads, young_garbage_collection
 from ..xdist.crashes import CRASH_DIR_KEY, analysis_guard, crashed_message, previous_crash
@@ -61,10 +68,14 @@ class QReportFile(pytest.File):
         first = session.declared_models  # the session-wide index of this file's first model (the same in every worker)
         session.declared_models += len(declarations)
         # under xdist, capture the models this worker claims, then take the others' layer lists (see rendezvous)
+        # the artifacts of one declaration are collected together, by whoever claims the declaration's first one
+        claims: dict[str, int] = {}
+        for index, declaration in enumerate(declarations):
+            claims.setdefault(declaration.fixture, first + index)
         awaited = [(index, declaration) for index, declaration in enumerate(declarations)
-                   if self._collect(declaration, first + index, registry) is not None]
+                   if self._collect(declaration, first + index, registry, claims[declaration.fixture]) is not None]
         for index, declaration in awaited:
-            self._collect(declaration, first + index, registry, wait=True)
+            self._collect(declaration, first + index, registry, claims[declaration.fixture], wait=True)
         for declaration in declarations:
             yield from self._items(declaration)
 
@@ -74,7 +85,8 @@ class QReportFile(pytest.File):
         pipeline: ModelPipeline = session.models[key]
         make = QReportItem.from_parent
         if pipeline.stage in (Stage.COLLECTION_FAILED, Stage.SKIPPED):
-            yield make(self, name=item_name(safe_name(declaration.name), "capture"), callobj=qreport_check,
+            shown = safe_name(declaration.name) if model_name_problem(declaration.name) else declaration.name
+            yield make(self, name=item_name(shown, "capture"), callobj=qreport_check,
                        model_key=key, check="capture", layer="", declared_line=declaration.line)
             return
         for check, layer in pipeline.checks_and_layers():
@@ -85,11 +97,11 @@ class QReportFile(pytest.File):
             yield make(self, name=item_name(declaration.name, "baseline"), callobj=qreport_check, model_key=key,
                        check="baseline", layer="", declared_line=declaration.line)
 
-    def _collect(self, declaration: ModelDeclaration, index: int, registry,
+    def _collect(self, declaration: ModelDeclaration, index: int, registry, claim_index: int,
                  wait: bool = False) -> ModelPipeline | None:
         """Collect the model of `declaration` into the session's models, unless a declaration of it came first.
-        Under xdist, a model another worker claimed is left for a second call with `wait`: returns its
-        pipeline, still declared, with its cache key."""
+        Under xdist, a model another worker claimed (by `claim_index`: its group's first model's index) is left for
+        a second call with `wait`: returns its pipeline, still declared, with its cache key."""
         session = self.config.stash[STATE_KEY]
         key = (str(self.path), declaration.name)
         if key in session.models:
@@ -109,7 +121,8 @@ class QReportFile(pytest.File):
                 f"model {declaration.name!r} of {self.path} and the model of the same name in {sharing} would "
                 f"share the baseline file {path} (--qreport-baseline-dir); give one of them qmodel(name='...')")
         else:
-            pipeline = self._collect_model(declaration, index, registry, session.settings, claim=not wait)
+            pipeline = self._collect_model(declaration, index, registry, session.settings, claim_index,
+                                           claim=not wait)
         pipeline.baseline_path = path
         if pipeline.stage is Stage.DECLARED:
             session.awaited[key] = pipeline
@@ -130,23 +143,36 @@ class QReportFile(pytest.File):
                                                _parameter_bytes(entry))
         return True
 
-    def _collect_model(self, declaration: ModelDeclaration, index: int, registry,
-                       session_settings, claim: bool = True) -> ModelPipeline:
-        """Resolve settings, quantizer and fixtures, capture, and list items; any error lands on the model."""
+    def _settings(self, declaration: ModelDeclaration, registry, session_settings) -> tuple[Any, Any] | ModelPipeline:
+        """(settings, quantizer) of a declaration, or its failed pipeline."""
         name = declaration.name
         try:
             if declaration.error:
                 raise ValueError(declaration.error)
-            settings, quantizer = settings_and_quantizer(declaration, session_settings, registry, self.ihook)
+            return settings_and_quantizer(declaration, session_settings, registry, self.ihook)
         except ValueError as error:
             text = str(error)
             return ModelPipeline(name).collection_failed(text if f"'{name}'" in text else f"model {name!r}: {text}")
+
+    def _collect_model(self, declaration: ModelDeclaration, index: int, registry,
+                       session_settings, claim_index: int, claim: bool = True) -> ModelPipeline:
+        """Resolve settings, quantizer and fixtures, capture, and list items; any error lands on the model."""
+        name = declaration.name
+        resolved = self._settings(declaration, registry, session_settings)
+        if isinstance(resolved, ModelPipeline):
+            return resolved
+        settings, quantizer = resolved
         session = self.config.stash[STATE_KEY]
         rendezvous = session.capture_rendezvous if claim else None
-        if rendezvous is not None and not rendezvous.claim(index):  # another worker builds it: wait for its entry
+        if rendezvous is not None and not rendezvous.claim(claim_index):  # another worker builds it: wait for it
             return ModelPipeline(name, settings=settings, quantizer=quantizer)
         pipeline: ModelPipeline | None = None
         try:
+            if declaration.group is not None:
+                pipeline = session.group_collected.pop((str(self.path), name), None)
+                if pipeline is None:
+                    pipeline = self._collect_group(declaration, registry, session_settings)
+                return pipeline
             names = self._fixture_names(declaration, settings)
             with young_garbage_collection():  # the model object is freed before the next model is built
                 pipeline = self._collect_with_fixtures(name, names, settings, registry, quantizer,
@@ -159,6 +185,52 @@ class QReportFile(pytest.File):
         finally:
             if rendezvous is not None:  # collected or failed: a waiter stops waiting either way
                 rendezvous.mark_done(index, _rendezvous_entry(pipeline))
+
+    def _collect_group(self, declaration: ModelDeclaration, registry, session_settings) -> ModelPipeline:
+        """Every artifact of `declaration`'s group not collected yet, from one set-up of the fixtures: the reference
+        is built once, and their analyses measure them in one pass (qcore's ArtifactGroup). Returns `declaration`'s
+        pipeline; the others wait in the session for their own collection."""
+        session, path = self.config.stash[STATE_KEY], str(self.path)
+        members: dict[str, tuple[Any, Any]] = {}
+        pipelines: dict[str, ModelPipeline] = {}
+        for declared in declarations_in(self.module):
+            if declared.fixture != declaration.fixture or (path, declared.name) in session.models:
+                continue
+            resolved = self._settings(declared, registry, session_settings)
+            if isinstance(resolved, ModelPipeline):
+                pipelines[declared.name] = resolved
+            else:
+                members[declared.name] = resolved
+        try:
+            # the artifacts' own fixtures are set up one by one below, so that one that fails errors alone
+            names = list(dict.fromkeys(name for member, (settings, _) in members.items()
+                                       for name in self._fixture_names(self._declared(member), settings)
+                                       if name != settings.quantized))
+            threads = session_settings["threads"]
+            with young_garbage_collection(), torch_threads(threads), \
+                    self._fixtures_at_collection(declaration.fixture, [*names, "request"]) as values:
+                group, request = artifact_group(), values["request"]
+                for member, (settings, quantizer) in members.items():
+                    try:
+                        quantized = resolve_model(settings.quantized, request.getfixturevalue)
+                        pipelines[member] = collect_model(member, settings, registry, quantizer,
+                                                          values[declaration.fixture], None, quantized, group=group)
+                    except Exception as error:  # noqa: BLE001 - reported on that artifact's items
+                        pipelines[member] = ModelPipeline(member).collection_failed(
+                            explain(member, "capture/set-up", error), error)
+        except pytest.skip.Exception as skipped:
+            for member in members:
+                pipelines[member] = ModelPipeline(member).skipped(f"model {member!r}: {skipped.msg}")
+        except Exception as error:  # noqa: BLE001 - the reference or a fixture failed: every artifact's error
+            for member in members:
+                pipelines[member] = ModelPipeline(member).collection_failed(
+                    explain(member, "capture/set-up", error), error)
+        mine = pipelines.pop(declaration.name)
+        session.group_collected.update({(path, member): pipeline for member, pipeline in pipelines.items()})
+        return mine
+
+    def _declared(self, name: str) -> ModelDeclaration:
+        return next(d for d in declarations_in(self.module) if d.name == name)
 
     def _collect_with_fixtures(self, name: str, names: list[str], settings, registry, quantizer,
                                threads: int) -> ModelPipeline:
@@ -207,7 +279,7 @@ class QReportFile(pytest.File):
     @staticmethod
     def _fixture_names(declaration: ModelDeclaration, settings) -> list[str]:
         """The fixtures collection needs: the model's own fixture, and the example-inputs or calibration one."""
-        names = [declaration.name]
+        names = [declaration.fixture]
         if isinstance(settings.quantized, str):
             names.append(settings.quantized)
         for source in (settings.example_inputs, None if settings.example_inputs is not None else settings.calibration):
@@ -260,7 +332,7 @@ class QReportItem(pytest.Function):
         self.model_name = model_key[1]
         self.extra_keyword_matches.update({self.model_name, check})
         # with `-n N --dist loadgroup`, all of a model's items go to one worker, which analyses it once
-        self.add_marker(pytest.mark.xdist_group(name=self.model_name))
+        self.add_marker(pytest.mark.xdist_group(name=model_group(self.model_name)))
         self.qreport_row: Finding | None = None
 
     @property
@@ -342,9 +414,17 @@ class QReportItem(pytest.Function):
         progress.done(pipeline.seconds)
 
     def _capture_recalled(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> None:
-        """Capture a model whose items came from the layer cache (once per process: the first item's setup)."""
+        """Capture a model whose items came from the layer cache (once per process: the first item's setup); for an
+        artifact of a group (qmodel(quantized={...})), every artifact of the group waiting here, on one reference."""
         assert pipeline.settings is not None
         session = self.config.stash[STATE_KEY]
+        group = model_group(pipeline.name)
+        if group != pipeline.name:
+            path = self.model_key[0]
+            waiting = {name: other for (where, name), other in session.models.items()
+                       if where == path and model_group(name) == group and other.needs_capture}
+            self._collect_group_again(waiting, group, request)
+            return
         try:
             with torch_threads(session.settings["threads"]):
                 fresh = self._collected_again(pipeline, request)
@@ -352,6 +432,31 @@ class QReportItem(pytest.Function):
             pipeline.analysis_failed(explain(pipeline.name, "capture", error), error)
             return
         pipeline.attach_capture(fresh)
+
+    def _collect_group_again(self, waiting: dict[str, ModelPipeline], group: str,
+                             request: pytest.FixtureRequest) -> None:
+        """The artifacts of one group collected again in this process on one reference, each attached to its
+        pipeline; an artifact that fails fails alone."""
+        session = self.config.stash[STATE_KEY]
+        try:
+            with torch_threads(session.settings["threads"]):
+                reference = request.getfixturevalue(group)
+        except Exception as error:  # noqa: BLE001 - the reference failed: every artifact's error
+            for name, pipeline in waiting.items():
+                pipeline.analysis_failed(explain(name, "capture", error), error)
+            return
+        shared = artifact_group()
+        for name, pipeline in waiting.items():
+            assert pipeline.settings is not None
+            try:
+                with torch_threads(session.settings["threads"]):
+                    quantized = resolve_model(pipeline.settings.quantized, request.getfixturevalue)
+                    fresh = collect_model(name, pipeline.settings, session.registry, pipeline.quantizer, reference,
+                                          None, quantized, group=shared)
+            except Exception as error:  # noqa: BLE001 - reported on that artifact's items
+                pipeline.analysis_failed(explain(name, "capture", error), error)
+                continue
+            pipeline.attach_capture(fresh)
 
     def _collected_again(self, pipeline: ModelPipeline, request: pytest.FixtureRequest) -> ModelPipeline:
         """The model collected again in this process, from its fixtures (and its artifact's, in artifact mode)."""

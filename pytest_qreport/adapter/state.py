@@ -27,6 +27,7 @@ class SessionState:
     capture_rendezvous: CaptureRendezvous | None = None  # xdist worker: who captures which model at collection
     declared_models: int = 0  # models declared in the conftest files collected so far
     awaited: dict = field(default_factory=dict)  # (conftest path, model name) -> pipeline another worker captures
+    group_collected: dict = field(default_factory=dict)  # (conftest path, model name) -> collected with its group
     memory_available: int | None = None  # bytes available when the session started (the default memory budget)
     held_capture_bytes: int = 0  # parameter bytes of the models captured at collection and kept for their analysis
 

@@ -22,6 +22,6 @@ def parse_item_nodeid(nodeid: str) -> tuple[str, str, str, str] | None:
         return None
     file, name = nodeid.split(_PREFIX, 1)
     name = name.rsplit("@", 1)[0]  # --dist loadgroup appends "@<group>"; layer names hold no "@"
-    model, _, rest = name.partition("/")
+    model, _, rest = name.partition("/")  # a model name holds no "/" (declare.model_name_problem)
     check, _, layer = rest.partition("/")
     return (file, model, check, layer) if model and check else None

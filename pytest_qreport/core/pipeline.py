@@ -26,8 +26,9 @@ from .results import ModelFacts
 from .runtime import quiet_torch_trace_log, torch_threads, young_garbage_collection
 from .settings import ModelSettings
 
-__all__ = ["ARTIFACT_SKIP", "ModelPipeline", "Stage", "analyze_in_session", "collect_model", "fingerprint",
-           "format_refusal_message", "is_artifact", "on_device", "select_layers", "settings_and_quantizer"]
+__all__ = ["ARTIFACT_SKIP", "ModelPipeline", "Stage", "analyze_in_session", "artifact_group", "collect_model",
+           "fingerprint", "format_refusal_message", "is_artifact", "on_device", "select_layers",
+           "settings_and_quantizer"]
 
 ARTIFACT_SKIP = ("concerns choosing a quantizer, and in artifact mode (quantized=) the model is quantized already; "
                  "its layers are judged by the sqnr, weight_sqnr and output checks")
@@ -272,16 +273,23 @@ def analyze_in_session(pipeline: ModelPipeline, batches: Callable[[], Iterable[A
                      progress=progress)
 
 
+def artifact_group() -> Any:
+    """A new group for the artifacts of one declaration (qmodel(quantized={...})): measured in one pass."""
+    from qcore.analysis import ArtifactGroup
+
+    return ArtifactGroup()
+
+
 def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, quantizer: Any, model: Any,
-                  example_inputs: Any, quantized: Any = None) -> ModelPipeline:
+                  example_inputs: Any, quantized: Any = None, group: Any = None) -> ModelPipeline:
     """declared -> collected: capture the model and list each check's layers (no calibration); in artifact mode
-    (settings.quantized), match the quantized model's layers with the reference's instead. Errors propagate to the
-    caller."""
+    (settings.quantized), match the quantized model's layers with the reference's instead (`group`: the
+    artifact_group it is measured with). Errors propagate to the caller."""
     import qcore
     from qcore.analysis import AnalysisPlan, ModelAnalysis
 
     if settings.quantized is not None:
-        return collect_artifact(name, settings, registry, model, quantized)
+        return collect_artifact(name, settings, registry, model, quantized, group)
     if not hasattr(model, "forward"):
         raise QReportModelError(f"model {name!r}: the qmodel function returned {type(model).__name__}, "
                                 "not an nn.Module")
@@ -318,7 +326,7 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
 
 
 def collect_artifact(name: str, settings: ModelSettings, registry: CheckRegistry, model: Any,
-                     quantized: Any) -> ModelPipeline:
+                     quantized: Any, group: Any = None) -> ModelPipeline:
     """declared -> collected, in artifact mode: `model` is the float reference and `quantized` the model the user
     ships; their quantized layers are matched by module name (no capture, nothing quantized here)."""
     import torch
@@ -336,7 +344,8 @@ def collect_artifact(name: str, settings: ModelSettings, registry: CheckRegistry
         quantized = quantized.to(settings.device)
     try:
         with tracked() as times:
-            analysis = ArtifactAnalysis(model, quantized, device=settings.device if offloaded else None)
+            analysis = ArtifactAnalysis(model, quantized, device=settings.device if offloaded else None, group=group,
+                                        member=name)
     except (ArtifactMismatchError, ValueError) as error:
         raise QReportModelError(f"model {name!r}: {error}") from None
     names = [entry.layer for entry in analysis.layers]

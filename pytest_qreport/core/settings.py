@@ -44,8 +44,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
             "perplexity and task_metric (default: the calibration batches; in qmodel: also a callable or an "
             "iterable of batches)", metavar="NAME", shown_default="calibration"),
     Setting("quantized", text, None, "the quantized model to gate, as shipped (artifact mode): a fixture name or a "
-            "callable returning it (a torchao, compressed-tensors or ModelOpt model); the model function then "
-            "returns its float reference, and nothing is quantized by the plugin", places=_NOT_ON_COMMAND_LINE,
+            "callable returning it (a torchao, compressed-tensors, ModelOpt, bitsandbytes, quanto, HQQ or GPTQModel "
+            "model), or a dict of names to such artifacts, each gated as `model[name]` against the one reference; "
+            "the model function then returns its float reference, and nothing is quantized by the plugin",
+            places=_NOT_ON_COMMAND_LINE,
             shown_default="—"),
     Setting("example_inputs", text, None, "fixture name giving example inputs (default: the first calibration "
             "batch)", metavar="NAME", shown_default="first batch"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.declare import model_group
 from ..core.nodeids import model_scope, parse_item_nodeid
 from ..core.shards import estimated_seconds
 
@@ -14,10 +15,11 @@ CACHE_KEY = "qreport/unit-durations"
 
 
 def work_unit(nodeid: str) -> str:
-    """The unit a test belongs to: its model for a qreport item, its `@group` for a grouped test, else itself."""
+    """The unit a test belongs to: its model for a qreport item (its declaration, for one of several artifacts gated
+    against one reference), its `@group` for a grouped test, else itself."""
     parsed = parse_item_nodeid(nodeid)
     if parsed is not None:
-        return model_scope(parsed[0], parsed[1])
+        return model_scope(parsed[0], model_group(parsed[1]))
     if "@" in nodeid:
         return "@" + nodeid.rsplit("@", 1)[1]
     return nodeid
