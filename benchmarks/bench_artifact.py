@@ -12,6 +12,11 @@ quantized forward (the ceiling: 3.5x) and the floor of that ratio (one float pas
 model and its shadow layers), then the resident memory the analysis adds over the two loaded models, against one
 batch's activations (what one forward of both models holds at its peak, and the reference's layer inputs and
 outputs that wait for the quantized pass) plus the stated allowance, for 4 and 16 batches.
+
+Then what the verified fixes cost: `pytest --qreport` on a tiny 4-layer Llama's NVFP4 and W4A16 compressed-tensors
+checkpoints (4 batches of 32 tokens) and on this benchmark's Llama's W4A16 one, with the default thresholds (the
+per-layer and output gates fail, fixes are searched) and with every gate open (nothing searched): the analysis
+seconds of each (the model's stages in the JSON report) and their ratio (the ceiling: 3x).
 """
 from __future__ import annotations
 
@@ -25,6 +30,45 @@ import time
 
 ALLOWANCE_BYTES = 64 << 20  # the allocator's pools, the hooks' bookkeeping, one layer's float64 comparison chunk
 TIME_CEILING = 3.5
+GATES_CEILING = 3.0
+OPEN_GATES = ("sqnr_min_db=-1000, weight_sqnr_min_db=-1000, model_sqnr_min_db=-1000, kl_max_nats=1e9, "
+              "top1_agreement_min=0, perplexity_max_increase_pct=1e9")
+GATES_CONFTEST = """
+import sys
+
+sys.path.insert(0, {root!r})
+
+import pytest
+import torch
+
+from pytest_qreport import qmodel
+from tests.helpers import compressed_tensors_checkpoint
+
+
+def reference():
+    sys.path.insert(0, {benchmarks!r})
+    from bench_artifact import _gates_model
+
+    return _gates_model({size!r})
+
+
+@pytest.fixture(scope="session")
+def batches():
+    generator = torch.Generator().manual_seed(1)
+    return [{{"input_ids": torch.randint(0, reference().config.vocab_size, (1, 32), generator=generator)}}
+            for _ in range(4)]
+
+
+@pytest.fixture(scope="session")
+def artifact(tmp_path_factory):
+    return compressed_tensors_checkpoint(reference(), tmp_path_factory.mktemp("checkpoint"), {preset!r},
+                                         **({extra}))
+
+
+@qmodel(calibration="batches", quantized="artifact"{gates})
+def llama():
+    return reference()
+"""
 
 
 def _model(quick: bool):
@@ -123,14 +167,63 @@ def measure(kind: str, batch_count: int, quick: bool) -> dict:
             "weights": sum(t.numel() * t.element_size() for t in reference.parameters())}
 
 
+def _gates_model(size: str):
+    """The tiny 4-layer Llama of the artifact tests, or this benchmark's."""
+    if size == "tiny":
+        sys.path.insert(0, ".")
+        from tests.helpers import tiny_llama
+
+        return tiny_llama(layers=4)
+    return _model(size == "quick")
+
+
+def gates(size: str, preset: str, open_gates: bool) -> dict:
+    """`pytest --qreport` on one checkpoint, in a subprocess: the model's analysis seconds per stage."""
+    import os
+    import pathlib
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    extra = "{'group_size': 32}" if preset == "W4A16" and size == "tiny" else "{}"
+    with tempfile.TemporaryDirectory() as directory:
+        conftest = GATES_CONFTEST.format(root=root, benchmarks=str(pathlib.Path(__file__).parent), size=size,
+                                         preset=preset, extra=extra,
+                                         gates=(", " + OPEN_GATES) if open_gates else "")
+        pathlib.Path(directory, "conftest.py").write_text(conftest)
+        report = pathlib.Path(directory, "r.json")
+        subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-p", "no:cacheprovider", "-q",
+                        f"--qreport-json={report}", "--rootdir", directory, directory],
+                       capture_output=True, text=True, cwd=directory, env={**os.environ, "PYTHONPATH": root})
+        data = json.loads(report.read_text())
+    model = data["models"]["llama"]
+    failing = sum(row["verdict"] == "fail" for row in data["rows"])
+    seconds = {stage: value for stage, value in model["seconds"].items() if stage != "capture"}
+    return {"seconds": sum(seconds.values()), "trials": seconds.get("trials", 0.0), "failing": failing}
+
+
+def print_gates(quick: bool) -> None:
+    """The table of analyses with fixes searched against every gate open."""
+    print(f"\n{'checkpoint':28} {'default':>9} {'fails':>6} {'trials':>8} {'open':>7} {'ratio':>6}")
+    cases = [("tiny", "NVFP4"), ("tiny", "W4A16")] + ([] if quick else [("bench", "W4A16")])
+    for size, preset in cases:
+        default, open_ = gates(size, preset, False), gates(size, preset, True)
+        ratio = default["seconds"] / open_["seconds"]
+        verdict = "ok" if ratio <= GATES_CEILING else "OVER"
+        print(f"{size + ' ' + preset:28} {default['seconds']:>8.2f}s {default['failing']:>6} "
+              f"{default['trials']:>7.2f}s {open_['seconds']:>6.2f}s {ratio:>5.2f}x  {verdict}")
+
+
 def main() -> None:
-    """Run each configuration in a subprocess and print the table."""
+    """Run each configuration in a subprocess and print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--one", nargs=2, metavar=("KIND", "BATCHES"), help=argparse.SUPPRESS)
+    parser.add_argument("--gates-only", action="store_true", help="only the fixes' table")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one[0], int(args.one[1]), args.quick)))
+        return
+    if args.gates_only:
+        print_gates(args.quick)
         return
     print(f"{'artifact':24} {'batches':>7} {'forward':>9} {'float':>7} {'analysis':>9} {'ratio':>6} {'floor':>6} "
           f"{'added MiB':>10} {'1 batch MiB':>12} {'limit MiB':>10}")
@@ -145,6 +238,7 @@ def main() -> None:
                   f"{row['analysis_s']:>8.2f}s {row['ratio']:>5.2f}x {row['floor_ratio']:>5.2f}x "
                   f"{row['added_bytes'] / 2**20:>10.1f} "
                   f"{row['one_batch_activations'] / 2**20:>12.1f} {limit / 2**20:>10.1f}  {verdict}")
+    print_gates(args.quick)
 
 
 if __name__ == "__main__":

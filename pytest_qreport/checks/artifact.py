@@ -12,7 +12,8 @@ from .advice import DEFAULT_MAX_FLOAT_LAYERS, float_search_limit, max_float_laye
 
 __all__ = ["DEFAULT_BATCHES", "DEFAULT_MAX_FLOAT_LAYERS", "artifact_fix", "artifact_fix_advice", "is_artifact"]
 
-DEFAULT_BATCHES = 2  # a trial's batches; the printed set is measured on every batch the item is judged on
+DEFAULT_BATCHES = 2  # the screen's batches; the printed set is measured on every batch the item is judged on
+DEFAULT_CANDIDATES = 8  # the layers with the largest own error, each screened alone
 
 
 def artifact_fix(model: ModelContext, check: str, metric: str, target: float, batches: list[Any]) -> Any | None:
@@ -23,7 +24,8 @@ def artifact_fix(model: ModelContext, check: str, metric: str, target: float, ba
         return None
     most = max_float_layers(model, check)
     return model.analysis.float_layers_fix(target, metric, most, options.get("batches", DEFAULT_BATCHES),
-                                           batches=batches)
+                                           batches=batches,
+                                           max_candidates=int(options.get("candidates", DEFAULT_CANDIDATES)))
 
 
 def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: float, batches: list[Any],

@@ -188,6 +188,9 @@ class ArtifactAnalysis:
         self._fixes: dict[tuple, ArtifactFix] = {}
         self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
         self._records: dict[int, tuple[list, StreamRecord]] = {}  # the trials' streams, per batch list
+        self._trials: dict[tuple, tuple[list, ArtifactMeasurement]] = {}  # (float layers, batch list) -> outputs
+        self._found_stack: str | None = ""  # the stack trials resume in, once looked for ("": not yet)
+        self._screens: dict[tuple[int, int], tuple[list, list]] = {}  # (batch list, count) -> its first batches
         self.group, self.member = group, member
         if group is not None:
             group.join(member, self)
@@ -365,36 +368,79 @@ class ArtifactAnalysis:
         return self._variants[key]
 
     def _value(self, metric: str, float_layers: Iterable[str], batches: list[Any], resume: bool = False) -> float:
-        """`metric` over `batches` with `float_layers` kept in float too. `resume`: block by block, the trial runs
-        from the first block it changes, on the streams a first pass over the same batch list recorded."""
+        """`metric` over `batches` with `float_layers` kept in float too (_trial)."""
         read, _ = OUTPUT_METRICS[metric]
-        extra = list(float_layers)
-        logits = metric != "output_sqnr_db"
-        if self.stack is None or not resume:
-            return read(self._measure(batches, [*self.float_layers, *extra], (), logits, shadow=False))
-        record = self._records.get(id(batches))
-        if record is None or record[0] is not batches:
-            stream = StreamRecord()
-            measured = measure_artifact_blockwise(self.reference, self.quantized, self._artifact_layers, batches,
-                                                  self.stack, float_layers=[*self.float_layers, *extra], focus=(),
-                                                  logits=True, shadow=False, device=self.device,
-                                                  record=None if extra else stream)
-            if not extra:
-                self._records[id(batches)] = (batches, stream)
-            return read(measured)
-        blocks = len(self.quantized.get_submodule(self.stack))
-        start = start_block(extra, self.stack, blocks, self._before_stack())
-        if start is None:
-            return read(self._measure(batches, [*self.float_layers, *extra], (), logits, shadow=False))
-        return read(resume_artifact_blockwise(self.reference, self.quantized, batches, self.stack, record[1], start,
-                                              float_layers=[*self.float_layers, *extra], logits=True,
-                                              device=self.device))
+        return read(self._trial(float_layers, batches, resume))
 
-    def _before_stack(self) -> list[str]:
+    def _trial(self, float_layers: Iterable[str], batches: list[Any], resume: bool) -> ArtifactMeasurement:
+        """The outputs and logits over `batches` with `float_layers` kept in float too, kept per set and batch list:
+        every metric's search reads the same trials. `resume`: the trial runs from the first block of the models'
+        stack it changes, on the quantized stream a first pass over the same batch list recorded, against the
+        reference outputs that pass recorded (no reference pass, no model copy)."""
+        extra = tuple(dict.fromkeys(float_layers))
+        key = (frozenset(extra), id(batches))
+        kept = self._trials.get(key)
+        if kept is not None and kept[0] is batches:
+            return kept[1]
+        if not extra and not resume and batches is self._batches and "measurement" in self.__dict__ \
+                and self.measurement.logits is not None:
+            return self.measurement  # the analysis's own pass: the same outputs and logits
+        swapped = [*self.float_layers, *extra]
+        stack = self._trial_stack() if resume else None
+        record = self._records.get(id(batches))
+        if stack is None:
+            measured = self._measure(batches, swapped, (), True, shadow=False)
+        elif record is None or record[0] is not batches:
+            stream = StreamRecord()
+            try:
+                measured = measure_artifact_blockwise(self.reference, self.quantized, self._artifact_layers, batches,
+                                                      stack, float_layers=swapped, focus=(), logits=True,
+                                                      shadow=False, device=self.device,
+                                                      record=None if extra else stream)
+            except BlockwiseArtifactError:
+                if self.stack is not None:
+                    raise
+                self._found_stack = None  # the models' stack does not run as one: trials take whole passes
+                measured = self._measure(batches, swapped, (), True, shadow=False)
+            else:
+                if not extra:
+                    self._records[id(batches)] = (batches, stream)
+        else:
+            blocks = len(self.quantized.get_submodule(stack))
+            start = start_block(extra, stack, blocks, self._before_stack(stack))
+            if start is None:
+                measured = self._measure(batches, swapped, (), True, shadow=False)
+            else:
+                measured = resume_artifact_blockwise(self.reference, self.quantized, batches, stack, record[1], start,
+                                                     float_layers=swapped, logits=True, device=self.device)
+        self._trials[key] = (batches, measured)
+        return measured
+
+    def _first_batches(self, batches: list[Any], count: int | None) -> list[Any]:
+        """The first `count` of `batches` (all when None or 0), as one list object per batch list and count: every
+        search screens on the same list, so their trials and recorded streams are shared."""
+        if not count or count >= len(batches):
+            return batches
+        kept = self._screens.get((id(batches), count))
+        if kept is None or kept[0] is not batches:
+            kept = self._screens[(id(batches), count)] = (batches, batches[:count])
+        return kept[1]
+
+    def _trial_stack(self) -> str | None:
+        """The stack trials resume in: the analysis's, else the models' own stack of blocks (None: whole passes)."""
+        if self.stack is not None:
+            return self.stack
+        if self._found_stack == "":
+            try:
+                self._found_stack = artifact_stack(self.reference, self.quantized)
+            except BlockwiseArtifactError:
+                self._found_stack = None
+        return self._found_stack
+
+    def _before_stack(self, stack: str) -> list[str]:
         """The artifact's layers that run before the stack (in module order before it)."""
         names = [name for name, _ in self.quantized.named_modules()]
-        assert self.stack is not None
-        first = names.index(self.stack)
+        first = names.index(stack)
         return [layer.name for layer in self._artifact_layers if layer.name in names[:first]]
 
     def _candidates(self, max_candidates: int) -> list[str]:
@@ -422,7 +468,7 @@ class ArtifactAnalysis:
         if key in self._fixes:
             return self._fixes[key]
         _, higher = OUTPUT_METRICS[metric]
-        trial_batches = batches[:max_batches] if max_batches else batches
+        trial_batches = self._first_batches(batches, max_batches)
         with stage("trials"):
             before = self._value(metric, (), batches, resume=trial_batches is batches)
             if _meets(before, target, higher):  # nothing to fix
