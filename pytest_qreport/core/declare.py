@@ -79,10 +79,10 @@ def qmodel(calibration: Any = None, *, name: str | None = None, **settings: Any)
     tuple of args or a dict of kwargs). name: the model's name in node ids and reports (default: the function's).
     Every other keyword is a setting of the schema (README, "Options"): quantized (artifact mode; a dict
     {name: artifact} declares one model `name[key]` per artifact against the one reference), example_inputs,
-    quantizer, the checks' thresholds (sqnr_min_db, model_sqnr_min_db, weight_sqnr_min_db, ...), layers, skip_layers, float_layers,
-    checks, severity, equalize, check_options, baseline_tolerance_db. They are checked when the model is
-    collected: an unknown keyword errors that model's items, naming the closest valid one. The model function and
-    the fixtures it names may request other fixtures.
+    quantizer, the checks' thresholds (sqnr_min_db, model_sqnr_min_db, weight_sqnr_min_db, ...), layers,
+    skip_layers, float_layers, checks, severity, equalize, check_options, baseline_tolerance_db. They are checked
+    when the model is collected: an unknown keyword errors that model's items, naming the closest valid one. The
+    model function and the fixtures it names may request other fixtures.
     """
     given = {key: value for key, value in settings.items() if value is not None}
     if calibration is not None:
