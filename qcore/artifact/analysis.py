@@ -191,6 +191,7 @@ class ArtifactAnalysis:
         self._trials: dict[tuple, tuple[list, ArtifactMeasurement]] = {}  # (float layers, batch list) -> outputs
         self._found_stack: str | None = ""  # the stack trials resume in, once looked for ("": not yet)
         self._screens: dict[tuple[int, int], tuple[list, list]] = {}  # (batch list, count) -> its first batches
+        self._confirmed: list[tuple[list, tuple[str, ...]]] = []  # the sets the searches measured on every batch
         self.group, self.member = group, member
         if group is not None:
             group.join(member, self)
@@ -437,6 +438,41 @@ class ArtifactAnalysis:
                 self._found_stack = None
         return self._found_stack
 
+    def _climb(self, metric: str, target: float, ladder: list[str], screen_batches: list[Any],
+               batches: list[Any]) -> tuple[list[str], int, int]:
+        """(the shortest head of `ladder` (the candidates, best first) that meets `target` on the screen's batches
+        and on every batch, else the whole ladder; the screen's trials; the sets measured on every batch). Keeping
+        more layers in float does not make the output worse, so the head is found by bisection on the screen;
+        every set returned is measured on every batch (the confirmation), and one that meets the target only on the
+        screen is not taken for one that reaches it."""
+        _, higher = OUTPUT_METRICS[metric]
+        if not ladder:
+            return [], 0, 0
+
+        def screen(count: int) -> bool:
+            return _meets(self._value(metric, ladder[:count], screen_batches, resume=True), target, higher)
+
+        def confirm(count: int) -> bool:
+            self._confirmed.append((batches, tuple(ladder[:count])))
+            return _meets(self._value(metric, ladder[:count], batches), target, higher)
+
+        screened = 1
+        if not screen(len(ladder)):  # no head meets it on the screen: the whole ladder is the best found
+            confirm(len(ladder))
+            return ladder, screened, 1
+        low, high = 1, len(ladder)
+        while low < high:
+            middle = (low + high) // 2
+            screened += 1
+            if screen(middle):
+                high = middle
+            else:
+                low = middle + 1
+        if confirm(low) or low == len(ladder):
+            return ladder[:low], screened, 1
+        confirm(len(ladder))  # the screen's head falls short on every batch: the whole ladder, measured
+        return ladder, screened, 2
+
     def _before_stack(self, stack: str) -> list[str]:
         """The artifact's layers that run before the stack (in module order before it)."""
         names = [name for name, _ in self.quantized.named_modules()]
@@ -475,6 +511,17 @@ class ArtifactAnalysis:
                 fix = ArtifactFix(metric, target, before, (), before, True, 1, self.tool, self.skipped)
                 self._fixes[key] = fix
                 return fix
+            # one search serves every gate: a set another metric's search measured on these batches, if it meets this
+            # target too (read from the same trials, nothing run)
+            served = [chosen for measured_on, chosen in self._confirmed if measured_on is batches
+                      and len(chosen) <= max_float_layers and _meets(self._value(metric, chosen, batches), target,
+                                                                     higher)]
+            if served:
+                chosen_set = min(served, key=len)
+                value = self._value(metric, chosen_set, batches)
+                fix = ArtifactFix(metric, target, before, chosen_set, value, True, 1, self.tool, self.skipped)
+                self._fixes[key] = fix
+                return fix
             base = self._value(metric, (), trial_batches, resume=True) if trial_batches is not batches else before
             singles = {name: self._value(metric, (name,), trial_batches, resume=True)
                        for name in self._candidates(max_candidates)}
@@ -482,21 +529,11 @@ class ArtifactAnalysis:
             ranked = sorted((name for name in singles if not math.isnan(singles[name])),
                             key=lambda name: -singles[name] if higher else singles[name])
             better = [name for name in ranked if (singles[name] > base if higher else singles[name] < base)]
-            chosen: list[str] = []
-            measured = before
             quantized = [layer for layer in self._artifact_layers if layer.name not in self.float_layers]
-            for name in better[:min(max_float_layers, len(quantized) - 1)]:  # a proper subset, never every layer
-                chosen.append(name)
-                trials += 1
-                if _meets(self._value(metric, chosen, trial_batches, resume=True), target, higher):
-                    measured = self._value(metric, chosen, batches)
-                    trials += 1
-                    if _meets(measured, target, higher):
-                        break
-            else:
-                if chosen:
-                    measured = self._value(metric, chosen, batches)
-                    trials += 1
+            ladder = better[:min(max_float_layers, len(quantized) - 1)]  # a proper subset, never every layer
+            chosen, screened, confirmed = self._climb(metric, target, ladder, trial_batches, batches)
+            trials += screened + confirmed
+            measured = self._value(metric, chosen, batches) if chosen else before
         fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher), trials,
                           self.tool, self.skipped)
         self._fixes[key] = fix
