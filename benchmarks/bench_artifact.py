@@ -16,7 +16,7 @@ outputs that wait for the quantized pass) plus the stated allowance, for 4 and 1
 Then what the verified fixes cost: `pytest --qreport` on a tiny 4-layer Llama's NVFP4 and W4A16 compressed-tensors
 checkpoints (4 batches of 32 tokens) and on this benchmark's Llama's W4A16 one, with the default thresholds (the
 per-layer and output gates fail, fixes are searched) and with every gate open (nothing searched): the analysis
-seconds of each (the model's stages in the JSON report) and their ratio (the ceiling: 3x).
+seconds of each (the model's stages in the JSON report, the fastest of 3 runs) and their ratio (the ceiling: 3x).
 """
 from __future__ import annotations
 
@@ -200,12 +200,14 @@ def gates(size: str, preset: str, open_gates: bool) -> dict:
     return {"seconds": sum(seconds.values()), "trials": seconds.get("trials", 0.0), "failing": failing}
 
 
-def print_gates(quick: bool) -> None:
-    """The table of analyses with fixes searched against every gate open."""
+def print_gates(quick: bool, repeats: int = 3) -> None:
+    """The table of analyses with fixes searched against every gate open (each the fastest of `repeats` runs:
+    sub-second analyses of the tiny checkpoints vary by tens of percent between runs on a shared machine)."""
     print(f"\n{'checkpoint':28} {'default':>9} {'fails':>6} {'trials':>8} {'open':>7} {'ratio':>6}")
     cases = [("tiny", "NVFP4"), ("tiny", "W4A16")] + ([] if quick else [("bench", "W4A16")])
     for size, preset in cases:
-        default, open_ = gates(size, preset, False), gates(size, preset, True)
+        default = min((gates(size, preset, False) for _ in range(repeats)), key=lambda run: run["seconds"])
+        open_ = min((gates(size, preset, True) for _ in range(repeats)), key=lambda run: run["seconds"])
         ratio = default["seconds"] / open_["seconds"]
         verdict = "ok" if ratio <= GATES_CEILING else "OVER"
         print(f"{size + ' ' + preset:28} {default['seconds']:>8.2f}s {default['failing']:>6} "

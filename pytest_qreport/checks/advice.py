@@ -146,7 +146,8 @@ def _variant(model: ModelContext, fix: Fix, reads: Collection[str]) -> Any:
     if getattr(analysis, "artifact", False):  # the reference's modules swapped in: the one fix an artifact takes
         if fix.setting != "float_layers":
             raise ValueError(f"an artifact takes no {fix.setting} fix: it is quantized already")
-        return analysis.variant(float_layers=fix.value, layers=layers)
+        per_layer = kinds or "weight" in reads  # else a trial of the outputs only, shared with the fix searches
+        return analysis.variant(float_layers=fix.value, layers=layers if per_layer else (), shadow="own" in kinds)
     if fix.setting == "layer_overrides":
         return analysis.variant(with_layer_overrides(analysis.quantizer, fix.value), layers=layers, layer_kinds=kinds)
     if fix.setting == "float_layers":

@@ -19,7 +19,6 @@ from torch import nn
 
 from qcore.artifact.blockwise import (
     BlockwiseArtifactError,
-    StreamRecord,
     artifact_stack,
     measure_artifact_blockwise,
     measure_artifacts_blockwise,
@@ -31,6 +30,7 @@ from qcore.artifact.measure import (
     ArtifactError,
     ArtifactMeasurement,
     ArtifactRun,
+    StreamRecord,
     float_layers_swapped,
     measure_artifact,
     measure_artifacts,
@@ -165,11 +165,12 @@ class ArtifactAnalysis:
     def __init__(self, reference: nn.Module, quantized: nn.Module, batches: Iterable[Any] | None = None, *,
                  float_layers: Iterable[str] = (), layers: list[ArtifactLayer] | None = None,
                  logits: bool = False, focus: Iterable[str] | None = None, stack: str | None = None,
-                 device: Any = None, group: ArtifactGroup | None = None, member: str = "") -> None:
+                 device: Any = None, group: ArtifactGroup | None = None, member: str = "",
+                 shadow: bool = True) -> None:
         """`logits`: compare the logits in the same pass (the output checks ask for them); `stack`: the module path
         of the stack of blocks to go through one at a time (qcore.artifact.blockwise), None for whole passes;
         `device`: where a block-wise pass onloads the blocks; `group`: the ArtifactGroup of artifacts of the same
-        reference this one is measured with, as its member `member`."""
+        reference this one is measured with, as its member `member`; `shadow`: measure each layer's own error."""
         self.reference, self.quantized = reference.eval(), unwrapped_artifact(quantized).eval()
         self.stack, self.device = stack, device
         self.float_layers = tuple(float_layers)
@@ -192,7 +193,7 @@ class ArtifactAnalysis:
         self._found_stack: str | None = ""  # the stack trials resume in, once looked for ("": not yet)
         self._screens: dict[tuple[int, int], tuple[list, list]] = {}  # (batch list, count) -> its first batches
         self._confirmed: list[tuple[list, tuple[str, ...]]] = []  # the sets the searches measured on every batch
-        self.group, self.member = group, member
+        self.group, self.member, self.shadow = group, member, shadow
         if group is not None:
             group.join(member, self)
 
@@ -317,7 +318,19 @@ class ArtifactAnalysis:
         with stage("comparison"):
             if self.group is not None:
                 return self.group.measured(self)
-            return self._measure(self.batches, self.float_layers, self.focus, self.logits_planned)
+            stack = self._trial_stack() if self.stack is None else None
+            if stack is None:
+                return self._measure(self.batches, self.float_layers, self.focus, self.logits_planned, self.shadow)
+            # the quantized stream at each block's input and the reference's outputs, kept while small, so that fix
+            # trials over every batch resume from the first block they change without running the reference
+            record = StreamRecord()
+            run = ArtifactRun(self.quantized, tuple(self._artifact_layers), self.float_layers, self.focus,
+                              self.logits_planned)
+            measured = measure_artifacts(self.reference, [run], self.batches, shadow=self.shadow, stack=stack,
+                                         records=[record])[0]
+            if record.complete:
+                self._records[id(self.batches)] = (self.batches, record)
+            return measured
 
     @property
     def sqnr(self) -> SqnrMeasurement:
@@ -357,15 +370,21 @@ class ArtifactAnalysis:
 
     # -- fixes -----------------------------------------------------------------------------------------------------
     def variant(self, float_layers: Iterable[str] = (), layers: Iterable[str] | None = None,
-                logits: bool = False) -> ArtifactAnalysis:
+                logits: bool = False, shadow: bool = True) -> ArtifactAnalysis:
         """The same artifact with the reference's modules swapped in at `float_layers` too (the same as pasting
-        them), kept per set; `layers`: the only layers measured (the outputs always)."""
+        them), kept per set; `layers`: the only layers measured (the outputs always); `shadow`: their own error
+        measured too (a variant measured with it serves one asked without)."""
         swapped = tuple(dict.fromkeys([*self.float_layers, *float_layers]))
-        key = (swapped, None if layers is None else tuple(sorted(layers)), logits)
+        key: tuple = (swapped, None if layers is None else tuple(sorted(layers)), logits)
+        if not shadow and key not in self._variants:
+            key = (*key, "no shadow")
         if key not in self._variants:
-            self._variants[key] = ArtifactAnalysis(self.reference, self.quantized, self.batches, float_layers=swapped,
-                                                   layers=self._artifact_layers, logits=logits, focus=layers,
-                                                   stack=self.stack, device=self.device)
+            variant = ArtifactAnalysis(self.reference, self.quantized, self.batches, float_layers=swapped,
+                                       layers=self._artifact_layers, logits=logits, focus=layers, stack=self.stack,
+                                       device=self.device, shadow=shadow)
+            if layers is not None and not list(layers):  # the outputs only: a fix trial's, shared with the searches
+                variant.__dict__["measurement"] = self._trial(swapped[len(self.float_layers):], self.batches, False)
+            self._variants[key] = variant
         return self._variants[key]
 
     def _value(self, metric: str, float_layers: Iterable[str], batches: list[Any], resume: bool = False) -> float:
@@ -387,11 +406,13 @@ class ArtifactAnalysis:
                 and self.measurement.logits is not None:
             return self.measurement  # the analysis's own pass: the same outputs and logits
         swapped = [*self.float_layers, *extra]
-        stack = self._trial_stack() if resume else None
         record = self._records.get(id(batches))
+        if record is not None and record[0] is not batches:
+            record = None
+        stack = self._trial_stack() if resume or record is not None else None
         if stack is None:
             measured = self._measure(batches, swapped, (), True, shadow=False)
-        elif record is None or record[0] is not batches:
+        elif record is None:
             stream = StreamRecord()
             try:
                 measured = measure_artifact_blockwise(self.reference, self.quantized, self._artifact_layers, batches,
@@ -425,6 +446,13 @@ class ArtifactAnalysis:
         kept = self._screens.get((id(batches), count))
         if kept is None or kept[0] is not batches:
             kept = self._screens[(id(batches), count)] = (batches, batches[:count])
+            recorded = self._records.get(id(batches))
+            if recorded is not None and recorded[0] is batches:  # the screen resumes from the same stream
+                head = StreamRecord()
+                head.inputs = [entries[:count] for entries in recorded[1].inputs]
+                head.last, head.expected = recorded[1].last[:count], recorded[1].expected[:count]
+                head.complete = True
+                self._records[id(kept[1])] = (kept[1], head)
         return kept[1]
 
     def _trial_stack(self) -> str | None:

@@ -26,6 +26,7 @@ from qcore.artifact.measure import (
     ArtifactError,
     ArtifactMeasurement,
     ArtifactRun,
+    StreamRecord,
     _compare_outputs,
     _measurement,
     _Pass,
@@ -229,17 +230,6 @@ def _block_onloaded(module: nn.Module, device: Any, which: str, where: str) -> I
 
 def _plain_call(call: Callable[[], Any]) -> Any:
     return call()
-
-
-class StreamRecord:
-    """What a fix trial resumes from: the quantized stream at each block's input and after the last block, and the
-    reference's outputs, per batch of one batch list, as the artifact computes them with its own float layers."""
-
-    def __init__(self) -> None:
-        self.inputs: list[list[tuple[tuple, dict]]] = []  # per block, per batch: the quantized block's (args, kwargs)
-        self.last: list[Any] = []  # per batch: the last quantized block's output
-        self.expected: list[Any] = []  # per batch: the reference model's output
-        self.complete = False
 
 
 def start_block(float_layers: Iterable[str], stack: str, blocks: int, before: Iterable[str]) -> int | None:

@@ -26,12 +26,17 @@ from qcore.measure.passes import LayerSqnr, OutputSqnr, SqnrMeasurement
 from qcore.numeric.loggers import StreamingComparator
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 
-__all__ = ["RESCALED_GAIN_DB", "ArtifactError", "ArtifactMeasurement", "ArtifactRun", "float_layers_swapped",
-           "input_channel_scales", "measure_artifact", "measure_artifacts", "quantized_forward_error"]
+__all__ = ["RECORD_LIMIT_BYTES", "RESCALED_GAIN_DB", "ArtifactError", "ArtifactMeasurement", "ArtifactRun",
+           "StreamRecord", "float_layers_swapped", "input_channel_scales", "measure_artifact", "measure_artifacts",
+           "quantized_forward_error"]
 
 # a layer whose weight matches the reference's this much better once each input channel is rescaled was rescaled
 # (SmoothQuant, AWQ): quantization noise alone is nearly orthogonal to the weight, so the fit gains ~0 dB
 RESCALED_GAIN_DB = 3.0
+
+# a whole pass keeps the stream fix trials resume from only while it holds at most this much (the quantized stream at
+# each block's input and the reference's outputs, for every batch): beyond, trials take passes of their own
+RECORD_LIMIT_BYTES = 256 << 20
 
 
 class ArtifactError(RuntimeError):
@@ -48,6 +53,72 @@ class ArtifactMeasurement:
     logits: LogitsMeasurement | None
     not_comparable: Mapping[str, str]
     order: tuple[str, ...]
+
+
+class StreamRecord:
+    """What a fix trial resumes from: the quantized stream at each block's input and after the last block, and the
+    reference's outputs, per batch of one batch list, as the artifact computes them with its own float layers."""
+
+    def __init__(self) -> None:
+        self.inputs: list[list[tuple[tuple, dict]]] = []  # per block, per batch: the quantized block's (args, kwargs)
+        self.last: list[Any] = []  # per batch: the last quantized block's output
+        self.expected: list[Any] = []  # per batch: the reference model's output
+        self.complete = False
+
+
+def _detached(value: Any) -> Any:
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
+
+
+def _stream_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+class _StreamRecorder:
+    """Fills a StreamRecord during a whole pass, from hooks on the quantized model's blocks of `stack`; gives up (an
+    empty, incomplete record) past `limit` bytes."""
+
+    def __init__(self, record: StreamRecord, quantized: nn.Module, stack: str, limit: int) -> None:
+        self.record, self.limit, self.bytes, self.given_up = record, limit, 0, False
+        blocks = quantized.get_submodule(stack)
+        record.inputs = [[] for _ in blocks]
+        self.handles = [block.register_forward_pre_hook(self._entered(index), with_kwargs=True)
+                        for index, block in enumerate(blocks)]
+        self.handles.append(blocks[-1].register_forward_hook(self._left))
+
+    def _entered(self, index: int) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self.given_up:
+                self.record.inputs[index].append(_detached((args, kwargs)))
+                self._count(args[:1] or kwargs.get("hidden_states"))  # masks and embeddings are the blocks' own
+        return hook
+
+    def _left(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self.given_up:
+            self.record.last.append(_detached(output))
+            self._count(output)
+
+    def expected(self, output: Any) -> None:
+        """The reference's output for the batch the pass is on."""
+        if not self.given_up:
+            self.record.expected.append(_detached(output))
+            self._count(output)
+
+    def _count(self, value: Any) -> None:
+        self.bytes += _stream_bytes(value)
+        if self.bytes > self.limit:
+            self.given_up = True
+            self.record.inputs, self.record.last, self.record.expected = [], [], []
+
+    def finish(self, batches: int) -> None:
+        """Remove the hooks; the record is complete when every block saw every batch once."""
+        for handle in self.handles:
+            handle.remove()
+        record = self.record
+        record.complete = not self.given_up and len(record.last) == len(record.expected) == batches and all(
+            len(entries) == batches for entries in record.inputs)
+        if not record.complete:
+            record.inputs, record.last, record.expected = [], [], []
 
 
 @dataclass(frozen=True)
@@ -332,25 +403,39 @@ def _recording(states: Sequence[_RunState], on: bool) -> None:
 
 
 def measure_artifacts(reference: nn.Module, runs: Sequence[ArtifactRun], batches: Iterable[Any], *,
-                      shadow: bool = True) -> list[ArtifactMeasurement]:
+                      shadow: bool = True, stack: str | None = None,
+                      records: Sequence[StreamRecord | None] | None = None) -> list[ArtifactMeasurement]:
     """measure_artifact for several artifacts of one reference at once: per batch the reference runs once, and each
     artifact's pass is compared with it (the reference's layer inputs and outputs are shared, not copied); one
-    measurement per run, each equal to measure_artifact's for that run alone."""
+    measurement per run, each equal to measure_artifact's for that run alone. `records`: per run, a StreamRecord
+    to fill from the blocks of `stack` (complete only while it holds at most RECORD_LIMIT_BYTES) or None."""
     states = [_RunState(run, shadow) for run in runs]
     for state in states:
         decompress_pending(state.quantized)  # now, where its progress bars are kept out of the run's output
-    with _runs_prepared(reference, states):
-        for batch in batches:
-            _recording(states, True)
-            try:
-                expected = call_model(reference, batch)
-            finally:
-                _recording(states, False)
-            for state in states:
-                actual = state.measured.compare(state.quantized, batch)
-                _compare_outputs(expected, actual, state.outputs, state.comparator, batch)
-                del actual
-            del expected  # before the next batch's passes: one batch's values at a time
+    recorders = [None if record is None or stack is None
+                 else _StreamRecorder(record, state.quantized, stack, RECORD_LIMIT_BYTES)
+                 for state, record in zip(states, records or [None] * len(states))]
+    count = 0
+    try:
+        with _runs_prepared(reference, states):
+            for batch in batches:
+                _recording(states, True)
+                try:
+                    expected = call_model(reference, batch)
+                finally:
+                    _recording(states, False)
+                for state, recorder in zip(states, recorders):
+                    if recorder is not None:
+                        recorder.expected(expected)
+                    actual = state.measured.compare(state.quantized, batch)
+                    _compare_outputs(expected, actual, state.outputs, state.comparator, batch)
+                    del actual
+                del expected  # before the next batch's passes: one batch's values at a time
+                count += 1
+    finally:
+        for recorder in recorders:
+            if recorder is not None:
+                recorder.finish(count)
     return [state.result(reference) for state in states]
 
 

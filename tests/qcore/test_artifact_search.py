@@ -95,3 +95,25 @@ def test_one_search_serves_every_gate_and_trials_run_no_reference_pass():
     second = analysis.float_layers_fix(kl_with_fix * 1.01, metric="kl_nats", max_batches=2)
     assert second.float_layers == first.float_layers and second.reached and second.trials == 1
     assert analysis._trials == kept
+
+
+def test_the_analysis_pass_keeps_the_stream_so_confirmations_run_no_reference(monkeypatch):
+    import qcore.artifact.measure as measure
+
+    reference = tiny_llama(layers=4)
+    artifact = _artifact(reference, {f"model.layers.{index}.mlp.down_proj": _Damaged for index in range(4)})
+    batches = _batches([16, 16, 16])
+    kept = ArtifactAnalysis(reference, artifact, batches)
+    kept.measurement  # noqa: B018 - the analysis's pass, which keeps the stream
+    calls = []
+    handle = reference.model.layers[0].register_forward_pre_hook(lambda module, args: calls.append(1))
+    resumed = kept._value("output_sqnr_db", ["model.layers.2.mlp.down_proj"], kept.batches)
+    handle.remove()
+    assert calls == []  # no reference pass: its outputs were recorded with the stream
+    # past the limit nothing is kept, and the same trial takes a pass of its own, to the same value
+    monkeypatch.setattr(measure, "RECORD_LIMIT_BYTES", 1024)
+    dropped = ArtifactAnalysis(reference, artifact, batches)
+    dropped.measurement  # noqa: B018
+    assert not dropped._records
+    assert dropped._value("output_sqnr_db", ["model.layers.2.mlp.down_proj"], dropped.batches) == resumed
+    assert resumed == _output_db(reference, artifact, batches, ["model.layers.2.mlp.down_proj"])
