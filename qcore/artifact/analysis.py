@@ -149,6 +149,9 @@ class ArtifactGroup:
         return results[0]
 
 
+SCREEN_BATCHES = 2  # the batches fix searches screen on by default: the analysis's pass keeps their stream
+
+
 def _meets(value: float, target: float, higher_is_better: bool) -> bool:
     return not math.isnan(value) and (value >= target if higher_is_better else value <= target)
 
@@ -321,15 +324,16 @@ class ArtifactAnalysis:
             stack = self._trial_stack() if self.stack is None else None
             if stack is None:
                 return self._measure(self.batches, self.float_layers, self.focus, self.logits_planned, self.shadow)
-            # the quantized stream at each block's input and the reference's outputs, kept while small, so that fix
-            # trials over every batch resume from the first block they change without running the reference
+            # the quantized stream at each block's input and the reference's outputs over the batches fix searches
+            # screen on, so that their trials resume from the first block they change without running the reference
             record = StreamRecord()
             run = ArtifactRun(self.quantized, tuple(self._artifact_layers), self.float_layers, self.focus,
                               self.logits_planned)
             measured = measure_artifacts(self.reference, [run], self.batches, shadow=self.shadow, stack=stack,
-                                         records=[record])[0]
+                                         records=[record], recorded=SCREEN_BATCHES)[0]
             if record.complete:
-                self._records[id(self.batches)] = (self.batches, record)
+                head = self._first_batches(self.batches, SCREEN_BATCHES)
+                self._records[id(head)] = (head, record)
             return measured
 
     @property
@@ -446,13 +450,6 @@ class ArtifactAnalysis:
         kept = self._screens.get((id(batches), count))
         if kept is None or kept[0] is not batches:
             kept = self._screens[(id(batches), count)] = (batches, batches[:count])
-            recorded = self._records.get(id(batches))
-            if recorded is not None and recorded[0] is batches:  # the screen resumes from the same stream
-                head = StreamRecord()
-                head.inputs = [entries[:count] for entries in recorded[1].inputs]
-                head.last, head.expected = recorded[1].last[:count], recorded[1].expected[:count]
-                head.complete = True
-                self._records[id(kept[1])] = (kept[1], head)
         return kept[1]
 
     def _trial_stack(self) -> str | None:
@@ -521,7 +518,7 @@ class ArtifactAnalysis:
         return sorted(names, key=own)[:max_candidates]
 
     def float_layers_fix(self, target: float, metric: str = "output_sqnr_db", max_float_layers: int = 8,
-                         max_batches: int | None = 2, batches: list[Any] | None = None,
+                         max_batches: int | None = SCREEN_BATCHES, batches: list[Any] | None = None,
                          max_candidates: int = 32) -> ArtifactFix:
         """A verified set of up to `max_float_layers` layers to keep in float (the reference's modules swapped in)
         for `metric` (OUTPUT_METRICS) to meet `target` on `batches` (default: the analysis's): each of the

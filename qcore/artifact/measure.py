@@ -34,8 +34,9 @@ __all__ = ["RECORD_LIMIT_BYTES", "RESCALED_GAIN_DB", "ArtifactError", "ArtifactM
 # (SmoothQuant, AWQ): quantization noise alone is nearly orthogonal to the weight, so the fit gains ~0 dB
 RESCALED_GAIN_DB = 3.0
 
-# a whole pass keeps the stream fix trials resume from only while it holds at most this much (the quantized stream at
-# each block's input and the reference's outputs, for every batch): beyond, trials take passes of their own
+# a whole pass keeps the stream fix trials resume from (the quantized stream at each block's input and the
+# reference's outputs) for its first batches only, the ones fix searches screen on: what it holds does not grow
+# with the number of batches; and only while that holds at most this much, else the screens record their own
 RECORD_LIMIT_BYTES = 256 << 20
 
 
@@ -86,6 +87,12 @@ class _StreamRecorder:
                         for index, block in enumerate(blocks)]
         self.handles.append(blocks[-1].register_forward_hook(self._left))
 
+    def stop(self) -> None:
+        """Record no further batch."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
     def _entered(self, index: int) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not self.given_up:
@@ -100,7 +107,7 @@ class _StreamRecorder:
 
     def expected(self, output: Any) -> None:
         """The reference's output for the batch the pass is on."""
-        if not self.given_up:
+        if not self.given_up and self.handles:
             self.record.expected.append(_detached(output))
             self._count(output)
 
@@ -111,9 +118,8 @@ class _StreamRecorder:
             self.record.inputs, self.record.last, self.record.expected = [], [], []
 
     def finish(self, batches: int) -> None:
-        """Remove the hooks; the record is complete when every block saw every batch once."""
-        for handle in self.handles:
-            handle.remove()
+        """Remove the hooks; the record is complete when every block saw each of the `batches` first batches once."""
+        self.stop()
         record = self.record
         record.complete = not self.given_up and len(record.last) == len(record.expected) == batches and all(
             len(entries) == batches for entries in record.inputs)
@@ -404,11 +410,13 @@ def _recording(states: Sequence[_RunState], on: bool) -> None:
 
 def measure_artifacts(reference: nn.Module, runs: Sequence[ArtifactRun], batches: Iterable[Any], *,
                       shadow: bool = True, stack: str | None = None,
-                      records: Sequence[StreamRecord | None] | None = None) -> list[ArtifactMeasurement]:
+                      records: Sequence[StreamRecord | None] | None = None,
+                      recorded: int = 2) -> list[ArtifactMeasurement]:
     """measure_artifact for several artifacts of one reference at once: per batch the reference runs once, and each
     artifact's pass is compared with it (the reference's layer inputs and outputs are shared, not copied); one
     measurement per run, each equal to measure_artifact's for that run alone. `records`: per run, a StreamRecord
-    to fill from the blocks of `stack` (complete only while it holds at most RECORD_LIMIT_BYTES) or None."""
+    to fill from the blocks of `stack` for the first `recorded` batches (complete only while it holds at most
+    RECORD_LIMIT_BYTES) or None."""
     states = [_RunState(run, shadow) for run in runs]
     for state in states:
         decompress_pending(state.quantized)  # now, where its progress bars are kept out of the run's output
@@ -432,10 +440,14 @@ def measure_artifacts(reference: nn.Module, runs: Sequence[ArtifactRun], batches
                     del actual
                 del expected  # before the next batch's passes: one batch's values at a time
                 count += 1
+                if count == recorded:
+                    for recorder in recorders:
+                        if recorder is not None:
+                            recorder.stop()
     finally:
         for recorder in recorders:
             if recorder is not None:
-                recorder.finish(count)
+                recorder.finish(min(count, recorded))
     return [state.result(reference) for state in states]
 
 

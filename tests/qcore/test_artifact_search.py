@@ -97,23 +97,28 @@ def test_one_search_serves_every_gate_and_trials_run_no_reference_pass():
     assert analysis._trials == kept
 
 
-def test_the_analysis_pass_keeps_the_stream_so_confirmations_run_no_reference(monkeypatch):
+def test_the_analysis_pass_keeps_the_screens_stream_and_no_more(monkeypatch):
     import qcore.artifact.measure as measure
 
     reference = tiny_llama(layers=4)
     artifact = _artifact(reference, {f"model.layers.{index}.mlp.down_proj": _Damaged for index in range(4)})
-    batches = _batches([16, 16, 16])
+    batches = _batches([16] * 5)
+    layer = "model.layers.2.mlp.down_proj"
     kept = ArtifactAnalysis(reference, artifact, batches)
-    kept.measurement  # noqa: B018 - the analysis's pass, which keeps the stream
+    kept.measurement  # noqa: B018 - the analysis's pass, which keeps the stream of the screen's batches
+    screen = kept._first_batches(kept.batches, 2)
+    [(recorded, record)] = kept._records.values()
+    assert recorded is screen and [len(entries) for entries in record.inputs] == [2] * 4  # not one per batch
     calls = []
     handle = reference.model.layers[0].register_forward_pre_hook(lambda module, args: calls.append(1))
-    resumed = kept._value("output_sqnr_db", ["model.layers.2.mlp.down_proj"], kept.batches)
+    resumed = kept._value("output_sqnr_db", [layer], screen, resume=True)
     handle.remove()
     assert calls == []  # no reference pass: its outputs were recorded with the stream
-    # past the limit nothing is kept, and the same trial takes a pass of its own, to the same value
+    assert resumed == _output_db(reference, artifact, batches[:2], [layer])
+    # past the limit nothing is kept, and the screen records its own stream, to the same value
     monkeypatch.setattr(measure, "RECORD_LIMIT_BYTES", 1024)
     dropped = ArtifactAnalysis(reference, artifact, batches)
     dropped.measurement  # noqa: B018
     assert not dropped._records
-    assert dropped._value("output_sqnr_db", ["model.layers.2.mlp.down_proj"], dropped.batches) == resumed
-    assert resumed == _output_db(reference, artifact, batches, ["model.layers.2.mlp.down_proj"])
+    assert dropped._value("output_sqnr_db", [layer], dropped._first_batches(dropped.batches, 2), resume=True) == \
+        resumed
