@@ -394,21 +394,23 @@ class ArtifactAnalysis:
     def _value(self, metric: str, float_layers: Iterable[str], batches: list[Any], resume: bool = False) -> float:
         """`metric` over `batches` with `float_layers` kept in float too (_trial)."""
         read, _ = OUTPUT_METRICS[metric]
-        return read(self._trial(float_layers, batches, resume))
+        return read(self._trial(float_layers, batches, resume, logits=metric != "output_sqnr_db"))
 
-    def _trial(self, float_layers: Iterable[str], batches: list[Any], resume: bool) -> ArtifactMeasurement:
+    def _trial(self, float_layers: Iterable[str], batches: list[Any], resume: bool,
+               logits: bool = True) -> ArtifactMeasurement:
         """The outputs and logits over `batches` with `float_layers` kept in float too, kept per set and batch list:
-        every metric's search reads the same trials. `resume`: the trial runs from the first block of the models'
-        stack it changes, on the quantized stream a first pass over the same batch list recorded, against the
-        reference outputs that pass recorded (no reference pass, no model copy)."""
+        every metric's search reads the same trials (`logits`: whether the caller reads them). `resume`: the trial
+        runs from the first block of the models' stack it changes, on the quantized stream a first pass over the
+        same batch list recorded, against the reference outputs that pass recorded (no reference pass, no model
+        copy)."""
         extra = tuple(dict.fromkeys(float_layers))
         key = (frozenset(extra), id(batches))
         kept = self._trials.get(key)
         if kept is not None and kept[0] is batches:
             return kept[1]
         if not extra and not resume and batches is self._batches and "measurement" in self.__dict__ \
-                and self.measurement.logits is not None:
-            return self.measurement  # the analysis's own pass: the same outputs and logits
+                and (self.measurement.logits is not None or not logits):
+            return self.measurement  # the analysis's own pass: the same outputs (and logits, when it compared them)
         swapped = [*self.float_layers, *extra]
         record = self._records.get(id(batches))
         if record is not None and record[0] is not batches:
@@ -547,16 +549,26 @@ class ArtifactAnalysis:
                 fix = ArtifactFix(metric, target, before, chosen_set, value, True, 1, self.tool, self.skipped)
                 self._fixes[key] = fix
                 return fix
+            candidates = self._candidates(max_candidates)
+            quantized = [layer for layer in self._artifact_layers if layer.name not in self.float_layers]
+            limit = min(max_float_layers, len(quantized) - 1)  # a proper subset, never every layer
+            if candidates and not _meets(self._value(metric, candidates, trial_batches, resume=True), target, higher):
+                # every candidate kept in float at once does not meet the target on the screen, so no set of them
+                # does (keeping more in float does not make the output worse): the most the fix may keep, measured
+                chosen = candidates[:limit]
+                self._confirmed.append((batches, tuple(chosen)))
+                measured = self._value(metric, chosen, batches)
+                fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher),
+                                  3, self.tool, self.skipped)
+                self._fixes[key] = fix
+                return fix
             base = self._value(metric, (), trial_batches, resume=True) if trial_batches is not batches else before
-            singles = {name: self._value(metric, (name,), trial_batches, resume=True)
-                       for name in self._candidates(max_candidates)}
-            trials = len(singles) + 2
+            singles = {name: self._value(metric, (name,), trial_batches, resume=True) for name in candidates}
+            trials = len(singles) + 3
             ranked = sorted((name for name in singles if not math.isnan(singles[name])),
                             key=lambda name: -singles[name] if higher else singles[name])
             better = [name for name in ranked if (singles[name] > base if higher else singles[name] < base)]
-            quantized = [layer for layer in self._artifact_layers if layer.name not in self.float_layers]
-            ladder = better[:min(max_float_layers, len(quantized) - 1)]  # a proper subset, never every layer
-            chosen, screened, confirmed = self._climb(metric, target, ladder, trial_batches, batches)
+            chosen, screened, confirmed = self._climb(metric, target, better[:limit], trial_batches, batches)
             trials += screened + confirmed
             measured = self._value(metric, chosen, batches) if chosen else before
         fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher), trials,

@@ -122,3 +122,16 @@ def test_the_analysis_pass_keeps_the_screens_stream_and_no_more(monkeypatch):
     assert not dropped._records
     assert dropped._value("output_sqnr_db", [layer], dropped._first_batches(dropped.batches, 2), resume=True) == \
         resumed
+
+
+def test_a_target_no_candidate_set_meets_on_the_screen_costs_one_screen_and_one_confirmation():
+    reference = tiny_llama(layers=4)
+    artifact = _artifact(reference, {f"model.layers.{index}.mlp.down_proj": _Damaged for index in range(4)})
+    batches = _batches([16, 16, 16])
+    analysis = ArtifactAnalysis(reference, artifact, batches)
+    analysis.measurement  # noqa: B018
+    fix = analysis.float_layers_fix(80.0, max_batches=2, max_candidates=2)
+    # both candidates in float at once fall short on the screen: no candidate is tried alone
+    assert len(analysis._trials) == 2  # that screen, and the set measured on every batch
+    assert len(fix.float_layers) == 2 and not fix.reached
+    assert fix.measured == _output_db(reference, artifact, batches, list(fix.float_layers))
