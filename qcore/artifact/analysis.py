@@ -334,6 +334,8 @@ class ArtifactAnalysis:
             if record.complete:
                 head = self._first_batches(self.batches, SCREEN_BATCHES)
                 self._records[id(head)] = (head, record)
+            elif not record.chained:
+                self._found_stack = None  # the model computes between its blocks: trials take whole passes
             return measured
 
     @property

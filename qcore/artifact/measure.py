@@ -65,6 +65,7 @@ class StreamRecord:
         self.last: list[Any] = []  # per batch: the last quantized block's output
         self.expected: list[Any] = []  # per batch: the reference model's output
         self.complete = False
+        self.chained = True  # False once a block's stream input was seen not to be the previous block's output
 
 
 def _detached(value: Any) -> Any:
@@ -75,17 +76,33 @@ def _stream_bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
+def _stream_of(value: Any) -> Any:
+    """The stream a block returns (itself, or the first tensor of a tuple), or a block's stream input."""
+    return value if isinstance(value, torch.Tensor) else next(
+        (leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)), None)
+
+
 class _StreamRecorder:
     """Fills a StreamRecord during a whole pass, from hooks on the quantized model's blocks of `stack`; gives up (an
-    empty, incomplete record) past `limit` bytes."""
+    empty, incomplete record) past `limit` bytes, or when a block's stream input is not the previous block's output
+    (the model computes between its blocks: a trial could not resume from the stream)."""
 
     def __init__(self, record: StreamRecord, quantized: nn.Module, stack: str, limit: int) -> None:
         self.record, self.limit, self.bytes, self.given_up = record, limit, 0, False
         blocks = quantized.get_submodule(stack)
         record.inputs = [[] for _ in blocks]
+        self.previous: Any = None  # the stream the last block that ran returned
         self.handles = [block.register_forward_pre_hook(self._entered(index), with_kwargs=True)
                         for index, block in enumerate(blocks)]
+        self.handles += [block.register_forward_hook(self._returned) for block in blocks]
         self.handles.append(blocks[-1].register_forward_hook(self._left))
+
+    def _returned(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.previous = _stream_of(output)
+
+    def _give_up(self) -> None:
+        self.given_up = True
+        self.record.inputs, self.record.last, self.record.expected = [], [], []
 
     def stop(self) -> None:
         """Record no further batch."""
@@ -95,9 +112,15 @@ class _StreamRecorder:
 
     def _entered(self, index: int) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self.given_up:
-                self.record.inputs[index].append(_detached((args, kwargs)))
-                self._count(args[:1] or kwargs.get("hidden_states"))  # masks and embeddings are the blocks' own
+            if self.given_up:
+                return
+            stream = args[0] if args else kwargs.get("hidden_states")
+            if index > 0 and (stream is None or stream is not self.previous):
+                self.record.chained = False
+                self._give_up()
+                return
+            self.record.inputs[index].append(_detached((args, kwargs)))
+            self._count(stream)  # masks and embeddings are the blocks' own
         return hook
 
     def _left(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -114,8 +137,7 @@ class _StreamRecorder:
     def _count(self, value: Any) -> None:
         self.bytes += _stream_bytes(value)
         if self.bytes > self.limit:
-            self.given_up = True
-            self.record.inputs, self.record.last, self.record.expected = [], [], []
+            self._give_up()
 
     def finish(self, batches: int) -> None:
         """Remove the hooks; the record is complete when every block saw each of the `batches` first batches once."""

@@ -135,3 +135,32 @@ def test_a_target_no_candidate_set_meets_on_the_screen_costs_one_screen_and_one_
     assert len(analysis._trials) == 2  # that screen, and the set measured on every batch
     assert len(fix.float_layers) == 2 and not fix.reached
     assert fix.measured == _output_db(reference, artifact, batches, list(fix.float_layers))
+
+
+class _Halving(nn.Module):
+    """A model that scales its stream between its blocks: a trial cannot resume from a block's recorded input."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(128, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(32, 128)
+
+    def forward(self, input_ids):
+        stream = self.embed(input_ids)
+        for block in self.blocks:
+            stream = block(stream) * 0.5
+        return self.head(stream)
+
+
+def test_a_model_that_computes_between_its_blocks_keeps_no_stream_and_its_trials_are_whole_passes():
+    reference = _Halving().eval()
+    artifact = _artifact(reference, {"blocks.0.0": _Damaged, "blocks.2.0": _Damaged})
+    batches = _batches([8, 8, 8])
+    analysis = ArtifactAnalysis(reference, artifact, batches)
+    analysis.measurement  # noqa: B018
+    assert not analysis._records
+    screen = analysis._first_batches(analysis.batches, 2)
+    assert analysis._value("output_sqnr_db", ["blocks.2.0"], screen, resume=True) == \
+        _output_db(reference, artifact, batches[:2], ["blocks.2.0"])
