@@ -525,9 +525,11 @@ class ArtifactAnalysis:
                          max_batches: int | None = SCREEN_BATCHES, batches: list[Any] | None = None,
                          max_candidates: int = 32) -> ArtifactFix:
         """A verified set of up to `max_float_layers` layers to keep in float (the reference's modules swapped in)
-        for `metric` (OUTPUT_METRICS) to meet `target` on `batches` (default: the analysis's): each of the
-        `max_candidates` layers with the largest own error is swapped in alone on `max_batches` batches, then
-        the best are added one at a time until the target is met; the set is measured on every batch."""
+        for `metric` (OUTPUT_METRICS) to meet `target` on `batches` (default: the analysis's). A set another
+        metric's search confirmed serves when it meets the target; else the `max_candidates` layers with the largest
+        own error are screened on the first `max_batches` batches (all at once first: when that misses the target
+        no set of them meets it; then each alone), the shortest head of them, best first, that meets the target is
+        found (_climb), and the set returned is measured on every batch."""
         batches = self.batches if batches is None else batches
         key = (metric, target, max_float_layers, max_batches, max_candidates, id(batches))
         if key in self._fixes:
