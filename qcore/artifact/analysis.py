@@ -536,12 +536,17 @@ class ArtifactAnalysis:
             return self._fixes[key]
         _, higher = OUTPUT_METRICS[metric]
         trial_batches = self._first_batches(batches, max_batches)
+
+        def kept(chosen: Iterable[str], measured: float, trials: int) -> ArtifactFix:
+            fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher),
+                              trials, self.tool, self.skipped)
+            self._fixes[key] = fix
+            return fix
+
         with stage("trials"):
             before = self._value(metric, (), batches, resume=trial_batches is batches)
             if _meets(before, target, higher):  # nothing to fix
-                fix = ArtifactFix(metric, target, before, (), before, True, 1, self.tool, self.skipped)
-                self._fixes[key] = fix
-                return fix
+                return kept((), before, 1)
             # one search serves every gate: a set another metric's search measured on these batches, if it meets this
             # target too (read from the same trials, nothing run)
             served = [chosen for measured_on, chosen in self._confirmed if measured_on is batches
@@ -549,10 +554,7 @@ class ArtifactAnalysis:
                                                                      higher)]
             if served:
                 chosen_set = min(served, key=len)
-                value = self._value(metric, chosen_set, batches)
-                fix = ArtifactFix(metric, target, before, chosen_set, value, True, 1, self.tool, self.skipped)
-                self._fixes[key] = fix
-                return fix
+                return kept(chosen_set, self._value(metric, chosen_set, batches), 1)
             candidates = self._candidates(max_candidates)
             quantized = [layer for layer in self._artifact_layers if layer.name not in self.float_layers]
             limit = min(max_float_layers, len(quantized) - 1)  # a proper subset, never every layer
@@ -561,11 +563,7 @@ class ArtifactAnalysis:
                 # does (keeping more in float does not make the output worse): the most the fix may keep, measured
                 chosen = candidates[:limit]
                 self._confirmed.append((batches, tuple(chosen)))
-                measured = self._value(metric, chosen, batches)
-                fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher),
-                                  3, self.tool, self.skipped)
-                self._fixes[key] = fix
-                return fix
+                return kept(chosen, self._value(metric, chosen, batches), 3)
             base = self._value(metric, (), trial_batches, resume=True) if trial_batches is not batches else before
             singles = {name: self._value(metric, (name,), trial_batches, resume=True) for name in candidates}
             trials = len(singles) + 3
@@ -574,9 +572,5 @@ class ArtifactAnalysis:
             better = [name for name in ranked if (singles[name] > base if higher else singles[name] < base)]
             chosen, screened, confirmed = self._climb(metric, target, better[:limit], trial_batches, batches)
             trials += screened + confirmed
-            measured = self._value(metric, chosen, batches) if chosen else before
-        fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher), trials,
-                          self.tool, self.skipped)
-        self._fixes[key] = fix
-        return fix
+            return kept(chosen, self._value(metric, chosen, batches) if chosen else before, trials)
 
