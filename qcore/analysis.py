@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import gc
 import hashlib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -77,6 +78,7 @@ __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "A
 # the plugin reads qcore through this module, qcore itself, qcore.report and qcore.numeric only (an import-linter
 # contract): the names above that live deeper are re-exported for it
 
+FLOAT_LAYERS_CANDIDATES = 8  # the layers a float_layers search screens, by own error
 _DIGEST_COPY_BYTES = 64 << 20  # calibration_digest copies batches on an accelerator to the host this much at a time
 
 
@@ -645,19 +647,37 @@ class ModelAnalysis:
                                                   max_moves=max_moves, max_batches=max_batches)
         return self._fixes[key]
 
-    def float_layers_fix(self, target_db: float, max_float_layers: int = 8, max_batches: int | None = 2) -> Any:
-        """qcore.search.sensitivity.FloatLayersFix: a verified set of layers to keep in float to reach `target_db`."""
+    def float_layers_fix(self, target_db: float, max_float_layers: int = 8, max_batches: int | None = 2,
+                         candidates: int = FLOAT_LAYERS_CANDIDATES) -> Any:
+        """qcore.search.sensitivity.FloatLayersFix: a verified set of layers to keep in float to reach `target_db`,
+        searched among the `candidates` layers whose own error is largest (screened on the first `max_batches`
+        batches, the set returned measured on every batch)."""
         from qcore.search.sensitivity import find_float_layers
 
         self.whole_model("the float_layers search")
-        key = (target_db, max_float_layers, max_batches)
+        key = (target_db, max_float_layers, max_batches, candidates)
         cache = self._fixes
         if key not in cache:
             with stage("trials"):
                 cache[key] = find_float_layers(self.quantized_input_gm, self.batches, self.quantizer, target_db,
                                                max_float_layers=max_float_layers, max_batches=max_batches,
-                                               model=self.switchable)
+                                               model=self.switchable, candidates=candidates,
+                                               ranking=self.own_error_ranking())
         return cache[key]
+
+    def own_error_ranking(self) -> list[str]:
+        """The quantized layers whose own error is largest first: own (shadow) SQNR where measured, else the
+        propagated SQNR; graph order among equals."""
+        measured = self.sqnr.layers
+
+        def own(name: str) -> float:
+            entry = measured.get(name)
+            if entry is None:
+                return math.inf
+            value = entry.shadow_sqnr_db if not math.isnan(entry.shadow_sqnr_db) else entry.sqnr_db
+            return math.inf if math.isnan(value) else value
+
+        return sorted((entry.layer for entry in self.layers), key=own)
 
     def detector_reports(self, detectors: Mapping[str, DetectorBase]) -> dict[str, dict[str, dict[str, Any]]]:
         """Every detector's report over the batches: {key: {layer: raw detector entry}}. Planned detectors come

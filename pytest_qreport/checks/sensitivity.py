@@ -7,7 +7,7 @@ from typing import Any
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from .advice import float_search_limit, max_float_layers
-from .artifact import artifact_fix, artifact_fix_advice, is_artifact
+from .artifact import DEFAULT_CANDIDATES, artifact_fix, artifact_fix_advice, is_artifact
 
 __all__ = ["BLOCKWISE_NOTE", "SensitivityCheck", "float_layers_advice", "output_fix", "output_float_layers_fix",
            "recipe"]
@@ -65,7 +65,8 @@ def output_float_layers_fix(model: ModelContext, target_db: float) -> Any | None
     if not isinstance(getattr(model.analysis.quantizer, "layer_overrides", None), dict):
         return None
     return model.analysis.float_layers_fix(target_db, max_float_layers(model, "model_sqnr"),
-                                           options.get("batches", DEFAULT_BATCHES))
+                                           options.get("batches", DEFAULT_BATCHES),
+                                           int(options.get("candidates", DEFAULT_CANDIDATES)))
 
 
 def float_layers_advice(model: ModelContext, target_db: float) -> str:

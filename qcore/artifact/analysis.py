@@ -45,6 +45,7 @@ from qcore.artifact.tools import (
     unwrapped_artifact,
 )
 from qcore.measure.passes import SqnrMeasurement
+from qcore.measure.screens import screened_ladder, shortest_head
 from qcore.numeric.logits import LogitsMeasurement
 from qcore.runtime.progress import stage
 
@@ -469,38 +470,18 @@ class ArtifactAnalysis:
 
     def _climb(self, metric: str, target: float, ladder: list[str], screen_batches: list[Any],
                batches: list[Any]) -> tuple[list[str], int, int]:
-        """(the shortest head of `ladder` (the candidates, best first) that meets `target` on the screen's batches
-        and on every batch, else the whole ladder; the screen's trials; the sets measured on every batch). Keeping
-        more layers in float does not make the output worse, so the head is found by bisection on the screen;
-        every set returned is measured on every batch (the confirmation), and one that meets the target only on the
-        screen is not taken for one that reaches it."""
+        """shortest_head of `ladder` for `metric` to meet `target`: screened on `screen_batches` (resumed), each
+        head returned measured on every batch and kept as a confirmed set other gates may take."""
         _, higher = OUTPUT_METRICS[metric]
-        if not ladder:
-            return [], 0, 0
 
-        def screen(count: int) -> bool:
-            return _meets(self._value(metric, ladder[:count], screen_batches, resume=True), target, higher)
+        def screen(head: list[str]) -> bool:
+            return _meets(self._value(metric, head, screen_batches, resume=True), target, higher)
 
-        def confirm(count: int) -> bool:
-            self._confirmed.append((batches, tuple(ladder[:count])))
-            return _meets(self._value(metric, ladder[:count], batches), target, higher)
+        def confirm(head: list[str]) -> bool:
+            self._confirmed.append((batches, tuple(head)))
+            return _meets(self._value(metric, head, batches), target, higher)
 
-        screened = 1
-        if not screen(len(ladder)):  # no head meets it on the screen: the whole ladder is the best found
-            confirm(len(ladder))
-            return ladder, screened, 1
-        low, high = 1, len(ladder)
-        while low < high:
-            middle = (low + high) // 2
-            screened += 1
-            if screen(middle):
-                high = middle
-            else:
-                low = middle + 1
-        if confirm(low) or low == len(ladder):
-            return ladder[:low], screened, 1
-        confirm(len(ladder))  # the screen's head falls short on every batch: the whole ladder, measured
-        return ladder, screened, 2
+        return shortest_head(ladder, screen, confirm)
 
     def _before_stack(self, stack: str) -> list[str]:
         """The artifact's layers that run before the stack (in module order before it)."""
@@ -567,10 +548,8 @@ class ArtifactAnalysis:
             base = self._value(metric, (), trial_batches, resume=True) if trial_batches is not batches else before
             singles = {name: self._value(metric, (name,), trial_batches, resume=True) for name in candidates}
             trials = len(singles) + 3
-            ranked = sorted((name for name in singles if not math.isnan(singles[name])),
-                            key=lambda name: -singles[name] if higher else singles[name])
-            better = [name for name in ranked if (singles[name] > base if higher else singles[name] < base)]
-            chosen, screened, confirmed = self._climb(metric, target, better[:limit], trial_batches, batches)
+            ladder = screened_ladder(candidates, singles, base, higher)
+            chosen, screened, confirmed = self._climb(metric, target, ladder[:limit], trial_batches, batches)
             trials += screened + confirmed
             return kept(chosen, self._value(metric, chosen, batches) if chosen else before, trials)
 

@@ -10,6 +10,7 @@ are quantized in the copy.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,48 @@ from qcore.quantization.convert import QPARAMS_KEY, convert, restore_model_state
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Quantizer, with_layer_overrides
 
-__all__ = ["ObserversAhead", "Screen", "ScreenedLayers", "quantize_for_screen"]
+__all__ = ["ObserversAhead", "Screen", "ScreenedLayers", "quantize_for_screen", "screened_ladder", "shortest_head"]
+
+
+def screened_ladder(pool: Sequence[str], alone: Mapping[str, float], base: float, higher: bool = True) -> list[str]:
+    """The order a float_layers search tries `pool` (its candidates, largest own error first) in: the layers
+    measured to help when kept in float alone (`alone`: {layer: the metric then}, against `base` with none), the
+    most first, then the others in the pool's order. A layer may help only with another in float (its error
+    hidden behind the other's), so none is dropped."""
+    def value(name: str) -> float:
+        return alone.get(name, math.nan)
+
+    helping = [name for name in pool if not math.isnan(value(name)) and (value(name) > base if higher
+                                                                          else value(name) < base)]
+    helping.sort(key=lambda name: -value(name) if higher else value(name))  # stable: pool order among equals
+    return helping + [name for name in pool if name not in helping]
+
+
+def shortest_head(ladder: Sequence[str], screen: Callable[[list[str]], bool], confirm: Callable[[list[str]], bool]
+                  ) -> tuple[list[str], int, int]:
+    """(the shortest head of `ladder` (candidates, best first) that meets a target on a screen and on every batch,
+    else the whole ladder; the screens run; the confirmations run). `screen(head)` and `confirm(head)` say whether
+    keeping `head` in float meets the target on the screen's batches and on every batch. Keeping more layers in
+    float is taken not to make the output worse, so the head is found by bisection on the screen; every head
+    returned is confirmed, and one that meets the target only on the screen is not returned for one that does."""
+    ladder = list(ladder)
+    if not ladder:
+        return [], 0, 0
+    if not screen(ladder):  # no head meets it on the screen: the whole ladder is the best found
+        confirm(ladder)
+        return ladder, 1, 1
+    low, high, screened = 1, len(ladder), 1
+    while low < high:
+        middle = (low + high) // 2
+        screened += 1
+        if screen(ladder[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    if confirm(ladder[:low]) or low == len(ladder):
+        return ladder[:low], screened, 1
+    confirm(ladder)  # the screen's head falls short on every batch: the whole ladder, measured
+    return ladder, screened, 2
 
 
 @dataclass(frozen=True)

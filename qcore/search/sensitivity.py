@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.inputs import call_model, move_to
 from qcore.graph.ops import INSERTED_KEY, fetch_attr, find_quantizable_ops, is_weight_value
+from qcore.measure.screens import screened_ladder, shortest_head
 from qcore.numeric.metrics import signal_and_noise, sqnr_from_sums
 from qcore.quantization.calibrate import calibrate, model_device
 from qcore.quantization.convert import convert, restore_model_state
@@ -330,7 +331,8 @@ def with_float_layers(quantizer: Quantizer, layers: Iterable[str]) -> Quantizer:
 def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None, target_db: float,
                       *, max_float_layers: int = 8, candidates: int = 12, max_batches: int | None = 2,
                       sensitivity: SensitivityResult | None = None, model: SwitchableModel | None = None,
-                      compare_with_ranking: bool = False, estimate: bool = True) -> FloatLayersFix:
+                      compare_with_ranking: bool = False, estimate: bool = True,
+                      ranking: Sequence[str] | None = None) -> FloatLayersFix:
     """Greedy search for a small set of layers to keep in float so that the output SQNR reaches `target_db`,
     then one exact measurement with that set skipped by the quantizer.
 
@@ -341,10 +343,18 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     estimated on the first search batch; only the best estimates are measured on the other batches
     (REMEASURED_CANDIDATES of a step, twice `candidates` of the ranking), and the best measured is chosen.
     estimate=False measures every one on every search batch.
+
+    `ranking` (the layers whose own error is largest first, as the analysis measured it) screens instead: its first
+    `candidates` layers are each kept in float alone on the search batches (all at once first: when that misses the
+    target, no set of them meets it), and the shortest head of them, best first, that meets the target there is
+    found by bisection (shortest_head), each head returned measured exactly on every batch.
     """
     quantizer = quantizer or Int8StaticQuantizer()
     model = model or SwitchableModel(float_gm, batches, quantizer)
     subset = list(batches)[:max_batches] if max_batches else list(batches)
+    if ranking is not None:
+        return _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, ranking,
+                                      min(max_float_layers, len(model.layers) - 1), candidates)
     if sensitivity is not None:
         pool = [entry.layer for entry in sensitivity.layers][:candidates]
         all_quantized_db = sensitivity.all_quantized_db
@@ -372,12 +382,55 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     measured_db = worst.sqnr_db if worst is not None else all_quantized_db
     naive = None
     if compare_with_ranking:
-        ranking = sensitivity or layer_sensitivity(float_gm, subset, quantizer, model=model, only_quantized=False)
-        naive = _naive_top_k(model, ranking, subset, target_db, max_float_layers)
+        ranked = sensitivity or layer_sensitivity(float_gm, subset, quantizer, model=model, only_quantized=False)
+        naive = _naive_top_k(model, ranked, subset, target_db, max_float_layers)
     return FloatLayersFix(tuple(chosen), estimated_db, measured_db, target_db, measured_db >= target_db, naive)
 
 
 REMEASURED_CANDIDATES = 3  # of a greedy step's estimates, how many best are measured on every search batch
+
+
+def _screened_float_layers(model: SwitchableModel, float_gm: fx.GraphModule, batches: list[Any], subset: list[Any],
+                           quantizer: Quantizer, target_db: float, ranking: Sequence[str], limit: int,
+                           candidates: int) -> FloatLayersFix:
+    """find_float_layers with a `ranking`: the screen on `subset` through the switches, each head returned measured
+    exactly (re-quantized with it in float) on every batch; at most `limit` layers kept in float."""
+    from qcore.measure.passes import measure_sqnr
+
+    exact: dict[tuple[str, ...], float] = {}
+    screened: dict[tuple[str, ...], float] = {}
+
+    def in_float(head: Iterable[str]) -> float:
+        kept = set(head)
+        model.quantize_only([name for name in model.layers if name not in kept])
+        return model.run(subset)
+
+    def measured(head: list[str]) -> float:
+        if tuple(head) not in exact:
+            worst = measure_sqnr(float_gm, batches, with_float_layers(quantizer, head), shadow=False).worst_output()
+            exact[tuple(head)] = worst.sqnr_db if worst is not None else math.nan
+        return exact[tuple(head)]
+
+    def screen(head: list[str]) -> bool:
+        screened[tuple(head)] = in_float(head)
+        return screened[tuple(head)] >= target_db
+
+    model.quantize_only(model.layers)
+    all_quantized_db = model.record(subset)
+    pool = [name for name in ranking if name in model.layers][:candidates]
+    chosen: list[str] = []
+    if all_quantized_db < target_db and pool and limit > 0:
+        if not screen(pool):  # every candidate in float at once misses the target: the most the fix may keep
+            chosen = pool[:limit]
+            screened[tuple(chosen)] = in_float(chosen)
+        else:
+            ladder = screened_ladder(pool, {name: in_float([name]) for name in pool}, all_quantized_db)
+            chosen = shortest_head(ladder[:limit], screen, lambda head: measured(head) >= target_db)[0]
+    model.quantize_only(model.layers)
+    model.forget()
+    measured_db = measured(chosen) if chosen else all_quantized_db
+    estimated_db = screened.get(tuple(chosen), all_quantized_db) if chosen else all_quantized_db
+    return FloatLayersFix(tuple(chosen), estimated_db, measured_db, target_db, measured_db >= target_db)
 
 
 def _candidate_pool(model: SwitchableModel, batches: list[Any], candidates: int,

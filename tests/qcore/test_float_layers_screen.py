@@ -1,0 +1,104 @@
+"""The float_layers search of simulation mode screens, then confirms: its candidates are the layers with the largest
+own error (no layer is estimated for the pool), each screened alone through the switches on the search batches, the
+shortest head of them found by bisection there, and every set it returns measured exactly, re-quantized with it in
+float, on every batch; a set that only screens well is never returned as reaching the target."""
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+import qcore
+from qcore.analysis import ModelAnalysis, measure_sqnr, with_float_layers
+from qcore.measure.screens import screened_ladder, shortest_head
+from qcore.search import sensitivity
+from tests.qcore.test_resume import tiny_llama
+
+
+@given(st.lists(st.floats(0, 60), min_size=1, max_size=10), st.floats(0, 60), st.floats(-5, 5))
+def test_the_shortest_head_is_confirmed_and_a_head_that_only_screens_well_is_not_taken(gains, target, drift):
+    # the metric of a head: the sum of its gains (more in float is never worse); every batch differs by `drift`
+    ladder = [f"layer{index}" for index in range(len(gains))]
+    value = dict(zip(ladder, gains))
+    screens, confirms = [], []
+
+    def screen(head):
+        screens.append(head)
+        return sum(value[name] for name in head) >= target
+
+    def confirm(head):
+        confirms.append(head)
+        return sum(value[name] for name in head) + drift >= target
+
+    head, screened, confirmed = shortest_head(ladder, screen, confirm)
+    assert (screened, confirmed) == (len(screens), len(confirms)) and head in confirms  # returned means confirmed
+    assert screened <= 1 + math.ceil(math.log2(len(ladder))) and confirmed <= 2
+    meets = [k for k in range(1, len(ladder) + 1) if sum(gains[:k]) >= target]
+    if meets and sum(gains[:meets[0]]) + drift >= target:
+        assert len(head) == meets[0]  # the shortest head the screen meets, confirmed on every batch
+    else:  # none meets the screen, or the one that does falls short on every batch: the whole ladder, measured
+        assert head == ladder
+
+
+def test_the_ladder_tries_the_layers_that_help_alone_first_and_drops_none():
+    pool = ["a", "b", "c", "d"]
+    assert screened_ladder(pool, {"a": 10.0, "b": 14.0, "c": 9.0, "d": math.nan}, base=10.0) == ["b", "a", "c", "d"]
+    assert screened_ladder(pool, {"a": 0.5, "b": 0.2, "c": 0.9}, base=0.6, higher=False) == ["b", "a", "c", "d"]
+
+
+def _llama():
+    model, batches = tiny_llama(layers=2, batch=2)
+    float_gm = qcore.capture(model, batches[0])
+    return float_gm, batches
+
+
+def _exact_db(float_gm, batches, layers):
+    return measure_sqnr(float_gm, batches, with_float_layers(qcore.Int8StaticQuantizer(), layers),
+                        shadow=False).worst_output().sqnr_db
+
+
+def test_the_search_screens_its_candidates_only_and_measures_the_set_it_returns_on_every_batch(monkeypatch):
+    float_gm, batches = _llama()
+    analysis = ModelAnalysis(float_gm, batches=batches)
+    before = analysis.sqnr.worst_output().sqnr_db
+    runs = []
+    original = sensitivity.FloatReference.batch_sums
+    monkeypatch.setattr(sensitivity.FloatReference, "batch_sums",
+                        lambda self, gm, batch, run=None: runs.append(1) or original(self, gm, batch, run))
+    fix = analysis.float_layers_fix(before + 3.0, max_batches=2, candidates=4)
+    layers = len(analysis.switchable.layers)
+    assert layers > 12
+    # the all-quantized recording, the 4 candidates at once, each alone, and a bisection of at most 3: per search
+    # batch; never one run per layer
+    assert len(runs) <= 2 * (1 + 1 + 4 + 3) < 2 * layers
+    assert set(fix.float_layers) <= set(analysis.own_error_ranking()[:4])
+    assert fix.measured_db == _exact_db(float_gm, batches, list(fix.float_layers))
+    assert fix.reached == (fix.measured_db >= before + 3.0)
+
+
+def test_a_target_a_hair_under_the_screen_is_decided_on_every_batch():
+    float_gm, batches = _llama()
+    analysis = ModelAnalysis(float_gm, batches=batches)
+    first = analysis.own_error_ranking()[0]
+    switchable = analysis.switchable
+    switchable.quantize_only([name for name in switchable.layers if name != first])
+    screened = switchable.run(batches[:1])
+    switchable.quantize_only(switchable.layers)
+    # the screen (one batch) meets the target by a hair with the worst layer in float; every batch decides
+    fix = analysis.float_layers_fix(screened - 1e-6, max_batches=1, candidates=1)
+    assert fix.float_layers == (first,)
+    exact = _exact_db(float_gm, batches, [first])
+    assert fix.measured_db == exact and fix.reached == (exact >= screened - 1e-6)
+
+
+def test_layers_that_help_only_together_are_found():
+    # FRAGILE's layers.2 helps only once layers.4 is in float: screened alone it gains nothing, yet the ladder
+    # keeps it after the layers that help alone
+    namespace = {}
+    from tests.helpers import FRAGILE_SOURCE
+
+    exec(compile(FRAGILE_SOURCE.replace("from pytest_qreport import qmodel", ""), "fragile", "exec"), namespace)
+    model, batches = namespace["MLP"]().eval(), namespace["batches"]()
+    analysis = ModelAnalysis(qcore.capture(model, batches[0]), batches=batches)
+    fix = analysis.float_layers_fix(30.0)
+    assert fix.reached and set(fix.float_layers) == {"layers.2", "layers.4"}
+    assert fix.measured_db == _exact_db(analysis.float_gm, batches, list(fix.float_layers)) >= 30.0
