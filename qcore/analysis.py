@@ -615,7 +615,7 @@ class ModelAnalysis:
         return SwitchableModel(self.quantized_input_gm, self.batches, self.quantizer)
 
     def sensitivity(self, max_layers: int | None = None, max_batches: int | None = None,
-                    only_quantized: bool = True) -> Any:
+                    only_quantized: bool | int = True) -> Any:
         """qcore.search.sensitivity.SensitivityResult of the quantized layers (kept per budget; see layer_sensitivity
         for `only_quantized`)."""
         from qcore.search.sensitivity import layer_sensitivity

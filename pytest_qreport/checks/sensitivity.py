@@ -116,8 +116,10 @@ class SensitivityCheck(Check):
                             threshold=math.nan, verdict="skip",
                             message=BLOCKWISE_NOTE.format(search="sensitivity ranking"))]
         max_layers = int(self.options.get("max_layers", DEFAULT_MAX_LAYERS))
-        result = model.analysis.sensitivity(max_layers, self.options.get("batches", DEFAULT_BATCHES))
-        top = result.layers[: int(self.options.get("top", 5))]
+        listed_count = int(self.options.get("top", 5))
+        # "when the only one quantized" is measured for the listed layers alone
+        result = model.analysis.sensitivity(max_layers, self.options.get("batches", DEFAULT_BATCHES), listed_count)
+        top = result.layers[:listed_count]
         listed = "; ".join(f"{entry.layer} {entry.gain_db:+.1f} dB in float ({entry.only_quantized_db:.1f} dB "
                            "when the only one quantized)" for entry in top)
         skipped = (f" {len(result.skipped)} layer(s) past the budget of {max_layers} were not measured "

@@ -287,35 +287,39 @@ def _group_owners(prepared: fx.GraphModule) -> dict[str, set[str]]:
 def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None = None, *,
                       layers: Sequence[str] | None = None, max_layers: int | None = None,
                       max_batches: int | None = None, model: SwitchableModel | None = None,
-                      only_quantized: bool = True) -> SensitivityResult:
+                      only_quantized: bool | int = True) -> SensitivityResult:
     """Rank the quantized layers (or `layers`) by the output SQNR gained when each alone stays in float.
 
-    Costs 2 passes of the quantized model per layer over `max_batches` batches (all by default), one with
-    only_quantized=False (only_quantized_db is then nan: a search that ranks by the gain needs no more); layers
-    past `max_layers` (graph order) are skipped and listed.
+    Costs one pass of the quantized model per layer over `max_batches` batches (all by default), and one more for
+    each layer whose only_quantized_db is measured: every layer's (True), none (False: nan, a search that ranks by
+    the gain needs no more) or, given a count, the first that many of the ranking's (the ones a report lists);
+    layers past `max_layers` (graph order) are skipped and listed.
     """
     model = model or SwitchableModel(float_gm, batches, quantizer)
     subset = list(batches)[:max_batches] if max_batches else list(batches)
     chosen = [name for name in model.layers if layers is None or name in layers]
     measured, skipped = chosen[:max_layers] if max_layers else chosen, chosen[max_layers:] if max_layers else []
-    if only_quantized:  # "only this layer quantized" starts from the float run's values
-        model.quantize_only([])
-        model.record(subset)
     model.quantize_only(model.layers)
     baseline = model.record(subset)
-    results = []
+    gains = {}
     for layer in measured:
-        alone = math.nan
-        if only_quantized:
-            model.quantize_only([layer])
-            alone = model.run(subset)
         model.quantize_only([name for name in model.layers if name != layer])
-        without = model.run(subset)
-        results.append(LayerSensitivity(layer, alone, without, without - baseline))
+        gains[layer] = model.run(subset)
+    ranked = sorted(measured, key=lambda name: (-(gains[name] - baseline) if not math.isnan(gains[name] - baseline)
+                                                else math.inf, name))
+    alone = ranked if only_quantized is True else ranked[:int(only_quantized)]
+    only: dict[str, float] = {}
+    if alone:  # "only this layer quantized" starts from the float run's values
+        model.quantize_only([])
+        model.record(subset)
+        for layer in alone:
+            model.quantize_only([layer])
+            only[layer] = model.run(subset)
     model.quantize_only(model.layers)
     model.forget()
-    ranked = sorted(results, key=lambda r: (-r.gain_db if not math.isnan(r.gain_db) else math.inf, r.layer))
-    return SensitivityResult(baseline, tuple(ranked), tuple(skipped), len(subset))
+    return SensitivityResult(baseline, tuple(LayerSensitivity(name, only.get(name, math.nan), gains[name],
+                                                              gains[name] - baseline) for name in ranked),
+                             tuple(skipped), len(subset))
 
 
 def with_float_layers(quantizer: Quantizer, layers: Iterable[str]) -> Quantizer:

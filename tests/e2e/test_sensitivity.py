@@ -136,10 +136,18 @@ def test_the_float_layers_search_ranks_with_one_pass_per_layer_and_the_same_orde
     both = layer_sensitivity(float_gm, batches, model=switchable)
     # each ranking records its starting points (all quantized; all float for only_quantized_db), then one run per
     # layer and figure, from those
-    assert runs == ["record"] * 2 + ["run"] * 2 * len(both.layers)
+    count = len(both.layers)
+    assert runs == ["record"] + ["run"] * count + ["record"] + ["run"] * count
     runs.clear()
     gains_only = layer_sensitivity(float_gm, batches, model=switchable, only_quantized=False)
-    assert runs == ["record"] + ["run"] * len(both.layers)
+    assert runs == ["record"] + ["run"] * count
     assert [(e.layer, e.only_float_db, e.gain_db) for e in gains_only.layers] == \
         [(e.layer, e.only_float_db, e.gain_db) for e in both.layers]
     assert all(e.only_quantized_db != e.only_quantized_db for e in gains_only.layers)  # nan: not measured
+    # a report lists the top two: only theirs is measured, to the same value
+    runs.clear()
+    listed = layer_sensitivity(float_gm, batches, model=switchable, only_quantized=2)
+    assert runs == ["record"] + ["run"] * count + ["record"] + ["run"] * 2
+    assert [(e.layer, e.only_quantized_db) for e in listed.layers[:2]] == \
+        [(e.layer, e.only_quantized_db) for e in both.layers[:2]]
+    assert all(e.only_quantized_db != e.only_quantized_db for e in listed.layers[2:])
