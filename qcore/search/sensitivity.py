@@ -348,17 +348,25 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     (REMEASURED_CANDIDATES of a step, twice `candidates` of the ranking), and the best measured is chosen.
     estimate=False measures every one on every search batch.
 
-    `ranking` (the layers whose own error is largest first, as the analysis measured it) screens instead: its first
-    `candidates` layers are each kept in float alone on the search batches (all at once first: when that misses the
-    target, no set of them meets it), and the shortest head of them, best first, that meets the target there is
-    found by bisection (shortest_head), each head returned measured exactly on every batch.
+    `ranking` (the layers whose own error is largest first, as the analysis measured it) screens first: its first
+    `candidates` layers are each kept in float alone on the search batches (all at once first when they fit the
+    budget: when that misses the target, no set of them meets it), and the shortest head of them, best first, that
+    meets the target there is found by bisection (shortest_head), each head returned measured exactly on every
+    batch. When that set falls short of the target, the greedy search runs too, and the better measured set wins.
     """
     quantizer = quantizer or Int8StaticQuantizer()
     model = model or SwitchableModel(float_gm, batches, quantizer)
     subset = list(batches)[:max_batches] if max_batches else list(batches)
     if ranking is not None:
-        return _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, ranking,
-                                      min(max_float_layers, len(model.layers) - 1), candidates)
+        screened = _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, ranking,
+                                          min(max_float_layers, len(model.layers) - 1), candidates)
+        if screened.reached:
+            return screened
+        # the largest own errors are not always what the output suffers most from (a last layer's error reaches it
+        # whole): the greedy search over every layer, and the better of the two measured sets
+        greedy = find_float_layers(float_gm, batches, quantizer, target_db, max_float_layers=max_float_layers,
+                                   candidates=candidates, max_batches=max_batches, model=model, estimate=estimate)
+        return greedy if greedy.measured_db > screened.measured_db else screened
     if sensitivity is not None:
         pool = [entry.layer for entry in sensitivity.layers][:candidates]
         all_quantized_db = sensitivity.all_quantized_db
@@ -424,9 +432,10 @@ def _screened_float_layers(model: SwitchableModel, float_gm: fx.GraphModule, bat
     pool = [name for name in ranking if name in model.layers][:candidates]
     chosen: list[str] = []
     if all_quantized_db < target_db and pool and limit > 0:
-        if not screen(pool):  # every candidate in float at once misses the target: the most the fix may keep
-            chosen = pool[:limit]
-            screened[tuple(chosen)] = in_float(chosen)
+        if len(pool) <= limit and not screen(pool):
+            # every candidate in float at once misses the target, so no set of them meets it: they are the most
+            # the fix may keep, measured
+            chosen = pool
         else:
             ladder = screened_ladder(pool, {name: in_float([name]) for name in pool}, all_quantized_db)
             chosen = shortest_head(ladder[:limit], screen, lambda head: measured(head) >= target_db)[0]
