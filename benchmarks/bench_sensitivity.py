@@ -14,14 +14,21 @@
    alternated in the same process, on the same two models.
 4. A model built to fail model_sqnr (examples/models.py fragile_mlp): the greedy fix's measured SQNR and size,
    against how many layers of the single-layer ranking, taken in order, reach the same target.
+5. Screen, then confirm: the float_layers fix as model_sqnr searches it (ModelAnalysis.float_layers_fix: the 8
+   layers with the largest own error screened on 2 batches, the set measured on every batch, the greedy search
+   after it when that set falls short) against the greedy search alone (find_float_layers without a ranking), for
+   targets 1, 3 and 6 dB above the model's output SQNR, on the same two models: seconds (best of two, alternated,
+   the analysis and its switchable copy built outside the time), layers kept in float, the SQNR measured.
 
-    python benchmarks/bench_sensitivity.py
+    python benchmarks/bench_sensitivity.py            # every part
+    python benchmarks/bench_sensitivity.py --screen   # part 5 only
 """
 from __future__ import annotations
 
 import pathlib
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -153,7 +160,37 @@ def bench_estimate() -> None:
               f"{results[False][2]:.2f} dB")
 
 
+def bench_screen() -> None:
+    torch.set_num_threads(2)
+    for name, build in (("BERT-style encoder", _bert), ("4-layer Llama", _llama)):
+        model, batches = build()
+        float_gm = qcore.capture(model, batches[0])
+        for gain in (1.0, 3.0, 6.0):
+            best: dict[str, tuple[float, Any]] = {}
+            for way in ("greedy", "screen", "greedy", "screen"):
+                analysis = ModelAnalysis(float_gm, batches=batches)
+                target = analysis.sqnr.worst_output().sqnr_db + gain
+                switchable = analysis.switchable
+                start = time.perf_counter()
+                fix = (analysis.float_layers_fix(target) if way == "screen" else find_float_layers(
+                    analysis.quantized_input_gm, analysis.batches, analysis.quantizer, target, model=switchable))
+                seconds = time.perf_counter() - start
+                best[way] = (min(seconds, best[way][0]) if way in best else seconds, fix)
+
+            def said(way: str, found: dict = best) -> str:
+                seconds, fix = found[way]
+                return (f"{way} {seconds:.2f} s, {len(fix.float_layers)} layers, {fix.measured_db:.2f} dB "
+                        f"{'reached' if fix.reached else 'short'}")
+
+            print(f"{name}, target +{gain:.0f} dB ({target:.2f} dB): {said('greedy')}; {said('screen')}: "
+                  f"{best['greedy'][0] / best['screen'][0]:.2f}x")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--screen"]:
+        bench_screen()
+        raise SystemExit
+    bench_screen()
     bench_resume()
     bench_estimate()
     bench_fix()

@@ -365,7 +365,7 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
         # the largest own errors are not always what the output suffers most from (a last layer's error reaches it
         # whole): the greedy search over every layer, and the better of the two measured sets
         greedy = find_float_layers(float_gm, batches, quantizer, target_db, max_float_layers=max_float_layers,
-                                   candidates=candidates, max_batches=max_batches, model=model, estimate=estimate)
+                                   max_batches=max_batches, model=model, estimate=estimate)
         return greedy if greedy.measured_db > screened.measured_db else screened
     if sensitivity is not None:
         pool = [entry.layer for entry in sensitivity.layers][:candidates]
