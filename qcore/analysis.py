@@ -34,7 +34,7 @@ from qcore.artifact import (
 from qcore.graph.capture import capture, clone_graph_module
 from qcore.graph.deferred import deferred_parameters, materialized, read_rewritten_where_used
 from qcore.graph.inputs import call_model, move_to
-from qcore.graph.ops import find_quantizable_ops, matches_layer
+from qcore.graph.ops import find_quantizable_ops, last_layers, matches_layer
 from qcore.graph.rewritable import equalization_refusal
 from qcore.measure.blockwise import BlockwiseError, split_into_blocks
 from qcore.measure.diagnose import (
@@ -662,8 +662,17 @@ class ModelAnalysis:
                 cache[key] = find_float_layers(self.quantized_input_gm, self.batches, self.quantizer, target_db,
                                                max_float_layers=max_float_layers, max_batches=max_batches,
                                                model=self.switchable, candidates=candidates,
-                                               ranking=self.own_error_ranking())
+                                               ranking=self.fix_candidates(candidates))
         return cache[key]
+
+    def fix_candidates(self, count: int = FLOAT_LAYERS_CANDIDATES) -> list[str]:
+        """The quantized layers in the order a float_layers search takes its `count` candidates from: the layer
+        nearest each output (an LM head, a pooler: their error reaches the output whole, whatever its own size) and
+        the layers with the largest own error make the first `count`, largest own error first; the others follow."""
+        ranked = self.own_error_ranking()
+        last = last_layers(self.float_gm, ranked)[:count]
+        first = set(last) | set([name for name in ranked if name not in last][:max(0, count - len(last))])
+        return [name for name in ranked if name in first] + [name for name in ranked if name not in first]
 
     def own_error_ranking(self) -> list[str]:
         """The quantized layers whose own error is largest first: own (shadow) SQNR where measured, else the

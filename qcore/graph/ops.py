@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +13,7 @@ from torch import fx
 
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
            "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
-           "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
+           "last_layers", "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
            "WEIGHT_VIEWS", "is_weight_value", "may_change_after", "op_schema", "viewed_value", "weight_value",
            "written_after"]
 
@@ -175,6 +175,27 @@ def fused_output(node: fx.Node, gm: fx.GraphModule) -> fx.Node:
     if len(users) == 1 and not observed and op_kind(users[0], gm) == "relu":
         return users[0]
     return node
+
+
+def last_layers(gm: fx.GraphModule, layers: Iterable[str]) -> list[str]:
+    """For each of the model's output values, the last of `layers` (layer names of find_quantizable_ops, graph
+    order) whose output reaches it on a path through none of the others: the layer nearest that output (an LM head,
+    a pooler, the last block's output projection). In graph order, each once."""
+    chosen = set(layers)
+    ops = [op for op in find_quantizable_ops(gm) if op.layer in chosen]
+    layer_nodes = {op.node for op in ops}
+    nodes = list(gm.graph.nodes)
+    output = next((node for node in nodes if node.op == "output"), None)
+    found: set[str] = set()
+    for leaf in (output.all_input_nodes if output is not None else []):
+        free: dict[fx.Node, bool] = {leaf: True}  # whether a node's value reaches the leaf through no layer
+        for node in reversed(nodes):
+            if node is not leaf:
+                free[node] = any(user not in layer_nodes and free.get(user, False) for user in node.users)
+        reaching = [op.layer for op in ops if free[op.output or op.node] or free[op.node]]
+        if reaching:
+            found.add(reaching[-1])
+    return [op.layer for op in ops if op.layer in found]
 
 
 def find_quantizable_ops(gm: fx.GraphModule) -> list[QuantizableOp]:

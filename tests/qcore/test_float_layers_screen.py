@@ -4,6 +4,7 @@ shortest head of them found by bisection there, and every set it returns measure
 float, on every batch; a set that only screens well is never returned as reaching the target."""
 import math
 
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -59,7 +60,7 @@ def _exact_db(float_gm, batches, layers):
 def test_the_search_screens_its_candidates_only_and_measures_the_set_it_returns_on_every_batch(monkeypatch):
     float_gm, batches = _llama()
     analysis = ModelAnalysis(float_gm, batches=batches)
-    target = _exact_db(float_gm, batches, analysis.own_error_ranking()[:1]) - 0.05  # within the screen's reach
+    target = _exact_db(float_gm, batches, analysis.fix_candidates(4)[:1]) - 0.05  # within the screen's reach
     runs = []
     original = sensitivity.FloatReference.batch_sums
     monkeypatch.setattr(sensitivity.FloatReference, "batch_sums",
@@ -70,7 +71,7 @@ def test_the_search_screens_its_candidates_only_and_measures_the_set_it_returns_
     # the all-quantized recording, the 4 candidates at once, each alone, and a bisection of at most 2: per search
     # batch; never one run per layer
     assert len(runs) <= 2 * (1 + 1 + 4 + 2) < 2 * layers
-    assert fix.reached and set(fix.float_layers) <= set(analysis.own_error_ranking()[:4])
+    assert fix.reached and set(fix.float_layers) <= set(analysis.fix_candidates(4)[:4])
     assert fix.measured_db == _exact_db(float_gm, batches, list(fix.float_layers)) >= target
 
 
@@ -79,7 +80,7 @@ def test_a_screen_that_falls_short_hands_over_to_the_greedy_search_and_the_bette
     analysis = ModelAnalysis(float_gm, batches=batches)
     target = analysis.sqnr.worst_output().sqnr_db + 6.0  # beyond what 4 candidates reach
     screened = sensitivity._screened_float_layers(analysis.switchable, float_gm, batches, batches[:2],
-                                                  analysis.quantizer, target, analysis.own_error_ranking(), 8, 4)
+                                                  analysis.quantizer, target, analysis.fix_candidates(4), 8, 4)
     assert not screened.reached
     fix = analysis.float_layers_fix(target, max_batches=2, candidates=4)
     assert fix.measured_db >= screened.measured_db
@@ -90,7 +91,7 @@ def test_a_screen_that_falls_short_hands_over_to_the_greedy_search_and_the_bette
 def test_a_target_a_hair_under_the_screen_is_decided_on_every_batch():
     float_gm, batches = _llama()
     analysis = ModelAnalysis(float_gm, batches=batches)
-    first = analysis.own_error_ranking()[0]
+    first = analysis.fix_candidates(1)[0]
     switchable = analysis.switchable
     switchable.quantize_only([name for name in switchable.layers if name != first])
     screened = switchable.run(batches[:1])
@@ -99,9 +100,7 @@ def test_a_target_a_hair_under_the_screen_is_decided_on_every_batch():
     fix = analysis.float_layers_fix(screened - 1e-6, max_batches=1, candidates=1)
     exact = _exact_db(float_gm, batches, list(fix.float_layers))
     assert fix.measured_db == exact and fix.reached == (exact >= screened - 1e-6)
-    if fix.float_layers == (first,):  # the screen's set, reaching the target on every batch
-        assert fix.reached
-    else:  # it fell short there, and the greedy search's set measured better
+    if fix.float_layers != (first,):  # the screen's set fell short on every batch, and the greedy's measured better
         assert exact > _exact_db(float_gm, batches, [first])
 
 
@@ -117,3 +116,30 @@ def test_layers_that_help_only_together_are_found():
     fix = analysis.float_layers_fix(30.0)
     assert fix.reached and set(fix.float_layers) == {"layers.2", "layers.4"}
     assert fix.measured_db == _exact_db(analysis.float_gm, batches, list(fix.float_layers)) >= 30.0
+
+
+def test_the_candidates_start_with_the_layer_nearest_each_output_then_the_largest_own_errors():
+    import transformers
+
+    from qcore.graph.ops import last_layers
+
+    float_gm, batches = _llama()
+    analysis = ModelAnalysis(float_gm, batches=batches)
+    layers = [entry.layer for entry in analysis.layers]
+    assert last_layers(float_gm, layers) == ["lm_head"]  # every path to the logits goes through it
+    own = analysis.own_error_ranking()
+    assert "lm_head" not in own[:4]  # its own error is not among the largest, yet it is a candidate
+    candidates = analysis.fix_candidates(4)
+    assert set(candidates[:4]) == {"lm_head", *own[:3]} and sorted(candidates) == sorted(layers)
+    assert candidates[:4] == [name for name in own if name in candidates[:4]]  # largest own error first
+    # a BERT encoder's two outputs: the last block's output projection feeds the hidden states (the residual stream
+    # reaches them through no other layer), the pooler's dense its pooled output
+    config = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    bert_batches = [{"input_ids": torch.randint(0, 128, (2, 16))} for _ in range(2)]
+    bert_gm = qcore.capture(model, bert_batches[0])
+    bert_layers = [entry.layer for entry in ModelAnalysis(bert_gm, batches=bert_batches).layers]
+    found = last_layers(bert_gm, bert_layers)
+    assert len(found) == 2 and found[-1].startswith("pooler") and found[0].endswith("output.dense")
