@@ -11,7 +11,6 @@ import ctypes
 import dataclasses
 import gc
 import hashlib
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -78,7 +77,7 @@ __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "A
 # the plugin reads qcore through this module, qcore itself, qcore.report and qcore.numeric only (an import-linter
 # contract): the names above that live deeper are re-exported for it
 
-FLOAT_LAYERS_CANDIDATES = 8  # the layers a float_layers search screens, by own error
+FLOAT_LAYERS_CANDIDATES = 8  # the layers a float_layers search screens (ModelAnalysis.fix_candidates)
 _DIGEST_COPY_BYTES = 64 << 20  # calibration_digest copies batches on an accelerator to the host this much at a time
 
 
@@ -650,8 +649,8 @@ class ModelAnalysis:
     def float_layers_fix(self, target_db: float, max_float_layers: int = 8, max_batches: int | None = 2,
                          candidates: int = FLOAT_LAYERS_CANDIDATES) -> Any:
         """qcore.search.sensitivity.FloatLayersFix: a verified set of layers to keep in float to reach `target_db`,
-        searched among the `candidates` layers whose own error is largest (screened on the first `max_batches`
-        batches, the set returned measured on every batch)."""
+        searched among `candidates` layers (fix_candidates; screened on the first `max_batches` batches, the set
+        returned measured on every batch, the greedy search after it when that set falls short)."""
         from qcore.search.sensitivity import find_float_layers
 
         self.whole_model("the float_layers search")
@@ -675,18 +674,8 @@ class ModelAnalysis:
         return [name for name in ranked if name in first] + [name for name in ranked if name not in first]
 
     def own_error_ranking(self) -> list[str]:
-        """The quantized layers whose own error is largest first: own (shadow) SQNR where measured, else the
-        propagated SQNR; graph order among equals."""
-        measured = self.sqnr.layers
-
-        def own(name: str) -> float:
-            entry = measured.get(name)
-            if entry is None:
-                return math.inf
-            value = entry.shadow_sqnr_db if not math.isnan(entry.shadow_sqnr_db) else entry.sqnr_db
-            return math.inf if math.isnan(value) else value
-
-        return sorted((entry.layer for entry in self.layers), key=own)
+        """The quantized layers, largest own error first (SqnrMeasurement.by_own_error); graph order among equals."""
+        return self.sqnr.by_own_error(entry.layer for entry in self.layers)
 
     def detector_reports(self, detectors: Mapping[str, DetectorBase]) -> dict[str, dict[str, dict[str, Any]]]:
         """Every detector's report over the batches: {key: {layer: raw detector entry}}. Planned detectors come

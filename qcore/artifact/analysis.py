@@ -490,17 +490,9 @@ class ArtifactAnalysis:
         return [layer.name for layer in self._artifact_layers if layer.name in names[:first]]
 
     def _candidates(self, max_candidates: int) -> list[str]:
-        """The layers whose own error is largest first: shadow SQNR where measured, else the propagated SQNR."""
-        measured = self.sqnr.layers
-
-        def own(name: str) -> float:
-            entry = measured.get(name)
-            if entry is None:
-                return math.inf
-            return entry.shadow_sqnr_db if not math.isnan(entry.shadow_sqnr_db) else entry.sqnr_db
-
+        """The layers whose own error is largest first (SqnrMeasurement.by_own_error)."""
         names = [layer.name for layer in self._artifact_layers if layer.name not in self.float_layers]
-        return sorted(names, key=own)[:max_candidates]
+        return self.sqnr.by_own_error(names)[:max_candidates]
 
     def float_layers_fix(self, target: float, metric: str = "output_sqnr_db", max_float_layers: int = 8,
                          max_batches: int | None = SCREEN_BATCHES, batches: list[Any] | None = None,

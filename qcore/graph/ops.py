@@ -192,7 +192,7 @@ def last_layers(gm: fx.GraphModule, layers: Iterable[str]) -> list[str]:
         for node in reversed(nodes):
             if node is not leaf:
                 free[node] = any(user not in layer_nodes and free.get(user, False) for user in node.users)
-        reaching = [op.layer for op in ops if free[op.output or op.node] or free[op.node]]
+        reaching = [op.layer for op in ops if free[op.node]]
         if reaching:
             found.add(reaching[-1])
     return [op.layer for op in ops if op.layer in found]

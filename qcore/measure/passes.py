@@ -111,6 +111,18 @@ class SqnrMeasurement:
         """The output leaf with the lowest SQNR (a model with several outputs is judged by its worst)."""
         return min(self.outputs.values(), key=lambda o: o.sqnr_db, default=None)
 
+    def by_own_error(self, names: Iterable[str]) -> list[str]:
+        """`names` (layers), largest own error first: own (shadow) SQNR where measured, else the propagated SQNR;
+        unmeasured last; the given order among equals."""
+        def own(name: str) -> float:
+            entry = self.layers.get(name)
+            if entry is None:
+                return math.inf
+            value = entry.shadow_sqnr_db if not math.isnan(entry.shadow_sqnr_db) else entry.sqnr_db
+            return math.inf if math.isnan(value) else value
+
+        return sorted(names, key=own)
+
 
 @dataclass(frozen=True)
 class ModelMeasurement:

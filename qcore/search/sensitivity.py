@@ -348,7 +348,7 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     (REMEASURED_CANDIDATES of a step, twice `candidates` of the ranking), and the best measured is chosen.
     estimate=False measures every one on every search batch.
 
-    `ranking` (the layers whose own error is largest first, as the analysis measured it) screens first: its first
+    `ranking` (the candidates first, as ModelAnalysis.fix_candidates orders them) screens first: its first
     `candidates` layers are each kept in float alone on the search batches (all at once first when they fit the
     budget: when that misses the target, no set of them meets it), and the shortest head of them, best first, that
     meets the target there is found by bisection (shortest_head), each head returned measured exactly on every
