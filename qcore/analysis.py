@@ -647,21 +647,24 @@ class ModelAnalysis:
         return self._fixes[key]
 
     def float_layers_fix(self, target_db: float, max_float_layers: int = 8, max_batches: int | None = 2,
-                         candidates: int = FLOAT_LAYERS_CANDIDATES) -> Any:
+                         candidates: int = FLOAT_LAYERS_CANDIDATES, early_layers: int | None = None) -> Any:
         """qcore.search.sensitivity.FloatLayersFix: a verified set of layers to keep in float to reach `target_db`,
         searched among `candidates` layers (fix_candidates; screened on the first `max_batches` batches, the set
-        returned measured on every batch, the greedy search after it when that set falls short)."""
-        from qcore.search.sensitivity import find_float_layers
+        returned measured on every batch), and when that set falls short among them and the first `early_layers`
+        in graph order (default EARLY_LAYERS: the sensitivity ranking's, whose runs it shares)."""
+        from qcore.search.sensitivity import EARLY_LAYERS, find_float_layers
 
         self.whole_model("the float_layers search")
-        key = (target_db, max_float_layers, max_batches, candidates)
+        early_layers = EARLY_LAYERS if early_layers is None else early_layers
+        key = (target_db, max_float_layers, max_batches, candidates, early_layers)
         cache = self._fixes
         if key not in cache:
             with stage("trials"):
                 cache[key] = find_float_layers(self.quantized_input_gm, self.batches, self.quantizer, target_db,
                                                max_float_layers=max_float_layers, max_batches=max_batches,
                                                model=self.switchable, candidates=candidates,
-                                               ranking=self.fix_candidates(candidates))
+                                               ranking=self.fix_candidates(candidates),
+                                               early_layers=early_layers)
         return cache[key]
 
     def fix_candidates(self, count: int = FLOAT_LAYERS_CANDIDATES) -> list[str]:

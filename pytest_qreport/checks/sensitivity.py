@@ -64,9 +64,11 @@ def output_float_layers_fix(model: ModelContext, target_db: float) -> Any | None
         return None
     if not isinstance(getattr(model.analysis.quantizer, "layer_overrides", None), dict):
         return None
+    ranked = model.checks["sensitivity"].options if "sensitivity" in model.checks else {}
     return model.analysis.float_layers_fix(target_db, max_float_layers(model, "model_sqnr"),
                                            options.get("batches", DEFAULT_BATCHES),
-                                           int(options.get("candidates", DEFAULT_CANDIDATES)))
+                                           int(options.get("candidates", DEFAULT_CANDIDATES)),
+                                           int(ranked.get("max_layers", DEFAULT_MAX_LAYERS)))
 
 
 def float_layers_advice(model: ModelContext, target_db: float) -> str:

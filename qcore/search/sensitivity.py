@@ -332,11 +332,16 @@ def with_float_layers(quantizer: Quantizer, layers: Iterable[str]) -> Quantizer:
     return with_layer_overrides(quantizer, {glob: {"skip": True} for glob in layers})
 
 
+# a widened float_layers search also screens the first layers in graph order alone: as many as the sensitivity
+# ranking measures by default, whose runs it shares
+EARLY_LAYERS = 32
+
+
 def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None, target_db: float,
                       *, max_float_layers: int = 8, candidates: int = 12, max_batches: int | None = 2,
                       sensitivity: SensitivityResult | None = None, model: SwitchableModel | None = None,
                       compare_with_ranking: bool = False, estimate: bool = True,
-                      ranking: Sequence[str] | None = None) -> FloatLayersFix:
+                      ranking: Sequence[str] | None = None, early_layers: int = EARLY_LAYERS) -> FloatLayersFix:
     """Greedy search for a small set of layers to keep in float so that the output SQNR reaches `target_db`,
     then one exact measurement with that set skipped by the quantizer.
 
@@ -348,25 +353,30 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     (REMEASURED_CANDIDATES of a step, twice `candidates` of the ranking), and the best measured is chosen.
     estimate=False measures every one on every search batch.
 
-    `ranking` (the candidates first, as ModelAnalysis.fix_candidates orders them) screens first: its first
-    `candidates` layers are each kept in float alone on the search batches (all at once first when they fit the
-    budget: when that misses the target, no set of them meets it), and the shortest head of them, best first, that
-    meets the target there is found by bisection (shortest_head), each head returned measured exactly on every
-    batch. When that set falls short of the target, the greedy search runs too, and the better measured set wins.
+    `ranking` (the candidates first, as ModelAnalysis.fix_candidates orders them) screens instead of the greedy
+    search: its first `candidates` layers are each kept in float alone on the search batches (all at once first
+    when they fit the budget: when that misses the target, no set of them meets it), and the shortest head of
+    them, best first, that meets the target there is found by bisection (shortest_head), each head returned
+    measured exactly on every batch. When that set falls short of the target, the same screen runs over those
+    candidates and the first `early_layers` layers in graph order (an early layer's error grows through every
+    layer after it, so keeping it in float can help the output more than a larger own error further on; the
+    sensitivity ranking measures the same layers alone, on the same batches, and shares those runs), and the
+    better measured set wins.
     """
     quantizer = quantizer or Int8StaticQuantizer()
     model = model or SwitchableModel(float_gm, batches, quantizer)
     subset = list(batches)[:max_batches] if max_batches else list(batches)
     if ranking is not None:
-        screened = _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, ranking,
-                                          min(max_float_layers, len(model.layers) - 1), candidates)
-        if screened.reached:
+        limit = min(max_float_layers, len(model.layers) - 1)
+        first = [name for name in ranking if name in model.layers][:candidates]
+        screened = _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, first, limit,
+                                          candidates)
+        wider = list(dict.fromkeys([*first, *model.layers[:early_layers]]))
+        if screened.reached or len(wider) == len(first):
             return screened
-        # the largest own errors are not always what the output suffers most from (a last layer's error reaches it
-        # whole): the greedy search over every layer, and the better of the two measured sets
-        greedy = find_float_layers(float_gm, batches, quantizer, target_db, max_float_layers=max_float_layers,
-                                   max_batches=max_batches, model=model, estimate=estimate)
-        return greedy if greedy.measured_db > screened.measured_db else screened
+        widened = _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, wider, limit,
+                                         len(wider))
+        return widened if widened.measured_db > screened.measured_db else screened
     if sensitivity is not None:
         pool = [entry.layer for entry in sensitivity.layers][:candidates]
         all_quantized_db = sensitivity.all_quantized_db

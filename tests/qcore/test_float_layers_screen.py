@@ -1,7 +1,8 @@
 """The float_layers search of simulation mode screens, then confirms: its candidates are the layers with the largest
 own error (no layer is estimated for the pool), each screened alone through the switches on the search batches, the
 shortest head of them found by bisection there, and every set it returns measured exactly, re-quantized with it in
-float, on every batch; a set that only screens well is never returned as reaching the target."""
+float, on every batch; a set that only screens well is never returned as reaching the target. When the candidates
+fall short, the screen widens to the first layers in graph order, whose single runs the sensitivity ranking shares."""
 import math
 
 import torch
@@ -75,17 +76,46 @@ def test_the_search_screens_its_candidates_only_and_measures_the_set_it_returns_
     assert fix.measured_db == _exact_db(float_gm, batches, list(fix.float_layers)) >= target
 
 
-def test_a_screen_that_falls_short_hands_over_to_the_greedy_search_and_the_better_measured_set_wins():
+def test_a_screen_that_falls_short_widens_to_the_early_layers_and_the_better_measured_set_wins(monkeypatch):
     float_gm, batches = _llama()
     analysis = ModelAnalysis(float_gm, batches=batches)
     target = analysis.sqnr.worst_output().sqnr_db + 6.0  # beyond what 4 candidates reach
     screened = sensitivity._screened_float_layers(analysis.switchable, float_gm, batches, batches[:2],
                                                   analysis.quantizer, target, analysis.fix_candidates(4), 8, 4)
     assert not screened.reached
-    fix = analysis.float_layers_fix(target, max_batches=2, candidates=4)
+    widened = []
+    original = sensitivity._screened_float_layers
+    monkeypatch.setattr(sensitivity, "_screened_float_layers",
+                        lambda *args: widened.append(list(args[6][:args[8]])) or original(*args))
+    runs = []
+    batch_sums = sensitivity.FloatReference.batch_sums
+    monkeypatch.setattr(sensitivity.FloatReference, "batch_sums",
+                        lambda self, gm, batch, run=None: runs.append(1) or batch_sums(self, gm, batch, run))
+    fix = analysis.float_layers_fix(target, max_batches=2, candidates=4, early_layers=6)
+    layers = analysis.switchable.layers
+    first = analysis.fix_candidates(4)[:4]
+    # the candidates, then the candidates and the first 6 layers in graph order, each screened alone
+    assert widened[0] == first and widened[1] == list(dict.fromkeys([*first, *layers[:6]]))
+    # per search batch: the recordings, the singles (the candidates' once), a bisection of at most 4 screens;
+    # never one run per layer, as the greedy search's estimates were
+    assert len(runs) <= 2 * (2 + len(widened[1]) + 4) < 2 * len(layers)
     assert fix.measured_db >= screened.measured_db
     assert fix.measured_db == _exact_db(float_gm, batches, list(fix.float_layers))
     assert fix.reached == (fix.measured_db >= target)
+
+
+def test_the_widened_screen_shares_its_runs_with_the_sensitivity_ranking(monkeypatch):
+    float_gm, batches = _llama()
+    analysis = ModelAnalysis(float_gm, batches=batches)
+    target = analysis.sqnr.worst_output().sqnr_db + 6.0  # beyond what 4 candidates reach: the screen widens
+    analysis.float_layers_fix(target, max_batches=2, candidates=4, early_layers=8)
+    runs = []
+    batch_sums = sensitivity.FloatReference.batch_sums
+    monkeypatch.setattr(sensitivity.FloatReference, "batch_sums",
+                        lambda self, gm, batch, run=None: runs.append(1) or batch_sums(self, gm, batch, run))
+    ranking = analysis.sensitivity(8, 2, 0)
+    # each of the 8 layers was screened alone on the same 2 batches: the ranking records its starting point only
+    assert len(ranking.layers) == 8 and len(runs) == 2
 
 
 def test_a_target_a_hair_under_the_screen_is_decided_on_every_batch():
@@ -100,7 +130,7 @@ def test_a_target_a_hair_under_the_screen_is_decided_on_every_batch():
     fix = analysis.float_layers_fix(screened - 1e-6, max_batches=1, candidates=1)
     exact = _exact_db(float_gm, batches, list(fix.float_layers))
     assert fix.measured_db == exact and fix.reached == (exact >= screened - 1e-6)
-    if fix.float_layers != (first,):  # the screen's set fell short on every batch, and the greedy's measured better
+    if fix.float_layers != (first,):  # the screen's set fell short on every batch; the widened one measured better
         assert exact > _exact_db(float_gm, batches, [first])
 
 
