@@ -20,7 +20,7 @@ dispatch if every observer, comparator and statistic cost nothing) and the part 
 (best of three rounds after a first analysis in the process, the capture apart). With --llama1b, the 1B Llama config
 in float32 (hidden 2048, 16 layers, 32,000-token vocabulary, seeded weights; bench_memory.py's 3 batches of 2 x 64
 tokens) is analysed once with every default check, native kernels on, against its forward over the same batches: the
-collection (capture) and the analysis proper apart, as a session pays them.
+collection (capture) and the analysis proper apart, as a session pays them, and the analysis's seconds per check.
 """
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.helpers: the plugin's analysis as the tests run it
@@ -190,16 +192,20 @@ def main() -> None:
         print(f"llama1b, every default check, CPU: forward {row['forward']:.2f} s; "
               f"collection {row['collection']:.1f} s; analysis {row['analysis']:.1f} s "
               f"({row['analysis'] / row['forward']:.0f}x the forward)")
+        print("llama1b, seconds per check (its items' findings, the model's measurement in the first): " + ", ".join(
+            f"{name} {seconds:.1f}" for name, seconds in row["checks"].items() if seconds >= 0.05))
 
 
-def time_llama1b() -> dict[str, float]:
+def time_llama1b() -> dict[str, Any]:
     """The 1B Llama config's forward, collection (capture) and analysis seconds on this CPU (native kernels on, 2
-    threads)."""
+    threads), and the analysis's seconds per check."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_analysis import _analyse, _forward_seconds  # noqa: E402 - the benchmarks are scripts
+
+    from pytest_qreport.core.pipeline import ModelPipeline
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -209,8 +215,22 @@ def time_llama1b() -> dict[str, float]:
     generator = torch.Generator().manual_seed(1)
     batches = [{"input_ids": torch.randint(0, 32000, (2, 64), generator=generator)} for _ in range(3)]
     forward = _forward_seconds(model, batches)
-    collection, analysis = _analyse(model, batches, None)
-    return {"forward": forward, "collection": collection, "analysis": analysis}
+    checks: dict[str, float] = {}
+    timed = ModelPipeline._check_findings
+
+    def check_findings(pipeline: ModelPipeline, name: str, layers: list[str]) -> Any:
+        start = time.perf_counter()
+        try:
+            return timed(pipeline, name, layers)
+        finally:
+            checks[name] = checks.get(name, 0.0) + time.perf_counter() - start
+
+    ModelPipeline._check_findings = check_findings  # type: ignore[method-assign]
+    try:
+        collection, analysis = _analyse(model, batches, None)
+    finally:
+        ModelPipeline._check_findings = timed  # type: ignore[method-assign]
+    return {"forward": forward, "collection": collection, "analysis": analysis, "checks": checks}
 
 
 def _cpu_time(name: str) -> str:

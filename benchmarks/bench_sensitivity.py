@@ -15,8 +15,8 @@
 4. A model built to fail model_sqnr (examples/models.py fragile_mlp): the greedy fix's measured SQNR and size,
    against how many layers of the single-layer ranking, taken in order, reach the same target.
 5. Screen, then confirm: the float_layers fix as model_sqnr searches it (ModelAnalysis.float_layers_fix: the 8
-   layers with the largest own error screened on 2 batches, the set measured on every batch, the greedy search
-   after it when that set falls short) against the greedy search alone (find_float_layers without a ranking), for
+   candidates screened on 2 batches, the set measured on every batch, the screen widened to the first 32 layers in
+   graph order when that set falls short) against the greedy search alone (find_float_layers without a ranking), for
    targets 1, 3 and 6 dB above the model's output SQNR, on the same two models: seconds (best of two, alternated,
    the analysis and its switchable copy built outside the time), layers kept in float, the SQNR measured.
 
