@@ -53,7 +53,7 @@ from qcore.measure.passes import (
     measure_sqnr,
 )
 from qcore.measure.screens import Screen, ScreenedLayers
-from qcore.numeric.compare import KeptFloatOutputs, KeptLayerInputs
+from qcore.numeric.compare import KeptBudget, KeptFloatOutputs, KeptLayerInputs
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 from qcore.quantization.calibrate import calibrate, model_device
 from qcore.quantization.calibrated import CalibratedObservers
@@ -202,8 +202,10 @@ class CapturedModel:
         self._rewrite_scales: dict[tuple[str, str], tuple[Any, torch.Tensor]] = {}
         self._observers: dict[str, CalibratedObservers] = {}
         self.variants: dict[str, ModelAnalysis] = {}  # by configuration (see ModelAnalysis.variant)
-        # the float graph's output on each calibration batch, from a comparison pass (KeptFloatOutputs)
-        self.float_outputs: list[Any] | None = None
+        # what the analyses of this model keep for later passes holds KEPT_BYTES in all (theirs and their trials')
+        self.kept_budget = KeptBudget()
+        # the float graph's output on each calibration batch, from a comparison pass
+        self.float_outputs: KeptFloatOutputs | None = None
         # the float inputs of the screened layers on each calibration batch, from the same pass (KeptLayerInputs)
         self.layer_inputs: KeptLayerInputs | None = None
         # {layer: [(shadow_signature, shadow record)]} the screens of the float graph's comparison pass measured
@@ -449,17 +451,19 @@ class ModelAnalysis:
         else:
             screens = self.plan.screens if original and self.plan.detectors else ()
             float_graph = self.quantized_input_gm is self.float_gm  # its float outputs may be kept, or were
-            keep = KeptFloatOutputs() if float_graph and self.context.float_outputs is None else None
-            keep_inputs = KeptLayerInputs() if keep is not None and screens else None
+            budget = self.context.kept_budget
+            keep = KeptFloatOutputs(budget=budget) if float_graph and self.context.float_outputs is None else None
+            keep_inputs = KeptLayerInputs(budget=budget) if keep is not None and screens else None
+            kept = self.context.float_outputs
+            kept_outputs = kept.outputs if float_graph and kept is not None else None
             measured = measure_model(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers,
                                      layers=self.focus, screens=screens, layer_kinds=self.layer_kinds,
-                                     float_outputs=self.context.float_outputs if float_graph else None,
-                                     keep_float_outputs=keep,
+                                     float_outputs=kept_outputs, keep_float_outputs=keep,
                                      known_shadows=self.context.screened_shadows if float_graph else None,
                                      layer_inputs=self.context.layer_inputs if float_graph else None,
-                                     keep_layer_inputs=keep_inputs, **options)
+                                     keep_layer_inputs=keep_inputs, kept_budget=budget, **options)
             if keep is not None and keep.outputs is not None and len(keep.outputs) == len(self.batches):
-                self.context.float_outputs = keep.outputs
+                self.context.float_outputs = keep
                 self.context.layer_inputs = keep_inputs
             if float_graph:
                 for screened in measured.screens.values():

@@ -38,6 +38,7 @@ from qcore.measure.variants import (
 )
 from qcore.numeric.compare import (
     ExtraShadows,
+    KeptBudget,
     KeptFloatOutputs,
     KeptLayerInputs,
     KnownShadows,
@@ -150,7 +151,8 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                   layer_kinds: Collection[str] = LAYER_KINDS, float_outputs: Sequence[Any] | None = None,
                   keep_float_outputs: KeptFloatOutputs | None = None,
                   known_shadows: KnownShadows | None = None, layer_inputs: KeptLayerInputs | None = None,
-                  keep_layer_inputs: KeptLayerInputs | None = None) -> ModelMeasurement:
+                  keep_layer_inputs: KeptLayerInputs | None = None,
+                  kept_budget: KeptBudget | None = None) -> ModelMeasurement:
     """Quantize a copy of `float_gm` on `batches` and measure it in one calibration and one comparison pass:
     per-layer and output SQNR (propagate=False: shadow SQNR only), the detectors' reports, the input-weight
     equalization variant of `equalization_layers`, the smoothing variant (alpha, or "search") of every
@@ -162,7 +164,8 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     `layer_kinds` are the per-layer SQNRs measured ("own": shadow, "propagated"; the others are nan): a trial
     measures those it reads. `float_outputs`, `keep_float_outputs`, `known_shadows` (from the screens of an
     earlier measurement of the same float graph: ScreenedLayers.shadows), `layer_inputs` and `keep_layer_inputs`
-    (the float inputs of the screened layers) are compare_propagated_and_shadow's."""
+    (the float inputs of the screened layers) are compare_propagated_and_shadow's; what a trial's calibration pass
+    keeps for its comparison counts against `kept_budget` (shared with what the model's comparison pass kept)."""
     batches = list(batches)
     kept = observers if observers is not None else CalibratedObservers()
     ahead = ObserversAhead(float_gm, quantizer or Int8StaticQuantizer(), screens, kept)
@@ -185,8 +188,9 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     else:
         # a pass that measures some layers only (a trial's) takes the float outputs and those layers' float inputs
         # from its calibration pass, whose observers change no value: its comparison then runs only the rest
-        calibration_outputs = KeptFloatOutputs() if layers is not None and float_outputs is None else None
-        calibration_inputs = KeptLayerInputs() if calibration_outputs is not None else None
+        calibration_outputs = KeptFloatOutputs(budget=kept_budget) if layers is not None and float_outputs is None \
+            else None
+        calibration_inputs = KeptLayerInputs(budget=kept_budget) if calibration_outputs is not None else None
         if calibration_inputs is not None:
             focus = set(layers or ())
             calibration_inputs.watch(probed.prepared, [op for op in find_quantizable_ops(float_gm)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +38,12 @@ from qcore.quantization.calibrate import OutputSink, model_device
 from qcore.runtime.deferred import batched_updates
 from qcore.runtime.progress import batch_done, stage
 
-__all__ = ["KEPT_FLOAT_OUTPUT_BYTES", "KEPT_LAYER_INPUT_BYTES", "ExtraShadows", "KeptFloatOutputs", "KeptLayerInputs",
+__all__ = ["KEPT_BYTES", "ExtraShadows", "KeptBudget", "KeptFloatOutputs", "KeptLayerInputs",
            "KnownShadows", "ShadowGraph", "compare", "compare_outputs", "compare_propagated_and_shadow", "run_both"]
 
 _SHADOW_PREFIX = "qcore_shadow_b.quantized"
 
-KEPT_FLOAT_OUTPUT_BYTES = 64 << 20  # the float outputs a comparison pass keeps for later passes, at most
-KEPT_LAYER_INPUT_BYTES = 64 << 20  # the screened layers' float inputs a comparison pass keeps for later passes, at most
+KEPT_BYTES = 64 << 20  # the float values kept for later passes (outputs, layer inputs) that one budget holds, at most
 
 # {layer: [(shadow_signature, shadow record)]}: shadows measured before over the same float graph and batches
 KnownShadows = Mapping[str, Sequence[tuple[tuple, Mapping[str, float]]]]
@@ -352,15 +352,41 @@ def _truncate_after_last_logger(gm: fx.GraphModule) -> bool:
     return last is not None
 
 
+class KeptBudget:
+    """The bytes that the keepers sharing it (KeptFloatOutputs, KeptLayerInputs) hold together, at most: one model's
+    analysis keeps its comparison pass's values while its trials keep their own, and what they keep in all is what
+    its peak memory pays for them."""
+
+    def __init__(self, limit: int = KEPT_BYTES) -> None:
+        self.limit = limit
+        self._keepers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def join(self, keeper: Any) -> None:
+        """Count what `keeper` holds (its `held` bytes) against this budget while it is alive."""
+        self._keepers.add(keeper)
+
+    def room(self, keeper: Any) -> int:
+        """The bytes `keeper` may hold in all: the limit less what the other keepers alive hold."""
+        return self.limit - sum(other.held for other in list(self._keepers) if other is not keeper)
+
+
 class KeptFloatOutputs:
     """The float graph's output on each batch of a comparison pass, kept while their tensors hold at most `limit`
-    bytes in all, so that a later pass over the same float graph and batches (a fix trial's) need not run it again;
-    `outputs` is None once they would hold more."""
+    bytes in all (and fit the `budget` it shares, when given), so that a later pass over the same float graph and
+    batches (a fix trial's) need not run it again; `outputs` is None once they would hold more."""
 
-    def __init__(self, limit: int = KEPT_FLOAT_OUTPUT_BYTES) -> None:
+    def __init__(self, limit: int = KEPT_BYTES, budget: KeptBudget | None = None) -> None:
         self.limit = limit
         self.outputs: list[Any] | None = []
         self._bytes = 0
+        self._budget = budget
+        if budget is not None:
+            budget.join(self)
+
+    @property
+    def held(self) -> int:
+        """The bytes the kept outputs hold."""
+        return self._bytes
 
     def add(self, output: Any) -> None:
         """Keep one batch's output (or give up on keeping them)."""
@@ -368,8 +394,9 @@ class KeptFloatOutputs:
             return
         size = sum(leaf.numel() * leaf.element_size() for leaf in pytree.tree_leaves(output)
                    if isinstance(leaf, torch.Tensor))
-        if self._bytes + size > self.limit:
-            self.outputs = None
+        room = self.limit if self._budget is None else min(self.limit, self._budget.room(self))
+        if self._bytes + size > room:
+            self.outputs, self._bytes = None, 0
             return
         self.outputs.append(output)
         self._bytes += size
@@ -379,19 +406,27 @@ class KeptFloatOutputs:
 
 class KeptLayerInputs:
     """The float inputs of some layers (the float graph's values their shadow copies read) on each batch of a
-    comparison pass, kept while they hold at most `limit` bytes in all (a value that would pass it is not kept on
-    any batch), so that a later pass over the same float graph and batches (a fix trial's) feeds those layers' float
-    values and shadows from them instead of running the float graph up to them. `values`: {float node name: one
-    tensor per batch}. The layers' own float values, when watched too, are kept within a limit of their own, so that
-    they never take the place of an input."""
+    comparison pass, kept while they hold at most `limit` bytes in all and fit the `budget` they share, when given
+    (a value that would pass either is not kept on any batch), so that a later pass over the same float graph and
+    batches (a fix trial's) feeds those layers' float values and shadows from them instead of running the float graph
+    up to them. `values`: {float node name: one tensor per batch}. The layers' own float values, when watched too,
+    take at most half of `limit`, so that an input, which saves more of a float run, always has room."""
 
-    def __init__(self, limit: int = KEPT_LAYER_INPUT_BYTES) -> None:
+    def __init__(self, limit: int = KEPT_BYTES, budget: KeptBudget | None = None) -> None:
         self.limit = limit
         self.values: dict[str, list[torch.Tensor]] = {}
         self.position = 0  # the batch being run
         self._refused: set[str] = set()
         self._bytes = {False: 0, True: 0}  # {a layer's own value: bytes kept}
         self._keepers: list[fx.Node] = []
+        self._budget = budget
+        if budget is not None:
+            budget.join(self)
+
+    @property
+    def held(self) -> int:
+        """The bytes the kept values hold."""
+        return self._bytes[False] + self._bytes[True]
 
     def watch(self, gm: fx.GraphModule, ops: Iterable[Any], outputs: bool = False) -> None:
         """Keep, on each batch `gm` runs, the values the float `ops` read that an aten op computes (not weights or
@@ -435,7 +470,9 @@ class KeptLayerInputs:
             return
         kept = self.values.setdefault(name, [])
         size = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-        if not isinstance(value, torch.Tensor) or self._bytes[own] + size > self.limit:
+        room = self.limit if self._budget is None else min(self.limit, self._budget.room(self))
+        if not isinstance(value, torch.Tensor) or self._bytes[own] + size > (self.limit // 2 if own else self.limit) \
+                or self.held + size > room:
             self._refused.add(name)
             self._bytes[own] -= sum(v.numel() * v.element_size() for v in self.values.pop(name))
             return

@@ -185,7 +185,8 @@ def _update_comparators(entries: list[tuple[StreamingComparator, torch.Tensor, t
         actuals = (torch.cat([a for _, _, a in group]) if len(group) > 1 else group[0][2]).double()
         lengths = deferred.segment_lengths(device, tuple(r.numel() for _, r, _ in group))
         diff = references - actuals
-        # unsafe: the lengths are the queue's own, and checking them reads them back (a host sync on a GPU)
-        sums = torch.stack([torch.segment_reduce(product, "sum", lengths=lengths, unsafe=True) for product in
-                            (references * references, actuals * actuals, references * actuals, diff * diff)], dim=1)
+        # unsafe: the lengths are the queue's own, and checking them reads them back (a host sync on a GPU); each
+        # product is made as it is reduced, so one float64 product at a time is held, not four
+        pairs = ((references, references), (actuals, actuals), (references, actuals), (diff, diff))
+        sums = torch.stack([torch.segment_reduce(a * b, "sum", lengths=lengths, unsafe=True) for a, b in pairs], dim=1)
         torch._foreach_add_([comparator.sums for comparator, _, _ in group], list(sums.unbind(0)))

@@ -155,7 +155,8 @@ def test_a_trial_compares_with_the_kept_float_outputs_and_runs_the_float_graph_o
     assert fresh.context.float_outputs is not None  # a trial's pass keeps them for the next one when none are kept
     base = ModelAnalysis(float_gm, None, data)
     assert base.sqnr.outputs == expected.outputs
-    kept = base.context.float_outputs
+    assert base.context.float_outputs is not None
+    kept = base.context.float_outputs.outputs
     assert kept is not None and len(kept) == len(data)
     assert all(torch.equal(a, float_gm(b)) for a, b in zip(kept, data))
 
@@ -231,21 +232,43 @@ def test_layer_inputs_are_kept_within_their_byte_limit_and_a_value_past_it_on_no
     assert "wide" not in kept.values
 
 
-def test_layers_own_values_are_kept_within_a_limit_of_their_own_and_never_take_an_inputs_place():
+def test_layers_own_values_take_at_most_half_of_the_limit_and_leave_the_rest_to_inputs():
     from qcore.numeric.compare import KeptLayerInputs
 
-    kept = KeptLayerInputs(limit=64)
+    kept = KeptLayerInputs(limit=128)
     for position in range(2):
         kept.position = position
-        kept.add("fc1_output", torch.zeros(2, 4), own=True)  # 32 bytes a batch: both fit the own values' limit
-        kept.add("fc2_input", torch.ones(2, 4))  # as do the inputs' 32 bytes a batch, in a limit of their own
-        kept.add("fc2_output", torch.zeros(16), own=True)  # past the own values' limit on the first batch
+        kept.add("fc1_output", torch.zeros(2, 4), own=True)  # 32 bytes a batch: both fit the own values' half
+        kept.add("fc2_input", torch.ones(2, 4))  # as do the inputs' 32 bytes a batch, in the rest
+        kept.add("fc2_output", torch.zeros(16), own=True)  # past the own values' half on the first batch
     assert sorted(kept.values) == ["fc1_output", "fc2_input"]
+    assert kept.held == 128
     assert all(len(values) == 2 for values in kept.values.values())
     result = torch.zeros(6, 4).view(2, 3, 4)  # a whole view (a linear's 3-d result): kept as it is, no copy
     fresh = KeptLayerInputs()
     fresh.add("fc3_output", result, own=True)
     assert fresh.values["fc3_output"][0] is result
+
+
+def test_keepers_sharing_a_budget_hold_at_most_it_together_and_a_dropped_keeper_frees_its_room():
+    import gc
+
+    from qcore.numeric.compare import KeptBudget, KeptFloatOutputs, KeptLayerInputs
+
+    budget = KeptBudget(limit=96)
+    outputs = KeptFloatOutputs(budget=budget)
+    outputs.add(torch.zeros(2, 4))  # 32 bytes
+    trial = KeptLayerInputs(budget=budget)
+    trial.add("fc2_input", torch.zeros(4, 4))  # 64 bytes: the budget is full
+    trial.add("fc3_input", torch.zeros(1))  # past the budget, though within the keeper's own limit
+    assert list(trial.values) == ["fc2_input"] and outputs.held + trial.held == 96
+    outputs.add(torch.zeros(1))  # the outputs may not grow past it either: none of them are kept
+    assert outputs.outputs is None and outputs.held == 0
+    del trial
+    gc.collect()
+    later = KeptLayerInputs(budget=budget)
+    later.add("fc2_input", torch.zeros(24))  # 96 bytes: the room the others left
+    assert later.held == 96
 
 
 def _counting_qparams(monkeypatch):
