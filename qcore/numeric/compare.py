@@ -410,10 +410,12 @@ class KeptLayerInputs:
     (a value that would pass either is not kept on any batch), so that a later pass over the same float graph and
     batches (a fix trial's) feeds those layers' float values and shadows from them instead of running the float graph
     up to them. `values`: {float node name: one tensor per batch}. The layers' own float values, when watched too,
-    take at most half of `limit`, so that an input, which saves more of a float run, always has room."""
+    take at most half of `limit`, so that an input, which saves more of a float run, always has room. `limit` is half
+    of the budget's (of KEPT_BYTES without one) by default: the float outputs, kept after a batch's inputs and saving
+    a whole float run, have the other half."""
 
-    def __init__(self, limit: int = KEPT_BYTES, budget: KeptBudget | None = None) -> None:
-        self.limit = limit
+    def __init__(self, limit: int | None = None, budget: KeptBudget | None = None) -> None:
+        self.limit = limit if limit is not None else (budget.limit if budget is not None else KEPT_BYTES) // 2
         self.values: dict[str, list[torch.Tensor]] = {}
         self.position = 0  # the batch being run
         self._refused: set[str] = set()

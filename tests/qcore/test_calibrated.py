@@ -258,7 +258,7 @@ def test_keepers_sharing_a_budget_hold_at_most_it_together_and_a_dropped_keeper_
     budget = KeptBudget(limit=96)
     outputs = KeptFloatOutputs(budget=budget)
     outputs.add(torch.zeros(2, 4))  # 32 bytes
-    trial = KeptLayerInputs(budget=budget)
+    trial = KeptLayerInputs(limit=96, budget=budget)
     trial.add("fc2_input", torch.zeros(4, 4))  # 64 bytes: the budget is full
     trial.add("fc3_input", torch.zeros(1))  # past the budget, though within the keeper's own limit
     assert list(trial.values) == ["fc2_input"] and outputs.held + trial.held == 96
@@ -266,9 +266,23 @@ def test_keepers_sharing_a_budget_hold_at_most_it_together_and_a_dropped_keeper_
     assert outputs.outputs is None and outputs.held == 0
     del trial
     gc.collect()
-    later = KeptLayerInputs(budget=budget)
+    later = KeptLayerInputs(limit=96, budget=budget)
     later.add("fc2_input", torch.zeros(24))  # 96 bytes: the room the others left
     assert later.held == 96
+
+
+def test_layer_inputs_leave_half_of_their_budget_to_the_float_outputs_kept_after_them():
+    from qcore.numeric.compare import KeptBudget, KeptFloatOutputs, KeptLayerInputs
+
+    budget = KeptBudget(limit=128)
+    outputs, inputs = KeptFloatOutputs(budget=budget), KeptLayerInputs(budget=budget)
+    for position in range(2):  # a batch's inputs are kept as the float graph runs, its output once it returns
+        inputs.position = position
+        inputs.add("fc2_input", torch.zeros(4))  # 16 bytes a batch: both fit half of the budget
+        inputs.add("fc3_input", torch.zeros(2, 4))  # 32 bytes a batch: past that half on the second, kept on none
+        outputs.add(torch.zeros(2, 4))  # 32 bytes a batch: the whole budget would have had no room on the second
+    assert list(inputs.values) == ["fc2_input"] and inputs.held == 32
+    assert outputs.outputs is not None and len(outputs.outputs) == 2 and outputs.held == 64
 
 
 def _counting_qparams(monkeypatch):
