@@ -370,6 +370,11 @@ class KeptBudget:
         return self.limit - sum(other.held for other in list(self._keepers) if other is not keeper)
 
 
+def _room(keeper: Any, budget: KeptBudget | None) -> int:
+    """The bytes `keeper` may hold in all: its own limit, and no more than its budget leaves it when it shares one."""
+    return keeper.limit if budget is None else min(keeper.limit, budget.room(keeper))
+
+
 class KeptFloatOutputs:
     """The float graph's output on each batch of a comparison pass, kept while their tensors hold at most `limit`
     bytes in all (and fit the `budget` it shares, when given), so that a later pass over the same float graph and
@@ -394,8 +399,7 @@ class KeptFloatOutputs:
             return
         size = sum(leaf.numel() * leaf.element_size() for leaf in pytree.tree_leaves(output)
                    if isinstance(leaf, torch.Tensor))
-        room = self.limit if self._budget is None else min(self.limit, self._budget.room(self))
-        if self._bytes + size > room:
+        if self._bytes + size > _room(self, self._budget):
             self.outputs, self._bytes = None, 0
             return
         self.outputs.append(output)
@@ -472,9 +476,8 @@ class KeptLayerInputs:
             return
         kept = self.values.setdefault(name, [])
         size = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-        room = self.limit if self._budget is None else min(self.limit, self._budget.room(self))
-        if not isinstance(value, torch.Tensor) or self._bytes[own] + size > (self.limit // 2 if own else self.limit) \
-                or self.held + size > room:
+        if not isinstance(value, torch.Tensor) or (own and self._bytes[True] + size > self.limit // 2) \
+                or self.held + size > _room(self, self._budget):
             self._refused.add(name)
             self._bytes[own] -= sum(v.numel() * v.element_size() for v in self.values.pop(name))
             return
