@@ -615,7 +615,7 @@ class ModelAnalysis:
 
         self.whole_model("switching layers between float and quantized")
         self.require_deterministic()
-        return SwitchableModel(self.quantized_input_gm, self.batches, self.quantizer)
+        return SwitchableModel(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers)
 
     def sensitivity(self, max_layers: int | None = None, max_batches: int | None = None,
                     only_quantized: bool | int = True) -> Any:
@@ -668,7 +668,7 @@ class ModelAnalysis:
                                                max_float_layers=max_float_layers, max_batches=max_batches,
                                                model=self.switchable, candidates=candidates,
                                                ranking=self.fix_candidates(candidates),
-                                               early_layers=early_layers)
+                                               early_layers=early_layers, observers=self._observers)
         return cache[key]
 
     def fix_candidates(self, count: int = FLOAT_LAYERS_CANDIDATES) -> list[str]:

@@ -25,9 +25,10 @@ from qcore.observe.observers import (
     copied,
     share_qparams,
 )
+from qcore.quantization.calibrate import calibrate
 from qcore.quantization.format_quantizer import FormatObserver
 
-__all__ = ["CalibratedObservers", "watched_values"]
+__all__ = ["CalibratedObservers", "calibrate_kept", "watched_values"]
 
 _STATEFUL = (MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver, HistogramObserver,
              FormatObserver)
@@ -117,3 +118,15 @@ class CalibratedObservers:
 def _taken(value: torch.Tensor, shared: bool) -> torch.Tensor:
     """A kept state's tensor as an observer takes it: itself where nothing writes it again, else a copy."""
     return value if shared else value.clone()
+
+
+def calibrate_kept(prepared: fx.GraphModule, batches: list, observers: CalibratedObservers | None) -> None:
+    """Calibrate `prepared` on `batches` (a float graph's prepared copy), its activation observers that `observers`
+    holds taking their kept state instead: no pass when it holds every one. Those calibrated are kept in it."""
+    if observers is None:
+        calibrate(prepared, batches)
+        return
+    signatures = observers.signatures(prepared)
+    if observers.take(prepared, signatures):
+        calibrate(prepared, batches)
+        observers.keep(prepared, signatures)

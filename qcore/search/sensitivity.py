@@ -22,7 +22,8 @@ from qcore.graph.inputs import call_model, move_to
 from qcore.graph.ops import INSERTED_KEY, fetch_attr, find_quantizable_ops, is_weight_value
 from qcore.measure.screens import screened_ladder, shortest_head
 from qcore.numeric.metrics import signal_and_noise, sqnr_from_sums
-from qcore.quantization.calibrate import calibrate, model_device
+from qcore.quantization.calibrate import model_device
+from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept
 from qcore.quantization.convert import convert, restore_model_state
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Int8StaticQuantizer, Quantizer, with_layer_overrides
@@ -30,7 +31,7 @@ from qcore.search.resume import ResumableGraph
 
 __all__ = ["REMEASURED_CANDIDATES", "FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult",
            "SwitchableModel", "SwitchedRuns", "best_first", "find_float_layers", "layer_sensitivity",
-           "with_float_layers"]
+           "measured_output_sqnr", "with_float_layers"]
 
 _GROUP_KEY = "qcore_observer_group"
 
@@ -113,7 +114,7 @@ class SwitchedRuns(ABC):
     gm: fx.GraphModule
 
     def _init_runs(self, float_gm: fx.GraphModule, switch_nodes: list[fx.Node], resume: bool) -> None:
-        self._reference = FloatReference(float_gm)
+        self.reference = FloatReference(float_gm)
         # (switch setting, batch id) -> that batch's (signal, noise) sums per output leaf
         self._sums: dict[tuple, list[torch.Tensor]] = {}
         self._resumable = ResumableGraph(self.gm, switch_nodes if resume else [], self._switch_state)
@@ -162,7 +163,7 @@ class SwitchedRuns(ABC):
             # batches are kept by the float reference once measured, so their ids stay theirs
             key = (state, id(batch))
             if key not in self._sums or (record and not self._resumable.recorded(id(batch))):
-                self._sums[key] = self._reference.batch_sums(self.gm, batch,
+                self._sums[key] = self.reference.batch_sums(self.gm, batch,
                                                              lambda batch, moved: step(id(batch), moved))
             per_batch.append(self._sums[key])
         return _worst_output_sqnr(per_batch)
@@ -176,11 +177,13 @@ class SwitchableModel(SwitchedRuns):
     """A quantized copy of a float graph whose layers' quantizers can be switched on and off."""
 
     def __init__(self, float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None = None, *,
-                 resume: bool = True) -> None:
-        """resume=False: every run computes the whole graph (qcore.search.resume otherwise)."""
+                 resume: bool = True, observers: CalibratedObservers | None = None) -> None:
+        """resume=False: every run computes the whole graph (qcore.search.resume otherwise). `observers`: the
+        activation observers calibrated earlier on this graph and these batches, whose states are taken instead of
+        calibrating again."""
         prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
         owners = _group_owners(prepared)
-        calibrate(prepared, batches)
+        calibrate_kept(prepared, list(batches), observers)
         self.gm = convert(prepared)
         restore_model_state(self.gm, float_gm)
         self.float_gm = float_gm
@@ -243,13 +246,29 @@ class FloatReference:
                    ) -> list[torch.Tensor]:
         """The (signal, noise) sums of each output leaf of `gm` against the float graph on one batch."""
         if id(batch) not in self._references:  # the batch is kept too, so its id cannot be reused
-            moved = move_to(batch, model_device(self.float_gm))
-            with torch.no_grad():
-                self._references[id(batch)] = (batch, moved, _float_leaves(call_model(self.float_gm, moved)))
+            self._references[id(batch)] = (batch, *self._float_run(batch))
         _, moved, reference = self._references[id(batch)]
+        return _output_sums(gm, batch, moved, reference, run)
+
+    def unkept_batch_sums(self, gm: fx.GraphModule, batch: Any) -> list[torch.Tensor]:
+        """batch_sums of `gm` run whole; the float outputs of a batch not kept already are computed and dropped."""
+        _, moved, reference = self._references.get(id(batch)) or (batch, *self._float_run(batch))
+        return _output_sums(gm, batch, moved, reference, None)
+
+    def _float_run(self, batch: Any) -> tuple[Any, list[torch.Tensor]]:
+        """(the batch on the float graph's device, the float graph's output leaves on it)."""
+        moved = move_to(batch, model_device(self.float_gm))
         with torch.no_grad():
-            actual = _float_leaves(call_model(gm, moved) if run is None else run(batch, moved))
-            return [signal_and_noise(a, b) for a, b in zip(reference, actual)]
+            return moved, _float_leaves(call_model(self.float_gm, moved))
+
+
+def _output_sums(gm: fx.GraphModule, batch: Any, moved: Any, reference: list[torch.Tensor],
+                 run: Callable[[Any, Any], Any] | None) -> list[torch.Tensor]:
+    """The (signal, noise) sums of each output leaf of `gm` (run whole, or by `run(batch, moved)`) against
+    `reference`, the float graph's leaves on the batch."""
+    with torch.no_grad():
+        actual = _float_leaves(call_model(gm, moved) if run is None else run(batch, moved))
+        return [signal_and_noise(a, b) for a, b in zip(reference, actual)]
 
 
 def _worst_output_sqnr(per_batch: Sequence[list[torch.Tensor]]) -> float:
@@ -263,6 +282,19 @@ def _worst_output_sqnr(per_batch: Sequence[list[torch.Tensor]]) -> float:
                 sums[index] = sums[index] + pair
     values = [sqnr_from_sums(*(float(v) for v in pair.tolist())) for pair in sums]
     return min(values) if values else math.nan
+
+
+def measured_output_sqnr(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer,
+                         reference: FloatReference, observers: CalibratedObservers | None = None) -> float:
+    """The worst output leaf's SQNR (dB) of `float_gm` quantized by `quantizer` over every batch, exactly as a
+    pass of its own measures it: prepared, calibrated (the observers `observers` holds take their kept state),
+    converted, and run on each batch against `reference`'s float outputs (computed, not kept, for the batches it
+    lacks). No layer's SQNR is measured: a search reads the output's."""
+    prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer)
+    calibrate_kept(prepared, list(batches), observers)
+    quant_gm = convert(prepared)
+    restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
+    return _worst_output_sqnr([reference.unkept_batch_sums(quant_gm, batch) for batch in batches])
 
 
 def _float_leaves(value: Any) -> list[torch.Tensor]:
@@ -341,7 +373,8 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
                       *, max_float_layers: int = 8, candidates: int = 12, max_batches: int | None = 2,
                       sensitivity: SensitivityResult | None = None, model: SwitchableModel | None = None,
                       compare_with_ranking: bool = False, estimate: bool = True,
-                      ranking: Sequence[str] | None = None, early_layers: int = EARLY_LAYERS) -> FloatLayersFix:
+                      ranking: Sequence[str] | None = None, early_layers: int = EARLY_LAYERS,
+                      observers: CalibratedObservers | None = None) -> FloatLayersFix:
     """Greedy search for a small set of layers to keep in float so that the output SQNR reaches `target_db`,
     then one exact measurement with that set skipped by the quantizer.
 
@@ -362,20 +395,23 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     layer after it, so keeping it in float can help the output more than a larger own error further on; the
     sensitivity ranking measures the same layers alone, on the same batches, and shares those runs), and the
     better measured set wins.
+
+    `observers`: the activation observers calibrated earlier on `float_gm` and `batches`; the exact measurements
+    take their states instead of calibrating again (measured_output_sqnr).
     """
     quantizer = quantizer or Int8StaticQuantizer()
-    model = model or SwitchableModel(float_gm, batches, quantizer)
+    model = model or SwitchableModel(float_gm, batches, quantizer, observers=observers)
     subset = list(batches)[:max_batches] if max_batches else list(batches)
     if ranking is not None:
         limit = min(max_float_layers, len(model.layers) - 1)
         first = [name for name in ranking if name in model.layers][:candidates]
         screened = _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, first, limit,
-                                          candidates)
+                                          candidates, observers)
         wider = list(dict.fromkeys([*first, *model.layers[:early_layers]]))
         if screened.reached or len(wider) == len(first):
             return screened
         widened = _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, wider, limit,
-                                         len(wider))
+                                         len(wider), observers)
         return widened if widened.measured_db > screened.measured_db else screened
     if sensitivity is not None:
         pool = [entry.layer for entry in sensitivity.layers][:candidates]
@@ -396,12 +432,8 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
         estimated_db = best_db
     model.quantize_only(model.layers)
     model.forget()
-    from qcore.measure.passes import measure_sqnr
-
-    measured = (measure_sqnr(float_gm, list(batches), with_float_layers(quantizer, chosen), shadow=False)
-                if chosen else None)
-    worst = measured.worst_output() if measured is not None else None
-    measured_db = worst.sqnr_db if worst is not None else all_quantized_db
+    measured_db = (measured_output_sqnr(float_gm, list(batches), with_float_layers(quantizer, chosen), model.reference,
+                                        observers) if chosen else all_quantized_db)
     naive = None
     if compare_with_ranking:
         ranked = sensitivity or layer_sensitivity(float_gm, subset, quantizer, model=model, only_quantized=False)
@@ -414,11 +446,9 @@ REMEASURED_CANDIDATES = 3  # of a greedy step's estimates, how many best are mea
 
 def _screened_float_layers(model: SwitchableModel, float_gm: fx.GraphModule, batches: list[Any], subset: list[Any],
                            quantizer: Quantizer, target_db: float, ranking: Sequence[str], limit: int,
-                           candidates: int) -> FloatLayersFix:
+                           candidates: int, observers: CalibratedObservers | None = None) -> FloatLayersFix:
     """find_float_layers with a `ranking`: the screen on `subset` through the switches, each head returned measured
     exactly (re-quantized with it in float) on every batch; at most `limit` layers kept in float."""
-    from qcore.measure.passes import measure_sqnr
-
     exact: dict[tuple[str, ...], float] = {}
     screened: dict[tuple[str, ...], float] = {}
 
@@ -429,8 +459,8 @@ def _screened_float_layers(model: SwitchableModel, float_gm: fx.GraphModule, bat
 
     def measured(head: list[str]) -> float:
         if tuple(head) not in exact:
-            worst = measure_sqnr(float_gm, batches, with_float_layers(quantizer, head), shadow=False).worst_output()
-            exact[tuple(head)] = worst.sqnr_db if worst is not None else math.nan
+            exact[tuple(head)] = measured_output_sqnr(float_gm, batches, with_float_layers(quantizer, head),
+                                                      model.reference, observers)
         return exact[tuple(head)]
 
     def screen(head: list[str]) -> bool:

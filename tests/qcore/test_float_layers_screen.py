@@ -76,6 +76,25 @@ def test_the_search_screens_its_candidates_only_and_measures_the_set_it_returns_
     assert fix.measured_db == _exact_db(float_gm, batches, list(fix.float_layers)) >= target
 
 
+def test_the_switches_and_the_exact_measurements_take_the_analysis_calibration(monkeypatch):
+    # keeping layers in float changes no activation observer's values (calibration runs the float graph): the
+    # quantizer switches and every set measured exactly take the states the analysis's pass calibrated
+    import qcore.quantization.calibrated as calibrated
+
+    float_gm, batches = _llama()
+    analysis = ModelAnalysis(float_gm, batches=batches)
+    target = analysis.sqnr.worst_output().sqnr_db + 6.0  # beyond the candidates: several sets measured exactly
+    passes = []
+    monkeypatch.setattr(calibrated, "calibrate", lambda model, batches: passes.append(len(batches)))
+    exact = []
+    measured = sensitivity.measured_output_sqnr
+    monkeypatch.setattr(sensitivity, "measured_output_sqnr", lambda *args: exact.append(args) or measured(*args))
+    fix = analysis.float_layers_fix(target, max_batches=2, candidates=4, early_layers=6)
+    assert exact and passes == []
+    monkeypatch.undo()
+    assert fix.measured_db == _exact_db(float_gm, batches, list(fix.float_layers))
+
+
 def test_a_screen_that_falls_short_widens_to_the_early_layers_and_the_better_measured_set_wins(monkeypatch):
     float_gm, batches = _llama()
     analysis = ModelAnalysis(float_gm, batches=batches)

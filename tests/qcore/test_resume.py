@@ -169,13 +169,13 @@ def test_a_setting_measured_before_on_the_same_batches_is_not_run_again():
 def _counting_batch_runs(switchable_model):
     """A list that gets one entry per batch the switchable model computes."""
     runs = []
-    measure = switchable_model._reference.batch_sums
+    measure = switchable_model.reference.batch_sums
 
     def counted(*args, **kwargs):
         runs.append(args[1])
         return measure(*args, **kwargs)
 
-    switchable_model._reference.batch_sums = counted
+    switchable_model.reference.batch_sums = counted
     return runs
 
 
