@@ -647,7 +647,8 @@ class ModelAnalysis:
             self.require_deterministic()
             with stage("trials"):
                 self._fixes[key] = search_formats(self.quantized_input_gm, self.batches, self.quantizer, target_db,
-                                                  max_moves=max_moves, max_batches=max_batches)
+                                                  max_moves=max_moves, max_batches=max_batches,
+                                                  observers=self._observers)
         return self._fixes[key]
 
     def float_layers_fix(self, target_db: float, max_float_layers: int = 8, max_batches: int | None = 2,

@@ -21,6 +21,7 @@ from qcore.graph.capture import clone_graph_module
 from qcore.graph.inputs import call_model, move_to
 from qcore.graph.ops import fetch_attr, find_quantizable_ops
 from qcore.quantization.calibrate import model_device
+from qcore.quantization.calibrated import CalibratedObservers
 from qcore.quantization.format_quantizer import (
     FORMAT_KINDS,
     FormatQuantizer,
@@ -28,7 +29,13 @@ from qcore.quantization.format_quantizer import (
     layer_shapes,
     preset_refusal,
 )
-from qcore.search.sensitivity import REMEASURED_CANDIDATES, SwitchedRuns, best_first
+from qcore.search.sensitivity import (
+    REMEASURED_CANDIDATES,
+    FloatReference,
+    SwitchedRuns,
+    best_first,
+    measured_output_sqnr,
+)
 
 __all__ = ["LADDERS", "FormatFix", "FormatSwitchModel", "search_formats"]
 
@@ -157,12 +164,16 @@ def _next_rung(model: FormatSwitchModel, layer: str, current: str) -> str | None
 
 def search_formats(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: FormatQuantizer, target_db: float,
                    *, max_moves: int = 16, candidates: int = 12, max_batches: int | None = 2,
-                   model: FormatSwitchModel | None = None, estimate: bool = True) -> FormatFix:
+                   model: FormatSwitchModel | None = None, estimate: bool = True,
+                   observers: CalibratedObservers | None = None) -> FormatFix:
     """Greedy: each step makes the one move (a layer one rung up its ladder) that raises the output SQNR most over
     the search batches (the first `max_batches`), among the `candidates` layers whose first move helped most, until
     `target_db` is met or `max_moves` are made; then the moves are measured for real, quantizing with them over every
     batch. Every move is estimated on the first search batch and the best estimates measured on all (twice
-    `candidates` of the first step, REMEASURED_CANDIDATES of a later one); estimate=False measures every one on all."""
+    `candidates` of the first step, REMEASURED_CANDIDATES of a later one); estimate=False measures every one on all.
+    `observers`: the activation observers calibrated earlier on `float_gm` and `batches`, whose states the real
+    measurements take instead of calibrating again (a moved layer's observer watches with other settings, so it is
+    calibrated)."""
     model = model or FormatSwitchModel(float_gm, batches, quantizer)
     subset = list(batches)[:max_batches] if max_batches else list(batches)
     current = dict(model.start)
@@ -185,7 +196,8 @@ def search_formats(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: 
             current[layer] = rung
             model.assign(current)
         changed = {layer: name for layer, name in current.items() if name != model.start[layer]}
-        measured_db = _measure(float_gm, batches, quantizer, changed) if changed else estimate_db
+        measured_db = _measure(float_gm, batches, quantizer, changed, model.reference, observers) if changed \
+            else estimate_db
         if measured_db >= target_db or moves >= max_moves or best_move() is None:
             break
         estimate_db = -math.inf  # the estimate on a few batches was optimistic: one more move, then measure again
@@ -213,12 +225,9 @@ def _best_move(model: FormatSwitchModel, current: dict[str, str], pool: list[str
     return (ranked[0][0], ranked[0][1], rungs[ranked[0][1]]), [layer for _db, layer in ranked]
 
 
-def _measure(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: FormatQuantizer,
-             changed: dict[str, str]) -> float:
-    """The output SQNR with the moves made, quantized for real over every batch."""
-    from qcore.measure.passes import measure_sqnr
-
+def _measure(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: FormatQuantizer, changed: dict[str, str],
+             reference: FloatReference, observers: CalibratedObservers | None) -> float:
+    """The output SQNR with the moves made, quantized for real over every batch (measured_output_sqnr)."""
     overrides = {layer: {"skip": True} if name == "float" else {"format": name} for layer, name in changed.items()}
     fixed = FormatQuantizer(quantizer.preset, {**quantizer.layer_overrides, **overrides})
-    worst = measure_sqnr(float_gm, list(batches), fixed, shadow=False).worst_output()
-    return worst.sqnr_db if worst is not None else math.nan
+    return measured_output_sqnr(float_gm, list(batches), fixed, reference, observers)

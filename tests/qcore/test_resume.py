@@ -248,3 +248,28 @@ def test_the_format_search_estimating_on_the_first_batch_moves_as_measuring_ever
                                          model=switchable_model, estimate=estimate)
     assert found[True] == found[False] and len(found[True].layer_formats) == 4
     assert len(runs[True]) < len(runs[False])
+
+
+def test_the_format_search_measures_its_moves_exactly_with_the_model_calibration_taken(monkeypatch):
+    # a moved layer's observer watches with its new format's settings, so only those are calibrated again; the
+    # measured SQNR is a whole pass's with the moves made
+    from qcore.analysis import ModelAnalysis, measure_sqnr
+    from qcore.quantization.calibrated import CalibratedObservers
+    from qcore.quantization.format_quantizer import FormatQuantizer
+
+    model, model_batches = _cases()["llama"]
+    float_gm = qcore.capture(model, model_batches[0])
+    analysis = ModelAnalysis(float_gm, FormatQuantizer("NVFP4"), batches=model_batches)
+    assert analysis.sqnr.worst_output() is not None  # the model's pass calibrates its observers
+    taken = []
+    take = CalibratedObservers.take
+    monkeypatch.setattr(CalibratedObservers, "take", lambda self, prepared, signatures: taken.append(
+        (len(signatures), take(self, prepared, signatures))) or taken[-1][1])
+    fix = analysis.format_fix(60.0, max_moves=4)
+    monkeypatch.undo()
+    moved = len(fix.layer_formats)
+    assert moved == 4 and taken and all(len(missing) <= moved < watched for watched, missing in taken)
+    overrides = {layer: {"skip": True} if name == "float" else {"format": name}
+                 for layer, name in fix.layer_formats.items()}
+    worst = measure_sqnr(float_gm, model_batches, FormatQuantizer("NVFP4", overrides), shadow=False).worst_output()
+    assert fix.measured_db == worst.sqnr_db
