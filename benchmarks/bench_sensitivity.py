@@ -19,9 +19,15 @@
    graph order when that set falls short) against the greedy search alone (find_float_layers without a ranking), for
    targets 1, 3 and 6 dB above the model's output SQNR, on the same two models: seconds (best of two, alternated,
    the analysis and its switchable copy built outside the time), layers kept in float, the SQNR measured.
+6. An exact measurement of a set of layers kept in float, as the search confirms one (measured_output_sqnr: the
+   model's calibrated observers taken, the outputs compared against the switches' float outputs), against a pass of
+   its own (measure_sqnr without the shadow: calibration and a per-layer comparison), alternated, best of two; the
+   SQNR must be equal. On the 4-layer Llama, or with --llama1b on the 1B Llama config (bench_ops.py's: 3 batches of
+   2 x 64 tokens, minutes).
 
-    python benchmarks/bench_sensitivity.py            # every part
-    python benchmarks/bench_sensitivity.py --screen   # part 5 only
+    python benchmarks/bench_sensitivity.py                      # parts 1 to 6
+    python benchmarks/bench_sensitivity.py --screen             # part 5 only
+    python benchmarks/bench_sensitivity.py --exact [--llama1b]  # part 6 only
 """
 from __future__ import annotations
 
@@ -186,12 +192,54 @@ def bench_screen() -> None:
                   f"{best['greedy'][0] / best['screen'][0]:.2f}x")
 
 
+def _llama1b():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000, use_cache=False)
+    generator = torch.Generator().manual_seed(1)
+    return (LlamaForCausalLM(config).eval(),
+            [{"input_ids": torch.randint(0, 32000, (2, 64), generator=generator)} for _ in range(3)])
+
+
+def bench_exact(large: bool) -> None:
+    from qcore.analysis import measure_sqnr, with_float_layers
+    from qcore.search.sensitivity import measured_output_sqnr
+
+    torch.set_num_threads(2)
+    model, batches = _llama1b() if large else _llama()
+    float_gm = qcore.capture(model, batches[0])
+    analysis = ModelAnalysis(float_gm, batches=batches)
+    analysis.sqnr.worst_output()  # the model's pass calibrates the observers the exact measurement takes
+    switchable = analysis.switchable
+    switchable.quantize_only(switchable.layers)
+    switchable.run(batches[:2])  # the search batches' float outputs, as the search holds them
+    quantizer = with_float_layers(analysis.quantizer, analysis.fix_candidates(2)[:2])
+    ways = {"exact": lambda: measured_output_sqnr(float_gm, batches, quantizer, switchable.reference,
+                                                  analysis._observers),
+            "own pass": lambda: measure_sqnr(float_gm, batches, quantizer, shadow=False).worst_output().sqnr_db}
+    best: dict[str, tuple[float, float]] = {}
+    for way in ["exact", "own pass"] * 2:
+        start = time.perf_counter()
+        value = ways[way]()
+        seconds = time.perf_counter() - start
+        best[way] = (min(seconds, best[way][0]) if way in best else seconds, value)
+    print(f"{'1B Llama config' if large else '4-layer Llama'}, 2 layers in float: exact {best['exact'][0]:.2f} s "
+          f"({best['exact'][1]:.4f} dB), own pass {best['own pass'][0]:.2f} s ({best['own pass'][1]:.4f} dB): "
+          f"{best['own pass'][0] / best['exact'][0]:.2f}x, equal: {best['exact'][1] == best['own pass'][1]}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--screen"]:
         bench_screen()
+        raise SystemExit
+    if sys.argv[1:2] == ["--exact"]:
+        bench_exact("--llama1b" in sys.argv)
         raise SystemExit
     bench_screen()
     bench_resume()
     bench_estimate()
     bench_fix()
     bench_cost()
+    bench_exact(False)

@@ -509,16 +509,20 @@ class ModelAnalysis:
     @cached_property
     def quantized_gm(self) -> fx.GraphModule:
         """The model as quantized (equalized first when equalization is on), calibrated on the calibration batches:
-        a standalone graph called like the float one (one calibration pass of its own)."""
-        from qcore.measure.passes import calibrate_and_convert
-        from qcore.quantization.convert import restore_model_state
+        a standalone graph called like the float one (its activation observers take the states the model's pass
+        calibrated; a calibration pass of its own when that pass has not run)."""
+        from qcore.measure.passes import diagnosed_calibration
+        from qcore.quantization.calibrated import calibrate_kept
+        from qcore.quantization.convert import convert, restore_model_state
         from qcore.quantization.prepare import prepare
 
         self.whole_model("the quantized model")
         self.require_deterministic()
         reference = self.quantized_input_gm
         prepared = prepare(clone_graph_module(reference, share_parameters=True), self.quantizer)
-        quantized = calibrate_and_convert(prepared, reference, self.batches)
+        with diagnosed_calibration(reference, self.batches):
+            calibrate_kept(prepared, self.batches, self._observers)
+            quantized = convert(prepared)
         restore_model_state(quantized, reference)
         return quantized
 

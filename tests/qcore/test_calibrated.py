@@ -67,6 +67,23 @@ def test_a_weight_only_trial_is_not_calibrated_and_measures_what_a_calibrated_on
     assert _numbers(trial) != _numbers(base)  # the trial is measured, not copied
 
 
+def test_the_standalone_quantized_model_takes_the_models_calibration_and_computes_what_a_calibrated_one_does(
+        model_and_batches, monkeypatch):
+    import qcore.quantization.calibrated as calibrated
+
+    float_gm, data = model_and_batches
+    analysis = ModelAnalysis(float_gm, Int8StaticQuantizer(), data)
+    assert analysis.sqnr is not None
+    passes = []
+    monkeypatch.setattr(calibrated, "calibrate", lambda model, batches: passes.append(model))
+    quantized = analysis.quantized_gm
+    monkeypatch.undo()
+    calibrated_alone = ModelAnalysis(float_gm, Int8StaticQuantizer(), data).quantized_gm  # no pass before it
+    assert passes == []
+    with torch.no_grad():
+        assert all(torch.equal(quantized(batch), calibrated_alone(batch)) for batch in data)
+
+
 def test_an_observer_trial_calibrates_only_its_new_observers_and_its_smaller_retry_none(model_and_batches,
                                                                                       calibration_passes):
     float_gm, data = model_and_batches
