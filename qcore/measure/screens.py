@@ -21,8 +21,7 @@ from qcore.graph.capture import clone_graph_module
 from qcore.graph.ops import INSERTED_KEY, find_quantizable_ops, original_input
 from qcore.measure.probes import Probe
 from qcore.numeric.instrument import QPARAMS_DIGEST_KEY, qparams_digest
-from qcore.quantization.calibrate import calibrate
-from qcore.quantization.calibrated import CalibratedObservers, watched_values
+from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept, watched_values
 from qcore.quantization.convert import QPARAMS_KEY, convert, restore_model_state
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Quantizer, with_layer_overrides
@@ -104,12 +103,8 @@ def quantize_for_screen(float_gm: fx.GraphModule, batches: list[Any], quantizer:
     prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False), changed,
                        recompile=False)
     _unobserve_other_weights(prepared, set(changes))
-    signatures = observers.signatures(prepared)
-    missing = observers.take(prepared, signatures)
     prepared.recompile()
-    if missing:
-        calibrate(prepared, batches)
-        observers.keep(prepared, signatures)
+    calibrate_kept(prepared, batches, observers)
     quantized = convert(prepared, keep_float_weights=False, recompile=False)
     restore_model_state(quantized, float_gm)  # calibration ran forward, which may update buffers in place
     for node in quantized.graph.nodes:  # a float per weight channel, held once (the model's); a digest tells them

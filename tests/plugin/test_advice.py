@@ -424,8 +424,8 @@ def test_a_shadow_signature_tells_the_same_computation_from_another(where_read):
 def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_a_pass_of_its_own(monkeypatch):
     import qcore
     from qcore.analysis import AnalysisPlan, ModelAnalysis
-    from qcore.measure import screens as screens_module
     from qcore.measure.screens import Screen
+    from qcore.quantization import calibrated as calibrated_module
     from qcore.report import OutlierDetector
 
     batches = _features(5)
@@ -436,8 +436,8 @@ def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_
     every = {layer: change for layer in ("layers.0", "layers.2", "layers.4")}
     named = ["layers.0", "layers.4"]  # the screen changes fewer layers than it may
     passes = []
-    calibrate = screens_module.calibrate
-    monkeypatch.setattr(screens_module, "calibrate", lambda *args: passes.append(1) or calibrate(*args))
+    calibrate = calibrated_module.calibrate  # the screen's copy calibrates through calibrate_kept
+    monkeypatch.setattr(calibrated_module, "calibrate", lambda *args: passes.append(1) or calibrate(*args))
 
     def screened(ahead):
         screen = Screen("outlier", lambda reports: {layer: change for layer in named}, ahead)
