@@ -244,9 +244,10 @@ class _ChannelStats(nn.Module):
         chunk = max(1, _ALPHAS_ELEMENTS // max(1, largest))  # alphas at a time: a bounded copy of each
         for begin in range(0, len(grid), chunk):
             part = slice(begin, begin + chunk)
-            inputs = fake_quantize_per_channel(flat[None] / scales[part, None, :], steps[part], zero_points[part], 0,
-                                               -128, 127, in_place=True)
-            quantized_x = _apart(inputs)
+            # each chunk-sized value is dropped as soon as its copies are made or its errors summed: at most two
+            # are alive at once besides the inputs' copies (the stacked one and its copies, never the last weight's)
+            quantized_x = _apart(fake_quantize_per_channel(flat[None] / scales[part, None, :], steps[part],
+                                                           zero_points[part], 0, -128, 127, in_place=True))
             errors = []
             for weight, reference in zip(weights, references):
                 scaled = weight[None] * scales[part, None, :]  # [alphas, out, in]
@@ -255,8 +256,11 @@ class _ChannelStats(nn.Module):
                 row_steps, row_zero_points = calculate_qparams(low, high, -127, 127, True)
                 quantized_w = _apart(fake_quantize_per_channel(rows, row_steps, row_zero_points, 0, -127, 127,
                                                                in_place=True).view(scaled.shape))
+                del scaled, rows
                 errors.append(torch.stack([(reference - x @ w.t()).double().square().sum()
                                            for x, w in zip(quantized_x, quantized_w)]))
+                del quantized_w
+            del quantized_x
             total = errors[0]
             for error in errors[1:]:  # weight by weight, in the order a single alpha adds them
                 total = total + error

@@ -532,3 +532,56 @@ def test_a_trial_compares_the_weights_of_its_own_layers_only(monkeypatch):
     assert len(compared) == 5
     assert trial["fc2"].weight_sqnr_db == whole["fc2"].weight_sqnr_db and not math.isnan(whole["fc2"].weight_sqnr_db)
     assert set(trial) == {"fc2"}
+
+
+def test_the_alpha_search_holds_at_most_two_chunks_of_scaled_weights_at_once():
+    """A chunk of alphas' scaled weights, its per-alpha copies and the next weight's chunk are not all alive at
+    once: each is dropped as soon as its copies are made or its errors summed (the search's peak memory on an LLM
+    is a few chunks of its largest weight)."""
+    import weakref
+    from unittest import mock
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qcore.rewrites import smoothing
+
+    generator = torch.Generator().manual_seed(0)
+    observer = smoothing._ChannelStats(keep_first=True)
+    observer.weights = [torch.randn(64, 32, generator=generator) for _ in range(3)]
+    observer(torch.randn(4, 32, generator=generator) * torch.logspace(0, 2, 32))
+    chunk_bytes = len(smoothing.ALPHA_GRID) * 64 * 32 * 4  # every alpha of one weight, scaled, in float32
+
+    class LiveBytes(TorchDispatchMode):
+        """The peak of the bytes that the tensors made under it hold while alive (a storage counted once)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.holders: dict[int, list[int]] = {}  # storage: [bytes, tensors alive on it]
+            self.live = self.peak = 0
+
+        def _gone(self, key: int) -> None:
+            entry = self.holders[key]
+            entry[1] -= 1
+            if not entry[1]:
+                self.live -= entry[0]
+                del self.holders[key]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (list, tuple)) else [out]:
+                if isinstance(tensor, torch.Tensor):
+                    key = tensor.untyped_storage().data_ptr()
+                    if key not in self.holders:
+                        self.holders[key] = [tensor.untyped_storage().nbytes(), 0]
+                        self.live += self.holders[key][0]
+                        self.peak = max(self.peak, self.live)
+                    self.holders[key][1] += 1
+                    weakref.finalize(tensor, self._gone, key)
+            return out
+
+    largest = max(observer.first.numel(), *(weight.numel() for weight in observer.weights))
+    with mock.patch.object(smoothing, "_ALPHAS_ELEMENTS", largest * len(smoothing.ALPHA_GRID)), \
+            torch.no_grad(), LiveBytes() as counted:
+        observer.alpha_errors()
+    # float32 weights are not copied; the first batch's alphas and the errors are small beside a chunk
+    assert chunk_bytes * 2 <= counted.peak < chunk_bytes * 2.5
