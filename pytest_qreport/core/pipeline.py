@@ -23,7 +23,7 @@ from .judge import compare_with_baseline
 from .memory import LARGE_MODEL_BYTES, estimated_analysis_bytes
 from .registry import Check, CheckRegistry, ModelContext
 from .results import ModelFacts
-from .runtime import quiet_torch_trace_log, torch_threads, young_garbage_collection
+from .runtime import quiet_torch_trace_log, torch_threads, trim_heap, young_garbage_collection
 from .settings import ModelSettings
 
 __all__ = ["ARTIFACT_SKIP", "ModelPipeline", "Stage", "analyze_in_session", "artifact_group", "collect_model",
@@ -187,7 +187,7 @@ class ModelPipeline:
 
             with torch_threads(threads), young_garbage_collection(large), quiet_torch_trace_log(), \
                     quantize_weights_where_read(large):
-                found = self._measure(batches, modify, threads)
+                found = self._measure(batches, modify, threads, large)
         except Exception as error:  # noqa: BLE001 - reported on every item of the model
             self.analysis_failed(explain(self.name, "calibration/analysis", error), error)
             return
@@ -198,7 +198,7 @@ class ModelPipeline:
         self.findings = {(f.check, f.layer): f for f in found}
 
     def _measure(self, batches: Callable[[], Iterable[Any]], modify: Callable[[list[Finding]], None],
-                 threads: int) -> list[Finding]:
+                 threads: int, large: bool = False) -> list[Finding]:
         assert self.context is not None and self.settings is not None
         analysis = self.context.analysis
         analysis.attach_batches(batches())
@@ -206,6 +206,8 @@ class ModelPipeline:
         for check_name, layers in self.items.items():
             if layers:
                 found += self._check_findings(check_name, layers)
+                if large:  # a check's freed working set would stay resident under the next one's (glibc's heap)
+                    trim_heap()
         modify(found)
         self.fingerprint = fingerprint(analysis, self.settings.equalize, threads)
         if self.settings.eval_batches is not None:

@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
-__all__ = ["freeze_heap_at_exit", "quiet_torch_trace_log", "torch_threads", "young_garbage_collection"]
+__all__ = ["freeze_heap_at_exit", "quiet_torch_trace_log", "torch_threads", "trim_heap", "young_garbage_collection"]
 
 
 @contextlib.contextmanager
@@ -46,7 +46,7 @@ def young_garbage_collection(map_large_allocations: bool = True) -> Iterator[Non
         if frozen:
             gc.collect()  # every generation, but the frozen objects are not looked at: the block's own only
             gc.unfreeze()
-        _trim_heap()
+        trim_heap()
         if map_large_allocations:
             _set_mmap_threshold(_MAPPED_AFTER)
 
@@ -76,7 +76,7 @@ def _set_mmap_threshold(size: int) -> None:
             libc.mallopt(_M_TRIM_THRESHOLD, 2 * size)
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's malloc_trim; a no-op elsewhere)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):

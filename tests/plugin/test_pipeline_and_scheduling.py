@@ -15,6 +15,8 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
 
     mapped: list[int] = []
     monkeypatch.setattr(runtime, "_set_mmap_threshold", mapped.append)
+    trims: list[str] = []  # the heap's free pages given back between one model's checks
+    monkeypatch.setattr(pipelines, "trim_heap", lambda: trims.append("trimmed"))
     where_read: list[bool] = []
     converting = importlib.import_module("qcore.analysis")  # where the plugin reads it
     original = converting.quantize_weights_where_read
@@ -36,6 +38,7 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     assert pipeline.finding("model_sqnr", "output").value > 20 and pipeline.facts().error == ""
     assert mapped == []  # a small model's analysis allocates from the heap: no page faults per activation
     assert where_read == [False]  # and keeps its quantized weights as tensors: no dequantization per forward
+    assert trims == []  # nor gives the heap's pages back after each check, to fault them in again
 
     broken = collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), tiny_sequential(), batches[0])
     broken.analyze(lambda: [torch.randn(4, 3)], lambda found: None)
@@ -46,6 +49,7 @@ def test_a_pipeline_moves_through_explicit_stages(monkeypatch):
     collect_model("tiny", settings, registry, qcore.Int8StaticQuantizer(), tiny_sequential(), batches[0]).analyze(
         lambda: batches, lambda found: None)
     assert mapped == [1 << 20, 32 << 20]
+    assert trims == ["trimmed", "trimmed"]  # after each of its two checks: what one freed is not resident in the next
     # a big model's weights are quantized where read (tests/qcore/test_weights_where_read.py)
     assert where_read[-1] is True
     broken.analyze(lambda: batches, lambda found: None)  # a failed stage is final
