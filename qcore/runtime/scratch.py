@@ -70,7 +70,7 @@ def reused_like(x: torch.Tensor) -> torch.Tensor | None:
     x outside autograd; None where no pool is open or x is not such a tensor. Not on the torch path (QCORE_NATIVE=0):
     it stands for a GPU, whose caching allocator reuses memory already, so its op count stays a GPU's. Not for
     bfloat16 or float16: their weights are rewritten on chains of slower ops, beside which fresh pages cost little,
-    and the pool would hold two of each weight shape for the whole analysis (on a bf16 0.5B Llama, 92 MB)."""
+    and the pool would hold two of each weight shape for the whole analysis."""
     pool = _POOL.get()
     if (pool is None or _use_count is None or not x.is_cpu or x.dtype != torch.float32 or native.kernel() is None
             or x.layout is not torch.strided or x.numel() * x.element_size() < MIN_REUSED_BYTES
