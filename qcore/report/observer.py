@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -268,9 +269,8 @@ class ReportObserver(nn.Module):
         """[channels, m] flat (row-major) indices: the same m positions in every channel."""
         key = ("take", tuple(shape), axis, str(device))
         if key != self._sample_key:
-            channel = torch.arange(shape[axis]) * math.prod(shape[axis + 1:])
-            offsets = channel_sample_offsets(tuple(shape), axis % len(shape), self.sample_size, self.seed)
-            self._sample_index = (channel[:, None] + offsets[None, :]).to(device)
+            self._sample_index = _channel_sample_index(tuple(shape), axis % len(shape), self.sample_size, self.seed,
+                                                       torch.device(device))
             self._sample_key = key
         return self._sample_index
 
@@ -458,6 +458,24 @@ def sorted_sample(count: int, size: int, seed: int) -> torch.Tensor:
     chosen = torch.zeros(count, dtype=torch.bool)
     chosen[torch.randperm(count, generator=torch.Generator().manual_seed(seed + count))[:size]] = True
     return chosen.nonzero().reshape(-1)  # the sorted sample, without a sort
+
+
+# the index of a shape, shared by the observers that sample it while any of them holds it: an LLM's every
+# layer input has one shape, and an index per observer is as large as the sample
+_SHARED_INDICES: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _channel_sample_index(shape: tuple[int, ...], axis: int, size: int, seed: int, device: torch.device
+                          ) -> torch.Tensor:
+    """[channels, m] flat (row-major) indices of the positions sampled in every channel of an activation of `shape`
+    on `device`, shared by every observer that asks for the same: never modify it."""
+    key = (shape, axis, size, seed, device)
+    index = _SHARED_INDICES.get(key)
+    if index is None:
+        channel = torch.arange(shape[axis]) * math.prod(shape[axis + 1:])
+        index = (channel[:, None] + channel_sample_offsets(shape, axis, size, seed)[None, :]).to(device)
+        _SHARED_INDICES[key] = index
+    return index
 
 
 @functools.lru_cache(maxsize=256)

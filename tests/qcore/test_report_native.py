@@ -324,3 +324,22 @@ def test_observers_on_rows_of_one_range_allocation_observe_as_observers_made_alo
     for ours, reference in zip(pooled, alone):
         _assert_same_state(ours, reference)
     assert pooled[0].extremes.data_ptr() != pooled[1].extremes.data_ptr()
+
+
+def test_observers_of_one_shape_share_one_sample_index_and_free_it_together(monkeypatch):
+    """An LLM's layer inputs have one shape: their observers hold one [channels, m] index between them, not one
+    each, with the same positions each would make, and it goes with the last of them."""
+    from qcore.report import observer as report_observer
+
+    _torch_path(monkeypatch)
+    batches = [torch.randn(2, 64, 96, dtype=torch.bfloat16) for _ in range(2)]
+    first, second = (_observe(batches, ch_axis=1, percentiles=(0.975,), sample_size=128) for _ in range(2))
+    index = first._sample_positions(batches[0].shape, 1, batches[0].device)
+    assert second._sample_positions(batches[0].shape, 1, batches[0].device) is index
+    channel = torch.arange(64) * 96
+    offsets = report_observer.channel_sample_offsets((2, 64, 96), 1, 128, 0)
+    assert torch.equal(index, channel[:, None] + offsets[None, :])
+    key = ((2, 64, 96), 1, 128, 0, torch.device("cpu"))
+    assert report_observer._SHARED_INDICES.get(key) is index
+    del first, second, index
+    assert report_observer._SHARED_INDICES.get(key) is None
