@@ -146,7 +146,10 @@ def _bitsandbytes_format(module: nn.Module) -> str:
     state = getattr(weight, "quant_state", None)
     if state is not None:
         kind = getattr(state, "quant_type", "4-bit")
-        nested = " double-quantized" if getattr(state, "nested", False) else ""
+        # the CPU kernel's packing (packing_format_for_cpu) undoes the double quantization it keeps as original_nested
+        double = getattr(state, "original_nested", False) if getattr(state, "packing_format_for_cpu", False) else \
+            getattr(state, "nested", False)
+        nested = " double-quantized" if double else ""
         return f"bitsandbytes {kind} block {getattr(state, 'blocksize', '?')}{nested}"
     threshold = getattr(getattr(module, "state", None), "threshold", 0.0) or 0.0
     outliers = f", inputs over {threshold:g} in 16-bit (LLM.int8)" if threshold > 0 else ""
@@ -197,10 +200,28 @@ def tool_layer_format(module: nn.Module) -> str | None:
     return None
 
 
+_BNB_CPU_BLOCK_N = 32  # the rows bitsandbytes' CPU layout interleaves (block_n of _convert_weight_packed_for_cpu)
+
+
+def _bitsandbytes_cpu_packed_weight(packed: torch.Tensor, state: Any) -> torch.Tensor:
+    """The 4-bit weight bitsandbytes' CPU kernel computes with once its first forward on a CPU with AVX512-BF16 has
+    repacked it (`packing_format_for_cpu`): [N, K/2] bytes holding 32 rows' codes interleaved, and each row's block
+    absmax in bfloat16, laid [K / blocksize, N]. Read without undoing the packing: the layer stays as the tool left
+    it."""
+    rows, half = packed.shape
+    pairs = packed.reshape(-1, _BNB_CPU_BLOCK_N)  # a byte holds one code of each of two 32-code halves of a row
+    codes = torch.cat([pairs & 0xF, (pairs >> 4) & 0xF], dim=-1)
+    codes = codes.reshape(rows // _BNB_CPU_BLOCK_N, half, _BNB_CPU_BLOCK_N, 2).transpose(1, 2).reshape(rows, 2 * half)
+    scales = state.absmax.t().float().repeat_interleave(state.blocksize, dim=1)
+    return (state.code.float()[codes.long()] * scales).to(state.dtype)
+
+
 def _bitsandbytes_weight(module: nn.Module) -> torch.Tensor | None:
     weight = getattr(module, "weight", None)
     state = getattr(weight, "quant_state", None)
     if state is not None and isinstance(weight, torch.Tensor):
+        if getattr(state, "packing_format_for_cpu", False):
+            return _bitsandbytes_cpu_packed_weight(weight.data, state)
         from bitsandbytes.functional import dequantize_4bit  # the tool's own: its 4-bit codes and blocks
 
         return dequantize_4bit(weight.data, state).reshape(state.shape)
