@@ -209,7 +209,8 @@ def _bitsandbytes_cpu_packed_weight(packed: torch.Tensor, state: Any) -> torch.T
     absmax in bfloat16, laid [K / blocksize, N]. Read without undoing the packing: the layer stays as the tool left
     it."""
     rows, half = packed.shape
-    pairs = packed.reshape(-1, _BNB_CPU_BLOCK_N)  # a byte holds one code of each of two 32-code halves of a row
+    # the codes in [N / 32, K / 2, 32, 2] order, 64 at a time: a byte's low and high halves hold codes 32 apart
+    pairs = packed.reshape(-1, _BNB_CPU_BLOCK_N)
     codes = torch.cat([pairs & 0xF, (pairs >> 4) & 0xF], dim=-1)
     codes = codes.reshape(rows // _BNB_CPU_BLOCK_N, half, _BNB_CPU_BLOCK_N, 2).transpose(1, 2).reshape(rows, 2 * half)
     scales = state.absmax.t().float().repeat_interleave(state.blocksize, dim=1)
