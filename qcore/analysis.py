@@ -622,19 +622,19 @@ class ModelAnalysis:
         return SwitchableModel(self.quantized_input_gm, self.batches, self.quantizer, observers=self._observers)
 
     def sensitivity(self, max_layers: int | None = None, max_batches: int | None = None,
-                    only_quantized: bool | int = True) -> Any:
+                    only_quantized: bool | int = True, confirmed: int | None = None) -> Any:
         """qcore.search.sensitivity.SensitivityResult of the quantized layers (kept per budget; see layer_sensitivity
-        for `only_quantized`)."""
+        for `only_quantized` and `confirmed`)."""
         from qcore.search.sensitivity import layer_sensitivity
 
         self.whole_model("the sensitivity ranking")
-        key = (max_layers, max_batches, only_quantized)
+        key = (max_layers, max_batches, only_quantized, confirmed)
         cache = self._sensitivity
         if key not in cache:
             with stage("trials"):
                 cache[key] = layer_sensitivity(self.quantized_input_gm, self.batches, self.quantizer,
                                                max_layers=max_layers, max_batches=max_batches, model=self.switchable,
-                                               only_quantized=only_quantized)
+                                               only_quantized=only_quantized, confirmed=confirmed)
         return cache[key]
 
     def format_fix(self, target_db: float, max_moves: int = 16, max_batches: int | None = 2) -> Any:

@@ -97,7 +97,9 @@ class SensitivityCheck(Check):
     """The layers whose float-ification helps the model's output most (one item per model).
 
     Runs when model_sqnr fails, or always with check_options={'sensitivity': {'always': True}}. Options:
-    max_layers (default 32, graph order), batches (default 2 calibration batches), top (default 5 listed).
+    max_layers (default 32, graph order), batches (default 2 calibration batches), top (default 5 listed),
+    confirmed (default twice top). Each layer is screened on the first batch; the `confirmed` best are measured
+    on every batch, and the ranking lists them first (the layers it prints among them).
     """
 
     name, order, metric, needs, default_severity = "sensitivity", 35, "gain_db", frozenset({"sqnr"}), "warn"
@@ -119,8 +121,10 @@ class SensitivityCheck(Check):
                             message=BLOCKWISE_NOTE.format(search="sensitivity ranking"))]
         max_layers = int(self.options.get("max_layers", DEFAULT_MAX_LAYERS))
         listed_count = int(self.options.get("top", 5))
+        confirmed = max(listed_count, int(self.options.get("confirmed", 2 * listed_count)))
         # "when the only one quantized" is measured for the listed layers alone
-        result = model.analysis.sensitivity(max_layers, self.options.get("batches", DEFAULT_BATCHES), listed_count)
+        result = model.analysis.sensitivity(max_layers, self.options.get("batches", DEFAULT_BATCHES), listed_count,
+                                            confirmed)
         top = result.layers[:listed_count]
         listed = "; ".join(f"{entry.layer} {entry.gain_db:+.1f} dB in float ({entry.only_quantized_db:.1f} dB "
                            "when the only one quantized)" for entry in top)
@@ -129,7 +133,7 @@ class SensitivityCheck(Check):
         details: dict[str, Any] = {
             "all_quantized_db": result.all_quantized_db, "batches": result.batches, "skipped": list(result.skipped),
             "ranking": [{"layer": e.layer, "gain_db": e.gain_db, "only_quantized_db": e.only_quantized_db,
-                         "only_float_db": e.only_float_db} for e in result.layers]}
+                         "only_float_db": e.only_float_db, "batches": e.batches} for e in result.layers]}
         message = (f"model output SQNR {result.all_quantized_db:.1f} dB with every layer quantized (on "
                    f"{result.batches} batch(es)); the layers that help most when kept in float: {listed}.{skipped}"
                    + output_fix(model, target)[0])

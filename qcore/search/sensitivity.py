@@ -43,7 +43,8 @@ class LayerSensitivity:
     layer: str
     only_quantized_db: float
     only_float_db: float
-    gain_db: float  # only_float_db minus the SQNR with every layer quantized
+    gain_db: float  # only_float_db minus the SQNR with every layer quantized, over the same batches
+    batches: int  # the batches only_float_db and gain_db cover
 
 
 @dataclass(frozen=True)
@@ -319,26 +320,39 @@ def _group_owners(prepared: fx.GraphModule) -> dict[str, set[str]]:
 def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: Quantizer | None = None, *,
                       layers: Sequence[str] | None = None, max_layers: int | None = None,
                       max_batches: int | None = None, model: SwitchableModel | None = None,
-                      only_quantized: bool | int = True) -> SensitivityResult:
+                      only_quantized: bool | int = True, confirmed: int | None = None) -> SensitivityResult:
     """Rank the quantized layers (or `layers`) by the output SQNR gained when each alone stays in float.
 
     Costs one pass of the quantized model per layer over `max_batches` batches (all by default), and one more for
     each layer whose only_quantized_db is measured: every layer's (True), none (False: nan, a search that ranks by
     the gain needs no more) or, given a count, the first that many of the ranking's (the ones a report lists);
     layers past `max_layers` (graph order) are skipped and listed.
+
+    `confirmed`, a count: every layer is estimated on the first batch only (a screen), and the `confirmed` best
+    estimates are measured on every batch; the ranking lists those first, by their measured gain, then the others
+    by their estimate (each entry's `batches` says which). None measures every layer on every batch.
     """
     model = model or SwitchableModel(float_gm, batches, quantizer)
     subset = list(batches)[:max_batches] if max_batches else list(batches)
     chosen = [name for name in model.layers if layers is None or name in layers]
     measured, skipped = chosen[:max_layers] if max_layers else chosen, chosen[max_layers:] if max_layers else []
+    screen = subset[:1] if confirmed is not None and len(subset) > 1 else subset
     model.quantize_only(model.layers)
     baseline = model.record(subset)
-    gains = {}
+    screen_baseline = baseline if screen is subset else model.run(screen)  # the recorded batch's sums: no run
+    gains: dict[str, tuple[float, float, int]] = {}  # layer -> (only_float_db, gain_db, batches)
     for layer in measured:
         model.quantize_only([name for name in model.layers if name != layer])
-        gains[layer] = model.run(subset)
-    ranked = sorted(measured, key=lambda name: (-(gains[name] - baseline) if not math.isnan(gains[name] - baseline)
-                                                else math.inf, name))
+        value = model.run(screen)
+        gains[layer] = (value, value - screen_baseline, len(screen))
+    ranked = _by_gain(measured, gains)
+    if screen is not subset:
+        confirmed_layers = ranked[:confirmed]
+        for layer in confirmed_layers:
+            model.quantize_only([name for name in model.layers if name != layer])
+            value = model.run(subset)  # the first batch's sums are kept: the other batches run
+            gains[layer] = (value, value - baseline, len(subset))
+        ranked = _by_gain(confirmed_layers, gains) + ranked[len(confirmed_layers):]
     alone = ranked if only_quantized is True else ranked[:int(only_quantized)]
     only: dict[str, float] = {}
     if alone:  # "only this layer quantized" starts from the float run's values
@@ -349,9 +363,13 @@ def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
             only[layer] = model.run(subset)
     model.quantize_only(model.layers)
     model.forget()
-    return SensitivityResult(baseline, tuple(LayerSensitivity(name, only.get(name, math.nan), gains[name],
-                                                              gains[name] - baseline) for name in ranked),
-                             tuple(skipped), len(subset))
+    return SensitivityResult(baseline, tuple(LayerSensitivity(name, only.get(name, math.nan), *gains[name])
+                                             for name in ranked), tuple(skipped), len(subset))
+
+
+def _by_gain(layers: list[str], gains: Mapping[str, tuple[float, float, int]]) -> list[str]:
+    """`layers` sorted by gain, most first, NaN last, equal gains by name."""
+    return sorted(layers, key=lambda name: (-gains[name][1] if not math.isnan(gains[name][1]) else math.inf, name))
 
 
 def with_float_layers(quantizer: Quantizer, layers: Iterable[str]) -> Quantizer:
@@ -392,9 +410,9 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     them, best first, that meets the target there is found by bisection (shortest_head), each head returned
     measured exactly on every batch. When that set falls short of the target, the same screen runs over those
     candidates and the first `early_layers` layers in graph order (an early layer's error grows through every
-    layer after it, so keeping it in float can help the output more than a larger own error further on; the
-    sensitivity ranking measures the same layers alone, on the same batches, and shares those runs), and the
-    better measured set wins.
+    layer after it, so keeping it in float can help the output more than a larger own error further on), each of
+    them estimated alone on the first search batch only (the sensitivity check's ranking screens the same layers
+    on the same batch and shares those runs), and the better measured set wins.
 
     `observers`: the activation observers calibrated earlier on `float_gm` and `batches`; the exact measurements
     take their states instead of calibrating again (measured_output_sqnr).
@@ -411,7 +429,7 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
         if screened.reached or len(wider) == len(first):
             return screened
         widened = _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, wider, limit,
-                                         len(wider), observers)
+                                         len(wider), observers, alone_on_first=True)
         return widened if widened.measured_db > screened.measured_db else screened
     if sensitivity is not None:
         pool = [entry.layer for entry in sensitivity.layers][:candidates]
@@ -446,16 +464,18 @@ REMEASURED_CANDIDATES = 3  # of a greedy step's estimates, how many best are mea
 
 def _screened_float_layers(model: SwitchableModel, float_gm: fx.GraphModule, batches: list[Any], subset: list[Any],
                            quantizer: Quantizer, target_db: float, ranking: Sequence[str], limit: int,
-                           candidates: int, observers: CalibratedObservers | None = None) -> FloatLayersFix:
+                           candidates: int, observers: CalibratedObservers | None = None,
+                           alone_on_first: bool = False) -> FloatLayersFix:
     """find_float_layers with a `ranking`: the screen on `subset` through the switches, each head returned measured
-    exactly (re-quantized with it in float) on every batch; at most `limit` layers kept in float."""
+    exactly (re-quantized with it in float) on every batch; at most `limit` layers kept in float. alone_on_first:
+    each candidate kept in float alone (the ladder's order) is estimated on the first batch of `subset` only."""
     exact: dict[tuple[str, ...], float] = {}
     screened: dict[tuple[str, ...], float] = {}
 
-    def in_float(head: Iterable[str]) -> float:
+    def in_float(head: Iterable[str], on: list[Any] = subset) -> float:
         kept = set(head)
         model.quantize_only([name for name in model.layers if name not in kept])
-        return model.run(subset)
+        return model.run(on)
 
     def measured(head: list[str]) -> float:
         if tuple(head) not in exact:
@@ -477,7 +497,11 @@ def _screened_float_layers(model: SwitchableModel, float_gm: fx.GraphModule, bat
             # the fix may keep, measured
             chosen = pool
         else:
-            ladder = screened_ladder(pool, {name: in_float([name]) for name in pool}, all_quantized_db)
+            alone = subset[:1] if alone_on_first else subset
+            if alone is not subset:
+                model.quantize_only(model.layers)
+            base = all_quantized_db if alone is subset else model.run(alone)  # recorded: no run
+            ladder = screened_ladder(pool, {name: in_float([name], alone) for name in pool}, base)
             chosen = shortest_head(ladder[:limit], screen, lambda head: measured(head) >= target_db)[0]
     model.quantize_only(model.layers)
     model.forget()

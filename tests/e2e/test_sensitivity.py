@@ -117,6 +117,28 @@ def plain():
             "layers.2, layers.4, layers.6") in result.stdout.str()
 
 
+def test_a_confirmed_ranking_measures_its_best_estimates_on_every_batch_and_lists_them_first():
+    model, batches = _fragile()
+    float_gm = qcore.capture(model, batches[0])
+    switchable = SwitchableModel(float_gm, batches, qcore.Int8StaticQuantizer())
+    every = {e.layer: e for e in layer_sensitivity(float_gm, batches, model=switchable, max_batches=2).layers}
+    first = {e.layer: e for e in layer_sensitivity(float_gm, batches, model=switchable, max_batches=1).layers}
+    estimates = sorted(first.values(), key=lambda e: (-e.gain_db, e.layer))
+    screened = layer_sensitivity(float_gm, batches, model=switchable, max_batches=2, confirmed=2)
+    best = {e.layer for e in estimates[:2]}
+    head, rest = screened.layers[:2], screened.layers[2:]
+    # the two best estimates (first batch), measured on both batches to the same values as a full ranking's, first
+    assert {e.layer for e in head} == best and [e.gain_db for e in head] == sorted((e.gain_db for e in head),
+                                                                                   reverse=True)
+    assert all((e.only_float_db, e.gain_db, e.only_quantized_db, e.batches) == (
+        every[e.layer].only_float_db, every[e.layer].gain_db, every[e.layer].only_quantized_db, 2) for e in head)
+    # the others keep their first-batch estimate, in its order
+    assert [(e.layer, e.only_float_db, e.gain_db, e.batches) for e in rest] == \
+        [(e.layer, e.only_float_db, e.gain_db, 1) for e in estimates[2:]]
+    assert screened.all_quantized_db == every[head[0].layer].only_float_db - every[head[0].layer].gain_db
+    assert screened.batches == 2
+
+
 def test_a_layer_budget_bounds_the_ranking_and_names_what_it_skipped():
     model, batches = _fragile()
     float_gm = qcore.capture(model, batches[0])

@@ -105,7 +105,7 @@ def test_a_screen_that_falls_short_widens_to_the_early_layers_and_the_better_mea
     widened = []
     original = sensitivity._screened_float_layers
     monkeypatch.setattr(sensitivity, "_screened_float_layers",
-                        lambda *args: widened.append(list(args[6][:args[8]])) or original(*args))
+                        lambda *args, **options: widened.append(list(args[6][:args[8]])) or original(*args, **options))
     runs = []
     batch_sums = sensitivity.FloatReference.batch_sums
     monkeypatch.setattr(sensitivity.FloatReference, "batch_sums",
@@ -115,9 +115,9 @@ def test_a_screen_that_falls_short_widens_to_the_early_layers_and_the_better_mea
     first = analysis.fix_candidates(4)[:4]
     # the candidates, then the candidates and the first 6 layers in graph order, each screened alone
     assert widened[0] == first and widened[1] == list(dict.fromkeys([*first, *layers[:6]]))
-    # per search batch: the recordings, the singles (the candidates' once), a bisection of at most 4 screens;
-    # never one run per layer, as the greedy search's estimates were
-    assert len(runs) <= 2 * (2 + len(widened[1]) + 4) < 2 * len(layers)
+    # per search batch: the recordings, the candidates at once, a bisection of at most 4 screens; the singles of the
+    # widened screen on the first batch only; never one run per layer, as the greedy search's estimates were
+    assert len(runs) <= 2 * (2 + 1 + 4) + len(widened[1]) < 2 * len(layers)
     assert fix.measured_db >= screened.measured_db
     assert fix.measured_db == _exact_db(float_gm, batches, list(fix.float_layers))
     assert fix.reached == (fix.measured_db >= target)
@@ -132,9 +132,14 @@ def test_the_widened_screen_shares_its_runs_with_the_sensitivity_ranking(monkeyp
     batch_sums = sensitivity.FloatReference.batch_sums
     monkeypatch.setattr(sensitivity.FloatReference, "batch_sums",
                         lambda self, gm, batch, run=None: runs.append(1) or batch_sums(self, gm, batch, run))
-    ranking = analysis.sensitivity(8, 2, 0)
-    # each of the 8 layers was screened alone on the same 2 batches: the ranking records its starting point only
-    assert len(ranking.layers) == 8 and len(runs) == 2
+    ranking = analysis.sensitivity(8, 2, 0, 3)
+    # each of the 8 layers was screened alone on the same first batch: the ranking records its starting point and
+    # measures its 3 best estimates on the second batch only
+    assert len(ranking.layers) == 8 and len(runs) == 2 + 3
+    assert [entry.batches for entry in ranking.layers] == [2] * 3 + [1] * 5
+    runs.clear()
+    every = analysis.sensitivity(8, 2, 0)  # every layer on both batches: the 5 others' second batch runs
+    assert len(runs) == 2 + 5 and {entry.batches for entry in every.layers} == {2}
 
 
 def test_a_target_a_hair_under_the_screen_is_decided_on_every_batch():
