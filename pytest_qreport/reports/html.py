@@ -63,8 +63,11 @@ def _sensitivity_chart(rows: list[dict[str, Any]]) -> str | None:
     if not ranking:
         return None
     top = ranking[:30]
+    # the ranking measures its best estimates on every batch and keeps the others' one-batch screen
+    hover = [f"{e['layer']}: {_number(e['gain_db']):+.2f} dB on {e['batches']} batch(es)" if "batches" in e
+             else e["layer"] for e in top]
     return bar_chart("sensitivity: output SQNR gained by keeping one layer in float (dB)", [e["layer"] for e in top],
-                     [_number(e["gain_db"]) for e in top], horizontal=True)
+                     [_number(e["gain_db"]) for e in top], horizontal=True, hover=hover)
 
 
 def _equalization_chart(rows: list[dict[str, Any]]) -> str | None:

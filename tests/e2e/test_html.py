@@ -109,6 +109,7 @@ def test_the_report_is_one_small_offline_file_with_every_row_failures_first(repo
     verdicts = re.findall(r'<tr class="row-(\w+)">', fragile)
     assert verdicts[0] == "fail" and verdicts.index("pass") > verdicts.index("warn")   # failures first
     assert "float_layers=[" in fragile and "sensitivity: output SQNR gained" in fragile
+    assert re.search(r"layers\.\d: [+-]\d+\.\d\d dB on [12] batch\(es\)", fragile)   # how much each bar measured
     assert "per-layer SQNR in graph order" in fragile and "equalization: SQNR gain per layer of the best method" in text
     assert "&amp;lt;" not in text and "&lt;svg" not in text   # the charts are markup, not escaped text
     assert oct(report.stat().st_mode & 0o777) != "0o600"   # an ordinary file, written atomically
