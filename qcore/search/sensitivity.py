@@ -345,14 +345,18 @@ def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
         model.quantize_only([name for name in model.layers if name != layer])
         value = model.run(screen)
         gains[layer] = (value, value - screen_baseline, len(screen))
-    ranked = _by_gain(measured, gains)
+
+    def by_gain(layers: list[str]) -> list[str]:
+        return [name for _, name in best_first([(gains[name][1], name) for name in layers])]
+
+    ranked = by_gain(measured)
     if screen is not subset:
         confirmed_layers = ranked[:confirmed]
         for layer in confirmed_layers:
             model.quantize_only([name for name in model.layers if name != layer])
             value = model.run(subset)  # the first batch's sums are kept: the other batches run
             gains[layer] = (value, value - baseline, len(subset))
-        ranked = _by_gain(confirmed_layers, gains) + ranked[len(confirmed_layers):]
+        ranked = by_gain(confirmed_layers) + ranked[len(confirmed_layers):]
     alone = ranked if only_quantized is True else ranked[:int(only_quantized)]
     only: dict[str, float] = {}
     if alone:  # "only this layer quantized" starts from the float run's values
@@ -365,11 +369,6 @@ def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     model.forget()
     return SensitivityResult(baseline, tuple(LayerSensitivity(name, only.get(name, math.nan), *gains[name])
                                              for name in ranked), tuple(skipped), len(subset))
-
-
-def _by_gain(layers: list[str], gains: Mapping[str, tuple[float, float, int]]) -> list[str]:
-    """`layers` sorted by gain, most first, NaN last, equal gains by name."""
-    return sorted(layers, key=lambda name: (-gains[name][1] if not math.isnan(gains[name][1]) else math.inf, name))
 
 
 def with_float_layers(quantizer: Quantizer, layers: Iterable[str]) -> Quantizer:
@@ -489,6 +488,8 @@ def _screened_float_layers(model: SwitchableModel, float_gm: fx.GraphModule, bat
 
     model.quantize_only(model.layers)
     all_quantized_db = model.record(subset)
+    alone = subset[:1] if alone_on_first else subset
+    alone_base = all_quantized_db if alone is subset else model.run(alone)  # the recorded batch's sums: no run
     pool = [name for name in ranking if name in model.layers][:candidates]
     chosen: list[str] = []
     if all_quantized_db < target_db and pool and limit > 0:
@@ -497,11 +498,7 @@ def _screened_float_layers(model: SwitchableModel, float_gm: fx.GraphModule, bat
             # the fix may keep, measured
             chosen = pool
         else:
-            alone = subset[:1] if alone_on_first else subset
-            if alone is not subset:
-                model.quantize_only(model.layers)
-            base = all_quantized_db if alone is subset else model.run(alone)  # recorded: no run
-            ladder = screened_ladder(pool, {name: in_float([name], alone) for name in pool}, base)
+            ladder = screened_ladder(pool, {name: in_float([name], alone) for name in pool}, alone_base)
             chosen = shortest_head(ladder[:limit], screen, lambda head: measured(head) >= target_db)[0]
     model.quantize_only(model.layers)
     model.forget()
