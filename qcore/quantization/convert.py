@@ -5,6 +5,7 @@ import contextlib
 import contextvars
 import math
 import warnings
+from array import array
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -148,7 +149,7 @@ def _free_name(gm: nn.Module, name: str) -> str:
 
 
 def _qparams_meta(observer: ObserverBase, values: _QParamsValues) -> dict[str, Any]:
-    scale, zero_point, low, high = values
+    scale, zero_point, low, high = (_compact(value) for value in values)
     meta = {"dtype": str(observer.dtype), "quant_min": observer.quant_min, "quant_max": observer.quant_max,
             "qscheme": str(observer.qscheme), "ch_axis": observer.ch_axis, "eps": float(observer.eps),
             "scale": scale, "zero_point": zero_point}
@@ -158,6 +159,14 @@ def _qparams_meta(observer: ObserverBase, values: _QParamsValues) -> dict[str, A
 
 
 _QParamsValues = tuple[list[float], list[Any], "list[float] | None", "list[float] | None"]
+
+
+def _compact(values: list[Any] | None) -> Any:
+    """A per-channel list of host values as an array.array (8 bytes a value where a list holds a 32-byte object per
+    channel: a converted LLM's weights have hundreds of thousands); a per-tensor one (one value) as it is."""
+    if values is None or len(values) <= 1:
+        return values
+    return array("q" if type(values[0]) is int else "d", values)  # one tensor's tolist(): one type
 
 
 class _HostReads:

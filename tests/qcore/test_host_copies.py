@@ -59,3 +59,35 @@ def test_a_measurement_reads_no_value_to_the_host_per_batch():
     # comparison pass (propagated, shadow, variant and screen comparators, logits): what is read back is read once
     # per measurement, the same for 3 batches as for 9
     assert _reads(3) == _reads(9)
+
+
+def test_a_converted_graph_keeps_per_channel_qparams_as_compact_arrays_of_the_observers_values():
+    # a converted LLM holds a scale, zero point and range per weight channel in its nodes' metadata: as arrays of 8
+    # bytes a value, not lists of float objects; per-tensor qparams stay one-element lists
+    from array import array
+
+    from qcore.quantization.convert import QPARAMS_KEY, convert
+    from qcore.quantization.prepare import prepare
+
+    torch.manual_seed(0)
+    model = _Net().eval()
+    batches = [torch.randn(16, 32) for _ in range(2)]
+    prepared = prepare(qcore.capture(model, batches[0]), qcore.Int8StaticQuantizer(per_channel=True))
+    for x in batches:
+        prepared(x)
+    observers = {str(node.target): prepared.get_submodule(str(node.target)) for node in prepared.graph.nodes
+                 if node.op == "call_module" and hasattr(prepared.get_submodule(str(node.target)), "calculate_qparams")}
+    expected = {name: [t.tolist() for t in observer.calculate_qparams()] for name, observer in observers.items()}
+    quantized = convert(prepared)
+    per_channel = [node.meta[QPARAMS_KEY] for node in quantized.graph.nodes
+                   if len(node.meta.get(QPARAMS_KEY, {}).get("scale") or ()) > 1]
+    per_tensor = [node.meta[QPARAMS_KEY] for node in quantized.graph.nodes
+                  if len(node.meta.get(QPARAMS_KEY, {}).get("scale") or ()) == 1]
+    assert len(per_channel) == 3 and per_tensor  # the three weights; the activations
+    for meta in per_channel:
+        assert isinstance(meta["scale"], array) and meta["scale"].typecode == "d"
+        assert isinstance(meta["zero_point"], array) and meta["zero_point"].typecode == "q"
+        assert isinstance(meta["min_val"], array) and len(meta["min_val"]) == len(meta["scale"])
+        assert [list(meta["scale"]), list(meta["zero_point"])] in expected.values()
+    for meta in per_tensor:
+        assert isinstance(meta["scale"], list) and isinstance(meta["zero_point"], list)
