@@ -89,7 +89,8 @@ def test_large_tensors_are_fake_quantized_a_few_rows_at_a_time_with_the_same_val
     channels = x.shape[axis]
     scale = torch.rand(channels, generator=g) * 0.1 + 1e-3
     zero_point = torch.randint(-128, 128, (channels,), generator=g, dtype=torch.int32)
-    with mock.patch.object(qparams, "_ROWS_ELEMENTS", rows_at_a_time):
+    with mock.patch.object(qparams, "_ROWS_ELEMENTS", rows_at_a_time), \
+            mock.patch.object(qparams, "_HOST_ROWS_ELEMENTS", rows_at_a_time):  # the torch path's and the CPU's
         per_channel = fake_quantize_per_channel(x, scale, zero_point, axis, -128, 127)
         per_tensor = fake_quantize_per_tensor(x, 0.05, 3, -128, 127)
     wide = x.float()  # what the half dtypes are quantized in
@@ -162,7 +163,8 @@ def test_per_channel_steps_made_once_give_what_each_call_computes(seed, axis, dt
     zero_point = torch.zeros(channels, dtype=torch.int64) if zero else torch.randint(-128, 128, (channels,),
                                                                                       generator=g)
     with mock.patch.dict(qparams.native._state, {"library": None}), \
-            mock.patch.object(qparams, "_ROWS_ELEMENTS", rows_at_a_time):
+            mock.patch.object(qparams, "_ROWS_ELEMENTS", rows_at_a_time), \
+            mock.patch.object(qparams, "_HOST_ROWS_ELEMENTS", rows_at_a_time):
         expected = fake_quantize_per_channel(x, scale, zero_point, axis, -128, 127)
         steps = list(per_channel_steps(scale, zero_point, axis, x))
         if zero:
