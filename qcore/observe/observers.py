@@ -597,6 +597,7 @@ def _best_clipping_range(histogram, min_val, max_val, levels: int, symmetric: bo
 
 _SYMMETRIC_LIMITS = 512  # clipping magnitudes tried by the symmetric search
 _SEARCH_ELEMENTS = 1 << 23  # float64 elements a symmetric search holds at a time (64 MB per temporary)
+_AFFINE_ROWS = 8  # histograms an affine search takes at a time on the CPU
 
 
 def best_clipping_ranges(histograms: torch.Tensor, min_vals: torch.Tensor, max_vals: torch.Tensor, levels: int,
@@ -632,13 +633,27 @@ def best_clipping_ranges(histograms: torch.Tensor, min_vals: torch.Tensor, max_v
     total_n, total_s1, total_s2 = n[:, -1:], s1[:, -1:], s2[:, -1:]
     below = s2 - 2 * edges * s1 + edges**2 * n  # clipping error of the values under each edge
     above = (total_s2 - s2) - 2 * edges * (total_s1 - s1) + edges**2 * (total_n - n)
-    search = _AffineSearch(edges, n, below, above, levels)
+    # each row's search is its own: where ops are launches every row goes in one chain; on the CPU a few rows at a
+    # time, since a row the coarse grid cannot prune tries every pair of edges (millions) and the candidates of all
+    # rows at once would grow with the model's depth
+    chunk = rows if native.launch_bound(counts.device) else _AFFINE_ROWS
+    parts = [slice(None)] if rows <= chunk else [slice(first, first + chunk) for first in range(0, rows, chunk)]
+    found = [_best_affine_pairs(_AffineSearch(edges[part], n[part], below[part], above[part], levels))
+             for part in parts]
+    if len(found) == 1:
+        return found[0]
+    return torch.cat([low for low, _ in found]), torch.cat([high for _, high in found])
+
+
+def _best_affine_pairs(search: _AffineSearch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) of the least expected error of each row of an affine search, float32."""
+    edges, size = search.edges, search.size
+    rows = edges.shape[0]
     row, i, j = search.candidates()
     error = search.errors(row, i, j)
     best = torch.full((rows,), float("inf"), dtype=error.dtype, device=error.device).scatter_reduce(
         0, row, error, "amin")
     # the first minimum in (lo, hi) order, as an argmin over every pair would pick
-    size = bins + 1
     flat = torch.where(error == best[row], i * size + j, torch.full_like(i, size * size))
     flat = torch.full((rows,), size * size, dtype=flat.dtype, device=flat.device).scatter_reduce(0, row, flat, "amin")
     return (edges.gather(1, (flat // size)[:, None])[:, 0].float(),
