@@ -106,7 +106,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a weight read where it is
 _NATIVE_RANGE = 1 << 16  # integer bounds and zero points the native per-row kernel takes (float32-exact sums)
 _ROWS_ELEMENTS = 1 << 22  # fake-quantized at a time on the torch path (bf16, fp16): 16 MB of float32 working values
 # on the CPU, where each chunk's few ops are no launches to save, a quarter of that: an LM head's chunk is then a few
-# MB beside its quantized copy at the analysis's peak, not 24
+# MB beside its quantized copy at the analysis's peak, not 24 MB
 _HOST_ROWS_ELEMENTS = 1 << 20
 
 
@@ -114,8 +114,10 @@ def _by_rows(x: torch.Tensor, rows: Callable[[torch.Tensor, slice], torch.Tensor
              ) -> torch.Tensor:
     """rows(x[part], part) over slices `part` of dim 0, a bounded number of elements at a time, into one tensor
     (x itself with `in_place`; the computation is elementwise: the same values as rows(x, slice(None)))."""
+    if x.dim() == 0 or x.numel() <= _HOST_ROWS_ELEMENTS or (x.requires_grad and torch.is_grad_enabled()):
+        return rows(x, slice(None))  # a small tensor (an activation): whole, without asking where ops are launches
     elements = _ROWS_ELEMENTS if native.launch_bound(x.device) else _HOST_ROWS_ELEMENTS
-    if x.dim() == 0 or x.numel() <= elements or (x.requires_grad and torch.is_grad_enabled()):
+    if x.numel() <= elements:
         return rows(x, slice(None))
     out = x if in_place else torch.empty_like(x)
     for part in row_slices(x, elements):
