@@ -6,8 +6,13 @@ trials, per advice that runs them, against the eager forward's over the same bat
     python benchmarks/bench_flops.py minilm resnet18
 
 On the CPU an analysis is bound by these FLOPs (matmuls and convolutions are about four fifths of its time), so their
-ratio is the floor of its CPU ratio; the op count (bench_ops.py) is the GPU's. The cases are bench_analysis.py's, and
-"llama4": a transformers Llama of 4 layers (hidden 512, vocabulary 8192) with 8 batches of 2 x 256 tokens.
+ratio is the floor of its CPU ratio; the op count (bench_ops.py) is the GPU's. Each case also prints the share of the
+forward's op time its matmuls and convolutions take on this CPU (torch's profiler, 2 threads, the median of 3
+forwards) and the floor that gives: the analysis's matmuls and convolutions alone, run as fast as the forward runs
+its own, against the whole forward (the FLOPs' ratio times that share), before any observer, comparator, fake
+quantization or other op. The cases are bench_analysis.py's, and
+"llama4": a transformers Llama of 4 layers (hidden 512, vocabulary 8192) with 8 batches of 2 x 256 tokens;
+"llama1b": bench_ops.py's 1B Llama config in float32 with its 3 batches of 2 x 64 tokens (minutes; not a default).
 """
 from __future__ import annotations
 
@@ -27,6 +32,16 @@ def _case(name: str):
     """(model, batches) of a case."""
     import torch
 
+    if name == "llama1b":
+        import transformers
+
+        config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                                          num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                          use_cache=False)
+        torch.manual_seed(0)
+        generator = torch.Generator().manual_seed(1)
+        return (transformers.LlamaForCausalLM(config).eval(),
+                [{"input_ids": torch.randint(0, 32000, (2, 64), generator=generator)} for _ in range(3)])
     if name == "llama4":
         import transformers
 
@@ -51,8 +66,37 @@ def _advice() -> str:
     return found
 
 
-def measure(name: str) -> tuple[int, dict[tuple[str, ...], int]]:
-    """(the forward's FLOPs over the batches, {stage path: the analysis's FLOPs there})."""
+PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution",
+                      "aten::_convolution", "aten::mkldnn_convolution", "aten::_slow_conv2d_forward"})
+
+
+def product_share(model, batches, rounds: int = 3) -> float:
+    """The share of the eager forward's op time (self CPU time, torch's profiler, 2 threads, after one warm-up pass)
+    that its matmuls and convolutions take: the median of `rounds` forwards over the batches."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from qcore.graph.inputs import call_model
+
+    torch.set_num_threads(2)
+    shares = []
+    with torch.no_grad():
+        for batch in batches:
+            call_model(model, batch)
+        for _ in range(rounds):
+            with profile(activities=[ProfilerActivity.CPU]) as profiled:
+                for batch in batches:
+                    call_model(model, batch)
+            events = profiled.key_averages()
+            total = sum(event.self_cpu_time_total for event in events)
+            shares.append(sum(event.self_cpu_time_total for event in events if event.key in PRODUCTS) / total)
+    return statistics.median(shares)
+
+
+def measure(name: str) -> tuple[int, dict[tuple[str, ...], int], float]:
+    """(the forward's FLOPs over the batches, {stage path: the analysis's FLOPs there}, product_share)."""
     import torch
     from bench_analysis import _settings
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -70,6 +114,7 @@ def measure(name: str) -> tuple[int, dict[tuple[str, ...], int]]:
         for batch in batches:
             call_model(model, batch)
     forward = counter.get_total_flops()
+    share = product_share(model, batches)
     registry = CheckRegistry()
     for check in BUILTIN_CHECKS:
         registry.register(check)
@@ -93,7 +138,7 @@ def measure(name: str) -> tuple[int, dict[tuple[str, ...], int]]:
         pipeline.analyze(lambda: batches, lambda found: None)
     if pipeline.failed:
         raise RuntimeError(pipeline.error)
-    return forward, by_stage
+    return forward, by_stage, share
 
 
 def main() -> None:
@@ -102,10 +147,11 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", default=["cnn", "minilm", "resnet18", "llama4"])
     args = parser.parse_args()
     for name in args.cases:
-        forward, by_stage = measure(name)
+        forward, by_stage, share = measure(name)
         total = sum(by_stage.values())
-        print(f"{name}: forward {forward / 1e9:.2f} GFLOP, analysis {total / 1e9:.2f} GFLOP = {total / forward:.2f}x",
-              flush=True)
+        print(f"{name}: forward {forward / 1e9:.2f} GFLOP, analysis {total / 1e9:.2f} GFLOP = {total / forward:.2f}x; "
+              f"matmuls and convolutions {share:.1%} of the forward's op time on this CPU, so the analysis's alone "
+              f"take at least {total / forward * share:.1f}x the forward", flush=True)
         for stage, flops in sorted(by_stage.items(), key=lambda item: -item[1]):
             print(f"    {'/'.join(stage) or 'outside the stages':<70} {flops / forward:6.2f}x", flush=True)
 
