@@ -13,7 +13,7 @@ from torch import fx, nn
 
 from qcore.graph.fold import fold_batch_norm, fold_computed_weights, linear_from_transposed_weight_matmuls
 from qcore.graph.inputs import as_args_kwargs
-from qcore.graph.ops import FQN_KEY, HANDLE_KEY
+from qcore.graph.ops import FQN_KEY, HANDLE_KEY, normalize_module_path
 from qcore.runtime.progress import stage
 
 __all__ = ["CaptureError", "annotate_fqns_and_handles", "capture", "clone_graph_module", "module_fqn"]
@@ -183,17 +183,10 @@ def module_fqn(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if stack:
         path = list(stack.values())[-1][0]
-        return _normalize_path(str(path))
+        return normalize_module_path(str(path))
     if node.op == "call_module":
         return str(node.target)
     return ""
-
-
-def _normalize_path(path: str) -> str:
-    for prefix in ("L['self'].", "L__self__.", "L['self']", "L__self__"):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-    return path.lstrip(".")
 
 
 def annotate_fqns_and_handles(gm: fx.GraphModule) -> None:

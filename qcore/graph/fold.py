@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from qcore.graph.ops import FQN_KEY, WEIGHT_VIEWS, aten, op_kind
+from qcore.graph.ops import FQN_KEY, WEIGHT_VIEWS, aten, normalize_module_path, op_kind
 
 __all__ = ["FoldedBatchNorm", "fold_batch_norm", "fold_computed_weights", "linear_from_transposed_weight_matmuls"]
 
@@ -96,7 +96,7 @@ def _opt(value: torch.Tensor | None) -> torch.Tensor | None:
 
 def _fqn(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
-    return str(list(stack.values())[-1][0]) if stack else str(node.meta.get(FQN_KEY, ""))
+    return normalize_module_path(str(list(stack.values())[-1][0])) if stack else str(node.meta.get(FQN_KEY, ""))
 
 
 def _new_attribute(gm: fx.GraphModule, stem: str, value: torch.Tensor) -> str:

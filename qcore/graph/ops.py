@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 import operator
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +15,8 @@ from torch import fx
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
            "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
            "last_layers", "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
-           "WEIGHT_VIEWS", "is_weight_value", "may_change_after", "op_schema", "viewed_value", "weight_value",
-           "written_after"]
+           "WEIGHT_VIEWS", "is_weight_value", "may_change_after", "normalize_module_path", "op_schema", "viewed_value",
+           "weight_value", "written_after"]
 
 FQN_KEY = "qcore_fqn"
 HANDLE_KEY = "qcore_debug_handle"
@@ -332,3 +333,26 @@ def written_after(node: fx.Node, passes_through: Callable[[fx.Node], bool] | Non
 def op_schema(node: fx.Node) -> Any:
     """The aten schema of a call_function node, or None for anything else."""
     return getattr(node.target, "_schema", None) if node.op == "call_function" else None
+
+
+# torch.export names a module reached through a slice of a ModuleList `layers.slice(None, 2, None).0` when the
+# model shares a module between two paths (its tracer then records attribute accesses, not module paths)
+_SLICED = re.compile(r"\.slice\((None|\d+), (?:None|-?\d+), (None|\d+)\)\.(\d+)(?=\.|$)")
+
+
+def _slice_index(match: re.Match) -> str:
+    start, step, index = match.group(1), match.group(2), int(match.group(3))
+    return f".{(0 if start == 'None' else int(start)) + index * (1 if step == 'None' else int(step))}"
+
+
+def normalize_module_path(path: str) -> str:
+    """A module path as named_modules() writes it: without the tracer's root prefix, and with an element of a
+    sliced ModuleList named by its index in the list (`layers.slice(None, 2, None).0` -> `layers.0`)."""
+    for prefix in ("L['self'].", "L__self__.", "L['self']", "L__self__"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    while ".slice(" in path:
+        path, count = _SLICED.subn(_slice_index, path, count=1)
+        if not count:
+            break
+    return path.lstrip(".")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from qcore.graph.ops import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted
+from qcore.graph.ops import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted, normalize_module_path
 from qcore.numeric.metrics import read_to_host
 from qcore.quantization.quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from qcore.report.observer import ReportObserver, average_ratio_values, batch_to_epoch_ratios, fresh_ranges
@@ -57,7 +57,7 @@ def _module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return str(node.target) if node.op == "call_module" else ""
-    return str(list(stack.values())[-1][0]).removeprefix("L['self'].").removeprefix("L__self__.")
+    return normalize_module_path(str(list(stack.values())[-1][0]))
 
 
 def leaf_module_ops(model: fx.GraphModule) -> list[QuantizableOp]:

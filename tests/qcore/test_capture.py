@@ -111,3 +111,29 @@ def test_a_clone_without_code_generation_equals_a_full_clone_once_recompiled(met
         assert originals and all((p is originals[name]) == share_parameters for name, p in lazy.named_parameters())
         lazy.recompile()
         torch.testing.assert_close(call_model(lazy, inputs), call_model(gm, inputs))
+
+
+class _SharedActivationStack(torch.nn.Module):
+    """Blocks reached through a slice of their ModuleList, one activation module shared by all of them: torch.export
+    then records attribute accesses (`layers.slice(1, 3, None).0`), as in transformers' decoders with shared
+    modules."""
+
+    def __init__(self):
+        super().__init__()
+        act = torch.nn.ReLU()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), act) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.layers[1:3]:
+            x = block(x)
+        for block in self.layers[::3]:
+            x = block(x)
+        return x
+
+
+def test_layers_reached_through_a_slice_are_named_by_their_module_path():
+    model = _SharedActivationStack()
+    gm = qcore.capture(model, torch.randn(2, 8))
+    names = [op.fqn for op in find_quantizable_ops(gm)]
+    assert names == ["layers.1.0", "layers.2.0", "layers.0.0", "layers.3.0"]
+    assert set(names) <= {name for name, _ in model.named_modules()}
