@@ -8,7 +8,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import pytest
 
@@ -334,6 +334,7 @@ class QReportItem(pytest.Function):
         # with `-n N --dist loadgroup`, all of a model's items go to one worker, which analyses it once
         self.add_marker(pytest.mark.xdist_group(name=model_group(self.model_name)))
         self.qreport_row: Finding | None = None
+        self.qreport_setup_error = ""
 
     @property
     def pipeline(self) -> ModelPipeline:
@@ -358,12 +359,13 @@ class QReportItem(pytest.Function):
                     self._analyze(pipeline, request, reserve)
                 pipeline.release()
         if pipeline.failed:
-            self._record_error(pipeline.error)
-            raise QReportModelError(pipeline.error) from pipeline.error_cause
+            message = pipeline.error_report(self.nodeid)
+            self._record_error(message)
+            self._setup_error(message)
         found = pipeline.finding(self.check, self.layer)
         if found.verdict == "error":  # a check or the baseline file failed: an error of this item, not a failure
             self.qreport_row = found
-            raise QReportModelError(found.message)
+            self._setup_error(found.message)
 
     @contextlib.contextmanager
     def _memory_reserved(self, pipeline: ModelPipeline) -> Iterator[Callable[[int], None]]:
@@ -505,6 +507,13 @@ class QReportItem(pytest.Function):
         if found.verdict == "warn":  # shown at the model's declaration, not at this file
             warnings.warn_explicit(printable(found.message), QReportWarning, filename=str(self.path),
                                    lineno=self.declared_line or 1)
+
+    def _setup_error(self, message: str) -> NoReturn:
+        """Stop this item's setup with `message` as its whole report: an error of the item, whose report costs what
+        its message costs (pytest formats no traceback for it), so a model's hundreds of error items take
+        milliseconds."""
+        self.qreport_setup_error = printable(message)
+        pytest.fail(self.qreport_setup_error, pytrace=False)
 
     def _record_error(self, message: str) -> None:
         self.qreport_row = error_finding(self.model_name, self.check, self.layer, message)

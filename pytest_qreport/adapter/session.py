@@ -174,8 +174,11 @@ class QReportSession:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item, call):
         report = yield
-        if call.excinfo is not None and isinstance(call.excinfo.value, QReportError) and call.when != "call":
-            report.longrepr = printable(str(call.excinfo.value))  # the message is the whole report, setup too
+        if call.excinfo is not None and call.when != "call":  # the message is the whole report, setup too
+            if getattr(item, "qreport_setup_error", ""):
+                report.longrepr = item.qreport_setup_error
+            elif isinstance(call.excinfo.value, QReportError):
+                report.longrepr = printable(str(call.excinfo.value))
         file = item.nodeid.split("::")[0]
         results = item.stash.get(FIXTURE_RESULTS, None)
         if results and call.when == "call":

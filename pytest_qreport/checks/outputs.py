@@ -14,8 +14,9 @@ from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, fraction, function, number
 from .artifact import artifact_fix_advice, is_artifact
+from .sqnr import below, output_label
 
-__all__ = ["KlDivergenceCheck", "OutputCheck", "PerplexityCheck", "TaskMetricCheck", "Top1AgreementCheck"]
+__all__ = ["KlDivergenceCheck", "OutputCheck", "layer_search_pointer", "PerplexityCheck", "TaskMetricCheck", "Top1AgreementCheck"]
 
 
 def _skip(check: Check, model: ModelContext, threshold: float, why: str) -> Finding:
@@ -27,23 +28,48 @@ def _where(model: ModelContext) -> str:
     return "the eval_batches" if model.settings.eval_batches is not None else "the calibration batches"
 
 
+def layer_search_pointer(model: ModelContext) -> str:
+    """Where this run measured the layers to keep in float, naming only items that measured them: the model_sqnr
+    item when it fails (and the sensitivity ranking, which runs then), else the setting that runs the ranking."""
+    analysis = model.analysis
+    if analysis.blockwise:
+        return ""
+    worst, target = analysis.sqnr.worst_output(), model.settings.model_sqnr_min_db
+    ranking = "sensitivity" in model.checks
+    ranked = ranking and model.checks["sensitivity"].options.get("always")
+    if "model_sqnr" in model.checks and worst is not None and worst.sqnr_db < target:
+        also = " and the sensitivity item's ranking" if ranking else ""
+        return (f" The model_sqnr item fails too ({below(worst.sqnr_db, target)}): see the layers to keep in float "
+                f"that it measured{also}.")
+    if ranked:
+        return " See the sensitivity item's ranking of the layers to keep in float."
+    if worst is None:
+        return ""
+    passing = (f"model_sqnr passes ({worst.sqnr_db:.2f} dB >= {target:g} dB)" if "model_sqnr" in model.checks
+               else "model_sqnr is off")
+    setting = "check_options={'sensitivity': {'always': True}}" if ranking else \
+        "severity={'sensitivity': 'warn'}, check_options={'sensitivity': {'always': True}}"
+    return (f" No layer search ran for the output: {passing}. To rank the layers by the output SQNR each gains in "
+            f"float, run the sensitivity ranking: qmodel(..., {setting}).")
+
+
 class OutputCheck(Check):
     """A check of the model's output: one item per model, named `output`."""
 
     measures_artifacts = True
-    hint: ClassVar[str] = " See the model_sqnr and sensitivity items for the layers to keep in float."
+    points_to_layer_search: ClassVar[bool] = True
 
     def layers(self, model: ModelContext) -> list[str]:
         return ["output"]
 
     def fix_advice(self, model: ModelContext, measured_metric: str, threshold: float, failing: bool,
                    details: dict[str, Any], show: Any) -> str:
-        """What to change, to end the message: in artifact mode the verified float_layers fix when the item fails
-        (and `details["recipe"]`), else the check's hint."""
-        if not is_artifact(model.analysis):
-            return self.hint
+        """What to change, to end a failing item's message: in artifact mode the verified float_layers fix (and
+        `details["recipe"]`), else where this run measured the layers to keep in float."""
         if not failing:
             return ""
+        if not is_artifact(model.analysis):
+            return layer_search_pointer(model) if self.points_to_layer_search else ""
         advice, recipe = artifact_fix_advice(model, self.name, measured_metric, threshold, model.eval_batches(), show)
         if recipe is not None:
             details["recipe"] = recipe
@@ -62,7 +88,7 @@ class KlDivergenceCheck(OutputCheck):
         threshold, measured = model.settings.kl_max_nats, model.logits()
         if measured.reason:
             return [_skip(self, model, threshold, measured.reason)]
-        message = (f"model output {measured.leaf}: mean KL(float || quantized) {measured.kl_nats:.4g} nats > "
+        message = (f"{output_label(measured.leaf)}: mean KL(float || quantized) {measured.kl_nats:.4g} nats > "
                    f"{threshold:g} over {measured.positions} positions of {_where(model)}.")
         details: dict[str, Any] = {"positions": measured.positions, "leaf": measured.leaf}
         message += self.fix_advice(model, "kl_nats", threshold, measured.kl_nats > threshold, details,
@@ -82,7 +108,7 @@ class Top1AgreementCheck(OutputCheck):
         threshold, measured = model.settings.top1_agreement_min, model.logits()
         if measured.reason:
             return [_skip(self, model, threshold, measured.reason)]
-        message = (f"model output {measured.leaf}: the quantized model keeps the top-1 prediction at "
+        message = (f"{output_label(measured.leaf)}: the quantized model keeps the top-1 prediction at "
                    f"{measured.top1_agreement:.2%} of {measured.positions} positions of {_where(model)} "
                    f"(< {threshold:.2%}).")
         details: dict[str, Any] = {"positions": measured.positions, "leaf": measured.leaf}
@@ -96,7 +122,7 @@ class PerplexityCheck(OutputCheck):
 
     name, order, metric, needs, higher_is_better = "perplexity", 33, "perplexity_increase_pct", \
         frozenset({"sqnr", "logits"}), False
-    hint = ""
+    points_to_layer_search = False
     baseline_tolerance = 0.5
     settings = (Setting("perplexity_max_increase_pct", number("%", non_negative=True), 5.0, "maximum relative "
                         "increase of the next-token perplexity (causal LMs), in %", metavar="PCT"),)
@@ -107,7 +133,7 @@ class PerplexityCheck(OutputCheck):
             why = measured.reason or measured.perplexity_reason or "no token to predict (every mask is 0?)"
             return [_skip(self, model, threshold, why)]
         increase = measured.perplexity_increase_pct
-        message = (f"model output {measured.leaf}: next-token perplexity {measured.float_perplexity:.3f} (float) -> "
+        message = (f"{output_label(measured.leaf)}: next-token perplexity {measured.float_perplexity:.3f} (float) -> "
                    f"{measured.quantized_perplexity:.3f} (quantized), +{increase:.2f}% > {threshold:g}% over "
                    f"{measured.tokens} tokens of {_where(model)}.")
         details: dict[str, Any] = {"float_perplexity": measured.float_perplexity,

@@ -122,12 +122,12 @@ class SensitivityCheck(Check):
         max_layers = int(self.options.get("max_layers", DEFAULT_MAX_LAYERS))
         listed_count = int(self.options.get("top", 5))
         confirmed = max(listed_count, int(self.options.get("confirmed", 2 * listed_count)))
-        # "when the only one quantized" is measured for the listed layers alone
+        # "the only one quantized" is measured for the listed layers alone
         result = model.analysis.sensitivity(max_layers, self.options.get("batches", DEFAULT_BATCHES), listed_count,
                                             confirmed)
         top = result.layers[:listed_count]
-        listed = "; ".join(f"{entry.layer} {entry.gain_db:+.1f} dB in float ({entry.only_quantized_db:.1f} dB "
-                           "when the only one quantized)" for entry in top)
+        listed = "; ".join(f"{entry.layer} {entry.gain_db:+.1f} dB in float (the output {entry.only_quantized_db:.1f} "
+                           "dB with this layer the only one quantized)" for entry in top)
         skipped = (f" {len(result.skipped)} layer(s) past the budget of {max_layers} were not measured "
                    f"(check_options={{'sensitivity': {{'max_layers': N}}}})." if result.skipped else "")
         details: dict[str, Any] = {

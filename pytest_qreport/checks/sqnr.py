@@ -20,7 +20,7 @@ from .advice import (
 from .artifact import is_artifact
 
 __all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "best_proper_subset",
-           "keep_in_float_hint", "measured_fixes", "threshold_limit"]
+           "keep_in_float_hint", "measured_fixes", "output_label", "threshold_limit"]
 
 # a fix for a failing layer is listed when it raises the layer's SQNR by at least this much (and not the output's)
 MIN_FIX_GAIN_DB = 0.1
@@ -138,6 +138,11 @@ def _output_float_layers(model: ModelContext) -> tuple[float | None, Any]:
         return target, None
     fix = output_float_layers_fix(model, target)
     return target, fix if fix is not None and fix.float_layers else None
+
+
+def output_label(leaf: str) -> str:
+    """'model output', naming the output leaf when the model has several ('model output logits')."""
+    return "model output" if leaf in ("", "output") else f"model output {leaf}"
 
 
 def below(value: float, threshold: float) -> str:
@@ -348,7 +353,7 @@ class ModelSqnrCheck(Check):
             if entry is None:
                 results.append(_not_measured(self, model, name, threshold))
                 continue
-            message = (f"model output {name}: SQNR {below(entry.sqnr_db, threshold)}. See the per-layer sqnr "
+            message = (f"{output_label(entry.name if name == 'output' else name)}: SQNR {below(entry.sqnr_db, threshold)}. See the per-layer sqnr "
                        "items for the layer where the error starts.")
             from .sensitivity import output_fix, recipe
 

@@ -56,6 +56,10 @@ def explain(model: str, stage: str, error: BaseException) -> str:
     frames = _user_frames(error)
     where = f" in {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
     trace = "".join(traceback.format_list(frames[-3:])) if frames else ""
+    yours = f"\nYour code, innermost last:\n{trace.rstrip()}" if trace else ""
+    if isinstance(error, qcore.CalibrationError) and error.batch is not None:  # names its stage and batch itself
+        return (f"model {model!r}: {error}{where}\nFix the calibration batches: each must be an input forward() "
+                "takes, like the first, which the model was captured with; other models run on." + yours)
+    stage = getattr(error, "qcore_stage", "") or stage
     return (f"model {model!r}: {stage} failed{where}: {type(error).__name__}: {error}\n"
-            "Fix the model or its calibration fixture; other models run on."
-            + (f"\nYour code, innermost last:\n{trace.rstrip()}" if trace else ""))
+            "Fix the model or its calibration fixture; other models run on." + yours)

@@ -84,6 +84,7 @@ class ModelPipeline:
     findings: dict[tuple[str, str], Finding] | None = None
     error: str = ""  # why collection or analysis failed, or why the model is skipped
     error_cause: BaseException | None = None
+    error_reported_at: str = ""  # the item of this process whose report holds the whole error
     seconds: dict[str, float] = field(default_factory=dict)  # per stage: capture, calibration, comparison, ...
 
     # -- transitions -------------------------------------------------------------------------------------------
@@ -98,6 +99,14 @@ class ModelPipeline:
     def analysis_failed(self, message: str, cause: BaseException | None = None) -> ModelPipeline:
         """collected -> analysis failed."""
         return self._move(Stage.ANALYSIS_FAILED, message, cause)
+
+    def error_report(self, item: str) -> str:
+        """What item `item` of a model that failed reports: the whole error on the first item of this process to
+        report it, its first line and a pointer to that item on every other one."""
+        if not self.error_reported_at or self.error_reported_at == item:
+            self.error_reported_at = item
+            return self.error
+        return f"{self.error.splitlines()[0]}\n(the whole report is on {self.error_reported_at})"
 
     def _move(self, stage: Stage, message: str, cause: BaseException | None = None) -> ModelPipeline:
         self.stage, self.error, self.error_cause = stage, message, cause
@@ -189,7 +198,7 @@ class ModelPipeline:
                     quantize_weights_where_read(large):
                 found = self._measure(batches, modify, threads, large)
         except Exception as error:  # noqa: BLE001 - reported on every item of the model
-            self.analysis_failed(explain(self.name, "calibration/analysis", error), error)
+            self.analysis_failed(explain(self.name, "the analysis", error), error)
             return
         self.stage = Stage.ANALYSED
         if baseline is not None and self.baseline_path is not None:

@@ -51,9 +51,15 @@ def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[s
 
     with_notes = any(noted(r) for r in shown)
     headers += (["baseline", "delta"] if with_baseline else []) + ["verdict"] + (["note"] if with_notes else [])
+    # one number of decimals per metric, the most any of its rows needs: a column never mixes 36.0 and 36.00
+    decimals: dict[str, int | None] = {}
+    for r in shown:
+        needed = distinguishing_decimals(r.metric, r.value, r.threshold, r.baseline, r.delta)
+        known = decimals.get(r.metric)
+        decimals[r.metric] = needed if known is None or (needed is not None and needed > known) else known
     table = []
     for r in shown:
-        places = distinguishing_decimals(r.metric, r.value, r.threshold, r.baseline, r.delta)
+        places = decimals[r.metric]
         cells = [printable(r.model), r.check, printable(r.layer), format_value(r.value, r.metric, places),
                  format_value(r.threshold, r.metric, places)]
         if with_baseline:

@@ -12,7 +12,7 @@ import torch
 from torch import fx, nn
 
 from qcore.graph.fold import fold_batch_norm, fold_computed_weights, linear_from_transposed_weight_matmuls
-from qcore.graph.inputs import as_args_kwargs
+from qcore.graph.inputs import as_args_kwargs, describe_batch
 from qcore.graph.ops import FQN_KEY, HANDLE_KEY, normalize_module_path
 from qcore.runtime.progress import stage
 
@@ -71,6 +71,15 @@ def _capture(model: nn.Module, example_inputs: Any, name: str | None, method: st
                     raise CaptureError("FX skipped (method='export')")
                 gm = _fx_trace(model)
             except Exception as fx_error:  # noqa: BLE001
+                refused = _eager_failure(model, args, kwargs)
+                if refused is not None:
+                    raise CaptureError(
+                        f"model {label!r} could not be captured: its forward() fails on the example inputs "
+                        f"({describe_batch(example_inputs)}) when run as it is, without capture: "
+                        f"{_first_line(refused)}\n"
+                        "  Fix: give example inputs that forward() takes (without example_inputs, the example is the "
+                        "first calibration batch)."
+                    ) from refused
                 raise CaptureError(
                     f"model {label!r} could not be captured.\n"
                     f"  torch.export failed: {_first_line(export_error)}\n"
@@ -105,6 +114,17 @@ def without_kv_cache(model: nn.Module) -> Iterator[None]:
     finally:
         for config in configs:
             config.use_cache = True
+
+
+def _eager_failure(model: nn.Module, args: tuple, kwargs: dict) -> BaseException | None:
+    """The error `model` raises on the example inputs when run eagerly, or None: neither torch.export nor FX can
+    capture a forward that fails on its inputs, and the fix is then the inputs, not the model."""
+    try:
+        with torch.no_grad(), without_kv_cache(model):
+            model(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - any failure of the model's own forward
+        return error
+    return None
 
 
 def _capture_fix(export_error: BaseException | None) -> str:

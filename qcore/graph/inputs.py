@@ -7,7 +7,7 @@ import torch
 
 from qcore.runtime.deferred import batched_updates
 
-__all__ = ["as_args_kwargs", "call_model", "move_to"]
+__all__ = ["as_args_kwargs", "call_model", "describe_batch", "move_to"]
 
 
 def as_args_kwargs(inputs: Any) -> tuple[tuple, dict]:
@@ -36,3 +36,17 @@ def move_to(inputs: Any, device: torch.device | str) -> Any:
     if isinstance(inputs, (tuple, list)):
         return type(inputs)(move_to(v, device) for v in inputs)
     return inputs
+
+
+def describe_batch(inputs: Any) -> str:
+    """What a batch holds, for an error message: each tensor's dtype and shape by its argument
+    ('input_ids: int64 [2, 16]'), other values by type."""
+    args, kwargs = as_args_kwargs(inputs)
+    named = [(f"arg {index}", value) for index, value in enumerate(args)] + list(kwargs.items())
+
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{str(value.dtype).replace('torch.', '')} {list(value.shape)}"
+        return type(value).__name__
+
+    return "; ".join(f"{name}: {one(value)}" for name, value in named) or "no arguments"

@@ -7,14 +7,18 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from qcore.graph.inputs import call_model, move_to
+from qcore.graph.inputs import call_model, describe_batch, move_to
 from qcore.runtime.progress import batch_done, stage
 
 __all__ = ["CalibrationError", "OutputSink", "calibrate", "model_device"]
 
 
 class CalibrationError(RuntimeError):
-    """Calibration could not run (no batches, or the model failed on a batch)."""
+    """Calibration could not run (no batches, or the model failed on a batch: `batch` is its index, else None)."""
+
+    def __init__(self, message: str, batch: int | None = None) -> None:
+        super().__init__(message)
+        self.batch = batch
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -39,12 +43,15 @@ def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: Outpu
     device = model_device(model)
     count = 0
     total = len(batches) if isinstance(batches, Sized) else None
+    first = ""
     with torch.no_grad(), stage("calibration", total):
         for index, batch in enumerate(batches):
+            if index == 0:
+                first = describe_batch(batch)
             try:
                 output = call_model(model, move_to(batch, device))
             except Exception as error:  # noqa: BLE001 - re-raised with the batch index
-                raise CalibrationError(f"calibration batch {index} failed: {type(error).__name__}: {error}") from error
+                raise CalibrationError(_batch_failed(index, total, batch, first, error), batch=index) from error
             if (index == 0 or keep_all) and keep_first_output is not None:
                 keep_first_output.append(output)
             if every_output is not None:
@@ -54,3 +61,12 @@ def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: Outpu
     if count == 0:
         raise CalibrationError("no calibration batches: give at least one batch")
     return count
+
+
+def _batch_failed(index: int, total: int | None, batch: Any, first: str, error: BaseException) -> str:
+    """'calibration batch 2 of 4 failed: <error> (batch 2: ...; batch 0: ...)': the stage, the cause, and what the
+    failing batch holds beside the first, which the model was captured with."""
+    of = f" of {total}" if total is not None else ""
+    holds = describe_batch(batch)
+    compared = f"; batch 0, which the model was captured with: {first}" if index and holds != first else ""
+    return f"calibration batch {index}{of} failed: {type(error).__name__}: {error} (batch {index}: {holds}{compared})"

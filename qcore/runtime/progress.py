@@ -64,6 +64,10 @@ def stage(name: str, batches: int | None = None) -> Iterator[None]:
     start = time.perf_counter()
     try:
         yield
+    except Exception as error:
+        if not hasattr(error, "qcore_stage"):  # the innermost stage open where it was raised, for its message
+            error.qcore_stage = "/".join(current.open)  # type: ignore[attr-defined]
+        raise
     finally:
         current.open.pop()
         if not current.open:

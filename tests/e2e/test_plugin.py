@@ -150,7 +150,33 @@ def test_calibration_failure_errors_that_model_only(pytester):
     _project(pytester, extra=BROKEN_CALIBRATION)
     result = pytester.runpytest("--qreport")
     result.assert_outcomes(passed=5, errors=5)
-    result.stdout.fnmatch_lines(["*tiny_bad_data*calibration*failed*"])
+    # the stage and the batch before the cause, what the batch holds beside the first, and the fix
+    text = result.stdout.str()
+    assert "model 'tiny_bad_data': calibration batch 1 of 2 failed: RuntimeError: mat1 and mat2" in text
+    assert ("(batch 1: arg 0: float32 [16, 5]; batch 0, which the model was captured with: arg 0: float32 [16, 8])\n"
+            "Fix the calibration batches: each must be an input forward() takes, like the first") in text
+    # one whole report; every other item of the model points to it, and none carries a traceback
+    first = re.search(r"ERROR at setup of (qreport/tiny_bad_data/\S+)", result.stdout.str()).group(1)
+    assert result.stdout.str().count(f"(the whole report is on conftest.py::{first})") == 4
+    assert "Traceback" not in result.stdout.str() and "items.py" not in result.stdout.str()
+    assert "CalibrationError" not in result.stdout.str()
+
+
+def test_a_models_error_items_cost_what_their_message_costs(pytester):
+    """A model of 30 layers whose calibration fails errors its 200-odd items in a few seconds (pytest's traceback
+    of each cost 0.6 s: minutes)."""
+    pytester.makeconftest(PLUGIN_CONFTEST.replace("{options}", "").replace("{extra}", """
+
+@qmodel(calibration="wrong_batches")
+def deep_bad_data():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(30)]).eval()
+"""))
+    result = pytester.runpytest("--qreport", "-k", "deep_bad_data", "-p", "no:xdist")
+    errors = result.parseoutcomes()["errors"]
+    assert errors >= 200
+    seconds = float(re.search(r"errors? in ([\d.]+)s", result.stdout.str()).group(1))
+    assert seconds < 30, seconds
 
 
 def test_bad_setting_is_reported_on_the_model(pytester):

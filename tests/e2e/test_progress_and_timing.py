@@ -70,6 +70,11 @@ def test_values_show_the_digits_that_tell_them_from_their_threshold():
     assert "35.97 dB" in text and "36.00 dB" in text  # not '36.0 dB 36.0 dB'
     assert "35.44 dB" in text and "35.46 dB" in text and "-0.02 dB" in text  # not 'delta 0 dB'
     assert "per_channel: per_channel_used, 1 = per-channel weights, 0 = per-tensor" in text
+    # one metric, one number of decimals down its column: the row that needs none extra shows as many
+    rows.append(Finding(model="m", check="sqnr", layer="d", metric="sqnr_db", value=12.5, threshold=36.0,
+                        verdict="fail"))
+    text = render_summary(rows, "failures")
+    assert "12.50 dB" in text and "36.0 dB" not in text.replace("36.00 dB", "")
 
 
 def test_distinguishing_decimals_stop_at_four():

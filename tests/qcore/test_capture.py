@@ -137,3 +137,13 @@ def test_layers_reached_through_a_slice_are_named_by_their_module_path():
     names = [op.fqn for op in find_quantizable_ops(gm)]
     assert names == ["layers.1.0", "layers.2.0", "layers.0.0", "layers.3.0"]
     assert set(names) <= {name for name, _ in model.named_modules()}
+
+
+def test_a_forward_that_fails_on_its_example_inputs_names_the_inputs_not_export():
+    with pytest.raises(qcore.CaptureError) as raised:
+        qcore.capture(DataDependent().eval(), torch.ones(2, 5), name="mine")  # FX cannot trace it either
+    message = str(raised.value)
+    assert message.startswith("model 'mine' could not be captured: its forward() fails on the example inputs "
+                              "(arg 0: float32 [2, 5]) when run as it is, without capture: RuntimeError")
+    assert "give example inputs that forward() takes" in message
+    assert "torch.cond" not in message and "co_varnames" not in message
