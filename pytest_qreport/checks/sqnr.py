@@ -188,6 +188,15 @@ def _not_measured(check: Check, model: ModelContext, layer: str, threshold: floa
                                  "changed between collection and run. Re-run pytest.")
 
 
+def _failing_sqnr_layers(model: ModelContext) -> list[str]:
+    """The layers whose sqnr item fails on this run, in graph order (none when the check is off)."""
+    if "sqnr" not in model.checks:
+        return []
+    threshold, measured = model.settings.sqnr_min_db, model.analysis.sqnr.layers
+    return [entry.layer for entry in model.analysis.layers
+            if (found := measured.get(entry.layer)) is not None and found.sqnr_db < threshold]
+
+
 def check_finding_without_float_output(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
     """A model whose output holds no floating-point tensor cannot have an output SQNR: say what it holds."""
     held = "; ".join(model.analysis.describe_outputs())
@@ -353,8 +362,11 @@ class ModelSqnrCheck(Check):
             if entry is None:
                 results.append(_not_measured(self, model, name, threshold))
                 continue
-            message = (f"{output_label(entry.name if name == 'output' else name)}: SQNR {below(entry.sqnr_db, threshold)}. See the per-layer sqnr "
-                       "items for the layer where the error starts.")
+            message = f"{output_label(entry.name if name == 'output' else name)}: SQNR {below(entry.sqnr_db, threshold)}."
+            starts = _failing_sqnr_layers(model) if entry.sqnr_db < threshold else []
+            if starts:
+                message += (f" {len(starts)} per-layer sqnr item(s) fail too, the first {starts[0]}: see them for the "
+                            "layer where the error starts.")
             from .sensitivity import output_fix, recipe
 
             details: dict = {"cosine": entry.cosine, "normalized_l2": entry.normalized_l2, "leaf": entry.name}

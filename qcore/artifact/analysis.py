@@ -296,8 +296,9 @@ class ArtifactAnalysis:
 
     @property
     def layers(self) -> list[ArtifactLayer]:
-        """The artifact's quantized layers, in module order."""
-        return list(self._artifact_layers)
+        """The artifact's quantized layers, in module order, less those float_layers swaps the reference's modules in
+        for."""
+        return [layer for layer in self._artifact_layers if layer.name not in self.float_layers]
 
     def layer(self, name: str) -> ArtifactLayer:
         """One quantized layer by name."""

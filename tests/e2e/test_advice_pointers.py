@@ -59,8 +59,16 @@ def _check_pointers(rows, output):
         if "sensitivity" in message and "item" in message:
             assert rows[(model, "sensitivity", "model")]["verdict"] != "skip", message
             seen.add("sensitivity item")
-        if "See the per-layer sqnr items" in message:
-            assert any(k[0] == model and k[1] == "sqnr" for k in rows), message
+        if "The model_sqnr item fails too" in message:
+            assert rows[(model, "model_sqnr", "output")]["verdict"] == "fail", message
+            seen.add("model_sqnr fails too")
+        if "No layer search ran for the output: model_sqnr passes" in message:
+            assert rows[(model, "model_sqnr", "output")]["verdict"] == "pass", message
+            assert rows[(model, "sensitivity", "model")]["verdict"] == "skip", message
+            seen.add("no layer search")
+        first_failing = re.search(r"per-layer sqnr item\(s\) fail too, the first (\S+):", message)
+        if first_failing:
+            assert rows[(model, "sqnr", first_failing.group(1))]["verdict"] == "fail", message
             seen.add("sqnr items")
         if "this layer measures" in message:   # a proper subset's claim about a layer it leaves quantized
             seen.add("left quantized")
@@ -113,3 +121,25 @@ def test_the_readme_model_under_raised_thresholds_is_told_what_was_measured(tmp_
     else:
         message = failing[("small_mlp", "model_sqnr", "output")]["message"]
         assert "above what this quantizer gives" in message and "float_layers=['0']" in message
+
+
+def test_a_failing_output_gate_points_only_at_items_that_measured_layers_and_its_hint_runs_the_ranking(tmp_path):
+    """KL and top-1 fail while model_sqnr passes (so the sensitivity ranking is skipped): the items say no layer
+    search ran and give the setting that runs it; pasted, the ranking runs. With model_sqnr failing too, they point
+    at it."""
+    (tmp_path / "conftest.py").write_text(_readme_model())
+    rows, output = _run(tmp_path, tmp_path, "--qreport-kl-max-nats", "0", "--qreport-top1-agreement-min", "1.0",
+                        "--qreport-sqnr-min-db", "0")
+    assert {"no layer search"} <= _check_pointers(rows, output)
+    message = rows[("small_mlp", "kl_divergence", "output")]["message"]
+    assert message.startswith("model output: mean KL"), message  # not 'model output output'
+    pasted = re.search(r"qmodel\(\.\.\., (check_options=\{.*?\}\})\)", message).group(1)
+    (tmp_path / "conftest.py").write_text(_readme_model().replace("sqnr_min_db=30.0", f"sqnr_min_db=30.0, {pasted}"))
+    after, output = _run(tmp_path, tmp_path, "--qreport-kl-max-nats", "0", "--qreport-sqnr-min-db", "0")
+    ranking = after[("small_mlp", "sensitivity", "model")]
+    assert ranking["verdict"] != "skip" and ranking["details"]["ranking"], ranking
+    assert "See the sensitivity item's ranking" in after[("small_mlp", "kl_divergence", "output")]["message"]
+    _check_pointers(after, output)
+    failing, output = _run(tmp_path, tmp_path, "--qreport-kl-max-nats", "0", "--qreport-model-sqnr-min-db", "60",
+                           "--qreport-sqnr-min-db", "0")
+    assert {"model_sqnr fails too", "sensitivity item"} <= _check_pointers(failing, output)
