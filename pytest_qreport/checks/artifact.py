@@ -8,7 +8,7 @@ from typing import Any
 
 from ..core.pipeline import is_artifact
 from ..core.registry import ModelContext
-from .advice import DEFAULT_MAX_FLOAT_LAYERS, float_search_limit, max_float_layers
+from .advice import DEFAULT_MAX_FLOAT_LAYERS, max_float_layers, quantized_layer_names
 
 __all__ = ["DEFAULT_BATCHES", "DEFAULT_MAX_FLOAT_LAYERS", "artifact_fix", "artifact_fix_advice", "is_artifact"]
 
@@ -46,6 +46,31 @@ def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: fl
     if fix.reached:
         return (f" Keeping {len(layers)} layer(s) in float was measured to reach {show(fix.measured)} "
                 f"(from {show(fix.before)}): {lines}."), recipe
-    return (f" No set of up to {len(layers)} layers kept in float reaches {show(target)} "
-            f"({float_search_limit(model, len(layers), check)}); the best found was measured at {show(fix.measured)} "
-            f"(from {show(fix.before)}): {lines}."), recipe
+    return (f" No set of up to {len(layers)} layer(s) kept in float reaches {show(target)} "
+            f"({_search_limit(model, fix, check, metric, target, batches, show)}); the best found was measured at "
+            f"{show(fix.measured)} (from {show(fix.before)}): {lines}."), recipe
+
+
+def _search_limit(model: ModelContext, fix: Any, check: str, metric: str, target: float, batches: list[Any],
+                  show: Any) -> str:
+    """Why the search stopped short of `target`, and how to search further only where that was measured to reach
+    it: twice as many of the layers with the largest own error, kept in float at once on the screen's batches
+    (keeping more in float does not make the output worse, so a search among them can reach what they reach)."""
+    quantized = len(quantized_layer_names(model))
+    chosen, searched = len(fix.float_layers), max(fix.searched, len(fix.float_layers))
+    if chosen >= quantized - 1:
+        return (f"keeping all {quantized} quantized layers in float would quantize nothing, so the threshold is "
+                "above what this quantizer gives")
+    options = model.checks[check].options if check in model.checks else {}
+    wider = min(2 * max(searched, max_float_layers(model, check)), quantized - 1)
+    value, screened = model.analysis.largest_errors_in_float(metric, wider, options.get("batches", DEFAULT_BATCHES),
+                                                             batches)
+    among = f"among the {searched} layers with the largest own error"
+    reaches = value >= target if fix.higher_is_better else value <= target
+    if reaches:
+        return (f"the search chose {among}; keeping the {wider} with the largest own error in float at once measures "
+                f"{show(value)} on the first {screened} batch(es): search among them with "
+                f"qmodel(check_options={{{check!r}: {{'candidates': {wider}, 'max_float_layers': {wider}}}}})")
+    return (f"the search chose {among}; even the {wider} with the largest own error kept in float at once measure "
+            f"{show(value)} on the first {screened} batch(es), short of it: the threshold is above what keeping a "
+            "few layers in float gives")

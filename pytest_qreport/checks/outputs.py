@@ -16,7 +16,8 @@ from ..core.schema import Setting, fraction, function, number
 from .artifact import artifact_fix_advice, is_artifact
 from .sqnr import below, output_label
 
-__all__ = ["KlDivergenceCheck", "OutputCheck", "layer_search_pointer", "PerplexityCheck", "TaskMetricCheck", "Top1AgreementCheck"]
+__all__ = ["KlDivergenceCheck", "OutputCheck", "PerplexityCheck", "TaskMetricCheck", "Top1AgreementCheck",
+           "layer_search_pointer"]
 
 
 def _skip(check: Check, model: ModelContext, threshold: float, why: str) -> Finding:

@@ -92,9 +92,12 @@ def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propaga
             model, not_clipping, lambda chosen: layer_overrides_fix(
                 model, {c: {"activation_observer": "histogram"} for c in chosen}), MIN_FIX_GAIN_DB, kind)))
     output_target, output_fix = _output_float_layers(model) if failing else (None, None)
-    subset = best_proper_subset(model, failing, kind) if failing else None
+    # a weight's SQNR depends on its own quantization only: keeping other layers in float leaves it as it is
+    subset = best_proper_subset(model, failing, kind) if failing and kind != "weight" else None
     uncovered = [layer for layer in failing if output_fix is None or layer not in output_fix.float_layers]
-    in_float = try_fix(model, float_layers_fix(model, failing), reads=()) if uncovered and subset is None else None
+    leaves_some = not set(quantized_layer_names(model)) <= set(failing)  # else keeping them quantizes nothing
+    in_float = try_fix(model, float_layers_fix(model, failing), reads=()) \
+        if uncovered and subset is None and leaves_some else None
     fixes: dict[str, list[str]] = {}
     for layer in failing:
         found = [f"{label} ({advice.claim(layer)}): {advice.fix_text()}" for label, advice in options
@@ -311,7 +314,7 @@ class WeightSqnrCheck(Check):
         artifact = is_artifact(model.analysis)
         search = self.options.get("fix", True) and not artifact  # check_options={'weight_sqnr': {'fix': False}}
         fixes = measured_fixes(model, failing, kind="weight") if search else {}
-        subset = best_proper_subset(model, failing, "weight") if search and failing else None
+        every_fails = bool(failing) and set(quantized_layer_names(model)) <= set(failing)
         for layer in layers:
             entry = measured.get(layer)
             if entry is None or entry.weight_sqnr_db is None:
@@ -324,7 +327,8 @@ class WeightSqnrCheck(Check):
                 results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
                 continue
             found = fixes.get(layer, [])
-            limit = threshold_limit(model, layer, failing, subset, "weight") if layer in failing else ""
+            limit = _weight_threshold_limit(model, entry.weight_sqnr_db, threshold) \
+                if every_fails and layer in failing else ""
             rescaled = getattr(model.analysis, "not_comparable", {}).get(layer)
             scaled = ", compared up to its input channels' scales" if rescaled else ""
             advice = (f" It is the artifact's own weight{scaled}: GPTQ and AWQ lower weight SQNR on purpose to "
@@ -339,6 +343,16 @@ class WeightSqnrCheck(Check):
             message = f"layer {layer}: weight SQNR {below(entry.weight_sqnr_db, threshold)}." + advice
             results.append(self.finding(model, layer, entry.weight_sqnr_db, threshold, message=message))
         return results
+
+
+def _weight_threshold_limit(model: ModelContext, value: float, threshold: float) -> str:
+    """Why no fix keeps every weight_sqnr item passing when every quantized weight fails: a weight's SQNR depends on
+    its own quantization only, so only the threshold or the quantizer can change it."""
+    count = len(quantized_layer_names(model))
+    return (f" All {count} quantized layers fail weight_sqnr_min_db {threshold:g} dB: the threshold is above what this "
+            "quantizer gives, and a weight's SQNR depends on its own quantization only (keeping other layers in "
+            f"float leaves it as it is). Lower weight_sqnr_min_db to {math.floor(value * 10) / 10:g} dB or below to "
+            "pass this layer, or choose a finer quantizer.")
 
 
 class ModelSqnrCheck(Check):
@@ -362,7 +376,8 @@ class ModelSqnrCheck(Check):
             if entry is None:
                 results.append(_not_measured(self, model, name, threshold))
                 continue
-            message = f"{output_label(entry.name if name == 'output' else name)}: SQNR {below(entry.sqnr_db, threshold)}."
+            label = output_label(entry.name if name == "output" else name)
+            message = f"{label}: SQNR {below(entry.sqnr_db, threshold)}."
             starts = _failing_sqnr_layers(model) if entry.sqnr_db < threshold else []
             if starts:
                 message += (f" {len(starts)} per-layer sqnr item(s) fail too, the first {starts[0]}: see them for the "

@@ -40,6 +40,7 @@ from qcore.artifact.tools import (
     RECIPE_KEYS,
     TOOL_NAMES,
     artifact_tool,
+    quanto_quantize_weights,
     skipped_modules,
     tool_recipes,
     unwrapped_artifact,
@@ -80,6 +81,8 @@ class ArtifactFix:
     trials: int
     tool: str | None = None  # the tool that made the artifact (qcore.artifact.tools), when its marks were found
     skipped: tuple[str, ...] = ("lm_head",)  # what its quantization config kept in float already (skipped_modules)
+    searched: int = 0  # the candidates the search chose among: the layers of largest own error
+    quanto_weights: str | None = None  # the weights qtype of a model made by quanto's own quantize()
 
     @property
     def measured_db(self) -> float:
@@ -87,9 +90,14 @@ class ArtifactFix:
         return self.measured
 
     @property
+    def higher_is_better(self) -> bool:
+        """Whether a higher value of the fix's metric is better (SQNR, top-1) or worse (KL, perplexity)."""
+        return OUTPUT_METRICS[self.metric][1]
+
+    @property
     def recipes(self) -> dict[str, str]:
         """The fix as each tool's line (tool_recipes)."""
-        return tool_recipes(self.float_layers, self.skipped)
+        return tool_recipes(self.float_layers, self.skipped, self.quanto_weights)
 
     @property
     def tool_line(self) -> str | None:
@@ -184,6 +192,7 @@ class ArtifactAnalysis:
         self._artifact_layers = list(layers) if layers is not None else artifact_layers(reference, self.quantized)
         self.tool = artifact_tool(self.quantized)
         self.skipped = tuple(skipped_modules(self.quantized))
+        self.quanto_weights = quanto_quantize_weights(self.quantized)
         self._by_name = {layer.name: layer for layer in self._artifact_layers}
         unknown = [name for name in self.float_layers if name not in self._by_name]
         if unknown:
@@ -495,6 +504,15 @@ class ArtifactAnalysis:
         names = [layer.name for layer in self._artifact_layers if layer.name not in self.float_layers]
         return self.sqnr.by_own_error(names)[:max_candidates]
 
+    def largest_errors_in_float(self, metric: str, count: int, max_batches: int | None = SCREEN_BATCHES,
+                                batches: list[Any] | None = None) -> tuple[float, int]:
+        """(`metric` with the `count` layers of largest own error kept in float at once, on the first `max_batches`
+        of `batches`; how many batches that is): what a float_layers search among that many candidates can reach
+        at most, since keeping more layers in float does not make the output worse."""
+        trial_batches = self._first_batches(self.batches if batches is None else batches, max_batches)
+        with stage("trials"):
+            return self._value(metric, self._candidates(count), trial_batches, resume=True), len(trial_batches)
+
     def float_layers_fix(self, target: float, metric: str = "output_sqnr_db", max_float_layers: int = 8,
                          max_batches: int | None = SCREEN_BATCHES, batches: list[Any] | None = None,
                          max_candidates: int = 32) -> ArtifactFix:
@@ -511,9 +529,11 @@ class ArtifactAnalysis:
         _, higher = OUTPUT_METRICS[metric]
         trial_batches = self._first_batches(batches, max_batches)
 
+        searched = 0
+
         def kept(chosen: Iterable[str], measured: float, trials: int) -> ArtifactFix:
             fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher),
-                              trials, self.tool, self.skipped)
+                              trials, self.tool, self.skipped, searched, self.quanto_weights)
             self._fixes[key] = fix
             return fix
 
@@ -530,6 +550,7 @@ class ArtifactAnalysis:
                 chosen_set = min(served, key=len)
                 return kept(chosen_set, self._value(metric, chosen_set, batches), 1)
             candidates = self._candidates(max_candidates)
+            searched = len(candidates)
             quantized = [layer for layer in self._artifact_layers if layer.name not in self.float_layers]
             limit = min(max_float_layers, len(quantized) - 1)  # a proper subset, never every layer
             if candidates and not _meets(self._value(metric, candidates, trial_batches, resume=True), target, higher):

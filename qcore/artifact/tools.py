@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RECIPE_KEYS", "TOOL_NAMES", "artifact_tool", "bookkeeping_module", "skipped_modules",
-           "tool_dequantized_weight", "tool_layer_format", "tool_of_module", "tool_recipes", "unwrapped_artifact"]
+__all__ = ["RECIPE_KEYS", "TOOL_NAMES", "artifact_tool", "bookkeeping_module", "quanto_quantize_weights",
+           "skipped_modules", "tool_dequantized_weight", "tool_layer_format", "tool_of_module", "tool_recipes",
+           "unwrapped_artifact"]
 
 RECIPE_KEYS = {"compressed-tensors": "llm-compressor"}  # a tool's line in the recipe: by the tool its users run
 TOOL_NAMES = {"compressed-tensors": "llm-compressor", "modelopt": "ModelOpt", "bitsandbytes": "bitsandbytes",
@@ -322,10 +323,26 @@ def _modelopt_line(names: list[str]) -> str:
     return f"config['quant_cfg'].update({{{entries}}})"
 
 
+def quanto_quantize_weights(model: nn.Module) -> str | None:
+    """The weights qtype ('qint8') of a model quantized by quanto's own quantize(), not loaded through transformers'
+    QuantoConfig (which leaves a quantization_config on the model's config); None for any other model."""
+    if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+        return None
+    for module in model.modules():
+        qtype = getattr(module, "weight_qtype", None)
+        if qtype is not None and tool_of_module(module) == "quanto":
+            return str(getattr(qtype, "name", qtype))
+    return None
+
+
 def skipped_modules(model: nn.Module) -> list[str]:
-    """The modules the artifact's transformers quantization config keeps out of quantization: its own list
-    (modules_to_not_convert, llm_int8_skip_modules), or transformers' default when it has none (the output
-    embedding, `lm_head`). A fix's list must repeat them: the setting replaces the default."""
+    """The modules the artifact's quantization setting keeps out of quantization: its transformers config's own
+    list (modules_to_not_convert, llm_int8_skip_modules), or transformers' default when it has none (the output
+    embedding, `lm_head`); for quanto's own quantize(), the linear and convolution modules it left in float (its
+    exclude). A fix's list must repeat them: the setting replaces the default."""
+    if quanto_quantize_weights(model) is not None:
+        return [name for name, module in model.named_modules()
+                if type(module) in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)]
     config = getattr(getattr(model, "config", None), "quantization_config", None)
     for key in ("llm_int8_skip_modules", "modules_to_not_convert", "skip_modules"):
         value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
@@ -334,9 +351,12 @@ def skipped_modules(model: nn.Module) -> list[str]:
     return ["lm_head"] if isinstance(getattr(model, "lm_head", None), nn.Module) else []
 
 
-def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head",)) -> dict[str, str]:
+def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head",),
+                 quanto_weights: str | None = None) -> dict[str, str]:
     """The line that keeps `float_layers` unquantized in each tool that makes artifacts, by tool (and qmodel's
-    float_layers); `skipped`: what the transformers-loaded tools' setting already held (skipped_modules)."""
+    float_layers); `skipped`: what the tool's setting already held (skipped_modules); `quanto_weights`: the
+    weights qtype of a model made by quanto's own quantize() (quanto_quantize_weights), whose line is then that
+    call's exclude, else transformers' QuantoConfig."""
     names = list(float_layers)
     listed = ", ".join(repr(name) for name in names)
     kept = ", ".join(repr(name) for name in [*skipped, *(name for name in names if name not in skipped)])
@@ -346,7 +366,8 @@ def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head
         "llm-compressor": f"ignore=[..., {listed}]",
         "modelopt": _modelopt_line(names),
         "bitsandbytes": f"BitsAndBytesConfig(..., llm_int8_skip_modules=[{kept}])",
-        "quanto": f"QuantoConfig(..., modules_to_not_convert=[{kept}])",
+        "quanto": f"quantize(model, weights={quanto_weights}, exclude=[{kept}])" if quanto_weights else
+                  f"QuantoConfig(..., modules_to_not_convert=[{kept}])",
         # AutoHQQHFModel.quantize_model skips by linear tag (every block's), so one layer goes back after it
         "hqq": f"for name in [{listed}]: model.set_submodule(name, float_model.get_submodule(name))  # after "
                "AutoHQQHFModel.quantize_model(model, ...), float_model a copy of the model before it",

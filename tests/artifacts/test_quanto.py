@@ -1,6 +1,8 @@
 """optimum-quanto artifacts as its users make them: transformers' QuantoConfig (int8, int4 weights), and quanto's own
 quantize + freeze."""
+import ast
 import copy
+import re
 
 import pytest
 import torch
@@ -37,6 +39,27 @@ def test_a_model_quantized_and_frozen_with_quanto_itself_is_gated():
     quantize(quantized, weights=qint8, exclude=["lm_head"])
     freeze(quantized)
     assert_gated_like_hooks(reference, quantized, token_batches(), "quanto", fmt="quanto weights qint8")
+
+
+@pytest.mark.parametrize("excluded", [[], ["lm_head"]], ids=["everything", "lm_head_excluded"])
+def test_a_model_quantized_with_quanto_itself_gets_its_fix_as_that_calls_exclude(excluded):
+    """quantize(model, weights=qint8) quantizes lm_head too: the fix is quantize's own exclude, naming what that call
+    left in float and the layer to keep, and nothing else (QuantoConfig's list would keep lm_head in float too)."""
+    from optimum.quanto import freeze, qint8, quantize
+
+    def make(reference, line):
+        model = copy.deepcopy(reference)
+        exclude = list(excluded) if line is None else ast.literal_eval(re.search(r"exclude=(\[.*\])\)$", line).group(1))
+        quantize(model, weights=qint8, exclude=exclude)
+        freeze(model)
+        return model
+
+    fix = assert_fix_pastes(fragile_llama(), make, token_batches(), "quanto")
+    assert fix.float_layers == (FRAGILE_LAYER,)
+    assert fix.tool_line == f"quantize(model, weights=qint8, exclude={[*excluded, FRAGILE_LAYER]!r})"
+    fixed = make(fragile_llama(), fix.tool_line)
+    assert type(fixed.get_submodule(FRAGILE_LAYER)) is torch.nn.Linear
+    assert (type(fixed.lm_head) is torch.nn.Linear) == bool(excluded)  # no other layer changes
 
 
 @pytest.mark.parametrize("kind", CONFIGS)

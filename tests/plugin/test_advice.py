@@ -235,6 +235,23 @@ def test_sqnr_fixes_are_listed_only_when_measured_and_work_when_pasted():
     assert after.sqnr.layers["layers.2"].weight_sqnr_db == pytest.approx(weight_after, abs=0.005)
 
 
+def test_a_weight_that_fails_with_every_other_weight_is_offered_no_other_layers_and_its_threshold_passes_it():
+    """A weight's SQNR depends on its own quantization only: when every weight fails, no message offers a set of
+    other layers in float (it would leave this one as it is); the threshold it names passes the layer, pasted."""
+    batches = _features()
+    found, _ = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["weight_sqnr"],
+                                   weight_sqnr_min_db=80)
+    messages = {layer: f.message for (check, layer), f in found.items() if check == "weight_sqnr"}
+    assert len(messages) > 1 and {f.verdict for f in found.values()} == {"fail"}
+    for layer, message in messages.items():
+        assert "float_layers" not in message and not re.search(r"leaves \S+ at", message), message
+        assert "depends on its own quantization only" in message, message
+        lowered = float(re.search(r"Lower weight_sqnr_min_db to ([\d.]+) dB or below", message).group(1))
+        again, _ = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["weight_sqnr"],
+                                       weight_sqnr_min_db=lowered, layers=[layer])
+        assert again[("weight_sqnr", layer)].verdict == "pass", (layer, lowered)
+
+
 def test_a_fix_that_lowers_the_output_is_not_printed():
     from pytest_qreport.checks.advice import Fix, Trial
 
