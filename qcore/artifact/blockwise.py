@@ -28,6 +28,7 @@ from qcore.artifact.measure import (
     ArtifactRun,
     StreamRecord,
     _compare_outputs,
+    _stream_of,
     _measurement,
     _Pass,
     _recording,
@@ -116,14 +117,33 @@ def _outside_onloaded(model: nn.Module, stack: str, device: Any, which: str) -> 
 
 
 class _Replay(nn.Module):
-    """Stands in for every block of a stack: returns the stream's final output for the current batch."""
+    """Stands in for every block of a stack: returns the stream's final output for the current batch. Every block
+    but the first must be handed what the block before it returned, as the block-wise pass hands it: `broken` says
+    where the model computes between its blocks instead (its calls, block by block, are counted per batch)."""
 
-    def __init__(self, outputs: Sequence[Any]) -> None:
+    def __init__(self, outputs: Sequence[Any], stack: str) -> None:
         super().__init__()
-        self.outputs, self.index = outputs, 0
+        self.outputs, self._index, self.stack, self.calls, self.broken = outputs, 0, stack, 0, ""
+
+    @property
+    def index(self) -> int:
+        """The batch being replayed."""
+        return self._index
+
+    @index.setter
+    def index(self, position: int) -> None:
+        self._index, self.calls = position, 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.outputs[self.index]
+        returned = self.outputs[self._index]
+        if self.calls and not self.broken:
+            stream, before = (args[0] if args else kwargs.get("hidden_states")), _stream_of(returned)
+            if stream is not before and not (isinstance(stream, torch.Tensor) and isinstance(before, torch.Tensor)
+                                             and stream.shape == before.shape and torch.equal(stream, before)):
+                self.broken = (f"on batch {self._index}, block {self.stack}.{self.calls} is not handed what "
+                               f"{self.stack}.{self.calls - 1} returns")
+        self.calls += 1
+        return returned
 
 
 @contextlib.contextmanager
@@ -131,7 +151,7 @@ def _replayed(model: nn.Module, stack: str, outputs: Sequence[Any]) -> Iterator[
     parent_name, _, child = stack.rpartition(".")
     parent = model.get_submodule(parent_name)
     original = getattr(parent, child)
-    replay = _Replay(outputs)
+    replay = _Replay(outputs, stack)
     setattr(parent, child, type(original)(*[replay] * len(original)) if isinstance(original, nn.Sequential)
             else nn.ModuleList([replay] * len(original)))
     try:
@@ -360,6 +380,12 @@ def measure_artifacts_blockwise(reference: nn.Module, runs: Sequence[ArtifactRun
                 for position, batch in enumerate(batches):
                     replay.index = position
                     expected.append(call_model(reference, batch))
+                if replay.broken:
+                    raise BlockwiseArtifactError(
+                        f"the model computes between the blocks of {stack}: {replay.broken}. The block-wise pass "
+                        "hands each block's output straight to the next, so its numbers would not be the model's. "
+                        "Fix: blockwise=False (whole passes, with the memory of the whole model), or "
+                        "blockwise='...' naming a stack whose blocks feed each other directly")
         finally:
             _recording(states, False)
         del reference_last

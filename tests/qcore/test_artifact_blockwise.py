@@ -173,3 +173,41 @@ def test_a_fix_trial_resumes_from_the_first_block_it_changes_with_the_numbers_of
     whole = ArtifactAnalysis(reference, quantized, batches)
     target = whole.sqnr.worst_output().sqnr_db + 3.0
     assert blockwise.float_layers_fix(target, max_batches=1) == whole.float_layers_fix(target, max_batches=1)
+
+
+class _ScaledBetweenBlocks(torch.nn.Module):
+    """A stack whose parent computes between its blocks (halves the stream after each): chaining block outputs
+    directly would measure another model."""
+
+    def __init__(self, scale_between=0.5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(16, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU())
+                                          for _ in range(3))
+        self.head = torch.nn.Linear(32, 8)
+        self.scale_between = scale_between
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+            if self.scale_between != 1.0:
+                x = x * self.scale_between
+        return self.head(x)
+
+
+@pytest.mark.parametrize("scale_between", [0.5, 1.0], ids=["computes_between", "chains"])
+def test_a_model_that_computes_between_its_blocks_is_refused_block_by_block_and_named(scale_between):
+    reference = _ScaledBetweenBlocks(scale_between).eval()
+    quantized = torchao_artifact(reference, Int8DynamicActivationInt8WeightConfig())
+    layers = artifact_layers(reference, quantized)
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    if scale_between == 1.0:
+        _same(measure_artifact(reference, quantized, layers, batches),
+              measure_artifact_blockwise(reference, quantized, layers, batches, "layers"))
+        return
+    with pytest.raises(BlockwiseArtifactError) as raised:
+        measure_artifact_blockwise(reference, quantized, layers, batches, "layers")
+    assert "the model computes between the blocks of layers: on batch 0, block layers.1 is not handed what " \
+           "layers.0 returns" in str(raised.value) and "Fix: blockwise=False" in str(raised.value)
