@@ -40,6 +40,8 @@ def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: fl
     recipe: dict[str, Any] = {**recipes, "float_layers": layers, "qmodel": recipes["float_layers"],
                               "measured": fix.measured, "reached": fix.reached}
     recipe["tool"] = fix.tool
+    if fix.tool_line:
+        recipe["tool_name"], recipe["tool_line"] = fix.tool_name, fix.tool_line
     lines = f"qmodel(..., {recipes['float_layers']}) swaps the reference's modules in; " + (
         f"in {fix.tool_name}, which made the artifact: {fix.tool_line}" if fix.tool_line else
         "the tool that made the artifact was not recognised: the JSON report's recipe holds the line for each tool")

@@ -53,6 +53,12 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
+def _rotated_label_room(labels: Sequence[str]) -> int:
+    """The pixels a label drawn at -45 degrees (10 px font, about 6 px a character) reaches left of its anchor and
+    below the axis: the chart's left and bottom margins make room for the longest, so that none is clipped."""
+    return int(0.71 * 6 * max((len(label) for label in labels), default=0)) + 14
+
+
 def _frame(width: int, height: int, title: str, body: list[str], legend: list[tuple[str, str, str]]) -> str:
     """The <svg> with its title at the top and a legend under it ((name, color, style) per entry)."""
     parts = [f'<svg class="chart-svg" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -80,8 +86,10 @@ def line_chart(title: str, labels: Sequence[str], series: Sequence[Series], unit
     ticks = nice_ticks(min(values), max(values))
     low, high = ticks[0], ticks[-1]
     show_labels = len(labels) <= 80
-    left, right, top, bottom = 56, 16, 56, (96 if show_labels else 28)
     step = max(10.0, 820.0 / len(labels))
+    room = _rotated_label_room(labels) if show_labels else 0
+    left, right, top, bottom = max(56, int(room - step / 2)), 16, 56, (max(96, room) if show_labels else 28)
+    height += bottom - (96 if show_labels else 28)  # the plot keeps its height
     width = int(left + right + step * len(labels))
     plot_height = height - top - bottom
 
@@ -166,10 +174,11 @@ def bar_chart(title: str, labels: Sequence[str], values: Sequence[float], hover:
                         f"<title>{escape(label)}: {value:.2f} {escape(unit)}{escape(' ' + note if note else '')}"
                         "</title></rect>")
     else:
-        left, right, top, bottom = 56, 16, 56, 96
         step = max(14.0, 820.0 / len(kept))
+        room = _rotated_label_room([label for label, _, _ in kept])
+        left, right, top, bottom = max(56, int(room - step / 2)), 16, 56, max(96, room)
         bar = min(step * 0.7, 48.0)
-        width, height = int(left + right + step * len(kept)), 340
+        width, height = int(left + right + step * len(kept)), 340 + bottom - 96
         plot_height = height - top - bottom
 
         def at(value: float) -> float:

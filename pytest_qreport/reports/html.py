@@ -9,6 +9,7 @@ versions. Needs `pip install 'pytest-qreport[html]'` (Jinja2).
 from __future__ import annotations
 
 import math
+import os
 from html import escape
 from typing import Any
 
@@ -87,6 +88,13 @@ def _cell(value: Any, metric: str, delta: bool = False) -> str:
     return format_delta(number, metric) if delta else format_value(number, metric)
 
 
+def _breakable_name(name: str) -> Any:
+    """A layer name that a narrow cell wraps after its dots and underscores, never inside a part of it."""
+    from markupsafe import Markup
+
+    return Markup(escape(printable(name)).replace(".", ".<wbr>").replace("_", "_<wbr>"))
+
+
 def build_html(report: dict[str, Any]) -> str:
     """The page for a JSON-form report (jsonreport.build_report): one section per model."""
     import jinja2
@@ -111,7 +119,8 @@ def build_html(report: dict[str, Any]) -> str:
         charts = [chart for chart in (_layer_chart(rows), _sensitivity_chart(rows), _equalization_chart(rows))
                   if chart]
         table = [{"check": r["check"], "check_breakable": Markup(escape(r["check"]).replace("_", "_<wbr>")),
-                  "layer": r["layer"], "value": _cell(r["value"], r["metric"]),
+                  "layer": r["layer"], "layer_breakable": _breakable_name(r["layer"]),
+                  "value": _cell(r["value"], r["metric"]),
                   "threshold": _cell(r["threshold"], r["metric"]), "baseline": _cell(r.get("baseline"), r["metric"]),
                   "delta": _cell(r.get("delta"), r["metric"], delta=True), "verdict": r["verdict"],
                   "message": r["message"] or r.get("note", "")} for r in ordered]
@@ -120,8 +129,14 @@ def build_html(report: dict[str, Any]) -> str:
                       None)
         float_fixes = [{"check": r["check"], **r["details"]["recipe"]} for r in rows
                        if isinstance(r["details"].get("recipe"), dict) and "float_layers" in r["details"]["recipe"]]
-        models.append({"name": name, "counts": counts, "rows": table, "charts": charts,
-                       "info": report["models"].get(name, {}), "recipe": recipe, "float_fixes": float_fixes})
+        info = report["models"].get(name, {})
+        formats: dict[str, int] = {}
+        for r in rows:  # the format each quantized layer was quantized in (an artifact's as its tool wrote it)
+            if r["check"] == "sqnr" and r["details"].get("format"):
+                formats[str(r["details"]["format"])] = formats.get(str(r["details"]["format"]), 0) + 1
+        models.append({"name": name, "counts": counts, "rows": table, "charts": charts, "info": info,
+                       "recipe": recipe, "float_fixes": float_fixes, "formats": formats,
+                       "baseline_exists": bool(info.get("baseline_path")) and os.path.exists(info["baseline_path"])})
     return environment.get_template("report.html.j2").render(
         models=models, versions=report["versions"], created=report["created"])
 

@@ -60,7 +60,12 @@ window.addEventListener("load", function () {
       var box = trace.getBBox(); return [box.width, box.height, trace.childElementCount];
     });
     var title = svg.getAttribute("aria-label"), model = svg.closest("section").querySelector("h2").textContent;
-    return {model: model, title: title, width: svg.getBoundingClientRect().width, traces: boxes};
+    var frame = svg.getBoundingClientRect();
+    var clipped = Array.from(svg.querySelectorAll("text")).filter(function (text) {
+      var box = text.getBoundingClientRect();
+      return box.left < frame.left - 0.5 || box.bottom > frame.bottom + 0.5 || box.top < frame.top - 0.5;
+    }).map(function (text) { return text.textContent; });
+    return {model: model, title: title, width: frame.width, traces: boxes, clipped: clipped};
   });
   var out = document.createElement("pre"); out.id = "probe"; out.textContent = JSON.stringify(found);
   document.body.appendChild(out);
@@ -112,6 +117,13 @@ def test_the_report_is_one_small_offline_file_with_every_row_failures_first(repo
     assert re.search(r"layers\.\d: [+-]\d+\.\d\d dB on [12] batch\(es\)", fragile)   # how much each bar measured
     assert "per-layer SQNR in graph order" in fragile and "equalization: SQNR gain per layer of the best method" in text
     assert "&amp;lt;" not in text and "&lt;svg" not in text   # the charts are markup, not escaped text
+    llama = text[text.index(">llama_int8</h2>"):text.index("</section>", text.index(">llama_int8</h2>"))]
+    # layer names wrap at their dots, never inside a part; the artifact's formats are named; no baseline is claimed
+    assert '<td class="layer">model.<wbr>layers.<wbr>0.<wbr>self_<wbr>attn.<wbr>q_<wbr>proj</td>' in llama
+    assert "td.layer" not in text.split("td.message { overflow-wrap: anywhere; }")[0].split("<style>")[1]
+    formats = {row["details"]["format"] for row in rows if row["model"] == "llama_int8" and row["check"] == "sqnr"}
+    assert "<h3>quantized as</h3>" in llama and all(f"<dt>{name}</dt>" in llama for name in formats), formats
+    assert "<dt>baseline</dt><dd>none (--qreport-update-baseline writes " in llama
     assert oct(report.stat().st_mode & 0o777) != "0o600"   # an ordinary file, written atomically
 
 
@@ -129,6 +141,7 @@ def test_every_chart_draws_its_traces_in_headless_chromium_without_console_error
     for chart in charts:
         per_model.setdefault(chart["model"], []).append(chart["title"])
         assert chart["width"] > 400 and chart["traces"], chart
+        assert not chart["clipped"], chart  # every label inside its chart, the rotated layer names too
         assert all(width > 0 and height >= 0 for width, height, _ in chart["traces"]), chart
     assert set(per_model) == {"fragile", "tiny", "llama_int8", "stack"}   # the artifact and block-wise ones too
     assert any(title.startswith("sensitivity") for title in per_model["fragile"])
