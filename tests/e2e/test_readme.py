@@ -17,6 +17,14 @@ def test_ci_runs_the_readme_test_command():
     assert commands[0].endswith("pytest --qreport examples/")
 
 
+def test_the_getting_started_page_gives_the_readmes_commands_and_output():
+    """The guide's first page installs what the README installs and shows the run it shows."""
+    readme, page = (ROOT / "README.md").read_text(), (ROOT / "docs" / "getting-started.md").read_text()
+    assert re.findall(r"```bash\n(python3 -m venv .*)\n```", page) == _readme_commands()
+    sample = re.compile(r"```\n\$ pytest --qreport -v\n.*?```\n\n\(Times from .*?\)\n", re.S)
+    assert sample.search(page).group(0) == sample.search(readme).group(0)
+
+
 def test_the_options_page_is_generated_from_the_settings_schema():
     import importlib.util
 
