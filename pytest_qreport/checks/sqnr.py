@@ -95,9 +95,10 @@ def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propaga
     # a weight's SQNR depends on its own quantization only: keeping other layers in float leaves it as it is
     subset = best_proper_subset(model, failing, kind) if failing and kind != "weight" else None
     uncovered = [layer for layer in failing if output_fix is None or layer not in output_fix.float_layers]
-    leaves_some = not set(quantized_layer_names(model)) <= set(failing)  # else keeping them quantizes nothing
+    # every weight failing: keeping them all in float would quantize nothing, and changes no weight that stays
+    every_weight = kind == "weight" and set(quantized_layer_names(model)) <= set(failing)
     in_float = try_fix(model, float_layers_fix(model, failing), reads=()) \
-        if uncovered and subset is None and leaves_some else None
+        if uncovered and subset is None and not every_weight else None
     fixes: dict[str, list[str]] = {}
     for layer in failing:
         found = [f"{label} ({advice.claim(layer)}): {advice.fix_text()}" for label, advice in options

@@ -48,6 +48,7 @@ def explain(model: str, stage: str, error: BaseException) -> str:
     if isinstance(error, (QReportError, qcore.CaptureError, qcore.NonDeterministicModelError)):
         text = str(error)
         return text if f"'{model}'" in text else f"model '{model}': {text}"
+    stage = getattr(error, "qcore_stage", "") or stage
     if isinstance(error, torch.OutOfMemoryError):
         return (f"model {model!r}: {stage} ran out of memory on its device: {str(error).splitlines()[0]}\n"
                 "The memory budget (--qreport-memory-budget) covers the host, not an accelerator's memory. Free "
@@ -60,6 +61,5 @@ def explain(model: str, stage: str, error: BaseException) -> str:
     if isinstance(error, qcore.CalibrationError) and error.batch is not None:  # names its stage and batch itself
         return (f"model {model!r}: {error}{where}\nFix the calibration batches: each must be an input forward() "
                 "takes, like the first, which the model was captured with; other models run on." + yours)
-    stage = getattr(error, "qcore_stage", "") or stage
     return (f"model {model!r}: {stage} failed{where}: {type(error).__name__}: {error}\n"
             "Fix the model or its calibration fixture; other models run on." + yours)

@@ -210,7 +210,12 @@ class ModelPipeline:
                  threads: int, large: bool = False) -> list[Finding]:
         assert self.context is not None and self.settings is not None
         analysis = self.context.analysis
-        analysis.attach_batches(batches())
+        try:
+            given = batches()
+        except Exception as error:
+            error.qcore_stage = "loading the calibration batches"  # type: ignore[attr-defined]
+            raise
+        analysis.attach_batches(given)
         found: list[Finding] = []
         for check_name, layers in self.items.items():
             if layers:

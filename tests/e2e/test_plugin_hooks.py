@@ -190,8 +190,8 @@ def picky():
 """)
     result = pytester.runpytest("--qreport", "-k", "picky")
     result.assert_outcomes(errors=2)
-    result.stdout.fnmatch_lines(["*model 'picky': calibration/analysis failed in *conftest.py:* (_load_batches): "
-                                 "FileNotFoundError: no calibration files in ./data*"])
+    result.stdout.fnmatch_lines(["*model 'picky': loading the calibration batches failed in *conftest.py:* "
+                                 "(_load_batches): FileNotFoundError: no calibration files in ./data*"])
 
 
 def test_the_keep_in_float_hint_works_when_pasted(pytester):
