@@ -59,7 +59,9 @@ def explain(model: str, stage: str, error: BaseException) -> str:
     trace = "".join(traceback.format_list(frames[-3:])) if frames else ""
     yours = f"\nYour code, innermost last:\n{trace.rstrip()}" if trace else ""
     if isinstance(error, qcore.CalibrationError) and error.batch is not None:  # names its stage and batch itself
-        return (f"model {model!r}: {error}{where}\nFix the calibration batches: each must be an input forward() "
-                "takes, like the first, which the model was captured with; other models run on." + yours)
+        batch, _, cause = str(error).partition(" failed: ")
+        return (f"model {model!r}: {batch} failed{where}: {cause}\nFix the calibration batches: each must be an "
+                "input forward() takes, like the first, which the model was captured with; other models run on."
+                + yours)
     return (f"model {model!r}: {stage} failed{where}: {type(error).__name__}: {error}\n"
             "Fix the model or its calibration fixture; other models run on." + yours)
