@@ -6,6 +6,7 @@ import pathlib
 import pytest
 from torchao.quantization import Int8DynamicActivationInt8WeightConfig
 
+from tests.e2e.test_advice_pointers import _check_pointers
 from tests.helpers import compressed_tensors_checkpoint, direct_layer_sqnr, tiny_llama, token_batches, torchao_artifact
 
 DAMAGED = "model.layers.0.self_attn.v_proj"
@@ -20,6 +21,7 @@ import pytest  # noqa: E402
 from torchao.quantization import Int8DynamicActivationInt8WeightConfig
 
 from pytest_qreport import qmodel
+from tests.e2e.test_advice_pointers import _check_pointers
 from tests.helpers import compressed_tensors_checkpoint, tiny_llama, token_batches, torchao_artifact
 
 
@@ -113,6 +115,8 @@ def test_shipped_artifacts_are_gated_layer_by_layer_with_a_verified_fix_serially
     result, rows = _run(pytester, "--qreport-update-baseline", "--qreport-html=report.html")
     _torchao_items_equal_hooks_on_both_models(rows)
     recipe = _damaged_layer_fails_and_the_output_names_a_fix(rows, tmp_path)
+    # every pointer of artifact mode leads to a row that holds what it promises
+    assert {"model_sqnr item", "see its item"} <= _check_pointers(rows, result.stdout.str())
     html = (pytester.path / "report.html").read_text()
     assert "layers to keep in float (model_sqnr, measured: reaches the threshold)" in html
     assert "filter_fn=lambda module, fqn:" in html
@@ -144,6 +148,7 @@ import sys
 
 sys.path.insert(0, {str(ROOT)!r})
 
+from tests.e2e.test_advice_pointers import _check_pointers
 from tests.helpers import compressed_tensors_checkpoint, tiny_llama, token_batches  # noqa: E402
 
 
