@@ -74,3 +74,39 @@ def test_a_fragile_layer_is_caught_and_the_fix_in_modules_to_not_convert_passes(
     assert fix.float_layers == (FRAGILE_LAYER,)
     assert fix.tool_line == f"QuantoConfig(..., modules_to_not_convert=['lm_head', {FRAGILE_LAYER!r}])"
     assert type(make(reference, fix.tool_line).get_submodule(FRAGILE_LAYER)) is torch.nn.Linear
+
+
+def _artifact_findings(reference, quantized, batches, **settings):
+    """{(check, layer): Finding} of an artifact as the plugin judges it, in this process."""
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.settings import ModelSettings
+    from tests.helpers import builtin_registry
+
+    resolved = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, quantized=quantized, **settings)
+    pipeline = collect_model("m", resolved, builtin_registry(), None, reference, None, quantized)
+    pipeline.analyze(lambda: batches, lambda found: None)
+    assert pipeline.findings is not None, pipeline.error
+    return pipeline.findings
+
+
+def test_a_wider_float_layers_search_is_advised_only_as_measured_and_pasted_it_searches_further():
+    """Short of a high model_sqnr target, the message names a wider search only with what keeping that many layers
+    in float at once was measured to give; pasted, the search goes further than before (not the same 8 layers)."""
+    from optimum.quanto import freeze, qint8, quantize
+
+    reference, batches = tiny_llama(), token_batches()
+    quantized = copy.deepcopy(reference)
+    quantize(quantized, weights=qint8)
+    freeze(quantized)
+    settings = {"checks": ["model_sqnr"], "model_sqnr_min_db": 50.0}
+    message = _artifact_findings(reference, quantized, batches, **settings)[("model_sqnr", "output")].message
+    advised = re.search(r"keeping the (\d+) with the largest own error in float at once measures ([\d.]+) dB on the "
+                        r"first 2 batch\(es\): search among them with qmodel\((check_options=\{.*?\}\})\)", message)
+    assert advised and float(advised.group(2)) >= 50.0, message
+    before = float(re.search(r"the best found was measured at ([\d.]+) dB", message).group(1))
+    options = ast.literal_eval(advised.group(3).removeprefix("check_options="))
+    after = _artifact_findings(reference, quantized, batches, check_options=options, **settings)
+    pasted = after[("model_sqnr", "output")].message
+    measured = float(re.search(r"(?:the best found was measured at|was measured to reach) ([\d.]+) dB", pasted).group(1))
+    assert measured > before and "No set of up to 8 layer(s)" not in pasted, pasted
