@@ -108,5 +108,6 @@ def test_a_wider_float_layers_search_is_advised_only_as_measured_and_pasted_it_s
     options = ast.literal_eval(advised.group(3).removeprefix("check_options="))
     after = _artifact_findings(reference, quantized, batches, check_options=options, **settings)
     pasted = after[("model_sqnr", "output")].message
-    measured = float(re.search(r"(?:the best found was measured at|was measured to reach) ([\d.]+) dB", pasted).group(1))
+    found = re.search(r"(?:the best found was measured at|was measured to reach) ([\d.]+) dB", pasted)
+    measured = float(found.group(1))
     assert measured > before and "No set of up to 8 layer(s)" not in pasted, pasted
