@@ -83,6 +83,14 @@ def _run(folder, reports, *args, env=None):
     return _rows(report), done.stdout
 
 
+def _run_forked(pytester, *args):
+    """(rows by (model, check, layer), stdout) of `pytest --qreport` on pytester's project, in a forked child."""
+    from tests.helpers import run_with_rows
+
+    result, rows = run_with_rows(pytester, "-p", "no:xdist", *args)
+    return rows, result.stdout.str()
+
+
 def test_the_failing_examples_point_only_at_rows_that_hold_what_they_promise(tmp_path):
     rows, output = _run(ROOT, tmp_path, "examples/", "-k",
                         "wide_rows_mlp or sensor_mlp_unequalized or fragile or spiky_mlp",
@@ -96,9 +104,9 @@ def test_the_failing_examples_point_only_at_rows_that_hold_what_they_promise(tmp
 
 @pytest.mark.parametrize("option", [["--qreport-sqnr-min-db", "45"], ["--qreport-sqnr-min-db", "38"],
                                     ["--qreport-model-sqnr-min-db", "45"]], ids=["sqnr45", "sqnr38", "model45"])
-def test_the_readme_model_under_raised_thresholds_is_told_what_was_measured(tmp_path, option):
-    (tmp_path / "conftest.py").write_text(_readme_model())
-    rows, output = _run(tmp_path, tmp_path, *option)
+def test_the_readme_model_under_raised_thresholds_is_told_what_was_measured(pytester, option):
+    pytester.makeconftest(_readme_model())
+    rows, output = _run_forked(pytester, *option)
     seen = _check_pointers(rows, output)
     failing = {key: row for key, row in rows.items() if row["verdict"] == "fail"}
     assert failing
@@ -110,9 +118,8 @@ def test_the_readme_model_under_raised_thresholds_is_told_what_was_measured(tmp_
         left = rows[("small_mlp", "sqnr", "2")]["message"]
         measured = float(re.search(r"this layer measures ([\d.]+) dB", left).group(1))
         pasted = re.search(r"qmodel\(\.\.\., (float_layers=\[[^\]]*\])\)", left).group(1)
-        (tmp_path / "conftest.py").write_text(_readme_model().replace("sqnr_min_db=30.0",
-                                                                       f"sqnr_min_db=30.0, {pasted}"))
-        after, _ = _run(tmp_path, tmp_path)
+        pytester.makeconftest(_readme_model().replace("sqnr_min_db=30.0", f"sqnr_min_db=30.0, {pasted}"))
+        after, _ = _run_forked(pytester)
         assert after[("small_mlp", "sqnr", "2")]["value"] == pytest.approx(measured, abs=0.01)
         assert ("small_mlp", "sqnr", "0") not in after   # the pasted layer is in float
     elif option == ["--qreport-sqnr-min-db", "38"]:
@@ -123,23 +130,23 @@ def test_the_readme_model_under_raised_thresholds_is_told_what_was_measured(tmp_
         assert "above what this quantizer gives" in message and "float_layers=['0']" in message
 
 
-def test_a_failing_output_gate_points_only_at_items_that_measured_layers_and_its_hint_runs_the_ranking(tmp_path):
+def test_a_failing_output_gate_points_only_at_items_that_measured_layers_and_its_hint_runs_the_ranking(pytester):
     """KL and top-1 fail while model_sqnr passes (so the sensitivity ranking is skipped): the items say no layer
     search ran and give the setting that runs it; pasted, the ranking runs. With model_sqnr failing too, they point
     at it."""
-    (tmp_path / "conftest.py").write_text(_readme_model())
-    rows, output = _run(tmp_path, tmp_path, "--qreport-kl-max-nats", "0", "--qreport-top1-agreement-min", "1.0",
-                        "--qreport-sqnr-min-db", "0")
+    pytester.makeconftest(_readme_model())
+    rows, output = _run_forked(pytester, "--qreport-kl-max-nats", "0", "--qreport-top1-agreement-min", "1.0",
+                                "--qreport-sqnr-min-db", "0")
     assert {"no layer search"} <= _check_pointers(rows, output)
     message = rows[("small_mlp", "kl_divergence", "output")]["message"]
     assert message.startswith("model output: mean KL"), message  # not 'model output output'
     pasted = re.search(r"qmodel\(\.\.\., (check_options=\{.*?\}\})\)", message).group(1)
-    (tmp_path / "conftest.py").write_text(_readme_model().replace("sqnr_min_db=30.0", f"sqnr_min_db=30.0, {pasted}"))
-    after, output = _run(tmp_path, tmp_path, "--qreport-kl-max-nats", "0", "--qreport-sqnr-min-db", "0")
+    pytester.makeconftest(_readme_model().replace("sqnr_min_db=30.0", f"sqnr_min_db=30.0, {pasted}"))
+    after, output = _run_forked(pytester, "--qreport-kl-max-nats", "0", "--qreport-sqnr-min-db", "0")
     ranking = after[("small_mlp", "sensitivity", "model")]
     assert ranking["verdict"] != "skip" and ranking["details"]["ranking"], ranking
     assert "See the sensitivity item's ranking" in after[("small_mlp", "kl_divergence", "output")]["message"]
     _check_pointers(after, output)
-    failing, output = _run(tmp_path, tmp_path, "--qreport-kl-max-nats", "0", "--qreport-model-sqnr-min-db", "60",
-                           "--qreport-sqnr-min-db", "0")
+    failing, output = _run_forked(pytester, "--qreport-kl-max-nats", "0", "--qreport-model-sqnr-min-db", "60",
+                                   "--qreport-sqnr-min-db", "0")
     assert {"model_sqnr fails too", "sensitivity item"} <= _check_pointers(failing, output)
