@@ -3,8 +3,6 @@
 namespace. The names a snippet leaves to the reader (a model, its batches) come from the preambles below."""
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -144,13 +142,22 @@ def test_every_page_is_checked_and_the_readme_has_a_runnable_example():
     assert len(PAGES_WITH_SNIPPETS) >= 6
 
 
-def _pytest(directory, *args):
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", *args],
-                          cwd=directory, capture_output=True, text=True, timeout=600)
+class _Run:
+    """What a snippet's pytest run gave: its exit code and output."""
+
+    def __init__(self, result):
+        self.returncode, self.stdout, self.stderr = int(result.ret), result.stdout.str(), result.stderr.str()
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_SNIPPETS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_the_snippets_of_a_page_run(page, tmp_path):
+def test_the_snippets_of_a_page_run(page, pytester, monkeypatch):
+    tmp_path = pytester.path
+
+    def _pytest(directory, *args):
+        """pytest in `directory`, in a forked child of this process (tests/forked.py)."""
+        monkeypatch.chdir(directory)
+        return _Run(pytester.runpytest("-p", "no:cacheprovider", "-p", "no:randomly", *args))
+
     namespace: dict = {}
     exec(compile(SCRIPT_PREAMBLE, "preamble", "exec"), namespace)
     for index, code in enumerate(snippets(page)):
