@@ -77,6 +77,19 @@ def run_with_rows(pytester, *args):
     return result, {(r["model"], r["check"], r["layer"]): r for r in rows}
 
 
+def run_examples(pytester, monkeypatch, *args, failing=False, cache_dir=None):
+    """`pytest --qreport -q -p no:xdist *args examples/` at the repository's root, in a forked child of this process
+    (tests/forked.py): the example repository's failing models declared too with `failing`, its layer lists cached
+    in `cache_dir` (None: no cache)."""
+    import pathlib
+
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    if failing:
+        monkeypatch.setenv("QREPORT_EXAMPLES_FAILING", "1")
+    cache = ["-o", f"cache_dir={cache_dir}"] if cache_dir is not None else ["-p", "no:cacheprovider"]
+    return pytester.runpytest("--qreport", "-q", "-p", "no:xdist", *cache, *args, "examples/")
+
+
 def outcomes(result):
     """{node id: outcome} from -v output, serial ("id OUTCOME") or xdist ("OUTCOME id")."""
     text = result.stdout.str()

@@ -3,11 +3,8 @@ README's model under raised thresholds, each message read against the rows it na
 quantized layer in float."""
 import ast
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -75,14 +72,6 @@ def _check_pointers(rows, output):
     return seen
 
 
-def _run(folder, reports, *args, env=None):
-    report = reports / f"report{len(list(reports.glob('report*.json')))}.json"
-    done = subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           f"--qreport-json={report}", *args], cwd=folder, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})})
-    return _rows(report), done.stdout
-
-
 def _run_forked(pytester, *args):
     """(rows by (model, check, layer), stdout) of `pytest --qreport` on pytester's project, in a forked child."""
     from tests.helpers import run_with_rows
@@ -91,10 +80,13 @@ def _run_forked(pytester, *args):
     return rows, result.stdout.str()
 
 
-def test_the_failing_examples_point_only_at_rows_that_hold_what_they_promise(tmp_path):
-    rows, output = _run(ROOT, tmp_path, "examples/", "-k",
-                        "wide_rows_mlp or sensor_mlp_unequalized or fragile or spiky_mlp",
-                        env={"QREPORT_EXAMPLES_FAILING": "1"})
+def test_the_failing_examples_point_only_at_rows_that_hold_what_they_promise(pytester, monkeypatch):
+    from tests.helpers import run_examples
+
+    report = pytester.path / "report.json"
+    models = "wide_rows_mlp or sensor_mlp_unequalized or fragile or spiky_mlp"
+    result = run_examples(pytester, monkeypatch, "-k", models, f"--qreport-json={report}", failing=True)
+    rows, output = _rows(report), result.stdout.str()
     seen = _check_pointers(rows, output)
     assert {"see its item", "model_sqnr item", "sqnr items", "proper subset"} <= seen, seen
     # the sensor model's input_weight_equalization item prints its fix itself (the layer that once carried it passes)

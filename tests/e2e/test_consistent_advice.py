@@ -2,24 +2,20 @@
 fix, an inherited error names the layer it comes from, and a fix shared by many items is printed once."""
 import json
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 from pytest_qreport.checks.advice import Advice, Fix, Trial
 from pytest_qreport.checks.detectors import OutlierCheck
 from pytest_qreport.core.findings import Finding
 from pytest_qreport.reports.terminal import render_summary
+from tests.helpers import run_examples
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_fragile_gets_one_fix_on_every_item(tmp_path):
-    report = tmp_path / "r.json"
-    subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                    "-k", "fragile", f"--qreport-json={report}", "examples/"], cwd=ROOT, capture_output=True,
-                   timeout=600, env={**os.environ, "QREPORT_EXAMPLES_FAILING": "1"})
+def test_fragile_gets_one_fix_on_every_item(pytester, monkeypatch):
+    report = pytester.path / "r.json"
+    run_examples(pytester, monkeypatch, "-k", "fragile", f"--qreport-json={report}", failing=True)
     rows = {(r["check"], r["layer"]): r for r in json.loads(report.read_text())["rows"] if r["model"] == "fragile"}
     output = rows[("model_sqnr", "output")]["message"]
     fix = output[output.index("float_layers="):].rstrip(".")

@@ -12,19 +12,20 @@ import pathlib
 import subprocess
 import sys
 
+from tests.helpers import run_examples
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _examples(tmp_path, *args):
-    """Run pytest --qreport examples/ (its layer lists cached under tmp_path for the runs after the first)."""
-    return subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:xdist", "-o",
-                           f"cache_dir={tmp_path / 'cache'}", *args, "examples/"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+def test_every_example_value_is_unchanged_and_three_shards_merge_into_the_same_run(pytester, monkeypatch):
+    tmp_path = pytester.path
 
+    def _examples(*args):
+        """pytest --qreport examples/ (its layer lists cached under tmp_path for the runs after the first)."""
+        return run_examples(pytester, monkeypatch, *args, cache_dir=tmp_path / "cache")
 
-def test_every_example_value_is_unchanged_and_three_shards_merge_into_the_same_run(tmp_path):
     report = tmp_path / "report.json"
-    _examples(tmp_path, f"--qreport-json={report}")
+    _examples(f"--qreport-json={report}")
     recorded = json.loads((ROOT / "tests" / "data" / "examples_values.json").read_text())["values"]
     whole = json.loads(report.read_text())["rows"]
     measured = {f'{r["model"]}/{r["check"]}/{r["layer"]}': r["value"] for r in whole}
@@ -42,8 +43,8 @@ def test_every_example_value_is_unchanged_and_three_shards_merge_into_the_same_r
     # the same examples as 3 CI shards (--qreport-shard) merged (python -m pytest_qreport.merge): the same run
     shards = [tmp_path / f"shard{index}.json" for index in (1, 2, 3)]
     for index, shard in enumerate(shards, 1):
-        result = _examples(tmp_path, f"--qreport-shard={index}/3", f"--qreport-json={shard}")
-        assert result.returncode == 0 and f"qreport shard {index}/3: " in result.stdout, result.stdout
+        result = _examples(f"--qreport-shard={index}/3", f"--qreport-json={shard}")
+        assert result.ret == 0 and f"qreport shard {index}/3: " in result.stdout.str(), result.stdout.str()
     ran = [unit for shard in shards for unit in json.loads(shard.read_text())["shard"]["run"]]
     assert len(ran) == len(set(ran)) == 5  # every model on exactly one shard
     merged = subprocess.run([sys.executable, "-m", "pytest_qreport.merge", *map(str, shards), "--json",

@@ -76,17 +76,14 @@ def test_the_readme_gives_the_cpu_wheel_index_and_a_pathspec_that_works_at_the_r
     assert sorted(staged) == ["__qreport__/root.json", "sub/__qreport__/nested.json"]
 
 
-def test_the_failing_examples_fail_for_the_reasons_the_readme_gives(tmp_path):
+def test_the_failing_examples_fail_for_the_reasons_the_readme_gives(pytester, monkeypatch):
     import json
     import math
-    import os
-    import subprocess
-    import sys
 
-    report = tmp_path / "r.json"
-    subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                    f"--qreport-json={report}", "examples/"], cwd=ROOT, capture_output=True, timeout=600,
-                   env={**os.environ, "QREPORT_EXAMPLES_FAILING": "1"})
+    from tests.helpers import run_examples
+
+    report = pytester.path / "r.json"
+    run_examples(pytester, monkeypatch, f"--qreport-json={report}", failing=True)
     rows = json.loads(report.read_text())["rows"]
     failing = sorted((r["model"], r["check"], r["layer"]) for r in rows if r["verdict"] == "fail")
     assert failing == [("fragile", "model_sqnr", "output"), ("fragile", "sqnr", "layers.4"),
