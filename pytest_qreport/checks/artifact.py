@@ -49,13 +49,12 @@ def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: fl
         return (f" Keeping {len(layers)} layer(s) in float was measured to reach {show(fix.measured)} "
                 f"(from {show(fix.before)}): {lines}."), recipe
     return (f" No set of up to {len(layers)} layer(s) kept in float reaches {show(target)} "
-            f"({_search_limit(model, fix, check, metric, target, batches, show)}); the best found was measured at "
+            f"({_search_limit(model, fix, check, metric, batches, show)}); the best found was measured at "
             f"{show(fix.measured)} (from {show(fix.before)}): {lines}."), recipe
 
 
-def _search_limit(model: ModelContext, fix: Any, check: str, metric: str, target: float, batches: list[Any],
-                  show: Any) -> str:
-    """Why the search stopped short of `target`, and how to search further only where that was measured to reach
+def _search_limit(model: ModelContext, fix: Any, check: str, metric: str, batches: list[Any], show: Any) -> str:
+    """Why the search stopped short of its target, and how to search further only where that was measured to reach
     it: twice as many of the layers with the largest own error, kept in float at once on the screen's batches
     (keeping more in float does not make the output worse, so a search among them can reach what they reach)."""
     quantized = len(quantized_layer_names(model))
@@ -68,8 +67,7 @@ def _search_limit(model: ModelContext, fix: Any, check: str, metric: str, target
     value, screened = model.analysis.largest_errors_in_float(metric, wider, options.get("batches", DEFAULT_BATCHES),
                                                              batches)
     among = f"among the {searched} layers with the largest own error"
-    reaches = value >= target if fix.higher_is_better else value <= target
-    if reaches:
+    if fix.meets(value):
         return (f"the search chose {among}; keeping the {wider} with the largest own error in float at once measures "
                 f"{show(value)} on the first {screened} batch(es): search among them with "
                 f"qmodel(check_options={{{check!r}: {{'candidates': {wider}, 'max_float_layers': {wider}}}}})")

@@ -32,13 +32,11 @@ def keep_in_float_hint(model: ModelContext, layers: list[str]) -> str:
     return float_layers_fix(model, layers).paste()
 
 
-_THRESHOLDS = {"propagated": "sqnr_min_db", "weight": "weight_sqnr_min_db"}
-
-
-def best_proper_subset(model: ModelContext, failing: list[str], kind: str = "propagated") -> Trial | None:
-    """When every quantized layer fails on its own error (so keeping the failing layers in float would quantize
+def best_proper_subset(model: ModelContext, failing: list[str]) -> Trial | None:
+    """When every quantized layer fails sqnr on its own error (so keeping the failing layers in float would quantize
     nothing): the model measured with the best proper subset kept in float, at most max_float_layers (default 8)
-    of the layers with the largest own error, every layer's `kind` SQNR read; else None."""
+    of the layers with the largest own error, every layer's propagated SQNR read; else None. (A weight's SQNR is its
+    own: keeping other layers in float never changes it, so weight_sqnr has no such subset.)"""
     quantized = quantized_layer_names(model)
     if len(quantized) < 2 or not set(quantized) <= set(failing):
         return None
@@ -47,30 +45,27 @@ def best_proper_subset(model: ModelContext, failing: list[str], kind: str = "pro
 
     def own_error(layer: str) -> float:
         entry = measured[layer]
-        value = entry.weight_sqnr_db if kind == "weight" else entry.shadow_sqnr_db
-        return entry.sqnr_db if value is None or math.isnan(value) else value
+        return entry.sqnr_db if math.isnan(entry.shadow_sqnr_db) else entry.shadow_sqnr_db
 
     subset = sorted(failing, key=own_error)[:most]  # stable: graph order among equals
     fix = float_layers_fix(model, subset)
-    return try_fix(model, Fix(fix.setting, fix.value, tuple(quantized)), reads=(kind,))
+    return try_fix(model, Fix(fix.setting, fix.value, tuple(quantized)), reads=("propagated",))
 
 
-def threshold_limit(model: ModelContext, layer: str, failing: list[str], trial: Trial | None,
-                    kind: str = "propagated") -> str:
+def threshold_limit(model: ModelContext, layer: str, failing: list[str], trial: Trial | None) -> str:
     """Why no fix keeps every item of this check passing when every quantized layer fails on its own error, and
     what the best proper subset kept in float (`trial`: best_proper_subset) measures at this layer ('' when some
     layer passes)."""
     if trial is None:
         return ""
-    setting = _THRESHOLDS[kind]
-    threshold = getattr(model.settings, setting)
+    setting, threshold = "sqnr_min_db", model.settings.sqnr_min_db
     subset = [name for name in trial.fix.layers if name in trial.fix.value and name in failing]
     text = (f" All {len(trial.fix.layers)} quantized layers fail {setting} {threshold:g} dB on their own error: the "
             "threshold is above what this quantizer gives, and keeping every failing layer in float would quantize "
             "nothing.")
     if layer in subset:
         return text
-    after = getattr(trial, kind).get(layer, (math.nan, math.nan))[1]
+    after = trial.propagated.get(layer, (math.nan, math.nan))[1]
     return text + (f" With the best subset of at most {len(subset)} layer(s) kept in float, qmodel(..., "
                    f"{trial.fix.paste()}), this layer measures {after:.2f} dB ({trial.output_claim()}): lower "
                    f"{setting} to {math.floor(after * 10) / 10:g} dB or below to pass it, or choose a finer quantizer.")
@@ -93,7 +88,7 @@ def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propaga
                 model, {c: {"activation_observer": "histogram"} for c in chosen}), MIN_FIX_GAIN_DB, kind)))
     output_target, output_fix = _output_float_layers(model) if failing else (None, None)
     # a weight's SQNR depends on its own quantization only: keeping other layers in float leaves it as it is
-    subset = best_proper_subset(model, failing, kind) if failing and kind != "weight" else None
+    subset = best_proper_subset(model, failing) if failing and kind == "propagated" else None
     uncovered = [layer for layer in failing if output_fix is None or layer not in output_fix.float_layers]
     # every weight failing: keeping them all in float would quantize nothing, and changes no weight that stays
     every_weight = kind == "weight" and set(quantized_layer_names(model)) <= set(failing)

@@ -89,7 +89,7 @@ def _cell(value: Any, metric: str, delta: bool = False) -> str:
 
 
 def _breakable_name(name: str) -> Any:
-    """A layer name that a narrow cell wraps after its dots and underscores, never inside a part of it."""
+    """A layer or check name that a narrow cell wraps after its dots and underscores, never inside a part of it."""
     from markupsafe import Markup
 
     return Markup(escape(printable(name)).replace(".", ".<wbr>").replace("_", "_<wbr>"))
@@ -118,7 +118,7 @@ def build_html(report: dict[str, Any]) -> str:
         ordered = sorted(rows, key=lambda r: _VERDICT_ORDER.get(r["verdict"], 9))
         charts = [chart for chart in (_layer_chart(rows), _sensitivity_chart(rows), _equalization_chart(rows))
                   if chart]
-        table = [{"check": r["check"], "check_breakable": Markup(escape(r["check"]).replace("_", "_<wbr>")),
+        table = [{"check": r["check"], "check_breakable": _breakable_name(r["check"]),
                   "layer": r["layer"], "layer_breakable": _breakable_name(r["layer"]),
                   "value": _cell(r["value"], r["metric"]),
                   "threshold": _cell(r["threshold"], r["metric"]), "baseline": _cell(r.get("baseline"), r["metric"]),

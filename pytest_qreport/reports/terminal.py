@@ -54,9 +54,8 @@ def summary_rows(rows: list[Finding], mode: str) -> tuple[list[str], list[list[s
     # one number of decimals per metric, the most any of its rows needs: a column never mixes 36.0 and 36.00
     decimals: dict[str, int | None] = {}
     for r in shown:
-        needed = distinguishing_decimals(r.metric, r.value, r.threshold, r.baseline, r.delta)
-        known = decimals.get(r.metric)
-        decimals[r.metric] = needed if known is None or (needed is not None and needed > known) else known
+        needed = distinguishing_decimals(r.metric, r.value, r.threshold, r.baseline, r.delta)  # None: 4 digits
+        decimals[r.metric] = needed if needed is None else max(needed, decimals.get(r.metric) or 0)
     table = []
     for r in shown:
         places = decimals[r.metric]

@@ -89,10 +89,10 @@ class ArtifactFix:
         """`measured`, for a fix of the output SQNR (read as a FloatLayersFix is)."""
         return self.measured
 
-    @property
-    def higher_is_better(self) -> bool:
-        """Whether a higher value of the fix's metric is better (SQNR, top-1) or worse (KL, perplexity)."""
-        return OUTPUT_METRICS[self.metric][1]
+    def meets(self, value: float) -> bool:
+        """Whether `value` of the fix's metric meets its target (higher is better for SQNR and top-1, lower for KL
+        and perplexity)."""
+        return _meets(value, self.target, OUTPUT_METRICS[self.metric][1])
 
     @property
     def recipes(self) -> dict[str, str]:
