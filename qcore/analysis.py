@@ -32,6 +32,7 @@ from qcore.artifact import (
 )
 from qcore.graph.capture import capture, clone_graph_module
 from qcore.graph.deferred import deferred_parameters, materialized, read_rewritten_where_used
+from qcore.graph.experts import ExpertLayer, MoeBlock, expert_layers, moe_blocks
 from qcore.graph.inputs import call_model, move_to
 from qcore.graph.ops import find_quantizable_ops, last_layers, matches_layer
 from qcore.graph.rewritable import equalization_refusal
@@ -69,6 +70,7 @@ from qcore.search.sensitivity import with_float_layers
 
 __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix",
            "ArtifactGroup", "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError", "BlockwiseUnsupported",
+           "ExpertLayer", "MoeBlock",
            "LayerSqnr", "ModelAnalysis",
            "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes",
            "VariantSqnr", "analyze_model", "calibration_digest", "describe", "matches_layer", "measure_sqnr",
@@ -302,6 +304,16 @@ class ModelAnalysis:
         self._fixes: dict[tuple, Any] = {}
         self._logits_on: dict[int, tuple[list, LogitsMeasurement]] = {}
         self._observers = self.context.observers_for(equalize)
+
+    @property
+    def expert_layers(self) -> dict[str, ExpertLayer]:
+        """{layer: ExpertLayer} of the model's expert projections (empty for a model without experts)."""
+        return expert_layers(self.float_gm)
+
+    @property
+    def moe_blocks(self) -> dict[str, MoeBlock]:
+        """{experts module path: MoeBlock} of the model's mixture-of-experts blocks."""
+        return moe_blocks(self.float_gm)
 
     def planned(self, plan: AnalysisPlan) -> ModelAnalysis:
         """The same configuration, to measure what `plan` names in one calibration and one comparison pass

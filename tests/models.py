@@ -88,3 +88,39 @@ def tiny_llama(layers=2, batch=4):
         mask[:, 12:] = 0
         batches.append({"input_ids": torch.randint(0, 256, (batch, 16), generator=g), "attention_mask": mask})
     return model, batches
+
+
+def tiny_moe(architecture="qwen3_moe", layers=1, experts=4, hidden=128, batch=2, tokens=16, n=3):
+    """A transformers mixture-of-experts causal LM whose experts are fused 3-D parameters (transformers 5), with seeded
+    weights of trained-model scale (std 0.05: the routers' choices are not ties), and `n` batches of token ids."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=64, use_cache=False)
+    configs = {
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=128,
+                                                         num_experts=experts, num_experts_per_tok=2),
+        "mixtral": lambda: transformers.MixtralConfig(**common, intermediate_size=128, num_local_experts=experts,
+                                                      num_experts_per_tok=2),
+        "gpt_oss": lambda: transformers.GptOssConfig(**common, intermediate_size=128, num_local_experts=experts,
+                                                     num_experts_per_tok=2, layer_types=["full_attention"] * layers),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**{k: v for k, v in common.items() if k != "head_dim"},
+                                                         intermediate_size=256, moe_intermediate_size=128,
+                                                         shared_expert_intermediate_size=128, num_experts=experts,
+                                                         num_experts_per_tok=2),
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **{k: v for k, v in common.items() if k != "head_dim"}, intermediate_size=256, moe_intermediate_size=128,
+            n_routed_experts=experts, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
+            kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32),
+        "olmoe": lambda: transformers.OlmoeConfig(**{k: v for k, v in common.items() if k != "head_dim"},
+                                                  intermediate_size=128, num_experts=experts, num_experts_per_tok=2),
+    }
+    config = configs[architecture]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.05)
+    g = torch.Generator().manual_seed(0)
+    return model, [{"input_ids": torch.randint(0, 128, (batch, tokens), generator=g)} for _ in range(n)]

@@ -8,6 +8,7 @@ import pytest
 from .cosine import CosineCheck
 from .detectors import DetectorCheck, DynamicStaticCheck, InputWeightEqualizationCheck, OutlierCheck, PerChannelCheck
 from .equalization import EqualizationCheck, EqualizationEquivalenceCheck
+from .experts import ExpertCoverageCheck
 from .outputs import KlDivergenceCheck, PerplexityCheck, TaskMetricCheck, Top1AgreementCheck
 from .sensitivity import SensitivityCheck
 from .sqnr import ModelSqnrCheck, SqnrCheck, WeightSqnrCheck
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
     from ..core.registry import CheckRegistry
 
 __all__ = ["BUILTIN_CHECKS", "CosineCheck", "DetectorCheck", "DynamicStaticCheck", "EqualizationCheck",
-           "EqualizationEquivalenceCheck", "InputWeightEqualizationCheck", "KlDivergenceCheck", "ModelSqnrCheck",
+           "EqualizationEquivalenceCheck", "ExpertCoverageCheck",
+           "InputWeightEqualizationCheck", "KlDivergenceCheck", "ModelSqnrCheck",
            "OutlierCheck", "PerChannelCheck", "PerplexityCheck", "SensitivityCheck", "SqnrCheck", "TaskMetricCheck",
            "Top1AgreementCheck", "WeightSqnrCheck", "pytest_qreport_register_checks"]
 
@@ -24,6 +26,7 @@ BUILTIN_CHECKS = (
     SqnrCheck,
     CosineCheck,
     WeightSqnrCheck,
+    ExpertCoverageCheck,
     ModelSqnrCheck,
     KlDivergenceCheck,
     Top1AgreementCheck,

@@ -17,6 +17,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.experts import compact_expert_layers, expert_layers_of
 from ..core.registry import ModelContext
 
 __all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "Advice", "Fix", "Trial", "equalize_fix", "float_layers_fix",
@@ -92,7 +93,11 @@ def float_layers_fix(model: ModelContext, layers: Iterable[str]) -> Fix:
     """float_layers with `layers` added to the model's own."""
     layers = list(layers)
     own = list(model.settings.float_layers or [])
-    return Fix("float_layers", own + [layer for layer in layers if layer not in own], tuple(layers))
+    added = [layer for layer in layers if layer not in own]
+    experts = expert_layers_of(model.analysis)
+    if experts:  # a block's experts by glob, not one name per expert
+        added = compact_expert_layers(added, experts)
+    return Fix("float_layers", own + [layer for layer in added if layer not in own], tuple(layers))
 
 
 def equalize_fix(value: Any, layers: Iterable[str]) -> Fix:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import QReportModelError
+from .experts import expert_items, expert_layers_of, item_members, merge_expert_findings
 from .explain import error_finding, explain, is_measurement_error
 from .findings import Finding
 from .judge import compare_with_baseline
@@ -231,6 +232,21 @@ class ModelPipeline:
         return found
 
     def _check_findings(self, check_name: str, layers: list[str]) -> list[Finding]:
+        """One check's findings of its items `layers`, an expert projection's judged on its worst expert."""
+        assert self.context is not None and self.settings is not None
+        experts = expert_layers_of(self.context.analysis)
+        members = item_members(layers, select_layers(
+            self.context.checks[check_name].layers(self.context), self.settings.layers, self.settings.skip_layers),
+            experts) if experts else {}
+        if not members:
+            return self._layer_findings(check_name, layers)
+        measured = [member for item in layers for member in members.get(item, [item])]
+        found = {f.layer: f for f in self._layer_findings(check_name, measured)}
+        higher = self.context.checks[check_name].higher_is_better
+        return [merge_expert_findings(item, members[item], found, experts, higher) if item in members
+                else found[item] for item in layers]
+
+    def _layer_findings(self, check_name: str, layers: list[str]) -> list[Finding]:
         """One check's findings with the model's severity; a check that raises errors its own items only."""
         assert self.context is not None and self.settings is not None
         check = self.context.checks[check_name]
@@ -242,7 +258,7 @@ class ModelPipeline:
         refused = {entry.layer: entry for entry in self.context.analysis.layers if entry.format_refusal}
         if any(layer in refused for layer in layers):
             measurable = [layer for layer in layers if layer not in refused]
-            by_layer = {f.layer: f for f in (self._check_findings(check_name, measurable) if measurable else [])}
+            by_layer = {f.layer: f for f in (self._layer_findings(check_name, measurable) if measurable else [])}
             return [by_layer[layer] if layer in by_layer else error_finding(
                 self.name, check_name, layer, format_refusal_message(self.name, refused[layer])) for layer in layers]
         try:
@@ -328,14 +344,16 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     weights = estimated_analysis_bytes(float_gm)[0]
     pipeline = ModelPipeline(name, Stage.COLLECTED, settings, quantizer, context, capture=capture,
                              parameter_bytes=weights, seconds=dict(times.seconds))
+    selected: dict[str, list[str]] = {}
     for check_name, check in checks.items():
         check.bind(context)
         if check.applies(context):
-            pipeline.items[check_name] = select_layers(check.layers(context), settings.layers, settings.skip_layers)
+            selected[check_name] = select_layers(check.layers(context), settings.layers, settings.skip_layers)
+            pipeline.items[check_name] = expert_items(selected[check_name], analysis.expert_layers)
     context.checks = {n: c for n, c in checks.items() if n in pipeline.items}
     needs = frozenset().union(*(check.needs for check in context.checks.values()))
     screens = tuple(screen for name, check in context.checks.items()
-                    if (screen := check.screen(context, pipeline.items[name])) is not None)
+                    if (screen := check.screen(context, selected[name])) is not None)
     context.analysis = analysis.planned(AnalysisPlan(measurements=needs, detectors=context.detectors(),
                                                      screens=screens))
     return pipeline

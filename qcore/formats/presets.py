@@ -79,6 +79,8 @@ class TensorFormat:
         return self._fake_quantize(view, amax, weight).reshape(x.shape).to(x.dtype)
 
     def _fake_quantize(self, x: torch.Tensor, amax: torch.Tensor | None, weight: bool) -> torch.Tensor:
+        if x.numel() == 0:  # an expert no token was routed to in this batch
+            return x
         if self.scale_format == "e8m0":
             return formats.fake_quantize_mx(x, "e2m1" if self.element == "float4_e2m1" else torch.float8_e4m3fn)
         if self.scale_format == "e4m3":

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from qcore.graph.experts import EXPERTS_KEY, linearized_experts
 from qcore.graph.fold import fold_batch_norm, fold_computed_weights, linear_from_transposed_weight_matmuls
 from qcore.graph.inputs import as_args_kwargs, describe_batch
 from qcore.graph.ops import FQN_KEY, HANDLE_KEY, normalize_module_path
@@ -58,36 +59,39 @@ def _capture(model: nn.Module, example_inputs: Any, name: str | None, method: st
     if method not in ("auto", "export", "fx"):
         raise ValueError(f"capture method must be 'auto', 'export' or 'fx', not {method!r}")
     export_error: BaseException | None = None
-    try:
+    with linearized_experts(model) as experts_record:
         try:
-            if method == "fx":
-                raise CaptureError("export skipped (method='fx')")
-            with without_kv_cache(model):
-                gm = _export(model, args, kwargs)
-        except Exception as error:  # noqa: BLE001 - any export failure means: try FX
-            export_error = error
             try:
-                if method == "export":
-                    raise CaptureError("FX skipped (method='export')")
-                gm = _fx_trace(model)
-            except Exception as fx_error:  # noqa: BLE001
-                refused = _eager_failure(model, args, kwargs)
-                if refused is not None:
+                if method == "fx":
+                    raise CaptureError("export skipped (method='fx')")
+                with without_kv_cache(model):
+                    gm = _export(model, args, kwargs)
+            except Exception as error:  # noqa: BLE001 - any export failure means: try FX
+                export_error = error
+                try:
+                    if method == "export":
+                        raise CaptureError("FX skipped (method='export')")
+                    gm = _fx_trace(model)
+                except Exception as fx_error:  # noqa: BLE001
+                    refused = _eager_failure(model, args, kwargs)
+                    if refused is not None:
+                        raise CaptureError(
+                            f"model {label!r} could not be captured: its forward() fails on the example inputs "
+                            f"({describe_batch(example_inputs)}) when run as it is, without capture: "
+                            f"{_first_line(refused)}\n"
+                            "  Fix: give example inputs that forward() takes (without example_inputs, the example is "
+                            "the first calibration batch)."
+                        ) from refused
                     raise CaptureError(
-                        f"model {label!r} could not be captured: its forward() fails on the example inputs "
-                        f"({describe_batch(example_inputs)}) when run as it is, without capture: "
-                        f"{_first_line(refused)}\n"
-                        "  Fix: give example inputs that forward() takes (without example_inputs, the example is the "
-                        "first calibration batch)."
-                    ) from refused
-                raise CaptureError(
-                    f"model {label!r} could not be captured.\n"
-                    f"  torch.export failed: {_first_line(export_error)}\n"
-                    f"  torch.fx.symbolic_trace failed: {_first_line(fx_error)}\n"
-                    f"  Fix: {_capture_fix(export_error)}"
-                ) from fx_error
-    finally:
-        model.train(was_training)
+                        f"model {label!r} could not be captured.\n"
+                        f"  torch.export failed: {_first_line(export_error)}\n"
+                        f"  torch.fx.symbolic_trace failed: {_first_line(fx_error)}\n"
+                        f"  Fix: {_capture_fix(export_error)}"
+                    ) from fx_error
+        finally:
+            model.train(was_training)
+    if experts_record["layers"]:
+        gm.meta[EXPERTS_KEY] = experts_record
     annotate_fqns_and_handles(gm)
     fold_computed_weights(gm)
     linear_from_transposed_weight_matmuls(gm)

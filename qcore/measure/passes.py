@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 from qcore.graph.capture import clone_graph_module
+from qcore.graph.experts import expert_layers
 from qcore.graph.ops import QUANTIZED_WHERE_READ_KEY, find_quantizable_ops, weight_value
 from qcore.measure.diagnose import ResolutionLimit, first_non_finite, outputs_agree, resolution_limits
 from qcore.measure.probes import ChannelStatisticsProbe, DetectorProbe, Probe
@@ -350,6 +351,12 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
     limits = resolution_limits(quant_gm)
     weights = weight_sqnrs(float_gm, quant_gm, layers)
     own_layers = {op.layer for op in find_quantizable_ops(float_gm)}
+    # an expert runs on the tokens routed to it, which differ between the two models once a router's choice flips:
+    # its error is measured on the float model's tokens (its shadow), the flips by routing agreement
+    routed = set(expert_layers(float_gm))
+    if routed and propagate:
+        propagated_layers = [layer for layer in (own_layers if propagated_layers is None else propagated_layers)
+                             if layer not in routed]
     here = [v for v in variants if v.layer in own_layers]
     baselines: dict[str, dict[str, Any]] = {}
 
@@ -372,7 +379,10 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
         keep_float_outputs=keep_float_outputs, known_shadows=known_shadows, layer_inputs=layer_inputs,
         keep_layer_inputs=keep_layer_inputs)
     shadows = {r["layer"]: r for r in shadow_records}
-    return sqnr_measurement(propagated if propagate else shadow_records, shadows, weights, limits), baselines
+    records = propagated if propagate else shadow_records
+    if routed and propagate:
+        records = [*records, *(shadows[layer] for layer in sorted(routed & shadows.keys()))]
+    return sqnr_measurement(records, shadows, weights, limits), baselines
 
 
 def calibrate_and_convert(prepared: fx.GraphModule, float_gm: fx.GraphModule, batches: list[Any],

@@ -278,6 +278,8 @@ def _per_channel_by_rows(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.
 
 def fake_quantize_dynamic(x: torch.Tensor, quant_min: int, quant_max: int, symmetric: bool) -> torch.Tensor:
     """Fake-quantize with qparams chosen from this tensor's own range (dynamic quantization)."""
+    if x.numel() == 0:  # an expert no token was routed to in this batch
+        return x
     work = _working(x)
     min_val, max_val = torch.aminmax(work.detach())
     scale, zero_point = calculate_qparams(min_val, max_val, quant_min, quant_max, symmetric)

@@ -57,6 +57,8 @@ class FormatObserver(ObserverBase):
         self.amax: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # an expert no token was routed to in this batch: nothing to see
+            return x
         if self.static and not self.frozen:
             low, high = torch.aminmax(x.detach())  # no |x| copy of the activation, on every calibration batch
             seen = torch.maximum(-low, high).to(torch.float32)
@@ -80,6 +82,8 @@ class FormatFakeQuantize(nn.Module):
         self.register_buffer("amax", None if amax is None else amax.detach().clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # an expert no token was routed to in this batch: nothing to see
+            return x
         return self.format.fake_quantize(x, self.amax)
 
 
@@ -143,7 +147,15 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     if value is None:
         value = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
     shape = getattr(value, "shape", None)
-    return tuple(int(size) for size in shape) if shape is not None else None
+    return tuple(_size(size) for size in shape) if shape is not None else None
+
+
+def _size(size: Any) -> int:
+    """A dimension's size, or -1 where only the data decides it (the tokens routed to one expert)."""
+    try:
+        return int(size)
+    except Exception:  # noqa: BLE001 - torch's data-dependent-size errors have no common public base
+        return -1
 
 
 def layer_shapes(op: Any) -> tuple[tuple[int, ...] | None, list[tuple[int, ...]]]:

@@ -1,4 +1,5 @@
 """qcore.report: ModelReport, its detectors and observer, and the visualizer."""
+from qcore.report.coverage import ExpertCoverageDetector, TokenCounter
 from qcore.report.detectors import (
     DetectorBase,
     DetectorQConfigInfo,
@@ -10,5 +11,6 @@ from qcore.report.detectors import (
 from qcore.report.model_report import ModelReport, ModelReportError
 from qcore.report.observer import ReportObserver
 
-__all__ = ["DetectorBase", "DetectorQConfigInfo", "DynamicStaticDetector", "InputWeightEqualizationDetector",
+__all__ = ["DetectorBase", "DetectorQConfigInfo", "DynamicStaticDetector", "ExpertCoverageDetector",
+           "InputWeightEqualizationDetector", "TokenCounter",
            "ModelReport", "ModelReportError", "OutlierDetector", "PerChannelDetector", "ReportObserver"]

@@ -210,6 +210,8 @@ class _ChannelStats(nn.Module):
         self.first: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # an expert no token was routed to in this batch: nothing to see
+            return x
         flat = x.detach().reshape(-1, x.shape[-1]).float()
         low, high = flat.amin(0), flat.amax(0)
         self.low = low if self.low is None else torch.minimum(self.low, low)

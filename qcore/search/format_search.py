@@ -88,6 +88,8 @@ class _InputSwitch(nn.Module):
         self.amax: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # an expert no token was routed to in this batch: nothing to see
+            return x
         if self.calibrating:
             seen = x.detach().abs().amax().to(torch.float32)
             self.amax = seen if self.amax is None else torch.maximum(self.amax, seen)

@@ -1,0 +1,122 @@
+"""Items of mixture-of-experts models: one item per expert projection of a block, judged on its worst expert.
+
+qcore measures every expert as the Linear it stands for (`model.layers.3.mlp.experts.5.down_proj`); a 128-expert
+model would make tens of thousands of items that way. Here a check's expert layers become one item named by the
+projection's parameter (`model.layers.3.mlp.experts.down_proj`): the worst expert's finding, its message naming the
+worst experts with their values, and every expert's value in the details (JSON and HTML reports).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .findings import Finding
+
+__all__ = ["compact_expert_layers", "expert_items", "expert_label", "expert_layers_of", "item_members",
+           "merge_expert_findings"]
+
+_VERDICT_RANK = {"skip": 0, "pass": 1, "waived": 2, "warn": 3, "fail": 4, "error": 5}
+_NAMED_EXPERTS = 4  # the worst experts a message names
+
+
+def expert_layers_of(analysis: Any) -> Mapping[str, Any]:
+    """{layer: qcore ExpertLayer} of a model's analysis (empty for a model without experts)."""
+    return getattr(analysis, "expert_layers", None) or {}
+
+
+def expert_items(layers: Iterable[str], experts: Mapping[str, Any]) -> list[str]:
+    """Item names for a check's layers: each expert projection's layers become one item, at its first layer's place."""
+    items: list[str] = []
+    seen: set[str] = set()
+    for layer in layers:
+        name = experts[layer].projection if layer in experts else layer
+        if name not in seen:
+            seen.add(name)
+            items.append(name)
+    return items
+
+
+def item_members(items: Sequence[str], layers: Iterable[str], experts: Mapping[str, Any]) -> dict[str, list[str]]:
+    """{item: its expert layers, by expert} for the items among `items` that stand for an expert projection; `layers`
+    are the check's layers once the model's layer globs applied."""
+    wanted = set(items)
+    members: dict[str, list[str]] = {}
+    for layer in layers:
+        entry = experts.get(layer)
+        if entry is not None and entry.projection in wanted:
+            members.setdefault(entry.projection, []).append(layer)
+    for names in members.values():
+        names.sort(key=lambda layer: experts[layer].expert)
+    return members
+
+
+def _badness(finding: Finding, higher_is_better: bool) -> tuple[int, float]:
+    value = finding.value
+    if math.isnan(value):
+        return _VERDICT_RANK.get(finding.verdict, 0), -math.inf
+    return _VERDICT_RANK.get(finding.verdict, 0), -value if higher_is_better else value
+
+
+def _shown(value: float, metric: str) -> str:
+    if math.isnan(value):
+        return "not measured"
+    return f"{value:.2f} dB" if metric.endswith("_db") else f"{value:.4g}"
+
+
+def expert_label(layer: str, experts: Mapping[str, Any]) -> str:
+    """How a message names one expert's layer: its index, with the half of a fused gate_up projection ("3.up_proj")."""
+    entry = experts[layer]
+    leaf = layer.rsplit(".", 1)[-1]
+    return str(entry.expert) if entry.projection.rsplit(".", 1)[-1] == leaf else f"{entry.expert}.{leaf}"
+
+
+def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str, Finding], experts: Mapping[str, Any],
+                          higher_is_better: bool) -> Finding:
+    """One finding for an expert projection: the worst expert's, named `item`, its message naming the worst
+    experts, every expert's value in details["experts"]."""
+    ordered = sorted(members, key=lambda layer: _badness(found[layer], higher_is_better), reverse=True)
+    worst = found[ordered[0]]
+    failing = [layer for layer in members if found[layer].verdict in ("fail", "warn", "error")]
+    count = len({experts[layer].expert for layer in members})
+    failing_experts = sorted({experts[layer].expert for layer in failing})
+    named = ", ".join(f"{expert_label(layer, experts)} ({_shown(found[layer].value, worst.metric)})"
+                      for layer in ordered[:_NAMED_EXPERTS])
+    summary = (f"{item}: {count} experts, {len(failing_experts)} failing; judged on expert "
+               f"{expert_label(ordered[0], experts)}; worst: {named}.")
+    message = f"{summary} {worst.message}" if worst.message else summary
+    details = dict(worst.details)
+    details.update({
+        "experts": {expert_label(layer, experts): found[layer].value for layer in members},
+        "failing_experts": failing_experts,
+        "worst_expert": experts[ordered[0]].expert,
+        "worst_layer": ordered[0],
+    })
+    return worst.replace(layer=item, message=message, details=details)
+
+
+def compact_expert_layers(layers: Iterable[str], experts: Mapping[str, Any]) -> list[str]:
+    """`layers` with each block's expert layers written as globs where they cover every expert: all of one
+    projection as `block.*.down_proj`, all of a block's as `block`; the others by name, in order."""
+    layers = list(layers)
+    chosen = set(layers)
+    every: dict[tuple[str, str], set[str]] = {}
+    for layer, entry in experts.items():
+        every.setdefault((entry.block, layer.rsplit(".", 1)[-1]), set()).add(layer)
+    complete = {key for key, members in every.items() if members <= chosen}
+    whole_blocks = {block for block in {key[0] for key in every}
+                    if all(key in complete for key in every if key[0] == block)}
+    compacted: list[str] = []
+    for layer in layers:
+        entry = experts.get(layer)
+        if entry is None:
+            name = layer
+        elif entry.block in whole_blocks:
+            name = entry.block
+        elif (entry.block, layer.rsplit(".", 1)[-1]) in complete:
+            name = f"{entry.block}.*.{layer.rsplit('.', 1)[-1]}"
+        else:
+            name = layer
+        if name not in compacted:
+            compacted.append(name)
+    return compacted

@@ -1,0 +1,180 @@
+"""Mixture-of-experts blocks: fused experts captured as one Linear per expert projection.
+
+transformers 5 keeps a block's experts as fused 3-D parameters (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I])
+and computes them with grouped or batched matrix products that no quantizer sees as linear layers. For capture,
+each expert's projections become `nn.Linear` modules whose weights are views of the fused parameters (no copy),
+named as llm-compressor's linearized experts are (`mlp.experts.3.gate_proj`), and the experts module computes
+with them through transformers' own experts interface: each expert runs on the tokens routed to it only, so
+its activation observers see exactly those and a per-channel or per-group weight quantizer treats its slice as
+the Linear it stands for. The model computes the same function; the graph records which layer is which expert.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+__all__ = ["EXPERTS_KEY", "ExpertLayer", "MoeBlock", "expert_layers", "fused_experts_modules", "linearized_experts",
+           "moe_blocks"]
+
+EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
+_IMPLEMENTATION = "qcore_linear_experts"
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One expert's projection: the block's experts module, the parameter (or, for linearized experts, the
+    common path) that its items are named by, and the expert's index."""
+
+    block: str
+    projection: str
+    expert: int
+
+
+@dataclass(frozen=True)
+class MoeBlock:
+    """A block's experts: its path, how many there are, and whether the model holds them fused."""
+
+    path: str
+    experts: int
+    fused: bool
+    first_projection: str  # the projection every routed token goes through first ("gate_proj" or "up_proj")
+
+
+def fused_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """{path: module} of the experts modules that transformers' experts interface computes (fused 3-D weights)."""
+    found = {}
+    for path, module in model.named_modules():
+        config = getattr(module, "config", None)
+        fused = getattr(module, "gate_up_proj", None) if getattr(module, "has_gate", False) else \
+            getattr(module, "up_proj", None)
+        if config is not None and hasattr(module, "is_transposed") and isinstance(fused, nn.Parameter) \
+                and fused.dim() == 3 and isinstance(getattr(module, "down_proj", None), nn.Parameter):
+            found[path] = module
+    return found
+
+
+def _weight(module: nn.Module, name: str, expert: int) -> torch.Tensor:
+    """Expert `expert`'s [out, in] weight view of fused parameter `name`."""
+    weight = getattr(module, name)[expert].detach()
+    return weight.t() if module.is_transposed else weight
+
+
+def _halves(module: nn.Module, tensor: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of a fused gate_up tensor along `dim`: concatenated [gate; up] or interleaved."""
+    if getattr(module, "is_concatenated", True):
+        half = tensor.shape[dim] // 2
+        return tensor.narrow(dim, 0, half), tensor.narrow(dim, half, half)
+    index = [slice(None)] * tensor.dim()
+    gate, up = list(index), list(index)
+    gate[dim], up[dim] = slice(0, None, 2), slice(1, None, 2)
+    return tensor[tuple(gate)], tensor[tuple(up)]
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return layer
+
+
+def _expert_linears(module: nn.Module, expert: int) -> nn.Module:
+    """An expert's projections as Linear modules whose weights are views of the fused parameters."""
+    holder = nn.Module()
+    bias = getattr(module, "has_bias", False)
+    if module.has_gate:
+        weight = _weight(module, "gate_up_proj", expert)
+        biases = _halves(module, module.gate_up_proj_bias[expert], 0) if bias else (None, None)
+        for name, half, half_bias in zip(("gate_proj", "up_proj"), _halves(module, weight, 0), biases, strict=True):
+            holder.add_module(name, _linear(half, half_bias))
+    else:
+        holder.add_module("up_proj", _linear(_weight(module, "up_proj", expert),
+                                             module.up_proj_bias[expert] if bias else None))
+    holder.add_module("down_proj", _linear(_weight(module, "down_proj", expert),
+                                           module.down_proj_bias[expert] if bias else None))
+    return holder
+
+
+def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts computation, one expert at a time on the tokens routed to it, through the expert's
+    Linear modules (the experts interface's signature)."""
+    output = torch.zeros_like(hidden_states)
+    for expert in range(self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0]):
+        linears = getattr(self, str(expert))
+        routed = top_k_index == expert
+        tokens = routed.any(dim=-1).nonzero().squeeze(-1)
+        weights = (top_k_weights * routed).sum(dim=-1).index_select(0, tokens)
+        inputs = hidden_states.index_select(0, tokens)
+        if self.has_gate:
+            gate, up = linears.gate_proj(inputs), linears.up_proj(inputs)
+            if getattr(self, "is_concatenated", True):
+                hidden = self._apply_gate(torch.cat([gate, up], dim=-1))
+            else:
+                hidden = self._apply_gate(torch.stack([gate, up], dim=-1).flatten(-2))
+        else:
+            hidden = self.act_fn(linears.up_proj(inputs))
+        projected = linears.down_proj(hidden)
+        if getattr(self, "has_post_expert_norm", False):
+            projected = self.post_expert_norm(projected)
+        output = output.index_add(0, tokens, (projected * weights.unsqueeze(-1)).to(output.dtype))
+    return output
+
+
+def _register_implementation(module: nn.Module) -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if _IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(_IMPLEMENTATION, _experts_forward)
+
+
+@contextlib.contextmanager
+def linearized_experts(model: nn.Module) -> Iterator[dict[str, Any]]:
+    """While open, every fused experts module of `model` computes through one Linear per expert projection (views
+    of its fused weights, as children "0", "1", ...); yields what EXPERTS_KEY records. The model is restored on
+    exit."""
+    modules = fused_experts_modules(model)
+    record: dict[str, Any] = {"layers": {}, "blocks": {}}
+    if not modules:
+        yield record
+        return
+    configs: dict[int, tuple[Any, Any]] = {}
+    added: list[tuple[nn.Module, str]] = []
+    try:
+        for path, module in modules.items():
+            _register_implementation(module)
+            count = int(getattr(module, "num_experts", module.down_proj.shape[0]))
+            fused_names = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj" if module.has_gate else "up_proj",
+                           "down_proj": "down_proj"}
+            for expert in range(count):
+                linears = _expert_linears(module, expert)
+                module.add_module(str(expert), linears)
+                added.append((module, str(expert)))
+                for name, _ in linears.named_children():
+                    record["layers"][f"{path}.{expert}.{name}"] = ExpertLayer(path, f"{path}.{fused_names[name]}",
+                                                                              expert)
+            record["blocks"][path] = MoeBlock(path, count, True, "gate_proj" if module.has_gate else "up_proj")
+            config = module.config
+            configs.setdefault(id(config), (config, getattr(config, "_experts_implementation", None)))
+            config._experts_implementation = _IMPLEMENTATION
+        yield record
+    finally:
+        for config, implementation in configs.values():
+            config._experts_implementation = implementation
+        for module, name in added:
+            delattr(module, name)
+
+
+def expert_layers(gm: fx.GraphModule) -> dict[str, ExpertLayer]:
+    """{layer: ExpertLayer} of a captured graph's expert projections (empty for a model without experts)."""
+    return dict(gm.meta.get(EXPERTS_KEY, {}).get("layers", {}))
+
+
+def moe_blocks(gm: fx.GraphModule) -> dict[str, MoeBlock]:
+    """{experts module path: MoeBlock} of a captured graph."""
+    return dict(gm.meta.get(EXPERTS_KEY, {}).get("blocks", {}))

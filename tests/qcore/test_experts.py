@@ -1,0 +1,116 @@
+"""Fused mixture-of-experts blocks (transformers 5): captured as one Linear per expert projection, each expert
+quantized as the Linear it stands for, cross-checked against torch.ao on the tokens routed to it."""
+import pytest
+import torch
+from torch.ao.quantization import observer as ao
+
+import qcore
+from qcore.analysis import measure_sqnr
+from qcore.graph.experts import expert_layers, fused_experts_modules, moe_blocks
+from qcore.graph.ops import find_quantizable_ops
+from qcore.numeric import compute_sqnr
+from qcore.quantization.format_quantizer import FormatQuantizer
+from tests.models import tiny_moe
+
+pytest.importorskip("transformers")
+
+# gpt-oss: transposed, interleaved gate/up with biases and its own gate; Qwen2-MoE: a shared expert beside them
+ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe")
+
+
+def _logits(output):
+    if isinstance(output, dict):
+        return output["logits"]
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_fused_experts_are_captured_as_one_linear_per_expert_projection(architecture):
+    model, data = tiny_moe(architecture, experts=4)
+    with torch.no_grad():
+        eager = model(**data[1]).logits  # transformers' default experts implementation (grouped_mm)
+    implementation = model.config._experts_implementation
+    gm = qcore.capture(model, data[0], name=architecture)
+    # another batch routes its tokens otherwise: the graph computes the model's function, not batch 0's routing
+    torch.testing.assert_close(_logits(gm(**data[1])), eager, atol=2e-5, rtol=1e-4)
+    experts = expert_layers(gm)
+    assert sorted(experts) == sorted(f"model.layers.0.mlp.experts.{e}.{p}" for e in range(4)
+                                     for p in ("gate_proj", "up_proj", "down_proj"))
+    assert {entry.projection for entry in experts.values()} == {"model.layers.0.mlp.experts.gate_up_proj",
+                                                                  "model.layers.0.mlp.experts.down_proj"}
+    assert set(moe_blocks(gm)) == {"model.layers.0.mlp.experts"}
+    layers = {op.layer for op in find_quantizable_ops(gm)}
+    assert set(experts) <= layers
+    # the model is left as it was given
+    assert model.config._experts_implementation == implementation
+    assert not [name for name, _ in model.model.layers[0].mlp.experts.named_children() if name.isdigit()]
+    assert list(fused_experts_modules(model)) == ["model.layers.0.mlp.experts"]
+
+
+def test_each_experts_activation_observer_sees_only_the_tokens_routed_to_it():
+    model, data = tiny_moe("qwen3_moe", experts=4)
+    routed: dict[int, list[torch.Tensor]] = {e: [] for e in range(4)}
+
+    def keep_routed(module, args):
+        hidden, index, _ = args
+        for expert in range(4):
+            routed[expert].append(hidden[(index == expert).any(-1)])
+
+    handle = model.model.layers[0].mlp.experts.register_forward_pre_hook(keep_routed)
+    with torch.no_grad():
+        for batch in data:
+            model(**batch)
+    handle.remove()
+    prepared = qcore.prepare(qcore.capture(model, data[0]), qcore.Int8StaticQuantizer())
+    for batch in data:
+        prepared(**batch)
+    ops = {op.layer: op for op in find_quantizable_ops(prepared)}
+    for expert in range(4):
+        reference = ao.MinMaxObserver(dtype=torch.qint8)
+        for tokens in routed[expert]:
+            reference(tokens)
+        for projection in ("gate_proj", "up_proj"):
+            op = ops[f"model.layers.0.mlp.experts.{expert}.{projection}"]
+            observer = prepared.get_submodule(op.node.args[0].target)
+            assert observer.min_val == reference.min_val and observer.max_val == reference.max_val
+            scale, zero_point = observer.calculate_qparams()
+            ref_scale, ref_zero_point = reference.calculate_qparams()
+            assert scale.item() == ref_scale.item() and zero_point.item() == ref_zero_point.item()
+
+
+def test_each_experts_weight_is_quantized_per_channel_as_its_own_linear():
+    model, data = tiny_moe("gpt_oss", experts=4)  # transposed and interleaved: the hardest slices to get right
+    measured = measure_sqnr(qcore.capture(model, data[0]), data)
+    experts = model.model.layers[0].mlp.experts
+    for expert in range(4):
+        gate_up = experts.gate_up_proj[expert].detach().t()  # [2I, H], gate and up interleaved by row
+        for name, weight in (("gate_proj", gate_up[0::2]), ("up_proj", gate_up[1::2]),
+                             ("down_proj", experts.down_proj[expert].detach().t())):
+            scale = weight.abs().amax(1) / 127
+            zero = torch.zeros_like(scale, dtype=torch.int32)
+            reference = torch.fake_quantize_per_channel_affine(weight, scale, zero, 0, -127, 127)
+            layer = f"model.layers.0.mlp.experts.{expert}.{name}"
+            assert measured.layers[layer].weight_sqnr_db == pytest.approx(float(compute_sqnr(weight, reference)),
+                                                                         abs=1e-3)
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "FP8", "NVFP4"])
+def test_every_expert_projection_is_measured_under_the_deployed_formats(preset):
+    model, data = tiny_moe("qwen3_moe", experts=4)
+    measured = measure_sqnr(qcore.capture(model, data[0]), data, FormatQuantizer(preset))
+    experts = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    for layer in experts:
+        entry = measured.layers[layer]
+        assert 10 < entry.weight_sqnr_db < 60 and 5 < entry.sqnr_db < 60, (layer, entry)
+    assert measured.outputs
+
+
+def test_an_expert_no_token_reaches_leaves_every_pass_running():
+    model, data = tiny_moe("qwen3_moe", experts=4)
+    with torch.no_grad():  # expert 3's router row can never win: no token is routed to it
+        model.model.layers[0].mlp.gate.weight[3] = -10 * model.model.layers[0].mlp.gate.weight[:3].abs().sum(0)
+    gm = qcore.capture(model, data[0])
+    for quantizer in (qcore.Int8StaticQuantizer(), FormatQuantizer("NVFP4")):
+        measured = measure_sqnr(gm, data, quantizer)
+        assert measured.worst_output().sqnr_db > 5
+        assert "model.layers.0.mlp.experts.3.down_proj" in measured.layers
