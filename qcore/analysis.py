@@ -32,7 +32,7 @@ from qcore.artifact import (
 )
 from qcore.graph.capture import capture, clone_graph_module
 from qcore.graph.deferred import deferred_parameters, materialized, read_rewritten_where_used
-from qcore.graph.experts import ExpertLayer, MoeBlock, expert_layers, moe_blocks
+from qcore.graph.experts import ExpertLayer, MoeBlock, Router, expert_layers, moe_blocks, routers
 from qcore.graph.inputs import call_model, move_to
 from qcore.graph.ops import find_quantizable_ops, last_layers, matches_layer
 from qcore.graph.rewritable import equalization_refusal
@@ -70,7 +70,7 @@ from qcore.search.sensitivity import with_float_layers
 
 __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix",
            "ArtifactGroup", "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError", "BlockwiseUnsupported",
-           "ExpertLayer", "MoeBlock",
+           "ExpertLayer", "MoeBlock", "Router",
            "LayerSqnr", "ModelAnalysis",
            "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes",
            "VariantSqnr", "analyze_model", "calibration_digest", "describe", "matches_layer", "measure_sqnr",
@@ -309,6 +309,17 @@ class ModelAnalysis:
     def expert_layers(self) -> dict[str, ExpertLayer]:
         """{layer: ExpertLayer} of the model's expert projections (empty for a model without experts)."""
         return expert_layers(self.float_gm)
+
+    @property
+    def routing_agreement(self) -> dict[str, dict[str, float]]:
+        """{MoE block: {"agreement", "tokens"}}: the share of the calibration tokens whose top-k experts the
+        quantized router, on the float block input, chooses as the float router does (from the comparison pass)."""
+        return {block: dict(entry) for block, entry in self.measurement.routing.items()}
+
+    @property
+    def routers(self) -> dict[str, Router]:
+        """{MoE block: Router}: the layer each block chooses its experts from."""
+        return routers(self.float_gm)
 
     @property
     def moe_blocks(self) -> dict[str, MoeBlock]:

@@ -8,7 +8,7 @@ import pytest
 from .cosine import CosineCheck
 from .detectors import DetectorCheck, DynamicStaticCheck, InputWeightEqualizationCheck, OutlierCheck, PerChannelCheck
 from .equalization import EqualizationCheck, EqualizationEquivalenceCheck
-from .experts import ExpertCoverageCheck
+from .experts import ExpertCoverageCheck, RoutingAgreementCheck
 from .outputs import KlDivergenceCheck, PerplexityCheck, TaskMetricCheck, Top1AgreementCheck
 from .sensitivity import SensitivityCheck
 from .sqnr import ModelSqnrCheck, SqnrCheck, WeightSqnrCheck
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..core.registry import CheckRegistry
 
 __all__ = ["BUILTIN_CHECKS", "CosineCheck", "DetectorCheck", "DynamicStaticCheck", "EqualizationCheck",
-           "EqualizationEquivalenceCheck", "ExpertCoverageCheck",
+           "EqualizationEquivalenceCheck", "ExpertCoverageCheck", "RoutingAgreementCheck",
            "InputWeightEqualizationCheck", "KlDivergenceCheck", "ModelSqnrCheck",
            "OutlierCheck", "PerChannelCheck", "PerplexityCheck", "SensitivityCheck", "SqnrCheck", "TaskMetricCheck",
            "Top1AgreementCheck", "WeightSqnrCheck", "pytest_qreport_register_checks"]
@@ -27,6 +27,7 @@ BUILTIN_CHECKS = (
     CosineCheck,
     WeightSqnrCheck,
     ExpertCoverageCheck,
+    RoutingAgreementCheck,
     ModelSqnrCheck,
     KlDivergenceCheck,
     Top1AgreementCheck,

@@ -58,14 +58,19 @@ def threshold_limit(model: ModelContext, layer: str, failing: list[str], trial: 
     layer passes)."""
     if trial is None:
         return ""
+    from qcore.analysis import matches_layer
+
     setting, threshold = "sqnr_min_db", model.settings.sqnr_min_db
-    subset = [name for name in trial.fix.layers if name in trial.fix.value and name in failing]
+    subset = [name for name in trial.fix.layers if name in failing
+              and any(matches_layer(kept, name) for kept in trial.fix.value)]
     text = (f" All {len(trial.fix.layers)} quantized layers fail {setting} {threshold:g} dB on their own error: the "
             "threshold is above what this quantizer gives, and keeping every failing layer in float would quantize "
             "nothing.")
     if layer in subset:
         return text
     after = trial.propagated.get(layer, (math.nan, math.nan))[1]
+    if math.isnan(after):
+        return text
     return text + (f" With the best subset of at most {len(subset)} layer(s) kept in float, qmodel(..., "
                    f"{trial.fix.paste()}), this layer measures {after:.2f} dB ({trial.output_claim()}): lower "
                    f"{setting} to {math.floor(after * 10) / 10:g} dB or below to pass it, or choose a finer quantizer.")

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["EXPERTS_KEY", "ExpertLayer", "MoeBlock", "expert_layers", "fused_experts_modules", "linearized_experts",
-           "moe_blocks"]
+__all__ = ["EXPERTS_KEY", "ExpertLayer", "MoeBlock", "Router", "expert_layers", "fused_experts_modules",
+           "linearized_experts", "moe_blocks", "routers"]
 
 EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -178,3 +178,47 @@ def expert_layers(gm: fx.GraphModule) -> dict[str, ExpertLayer]:
 def moe_blocks(gm: fx.GraphModule) -> dict[str, MoeBlock]:
     """{experts module path: MoeBlock} of a captured graph."""
     return dict(gm.meta.get(EXPERTS_KEY, {}).get("blocks", {}))
+
+
+@dataclass(frozen=True)
+class Router:
+    """The layer whose output an MoE block's top-k choice of experts is made from, and that choice's k."""
+
+    block: str
+    layer: str
+    top_k: int
+    experts: int
+
+
+def routers(gm: fx.GraphModule) -> dict[str, Router]:
+    """{experts module path: Router} of the blocks whose choice is a top-k over the experts of one quantizable layer's
+    output (softmax or sigmoid between them keep the order); a block whose router is not found is left out."""
+    from qcore.graph.ops import FQN_KEY, find_quantizable_ops
+
+    by_node = {op.node: op for op in find_quantizable_ops(gm)}
+    found: dict[str, Router] = {}
+    for path, block in moe_blocks(gm).items():
+        parent = path.rpartition(".")[0]
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or getattr(node.target, "__name__", "") not in ("topk.default", "topk"):
+                continue
+            if not str(node.meta.get(FQN_KEY, "")).startswith(parent) or len(node.args) < 2:
+                continue
+            source = _router_layer(node.args[0], by_node)
+            if source is not None:
+                found[path] = Router(path, source.layer, int(node.args[1]), block.experts)
+    return found
+
+
+def _router_layer(node: Any, by_node: dict) -> Any:
+    """The quantizable op whose output reaches `node` through elementwise ops only (softmax, sigmoid, casts)."""
+    for _ in range(6):
+        if not isinstance(node, fx.Node):
+            return None
+        if node in by_node:
+            return by_node[node]
+        inputs = [arg for arg in node.all_input_nodes if arg.op != "get_attr"]
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None

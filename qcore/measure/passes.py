@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from qcore.graph.capture import clone_graph_module
-from qcore.graph.experts import expert_layers
+from qcore.graph.experts import Router, expert_layers, routers
 from qcore.graph.ops import QUANTIZED_WHERE_READ_KEY, find_quantizable_ops, weight_value
 from qcore.measure.diagnose import ResolutionLimit, first_non_finite, outputs_agree, resolution_limits
 from qcore.measure.probes import ChannelStatisticsProbe, DetectorProbe, Probe
@@ -47,6 +47,8 @@ from qcore.numeric.compare import (
     compare,
     compare_propagated_and_shadow,
 )
+from qcore.numeric.instrument import attach_after
+from qcore.numeric.loggers import TopKAgreement
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 from qcore.numeric.matching import LayerPair, match_layers
 from qcore.numeric.metrics import compared_by_rows, compute_sqnr, large_tensor_sqnr, read_to_host, rowwise_sqnr
@@ -142,6 +144,8 @@ class ModelMeasurement:
     rewrite_scales: Mapping[tuple[str, str], tuple[float | None, torch.Tensor]] = dataclasses.field(
         default_factory=dict)
     screens: Mapping[str, ScreenedLayers] = dataclasses.field(default_factory=dict)  # {screen name: what it measured}
+    # {MoE block: {"agreement", "tokens"}}: the share of tokens whose top-k experts the quantized router keeps
+    routing: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
@@ -214,6 +218,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     screened = _screen_copies(float_gm, batches, quantizer, screens, probed.detector_reports, kept)
     comparator = (LogitsComparator() if logits else None) if propagate else None
     every = None if layers is None else set(layers)
+    routing: dict[str, Any] = {}
     sqnr, baselines = compare_quantized(float_gm, quant_gm, batches, variants, unmeasured, propagate=propagate,
                                         logits=comparator, keep_first_output=first_outputs, layers=layers,
                                         extra_shadows=[extra for _, _, extra in screened],
@@ -221,7 +226,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                                         propagated_layers=every if "propagated" in layer_kinds else set(),
                                         float_outputs=float_outputs, keep_float_outputs=keep_float_outputs,
                                         known_shadows=known_shadows, layer_inputs=layer_inputs,
-                                        keep_layer_inputs=keep_layer_inputs)
+                                        keep_layer_inputs=keep_layer_inputs, routing=routing)
     compared = comparator.result() if comparator is not None else ModelMeasurement.logits
     screen_results = {name: ScreenedLayers(changes, {layer: float(extra.results[layer]["sqnr_db"])
                                                      for layer in changes if layer in extra.results},
@@ -230,7 +235,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
                       for name, changes, extra in screened}
     return ModelMeasurement(sqnr, probed.detector_reports, variant_results(variants, baselines, unmeasured),
                             unmeasured, smoothed, compared, first_outputs.agree, rewrite_scales(variants),
-                            screen_results)
+                            screen_results, routing=routing)
 
 
 class FirstOutputs:
@@ -343,11 +348,12 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
                       propagated_layers: Collection[str] | None = None, float_outputs: Sequence[Any] | None = None,
                       keep_float_outputs: KeptFloatOutputs | None = None,
                       known_shadows: KnownShadows | None = None, layer_inputs: KeptLayerInputs | None = None,
-                      keep_layer_inputs: KeptLayerInputs | None = None
+                      keep_layer_inputs: KeptLayerInputs | None = None, routing: dict[str, Any] | None = None
                       ) -> tuple[SqnrMeasurement, dict[str, dict]]:
     """The comparison pass of a converted graph (instrumented in place) against its float graph, with the shadows
-    of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). The other
-    keywords are compare_propagated_and_shadow's."""
+    of the `variants` of its layers: (SQNR, {layer: its shadow result over the variants' batches}). `routing`, when
+    given, gets each MoE block's routing agreement ({block: TopKAgreement.result()}) when every layer is compared.
+    The other keywords are compare_propagated_and_shadow's."""
     limits = resolution_limits(quant_gm)
     weights = weight_sqnrs(float_gm, quant_gm, layers)
     own_layers = {op.layer for op in find_quantizable_ops(float_gm)}
@@ -355,8 +361,11 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
     # its error is measured on the float model's tokens (its shadow), the flips by routing agreement
     routed = set(expert_layers(float_gm))
     if routed and propagate:
-        propagated_layers = [layer for layer in (own_layers if propagated_layers is None else propagated_layers)
-                             if layer not in routed]
+        wanted = own_layers if propagated_layers is None else set(propagated_layers)
+        routed = routed & wanted
+        propagated_layers = [layer for layer in wanted if layer not in routed]
+        if shadowed_layers is not None:
+            shadowed_layers = set(shadowed_layers) | routed
     here = [v for v in variants if v.layer in own_layers]
     baselines: dict[str, dict[str, Any]] = {}
 
@@ -371,13 +380,20 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
         # the unequalized layer's own SQNR over the same batches as its variants
         return lambda: baselines.update({v.layer: graph.shadows[v.layer].result() for v in measured})
 
+    agreements: dict[str, TopKAgreement] = {}
+
+    def watch_routers(graph: ShadowGraph) -> None:
+        agreements.update(watch_router_choices(graph, routers(float_gm)))
+
     propagated, shadow_records = compare_propagated_and_shadow(
         float_gm, quant_gm, batches, own_quant_model=True, propagate=propagate, instrument=instrument if here
         else None, instrument_batches=variant_batches(len(batches)), keep_first_output=keep_first_output,
         logits=logits, quant_batches=quant_batches, streams=streams, layers=layers, extra_shadows=extra_shadows,
         shadowed_layers=shadowed_layers, propagated_layers=propagated_layers, float_outputs=float_outputs,
         keep_float_outputs=keep_float_outputs, known_shadows=known_shadows, layer_inputs=layer_inputs,
-        keep_layer_inputs=keep_layer_inputs)
+        keep_layer_inputs=keep_layer_inputs, watch=watch_routers if routed and layers is None else None)
+    if routing is not None:
+        routing.update({block: agreement.result() for block, agreement in agreements.items()})
     shadows = {r["layer"]: r for r in shadow_records}
     records = propagated if propagate else shadow_records
     if routed and propagate:
@@ -536,3 +552,20 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
     weights = weight_sqnrs(float_gm, quant_gm)
     return sqnr_measurement(compare(float_gm, quant_gm, batches, propagate=True), {}, weights,
                             resolution_limits(quant_gm))
+
+
+def watch_router_choices(graph: ShadowGraph, found: Mapping[str, Router]) -> dict[str, TopKAgreement]:
+    """Add a TopKAgreement after each router's shadow (the quantized router on the float block input), against the
+    float router's output: {block: its agreement}."""
+    comparators = {id(module): node for node in graph.gm.graph.nodes if node.op == "call_module"
+                   for module in [graph.gm.get_submodule(str(node.target))]}
+    agreements = {}
+    for index, (block, router) in enumerate(sorted(found.items())):
+        shadow = graph.shadows.get(router.layer)
+        node = comparators.get(id(shadow)) if shadow is not None else None
+        if node is None:
+            continue
+        agreement = TopKAgreement(router.experts, router.top_k)
+        attach_after(graph.gm, node.args[0], f"qcore_routing_{index}", agreement, node.args[1])
+        agreements[block] = agreement
+    return agreements

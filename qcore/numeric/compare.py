@@ -191,7 +191,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                                   keep_float_outputs: KeptFloatOutputs | None = None,
                                   known_shadows: KnownShadows | None = None,
                                   layer_inputs: KeptLayerInputs | None = None,
-                                  keep_layer_inputs: KeptLayerInputs | None = None
+                                  keep_layer_inputs: KeptLayerInputs | None = None,
+                                  watch: Callable[[ShadowGraph], None] | None = None
                                   ) -> tuple[list[dict], list[dict]]:
     """Both modes of `compare` in one pass over the batches: (propagated records, shadow records).
 
@@ -212,7 +213,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     nan). `float_outputs`, the float graph's output on each batch kept from an earlier pass over the same graph and
     batches (KeptFloatOutputs), are compared with the quantized outputs instead, and the float copy then runs only as
     far as the last layer value it still has to give (not at all when it has none). `keep_float_outputs` keeps this
-    pass's float outputs for such a later pass. `known_shadows`, {layer: [(shadow_signature, shadow record)]} of
+    pass's float outputs for such a later pass. `watch(shadow_graph)`, like `instrument`, adds branches that run on
+    every batch. `known_shadows`, {layer: [(shadow_signature, shadow record)]} of
     shadows measured before over the same float graph and batches (ExtraShadows.signatures and results), give a
     layer's shadow record where its shadow here has one of those signatures, instead of running it again.
     `keep_layer_inputs` keeps the float inputs and values of the `extra_shadows`' layers on each batch;
@@ -265,6 +267,9 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
             attach_after(gm_b, quantized_value, f"qcore_compare_{index}", comparator)
         propagated.append(comparator)
     extra_comparators = _add_extra_shadows(gm_a, extra_shadows, extra_pairs, references)
+    if watch is not None:  # branches that stay for every batch, unlike `instrument`'s
+        watch(ShadowGraph(gm_a, pairs, _SHADOW_PREFIX, references,
+                          {pair.layer: c for pair, c in zip(pairs, shadowed) if c is not None}))
     merge_repeated_shadow_inputs(gm_a.graph)
     before = set(gm_a.graph.nodes)
     finish = None

@@ -190,3 +190,30 @@ def _update_comparators(entries: list[tuple[StreamingComparator, torch.Tensor, t
         pairs = ((references, references), (actuals, actuals), (references, actuals), (diff, diff))
         sums = torch.stack([torch.segment_reduce(a * b, "sum", lengths=lengths, unsafe=True) for a, b in pairs], dim=1)
         torch._foreach_add_([comparator.sums for comparator, _, _ in group], list(sums.unbind(0)))
+
+
+class TopKAgreement(nn.Module):
+    """Counts the rows (tokens) whose top-k columns (experts) are the same set in a router's output and in its
+    reference, both laid out as [tokens, experts]; on the device, no host sync."""
+
+    def __init__(self, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.experts, self.top_k = experts, top_k
+        self.agreeing: torch.Tensor | None = None
+        self.tokens = 0
+
+    def forward(self, actual: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        if actual.numel() == 0:
+            return actual
+        chosen = actual.detach().reshape(-1, self.experts).topk(self.top_k, dim=-1).indices.sort(dim=-1).values
+        expected = reference.detach().reshape(-1, self.experts).to(actual.dtype).topk(
+            self.top_k, dim=-1).indices.sort(dim=-1).values
+        agreeing = (chosen == expected).all(dim=-1).sum()
+        self.agreeing = agreeing if self.agreeing is None else self.agreeing + agreeing
+        self.tokens += chosen.shape[0]
+        return actual
+
+    def result(self) -> dict[str, float]:
+        """{"agreement": share of tokens whose top-k agree, "tokens": how many were compared}."""
+        agreeing = 0.0 if self.agreeing is None else float(self.agreeing)
+        return {"agreement": agreeing / self.tokens if self.tokens else float("nan"), "tokens": float(self.tokens)}

@@ -1,0 +1,69 @@
+"""How many calibration tokens an expert needs: the measurement behind expert_coverage's default (32 tokens).
+
+A tiny Qwen3-MoE (transformers 5, 8 experts, top-2, seeded weights of trained scale) is run on 64 batches of 64
+tokens. For each expert, the tokens routed to its first projection are split: the last half is held out, and a
+static int8 activation range (qcore's MinMaxObserver, as the default quantizer calibrates) is taken from the first
+n of the rest. The printed figure is the SQNR of the held-out tokens fake-quantized with that range, against the
+range of every calibration token, median and worst over the experts, for each n. An expert that received few
+tokens gets a range too narrow for the tokens it meets later, and the held-out tokens clip.
+
+    python benchmarks/bench_moe.py
+"""
+from __future__ import annotations
+
+import pathlib
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from qcore.numeric import compute_sqnr  # noqa: E402
+from qcore.observe.observers import MinMaxObserver  # noqa: E402
+from qcore.observe.qparams import fake_quantize_per_tensor  # noqa: E402
+from tests.models import tiny_moe  # noqa: E402
+
+COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def routed_tokens(experts: int = 8, batches: int = 64) -> dict[int, torch.Tensor]:
+    """{expert: the hidden states the eager model routes to it, in order}."""
+    model, data = tiny_moe("qwen3_moe", experts=experts, batch=4, n=batches)
+    routed: dict[int, list[torch.Tensor]] = {e: [] for e in range(experts)}
+
+    def keep(module, args):
+        hidden, index, _ = args
+        for expert in range(experts):
+            routed[expert].append(hidden[(index == expert).any(-1)])
+
+    handle = model.model.layers[0].mlp.experts.register_forward_pre_hook(keep)
+    with torch.no_grad():
+        for batch in data:
+            model(**batch)
+    handle.remove()
+    return {expert: torch.cat(chunks) for expert, chunks in routed.items()}
+
+
+def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
+    """SQNR of the held-out half of `tokens` quantized with the int8 range of the first `count` of the rest."""
+    calibration, held_out = tokens[: len(tokens) // 2], tokens[len(tokens) // 2:]
+    observer = MinMaxObserver(dtype=torch.int8)
+    observer(calibration[:count])
+    scale, zero_point = observer.calculate_qparams()
+    quantized = fake_quantize_per_tensor(held_out, float(scale), int(zero_point), -128, 127)
+    return float(compute_sqnr(held_out, quantized))
+
+
+def main() -> None:
+    tokens = routed_tokens()
+    usable = {e: t for e, t in tokens.items() if len(t) >= 2 * COUNTS[-1]}
+    print(f"tokens per expert: {[len(t) for t in tokens.values()]}; experts with {2 * COUNTS[-1]}+: {len(usable)}")
+    full = {e: held_out_sqnr(t, len(t) // 2) for e, t in usable.items()}
+    print(f"{'tokens':>7} {'median loss dB':>15} {'worst loss dB':>14}")
+    for count in COUNTS:
+        losses = [full[e] - held_out_sqnr(t, count) for e, t in usable.items()]
+        print(f"{count:>7} {statistics.median(losses):>15.2f} {max(losses):>14.2f}")
+
+
+if __name__ == "__main__":
+    main()

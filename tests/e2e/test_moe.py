@@ -1,0 +1,84 @@
+"""Mixture-of-experts models through the plugin: one item per expert projection judged on its worst expert, the
+experts calibration never reached named by expert_coverage, and the router's choices by routing_agreement."""
+import json
+
+import pytest
+
+from tests.helpers import summary_section
+
+pytest.importorskip("transformers")
+
+MOE_CONFTEST = '''
+import pytest
+import torch
+
+from pytest_qreport import qmodel
+from tests.models import tiny_moe
+
+CHECKS = "sqnr,weight_sqnr,expert_coverage,routing_agreement,model_sqnr"
+
+
+@pytest.fixture
+def tokens():
+    return tiny_moe("qwen3_moe", n=4)[1]
+
+
+@qmodel(calibration="tokens", quantizer="W4A16", checks=CHECKS)
+def qwen3_moe():
+    return tiny_moe("qwen3_moe")[0]
+
+
+@qmodel(calibration="tokens", quantizer="W4A16", checks=CHECKS)
+def starved_expert():
+    model = tiny_moe("qwen3_moe", experts=5)[0]
+    router = model.model.layers[0].mlp.gate.weight
+    with torch.no_grad():  # logits (a, -a, 0, b, -b): |a| and |b| win the top-2, expert 2 never does
+        router[1], router[2], router[4] = -router[0], 0.0, -router[3]
+    return model
+
+
+@qmodel(calibration="tokens", quantizer="W4A16", checks="routing_agreement", float_layers={float_layers})
+def router_in_float():
+    return tiny_moe("qwen3_moe")[0]
+'''
+
+
+def _run(pytester, *args, float_layers="['model.layers.0.mlp.gate']"):
+    pytester.makeconftest(MOE_CONFTEST.replace("{float_layers}", float_layers))
+    result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=moe.json", *args)
+    rows = json.loads((pytester.path / "moe.json").read_text())["rows"]
+    return result, {(row["model"], row["check"], row["layer"]): row for row in rows}
+
+
+def test_moe_items_are_per_expert_projection_and_name_their_worst_experts(pytester):
+    result, rows = _run(pytester)
+    block = "model.layers.0.mlp.experts"
+    layers = {layer for model, check, layer in rows if model == "qwen3_moe" and check in ("sqnr", "weight_sqnr")}
+    assert {f"{block}.gate_up_proj", f"{block}.down_proj"} <= layers
+    assert not [layer for layer in layers if layer.startswith(block + ".") and layer.split(".")[5].isdigit()]
+    for check in ("sqnr", "weight_sqnr"):
+        down = rows[("qwen3_moe", check, f"{block}.down_proj")]
+        values = down["details"]["experts"]
+        assert sorted(values) == ["0", "1", "2", "3"]
+        worst = min(values, key=values.get)
+        assert down["value"] == pytest.approx(values[worst]) and down["details"]["worst_expert"] == int(worst)
+        gate_up = rows[("qwen3_moe", check, f"{block}.gate_up_proj")]["details"]["experts"]
+        assert sorted(gate_up) == sorted(f"{e}.{half}" for e in range(4) for half in ("gate_proj", "up_proj"))
+        if down["verdict"] == "fail":
+            assert f"{block}.down_proj: 4 experts" in down["message"]
+            assert f"judged on expert {worst}; worst: {worst} ({values[worst]:.2f} dB)" in down["message"]
+    # the expert no token reaches is named, with what to change, in the tools' words
+    starved = rows[("starved_expert", "expert_coverage", block)]
+    assert starved["verdict"] == "fail" and starved["value"] == 0 and starved["details"]["starved_experts"][0] == 2
+    assert "expert (tokens) 2 (0)" in starved["message"] and "moe_calibrate_all_experts=True" in starved["message"]
+    assert rows[("qwen3_moe", "expert_coverage", block)]["value"] > 0
+    routing = rows[("qwen3_moe", "routing_agreement", block)]
+    assert 0 < routing["value"] <= 1 and routing["details"]["router"] == "model.layers.0.mlp.gate"
+    # the router in float, as the routing_agreement advice says: its choices are the float model's
+    assert rows[("router_in_float", "routing_agreement", block)]["verdict"] == "pass"
+    if routing["verdict"] == "fail":
+        assert "qmodel(..., float_layers=['model.layers.0.mlp.gate'])" in routing["message"]
+    assert not [key for key, row in rows.items() if row["verdict"] == "error"]
+    serial = summary_section(result)
+    xdist, _ = _run(pytester, "-n", "2")
+    assert summary_section(xdist) == serial
