@@ -7,13 +7,18 @@ n of the rest. The printed figure is the SQNR of the held-out tokens fake-quanti
 range of every calibration token, median and worst over the experts, for each n. An expert that received few
 tokens gets a range too narrow for the tokens it meets later, and the held-out tokens clip.
 
-    python benchmarks/bench_moe.py
+With `--cost`: the analysis of a 4-layer Qwen3-MoE (8 experts, top-2) and of the dense Qwen3 of the same shape
+(its MLP as wide as two experts), every default check under int8, each against its own eager forward over the same
+batches (best of 3), in one process.
+
+    python benchmarks/bench_moe.py [--cost]
 """
 from __future__ import annotations
 
 import pathlib
 import statistics
 import sys
+import time
 
 import torch
 
@@ -54,7 +59,66 @@ def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
     return float(compute_sqnr(held_out, quantized))
 
 
+def _forward_seconds(model, batches) -> float:
+    from qcore.graph.inputs import call_model
+
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(3):
+            start = time.perf_counter()
+            for batch in batches:
+                call_model(model, batch)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _analysis_seconds(model, batches) -> tuple[float, int]:
+    """(seconds from capture to every finding, items) of every default check, as the plugin runs them."""
+    import qcore
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.registry import CheckRegistry
+    from pytest_qreport.core.settings import ModelSettings
+
+    registry = CheckRegistry()
+    for check in BUILTIN_CHECKS:
+        registry.register(check)
+    checks = [check.name for check in BUILTIN_CHECKS if check.default_severity != "off"]
+    settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, checks=checks)
+    start = time.perf_counter()
+    state = collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
+    state.analyze(lambda: batches, lambda found: None, threads=2)
+    assert not state.failed, state.error
+    print("   stages:", {stage: round(seconds, 2) for stage, seconds in state.seconds.items()})
+    return time.perf_counter() - start, len(state.findings or {})
+
+
+def cost() -> None:
+    import transformers
+
+    moe, batches = tiny_moe("qwen3_moe", layers=4, experts=8, batch=4, n=8)
+    config = moe.config
+    dense_config = transformers.Qwen3Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=2 * config.moe_intermediate_size, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, use_cache=False)
+    torch.manual_seed(0)
+    dense = transformers.Qwen3ForCausalLM(dense_config).eval()
+    with torch.no_grad():
+        for parameter in dense.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.05)
+    print(f"{'model':>8} {'forward s':>10} {'analysis s':>11} {'items':>6} {'ratio':>7}")
+    for name, model in (("dense", dense), ("moe", moe)):
+        forward = _forward_seconds(model, batches)
+        seconds, items = _analysis_seconds(model, batches)
+        print(f"{name:>8} {forward:>10.3f} {seconds:>11.1f} {items:>6} {seconds / forward:>7.0f}x")
+
+
 def main() -> None:
+    if "--cost" in sys.argv:
+        cost()
+        return
     tokens = routed_tokens()
     usable = {e: t for e, t in tokens.items() if len(t) >= 2 * COUNTS[-1]}
     print(f"tokens per expert: {[len(t) for t in tokens.values()]}; experts with {2 * COUNTS[-1]}+: {len(usable)}")

@@ -229,6 +229,11 @@ class SqnrCheck(Check):
             if entry is None:
                 results.append(_not_measured(self, model, layer, threshold))
                 continue
+            if entry.batches == 0 and math.isnan(entry.sqnr_db):  # an expert no calibration token was routed to
+                results.append(self.finding(model, layer, math.nan, threshold, passed=False, message=(
+                    f"layer {layer}: no calibration token was routed to it, so its error was not measured; the "
+                    "expert_coverage item of its block says how to reach it.")))
+                continue
             quantized = model.analysis.layer(layer)
             not_comparable = getattr(model.analysis, "not_comparable", {}).get(layer, "")
             limit = threshold_limit(model, layer, own_errors, subset) if layer in own_errors else ""

@@ -82,13 +82,18 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
     failing_experts = sorted({experts[layer].expert for layer in failing})
     named = ", ".join(f"{expert_label(layer, experts)} ({_shown(found[layer].value, worst.metric)})"
                       for layer in ordered[:_NAMED_EXPERTS])
+    unmeasured = sorted({experts[layer].expert for layer in members if math.isnan(found[layer].value)})
     summary = (f"{item}: {count} experts, {len(failing_experts)} failing; judged on expert "
                f"{expert_label(ordered[0], experts)}; worst: {named}.")
+    if unmeasured:
+        summary += (f" Not measured: expert(s) {', '.join(map(str, unmeasured))}, which no calibration token reached "
+                    "(see the block's expert_coverage item).")
     message = f"{summary} {worst.message}" if worst.message else summary
     details = dict(worst.details)
     details.update({
         "experts": {expert_label(layer, experts): found[layer].value for layer in members},
         "failing_experts": failing_experts,
+        "unmeasured_experts": unmeasured,
         "worst_expert": experts[ordered[0]].expert,
         "worst_layer": ordered[0],
     })

@@ -105,7 +105,9 @@ class StreamingComparator(nn.Module):
 
     def add(self, reference: torch.Tensor, actual: torch.Tensor) -> None:
         """Add one batch: by the native kernel, else queued with the other comparators of the model call when one
-        is open (qcore.runtime.deferred), else now."""
+        is open (qcore.runtime.deferred), else now. An empty pair (an expert no token was routed to) is no batch."""
+        if reference.numel() == 0 and actual.numel() == 0:
+            return
         if self._update_native(reference, actual):
             self.batches += 1
         elif not self._queue(reference, actual):
@@ -161,6 +163,8 @@ class StreamingComparator(nn.Module):
     def result(self) -> dict[str, float]:
         """sqnr_db, normalized_l2, cosine and the batch count, as plain floats (one host copy)."""
         deferred.run_pending(self)
+        if self.batches == 0:  # nothing was compared: no measurement, not a perfect one
+            return {"sqnr_db": math.nan, "normalized_l2": math.nan, "cosine": math.nan, "batches": 0}
         ref_sq, act_sq, dot, err_sq = self.sums.cpu().tolist()
         cosine = dot / math.sqrt(ref_sq * act_sq) if ref_sq > 0 and act_sq > 0 else (1.0 if err_sq == 0 else 0.0)
         normalized_l2 = math.sqrt(err_sq / ref_sq) if ref_sq > 0 else (0.0 if err_sq == 0 else math.inf)

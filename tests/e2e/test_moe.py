@@ -28,7 +28,8 @@ def qwen3_moe():
     return tiny_moe("qwen3_moe")[0]
 
 
-@qmodel(calibration="tokens", quantizer="W4A16", checks=CHECKS)
+@qmodel(calibration="tokens", quantizer="W4A16", checks="sqnr,expert_coverage",
+        check_options={"sqnr": {"fix": False}})
 def starved_expert():
     model = tiny_moe("qwen3_moe", experts=5)[0]
     router = model.model.layers[0].mlp.gate.weight
@@ -72,6 +73,10 @@ def test_moe_items_are_per_expert_projection_and_name_their_worst_experts(pytest
     assert starved["verdict"] == "fail" and starved["value"] == 0 and starved["details"]["starved_experts"][0] == 2
     assert "expert (tokens) 2 (0)" in starved["message"] and "moe_calibrate_all_experts=True" in starved["message"]
     assert rows[("qwen3_moe", "expert_coverage", block)]["value"] > 0
+    # its items cannot vouch for it: they fail, saying so, whatever its siblings measure
+    down = rows[("starved_expert", "sqnr", f"{block}.down_proj")]
+    assert down["verdict"] == "fail" and down["details"]["unmeasured_experts"] == [2]
+    assert "Not measured: expert(s) 2, which no calibration token reached" in down["message"]
     routing = rows[("qwen3_moe", "routing_agreement", block)]
     assert 0 < routing["value"] <= 1 and routing["details"]["router"] == "model.layers.0.mlp.gate"
     # the router in float, as the routing_agreement advice says: its choices are the float model's
