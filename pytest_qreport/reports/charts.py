@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-__all__ = ["Series", "bar_chart", "line_chart", "nice_ticks"]
+__all__ = ["Series", "bar_chart", "heat_map", "line_chart", "nice_ticks"]
 
 COLORS = ("#1f77b4", "#ff7f0e", "#7f7f7f", "#2ca02c", "#d62728", "#9467bd")
 _FONT = 'font-family="system-ui, sans-serif" font-size="12"'
@@ -200,4 +200,44 @@ def bar_chart(title: str, labels: Sequence[str], values: Sequence[float], hover:
                         f'height="{max(y1 - y0, 1.0):.1f}"><title>{escape(label)}: {value:.2f} {escape(unit)}'
                         f"{escape(' (' + note + ')' if note else '')}</title></rect>")
     body.append(f'<g class="trace" fill="{COLORS[0]}">{"".join(bars)}</g>')
+    return _frame(width, height, title, body, [])
+
+
+def _heat(value: float, low: float, high: float) -> str:
+    """A colour from red (low) through yellow to green (high)."""
+    share = 0.5 if high <= low else min(max((value - low) / (high - low), 0.0), 1.0)
+    red, green = (255, int(80 + 175 * share * 2)) if share < 0.5 else (int(255 - 175 * (share - 0.5) * 2), 235)
+    return f"#{red:02x}{min(green, 255):02x}50"
+
+
+def heat_map(title: str, rows: Sequence[str], columns: Sequence[str], values: Sequence[Sequence[float | None]],
+             unit: str = "dB") -> str | None:
+    """A cell per (row, column), coloured from the lowest value (red) to the highest (green); a cell without a finite
+    value is grey. Hovering a cell shows its row, column and value. None without a finite value."""
+    finite = [v for row in values for v in row if _finite(v)]
+    if not finite:
+        return None
+    low, high = min(finite), max(finite)
+    left = min(12 + 7 * max((len(r) for r in rows), default=0), 360)
+    cell = max(4.0, min(24.0, 760.0 / max(len(columns), 1)))
+    room = _rotated_label_room(columns) if cell >= 12 else 24
+    top = 48 + (room if cell >= 12 else 0)
+    width = int(max(left + cell * len(columns) + (room if cell >= 12 else 0) // 2 + 16, 8 + 7.5 * len(title), 420))
+    height = int(top + 22 * len(rows) + 40)
+    body = [f'<text x="8" y="40" {_FONT}>red {low:.2f} {escape(unit)} to green {high:.2f} {escape(unit)}; grey: not '
+            "measured</text>"]
+    if cell >= 12:
+        for index, column in enumerate(columns):
+            x = left + cell * (index + 0.5)
+            body.append(f'<text x="{x:.1f}" y="{top - 6}" transform="rotate(-45 {x:.1f} {top - 6})" '
+                        f'font-family="system-ui, sans-serif" font-size="10">{escape(column)}</text>')
+    for row_index, (row, row_values) in enumerate(zip(rows, values)):
+        y = top + 22 * row_index
+        body.append(f'<text x="{left - 6}" y="{y + 15}" text-anchor="end" {_FONT}>{escape(row)}</text>')
+        for index, value in enumerate(row_values):
+            colour = _heat(value, low, high) if _finite(value) else "#cccccc"
+            shown = f"{value:.2f} {unit}" if _finite(value) else "not measured"
+            body.append(f'<rect x="{left + cell * index:.1f}" y="{y + 2}" width="{cell - 1:.1f}" height="18" '
+                        f'fill="{colour}"><title>{escape(row)}, expert {escape(columns[index])}: {escape(shown)}'
+                        "</title></rect>")
     return _frame(width, height, title, body, [])

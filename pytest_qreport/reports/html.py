@@ -17,7 +17,7 @@ import pytest
 
 from ..core.numbers import format_delta, format_value, printable
 from ..core.results import RunResults
-from .charts import Series, bar_chart, line_chart
+from .charts import Series, bar_chart, heat_map, line_chart
 from .outputs import write_report
 
 __all__ = ["HTML_EXTRA", "build_html", "html_extra_missing", "pytest_qreport_report"]
@@ -81,6 +81,29 @@ def _equalization_chart(rows: list[dict[str, Any]]) -> str | None:
                      hover=[str(r["details"].get("method", "")) for r in gains])
 
 
+def _expert_label_key(label: str) -> tuple[int, str]:
+    expert, _, half = label.partition(".")
+    return (int(expert) if expert.isdigit() else -1, half)
+
+
+def _expert_charts(rows: list[dict[str, Any]]) -> list[str]:
+    """A block x expert heat map per check and expert projection of a mixture-of-experts model."""
+    charts = []
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["check"] in ("sqnr", "weight_sqnr") and isinstance(row["details"].get("experts"), dict):
+            groups.setdefault((row["check"], row["layer"].rsplit(".", 1)[-1]), []).append(row)
+    for (check, projection), members in groups.items():
+        columns = sorted({label for row in members for label in row["details"]["experts"]}, key=_expert_label_key)
+        values = [[_number(row["details"]["experts"].get(label)) if label in row["details"]["experts"] else None
+                   for label in columns] for row in members]
+        chart = heat_map(f"{check} of each expert's {projection} (dB)", [row["layer"].rsplit(".", 1)[0]
+                                                                         for row in members], columns, values)
+        if chart:
+            charts.append(chart)
+    return charts
+
+
 def _cell(value: Any, metric: str, delta: bool = False) -> str:
     if value is None:
         return ""
@@ -116,8 +139,8 @@ def build_html(report: dict[str, Any]) -> str:
         counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in _VERDICT_ORDER if any(
             r["verdict"] == v for r in rows)}
         ordered = sorted(rows, key=lambda r: _VERDICT_ORDER.get(r["verdict"], 9))
-        charts = [chart for chart in (_layer_chart(rows), _sensitivity_chart(rows), _equalization_chart(rows))
-                  if chart]
+        charts = [chart for chart in (_layer_chart(rows), _sensitivity_chart(rows), _equalization_chart(rows),
+                                      *_expert_charts(rows)) if chart]
         table = [{"check": r["check"], "check_breakable": _breakable_name(r["check"]),
                   "layer": r["layer"], "layer_breakable": _breakable_name(r["layer"]),
                   "value": _cell(r["value"], r["metric"]),

@@ -1,0 +1,75 @@
+"""The plugin's handling of mixture-of-experts items, on findings alone: grouping, the worst expert, the globs of a
+fix, and the block x expert heat map of the HTML report."""
+import math
+import re
+from dataclasses import dataclass
+
+from pytest_qreport.core.experts import compact_expert_layers, expert_items, item_members, merge_expert_findings
+from pytest_qreport.core.findings import Finding
+from pytest_qreport.reports.html import _expert_charts
+
+
+@dataclass(frozen=True)
+class Expert:  # what qcore's ExpertLayer holds
+    block: str
+    projection: str
+    expert: int
+
+
+BLOCK = "model.layers.0.mlp.experts"
+EXPERTS = {f"{BLOCK}.{e}.{p}": Expert(BLOCK, f"{BLOCK}.{'down_proj' if p == 'down_proj' else 'gate_up_proj'}", e)
+           for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
+
+
+def _finding(layer, value, threshold=20.0):
+    verdict = "pass" if value >= threshold else "fail"
+    return Finding(model="m", check="sqnr", layer=layer, metric="sqnr_db", value=value, threshold=threshold,
+                   verdict=verdict, message="" if verdict == "pass" else f"layer {layer}: SQNR {value:.1f} dB.")
+
+
+def test_expert_layers_become_one_item_per_projection_at_the_first_ones_place():
+    layers = ["q_proj", *(f"{BLOCK}.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")),
+              "lm_head"]
+    items = expert_items(layers, EXPERTS)
+    assert items == ["q_proj", f"{BLOCK}.gate_up_proj", f"{BLOCK}.down_proj", "lm_head"]
+    members = item_members(items, reversed(layers), EXPERTS)
+    assert members[f"{BLOCK}.down_proj"] == [f"{BLOCK}.{e}.down_proj" for e in range(4)]
+    assert len(members[f"{BLOCK}.gate_up_proj"]) == 8
+
+
+def test_a_projection_is_judged_on_its_worst_expert_and_names_the_worst_ones():
+    values = {0: 25.0, 1: 12.5, 2: math.nan, 3: 18.0}
+    found = {f"{BLOCK}.{e}.down_proj": _finding(f"{BLOCK}.{e}.down_proj", v) for e, v in values.items()}
+    merged = merge_expert_findings(f"{BLOCK}.down_proj", list(found), found, EXPERTS, higher_is_better=True)
+    assert merged.layer == f"{BLOCK}.down_proj" and merged.value == 12.5 and merged.verdict == "fail"
+    assert merged.message.startswith(f"{BLOCK}.down_proj: 4 experts, 3 failing; judged on expert 1; worst: "
+                                     "1 (12.50 dB), 3 (18.00 dB), 2 (not measured), 0 (25.00 dB).")
+    assert "Not measured: expert(s) 2" in merged.message and f"layer {BLOCK}.1.down_proj" in merged.message
+    assert merged.details["failing_experts"] == [1, 2, 3] and merged.details["worst_expert"] == 1
+    assert merged.details["experts"]["0"] == 25.0 and merged.details["unmeasured_experts"] == [2]
+    # a passing projection passes with every expert's value
+    passing = {layer: _finding(layer, 30.0 + i) for i, layer in enumerate(found)}
+    merged = merge_expert_findings(f"{BLOCK}.down_proj", list(passing), passing, EXPERTS, higher_is_better=True)
+    assert merged.verdict == "pass" and merged.value == 30.0 and len(merged.details["experts"]) == 4
+
+
+def test_a_fix_writes_a_projection_or_a_block_of_experts_as_a_glob():
+    downs = [f"{BLOCK}.{e}.down_proj" for e in range(4)]
+    assert compact_expert_layers(["q_proj", *downs, f"{BLOCK}.1.up_proj"], EXPERTS) == [
+        "q_proj", f"{BLOCK}.*.down_proj", f"{BLOCK}.1.up_proj"]
+    assert compact_expert_layers(list(EXPERTS), EXPERTS) == [BLOCK]
+    assert compact_expert_layers(downs[:2], EXPERTS) == downs[:2]
+
+
+def test_the_html_report_draws_a_block_by_expert_heat_map():
+    rows = []
+    for block in range(2):
+        experts = {str(e): 20.0 + e + block for e in range(3)} | {"3": math.nan}
+        rows.append({"check": "sqnr", "layer": f"model.layers.{block}.mlp.experts.down_proj", "details":
+                     {"experts": experts}})
+    charts = _expert_charts(rows)
+    assert len(charts) == 1 and "sqnr of each expert&#x27;s down_proj (dB)" in charts[0]
+    cells = re.findall(r'<rect [^>]*fill="(#[0-9a-f]{6})"><title>([^<]*)</title>', charts[0])
+    assert len(cells) == 8
+    assert ("#cccccc", "model.layers.0.mlp.experts, expert 3: not measured") in cells
+    assert any(title == "model.layers.1.mlp.experts, expert 2: 23.00 dB" for _, title in cells)
