@@ -24,6 +24,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
 from qcore.graph.deferred import Rule, deferred_parameters, materialized
+from qcore.graph.experts import moe_blocks
 from qcore.graph.ops import FQN_KEY, LAYER_NAME_KEY, find_quantizable_ops, is_inserted
 from qcore.measure.passes import (
     ModelMeasurement,
@@ -69,7 +70,9 @@ def block_stack(gm: fx.GraphModule) -> str:
         for depth, part in enumerate(parts):
             if part.isdigit():
                 counts.setdefault(".".join(parts[:depth]), set()).add(int(part))
-    stacks = {prefix: len(indices) for prefix, indices in counts.items() if len(indices) >= 2}
+    experts = set(moe_blocks(gm))  # a block's experts are numbered too, but are no stack: each runs on its own tokens
+    stacks = {prefix: len(indices) for prefix, indices in counts.items() if len(indices) >= 2
+              and not any(prefix == path or prefix.startswith(path + ".") for path in experts)}
     if not stacks:
         raise BlockwiseError("the model has no stack of numbered blocks (an nn.ModuleList or nn.Sequential of two "
                              "or more, such as model.layers) to analyse one at a time")
@@ -254,6 +257,7 @@ def measure_blockwise(float_gm: fx.GraphModule, batches: Iterable[Any], quantize
     float_env: list[dict[str, Any]] = [{} for _ in batches]
     quant_env: list[dict[str, Any]] = [{} for _ in batches]
     layers, baselines, outputs = {}, {}, {}  # type: ignore[var-annotated]
+    routing: dict[str, Any] = {}  # {MoE block: its routing agreement}, from the block that holds it
     logits_result = ModelMeasurement.logits
     for index in range(len(float_blocks)):  # not zip(): its cached result tuple would keep a block alive
         float_block, quant_block = float_blocks[index], quant_blocks[index]
@@ -273,7 +277,7 @@ def measure_blockwise(float_gm: fx.GraphModule, batches: Iterable[Any], quantize
                 on_block(quant_block)
             sqnr, measured = compare_quantized(float_block.gm, quantized, float_in, variants, unmeasured,
                                                propagate=propagate, logits=comparator, quant_batches=quant_in,
-                                               streams=streams)
+                                               streams=streams, routing=routing)
         layers.update(sqnr.layers)
         baselines.update(measured)
         if last:
@@ -289,4 +293,4 @@ def measure_blockwise(float_gm: fx.GraphModule, batches: Iterable[Any], quantize
         del quantized, streams, float_in, quant_in, float_block, quant_block
         gc.collect()  # the block's quantized copy is held in reference cycles (fx graphs)
     return ModelMeasurement(SqnrMeasurement(layers, outputs), probed_reports, variant_results(
-        variants, baselines, unmeasured), unmeasured, smoothed, logits_result)
+        variants, baselines, unmeasured), unmeasured, smoothed, logits_result, routing=routing)

@@ -123,3 +123,24 @@ def test_an_expert_no_token_reaches_leaves_every_pass_running():
         # nothing compared is no measurement (not a perfect one); its weight is measured as any other
         assert starved.batches == 0 and math.isnan(starved.sqnr_db) and starved.weight_sqnr_db > 15
         assert measured.layers["model.layers.0.mlp.experts.1.down_proj"].batches == len(data)
+
+
+def test_a_blockwise_analysis_cuts_at_the_decoder_layers_and_measures_what_the_whole_model_does():
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.measure.blockwise import block_stack
+    from qcore.report import ExpertCoverageDetector
+
+    model, data = tiny_moe("qwen3_moe", layers=2, experts=4)
+    gm = qcore.capture(model, data[0])
+    assert block_stack(gm) == "model.layers"  # not a block's experts, numbered as they are
+    plan = AnalysisPlan(measurements=frozenset({"sqnr", "detectors"}),
+                        detectors={"expert_coverage": ExpertCoverageDetector()})
+    whole = ModelAnalysis(gm, FormatQuantizer("W4A16"), data, plan=plan)
+    blocks = ModelAnalysis(gm, FormatQuantizer("W4A16"), data, plan=plan, blockwise=True)
+    for layer, entry in whole.sqnr.layers.items():
+        assert blocks.sqnr.layers[layer].sqnr_db == pytest.approx(entry.sqnr_db, abs=1e-6), layer
+    assert blocks.routing_agreement == whole.routing_agreement
+    assert set(whole.routing_agreement) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    assert blocks.measurement.detector_reports == whole.measurement.detector_reports
+    tokens = whole.measurement.detector_reports["expert_coverage"]["model.layers.1.mlp.experts"]["tokens"]
+    assert sum(tokens) == 2 * 2 * 16 * len(data)  # top-2 of every token of every batch
