@@ -93,6 +93,11 @@ ARCHITECTURES: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, list]]]]
     "mixtral": ("moe", _decoder("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("moe", _decoder("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=32, num_experts=4,
                                   num_experts_per_tok=2, moe_intermediate_size=128)),
+    "qwen2_moe": ("moe", _decoder("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=128, shared_expert_intermediate_size=128)),
+    "olmoe": ("moe", _decoder("OlmoeForCausalLM", "OlmoeConfig", num_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("moe", _decoder("GptOssForCausalLM", "GptOssConfig", head_dim=32, num_local_experts=4,
+                                num_experts_per_tok=2, layer_types=["full_attention"] * 2)),
     # encoders
     "bert": ("encoder", _encoder("BertForSequenceClassification", "BertConfig")),
     "roberta": ("encoder", _encoder("RobertaForMaskedLM", "RobertaConfig", pad_token_id=1)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..core.experts import expert_layers_of
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
@@ -264,8 +265,10 @@ class SqnrCheck(Check):
             text += " With float inputs the layer is fine: it inherits its error from the layers before it."
             source = _first_own_error_before(model, layer, threshold)
             if source:
-                return text + (f" The first layer before it that fails on its own is {source}: fix that one (see its "
-                               f"item), or hide this layer from the checks with skip_layers=[{layer!r}].")
+                experts = expert_layers_of(model.analysis)
+                item = "its item" if source not in experts else f"the item {experts[source].projection}"
+                return text + (f" The first layer before it that fails on its own is {source}: fix that one (see "
+                               f"{item}), or hide this layer from the checks with skip_layers=[{layer!r}].")
             return text + " No layer before it fails on its own: the error builds up over many layers." + \
                 _built_up_error_advice(model, layer)
         whose = "The layer's own quantization error is too large" if not not_comparable else \

@@ -73,3 +73,45 @@ def test_the_html_report_draws_a_block_by_expert_heat_map():
     assert len(cells) == 8
     assert ("#cccccc", "model.layers.0.mlp.experts, expert 3: not measured") in cells
     assert any(title == "model.layers.1.mlp.experts, expert 2: 23.00 dB" for _, title in cells)
+
+
+def _damaged_moe():
+    """A tiny Qwen3-MoE whose expert 2 holds one outlier input column in its down_proj: its 4-bit groups lose the
+    rest of their values, the other experts' do not."""
+    import torch
+
+    from tests.models import tiny_moe
+
+    model = tiny_moe("qwen3_moe")[0]
+    with torch.no_grad():
+        model.model.layers[0].mlp.experts.down_proj[2, :, 0] = 3.0
+    return model
+
+
+def test_the_float_layers_fix_of_a_damaged_expert_names_it_and_passes_when_pasted():
+    import ast
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    from tests.helpers import analyze_with_checks
+    from tests.models import tiny_moe
+
+    data = tiny_moe("qwen3_moe")[1]
+    settings = {"quantizer": "W4A16", "checks": ["sqnr", "weight_sqnr", "model_sqnr"], "sqnr_min_db": 15.0,
+                "weight_sqnr_min_db": 15.0, "model_sqnr_min_db": 8.0}
+    found, _ = analyze_with_checks(_damaged_moe, data, **settings)
+    failing = sorted(key for key, finding in found.items() if finding.verdict == "fail")
+    item = found[("sqnr", f"{BLOCK}.down_proj")]
+    assert item.verdict == "fail" and "judged on expert 2; worst: 2 (" in item.message, failing
+    assert found[("weight_sqnr", f"{BLOCK}.down_proj")].details["failing_experts"] == [2]
+    pasted = ast.literal_eval(item.message.split("float_layers=", 1)[1].split(")", 1)[0])
+    assert f"{BLOCK}.2.down_proj" in pasted  # the expert by name: its siblings stay quantized
+    # a layer after it that inherits its error points at the item that judges it
+    pointer = f"is {BLOCK}.2.down_proj: fix that one (see the item {BLOCK}.down_proj)"
+    assert pointer in found[("sqnr", "lm_head")].message
+    fixed, _ = analyze_with_checks(_damaged_moe, data, **settings, float_layers=pasted)
+    for check in ("sqnr", "weight_sqnr"):
+        down = fixed[(check, f"{BLOCK}.down_proj")]
+        assert sorted(down.details["experts"]) == ["0", "1", "3"] and down.verdict == "pass"
+    assert fixed[("model_sqnr", "output")].value > found[("model_sqnr", "output")].value
