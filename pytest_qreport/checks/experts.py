@@ -1,23 +1,33 @@
 """Checks of mixture-of-experts blocks: the calibration tokens each expert received (expert_coverage)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, fraction, number
 from .advice import float_layers_fix, quantized_layer_names
+from .artifact import is_artifact
 
 __all__ = ["ExpertCoverageCheck", "RoutingAgreementCheck", "calibrate_every_expert_fix"]
 
 _NAMED = 8  # the starved experts a message names
 
 
-def calibrate_every_expert_fix() -> str:
-    """How each tool that quantizes MoE models routes every calibration token through every expert, in its words."""
-    return ("llm-compressor: oneshot(..., moe_calibrate_all_experts=True); ModelOpt: "
-            "quant_cfg['algorithm'] = {'method': 'max', 'moe_calib_experts_ratio': 1.0}; GPTQModel: "
-            "QuantizeConfig(..., moe=MoEConfig(routing=ExpertsRoutingBypass()))")
+_EVERY_EXPERT = {
+    "compressed-tensors": "llm-compressor: oneshot(..., moe_calibrate_all_experts=True)",
+    "modelopt": "ModelOpt: quant_cfg['algorithm'] = {'method': 'max', 'moe_calib_experts_ratio': 1.0}",
+    "gptqmodel": "GPTQModel: QuantizeConfig(..., moe=MoEConfig(routing=ExpertsRoutingBypass()))",
+}
+
+
+def calibrate_every_expert_fix(tool: str | None = None) -> str:
+    """How the tool that made a checkpoint (every tool that quantizes MoE models, when unknown) routes every
+    calibration token through every expert, in its own words."""
+    if tool in _EVERY_EXPERT:
+        return _EVERY_EXPERT[tool]
+    return "; ".join(_EVERY_EXPERT.values())
 
 
 class ExpertCoverageCheck(Check):
@@ -27,20 +37,28 @@ class ExpertCoverageCheck(Check):
     name, order, metric, needs = "expert_coverage", 25, "expert_tokens", frozenset({"detectors"})
     settings = (Setting("expert_tokens_min", number("tokens", non_negative=True), 32.0,
                         "fewest calibration tokens each expert of an MoE block must receive", metavar="TOKENS"),)
+    # in artifact mode: the checkpoint's experts, each against the reference's (zeros, NaN, a weight far off)
+    measures_artifacts = True
 
     def bind(self, model: ModelContext) -> None:
         """The detector that counts each expert's tokens in the shared calibration pass."""
         from qcore.report import ExpertCoverageDetector
 
-        self.detector = ExpertCoverageDetector()
+        self.detector = None if is_artifact(model.analysis) else ExpertCoverageDetector()
 
     def applies(self, model: ModelContext) -> bool:
+        if is_artifact(model.analysis):
+            return bool(model.analysis.checkpoint_experts)
         return bool(getattr(model.analysis, "moe_blocks", None))
 
     def layers(self, model: ModelContext) -> list[str]:
+        if is_artifact(model.analysis):
+            return list(model.analysis.checkpoint_experts)
         return list(model.analysis.moe_blocks)
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        if is_artifact(model.analysis):
+            return [self._checkpoint_finding(model, model.analysis.checkpoint_experts[block]) for block in layers]
         report, threshold = model.detector_report(self.name), float(model.settings.expert_tokens_min)
         results = []
         for block in layers:
@@ -66,6 +84,52 @@ class ExpertCoverageCheck(Check):
             results.append(self.finding(model, block, float(fewest), threshold, message=message, details={
                 "tokens": tokens, "starved_experts": starved}))
         return results
+
+
+    def _checkpoint_finding(self, model: ModelContext, block: Any) -> Finding:
+        """The experts a checkpoint holds as zeros, with values that are not finite, or with a weight SQNR far below
+        their siblings' (its value: how many)."""
+        far: dict[int, str] = {}
+        for parameter, values in block.weight_sqnr_db.items():
+            finite = sorted(v for v in values if math.isfinite(v))
+            if not finite:
+                continue
+            median = finite[len(finite) // 2]
+            for expert, value in enumerate(values):
+                if math.isfinite(value) and value < median - SIBLING_GAP_DB and expert not in far \
+                        and expert not in block.zeros:
+                    far[expert] = f"{parameter} {value:.1f} dB against its siblings' median {median:.1f} dB"
+        damaged = sorted(set(block.zeros) | set(block.non_finite) | set(far))
+        details = {"experts": block.experts, "zeros": list(block.zeros), "non_finite": list(block.non_finite),
+                   "far_below_siblings": sorted(far), "weight_sqnr_db": block.weight_sqnr_db}
+        note = ("the experts' weights were compared one by one with the reference's; their outputs are judged "
+                "through the model's output items")
+        if not damaged:
+            return self.finding(model, block.block, 0.0, 0.0, passed=True, details=details, note=note)
+        parts = []
+        if block.zeros:
+            parts.append(f"as zeros: expert(s) {_listed(block.zeros)} (GPTQ writes an expert that no calibration "
+                         "token reached as zeros)")
+        if block.non_finite:
+            parts.append(f"with NaN or infinite values: expert(s) {_listed(block.non_finite)}")
+        if far:
+            parts.append("with a weight SQNR far below their siblings': " + "; ".join(
+                f"expert {expert} ({text})" for expert, text in sorted(far.items())[:_NAMED]))
+        tool = getattr(model.analysis, "tool", None)
+        message = (f"block {block.block}: the checkpoint holds {len(damaged)} of its {block.experts} experts "
+                   + ", and ".join(parts) + ". Fix: quantize again with every expert calibrated ("
+                   + calibrate_every_expert_fix(tool) + "), or on more calibration samples.")
+        return self.finding(model, block.block, float(len(damaged)), 0.0, passed=False, message=message,
+                            details=details)
+
+
+SIBLING_GAP_DB = 10.0  # an expert's weight SQNR this far below its siblings' median is named as damaged
+
+
+def _listed(experts: Any) -> str:
+    experts = list(experts)
+    return ", ".join(map(str, experts[:_NAMED])) + (f" and {len(experts) - _NAMED} more" if len(experts) > _NAMED
+                                                     else "")
 
 
 class RoutingAgreementCheck(Check):

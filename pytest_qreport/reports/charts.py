@@ -214,7 +214,7 @@ def heat_map(title: str, rows: Sequence[str], columns: Sequence[str], values: Se
              unit: str = "dB") -> str | None:
     """A cell per (row, column), coloured from the lowest value (red) to the highest (green); a cell without a finite
     value is grey. Hovering a cell shows its row, column and value. None without a finite value."""
-    finite = [v for row in values for v in row if _finite(v)]
+    finite = [float(v) for row in values for v in row if v is not None and math.isfinite(v)]
     if not finite:
         return None
     low, high = min(finite), max(finite)
@@ -235,8 +235,9 @@ def heat_map(title: str, rows: Sequence[str], columns: Sequence[str], values: Se
         y = top + 22 * row_index
         body.append(f'<text x="{left - 6}" y="{y + 15}" text-anchor="end" {_FONT}>{escape(row)}</text>')
         for index, value in enumerate(row_values):
-            colour = _heat(value, low, high) if _finite(value) else "#cccccc"
-            shown = f"{value:.2f} {unit}" if _finite(value) else "not measured"
+            measured = value is not None and math.isfinite(value)
+            colour = _heat(float(value), low, high) if measured else "#cccccc"  # type: ignore[arg-type]
+            shown = f"{value:.2f} {unit}" if measured else "not measured"
             body.append(f'<rect x="{left + cell * index:.1f}" y="{y + 2}" width="{cell - 1:.1f}" height="18" '
                         f'fill="{colour}"><title>{escape(row)}, expert {escape(columns[index])}: {escape(shown)}'
                         "</title></rect>")

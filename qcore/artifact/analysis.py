@@ -25,6 +25,7 @@ from qcore.artifact.blockwise import (
     resume_artifact_blockwise,
     start_block,
 )
+from qcore.artifact.experts import CheckpointExperts, checkpoint_experts
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, artifact_layers, state_digest
 from qcore.artifact.measure import (
     ArtifactError,
@@ -209,6 +210,11 @@ class ArtifactAnalysis:
         self.group, self.member, self.shadow = group, member, shadow
         if group is not None:
             group.join(member, self)
+
+    @cached_property
+    def checkpoint_experts(self) -> dict[str, CheckpointExperts]:
+        """{experts module path: CheckpointExperts}: each fused expert of the checkpoint against the reference's."""
+        return checkpoint_experts(self.reference, self.quantized)
 
     def planned(self, logits: bool = False, float_layers: Iterable[str] = ()) -> ArtifactAnalysis:
         """The same artifact, to measure with the logits compared in its pass, and the reference's modules swapped

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcore.artifact.experts import checkpoint_experts
 from qcore.artifact.offload import module_tensor
 from qcore.artifact.tools import bookkeeping_module, tool_dequantized_weight, tool_layer_format, tool_of_module
 
@@ -187,6 +188,14 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
             + ". Fix: the qmodel function must return the float model the artifact was made from (the same "
               "architecture and module names), and quantized= the artifact loaded with the same class")
     if not layers:
+        experts = [path for path, block in checkpoint_experts(reference, quantized).items() if block.changed]
+        if experts:
+            raise ArtifactMismatchError(
+                f"the quantized model's only changed modules are the fused experts of {len(experts)} MoE block(s) "
+                f"({', '.join(experts[:_LISTED])}{', ...' if len(experts) > _LISTED else ''}): artifact mode "
+                "compares fused experts by their weights only, and needs a quantized layer to measure. Fix: gate "
+                "the recipe in simulation on the float model (qmodel(quantizer='W4A16'), say), which measures every "
+                "expert")
         raise ArtifactMismatchError(
             "the quantized model holds no quantized layer: no module has an enabled quantizer, a quantized weight, "
             "quantization parameters, a replaced forward or weights that differ from the reference's. Fix: pass "

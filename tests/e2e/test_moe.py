@@ -87,3 +87,72 @@ def test_moe_items_are_per_expert_projection_and_name_their_worst_experts(pytest
     serial = summary_section(result)
     xdist, _ = _run(pytester, "-n", "2")
     assert summary_section(xdist) == serial
+
+
+ARTIFACT_CONFTEST = '''
+import copy
+
+import pytest
+import torch
+
+from pytest_qreport import qmodel
+from qcore.formats.presets import preset
+from tests.models import tiny_moe
+
+
+@pytest.fixture
+def tokens():
+    return tiny_moe("qwen3_moe", n=4)[1]
+
+
+def dequantized_at_load(zeroed=()):
+    """What transformers 5 makes of a W4A16 MoE checkpoint: fused experts, dequantized to float at load; attention
+    quantized too. `zeroed`: experts the checkpoint holds as zeros (GPTQ's, when no calibration token reached them)."""
+    model = tiny_moe("qwen3_moe")[0]
+    weights = preset("W4A16").weight
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for fused in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                fused.copy_(torch.stack([weights.fake_quantize(w, weight=True) for w in fused]))
+                fused[list(zeroed)] = 0.0
+            for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                weight = getattr(layer.self_attn, projection).weight
+                weight.copy_(weights.fake_quantize(weight, weight=True))
+    return model
+
+
+@pytest.fixture
+def sound():
+    return dequantized_at_load()
+
+
+@pytest.fixture
+def zeroed():
+    return dequantized_at_load(zeroed=(3,))
+
+
+@qmodel(calibration="tokens", quantized="sound", checks="expert_coverage,model_sqnr")
+def sound_checkpoint():
+    return tiny_moe("qwen3_moe")[0]
+
+
+@qmodel(calibration="tokens", quantized="zeroed", checks="expert_coverage,model_sqnr")
+def zeroed_checkpoint():
+    return tiny_moe("qwen3_moe")[0]
+'''
+
+
+def test_a_checkpoint_whose_expert_is_zeros_fails_naming_it(pytester):
+    pytester.makeconftest(ARTIFACT_CONFTEST)
+    pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=moe.json")
+    rows = {(row["model"], row["check"], row["layer"]): row
+            for row in json.loads((pytester.path / "moe.json").read_text())["rows"]}
+    block = "model.layers.0.mlp.experts"
+    sound = rows[("sound_checkpoint", "expert_coverage", block)]
+    assert sound["verdict"] == "pass" and "compared one by one with the reference's" in sound["note"]
+    assert all(15 < value < 25 for value in sound["details"]["weight_sqnr_db"]["down_proj"])  # 4-bit weights
+    zeroed = rows[("zeroed_checkpoint", "expert_coverage", block)]
+    assert zeroed["verdict"] == "fail" and zeroed["details"]["zeros"] == [3]
+    assert "holds 1 of its 4 experts as zeros: expert(s) 3" in zeroed["message"]
+    assert "moe_calibrate_all_experts=True" in zeroed["message"]
+    assert not [key for key, row in rows.items() if row["verdict"] == "error"]

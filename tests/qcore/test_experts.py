@@ -144,3 +144,29 @@ def test_a_blockwise_analysis_cuts_at_the_decoder_layers_and_measures_what_the_w
     assert blocks.measurement.detector_reports == whole.measurement.detector_reports
     tokens = whole.measurement.detector_reports["expert_coverage"]["model.layers.1.mlp.experts"]["tokens"]
     assert sum(tokens) == 2 * 2 * 16 * len(data)  # top-2 of every token of every batch
+
+
+def test_a_checkpoints_fused_experts_are_compared_expert_by_expert():
+    import copy
+
+    from qcore.artifact.experts import checkpoint_experts
+    from qcore.artifact.layers import ArtifactMismatchError, artifact_layers
+    from qcore.formats.presets import preset
+
+    reference = tiny_moe("qwen3_moe", experts=4)[0]
+    quantized = copy.deepcopy(reference)
+    experts = quantized.model.layers[0].mlp.experts
+    with torch.no_grad():  # dequantized at load, as transformers 5 loads a compressed-tensors MoE checkpoint
+        for fused in (experts.gate_up_proj, experts.down_proj):
+            fused.copy_(torch.stack([preset("W4A16").weight.fake_quantize(w, weight=True) for w in fused]))
+        experts.down_proj[1, 0, 0] = float("nan")
+        experts.gate_up_proj[2] = 0.0
+    found = checkpoint_experts(reference, quantized)["model.layers.0.mlp.experts"]
+    assert found.experts == 4 and found.zeros == (2,) and found.non_finite == (1,)
+    original = reference.model.layers[0].mlp.experts
+    for expert in (0, 3):
+        assert found.weight_sqnr_db["down_proj"][expert] == pytest.approx(
+            float(compute_sqnr(original.down_proj[expert].detach(), experts.down_proj[expert].detach())), abs=1e-4)
+    # the experts are the only change: the error says so, and how to measure them
+    with pytest.raises(ArtifactMismatchError, match="only changed modules are the fused experts of 1 MoE block"):
+        artifact_layers(reference, quantized)
