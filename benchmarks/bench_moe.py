@@ -23,9 +23,12 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from bench_analysis import _forward_seconds  # noqa: E402
+
 from qcore.numeric import compute_sqnr  # noqa: E402
 from qcore.observe.observers import MinMaxObserver  # noqa: E402
 from qcore.observe.qparams import fake_quantize_per_tensor  # noqa: E402
+from tests.models import routed_tokens as routed_tokens_of  # noqa: E402
 from tests.models import tiny_moe  # noqa: E402
 
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -34,18 +37,7 @@ COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def routed_tokens(experts: int = 8, batches: int = 64) -> dict[int, torch.Tensor]:
     """{expert: the hidden states the eager model routes to it, in order}."""
     model, data = tiny_moe("qwen3_moe", experts=experts, batch=4, n=batches)
-    routed: dict[int, list[torch.Tensor]] = {e: [] for e in range(experts)}
-
-    def keep(module, args):
-        hidden, index, _ = args
-        for expert in range(experts):
-            routed[expert].append(hidden[(index == expert).any(-1)])
-
-    handle = model.model.layers[0].mlp.experts.register_forward_pre_hook(keep)
-    with torch.no_grad():
-        for batch in data:
-            model(**batch)
-    handle.remove()
+    routed = routed_tokens_of(model, data)
     return {expert: torch.cat(chunks) for expert, chunks in routed.items()}
 
 
@@ -57,19 +49,6 @@ def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
     scale, zero_point = observer.calculate_qparams()
     quantized = fake_quantize_per_tensor(held_out, float(scale), int(zero_point), -128, 127)
     return float(compute_sqnr(held_out, quantized))
-
-
-def _forward_seconds(model, batches) -> float:
-    from qcore.graph.inputs import call_model
-
-    best = float("inf")
-    with torch.no_grad():
-        for _ in range(3):
-            start = time.perf_counter()
-            for batch in batches:
-                call_model(model, batch)
-            best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _analysis_seconds(model, batches) -> tuple[float, int]:

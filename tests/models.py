@@ -124,3 +124,22 @@ def tiny_moe(architecture="qwen3_moe", layers=1, experts=4, hidden=128, batch=2,
                 parameter.normal_(0.0, 0.05)
     g = torch.Generator().manual_seed(0)
     return model, [{"input_ids": torch.randint(0, 128, (batch, tokens), generator=g)} for _ in range(n)]
+
+
+def routed_tokens(model, batches, layer=0):
+    """{expert: [the hidden states each batch routes to it]} of the eager model's MoE block `layer` (transformers'
+    own experts implementation, read at the experts module's inputs)."""
+    experts = model.model.layers[layer].mlp.experts
+    routed = {expert: [] for expert in range(experts.num_experts)}
+
+    def keep(module, args):
+        hidden, index, _ = args
+        for expert in routed:
+            routed[expert].append(hidden[(index == expert).any(-1)])
+
+    handle = experts.register_forward_pre_hook(keep)
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch)
+    handle.remove()
+    return routed

@@ -12,7 +12,7 @@ from qcore.graph.experts import expert_layers, fused_experts_modules, moe_blocks
 from qcore.graph.ops import find_quantizable_ops
 from qcore.numeric import compute_sqnr
 from qcore.quantization.format_quantizer import FormatQuantizer
-from tests.models import tiny_moe
+from tests.models import routed_tokens, tiny_moe
 
 pytest.importorskip("transformers")
 
@@ -51,18 +51,7 @@ def test_fused_experts_are_captured_as_one_linear_per_expert_projection(architec
 
 def test_each_experts_activation_observer_sees_only_the_tokens_routed_to_it():
     model, data = tiny_moe("qwen3_moe", experts=4)
-    routed: dict[int, list[torch.Tensor]] = {e: [] for e in range(4)}
-
-    def keep_routed(module, args):
-        hidden, index, _ = args
-        for expert in range(4):
-            routed[expert].append(hidden[(index == expert).any(-1)])
-
-    handle = model.model.layers[0].mlp.experts.register_forward_pre_hook(keep_routed)
-    with torch.no_grad():
-        for batch in data:
-            model(**batch)
-    handle.remove()
+    routed = routed_tokens(model, data)
     prepared = qcore.prepare(qcore.capture(model, data[0]), qcore.Int8StaticQuantizer())
     for batch in data:
         prepared(**batch)
