@@ -108,8 +108,9 @@ def tiny_moe(architecture="qwen3_moe", layers=1, experts=4, hidden=128, batch=2,
                                                          intermediate_size=256, moe_intermediate_size=128,
                                                          shared_expert_intermediate_size=128, num_experts=experts,
                                                          num_experts_per_tok=2),
-        "deepseek_v3": lambda: transformers.DeepseekV3Config(
-            **{k: v for k, v in common.items() if k != "head_dim"}, intermediate_size=256, moe_intermediate_size=128,
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(  # multi-head latent attention: as many kv heads
+            **{k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}, num_key_value_heads=4,
+            intermediate_size=256, moe_intermediate_size=128,
             n_routed_experts=experts, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
             kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32),
         "olmoe": lambda: transformers.OlmoeConfig(**{k: v for k, v in common.items() if k != "head_dim"},

@@ -159,9 +159,12 @@ class RoutingAgreementCheck(Check):
                     "router": router.layer, "top_k": router.top_k}))
                 continue
             if entry is None or router is None:
-                results.append(self.finding(model, block, float("nan"), threshold, passed=False, message=(
-                    f"block {block}: its routing was not compared (no router layer whose output a top-k over its "
-                    "experts reads was found in the captured graph).")))
+                results.append(Finding(
+                    model=model.name, check=self.name, layer=block, metric=self.metric, value=float("nan"),
+                    threshold=threshold, verdict="skip", message=(
+                        f"block {block}: its routing is not compared: its experts are not chosen as the top-k of one "
+                        "layer's output (DeepSeek-V3 adds a score correction bias and chooses by groups first). "
+                        "Its experts' items and the model's output items still judge it.")))
                 continue
             value = float(entry["agreement"])
             fix = float_layers_fix(model, [router.layer]).paste()

@@ -211,14 +211,15 @@ def routers(gm: fx.GraphModule) -> dict[str, Router]:
 
 
 def _router_layer(node: Any, by_node: dict) -> Any:
-    """The quantizable op whose output reaches `node` through elementwise ops only (softmax, sigmoid, casts)."""
+    """The quantizable op whose output reaches `node` through ops of that output alone (softmax, sigmoid, casts),
+    or None: a choice that also reads a parameter on the way (DeepSeek-V3's score correction bias) is not the top-k
+    of the layer's output."""
     for _ in range(6):
         if not isinstance(node, fx.Node):
             return None
         if node in by_node:
             return by_node[node]
-        inputs = [arg for arg in node.all_input_nodes if arg.op != "get_attr"]
-        if len(inputs) != 1:
+        if len(node.all_input_nodes) != 1:
             return None
-        node = inputs[0]
+        node = node.all_input_nodes[0]
     return None

@@ -16,8 +16,9 @@ from tests.models import routed_tokens, tiny_moe
 
 pytest.importorskip("transformers")
 
-# gpt-oss: transposed, interleaved gate/up with biases and its own gate; Qwen2-MoE: a shared expert beside them
-ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe")
+# gpt-oss: transposed, interleaved gate/up with biases and its own gate; Qwen2-MoE: a shared expert beside them;
+# DeepSeek-V3: a shared expert, and a router that chooses by groups with a score correction bias
+ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3")
 
 
 def _logits(output):
@@ -159,3 +160,16 @@ def test_a_checkpoints_fused_experts_are_compared_expert_by_expert():
     # the experts are the only change: the error says so, and how to measure them
     with pytest.raises(ArtifactMismatchError, match="only changed modules are the fused experts of 1 MoE block"):
         artifact_layers(reference, quantized)
+
+
+def test_routers_are_found_where_the_choice_is_the_top_k_of_one_layers_output():
+    from qcore.graph.experts import routers
+
+    for architecture, router in (("qwen3_moe", "model.layers.0.mlp.gate"), ("mixtral", "model.layers.0.mlp.gate"),
+                                 ("gpt_oss", "model.layers.0.mlp.router"), ("deepseek_v3", None)):
+        model, data = tiny_moe(architecture, experts=4)
+        found = routers(qcore.capture(model, data[0], name=architecture))
+        if router is None:  # chosen by groups, with a score correction bias: not the top-k of the router's output
+            assert found == {}, architecture
+        else:
+            assert [(r.layer, r.top_k, r.experts) for r in found.values()] == [(router, 2, 4)], architecture
