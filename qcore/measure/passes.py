@@ -557,8 +557,11 @@ def measure_sqnr(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quanti
 def watch_router_choices(graph: ShadowGraph, found: Mapping[str, Router]) -> dict[str, TopKAgreement]:
     """Add a TopKAgreement after each router's shadow (the quantized router on the float block input), against the
     float router's output: {block: its agreement}."""
-    comparators = {id(module): node for node in graph.gm.graph.nodes if node.op == "call_module"
-                   for module in [graph.gm.get_submodule(str(node.target))]}
+    if not found:
+        return {}
+    modules = dict(graph.gm.named_modules())
+    comparators = {id(modules[str(node.target)]): node for node in graph.gm.graph.nodes
+                   if node.op == "call_module" and str(node.target) in modules}
     agreements = {}
     for index, (block, router) in enumerate(sorted(found.items())):
         shadow = graph.shadows.get(router.layer)
