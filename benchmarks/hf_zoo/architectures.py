@@ -98,6 +98,10 @@ ARCHITECTURES: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, list]]]]
     "olmoe": ("moe", _decoder("OlmoeForCausalLM", "OlmoeConfig", num_experts=4, num_experts_per_tok=2)),
     "gpt_oss": ("moe", _decoder("GptOssForCausalLM", "GptOssConfig", head_dim=32, num_local_experts=4,
                                 num_experts_per_tok=2, layer_types=["full_attention"] * 2)),
+    "deepseek_v3": ("moe", _decoder("DeepseekV3ForCausalLM", "DeepseekV3Config", num_key_value_heads=4,
+                                    n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                    first_k_dense_replace=0, moe_intermediate_size=128, kv_lora_rank=32,
+                                    q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)),
     # encoders
     "bert": ("encoder", _encoder("BertForSequenceClassification", "BertConfig")),
     "roberta": ("encoder", _encoder("RobertaForMaskedLM", "RobertaConfig", pad_token_id=1)),

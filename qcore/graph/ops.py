@@ -14,6 +14,7 @@ from torch import fx
 
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
            "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
+           "observation_point",
            "last_layers", "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
            "WEIGHT_VIEWS", "is_weight_value", "may_change_after", "normalize_module_path", "op_schema", "viewed_value",
            "weight_value", "written_after"]
@@ -328,6 +329,30 @@ def written_after(node: fx.Node, passes_through: Callable[[fx.Node], bool] | Non
                 seen.add(user)
                 pending.append(user)
     return False
+
+
+def observation_point(node: fx.Node, reader: fx.Node | None = None,
+                      passes_through: Callable[[fx.Node], bool] | None = None) -> fx.Node:
+    """The node after which `node`'s value is what `reader` reads: `node` itself, or the last op before `reader`
+    that writes to it in place, directly or through a view (a buffer made with new_empty and filled slice by slice,
+    as DeepSeek-V3's attention fills its keys). An observer inserted there sees what the reader reads."""
+    pending, seen, last = [node], {node}, node
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    limit = order[reader] if reader is not None and reader in order else len(order)
+    while pending:
+        for user in pending.pop().users:
+            if user.op == "output" or user in seen:
+                continue
+            seen.add(user)
+            if passes_through is not None and passes_through(user):
+                pending.append(user)
+                continue
+            schema = op_schema(user)
+            if schema is not None and schema.is_mutable and order[last] < order.get(user, limit) < limit:
+                last = user
+            if schema is not None and any(r.alias_info is not None for r in schema.returns):
+                pending.append(user)
+    return last
 
 
 def op_schema(node: fx.Node) -> Any:

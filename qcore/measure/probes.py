@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from qcore.graph.ops import INSERTED_KEY
+from qcore.graph.ops import INSERTED_KEY, observation_point
 from qcore.report import ModelReport
 from qcore.report.detectors import DetectorBase
 
@@ -75,7 +75,7 @@ class ChannelStatisticsProbe(Probe):
         if self._watched is None:
             return
         prepared.add_submodule(self._name, self.observer)
-        with prepared.graph.inserting_after(self._watched):
+        with prepared.graph.inserting_after(observation_point(self._watched)):
             self._call = prepared.graph.call_module(self._name, (self._watched,))
         self._call.meta[INSERTED_KEY] = "equalization_observer"
 

@@ -18,7 +18,7 @@ from typing import Any
 from torch import fx
 
 from qcore.graph.capture import clone_graph_module
-from qcore.graph.ops import INSERTED_KEY, find_quantizable_ops, original_input
+from qcore.graph.ops import INSERTED_KEY, find_quantizable_ops, observation_point, original_input
 from qcore.measure.probes import Probe
 from qcore.numeric.instrument import QPARAMS_DIGEST_KEY, qparams_digest
 from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept, watched_values
@@ -162,7 +162,7 @@ class ObserversAhead(Probe):
                 prepared.add_submodule(target, ahead.get_submodule(name))
                 inserted = []
                 for value in calls[name]:
-                    with prepared.graph.inserting_after(nodes[value]):  # where prepare puts an observer
+                    with prepared.graph.inserting_after(observation_point(nodes[value])):  # where prepare puts one
                         inserted.append(prepared.graph.call_module(target, (nodes[value],)))
                     inserted[-1].meta[INSERTED_KEY] = "observer_ahead"
                 self._attached.append((target, signature, inserted))

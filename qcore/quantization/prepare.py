@@ -10,6 +10,7 @@ from qcore.graph.ops import (
     INSERTED_KEY,
     is_inserted,
     is_weight_value,
+    observation_point,
     op_schema,
     original_input,
     viewed_value,
@@ -227,8 +228,12 @@ def create_group_observers(mapping, group_ids) -> dict[int, nn.Module]:
     return observers
 
 
-def _insert_observer(gm: fx.GraphModule, after: fx.Node, observer_name: str, described: fx.Node) -> fx.Node:
-    with gm.graph.inserting_after(after):
+def _insert_observer(gm: fx.GraphModule, after: fx.Node, observer_name: str, described: fx.Node,
+                     reader: fx.Node | None = None) -> fx.Node:
+    """Observe `after`'s value right after it, or, for one `reader`, as that reader reads it (after the ops before
+    it that write the value in place: observation_point)."""
+    anchor = after if reader is None else observation_point(after, reader, _is_observer)
+    with gm.graph.inserting_after(anchor):
         node = gm.graph.call_module(observer_name, (after,))
     node.meta[INSERTED_KEY] = "observer"
     node.meta[FQN_KEY] = described.meta.get(FQN_KEY, "")
@@ -272,6 +277,10 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer, recompile: bool = True) ->
     if recompile:
         gm.recompile()
     return gm
+
+
+def _is_observer(node: fx.Node) -> bool:
+    return node.meta.get(INSERTED_KEY) == "observer"
 
 
 def _mark_held_inputs(gm: fx.GraphModule) -> None:
@@ -346,7 +355,7 @@ def _observe_edge(gm: fx.GraphModule, producer: fx.Node, consumer: fx.Node, obse
         if user.op == "call_module" and user.target == observer_name:
             consumer.replace_input_with(current, user)
             return
-    observer_node = _insert_observer(gm, current, observer_name, producer)
+    observer_node = _insert_observer(gm, current, observer_name, producer, reader=consumer)
     consumer.replace_input_with(current, observer_node)
 
 

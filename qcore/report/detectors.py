@@ -15,7 +15,15 @@ from typing import Any
 import torch
 from torch import fx
 
-from qcore.graph.ops import HANDLE_KEY, QuantizableOp, find_quantizable_ops, is_inserted, normalize_module_path
+from qcore.graph.ops import (
+    HANDLE_KEY,
+    REWRITTEN_KEY,
+    QuantizableOp,
+    find_quantizable_ops,
+    is_inserted,
+    normalize_module_path,
+    weight_value,
+)
 from qcore.numeric.metrics import read_to_host
 from qcore.quantization.quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer
 from qcore.report.observer import ReportObserver, average_ratio_values, batch_to_epoch_ratios, fresh_ranges
@@ -369,7 +377,12 @@ class InputWeightEqualizationDetector(DetectorBase):
         return points
 
     def _weight_ranges(self, model: fx.GraphModule, op: QuantizableOp) -> tuple[torch.Tensor, torch.Tensor]:
-        return weight_column_ranges(_fetch(model, op.weight_target).detach())
+        # a weight the graph reads through a view of a parameter (a slice, a transpose) is that view's value
+        node = op.weight
+        assert node is not None, f"layer {op.layer} has no weight"
+        weight = _fetch(model, op.weight_target) if node.op == "get_attr" or node.meta.get(REWRITTEN_KEY) \
+            else weight_value(model, node)
+        return weight_column_ranges(weight.detach())
 
     def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
         # every layer's channels laid end to end, one chain of ops and one host read for all layers on a device;

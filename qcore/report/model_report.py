@@ -7,11 +7,12 @@ from typing import Any
 from torch import fx, nn
 
 from qcore.graph.capture import capture
-from qcore.graph.ops import INSERTED_KEY
+from qcore.graph.ops import INSERTED_KEY, observation_point
 from qcore.report.detectors import (
     DETECTOR_IS_POST_OBS_KEY,
     DETECTOR_OBS_ARGS_KEY,
     DETECTOR_OBS_TO_INSERT_KEY,
+    DETECTOR_TARGET_NODE_KEY,
     DetectorBase,
     DetectorQConfigInfo,
     InputWeightEqualizationDetector,
@@ -97,15 +98,15 @@ class ModelReport:
                         self._model.add_submodule(name, existing)  # an alias for the detector to find
                         continue
                     candidates.append(observer)
-                self._insert(name, observer, observed)
+                self._insert(name, observer, observed, point[DETECTOR_TARGET_NODE_KEY])
         if recompile:
             self._model.recompile()
         self._prepared_flag = True
         return self._model
 
-    def _insert(self, name: str, observer: nn.Module, observed: fx.Node) -> None:
+    def _insert(self, name: str, observer: nn.Module, observed: fx.Node, reader: fx.Node | None = None) -> None:
         self._model.add_submodule(name, observer)
-        with self._model.graph.inserting_after(observed):
+        with self._model.graph.inserting_after(observation_point(observed, reader)):
             node = self._model.graph.call_module(name, (observed,))
         node.meta[INSERTED_KEY] = "report"
 

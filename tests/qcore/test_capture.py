@@ -147,3 +147,40 @@ def test_a_forward_that_fails_on_its_example_inputs_names_the_inputs_not_export(
                               "(arg 0: float32 [2, 5]) when run as it is, without capture: RuntimeError")
     assert "give example inputs that forward() takes" in message
     assert "torch.cond" not in message and "co_varnames" not in message
+
+
+class _FilledInPlace(torch.nn.Module):
+    """A buffer made with new_empty and filled slice by slice, then read by a layer (DeepSeek-V3's attention makes
+    its keys this way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        filled = x.new_empty(*x.shape[:-1], 8)
+        filled[..., :4].copy_(self.a(x))
+        filled[..., 4:].copy_(self.b(x))
+        return self.head(filled)
+
+
+def test_a_value_filled_in_place_is_observed_as_its_reader_reads_it():
+    from torch.ao.quantization import observer as ao
+
+    import qcore
+    from qcore.graph.ops import find_quantizable_ops
+
+    torch.manual_seed(0)
+    model, batches = _FilledInPlace().eval(), [torch.randn(4, 8) for _ in range(3)]
+    prepared = qcore.prepare(qcore.capture(model, batches[0]), qcore.Int8StaticQuantizer())
+    reference = ao.MinMaxObserver(dtype=torch.qint8)
+    for batch in batches:
+        prepared(batch)
+        with torch.no_grad():
+            reference(torch.cat([model.a(batch), model.b(batch)], dim=-1))
+    head = next(op for op in find_quantizable_ops(prepared) if op.layer == "head")
+    observer = prepared.get_submodule(head.node.args[0].target)
+    assert observer.min_val == reference.min_val and observer.max_val == reference.max_val
+    _, quantized = qcore.quantize(model, batches[0], batches)
+    with torch.no_grad():
+        assert (quantized(batches[1]) - model(batches[1])).abs().max() < 0.05  # not the buffer before its fill
