@@ -195,18 +195,23 @@ def routers(gm: fx.GraphModule) -> dict[str, Router]:
     output (softmax or sigmoid between them keep the order); a block whose router is not found is left out."""
     from qcore.graph.ops import FQN_KEY, find_quantizable_ops
 
+    blocks = {path.rpartition(".")[0]: block for path, block in moe_blocks(gm).items()}  # {the block's module: ...}
+    if not blocks:
+        return {}
     by_node = {op.node: op for op in find_quantizable_ops(gm)}
     found: dict[str, Router] = {}
-    for path, block in moe_blocks(gm).items():
-        parent = path.rpartition(".")[0]
-        for node in gm.graph.nodes:
-            if node.op != "call_function" or getattr(node.target, "__name__", "") not in ("topk.default", "topk"):
-                continue
-            if not str(node.meta.get(FQN_KEY, "")).startswith(parent) or len(node.args) < 2:
-                continue
-            source = _router_layer(node.args[0], by_node)
-            if source is not None:
-                found[path] = Router(path, source.layer, int(node.args[1]), block.experts)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "__name__", "") not in ("topk.default", "topk") \
+                or len(node.args) < 2:
+            continue
+        fqn = str(node.meta.get(FQN_KEY, ""))
+        parent = next((p for p in blocks if fqn == p or fqn.startswith(p + ".")), None)
+        if parent is None:
+            continue
+        source = _router_layer(node.args[0], by_node)
+        if source is not None:
+            block = blocks[parent]
+            found[block.path] = Router(block.path, source.layer, int(node.args[1]), block.experts)
     return found
 
 

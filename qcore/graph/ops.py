@@ -336,9 +336,7 @@ def observation_point(node: fx.Node, reader: fx.Node | None = None,
     """The node after which `node`'s value is what `reader` reads: `node` itself, or the last op before `reader`
     that writes to it in place, directly or through a view (a buffer made with new_empty and filled slice by slice,
     as DeepSeek-V3's attention fills its keys). An observer inserted there sees what the reader reads."""
-    pending, seen, last = [node], {node}, node
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    limit = order[reader] if reader is not None and reader in order else len(order)
+    pending, seen, writers = [node], {node}, set()
     while pending:
         for user in pending.pop().users:
             if user.op == "output" or user in seen:
@@ -348,10 +346,16 @@ def observation_point(node: fx.Node, reader: fx.Node | None = None,
                 pending.append(user)
                 continue
             schema = op_schema(user)
-            if schema is not None and schema.is_mutable and order[last] < order.get(user, limit) < limit:
-                last = user
+            if schema is not None and schema.is_mutable:
+                writers.add(user)
             if schema is not None and any(r.alias_info is not None for r in schema.returns):
                 pending.append(user)
+    last, cursor = node, node.next
+    while writers and cursor.op != "root" and cursor is not reader:  # graph order, from `node` on: only when written
+        if cursor in writers:
+            last = cursor
+            writers.discard(cursor)
+        cursor = cursor.next
     return last
 
 
