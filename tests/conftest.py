@@ -21,6 +21,21 @@ import torch._dynamo.repro.after_dynamo  # noqa: E402, F401
 import transformers.cache_utils  # noqa: E402, F401
 import transformers.models.llama.modeling_llama  # noqa: E402, F401
 
+
+def _quanto_unpack(packed, bits):
+    """quanto's own Python unpack kernel (optimum/quanto/library/unpack.py): `bits`-bit values out of uint8 bytes."""
+    return torch.cat([(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]).to(torch.uint8)
+
+
+# quanto compiles its C++ unpack kernel for the CPU on the first int4 weight it unpacks: a minute of one of CI's two
+# cores on every fresh environment. Its Python kernel gives the same bytes, and the tests' quanto artifacts use it.
+import optimum.quanto  # noqa: E402, F401
+
+_QUANTO_CPU = torch.library.Library("quanto", "IMPL")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
+    _QUANTO_CPU.impl("unpack", _quanto_unpack, "CPU", allow_override=True)
+
 if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
     # one share of the cores per xdist worker: oversubscribed OpenMP threads slow everything down
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
@@ -48,8 +63,11 @@ def forbid_host_sync(monkeypatch):
 
 @pytest.fixture
 def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    """pytester whose runpytest runs in a forked child of this process (tests/forked.py)."""
+    """pytester whose runpytest runs in a forked child of this process (tests/forked.py). Its runs leave out the
+    plugins of hypothesis and anyio, which no project of theirs uses: importing them costs each fresh interpreter
+    (a subprocess run, each xdist worker) about a second."""
     from tests.forked import run_forked
 
+    monkeypatch.setenv("PYTEST_ADDOPTS", f"{os.environ.get('PYTEST_ADDOPTS', '')} -p no:hypothesispytest -p no:anyio")
     monkeypatch.setattr(pytester, "runpytest", lambda *args, **kwargs: run_forked(pytester, *args, **kwargs))
     return pytester

@@ -1,5 +1,6 @@
 """What several test modules share: the models their pytester projects declare, the readers of a run's output,
 and torchao's reference numerics of each preset."""
+import math
 import re
 
 import torch
@@ -269,6 +270,55 @@ def analyze_with_checks(factory, batches, **settings):
     pipeline.analyze(lambda: batches, lambda found: None)
     assert pipeline.findings is not None, pipeline.error
     return pipeline.findings, pipeline.context.analysis
+
+
+def layer_computations(analysis):
+    """{layer: what it computes with} of an analysis's quantized model: for each op of a layer, the op, its weights
+    (as quantized, or float where the layer is kept in float) and the quantization of every activation it reads.
+    A tensor between two layers belongs to its reader; a model output, to the layer that makes it."""
+    from torch.fx.graph_module import _get_attr
+
+    gm = analysis.quantized_gm
+    found = {}
+
+    def described(node):
+        if node.op == "get_attr":
+            return ("tensor", _get_attr(gm, node.target))
+        if node.meta.get("qcore_inserted"):  # a fake-quantize: its function and its qparams
+            return ("quantized", getattr(node.target, "__name__", str(node.target)),
+                    tuple(arg for arg in node.args[1:] if not isinstance(arg, torch.fx.Node)))
+        return ("float",)
+
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if node.op == "call_function" and stack:
+            layer = next(reversed(stack.values()))[0]
+            found.setdefault(layer, []).append((str(node.target), *map(described, node.all_input_nodes)))
+        elif node.op == "output":
+            for value in node.all_input_nodes:
+                maker = value.args[0] if value.meta.get("qcore_inserted") else value
+                stack = getattr(maker, "meta", {}).get("nn_module_stack")
+                layer = next(reversed(stack.values()))[0] if stack else "(input)"
+                found.setdefault(layer, []).append(("output", described(value)))
+    return found
+
+
+def _same_computation(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, float) and isinstance(b, float):  # an exact rewrite upstream moves a range in its last bits
+        return math.isclose(a, b, rel_tol=1e-5)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_computation(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def changed_layers(before, after):
+    """The layers whose computation differs between `before` and `after` (two analyses of one model): those
+    `before` quantizes, and any other that `after` quantizes."""
+    a, b = layer_computations(before), layer_computations(after)
+    names = {entry.layer for entry in before.layers} | {entry.layer for entry in after.layers}
+    return {layer for layer in names if not _same_computation(a.get(layer), b.get(layer))}
 
 
 # ---- torchao 0.18's reference numerics of each preset (tests/conftest.py imports torchao already)

@@ -339,10 +339,14 @@ def skipped_modules(model: nn.Module) -> list[str]:
     """The modules the artifact's quantization setting keeps out of quantization: its transformers config's own
     list (modules_to_not_convert, llm_int8_skip_modules), or transformers' default when it has none (the output
     embedding, `lm_head`); for quanto's own quantize(), the linear and convolution modules it left in float (its
-    exclude). A fix's list must repeat them: the setting replaces the default."""
+    exclude); for torchao's quantize_, the linear modules it left in float (its filter_fn). A fix's list must
+    repeat them: the setting replaces the default."""
     if quanto_quantize_weights(model) is not None:
         return [name for name, module in model.named_modules()
                 if type(module) in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)]
+    if artifact_tool(model) == "torchao":
+        return [name for name, module in model.named_modules()
+                if isinstance(module, nn.Linear) and tool_of_module(module) is None]
     config = getattr(getattr(model, "config", None), "quantization_config", None)
     for key in ("llm_int8_skip_modules", "modules_to_not_convert", "skip_modules"):
         value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
@@ -359,7 +363,8 @@ def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head
     call's exclude, else transformers' QuantoConfig."""
     names = list(float_layers)
     listed = ", ".join(repr(name) for name in names)
-    kept = ", ".join(repr(name) for name in [*skipped, *(name for name in names if name not in skipped)])
+    in_float = [*skipped, *(name for name in names if name not in skipped)]
+    kept = ", ".join(repr(name) for name in in_float)
     pattern = "|".join(name.replace(".", r"\.") for name in names)
     return {
         "float_layers": f"float_layers={names!r}",
@@ -373,5 +378,5 @@ def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head
                "AutoHQQHFModel.quantize_model(model, ...), float_model a copy of the model before it",
         "gptqmodel": f"QuantizeConfig(..., dynamic={{{'-:' + pattern!r}: {{}}}})",
         "torchao": f"quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear) "
-                   f"and fqn not in {sorted(names)!r})",
+                   f"and fqn not in {sorted(in_float)!r})",
     }

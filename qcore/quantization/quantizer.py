@@ -112,6 +112,9 @@ class Quantizer(abc.ABC):
         quantizer may replace entries of the {edge or node: observer} dict. The default changes nothing."""
 
 
+INPUT_OBSERVER_KEY = "qcore_input_observer"  # node.meta: (observer class, activations it reads) of an override
+
+
 def int8_activation_spec(observer: Callable[..., torch.nn.Module] = MinMaxObserver) -> QuantizationSpec:
     """Per-tensor affine int8 for activations."""
     return QuantizationSpec(torch.int8, observer, -128, 127, torch.per_tensor_affine)
@@ -180,8 +183,9 @@ class Int8StaticQuantizer(Quantizer):
 
     `layer_overrides` maps layer or FQN globs to {"per_channel": bool, "is_dynamic": bool, "skip": bool,
     "activation_observer": "minmax" | "histogram" | observer class}, so a report's recommendation becomes a config
-    in one step. A layer's activation_observer observes its inputs and its output, unless an input shares its
-    observer with another layer's output (the root of the sharing group decides, as in pt2e).
+    in one step. A layer's activation_observer observes the tensors the layer reads, and nothing else: where an
+    input is another layer's output, that one tensor's observer is the reading layer's (the tensor is quantized
+    once), and the layer's own output keeps the quantizer's observer (its readers decide).
     """
 
     OVERRIDE_KEYS = frozenset({"per_channel", "is_dynamic", "skip", "activation_observer"})
@@ -225,6 +229,7 @@ class Int8StaticQuantizer(Quantizer):
         """Annotate every quantizable op, then propagate to add/mul/cat and pass-through ops."""
         for op in find_quantizable_ops(gm):
             settings = self._settings(op.fqn, op.layer)
+            op.node.meta.pop(INPUT_OBSERVER_KEY, None)
             if settings["skip"]:
                 continue
             observer = settings["activation_observer"]
@@ -232,6 +237,8 @@ class Int8StaticQuantizer(Quantizer):
                 act = int8_dynamic_activation_spec()
             else:
                 act = int8_activation_spec(observer)
+                if observer is not self.activation_observer:  # the observer of what it reads (the callback)
+                    op.node.meta[INPUT_OBSERVER_KEY] = (observer, tuple(op.activation_inputs))
             inputs: dict = {a: act for a in op.activation_inputs}
             if op.weight is not None:
                 spec = int8_weight_spec(settings["per_channel"])
@@ -240,7 +247,7 @@ class Int8StaticQuantizer(Quantizer):
                                             spec.quant_max, spec.qscheme, ch_axis=1)
                 inputs[op.weight] = spec
             quantize_output = not settings["is_dynamic"] and op.kind != "sdpa"
-            output = int8_activation_spec(observer) if quantize_output else None
+            output = int8_activation_spec(self.activation_observer) if quantize_output else None
             if op.output is not op.node:
                 _annotate(op.node, inputs, None)
                 _annotate(op.output, {}, output)
@@ -248,6 +255,22 @@ class Int8StaticQuantizer(Quantizer):
                 _annotate(op.node, inputs, output)
         self._propagate(gm)
         return gm
+
+    def prepare_obs_or_fq_callback(self, model: fx.GraphModule, edge_or_node_to_obs_or_fq: dict) -> None:
+        """A layer whose activation_observer is overridden observes the tensors it reads with it: the sharing group
+        of each of its input edges gets that observer (pt2e's grouping would give the group's first spec's)."""
+        replaced: dict[int, torch.nn.Module] = {}
+        for key, observer in list(edge_or_node_to_obs_or_fq.items()):
+            wanted, reads = key[1].meta.get(INPUT_OBSERVER_KEY, (None, ())) if isinstance(key, tuple) else (None, ())
+            if wanted is None or key[0] not in reads or type(observer) is wanted or id(observer) in replaced:
+                continue  # not an activation it reads (a weight), or observed as wanted already
+            spec = int8_activation_spec(wanted)
+            replaced[id(observer)] = spec.observer_or_fake_quant_ctr(
+                dtype=spec.dtype, quant_min=spec.quant_min, quant_max=spec.quant_max, qscheme=spec.qscheme,
+                is_dynamic=False)
+        for key, observer in edge_or_node_to_obs_or_fq.items():
+            if id(observer) in replaced:
+                edge_or_node_to_obs_or_fq[key] = replaced[id(observer)]
 
     def _propagate(self, gm: fx.GraphModule) -> None:
         for node in gm.graph.nodes:

@@ -45,9 +45,11 @@ def assert_dequantized_as_computed(module, tolerance=1e-4):
     assert float((actual - expected).abs().max()) <= tolerance * scale, (actual - expected).abs().max()
 
 
-def assert_fix_pastes(reference, make, batches, tool, margin_db=2.0):
+def assert_fix_pastes(reference, make, batches, tool, margin_db=2.0, calibrated=False):
     """The fix searched for an output SQNR `margin_db` above the artifact's names `tool`'s words, and the artifact
-    the tool makes with that line pasted (`make(reference, line)`) reaches the target. Returns the fix."""
+    the tool makes with that line pasted (`make(reference, line)`) reaches the target, changing only the layers
+    the fix names: they are in float, every other layer is quantized as before (the same dequantized weight,
+    unless the tool is `calibrated` on the outputs of the layers before, as GPTQ is). Returns the fix."""
     quantized = make(reference, None)
     analysis = ArtifactAnalysis(reference, quantized, batches, logits=True)
     before = output_sqnr_db(reference, analysis.quantized, batches)
@@ -55,8 +57,14 @@ def assert_fix_pastes(reference, make, batches, tool, margin_db=2.0):
     fix = analysis.float_layers_fix(target, "output_sqnr_db", 3)
     assert fix.reached and fix.tool == tool and fix.tool_line, fix
     fixed = make(reference, fix.tool_line)
-    measured = output_sqnr_db(reference, ArtifactAnalysis(reference, fixed, batches).quantized, batches)
+    pasted = ArtifactAnalysis(reference, fixed, batches)
+    measured = output_sqnr_db(reference, pasted.quantized, batches)
     assert measured >= target, (fix.tool_line, measured, target)
+    was = {layer.name: dequantized_weight(analysis.quantized.get_submodule(layer.name)) for layer in analysis.layers}
+    now = {layer.name: dequantized_weight(pasted.quantized.get_submodule(layer.name)) for layer in pasted.layers}
+    assert sorted(set(was) - set(now)) == sorted(fix.float_layers) and set(now) <= set(was), fix.tool_line
+    if not calibrated:
+        assert [name for name in now if not torch.equal(now[name], was[name])] == [], fix.tool_line
     return fix
 
 

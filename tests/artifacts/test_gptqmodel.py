@@ -42,5 +42,5 @@ def test_a_fragile_layer_is_caught_and_the_fix_in_dynamic_passes(tmp_path):
         folder.mkdir()
         return gptq_artifact(model, folder, pasted_arguments(line, QuantizeConfig, CONFIG))
 
-    fix = assert_fix_pastes(reference, make, token_batches(), "gptqmodel")
+    fix = assert_fix_pastes(reference, make, token_batches(), "gptqmodel", calibrated=True)
     assert fix.tool_line.startswith("QuantizeConfig(..., dynamic={'-:")

@@ -61,6 +61,21 @@ def test_dynamic_override_quantizes_per_batch():
     assert any(getattr(n.target, "__name__", "") == "fake_quantize_dynamic" for n in quant_gm.graph.nodes)
 
 
+def test_a_layers_activation_observer_observes_what_it_reads_and_nothing_else():
+    """fc2's override gives the tensor fc2 reads (fc1's output after its relu) a histogram observer, and leaves
+    fc2's own output (what fc3 reads) and the model's input with the quantizer's min/max observer."""
+    from qcore.observe.observers import HistogramObserver, MinMaxObserver
+
+    gm = qcore.capture(SmallMLP().eval(), torch.randn(8, 32))
+    quantizer = qcore.Int8StaticQuantizer(layer_overrides={"fc2": {"activation_observer": "histogram"}})
+    prepared = qcore.prepare(gm, quantizer)
+    linears = [n for n in prepared.graph.nodes if n.target == torch.ops.aten.linear.default]
+    reads = [type(prepared.get_submodule(linear.args[0].target)) for linear in linears]
+    assert reads == [MinMaxObserver, HistogramObserver, MinMaxObserver]
+    output = next(iter(next(n for n in prepared.graph.nodes if n.op == "output").all_input_nodes))
+    assert type(prepared.get_submodule(output.target)) is MinMaxObserver
+
+
 def test_quantized_model_is_close_to_float():
     model = SmallCNN().eval()
     data = batches((4, 3, 16, 16))

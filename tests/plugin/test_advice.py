@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import analyze_with_checks
+from tests.helpers import analyze_with_checks, changed_layers
 
 
 def _pasted(found):
@@ -84,6 +84,7 @@ def test_per_channel_fix_is_measured_and_works_when_pasted():
     again, after = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["per_channel", "sqnr"],
                                        **fix)
     assert again[("per_channel", "layers.2")].verdict == "pass" and again[("per_channel", "layers.2")].value == 1.0
+    assert changed_layers(before, after) == {"layers.2"}  # pasted as printed, it changes that layer and no other
     assert after.sqnr.layers["layers.2"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
     assert _output_db(after) == pytest.approx(out_after, abs=0.005)
     # the advice it replaces, quantizer='int8' (per-channel everywhere), was worse than this verified fix
@@ -107,6 +108,7 @@ def test_dynamic_fix_is_measured_and_works_when_pasted():
     assert set(fix["layer_overrides"]) == set(failing)
     assert all(v == {"is_dynamic": True} for v in fix["layer_overrides"].values())
     again, after = analyze_with_checks(model, batches, checks=["dynamic_static"], **fix)
+    assert changed_layers(before, after) == set(failing)
     for layer, finding in failing.items():
         own_before, own_after, out_before, out_after = _claims(finding.message)
         assert own_after - own_before >= 1.0
@@ -167,6 +169,7 @@ def test_equalization_fix_names_only_the_layers_it_helps_and_works_when_pasted()
             assert iwe.details["advised"] is False
     own_before, own_after, out_before, out_after = _claims(message)
     _, after = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=checks, **fix)
+    assert changed_layers(before, after) == set(after.equalized_layers) == set(before.equalizable_layers)
     assert _output_db(after) == pytest.approx(out_after, abs=0.005) and out_after > out_before
     assert after.sqnr.layers["layers.0"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
     for other in (["layers.0"], "smooth:search"):
@@ -218,6 +221,7 @@ def test_sqnr_fixes_are_listed_only_when_measured_and_work_when_pasted():
     out_before, out_after = (float(v) for v in re.search(r"model output ([\d.]+) -> ([\d.]+) dB", claim).groups())
     assert layer_after > layer_before and out_after > out_before
     _, after = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr"], **fix)
+    assert changed_layers(before, after) == {"layers.2"}
     assert after.sqnr.layers["layers.2"].sqnr_db == pytest.approx(layer_after, abs=0.005)
     assert _output_db(after) == pytest.approx(out_after, abs=0.005)
     claim, fix = listed["keeping it in float"]
@@ -225,6 +229,7 @@ def test_sqnr_fixes_are_listed_only_when_measured_and_work_when_pasted():
     out_before, out_after = (float(v) for v in re.search(r"model output ([\d.]+) -> ([\d.]+) dB", claim).groups())
     _, in_float = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr"], **fix)
     assert "layers.2" not in [entry.layer for entry in in_float.layers]
+    assert changed_layers(before, in_float) == {"layers.2"}
     assert _output_db(in_float) == pytest.approx(out_after, abs=0.005)
     assert out_after > out_before
     # weight_sqnr lists per-channel weights with the weight SQNR they reach
@@ -232,7 +237,24 @@ def test_sqnr_fixes_are_listed_only_when_measured_and_work_when_pasted():
     claim, fix = weight["per-channel weights"]
     weight_after = float(re.search(r"its weight SQNR [\d.]+ -> ([\d.]+) dB", claim).group(1))
     _, after = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["weight_sqnr"], **fix)
+    assert changed_layers(before, after) == {"layers.2"}
     assert after.sqnr.layers["layers.2"].weight_sqnr_db == pytest.approx(weight_after, abs=0.005)
+
+
+def test_a_fix_keeps_the_models_own_settings_and_pasted_changes_only_the_layer_it_names():
+    batches = _features()
+    own = {"layer_overrides": {"layers.6": {"activation_observer": "histogram"}}, "float_layers": ["layers.4"]}
+    settings = {"quantizer": "int8_per_tensor", "checks": ["per_channel", "sqnr"], "sqnr_min_db": 45,
+                "layers": ["layers.2"], **own}
+    found, before = analyze_with_checks(wide_rows, batches, **settings)
+    per_channel = _pasted(found[("per_channel", "layers.2")].message)
+    assert per_channel == {"layer_overrides": {"layers.6": {"activation_observer": "histogram"},
+                                               "layers.2": {"per_channel": True}}}
+    in_float = _fixes(found[("sqnr", "layers.2")].message)["keeping it in float"][1]
+    assert in_float == {"float_layers": ["layers.4", "layers.2"]}
+    for fix in (per_channel, in_float):
+        _, after = analyze_with_checks(wide_rows, batches, **{**settings, **fix})
+        assert changed_layers(before, after) == {"layers.2"}, fix
 
 
 def test_a_weight_that_fails_with_every_other_weight_is_offered_no_other_layers_and_its_threshold_passes_it():
@@ -286,6 +308,7 @@ def test_outlier_fix_is_printed_when_measured_to_help_and_works_when_pasted():
     assert own_after - own_before >= 0.1 and out_after > out_before
     again, after = analyze_with_checks(seeded_mlp, batches, **settings, **fix)
     assert again[("outlier", "layers.0")].verdict == "pass"  # the layer's observer clips now
+    assert changed_layers(before, after) == {"layers.0"}  # its input's observer, not the next layer's
     assert after.sqnr.layers["layers.0"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
     assert _output_db(after) == pytest.approx(out_after, abs=0.005)
 
@@ -393,12 +416,15 @@ def test_a_trial_takes_the_screens_own_sqnr_of_each_layer_it_quantizes_the_same_
 
     # the screen's fix: every shadow is the screen's, and the trial runs the quantized graph alone (4 linears)
     assert trials({layer: change for layer in layers}, layers) == 4 * len(batches)
-    # without layers.0's change, layers.2's input is quantized otherwise than in the screen's copy (its observer is
-    # the one layers.0's output shares): its shadow runs, on layers.2's float input that the model's comparison pass
-    # kept for the screened layers, and compares with layers.4's kept input (layers.2's float value): no float layer
-    assert trials({"layers.2": change, "layers.4": change}, ["layers.2"]) == (4 + 1) * len(batches)
+    # a layer's observer observes what it reads: without layers.0's change, layers.2's shadow is still the screen's
+    assert trials({"layers.2": change, "layers.4": change}, ["layers.2"]) == 4 * len(batches)
+    # with per-tensor weights too, layers.2 is quantized otherwise than in the screen's copy: its shadow runs, on
+    # layers.2's float input that the model's comparison pass kept for the screened layers, and compares with
+    # layers.4's kept input (layers.2's float value): no float layer
+    other = {"layers.2": {**change, "per_channel": False}, "layers.4": change}
+    assert trials(other, ["layers.2"]) == (4 + 1) * len(batches)
     # layers.4's shadow is the screen's: the quantized graph alone
-    assert trials({"layers.2": change, "layers.4": change}, ["layers.4"]) == 4 * len(batches)
+    assert trials(other, ["layers.4"]) == 4 * len(batches)
 
 
 @pytest.mark.parametrize("where_read", [False, True])  # a large model's weights are quantized where they are read
@@ -470,3 +496,37 @@ def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_
     before = len(passes)
     broken, _ = screened({"layers.0": {"bogus": 1}})  # refused by with_layer_overrides: the screen calibrates itself
     assert len(passes) - before == 1 and dict(broken.own_sqnr_db) == dict(alone.own_sqnr_db)
+
+
+class _Ladder(nn.Module):
+    """Four linears, the third with four input columns 25x the rest: NVFP4 loses them, a finer format keeps them."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(128, 128) for _ in range(4)])
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.copy_(torch.randn(128, 128, generator=g) / 128 ** 0.5)
+            self.layers[2].weight[:, :4] *= 25.0
+
+    def forward(self, x):
+        for index, layer in enumerate(self.layers):
+            x = layer(x) if index == 3 else torch.relu(layer(x))
+        return x
+
+
+def _ladder():
+    torch.manual_seed(0)
+    return _Ladder().eval()
+
+
+def test_a_format_fix_pasted_changes_the_formats_of_the_layers_it_names_and_no_other():
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(16, 128, generator=g) for _ in range(4)]
+    settings = {"quantizer": "NVFP4", "checks": ["model_sqnr"], "model_sqnr_min_db": 14.0}
+    found, before = analyze_with_checks(_ladder, batches, **settings)
+    fix = ast.literal_eval(re.search(r"layer_formats=(\{.*?\})", found[("model_sqnr", "output")].message).group(1))
+    assert 0 < len(fix) < 4
+    again, after = analyze_with_checks(_ladder, batches, **settings, layer_formats=fix)
+    assert changed_layers(before, after) == set(fix) and again[("model_sqnr", "output")].verdict == "pass"

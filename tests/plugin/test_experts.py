@@ -94,13 +94,13 @@ def test_the_float_layers_fix_of_a_damaged_expert_names_it_and_passes_when_paste
     import pytest
 
     pytest.importorskip("transformers")
-    from tests.helpers import analyze_with_checks
+    from tests.helpers import analyze_with_checks, changed_layers
     from tests.models import tiny_moe
 
     data = tiny_moe("qwen3_moe")[1]
     settings = {"quantizer": "W4A16", "checks": ["sqnr", "weight_sqnr", "model_sqnr"], "sqnr_min_db": 15.0,
                 "weight_sqnr_min_db": 15.0, "model_sqnr_min_db": 8.0}
-    found, _ = analyze_with_checks(_damaged_moe, data, **settings)
+    found, before = analyze_with_checks(_damaged_moe, data, **settings)
     failing = sorted(key for key, finding in found.items() if finding.verdict == "fail")
     item = found[("sqnr", f"{BLOCK}.down_proj")]
     assert item.verdict == "fail" and "judged on expert 2; worst: 2 (" in item.message, failing
@@ -110,7 +110,8 @@ def test_the_float_layers_fix_of_a_damaged_expert_names_it_and_passes_when_paste
     # a layer after it that inherits its error points at the item that judges it
     pointer = f"is {BLOCK}.2.down_proj: fix that one (see the item {BLOCK}.down_proj)"
     assert pointer in found[("sqnr", "lm_head")].message
-    fixed, _ = analyze_with_checks(_damaged_moe, data, **settings, float_layers=pasted)
+    fixed, after = analyze_with_checks(_damaged_moe, data, **settings, float_layers=pasted)
+    assert changed_layers(before, after) == set(pasted)  # that expert and no other layer
     for check in ("sqnr", "weight_sqnr"):
         down = fixed[(check, f"{BLOCK}.down_proj")]
         assert sorted(down.details["experts"]) == ["0", "1", "3"] and down.verdict == "pass"

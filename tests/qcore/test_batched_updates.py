@@ -436,20 +436,20 @@ def test_prepare_lets_an_observer_hold_only_values_no_later_op_writes_to():
     import qcore
     from qcore.graph.ops import INSERTED_KEY, op_kind
     from qcore.quantization.prepare import prepare
-    from qcore.quantization.quantizer import with_layer_overrides
 
     x = _values(32, 1.0, 0).reshape(4, 8)
     held = {}
     for written in (False, True):
         torch.manual_seed(0)
         gm = qcore.capture(_TwoLinears().eval(), x)
-        if written:  # relu_ on the second linear's output (which the histogram observes), as its last op
+        if written:  # relu_ on the second linear's output (the model's output, observed), as its last op
             second = [node for node in gm.graph.nodes if op_kind(node) == "linear"][-1]
             with gm.graph.inserting_before(next(iter(gm.graph.find_nodes(op="output")))):
                 gm.graph.call_function(torch.ops.aten.relu_.default, (second,))
-        quantizer = with_layer_overrides(qcore.Int8StaticQuantizer(), {"second": {"activation_observer": "histogram"}})
-        prepared = prepare(gm, quantizer)
+        prepared = prepare(gm, qcore.Int8StaticQuantizer(activation_observer="histogram"))
         observers = [prepared.get_submodule(str(node.target)) for node in prepared.graph.nodes
                      if node.meta.get(INSERTED_KEY) == "observer"]
-        held[written] = {o.input_held for o in observers if isinstance(o, HistogramObserver)}
-    assert held == {False: {True}, True: {False}}
+        held[written] = [o.input_held for o in observers if isinstance(o, HistogramObserver)]
+    # the model's input, the first linear's output, the second's (and the relu_ that writes it, which shares its
+    # value): only what is written in place is copied
+    assert held == {False: [True, True, True], True: [True, True, False, False]}
