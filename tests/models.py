@@ -127,6 +127,59 @@ def tiny_moe(architecture="qwen3_moe", layers=1, experts=4, hidden=128, batch=2,
     return model, [{"input_ids": torch.randint(0, 128, (batch, tokens), generator=g)} for _ in range(n)]
 
 
+class _ExpertMLP(nn.Module):
+    """One expert as its own gate, up and down Linear layers."""
+
+    def __init__(self, gate, up, down, act_fn):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (_linear_of(weight) for weight in (gate, up, down))
+        self.act_fn = act_fn
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _linear_of(weight):
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    return layer
+
+
+class LinearizedExperts(nn.ModuleList):
+    """A block's fused experts (concatenated gate and up, not transposed, no bias) as one module per expert, each
+    computing on the tokens routed to it, as llm-compressor's linearized experts do (its LinearExperts2D)."""
+
+    def __init__(self, fused):
+        half = fused.gate_up_proj.shape[1] // 2
+        weights = fused.gate_up_proj.detach()
+        super().__init__([_ExpertMLP(weights[e, :half], weights[e, half:], fused.down_proj[e].detach(), fused.act_fn)
+                          for e in range(fused.gate_up_proj.shape[0])])
+        self.num_experts = len(self)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        output = torch.zeros_like(hidden_states)
+        chosen = torch.nn.functional.one_hot(top_k_index, self.num_experts).permute(2, 1, 0)
+        for expert in range(self.num_experts):
+            position, tokens = torch.where(chosen[expert])
+            routed = self[expert](hidden_states[tokens]) * top_k_weights[tokens, position, None]
+            output.index_add_(0, tokens, routed.to(output.dtype))
+        return output
+
+
+def linearized_moe(model):
+    """A copy of a tiny_moe model whose every block holds its experts as modules (LinearizedExperts)."""
+    import copy
+
+    from qcore.graph.experts import fused_experts_modules
+
+    linearized = copy.deepcopy(model)
+    for path in fused_experts_modules(linearized):
+        parent, _, name = path.rpartition(".")
+        linearized.get_submodule(parent).set_submodule(name, LinearizedExperts(linearized.get_submodule(path)))
+    return linearized
+
+
 def routed_tokens(model, batches, layer=0):
     """{expert: [the hidden states each batch routes to it]} of the eager model's MoE block `layer` (transformers'
     own experts implementation, read at the experts module's inputs)."""

@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 
 __all__ = ["EXPERTS_KEY", "ExpertLayer", "MoeBlock", "Router", "expert_layers", "fused_experts_modules",
-           "linearized_experts", "moe_blocks", "routers"]
+           "linearized_experts", "module_list_experts", "moe_blocks", "routers"]
 
 EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -56,6 +56,37 @@ def fused_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
                 and fused.dim() == 3 and isinstance(getattr(module, "down_proj", None), nn.Parameter):
             found[path] = module
     return found
+
+
+def module_list_experts(model: nn.Module) -> dict[str, dict[int, nn.Module]]:
+    """{path: {index: expert}} of the experts a model holds as modules (llm-compressor's linearized experts, older
+    transformers, a user's own): a module named `experts` whose numbered children, at least two, are of one class
+    and compute with Linear layers. Fused experts are not among them."""
+    found = {}
+    for path, module in model.named_modules():
+        if path.rpartition(".")[2] != "experts":
+            continue
+        numbered = {int(name): child for name, child in module.named_children() if name.isdigit()}
+        if len(numbered) < 2 or len({type(child) for child in numbered.values()}) != 1:
+            continue
+        if any(isinstance(layer, nn.Linear) for layer in next(iter(numbered.values())).modules()):
+            found[path] = dict(sorted(numbered.items()))
+    return found
+
+
+def _module_list_record(model: nn.Module, record: dict[str, Any]) -> None:
+    """Adds each module-held expert's Linear layers to `record`, named by their common path within the experts
+    (`mlp.experts.down_proj` for `mlp.experts.3.down_proj`)."""
+    for path, experts in module_list_experts(model).items():
+        names = []
+        for expert, module in experts.items():
+            for name, layer in module.named_modules():
+                if isinstance(layer, nn.Linear):
+                    record["layers"][f"{path}.{expert}.{name}"] = ExpertLayer(path, f"{path}.{name}", expert)
+                    if name not in names:
+                        names.append(name)
+        first = next((name for name in ("gate_proj", "w1", "up_proj") if name in names), names[0])
+        record["blocks"][path] = MoeBlock(path, len(experts), False, first)
 
 
 def _weight(module: nn.Module, name: str, expert: int) -> torch.Tensor:
@@ -113,7 +144,9 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
         inputs = hidden_states.index_select(0, tokens)
         if self.has_gate:
             gate, up = linears.gate_proj(inputs), linears.up_proj(inputs)
-            if getattr(self, "is_concatenated", True):
+            if getattr(type(self)._apply_gate, "__name__", "") == "_default_apply_gate":
+                hidden = self.act_fn(gate) * up  # as the Linear layers it stands for: no cat to share a range
+            elif getattr(self, "is_concatenated", True):
                 hidden = self._apply_gate(torch.cat([gate, up], dim=-1))
             else:
                 hidden = self._apply_gate(torch.stack([gate, up], dim=-1).flatten(-2))
@@ -136,10 +169,11 @@ def _register_implementation(module: nn.Module) -> None:
 @contextlib.contextmanager
 def linearized_experts(model: nn.Module) -> Iterator[dict[str, Any]]:
     """While open, every fused experts module of `model` computes through one Linear per expert projection (views
-    of its fused weights, as children "0", "1", ...); yields what EXPERTS_KEY records. The model is restored on
-    exit."""
+    of its fused weights, as children "0", "1", ...); yields what EXPERTS_KEY records, experts held as modules
+    (module_list_experts) included. The model is restored on exit."""
     modules = fused_experts_modules(model)
     record: dict[str, Any] = {"layers": {}, "blocks": {}}
+    _module_list_record(model, record)
     if not modules:
         yield record
         return

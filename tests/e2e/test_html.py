@@ -97,7 +97,8 @@ def report(tmp_path_factory):
     path = folder / "report.html"
     result = subprocess.run([os.sys.executable, "-m", "pytest", "--qreport", "-n", "2", "-p", "no:cacheprovider",
                              f"--qreport-html={path}", f"--qreport-json={folder / 'report.json'}", str(folder)],
-                            capture_output=True, text=True, cwd=folder, timeout=600)
+                            capture_output=True, text=True, cwd=folder, timeout=600,
+                            env={**os.environ, "PYTEST_ADDOPTS": "-p no:hypothesispytest -p no:anyio"})
     assert path.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     return path
 

@@ -116,3 +116,32 @@ def test_the_float_layers_fix_of_a_damaged_expert_names_it_and_passes_when_paste
         down = fixed[(check, f"{BLOCK}.down_proj")]
         assert sorted(down.details["experts"]) == ["0", "1", "3"] and down.verdict == "pass"
     assert fixed[("model_sqnr", "output")].value > found[("model_sqnr", "output")].value
+
+
+def test_experts_held_as_modules_get_one_item_per_projection_with_the_fused_forms_values():
+    import pytest
+
+    pytest.importorskip("transformers")
+    from tests.helpers import analyze_with_checks
+    from tests.models import linearized_moe, tiny_moe
+
+    model, data = tiny_moe("qwen3_moe")
+    settings = {"quantizer": "W4A16", "checks": ["sqnr", "weight_sqnr", "expert_coverage", "routing_agreement"],
+                "sqnr_min_db": 15.0, "weight_sqnr_min_db": 15.0}
+    fused, _ = analyze_with_checks(lambda: model, data, **settings)
+    linear, _ = analyze_with_checks(lambda: linearized_moe(model), data, **settings)
+    items = {key: finding for key, finding in linear.items() if BLOCK in key[1]}
+    assert sorted(items) == sorted([(check, f"{BLOCK}.{p}") for check in ("sqnr", "weight_sqnr")
+                                    for p in ("gate_proj", "up_proj", "down_proj")] +
+                                   [("expert_coverage", BLOCK), ("routing_agreement", BLOCK)])
+    for (check, layer), finding in items.items():
+        fused_layer = {f"{BLOCK}.gate_proj": f"{BLOCK}.gate_up_proj", f"{BLOCK}.up_proj": f"{BLOCK}.gate_up_proj"}
+        twin = fused[(check, fused_layer.get(layer, layer))]
+        if layer.endswith(("down_proj", "experts")):  # the same members: the same worst expert and value
+            assert finding.value == pytest.approx(twin.value, abs=1e-6) and finding.verdict == twin.verdict, layer
+            assert finding.details.get("experts") == pytest.approx(twin.details.get("experts"), abs=1e-6) \
+                if check in ("sqnr", "weight_sqnr") else finding.details == twin.details
+        else:  # gate_proj and up_proj apart: the fused item is the worse of the two
+            assert finding.value >= twin.value - 1e-6
+    worst_of_two = min(items[("sqnr", f"{BLOCK}.gate_proj")].value, items[("sqnr", f"{BLOCK}.up_proj")].value)
+    assert worst_of_two == pytest.approx(fused[("sqnr", f"{BLOCK}.gate_up_proj")].value, abs=1e-6)

@@ -10,8 +10,9 @@ from qcore.runtime import native
 from tests.helpers import analyze_with_checks, count_aten_ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# a little above what the examples' TinyResNet dispatches today (17.9x), so that a regression in launches fails here
-CEILING = 19.5
+# a little above what the examples' TinyResNet dispatches today (24.7x: its outlier screen observes each flagged
+# layer's input with a histogram, 11 observers), so that a regression in launches fails here
+CEILING = 26.0
 
 
 def test_the_analysis_dispatches_at_most_the_ceiling_of_aten_ops_against_the_forward(monkeypatch):

@@ -8,11 +8,11 @@ from torch.ao.quantization import observer as ao
 
 import qcore
 from qcore.analysis import measure_sqnr
-from qcore.graph.experts import expert_layers, fused_experts_modules, moe_blocks
+from qcore.graph.experts import expert_layers, fused_experts_modules, moe_blocks, routers
 from qcore.graph.ops import find_quantizable_ops
 from qcore.numeric import compute_sqnr
 from qcore.quantization.format_quantizer import FormatQuantizer
-from tests.models import routed_tokens, tiny_moe
+from tests.models import linearized_moe, routed_tokens, tiny_moe
 
 pytest.importorskip("transformers")
 
@@ -48,6 +48,27 @@ def test_fused_experts_are_captured_as_one_linear_per_expert_projection(architec
     assert model.config._experts_implementation == implementation
     assert not [name for name, _ in model.model.layers[0].mlp.experts.named_children() if name.isdigit()]
     assert list(fused_experts_modules(model)) == ["model.layers.0.mlp.experts"]
+
+
+@pytest.mark.parametrize("preset", ["int8", "W4A16"])
+def test_experts_held_as_modules_are_measured_as_the_fused_experts_they_equal(preset):
+    """llm-compressor's linearized form of a block (one MLP module per expert, a ModuleList) and transformers' fused
+    form give every expert projection and the output the same numbers, named by the projection's common path."""
+    model, data = tiny_moe("qwen3_moe", experts=4)
+    linear = linearized_moe(model)
+    block = "model.layers.0.mlp.experts"
+    fused_gm, linear_gm = qcore.capture(model, data[0]), qcore.capture(linear, data[0])
+    experts = expert_layers(linear_gm)
+    assert sorted(experts) == sorted(expert_layers(fused_gm))
+    assert {entry.projection for entry in experts.values()} == {f"{block}.{p}" for p in ("gate_proj", "up_proj",
+                                                                                        "down_proj")}
+    assert not moe_blocks(linear_gm)[block].fused and routers(linear_gm) == routers(fused_gm)
+    quantizer = qcore.Int8StaticQuantizer() if preset == "int8" else FormatQuantizer(preset)
+    fused, linearized = measure_sqnr(fused_gm, data, quantizer), measure_sqnr(linear_gm, data, quantizer)
+    for layer in experts:
+        assert linearized.layers[layer].sqnr_db == pytest.approx(fused.layers[layer].sqnr_db, abs=1e-6), layer
+        assert linearized.layers[layer].weight_sqnr_db == pytest.approx(fused.layers[layer].weight_sqnr_db, abs=1e-9)
+    assert linearized.worst_output().sqnr_db == pytest.approx(fused.worst_output().sqnr_db, abs=1e-6)
 
 
 def test_each_experts_activation_observer_sees_only_the_tokens_routed_to_it():
