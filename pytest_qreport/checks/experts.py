@@ -102,8 +102,11 @@ class ExpertCoverageCheck(Check):
         damaged = sorted(set(block.zeros) | set(block.non_finite) | set(far))
         details = {"experts": block.experts, "zeros": list(block.zeros), "non_finite": list(block.non_finite),
                    "far_below_siblings": sorted(far), "weight_sqnr_db": block.weight_sqnr_db}
+        held = any(entry.block == block.block for entry in (getattr(model.analysis, "expert_layers", None) or
+                                                             {}).values())
         note = ("the experts' weights were compared one by one with the reference's; their outputs are judged "
-                "through the model's output items")
+                + ("by the sqnr items of the block's projections (each expert on the reference's tokens)" if held
+                   else "through the model's output items"))
         if not damaged:
             return self.finding(model, block.block, 0.0, 0.0, passed=True, details=details, note=note)
         parts = []

@@ -398,8 +398,9 @@ def collect_artifact(name: str, settings: ModelSettings, registry: CheckRegistry
         check.bind(context)
         if check.applies(context):
             # a layer float_layers keeps in float is the reference's module, measured by no per-layer item
-            pipeline.items[check_name] = [layer for layer in select_layers(
-                check.layers(context), settings.layers, settings.skip_layers) if layer not in float_layers]
+            pipeline.items[check_name] = expert_items([layer for layer in select_layers(
+                check.layers(context), settings.layers, settings.skip_layers) if layer not in float_layers],
+                analysis.expert_layers)
     context.checks = {n: c for n, c in checks.items() if n in pipeline.items}
     needs = frozenset().union(*(check.needs for check in context.checks.values() if check.measures_artifacts))
     context.analysis = analysis.planned(logits="logits" in needs, float_layers=float_layers)

@@ -46,6 +46,7 @@ from qcore.artifact.tools import (
     tool_recipes,
     unwrapped_artifact,
 )
+from qcore.graph.experts import ExpertLayer, held_expert_layers
 from qcore.measure.passes import SqnrMeasurement
 from qcore.measure.screens import screened_ladder, shortest_head
 from qcore.numeric.logits import LogitsMeasurement
@@ -213,8 +214,15 @@ class ArtifactAnalysis:
 
     @cached_property
     def checkpoint_experts(self) -> dict[str, CheckpointExperts]:
-        """{experts module path: CheckpointExperts}: each fused expert of the checkpoint against the reference's."""
+        """{experts module path: CheckpointExperts}: each expert of the checkpoint (fused, or held as modules)
+        against the reference's."""
         return checkpoint_experts(self.reference, self.quantized)
+
+    @cached_property
+    def expert_layers(self) -> dict[str, ExpertLayer]:
+        """{layer: ExpertLayer} of the artifact's layers that are experts held as modules (each measured on the
+        reference's tokens; their items are one per projection)."""
+        return held_expert_layers(self.quantized, lambda name, module: name in self._by_name)
 
     def planned(self, logits: bool = False, float_layers: Iterable[str] = ()) -> ArtifactAnalysis:
         """The same artifact, to measure with the logits compared in its pass, and the reference's modules swapped

@@ -4,7 +4,9 @@ transformers 5 loads an MoE checkpoint with its experts fused again (`mlp.expert
 for compressed-tensors checkpoints, dequantized to float at load time, so the quantized model holds plain float
 parameters that differ from the reference's. Each expert's slice is compared with the reference's: its weight SQNR,
 and whether the checkpoint holds it as zeros (GPTQ's expert that no calibration token reached) or as NaN or
-infinite values. The experts' outputs are not compared layer by layer in artifact mode (the model outputs are).
+infinite values. A checkpoint that holds its experts as modules (llm-compressor's linearized model, quantized) is
+read expert by expert the same way, from each layer's dequantized weight; those layers are also measured as layers
+(qcore.artifact.measure compares each on the reference's tokens).
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch
 from torch import nn
 
 from qcore.artifact.offload import module_tensor
-from qcore.graph.experts import fused_experts_modules
+from qcore.artifact.tools import dequantized_weight
+from qcore.graph.experts import expert_linears, fused_experts_modules, module_list_experts
 
 __all__ = ["CheckpointExperts", "checkpoint_experts"]
 
@@ -45,10 +48,52 @@ def _sqnr_per_expert(reference: torch.Tensor, quantized: torch.Tensor) -> list[f
     return [float(v) for v in values.tolist()]
 
 
+def _reference_weights(fused: nn.Module | None, held: dict[int, nn.Module], expert: int) -> dict[str, torch.Tensor]:
+    """{projection: [out, in] weight} of the reference's expert `expert`, held as modules or fused."""
+    if expert in held:
+        return {name: module.weight for name, module in held[expert].named_modules()
+                if isinstance(getattr(module, "weight", None), torch.Tensor)}
+    if fused is not None:
+        return {name: module.weight for name, module in expert_linears(fused, expert).named_children()}
+    return {}
+
+
+def _held_block(path: str, experts: dict[int, nn.Module], fused: nn.Module | None,
+                held: dict[int, nn.Module]) -> CheckpointExperts | None:
+    """One block whose checkpoint holds its experts as modules (a tool's quantized layers), against the
+    reference's experts (held as modules or fused); None when none pairs."""
+    sqnr: dict[str, list[float]] = {}
+    zeros: set[int] = set()
+    non_finite: set[int] = set()
+    for expert, module in experts.items():
+        ours = _reference_weights(fused, held, expert)
+        for name, layer in module.named_modules():
+            theirs = dequantized_weight(layer) if name in ours else None
+            if theirs is None or theirs.numel() != ours[name].numel():
+                continue
+            theirs = theirs.detach().reshape(ours[name].shape)
+            sqnr.setdefault(name, [math.nan] * len(experts))[list(experts).index(expert)] = \
+                _sqnr_per_expert(ours[name].unsqueeze(0), theirs.unsqueeze(0))[0]
+            if bool((theirs == 0).all()):
+                zeros.add(expert)
+            if not bool(torch.isfinite(theirs).all()):
+                non_finite.add(expert)
+    if not sqnr:
+        return None
+    return CheckpointExperts(path, len(experts), sqnr, tuple(sorted(zeros)), tuple(sorted(non_finite)))
+
+
 def checkpoint_experts(reference: nn.Module, quantized: nn.Module) -> dict[str, CheckpointExperts]:
-    """{experts module path: CheckpointExperts} of the fused experts modules the two models share."""
+    """{experts module path: CheckpointExperts} of the experts modules the two models share: fused on both sides,
+    or held as modules by the checkpoint (against the reference's, held as modules or fused)."""
     found = {}
     references = fused_experts_modules(reference)
+    held_references = module_list_experts(reference)
+    for path, experts in module_list_experts(quantized).items():
+        if path in references or path in held_references:
+            block = _held_block(path, experts, references.get(path), held_references.get(path, {}))
+            if block is not None:
+                found[path] = block
     for path, module in fused_experts_modules(quantized).items():
         if path not in references:
             continue

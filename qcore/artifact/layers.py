@@ -20,7 +20,7 @@ from torch import nn
 
 from qcore.artifact.experts import checkpoint_experts
 from qcore.artifact.offload import module_tensor
-from qcore.artifact.tools import bookkeeping_module, tool_dequantized_weight, tool_layer_format, tool_of_module
+from qcore.artifact.tools import bookkeeping_module, dequantized_weight, tool_layer_format, tool_of_module
 
 __all__ = ["ArtifactLayer", "ArtifactMismatchError", "artifact_layers", "changed_modules", "dequantized_weight",
            "state_digest"]
@@ -224,21 +224,6 @@ def changed_modules(reference: nn.Module, quantized: nn.Module, layers: Iterable
                     changed.append(name)
                     break
     return changed
-
-
-def dequantized_weight(module: nn.Module) -> torch.Tensor | None:
-    """The weight the module computes with, dequantized as the tool that made it does (tool_dequantized_weight);
-    None when it has none (a compressed-tensors module before its first forward keeps only its packed weight)."""
-    by_tool = tool_dequantized_weight(module)
-    if by_tool is not None:
-        return by_tool
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        return None
-    with torch.no_grad():
-        if not _plain(weight) and type(weight).dequantize is not torch.Tensor.dequantize:
-            return weight.dequantize()
-        return weight.detach()
 
 
 def _flat_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, changed_modules, dequantized_weight
 from qcore.artifact.offload import decompress_pending
 from qcore.graph.capture import without_kv_cache
+from qcore.graph.experts import held_expert_layers
 from qcore.graph.inputs import call_model
 from qcore.measure.passes import LayerSqnr, OutputSqnr, SqnrMeasurement
 from qcore.numeric.loggers import StreamingComparator
@@ -288,8 +289,11 @@ class _Pass:
     """The hooks of one comparison over a batch list: the reference stores each layer's input and output, the
     quantized model's hooks compare against them and run the shadow."""
 
-    def __init__(self, names: Sequence[str], shadow: bool) -> None:
+    def __init__(self, names: Sequence[str], shadow: bool, experts: Iterable[str] = ()) -> None:
         self.names, self.shadow = list(names), shadow
+        # experts run on the tokens their router sends them, which differ between the two models once a choice
+        # flips: each is compared on the reference's own tokens (its shadow), as the simulation compares them
+        self.experts = frozenset(experts)
         self.stash: dict[str, deque] = defaultdict(deque)
         self.propagated = {name: StreamingComparator() for name in names}
         self.shadows = {name: StreamingComparator() for name in names}
@@ -351,6 +355,9 @@ class _Pass:
             tensor = _output_tensor(output)
             if tensor is None:
                 return
+            if name in self.experts:
+                self._compare_expert(name, module, tensor)
+                return
             if not self.stash[name]:
                 raise ArtifactMismatchError(f"layer {name} ran in the quantized model but not in the reference (or "
                                             "more often): the two models do not compute alike")
@@ -376,6 +383,29 @@ class _Pass:
                     self.shadows[name].update(reference, own)
         return hook
 
+    def _compare_expert(self, name: str, module: nn.Module, tensor: torch.Tensor) -> None:
+        """An expert's output on the reference's tokens against the reference's (nothing when the reference did not
+        run it on this call)."""
+        if not self.stash[name]:
+            return
+        inputs, reference = self.stash[name].popleft()
+        if name not in self._ordered:
+            self._ordered.add(name)
+            self.order.append(name)
+        if inputs is None:  # no shadow: the two outputs compare only where both models routed alike
+            own: torch.Tensor | None = tensor if tensor.shape == reference.shape else None
+        else:
+            self.in_shadow = True
+            try:
+                with torch.no_grad():
+                    own = _output_tensor(module(*_cast(inputs[0], tensor.dtype), **_cast(inputs[1], tensor.dtype)))
+            finally:
+                self.in_shadow = False
+        if own is not None:
+            self.propagated[name].update(reference, own)
+            if inputs is not None:
+                self.shadows[name].update(reference, own)
+
     def first_nan(self) -> str:
         """The first layer, in the order the quantized model ran them, whose output held NaN (its sums are NaN)."""
         return next((name for name in self.order if bool(torch.isnan(self.propagated[name].sums).any())), "")
@@ -398,7 +428,9 @@ class _RunState:
     def __init__(self, run: ArtifactRun, shadow: bool) -> None:
         self.run, self.quantized = run, run.quantized
         self.kept = {layer.name: layer for layer in run.layers}
-        self.measured = _Pass(run.measured_names(), shadow)
+        names = run.measured_names()
+        listed = set(names)
+        self.measured = _Pass(names, shadow, held_expert_layers(run.quantized, lambda name, module: name in listed))
         self.outputs: list[tuple[str, StreamingComparator]] = []
         self.comparator = LogitsComparator() if run.logits else None
 
@@ -510,8 +542,8 @@ def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, 
     changed: list[str] | None = None  # the modules outside the layers whose parameters changed, once one is rescaled
     for name in measured.names:
         numbers = measured.propagated[name].result()
-        if not numbers["batches"]:
-            continue  # not run on these batches
+        if not numbers["batches"] and name not in measured.experts:
+            continue  # not run on these batches (an expert no token reached is kept: not measured, nan)
         weight_db, rescaled = None, False
         fitted = None
         if weights is not None:

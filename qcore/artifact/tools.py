@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RECIPE_KEYS", "TOOL_NAMES", "artifact_tool", "bookkeeping_module", "quanto_quantize_weights",
-           "skipped_modules", "tool_dequantized_weight", "tool_layer_format", "tool_of_module", "tool_recipes",
-           "unwrapped_artifact"]
+__all__ = ["RECIPE_KEYS", "TOOL_NAMES", "artifact_tool", "bookkeeping_module", "dequantized_weight",
+           "quanto_quantize_weights", "skipped_modules", "tool_dequantized_weight", "tool_layer_format",
+           "tool_of_module", "tool_recipes", "unwrapped_artifact"]
 
 RECIPE_KEYS = {"compressed-tensors": "llm-compressor"}  # a tool's line in the recipe: by the tool its users run
 TOOL_NAMES = {"compressed-tensors": "llm-compressor", "modelopt": "ModelOpt", "bitsandbytes": "bitsandbytes",
@@ -380,3 +380,18 @@ def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head
         "torchao": f"quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear) "
                    f"and fqn not in {sorted(in_float)!r})",
     }
+
+
+def dequantized_weight(module: nn.Module) -> torch.Tensor | None:
+    """The weight the module computes with, dequantized as the tool that made it does (tool_dequantized_weight);
+    None when it has none (a compressed-tensors module before its first forward keeps only its packed weight)."""
+    by_tool = tool_dequantized_weight(module)
+    if by_tool is not None:
+        return by_tool
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    with torch.no_grad():
+        if type(weight) not in (torch.Tensor, nn.Parameter) and type(weight).dequantize is not torch.Tensor.dequantize:
+            return weight.dequantize()
+        return weight.detach()

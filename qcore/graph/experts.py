@@ -11,7 +11,7 @@ the Linear it stands for. The model computes the same function; the graph record
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 
 __all__ = ["EXPERTS_KEY", "ExpertLayer", "MoeBlock", "Router", "expert_layers", "fused_experts_modules",
-           "linearized_experts", "module_list_experts", "moe_blocks", "routers"]
+           "expert_linears", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks", "routers"]
 
 EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -60,33 +60,43 @@ def fused_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def module_list_experts(model: nn.Module) -> dict[str, dict[int, nn.Module]]:
     """{path: {index: expert}} of the experts a model holds as modules (llm-compressor's linearized experts, older
-    transformers, a user's own): a module named `experts` whose numbered children, at least two, are of one class
-    and compute with Linear layers. Fused experts are not among them."""
+    transformers, a user's own, a tool's quantized copy of them): a module named `experts` whose numbered children,
+    at least two, are of one class. Fused experts are not among them."""
     found = {}
     for path, module in model.named_modules():
         if path.rpartition(".")[2] != "experts":
             continue
         numbered = {int(name): child for name, child in module.named_children() if name.isdigit()}
-        if len(numbered) < 2 or len({type(child) for child in numbered.values()}) != 1:
-            continue
-        if any(isinstance(layer, nn.Linear) for layer in next(iter(numbered.values())).modules()):
+        if len(numbered) >= 2 and len({type(child) for child in numbered.values()}) == 1:
             found[path] = dict(sorted(numbered.items()))
     return found
 
 
-def _module_list_record(model: nn.Module, record: dict[str, Any]) -> None:
-    """Adds each module-held expert's Linear layers to `record`, named by their common path within the experts
+def held_expert_layers(model: nn.Module, is_layer: Callable[[str, nn.Module], bool] | None = None
+                       ) -> dict[str, ExpertLayer]:
+    """{layer: ExpertLayer} of the layers of the experts `model` holds as modules (module_list_experts): its Linear
+    modules, or those `is_layer(name, module)` accepts (a tool's quantized layers)."""
+    record: dict[str, Any] = {"layers": {}, "blocks": {}}
+    _module_list_record(model, record, is_layer)
+    return record["layers"]
+
+
+def _module_list_record(model: nn.Module, record: dict[str, Any],
+                        is_layer: Callable[[str, nn.Module], bool] | None = None) -> None:
+    """Adds each module-held expert's layers to `record`, named by their common path within the experts
     (`mlp.experts.down_proj` for `mlp.experts.3.down_proj`)."""
+    accepts = is_layer or (lambda name, module: isinstance(module, nn.Linear))
     for path, experts in module_list_experts(model).items():
         names = []
         for expert, module in experts.items():
             for name, layer in module.named_modules():
-                if isinstance(layer, nn.Linear):
+                if name and accepts(f"{path}.{expert}.{name}", layer):
                     record["layers"][f"{path}.{expert}.{name}"] = ExpertLayer(path, f"{path}.{name}", expert)
                     if name not in names:
                         names.append(name)
-        first = next((name for name in ("gate_proj", "w1", "up_proj") if name in names), names[0])
-        record["blocks"][path] = MoeBlock(path, len(experts), False, first)
+        if names:
+            first = next((name for name in ("gate_proj", "w1", "up_proj") if name in names), names[0])
+            record["blocks"][path] = MoeBlock(path, len(experts), False, first)
 
 
 def _weight(module: nn.Module, name: str, expert: int) -> torch.Tensor:
@@ -114,7 +124,7 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return layer
 
 
-def _expert_linears(module: nn.Module, expert: int) -> nn.Module:
+def expert_linears(module: nn.Module, expert: int) -> nn.Module:
     """An expert's projections as Linear modules whose weights are views of the fused parameters."""
     holder = nn.Module()
     bias = getattr(module, "has_bias", False)
@@ -186,7 +196,7 @@ def linearized_experts(model: nn.Module) -> Iterator[dict[str, Any]]:
             fused_names = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj" if module.has_gate else "up_proj",
                            "down_proj": "down_proj"}
             for expert in range(count):
-                linears = _expert_linears(module, expert)
+                linears = expert_linears(module, expert)
                 module.add_module(str(expert), linears)
                 added.append((module, str(expert)))
                 for name, _ in linears.named_children():

@@ -145,3 +145,39 @@ def test_experts_held_as_modules_get_one_item_per_projection_with_the_fused_form
             assert finding.value >= twin.value - 1e-6
     worst_of_two = min(items[("sqnr", f"{BLOCK}.gate_proj")].value, items[("sqnr", f"{BLOCK}.up_proj")].value)
     assert worst_of_two == pytest.approx(fused[("sqnr", f"{BLOCK}.gate_up_proj")].value, abs=1e-6)
+
+
+def test_a_checkpoint_holding_its_experts_as_modules_gets_one_item_per_projection_and_names_its_zero_expert():
+    import copy
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    import torch
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.settings import ModelSettings
+    from tests.helpers import builtin_registry, torchao_artifact
+    from tests.models import linearized_moe, tiny_moe
+
+    model, data = tiny_moe("qwen3_moe")
+    reference = linearized_moe(model)
+    damaged = copy.deepcopy(reference)
+    with torch.no_grad():  # as GPTQ writes an expert that no calibration token reached
+        damaged.model.layers[0].mlp.experts[3].down_proj.weight.zero_()
+    quantized = torchao_artifact(damaged, Int8WeightOnlyConfig())
+    settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=data, quantized=lambda: quantized,
+                                      checks=["sqnr", "weight_sqnr", "expert_coverage"])
+    pipeline = collect_model("m", settings, builtin_registry(), None, reference, data[0], quantized=quantized)
+    pipeline.analyze(lambda: data, lambda found: None)
+    found = pipeline.findings  # {(check, item): Finding}
+    items = sorted(key for key in found if BLOCK in key[1])
+    assert items == sorted([(check, f"{BLOCK}.{p}") for check in ("sqnr", "weight_sqnr")
+                            for p in ("gate_proj", "up_proj", "down_proj")] + [("expert_coverage", BLOCK)])
+    down = found[("sqnr", f"{BLOCK}.down_proj")]
+    assert down.verdict == "fail" and down.details["worst_expert"] == 3 and "judged on expert 3" in down.message
+    assert found[("weight_sqnr", f"{BLOCK}.down_proj")].details["failing_experts"] == [3]
+    coverage = found[("expert_coverage", BLOCK)]
+    assert coverage.verdict == "fail" and "as zeros: expert(s) 3" in coverage.message, coverage.message

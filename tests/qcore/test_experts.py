@@ -194,3 +194,52 @@ def test_routers_are_found_where_the_choice_is_the_top_k_of_one_layers_output():
             assert found == {}, architecture
         else:
             assert [(r.layer, r.top_k, r.experts) for r in found.values()] == [(router, 2, 4)], architecture
+
+
+def test_a_checkpoint_holding_its_experts_as_modules_is_measured_expert_by_expert_on_the_references_tokens():
+    """llm-compressor's linearized form quantized by a tool (torchao here), expert 3's down_proj written as zeros (as
+    GPTQ writes an expert no calibration token reached): each expert layer's SQNR is its output on the tokens the
+    reference routes to it, against the reference expert's (forward hooks), and the zeros are named."""
+    import copy
+
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    from qcore.artifact import ArtifactAnalysis
+    from tests.helpers import torchao_artifact
+
+    model, data = tiny_moe("qwen3_moe", experts=4)
+    reference = linearized_moe(model)
+    damaged = copy.deepcopy(reference)
+    with torch.no_grad():
+        damaged.model.layers[0].mlp.experts[3].down_proj.weight.zero_()
+    quantized = torchao_artifact(damaged, Int8WeightOnlyConfig())
+    block = "model.layers.0.mlp.experts"
+    analysis = ArtifactAnalysis(reference, quantized, data)
+    assert sorted(analysis.expert_layers) == sorted(f"{block}.{e}.{p}" for e in range(4)
+                                                    for p in ("gate_proj", "up_proj", "down_proj"))
+    inputs, outputs = {e: [] for e in range(4)}, {e: [] for e in range(4)}
+
+    def keep(expert):
+        def hook(module, args, output):
+            inputs[expert].append(args[0])
+            outputs[expert].append(output)
+        return hook
+
+    handles = [reference.get_submodule(f"{block}.{e}.down_proj").register_forward_hook(keep(e)) for e in range(4)]
+    with torch.no_grad():
+        for batch in data:
+            reference(**batch)
+    for handle in handles:
+        handle.remove()
+    for expert in range(4):
+        layer = quantized.get_submodule(f"{block}.{expert}.down_proj")
+        with torch.no_grad():
+            ours = torch.cat([layer(x) for x in inputs[expert]])
+        expected = float(compute_sqnr(torch.cat(outputs[expert]), ours))
+        measured = analysis.sqnr.layers[f"{block}.{expert}.down_proj"].sqnr_db
+        assert measured == pytest.approx(expected, abs=0.01), (expert, measured)
+        assert (measured == pytest.approx(0.0, abs=1e-6)) == (expert == 3)  # zeros: all signal is error
+    found = analysis.checkpoint_experts[block]
+    assert found.experts == 4 and found.zeros == (3,) and not found.non_finite
+    downs = found.weight_sqnr_db["down_proj"]
+    assert downs[3] == pytest.approx(0.0) and min(downs[:3]) > 30
