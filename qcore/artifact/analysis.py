@@ -46,7 +46,7 @@ from qcore.artifact.tools import (
     tool_recipes,
     unwrapped_artifact,
 )
-from qcore.graph.experts import ExpertLayer, held_expert_layers
+from qcore.graph.experts import ExpertLayer, held_expert_layers, module_list_experts, with_experts_held
 from qcore.measure.passes import SqnrMeasurement
 from qcore.measure.screens import screened_ladder, shortest_head
 from qcore.numeric.logits import LogitsMeasurement
@@ -185,7 +185,10 @@ class ArtifactAnalysis:
         of the stack of blocks to go through one at a time (qcore.artifact.blockwise), None for whole passes;
         `device`: where a block-wise pass onloads the blocks; `group`: the ArtifactGroup of artifacts of the same
         reference this one is measured with, as its member `member`; `shadow`: measure each layer's own error."""
-        self.reference, self.quantized = reference.eval(), unwrapped_artifact(quantized).eval()
+        self.quantized = unwrapped_artifact(quantized).eval()
+        # fused experts in the reference pair with a checkpoint's experts held as modules through a view of them
+        reference = with_experts_held(reference, module_list_experts(self.quantized))
+        self.reference = reference.eval()
         self.stack, self.device = stack, device
         self.float_layers = tuple(float_layers)
         self.logits_planned = logits

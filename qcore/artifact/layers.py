@@ -73,6 +73,12 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
 
 
+def _stateless(module: nn.Module) -> bool:
+    """Whether a module holds nothing (an activation function, a dropout): where it sits does not pair layers
+    (llm-compressor's linearized experts keep one activation per expert where fused experts keep one)."""
+    return not _own_tensors(module) and not any(True for _ in module.children())
+
+
 def _args_text(args: Any) -> str:
     if args is None:
         return "-"
@@ -159,7 +165,8 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
             continue  # a tool's own state, or a quantized layer's own submodules
         twin = references.get(name)
         if twin is None:
-            only_quantized.append(name)
+            if not _stateless(module):
+                only_quantized.append(name)
             continue
         text = _format(module, twin, lambda name=name: (module_tensor(quantized, f"{name}.weight"),
                                                         module_tensor(reference, f"{name}.weight")))
@@ -177,7 +184,8 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
         layers.append(ArtifactLayer(name, type(references[name]).__name__, found[name],
                                     isinstance(weight, torch.Tensor)))
     kept = {name for name, _ in modules}
-    only_reference = [name for name in references if name and name not in kept and not _under(name, found)]
+    only_reference = [name for name, module in references.items()
+                      if name and name not in kept and not _under(name, found) and not _stateless(module)]
     if only_quantized or only_reference:
         raise ArtifactMismatchError(
             "the quantized model's modules do not match the float reference's by name: "

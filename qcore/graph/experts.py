@@ -11,7 +11,9 @@ the Linear it stands for. The model computes the same function; the graph record
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import copy
+import types
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,8 @@ import torch
 from torch import fx, nn
 
 __all__ = ["EXPERTS_KEY", "ExpertLayer", "MoeBlock", "Router", "expert_layers", "fused_experts_modules",
-           "expert_linears", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks", "routers"]
+           "expert_linears", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks", "routers",
+           "with_experts_held"]
 
 EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -212,6 +215,38 @@ def linearized_experts(model: nn.Module) -> Iterator[dict[str, Any]]:
             config._experts_implementation = implementation
         for module, name in added:
             delattr(module, name)
+
+
+def with_experts_held(model: nn.Module, paths: Iterable[str]) -> nn.Module:
+    """`model` as a view whose fused experts modules at `paths` hold their experts as modules too (children "0",
+    "1", ... with Linear views of the fused weights) and compute through them, one expert at a time on its routed
+    tokens: the same function, layer names that pair with a checkpoint holding its experts as modules. Nothing is
+    copied but the modules on the way to each path (their parameters are shared); `model` is left as it was."""
+    fused = fused_experts_modules(model)
+    wanted = [path for path in paths if path in fused]
+    if not wanted:
+        return model
+    root = _shallow(model)
+    for path in wanted:
+        parent = root
+        parts = path.split(".")
+        for name in parts[:-1]:
+            child = _shallow(parent._modules[name])
+            parent._modules[name] = child
+            parent = child
+        view = _shallow(fused[path])
+        for expert in range(int(getattr(view, "num_experts", view.down_proj.shape[0]))):
+            view._modules[str(expert)] = expert_linears(fused[path], expert)
+        view.forward = types.MethodType(_experts_forward, view)
+        parent._modules[parts[-1]] = view
+    return root
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of `module` sharing its parameters, buffers and children, with a children dict of its own."""
+    copied = copy.copy(module)
+    copied._modules = dict(module._modules)
+    return copied
 
 
 def expert_layers(gm: fx.GraphModule) -> dict[str, ExpertLayer]:

@@ -243,3 +243,26 @@ def test_a_checkpoint_holding_its_experts_as_modules_is_measured_expert_by_exper
     assert found.experts == 4 and found.zeros == (3,) and not found.non_finite
     downs = found.weight_sqnr_db["down_proj"]
     assert downs[3] == pytest.approx(0.0) and min(downs[:3]) > 30
+
+
+def test_a_checkpoint_holding_its_experts_as_modules_pairs_with_a_fused_reference_and_leaves_it_as_it_was():
+    """The user's transformers 5 model (fused experts) as the reference of llm-compressor's linearized form quantized
+    by a tool: every expert layer pairs with a view of the fused weights, with the numbers of the linearized
+    reference."""
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    from qcore.artifact import ArtifactAnalysis
+    from tests.helpers import torchao_artifact
+
+    model, data = tiny_moe("qwen3_moe", experts=4)
+    quantized = torchao_artifact(linearized_moe(model), Int8WeightOnlyConfig())
+    fused = ArtifactAnalysis(model, quantized, data)
+    linear = ArtifactAnalysis(linearized_moe(model), quantized, data)
+    assert sorted(fused.expert_layers) == sorted(linear.expert_layers) and len(fused.expert_layers) == 12
+    for name, entry in linear.sqnr.layers.items():
+        assert fused.sqnr.layers[name].sqnr_db == pytest.approx(entry.sqnr_db, abs=1e-4), name
+        assert fused.sqnr.layers[name].weight_sqnr_db == pytest.approx(entry.weight_sqnr_db, abs=1e-6), name
+    assert fused.checkpoint_experts.keys() == linear.checkpoint_experts.keys()
+    # the reference the user gave is untouched: no expert children, its own forward
+    experts = model.model.layers[0].mlp.experts
+    assert not [name for name, _ in experts.named_children() if name.isdigit()] and "forward" not in vars(experts)
