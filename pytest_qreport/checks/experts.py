@@ -99,9 +99,20 @@ class ExpertCoverageCheck(Check):
                 if math.isfinite(value) and value < median - SIBLING_GAP_DB and expert not in far \
                         and expert not in block.zeros:
                     far[expert] = f"{parameter} {value:.1f} dB against its siblings' median {median:.1f} dB"
-        damaged = sorted(set(block.zeros) | set(block.non_finite) | set(far))
+        scaled: dict[int, tuple[str, float, float, float]] = {}  # expert: (parameter, SQNR, factor, fitted SQNR)
+        for parameter, values in block.weight_sqnr_db.items():
+            fits = block.scale_fit.get(parameter, [])
+            for expert, (value, (factor, fitted)) in enumerate(zip(values, fits, strict=False)):
+                # no closer to the reference's weights than zeros are, yet a scaled copy of them
+                if value <= 0.0 and fitted >= MISSCALED_FIT_DB and expert not in block.zeros and expert not in scaled:
+                    scaled[expert] = (parameter, value, factor, fitted)
+        for expert in scaled:
+            far.pop(expert, None)
+        damaged = sorted(set(block.zeros) | set(block.non_finite) | set(far) | set(scaled))
         details = {"experts": block.experts, "zeros": list(block.zeros), "non_finite": list(block.non_finite),
-                   "far_below_siblings": sorted(far), "weight_sqnr_db": block.weight_sqnr_db}
+                   "far_below_siblings": sorted(far), "scaled_wrong": sorted(scaled),
+                   "weight_sqnr_db": block.weight_sqnr_db,
+                   "weight_scale_factor": {p: [fit[0] for fit in fits] for p, fits in block.scale_fit.items()}}
         held = any(entry.block == block.block for entry in (getattr(model.analysis, "expert_layers", None) or
                                                              {}).values())
         note = ("the experts' weights were compared one by one with the reference's; their outputs are judged "
@@ -118,15 +129,28 @@ class ExpertCoverageCheck(Check):
         if far:
             parts.append("with a weight SQNR far below their siblings': " + "; ".join(
                 f"expert {expert} ({text})" for expert, text in sorted(far.items())[:_NAMED]))
+        if scaled:
+            first = scaled[min(scaled)]
+            parts.append(f"scaled wrong: expert(s) {_listed(scaled)} hold their reference weights times about "
+                         f"{first[2]:.4g} ({first[0]} of expert {min(scaled)}: weight SQNR {first[1]:.1f} dB, "
+                         f"{first[3]:.1f} dB once that factor is divided out)")
         tool = getattr(model.analysis, "tool", None)
+        fixes = []
+        if set(damaged) - set(scaled):
+            fixes.append("quantize again with every expert calibrated (" + calibrate_every_expert_fix(tool)
+                         + "), or on more calibration samples")
+        if scaled:
+            fixes.append("the model computes with these weights as loaded, so its loader applied a scale the wrong "
+                         "way (dividing where it should multiply, or the reverse): load the checkpoint with one that "
+                         "reads its scales as the tool wrote them, and gate the model it gives")
         message = (f"block {block.block}: the checkpoint holds {len(damaged)} of its {block.experts} experts "
-                   + ", and ".join(parts) + ". Fix: quantize again with every expert calibrated ("
-                   + calibrate_every_expert_fix(tool) + "), or on more calibration samples.")
+                   + ", and ".join(parts) + ". Fix: " + "; ".join(fixes) + ".")
         return self.finding(model, block.block, float(len(damaged)), 0.0, passed=False, message=message,
                             details=details)
 
 
 SIBLING_GAP_DB = 10.0  # an expert's weight SQNR this far below its siblings' median is named as damaged
+MISSCALED_FIT_DB = 10.0  # a weight no closer than zeros that is a scaled copy to this SQNR was scaled wrong
 
 
 def _listed(experts: Any) -> str:

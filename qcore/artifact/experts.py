@@ -33,6 +33,10 @@ class CheckpointExperts:
     weight_sqnr_db: dict[str, list[float]] = field(default_factory=dict)  # {parameter: [per expert]}
     zeros: tuple[int, ...] = ()
     non_finite: tuple[int, ...] = ()
+    # {parameter: [per expert (s, SQNR of the reference against the checkpoint's weight divided by s)]}: s the least
+    # squares factor of the checkpoint's weight on the reference's (1 for a sound one; a loader that applies a scale
+    # the wrong way gives every expert one far from 1, with a high SQNR once divided out)
+    scale_fit: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     @property
     def changed(self) -> bool:
@@ -46,6 +50,18 @@ def _sqnr_per_expert(reference: torch.Tensor, quantized: torch.Tensor) -> list[f
     signal, noise = ref.pow(2).sum(1), (ref - act).pow(2).sum(1)
     values = torch.where(noise == 0, torch.full_like(noise, math.inf), 10 * torch.log10(signal / noise))
     return [float(v) for v in values.tolist()]
+
+
+def _scale_fit_per_expert(reference: torch.Tensor, quantized: torch.Tensor) -> list[tuple[float, float]]:
+    """Per expert slice (dim 0): the factor s that best maps the reference's weight onto the checkpoint's (least
+    squares), and the reference's SQNR against the checkpoint's weight divided by s, in float64."""
+    ref, act = reference.detach().double().flatten(1), quantized.detach().double().flatten(1)
+    signal = ref.pow(2).sum(1)
+    factor = (ref * act).sum(1) / signal.clamp_min(torch.finfo(torch.float64).tiny)
+    safe = torch.where(factor == 0, torch.ones_like(factor), factor)
+    noise = (ref - act / safe.unsqueeze(1)).pow(2).sum(1)
+    fitted = torch.where(noise == 0, torch.full_like(noise, math.inf), 10 * torch.log10(signal / noise))
+    return [(float(f), float(d)) for f, d in zip(factor.tolist(), fitted.tolist(), strict=True)]
 
 
 def _reference_weights(fused: nn.Module | None, held: dict[int, nn.Module], expert: int) -> dict[str, torch.Tensor]:
@@ -63,6 +79,7 @@ def _held_block(path: str, experts: dict[int, nn.Module], fused: nn.Module | Non
     """One block whose checkpoint holds its experts as modules (a tool's quantized layers), against the
     reference's experts (held as modules or fused); None when none pairs."""
     sqnr: dict[str, list[float]] = {}
+    fits: dict[str, list[tuple[float, float]]] = {}
     zeros: set[int] = set()
     non_finite: set[int] = set()
     for expert, module in experts.items():
@@ -72,15 +89,18 @@ def _held_block(path: str, experts: dict[int, nn.Module], fused: nn.Module | Non
             if theirs is None or theirs.numel() != ours[name].numel():
                 continue
             theirs = theirs.detach().reshape(ours[name].shape)
-            sqnr.setdefault(name, [math.nan] * len(experts))[list(experts).index(expert)] = \
+            position = list(experts).index(expert)
+            sqnr.setdefault(name, [math.nan] * len(experts))[position] = \
                 _sqnr_per_expert(ours[name].unsqueeze(0), theirs.unsqueeze(0))[0]
+            fits.setdefault(name, [(math.nan, math.nan)] * len(experts))[position] = \
+                _scale_fit_per_expert(ours[name].unsqueeze(0), theirs.unsqueeze(0))[0]
             if bool((theirs == 0).all()):
                 zeros.add(expert)
             if not bool(torch.isfinite(theirs).all()):
                 non_finite.add(expert)
     if not sqnr:
         return None
-    return CheckpointExperts(path, len(experts), sqnr, tuple(sorted(zeros)), tuple(sorted(non_finite)))
+    return CheckpointExperts(path, len(experts), sqnr, tuple(sorted(zeros)), tuple(sorted(non_finite)), fits)
 
 
 def checkpoint_experts(reference: nn.Module, quantized: nn.Module) -> dict[str, CheckpointExperts]:
@@ -98,6 +118,7 @@ def checkpoint_experts(reference: nn.Module, quantized: nn.Module) -> dict[str, 
         if path not in references:
             continue
         sqnr: dict[str, list[float]] = {}
+        fits: dict[str, list[tuple[float, float]]] = {}
         zeros: set[int] = set()
         non_finite: set[int] = set()
         for name, parameter in module.named_parameters(recurse=False):
@@ -108,10 +129,11 @@ def checkpoint_experts(reference: nn.Module, quantized: nn.Module) -> dict[str, 
             if theirs.shape != ours.shape:
                 continue
             sqnr[name] = _sqnr_per_expert(ours, theirs)
+            fits[name] = _scale_fit_per_expert(ours, theirs)
             flat = theirs.detach().flatten(1)
             zeros.update(int(e) for e in (flat == 0).all(1).nonzero().flatten().tolist())
             non_finite.update(int(e) for e in (~torch.isfinite(flat)).any(1).nonzero().flatten().tolist())
         if sqnr:
             found[path] = CheckpointExperts(path, int(module_tensor(quantized, f"{path}.down_proj").shape[0]), sqnr,
-                                            tuple(sorted(zeros)), tuple(sorted(non_finite)))
+                                            tuple(sorted(zeros)), tuple(sorted(non_finite)), fits)
     return found

@@ -1,0 +1,97 @@
+"""llm-compressor 0.14 checkpoints of a tiny Qwen3-MoE, loaded as a user of transformers 5.24 loads them (experts
+fused again and dequantized at load). tests/data/llmcompressor_moe/make.py made them with llm-compressor in its own
+environment: W4A16 with QuantizationModifier and with GPTQ (the experts calibrated as routed, so the one expert the
+router never chooses gets no token), FP8_DYNAMIC and NVFP4."""
+import math
+import pathlib
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from pytest_qreport.checks import BUILTIN_CHECKS
+from pytest_qreport.core.pipeline import collect_model
+from pytest_qreport.core.settings import ModelSettings
+from qcore.artifact import ArtifactAnalysis
+from qcore.formats.presets import preset
+from qcore.numeric import compute_sqnr
+from tests.helpers import builtin_registry
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "llmcompressor_moe"
+BLOCK = "model.layers.0.mlp.experts"
+UNREACHED = 2  # make.py's router never chooses it
+
+
+def _loaded(name):
+    return transformers.AutoModelForCausalLM.from_pretrained(DATA / name, device_map="cpu").eval()
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(2)
+    return [{"input_ids": torch.randint(0, 128, (2, 16), generator=generator)} for _ in range(3)]
+
+
+def _gated(name, checks=("expert_coverage", "model_sqnr")):
+    """{(check, item): Finding} of the checkpoint gated against its reference, as the plugin does."""
+    reference, quantized, batches = _loaded("reference"), _loaded(name), _batches()
+    settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, quantized=lambda: quantized,
+                                      checks=list(checks))
+    pipeline = collect_model("moe", settings, builtin_registry(), None, reference, batches[0], quantized=quantized)
+    pipeline.analyze(lambda: batches, lambda found: None)
+    return pipeline.findings
+
+
+@pytest.mark.parametrize(("name", "format_name", "tolerance_db"), [("w4a16", "W4A16", 0.05),
+                                                                     ("fp8_dynamic", "FP8_DYNAMIC", 0.0)])
+def test_each_expert_as_loaded_is_its_reference_expert_in_the_recipes_format(name, format_name, tolerance_db):
+    """Each expert's weight SQNR read from the checkpoint is the one our format of the same name gives the reference
+    expert: FP8_DYNAMIC bit for bit, W4A16 to 0.05 dB (a few values per expert one step apart)."""
+    reference, quantized = _loaded("reference"), _loaded(name)
+    found = ArtifactAnalysis(reference, quantized, _batches()).checkpoint_experts[BLOCK]
+    assert found.experts == 5 and not found.zeros and not found.non_finite
+    experts = reference.model.layers[0].mlp.experts
+    for parameter in ("gate_up_proj", "down_proj"):
+        for expert, weight in enumerate(getattr(experts, parameter).detach()):
+            ours = preset(format_name).weight.fake_quantize(weight, weight=True)
+            if tolerance_db == 0.0:
+                loaded = getattr(quantized.model.layers[0].mlp.experts, parameter)[expert]
+                assert torch.equal(loaded, ours), (parameter, expert)
+            assert found.weight_sqnr_db[parameter][expert] == pytest.approx(float(compute_sqnr(weight, ours)),
+                                                                           abs=tolerance_db + 1e-4), (parameter, expert)
+            assert found.scale_fit[parameter][expert][0] == pytest.approx(1.0, abs=0.01)
+
+
+def test_gptqs_expert_that_calibration_never_reached_is_named_with_llm_compressors_fix():
+    found = _gated("gptq_w4a16")
+    coverage = found[("expert_coverage", BLOCK)]
+    assert coverage.verdict == "fail" and coverage.details["zeros"] == [UNREACHED], coverage.message
+    assert f"as zeros: expert(s) {UNREACHED} (GPTQ writes an expert that no calibration token reached" in \
+        coverage.message
+    assert "llm-compressor: oneshot(..., moe_calibrate_all_experts=True)" in coverage.message
+
+
+def test_nvfp4_experts_loaded_without_their_global_scale_are_named_as_scaled_wrong():
+    """transformers 5.24 with compressed-tensors 0.20 loads these NVFP4 experts fused and dequantized with their
+    global scale multiplied in, where the checkpoint's values are divided by it (read by hand below: 20 dB): every
+    expert is its reference times that scale, and the item says so."""
+    found = _gated("nvfp4")
+    coverage = found[("expert_coverage", BLOCK)]
+    assert coverage.verdict == "fail" and coverage.details["scaled_wrong"] == list(range(5)), coverage.message
+    assert "scaled wrong: expert(s) 0, 1, 2, 3, 4 hold their reference weights times about" in coverage.message
+    with safe_open(DATA / "nvfp4" / "model.safetensors", "pt") as stored:
+        global_scale = float(stored.get_tensor(f"{BLOCK}.1.down_proj.weight_global_scale"))
+    factor = coverage.details["weight_scale_factor"]["down_proj"][1]
+    assert factor == pytest.approx(global_scale, rel=0.01)
+    # and the model as loaded cannot run on the CPU: its attention layers decompress to bfloat16 beside float32
+    output = found[("model_sqnr", "output")]
+    assert output.verdict == "error" and "in layer model.layers.0.self_attn.q_proj" in output.message
+    # the checkpoint itself is sound: its values divided by the global scale are a 4-bit copy of the reference
+    reference = _loaded("reference").model.layers[0].mlp.experts.down_proj[1].detach()
+    with safe_open(DATA / "nvfp4" / "model.safetensors", "pt") as stored:
+        packed = stored.get_tensor(f"{BLOCK}.1.down_proj.weight_packed")
+        scales = stored.get_tensor(f"{BLOCK}.1.down_proj.weight_scale").float()
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    values = torch.stack([e2m1[(packed & 0xF).long()], e2m1[(packed >> 4).long()]], -1).reshape(packed.shape[0], -1)
+    weight = (values.reshape(values.shape[0], -1, 16) * (scales / global_scale).unsqueeze(-1)).reshape(values.shape)
+    assert 15 < float(compute_sqnr(reference, weight)) < 30 and not math.isnan(factor)
