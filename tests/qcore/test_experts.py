@@ -71,6 +71,17 @@ def test_experts_held_as_modules_are_measured_as_the_fused_experts_they_equal(pr
     assert linearized.worst_output().sqnr_db == pytest.approx(fused.worst_output().sqnr_db, abs=1e-6)
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+def test_the_capture_computes_what_each_of_transformers_experts_implementations_does(implementation):
+    model, data = tiny_moe("qwen3_moe", experts=4)
+    model.set_experts_implementation(implementation)
+    with torch.no_grad():
+        eager = model(**data[1]).logits
+    gm = qcore.capture(model, data[0])
+    torch.testing.assert_close(_logits(gm(**data[1])), eager, atol=2e-5, rtol=1e-4)
+    assert len(expert_layers(gm)) == 12 and model.config._experts_implementation == implementation
+
+
 def test_each_experts_activation_observer_sees_only_the_tokens_routed_to_it():
     model, data = tiny_moe("qwen3_moe", experts=4)
     routed = routed_tokens(model, data)
@@ -108,8 +119,9 @@ def test_each_experts_weight_is_quantized_per_channel_as_its_own_linear():
 
 
 @pytest.mark.parametrize(("architecture", "preset"), [
-    ("qwen3_moe", "int8"), ("qwen3_moe", "W4A16"), ("qwen3_moe", "FP8"), ("qwen3_moe", "NVFP4"), ("mixtral", "NVFP4"),
-    ("gpt_oss", "W4A16"), ("olmoe", "FP8"), ("qwen2_moe", "MXFP4")])
+    *(("qwen3_moe", name) for name in ("int8", "W8A8", "W8A16", "W4A16", "W4A16_ASYM", "FP8", "FP8_DYNAMIC",
+                                       "FP8_BLOCK", "MXFP8", "MXFP4", "NVFP4", "NVFP4A16")),
+    ("mixtral", "NVFP4"), ("gpt_oss", "W4A16"), ("olmoe", "FP8"), ("qwen2_moe", "MXFP4")])
 def test_every_expert_projection_is_measured_under_the_deployed_formats(architecture, preset):
     model, data = tiny_moe(architecture, experts=4)
     quantizer = qcore.Int8StaticQuantizer() if preset == "int8" else FormatQuantizer(preset)
