@@ -103,6 +103,16 @@ def _held_block(path: str, experts: dict[int, nn.Module], fused: nn.Module | Non
     return CheckpointExperts(path, len(experts), sqnr, tuple(sorted(zeros)), tuple(sorted(non_finite)), fits)
 
 
+def _with_expert_quantizers(module: nn.Module, name: str, weights: torch.Tensor) -> torch.Tensor:
+    """A fused parameter as the experts compute with it: through each expert's own weight quantizer where a tool
+    keeps one per expert beside the float parameter (ModelOpt's `<name>_weight_quantizers`), else as stored."""
+    quantizers = getattr(module, f"{name}_weight_quantizers", None)
+    if not isinstance(quantizers, nn.ModuleList) or len(quantizers) != weights.shape[0]:
+        return weights
+    with torch.no_grad():
+        return torch.stack([quantizer(weight) for quantizer, weight in zip(quantizers, weights, strict=True)])
+
+
 def checkpoint_experts(reference: nn.Module, quantized: nn.Module) -> dict[str, CheckpointExperts]:
     """{experts module path: CheckpointExperts} of the experts modules the two models share: fused on both sides,
     or held as modules by the checkpoint (against the reference's, held as modules or fused)."""
@@ -124,7 +134,7 @@ def checkpoint_experts(reference: nn.Module, quantized: nn.Module) -> dict[str, 
         for name, parameter in module.named_parameters(recurse=False):
             if parameter.dim() != 3:
                 continue
-            theirs = module_tensor(quantized, f"{path}.{name}")
+            theirs = _with_expert_quantizers(module, name, module_tensor(quantized, f"{path}.{name}"))
             ours = module_tensor(reference, f"{path}.{name}")
             if theirs.shape != ours.shape:
                 continue

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qcore.artifact import ArtifactAnalysis
+from qcore.numeric import compute_sqnr
 from tests.artifacts.checks import assert_dequantized_as_computed, assert_fix_pastes, assert_gated_like_hooks
 from tests.helpers import FRAGILE_LAYER, TINY_LLAMA_LINEARS, fragile_llama, tiny_llama, token_batches
 
@@ -85,3 +86,29 @@ def test_a_fragile_layer_is_caught_and_the_quant_cfg_entry_passes(name):
         from tests.helpers import output_sqnr_db
 
         assert output_sqnr_db(reference, quantized, token_batches()) == pytest.approx(fix.measured, abs=0.05)
+
+
+def test_a_moe_models_fused_experts_are_read_through_modelopts_per_expert_weight_quantizers():
+    """ModelOpt quantizes transformers 5's fused experts in place (`_QuantFusedExperts`: the float 3-D parameters
+    kept, one weight quantizer per expert): each expert is read as its quantizer gives it, and an expert whose
+    quantizer holds a NaN amax (ModelOpt's uncalibrated experts, its issue #1354) is named."""
+    from tests.models import tiny_moe
+
+    model, data = tiny_moe("qwen3_moe", experts=4)
+    model.set_experts_implementation("eager")  # the implementation ModelOpt intercepts
+    config = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    quantized = mtq.quantize(copy.deepcopy(model), config, lambda m: [m(**batch) for batch in data]).eval()
+    block = "model.layers.0.mlp.experts"
+    experts = quantized.get_submodule(block)
+    with torch.no_grad():
+        experts.down_proj_weight_quantizers[1].amax = torch.tensor(float("nan"))
+    found = ArtifactAnalysis(model, quantized, data).checkpoint_experts[block]
+    reference = model.get_submodule(block)
+    for name in ("gate_up_proj", "down_proj"):
+        for expert in (0, 2, 3):
+            with torch.no_grad():
+                computed = getattr(experts, f"{name}_weight_quantizers")[expert](getattr(experts, name)[expert])
+            expected = float(compute_sqnr(getattr(reference, name)[expert].detach(), computed))
+            assert found.weight_sqnr_db[name][expert] == pytest.approx(expected, abs=1e-3), (name, expert)
+            assert 20 < expected < 40  # FP8 per tensor: quantized, not the float parameter it keeps
+    assert found.non_finite == (1,)
