@@ -32,7 +32,7 @@ from qcore.artifact import (
 )
 from qcore.graph.capture import capture, clone_graph_module
 from qcore.graph.deferred import deferred_parameters, materialized, read_rewritten_where_used
-from qcore.graph.experts import ExpertLayer, MoeBlock, Router, expert_layers, moe_blocks, routers
+from qcore.graph.experts import ExpertLayer, MoeBlock, Router, compact_expert_layers, expert_layers, moe_blocks, routers
 from qcore.graph.inputs import call_model, move_to
 from qcore.graph.ops import find_quantizable_ops, last_layers, matches_layer
 from qcore.graph.rewritable import equalization_refusal
@@ -69,13 +69,13 @@ from qcore.runtime.progress import StageTimes, stage, tracked
 from qcore.search.sensitivity import with_float_layers
 
 __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix",
-           "ArtifactGroup", "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError", "BlockwiseUnsupported",
-           "ExpertLayer", "MoeBlock", "Router",
-           "LayerSqnr", "ModelAnalysis",
-           "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes",
-           "VariantSqnr", "analyze_model", "calibration_digest", "describe", "matches_layer", "measure_sqnr",
-           "model_device", "move_to", "quantize_weights_where_read", "quantized_layers", "smoothing_alpha",
-           "split_into_blocks", "stage", "tool_recipes", "tracked", "with_float_layers", "with_layer_overrides"]
+           "ArtifactGroup", "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError",
+           "BlockwiseUnsupported", "ExpertLayer", "MoeBlock", "Router", "LayerSqnr", "ModelAnalysis", "OutputSqnr",
+           "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes", "VariantSqnr",
+           "analyze_model", "calibration_digest", "compact_expert_layers", "describe", "matches_layer",
+           "measure_sqnr", "model_device", "move_to", "quantize_weights_where_read", "quantized_layers",
+           "smoothing_alpha", "split_into_blocks", "stage", "tool_recipes", "tracked", "with_float_layers",
+           "with_layer_overrides"]
 # the plugin reads qcore through this module, qcore itself, qcore.report and qcore.numeric only (an import-linter
 # contract): the names above that live deeper are re-exported for it
 

@@ -101,27 +101,8 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
 
 
 def compact_expert_layers(layers: Iterable[str], experts: Mapping[str, Any]) -> list[str]:
-    """`layers` with each block's expert layers written as globs where they cover every expert: all of one
-    projection as `block.*.down_proj`, all of a block's as `block`; the others by name, in order."""
-    layers = list(layers)
-    chosen = set(layers)
-    every: dict[tuple[str, str], set[str]] = {}
-    for layer, entry in experts.items():
-        every.setdefault((entry.block, layer.rsplit(".", 1)[-1]), set()).add(layer)
-    complete = {key for key, members in every.items() if members <= chosen}
-    whole_blocks = {block for block in {key[0] for key in every}
-                    if all(key in complete for key in every if key[0] == block)}
-    compacted: list[str] = []
-    for layer in layers:
-        entry = experts.get(layer)
-        if entry is None:
-            name = layer
-        elif entry.block in whole_blocks:
-            name = entry.block
-        elif (entry.block, layer.rsplit(".", 1)[-1]) in complete:
-            name = f"{entry.block}.*.{layer.rsplit('.', 1)[-1]}"
-        else:
-            name = layer
-        if name not in compacted:
-            compacted.append(name)
-    return compacted
+    """`layers` with each block's expert layers written as globs where they cover every expert (qcore's
+    compact_expert_layers): all of one projection as `block.*.down_proj`, all of a block's as `block`."""
+    from qcore.analysis import compact_expert_layers as compacted
+
+    return compacted(layers, experts)

@@ -46,7 +46,13 @@ from qcore.artifact.tools import (
     tool_recipes,
     unwrapped_artifact,
 )
-from qcore.graph.experts import ExpertLayer, held_expert_layers, module_list_experts, with_experts_held
+from qcore.graph.experts import (
+    ExpertLayer,
+    compact_expert_layers,
+    held_expert_layers,
+    module_list_experts,
+    with_experts_held,
+)
 from qcore.measure.passes import SqnrMeasurement
 from qcore.measure.screens import screened_ladder, shortest_head
 from qcore.numeric.logits import LogitsMeasurement
@@ -85,6 +91,7 @@ class ArtifactFix:
     skipped: tuple[str, ...] = ("lm_head",)  # what its quantization config kept in float already (skipped_modules)
     searched: int = 0  # the candidates the search chose among: the layers of largest own error
     quanto_weights: str | None = None  # the weights qtype of a model made by quanto's own quantize()
+    patterns: tuple[str, ...] = ()  # float_layers with a block's experts written as globs (compact_expert_layers)
 
     @property
     def measured_db(self) -> float:
@@ -99,7 +106,7 @@ class ArtifactFix:
     @property
     def recipes(self) -> dict[str, str]:
         """The fix as each tool's line (tool_recipes)."""
-        return tool_recipes(self.float_layers, self.skipped, self.quanto_weights)
+        return tool_recipes(self.float_layers, self.skipped, self.quanto_weights, self.patterns or None)
 
     @property
     def tool_line(self) -> str | None:
@@ -549,8 +556,10 @@ class ArtifactAnalysis:
         searched = 0
 
         def kept(chosen: Iterable[str], measured: float, trials: int) -> ArtifactFix:
-            fix = ArtifactFix(metric, target, before, tuple(chosen), measured, _meets(measured, target, higher),
-                              trials, self.tool, self.skipped, searched, self.quanto_weights)
+            chosen = tuple(chosen)
+            fix = ArtifactFix(metric, target, before, chosen, measured, _meets(measured, target, higher),
+                              trials, self.tool, self.skipped, searched, self.quanto_weights,
+                              tuple(compact_expert_layers(chosen, self.expert_layers)))
             self._fixes[key] = fix
             return fix
 

@@ -8,6 +8,7 @@ No tool is imported to recognise its model. Where a tool's weight can only be de
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -355,26 +356,36 @@ def skipped_modules(model: nn.Module) -> list[str]:
     return ["lm_head"] if isinstance(getattr(model, "lm_head", None), nn.Module) else []
 
 
+def _regex(pattern: str) -> str:
+    """A float_layers glob as a regular expression over module names: `*` one name part, a module's name also its
+    submodules'."""
+    return re.escape(pattern).replace(r"\*", r"[^.]+") + r"(\..+)?$"
+
+
 def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head",),
-                 quanto_weights: str | None = None) -> dict[str, str]:
+                 quanto_weights: str | None = None, patterns: Iterable[str] | None = None) -> dict[str, str]:
     """The line that keeps `float_layers` unquantized in each tool that makes artifacts, by tool (and qmodel's
     float_layers); `skipped`: what the tool's setting already held (skipped_modules); `quanto_weights`: the
     weights qtype of a model made by quanto's own quantize() (quanto_quantize_weights), whose line is then that
-    call's exclude, else transformers' QuantoConfig."""
+    call's exclude, else transformers' QuantoConfig. `patterns`: the same layers written with globs (a block's
+    experts as `block.*.down_proj`), for the tools that take patterns (qmodel, llm-compressor's `re:`, ModelOpt,
+    GPTQModel); the others list every name."""
     names = list(float_layers)
-    listed = ", ".join(repr(name) for name in names)
+    globs = list(patterns) if patterns is not None else names
+    listed = ", ".join(repr(name) if "*" not in name and name in names else repr("re:" + _regex(name))
+                       for name in globs)
     in_float = [*skipped, *(name for name in names if name not in skipped)]
     kept = ", ".join(repr(name) for name in in_float)
-    pattern = "|".join(name.replace(".", r"\.") for name in names)
+    pattern = "|".join(name.replace(".", r"\.") if name in names else _regex(name) for name in globs)
     return {
-        "float_layers": f"float_layers={names!r}",
+        "float_layers": f"float_layers={globs!r}",
         "llm-compressor": f"ignore=[..., {listed}]",
-        "modelopt": _modelopt_line(names),
+        "modelopt": _modelopt_line(globs),
         "bitsandbytes": f"BitsAndBytesConfig(..., llm_int8_skip_modules=[{kept}])",
         "quanto": f"quantize(model, weights={quanto_weights}, exclude=[{kept}])" if quanto_weights else
                   f"QuantoConfig(..., modules_to_not_convert=[{kept}])",
         # AutoHQQHFModel.quantize_model skips by linear tag (every block's), so one layer goes back after it
-        "hqq": f"for name in [{listed}]: model.set_submodule(name, float_model.get_submodule(name))  # after "
+        "hqq": f"for name in {names!r}: model.set_submodule(name, float_model.get_submodule(name))  # after "
                "AutoHQQHFModel.quantize_model(model, ...), float_model a copy of the model before it",
         "gptqmodel": f"QuantizeConfig(..., dynamic={{{'-:' + pattern!r}: {{}}}})",
         "torchao": f"quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear) "

@@ -13,16 +13,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-__all__ = ["EXPERTS_KEY", "ExpertLayer", "MoeBlock", "Router", "expert_layers", "fused_experts_modules",
-           "expert_linears", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks", "routers",
-           "with_experts_held"]
+__all__ = ["EXPERTS_KEY", "ExpertLayer", "MoeBlock", "Router", "compact_expert_layers", "expert_layers",
+           "fused_experts_modules", "expert_linears", "held_expert_layers", "linearized_experts",
+           "module_list_experts", "moe_blocks", "routers", "with_experts_held"]
 
 EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -247,6 +247,33 @@ def _shallow(module: nn.Module) -> nn.Module:
     copied = copy.copy(module)
     copied._modules = dict(module._modules)
     return copied
+
+
+def compact_expert_layers(layers: Iterable[str], experts: Mapping[str, ExpertLayer]) -> list[str]:
+    """`layers` with each block's expert layers written as globs where they cover every expert: all of one
+    projection as `block.*.down_proj`, all of a block's as `block`; the others by name, in order."""
+    layers = list(layers)
+    chosen = set(layers)
+    every: dict[tuple[str, str], set[str]] = {}
+    for layer, entry in experts.items():
+        every.setdefault((entry.block, layer.rsplit(".", 1)[-1]), set()).add(layer)
+    complete = {key for key, members in every.items() if members <= chosen}
+    whole_blocks = {block for block in {key[0] for key in every}
+                    if all(key in complete for key in every if key[0] == block)}
+    compacted: list[str] = []
+    for layer in layers:
+        found = experts.get(layer)
+        if found is None:
+            name = layer
+        elif found.block in whole_blocks:
+            name = found.block
+        elif (found.block, layer.rsplit(".", 1)[-1]) in complete:
+            name = f"{found.block}.*.{layer.rsplit('.', 1)[-1]}"
+        else:
+            name = layer
+        if name not in compacted:
+            compacted.append(name)
+    return compacted
 
 
 def expert_layers(gm: fx.GraphModule) -> dict[str, ExpertLayer]:

@@ -278,3 +278,33 @@ def test_a_checkpoint_holding_its_experts_as_modules_pairs_with_a_fused_referenc
     # the reference the user gave is untouched: no expert children, its own forward
     experts = model.model.layers[0].mlp.experts
     assert not [name for name, _ in experts.named_children() if name.isdigit()] and "forward" not in vars(experts)
+
+
+def test_a_fix_of_every_expert_of_a_projection_is_one_pattern_in_each_tool_that_takes_patterns():
+    """llm-compressor's `re:` and GPTQModel's dynamic regex match exactly the experts the glob covers (as each tool
+    matches, re.match on module names); ModelOpt's wildcard every quantizer of theirs; the tools without patterns list
+    each name."""
+    import ast
+    import fnmatch
+    import re
+
+    from qcore.artifact import tool_recipes
+    from qcore.graph.experts import compact_expert_layers, held_expert_layers
+
+    model = linearized_moe(tiny_moe("qwen3_moe", experts=4)[0])
+    block = "model.layers.0.mlp.experts"
+    names = [f"{block}.{e}.down_proj" for e in range(4)] + ["model.layers.0.self_attn.o_proj"]
+    patterns = compact_expert_layers(names, held_expert_layers(model))
+    assert patterns == [f"{block}.*.down_proj", "model.layers.0.self_attn.o_proj"]
+    recipes = tool_recipes(names, ["lm_head"], None, patterns)
+    modules = [name for name, _ in model.named_modules() if name]
+    ignore = ast.literal_eval("[" + recipes["llm-compressor"].split("[..., ", 1)[1])  # as pasted
+    expressions = [entry[3:] for entry in ignore if entry.startswith("re:")]
+    assert [m for m in modules if any(re.match(expression, m) for expression in expressions)] == names[:4]
+    dynamic = next(iter(ast.literal_eval(recipes["gptqmodel"].split("dynamic=", 1)[1][:-1])))
+    assert [m for m in modules if re.match(dynamic.removeprefix("-:"), m)] == sorted(names, key=modules.index)
+    wildcards = re.findall(r"'quantizer_name': '([^']+)'", recipes["modelopt"])
+    quantizers = [f"{m}.weight_quantizer" for m in modules]
+    assert {q.rsplit(".", 1)[0] for q in quantizers if any(fnmatch.fnmatch(q, w) for w in wildcards)} == set(names)
+    assert recipes["float_layers"] == f"float_layers={patterns!r}"
+    assert all(repr(name) in recipes["bitsandbytes"] for name in names)  # no patterns there: every name
