@@ -1,4 +1,4 @@
-"""The transformers zoo: 34 architectures as users declare them, under int8 and four deployed formats.
+"""The transformers zoo: 46 architectures as users declare them, under int8 and four deployed formats.
 
 Each architecture of `hf_zoo/architectures.py` (decoders, mixture-of-experts decoders, encoders, sequence to
 sequence, vision and audio models; default configs made tiny, seeded random weights, `{"input_ids": ...}`-style
