@@ -69,6 +69,26 @@ class Stack(nn.Module):
 '''
 
 
+# four linears, the third with four input columns 25x the rest: NVFP4 loses them, a finer format keeps them (the
+# source of a class Net, for pytester projects and for the tests that exec it)
+LADDER_NET = '''
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(128, 128) for _ in range(4)])
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.copy_(torch.randn(128, 128, generator=g) / 128 ** 0.5)
+            self.layers[2].weight[:, :4] *= 25.0
+
+    def forward(self, x):
+        for index, layer in enumerate(self.layers):
+            x = layer(x) if index == 3 else torch.relu(layer(x))
+        return x
+'''
+
+
 def run_with_rows(pytester, *args):
     """(the result of `pytest --qreport -v` with `args`, its JSON rows by (model, check, layer))."""
     import json

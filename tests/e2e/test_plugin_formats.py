@@ -8,7 +8,7 @@ from torch import nn
 from torchao.prototype.mx_formats.inference_workflow import NVFP4WeightOnlyConfig  # at import: see conftest.py
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-from tests.helpers import TINY_SOURCE
+from tests.helpers import LADDER_NET, TINY_SOURCE
 
 MIXED = TINY_SOURCE + '''
 
@@ -81,23 +81,7 @@ def test_layer_formats_on_the_command_line_and_on_an_int8_quantizer(pytester):
         result.stdout.str())
 
 
-LADDER = TINY_SOURCE + '''
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.layers = nn.ModuleList([nn.Linear(128, 128) for _ in range(4)])
-        with torch.no_grad():
-            for layer in self.layers:
-                layer.weight.copy_(torch.randn(128, 128, generator=g) / 128 ** 0.5)
-            self.layers[2].weight[:, :4] *= 25.0
-
-    def forward(self, x):
-        for index, layer in enumerate(self.layers):
-            x = layer(x) if index == 3 else torch.relu(layer(x))
-        return x
-
+LADDER = TINY_SOURCE + "\n" + LADDER_NET + '''
 
 @pytest.fixture
 def batches():

@@ -498,27 +498,13 @@ def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_
     assert len(passes) - before == 1 and dict(broken.own_sqnr_db) == dict(alone.own_sqnr_db)
 
 
-class _Ladder(nn.Module):
-    """Four linears, the third with four input columns 25x the rest: NVFP4 loses them, a finer format keeps them."""
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.layers = nn.ModuleList([nn.Linear(128, 128) for _ in range(4)])
-        with torch.no_grad():
-            for layer in self.layers:
-                layer.weight.copy_(torch.randn(128, 128, generator=g) / 128 ** 0.5)
-            self.layers[2].weight[:, :4] *= 25.0
-
-    def forward(self, x):
-        for index, layer in enumerate(self.layers):
-            x = layer(x) if index == 3 else torch.relu(layer(x))
-        return x
-
-
 def _ladder():
+    from tests.helpers import LADDER_NET
+
+    namespace = {"torch": torch, "nn": nn}
+    exec(LADDER_NET, namespace)
     torch.manual_seed(0)
-    return _Ladder().eval()
+    return namespace["Net"]().eval()
 
 
 def test_a_format_fix_pasted_changes_the_formats_of_the_layers_it_names_and_no_other():

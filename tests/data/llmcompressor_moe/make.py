@@ -12,6 +12,7 @@ torch breaks that import. Writes `reference/` (the float model) and one folder p
 """
 import pathlib
 import shutil
+import sys
 
 import torch
 import transformers
@@ -20,22 +21,17 @@ from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[2]))  # the repository, for tests.models
+from tests.models import tiny_moe  # noqa: E402
+
 IGNORE = ["lm_head", "re:.*mlp.gate$"]  # the routers stay in float, as llm-compressor's MoE examples keep them
 UNREACHED = 2  # the router never chooses this expert (its logit is 0 where two others are above it)
 
 
 def reference():
-    """A seeded one-block Qwen3-MoE, 5 experts, top-2, whose expert 2 no token reaches."""
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, max_position_embeddings=64, use_cache=False, intermediate_size=256, moe_intermediate_size=128,
-        num_experts=5, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    """tests.models.tiny_moe's seeded one-block Qwen3-MoE with 5 experts, top-2, whose expert 2 no token reaches."""
+    model = tiny_moe("qwen3_moe", layers=1, experts=5)[0]
     with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.05)
         router = model.model.layers[0].mlp.gate.weight  # logits (a, -a, 0, b, -b): the top-2 is never expert 2
         router[1], router[UNREACHED], router[4] = -router[0], 0.0, -router[3]
     return model
