@@ -49,6 +49,7 @@ from qcore.artifact.tools import (
 from qcore.graph.experts import (
     ExpertLayer,
     compact_expert_layers,
+    fused_experts_modules,
     held_expert_layers,
     module_list_experts,
     with_experts_held,
@@ -174,6 +175,13 @@ def _meets(value: float, target: float, higher_is_better: bool) -> bool:
     return not math.isnan(value) and (value >= target if higher_is_better else value <= target)
 
 
+def _plainly_fused(model: nn.Module) -> list[str]:
+    """The fused experts modules of `model` that compute with their parameters as stored (no tool's per-expert
+    quantizers beside them, as ModelOpt keeps)."""
+    return [path for path, module in fused_experts_modules(model).items()
+            if not any(name.endswith("_weight_quantizers") for name, _ in module.named_children())]
+
+
 class ArtifactAnalysis:
     """A quantized model measured against its float reference, layer by layer by module name; measurements are
     computed on first use and kept. Both models are put in eval mode, and `device` moves both."""
@@ -192,10 +200,14 @@ class ArtifactAnalysis:
         of the stack of blocks to go through one at a time (qcore.artifact.blockwise), None for whole passes;
         `device`: where a block-wise pass onloads the blocks; `group`: the ArtifactGroup of artifacts of the same
         reference this one is measured with, as its member `member`; `shadow`: measure each layer's own error."""
-        self.quantized = unwrapped_artifact(quantized).eval()
-        # fused experts in the reference pair with a checkpoint's experts held as modules through a view of them
-        reference = with_experts_held(reference, module_list_experts(self.quantized))
-        self.reference = reference.eval()
+        quantized = unwrapped_artifact(quantized)
+        if not is_offloaded(reference) and not is_offloaded(quantized):
+            # fused experts pair with a checkpoint's experts held as modules through a view of them; a checkpoint
+            # whose experts were fused again at load (and dequantized) is viewed so too, and each expert measured
+            fused_again = _plainly_fused(quantized)
+            quantized = with_experts_held(quantized, fused_again)
+            reference = with_experts_held(reference, [*module_list_experts(quantized), *fused_again])
+        self.quantized, self.reference = quantized.eval(), reference.eval()
         self.stack, self.device = stack, device
         self.float_layers = tuple(float_layers)
         self.logits_planned = logits
