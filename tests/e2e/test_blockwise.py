@@ -274,7 +274,7 @@ def test_a_blockwise_model_reports_the_whole_model_numbers_serially_and_under_xd
     # the three modes serially, and block-wise once more under -n 2 (each -n 2 run starts two workers)
     for mode, workers in (("False", []), ("True", []), ("'layers'", []), ("True", ["-n", "2", "-p", "xdist"])):
         pytester.makeconftest(CONFTEST.replace("BLOCKWISE", mode))
-        run = pytester.runpytest_subprocess if workers else pytester.runpytest
+        run = pytester.runpytest
         name = f"{mode}{'-xdist' if workers else ''}"
         result = run("--qreport", "-p", "no:randomly", "-p", "no:cacheprovider", f"--qreport-json={name}.json",
                      *workers)

@@ -76,7 +76,7 @@ def test_under_xdist_workers_agree_on_item_ids_and_only_the_analysing_worker_cap
     _project(pytester)
     pytester.runpytest("--qreport", "--collect-only", "-q")
     _captures(pytester)
-    result = pytester.runpytest_subprocess("--qreport", "-n", "2", "-p", "xdist")
+    result = pytester.runpytest("--qreport", "-n", "2", "-p", "xdist")
     result.assert_outcomes(passed=10)  # xdist refuses a run whose workers collected different ids
     assert _captures(pytester) == ["other", "tiny"]
 
@@ -102,7 +102,7 @@ def test_under_xdist_each_model_is_built_once_at_collection_cold_warm_and_withou
     events = pytester.path / "events.txt"
     for cache in ("cold", "warm", "none"):
         options = ["-p", "no:cacheprovider"] if cache == "none" else []
-        result = pytester.runpytest_subprocess("--qreport", "--collect-only", "-q", "-p", "xdist", "-n", "2", *options)
+        result = pytester.runpytest("--qreport", "--collect-only", "-q", "-p", "xdist", "-n", "2", *options)
         assert result.ret == 0, cache
         # the worker that claims a model builds it; the other takes its items from the claimant's entry
         assert sorted(events.read_text().split("\n")[:-1]) == ["build narrow", "build wide"], cache
@@ -126,7 +126,7 @@ def test_on_a_cold_cache_under_xdist_each_model_is_captured_once_by_the_worker_t
     _project(pytester)
     conftest = pytester.path / "conftest.py"
     conftest.write_text(conftest.read_text() + BROKEN)
-    result = pytester.runpytest_subprocess("--qreport", "-n", "2", "-p", "xdist", "-v")
+    result = pytester.runpytest("--qreport", "-n", "2", "-p", "xdist", "-v")
     result.assert_outcomes(passed=10, errors=1)  # the workers agree on every item id, the failed capture's too
     # tiny and other at collection by the worker that claimed each, which then analyses it; broken's claimant
     # could not capture it, so the other worker tried too, to report the same error

@@ -55,7 +55,7 @@ def test_the_reservation_of_a_dead_process_is_dropped(tmp_path):
 @pytest.mark.parametrize("workers", [[], ["-n", "2", "-p", "xdist"]], ids=["serial", "xdist"])
 def test_a_model_over_the_budget_errors_with_its_estimate_and_the_others_run(pytester, workers):
     pytester.makeconftest(BUDGET_CONFTEST)
-    run = pytester.runpytest_subprocess if workers else pytester.runpytest
+    run = pytester.runpytest
     result = run("--qreport", "-p", "no:randomly", "--qreport-memory-budget=1MiB", *workers)
     result.assert_outcomes(passed=2, errors=2)  # narrow's 2 layers pass; wide's 2 items error
     text = result.stdout.str()
@@ -71,8 +71,8 @@ def test_two_models_that_fit_the_budget_only_one_at_a_time_both_run_under_xdist(
     pytester.makeconftest(BUDGET_CONFTEST.replace("nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 4)",
                                            "nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)"))
     # each estimate is 2.5 MiB: both fit 3 MiB alone, not together, so one worker waits for the other
-    result = pytester.runpytest_subprocess("--qreport", "-p", "no:randomly", "-p", "xdist", "-n", "2",
-                                           "--qreport-memory-budget=3MiB")
+    result = pytester.runpytest("--qreport", "-p", "no:randomly", "-p", "xdist", "-n", "2",
+                                "--qreport-memory-budget=3MiB")
     result.assert_outcomes(passed=4)
 
 
@@ -86,8 +86,8 @@ def test_a_worker_that_waits_for_memory_has_not_built_its_model_yet(pytester):
     source = source.replace("    torch.manual_seed(0)\n", "    log('build wide')\n    torch.manual_seed(0)\n")
     source = source.replace("    torch.manual_seed(1)\n", "    log('build narrow')\n    torch.manual_seed(1)\n")
     pytester.makeconftest(source + BUDGET_EVENTS)
-    result = pytester.runpytest_subprocess("--qreport", "-p", "no:randomly", "-p", "xdist", "-n", "2",
-                                           "--qreport-memory-budget=3.5MiB")
+    result = pytester.runpytest("--qreport", "-p", "no:randomly", "-p", "xdist", "-n", "2",
+                                "--qreport-memory-budget=3.5MiB")
     result.assert_outcomes(passed=4)
     events = (pytester.path / "events.txt").read_text().split("\n")[:-1]
     collection, analysis = events[:-4], events[-4:]

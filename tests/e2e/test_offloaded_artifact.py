@@ -70,7 +70,7 @@ def _number(value):
 @pytest.mark.parametrize("workers", [[], ["-n", "2", "-p", "xdist"]], ids=["serial", "xdist"])
 def test_an_offloaded_pair_is_gated_with_the_rows_of_the_pair_loaded_whole(pytester, checkpoints, workers):
     pytester.makeconftest(CONFTEST.format(root=str(ROOT), checkpoints=str(checkpoints)))
-    run = pytester.runpytest_subprocess if workers else pytester.runpytest
+    run = pytester.runpytest
     result = run("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json", *workers)
     rows = _rows(pytester.path / "r.json")
     whole, offload = rows["whole"], rows["offload"]
