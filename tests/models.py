@@ -180,6 +180,28 @@ def linearized_moe(model):
     return linearized
 
 
+def layer_calls(model, names, batches):
+    """{name: ([its input on each call], [its output on each call])} of the named layers of `model` over `batches`
+    (forward hooks; the model called with each batch's keyword arguments)."""
+    calls = {name: ([], []) for name in names}
+
+    def keep(name):
+        def hook(module, args, output):
+            calls[name][0].append(args[0])
+            calls[name][1].append(output)
+        return hook
+
+    handles = [model.get_submodule(name).register_forward_hook(keep(name)) for name in names]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
 def routed_tokens(model, batches, layer=0):
     """{expert: [the hidden states each batch routes to it]} of the eager model's MoE block `layer` (transformers'
     own experts implementation, read at the experts module's inputs)."""

@@ -101,34 +101,21 @@ def test_experts_fused_again_at_load_are_measured_expert_by_expert_on_the_refere
     """Each expert of the loaded W4A16 checkpoint is a layer: its SQNR is its loaded weight's output on the tokens
     the reference routes to it against the reference expert's (forward hooks on a linearized copy of the
     reference); the expert no token reaches is not measured, and its item says so."""
-    from tests.models import linearized_moe
+    from tests.models import layer_calls, linearized_moe
 
     reference, quantized, batches = _loaded("reference"), _loaded("w4a16"), _batches()
     analysis = ArtifactAnalysis(reference, quantized, batches)
     assert len(analysis.expert_layers) == 15
-    linear = linearized_moe(reference)
-    inputs, outputs = {e: [] for e in range(5)}, {e: [] for e in range(5)}
-
-    def keep(expert):
-        def hook(module, args, output):
-            inputs[expert].append(args[0])
-            outputs[expert].append(output)
-        return hook
-
-    handles = [linear.get_submodule(f"{BLOCK}.{e}.down_proj").register_forward_hook(keep(e)) for e in range(5)]
-    with torch.no_grad():
-        for batch in batches:
-            linear(**batch)
-    for handle in handles:
-        handle.remove()
+    calls = layer_calls(linearized_moe(reference), [f"{BLOCK}.{e}.down_proj" for e in range(5)], batches)
     loaded = quantized.model.layers[0].mlp.experts.down_proj.detach()
     for expert in range(5):
         measured = analysis.sqnr.layers[f"{BLOCK}.{expert}.down_proj"]
         if expert == UNREACHED:
             assert measured.batches == 0 and math.isnan(measured.sqnr_db)
             continue
-        ours = torch.cat([torch.nn.functional.linear(x, loaded[expert]) for x in inputs[expert]])
-        assert measured.sqnr_db == pytest.approx(float(compute_sqnr(torch.cat(outputs[expert]), ours)), abs=0.01)
+        inputs, outputs = calls[f"{BLOCK}.{expert}.down_proj"]
+        ours = torch.cat([torch.nn.functional.linear(x, loaded[expert]) for x in inputs])
+        assert measured.sqnr_db == pytest.approx(float(compute_sqnr(torch.cat(outputs), ours)), abs=0.01)
     found = _gated("w4a16", checks=("sqnr",))
     down = found[("sqnr", f"{BLOCK}.down_proj")]
     assert down.details["unmeasured_experts"] == [UNREACHED] and "Not measured: expert(s) 2" in down.message

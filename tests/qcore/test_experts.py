@@ -12,7 +12,7 @@ from qcore.graph.experts import expert_layers, fused_experts_modules, moe_blocks
 from qcore.graph.ops import find_quantizable_ops
 from qcore.numeric import compute_sqnr
 from qcore.quantization.format_quantizer import FormatQuantizer
-from tests.models import linearized_moe, routed_tokens, tiny_moe
+from tests.models import layer_calls, linearized_moe, routed_tokens, tiny_moe
 
 pytest.importorskip("transformers")
 
@@ -229,25 +229,13 @@ def test_a_checkpoint_holding_its_experts_as_modules_is_measured_expert_by_exper
     analysis = ArtifactAnalysis(reference, quantized, data)
     assert sorted(analysis.expert_layers) == sorted(f"{block}.{e}.{p}" for e in range(4)
                                                     for p in ("gate_proj", "up_proj", "down_proj"))
-    inputs, outputs = {e: [] for e in range(4)}, {e: [] for e in range(4)}
-
-    def keep(expert):
-        def hook(module, args, output):
-            inputs[expert].append(args[0])
-            outputs[expert].append(output)
-        return hook
-
-    handles = [reference.get_submodule(f"{block}.{e}.down_proj").register_forward_hook(keep(e)) for e in range(4)]
-    with torch.no_grad():
-        for batch in data:
-            reference(**batch)
-    for handle in handles:
-        handle.remove()
+    calls = layer_calls(reference, [f"{block}.{e}.down_proj" for e in range(4)], data)
     for expert in range(4):
+        inputs, outputs = calls[f"{block}.{expert}.down_proj"]
         layer = quantized.get_submodule(f"{block}.{expert}.down_proj")
         with torch.no_grad():
-            ours = torch.cat([layer(x) for x in inputs[expert]])
-        expected = float(compute_sqnr(torch.cat(outputs[expert]), ours))
+            ours = torch.cat([layer(x) for x in inputs])
+        expected = float(compute_sqnr(torch.cat(outputs), ours))
         measured = analysis.sqnr.layers[f"{block}.{expert}.down_proj"].sqnr_db
         assert measured == pytest.approx(expected, abs=0.01), (expert, measured)
         assert (measured == pytest.approx(0.0, abs=1e-6)) == (expert == 3)  # zeros: all signal is error
