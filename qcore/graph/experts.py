@@ -223,7 +223,8 @@ def with_experts_held(model: nn.Module, paths: Iterable[str]) -> nn.Module:
     tokens: the same function, layer names that pair with a checkpoint holding its experts as modules. Nothing is
     copied but the modules on the way to each path (their parameters are shared); `model` is left as it was."""
     fused = fused_experts_modules(model)
-    wanted = [path for path in paths if path in fused]
+    # a view already holds its experts (an analysis planned again from one): nothing to make twice
+    wanted = [path for path in paths if path in fused and not any(name.isdigit() for name in fused[path]._modules)]
     if not wanted:
         return model
     root = _shallow(model)
