@@ -48,6 +48,10 @@ SIZES = {  # hidden, intermediate, layers, heads, kv heads (vocabulary 128,256)
     "3b": (3072, 8192, 28, 24, 8),
     "8b": (4096, 14336, 32, 32, 8),
 }
+# Qwen3-30B-A3B's shapes: hidden, each expert's intermediate, layers, heads, kv heads, head_dim, experts, top-k
+# (vocabulary 151,936); every block is a mixture of experts
+MOE_SIZES = {"30b-a3b": (2048, 768, 48, 32, 4, 128, 128, 8)}
+VOCABULARY = {**{size: 128256 for size in SIZES}, **{size: 151936 for size in MOE_SIZES}}
 
 SAMPLER = '''
 import threading, time, json, os, pytest
@@ -92,7 +96,7 @@ def load(name):
 @pytest.fixture(scope="session")
 def batches():
     g = torch.Generator().manual_seed(1)
-    return [{{"input_ids": torch.randint(0, 128256, (1, {tokens}), generator=g)}} for _ in range({count})]
+    return [{{"input_ids": torch.randint(0, {vocabulary}, (1, {tokens}), generator=g)}} for _ in range({count})]
 
 
 @qmodel(calibration="batches", quantized=lambda: load("w4a16"), sqnr_min_db={sqnr}, weight_sqnr_min_db={sqnr},
@@ -135,22 +139,48 @@ def _write_shards(folder: pathlib.Path, tensors: Iterator[tuple[str, Any]]) -> N
 
 def _config(size: str, layers: int | None) -> Any:
     import torch
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
+    if size in MOE_SIZES:
+        hidden, intermediate, depth, heads, kv, head_dim, experts, top_k = MOE_SIZES[size]
+        return Qwen3MoeConfig(vocab_size=VOCABULARY[size], hidden_size=hidden, intermediate_size=6144,
+                              moe_intermediate_size=intermediate, num_hidden_layers=layers or depth,
+                              num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                              num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                              tie_word_embeddings=False, dtype=torch.bfloat16)
     hidden, intermediate, depth, heads, kv = SIZES[size]
     return LlamaConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate,
                        num_hidden_layers=layers or depth, num_attention_heads=heads, num_key_value_heads=kv,
                        dtype=torch.bfloat16)
 
 
+def _saved_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the tensors a checkpoint of `state` holds on disk: fused experts (transformers 5's
+    `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]) as one Linear weight per expert and
+    projection, as Qwen3-30B-A3B's published checkpoint and llm-compressor's hold them."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, tensor in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            experts, double, hidden = tensor.shape
+            for expert in range(experts):
+                for projection in ("gate_proj", "up_proj"):
+                    shapes[f"{name.removesuffix('gate_up_proj')}{expert}.{projection}.weight"] = (double // 2, hidden)
+        elif name.endswith("experts.down_proj"):
+            for expert in range(tensor.shape[0]):
+                shapes[f"{name.removesuffix('down_proj')}{expert}.down_proj.weight"] = tuple(tensor.shape[1:])
+        else:
+            shapes[name] = tuple(tensor.shape)
+    return shapes
+
+
 def make_float(folder: pathlib.Path, config: Any, seed: int = 0) -> None:
     """A float checkpoint of `config` with seeded random weights (normal, std 0.02; norms 1), written one tensor at
     a time: an 8B one never needs its 16 GB in memory."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
+        shapes = _saved_shapes(AutoModelForCausalLM.from_config(config).state_dict())
     generator = torch.Generator().manual_seed(seed)
 
     def tensors() -> Iterator[tuple[str, Any]]:
@@ -179,11 +209,12 @@ def make_w4a16(source: pathlib.Path, folder: pathlib.Path, config: Any, group_si
     )
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors import safe_open
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     scheme = preset_name_to_scheme("W4A16", ["Linear"])
     scheme.weights.group_size = group_size
-    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    # the routers stay in float, as llm-compressor's MoE examples keep them
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head", "re:.*mlp.gate$"])
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")
     index = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
 
@@ -205,7 +236,7 @@ def make_w4a16(source: pathlib.Path, folder: pathlib.Path, config: Any, group_si
 
     _write_shards(folder, tensors())
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     apply_quantization_config(model, quantization)
     saved = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
     assert saved is not None and saved.quantization_config is not None
@@ -270,12 +301,14 @@ PASSING = {"sqnr": -1000.0, "kl": 1e9, "top1": 0.0, "ppl": 1e9}
 DEFAULTS = {"sqnr": 20.0, "kl": 0.02, "top1": 0.95, "ppl": 5.0}
 
 
-def run(folder: pathlib.Path, offload: str, tokens: int, count: int, thresholds: dict, threads: int) -> dict:
+def run(folder: pathlib.Path, offload: str, tokens: int, count: int, thresholds: dict, threads: int,
+        vocabulary: int = 128256) -> dict:
     """One `pytest --qreport` of the pair: its rows, seconds and peak anonymous memory."""
     project = folder / f"project-{offload or 'whole'}"
     project.mkdir(exist_ok=True)
     (project / "conftest.py").write_text(SAMPLER + CONFTEST.format(folder=str(folder), offload=offload,
-                                                                   tokens=tokens, count=count, **thresholds))
+                                                                   tokens=tokens, count=count, vocabulary=vocabulary,
+                                                                   **thresholds))
     peak, report = project / "peak.json", project / "report.json"
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "--qreport", "-q", "-p", "no:cacheprovider",
@@ -294,7 +327,8 @@ def run(folder: pathlib.Path, offload: str, tokens: int, count: int, thresholds:
             "errors": sum(1 for r in data["rows"] if r["verdict"] == "error")}
 
 
-def forward_seconds(folder: pathlib.Path, offload: bool, tokens: int, count: int, threads: int) -> float:
+def forward_seconds(folder: pathlib.Path, offload: bool, tokens: int, count: int, threads: int,
+                    vocabulary: int = 128256) -> float:
     """A plain forward of the quantized model over the same batches on `threads` torch threads, loaded as declared:
     whole, its second run (the first decompresses every layer); offloaded, each decoder layer onloaded and
     decompressed on entry (module docstring)."""
@@ -309,7 +343,7 @@ if {offload}:
     kwargs = dict(device_map="auto", max_memory={{"cpu": "1GiB"}}, offload_folder="{folder}/offload-fwd")
 model = AutoModelForCausalLM.from_pretrained("{folder}/w4a16", **kwargs).eval()
 g = torch.Generator().manual_seed(1)
-batches = [torch.randint(0, 128256, (1, {tokens}), generator=g) for _ in range({count})]
+batches = [torch.randint(0, {vocabulary}, (1, {tokens}), generator=g) for _ in range({count})]
 held = {{}}
 
 def enter(layer, args, kwargs):
@@ -347,6 +381,10 @@ with torch.no_grad():
 
 def block_bytes(size: str) -> tuple[int, int]:
     """(one block's float bytes in bfloat16, its decompressed quantized weights: the same)."""
+    if size in MOE_SIZES:
+        hidden, intermediate, _, heads, kv, head_dim, experts, _ = MOE_SIZES[size]
+        weights = hidden * head_dim * (2 * heads + 2 * kv) + experts * (3 * hidden * intermediate + hidden)
+        return weights * 2, weights * 2
     hidden, intermediate, _, heads, kv = SIZES[size]
     head_dim = hidden // heads
     weights = hidden * hidden * 2 + hidden * kv * head_dim * 2 + 3 * hidden * intermediate
@@ -355,7 +393,8 @@ def block_bytes(size: str) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--size", choices=sorted(SIZES) + sorted(MOE_SIZES), default="1b",
+                        help="Llama's shapes, or Qwen3-30B-A3B's (30b-a3b: 128 experts of 768 in every block)")
     parser.add_argument("--layers", type=int, default=None, help="blocks (default: the size's own)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, default=2)
@@ -391,17 +430,19 @@ def main() -> None:
               + (f"{len(differing)} differ: {differing[:8]}" if differing else "every one equal"))
         return
     float_block, quantized_block = block_bytes(args.size)
-    head_bytes = 2 * 128256 * SIZES[args.size][0] * 2  # the embeddings and the head, bfloat16
-    print(f"{args.size} shapes, {args.layers or SIZES[args.size][2]} blocks, {args.batches} x {args.tokens} tokens, "
+    shape = {**SIZES, **MOE_SIZES}[args.size]
+    vocabulary = VOCABULARY[args.size]
+    head_bytes = 2 * vocabulary * shape[0] * 2  # the embeddings and the head, bfloat16
+    print(f"{args.size} shapes, {args.layers or shape[2]} blocks, {args.batches} x {args.tokens} tokens, "
           f"{args.threads} torch threads; the embeddings and head: {head_bytes / 2**20:.0f} MiB a model; "
           f"one block: {float_block / 2**20:.0f} MiB float + {quantized_block / 2**20:.0f} MiB decompressed")
     results = {}
     declarations = [("offloaded", "run")] if args.only_offloaded else [("whole", ""), ("offloaded", "run")]
     for declared, offload in declarations:
         results[declared] = run(folder, offload, args.tokens, args.batches,
-                                DEFAULTS if args.default_thresholds else PASSING, args.threads)
+                                DEFAULTS if args.default_thresholds else PASSING, args.threads, vocabulary)
         forward = math.nan if args.no_forward else forward_seconds(folder, bool(offload), args.tokens, args.batches,
-                                                                   args.threads)
+                                                                   args.threads, vocabulary)
         r = results[declared]
         print(f"{declared:>9}: analysis {r['seconds']:.1f} s ({r['wall']:.1f} s with loading), {len(r['rows'])} rows, "
               f"{sum(1 for c, _ in r['rows'] if c == 'sqnr')} sqnr items, {r['errors']} errors; peak anonymous "

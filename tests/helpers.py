@@ -492,6 +492,18 @@ def float_and_w4a16_checkpoints(folder, layers=4):
     return folder
 
 
+def float_and_w4a16_moe_checkpoints(folder, layers=2, experts=4):
+    """`folder` with a tiny Qwen3-MoE of `layers` blocks saved in float (`float/`) and its W4A16 compressed-tensors
+    checkpoint (`w4a16/`, groups of 32) written expert by expert, as llm-compressor saves its linearized experts
+    (transformers loads it with the experts fused again and dequantized)."""
+    from tests.models import linearized_moe, tiny_moe
+
+    reference = tiny_moe("qwen3_moe", layers=layers, experts=experts)[0]
+    reference.save_pretrained(folder / "float")
+    compressed_tensors_checkpoint(linearized_moe(reference), folder / "w4a16", "W4A16", group_size=32)
+    return folder
+
+
 def _linear_input_ranges(model):
     """{Linear's name: (min, max) of its input} over one calibration batch of token_batches."""
     ranges, handles = {}, []

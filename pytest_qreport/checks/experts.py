@@ -48,17 +48,22 @@ class ExpertCoverageCheck(Check):
 
     def applies(self, model: ModelContext) -> bool:
         if is_artifact(model.analysis):
-            return bool(model.analysis.checkpoint_experts)
+            return bool(model.analysis.expert_blocks)
         return bool(getattr(model.analysis, "moe_blocks", None))
 
     def layers(self, model: ModelContext) -> list[str]:
         if is_artifact(model.analysis):
-            return list(model.analysis.checkpoint_experts)
+            return list(model.analysis.expert_blocks)
         return list(model.analysis.moe_blocks)
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         if is_artifact(model.analysis):
-            return [self._checkpoint_finding(model, model.analysis.checkpoint_experts[block]) for block in layers]
+            compared = model.analysis.checkpoint_experts
+            return [self._checkpoint_finding(model, compared[block]) if block in compared else self.finding(
+                model, block, math.nan, 0.0, passed=False, message=(
+                    f"block {block}: no expert of the checkpoint pairs with the reference's by shape, so none could "
+                    "be compared. Fix: the qmodel function must return the float model the checkpoint was made "
+                    "from")) for block in layers]
         report, threshold = model.detector_report(self.name), float(model.settings.expert_tokens_min)
         results = []
         for block in layers:
@@ -171,7 +176,7 @@ class RoutingAgreementCheck(Check):
         return bool(getattr(model.analysis, "moe_blocks", None)) and hasattr(type(model.analysis), "routing_agreement")
 
     def layers(self, model: ModelContext) -> list[str]:
-        return list(model.analysis.moe_blocks)
+        return list(getattr(model.analysis, "moe_blocks", None) or ())  # an artifact's routers are not chosen here
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         measured, threshold = model.analysis.routing_agreement, float(model.settings.routing_agreement_min)

@@ -20,6 +20,13 @@ from .advice import (
 )
 from .artifact import is_artifact
 
+UNREACHED = ("no calibration token was routed to it, so its error was not measured; the expert_coverage item of "
+             "its block says how to reach it.")
+# an artifact's expert_coverage item judges the checkpoint's weights: the gate's own batches are what miss it
+UNREACHED_ARTIFACT = ("the reference routed no token of the calibration batches to it, so its output was not "
+                      "measured (its weights are compared in its weight_sqnr item). Fix: calibrate on more or longer "
+                      "batches, so that the reference's router reaches every expert.")
+
 __all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "best_proper_subset",
            "keep_in_float_hint", "measured_fixes", "output_label", "threshold_limit"]
 
@@ -232,8 +239,7 @@ class SqnrCheck(Check):
                 continue
             if entry.batches == 0 and math.isnan(entry.sqnr_db):  # an expert no calibration token was routed to
                 results.append(self.finding(model, layer, math.nan, threshold, passed=False, message=(
-                    f"layer {layer}: no calibration token was routed to it, so its error was not measured; the "
-                    "expert_coverage item of its block says how to reach it.")))
+                    f"layer {layer}: {UNREACHED_ARTIFACT if is_artifact(model.analysis) else UNREACHED}")))
                 continue
             quantized = model.analysis.layer(layer)
             not_comparable = getattr(model.analysis, "not_comparable", {}).get(layer, "")

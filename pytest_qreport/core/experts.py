@@ -72,9 +72,10 @@ def expert_label(layer: str, experts: Mapping[str, Any]) -> str:
 
 
 def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str, Finding], experts: Mapping[str, Any],
-                          higher_is_better: bool) -> Finding:
+                          higher_is_better: bool, artifact: bool = False) -> Finding:
     """One finding for an expert projection: the worst expert's, named `item`, its message naming the worst
-    experts, every expert's value in details["experts"]."""
+    experts, every expert's value in details["experts"]. `artifact`: the model is a checkpoint, whose
+    expert_coverage item judges its weights, not the calibration tokens."""
     ordered = sorted(members, key=lambda layer: _badness(found[layer], higher_is_better), reverse=True)
     worst = found[ordered[0]]
     failing = [layer for layer in members if found[layer].verdict in ("fail", "warn", "error")]
@@ -87,7 +88,8 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
                f"{expert_label(ordered[0], experts)}; worst: {named}.")
     if unmeasured:
         summary += (f" Not measured: expert(s) {', '.join(map(str, unmeasured))}, which no calibration token reached "
-                    "(see the block's expert_coverage item).")
+                    + ("(more or longer calibration batches reach them)." if artifact
+                       else "(see the block's expert_coverage item)."))
     message = f"{summary} {worst.message}" if worst.message else summary
     details = dict(worst.details)
     details.update({

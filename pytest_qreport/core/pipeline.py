@@ -234,6 +234,9 @@ class ModelPipeline:
     def _check_findings(self, check_name: str, layers: list[str]) -> list[Finding]:
         """One check's findings of its items `layers`, an expert projection's judged on its worst expert."""
         assert self.context is not None and self.settings is not None
+        check = self.context.checks[check_name]
+        if is_artifact(self.context.analysis) and not check.measures_artifacts:
+            return self._layer_findings(check_name, layers)  # skipped: no layers to ask it for
         experts = expert_layers_of(self.context.analysis)
         members = item_members(layers, select_layers(
             self.context.checks[check_name].layers(self.context), self.settings.layers, self.settings.skip_layers),
@@ -243,7 +246,8 @@ class ModelPipeline:
         measured = [member for item in layers for member in members.get(item, [item])]
         found = {f.layer: f for f in self._layer_findings(check_name, measured)}
         higher = self.context.checks[check_name].higher_is_better
-        return [merge_expert_findings(item, members[item], found, experts, higher) if item in members
+        artifact = is_artifact(self.context.analysis)
+        return [merge_expert_findings(item, members[item], found, experts, higher, artifact) if item in members
                 else found[item] for item in layers]
 
     def _layer_findings(self, check_name: str, layers: list[str]) -> list[Finding]:

@@ -25,7 +25,12 @@ from qcore.artifact.blockwise import (
     resume_artifact_blockwise,
     start_block,
 )
-from qcore.artifact.experts import CheckpointExperts, checkpoint_experts
+from qcore.artifact.experts import (
+    CheckpointExperts,
+    checkpoint_experts,
+    checkpoint_experts_from_fits,
+    paired_expert_blocks,
+)
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, artifact_layers, state_digest
 from qcore.artifact.measure import (
     ArtifactError,
@@ -201,12 +206,12 @@ class ArtifactAnalysis:
         `device`: where a block-wise pass onloads the blocks; `group`: the ArtifactGroup of artifacts of the same
         reference this one is measured with, as its member `member`; `shadow`: measure each layer's own error."""
         quantized = unwrapped_artifact(quantized)
-        if not is_offloaded(reference) and not is_offloaded(quantized):
-            # fused experts pair with a checkpoint's experts held as modules through a view of them; a checkpoint
-            # whose experts were fused again at load (and dequantized) is viewed so too, and each expert measured
-            fused_again = _plainly_fused(quantized)
-            quantized = with_experts_held(quantized, fused_again)
-            reference = with_experts_held(reference, [*module_list_experts(quantized), *fused_again])
+        # fused experts pair with a checkpoint's experts held as modules through a view of them; a checkpoint whose
+        # experts were fused again at load (and dequantized) is viewed so too, and each expert measured (the views
+        # read the fused parameters as they are, onloaded or offloaded)
+        fused_again = _plainly_fused(quantized)
+        quantized = with_experts_held(quantized, fused_again)
+        reference = with_experts_held(reference, [*module_list_experts(quantized), *fused_again])
         self.quantized, self.reference = quantized.eval(), reference.eval()
         self.stack, self.device = stack, device
         self.float_layers = tuple(float_layers)
@@ -235,9 +240,19 @@ class ArtifactAnalysis:
             group.join(member, self)
 
     @cached_property
+    def expert_blocks(self) -> list[str]:
+        """The MoE blocks whose experts the checkpoint and the reference both hold (checkpoint_experts' keys, found
+        without reading a weight)."""
+        return paired_expert_blocks(self.reference, self.quantized)
+
+    @cached_property
     def checkpoint_experts(self) -> dict[str, CheckpointExperts]:
         """{experts module path: CheckpointExperts}: each expert of the checkpoint (fused, or held as modules)
-        against the reference's."""
+        against the reference's; block by block, as the pass measured them while their blocks were onloaded."""
+        if self.stack is not None and self.expert_layers:
+            measured = checkpoint_experts_from_fits(self.measurement.expert_fits, self.expert_layers)
+            if measured:
+                return measured
         return checkpoint_experts(self.reference, self.quantized)
 
     @cached_property

@@ -34,7 +34,6 @@ from qcore.artifact.measure import (
     _runs_prepared,
     _RunState,
     _stream_of,
-    _weight_sqnr,
     float_layers_swapped,
     quantized_forward_error,
 )
@@ -44,6 +43,7 @@ from qcore.artifact.offload import (
     module_tensor,
     onloaded,
 )
+from qcore.artifact.weights import WeightFit, weight_fit
 from qcore.graph.capture import without_kv_cache
 from qcore.graph.inputs import call_model
 from qcore.numeric.loggers import StreamingComparator
@@ -286,6 +286,7 @@ class _BlockRun(_RunState):
         self.stack, self.record = stack, record
         self.in_stack = {name for name in self.measured.names if _block_index(name, stack) is not None}
         self.weights: dict[str, tuple[float, float]] = {}
+        self.expert_fits: dict[str, WeightFit] = {}
         self.swapped_blocks = {_block_index(name, stack) for name in run.float_layers} - {None}
         self.call = _quantized_call(self.measured)
         self.stream: list[tuple[tuple, dict]] = []
@@ -300,7 +301,10 @@ class _BlockRun(_RunState):
             ours = dequantized_weight(self.quantized.get_submodule(name))
             theirs = module_tensor(reference, name + ".weight")
             if ours is not None and isinstance(theirs, torch.Tensor) and ours.numel() == theirs.numel():
-                self.weights[name] = _weight_sqnr(theirs, ours)
+                fit = weight_fit(theirs, ours)
+                self.weights[name] = (fit.sqnr_db, fit.channel_gain_db)
+                if name in self.measured.experts:  # the checkpoint's experts, compared while onloaded
+                    self.expert_fits[name] = fit
 
     def block_names(self, index: int) -> set[str]:
         """The measured layers in block `index`."""
@@ -406,7 +410,7 @@ def measure_artifacts_blockwise(reference: nn.Module, runs: Sequence[ArtifactRun
                 state.weigh(reference, set(state.measured.names) - state.in_stack)
             if state.record is None:
                 state.last = []
-    return [state.result(reference, state.weights) for state in states]
+    return [state.result(reference, state.weights, state.expert_fits) for state in states]
 
 
 def resume_artifact_blockwise(reference: nn.Module, quantized: nn.Module, batches: Sequence[Any], stack: str,

@@ -21,6 +21,7 @@ from torch import nn
 from qcore.artifact.experts import checkpoint_experts
 from qcore.artifact.offload import module_tensor
 from qcore.artifact.tools import bookkeeping_module, dequantized_weight, tool_layer_format, tool_of_module
+from qcore.graph.experts import ExpertProjection
 
 __all__ = ["ArtifactLayer", "ArtifactMismatchError", "artifact_layers", "changed_modules", "dequantized_weight",
            "state_digest"]
@@ -70,6 +71,8 @@ def _plain(tensor: Any) -> bool:
 
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    if isinstance(module, ExpertProjection):  # its weight is a view of the fused experts' parameter
+        return {"weight": module.weight, **({"bias": module.bias} if module.bias is not None else {})}
     return {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
 
 

@@ -11,7 +11,7 @@ import contextlib
 import math
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, changed_modules, dequantized_weight
 from qcore.artifact.offload import decompress_pending
+from qcore.artifact.weights import WeightFit, input_channel_scales, weight_fit
 from qcore.graph.capture import without_kv_cache
 from qcore.graph.experts import held_expert_layers
 from qcore.graph.inputs import call_model
@@ -55,6 +56,7 @@ class ArtifactMeasurement:
     logits: LogitsMeasurement | None
     not_comparable: Mapping[str, str]
     order: tuple[str, ...]
+    expert_fits: Mapping[str, WeightFit] = field(default_factory=dict)  # {expert layer: its weight's fit}
 
 
 class StreamRecord:
@@ -218,43 +220,10 @@ def _floating_leaves(output: Any) -> list[tuple[str, torch.Tensor]]:
             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
 
 
-_ROWS_ELEMENTS = 1 << 20  # weight elements taken at a time in float64: the sums stay exact, the copies small
-
-
-def _column_sums(reference: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per input channel (dim 1) of two weights of one shape: sum(r*r), sum(w*w), sum(w*r) in float64, a bounded
-    number of output rows at a time."""
-    ref = reference.detach().reshape(reference.shape[0], reference.shape[1] if reference.dim() > 1 else 1, -1)
-    ours = weight.detach().reshape(ref.shape)
-    step = max(1, _ROWS_ELEMENTS // max(1, ref[0].numel()))
-    sums = torch.zeros(3, ref.shape[1], dtype=torch.float64, device=ref.device)
-    for start in range(0, ref.shape[0], step):
-        r, w = ref[start:start + step].double(), ours[start:start + step].double().to(ref.device)
-        sums += torch.stack([(r * r).sum(dim=(0, 2)), (w * w).sum(dim=(0, 2)), (w * r).sum(dim=(0, 2))])
-    return sums[0], sums[1], sums[2]
-
-
-def input_channel_scales(reference: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Per input channel (dim 1), the least-squares scale c with weight[:, j] ~ c * reference[:, j]."""
-    energy, _, cross = _column_sums(reference, weight)
-    return torch.where(energy > 0, cross / energy.clamp_min(1e-300), 1.0)
-
-
-def _sqnr_db(signal: float, noise: float) -> float:
-    if noise <= 0:
-        return math.inf
-    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
-
-
 def _weight_sqnr(reference: torch.Tensor, weight: torch.Tensor) -> tuple[float, float]:
     """(weight SQNR in dB, its gain when each input channel's scale is fitted first), from per-channel sums."""
-    energy, own, cross = _column_sums(reference, weight)
-    plain = _sqnr_db(float(energy.sum()), float((own - 2 * cross + energy).sum()))
-    if reference.dim() < 2 or not math.isfinite(plain):
-        return plain, 0.0
-    scales = torch.where((energy > 0) & (cross.abs() > 1e-300), cross / energy.clamp_min(1e-300), 1.0)
-    fitted_noise = own / scales**2 - 2 * cross / scales + energy  # sum over rows of (w / c - r)^2
-    return plain, _sqnr_db(float(energy.sum()), float(fitted_noise.sum())) - plain
+    fit = weight_fit(reference, weight)
+    return fit.sqnr_db, fit.channel_gain_db
 
 
 def _rescaled_reason(name: str, changed: list[str]) -> str:
@@ -436,11 +405,11 @@ class _RunState:
         self.outputs: list[tuple[str, StreamingComparator]] = []
         self.comparator = LogitsComparator() if run.logits else None
 
-    def result(self, reference: nn.Module, weights: Mapping[str, tuple[float, float]] | None = None
-               ) -> ArtifactMeasurement:
+    def result(self, reference: nn.Module, weights: Mapping[str, tuple[float, float]] | None = None,
+               expert_fits: Mapping[str, WeightFit] | None = None) -> ArtifactMeasurement:
         """The run's records."""
         return _measurement(reference, self.quantized, self.kept, self.measured, self.outputs, self.comparator,
-                            list(self.run.float_layers), weights)
+                            list(self.run.float_layers), weights, expert_fits)
 
 
 @contextlib.contextmanager
@@ -527,10 +496,11 @@ def _compare_outputs(expected: Any, actual: Any, outputs: list[tuple[str, Stream
 
 def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, ArtifactLayer], measured: _Pass,
                  outputs: list[tuple[str, StreamingComparator]], comparator: LogitsComparator | None,
-                 float_layers: list[str], weights: Mapping[str, tuple[float, float]] | None = None
-                 ) -> ArtifactMeasurement:
+                 float_layers: list[str], weights: Mapping[str, tuple[float, float]] | None = None,
+                 expert_fits: Mapping[str, WeightFit] | None = None) -> ArtifactMeasurement:
     """The records of a pass. `weights`: each layer's (weight SQNR, rescaled-fit gain), measured while its weights
-    were onloaded (a block-wise pass); None reads them from the models now."""
+    were onloaded (a block-wise pass); None reads them from the models now. `expert_fits`: the expert layers'
+    weight fits, measured with them."""
     output_records = {}
     for name, streaming in outputs:
         numbers = streaming.result()
@@ -578,4 +548,5 @@ def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, 
         [name for name in records if name not in measured.order]
     return ArtifactMeasurement(sqnr=SqnrMeasurement({name: records[name] for name in ordered}, output_records),
                                logits=comparator.result() if comparator is not None else None,
-                               not_comparable=not_comparable, order=tuple(measured.order))
+                               not_comparable=not_comparable, order=tuple(measured.order),
+                               expert_fits=dict(expert_fits or {}))

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcore.graph.experts import ExpertProjection
+
 __all__ = ["compressed_layers_decompressed", "decompress_pending", "first_forward_decompression_held", "is_offloaded",
            "module_tensor", "offloaded_bytes", "onloaded", "parameter_bytes"]
 
@@ -100,6 +102,9 @@ def module_tensor(model: nn.Module, name: str) -> torch.Tensor:
     tensor = getattr(module, attribute)
     if not isinstance(tensor, torch.Tensor) or not _is_meta(tensor):
         return tensor
+    if isinstance(module, ExpertProjection) and attribute == "weight":  # a view of its experts' fused parameter
+        experts_path = module_name.rsplit(".", 2)[0]
+        return module.sliced(module_tensor(model, f"{experts_path}.{module.fused}"))
     path = module_name.split(".") if module_name else []
     for depth in range(len(path), -1, -1):  # the nearest hooked module whose weights map holds it
         owner = model.get_submodule(".".join(path[:depth]))

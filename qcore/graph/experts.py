@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -20,9 +21,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["EXPERTS_KEY", "ExpertLayer", "MoeBlock", "Router", "compact_expert_layers", "expert_layers",
-           "fused_experts_modules", "expert_linears", "held_expert_layers", "linearized_experts",
-           "module_list_experts", "moe_blocks", "routers", "with_experts_held"]
+__all__ = ["EXPERTS_KEY", "ExpertLayer", "ExpertProjection", "MoeBlock", "Router", "compact_expert_layers",
+           "expert_layers", "expert_linears", "expert_projections", "fused_experts_modules", "held_expert_layers",
+           "linearized_experts", "module_list_experts", "moe_blocks", "routers", "with_experts_held"]
 
 EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -144,6 +145,56 @@ def expert_linears(module: nn.Module, expert: int) -> nn.Module:
     return holder
 
 
+class ExpertProjection(nn.Linear):
+    """One expert's projection of a fused experts module, read from the fused parameters each time it is used:
+    a view that follows them when they are onloaded and offloaded again (accelerate's hooks set new tensors), and
+    holds nothing of its own."""
+
+    def __init__(self, experts: nn.Module, fused: str, expert: int, half: int | None, bias: bool) -> None:
+        nn.Module.__init__(self)
+        # kept out of _modules: the experts module is this projection's parent, not its child
+        self.__dict__["experts_module"] = experts
+        self.fused, self.expert, self.half, self.has_bias = fused, expert, half, bias
+        self.out_features, self.in_features = (int(size) for size in self.weight.shape)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The expert's [out, in] slice of the fused parameter as it is now."""
+        return self.sliced(getattr(self.experts_module, self.fused))
+
+    def sliced(self, fused: torch.Tensor) -> torch.Tensor:
+        """The expert's [out, in] slice of `fused`, a value of the fused parameter (read from an offload, say)."""
+        module = self.experts_module
+        weight = fused[self.expert].detach()
+        weight = weight.t() if module.is_transposed else weight
+        return weight if self.half is None else _halves(module, weight, 0)[self.half]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The expert's slice of the fused bias, or None."""
+        if not self.has_bias:
+            return None
+        bias = getattr(self.experts_module, f"{self.fused}_bias")[self.expert].detach()
+        return bias if self.half is None else _halves(self.experts_module, bias, 0)[self.half]
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's signature
+        """The projection of `input` through the expert's current weight."""
+        return nn.functional.linear(input, self.weight, self.bias)
+
+
+def expert_projections(module: nn.Module, expert: int) -> nn.Module:
+    """An expert's projections as ExpertProjection modules reading the fused parameters (expert_linears' layout)."""
+    holder = nn.Module()
+    bias = bool(getattr(module, "has_bias", False))
+    if module.has_gate:
+        for half, name in enumerate(("gate_proj", "up_proj")):
+            holder.add_module(name, ExpertProjection(module, "gate_up_proj", expert, half, bias))
+    else:
+        holder.add_module("up_proj", ExpertProjection(module, "up_proj", expert, None, bias))
+    holder.add_module("down_proj", ExpertProjection(module, "down_proj", expert, None, bias))
+    return holder
+
+
 def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts computation, one expert at a time on the tokens routed to it, through the expert's
@@ -237,17 +288,31 @@ def with_experts_held(model: nn.Module, paths: Iterable[str]) -> nn.Module:
             parent = child
         view = _shallow(fused[path])
         for expert in range(int(getattr(view, "num_experts", view.down_proj.shape[0]))):
-            view._modules[str(expert)] = expert_linears(fused[path], expert)
-        view.forward = types.MethodType(_experts_forward, view)
+            view._modules[str(expert)] = expert_projections(view, expert)
+        _set_forward(view, types.MethodType(_experts_forward, view))
         parent._modules[parts[-1]] = view
     return root
 
 
 def _shallow(module: nn.Module) -> nn.Module:
-    """A copy of `module` sharing its parameters, buffers and children, with a children dict of its own."""
+    """A copy of `module` sharing its parameters, buffers and children, with a children dict of its own; a forward
+    that accelerate's hooks wrap is wrapped again around the copy (the original's calls the original)."""
     copied = copy.copy(module)
     copied._modules = dict(module._modules)
+    old = module.__dict__.get("_old_forward")
+    if isinstance(old, types.MethodType) and old.__self__ is module:
+        _set_forward(copied, types.MethodType(old.__func__, copied))
     return copied
+
+
+def _set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
+    """`module` computes with `forward`, inside accelerate's hook when it has one (the hook onloads its weights)."""
+    wrapper = module.__dict__.get("forward")
+    if "_old_forward" in module.__dict__ and isinstance(wrapper, functools.partial):
+        module._old_forward = forward
+        module.forward = functools.update_wrapper(functools.partial(wrapper.func, module), forward)
+    else:
+        module.forward = forward
 
 
 def compact_expert_layers(layers: Iterable[str], experts: Mapping[str, ExpertLayer]) -> list[str]:

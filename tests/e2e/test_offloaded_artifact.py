@@ -1,13 +1,14 @@
 """A checkpoint pair declared as a small machine loads it (accelerate's big-model offload: from_pretrained with
 device_map, max_memory and offload_folder) is gated block by block and gives the rows of the same pair loaded whole,
-serially and under -n 2."""
+serially and under -n 2: a dense Llama, and a Qwen3-MoE whose experts the checkpoint holds one by one and transformers
+fuses again at load."""
 import json
 import math
 import pathlib
 
 import pytest
 
-from tests.helpers import float_and_w4a16_checkpoints
+from tests.helpers import float_and_w4a16_checkpoints, float_and_w4a16_moe_checkpoints
 
 pytest.importorskip("accelerate")
 
@@ -56,6 +57,12 @@ def checkpoints(tmp_path_factory):
     return float_and_w4a16_checkpoints(tmp_path_factory.mktemp("checkpoints"))
 
 
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    """A 2-layer tiny Qwen3-MoE (4 experts) saved in float, and its W4A16 checkpoint written expert by expert."""
+    return float_and_w4a16_moe_checkpoints(tmp_path_factory.mktemp("moe_checkpoints"))
+
+
 def _rows(path):
     rows = {}
     for row in json.loads(path.read_text())["rows"]:
@@ -68,15 +75,21 @@ def _number(value):
 
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2", "-p", "xdist"]], ids=["serial", "xdist"])
-def test_an_offloaded_pair_is_gated_with_the_rows_of_the_pair_loaded_whole(pytester, checkpoints, workers):
+@pytest.mark.parametrize(("pair", "layers"), [("checkpoints", 28), ("moe_checkpoints", 2 * 4 + 2 * 3)],
+                         ids=["llama", "qwen3_moe"])
+def test_an_offloaded_pair_is_gated_with_the_rows_of_the_pair_loaded_whole(pytester, request, pair, layers, workers):
+    """Every default check, no error item; the MoE pair's items: each block's attention layers and one per expert
+    projection (every expert measured)."""
+    checkpoints = request.getfixturevalue(pair)
     pytester.makeconftest(CONFTEST.format(root=str(ROOT), checkpoints=str(checkpoints)))
     run = pytester.runpytest
     result = run("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json", *workers)
     rows = _rows(pytester.path / "r.json")
     whole, offload = rows["whole"], rows["offload"]
-    assert not [key for key, row in offload.items() if row["verdict"] == "error"], result.stdout.str()[-3000:]
+    assert not [key for rows in (whole, offload) for key, row in rows.items() if row["verdict"] == "error"], \
+        result.stdout.str()[-3000:]
     assert set(whole) == set(offload)
-    assert sum(1 for check, _ in offload if check == "sqnr") == 28   # every quantized Linear layer
+    assert sum(1 for check, _ in offload if check == "sqnr") == layers   # every quantized layer
     for key, row in whole.items():
         a, b = _number(row["value"]), _number(offload[key]["value"])
         assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 0.01 * max(1.0, abs(a)), (key, a, b)

@@ -211,3 +211,29 @@ def test_a_model_that_computes_between_its_blocks_is_refused_block_by_block_and_
         measure_artifact_blockwise(reference, quantized, layers, batches, "layers")
     assert "the model computes between the blocks of layers: on batch 0, block layers.1 is not handed what " \
            "layers.0 returns" in str(raised.value) and "Fix: blockwise=False" in str(raised.value)
+
+
+def test_an_offloaded_moe_pair_measures_every_expert_as_the_pair_loaded_whole(tmp_path):
+    """A 2-block Qwen3-MoE and its W4A16 checkpoint written per expert (as llm-compressor saves its linearized
+    experts), which transformers loads with the experts fused again and dequantized: offloaded, each expert is a
+    layer measured block by block, with the numbers of the pair loaded whole, and each expert's weights compared
+    from the offload; after the pass the fused experts wait on the meta device again."""
+    from tests.helpers import compressed_tensors_checkpoint
+    from tests.models import linearized_moe, tiny_moe
+
+    reference, batches = tiny_moe("qwen3_moe", layers=2, experts=4)
+    reference.save_pretrained(tmp_path / "float")
+    compressed_tensors_checkpoint(linearized_moe(reference), tmp_path / "w4a16", "W4A16", group_size=32)
+    whole = ArtifactAnalysis(_whole(tmp_path / "float"), _whole(tmp_path / "w4a16"), batches, logits=True)
+    offloaded_quantized = _offloaded(tmp_path / "w4a16", tmp_path / "q")
+    analysis = ArtifactAnalysis(_offloaded(tmp_path / "float", tmp_path / "f"), offloaded_quantized, batches,
+                                logits=True)
+    analysis.choose_blocks("auto", None)
+    assert analysis.stack == "model.layers"
+    assert len(analysis.expert_layers) == 2 * 4 * 3   # every expert's gate, up and down projection
+    _same(whole.measurement, analysis.measurement)
+    assert {path: (block.weight_sqnr_db, block.zeros) for path, block in analysis.checkpoint_experts.items()} == \
+        {path: (block.weight_sqnr_db, block.zeros) for path, block in whole.checkpoint_experts.items()}
+    assert len(analysis.checkpoint_experts) == 2
+    experts = offloaded_quantized.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.device.type == "meta" and experts.down_proj.device.type == "meta"

@@ -1,0 +1,53 @@
+"""qcore.artifact.weights: a weight's numbers against the reference's, from one pass of float32 products summed in
+float64, against the same quantities computed directly in float64."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qcore.artifact.weights import weight_fit
+
+
+def _direct(reference, weight):
+    r, w = reference.double(), weight.double()
+    signal, noise = float((r * r).sum()), float(((w - r) ** 2).sum())
+    factor = float((r * w).sum()) / signal
+    fitted = float(((w / factor - r) ** 2).sum())
+    scales = (r * w).sum(0) / (r * r).sum(0)
+    channel = float(((w / scales - r) ** 2).sum())
+    return (10 * math.log10(signal / noise), factor, 10 * math.log10(signal / fitted),
+            10 * math.log10(signal / channel) - 10 * math.log10(signal / noise))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(2, 40), columns=st.integers(2, 40), scale=st.floats(0.5, 2e4), noise=st.floats(1e-3, 0.5),
+       seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_weight_fit_is_the_direct_float64_computation(rows, columns, scale, noise, seed, dtype):
+    """SQNR, the whole-tensor factor and its fitted SQNR, and the gain of per-channel scales, for weights scaled
+    wrong (a factor up to 2e4, as a loader that applies a global scale twice) and quantization-like noise. The fits
+    are summed again in float64 where they come close."""
+    generator = torch.Generator().manual_seed(seed)
+    reference = torch.randn(rows, columns, generator=generator).to(dtype)
+    weight = (reference.float() * scale * (1 + noise * torch.randn(rows, columns, generator=generator))).to(dtype)
+    fit = weight_fit(reference, weight)
+    plain, factor, fitted, gain = _direct(reference, weight)
+    assert fit.sqnr_db == pytest.approx(plain, abs=1e-4)
+    assert fit.factor == pytest.approx(factor, rel=1e-5)
+    assert fit.fitted_db == pytest.approx(fitted, abs=1e-4)
+    assert fit.channel_gain_db == pytest.approx(gain, abs=1e-4)
+    assert not fit.zeros and fit.finite
+
+
+def test_zeros_infinite_values_and_an_equal_weight_are_told():
+    reference = torch.randn(8, 16)
+    assert weight_fit(reference, torch.zeros_like(reference)).zeros
+    assert not weight_fit(reference, reference * 1e-30).zeros
+    broken = reference.clone()
+    broken[3, 4] = math.inf
+    assert not weight_fit(reference, broken).finite
+    broken[3, 4] = math.nan
+    assert not weight_fit(reference, broken).finite
+    same = weight_fit(reference, reference.clone())
+    assert same.sqnr_db == math.inf and same.factor == 1.0 and same.fitted_db == math.inf
