@@ -156,17 +156,19 @@ class ArtifactGroup:
                                and member.stack == asking.stack and member.device == asking.device
                                and (member._batches is None or member._batches is asking._batches)]
         if len(together) == 1:
-            return asking._measure(asking.batches, asking.float_layers, asking.focus, asking.logits_planned)
+            return asking._measure(asking.batches, asking.float_layers, asking.focus, asking.logits_planned,
+                                   digest=True)
         runs = [ArtifactRun(member.quantized, tuple(member._artifact_layers), member.float_layers, member.focus,
                             member.logits_planned) for member in together]
         try:
             if asking.stack is not None:
                 results = measure_artifacts_blockwise(asking.reference, runs, asking.batches, asking.stack,
-                                                      device=asking.device)
+                                                      device=asking.device, digests=True)
             else:
                 results = measure_artifacts(asking.reference, runs, asking.batches)
         except Exception:  # noqa: BLE001 - measured alone below, where each member's own error is raised
-            return asking._measure(asking.batches, asking.float_layers, asking.focus, asking.logits_planned)
+            return asking._measure(asking.batches, asking.float_layers, asking.focus, asking.logits_planned,
+                                   digest=True)
         for member, result in zip(together[1:], results[1:]):
             member.attach_batches(asking.batches)
             member.__dict__["measurement"] = result
@@ -327,12 +329,13 @@ class ArtifactAnalysis:
         self.stack = artifact_stack(self.reference, self.quantized, mode if isinstance(mode, str) else None)
 
     def _measure(self, batches: list[Any], float_layers: Iterable[str], focus: Iterable[str] | None, logits: bool,
-                 shadow: bool = True) -> ArtifactMeasurement:
-        """One pass over `batches`: whole, or block by block when a stack is set."""
+                 shadow: bool = True, digest: bool = False) -> ArtifactMeasurement:
+        """One pass over `batches`: whole, or block by block when a stack is set (`digest`: hashing the quantized
+        model's state as its blocks are onloaded)."""
         if self.stack is not None:
             return measure_artifact_blockwise(self.reference, self.quantized, self._artifact_layers, batches,
                                               self.stack, float_layers=float_layers, focus=focus, logits=logits,
-                                              shadow=shadow, device=self.device)
+                                              shadow=shadow, device=self.device, digest=digest)
         return measure_artifact(self.reference, self.quantized, self._artifact_layers, batches,
                                 float_layers=float_layers, focus=focus, logits=logits, shadow=shadow)
 
@@ -368,7 +371,10 @@ class ArtifactAnalysis:
 
     @cached_property
     def digest(self) -> str:
-        """'sha256:...' of the quantized model's state (its identity in a baseline)."""
+        """'sha256:...' of the quantized model's state (its identity in a baseline); block by block, as the pass
+        hashed it while onloading the blocks."""
+        if self.stack is not None and self.measurement.digest:
+            return self.measurement.digest
         return state_digest(self.quantized)
 
     def describe_outputs(self) -> list[str]:
@@ -385,7 +391,8 @@ class ArtifactAnalysis:
                 return self.group.measured(self)
             stack = self._trial_stack() if self.stack is None else None
             if stack is None:
-                return self._measure(self.batches, self.float_layers, self.focus, self.logits_planned, self.shadow)
+                return self._measure(self.batches, self.float_layers, self.focus, self.logits_planned, self.shadow,
+                                     digest=True)
             # the quantized stream at each block's input and the reference's outputs over the batches fix searches
             # screen on, so that their trials resume from the first block they change without running the reference
             record = StreamRecord()

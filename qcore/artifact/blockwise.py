@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, dequantized_weight
+from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, StateDigest, dequantized_weight
 from qcore.artifact.measure import (
     ArtifactError,
     ArtifactMeasurement,
@@ -103,13 +103,16 @@ def _outside(model: nn.Module, stack: str) -> tuple[list[tuple[str, nn.Module]],
 
 
 @contextlib.contextmanager
-def _outside_onloaded(model: nn.Module, stack: str, device: Any, which: str) -> Iterator[None]:
+def _outside_onloaded(model: nn.Module, stack: str, device: Any, which: str,
+                      offer: Callable[[str, nn.Module], Any] | None = None) -> Iterator[None]:
     """Every module outside the stack onloaded (and the stack's ancestors' own tensors: their blocks are onloaded
-    one at a time), for a whole phase."""
+    one at a time), for a whole phase; `offer(name, module)` sees each subtree onloaded, as the model holds it."""
     subtrees, ancestors = _outside(model, stack)
     with contextlib.ExitStack() as held:
         for name, module in subtrees:
             held.enter_context(_block_onloaded(module, device, which, name))
+            if offer is not None:
+                offer(name, module)
             held.enter_context(compressed_layers_decompressed(module))
         for module in ancestors:
             held.enter_context(onloaded(module, recurse=False))
@@ -220,15 +223,19 @@ def _quantized_call(measured: _Pass) -> Callable[[Callable[[], Any]], Any]:
 
 @contextlib.contextmanager
 def _quantized_block_ready(reference: nn.Module, quantized: nn.Module, stack: str, index: int, swapped: set,
-                           device: Any) -> Iterator[nn.Module]:
+                           device: Any, offer: Callable[[str, nn.Module], Any] | None = None
+                           ) -> Iterator[nn.Module]:
     """The quantized model's block `index` onloaded and its compressed-tensors layers decompressed (with the
-    reference's block onloaded too when a trial swaps a reference layer into it)."""
+    reference's block onloaded too when a trial swaps a reference layer into it); `offer(name, block)` sees the
+    block onloaded, as the model holds it."""
     where = f"block {stack}.{index}"
     with contextlib.ExitStack() as held:
         if index in swapped:
             held.enter_context(_block_onloaded(reference.get_submodule(stack)[index], device, "the reference", where))
         block = quantized.get_submodule(stack)[index]
         held.enter_context(_block_onloaded(block, device, "the quantized model", where))
+        if offer is not None:
+            offer(f"{stack}.{index}", block)
         held.enter_context(compressed_layers_decompressed(block))
         yield block
 
@@ -268,14 +275,16 @@ def start_block(float_layers: Iterable[str], stack: str, blocks: int, before: It
 def measure_artifact_blockwise(reference: nn.Module, quantized: nn.Module, layers: Sequence[ArtifactLayer],
                                batches: Iterable[Any], stack: str, *, float_layers: Iterable[str] = (),
                                focus: Iterable[str] | None = None, logits: bool = False, shadow: bool = True,
-                               device: Any = None, record: StreamRecord | None = None) -> ArtifactMeasurement:
+                               device: Any = None, record: StreamRecord | None = None,
+                               digest: bool = False) -> ArtifactMeasurement:
     """measure_artifact's numbers, one block of `stack` at a time (module docstring); `device`: where blocks are
     onloaded to (default: where each model's hooks put them); `record`: filled with the streams a fix trial resumes
-    from (resume_artifact_blockwise)."""
+    from (resume_artifact_blockwise); `digest`: the measurement carries the quantized model's state_digest, hashed
+    as its blocks are onloaded."""
     run = ArtifactRun(quantized, tuple(layers), tuple(float_layers), None if focus is None else frozenset(focus),
                       logits)
     return measure_artifacts_blockwise(reference, [run], batches, stack, shadow=shadow, device=device,
-                                       records=[record])[0]
+                                       records=[record], digests=digest)[0]
 
 
 class _BlockRun(_RunState):
@@ -288,6 +297,8 @@ class _BlockRun(_RunState):
         self.weights: dict[str, tuple[float, float]] = {}
         self.expert_fits: dict[str, WeightFit] = {}
         self.swapped_blocks = {_block_index(name, stack) for name in run.float_layers} - {None}
+        self.digest: StateDigest | None = None
+        self.offered: list[str] = []
         self.call = _quantized_call(self.measured)
         self.stream: list[tuple[tuple, dict]] = []
         self.last: list[Any] = []
@@ -306,6 +317,19 @@ class _BlockRun(_RunState):
                 if name in self.measured.experts:  # the checkpoint's experts, compared while onloaded
                     self.expert_fits[name] = fit
 
+    def offer(self, before: str | None = None) -> Callable[[str, nn.Module], Any] | None:
+        """What hands a module's onloaded tensors to the digest (those before `before` in its order), or None."""
+        if self.digest is None:
+            return None
+        digest = self.digest
+        return lambda name, module: self.offered.extend(digest.offer(name, module, before))
+
+    def hashed(self) -> None:
+        """Waits until what was offered is hashed, so that the pass may let it go."""
+        if self.digest is not None:
+            self.digest.wait_for(self.offered)
+        self.offered = []
+
     def block_names(self, index: int) -> set[str]:
         """The measured layers in block `index`."""
         return {name for name in self.in_stack if _block_index(name, self.stack) == index}
@@ -318,10 +342,12 @@ def _activate(states: Sequence[_BlockRun], active: Callable[[_BlockRun], set[str
 
 def measure_artifacts_blockwise(reference: nn.Module, runs: Sequence[ArtifactRun], batches: Iterable[Any],
                                 stack: str, *, shadow: bool = True, device: Any = None,
-                                records: Sequence[StreamRecord | None] | None = None) -> list[ArtifactMeasurement]:
+                                records: Sequence[StreamRecord | None] | None = None,
+                                digests: bool = False) -> list[ArtifactMeasurement]:
     """measure_artifact_blockwise for several artifacts of one reference at once: each reference block is onloaded
     and run once per batch, then each artifact's block on that artifact's stream (measure_artifacts' rule: one
-    measurement per run, each equal to its own pass's). `records`: per run, a StreamRecord to fill or None."""
+    measurement per run, each equal to its own pass's). `records`: per run, a StreamRecord to fill or None;
+    `digests`: each measurement carries its quantized model's state_digest, hashed as the pass onloads it."""
     batches = list(batches)
     records = list(records) if records is not None else [None] * len(runs)
     states = [_BlockRun(run, shadow, stack, record) for run, record in zip(runs, records)]
@@ -334,6 +360,9 @@ def measure_artifacts_blockwise(reference: nn.Module, runs: Sequence[ArtifactRun
     with contextlib.ExitStack() as held:
         for state in states:
             held.enter_context(first_forward_decompression_held(state.quantized))
+            if digests:  # the quantized model's identity, hashed from the blocks as they are onloaded
+                state.digest = StateDigest(state.quantized)
+                held.callback(_abandon, state)
         held.enter_context(_runs_prepared(reference, states))
         held.callback(_activate, states, lambda state: None)
         # the first block's inputs for every batch, and the layers before the stack on the way
@@ -345,11 +374,14 @@ def measure_artifacts_blockwise(reference: nn.Module, runs: Sequence[ArtifactRun
         finally:
             _recording(states, False)
         for state in states:
-            with _outside_onloaded(state.quantized, stack, device, "the quantized model"):
+            first = next((name for name in state.digest.names if name.startswith(f"{stack}.")), None) \
+                if state.digest is not None else None
+            with _outside_onloaded(state.quantized, stack, device, "the quantized model", state.offer(first)):
                 state.stream = _captured(state.quantized, state.quantized.get_submodule(stack)[0], batches,
                                          state.call)
                 state.before = set(state.measured.order)
                 state.weigh(reference, state.before)
+                state.hashed()
         reference_last: list[Any] = []
         for index in range(len(reference_blocks)):
             for state in states:
@@ -366,10 +398,11 @@ def measure_artifacts_blockwise(reference: nn.Module, runs: Sequence[ArtifactRun
                                 for (args, kwargs), out in zip(reference_stream, reference_last)]
             for state in states:
                 with _quantized_block_ready(reference, state.quantized, stack, index, state.swapped_blocks,
-                                            device) as block:
+                                            device, state.offer()) as block:
                     state.last = [state.call(functools.partial(block, *args, **kwargs))
                                   for args, kwargs in state.stream]
                     state.weigh(reference, state.block_names(index))
+                    state.hashed()
                 state.stream = [_advanced(args, kwargs, out) for (args, kwargs), out in zip(state.stream, state.last)]
         del reference_stream
         for state in states:
@@ -398,7 +431,7 @@ def measure_artifacts_blockwise(reference: nn.Module, runs: Sequence[ArtifactRun
                 state.record.last, state.record.expected = state.last, list(expected)
                 state.record.complete = True
         for number, state in enumerate(states):
-            with _outside_onloaded(state.quantized, stack, device, "the quantized model"), \
+            with _outside_onloaded(state.quantized, stack, device, "the quantized model", state.offer()), \
                     _replayed(state.quantized, stack, state.last) as replay:
                 for position, batch in enumerate(batches):
                     replay.index = position
@@ -408,9 +441,21 @@ def measure_artifacts_blockwise(reference: nn.Module, runs: Sequence[ArtifactRun
                         expected[position] = None  # compared by every run: let it go
                     del actual
                 state.weigh(reference, set(state.measured.names) - state.in_stack)
+                state.hashed()
             if state.record is None:
                 state.last = []
-    return [state.result(reference, state.weights, state.expert_fits) for state in states]
+        digests_found = [state.digest.result() if state.digest is not None else "" for state in states]
+        for state in states:
+            state.digest = None
+    return [state.result(reference, state.weights, state.expert_fits, digest)
+            for state, digest in zip(states, digests_found, strict=True)]
+
+
+def _abandon(state: _BlockRun) -> None:
+    """Ends the digest's thread of a pass that failed (one that finished took its result already)."""
+    if state.digest is not None:
+        state.digest.abandon()
+        state.digest = None
 
 
 def resume_artifact_blockwise(reference: nn.Module, quantized: nn.Module, batches: Sequence[Any], stack: str,

@@ -11,6 +11,7 @@ returns.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,8 @@ from qcore.artifact.offload import module_tensor
 from qcore.artifact.tools import bookkeeping_module, dequantized_weight, tool_layer_format, tool_of_module
 from qcore.graph.experts import ExpertProjection
 
-__all__ = ["ArtifactLayer", "ArtifactMismatchError", "artifact_layers", "changed_modules", "dequantized_weight",
-           "state_digest"]
+__all__ = ["ArtifactLayer", "ArtifactMismatchError", "StateDigest", "artifact_layers", "changed_modules",
+           "dequantized_weight", "state_digest"]
 
 _LISTED = 8  # names listed in a mismatch error
 
@@ -248,11 +249,100 @@ def state_digest(model: nn.Module) -> str:
     """'sha256:...' of the model's state: names, dtypes, shapes and bytes of every parameter and buffer (the inner
     tensors of a quantized tensor subclass)."""
     digest = hashlib.sha256()
-    with torch.no_grad():
-        for name, value in [*model.named_parameters(), *model.named_buffers()]:
-            value = module_tensor(model, name)  # an offloaded one from its offload, one tensor at a time
-            for part in _flat_tensors(value):
-                digest.update(f"{name}:{part.dtype}:{tuple(part.shape)};".encode())
-                data = part.detach().contiguous().cpu().reshape(-1)
-                digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    for name, _ in [*model.named_parameters(), *model.named_buffers()]:
+        _digest_update(digest, name, module_tensor(model, name))  # an offloaded one from its offload, one at a time
     return "sha256:" + digest.hexdigest()
+
+
+def _digest_update(digest: Any, name: str, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        for part in _flat_tensors(value):
+            digest.update(f"{name}:{part.dtype}:{tuple(part.shape)};".encode())
+            data = part.detach().contiguous().cpu().reshape(-1)
+            if data.numel():
+                digest.update(data.view(torch.uint8).numpy())  # hashlib reads the buffer: no copy
+
+
+class StateDigest:
+    """state_digest of a model computed while a block-wise pass holds its tensors onloaded: the pass offers each
+    module's tensors as it onloads them, and a thread hashes them in state_digest's order (hashlib lets go of the
+    GIL), so that an offloaded model's state is not read from its offload a second time. A tensor never offered is
+    read from the offload when its turn comes and the pass waits for it (`wait_for`) or ends (`result`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.names = [name for name, _ in [*model.named_parameters(), *model.named_buffers()]]
+        self.index = {name: position for position, name in enumerate(self.names)}
+        self.offered: dict[str, torch.Tensor] = {}
+        self.position = 0  # how many names are hashed
+        self.hurry_until = 0  # names before this one are read from the offload when not offered
+        self.failed: BaseException | None = None
+        self.abandoned = False
+        self.digest = hashlib.sha256()
+        self.condition = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="qcore-state-digest", daemon=True)
+        self.thread.start()
+
+    def offer(self, prefix: str, module: nn.Module, before: str | None = None) -> list[str]:
+        """Offers the tensors `module` (at `prefix`) holds now that are not on the meta device; `before`: only
+        those that come before that name in the digest's order. Returns the names offered."""
+        limit = self.index.get(before, len(self.names)) if before is not None else len(self.names)
+        found = []
+        with self.condition:
+            for name, value in [*module.named_parameters(prefix=prefix), *module.named_buffers(prefix=prefix)]:
+                position = self.index.get(name)
+                if position is None or position < self.position or position >= limit or name in self.offered \
+                        or value.device.type == "meta":
+                    continue
+                self.offered[name] = value
+                found.append(name)
+            self.condition.notify_all()
+        return found
+
+    def wait_for(self, names: list[str]) -> None:
+        """Returns once every name in `names` is hashed (the ones before them read from the offload if they were
+        never offered): the pass may then let their tensors go."""
+        if not names:
+            return
+        last = max(self.index[name] for name in names) + 1
+        with self.condition:
+            self.hurry_until = max(self.hurry_until, last)
+            self.condition.notify_all()
+            while self.position < last and self.failed is None:
+                self.condition.wait()
+
+    def result(self) -> str:
+        """The digest, once every tensor is hashed (those never offered read from the offload)."""
+        with self.condition:
+            self.hurry_until = len(self.names)
+            self.condition.notify_all()
+        self.thread.join()
+        if self.failed is not None:
+            raise self.failed
+        return "sha256:" + self.digest.hexdigest()
+
+    def abandon(self) -> None:
+        """Stops hashing (the pass failed): the thread ends and lets go of what was offered."""
+        with self.condition:
+            self.abandoned = True
+            self.offered.clear()
+            self.condition.notify_all()
+        self.thread.join()
+
+    def _run(self) -> None:
+        try:
+            for position, name in enumerate(self.names):
+                with self.condition:
+                    while name not in self.offered and position >= self.hurry_until and not self.abandoned:
+                        self.condition.wait()
+                    if self.abandoned:
+                        return
+                    value = self.offered.pop(name, None)
+                _digest_update(self.digest, name, value if value is not None else module_tensor(self.model, name))
+                with self.condition:
+                    self.position = position + 1
+                    self.condition.notify_all()
+        except BaseException as error:  # noqa: BLE001 - handed to the pass that asks for the result
+            with self.condition:
+                self.failed = error
+                self.condition.notify_all()

@@ -8,6 +8,7 @@ inputs and outputs wait for the quantized pass. The sums come to the host once, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -57,6 +58,7 @@ class ArtifactMeasurement:
     not_comparable: Mapping[str, str]
     order: tuple[str, ...]
     expert_fits: Mapping[str, WeightFit] = field(default_factory=dict)  # {expert layer: its weight's fit}
+    digest: str = ""  # the quantized model's state_digest, when the pass computed it (block by block)
 
 
 class StreamRecord:
@@ -406,10 +408,11 @@ class _RunState:
         self.comparator = LogitsComparator() if run.logits else None
 
     def result(self, reference: nn.Module, weights: Mapping[str, tuple[float, float]] | None = None,
-               expert_fits: Mapping[str, WeightFit] | None = None) -> ArtifactMeasurement:
+               expert_fits: Mapping[str, WeightFit] | None = None, digest: str = "") -> ArtifactMeasurement:
         """The run's records."""
-        return _measurement(reference, self.quantized, self.kept, self.measured, self.outputs, self.comparator,
-                            list(self.run.float_layers), weights, expert_fits)
+        measured = _measurement(reference, self.quantized, self.kept, self.measured, self.outputs, self.comparator,
+                                list(self.run.float_layers), weights, expert_fits)
+        return dataclasses.replace(measured, digest=digest) if digest else measured
 
 
 @contextlib.contextmanager

@@ -93,8 +93,8 @@ def test_an_offloaded_pair_gives_the_rows_of_the_pair_loaded_whole(checkpoints, 
     compressed = offloaded_quantized.model.layers[3].self_attn.q_proj
     assert compressed.quantization_status.value == "compressed" and "weight" not in dict(
         compressed.named_parameters(recurse=False))
-    # the digest reads offloaded tensors from the offload, one at a time
-    assert analysis.digest == state_digest(_whole(checkpoints / "w4a16"))
+    # the digest, hashed by the pass as it onloaded each block, is the one of the checkpoint loaded whole
+    assert analysis.measurement.digest == analysis.digest == state_digest(_whole(checkpoints / "w4a16"))
 
 
 def test_offloaded_tensors_are_read_one_at_a_time_and_onloaded_once_for_all_batches(checkpoints, tmp_path):
@@ -237,3 +237,4 @@ def test_an_offloaded_moe_pair_measures_every_expert_as_the_pair_loaded_whole(tm
     assert len(analysis.checkpoint_experts) == 2
     experts = offloaded_quantized.model.layers[1].mlp.experts
     assert experts.gate_up_proj.device.type == "meta" and experts.down_proj.device.type == "meta"
+    assert analysis.measurement.digest == analysis.digest == state_digest(_whole(tmp_path / "w4a16"))
