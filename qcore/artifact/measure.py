@@ -20,10 +20,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, changed_modules, dequantized_weight
-from qcore.artifact.offload import decompress_pending
+from qcore.artifact.offload import decompress_pending, module_tensor, read_from_offload
 from qcore.artifact.weights import WeightFit, input_channel_scales, weight_fit
 from qcore.graph.capture import without_kv_cache
-from qcore.graph.experts import held_expert_layers
+from qcore.graph.experts import ExpertProjection, held_expert_layers
 from qcore.graph.inputs import call_model
 from qcore.measure.passes import LayerSqnr, OutputSqnr, SqnrMeasurement
 from qcore.numeric.loggers import StreamingComparator
@@ -526,9 +526,13 @@ def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, 
         else:
             reference_weight = getattr(reference.get_submodule(name), "weight", None)
             if kept[name].weighted and name not in float_layers and isinstance(reference_weight, torch.Tensor):
-                ours = dequantized_weight(quantized.get_submodule(name))
-                if ours is not None and ours.numel() == reference_weight.numel():
-                    fitted = _weight_sqnr(reference_weight, ours)
+                reference_weight = module_tensor(reference, f"{name}.weight")  # an offloaded one from its offload
+                with read_from_offload(quantized, name) as module:
+                    ours = module_tensor(quantized, f"{name}.weight") if isinstance(module, ExpertProjection) \
+                        else dequantized_weight(module)
+                    if ours is not None and ours.numel() == reference_weight.numel() \
+                            and ours.device.type != "meta" and reference_weight.device.type != "meta":
+                        fitted = _weight_sqnr(reference_weight, ours)
         if fitted is not None:
             weight_db, gain = fitted
             if gain > RESCALED_GAIN_DB:

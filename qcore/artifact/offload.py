@@ -116,6 +116,30 @@ def module_tensor(model: nn.Module, name: str) -> torch.Tensor:
                      "loaded whole or through accelerate's offload (device_map=..., offload_folder=...)")
 
 
+@contextlib.contextmanager
+def read_from_offload(model: nn.Module, name: str) -> Iterator[nn.Module]:
+    """The submodule `name` with each of its own tensors that waits on the meta device read from the offload
+    (module_tensor) for the duration, put back after: its weights, where no hook of its own onloads them (a model
+    offloaded whole to disk behind one hook at its root)."""
+    module = model.get_submodule(name)
+    prefix = f"{name}." if name else ""
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for table in (module._parameters, module._buffers):
+            for key, value in list(table.items()):
+                if value is None or not _is_meta(value):
+                    continue
+                read = module_tensor(model, prefix + key)
+                if _is_meta(read):
+                    continue
+                swapped.append((table, key, value))
+                table[key] = nn.Parameter(read, requires_grad=False) if isinstance(value, nn.Parameter) else read
+        yield module
+    finally:
+        for table, key, value in reversed(swapped):
+            table[key] = value
+
+
 def parameter_bytes(model: nn.Module) -> int:
     """The bytes of the model's parameters and buffers as declared (those on the meta device counted by shape)."""
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

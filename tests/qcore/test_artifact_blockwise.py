@@ -238,3 +238,25 @@ def test_an_offloaded_moe_pair_measures_every_expert_as_the_pair_loaded_whole(tm
     experts = offloaded_quantized.model.layers[1].mlp.experts
     assert experts.gate_up_proj.device.type == "meta" and experts.down_proj.device.type == "meta"
     assert analysis.measurement.digest == analysis.digest == state_digest(_whole(tmp_path / "w4a16"))
+
+
+def test_an_offloaded_pair_without_a_stack_is_measured_in_whole_passes_with_its_weights_read_from_the_offload(
+        tmp_path):
+    """A one-block MoE pair offloaded to disk whole (one hook at the root): no stack to go block by block, so whole
+    passes onload through the hooks, and each layer's weights (each expert's) are read from the offload after the
+    pass, with the numbers of the pair loaded whole."""
+    from tests.helpers import float_and_w4a16_moe_checkpoints
+    from tests.models import tiny_moe
+
+    float_and_w4a16_moe_checkpoints(tmp_path, layers=1)
+    batches = tiny_moe("qwen3_moe", layers=1, experts=4)[1]
+    whole = ArtifactAnalysis(_whole(tmp_path / "float"), _whole(tmp_path / "w4a16"), batches, logits=True)
+    analysis = ArtifactAnalysis(_offloaded(tmp_path / "float", tmp_path / "f"),
+                                _offloaded(tmp_path / "w4a16", tmp_path / "q"), batches, logits=True)
+    analysis.choose_blocks("auto", None)
+    assert analysis.stack is None and analysis.offloaded
+    assert len(analysis.expert_layers) == 4 * 3
+    for name, entry in whole.sqnr.layers.items():
+        other = analysis.sqnr.layers[name]
+        assert other.weight_sqnr_db == pytest.approx(entry.weight_sqnr_db, abs=1e-6), name
+        assert other.sqnr_db == pytest.approx(entry.sqnr_db, abs=1e-4), name
