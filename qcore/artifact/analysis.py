@@ -155,6 +155,8 @@ class ArtifactGroup:
                                and "measurement" not in member.__dict__ and member.reference is asking.reference
                                and member.stack == asking.stack and member.device == asking.device
                                and (member._batches is None or member._batches is asking._batches)]
+        for member in together:
+            member.digest_as_loaded()
         if len(together) == 1:
             return asking._measure(asking.batches, asking.float_layers, asking.focus, asking.logits_planned,
                                    digest=True)
@@ -369,6 +371,12 @@ class ArtifactAnalysis:
             raise KeyError(f"{name!r} is not a quantized layer of the artifact; known: {list(self._by_name)}")
         return self._by_name[name]
 
+    def digest_as_loaded(self) -> None:
+        """Takes the digest before a whole pass, which decompresses compressed-tensors layers in place: the
+        artifact's identity is its state as loaded, as a block-wise pass (which compresses them again) hashes it."""
+        if self.stack is None and "measurement" not in self.__dict__:
+            _ = self.digest
+
     @cached_property
     def digest(self) -> str:
         """'sha256:...' of the quantized model's state (its identity in a baseline); block by block, as the pass
@@ -389,6 +397,7 @@ class ArtifactAnalysis:
         with stage("comparison"):
             if self.group is not None:
                 return self.group.measured(self)
+            self.digest_as_loaded()
             stack = self._trial_stack() if self.stack is None else None
             if stack is None:
                 return self._measure(self.batches, self.float_layers, self.focus, self.logits_planned, self.shadow,
