@@ -23,6 +23,7 @@ from qcore.graph.ops import (
     written_after,
 )
 from qcore.numeric.instrument import (
+    FloatNodes,
     attach_after,
     copy_layer_into,
     makes_new_tensor,
@@ -144,8 +145,9 @@ def _shadowed(float_model, quant_model):
     _hold(gm_a, gm_b)
     pairs = match_layers(gm_a, gm_b)
     comparators = []
+    known = FloatNodes(gm_a)
     for index, pair in enumerate(pairs):
-        shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
+        shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX, known=known)
         comparator = StreamingComparator()
         attach_after(gm_a, shadow_value, f"qcore_compare_{index}", comparator, layer_value(pair.a))
         comparators.append(comparator)
@@ -235,6 +237,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     shadowed: list[StreamingComparator | None] = []
     stashes, references = [], {}
     known: dict[str, dict] = {}
+    floats: FloatNodes | None = None  # gm_a's original nodes, read once for every shadow copied
     for pair in pairs:
         earlier = (known_shadows or {}).get(pair.layer, ())
         if earlier and (shadowed_layers is None or pair.layer in shadowed_layers):
@@ -254,7 +257,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
         stashes.append(stash)
         shadow = None
         if shadow_it:
-            shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX)
+            floats = floats or FloatNodes(gm_a)
+            shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX, known=floats)
             # the shadow's value is read by its comparator only, and the reference is the stash's
             shadow = StreamingComparator(actual_held=True, reference_held=True)
             attach_after(gm_a, shadow_value, f"qcore_shadow_compare_{index}", shadow, references[pair.layer])
@@ -535,12 +539,14 @@ def _add_extra_shadows(gm_a: fx.GraphModule, extras: Sequence[ExtraShadows], ext
                        references: dict[str, fx.Node]) -> list[tuple[ExtraShadows, str, StreamingComparator]]:
     """Each extra copy held in gm_a, its layers' shadows compared with the float layer values (`references`)."""
     found = []
+    floats: FloatNodes | None = None
     for index, (extra, pairs) in enumerate(zip(extras, extra_pairs)):
         holder = f"qcore_screen_{index}"
         gm_a.add_submodule(holder, _QuantizedHolder(extra.quantized))
         for number, pair in enumerate(p for p in pairs if p.layer in references):
             extra.signatures[pair.layer] = shadow_signature(extra.quantized, pair.b)
-            value = copy_layer_into(gm_a, pair.a, pair.b, f"{holder}.quantized")
+            floats = floats or FloatNodes(gm_a)
+            value = copy_layer_into(gm_a, pair.a, pair.b, f"{holder}.quantized", known=floats)
             comparator = StreamingComparator(actual_held=True, reference_held=True)  # as a shadow's
             attach_after(gm_a, value, f"{holder}_compare_{number}", comparator, references[pair.layer])
             found.append((extra, pair.layer, comparator))

@@ -69,17 +69,28 @@ def _layer_chain(op: QuantizableOp) -> list[fx.Node]:
     return chain
 
 
+class FloatNodes:
+    """gm_a's original nodes by debug handle and its placeholders by name, read once for a loop of
+    copy_layer_into calls (each call adds nodes, none of them original but the rewritten weights it copies, which
+    it adds here as nodes_by_handle would find them)."""
+
+    def __init__(self, gm_a: fx.GraphModule) -> None:
+        self.by_handle = nodes_by_handle(gm_a)
+        self.placeholders = {n.target: n for n in gm_a.graph.nodes if n.op == "placeholder"}
+
+
 def copy_layer_into(
     gm_a: fx.GraphModule, op_a: QuantizableOp, op_b: QuantizableOp, b_prefix: str,
-    copies: dict[fx.Node, fx.Node] | None = None,
+    copies: dict[fx.Node, fx.Node] | None = None, known: FloatNodes | None = None,
 ) -> fx.Node:
     """Copy op_b's quantized layer into gm_a, fed by gm_a's float inputs; returns the copy's result node.
-    `copies`, when given, receives each copied node of gm_b with its copy in gm_a.
+    `copies`, when given, receives each copied node of gm_b with its copy in gm_a; `known`: gm_a's FloatNodes, for
+    a caller that copies many layers (read from gm_a when not given).
 
     gm_b must be registered in gm_a under `b_prefix`, so that its weights resolve as get_attr targets.
     """
-    float_nodes = nodes_by_handle(gm_a)
-    placeholders = {n.target: n for n in gm_a.graph.nodes if n.op == "placeholder"}
+    known = known if known is not None else FloatNodes(gm_a)
+    float_nodes, placeholders = known.by_handle, known.placeholders
     env: dict[fx.Node, fx.Node] = {}
     graph = gm_a.graph
     anchor = layer_value(op_a).next
@@ -94,6 +105,8 @@ def copy_layer_into(
         if node.meta.get(REWRITTEN_KEY):  # a float weight the quantized layer reads rewritten (a bias, say)
             with graph.inserting_before(anchor):
                 env[node] = graph.node_copy(node, lookup)
+            if HANDLE_KEY in env[node].meta and not is_inserted(env[node]):
+                float_nodes[env[node].meta[HANDLE_KEY]] = env[node]  # as nodes_by_handle finds it from now on
             return env[node]
         if node.op == "placeholder" and node.target in placeholders:
             return placeholders[node.target]

@@ -13,7 +13,7 @@ from torch import fx, nn
 
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.ops import weight_value
-from qcore.numeric.instrument import attach_after, copy_layer_into
+from qcore.numeric.instrument import FloatNodes, attach_after, copy_layer_into
 from qcore.numeric.matching import LoggedNode, NodePair, logged_node, match_layers, match_nodes, target_type
 
 __all__ = ["NSResultsType", "add_loggers", "add_shadow_loggers", "extend_logger_results_with_comparison",
@@ -153,9 +153,10 @@ def add_shadow_loggers(
     gm_b = clone_graph_module(_require_graph(model_b, "model_b"))
     gm_a.add_submodule(_SHADOW_PREFIX, gm_b)
     pairs = match_layers(gm_a, gm_b)
+    floats = FloatNodes(gm_a)
     for index, pair in enumerate(pairs):
         copies: dict[fx.Node, fx.Node] = {}
-        shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX, copies)
+        shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX, copies, known=floats)
         node_a, node_b = logged_node(pair.a), logged_node(pair.b)
         shadow = LoggedNode(copies[node_b.ref], shadow_value, node_b.fqn,
                             [(i, j, copies.get(source, source)) for i, j, source in node_b.inputs])
