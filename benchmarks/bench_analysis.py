@@ -109,11 +109,11 @@ def _resnet18():
                          *stages, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000))
 
 
-def _settings(checks, batches):
+def _settings(checks, batches, **settings):
     from pytest_qreport.checks import BUILTIN_CHECKS
     from pytest_qreport.core.settings import ModelSettings
 
-    return ModelSettings.defaults(BUILTIN_CHECKS, checks=checks, calibration=batches)
+    return ModelSettings.defaults(BUILTIN_CHECKS, checks=checks, calibration=batches, **settings)
 
 
 def _rss_bytes(field: str) -> int | None:
@@ -135,9 +135,9 @@ def _reset_peak() -> int | None:
     return _rss_bytes("VmRSS")
 
 
-def _analyse(model, batches, checks, between=None) -> tuple[float, float]:
-    """(collection seconds, analysis seconds) of one model, as the plugin runs them; `between` is called
-    between the two, untimed."""
+def _analyse(model, batches, checks, between=None, kept=None, **settings) -> tuple[float, float]:
+    """(collection seconds, analysis seconds) of one model, as the plugin runs them, with `settings` over the
+    defaults; `between` is called between the two, untimed; `kept`, a list, gets the model's pipeline."""
     import qcore
     from pytest_qreport.checks import BUILTIN_CHECKS
     from pytest_qreport.core.pipeline import collect_model
@@ -147,7 +147,7 @@ def _analyse(model, batches, checks, between=None) -> tuple[float, float]:
     for check in BUILTIN_CHECKS:
         registry.register(check)
     start = time.perf_counter()
-    state = collect_model("model", _settings(checks or registry.names(), batches), registry,
+    state = collect_model("model", _settings(checks or registry.names(), batches, **settings), registry,
                           qcore.Int8StaticQuantizer(), model, batches[0])
     collected = time.perf_counter()
     if between is not None:
@@ -155,6 +155,8 @@ def _analyse(model, batches, checks, between=None) -> tuple[float, float]:
         collected = time.perf_counter()
     state.analyze(lambda: batches, lambda found: None, threads=2)
     assert not state.failed, state.error
+    if kept is not None:
+        kept.append(state)
     return collected - start, time.perf_counter() - collected
 
 

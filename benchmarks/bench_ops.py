@@ -8,6 +8,8 @@ on).
     python benchmarks/bench_ops.py --quick         # the examples' TinyResNet only
     python benchmarks/bench_ops.py --no-time       # the op counts alone
     python benchmarks/bench_ops.py --llama1b       # also the 1B Llama config's CPU time (about 10-30 minutes)
+    python benchmarks/bench_ops.py --quick --no-time --llama1b --fix-budget unlimited   # the 1B config alone,
+                                                   # its fix searches run to their ends (the default budget is 1)
 
 The cases are bench_analysis.py's and a 0.5B Llama config, 8 batches each.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -158,13 +161,14 @@ def main() -> None:
     parser.add_argument("--no-time", action="store_true", help="count the ops only")
     parser.add_argument("--llama1b", action="store_true", help="also time the 1B Llama config on this CPU")
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--fix-budget", default="1", help="the 1B run's fix_budget (default 1; 'unlimited')")
     parser.add_argument("--time-llama1b", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one)))
         return
     if args.time_llama1b:
-        print(json.dumps(time_llama1b()))
+        print(json.dumps(time_llama1b(math.inf if args.fix_budget == "unlimited" else float(args.fix_budget))))
         return
     cases = ["cnn"] if args.quick else ["cnn", "minilm", "resnet18", "llama0.5b"]
     print(f"{'case':12} {'forward ops':>12} {'every default check':>28} {'host reads':>11} {'passes floor':>15} "
@@ -183,8 +187,8 @@ def main() -> None:
               f"{row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x) {timed:>22}")
     if args.llama1b:
         environment = {key: value for key, value in os.environ.items() if key != "QCORE_NATIVE"}
-        output = subprocess.run([sys.executable, __file__, "--time-llama1b"], capture_output=True, text=True,
-                                cwd=ROOT, env=environment, timeout=7200)
+        output = subprocess.run([sys.executable, __file__, "--time-llama1b", "--fix-budget", args.fix_budget],
+                                capture_output=True, text=True, cwd=ROOT, env=environment, timeout=7200)
         if output.returncode:
             print(f"llama1b: failed: {output.stderr[-500:]}")
             return
@@ -194,11 +198,18 @@ def main() -> None:
               f"({row['analysis'] / row['forward']:.0f}x the forward)")
         print("llama1b, seconds per check (its items' findings, the model's measurement in the first): " + ", ".join(
             f"{name} {seconds:.1f}" for name, seconds in row["checks"].items() if seconds >= 0.05))
+        budget = row["fix_budget"]
+        print(f"llama1b, fix_budget={args.fix_budget}: verdict pass (calibration, comparison) {row['verdict']:.1f} s = "
+              f"{row['verdict'] / row['forward']:.1f}x the forward; {row['failing']} failing item(s); per stage: "
+              + ", ".join(f"{name} {seconds:.1f}" for name, seconds in row["stages"].items()) +
+              f"; fix searches {budget.get('trial_runs', 0):.3g} graph runs of the verdict pass's "
+              f"{budget.get('verdict_runs', 0):.3g} ({budget.get('stopped_searches', 0)} search step(s) stopped)")
 
 
-def time_llama1b() -> dict[str, Any]:
+def time_llama1b(fix_budget: float = 1.0) -> dict[str, Any]:
     """The 1B Llama config's forward, collection (capture) and analysis seconds on this CPU (native kernels on, 2
-    threads), and the analysis's seconds per check."""
+    threads) under `fix_budget`, the analysis's seconds per check and per stage (its verdict pass: calibration and
+    comparison), and what its fix searches spent."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -226,11 +237,16 @@ def time_llama1b() -> dict[str, Any]:
             checks[name] = checks.get(name, 0.0) + time.perf_counter() - start
 
     ModelPipeline._check_findings = check_findings  # type: ignore[method-assign]
+    kept: list[Any] = []
     try:
-        collection, analysis = _analyse(model, batches, None)
+        collection, analysis = _analyse(model, batches, None, kept=kept, fix_budget=fix_budget)
     finally:
         ModelPipeline._check_findings = timed  # type: ignore[method-assign]
-    return {"forward": forward, "collection": collection, "analysis": analysis, "checks": checks}
+    seconds = dict(kept[0].seconds)
+    return {"forward": forward, "collection": collection, "analysis": analysis, "checks": checks,
+            "stages": seconds, "verdict": seconds.get("calibration", 0.0) + seconds.get("comparison", 0.0),
+            "fix_budget": kept[0].fix_budget,
+            "failing": sum(f.verdict == "fail" for f in (kept[0].findings or {}).values())}
 
 
 def _cpu_time(name: str) -> str:

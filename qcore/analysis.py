@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import gc
 import hashlib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -65,17 +66,17 @@ from qcore.report import ModelReport
 from qcore.report.detectors import DetectorBase
 from qcore.rewrites.equalize import cross_layer_equalize, equalize
 from qcore.rewrites.smoothing import smooth, smoothing_alpha
-from qcore.runtime.progress import StageTimes, stage, tracked
+from qcore.runtime.progress import FixBudgetUse, StageTimes, fix_budget_use, stage, tracked, trials_allowed
 from qcore.search.sensitivity import with_float_layers
 
 __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix",
            "ArtifactGroup", "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError",
-           "BlockwiseUnsupported", "ExpertLayer", "MoeBlock", "Router", "LayerSqnr", "ModelAnalysis", "OutputSqnr",
-           "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes", "VariantSqnr",
-           "analyze_model", "calibration_digest", "compact_expert_layers", "describe", "matches_layer",
-           "measure_sqnr", "model_device", "move_to", "quantize_weights_where_read", "quantized_layers",
-           "smoothing_alpha", "split_into_blocks", "stage", "tool_recipes", "tracked", "with_float_layers",
-           "with_layer_overrides"]
+           "BlockwiseUnsupported", "ExpertLayer", "FixBudgetUse", "MoeBlock", "Router", "LayerSqnr", "ModelAnalysis",
+           "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes", "VariantSqnr",
+           "analyze_model", "calibration_digest", "compact_expert_layers", "describe", "fix_budget_use",
+           "matches_layer", "measure_sqnr", "model_device", "move_to", "quantize_weights_where_read",
+           "quantized_layers", "smoothing_alpha", "split_into_blocks", "stage", "tool_recipes", "tracked",
+           "trials_allowed", "with_float_layers", "with_layer_overrides"]
 # the plugin reads qcore through this module, qcore itself, qcore.report and qcore.numeric only (an import-linter
 # contract): the names above that live deeper are re-exported for it
 
@@ -653,6 +654,12 @@ class ModelAnalysis:
         self.whole_model("the sensitivity ranking")
         key = (max_layers, max_batches, only_quantized, confirmed)
         cache = self._sensitivity
+        if key not in cache and not trials_allowed():  # the fix budget is spent: no layer is measured
+            from qcore.search.sensitivity import SensitivityResult
+
+            layers = [entry.layer for entry in self.layers]
+            return SensitivityResult(self._output_db(), (), tuple(layers[max_layers:] if max_layers else ()), 0,
+                                     tuple(layers[:max_layers] if max_layers else layers))
         if key not in cache:
             with stage("trials"):
                 cache[key] = layer_sensitivity(self.quantized_input_gm, self.batches, self.quantizer,
@@ -670,6 +677,10 @@ class ModelAnalysis:
             raise TypeError(f"format_fix needs a FormatQuantizer, not {type(self.quantizer).__name__}")
         self.whole_model("the format search")
         key = ("formats", target_db, max_moves, max_batches)
+        if key not in self._fixes and not trials_allowed():  # the fix budget is spent: nothing is searched
+            from qcore.search.format_search import FormatFix
+
+            return FormatFix({}, self._output_db(), self._output_db(), target_db, False, stopped=True)
         if key not in self._fixes:
             self.require_deterministic()
             with stage("trials"):
@@ -690,6 +701,10 @@ class ModelAnalysis:
         early_layers = EARLY_LAYERS if early_layers is None else early_layers
         key = (target_db, max_float_layers, max_batches, candidates, early_layers)
         cache = self._fixes
+        if key not in cache and not trials_allowed():  # the fix budget is spent: nothing is searched
+            from qcore.search.sensitivity import FloatLayersFix
+
+            return FloatLayersFix((), self._output_db(), self._output_db(), target_db, False, stopped=True)
         if key not in cache:
             with stage("trials"):
                 cache[key] = find_float_layers(self.quantized_input_gm, self.batches, self.quantizer, target_db,
@@ -698,6 +713,11 @@ class ModelAnalysis:
                                                ranking=self.fix_candidates(candidates),
                                                early_layers=early_layers, observers=self._observers)
         return cache[key]
+
+    def _output_db(self) -> float:
+        """The worst output leaf's SQNR in the model's comparison pass (nan without a floating output)."""
+        worst = self.sqnr.worst_output()
+        return worst.sqnr_db if worst is not None else math.nan
 
     def fix_candidates(self, count: int = FLOAT_LAYERS_CANDIDATES) -> list[str]:
         """The quantized layers in the order a float_layers search takes its `count` candidates from: the layer

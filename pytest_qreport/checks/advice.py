@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.experts import compact_expert_layers, expert_layers_of
 from ..core.registry import ModelContext
 
-__all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "Advice", "Fix", "Trial", "equalize_fix", "float_layers_fix",
-           "float_search_limit", "layer_overrides_fix", "max_float_layers", "quantized_layer_names", "try_fix",
-           "verify"]
+__all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "NOT_TRIED", "VERDICT_TRIALS", "Advice", "Fix", "Trial", "equalize_fix",
+           "float_layers_fix", "float_search_limit", "layer_overrides_fix", "max_float_layers", "quantized_layer_names",
+           "search_further", "try_fix", "verify"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Trial:
     propagated: Mapping[str, tuple[float, float]]
     weight: Mapping[str, tuple[float, float]]
     screened: bool = False  # own SQNR only, from the model's comparison pass (qcore.measure.screens): no output
+    stopped: bool = False  # not run: the model's fix budget was spent (every "after" is nan)
 
     @property
     def output_gain(self) -> float:
@@ -103,6 +104,12 @@ def float_layers_fix(model: ModelContext, layers: Iterable[str]) -> Fix:
 def equalize_fix(value: Any, layers: Iterable[str]) -> Fix:
     """equalize=value (True, a list of layers, or a smoothing recipe)."""
     return Fix("equalize", value, tuple(layers))
+
+
+def _trials_allowed() -> bool:
+    from qcore.analysis import trials_allowed
+
+    return trials_allowed()
 
 
 def quantized_layer_names(model: ModelContext) -> list[str]:
@@ -162,27 +169,53 @@ def _variant(model: ModelContext, fix: Fix, reads: Collection[str]) -> Any:
     raise ValueError(f"no verified fix sets {fix.setting!r}")
 
 
-def try_fix(model: ModelContext, fix: Fix, reads: Collection[str] = KINDS) -> Trial:
+def try_fix(model: ModelContext, fix: Fix, reads: Collection[str] = KINDS, *, budgeted: bool = True,
+            verdict: bool = False) -> Trial:
     """The model measured with `fix`, against the model as it is: its output, and of the layers the fix concerns
-    the SQNRs in `reads` (of KINDS; the others are nan)."""
-    from qcore.analysis import stage
+    the SQNRs in `reads` (of KINDS; the others are nan). A budgeted trial is not run once the model's fix budget
+    is spent (its `stopped` is then True); budgeted=False runs it all the same (the confirmation of a fix about to
+    be printed). verdict=True: a trial a check's verdict waits for, timed as its own stage ("verdict trials") and
+    neither limited by the fix budget nor counted in it."""
+    from qcore.analysis import stage, trials_allowed
 
     before = model.analysis.sqnr
-    with stage("trials"):
-        after = _variant(model, fix, reads).sqnr
-    worst_before, worst_after = before.worst_output(), after.worst_output()
+    variant = _variant(model, fix, reads)  # kept per configuration: a trial measured before costs nothing
+    stopped = budgeted and not verdict and "sqnr" not in vars(variant) and not trials_allowed()
+    if not stopped:
+        with stage(VERDICT_TRIALS if verdict else "trials"):
+            after = variant.sqnr
+    worst_before = before.worst_output()
+    worst_after = None if stopped else after.worst_output()
     output = (worst_before.sqnr_db if worst_before else math.nan, worst_after.sqnr_db if worst_after else math.nan)
 
     def pairs(value: Callable[[Any], float | None]) -> dict[str, tuple[float, float]]:
         found = {}
         for layer, entry in before.layers.items():
-            other = after.layers.get(layer)
+            other = None if stopped else after.layers.get(layer)
             a, b = value(entry), value(other) if other is not None else None
             found[layer] = (math.nan if a is None else a, math.nan if b is None else b)
         return found
 
     return Trial(fix, output, pairs(lambda e: e.shadow_sqnr_db), pairs(lambda e: e.sqnr_db),
-                 pairs(lambda e: e.weight_sqnr_db))
+                 pairs(lambda e: e.weight_sqnr_db), stopped=stopped)
+
+
+VERDICT_TRIALS = "verdict trials"  # the stage of the trials a verdict waits for (outside the fix budget)
+NOT_TRIED = "not measured: the model's fix budget was spent before this fix was tried"
+
+
+def search_further(model: ModelContext) -> str:
+    """What a check whose fix search the budget stopped says: the setting that searches further, and the one that
+    gives verdicts only."""
+    budget = model.settings.fix_budget
+    if budget == 0:
+        return (" No fix was searched: fix_budget is 0 (verdicts only); measure fixes with qmodel(fix_budget=1), or "
+                "run every search to its end with qmodel(fix_budget='unlimited').")
+    larger = 2 * budget if budget >= 0.5 else 1
+    return (f" The fix search stopped at the model's fix budget (fix_budget={budget:g}: its searches may run "
+            f"{budget:g} times as many graph runs as its verdict pass): search further with "
+            f"qmodel(fix_budget={larger:g}), or to the end with qmodel(fix_budget='unlimited'); fix_budget=0 gives the "
+            "verdicts only.")
 
 
 @dataclass(frozen=True)
@@ -196,6 +229,11 @@ class Advice:
     min_gain: float
     kind: str
     notes: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the fix budget was spent before the fix was tried."""
+        return self.first.stopped
 
     def helps(self, layer: str) -> bool:
         """Whether the printed fix was measured to help this layer (and not to hurt the output)."""
@@ -218,16 +256,24 @@ class Advice:
 
 
 def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[list[str]], Fix], min_gain: float,
-           kind: str = "own", screened: Mapping[str, tuple[float, float]] | None = None) -> Advice:
+           kind: str = "own", screened: Mapping[str, tuple[float, float]] | None = None,
+           verdict: bool = False) -> Advice:
     """Try the fix on every candidate layer, keep those it raises by at least `min_gain` dB (`kind` SQNR), try
     that smaller fix, and recommend it for the layers it still raises by `min_gain` when the output SQNR does
     not fall. `screened`: {layer: (own SQNR, own SQNR with the fix on every candidate)} measured already (a
-    screen's): the first trial is then not run, and the fix is always tried for the output."""
+    screen's): the first trial is then not run, and the fix is always tried for the output. The search tries
+    nothing once the model's fix budget is spent (the advice is then `stopped`, with no fix); the trial of the fix
+    it prints always runs, so that every printed fix is measured on every batch. verdict=True: the check's verdict
+    waits for the advice, whose trials are then outside the budget (try_fix)."""
     candidates = list(candidates)
     if screened is not None and kind == "own":
         first = Trial(make_fix(candidates), (math.nan, math.nan), dict(screened), {}, {}, screened=True)
+        if not verdict and not _trials_allowed():  # its output trial would be the search's first
+            first = replace(first, stopped=True)
     else:
-        first = try_fix(model, make_fix(candidates), (kind,))
+        first = try_fix(model, make_fix(candidates), (kind,), verdict=verdict)
+    if first.stopped:
+        return Advice(first, None, (), min_gain, kind, {layer: NOT_TRIED for layer in candidates})
     notes: dict[str, str] = {}
     whose = "this layer's"
 
@@ -240,7 +286,8 @@ def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[l
             notes[layer] = measured(first, layer) + f" (the minimum gain is {min_gain:g} dB)"
     if not helpful:
         return Advice(first, None, (), min_gain, kind, notes)
-    trial = first if helpful == candidates and not first.screened else try_fix(model, make_fix(helpful), (kind,))
+    trial = first if helpful == candidates and not first.screened else \
+        try_fix(model, make_fix(helpful), (kind,), budgeted=False, verdict=verdict)
     if not trial.output_kept:
         for layer in helpful:
             notes[layer] = (f"{measured(trial, layer)}, but with {trial.fix.paste()} the model output falls "

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..core.pipeline import is_artifact
 from ..core.registry import ModelContext
-from .advice import DEFAULT_MAX_FLOAT_LAYERS, max_float_layers, quantized_layer_names
+from .advice import DEFAULT_MAX_FLOAT_LAYERS, max_float_layers, quantized_layer_names, search_further
 
 __all__ = ["DEFAULT_BATCHES", "DEFAULT_MAX_FLOAT_LAYERS", "artifact_fix", "artifact_fix_advice", "is_artifact"]
 
@@ -33,6 +33,8 @@ def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: fl
     """(the advice to print for a failing output item in artifact mode, the recipe for the JSON and HTML: the
     float_layers setting and each tool's line)."""
     fix = artifact_fix(model, check, metric, target, batches)
+    if fix is not None and fix.stopped and not fix.float_layers:
+        return search_further(model), None
     if fix is None or not fix.float_layers:
         return "", None
     recipes = fix.recipes
@@ -48,20 +50,30 @@ def artifact_fix_advice(model: ModelContext, check: str, metric: str, target: fl
     if fix.reached:
         return (f" Keeping {len(layers)} layer(s) in float was measured to reach {show(fix.measured)} "
                 f"(from {show(fix.before)}): {lines}."), recipe
-    return (f" No set of up to {len(layers)} layer(s) kept in float reaches {show(target)} "
-            f"({_search_limit(model, fix, check, metric, batches, show)}); the best found was measured at "
-            f"{show(fix.measured)} (from {show(fix.before)}): {lines}."), recipe
+    limit = None if fix.stopped else _search_limit(model, fix, check, metric, batches, show)
+    if limit is None:  # the fix budget stopped the search, or was spent before a wider one could be measured
+        return (f" No set of up to {len(layers)} layer(s) kept in float that the search measured within the fix "
+                f"budget reaches {show(target)}.{search_further(model)} The best found was measured at "
+                f"{show(fix.measured)} (from {show(fix.before)}): {lines}."), recipe
+    return (f" No set of up to {len(layers)} layer(s) kept in float reaches {show(target)} ({limit}); the best found "
+            f"was measured at {show(fix.measured)} (from {show(fix.before)}): {lines}."), recipe
 
 
-def _search_limit(model: ModelContext, fix: Any, check: str, metric: str, batches: list[Any], show: Any) -> str:
+def _search_limit(model: ModelContext, fix: Any, check: str, metric: str, batches: list[Any],
+                  show: Any) -> str | None:
     """Why the search stopped short of its target, and how to search further only where that was measured to reach
     it: twice as many of the layers with the largest own error, kept in float at once on the screen's batches
-    (keeping more in float does not make the output worse, so a search among them can reach what they reach)."""
+    (keeping more in float does not make the output worse, so a search among them can reach what they reach).
+    None when the fix budget is spent before that could be measured."""
+    from qcore.analysis import trials_allowed
+
     quantized = len(quantized_layer_names(model))
     chosen, searched = len(fix.float_layers), max(fix.searched, len(fix.float_layers))
     if chosen >= quantized - 1:
         return (f"keeping all {quantized} quantized layers in float would quantize nothing, so the threshold is "
                 "above what this quantizer gives")
+    if not trials_allowed():
+        return None
     options = model.checks[check].options if check in model.checks else {}
     wider = min(2 * max(searched, max_float_layers(model, check)), quantized - 1)
     value, screened = model.analysis.largest_errors_in_float(metric, wider, options.get("batches", DEFAULT_BATCHES),

@@ -115,7 +115,7 @@ class DetectorCheck(Check):
             own = {layer: (before[layer].shadow_sqnr_db, screened.own_sqnr_db.get(layer, math.nan))
                    for layer in layers}
         return verify(model, layers, lambda chosen: layer_overrides_fix(model, {c: changes[c] for c in chosen}),
-                      self.min_gain(model), screened=own)
+                      self.min_gain(model), screened=own, verdict=True)
 
     def screen(self, model: ModelContext, layers: list[str]) -> Any | None:
         """The fix on the layers among `layers` whose heuristic verdict fails, measured in the comparison pass;

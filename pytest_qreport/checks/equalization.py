@@ -34,7 +34,7 @@ def input_weight_advice(model: ModelContext, layers: list[str] | None = None) ->
         empty = Advice(first=_no_trial(), trial=None, recommended=(), min_gain=min_gain, kind="own",
                        notes={layer: _variant_note(model, layer) for layer in named})
         return empty
-    advice = verify(model, chosen, lambda picked: equalize_fix(picked, picked), min_gain)
+    advice = verify(model, chosen, lambda picked: equalize_fix(picked, picked), min_gain, verdict=True)
     notes = {layer: _variant_note(model, layer) for layer in named if layer not in chosen}
     return Advice(advice.first, advice.trial, advice.recommended, min_gain, "own", {**advice.notes, **notes})
 
@@ -45,7 +45,8 @@ def equalize_all_advice(model: ModelContext) -> Advice | None:
     layers = list(model.analysis.equalizable_layers)
     if not layers:
         return None
-    return verify(model, layers, lambda picked: equalize_fix(True, layers), model.settings.equalization_min_gain_db)
+    return verify(model, layers, lambda picked: equalize_fix(True, layers), model.settings.equalization_min_gain_db,
+                  verdict=True)
 
 
 def smoothing_advice(model: ModelContext) -> Advice | None:
@@ -55,7 +56,7 @@ def smoothing_advice(model: ModelContext) -> Advice | None:
     if not chosen:
         return None
     return verify(model, chosen, lambda picked: equalize_fix("smooth:search", chosen),
-                  model.settings.equalization_min_gain_db)
+                  model.settings.equalization_min_gain_db, verdict=True)
 
 
 def equalization_advice(model: ModelContext, layers: list[str] | None = None, smooth: bool = True) -> Advice:

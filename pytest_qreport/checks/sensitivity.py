@@ -6,7 +6,7 @@ from typing import Any
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
-from .advice import float_search_limit, max_float_layers
+from .advice import float_search_limit, max_float_layers, search_further
 from .artifact import DEFAULT_CANDIDATES, artifact_fix, artifact_fix_advice, is_artifact
 
 __all__ = ["BLOCKWISE_NOTE", "SensitivityCheck", "float_layers_advice", "output_fix", "output_float_layers_fix",
@@ -44,14 +44,16 @@ def output_fix(model: ModelContext, target_db: float) -> tuple[str, dict[str, An
     fix = model.analysis.format_fix(target_db, int(options.get("max_moves", 16)),
                                     options.get("batches", DEFAULT_BATCHES))
     if not fix.layer_formats:
-        return "", formats
+        return search_further(model) if fix.stopped else "", formats
     formats["layers"].update(fix.layer_formats)
     layers = formats["layers"]
     if fix.reached:
         return (f" Moving {len(fix.layer_formats)} layer(s) up the format ladder was measured to reach "
                 f"{fix.measured_db:.1f} dB: layer_formats={layers!r}"), formats
-    return (f" No set of up to {len(fix.layer_formats)} format moves reaches {target_db:.1f} dB; the best found, "
-            f"layer_formats={layers!r}, was measured at {fix.measured_db:.1f} dB."), formats
+    within = " that the search measured within the fix budget" if fix.stopped else ""
+    return (f" No set of up to {len(fix.layer_formats)} format moves{within} reaches {target_db:.1f} dB"
+            + (f".{search_further(model)} The best found" if fix.stopped else "; the best found")
+            + f", layer_formats={layers!r}, was measured at {fix.measured_db:.1f} dB."), formats
 
 
 def output_float_layers_fix(model: ModelContext, target_db: float) -> Any | None:
@@ -83,11 +85,15 @@ def float_layers_advice(model: ModelContext, target_db: float) -> str:
         return f" ({BLOCKWISE_NOTE.format(search='float_layers search')})"
     fix = output_float_layers_fix(model, target_db)
     if fix is None or not fix.float_layers:
-        return ""
+        return search_further(model) if fix is not None and fix.stopped else ""
     layers = list(model.settings.float_layers or []) + list(fix.float_layers)
     if fix.reached:
         return (f" Keeping {len(fix.float_layers)} layer(s) in float was measured to reach {fix.measured_db:.1f} dB: "
                 f"float_layers={layers!r}")
+    if fix.stopped:
+        return (f" No set of up to {len(fix.float_layers)} layers kept in float that the search measured within the "
+                f"fix budget reaches {target_db:.1f} dB.{search_further(model)} The best found, "
+                f"float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")
     return (f" No set of up to {len(fix.float_layers)} layers kept in float reaches {target_db:.1f} dB "
             f"({float_search_limit(model, len(fix.float_layers), 'model_sqnr')}); the best found, "
             f"float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")
@@ -126,16 +132,25 @@ class SensitivityCheck(Check):
         result = model.analysis.sensitivity(max_layers, self.options.get("batches", DEFAULT_BATCHES), listed_count,
                                             confirmed)
         top = result.layers[:listed_count]
-        listed = "; ".join(f"{entry.layer} {entry.gain_db:+.1f} dB in float (the output {entry.only_quantized_db:.1f} "
-                           "dB with this layer the only one quantized)" for entry in top)
+        listed = "; ".join(f"{entry.layer} {entry.gain_db:+.1f} dB in float" + (
+            "" if math.isnan(entry.only_quantized_db) else
+            f" (the output {entry.only_quantized_db:.1f} dB with this layer the only one quantized)") for entry in top)
         skipped = (f" {len(result.skipped)} layer(s) past the budget of {max_layers} were not measured "
                    f"(check_options={{'sensitivity': {{'max_layers': N}}}})." if result.skipped else "")
+        if result.unmeasured:
+            skipped += (f" {len(result.unmeasured)} layer(s) within it were not measured: the model's fix budget was "
+                        "spent." + search_further(model))
         details: dict[str, Any] = {
             "all_quantized_db": result.all_quantized_db, "batches": result.batches, "skipped": list(result.skipped),
             "ranking": [{"layer": e.layer, "gain_db": e.gain_db, "only_quantized_db": e.only_quantized_db,
                          "only_float_db": e.only_float_db, "batches": e.batches} for e in result.layers]}
-        message = (f"model output SQNR {result.all_quantized_db:.1f} dB with every layer quantized (on "
-                   f"{result.batches} batch(es)); the layers that help most when kept in float: {listed}.{skipped}"
-                   + output_fix(model, target)[0])
+        fix = output_fix(model, target)[0]
+        further = search_further(model)
+        if skipped.endswith(further) and fix.endswith(further):  # both stopped by the budget: say it once
+            fix = fix[:-len(further)]
+        ranked = f" (on {result.batches} batch(es)); the layers that help most when kept in float: {listed}." if top \
+            else "; no layer was ranked."
+        message = f"model output SQNR {result.all_quantized_db:.1f} dB with every layer quantized{ranked}" + \
+            skipped + fix
         value = top[0].gain_db if top else math.nan
         return [self.finding(model, "model", value, math.nan, passed=False, message=message, details=details)]

@@ -15,6 +15,7 @@ from .advice import (
     layer_overrides_fix,
     max_float_layers,
     quantized_layer_names,
+    search_further,
     try_fix,
     verify,
 )
@@ -84,11 +85,28 @@ def threshold_limit(model: ModelContext, layer: str, failing: list[str], trial: 
                    f"{setting} to {math.floor(after * 10) / 10:g} dB or below to pass it, or choose a finer quantizer.")
 
 
-def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propagated") -> dict[str, list[str]]:
+class MeasuredFixes(dict):
+    """{failing layer: the fixes measured for it, as text}, and whether the fix budget stopped a search for them."""
+
+    stopped: bool = False
+
+
+def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propagated") -> MeasuredFixes:
     """Per failing layer, the fixes measured on the model to raise its `kind` SQNR ("propagated" or "weight")
     without lowering the output SQNR, as text to print: per-channel weights, a clipping observer, and keeping
-    the failing layers in float (when that leaves some layer quantized; else the best proper subset)."""
+    the failing layers in float (when that leaves some layer quantized; else the best proper subset). Once the
+    fix budget is spent, the searches not yet run are not (`stopped`)."""
     layers = {layer: model.analysis.layer(layer) for layer in failing}
+    # the fix budget goes to the fixes most sure to help first: the model output's float_layers search, keeping the
+    # failing layers in float (or, when every layer fails, the best proper subset), then the quantizer settings
+    output_target, output_fix = _output_float_layers(model) if failing else (None, None)
+    # a weight's SQNR depends on its own quantization only: keeping other layers in float leaves it as it is
+    subset = best_proper_subset(model, failing) if failing and kind == "propagated" else None
+    uncovered = [layer for layer in failing if output_fix is None or layer not in output_fix.float_layers]
+    # every weight failing: keeping them all in float would quantize nothing, and changes no weight that stays
+    every_weight = kind == "weight" and set(quantized_layer_names(model)) <= set(failing)
+    in_float = try_fix(model, float_layers_fix(model, failing), reads=()) \
+        if uncovered and subset is None and not every_weight else None
     options = []
     per_tensor = [layer for layer, q in layers.items() if q.weighted and not q.per_channel]
     if per_tensor:
@@ -99,15 +117,14 @@ def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propaga
         options.append(("a clipping (histogram) activation observer", verify(
             model, not_clipping, lambda chosen: layer_overrides_fix(
                 model, {c: {"activation_observer": "histogram"} for c in chosen}), MIN_FIX_GAIN_DB, kind)))
-    output_target, output_fix = _output_float_layers(model) if failing else (None, None)
-    # a weight's SQNR depends on its own quantization only: keeping other layers in float leaves it as it is
-    subset = best_proper_subset(model, failing) if failing and kind == "propagated" else None
-    uncovered = [layer for layer in failing if output_fix is None or layer not in output_fix.float_layers]
-    # every weight failing: keeping them all in float would quantize nothing, and changes no weight that stays
-    every_weight = kind == "weight" and set(quantized_layer_names(model)) <= set(failing)
-    in_float = try_fix(model, float_layers_fix(model, failing), reads=()) \
-        if uncovered and subset is None and not every_weight else None
-    fixes: dict[str, list[str]] = {}
+    fixes = MeasuredFixes()
+    fixes.stopped = any(advice.stopped for _, advice in options) or any(
+        trial is not None and trial.stopped for trial in (subset, in_float)) or bool(
+        failing and _output_search_stopped(model))
+    if subset is not None and subset.stopped:
+        subset = None
+    if in_float is not None and in_float.stopped:
+        in_float = None
     for layer in failing:
         found = [f"{label} ({advice.claim(layer)}): {advice.fix_text()}" for label, advice in options
                  if advice.helps(layer)]
@@ -150,6 +167,20 @@ def _output_float_layers(model: ModelContext) -> tuple[float | None, Any]:
         return target, None
     fix = output_float_layers_fix(model, target)
     return target, fix if fix is not None and fix.float_layers else None
+
+
+def _output_search_stopped(model: ModelContext) -> bool:
+    """Whether the fix budget stopped the float_layers search the model_sqnr item advises (False where none runs)."""
+    if "model_sqnr" not in model.checks:
+        return False
+    from .sensitivity import output_float_layers_fix
+
+    target = float(model.settings.model_sqnr_min_db)
+    worst = model.analysis.sqnr.worst_output()
+    if worst is None or not worst.sqnr_db < target:
+        return False
+    fix = output_float_layers_fix(model, target)
+    return bool(fix is not None and fix.stopped)
 
 
 def output_label(leaf: str) -> str:
@@ -232,6 +263,8 @@ class SqnrCheck(Check):
         own_errors = own_error_layers(measured, layers, threshold)
         fixes = measured_fixes(model, own_errors) if search else None
         subset = best_proper_subset(model, own_errors) if search and own_errors else None
+        if subset is not None and subset.stopped:  # the fix budget was spent before it was measured
+            subset = None
         for layer in layers:
             entry = measured.get(layer)
             if entry is None:
@@ -246,7 +279,7 @@ class SqnrCheck(Check):
             limit = threshold_limit(model, layer, own_errors, subset) if layer in own_errors else ""
             message = self.message(model, layer, entry.sqnr_db, threshold, entry.shadow_sqnr_db,
                                    entry.below_resolution, None if fixes is None else fixes.get(layer, []),
-                                   not_comparable, limit)
+                                   not_comparable, limit, stopped=fixes is not None and fixes.stopped)
             details = {"shadow_sqnr_db": entry.shadow_sqnr_db, "normalized_l2": entry.normalized_l2,
                        "cosine": entry.cosine, "batches": entry.batches, "op": entry.op, "fqn": entry.fqn,
                        "format": quantized.format}
@@ -258,11 +291,11 @@ class SqnrCheck(Check):
     @staticmethod
     def message(model: ModelContext, layer: str, value: float, threshold: float, shadow: float,
                 below_resolution: tuple = (), fixes: list[str] | None = None, not_comparable: str = "",
-                limit: str = "") -> str:
+                limit: str = "", stopped: bool = False) -> str:
         """Explain a low propagated SQNR, telling inherited error from the layer's own, with the fixes measured
         to help it (measured_fixes; None: none was searched). `not_comparable`: why the layer's own error was not
         measured (an artifact that rescales its input); `limit`: why no proper subset in float passes every
-        item (threshold_limit)."""
+        item (threshold_limit); `stopped`: the fix budget stopped a search for its fixes."""
         own = f"({not_comparable})" if not_comparable else f"(shadow SQNR {shadow:.1f} dB)"
         text = f"layer {layer}: SQNR {below(value, threshold)} {own}."
         if below_resolution:
@@ -281,15 +314,19 @@ class SqnrCheck(Check):
             "Its own error or the error it inherits is too large"
         if fixes is None:
             return text + (f" {whose} (no fix was measured: check_options={{'sqnr': {{'fix': False}}}}).")
+        further = search_further(model) if stopped else ""  # before the fixes: a printed fix ends its message
         if limit:
-            return text + f" {whose}." + limit + (" Measured fixes: " + "; or ".join(fixes) + "." if fixes else "")
+            return text + f" {whose}." + limit + further + \
+                (" Measured fixes: " + "; or ".join(fixes) + "." if fixes else "")
+        if not fixes and stopped:
+            return text + f" {whose}, and no fix was measured to raise it within the fix budget." + further
         if not fixes:
             tried = "keeping the failing layers in float" if is_artifact(model.analysis) else \
                 "per-channel weights, a clipping observer, nor keeping the failing layers in float"
             return text + (f" {whose}, and neither {tried} was measured to raise it "
                            "without lowering the model's output SQNR: the output does not depend on it. Hide it "
                            f"from the checks with skip_layers=[{layer!r}], or lower sqnr_min_db.")
-        return text + f" {whose}. Measured fixes: " + "; or ".join(fixes) + "."
+        return text + f" {whose}." + further + " Measured fixes: " + "; or ".join(fixes) + "."
 
 
 def _built_up_error_advice(model: ModelContext, layer: str) -> str:
@@ -306,6 +343,8 @@ def _built_up_error_advice(model: ModelContext, layer: str) -> str:
     if target is not None and worst is not None and worst.sqnr_db >= target:
         return (f" The model output measures {worst.sqnr_db:.2f} dB, passing model_sqnr_min_db {target:g} dB, so the "
                 f"error that reaches it is within bounds: lower sqnr_min_db, or {hide}.")
+    if _output_search_stopped(model):
+        return f" Lower sqnr_min_db, or {hide}." + search_further(model)
     return f" Lower sqnr_min_db, or {hide}."
 
 
@@ -328,7 +367,8 @@ class WeightSqnrCheck(Check):
                    and not any(limit.role == "weight" for limit in entry.below_resolution)]
         artifact = is_artifact(model.analysis)
         search = self.options.get("fix", True) and not artifact  # check_options={'weight_sqnr': {'fix': False}}
-        fixes = measured_fixes(model, failing, kind="weight") if search else {}
+        fixes = measured_fixes(model, failing, kind="weight") if search else MeasuredFixes()
+        further = search_further(model) if fixes.stopped else ""
         every_fails = bool(failing) and set(quantized_layer_names(model)) <= set(failing)
         for layer in layers:
             entry = measured.get(layer)
@@ -350,8 +390,9 @@ class WeightSqnrCheck(Check):
                       "raise the output's, so in artifact mode this "
                       f"check warns; this layer's sqnr item and the output items judge what it computes." if artifact
                       else " (No fix was measured: check_options={'weight_sqnr': {'fix': False}}.)" if not search else
-                      limit + (" Measured fixes: " + "; or ".join(found) + "." if found else "") if limit else
-                      " Measured fixes: " + "; or ".join(found) + "." if found else
+                      limit + further + (" Measured fixes: " + "; or ".join(found) + "." if found else "") if limit
+                      else further + " Measured fixes: " + "; or ".join(found) + "." if found else
+                      " No fix was measured to raise it within the fix budget." + further if further else
                       " Neither per-channel weights nor keeping it in float was measured to help without lowering "
                       f"the model's output SQNR: hide it from the checks with skip_layers=[{layer!r}], or lower "
                       "weight_sqnr_min_db.")

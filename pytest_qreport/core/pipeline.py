@@ -87,6 +87,7 @@ class ModelPipeline:
     error_cause: BaseException | None = None
     error_reported_at: str = ""  # the item of this process whose report holds the whole error
     seconds: dict[str, float] = field(default_factory=dict)  # per stage: capture, calibration, comparison, ...
+    fix_budget: dict[str, Any] = field(default_factory=dict)  # what the fix searches spent (FixBudgetUse.as_dict)
 
     # -- transitions -------------------------------------------------------------------------------------------
     def collection_failed(self, message: str, cause: BaseException | None = None) -> ModelPipeline:
@@ -160,7 +161,8 @@ class ModelPipeline:
     def facts(self) -> ModelFacts:
         """What reporters need of this model, sent once."""
         return ModelFacts(name=self.name, baseline_path=self.baseline_path, fingerprint=self.fingerprint,
-                          capture=self.capture, error=self.error if self.failed else "", seconds=self.seconds)
+                          capture=self.capture, error=self.error if self.failed else "", seconds=self.seconds,
+                          fix_budget=self.fix_budget)
 
     # -- analysis ----------------------------------------------------------------------------------------------
     def analyze(self, batches: Callable[[], Iterable[Any]], modify: Callable[[list[Finding]], None],
@@ -176,10 +178,13 @@ class ModelPipeline:
 
         before = sum(self.seconds.values())
         start = time.perf_counter()
+        budget = self.settings.fix_budget if self.settings is not None else None
+        times = StageTimes(seconds=self.seconds, fix_budget=None if budget is None or math.isinf(budget) else budget)
         try:
-            with tracked(progress, StageTimes(seconds=self.seconds)):
+            with tracked(progress, times):
                 self._analyze(batches, modify, threads, baseline, resolve)
         finally:  # what no stage covers: detector reports, screens, judging
+            self.fix_budget = times.budget_use().as_dict()
             staged = sum(self.seconds.values()) - before
             self.seconds["other"] = self.seconds.get("other", 0.0) + max(0.0, time.perf_counter() - start - staged)
 

@@ -25,11 +25,22 @@ class ModelFacts:
     error: str = ""
     seconds: Mapping[str, float] = field(default_factory=dict)
     line: int = 0
+    # what the fix searches spent of the model's budget (qcore.runtime.progress.FixBudgetUse.as_dict); {} if unknown
+    fix_budget: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fingerprint", None if self.fingerprint is None else to_builtins(self.fingerprint))
         object.__setattr__(self, "capture", {str(k): str(v) for k, v in self.capture.items()})
         object.__setattr__(self, "seconds", {str(k): round(float(v), 4) for k, v in self.seconds.items()})
+        object.__setattr__(self, "fix_budget", to_builtins(dict(self.fix_budget)))
+
+    @property
+    def fix_budget_share(self) -> float | None:
+        """The share of its fix budget the model's searches used (None without a budget, or unknown)."""
+        budget, runs = self.fix_budget.get("fix_budget"), self.fix_budget.get("verdict_runs")
+        if budget is None or not runs:
+            return None
+        return float(self.fix_budget.get("trial_runs", 0.0)) / (float(budget) * float(runs)) if budget else 0.0
 
     @property
     def analysis_seconds(self) -> float:
@@ -39,7 +50,8 @@ class ModelFacts:
     def to_dict(self) -> dict[str, Any]:
         """The facts as builtins (survive xdist and JSON)."""
         return {"name": self.name, "baseline_path": self.baseline_path, "fingerprint": self.fingerprint,
-                "capture": dict(self.capture), "error": self.error, "seconds": dict(self.seconds), "line": self.line}
+                "capture": dict(self.capture), "error": self.error, "seconds": dict(self.seconds), "line": self.line,
+                "fix_budget": dict(self.fix_budget)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelFacts:
@@ -47,14 +59,14 @@ class ModelFacts:
         return cls(name=str(data["name"]), baseline_path=data.get("baseline_path"),
                    fingerprint=data.get("fingerprint"), capture=dict(data.get("capture") or {}),
                    error=str(data.get("error") or ""), seconds=dict(data.get("seconds") or {}),
-                   line=int(data.get("line") or 0))
+                   line=int(data.get("line") or 0), fix_budget=dict(data.get("fix_budget") or {}))
 
     def merged(self, other: ModelFacts) -> ModelFacts:
         """These facts with the gaps filled from `other` (items of one model report what each of them knows)."""
         return ModelFacts(name=self.name, baseline_path=self.baseline_path or other.baseline_path,
                           fingerprint=self.fingerprint or other.fingerprint, capture=self.capture or other.capture,
                           error=self.error or other.error, seconds=self.seconds or other.seconds,
-                          line=self.line or other.line)
+                          line=self.line or other.line, fix_budget=self.fix_budget or other.fix_budget)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["PLACES", "SEVERITIES", "Parser", "Setting", "blockwise_value", "boolean", "check_names", "choice",
-           "closest", "decibels", "device_value", "equalize_value", "fraction", "globs", "layer_format_pairs",
-           "mapping", "positive_integer", "severity_pairs", "text", "tolerance_pairs"]
+           "closest", "decibels", "device_value", "equalize_value", "fix_budget_value", "fraction", "globs",
+           "layer_format_pairs", "mapping", "positive_integer", "severity_pairs", "text", "tolerance_pairs"]
 
 PLACES = ("qmodel", "ini", "cli")
 SEVERITIES = ("fail", "warn", "off")
@@ -203,6 +203,26 @@ def byte_size(value: Any, checks: Sequence[str]) -> int | None:
     if found is None or unit not in _BYTE_UNITS or float(found.group(1)) <= 0:
         raise ValueError(f"must be a size such as 16GiB, 512MB or a number of bytes, or auto; got {value!r}")
     return int(float(found.group(1)) * _BYTE_UNITS[unit])
+
+
+UNLIMITED_FIX_BUDGET = "unlimited"
+
+
+def fix_budget_value(value: Any, checks: Sequence[str]) -> float | None:
+    """A fix budget: a non-negative multiple of the verdict pass (0: verdicts only), or "unlimited" (inf)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in (UNLIMITED_FIX_BUDGET, "inf"):
+        return math.inf
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be a multiple of the verdict pass such as 1 or 0.5, 0 for verdicts only, or "
+                         f"'{UNLIMITED_FIX_BUDGET}'; got {value!r}") from None
+    if math.isnan(number) or number < 0:
+        raise ValueError(f"must be a multiple of the verdict pass such as 1 or 0.5, 0 for verdicts only, or "
+                         f"'{UNLIMITED_FIX_BUDGET}'; got {value!r}")
+    return number
 
 
 def positive_integer(value: Any, checks: Sequence[str]) -> int:

@@ -18,6 +18,7 @@ from .schema import (
     closest,
     device_value,
     equalize_value,
+    fix_budget_value,
     globs,
     layer_format_pairs,
     layer_override_pairs,
@@ -84,6 +85,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     Setting("baseline_tolerance_db", tolerance_pairs, None, "how much worse than its baseline a value may get "
             "(default 0.5, in the metric's unit); a number, or per check: 'sqnr=0.3,outlier=1.0,*=0.5'",
             metavar="TOL", merge=True, shown_default="0.5"),
+    Setting("fix_budget", fix_budget_value, 1.0, "what the fix searches of a model's failing items may spend, as a "
+            "multiple of its verdict pass (the calibration and comparison passes every verdict comes from), counted "
+            "in graph runs on one batch: 0 for verdicts only, unlimited for every search to its end", metavar="X",
+            shown_default="1"),
     Setting("check_options", mapping, None, "options per check, custom checks included (they read them as "
             "self.options), e.g. {'outlier': {'ratio_threshold': 5.0}}", places=_NOT_ON_COMMAND_LINE, merge=True,
             shown_default="—"),

@@ -20,8 +20,9 @@ from ..core.numbers import (
 from ..core.results import ModelFacts, RunResults
 from ..core.settings import table_mode
 
-__all__ = ["baseline_lines", "counts_line", "fallback_notes", "metric_legend", "note", "pytest_qreport_report",
-           "render_summary", "sensitivity_lines", "shared_fix_lines", "summary_rows", "timing_lines"]
+__all__ = ["baseline_lines", "budget_use_text", "counts_line", "fallback_notes", "metric_legend", "note",
+           "pytest_qreport_report", "render_summary", "sensitivity_lines", "shared_fix_lines", "summary_rows",
+           "timing_lines"]
 
 
 def note(row: Finding) -> str:
@@ -171,7 +172,29 @@ def timing_lines(models: Mapping[str, ModelFacts], top: int = 3, verbose: bool =
     shown = timed if verbose else timed[:top]
     which = "per model" if len(shown) == len(timed) else "slowest"
     listed = "; ".join(f"{printable(name)} {stage_times(facts.seconds)}" for _, name, facts in shown)
-    return [f"analysis time: {total:.1f} s for {len(timed)} model(s); {which}: {listed}"]
+    lines = [f"analysis time: {total:.1f} s for {len(timed)} model(s); {which}: {listed}"]
+    budgets = [f"{printable(name)} {text}" for _, name, facts in shown if (text := budget_use_text(facts))]
+    if budgets:
+        lines.append("fix budget used: " + "; ".join(budgets))
+    return lines
+
+
+def budget_use_text(facts: ModelFacts) -> str:
+    """'62% of fix_budget=1 (12.4 of 20 graph runs; 2 search step(s) stopped by it)': what a model's fix searches
+    spent of its budget, in graph runs, which do not depend on the machine ('' when no search ran and none was
+    stopped; the seconds are in the JSON report)."""
+    use = facts.fix_budget
+    runs, budget = float(use.get("trial_runs") or 0.0), use.get("fix_budget")
+    stopped = int(use.get("stopped_searches") or 0)
+    if not runs and not stopped:
+        return ""
+    stops = f"; {stopped} search step(s) stopped by it" if stopped else ""
+    if budget is None:
+        return f"{runs:.3g} graph runs in fix searches (fix_budget=unlimited)"
+    allowed = float(budget) * float(use.get("verdict_runs") or 0.0)
+    share = facts.fix_budget_share
+    used = f"{share:.0%} of " if share is not None else ""
+    return f"{used}fix_budget={float(budget):g} ({runs:.3g} of {allowed:.3g} graph runs{stops})"
 
 
 def sensitivity_lines(rows: list[Finding], top: int = 5) -> list[str]:

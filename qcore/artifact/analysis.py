@@ -60,9 +60,9 @@ from qcore.graph.experts import (
     with_experts_held,
 )
 from qcore.measure.passes import SqnrMeasurement
-from qcore.measure.screens import screened_ladder, shortest_head
+from qcore.measure.screens import HeadSearch, screened_ladder, shortest_head
 from qcore.numeric.logits import LogitsMeasurement
-from qcore.runtime.progress import stage
+from qcore.runtime.progress import stage, trials_allowed
 
 __all__ = ["OUTPUT_METRICS", "ArtifactAnalysis", "ArtifactError", "ArtifactFix", "ArtifactGroup", "ArtifactLayer",
            "ArtifactMismatchError", "BlockwiseArtifactError", "tool_recipes"]
@@ -98,6 +98,7 @@ class ArtifactFix:
     searched: int = 0  # the candidates the search chose among: the layers of largest own error
     quanto_weights: str | None = None  # the weights qtype of a model made by quanto's own quantize()
     patterns: tuple[str, ...] = ()  # float_layers with a block's experts written as globs (compact_expert_layers)
+    stopped: bool = False  # the fix budget ran out before the search did (the set is measured all the same)
 
     @property
     def measured_db(self) -> float:
@@ -546,7 +547,7 @@ class ArtifactAnalysis:
         return self._found_stack
 
     def _climb(self, metric: str, target: float, ladder: list[str], screen_batches: list[Any],
-               batches: list[Any]) -> tuple[list[str], int, int]:
+               batches: list[Any]) -> HeadSearch:
         """shortest_head of `ladder` for `metric` to meet `target`: screened on `screen_batches` (resumed), each
         head returned measured on every batch and kept as a confirmed set other gates may take."""
         _, higher = OUTPUT_METRICS[metric]
@@ -596,13 +597,13 @@ class ArtifactAnalysis:
         _, higher = OUTPUT_METRICS[metric]
         trial_batches = self._first_batches(batches, max_batches)
 
-        searched = 0
+        searched, stopped = 0, False
 
         def kept(chosen: Iterable[str], measured: float, trials: int) -> ArtifactFix:
             chosen = tuple(chosen)
             fix = ArtifactFix(metric, target, before, chosen, measured, _meets(measured, target, higher),
                               trials, self.tool, self.skipped, searched, self.quanto_weights,
-                              tuple(compact_expert_layers(chosen, self.expert_layers)))
+                              tuple(compact_expert_layers(chosen, self.expert_layers)), stopped)
             self._fixes[key] = fix
             return fix
 
@@ -618,6 +619,9 @@ class ArtifactAnalysis:
             if served:
                 chosen_set = min(served, key=len)
                 return kept(chosen_set, self._value(metric, chosen_set, batches), 1)
+            if not trials_allowed():  # the fix budget is spent: nothing is searched
+                stopped = True
+                return kept((), before, 1)
             candidates = self._candidates(max_candidates)
             searched = len(candidates)
             quantized = [layer for layer in self._artifact_layers if layer.name not in self.float_layers]
@@ -629,10 +633,16 @@ class ArtifactAnalysis:
                 self._confirmed.append((batches, tuple(chosen)))
                 return kept(chosen, self._value(metric, chosen, batches), 3)
             base = self._value(metric, (), trial_batches, resume=True) if trial_batches is not batches else before
-            singles = {name: self._value(metric, (name,), trial_batches, resume=True) for name in candidates}
+            singles: dict[str, float] = {}
+            for name in candidates:  # largest own error first: the most promising first when the budget runs out
+                if not trials_allowed():
+                    stopped = True
+                    break
+                singles[name] = self._value(metric, (name,), trial_batches, resume=True)
             trials = len(singles) + 3
-            ladder = screened_ladder(candidates, singles, base, higher)
-            chosen, screened, confirmed = self._climb(metric, target, ladder[:limit], trial_batches, batches)
-            trials += screened + confirmed
-            return kept(chosen, self._value(metric, chosen, batches) if chosen else before, trials)
+            ladder = screened_ladder([name for name in candidates if name in singles], singles, base, higher)
+            found = self._climb(metric, target, ladder[:limit], trial_batches, batches)
+            trials += found.screened + found.confirmed
+            stopped = stopped or found.stopped
+            return kept(found.head, self._value(metric, found.head, batches) if found.head else before, trials)
 

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from qcore.runtime.deferred import batched_updates
+from qcore.runtime.progress import graph_run
 
 __all__ = ["as_args_kwargs", "call_model", "describe_batch", "move_to"]
 
@@ -23,6 +24,7 @@ def call_model(model: Any, inputs: Any) -> Any:
     """Call `model` on a batch given as a tensor, a tuple of args, or a dict of kwargs; the statistics its observers
     and comparators queue run together as it returns (qcore.runtime.deferred)."""
     args, kwargs = as_args_kwargs(inputs)
+    graph_run()
     with batched_updates():
         return model(*args, **kwargs)
 

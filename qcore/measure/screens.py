@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import fx
 
@@ -25,8 +25,10 @@ from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept, w
 from qcore.quantization.convert import QPARAMS_KEY, convert, restore_model_state
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Quantizer, with_layer_overrides
+from qcore.runtime.progress import trials_allowed
 
-__all__ = ["ObserversAhead", "Screen", "ScreenedLayers", "quantize_for_screen", "screened_ladder", "shortest_head"]
+__all__ = ["HeadSearch", "ObserversAhead", "Screen", "ScreenedLayers", "quantize_for_screen", "screened_ladder",
+           "shortest_head"]
 
 
 def screened_ladder(pool: Sequence[str], alone: Mapping[str, float], base: float, higher: bool = True) -> list[str]:
@@ -43,31 +45,49 @@ def screened_ladder(pool: Sequence[str], alone: Mapping[str, float], base: float
     return helping + [name for name in pool if name not in helping]
 
 
+class HeadSearch(NamedTuple):
+    """What shortest_head found: the head, how many screens and confirmations ran, and whether the fix budget
+    stopped the bisection (the head is then the shortest that met the screen so far, confirmed all the same)."""
+
+    head: list[str]
+    screened: int
+    confirmed: int
+    stopped: bool = False
+
+
 def shortest_head(ladder: Sequence[str], screen: Callable[[list[str]], bool], confirm: Callable[[list[str]], bool]
-                  ) -> tuple[list[str], int, int]:
-    """(the shortest head of `ladder` (candidates, best first) that meets a target on a screen and on every batch,
-    else the whole ladder; the screens run; the confirmations run). `screen(head)` and `confirm(head)` say whether
-    keeping `head` in float meets the target on the screen's batches and on every batch. Keeping more layers in
-    float is taken not to make the output worse, so the head is found by bisection on the screen; every head
-    returned is confirmed, and one that meets the target only on the screen is not returned for one that does."""
+                  ) -> HeadSearch:
+    """The shortest head of `ladder` (candidates, best first) that meets a target on a screen and on every batch,
+    else the whole ladder. `screen(head)` and `confirm(head)` say whether keeping `head` in float meets the target on
+    the screen's batches and on every batch. Keeping more layers in float is taken not to make the output worse, so
+    the head is found by bisection on the screen; every head returned is confirmed, and one that meets the target
+    only on the screen is not returned for one that does. When the fix budget runs out (trials_allowed), the
+    bisection stops at the shortest head that met the screen so far, which is confirmed and returned; when it is
+    out before the first screen, the whole ladder is confirmed and returned."""
     ladder = list(ladder)
     if not ladder:
-        return [], 0, 0
+        return HeadSearch([], 0, 0)
+    if not trials_allowed():  # no screen within the budget: the whole ladder, the most the fix may keep, measured
+        confirm(ladder)
+        return HeadSearch(ladder, 0, 1, stopped=True)
     if not screen(ladder):  # no head meets it on the screen: the whole ladder is the best found
         confirm(ladder)
-        return ladder, 1, 1
-    low, high, screened = 1, len(ladder), 1
+        return HeadSearch(ladder, 1, 1)
+    low, high, screened, stopped = 1, len(ladder), 1, False
     while low < high:
+        if not trials_allowed():
+            low, stopped = high, True  # `high` is the shortest head that met the screen
+            break
         middle = (low + high) // 2
         screened += 1
         if screen(ladder[:middle]):
             high = middle
         else:
             low = middle + 1
-    if confirm(ladder[:low]) or low == len(ladder):
-        return ladder[:low], screened, 1
+    if confirm(ladder[:low]) or low == len(ladder) or stopped:
+        return HeadSearch(ladder[:low], screened, 1, stopped)
     confirm(ladder)  # the screen's head falls short on every batch: the whole ladder, measured
-    return ladder, screened, 2
+    return HeadSearch(ladder, screened, 2)
 
 
 @dataclass(frozen=True)

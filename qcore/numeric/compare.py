@@ -37,7 +37,7 @@ from qcore.numeric.logits import LogitsComparator
 from qcore.numeric.matching import LayerPair, layer_value, match_layers
 from qcore.quantization.calibrate import OutputSink, model_device
 from qcore.runtime.deferred import batched_updates
-from qcore.runtime.progress import batch_done, stage
+from qcore.runtime.progress import batch_done, graph_run, stage
 
 __all__ = ["KEPT_BYTES", "ExtraShadows", "KeptBudget", "KeptFloatOutputs", "KeptLayerInputs",
            "KnownShadows", "ShadowGraph", "compare", "compare_outputs", "compare_propagated_and_shadow", "run_both"]
@@ -293,6 +293,9 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     outputs: list[StreamingComparator] = []
     device = model_device(float_model)
     count = 0
+    # the shadow copies run inside the float graph: their share of a quantized graph's layers, counted as graph runs
+    shadows = sum(c is not None for c in shadowed) + sum(len(extra) for extra in extra_pairs)
+    shadow_share = shadows / max(1, len(pairs))
     with torch.no_grad(), stage("comparison", total):
         for batch in batches:
             if layer_inputs is not None:
@@ -320,6 +323,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
             for stash in stashes:
                 stash.value = None
             del result, result_b  # not held while the next batch runs (an LM's logits: two copies)
+            if shadow_share and (run_float or not kept):
+                graph_run(shadow_share)
             count += 1
             batch_done(count, total)
             if count == instrument_batches:

@@ -4,18 +4,26 @@ qcore names its stages (`capture`, `calibration`, `comparison`, `trials`) and co
 a caller that wants to know sets a listener with `tracked()`. Without one, `stage()` and `batch_done()` cost a
 context-variable read. Time goes to the outermost stage: a trial's calibration and comparison passes are the
 trial's time.
+
+The fix budget is counted in graph runs, not seconds, so that a search stops at the same step on every run, serial
+or under xdist: each run of a model graph on one batch (`graph_run`, a share of one when a search resumes a graph
+part way) counts towards the outermost open stage. The verdict pass is the calibration and comparison stages' runs;
+`trials_allowed()` says whether the trials have run fewer than `fix_budget` times as many.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["STAGES", "Listener", "StageTimes", "batch_done", "stage", "tracked"]
+__all__ = ["STAGES", "VERDICT_STAGES", "FixBudgetUse", "Listener", "StageTimes", "batch_done", "fix_budget_use",
+           "graph_run", "stage", "tracked", "trials_allowed"]
 
 STAGES = ("capture", "calibration", "comparison", "trials")
+VERDICT_STAGES = ("calibration", "comparison")  # the verdict pass: every item's verdict comes from these
 
 # listener(stages, batches done, batches in all or None): stages is the path of open stages, outermost first
 Listener = Callable[[tuple[str, ...], int, "int | None"], None]
@@ -28,10 +36,51 @@ class StageTimes:
     seconds: dict[str, float] = field(default_factory=dict)
     listener: Listener | None = None
     open: list[str] = field(default_factory=list)
+    runs: dict[str, float] = field(default_factory=dict)  # graph runs on one batch, per outermost stage
+    fix_budget: float | None = None  # trial runs allowed per verdict-pass run; None: no limit
+    budget_refusals: int = 0  # searches or search steps the budget stopped
 
     def total(self) -> float:
         """Seconds in all stages."""
         return sum(self.seconds.values())
+
+    def verdict_runs(self) -> float:
+        """Graph runs of the verdict pass (calibration and comparison) so far."""
+        return sum(self.runs.get(name, 0.0) for name in VERDICT_STAGES)
+
+    def allowed_runs(self) -> float:
+        """Trial runs the fix budget allows (inf without a budget)."""
+        return float("inf") if self.fix_budget is None else self.fix_budget * self.verdict_runs()
+
+    def budget_use(self) -> FixBudgetUse:
+        """What the fix searches spent of the budget."""
+        return FixBudgetUse(self.fix_budget, self.verdict_runs(), self.runs.get("trials", 0.0),
+                            self.seconds.get("trials", 0.0), sum(self.seconds.get(n, 0.0) for n in VERDICT_STAGES),
+                            self.budget_refusals)
+
+
+@dataclass(frozen=True)
+class FixBudgetUse:
+    """A model's fix budget and what its searches spent: graph runs (one graph on one batch) and seconds."""
+
+    fix_budget: float | None  # trial runs allowed per verdict-pass run; None: no limit
+    verdict_runs: float
+    trial_runs: float
+    trial_seconds: float
+    verdict_seconds: float
+    refusals: int  # searches or search steps the budget stopped
+
+    @property
+    def share(self) -> float:
+        """The share of the budget the trials used (nan without a budget or without a verdict pass)."""
+        allowed = math.nan if self.fix_budget is None else self.fix_budget * self.verdict_runs
+        return self.trial_runs / allowed if allowed else math.nan
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        """Builtins, for the reports."""
+        return {"fix_budget": self.fix_budget, "verdict_runs": round(self.verdict_runs, 3),
+                "trial_runs": round(self.trial_runs, 3), "verdict_seconds": round(self.verdict_seconds, 4),
+                "trial_seconds": round(self.trial_seconds, 4), "stopped_searches": self.refusals}
 
 
 _CURRENT: contextvars.ContextVar[StageTimes | None] = contextvars.ContextVar("qcore_progress", default=None)
@@ -79,3 +128,30 @@ def batch_done(done: int, total: int | None = None) -> None:
     current = _CURRENT.get()
     if current is not None and current.listener is not None and current.open:
         current.listener(tuple(current.open), done, total)
+
+
+def graph_run(share: float = 1.0) -> None:
+    """Count one run of a model graph on one batch (`share` of one for a part of the graph) towards the outermost
+    open stage."""
+    current = _CURRENT.get()
+    if current is not None and current.open:
+        name = current.open[0]
+        current.runs[name] = current.runs.get(name, 0.0) + share
+
+
+def trials_allowed(refuse: bool = True) -> bool:
+    """Whether the fix searches may run another trial: they have run fewer graph runs than the fix budget allows
+    (always without a tracked budget). A refusal is counted unless `refuse` is False (a question, not a stop)."""
+    current = _CURRENT.get()
+    if current is None or current.fix_budget is None:
+        return True
+    allowed = current.runs.get("trials", 0.0) < current.allowed_runs()
+    if not allowed and refuse:
+        current.budget_refusals += 1
+    return allowed
+
+
+def fix_budget_use() -> FixBudgetUse | None:
+    """What the tracked analysis's fix searches spent of its budget (None when untracked)."""
+    current = _CURRENT.get()
+    return None if current is None else current.budget_use()

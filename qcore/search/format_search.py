@@ -29,6 +29,7 @@ from qcore.quantization.format_quantizer import (
     layer_shapes,
     preset_refusal,
 )
+from qcore.runtime.progress import trials_allowed
 from qcore.search.sensitivity import (
     REMEASURED_CANDIDATES,
     FloatReference,
@@ -58,6 +59,7 @@ class FormatFix:
     measured_db: float
     target_db: float
     reached: bool
+    stopped: bool = False  # the fix budget ran out before the search did (the moves are measured all the same)
 
 
 class _WeightSwitch(nn.Module):
@@ -187,8 +189,12 @@ def search_formats(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: 
         remeasured = (2 * candidates if moves == 0 else REMEASURED_CANDIDATES) if estimate else len(pool)
         return _best_move(model, current, pool, subset, remeasured)
 
+    stopped = False
     while True:
         while estimate_db < target_db and moves < max_moves:
+            if not trials_allowed():  # the fix budget is spent: the moves made so far are measured
+                stopped = True
+                break
             step = best_move()
             if step is None:
                 break
@@ -200,11 +206,16 @@ def search_formats(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: 
         changed = {layer: name for layer, name in current.items() if name != model.start[layer]}
         measured_db = _measure(float_gm, batches, quantizer, changed, model.reference, observers) if changed \
             else estimate_db
-        if measured_db >= target_db or moves >= max_moves or best_move() is None:
+        if measured_db >= target_db or moves >= max_moves or stopped:
+            break
+        if not trials_allowed():
+            stopped = True
+            break
+        if best_move() is None:
             break
         estimate_db = -math.inf  # the estimate on a few batches was optimistic: one more move, then measure again
     model.forget()
-    return FormatFix(changed, estimate_db, measured_db, target_db, measured_db >= target_db)
+    return FormatFix(changed, estimate_db, measured_db, target_db, measured_db >= target_db, stopped)
 
 
 def _best_move(model: FormatSwitchModel, current: dict[str, str], pool: list[str], batches: list[Any],

@@ -24,6 +24,7 @@ from torch import fx, nn
 
 from qcore.graph.inputs import call_model
 from qcore.graph.ops import fetch_attr
+from qcore.runtime.progress import graph_run
 
 __all__ = ["ResumableGraph", "last_writes"]
 
@@ -157,6 +158,7 @@ class ResumableGraph:
                 values = dict(recorder.values)
             else:  # the values before the cut are the lending recording's; those after it this run's
                 suffix, names = self._suffix(start[0], recording=True)
+                graph_run(self._share_after(start[0]))
                 outputs = self.gm.graph._codegen.process_outputs(suffix(*(start[1][name] for name in names)))
                 values = {**start[1], **recorder.values}
         finally:
@@ -174,7 +176,12 @@ class ResumableGraph:
         if start is None:
             return call_model(self.gm, inputs)
         suffix, names = self._suffix(start[0])
+        graph_run(self._share_after(start[0]))
         return self.gm.graph._codegen.process_outputs(suffix(*(start[1][name] for name in names)))
+
+    def _share_after(self, cut: int) -> float:
+        """The share of the graph's nodes a run resumed at position `cut` computes (its cost in graph runs)."""
+        return (len(self._position) - cut) / max(1, len(self._position))
 
     def _start(self, state: tuple[Hashable, ...], key: Any) -> tuple[int, dict[str, Any]] | None:
         """(the latest cut before every switch that differs from a recording of batch `key`, that recording's

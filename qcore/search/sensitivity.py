@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept
 from qcore.quantization.convert import convert, restore_model_state
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Int8StaticQuantizer, Quantizer, with_layer_overrides
+from qcore.runtime.progress import trials_allowed
 from qcore.search.resume import ResumableGraph
 
 __all__ = ["REMEASURED_CANDIDATES", "FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult",
@@ -55,6 +56,7 @@ class SensitivityResult:
     layers: tuple[LayerSensitivity, ...]
     skipped: tuple[str, ...]  # quantized layers left out by the layer budget
     batches: int
+    unmeasured: tuple[str, ...] = ()  # layers within the layer budget that the fix budget left unmeasured
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class FloatLayersFix:
     # with compare_with_ranking: how many layers of the ranking, taken in order, reach the target (0: not within
     # max_float_layers); None when not asked
     naive_top_k: int | None = None
+    stopped: bool = False  # the fix budget ran out before the search did (the set is measured all the same)
 
 
 class _Switch(nn.Module):
@@ -342,17 +345,24 @@ def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     screen_baseline = baseline if screen is subset else model.run(screen)  # the recorded batch's sums: no run
     gains: dict[str, tuple[float, float, int]] = {}  # layer -> (only_float_db, gain_db, batches)
     for layer in measured:
+        if not trials_allowed():  # the fix budget is spent: the layers not screened are listed as unmeasured
+            break
         model.quantize_only([name for name in model.layers if name != layer])
         value = model.run(screen)
         gains[layer] = (value, value - screen_baseline, len(screen))
+    unmeasured = tuple(layer for layer in measured if layer not in gains)
+    measured = [layer for layer in measured if layer in gains]
 
     def by_gain(layers: list[str]) -> list[str]:
         return [name for _, name in best_first([(gains[name][1], name) for name in layers])]
 
     ranked = by_gain(measured)
     if screen is not subset:
-        confirmed_layers = ranked[:confirmed]
-        for layer in confirmed_layers:
+        confirmed_layers = []
+        for layer in ranked[:confirmed]:
+            if not trials_allowed():
+                break
+            confirmed_layers.append(layer)
             model.quantize_only([name for name in model.layers if name != layer])
             value = model.run(subset)  # the first batch's sums are kept: the other batches run
             gains[layer] = (value, value - baseline, len(subset))
@@ -363,12 +373,14 @@ def layer_sensitivity(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
         model.quantize_only([])
         model.record(subset)
         for layer in alone:
+            if not trials_allowed():
+                break
             model.quantize_only([layer])
             only[layer] = model.run(subset)
     model.quantize_only(model.layers)
     model.forget()
     return SensitivityResult(baseline, tuple(LayerSensitivity(name, only.get(name, math.nan), *gains[name])
-                                             for name in ranked), tuple(skipped), len(subset))
+                                             for name in ranked), tuple(skipped), len(subset), unmeasured)
 
 
 def with_float_layers(quantizer: Quantizer, layers: Iterable[str]) -> Quantizer:
@@ -427,9 +439,12 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
         wider = list(dict.fromkeys([*first, *model.layers[:early_layers]]))
         if screened.reached or len(wider) == len(first):
             return screened
+        if not trials_allowed():  # the fix budget is spent: no wider search
+            return replace(screened, stopped=True)
         widened = _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, wider, limit,
                                          len(wider), observers, alone_on_first=True)
-        return widened if widened.measured_db > screened.measured_db else screened
+        better = widened if widened.measured_db > screened.measured_db else screened
+        return replace(better, stopped=screened.stopped or widened.stopped)
     if sensitivity is not None:
         pool = [entry.layer for entry in sensitivity.layers][:candidates]
         all_quantized_db = sensitivity.all_quantized_db
@@ -439,7 +454,11 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     chosen: list[str] = []
     estimated_db = all_quantized_db
     most = min(max_float_layers, len(model.layers) - 1)  # a proper subset: keeping every layer quantizes nothing
+    stopped = False
     while estimated_db < target_db and len(chosen) < most and len(chosen) < len(pool):
+        if not trials_allowed():
+            stopped = True
+            break
         model.quantize_only([name for name in model.layers if name not in chosen])
         model.record(subset)
         settings = _float_one_more(model, chosen, pool)
@@ -455,7 +474,8 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     if compare_with_ranking:
         ranked = sensitivity or layer_sensitivity(float_gm, subset, quantizer, model=model, only_quantized=False)
         naive = _naive_top_k(model, ranked, subset, target_db, max_float_layers)
-    return FloatLayersFix(tuple(chosen), estimated_db, measured_db, target_db, measured_db >= target_db, naive)
+    return FloatLayersFix(tuple(chosen), estimated_db, measured_db, target_db, measured_db >= target_db, naive,
+                          stopped)
 
 
 REMEASURED_CANDIDATES = 3  # of a greedy step's estimates, how many best are measured on every search batch
@@ -492,19 +512,28 @@ def _screened_float_layers(model: SwitchableModel, float_gm: fx.GraphModule, bat
     alone_base = all_quantized_db if alone is subset else model.run(alone)  # the recorded batch's sums: no run
     pool = [name for name in ranking if name in model.layers][:candidates]
     chosen: list[str] = []
+    stopped = False
     if all_quantized_db < target_db and pool and limit > 0:
         if len(pool) <= limit and not screen(pool):
             # every candidate in float at once misses the target, so no set of them meets it: they are the most
             # the fix may keep, measured
             chosen = pool
         else:
-            ladder = screened_ladder(pool, {name: in_float([name], alone) for name in pool}, alone_base)
-            chosen = shortest_head(ladder[:limit], screen, lambda head: measured(head) >= target_db)[0]
+            singles: dict[str, float] = {}
+            for name in pool:  # largest own error first: the most promising first when the fix budget runs out
+                if not trials_allowed():
+                    stopped = True
+                    break
+                singles[name] = in_float([name], alone)
+            ladder = screened_ladder([name for name in pool if name in singles], singles, alone_base)
+            found = shortest_head(ladder[:limit], screen, lambda head: measured(head) >= target_db)
+            chosen, stopped = found.head, stopped or found.stopped
     model.quantize_only(model.layers)
     model.forget()
     measured_db = measured(chosen) if chosen else all_quantized_db
     estimated_db = screened.get(tuple(chosen), all_quantized_db) if chosen else all_quantized_db
-    return FloatLayersFix(tuple(chosen), estimated_db, measured_db, target_db, measured_db >= target_db)
+    return FloatLayersFix(tuple(chosen), estimated_db, measured_db, target_db, measured_db >= target_db,
+                          stopped=stopped)
 
 
 def _candidate_pool(model: SwitchableModel, batches: list[Any], candidates: int,

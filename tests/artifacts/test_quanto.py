@@ -99,7 +99,7 @@ def test_a_wider_float_layers_search_is_advised_only_as_measured_and_pasted_it_s
     quantized = copy.deepcopy(reference)
     quantize(quantized, weights=qint8)
     freeze(quantized)
-    settings = {"checks": ["model_sqnr"], "model_sqnr_min_db": 50.0}
+    settings = {"checks": ["model_sqnr"], "model_sqnr_min_db": 50.0, "fix_budget": float("inf")}
     message = _artifact_findings(reference, quantized, batches, **settings)[("model_sqnr", "output")].message
     advised = re.search(r"keeping the (\d+) with the largest own error in float at once measures ([\d.]+) dB on the "
                         r"first 2 batch\(es\): search among them with qmodel\((check_options=\{.*?\}\})\)", message)

@@ -29,7 +29,7 @@ from tests.helpers import tiny_llama, token_batches, torchao_artifact
 ''' + STACK_SOURCE + '''
 
 
-@qmodel(calibration=batches, checks="sqnr,model_sqnr,sensitivity,outlier")
+@qmodel(calibration=batches, checks="sqnr,model_sqnr,sensitivity,outlier", fix_budget="unlimited")
 def fragile():
     return MLP().eval()
 

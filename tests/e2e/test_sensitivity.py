@@ -56,7 +56,7 @@ def test_with_float_layers_needs_layer_overrides():
 def test_the_failing_model_sqnr_item_ends_with_a_fix_that_passes_when_pasted(pytester):
     pytester.makeconftest(FRAGILE_SOURCE + '''
 
-@qmodel(calibration=batches, checks="model_sqnr,sensitivity")
+@qmodel(calibration=batches, checks="model_sqnr,sensitivity", fix_budget="unlimited")
 def fragile():
     return MLP().eval()
 ''')

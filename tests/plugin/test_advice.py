@@ -211,8 +211,9 @@ def _fixes(message):
 
 def test_sqnr_fixes_are_listed_only_when_measured_and_work_when_pasted():
     batches = _features()
+    # every kind of fix is searched to its end (the fix budget's own tests are tests/e2e/test_fix_budget.py)
     found, before = analyze_with_checks(wide_rows, batches, quantizer="int8_per_tensor", checks=["sqnr", "weight_sqnr"],
-                         sqnr_min_db=45, weight_sqnr_min_db=45, layers=["layers.2"])
+                         sqnr_min_db=45, weight_sqnr_min_db=45, layers=["layers.2"], fix_budget=math.inf)
     message = found[("sqnr", "layers.2")].message
     listed = _fixes(message)
     assert "per-channel weights" in listed and "keeping it in float" in listed, message
@@ -245,7 +246,7 @@ def test_a_fix_keeps_the_models_own_settings_and_pasted_changes_only_the_layer_i
     batches = _features()
     own = {"layer_overrides": {"layers.6": {"activation_observer": "histogram"}}, "float_layers": ["layers.4"]}
     settings = {"quantizer": "int8_per_tensor", "checks": ["per_channel", "sqnr"], "sqnr_min_db": 45,
-                "layers": ["layers.2"], **own}
+                "layers": ["layers.2"], "fix_budget": math.inf, **own}
     found, before = analyze_with_checks(wide_rows, batches, **settings)
     per_channel = _pasted(found[("per_channel", "layers.2")].message)
     assert per_channel == {"layer_overrides": {"layers.6": {"activation_observer": "histogram"},
@@ -510,7 +511,7 @@ def _ladder():
 def test_a_format_fix_pasted_changes_the_formats_of_the_layers_it_names_and_no_other():
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(16, 128, generator=g) for _ in range(4)]
-    settings = {"quantizer": "NVFP4", "checks": ["model_sqnr"], "model_sqnr_min_db": 14.0}
+    settings = {"quantizer": "NVFP4", "checks": ["model_sqnr"], "model_sqnr_min_db": 14.0, "fix_budget": math.inf}
     found, before = analyze_with_checks(_ladder, batches, **settings)
     fix = ast.literal_eval(re.search(r"layer_formats=(\{.*?\})", found[("model_sqnr", "output")].message).group(1))
     assert 0 < len(fix) < 4

@@ -99,7 +99,7 @@ def test_the_float_layers_fix_of_a_damaged_expert_names_it_and_passes_when_paste
 
     data = tiny_moe("qwen3_moe")[1]
     settings = {"quantizer": "W4A16", "checks": ["sqnr", "weight_sqnr", "model_sqnr"], "sqnr_min_db": 15.0,
-                "weight_sqnr_min_db": 15.0, "model_sqnr_min_db": 8.0}
+                "weight_sqnr_min_db": 15.0, "model_sqnr_min_db": 8.0, "fix_budget": float("inf")}
     found, before = analyze_with_checks(_damaged_moe, data, **settings)
     failing = sorted(key for key, finding in found.items() if finding.verdict == "fail")
     item = found[("sqnr", f"{BLOCK}.down_proj")]

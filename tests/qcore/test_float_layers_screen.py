@@ -31,7 +31,8 @@ def test_the_shortest_head_is_confirmed_and_a_head_that_only_screens_well_is_not
         confirms.append(head)
         return sum(value[name] for name in head) + drift >= target
 
-    head, screened, confirmed = shortest_head(ladder, screen, confirm)
+    head, screened, confirmed, stopped = shortest_head(ladder, screen, confirm)
+    assert not stopped  # no fix budget is tracked here
     assert (screened, confirmed) == (len(screens), len(confirms)) and head in confirms  # returned means confirmed
     assert screened <= 1 + math.ceil(math.log2(len(ladder))) and confirmed <= 2
     meets = [k for k in range(1, len(ladder) + 1) if sum(gains[:k]) >= target]
@@ -39,6 +40,31 @@ def test_the_shortest_head_is_confirmed_and_a_head_that_only_screens_well_is_not
         assert len(head) == meets[0]  # the shortest head the screen meets, confirmed on every batch
     else:  # none meets the screen, or the one that does falls short on every batch: the whole ladder, measured
         assert head == ladder
+
+
+def test_a_bisection_the_fix_budget_stops_confirms_the_shortest_head_that_met_the_screen():
+    from qcore.runtime.progress import StageTimes, graph_run, stage, tracked
+
+    ladder = [f"layer{index}" for index in range(8)]
+    screens, confirms = [], []
+
+    def screen(head):  # every screen spends the whole budget: 1 graph run of the verdict pass's 1
+        screens.append(head)
+        with stage("trials"):
+            graph_run()
+        return len(head) >= 3
+
+    def confirm(head):
+        confirms.append(head)
+        return len(head) >= 3
+
+    with tracked(times=StageTimes(fix_budget=1.0)):
+        with stage("comparison"):
+            graph_run()
+        found = shortest_head(ladder, screen, confirm)
+        assert found.stopped and screens == [ladder] and confirms == [ladder] and found.head == ladder
+        assert shortest_head(ladder, screen, confirm) == (ladder, 0, 1, True)  # spent before its first screen
+    assert len(screens) == 1  # the second search screened nothing, and confirmed what it returns
 
 
 def test_the_ladder_tries_the_layers_that_help_alone_first_and_drops_none():

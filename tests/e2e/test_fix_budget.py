@@ -1,0 +1,112 @@
+"""The fix budget (issue 86): verdicts that do not depend on it, fixes searched within it, and what a search it
+stopped says."""
+import ast
+import json
+import re
+
+import pytest
+
+from pytest_qreport.core.schema import fix_budget_value
+from qcore.runtime.progress import StageTimes, fix_budget_use, graph_run, stage, tracked, trials_allowed
+from tests.helpers import FRAGILE_SOURCE
+
+DECLARATION = '''
+
+@qmodel(calibration=batches, checks="sqnr,weight_sqnr,model_sqnr,sensitivity"{extra})
+def fragile():
+    return MLP().eval()
+'''
+
+
+def _run(pytester, *args, extra=""):
+    pytester.makeconftest(FRAGILE_SOURCE + DECLARATION.format(extra=extra))
+    result = pytester.runpytest("--qreport", "--qreport-json=report.json", "--qreport-table=all", *args)
+    report = json.loads((pytester.path / "report.json").read_text())
+    return result, {(row["check"], row["layer"]): row for row in report["rows"]}, report["models"]["fragile"]
+
+
+def test_graph_runs_count_towards_the_outermost_stage_and_the_budget_is_a_multiple_of_the_verdict_pass():
+    with tracked(times=StageTimes(fix_budget=0.5)) as times:
+        assert not trials_allowed(refuse=False)  # before the verdict pass, its multiples are nothing
+        with stage("calibration"):
+            for _ in range(3):
+                graph_run()
+        with stage("comparison"):
+            graph_run(2)
+        with stage("trials"), stage("calibration"):  # a trial's own passes are the trial's
+            graph_run()
+            graph_run(0.5)  # a run resumed half way through the graph
+        assert times.runs == {"calibration": 3, "comparison": 2, "trials": 1.5}
+        assert trials_allowed()  # 1.5 of 0.5 x 5 runs
+        with stage("trials"):
+            graph_run()
+        assert not trials_allowed()  # 2.5 of 2.5
+        use = fix_budget_use()
+    assert use.verdict_runs == 5 and use.trial_runs == 2.5 and use.share == pytest.approx(1.0)
+    assert use.refusals == 1
+    assert trials_allowed() and fix_budget_use() is None  # untracked: no budget
+
+
+@pytest.mark.parametrize(("given", "parsed"), [("1", 1.0), (0, 0.0), ("0.25", 0.25), ("unlimited", float("inf")),
+                                               ("inf", float("inf")), (float("inf"), float("inf"))])
+def test_the_fix_budget_setting_parses(given, parsed):
+    assert fix_budget_value(given, []) == parsed
+
+
+@pytest.mark.parametrize("bad", ["-1", "lots", float("nan")])
+def test_a_bad_fix_budget_says_what_it_takes(bad):
+    with pytest.raises(ValueError, match="0 for verdicts only, or 'unlimited'"):
+        fix_budget_value(bad, [])
+
+
+def test_verdicts_and_values_are_the_same_under_every_budget(pytester):
+    runs = {budget: _run(pytester, f"--qreport-fix-budget={budget}")[1] for budget in ("0", "1", "unlimited")}
+    # every item but the sensitivity ranking's, whose value is its search's (the largest gain it measured)
+    judged = {budget: {key: (row["verdict"], row["value"]) for key, row in rows.items() if key[0] != "sensitivity"}
+              for budget, rows in runs.items()}
+    assert judged["0"] == judged["1"] == judged["unlimited"]
+    assert judged["0"][("model_sqnr", "output")][0] == "fail"
+    # verdicts only: every search is said not to have run, and how to run it
+    assert "No fix was searched: fix_budget is 0 (verdicts only)" in runs["0"][("model_sqnr", "output")]["message"]
+    assert "qmodel(fix_budget=1)" in runs["0"][("sqnr", "layers.4")]["message"]
+
+
+def test_a_search_stopped_by_its_budget_prints_only_fixes_measured_on_every_batch(pytester):
+    result, rows, facts = _run(pytester, extra=", fix_budget=0.5")
+    result.stdout.fnmatch_lines(["fix budget used: fragile *% of fix_budget=0.5 (* of * graph runs; * search "
+                                 "step(s) stopped by it)"])
+    assert facts["fix_budget"]["fix_budget"] == 0.5 and facts["fix_budget"]["stopped_searches"] > 0
+    message = rows[("model_sqnr", "output")]["message"]
+    found = re.search(r"was measured to reach ([\d.]+) dB: float_layers=(\[.*\])$", message)
+    assert found, message
+    announced, pasted = float(found.group(1)), ast.literal_eval(found.group(2))
+    ranking = rows[("sensitivity", "model")]["message"]
+    assert "were not measured: the model's fix budget was spent" in ranking
+    further = re.search(r"search further with qmodel\((fix_budget=[\d.]+)\)", ranking)
+    assert further, ranking
+    # the printed set, pasted: the item measures what the message announced, on every batch it is judged on
+    result, rows, _ = _run(pytester, extra=f", fix_budget=0.5, float_layers={pasted!r}")
+    assert rows[("model_sqnr", "output")]["verdict"] == "pass"
+    assert rows[("model_sqnr", "output")]["value"] == pytest.approx(announced, abs=0.05)
+    # the settings the stopped search names: a larger budget searches further, 'unlimited' to the end
+    _, rows, further_facts = _run(pytester, extra=f", {further.group(1)}")
+    assert further_facts["fix_budget"]["trial_runs"] > facts["fix_budget"]["trial_runs"]
+    _, rows, end_facts = _run(pytester, extra=", fix_budget='unlimited'")
+    ranking = rows[("sensitivity", "model")]
+    assert "not measured" not in ranking["message"] and len(ranking["details"]["ranking"]) == 4
+    assert end_facts["fix_budget"]["stopped_searches"] == 0 and end_facts["fix_budget"]["fix_budget"] is None
+
+
+def test_the_budget_stops_a_search_at_the_same_step_serially_and_under_xdist(pytester):
+    _, serial, serial_facts = _run(pytester, extra=", fix_budget=0.5")
+    _, parallel, parallel_facts = _run(pytester, "-n", "2", extra=", fix_budget=0.5")
+    assert {key: (row["verdict"], row["value"], row["message"]) for key, row in serial.items()} == \
+        {key: (row["verdict"], row["value"], row["message"]) for key, row in parallel.items()}
+    assert serial_facts["fix_budget"]["trial_runs"] == parallel_facts["fix_budget"]["trial_runs"]
+
+
+def test_the_fix_budget_is_read_from_the_ini_file(pytester):
+    pytester.makeini("[pytest]\nqreport_fix_budget = 0\n")
+    _, rows, facts = _run(pytester)
+    assert facts["fix_budget"]["fix_budget"] == 0 and facts["fix_budget"]["trial_runs"] == 0
+    assert "fix_budget is 0" in rows[("model_sqnr", "output")]["message"]
