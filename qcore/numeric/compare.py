@@ -294,8 +294,8 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     device = model_device(float_model)
     count = 0
     # the shadow copies run inside the float graph: their share of a quantized graph's layers, counted as graph runs
-    shadows = sum(c is not None for c in shadowed) + sum(len(extra) for extra in extra_pairs)
-    shadow_share = shadows / max(1, len(pairs))
+    shadow_count = sum(c is not None for c in shadowed) + sum(len(extra) for extra in extra_pairs)
+    shadow_share = shadow_count / max(1, len(pairs))
     with torch.no_grad(), stage("comparison", total):
         for batch in batches:
             if layer_inputs is not None:
