@@ -1,7 +1,9 @@
 """Detector checks: ModelReport's detectors as items. torch.ao's heuristics name the layers; an item fails
-only when the change its detector recommends was measured on the model (checks.advice) to raise the layer's own
-SQNR by at least the check's minimum gain without lowering the output SQNR. Where heuristic and measurement
-disagree, the item passes with a note that names both.
+only when the change its detector recommends was measured (checks.advice) to raise the layer's own SQNR by at
+least the check's minimum gain: by the screen in the model's comparison pass where one ran (the verdict pass; the
+fix's trial on the whole model is then a fix search within the fix budget), else by the fix's trial, which must not
+lower the output SQNR either. Where heuristic and measurement disagree, the item passes with a note that names
+both.
 
 Wrapping a custom `qcore.report.DetectorBase` takes a few lines (without `fix_change`, its heuristic verdict
 stands unmeasured)::
@@ -26,7 +28,7 @@ from typing import Any, ClassVar
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
-from .advice import Advice, layer_overrides_fix, verify
+from .advice import Advice, layer_overrides_fix, search_further, verify
 
 __all__ = ["DetectorCheck", "DynamicStaticCheck", "InputWeightEqualizationCheck", "OutlierCheck", "PerChannelCheck"]
 
@@ -61,7 +63,12 @@ class DetectorCheck(Check):
 
     def min_gain(self, model: ModelContext) -> float:
         """The least gain, in dB of the layer's own SQNR, for which the fix is recommended."""
-        return float(getattr(model.settings, f"{self.name}_min_gain_db", 1.0))
+        return float(getattr(model.settings, self.min_gain_setting, 1.0))
+
+    @property
+    def min_gain_setting(self) -> str:
+        """The setting of the least gain for which an item fails."""
+        return f"{self.name}_min_gain_db"
 
     @property
     def merged_options(self) -> dict[str, Any]:
@@ -96,26 +103,33 @@ class DetectorCheck(Check):
         return self.verified(model, results)
 
     def verified(self, model: ModelContext, results: list[Finding]) -> list[Finding]:
-        """The heuristic's failures measured: kept, with the claim and the fix, where the fix helps; passed with a
-        note where it does not."""
+        """The heuristic's failures judged on the fix's gain the verdict pass measured (the screen's): failing
+        where it reaches the minimum gain, with the fix as far as the fix budget measured it, passing with a note
+        where it does not. Where no screen measured the fix, the fix's trial judges (outside the budget)."""
         proposed = {f.layer: self.fix_change(model.analysis.layer(f.layer)) for f in results if f.verdict == "fail"}
         changes = {layer: change for layer, change in proposed.items() if change is not None}
         if not changes:
             return results
         advice = self.advise(model, list(changes), changes)
-        return [self.judged(f, advice, list(changes)) if f.layer in changes else f for f in results]
+        return [self.judged(f, advice, list(changes), model) if f.layer in changes else f for f in results]
+
+    def screened_gains(self, model: ModelContext, layers: list[str], changes: dict[str, dict[str, Any]]
+                       ) -> dict[str, tuple[float, float]] | None:
+        """{layer: (own SQNR, own SQNR with the fix)} that the model's comparison pass measured through this check's
+        screen (None when no screen made these changes: a blockwise or equalized model, a custom advise)."""
+        screened = model.analysis.screened(self.name)
+        if screened is None or {layer: dict(change) for layer, change in screened.changes.items()} != changes:
+            return None
+        before = model.analysis.sqnr.layers
+        return {layer: (before[layer].shadow_sqnr_db, screened.own_sqnr_db.get(layer, math.nan)) for layer in layers}
 
     def advise(self, model: ModelContext, layers: list[str], changes: dict[str, dict[str, Any]]) -> Advice:
-        """The measured advice for the layers the heuristic names (their own SQNR with the fix comes from the
-        comparison pass when the model's screen of this check made the same changes)."""
-        screened = model.analysis.screened(self.name)
-        own = None
-        if screened is not None and {layer: dict(change) for layer, change in screened.changes.items()} == changes:
-            before = model.analysis.sqnr.layers
-            own = {layer: (before[layer].shadow_sqnr_db, screened.own_sqnr_db.get(layer, math.nan))
-                   for layer in layers}
+        """The measured advice for the layers the heuristic names: their own SQNR with the fix from the comparison
+        pass (the screen), and the fix's trial on the whole model within the fix budget; without a screen, the
+        trial judges, outside the budget."""
+        own = self.screened_gains(model, layers, changes)
         return verify(model, layers, lambda chosen: layer_overrides_fix(model, {c: changes[c] for c in chosen}),
-                      self.min_gain(model), screened=own, verdict=True)
+                      self.min_gain(model), screened=own, verdict=own is None)
 
     def screen(self, model: ModelContext, layers: list[str]) -> Any | None:
         """The fix on the layers among `layers` whose heuristic verdict fails, measured in the comparison pass;
@@ -146,11 +160,18 @@ class DetectorCheck(Check):
                 changes[layer] = change
         return changes
 
-    def judged(self, found: Finding, advice: Advice, failing: Sequence[str] | None = None) -> Finding:
+    def judged(self, found: Finding, advice: Advice, failing: Sequence[str] | None = None,
+               model: ModelContext | None = None) -> Finding:
         """One heuristic failure after measurement. `failing`: the layers whose items fail this heuristic (default:
         those the advice recommends); the fix they share is printed in full on the first of them it helps."""
         details = {**found.details, "measured_gain_db": advice.first.gain(found.layer),
                    "advised": advice.helps(found.layer)}
+        measured = self.pass_gains(model, advice) if model is not None else None
+        before, after = (measured or {}).get(found.layer, (math.nan, math.nan))
+        if model is not None and after - before >= advice.min_gain and not advice.helps(found.layer):
+            # the verdict pass measured the gain: the item fails whatever the fix's trial found, or if it did not run
+            return found.replace(message=self.unadvised(model, found, advice, failing, (before, after)),
+                                 details=details)
         if advice.helps(found.layer):
             details["fix"] = advice.fix_text()
             # the items that keep the fix: the failing ones it helps (a model-wide fix may help passing layers too)
@@ -166,6 +187,39 @@ class DetectorCheck(Check):
         seen = found.message.removeprefix(f"layer {found.layer}: ")
         heuristic = f"torch.ao's {self.name} heuristic recommends {self.recommends} ({seen})"
         return found.replace(verdict="pass", message="", note=advice.note(found.layer, heuristic), details=details)
+
+    def pass_gains(self, model: ModelContext, advice: Advice) -> Mapping[str, tuple[float, float]] | None:
+        """{layer: (own SQNR, own SQNR with the fix)} that the verdict pass measured (the screen's), or None where
+        none did (the fix's trial then judges)."""
+        return advice.first.own if advice.first.screened else None
+
+    def measured_setting(self, model: ModelContext, layers: Sequence[str]) -> str:
+        """The setting the verdict pass measured on `layers`, to paste (the screen's changes)."""
+        screened = model.analysis.screened(self.name)
+        changes = {layer: dict(screened.changes[layer]) for layer in layers} if screened is not None else {}
+        return layer_overrides_fix(model, changes).paste()
+
+    def unadvised(self, model: ModelContext, found: Finding, advice: Advice, failing: Sequence[str] | None,
+                  measured: tuple[float, float]) -> str:
+        """The message of an item whose fix the comparison pass measured (`measured`: its own SQNR without and with
+        it) to raise its own SQNR by the minimum gain, with what the fix budget measured of it on the whole model:
+        not tried (and how to try it), or a trial that does not keep it (the output falls, or together with the
+        others it gains less)."""
+        layer, (before, after) = found.layer, measured
+        claim = (f"{found.message.rstrip('.')}; in the comparison pass, with {self.recommends}, its own SQNR (float "
+                 f"input) is {before:.2f} -> {after:.2f} dB ({after - before:+.2f} dB; the minimum gain is "
+                 f"{advice.min_gain:g} dB)")
+        if advice.stopped:
+            gains = self.pass_gains(model, advice) or {}
+            gaining = [name for name in (failing or [layer])
+                       if (pair := gains.get(name)) is not None and pair[1] - pair[0] >= advice.min_gain]
+            return (f"{claim}, and its effect on the model output was not measured: the model's fix budget was "
+                    f"spent.{search_further(model)} The setting the comparison pass measured on these layers: "
+                    f"qmodel(..., {self.measured_setting(model, gaining or [layer])}).")
+        note = advice.notes.get(layer, "not measured")
+        return (f"{claim}, but on the whole model {note}, so it is not advised: raise {self.min_gain_setting} "
+                f"above {after - before:.1f} dB, or set severity={{{self.name!r}: 'warn'}}, to accept the layer as "
+                "it is.")
 
 
 class PerChannelCheck(DetectorCheck):
@@ -254,6 +308,9 @@ class InputWeightEqualizationCheck(DetectorCheck):
         from .equalization import equalization_advice
 
         return equalization_advice(model, layers, smooth=False)
+
+    def pass_gains(self, model: ModelContext, advice: Advice) -> Mapping[str, tuple[float, float]] | None:
+        return None  # the variants measure a quarter of the batches: the fix's trial on every batch judges
 
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         flags = entry[self.detector.RECOMMENDED_KEY]

@@ -12,7 +12,7 @@ from tests.helpers import FRAGILE_SOURCE
 
 DECLARATION = '''
 
-@qmodel(calibration=batches, checks="sqnr,weight_sqnr,model_sqnr,sensitivity"{extra})
+@qmodel(calibration=batches, checks="sqnr,weight_sqnr,model_sqnr,sensitivity,per_channel,outlier"{extra})
 def fragile():
     return MLP().eval()
 '''

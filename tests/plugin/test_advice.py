@@ -92,6 +92,28 @@ def test_per_channel_fix_is_measured_and_works_when_pasted():
     assert _output_db(everywhere) < _output_db(after)
 
 
+def test_a_detector_item_fails_on_its_screen_under_any_fix_budget_and_the_setting_it_prints_works():
+    batches = _features()
+    settings = {"quantizer": "int8_per_tensor", "checks": ["per_channel", "sqnr"]}
+    found, _ = analyze_with_checks(wide_rows, batches, **settings, fix_budget=0.0)
+    unlimited, _ = analyze_with_checks(wide_rows, batches, **settings, fix_budget=math.inf)
+    # the verdicts come from the comparison pass's screen: the same with no fix search as with every one
+    assert {key: (f.verdict, f.value) for key, f in found.items()} == \
+        {key: (f.verdict, f.value) for key, f in unlimited.items()}
+    message = found[("per_channel", "layers.2")].message
+    assert found[("per_channel", "layers.2")].verdict == "fail" and "Fix:" not in message
+    assert "its effect on the model output was not measured: the model's fix budget was spent" in message
+    assert "No fix was searched: fix_budget is 0 (verdicts only)" in message
+    own_after = float(re.search(r"its own SQNR \(float input\) is [\d.]+ -> ([\d.]+) dB", message).group(1))
+    setting = ast.literal_eval(re.search(r"measured on these layers: qmodel\(\.\.\., layer_overrides=(\{.*\})\)\.$",
+                                         message).group(1))
+    assert setting == {"layers.2": {"per_channel": True}}
+    # pasted, the setting gives the layer the own SQNR the comparison pass measured with it, and the item passes
+    again, after = analyze_with_checks(wide_rows, batches, **settings, fix_budget=0.0, layer_overrides=setting)
+    assert again[("per_channel", "layers.2")].verdict == "pass"
+    assert after.sqnr.layers["layers.2"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
+
+
 def test_dynamic_fix_is_measured_and_works_when_pasted():
     def model():
         torch.manual_seed(0)
