@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.experts import compact_expert_layers, expert_layers_of
@@ -104,12 +104,6 @@ def float_layers_fix(model: ModelContext, layers: Iterable[str]) -> Fix:
 def equalize_fix(value: Any, layers: Iterable[str]) -> Fix:
     """equalize=value (True, a list of layers, or a smoothing recipe)."""
     return Fix("equalize", value, tuple(layers))
-
-
-def _trials_allowed() -> bool:
-    from qcore.analysis import trials_allowed
-
-    return trials_allowed()
 
 
 def quantized_layer_names(model: ModelContext) -> list[str]:
@@ -230,10 +224,7 @@ class Advice:
     kind: str
     notes: Mapping[str, str] = field(default_factory=dict)
 
-    @property
-    def stopped(self) -> bool:
-        """Whether the fix budget was spent before the fix was tried."""
-        return self.first.stopped
+    stopped: bool = False  # the fix budget was spent before the fix was tried on the whole model
 
     def helps(self, layer: str) -> bool:
         """Whether the printed fix was measured to help this layer (and not to hurt the output)."""
@@ -268,12 +259,10 @@ def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[l
     candidates = list(candidates)
     if screened is not None and kind == "own":
         first = Trial(make_fix(candidates), (math.nan, math.nan), dict(screened), {}, {}, screened=True)
-        if not verdict and not _trials_allowed():  # its output trial would be the search's first
-            first = replace(first, stopped=True)
     else:
         first = try_fix(model, make_fix(candidates), (kind,), verdict=verdict)
     if first.stopped:
-        return Advice(first, None, (), min_gain, kind, {layer: NOT_TRIED for layer in candidates})
+        return Advice(first, None, (), min_gain, kind, {layer: NOT_TRIED for layer in candidates}, stopped=True)
     notes: dict[str, str] = {}
     whose = "this layer's"
 
@@ -286,8 +275,13 @@ def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[l
             notes[layer] = measured(first, layer) + f" (the minimum gain is {min_gain:g} dB)"
     if not helpful:
         return Advice(first, None, (), min_gain, kind, notes)
+    # after a screen, the trial of the fix on the whole model is the search's first (within the budget); after a
+    # trial, the confirmation of the fix it prints (always run)
     trial = first if helpful == candidates and not first.screened else \
-        try_fix(model, make_fix(helpful), (kind,), budgeted=False, verdict=verdict)
+        try_fix(model, make_fix(helpful), (kind,), budgeted=first.screened, verdict=verdict)
+    if trial.stopped:
+        notes.update({layer: NOT_TRIED for layer in helpful})
+        return Advice(first, None, (), min_gain, kind, notes, stopped=True)
     if not trial.output_kept:
         for layer in helpful:
             notes[layer] = (f"{measured(trial, layer)}, but with {trial.fix.paste()} the model output falls "
