@@ -112,6 +112,11 @@ def test_a_detector_item_fails_on_its_screen_under_any_fix_budget_and_the_settin
     again, after = analyze_with_checks(wide_rows, batches, **settings, fix_budget=0.0, layer_overrides=setting)
     assert again[("per_channel", "layers.2")].verdict == "pass"
     assert after.sqnr.layers["layers.2"].shadow_sqnr_db == pytest.approx(own_after, abs=0.005)
+    # the verdict is the screen's gain against the minimum: a minimum above it accepts the layer as it is
+    gain = float(re.search(r"dB \(\+([\d.]+) dB; the minimum gain is 1 dB\)", message).group(1))
+    accepted, _ = analyze_with_checks(wide_rows, batches, **settings, fix_budget=0.0,
+                                      per_channel_min_gain_db=math.ceil(gain * 10) / 10 + 0.1)
+    assert accepted[("per_channel", "layers.2")].verdict == "pass"
 
 
 def test_dynamic_fix_is_measured_and_works_when_pasted():
