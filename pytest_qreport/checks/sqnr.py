@@ -154,9 +154,9 @@ def measured_fixes(model: ModelContext, failing: list[str], kind: str = "propaga
     return fixes
 
 
-def _output_float_layers(model: ModelContext) -> tuple[float | None, Any]:
-    """(model_sqnr_min_db where the model_sqnr check runs, the float_layers fix it advises when the model's output
-    fails it, else None)."""
+def _output_search(model: ModelContext) -> tuple[float | None, Any]:
+    """(model_sqnr_min_db where the model_sqnr check runs, the float_layers search its item advises when the model's
+    output fails it, as it ended (stopped by the fix budget, or empty), else None)."""
     if "model_sqnr" not in model.checks:
         return None, None
     from .sensitivity import output_float_layers_fix
@@ -165,21 +165,19 @@ def _output_float_layers(model: ModelContext) -> tuple[float | None, Any]:
     worst = model.analysis.sqnr.worst_output()
     if worst is None or not worst.sqnr_db < target:
         return target, None
-    fix = output_float_layers_fix(model, target)
+    return target, output_float_layers_fix(model, target)
+
+
+def _output_float_layers(model: ModelContext) -> tuple[float | None, Any]:
+    """(model_sqnr_min_db where the model_sqnr check runs, the float_layers fix it advises when the model's output
+    fails it, else None)."""
+    target, fix = _output_search(model)
     return target, fix if fix is not None and fix.float_layers else None
 
 
 def _output_search_stopped(model: ModelContext) -> bool:
     """Whether the fix budget stopped the float_layers search the model_sqnr item advises (False where none runs)."""
-    if "model_sqnr" not in model.checks:
-        return False
-    from .sensitivity import output_float_layers_fix
-
-    target = float(model.settings.model_sqnr_min_db)
-    worst = model.analysis.sqnr.worst_output()
-    if worst is None or not worst.sqnr_db < target:
-        return False
-    fix = output_float_layers_fix(model, target)
+    fix = _output_search(model)[1]
     return bool(fix is not None and fix.stopped)
 
 

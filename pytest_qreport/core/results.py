@@ -37,10 +37,8 @@ class ModelFacts:
     @property
     def fix_budget_share(self) -> float | None:
         """The share of its fix budget the model's searches used (None without a budget, or unknown)."""
-        budget, runs = self.fix_budget.get("fix_budget"), self.fix_budget.get("verdict_runs")
-        if budget is None or not runs:
-            return None
-        return float(self.fix_budget.get("trial_runs", 0.0)) / (float(budget) * float(runs)) if budget else 0.0
+        share = self.fix_budget.get("share")
+        return None if share is None else float(share)
 
     @property
     def analysis_seconds(self) -> float:

@@ -9,15 +9,19 @@ Schema 1::
       "models": {"<model>": {"baseline_path": "...", "fingerprint": {...} | null,
                              "capture": {"method": "export" | "fx", "export_error": "..."}, "error": "...",
                              "seconds": {"capture": 1.2, "calibration": 0.4, "comparison": 0.6, "trials": 2.1,
-                                         "other": 0.3}, "line": 12}},
+                                         "other": 0.3}, "line": 12,
+                             "fix_budget": {"fix_budget": 1.0 | null, "verdict_runs": 16.0, "trial_runs": 13.4,
+                                            "share": 0.84 | null, "verdict_seconds": 1.0, "trial_seconds": 2.1,
+                                            "stopped_searches": 1}}},
       "rows": [{"model", "check", "layer", "metric", "value", "threshold", "verdict", "message", "details",
                 "waiver", "nodeid", "duration", "baseline", "delta", "baseline_status"}, ...]
     }
 
 A model's key is its name, or "<conftest path>::<name>" when conftests in two directories declare the
 same name; its rows carry the same key in "model". Rows come in collection order; `duration` is the item's
-check time; a model's analysis time is in its "seconds", per stage. Non-finite numbers are the strings "nan", "inf"
-and "-inf", so that the file is strict JSON. A --qreport-shard run adds
+check time; a model's analysis time is in its "seconds", per stage, and what its fix searches spent of its
+fix budget (in graph runs on one batch; null: unlimited) in its "fix_budget". Non-finite numbers are the strings
+"nan", "inf" and "-inf", so that the file is strict JSON. A --qreport-shard run adds
 "shard": {"index": I, "count": N, "units": [every model's unit, in collection order], "run": [this shard's units]}.
 """
 from __future__ import annotations

@@ -60,7 +60,7 @@ from qcore.graph.experts import (
     with_experts_held,
 )
 from qcore.measure.passes import SqnrMeasurement
-from qcore.measure.screens import HeadSearch, screened_ladder, shortest_head
+from qcore.measure.screens import HeadSearch, screened_ladder, screened_within_budget, shortest_head
 from qcore.numeric.logits import LogitsMeasurement
 from qcore.runtime.progress import stage, trials_allowed
 
@@ -633,12 +633,9 @@ class ArtifactAnalysis:
                 self._confirmed.append((batches, tuple(chosen)))
                 return kept(chosen, self._value(metric, chosen, batches), 3)
             base = self._value(metric, (), trial_batches, resume=True) if trial_batches is not batches else before
-            singles: dict[str, float] = {}
-            for name in candidates:  # largest own error first: the most promising first when the budget runs out
-                if not trials_allowed():
-                    stopped = True
-                    break
-                singles[name] = self._value(metric, (name,), trial_batches, resume=True)
+            # largest own error first: the most promising first when the fix budget runs out
+            singles, stopped = screened_within_budget(
+                candidates, lambda name: self._value(metric, (name,), trial_batches, resume=True))
             trials = len(singles) + 3
             ladder = screened_ladder([name for name in candidates if name in singles], singles, base, higher)
             found = self._climb(metric, target, ladder[:limit], trial_batches, batches)

@@ -28,7 +28,7 @@ from qcore.quantization.quantizer import Quantizer, with_layer_overrides
 from qcore.runtime.progress import trials_allowed
 
 __all__ = ["HeadSearch", "ObserversAhead", "Screen", "ScreenedLayers", "quantize_for_screen", "screened_ladder",
-           "shortest_head"]
+           "screened_within_budget", "shortest_head"]
 
 
 def screened_ladder(pool: Sequence[str], alone: Mapping[str, float], base: float, higher: bool = True) -> list[str]:
@@ -43,6 +43,17 @@ def screened_ladder(pool: Sequence[str], alone: Mapping[str, float], base: float
                                                                           else value(name) < base)]
     helping.sort(key=lambda name: -value(name) if higher else value(name))  # stable: pool order among equals
     return helping + [name for name in pool if name not in helping]
+
+
+def screened_within_budget(names: Sequence[str], measure: Callable[[str], float]) -> tuple[dict[str, float], bool]:
+    """({name: measure(name)} for `names` in their order, most promising first, until the fix budget is spent;
+    whether it was)."""
+    found: dict[str, float] = {}
+    for name in names:
+        if not trials_allowed():
+            return found, True
+        found[name] = measure(name)
+    return found, False
 
 
 class HeadSearch(NamedTuple):

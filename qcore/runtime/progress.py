@@ -71,16 +71,21 @@ class FixBudgetUse:
     refusals: int  # searches or search steps the budget stopped
 
     @property
-    def share(self) -> float:
-        """The share of the budget the trials used (nan without a budget or without a verdict pass)."""
-        allowed = math.nan if self.fix_budget is None else self.fix_budget * self.verdict_runs
-        return self.trial_runs / allowed if allowed else math.nan
+    def share(self) -> float | None:
+        """The share of the budget the trials used (None without a budget or without a verdict pass; 0 for a budget
+        of 0 that nothing exceeded)."""
+        if self.fix_budget is None or not self.verdict_runs:
+            return None
+        allowed = self.fix_budget * self.verdict_runs
+        return self.trial_runs / allowed if allowed else (0.0 if not self.trial_runs else math.inf)
 
     def as_dict(self) -> dict[str, float | int | None]:
         """Builtins, for the reports."""
+        share = self.share
         return {"fix_budget": self.fix_budget, "verdict_runs": round(self.verdict_runs, 3),
-                "trial_runs": round(self.trial_runs, 3), "verdict_seconds": round(self.verdict_seconds, 4),
-                "trial_seconds": round(self.trial_seconds, 4), "stopped_searches": self.refusals}
+                "trial_runs": round(self.trial_runs, 3), "share": None if share is None else round(share, 4),
+                "verdict_seconds": round(self.verdict_seconds, 4), "trial_seconds": round(self.trial_seconds, 4),
+                "stopped_searches": self.refusals}
 
 
 _CURRENT: contextvars.ContextVar[StageTimes | None] = contextvars.ContextVar("qcore_progress", default=None)

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.inputs import call_model, move_to
 from qcore.graph.ops import INSERTED_KEY, fetch_attr, find_quantizable_ops, is_weight_value
-from qcore.measure.screens import screened_ladder, shortest_head
+from qcore.measure.screens import screened_ladder, screened_within_budget, shortest_head
 from qcore.numeric.metrics import signal_and_noise, sqnr_from_sums
 from qcore.quantization.calibrate import model_device
 from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept
@@ -519,12 +519,8 @@ def _screened_float_layers(model: SwitchableModel, float_gm: fx.GraphModule, bat
             # the fix may keep, measured
             chosen = pool
         else:
-            singles: dict[str, float] = {}
-            for name in pool:  # largest own error first: the most promising first when the fix budget runs out
-                if not trials_allowed():
-                    stopped = True
-                    break
-                singles[name] = in_float([name], alone)
+            # largest own error first: the most promising first when the fix budget runs out
+            singles, stopped = screened_within_budget(pool, lambda name: in_float([name], alone))
             ladder = screened_ladder([name for name in pool if name in singles], singles, alone_base)
             found = shortest_head(ladder[:limit], screen, lambda head: measured(head) >= target_db)
             chosen, stopped = found.head, stopped or found.stopped
