@@ -1,12 +1,12 @@
 """Example model repository: five models declared for `pytest --qreport examples/`.
 
-Set QREPORT_EXAMPLES_FAILING=1 to also declare four models that show the gate at work (6 failing items):
+Set QREPORT_EXAMPLES_FAILING=1 to also declare four models that show the gate at work (5 failing items):
 `wide_rows_mlp`, quantized per tensor, with one layer whose weight rows span two orders of magnitude (its
 per_channel item fails with the layer_overrides measured to fix it), `spiky_mlp`, whose input has rare huge
 spikes in one channel (torch.ao's outlier heuristic flags them, but a clipping observer was measured not to
 help, so its items pass with a note),
 `sensor_mlp_unequalized`, whose input channels span four orders of magnitude and which is not equalized
-(an equalization and an input_weight_equalization item fail with the measured equalize=True fix), and `fragile`, whose
+(its first layer's equalization item fails with the fix measured within the fix budget), and `fragile`, whose
 output SQNR fails: its model_sqnr item ends with a float_layers list, measured to pass, to paste into qmodel.
 """
 import os
@@ -76,9 +76,9 @@ def mlp():
     return seeded(MLP)
 
 
-# smoothing its attention output projections into the value projections raises their own SQNR by about 1.2 dB
-# in the comparison pass, but measured on the whole smoothed model the gain is under 1 dB: not advised.
-@qmodel(calibration="token_batches", quantizer="int8_histogram")
+# smoothing its attention output projections into the value projections raises their own SQNR by 1.2-1.3 dB in
+# the comparison pass (under 1 dB on the whole smoothed model): this team asks equalization for 1.5 dB.
+@qmodel(calibration="token_batches", quantizer="int8_histogram", equalization_min_gain_db=1.5)
 def tiny_encoder():
     return seeded(TinyEncoder)
 
@@ -145,8 +145,9 @@ if os.environ.get("QREPORT_EXAMPLES_FAILING") == "1":
     def spiky_mlp():
         return seeded(MLP)
 
-    # the sensor model without equalization: of the equalization fixes measured on the whole model, equalize=True
-    # raises the output SQNR most (31.3 -> 34.7 dB); the layers it raises by 1 dB fail with it
+    # the sensor model without equalization: input-weight equalization raises its first layer's own SQNR by 5.9 dB
+    # in the comparison pass, so that item fails; within the fix budget, equalize=['layers.0'] was measured to
+    # raise the output SQNR 31.3 -> 34.2 dB (fix_budget=2 also measures equalize=True: 34.7 dB)
     @qmodel(calibration="sensor_batches", quantizer="int8_histogram")
     def sensor_mlp_unequalized():
         return seeded(lambda: MLP(features=32, hidden=64, classes=8))

@@ -22,7 +22,7 @@ from ..core.registry import ModelContext
 
 __all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "NOT_TRIED", "VERDICT_TRIALS", "Advice", "Fix", "Trial", "equalize_fix",
            "float_layers_fix", "float_search_limit", "layer_overrides_fix", "max_float_layers", "quantized_layer_names",
-           "search_further", "try_fix", "verify"]
+           "others_untried", "search_further", "try_fix", "verify"]
 
 
 @dataclass(frozen=True)
@@ -205,11 +205,30 @@ def search_further(model: ModelContext) -> str:
     if budget == 0:
         return (" No fix was searched: fix_budget is 0 (verdicts only); measure fixes with qmodel(fix_budget=1), or "
                 "run every search to its end with qmodel(fix_budget='unlimited').")
-    larger = 2 * budget if budget >= 0.5 else 1
+    larger = _larger_budget(budget)
     return (f" The fix search stopped at the model's fix budget (fix_budget={budget:g}: its searches may run "
             f"{budget:g} times as many graph runs as its verdict pass): search further with "
             f"qmodel(fix_budget={larger:g}), or to the end with qmodel(fix_budget='unlimited'); fix_budget=0 gives the "
             "verdicts only.")
+
+
+def _larger_budget(budget: float) -> float:
+    """A fix budget that lets the searches go further than this one did: twice what they spent (a step may overrun
+    the budget once), at least twice the budget and at least 1; whole above 1."""
+    from qcore.analysis import fix_budget_use
+
+    use = fix_budget_use()
+    spent = use.trial_runs / use.verdict_runs if use is not None and use.verdict_runs else budget
+    larger = max(1.0, 2 * budget, 2 * spent)
+    return float(math.ceil(larger)) if 1 < larger < math.inf else larger
+
+
+def others_untried(model: ModelContext, advice: Advice) -> str:
+    """What an item whose printed fix was measured says before it when the fix budget left other fixes of its search
+    untried (one of which might have raised the output more); '' when every one was measured."""
+    if not advice.stopped:
+        return ""
+    return " Other fixes of this search were not measured: the model's fix budget was spent." + search_further(model)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
-from .advice import Advice, layer_overrides_fix, search_further, verify
+from .advice import Advice, equalize_fix, layer_overrides_fix, others_untried, search_further, verify
 
 __all__ = ["DetectorCheck", "DynamicStaticCheck", "InputWeightEqualizationCheck", "OutlierCheck", "PerChannelCheck"]
 
@@ -182,7 +182,8 @@ class DetectorCheck(Check):
                 assert advice.trial is not None
                 fix = (f"Fix: the one {advice.trial.fix.setting} fix for the {len(kept)} failing {self.name} items, "
                        f"given on the item of {kept[0]} and under the summary.")
-            return found.replace(message=f"{found.message.rstrip('.')}; {advice.claim(found.layer)}. {fix}",
+            further = others_untried(model, advice) if model is not None else ""
+            return found.replace(message=f"{found.message.rstrip('.')}; {advice.claim(found.layer)}.{further} {fix}",
                                  details=details)
         seen = found.message.removeprefix(f"layer {found.layer}: ")
         heuristic = f"torch.ao's {self.name} heuristic recommends {self.recommends} ({seen})"
@@ -309,8 +310,17 @@ class InputWeightEqualizationCheck(DetectorCheck):
 
         return equalization_advice(model, layers, smooth=False)
 
+    @property
+    def min_gain_setting(self) -> str:
+        return "equalization_min_gain_db"
+
     def pass_gains(self, model: ModelContext, advice: Advice) -> Mapping[str, tuple[float, float]] | None:
-        return None  # the variants measure a quarter of the batches: the fix's trial on every batch judges
+        from .equalization import variant_gains
+
+        return variant_gains(model, "input_weight")
+
+    def measured_setting(self, model: ModelContext, layers: Sequence[str]) -> str:
+        return equalize_fix(list(layers), layers).paste()
 
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         flags = entry[self.detector.RECOMMENDED_KEY]

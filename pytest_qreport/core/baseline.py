@@ -213,12 +213,7 @@ def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Cal
         elif verdict == "pass" and finding.verdict in ("fail", "warn") and finding.check != "baseline":
             setting = threshold_setting(finding.check)
             if setting is not None and _fails(value, finding.threshold, higher_is_better(finding.check)):
-                why = (
-                    f"{finding.check}/{finding.layer} is below the threshold "
-                    f"{format_value(finding.threshold, finding.metric)} ({setting}); its baseline value "
-                    f"{format_value(value, finding.metric)} in {baseline.path} is below it too, so the threshold "
-                    f"changed, not the model: updating the baseline would not fix this. Fix the layer, or set "
-                    f"{setting} to what it was.")
+                why = _threshold_not_model(finding, value, baseline.path, setting, higher_is_better(finding.check))
                 compared.append(finding.replace(baseline=value, delta=delta, baseline_status="ok",
                                                 message=join_messages(finding.message, why)))
                 continue
@@ -233,6 +228,17 @@ def compare_findings(findings: list[Finding], baseline: Baseline, tolerance: Cal
             changed = changed.replace(verdict="fail", message=join_messages(finding.message, rule + hint))
         compared.append(changed)
     return compared
+
+
+def _threshold_not_model(finding: Finding, value: float, path: str, setting: str, higher: bool) -> str:
+    """Why an item whose value stayed within tolerance of a passing baseline entry fails now: its baseline value
+    fails the current threshold too, so the threshold, or how the check judges against it, changed."""
+    side, move = ("below", "lower") if higher else ("above", "raise")
+    shown, now = format_value(value, finding.metric), format_value(finding.value, finding.metric)
+    return (f"{finding.check}/{finding.layer} is {side} its threshold {format_value(finding.threshold, finding.metric)}"
+            f" ({setting}), and so was its baseline value {shown} in {path}, which passed: the model did not change "
+            f"beyond the tolerance, the threshold or the check's rule did, so updating the baseline would not fix "
+            f"this. Fix the layer, or {move} {setting} {side} {now} to pass it.")
 
 
 def _fails(value: float, threshold: float, higher_is_better: bool) -> bool:

@@ -89,9 +89,10 @@ def test_the_failing_examples_point_only_at_rows_that_hold_what_they_promise(pyt
     rows, output = _rows(report), result.stdout.str()
     seen = _check_pointers(rows, output)
     assert {"see its item", "model_sqnr item", "sqnr items", "proper subset"} <= seen, seen
-    # the sensor model's input_weight_equalization item prints its fix itself (the layer that once carried it passes)
-    message = rows[("sensor_mlp_unequalized", "input_weight_equalization", "layers.4")]["message"]
-    assert "Fix: qmodel(..., equalize=True)." in message and "given on the item of" not in message
+    # the sensor model's equalization item prints its fix itself, and how to search further within a larger budget
+    message = rows[("sensor_mlp_unequalized", "equalization", "layers.0")]["message"]
+    assert "Fix: qmodel(..., equalize=['layers.0'])." in message and "given on the item of" not in message
+    assert "search further with qmodel(fix_budget=2)" in message
 
 
 @pytest.mark.parametrize("option", [["--qreport-sqnr-min-db", "45"], ["--qreport-sqnr-min-db", "38"],

@@ -93,7 +93,9 @@ def test_a_search_stopped_by_its_budget_prints_only_fixes_measured_on_every_batc
     assert further_facts["fix_budget"]["trial_runs"] > facts["fix_budget"]["trial_runs"]
     _, rows, end_facts = _run(pytester, extra=", fix_budget='unlimited'")
     ranking = rows[("sensitivity", "model")]
-    assert "not measured" not in ranking["message"] and len(ranking["details"]["ranking"]) == 4
+    assert "not measured" not in ranking["message"], ranking
+    assert "ranking" in ranking["details"], (ranking["message"], ranking["details"])
+    assert len(ranking["details"]["ranking"]) == 4, ranking
     assert end_facts["fix_budget"]["stopped_searches"] == 0 and end_facts["fix_budget"]["fix_budget"] is None
 
 
@@ -110,3 +112,54 @@ def test_the_fix_budget_is_read_from_the_ini_file(pytester):
     _, rows, facts = _run(pytester)
     assert facts["fix_budget"]["fix_budget"] == 0 and facts["fix_budget"]["trial_runs"] == 0
     assert "fix_budget is 0" in rows[("model_sqnr", "output")]["message"]
+
+
+SENSOR_SOURCE = '''
+import torch
+from torch import nn
+from pytest_qreport import qmodel
+
+
+def sensor_batches():
+    g = torch.Generator().manual_seed(4)
+    spread = torch.logspace(-2, 2, 32)  # input channels span four orders of magnitude
+    return [torch.randn(64, 32, generator=g) * spread for _ in range(8)]
+
+
+@qmodel(calibration=sensor_batches, quantizer="int8_histogram", checks="model_sqnr,equalization"{extra})
+def sensor():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+'''
+
+
+def _run_sensor(pytester, extra=""):
+    pytester.makeconftest(SENSOR_SOURCE.format(extra=extra))
+    pytester.runpytest("--qreport", "--qreport-json=report.json")
+    report = json.loads((pytester.path / "report.json").read_text())
+    return {row["layer"]: row for row in report["rows"] if row["check"] == "equalization"}, report["models"]["sensor"]
+
+
+def test_an_equalization_verdict_comes_from_the_comparison_pass_and_its_fix_from_the_budget(pytester):
+    verdicts = {budget: _run_sensor(pytester, f", fix_budget={budget!r}") for budget in (0, 0.5, "unlimited")}
+    judged = {budget: {layer: (row["verdict"], row["value"]) for layer, row in rows.items()}
+              for budget, (rows, _) in verdicts.items()}
+    assert judged[0] == judged[0.5] == judged["unlimited"]
+    failing = [layer for layer, (verdict, _) in judged[0].items() if verdict == "fail"]
+    assert failing and all(judged[0][layer][1] >= 1.0 for layer in failing)
+    assert verdicts[0][1]["fix_budget"]["trial_runs"] == 0  # no verdict waited for a trial
+    first = verdicts[0][0][failing[0]]["message"]
+    assert "effect on the model output was not measured: the model's fix budget was spent" in first, first
+    pasted = re.search(r"The setting that applies it: qmodel\(\.\.\., (equalize=\[.*?\])\)", first)
+    assert pasted, first
+    # the setting it names applies the fix: equalized so, the layer's item passes
+    rows, _ = _run_sensor(pytester, f", {pasted.group(1)}")
+    assert rows[failing[0]]["verdict"] == "pass" and rows[failing[0]]["details"]["applied"]
+    # the smaller budget prints a measured fix and says how to search further; that setting measures more fixes
+    half = verdicts[0.5][0][failing[0]]["message"]
+    if "Other fixes of this search were not measured" in half:
+        further = re.search(r"search further with qmodel\((fix_budget=[\d.]+)\)", half)
+        assert further, half
+        _, facts = _run_sensor(pytester, f", {further.group(1)}")
+        assert facts["fix_budget"]["trial_runs"] > verdicts[0.5][1]["fix_budget"]["trial_runs"]
+    assert "Fix: qmodel(..., equalize=" in verdicts["unlimited"][0][failing[0]]["message"]

@@ -177,7 +177,8 @@ def _sensor_batches():
 def test_equalization_fix_names_only_the_layers_it_helps_and_works_when_pasted():
     batches = _sensor_batches()
     checks = ["equalization", "input_weight_equalization", "model_sqnr"]
-    found, before = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=checks)
+    found, before = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=checks,
+                                        fix_budget=math.inf)  # every equalization fix measured
     failing = [layer for (check, layer), f in found.items() if check == "equalization" and f.verdict == "fail"]
     assert failing == ["layers.0"]
     message = found[("equalization", "layers.0")].message
@@ -185,15 +186,12 @@ def test_equalization_fix_names_only_the_layers_it_helps_and_works_when_pasted()
     # of equalize=['layers.0'] (the only layer whose variant gains 1 dB), equalize=True and smoothing, measured on
     # the whole model, equalizing every layer raises the output most
     assert fix == {"equalize": True}
-    # torch.ao's heuristic recommends every layer: those the same fix raises by 1 dB fail with it, the others pass
-    # with a note
-    for layer in ("layers.0", "layers.2", "layers.4", "layers.6"):
+    # torch.ao's heuristic recommends every layer but the first: their variants gain under 1 dB in the comparison
+    # pass, so they pass with a note
+    for layer in ("layers.2", "layers.4", "layers.6"):
         iwe = found[("input_weight_equalization", layer)]
-        if iwe.verdict == "fail":
-            assert _pasted(iwe) == fix and _claims(iwe.message)[1] - _claims(iwe.message)[0] >= 1.0
-        elif iwe.details["recommended"]:  # the heuristic's verdict
-            assert iwe.verdict == "pass" and "measured" in iwe.note and "not recommended" in iwe.note
-            assert iwe.details["advised"] is False
+        assert iwe.details["recommended"] and iwe.verdict == "pass"  # the heuristic's verdict, overruled
+        assert "measured" in iwe.note and "not recommended" in iwe.note and iwe.details["advised"] is False
     own_before, own_after, out_before, out_after = _claims(message)
     _, after = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=checks, **fix)
     assert changed_layers(before, after) == set(after.equalized_layers) == set(before.equalizable_layers)
@@ -209,7 +207,7 @@ def test_input_weight_equalization_items_fail_with_the_equalization_fix_when_it_
     batches = _sensor_batches()
     checks = ["equalization", "input_weight_equalization"]
     found, _ = analyze_with_checks(sensor_mlp, batches, quantizer="int8_histogram", checks=checks,
-                                   equalization_min_gain_db=0.3)
+                                   equalization_min_gain_db=0.3, fix_budget=math.inf)
     iwe = {layer: f for (check, layer), f in found.items() if check == "input_weight_equalization"}
     failing = [layer for layer, f in iwe.items() if f.verdict == "fail"]
     assert failing and all(f.note for layer, f in iwe.items() if layer not in failing and f.details["recommended"])
