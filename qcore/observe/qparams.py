@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -11,7 +12,8 @@ from qcore.runtime import native, scratch
 __all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRIC_SCHEMES", "calculate_qparams",
     "default_quant_range", "fake_quantize_dynamic", "fake_quantize_finite_per_channel", "fake_quantize_per_channel",
     "fake_quantize_per_channel_steps", "fake_quantize_per_tensor", "fused_kernels_preferred", "is_per_channel",
-    "is_symmetric", "per_channel_steps", "resolve_quant_range", "row_slices"]
+    "is_symmetric", "per_channel_steps", "resolve_quant_range", "row_slices", "scaled_row_extremes",
+    "fake_quantize_scaled_rows"]
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 
@@ -222,6 +224,52 @@ def fake_quantize_per_channel(
 
     return _per_channel_by_rows(x, scale, inv_scale, zero_point, axis, quant_min, quant_max, in_place,
                                 float_zero_point)
+
+
+def _scaled_rows_native(x: torch.Tensor, column_scales: torch.Tensor) -> Any:
+    """The native kernel library when `x` (a float32 CPU matrix) scaled by the rows of `column_scales` can take
+    the fused scaled-row kernels; else None."""
+    if not (x.__class__ in _PLAIN_TENSORS and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2
+            and column_scales.dtype == torch.float32 and column_scales.is_cpu
+            and column_scales.shape[-1] == x.shape[1] and not (x.requires_grad and torch.is_grad_enabled())):
+        return None
+    return native.kernel()
+
+
+def scaled_row_extremes(x: torch.Tensor, column_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of each row of x * s for each row s of `column_scales` ([k, columns]): two [k, rows] tensors, what
+    torch.aminmax((x[None] * column_scales[:, None, :]), dim=2) gives, without the k scaled copies on the CPU."""
+    library = _scaled_rows_native(x, column_scales)
+    if library is None:
+        low, high = torch.aminmax(x[None] * column_scales[:, None, :], dim=2)
+        return low, high
+    x, column_scales = x.contiguous(), column_scales.contiguous()
+    count, rows = column_scales.shape[0], x.shape[0]
+    low, high = x.new_empty(count, rows), x.new_empty(count, rows)
+    library.qcore_scaled_row_extremes(x.data_ptr(), column_scales.data_ptr(), count, rows, x.shape[1],
+                                      low.data_ptr(), high.data_ptr(), native.threads(x.numel()))
+    return low, high
+
+
+def fake_quantize_scaled_rows(x: torch.Tensor, column_scale: torch.Tensor, scale: torch.Tensor,
+                              zero_point: torch.Tensor, quant_min: int, quant_max: int) -> torch.Tensor:
+    """fake_quantize_per_channel(x * column_scale, scale, zero_point, 0, ...) (per row of the scaled matrix), in a
+    fresh tensor, to the bit: on the CPU without the scaled copy."""
+    library = _scaled_rows_native(x, column_scale[None])
+    if (library is None or zero_point.is_floating_point()
+            or max(abs(quant_min), abs(quant_max)) > _NATIVE_RANGE
+            or not bool(zero_point.abs().le(_NATIVE_RANGE).all())):
+        return fake_quantize_per_channel(x * column_scale, scale, zero_point, 0, quant_min, quant_max, in_place=True)
+    x, column_scale = x.contiguous(), column_scale.contiguous()
+    scale, inv_scale, zero_point = per_channel_steps(scale, zero_point, 0, x)
+    rows = x.shape[0]
+    inverse, steps, low, high = (value.reshape(-1).expand(rows).contiguous() for value in (
+        inv_scale, scale, quant_min - zero_point, quant_max - zero_point))
+    out = torch.empty_like(x)
+    library.qcore_fake_quantize_scaled_rows(x.data_ptr(), column_scale.data_ptr(), out.data_ptr(), rows, x.shape[1],
+                                            inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
+                                            native.threads(x.numel()))
+    return out
 
 
 def per_channel_steps(scale: torch.Tensor, zero_point: torch.Tensor, axis: int, x: torch.Tensor

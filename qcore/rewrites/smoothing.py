@@ -29,7 +29,12 @@ from qcore.graph.capture import clone_graph_module
 from qcore.graph.deferred import RuleFactors, rewrite
 from qcore.graph.ops import FQN_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, op_kind
 from qcore.graph.rewritable import equalization_refusal
-from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel
+from qcore.observe.qparams import (
+    calculate_qparams,
+    fake_quantize_per_channel,
+    fake_quantize_scaled_rows,
+    scaled_row_extremes,
+)
 from qcore.quantization.calibrate import calibrate
 from qcore.runtime import scratch
 
@@ -246,19 +251,21 @@ class _ChannelStats(nn.Module):
         chunk = max(1, _ALPHAS_ELEMENTS // max(1, largest))  # alphas at a time: a bounded copy of each
         for begin in range(0, len(grid), chunk):
             part = slice(begin, begin + chunk)
-            # each chunk-sized value is dropped as soon as its copies are made or its errors summed: at most two
-            # are alive at once besides the inputs' copies (the stacked one and its copies, never the last weight's)
+            # each chunk-sized value is dropped as soon as its errors are summed: one weight's quantized copies are
+            # alive at once besides the inputs' (never the last weight's beside the next one's)
             quantized_x = _apart(fake_quantize_per_channel(flat[None] / scales[part, None, :], steps[part],
                                                            zero_points[part], 0, -128, 127, in_place=True))
             errors = []
             for weight, reference in zip(weights, references):
-                scaled = weight[None] * scales[part, None, :]  # [alphas, out, in]
-                rows = scaled.view(-1, scaled.shape[-1])
-                low, high = torch.aminmax(rows, dim=1)
-                row_steps, row_zero_points = calculate_qparams(low, high, -127, 127, True)
-                quantized_w = _apart(fake_quantize_per_channel(rows, row_steps, row_zero_points, 0, -127, 127,
-                                                               in_place=True).view(scaled.shape))
-                del scaled, rows
+                # each alpha's scaled weight, quantized per row into a tensor of its own; on the CPU the native
+                # kernels scale as they read, so no scaled copy is made
+                low, high = scaled_row_extremes(weight, scales[part])  # [alphas, out]
+                row_steps, row_zero_points = calculate_qparams(low.reshape(-1), high.reshape(-1), -127, 127, True)
+                rows = weight.shape[0]
+                quantized_w = [fake_quantize_scaled_rows(weight, column_scale, row_steps[k * rows:(k + 1) * rows],
+                                                         row_zero_points[k * rows:(k + 1) * rows], -127, 127)
+                               for k, column_scale in enumerate(scales[part])]
+                del low, high
                 errors.append(torch.stack([(reference - x @ w.t()).double().square().sum()
                                            for x, w in zip(quantized_x, quantized_w)]))
                 del quantized_w

@@ -97,6 +97,53 @@ void qcore_fake_quantize_per_row(const float *x, float *out, int64_t rows, int64
     }
 }
 
+/* Each row's min and max of x scaled per column, for each of `count` column scalings: low[k * rows + r] and
+ * high[k * rows + r] of x[r, :] * column_scales[k, :] (each product rounded to float32, as torch's mul); both NaN
+ * where a product is NaN (torch.aminmax's answer). The smoothing alpha search's weight ranges without the scaled
+ * copies. */
+void qcore_scaled_row_extremes(const float *x, const float *column_scales, int64_t count, int64_t rows, int64_t cols,
+                               float *low, float *high, int64_t threads) {
+    threads = qcore_usable_threads(threads, MAX_PARTS);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * cols;
+        for (int64_t k = 0; k < count; ++k) {
+            const float *scales = column_scales + k * cols;
+            float lo = INFINITY, hi = -INFINITY;
+            int nan = 0;
+            for (int64_t i = 0; i < cols; ++i) {
+                float v = row[i] * scales[i];
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+                nan |= v != v;
+            }
+            low[k * rows + r] = nan ? NAN : lo;
+            high[k * rows + r] = nan ? NAN : hi;
+        }
+    }
+}
+
+/* qcore_fake_quantize_per_row of x scaled per column (x[r, i] * column_scale[i], rounded to float32 first), into
+ * `out`: the per-row fake quantization of the scaled copy, without the copy. */
+void qcore_fake_quantize_scaled_rows(const float *x, const float *column_scale, float *out, int64_t rows,
+                                     int64_t cols, const float *inv_scale, const float *scale, const float *low,
+                                     const float *high, int64_t threads) {
+    threads = qcore_usable_threads(threads, MAX_PARTS);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float inv = inv_scale[r], step = scale[r], lo = low[r], hi = high[r];
+        const float *row = x + r * cols;
+        float *written = out + r * cols;
+        for (int64_t i = 0; i < cols; ++i) {
+            float scaled = row[i] * column_scale[i];
+            float v = nearbyintf(scaled * inv);
+            v = v < lo ? lo : v;
+            v = v > hi ? hi : v;
+            written[i] = v * step + 0.0f;
+        }
+    }
+}
+
 /* min and max of x; the return is NaN when x holds a NaN or an infinity (0 * inf is NaN). */
 static float extremes_part(const float *restrict x, int64_t n, float *restrict low, float *restrict high) {
     float lo[LANES], hi[LANES], bad[LANES];

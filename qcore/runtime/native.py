@@ -4,7 +4,8 @@ memory traffic than in arithmetic.
 - `_stats.c`: the report observer's update. For a small activation (a 256x256 Linear input), a dozen separate
   torch ops cost more than the layer's matmul, torch.topk alone too. It does the whole update in one pass, with
   exact per-channel order statistics.
-- `_fused.c`: the numeric suite's comparator sums, per-tensor and per-row fake quantization, and the histogram
+- `_fused.c`: the numeric suite's comparator sums, per-tensor and per-row fake quantization (of a weight as it is,
+  or scaled per column as it is read, for the smoothing alpha search), and the histogram
   observer's update.
 - `_formats.c`: fake quantization of the MX and NVFP4 block formats, a block at a time.
 
@@ -164,6 +165,12 @@ def _load():
     library.qcore_fake_quantize_per_row.argtypes = [pointer, pointer, integer, integer, pointer, pointer, pointer,
                                                     pointer, integer]
     library.qcore_fake_quantize_per_row.restype = None
+    library.qcore_scaled_row_extremes.argtypes = [pointer, pointer, integer, integer, integer, pointer, pointer,
+                                                  integer]
+    library.qcore_scaled_row_extremes.restype = None
+    library.qcore_fake_quantize_scaled_rows.argtypes = [pointer, pointer, pointer, integer, integer, pointer, pointer,
+                                                        pointer, pointer, integer]
+    library.qcore_fake_quantize_scaled_rows.restype = None
     library.qcore_histogram_update.argtypes = [pointer, integer, integer, pointer, integer, pointer, pointer]
     library.qcore_histogram_update.restype = integer
     library.qcore_fake_quantize_mx.argtypes = [pointer, pointer, integer, integer, integer, integer]

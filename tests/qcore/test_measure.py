@@ -534,10 +534,10 @@ def test_a_trial_compares_the_weights_of_its_own_layers_only(monkeypatch):
     assert set(trial) == {"fc2"}
 
 
-def test_the_alpha_search_holds_at_most_two_chunks_of_scaled_weights_at_once():
-    """A chunk of alphas' scaled weights, its per-alpha copies and the next weight's chunk are not all alive at
-    once: each is dropped as soon as its copies are made or its errors summed (the search's peak memory on an LLM
-    is a few chunks of its largest weight)."""
+def test_the_alpha_search_holds_one_chunk_of_quantized_weights_at_a_time():
+    """A chunk of alphas' quantized weights is the most alive at once: no scaled copy of the chunk beside it, and
+    each chunk dropped once its errors are summed (the search's peak memory on an LLM is about one chunk of its
+    largest weight)."""
     import weakref
     from unittest import mock
 
@@ -579,9 +579,17 @@ def test_the_alpha_search_holds_at_most_two_chunks_of_scaled_weights_at_once():
                     weakref.finalize(tensor, self._gone, key)
             return out
 
+    from qcore.runtime import native
+
     largest = max(observer.first.numel(), *(weight.numel() for weight in observer.weights))
-    with mock.patch.object(smoothing, "_ALPHAS_ELEMENTS", largest * len(smoothing.ALPHA_GRID)), \
-            torch.no_grad(), LiveBytes() as counted:
-        observer.alpha_errors()
-    # float32 weights are not copied; the first batch's alphas and the errors are small beside a chunk
-    assert chunk_bytes * 2 <= counted.peak < chunk_bytes * 2.5
+    peaks = {}
+    for path, kernel in (("native", native.kernel), ("torch", lambda: None)):
+        with mock.patch.object(smoothing, "_ALPHAS_ELEMENTS", largest * len(smoothing.ALPHA_GRID)), \
+                mock.patch.object(native, "kernel", kernel), torch.no_grad(), LiveBytes() as counted:
+            observer.alpha_errors()
+        peaks[path] = counted.peak
+    # float32 weights are not copied; the first batch's alphas and the errors are small beside a chunk: each alpha's
+    # quantized weight is made from the weight (by the native kernel without a scaled copy; by torch from one
+    # alpha's scaled copy at a time, the chunk's ranges taken before)
+    for path, peak in peaks.items():
+        assert chunk_bytes <= peak < chunk_bytes * 1.5, path
