@@ -30,6 +30,7 @@ show), and 8 x Linear(4096) with 200 batches of 64 rows (memory).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import pathlib
@@ -235,11 +236,15 @@ def measure(name: str, mode: str) -> dict:
     if mode == "full":
         # the steady state: each later model of a session pays neither the imports nor the first calls of ops;
         # rounds alternate forward and analysis, and each side's best is kept (the same estimator for both)
-        forwards, analyses = [forward], []
+        forwards, analyses, verdicts, kept = [forward], [], [], []
         for _ in range(STEADY_ROUNDS):
             forwards.append(_forward_seconds(model, batches))
-            analyses.append(_analyse(model, batches, None)[1])
-        result.update(steady_forward=min(forwards), steady_analysis=min(analyses))
+            analyses.append(_analyse(model, batches, None, kept=kept)[1])
+            verdicts.append(_analyse(model, batches, None, fix_budget=0)[1])  # the verdicts alone
+        best = kept[analyses.index(min(analyses))]
+        result.update(steady_forward=min(forwards), steady_analysis=min(analyses), steady_verdicts=min(verdicts),
+                      stages=dict(best.seconds), fix_budget=best.fix_budget,
+                      failing=sum(f.verdict == "fail" for f in (best.findings or {}).values()))
     return result
 
 
@@ -280,10 +285,16 @@ def _run(name: str, mode: str) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", help="comma-separated cases to run (default: all, and the 8 x Linear(4096) one)")
+    args = parser.parse_args()
     cases = (("minilm", "BERT-sized encoder (MiniLM-L6-H384 shape, 22.7M parameters)"),
              ("bert", "BERT-style encoder (6 x 256)"), ("resnet18", "ResNet-18 CNN (11.7M parameters, 4x3x128x128)"),
              ("cnn", "examples' TinyResNet CNN (8x3x32x32)"))
+    chosen = args.cases.split(",") if args.cases else [name for name, _ in cases]
     for name, title in cases:
+        if name not in chosen:
+            continue
         # three fresh processes, each timing its own forwards and analyses: this machine's speed drifts by
         # +-20% over seconds, so one ratio is noisy; the median of three and their range are printed
         runs = [_run(name, "full") for _ in range(REPEATS)]
@@ -295,6 +306,12 @@ def main() -> None:
         print(f"  full default analysis {middle['steady_analysis']:.2f} s = {statistics.median(steady):.1f}x the "
               f"forward (best of {STEADY_ROUNDS} after a first analysis in the process; median of {REPEATS} "
               f"processes, {steady[0]:.1f}x-{steady[-1]:.1f}x)")
+        stages, budget = middle["stages"], middle["fix_budget"] or {}
+        print(f"  verdicts only (fix_budget=0) {middle['steady_verdicts']:.2f} s = "
+              f"{middle['steady_verdicts'] / middle['steady_forward']:.1f}x; the default run's stages: " + ", ".join(
+                  f"{stage} {seconds:.2f}" for stage, seconds in stages.items()) +
+              f" s; {middle['failing']} failing item(s); fix searches {budget.get('trial_runs', 0):.3g} graph runs of "
+              f"the verdict pass's {budget.get('verdict_runs', 0):.3g}")
         print(f"  first analysis in a fresh process {statistics.median(first):.1f}x ({first[0]:.1f}x-{first[-1]:.1f}x;"
               f" imports and first calls of ops included); collection with capture {middle['collection']:.2f} s")
         print(f"  sqnr,model_sqnr alone (first in a process) {sqnr['analysis']:.2f} s = "
@@ -311,6 +328,8 @@ def main() -> None:
             reference = _run(name, "torch_ao")["seconds"]
             print(f"  torch.ao prepare/convert + numeric suite (SQNR only, first in a process) {reference:.2f} s = "
                   f"{reference / middle['steady_forward']:.1f}x")
+    if args.cases:
+        return
     forward, sqnr = _run("linear4096", "forward")["seconds"], _run("linear4096", "sqnr")
     print(f"8 x Linear(4096), 200 batches of 64: forward {forward:.2f} s; sqnr,model_sqnr {sqnr['analysis']:.2f} s = "
           f"{sqnr['analysis'] / forward:.1f}x; the analysis's peak RSS +{sqnr['peak_above_bytes'] / 2**20:.0f} MiB = "
@@ -320,7 +339,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3:
+    if len(sys.argv) == 3 and not sys.argv[1].startswith("-"):  # one measurement, in a subprocess of main()
         print(json.dumps(measure(sys.argv[1], sys.argv[2])))
     else:
         main()

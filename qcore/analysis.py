@@ -66,7 +66,15 @@ from qcore.report import ModelReport
 from qcore.report.detectors import DetectorBase
 from qcore.rewrites.equalize import cross_layer_equalize, equalize
 from qcore.rewrites.smoothing import smooth, smoothing_alpha
-from qcore.runtime.progress import FixBudgetUse, StageTimes, fix_budget_use, stage, tracked, trials_allowed
+from qcore.runtime.progress import (
+    FixBudgetUse,
+    StageTimes,
+    fix_budget_use,
+    stage,
+    tracked,
+    trial_step,
+    trials_allowed,
+)
 from qcore.search.sensitivity import with_float_layers
 
 __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix",
@@ -76,7 +84,7 @@ __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "A
            "analyze_model", "calibration_digest", "compact_expert_layers", "describe", "fix_budget_use",
            "matches_layer", "measure_sqnr", "model_device", "move_to", "quantize_weights_where_read",
            "quantized_layers", "smoothing_alpha", "split_into_blocks", "stage", "tool_recipes", "tracked",
-           "trials_allowed", "with_float_layers", "with_layer_overrides"]
+           "trial_step", "trials_allowed", "with_float_layers", "with_layer_overrides"]
 # the plugin reads qcore through this module, qcore itself, qcore.report and qcore.numeric only (an import-linter
 # contract): the names above that live deeper are re-exported for it
 

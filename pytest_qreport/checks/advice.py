@@ -167,16 +167,17 @@ def try_fix(model: ModelContext, fix: Fix, reads: Collection[str] = KINDS, *, bu
             verdict: bool = False) -> Trial:
     """The model measured with `fix`, against the model as it is: its output, and of the layers the fix concerns
     the SQNRs in `reads` (of KINDS; the others are nan). A budgeted trial is not run once the model's fix budget
-    is spent (its `stopped` is then True); budgeted=False runs it all the same (the confirmation of a fix about to
+    is spent, nor when the budget left is less than the costliest trial so far (its `stopped` is then True);
+    budgeted=False runs it all the same (the confirmation of a fix about to
     be printed). verdict=True: a trial a check's verdict waits for, timed as its own stage ("verdict trials") and
     neither limited by the fix budget nor counted in it."""
-    from qcore.analysis import stage, trials_allowed
+    from qcore.analysis import stage, trial_step, trials_allowed
 
     before = model.analysis.sqnr
     variant = _variant(model, fix, reads)  # kept per configuration: a trial measured before costs nothing
-    stopped = budgeted and not verdict and "sqnr" not in vars(variant) and not trials_allowed()
+    stopped = budgeted and not verdict and "sqnr" not in vars(variant) and not trials_allowed(whole=True)
     if not stopped:
-        with stage(VERDICT_TRIALS if verdict else "trials"):
+        with stage(VERDICT_TRIALS if verdict else "trials"), trial_step():
             after = variant.sqnr
     worst_before = before.worst_output()
     worst_after = None if stopped else after.worst_output()

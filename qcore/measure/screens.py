@@ -25,7 +25,7 @@ from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept, w
 from qcore.quantization.convert import QPARAMS_KEY, convert, restore_model_state
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Quantizer, with_layer_overrides
-from qcore.runtime.progress import trials_allowed
+from qcore.runtime.progress import trial_step, trials_allowed
 
 __all__ = ["HeadSearch", "ObserversAhead", "Screen", "ScreenedLayers", "quantize_for_screen", "screened_ladder",
            "screened_within_budget", "shortest_head"]
@@ -72,21 +72,27 @@ def shortest_head(ladder: Sequence[str], screen: Callable[[list[str]], bool], co
     else the whole ladder. `screen(head)` and `confirm(head)` say whether keeping `head` in float meets the target on
     the screen's batches and on every batch. Keeping more layers in float is taken not to make the output worse, so
     the head is found by bisection on the screen; every head returned is confirmed, and one that meets the target
-    only on the screen is not returned for one that does. When the fix budget runs out (trials_allowed), the
-    bisection stops at the shortest head that met the screen so far, which is confirmed and returned; when it is
+    only on the screen is not returned for one that does. When the fix budget left no longer holds the costliest
+    whole-model trial so far (trials_allowed(whole=True): the confirmation to come), the bisection stops at the
+    shortest head that met the screen so far, which is confirmed and returned; when it is
     out before the first screen, the whole ladder is confirmed and returned."""
     ladder = list(ladder)
     if not ladder:
         return HeadSearch([], 0, 0)
+
+    def confirmed(head: list[str]) -> bool:  # a whole-model trial: the budget keeps one in hand for the next
+        with trial_step():
+            return confirm(head)
+
     if not trials_allowed():  # no screen within the budget: the whole ladder, the most the fix may keep, measured
-        confirm(ladder)
+        confirmed(ladder)
         return HeadSearch(ladder, 0, 1, stopped=True)
     if not screen(ladder):  # no head meets it on the screen: the whole ladder is the best found
-        confirm(ladder)
+        confirmed(ladder)
         return HeadSearch(ladder, 1, 1)
     low, high, screened, stopped = 1, len(ladder), 1, False
     while low < high:
-        if not trials_allowed():
+        if not trials_allowed(whole=True):  # the confirmation to come, kept in hand
             low, stopped = high, True  # `high` is the shortest head that met the screen
             break
         middle = (low + high) // 2
@@ -95,9 +101,9 @@ def shortest_head(ladder: Sequence[str], screen: Callable[[list[str]], bool], co
             high = middle
         else:
             low = middle + 1
-    if confirm(ladder[:low]) or low == len(ladder) or stopped:
+    if confirmed(ladder[:low]) or low == len(ladder) or stopped:
         return HeadSearch(ladder[:low], screened, 1, stopped)
-    confirm(ladder)  # the screen's head falls short on every batch: the whole ladder, measured
+    confirmed(ladder)  # the screen's head falls short on every batch: the whole ladder, measured
     return HeadSearch(ladder, screened, 2)
 
 

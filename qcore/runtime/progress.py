@@ -8,7 +8,9 @@ trial's time.
 The fix budget is counted in graph runs, not seconds, so that a search stops at the same step on every run, serial
 or under xdist: each run of a model graph on one batch (`graph_run`, a share of one when a search resumes a graph
 part way) counts towards the outermost open stage. The verdict pass is the calibration and comparison stages' runs;
-`trials_allowed()` says whether the trials have run fewer than `fix_budget` times as many.
+`trials_allowed()` says whether the trials have run fewer than `fix_budget` times as many; asked before a
+whole-model trial (`trial_step`), whether the budget left holds the costliest such trial so far, so that a trial
+begun near the end of the budget does not overrun it by a whole pass.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["STAGES", "VERDICT_STAGES", "FixBudgetUse", "Listener", "StageTimes", "batch_done", "fix_budget_use",
-           "graph_run", "stage", "tracked", "trials_allowed"]
+           "graph_run", "stage", "tracked", "trial_step", "trials_allowed"]
 
 STAGES = ("capture", "calibration", "comparison", "trials")
 VERDICT_STAGES = ("calibration", "comparison")  # the verdict pass: every item's verdict comes from these
@@ -39,6 +41,7 @@ class StageTimes:
     runs: dict[str, float] = field(default_factory=dict)  # graph runs on one batch, per outermost stage
     fix_budget: float | None = None  # trial runs allowed per verdict-pass run; None: no limit
     budget_refusals: int = 0  # searches or search steps the budget stopped
+    largest_trial: float = 0.0  # graph runs of the costliest whole-model trial so far (trial_step)
 
     def total(self) -> float:
         """Seconds in all stages."""
@@ -144,16 +147,33 @@ def graph_run(share: float = 1.0) -> None:
         current.runs[name] = current.runs.get(name, 0.0) + share
 
 
-def trials_allowed(refuse: bool = True) -> bool:
+def trials_allowed(refuse: bool = True, whole: bool = False) -> bool:
     """Whether the fix searches may run another trial: they have run fewer graph runs than the fix budget allows
-    (always without a tracked budget). A refusal is counted unless `refuse` is False (a question, not a stop)."""
+    (always without a tracked budget); whole=True, for a whole-model trial: the budget left also holds the
+    costliest whole-model trial so far. A refusal is counted unless `refuse` is False (a question, not a stop)."""
     current = _CURRENT.get()
     if current is None or current.fix_budget is None:
         return True
-    allowed = current.runs.get("trials", 0.0) < current.allowed_runs()
+    spent, limit = current.runs.get("trials", 0.0), current.allowed_runs()
+    allowed = spent < limit and (not whole or spent + current.largest_trial <= limit)
     if not allowed and refuse:
         current.budget_refusals += 1
     return allowed
+
+
+@contextlib.contextmanager
+def trial_step() -> Iterator[None]:
+    """Count the block's trial graph runs as one whole-model trial: the costliest so far is what trials_allowed(
+    whole=True) keeps in hand."""
+    current = _CURRENT.get()
+    if current is None:
+        yield
+        return
+    before = current.runs.get("trials", 0.0)
+    try:
+        yield
+    finally:
+        current.largest_trial = max(current.largest_trial, current.runs.get("trials", 0.0) - before)
 
 
 def fix_budget_use() -> FixBudgetUse | None:

@@ -7,7 +7,15 @@ import re
 import pytest
 
 from pytest_qreport.core.schema import fix_budget_value
-from qcore.runtime.progress import StageTimes, fix_budget_use, graph_run, stage, tracked, trials_allowed
+from qcore.runtime.progress import (
+    StageTimes,
+    fix_budget_use,
+    graph_run,
+    stage,
+    tracked,
+    trial_step,
+    trials_allowed,
+)
 from tests.helpers import FRAGILE_SOURCE
 
 DECLARATION = '''
@@ -45,6 +53,20 @@ def test_graph_runs_count_towards_the_outermost_stage_and_the_budget_is_a_multip
     assert use.verdict_runs == 5 and use.trial_runs == 2.5 and use.share == pytest.approx(1.0)
     assert use.refusals == 1
     assert trials_allowed() and fix_budget_use() is None  # untracked: no budget
+
+
+def test_a_whole_model_trial_waits_for_a_budget_that_holds_the_costliest_one_so_far():
+    with tracked(times=StageTimes(fix_budget=1.0)):
+        with stage("comparison"):
+            graph_run(10)
+        assert trials_allowed(whole=True)  # no trial measured yet: the first one always may run
+        with stage("trials"), trial_step():
+            graph_run(6)
+        assert trials_allowed() and not trials_allowed(whole=True)  # 4 left: a search's screen, not a trial of 6
+        with stage("trials"), trial_step():
+            graph_run(1)
+        use = fix_budget_use()
+    assert use.refusals == 1 and use.trial_runs == 7
 
 
 @pytest.mark.parametrize(("given", "parsed"), [("1", 1.0), (0, 0.0), ("0.25", 0.25), ("unlimited", float("inf")),
