@@ -204,17 +204,21 @@ def main() -> None:
               + ", ".join(f"{name} {seconds:.1f}" for name, seconds in row["stages"].items()) +
               f"; fix searches {budget.get('trial_runs', 0):.3g} graph runs of the verdict pass's "
               f"{budget.get('verdict_runs', 0):.3g} ({budget.get('stopped_searches', 0)} search step(s) stopped)")
+        if row["peak_above_bytes"] is not None:
+            print(f"llama1b, the analysis's peak RSS above its start: +{row['peak_above_bytes'] / 2**30:.2f} GiB = "
+                  f"{row['peak_above_bytes'] / row['weights_bytes']:.2f}x its float32 weights "
+                  f"({row['weights_bytes'] / 2**30:.2f} GiB)")
 
 
 def time_llama1b(fix_budget: float = 1.0) -> dict[str, Any]:
     """The 1B Llama config's forward, collection (capture) and analysis seconds on this CPU (native kernels on, 2
     threads) under `fix_budget`, the analysis's seconds per check and per stage (its verdict pass: calibration and
-    comparison), and what its fix searches spent."""
+    comparison), what its fix searches spent, and its peak RSS above the RSS it started from (after the capture)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_analysis import _analyse, _forward_seconds  # noqa: E402 - the benchmarks are scripts
+    from bench_analysis import _analyse, _forward_seconds, _reset_peak, _rss_bytes  # noqa: E402 - scripts
 
     from pytest_qreport.core.pipeline import ModelPipeline
 
@@ -239,13 +243,19 @@ def time_llama1b(fix_budget: float = 1.0) -> dict[str, Any]:
     ModelPipeline._check_findings = check_findings  # type: ignore[method-assign]
     kept: list[Any] = []
     try:
-        collection, analysis = _analyse(model, batches, None, kept=kept, fix_budget=fix_budget)
+        marks: dict[str, int | None] = {}
+        collection, analysis = _analyse(model, batches, None, kept=kept, fix_budget=fix_budget,
+                                        between=lambda: marks.update(start=_reset_peak()))
+        peak = _rss_bytes("VmHWM")
     finally:
         ModelPipeline._check_findings = timed  # type: ignore[method-assign]
     seconds = dict(kept[0].seconds)
+    start = marks.get("start")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"forward": forward, "collection": collection, "analysis": analysis, "checks": checks,
             "stages": seconds, "verdict": seconds.get("calibration", 0.0) + seconds.get("comparison", 0.0),
-            "fix_budget": kept[0].fix_budget,
+            "fix_budget": kept[0].fix_budget, "weights_bytes": weights,
+            "peak_above_bytes": None if peak is None or start is None else peak - start,
             "failing": sum(f.verdict == "fail" for f in (kept[0].findings or {}).values())}
 
 

@@ -662,7 +662,7 @@ class ModelAnalysis:
         self.whole_model("the sensitivity ranking")
         key = (max_layers, max_batches, only_quantized, confirmed)
         cache = self._sensitivity
-        if key not in cache and not trials_allowed():  # the fix budget is spent: no layer is measured
+        if key not in cache and not trials_allowed(whole=True):  # the budget left holds no search: none measured
             from qcore.search.sensitivity import SensitivityResult
 
             layers = [entry.layer for entry in self.layers]
@@ -685,7 +685,7 @@ class ModelAnalysis:
             raise TypeError(f"format_fix needs a FormatQuantizer, not {type(self.quantizer).__name__}")
         self.whole_model("the format search")
         key = ("formats", target_db, max_moves, max_batches)
-        if key not in self._fixes and not trials_allowed():  # the fix budget is spent: nothing is searched
+        if key not in self._fixes and not trials_allowed(whole=True):  # the budget left holds no search
             from qcore.search.format_search import FormatFix
 
             return FormatFix({}, self._output_db(), self._output_db(), target_db, False, stopped=True)
@@ -709,7 +709,7 @@ class ModelAnalysis:
         early_layers = EARLY_LAYERS if early_layers is None else early_layers
         key = (target_db, max_float_layers, max_batches, candidates, early_layers)
         cache = self._fixes
-        if key not in cache and not trials_allowed():  # the fix budget is spent: nothing is searched
+        if key not in cache and not trials_allowed(whole=True):  # the budget left holds no search: none runs
             from qcore.search.sensitivity import FloatLayersFix
 
             return FloatLayersFix((), self._output_db(), self._output_db(), target_db, False, stopped=True)

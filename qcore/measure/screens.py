@@ -46,11 +46,11 @@ def screened_ladder(pool: Sequence[str], alone: Mapping[str, float], base: float
 
 
 def screened_within_budget(names: Sequence[str], measure: Callable[[str], float]) -> tuple[dict[str, float], bool]:
-    """({name: measure(name)} for `names` in their order, most promising first, until the fix budget is spent;
-    whether it was)."""
+    """({name: measure(name)} for `names` in their order, most promising first, until the fix budget left holds no
+    more than the whole-model trial that follows the screen; whether it stopped there)."""
     found: dict[str, float] = {}
     for name in names:
-        if not trials_allowed():
+        if not trials_allowed(whole=True):  # the confirmation that follows a screen, kept in hand
             return found, True
         found[name] = measure(name)
     return found, False

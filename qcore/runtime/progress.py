@@ -9,8 +9,9 @@ The fix budget is counted in graph runs, not seconds, so that a search stops at 
 or under xdist: each run of a model graph on one batch (`graph_run`, a share of one when a search resumes a graph
 part way) counts towards the outermost open stage. The verdict pass is the calibration and comparison stages' runs;
 `trials_allowed()` says whether the trials have run fewer than `fix_budget` times as many; asked before a
-whole-model trial (`trial_step`), whether the budget left holds the costliest such trial so far, so that a trial
-begun near the end of the budget does not overrun it by a whole pass.
+whole-model trial (`trial_step`) or a search step that one must follow, whether the budget left holds one (the
+costliest so far, at least a run per batch), so that a trial begun near the end of the budget does not overrun it
+by a whole pass.
 """
 from __future__ import annotations
 
@@ -54,6 +55,11 @@ class StageTimes:
     def allowed_runs(self) -> float:
         """Trial runs the fix budget allows (inf without a budget)."""
         return float("inf") if self.fix_budget is None else self.fix_budget * self.verdict_runs()
+
+    def whole_trial_runs(self) -> float:
+        """The graph runs a whole-model trial is expected to cost: the costliest so far, and at least one run per
+        batch (the calibration pass's runs: a trial runs the quantized graph on every batch)."""
+        return max(self.largest_trial, self.runs.get("calibration", 0.0))
 
     def budget_use(self) -> FixBudgetUse:
         """What the fix searches spent of the budget."""
@@ -149,13 +155,14 @@ def graph_run(share: float = 1.0) -> None:
 
 def trials_allowed(refuse: bool = True, whole: bool = False) -> bool:
     """Whether the fix searches may run another trial: they have run fewer graph runs than the fix budget allows
-    (always without a tracked budget); whole=True, for a whole-model trial: the budget left also holds the
-    costliest whole-model trial so far. A refusal is counted unless `refuse` is False (a question, not a stop)."""
+    (always without a tracked budget); whole=True, for a whole-model trial or a step that one must follow: the
+    budget left also holds such a trial (StageTimes.whole_trial_runs). A refusal is counted unless `refuse` is
+    False (a question, not a stop)."""
     current = _CURRENT.get()
     if current is None or current.fix_budget is None:
         return True
     spent, limit = current.runs.get("trials", 0.0), current.allowed_runs()
-    allowed = spent < limit and (not whole or spent + current.largest_trial <= limit)
+    allowed = spent < limit and (not whole or spent + current.whole_trial_runs() <= limit)
     if not allowed and refuse:
         current.budget_refusals += 1
     return allowed

@@ -439,7 +439,7 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
         wider = list(dict.fromkeys([*first, *model.layers[:early_layers]]))
         if screened.reached or len(wider) == len(first):
             return screened
-        if not trials_allowed():  # the fix budget is spent: no wider search
+        if not trials_allowed(whole=True):  # the budget left holds no screen and its confirmation: no wider search
             return replace(screened, stopped=True)
         widened = _screened_float_layers(model, float_gm, list(batches), subset, quantizer, target_db, wider, limit,
                                          len(wider), observers, alone_on_first=True)

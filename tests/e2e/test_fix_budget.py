@@ -56,10 +56,12 @@ def test_graph_runs_count_towards_the_outermost_stage_and_the_budget_is_a_multip
 
 
 def test_a_whole_model_trial_waits_for_a_budget_that_holds_the_costliest_one_so_far():
-    with tracked(times=StageTimes(fix_budget=1.0)):
+    with tracked(times=StageTimes(fix_budget=1.0)) as times:
+        with stage("calibration"):
+            graph_run(2)  # two batches: a whole-model trial runs the quantized graph on both, at least
         with stage("comparison"):
-            graph_run(10)
-        assert trials_allowed(whole=True)  # no trial measured yet: the first one always may run
+            graph_run(8)
+        assert times.whole_trial_runs() == 2 and trials_allowed(whole=True)
         with stage("trials"), trial_step():
             graph_run(6)
         assert trials_allowed() and not trials_allowed(whole=True)  # 4 left: a search's screen, not a trial of 6

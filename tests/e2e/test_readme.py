@@ -83,8 +83,11 @@ def test_the_failing_examples_fail_for_the_reasons_the_readme_gives(pytester, mo
     from tests.helpers import run_examples
 
     report = pytester.path / "r.json"
-    run_examples(pytester, monkeypatch, f"--qreport-json={report}", failing=True)
+    result = run_examples(pytester, monkeypatch, f"--qreport-json={report}", failing=True)
     rows = json.loads(report.read_text())["rows"]
+    # the budget's use of every model whose searches ran, not only of the slowest three the timing line names
+    budget = next(line for line in result.stdout.lines if line.startswith("fix budget used: "))
+    assert "fragile " in budget and "sensor_mlp_unequalized " in budget, budget
     failing = sorted((r["model"], r["check"], r["layer"]) for r in rows if r["verdict"] == "fail")
     assert failing == [("fragile", "model_sqnr", "output"), ("fragile", "sqnr", "layers.4"),
                        ("fragile", "sqnr", "layers.6"), ("sensor_mlp_unequalized", "equalization", "layers.0"),
