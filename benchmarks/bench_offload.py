@@ -324,7 +324,9 @@ def run(folder: pathlib.Path, offload: str, tokens: int, count: int, thresholds:
     return {"rows": {(r["check"], r["layer"]): r for r in data["rows"]}, "seconds": seconds, "wall": wall,
             "offload_written": written,
             "peak_anon": json.loads(peak.read_text())["anon"],
-            "errors": sum(1 for r in data["rows"] if r["verdict"] == "error")}
+            "errors": sum(1 for r in data["rows"] if r["verdict"] == "error"),
+            "failing": sum(1 for r in data["rows"] if r["verdict"] == "fail"),
+            "fix_budget": data["models"]["pair"].get("fix_budget") or {}}
 
 
 def forward_seconds(folder: pathlib.Path, offload: bool, tokens: int, count: int, threads: int,
@@ -445,7 +447,10 @@ def main() -> None:
                                                                    args.threads, vocabulary)
         r = results[declared]
         print(f"{declared:>9}: analysis {r['seconds']:.1f} s ({r['wall']:.1f} s with loading), {len(r['rows'])} rows, "
-              f"{sum(1 for c, _ in r['rows'] if c == 'sqnr')} sqnr items, {r['errors']} errors; peak anonymous "
+              f"{sum(1 for c, _ in r['rows'] if c == 'sqnr')} sqnr items, {r['failing']} failing, {r['errors']} "
+              f"errors; "
+              f"fix searches {r['fix_budget'].get('trial_runs', 0):.3g} graph runs of the verdict pass's "
+              f"{r['fix_budget'].get('verdict_runs', 0):.3g}; peak anonymous "
               f"{r['peak_anon'] / 2**30:.2f} GiB; the quantized model's forward {forward:.1f} s "
               f"(analysis {r['seconds'] / forward:.1f}x)"
               + (f"; {r['offload_written'] / 2**30:.2f} GiB written to the offload folders" if offload else ""))

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from ..core.findings import Finding
+from ..core.numbers import format_bound
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
 from .advice import Advice, equalize_fix, layer_overrides_fix, others_untried, search_further, verify
@@ -219,8 +220,8 @@ class DetectorCheck(Check):
                     f"qmodel(..., {self.measured_setting(model, gaining or [layer])}).")
         note = advice.notes.get(layer, "not measured")
         return (f"{claim}, but on the whole model {note}, so it is not advised: raise {self.min_gain_setting} "
-                f"above {after - before:.1f} dB, or set severity={{{self.name!r}: 'warn'}}, to accept the layer as "
-                "it is.")
+                f"above {format_bound(after - before, 'gain_db', up=True)}, or set severity={{{self.name!r}: 'warn'}}, "
+                "to accept the layer as it is.")
 
 
 class PerChannelCheck(DetectorCheck):

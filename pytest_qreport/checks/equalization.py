@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.findings import Finding
+from ..core.numbers import format_bound
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
 from .advice import Advice, Trial, equalize_fix, others_untried, search_further, verify
@@ -194,7 +195,8 @@ class EqualizationCheck(Check):
                     f"{search_further(model)} The setting that applies it: qmodel(..., {setting}).")
         why = advice.notes.get(layer, "not measured") if advice is not None else "not measured"
         return (f"{claim}, but on the whole model {why}, so it is not advised: raise equalization_min_gain_db above "
-                f"{best.gain_db:.1f} dB, or set severity={{{self.name!r}: 'warn'}}, to accept the layer as it is.")
+                f"{format_bound(best.gain_db, 'gain_db', up=True)}, or set severity={{{self.name!r}: 'warn'}}, to "
+                "accept the layer as it is.")
 
     def _advice(self, model: ModelContext, measured: Any) -> Advice | None:
         """The best measured fix (by output SQNR) of: input-weight equalization of the layers it helps, of every

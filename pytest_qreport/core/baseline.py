@@ -28,7 +28,7 @@ from typing import Any
 
 from .files import write_atomically
 from .findings import Finding
-from .numbers import format_delta, format_value
+from .numbers import format_bound, format_delta, format_value
 
 __all__ = ["COMPARED_FINGERPRINT_FIELDS", "SCHEMA", "Baseline", "BaselineError", "baseline_path", "compare_findings",
            "dumps_baseline", "fingerprint_differences", "join_messages", "load_baseline", "write_baseline"]
@@ -234,7 +234,7 @@ def _threshold_not_model(finding: Finding, value: float, path: str, setting: str
     """Why an item whose value stayed within tolerance of a passing baseline entry fails now: its baseline value
     fails the current threshold too, so the threshold, or how the check judges against it, changed."""
     side, move = ("below", "lower") if higher else ("above", "raise")
-    shown, now = format_value(value, finding.metric), format_value(finding.value, finding.metric)
+    shown, now = format_value(value, finding.metric), format_bound(finding.value, finding.metric, up=not higher)
     return (f"{finding.check}/{finding.layer} is {side} its threshold {format_value(finding.threshold, finding.metric)}"
             f" ({setting}), and so was its baseline value {shown} in {path}, which passed: the model did not change "
             f"beyond the tolerance, the threshold or the check's rule did, so updating the baseline would not fix "

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-__all__ = ["METRIC_MEANINGS", "distinguishing_decimals", "format_delta", "format_value", "normalized", "printable",
-           "stage_times", "unit"]
+__all__ = ["METRIC_MEANINGS", "distinguishing_decimals", "format_bound", "format_delta", "format_value", "normalized",
+           "printable", "stage_times", "unit"]
 
 
 def normalized(value: float) -> float:
@@ -51,6 +51,15 @@ def format_value(value: float | None, metric: str, decimals: int | None = None) 
     if places is None:
         return f"{value:.4g}"
     return f"{value:.{places}f}{unit(metric)}"
+
+
+def format_bound(value: float, metric: str, up: bool) -> str:
+    """`value` rounded away from itself (up, or down) at one decimal more than the metric shows: a threshold set past
+    the printed bound is past the value itself, so a hint that names it holds."""
+    places = (_decimals(metric) or 3) + 1
+    scale = 10 ** places
+    bound = (math.ceil if up else math.floor)(float(value) * scale) / scale
+    return format_value(bound, metric, places)
 
 
 def format_delta(delta: float | None, metric: str = "", decimals: int | None = None) -> str:

@@ -312,7 +312,7 @@ def test_a_stricter_threshold_is_a_threshold_failure_not_a_regression():
         lambda check: True, False, True, lambda check: "sqnr_min_db / --qreport-sqnr-min-db")
     assert stricter.baseline_status == "ok" and stricter.verdict == "fail"
     assert ("is below its threshold 36.0 dB (sqnr_min_db / --qreport-sqnr-min-db), and so was its baseline value "
-            "35.5 dB" in stricter.message and "lower sqnr_min_db / --qreport-sqnr-min-db below 35.5 dB" in
+            "35.5 dB" in stricter.message and "lower sqnr_min_db / --qreport-sqnr-min-db below 35.50 dB" in
             stricter.message)
     assert "updating the baseline would not fix this" in stricter.message and "regress" not in stricter.message
     assert crossing.baseline_status == "regressed" and "passed in the baseline" in crossing.message  # a real drop

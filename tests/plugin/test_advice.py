@@ -542,3 +542,34 @@ def test_a_format_fix_pasted_changes_the_formats_of_the_layers_it_names_and_no_o
     assert 0 < len(fix) < 4
     again, after = analyze_with_checks(_ladder, batches, **settings, layer_formats=fix)
     assert changed_layers(before, after) == set(fix) and again[("model_sqnr", "output")].verdict == "pass"
+
+
+def test_an_equalization_item_whose_fix_the_whole_model_does_not_keep_fails_and_says_how_to_accept_it():
+    """The examples' tiny_encoder: smoothing gains 1.2-1.3 dB on two attention projections in the comparison pass
+    (the verdict), under 1 dB on the whole smoothed model (its trial). The items fail, say what the trial measured,
+    and name the setting that accepts them, which does when pasted."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+    from models import TinyEncoder, seeded
+
+    generator = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(6):
+        mask = torch.ones(8, 32, dtype=torch.long)
+        mask[:, 24:] = 0
+        batches.append({"input_ids": torch.randint(0, 1000, (8, 32), generator=generator), "attention_mask": mask})
+    settings = {"quantizer": "int8_histogram", "checks": ["equalization", "model_sqnr"], "fix_budget": math.inf}
+    found, _ = analyze_with_checks(lambda: seeded(TinyEncoder), batches, **settings)
+    failing = {layer: f for (check, layer), f in found.items() if check == "equalization" and f.verdict == "fail"}
+    assert failing, found
+    hints = {}
+    for layer, finding in failing.items():
+        assert finding.value >= 1.0 and "on the whole model measured" in finding.message, finding.message
+        hint = re.search(r"raise equalization_min_gain_db above ([\d.]+) dB", finding.message)
+        assert hint and finding.value <= float(hint.group(1)) < finding.value + 0.01, finding.message
+        hints[layer] = float(hint.group(1))
+    accepted, _ = analyze_with_checks(lambda: seeded(TinyEncoder), batches, **settings,
+                                      equalization_min_gain_db=max(hints.values()) + 0.001)
+    assert all(accepted[("equalization", layer)].verdict == "pass" for layer in failing)
