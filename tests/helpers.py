@@ -282,6 +282,19 @@ def count_op_calls(function, op):
     return Counter.calls, returned
 
 
+def padded_token_batches(count, rows, tokens, padded_from, vocabulary, seed):
+    """`count` batches of {"input_ids": seeded random ids [rows, tokens], "attention_mask": ones, zero from
+    `padded_from` on}, as a tokenizer pads sentences."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        mask = torch.ones(rows, tokens, dtype=torch.long)
+        mask[:, padded_from:] = 0
+        batches.append({"input_ids": torch.randint(0, vocabulary, (rows, tokens), generator=generator),
+                        "attention_mask": mask})
+    return batches
+
+
 def analyze_with_checks(factory, batches, **settings):
     """{(check, layer): Finding} of a model, as the plugin computes them, and the model's qcore analysis."""
     registry = builtin_registry()

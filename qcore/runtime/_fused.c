@@ -80,6 +80,14 @@ void qcore_fake_quantize_per_tensor(const float *x, float *out, int64_t n, float
     }
 }
 
+/* clamp(round_half_even(v * inv), lo, hi) * step + 0.0: one value's fake quantization, the torch path's roundings. */
+static inline float fake_quantized(float v, float inv, float step, float lo, float hi) {
+    v = nearbyintf(v * inv);
+    v = v < lo ? lo : v;
+    v = v > hi ? hi : v;
+    return v * step + 0.0f;
+}
+
 void qcore_fake_quantize_per_row(const float *x, float *out, int64_t rows, int64_t cols, const float *inv_scale,
                                  const float *scale, const float *low, const float *high, int64_t threads) {
     threads = qcore_usable_threads(threads, MAX_PARTS);
@@ -88,12 +96,8 @@ void qcore_fake_quantize_per_row(const float *x, float *out, int64_t rows, int64
         const float inv = inv_scale[r], step = scale[r], lo = low[r], hi = high[r];
         const float *row = x + r * cols;
         float *written = out + r * cols;
-        for (int64_t i = 0; i < cols; ++i) {
-            float v = nearbyintf(row[i] * inv);
-            v = v < lo ? lo : v;
-            v = v > hi ? hi : v;
-            written[i] = v * step + 0.0f;
-        }
+        for (int64_t i = 0; i < cols; ++i)
+            written[i] = fake_quantized(row[i], inv, step, lo, hi);
     }
 }
 
@@ -135,11 +139,8 @@ void qcore_fake_quantize_scaled_rows(const float *x, const float *column_scale, 
         const float *row = x + r * cols;
         float *written = out + r * cols;
         for (int64_t i = 0; i < cols; ++i) {
-            float scaled = row[i] * column_scale[i];
-            float v = nearbyintf(scaled * inv);
-            v = v < lo ? lo : v;
-            v = v > hi ? hi : v;
-            written[i] = v * step + 0.0f;
+            float scaled = row[i] * column_scale[i]; /* rounded to float32 first, as torch's mul */
+            written[i] = fake_quantized(scaled, inv, step, lo, hi);
         }
     }
 }

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import analyze_with_checks, changed_layers
+from tests.helpers import analyze_with_checks, changed_layers, padded_token_batches
 
 
 def _pasted(found):
@@ -554,12 +554,7 @@ def test_an_equalization_item_whose_fix_the_whole_model_does_not_keep_fails_and_
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
     from models import TinyEncoder, seeded
 
-    generator = torch.Generator().manual_seed(2)
-    batches = []
-    for _ in range(6):
-        mask = torch.ones(8, 32, dtype=torch.long)
-        mask[:, 24:] = 0
-        batches.append({"input_ids": torch.randint(0, 1000, (8, 32), generator=generator), "attention_mask": mask})
+    batches = padded_token_batches(6, 8, 32, padded_from=24, vocabulary=1000, seed=2)  # the examples' token_batches
     settings = {"quantizer": "int8_histogram", "checks": ["equalization", "model_sqnr"], "fix_budget": math.inf}
     found, _ = analyze_with_checks(lambda: seeded(TinyEncoder), batches, **settings)
     failing = {layer: f for (check, layer), f in found.items() if check == "equalization" and f.verdict == "fail"}

@@ -7,7 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
-from qcore.observe.qparams import fake_quantize_per_channel, fake_quantize_per_tensor
+from qcore.observe.qparams import (
+    fake_quantize_per_channel,
+    fake_quantize_per_tensor,
+    fake_quantize_scaled_rows,
+    scaled_row_extremes,
+)
 from qcore.runtime import native
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=f"no native kernel here: {native.status()}")
@@ -71,6 +76,32 @@ def test_fake_quantize_per_channel_is_bit_identical_to_the_torch_path(seed, rows
     assert ours.dtype == reference.dtype and ours.shape == reference.shape
     assert torch.equal(ours.nan_to_num(7.0), reference.nan_to_num(7.0))
     assert torch.equal(torch.signbit(ours), torch.signbit(reference))
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.sampled_from([1, 5, 64]), cols=st.sampled_from([1, 9, 300]),
+       alphas=st.integers(1, 4), specials=st.booleans(), strided=st.booleans())
+def test_scaled_rows_are_ranged_and_quantized_bit_identically_to_the_torch_path(seed, rows, cols, alphas, specials,
+                                                                                  strided):
+    """The smoothing alpha search's weight per alpha (x * s, each column scaled): its rows' ranges and its per-row
+    fake quantization, as the torch path computes them from the scaled copy (NaN ranges where a product is NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols * (2 if strided else 1), generator=g) * 4
+    x = _with_specials(x, seed) if specials else x
+    x = x[:, ::2] if strided else x
+    column_scales = torch.rand(alphas, cols, generator=g) * 3 + 1e-3
+    low, high = scaled_row_extremes(x, column_scales)
+    reference = _torch_path(scaled_row_extremes, x, column_scales)
+    assert torch.equal(low.nan_to_num(7.0), reference[0].nan_to_num(7.0))
+    assert torch.equal(high.nan_to_num(7.0), reference[1].nan_to_num(7.0))
+    scale = torch.rand(rows, generator=g) * 0.1 + 1e-4
+    zero_point = torch.zeros(rows, dtype=torch.int64)
+    for column_scale in column_scales:
+        ours = fake_quantize_scaled_rows(x, column_scale, scale, zero_point, -127, 127)
+        expected = _torch_path(fake_quantize_scaled_rows, x, column_scale, scale, zero_point, -127, 127)
+        assert ours.shape == expected.shape and torch.equal(ours.nan_to_num(7.0), expected.nan_to_num(7.0))
+        assert torch.equal(torch.signbit(ours), torch.signbit(expected))
 
 
 @needs_kernel

@@ -4,6 +4,7 @@ import torch
 
 import qcore
 from qcore.analysis import measure_sqnr, quantized_layers
+from tests.helpers import padded_token_batches
 
 transformers = pytest.importorskip("transformers")
 
@@ -14,13 +15,7 @@ def bert():
                                      intermediate_size=64, max_position_embeddings=32)
     torch.manual_seed(0)
     model = transformers.BertModel(config).eval()
-    g = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(3):
-        mask = torch.ones(4, 16, dtype=torch.long)
-        mask[:, 12:] = 0
-        data.append({"input_ids": torch.randint(0, 128, (4, 16), generator=g), "attention_mask": mask})
-    return model, data
+    return model, padded_token_batches(3, 4, 16, padded_from=12, vocabulary=128, seed=0)
 
 
 def test_every_linear_of_bert_gets_an_sqnr_record(bert):
