@@ -6,6 +6,7 @@ shapes with seeded random weights in bfloat16, declared loaded whole and loaded 
     python benchmarks/bench_offload.py --size 1b            # Llama-3.2-1B's shapes
     python benchmarks/bench_offload.py --size 1b --layers 4  # fewer blocks of the same width (depth against memory)
     python benchmarks/bench_offload.py --size 8b --only-offloaded --maker llm-compressor --llmcompressor-python P
+    python benchmarks/bench_offload.py --size 1b --compare-thresholds --no-forward  # a pair that fails against passing
 
 The W4A16 checkpoint is made by llm-compressor itself with `--maker llm-compressor` (oneshot with
 QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]), the whole float model in memory), run by
@@ -403,6 +404,9 @@ def main() -> None:
     parser.add_argument("--folder", default=None, help="reuse checkpoints made here")
     parser.add_argument("--default-thresholds", action="store_true", help="keep the default thresholds")
     parser.add_argument("--no-forward", action="store_true", help="skip timing the quantized model's forward")
+    parser.add_argument("--compare-thresholds", action="store_true",
+                        help="run the offloaded pair under thresholds it passes and under the default ones it fails "
+                             "(whose fix searches run within the fix budget), and print the ratio")
     parser.add_argument("--only-offloaded", action="store_true",
                         help="skip the whole declaration (an 8B pair does not fit a 24 GB machine whole)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, the analysis's and the forward's")
@@ -440,9 +444,11 @@ def main() -> None:
           f"one block: {float_block / 2**20:.0f} MiB float + {quantized_block / 2**20:.0f} MiB decompressed")
     results = {}
     declarations = [("offloaded", "run")] if args.only_offloaded else [("whole", ""), ("offloaded", "run")]
+    if args.compare_thresholds:  # the offloaded pair under thresholds it passes, then under the defaults it fails
+        declarations = [("passing", "run"), ("failing", "run")]
     for declared, offload in declarations:
-        results[declared] = run(folder, offload, args.tokens, args.batches,
-                                DEFAULTS if args.default_thresholds else PASSING, args.threads, vocabulary)
+        thresholds = DEFAULTS if args.default_thresholds or declared == "failing" else PASSING
+        results[declared] = run(folder, offload, args.tokens, args.batches, thresholds, args.threads, vocabulary)
         forward = math.nan if args.no_forward else forward_seconds(folder, bool(offload), args.tokens, args.batches,
                                                                    args.threads, vocabulary)
         r = results[declared]
@@ -454,6 +460,11 @@ def main() -> None:
               f"{r['peak_anon'] / 2**30:.2f} GiB; the quantized model's forward {forward:.1f} s "
               f"(analysis {r['seconds'] / forward:.1f}x)"
               + (f"; {r['offload_written'] / 2**30:.2f} GiB written to the offload folders" if offload else ""))
+    if "failing" in results:
+        passing, failing = results["passing"], results["failing"]
+        print(f"failing against passing: {failing['failing']} failing item(s), analysis "
+              f"{failing['seconds'] / passing['seconds']:.2f}x the passing run's, peak anonymous memory "
+              f"{failing['peak_anon'] / passing['peak_anon']:.2f}x")
     if "whole" not in results:
         return
     whole, offloaded = results["whole"]["rows"], results["offloaded"]["rows"]

@@ -7,9 +7,10 @@ on).
                                                    # and the 0.5B Llama config (op counts only: minutes a run)
     python benchmarks/bench_ops.py --quick         # the examples' TinyResNet only
     python benchmarks/bench_ops.py --no-time       # the op counts alone
-    python benchmarks/bench_ops.py --llama1b       # also the 1B Llama config's CPU time (about 10-30 minutes)
+    python benchmarks/bench_ops.py --llama1b       # also the 1B Llama config's CPU time, verdicts only and the
+                                                   # default run (fix budgets 0 and 1; about 5 minutes)
     python benchmarks/bench_ops.py --quick --no-time --llama1b --fix-budget unlimited   # the 1B config alone,
-                                                   # its fix searches run to their ends (the default budget is 1)
+                                                   # its fix searches run to their ends
 
 The cases are bench_analysis.py's and a 0.5B Llama config, 8 batches each.
 
@@ -161,7 +162,9 @@ def main() -> None:
     parser.add_argument("--no-time", action="store_true", help="count the ops only")
     parser.add_argument("--llama1b", action="store_true", help="also time the 1B Llama config on this CPU")
     parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--fix-budget", default="1", help="the 1B run's fix_budget (default 1; 'unlimited')")
+    parser.add_argument("--fix-budget", default="0,1",
+                        help="the 1B runs' fix budgets, comma-separated, one process each (default '0,1': verdicts "
+                             "only and the default run; 'unlimited' searches to the end)")
     parser.add_argument("--time-llama1b", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -186,28 +189,41 @@ def main() -> None:
               f"{row['trials_floor'] / row['forward']:>13.1f}x "
               f"{row['sqnr']:>12,} ({row['sqnr'] / row['forward']:>6.1f}x) {timed:>22}")
     if args.llama1b:
-        environment = {key: value for key, value in os.environ.items() if key != "QCORE_NATIVE"}
-        output = subprocess.run([sys.executable, __file__, "--time-llama1b", "--fix-budget", args.fix_budget],
-                                capture_output=True, text=True, cwd=ROOT, env=environment, timeout=7200)
-        if output.returncode:
-            print(f"llama1b: failed: {output.stderr[-500:]}")
-            return
-        row = json.loads(output.stdout.strip().splitlines()[-1])
-        print(f"llama1b, every default check, CPU: forward {row['forward']:.2f} s; "
-              f"collection {row['collection']:.1f} s; analysis {row['analysis']:.1f} s "
-              f"({row['analysis'] / row['forward']:.0f}x the forward)")
-        print("llama1b, seconds per check (its items' findings, the model's measurement in the first): " + ", ".join(
-            f"{name} {seconds:.1f}" for name, seconds in row["checks"].items() if seconds >= 0.05))
-        budget = row["fix_budget"]
-        print(f"llama1b, fix_budget={args.fix_budget}: verdict pass (calibration, comparison) {row['verdict']:.1f} s = "
-              f"{row['verdict'] / row['forward']:.1f}x the forward; {row['failing']} failing item(s); per stage: "
-              + ", ".join(f"{name} {seconds:.1f}" for name, seconds in row["stages"].items()) +
-              f"; fix searches {budget.get('trial_runs', 0):.3g} graph runs of the verdict pass's "
-              f"{budget.get('verdict_runs', 0):.3g} ({budget.get('stopped_searches', 0)} search step(s) stopped)")
-        if row["peak_above_bytes"] is not None:
-            print(f"llama1b, the analysis's peak RSS above its start: +{row['peak_above_bytes'] / 2**30:.2f} GiB = "
-                  f"{row['peak_above_bytes'] / row['weights_bytes']:.2f}x its float32 weights "
-                  f"({row['weights_bytes'] / 2**30:.2f} GiB)")
+        ratios = {}
+        for budget in args.fix_budget.split(","):
+            row = _llama1b_run(budget)
+            if row is not None:
+                ratios[budget] = row["analysis"] / row["forward"]
+        if len(ratios) > 1:
+            print("llama1b, against the forward of the same process: " + "; ".join(
+                f"fix_budget={budget} {ratio:.1f}x" for budget, ratio in ratios.items()))
+
+
+def _llama1b_run(budget: str) -> dict[str, Any] | None:
+    """time_llama1b under `budget` in a subprocess, its lines printed; its row (None if it failed)."""
+    environment = {key: value for key, value in os.environ.items() if key != "QCORE_NATIVE"}
+    output = subprocess.run([sys.executable, __file__, "--time-llama1b", "--fix-budget", budget],
+                            capture_output=True, text=True, cwd=ROOT, env=environment, timeout=7200)
+    if output.returncode:
+        print(f"llama1b, fix_budget={budget}: failed: {output.stderr[-500:]}")
+        return None
+    row = json.loads(output.stdout.strip().splitlines()[-1])
+    print(f"llama1b, fix_budget={budget}, every default check, CPU: forward {row['forward']:.2f} s; "
+          f"collection {row['collection']:.1f} s; analysis {row['analysis']:.1f} s "
+          f"({row['analysis'] / row['forward']:.1f}x the forward)")
+    print("  seconds per check (its items' findings, the model's measurement in the first): " + ", ".join(
+        f"{name} {seconds:.1f}" for name, seconds in row["checks"].items() if seconds >= 0.05))
+    spent = row["fix_budget"]
+    print(f"  verdict pass (calibration, comparison) {row['verdict']:.1f} s = {row['verdict'] / row['forward']:.1f}x "
+          f"the forward; {row['failing']} failing item(s); per stage: "
+          + ", ".join(f"{name} {seconds:.1f}" for name, seconds in row["stages"].items()) +
+          f"; fix searches {spent.get('trial_runs', 0):.3g} graph runs of the verdict pass's "
+          f"{spent.get('verdict_runs', 0):.3g} ({spent.get('stopped_searches', 0)} search step(s) stopped)")
+    if row["peak_above_bytes"] is not None:
+        print(f"  the analysis's peak RSS above its start: +{row['peak_above_bytes'] / 2**30:.2f} GiB = "
+              f"{row['peak_above_bytes'] / row['weights_bytes']:.2f}x its float32 weights "
+              f"({row['weights_bytes'] / 2**30:.2f} GiB)")
+    return row
 
 
 def time_llama1b(fix_budget: float = 1.0) -> dict[str, Any]:
