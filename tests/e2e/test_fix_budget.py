@@ -181,9 +181,9 @@ def test_an_equalization_verdict_comes_from_the_comparison_pass_and_its_fix_from
     assert rows[failing[0]]["verdict"] == "pass" and rows[failing[0]]["details"]["applied"]
     # the smaller budget prints a measured fix and says how to search further; that setting measures more fixes
     half = verdicts[0.5][0][failing[0]]["message"]
-    if "Other fixes of this search were not measured" in half:
-        further = re.search(r"search further with qmodel\((fix_budget=[\d.]+)\)", half)
-        assert further, half
-        _, facts = _run_sensor(pytester, f", {further.group(1)}")
-        assert facts["fix_budget"]["trial_runs"] > verdicts[0.5][1]["fix_budget"]["trial_runs"]
+    assert "Fix: qmodel(..., equalize=" in half and "Other fixes of this search were not measured" in half, half
+    further = re.search(r"search further with qmodel\((fix_budget=[\d.]+)\)", half)
+    assert further, half
+    _, facts = _run_sensor(pytester, f", {further.group(1)}")
+    assert facts["fix_budget"]["trial_runs"] > verdicts[0.5][1]["fix_budget"]["trial_runs"]
     assert "Fix: qmodel(..., equalize=" in verdicts["unlimited"][0][failing[0]]["message"]
