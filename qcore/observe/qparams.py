@@ -215,8 +215,7 @@ def fake_quantize_per_channel(
             reused = scratch.reused_like(x) if reuse_output and not in_place else None
             out = x if in_place else torch.empty_like(x) if reused is None else reused
             channels = x.shape[0]
-            inverse, steps, low, high = (value.reshape(-1).expand(channels).contiguous() for value in (
-                inv_scale, scale, quant_min - zero_point, quant_max - zero_point))
+            inverse, steps, low, high = _row_arguments(scale, inv_scale, zero_point, quant_min, quant_max, channels)
             library.qcore_fake_quantize_per_row(x.data_ptr(), out.data_ptr(), channels, x.numel() // max(1, channels),
                                                 inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
                                                 native.threads(x.numel()))
@@ -251,25 +250,37 @@ def scaled_row_extremes(x: torch.Tensor, column_scales: torch.Tensor) -> tuple[t
     return low, high
 
 
-def fake_quantize_scaled_rows(x: torch.Tensor, column_scale: torch.Tensor, scale: torch.Tensor,
-                              zero_point: torch.Tensor, quant_min: int, quant_max: int) -> torch.Tensor:
-    """fake_quantize_per_channel(x * column_scale, scale, zero_point, 0, ...) (per row of the scaled matrix), in a
-    fresh tensor, to the bit: on the CPU without the scaled copy."""
-    library = _scaled_rows_native(x, column_scale[None])
-    if (library is None or zero_point.is_floating_point()
-            or max(abs(quant_min), abs(quant_max)) > _NATIVE_RANGE
-            or not bool(zero_point.abs().le(_NATIVE_RANGE).all())):
-        return fake_quantize_per_channel(x * column_scale, scale, zero_point, 0, quant_min, quant_max, in_place=True)
-    x, column_scale = x.contiguous(), column_scale.contiguous()
-    scale, inv_scale, zero_point = per_channel_steps(scale, zero_point, 0, x)
+def fake_quantize_scaled_rows(x: torch.Tensor, column_scales: torch.Tensor, scale: torch.Tensor,
+                              zero_point: torch.Tensor, quant_min: int, quant_max: int) -> list[torch.Tensor]:
+    """For each row s of `column_scales` ([k, columns]): fake_quantize_per_channel(x * s, ...) per row of the scaled
+    matrix, with the k-th `x.shape[0]` entries of `scale` and `zero_point` (laid out as scaled_row_extremes's
+    ranges), each in a fresh tensor, to the bit; on the CPU without the scaled copies."""
     rows = x.shape[0]
-    inverse, steps, low, high = (value.reshape(-1).expand(rows).contiguous() for value in (
+    library = _scaled_rows_native(x, column_scales)
+    if (library is None or zero_point.is_floating_point() or max(abs(quant_min), abs(quant_max)) > _NATIVE_RANGE
+            or not bool(zero_point.abs().le(_NATIVE_RANGE).all())):
+        return [fake_quantize_per_channel(x * column_scale, scale[k * rows:(k + 1) * rows],
+                                          zero_point[k * rows:(k + 1) * rows], 0, quant_min, quant_max, in_place=True)
+                for k, column_scale in enumerate(column_scales)]
+    x, column_scales = x.contiguous(), column_scales.contiguous()
+    scale, inv_scale, zero_point = per_channel_steps(scale, zero_point, 0, x)
+    arguments = _row_arguments(scale, inv_scale, zero_point, quant_min, quant_max, scale.numel())
+    quantized = []
+    for k, column_scale in enumerate(column_scales):
+        out = torch.empty_like(x)
+        inverse, steps, low, high = (value[k * rows:(k + 1) * rows].data_ptr() for value in arguments)
+        library.qcore_fake_quantize_scaled_rows(x.data_ptr(), column_scale.data_ptr(), out.data_ptr(), rows,
+                                                x.shape[1], inverse, steps, low, high, native.threads(x.numel()))
+        quantized.append(out)
+    return quantized
+
+
+def _row_arguments(scale: torch.Tensor, inv_scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,
+                   quant_max: int, rows: int) -> tuple[torch.Tensor, ...]:
+    """(1 / scale, scale, quant_min - zero point, quant_max - zero point), one contiguous float entry per row: the
+    per-row kernels' arguments (an integer zero point folded into the bounds)."""
+    return tuple(value.reshape(-1).expand(rows).contiguous() for value in (
         inv_scale, scale, quant_min - zero_point, quant_max - zero_point))
-    out = torch.empty_like(x)
-    library.qcore_fake_quantize_scaled_rows(x.data_ptr(), column_scale.data_ptr(), out.data_ptr(), rows, x.shape[1],
-                                            inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
-                                            native.threads(x.numel()))
-    return out
 
 
 def per_channel_steps(scale: torch.Tensor, zero_point: torch.Tensor, axis: int, x: torch.Tensor

@@ -261,10 +261,7 @@ class _ChannelStats(nn.Module):
                 # kernels scale as they read, so no scaled copy is made
                 low, high = scaled_row_extremes(weight, scales[part])  # [alphas, out]
                 row_steps, row_zero_points = calculate_qparams(low.reshape(-1), high.reshape(-1), -127, 127, True)
-                rows = weight.shape[0]
-                quantized_w = [fake_quantize_scaled_rows(weight, column_scale, row_steps[k * rows:(k + 1) * rows],
-                                                         row_zero_points[k * rows:(k + 1) * rows], -127, 127)
-                               for k, column_scale in enumerate(scales[part])]
+                quantized_w = fake_quantize_scaled_rows(weight, scales[part], row_steps, row_zero_points, -127, 127)
                 del low, high
                 errors.append(torch.stack([(reference - x @ w.t()).double().square().sum()
                                            for x, w in zip(quantized_x, quantized_w)]))

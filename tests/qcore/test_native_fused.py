@@ -95,13 +95,14 @@ def test_scaled_rows_are_ranged_and_quantized_bit_identically_to_the_torch_path(
     reference = _torch_path(scaled_row_extremes, x, column_scales)
     assert torch.equal(low.nan_to_num(7.0), reference[0].nan_to_num(7.0))
     assert torch.equal(high.nan_to_num(7.0), reference[1].nan_to_num(7.0))
-    scale = torch.rand(rows, generator=g) * 0.1 + 1e-4
-    zero_point = torch.zeros(rows, dtype=torch.int64)
-    for column_scale in column_scales:
-        ours = fake_quantize_scaled_rows(x, column_scale, scale, zero_point, -127, 127)
-        expected = _torch_path(fake_quantize_scaled_rows, x, column_scale, scale, zero_point, -127, 127)
-        assert ours.shape == expected.shape and torch.equal(ours.nan_to_num(7.0), expected.nan_to_num(7.0))
-        assert torch.equal(torch.signbit(ours), torch.signbit(expected))
+    scale = torch.rand(alphas * rows, generator=g) * 0.1 + 1e-4  # each alpha's rows their own scales
+    zero_point = torch.zeros(alphas * rows, dtype=torch.int64)
+    ours = fake_quantize_scaled_rows(x, column_scales, scale, zero_point, -127, 127)
+    expected = _torch_path(fake_quantize_scaled_rows, x, column_scales, scale, zero_point, -127, 127)
+    assert len(ours) == len(expected) == alphas
+    for mine, theirs in zip(ours, expected):
+        assert mine.shape == theirs.shape and torch.equal(mine.nan_to_num(7.0), theirs.nan_to_num(7.0))
+        assert torch.equal(torch.signbit(mine), torch.signbit(theirs))
 
 
 @needs_kernel
