@@ -192,7 +192,7 @@ def search_formats(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: 
     stopped = False
     while True:
         while estimate_db < target_db and moves < max_moves:
-            if not trials_allowed():  # the fix budget is spent: the moves made so far are measured
+            if not trials_allowed(whole=True):  # the measurement of the moves made so far, kept in hand
                 stopped = True
                 break
             step = best_move()
@@ -208,7 +208,7 @@ def search_formats(float_gm: fx.GraphModule, batches: Sequence[Any], quantizer: 
             else estimate_db
         if measured_db >= target_db or moves >= max_moves or stopped:
             break
-        if not trials_allowed():
+        if not trials_allowed(whole=True):
             stopped = True
             break
         if best_move() is None:

@@ -27,7 +27,7 @@ from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept
 from qcore.quantization.convert import convert, restore_model_state
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Int8StaticQuantizer, Quantizer, with_layer_overrides
-from qcore.runtime.progress import trials_allowed
+from qcore.runtime.progress import trial_step, trials_allowed
 from qcore.search.resume import ResumableGraph
 
 __all__ = ["REMEASURED_CANDIDATES", "FloatLayersFix", "FloatReference", "LayerSensitivity", "SensitivityResult",
@@ -293,12 +293,14 @@ def measured_output_sqnr(float_gm: fx.GraphModule, batches: Sequence[Any], quant
     """The worst output leaf's SQNR (dB) of `float_gm` quantized by `quantizer` over every batch, exactly as a
     pass of its own measures it: prepared, calibrated (the observers `observers` holds take their kept state),
     converted, and run on each batch against `reference`'s float outputs (computed, not kept, for the batches it
-    lacks). No layer's SQNR is measured: a search reads the output's."""
-    prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer)
-    calibrate_kept(prepared, list(batches), observers)
-    quant_gm = convert(prepared)
-    restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
-    return _worst_output_sqnr([reference.unkept_batch_sums(quant_gm, batch) for batch in batches])
+    lacks). No layer's SQNR is measured: a search reads the output's. A whole-model trial: the fix budget keeps one
+    in hand for the search step it follows (trial_step)."""
+    with trial_step():
+        prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer)
+        calibrate_kept(prepared, list(batches), observers)
+        quant_gm = convert(prepared)
+        restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
+        return _worst_output_sqnr([reference.unkept_batch_sums(quant_gm, batch) for batch in batches])
 
 
 def _float_leaves(value: Any) -> list[torch.Tensor]:
@@ -456,7 +458,7 @@ def find_float_layers(float_gm: fx.GraphModule, batches: Sequence[Any], quantize
     most = min(max_float_layers, len(model.layers) - 1)  # a proper subset: keeping every layer quantizes nothing
     stopped = False
     while estimated_db < target_db and len(chosen) < most and len(chosen) < len(pool):
-        if not trials_allowed():
+        if not trials_allowed(whole=True):  # the measurement of the set chosen, kept in hand
             stopped = True
             break
         model.quantize_only([name for name in model.layers if name not in chosen])
