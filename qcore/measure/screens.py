@@ -75,7 +75,8 @@ def shortest_head(ladder: Sequence[str], screen: Callable[[list[str]], bool], co
     only on the screen is not returned for one that does. When the fix budget left no longer holds the costliest
     whole-model trial so far (trials_allowed(whole=True): the confirmation to come), the bisection stops at the
     shortest head that met the screen so far, which is confirmed and returned; when it is
-    out before the first screen, the whole ladder is confirmed and returned."""
+    out before the first screen, the whole ladder is confirmed and returned; when it does not hold the whole
+    ladder's confirmation after the head's fell short, the head is returned as measured."""
     ladder = list(ladder)
     if not ladder:
         return HeadSearch([], 0, 0)
@@ -103,6 +104,8 @@ def shortest_head(ladder: Sequence[str], screen: Callable[[list[str]], bool], co
             low = middle + 1
     if confirmed(ladder[:low]) or low == len(ladder) or stopped:
         return HeadSearch(ladder[:low], screened, 1, stopped)
+    if not trials_allowed(whole=True):  # the head, measured short of the target, is what the budget found
+        return HeadSearch(ladder[:low], screened, 1, stopped=True)
     confirmed(ladder)  # the screen's head falls short on every batch: the whole ladder, measured
     return HeadSearch(ladder, screened, 2)
 

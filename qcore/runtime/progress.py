@@ -57,9 +57,9 @@ class StageTimes:
         return float("inf") if self.fix_budget is None else self.fix_budget * self.verdict_runs()
 
     def whole_trial_runs(self) -> float:
-        """The graph runs a whole-model trial is expected to cost: the costliest so far, and at least one run per
-        batch (the calibration pass's runs: a trial runs the quantized graph on every batch)."""
-        return max(self.largest_trial, self.runs.get("calibration", 0.0))
+        """The graph runs a whole-model trial is expected to cost: the costliest so far, and at least two runs per
+        batch (the calibration pass's runs): a trial calibrates its quantized copy and runs it on every batch."""
+        return max(self.largest_trial, 2 * self.runs.get("calibration", 0.0))
 
     def budget_use(self) -> FixBudgetUse:
         """What the fix searches spent of the budget."""

@@ -58,17 +58,18 @@ def test_graph_runs_count_towards_the_outermost_stage_and_the_budget_is_a_multip
 def test_a_whole_model_trial_waits_for_a_budget_that_holds_the_costliest_one_so_far():
     with tracked(times=StageTimes(fix_budget=1.0)) as times:
         with stage("calibration"):
-            graph_run(2)  # two batches: a whole-model trial runs the quantized graph on both, at least
-        with stage("comparison"):
+            graph_run(2)  # two batches: until one is measured, a whole-model trial calibrates and runs its quantized
+        with stage("comparison"):  # copy on both
             graph_run(8)
-        assert times.whole_trial_runs() == 2 and trials_allowed(whole=True)
+        assert times.whole_trial_runs() == 4 and trials_allowed(whole=True)
         with stage("trials"), trial_step():
-            graph_run(6)
-        assert trials_allowed() and not trials_allowed(whole=True)  # 4 left: a search's screen, not a trial of 6
+            graph_run(7)
+        assert times.whole_trial_runs() == 7  # the costliest measured
+        assert trials_allowed() and not trials_allowed(whole=True)  # 3 left: a search's screen, not a trial of 7
         with stage("trials"), trial_step():
             graph_run(1)
         use = fix_budget_use()
-    assert use.refusals == 1 and use.trial_runs == 7
+    assert use.refusals == 1 and use.trial_runs == 8
 
 
 @pytest.mark.parametrize(("given", "parsed"), [("1", 1.0), (0, 0.0), ("0.25", 0.25), ("unlimited", float("inf")),
@@ -96,10 +97,10 @@ def test_verdicts_and_values_are_the_same_under_every_budget(pytester):
 
 
 def test_a_search_stopped_by_its_budget_prints_only_fixes_measured_on_every_batch(pytester):
-    result, rows, facts = _run(pytester, extra=", fix_budget=0.5")
-    result.stdout.fnmatch_lines(["fix budget used: fragile *% of fix_budget=0.5 (* of * graph runs; * search "
+    result, rows, facts = _run(pytester, extra=", fix_budget=0.75")
+    result.stdout.fnmatch_lines(["fix budget used: fragile *% of fix_budget=0.75 (* of * graph runs; * search "
                                  "step(s) stopped by it)"])
-    assert facts["fix_budget"]["fix_budget"] == 0.5 and facts["fix_budget"]["stopped_searches"] > 0
+    assert facts["fix_budget"]["fix_budget"] == 0.75 and facts["fix_budget"]["stopped_searches"] > 0
     message = rows[("model_sqnr", "output")]["message"]
     found = re.search(r"was measured to reach ([\d.]+) dB: float_layers=(\[.*\])$", message)
     assert found, message
@@ -109,7 +110,7 @@ def test_a_search_stopped_by_its_budget_prints_only_fixes_measured_on_every_batc
     further = re.search(r"search further with qmodel\((fix_budget=[\d.]+)\)", ranking)
     assert further, ranking
     # the printed set, pasted: the item measures what the message announced, on every batch it is judged on
-    result, rows, _ = _run(pytester, extra=f", fix_budget=0.5, float_layers={pasted!r}")
+    result, rows, _ = _run(pytester, extra=f", fix_budget=0.75, float_layers={pasted!r}")
     assert rows[("model_sqnr", "output")]["verdict"] == "pass"
     assert rows[("model_sqnr", "output")]["value"] == pytest.approx(announced, abs=0.05)
     # the settings the stopped search names: a larger budget searches further, 'unlimited' to the end
@@ -124,8 +125,8 @@ def test_a_search_stopped_by_its_budget_prints_only_fixes_measured_on_every_batc
 
 
 def test_the_budget_stops_a_search_at_the_same_step_serially_and_under_xdist(pytester):
-    _, serial, serial_facts = _run(pytester, extra=", fix_budget=0.5")
-    _, parallel, parallel_facts = _run(pytester, "-n", "2", extra=", fix_budget=0.5")
+    _, serial, serial_facts = _run(pytester, extra=", fix_budget=0.75")
+    _, parallel, parallel_facts = _run(pytester, "-n", "2", extra=", fix_budget=0.75")
     assert {key: (row["verdict"], row["value"], row["message"]) for key, row in serial.items()} == \
         {key: (row["verdict"], row["value"], row["message"]) for key, row in parallel.items()}
     assert serial_facts["fix_budget"]["trial_runs"] == parallel_facts["fix_budget"]["trial_runs"]

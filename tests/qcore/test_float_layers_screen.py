@@ -67,6 +67,34 @@ def test_a_bisection_the_fix_budget_stops_confirms_the_shortest_head_that_met_th
     assert len(screens) == 1  # the second search screened nothing, and confirmed what it returns
 
 
+def test_a_head_that_falls_short_is_returned_as_measured_when_the_budget_does_not_hold_the_whole_ladder():
+    from qcore.runtime.progress import StageTimes, graph_run, stage, tracked, trial_step
+
+    ladder = [f"layer{index}" for index in range(8)]
+    confirms = []
+
+    def screen(head):  # a screen: one graph run
+        with stage("trials"):
+            graph_run()
+        return len(head) >= 3
+
+    def confirm(head):  # a whole-model trial: five; the screen's head falls short on every batch
+        confirms.append(head)
+        with stage("trials"), trial_step():
+            graph_run(5)
+        return len(head) >= 5
+
+    with tracked(times=StageTimes(fix_budget=1.0)) as times:
+        with stage("calibration"):
+            graph_run()
+        with stage("comparison"):
+            graph_run(9)
+        found = shortest_head(ladder, screen, confirm)
+    # the head was confirmed, and fell short; the whole ladder's confirmation would overrun the 10 runs allowed
+    assert confirms == [ladder[:3]] and found.head == ladder[:3] and found.stopped
+    assert times.runs["trials"] <= 10
+
+
 def test_the_ladder_tries_the_layers_that_help_alone_first_and_drops_none():
     pool = ["a", "b", "c", "d"]
     assert screened_ladder(pool, {"a": 10.0, "b": 14.0, "c": 9.0, "d": math.nan}, base=10.0) == ["b", "a", "c", "d"]
