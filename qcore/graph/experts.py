@@ -198,14 +198,24 @@ def expert_projections(module: nn.Module, expert: int) -> nn.Module:
 def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts computation, one expert at a time on the tokens routed to it, through the expert's
-    Linear modules (the experts interface's signature)."""
-    output = torch.zeros_like(hidden_states)
-    for expert in range(self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0]):
+    Linear modules (the experts interface's signature). The routed tokens are sorted by expert once per block and
+    each expert takes its run of them, in token order: one host read of the counts per block, not one per expert."""
+    count = int(self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0])
+    chosen = top_k_index.reshape(-1)
+    order = chosen.argsort(stable=True)  # by expert, each expert's tokens in token order
+    token_of = order // top_k_index.shape[-1]
+    routed_inputs = hidden_states.index_select(0, token_of)
+    routed_weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    # a static-sized count (bincount's size depends on the largest index), read once
+    sizes = torch.zeros(count, dtype=torch.long, device=chosen.device).index_add_(0, chosen, torch.ones_like(chosen))
+    sizes = sizes.tolist()
+    for size in sizes:
+        torch._check(size >= 0)
+    torch._check(sum(sizes) == routed_inputs.shape[0])
+    outputs = []
+    for expert, (inputs, weights) in enumerate(zip(routed_inputs.split(sizes), routed_weights.split(sizes),
+                                                   strict=True)):
         linears = getattr(self, str(expert))
-        routed = top_k_index == expert
-        tokens = routed.any(dim=-1).nonzero().squeeze(-1)
-        weights = (top_k_weights * routed).sum(dim=-1).index_select(0, tokens)
-        inputs = hidden_states.index_select(0, tokens)
         if self.has_gate:
             gate, up = linears.gate_proj(inputs), linears.up_proj(inputs)
             if getattr(type(self)._apply_gate, "__name__", "") == "_default_apply_gate":
@@ -219,8 +229,10 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
         projected = linears.down_proj(hidden)
         if getattr(self, "has_post_expert_norm", False):
             projected = self.post_expert_norm(projected)
-        output = output.index_add(0, tokens, (projected * weights.unsqueeze(-1)).to(output.dtype))
-    return output
+        # weighted before the cat: a cat of the projections' outputs would share one observer across the experts
+        outputs.append(projected * weights)
+    # one index_add in expert order adds each token's experts in the order the per-expert sums did
+    return torch.zeros_like(hidden_states).index_add(0, token_of, torch.cat(outputs).to(hidden_states.dtype))
 
 
 def _register_implementation(module: nn.Module) -> None:
