@@ -41,7 +41,7 @@ def equalization_refusal(gm: fx.GraphModule, op: QuantizableOp) -> str:
     """Why input-weight equalization cannot rewrite this layer ("" when it can)."""
     if op.kind not in ("linear", "conv") or op.weight is None or op.weight.op != "get_attr":
         return "only linear and conv layers with a weight parameter can be equalized"
-    users = [n for n in gm.graph.nodes if op.weight in n.all_input_nodes]
+    users = list(op.weight.users)
     if len(users) > 1:
         return (f"its weight is shared with {len(users) - 1} other op(s) (tied weights, or one module called "
                 "several times), and scaling it for one call would change the others")

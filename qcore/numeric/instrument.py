@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,16 +36,11 @@ def attach_after(gm: fx.GraphModule, node: fx.Node, name: str, module: nn.Module
     The call is a side branch: the node's users keep reading the node itself.
     """
     gm.add_submodule(name, module)
-    anchor = max([node, *extra], key=_position(gm))
+    anchor = max([node, *extra])  # fx nodes compare by their place in the graph
     with gm.graph.inserting_after(anchor):
         call = gm.graph.call_module(name, (node, *extra))
     call.meta["qcore_inserted"] = "logger"
     return call
-
-
-def _position(gm: fx.GraphModule) -> Callable[[fx.Node], int]:
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return lambda n: order[n]
 
 
 def _layer_chain(op: QuantizableOp) -> list[fx.Node]:

@@ -75,7 +75,7 @@ def leaf_module_ops(model: fx.GraphModule) -> list[QuantizableOp]:
     taken = {op.fqn for op in layers}
     paths = {_module_path(n) for n in model.graph.nodes if n.op in ("call_function", "call_module", "call_method")}
     parents = {p.rsplit(".", 1)[0] for p in paths if "." in p}
-    parents |= {p for p in paths for q in paths if q.startswith(p + ".")}
+    parents |= {q[:index] for q in paths for index, char in enumerate(q) if char == "."} & paths
     first: dict[str, fx.Node] = {}
     for node in model.graph.nodes:
         path = _module_path(node) if node.op in ("call_function", "call_module", "call_method") else ""
