@@ -7,15 +7,19 @@ n of the rest. The printed figure is the SQNR of the held-out tokens fake-quanti
 range of every calibration token, median and worst over the experts, for each n. An expert that received few
 tokens gets a range too narrow for the tokens it meets later, and the held-out tokens clip.
 
-With `--cost`: the analysis of a 4-layer Qwen3-MoE (8 experts, top-2) and of the dense Qwen3 of the same shape
-(its MLP as wide as two experts), every default check under int8, each against its own eager forward over the same
-batches (best of 3), in one process.
+With `--cost`: the analysis of a 4-layer Qwen3-MoE (8 experts, top-2) and of the dense Qwen3 of the same depth and
+shape (its MLP as wide as two experts: the same compute per token), every default check under int8, verdicts only
+(fix_budget=0) and the default run (fix_budget=1), each against its own eager forward over the same batches (best of
+3), in one process, at two sizes: `tiny` (hidden 128, experts of 128, 8 batches of 4x16 tokens: per-op overhead
+dominates) and `small` (hidden 1024, experts of 512, 8 batches of 4x128 tokens: compute dominates). The last
+column is the MoE's ratio over the dense model's.
 
-    python benchmarks/bench_moe.py [--cost]
+    python benchmarks/bench_moe.py [--cost [--sizes tiny,small]]
 """
 from __future__ import annotations
 
 import pathlib
+import resource
 import statistics
 import sys
 import time
@@ -51,7 +55,7 @@ def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
     return float(compute_sqnr(held_out, quantized))
 
 
-def _analysis_seconds(model, batches) -> tuple[float, int]:
+def _analysis_seconds(model, batches, fix_budget: float) -> tuple[float, int]:
     """(seconds from capture to every finding, items) of every default check, as the plugin runs them."""
     import qcore
     from pytest_qreport.checks import BUILTIN_CHECKS
@@ -63,7 +67,7 @@ def _analysis_seconds(model, batches) -> tuple[float, int]:
     for check in BUILTIN_CHECKS:
         registry.register(check)
     checks = [check.name for check in BUILTIN_CHECKS if check.default_severity != "off"]
-    settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, checks=checks)
+    settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, checks=checks, fix_budget=fix_budget)
     start = time.perf_counter()
     state = collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
     state.analyze(lambda: batches, lambda found: None, threads=2)
@@ -72,31 +76,56 @@ def _analysis_seconds(model, batches) -> tuple[float, int]:
     return time.perf_counter() - start, len(state.findings or {})
 
 
-def cost() -> None:
+SIZES = {  # hidden, expert width, tokens per batch row, vocabulary
+    "tiny": (128, 128, 16, 128),
+    "small": (1024, 512, 128, 1024),
+}
+
+
+def pair(size: str):
+    """(the MoE, the dense model of its depth and compute per token, 8 batches of 4 rows), seeded."""
     import transformers
 
-    moe, batches = tiny_moe("qwen3_moe", layers=4, experts=8, batch=4, n=8)
-    config = moe.config
-    dense_config = transformers.Qwen3Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=2 * config.moe_intermediate_size, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, use_cache=False)
-    torch.manual_seed(0)
-    dense = transformers.Qwen3ForCausalLM(dense_config).eval()
-    with torch.no_grad():
-        for parameter in dense.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.05)
-    print(f"{'model':>8} {'forward s':>10} {'analysis s':>11} {'items':>6} {'ratio':>7}")
-    for name, model in (("dense", dense), ("moe", moe)):
-        forward = _forward_seconds(model, batches)
-        seconds, items = _analysis_seconds(model, batches)
-        print(f"{name:>8} {forward:>10.3f} {seconds:>11.1f} {items:>6} {seconds / forward:>7.0f}x")
+    hidden, width, tokens, vocabulary = SIZES[size]
+    common = dict(vocab_size=vocabulary, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=hidden // 8, max_position_embeddings=512, use_cache=False)
+    models = []
+    for config in (transformers.Qwen3MoeConfig(**common, intermediate_size=2 * width, moe_intermediate_size=width,
+                                               num_experts=8, num_experts_per_tok=2),
+                   transformers.Qwen3Config(**common, intermediate_size=2 * width)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.dim() > 1:
+                    parameter.normal_(0.0, 0.05 if hidden <= 256 else 0.02)  # trained scale: routers choose
+        models.append(model)
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, vocabulary, (4, tokens), generator=generator)} for _ in range(8)]
+    return models[0], models[1], batches
+
+
+def cost(sizes: list[str]) -> None:
+    print(f"{'size':>6} {'fix_budget':>10} {'model':>6} {'forward s':>10} {'analysis s':>11} {'items':>6} {'ratio':>7} "
+          f"{'moe/dense':>9}")
+    for size in sizes:
+        moe, dense, batches = pair(size)
+        forwards = {name: _forward_seconds(model, batches) for name, model in (("dense", dense), ("moe", moe))}
+        for budget in (0.0, 1.0):
+            ratios = {}
+            for name, model in (("dense", dense), ("moe", moe)):
+                seconds, items = _analysis_seconds(model, batches, budget)
+                ratios[name] = seconds / forwards[name]
+                relative = f"{ratios['moe'] / ratios['dense']:>9.2f}" if name == "moe" else ""
+                print(f"{size:>6} {budget:>10g} {name:>6} {forwards[name]:>10.3f} {seconds:>11.1f} {items:>6} "
+                      f"{ratios[name]:>6.1f}x {relative}")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
 def main() -> None:
     if "--cost" in sys.argv:
-        cost()
+        sizes = sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else list(SIZES)
+        cost(sizes)
         return
     tokens = routed_tokens()
     usable = {e: t for e, t in tokens.items() if len(t) >= 2 * COUNTS[-1]}

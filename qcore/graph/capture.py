@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from qcore.graph.experts import EXPERTS_KEY, linearized_experts
+from qcore.graph.experts import EXPERTS_KEY, expand_expert_templates, linearized_experts, traced_with_templates
 from qcore.graph.fold import fold_batch_norm, fold_computed_weights, linear_from_transposed_weight_matmuls
 from qcore.graph.inputs import as_args_kwargs, describe_batch
 from qcore.graph.ops import FQN_KEY, HANDLE_KEY, normalize_module_path
@@ -65,7 +65,7 @@ def _capture(model: nn.Module, example_inputs: Any, name: str | None, method: st
                 if method == "fx":
                     raise CaptureError("export skipped (method='fx')")
                 with without_kv_cache(model):
-                    gm = _export(model, args, kwargs)
+                    gm = _export_experts(model, args, kwargs, experts_record)
             except Exception as error:  # noqa: BLE001 - any export failure means: try FX
                 export_error = error
                 try:
@@ -166,6 +166,21 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     _drop_input_constraint_check(gm)
     gm.recompile()
     return gm
+
+
+def _export_experts(model: nn.Module, args: tuple, kwargs: dict, experts_record: dict[str, Any]) -> fx.GraphModule:
+    """_export, a model with fused experts traced with one template per block (expand_expert_templates): the
+    trace's cost grows with the blocks, not with their experts. Traced expert by expert where the templates fail."""
+    fused = {path: block for path, block in experts_record["blocks"].items() if block.fused}
+    if not fused:
+        return _export(model, args, kwargs)
+    try:
+        with traced_with_templates():
+            gm = _export(model, args, kwargs)
+        expand_expert_templates(gm, fused)
+        return gm
+    except Exception:  # noqa: BLE001 - a block whose template does not stand for its experts: trace them all
+        return _export(model, args, kwargs)
 
 
 def _drop_input_constraint_check(gm: fx.GraphModule) -> None:

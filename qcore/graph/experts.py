@@ -11,8 +11,10 @@ the Linear it stands for. The model computes the same function; the graph record
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
+import operator
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -22,8 +24,9 @@ import torch
 from torch import fx, nn
 
 __all__ = ["EXPERTS_KEY", "ExpertLayer", "ExpertProjection", "MoeBlock", "Router", "compact_expert_layers",
-           "expert_layers", "expert_linears", "expert_projections", "fused_experts_modules", "held_expert_layers",
-           "linearized_experts", "module_list_experts", "moe_blocks", "routers", "with_experts_held"]
+           "expand_expert_templates", "expert_counts", "expert_layers", "expert_linears", "expert_projections",
+           "fused_experts_modules", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks",
+           "routers", "traced_with_templates", "with_experts_held"]
 
 EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -195,11 +198,32 @@ def expert_projections(module: nn.Module, expert: int) -> nn.Module:
     return holder
 
 
+def _expert_projection(self: nn.Module, expert: int, inputs: torch.Tensor) -> torch.Tensor:
+    """Expert `expert`'s projections of `inputs` through its Linear modules, as transformers' experts compute them."""
+    linears = getattr(self, str(expert))
+    if self.has_gate:
+        gate, up = linears.gate_proj(inputs), linears.up_proj(inputs)
+        if getattr(type(self)._apply_gate, "__name__", "") == "_default_apply_gate":
+            hidden = self.act_fn(gate) * up  # as the Linear layers it stands for: no cat to share a range
+        elif getattr(self, "is_concatenated", True):
+            hidden = self._apply_gate(torch.cat([gate, up], dim=-1))
+        else:
+            hidden = self._apply_gate(torch.stack([gate, up], dim=-1).flatten(-2))
+    else:
+        hidden = self.act_fn(linears.up_proj(inputs))
+    projected = linears.down_proj(hidden)
+    if getattr(self, "has_post_expert_norm", False):
+        projected = self.post_expert_norm(projected)
+    return projected
+
+
 def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts computation, one expert at a time on the tokens routed to it, through the expert's
     Linear modules (the experts interface's signature). The routed tokens are sorted by expert once per block and
-    each expert takes its run of them, in token order: one host read of the counts per block, not one per expert."""
+    each expert takes its run of them, in token order: one host read of the counts per block, not one per expert.
+    While a capture traces it with templates (traced_with_templates), expert 0's projections of every routed token
+    stand for all the experts' (expand_expert_templates makes each expert's from them after the trace)."""
     count = int(self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0])
     chosen = top_k_index.reshape(-1)
     order = chosen.argsort(stable=True)  # by expert, each expert's tokens in token order
@@ -207,32 +231,162 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
     routed_inputs = hidden_states.index_select(0, token_of)
     routed_weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     # a static-sized count (bincount's size depends on the largest index), read once
-    sizes = torch.zeros(count, dtype=torch.long, device=chosen.device).index_add_(0, chosen, torch.ones_like(chosen))
-    sizes = sizes.tolist()
-    for size in sizes:
-        torch._check(size >= 0)
-    torch._check(sum(sizes) == routed_inputs.shape[0])
-    outputs = []
-    for expert, (inputs, weights) in enumerate(zip(routed_inputs.split(sizes), routed_weights.split(sizes),
-                                                   strict=True)):
-        linears = getattr(self, str(expert))
-        if self.has_gate:
-            gate, up = linears.gate_proj(inputs), linears.up_proj(inputs)
-            if getattr(type(self)._apply_gate, "__name__", "") == "_default_apply_gate":
-                hidden = self.act_fn(gate) * up  # as the Linear layers it stands for: no cat to share a range
-            elif getattr(self, "is_concatenated", True):
-                hidden = self._apply_gate(torch.cat([gate, up], dim=-1))
-            else:
-                hidden = self._apply_gate(torch.stack([gate, up], dim=-1).flatten(-2))
-        else:
-            hidden = self.act_fn(linears.up_proj(inputs))
-        projected = linears.down_proj(hidden)
-        if getattr(self, "has_post_expert_norm", False):
-            projected = self.post_expert_norm(projected)
+    counts = torch.zeros(count, dtype=torch.long, device=chosen.device).index_add_(0, chosen, torch.ones_like(chosen))
+    if _TEMPLATES.get():
+        template = _expert_projection(self, 0, routed_inputs)
+        weighted = torch.ops.qcore.routed_experts_stand_in(routed_inputs, routed_weights, counts, template)
+    else:
+        sizes = counts.tolist()
+        for size in sizes:
+            torch._check(size >= 0)
+        torch._check(sum(sizes) == routed_inputs.shape[0])
         # weighted before the cat: a cat of the projections' outputs would share one observer across the experts
-        outputs.append(projected * weights)
+        weighted = torch.cat([_expert_projection(self, expert, inputs) * weights for expert, (inputs, weights)
+                              in enumerate(zip(routed_inputs.split(sizes), routed_weights.split(sizes), strict=True))])
     # one index_add in expert order adds each token's experts in the order the per-expert sums did
-    return torch.zeros_like(hidden_states).index_add(0, token_of, torch.cat(outputs).to(hidden_states.dtype))
+    return torch.zeros_like(hidden_states).index_add(0, token_of, weighted.to(hidden_states.dtype))
+
+
+@torch.library.custom_op("qcore::routed_experts_stand_in", mutates_args=())
+def _routed_experts_stand_in(routed_inputs: torch.Tensor, routed_weights: torch.Tensor, counts: torch.Tensor,
+                             template: torch.Tensor) -> torch.Tensor:
+    """In a traced graph only, until expand_expert_templates replaces it: every expert's weighted projections of
+    its run of `routed_inputs` (`counts` per expert), from `template`, expert 0's projections of them all."""
+    raise RuntimeError("qcore's experts stand-in was left in a captured graph: expand_expert_templates replaces it")
+
+
+@_routed_experts_stand_in.register_fake
+def _(routed_inputs: torch.Tensor, routed_weights: torch.Tensor, counts: torch.Tensor,
+      template: torch.Tensor) -> torch.Tensor:
+    return template.new_empty(template.shape, dtype=torch.promote_types(template.dtype, routed_weights.dtype))
+
+
+_TEMPLATES: contextvars.ContextVar[bool] = contextvars.ContextVar("qcore_expert_templates", default=False)
+
+
+@contextlib.contextmanager
+def traced_with_templates() -> Iterator[None]:
+    """While open, a trace of linearized experts records expert 0's projections once per block as the template of
+    every expert's: a block costs the trace a few ops, not a few per expert. expand_expert_templates completes
+    the graph."""
+    token = _TEMPLATES.set(True)
+    try:
+        yield
+    finally:
+        _TEMPLATES.reset(token)
+
+
+def expert_counts(counts: torch.Tensor) -> list[int]:
+    """The tokens routed to each expert, read to the host (a captured block's one read)."""
+    return counts.tolist()
+
+
+def expand_expert_templates(gm: fx.GraphModule, blocks: Mapping[str, MoeBlock]) -> int:
+    """Replace each experts stand-in of a graph traced with templates by every expert's projections of its run of
+    the routed tokens, each a copy of expert 0's template reading the expert's own parameters, weighted and
+    concatenated in expert order: the graph a trace of every expert makes. Returns the stand-ins replaced; the
+    template's own nodes go. ValueError when a stand-in's template is not one expert's computation."""
+    from qcore.graph.ops import FQN_KEY
+
+    stand_ins = [node for node in gm.graph.nodes
+                 if node.op == "call_function" and node.target is torch.ops.qcore.routed_experts_stand_in.default]
+    for node in stand_ins:
+        routed_inputs, routed_weights, counts, template = node.args
+        path = _module_path(node)
+        block = blocks.get(path)
+        if block is None:
+            raise ValueError(f"an experts stand-in at {path!r} has no MoE block")
+        body = _template_nodes(routed_inputs, template, f"{path}.0.")
+        with gm.graph.inserting_before(node):
+            sizes = gm.graph.call_function(expert_counts, (counts,))
+            split_inputs = gm.graph.call_function(torch.ops.aten.split_with_sizes.default, (routed_inputs, sizes))
+            split_weights = gm.graph.call_function(torch.ops.aten.split_with_sizes.default, (routed_weights, sizes))
+            made = [sizes, split_inputs, split_weights]
+            products = []
+            for expert in range(block.experts):
+                inputs = gm.graph.call_function(operator.getitem, (split_inputs, expert))
+                weights = gm.graph.call_function(operator.getitem, (split_weights, expert))
+                copies = _Copies({routed_inputs: inputs})
+                for original in body:
+                    if original.op == "get_attr":
+                        target = f"{path}.{expert}." + str(original.target)[len(path) + 3:]
+                        copies[original] = gm.graph.get_attr(target)
+                    else:
+                        copies[original] = gm.graph.node_copy(original, copies.get_or_same)
+                        _rename_expert(copies[original], path, expert)
+                    copies[original].meta.pop(FQN_KEY, None)
+                products.append(gm.graph.call_function(torch.ops.aten.mul.Tensor, (copies[template], weights)))
+                made += [inputs, weights, products[-1]]
+            weighted = gm.graph.call_function(torch.ops.aten.cat.default, (products,))
+            made.append(weighted)
+        for new in made:
+            new.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack", {}))
+        node.replace_all_uses_with(weighted)
+        gm.graph.erase_node(node)
+        for original in reversed(body):
+            if not original.users:
+                gm.graph.erase_node(original)
+    if stand_ins:
+        gm.graph.lint()
+        gm.recompile()
+    return len(stand_ins)
+
+
+class _Copies(dict):
+    """{template node: its copy for one expert}; a node that is not the template's stands for itself."""
+
+    def get_or_same(self, node: Any) -> Any:
+        """The copy of `node`, or `node`."""
+        return self.get(node, node)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
+def _template_nodes(routed_inputs: fx.Node, template: fx.Node, own_prefix: str) -> list[fx.Node]:
+    """The nodes of expert 0's template, in graph order: those on the way from the routed inputs to the template,
+    and those that read expert 0's own parameters (named under `own_prefix`), the parameters' get_attr nodes
+    included. ValueError for a template that reads another expert's parameters."""
+    ancestors: set[fx.Node] = set()
+    stack = [template]
+    while stack:
+        current = stack.pop()
+        if current in ancestors or current is routed_inputs:
+            continue
+        ancestors.add(current)
+        stack.extend(current.all_input_nodes)
+    own: set[fx.Node] = set()
+    for node in template.graph.nodes:  # graph order: a node's inputs come first
+        if node not in ancestors:
+            continue
+        if node.op == "get_attr":
+            if str(node.target).startswith(own_prefix):
+                own.add(node)
+            elif ".experts." in str(node.target) and str(node.target).rpartition(".experts.")[2][:1].isdigit():
+                raise ValueError(f"the experts template reads {node.target}, another expert's parameter")
+        elif any(arg is routed_inputs or arg in own for arg in node.all_input_nodes):
+            own.add(node)
+    if template not in own:
+        raise ValueError("the experts template does not compute from the routed tokens")
+    return [node for node in template.graph.nodes if node in own]
+
+
+def _rename_expert(node: fx.Node, path: str, expert: int) -> None:
+    """Point a copied template node's module stack at expert `expert`'s modules (`path.0.` -> `path.<expert>.`)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return
+    old, new = f"{path}.0", f"{path}.{expert}"
+    renamed = {}
+    for key, (module_path, kind) in stack.items():
+        text = str(module_path)
+        if text == old or text.startswith(old + "."):
+            text = new + text[len(old):]
+        renamed[key.replace(old.replace(".", "_"), new.replace(".", "_")) if isinstance(key, str) else key] = \
+            (text, kind)
+    node.meta["nn_module_stack"] = renamed
 
 
 def _register_implementation(module: nn.Module) -> None:

@@ -50,6 +50,52 @@ def test_fused_experts_are_captured_as_one_linear_per_expert_projection(architec
     assert list(fused_experts_modules(model)) == ["model.layers.0.mlp.experts"]
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_capture_from_one_template_per_block_is_the_graph_traced_expert_by_expert(architecture, monkeypatch):
+    """The capture traces expert 0's projections once per block and copies them for every expert: the same ops in
+    the same order, the same outputs to the bit, and the same numbers as a trace of every expert."""
+    import contextlib
+
+    import qcore.graph.capture as capture_module
+    from qcore.graph.experts import expert_counts
+
+    model, data = tiny_moe(architecture, experts=4, batch=4)
+    templated = qcore.capture(model, data[0])
+    assert sum(node.target is expert_counts for node in templated.graph.nodes) == 1  # the block's one host read
+    monkeypatch.setattr(capture_module, "traced_with_templates", contextlib.nullcontext)
+    traced = qcore.capture(model, data[0])
+    assert not any(node.target is expert_counts for node in traced.graph.nodes)
+
+    def expert_linears(gm):
+        return [(str(node.target), str(node.meta.get("qcore_fqn"))) for node in gm.graph.nodes
+                if node.op == "call_function" and "linear" in str(node.target)
+                and ".experts." in str(node.meta.get("qcore_fqn")) + "."]
+
+    def layers(gm):
+        return [(op.layer, op.kind) for op in find_quantizable_ops(gm)]
+
+    assert layers(templated) == layers(traced) and expert_linears(templated) == expert_linears(traced)
+    assert torch.equal(_logits(templated(**data[1])), _logits(traced(**data[1])))
+    quantizer = qcore.Int8StaticQuantizer()
+    a, b = measure_sqnr(templated, data, quantizer), measure_sqnr(traced, data, quantizer)
+    assert {layer: value.sqnr_db for layer, value in a.layers.items()} == \
+        {layer: value.sqnr_db for layer, value in b.layers.items()}
+
+
+def test_a_template_that_does_not_expand_falls_back_to_a_trace_of_every_expert(monkeypatch):
+    import qcore.graph.capture as capture_module
+
+    def refuse(gm, blocks):
+        raise ValueError("not one expert's computation")
+
+    model, data = tiny_moe("qwen3_moe", experts=4)
+    monkeypatch.setattr(capture_module, "expand_expert_templates", refuse)
+    gm = qcore.capture(model, data[0])
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(gm(**data[1])), model(**data[1]).logits, atol=2e-5, rtol=1e-4)
+    assert len(expert_layers(gm)) == 12 and set(expert_layers(gm)) <= {op.layer for op in find_quantizable_ops(gm)}
+
+
 @pytest.mark.parametrize("preset", ["int8", "W4A16"])
 def test_experts_held_as_modules_are_measured_as_the_fused_experts_they_equal(preset):
     """llm-compressor's linearized form of a block (one MLP module per expert, a ModuleList) and transformers' fused
