@@ -14,7 +14,10 @@ shape (its MLP as wide as two experts: the same compute per token), every defaul
 dominates) and `small` (hidden 1024, experts of 512, 8 batches of 4x128 tokens: compute dominates). The last
 column is the MoE's ratio over the dense model's.
 
-    python benchmarks/bench_moe.py [--cost [--sizes tiny,small]]
+With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
+block from expert 0's template (the default) against a trace of every expert, best of 2 each.
+
+    python benchmarks/bench_moe.py [--cost [--sizes tiny,small]] [--capture]
 """
 from __future__ import annotations
 
@@ -122,7 +125,32 @@ def cost(sizes: list[str]) -> None:
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
+def capture_cost() -> None:
+    import contextlib
+
+    import qcore.graph.capture as capture_module
+
+    model, batches = tiny_moe("qwen3_moe", layers=2, experts=128, batch=8, tokens=32)
+    templates = capture_module.traced_with_templates
+    seconds, nodes = {}, {}
+    for label, context in (("template per block", templates), ("every expert traced", contextlib.nullcontext)):
+        capture_module.traced_with_templates = context
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            graph = capture_module.capture(model, batches[0])
+            best = min(best, time.perf_counter() - start)
+        seconds[label], nodes[label] = best, len(graph.graph.nodes)
+    capture_module.traced_with_templates = templates
+    for label in seconds:
+        print(f"{label:>20}: {seconds[label]:6.2f} s, {nodes[label]} nodes")
+    print(f"ratio: {seconds['every expert traced'] / seconds['template per block']:.1f}x")
+
+
 def main() -> None:
+    if "--capture" in sys.argv:
+        capture_cost()
+        return
     if "--cost" in sys.argv:
         sizes = sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else list(SIZES)
         cost(sizes)
