@@ -10,7 +10,7 @@ tokens gets a range too narrow for the tokens it meets later, and the held-out t
 With `--cost`: the analysis of a 4-layer Qwen3-MoE (8 experts, top-2) and of the dense Qwen3 of the same depth and
 shape (its MLP as wide as two experts: the same compute per token), every default check under int8, verdicts only
 (fix_budget=0) and the default run (fix_budget=1), each against its own eager forward over the same batches (best of
-3), in one process, at two sizes: `tiny` (hidden 128, experts of 128, 8 batches of 4x16 tokens: per-op overhead
+3; the analysis best of 3 at `tiny`, of 2 at `small`), in one process, at two sizes: `tiny` (hidden 128, experts of 128, 8 batches of 4x16 tokens: per-op overhead
 dominates) and `small` (hidden 1024, experts of 512, 8 batches of 4x128 tokens: compute dominates). The last
 column is the MoE's ratio over the dense model's.
 
@@ -79,6 +79,7 @@ def _analysis_seconds(model, batches, fix_budget: float) -> tuple[float, int]:
     return time.perf_counter() - start, len(state.findings or {})
 
 
+REPEATS = {"tiny": 3, "small": 2}  # analyses per cell, the fastest quoted: the machine's speed drifts
 SIZES = {  # hidden, expert width, tokens per batch row, vocabulary
     "tiny": (128, 128, 16, 128),
     "small": (1024, 512, 128, 1024),
@@ -117,7 +118,7 @@ def cost(sizes: list[str]) -> None:
         for budget in (0.0, 1.0):
             ratios = {}
             for name, model in (("dense", dense), ("moe", moe)):
-                seconds, items = _analysis_seconds(model, batches, budget)
+                seconds, items = min(_analysis_seconds(model, batches, budget) for _ in range(REPEATS[size]))
                 ratios[name] = seconds / forwards[name]
                 relative = f"{ratios['moe'] / ratios['dense']:>9.2f}" if name == "moe" else ""
                 print(f"{size:>6} {budget:>10g} {name:>6} {forwards[name]:>10.3f} {seconds:>11.1f} {items:>6} "
