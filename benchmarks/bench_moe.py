@@ -10,9 +10,9 @@ tokens gets a range too narrow for the tokens it meets later, and the held-out t
 With `--cost`: the analysis of a 4-layer Qwen3-MoE (8 experts, top-2) and of the dense Qwen3 of the same depth and
 shape (its MLP as wide as two experts: the same compute per token), every default check under int8, verdicts only
 (fix_budget=0) and the default run (fix_budget=1), each against its own eager forward over the same batches (best of
-3; the analysis best of 3 at `tiny`, of 2 at `small`), in one process, at two sizes: `tiny` (hidden 128, experts of 128, 8 batches of 4x16 tokens: per-op overhead
-dominates) and `small` (hidden 1024, experts of 512, 8 batches of 4x128 tokens: compute dominates). The last
-column is the MoE's ratio over the dense model's.
+3; the analysis best of 3 at `tiny`, of 2 at `small`), in one process, at two sizes: `tiny` (hidden 128, experts of
+128, 8 batches of 4x16 tokens: per-op overhead dominates) and `small` (hidden 1024, experts of 512, 8 batches of
+4x128 tokens: compute dominates). The last column is the MoE's ratio over the dense model's.
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
