@@ -370,7 +370,22 @@ def _template_nodes(routed_inputs: fx.Node, template: fx.Node, own_prefix: str) 
             own.add(node)
     if template not in own:
         raise ValueError("the experts template does not compute from the routed tokens")
+    # a shape the trace fixed to every routed token's count (a view, say) would not fit one expert's run of them
+    value = routed_inputs.meta.get("val")
+    routed = value.shape[0] if isinstance(value, torch.Tensor) else None
+    if not isinstance(routed, int):
+        raise ValueError("the routed tokens' count is not known from the trace")
+    for node in own:
+        if node.op != "get_attr" and routed in _integers(node.args) + _integers(list(node.kwargs.values())):
+            raise ValueError(f"the experts template's {node.name} is fixed to the {routed} routed tokens")
     return [node for node in template.graph.nodes if node in own]
+
+
+def _integers(arguments: Any) -> list[int]:
+    """The integers among `arguments`, in lists and tuples too (a shape)."""
+    if isinstance(arguments, (list, tuple)):
+        return [found for argument in arguments for found in _integers(argument)]
+    return [arguments] if isinstance(arguments, int) and not isinstance(arguments, bool) else []
 
 
 def _rename_expert(node: fx.Node, path: str, expert: int) -> None:

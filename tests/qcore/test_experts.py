@@ -82,6 +82,24 @@ def test_a_capture_from_one_template_per_block_is_the_graph_traced_expert_by_exp
         {layer: value.sqnr_db for layer, value in b.layers.items()}
 
 
+def test_a_template_whose_shape_the_trace_fixed_to_every_routed_token_is_not_copied(monkeypatch):
+    """An expert computation with a reshape to its input's row count is traced with that count fixed: copied for one
+    expert's run of the tokens it would not fit, so the capture traces every expert instead, and runs."""
+    import qcore.graph.experts as experts_module
+
+    projection = experts_module._expert_projection
+
+    def reshaping(module, expert, inputs):
+        return projection(module, expert, inputs.reshape(inputs.shape[0], -1))
+
+    model, data = tiny_moe("qwen3_moe", experts=4)
+    monkeypatch.setattr(experts_module, "_expert_projection", reshaping)
+    gm = qcore.capture(model, data[0])
+    assert not any(node.target is experts_module.expert_counts for node in gm.graph.nodes)
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(gm(**data[1])), model(**data[1]).logits, atol=2e-5, rtol=1e-4)
+
+
 def test_a_template_that_does_not_expand_falls_back_to_a_trace_of_every_expert(monkeypatch):
     import qcore.graph.capture as capture_module
 
