@@ -167,9 +167,9 @@ def try_fix(model: ModelContext, fix: Fix, reads: Collection[str] = KINDS, *, bu
             verdict: bool = False) -> Trial:
     """The model measured with `fix`, against the model as it is: its output, and of the layers the fix concerns
     the SQNRs in `reads` (of KINDS; the others are nan). A budgeted trial is not run once the model's fix budget
-    is spent, nor when the budget left is less than the costliest trial so far (its `stopped` is then True);
-    budgeted=False runs it all the same (the confirmation of a fix about to
-    be printed). verdict=True: a trial a check's verdict waits for, timed as its own stage ("verdict trials") and
+    is spent, nor when the budget left does not hold a whole-model trial (StageTimes.whole_trial_runs; its
+    `stopped` is then True); budgeted=False runs it all the same (the confirmation of a fix about to be printed).
+    verdict=True: a trial a check's verdict waits for, timed as its own stage ("verdict trials") and
     neither limited by the fix budget nor counted in it."""
     from qcore.analysis import stage, trial_step, trials_allowed
 

@@ -306,13 +306,14 @@ def expand_expert_templates(gm: fx.GraphModule, blocks: Mapping[str, MoeBlock]) 
             for expert in range(block.experts):
                 inputs = gm.graph.call_function(operator.getitem, (split_inputs, expert))
                 weights = gm.graph.call_function(operator.getitem, (split_weights, expert))
-                copies = _Copies({routed_inputs: inputs})
+                copies = {routed_inputs: inputs}
                 for original in body:
                     if original.op == "get_attr":
                         target = f"{path}.{expert}." + str(original.target)[len(path) + 3:]
                         copies[original] = gm.graph.get_attr(target)
                     else:
-                        copies[original] = gm.graph.node_copy(original, copies.get_or_same)
+                        copies[original] = gm.graph.node_copy(original,
+                                                              lambda arg, copies=copies: copies.get(arg, arg))
                         _rename_expert(copies[original], path, expert)
                     copies[original].meta.pop(FQN_KEY, None)
                 products.append(gm.graph.call_function(torch.ops.aten.mul.Tensor, (copies[template], weights)))
@@ -332,14 +333,6 @@ def expand_expert_templates(gm: fx.GraphModule, blocks: Mapping[str, MoeBlock]) 
     return len(stand_ins)
 
 
-class _Copies(dict):
-    """{template node: its copy for one expert}; a node that is not the template's stands for itself."""
-
-    def get_or_same(self, node: Any) -> Any:
-        """The copy of `node`, or `node`."""
-        return self.get(node, node)
-
-
 def _module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     return str(list(stack.values())[-1][0]) if stack else ""
@@ -353,14 +346,13 @@ def _template_nodes(routed_inputs: fx.Node, template: fx.Node, own_prefix: str) 
     stack = [template]
     while stack:
         current = stack.pop()
-        if current in ancestors or current is routed_inputs:
+        # a computation traced before the routed tokens is the block's, not the template's: the walk ends there
+        if current in ancestors or current is routed_inputs or (current.op != "get_attr" and current < routed_inputs):
             continue
         ancestors.add(current)
         stack.extend(current.all_input_nodes)
     own: set[fx.Node] = set()
-    for node in template.graph.nodes:  # graph order: a node's inputs come first
-        if node not in ancestors:
-            continue
+    for node in sorted(ancestors):  # graph order: a node's inputs come first
         if node.op == "get_attr":
             if str(node.target).startswith(own_prefix):
                 own.add(node)

@@ -10,7 +10,7 @@ or under xdist: each run of a model graph on one batch (`graph_run`, a share of 
 part way) counts towards the outermost open stage. The verdict pass is the calibration and comparison stages' runs;
 `trials_allowed()` says whether the trials have run fewer than `fix_budget` times as many; asked before a
 whole-model trial (`trial_step`) or a search step that one must follow, whether the budget left holds one (the
-costliest so far, at least a run per batch), so that a trial begun near the end of the budget does not overrun it
+costliest so far, at least two runs per batch), so that a trial begun near the end of the budget does not overrun it
 by a whole pass.
 """
 from __future__ import annotations
