@@ -92,7 +92,8 @@ class QReportResult:
     def assert_sqnr(self, min_db: float, layers: str = "*") -> None:
         """Every quantized layer matching the glob `layers` has a propagated SQNR of at least `min_db`."""
         __tracebackhide__ = True
-        from ..checks.sqnr import SqnrCheck, measured_fixes, own_error_layers
+        from ..checks.sqnr import SqnrCheck, own_error_layers
+        from ..fixes import fix_search
 
         measured = self.analysis.sqnr.layers
         chosen = [name for name in measured if fnmatch.fnmatchcase(name, layers)]
@@ -100,12 +101,13 @@ class QReportResult:
             _raise_assertion(f"model {self.name!r}: no quantized layer matches {layers!r}; layers: {list(measured)}")
         offending = []
         context = self._state.context
-        fixes = measured_fixes(context, own_error_layers(measured, chosen, min_db))
+        search = fix_search(context)
+        fixes = search.layer_fixes(own_error_layers(measured, chosen, min_db))
         for name in chosen:
             entry = measured[name]
             if not entry.sqnr_db >= min_db:
                 message = SqnrCheck.message(context, name, entry.sqnr_db, min_db, entry.shadow_sqnr_db,
-                                            entry.below_resolution, fixes.get(name, []))
+                                            entry.below_resolution, fixes.get(name, []), search=search)
                 offending.append(Finding(model=self.name, check="sqnr", layer=name, metric="sqnr_db",
                                          value=entry.sqnr_db, threshold=min_db, verdict="fail", message=message))
         if offending:

@@ -1,5 +1,5 @@
 """Detector checks: ModelReport's detectors as items. torch.ao's heuristics name the layers; an item fails
-only when the change its detector recommends was measured (checks.advice) to raise the layer's own SQNR by at
+only when the change its detector recommends was measured (pytest_qreport.fixes) to raise the layer's own SQNR by at
 least the check's minimum gain: by the screen in the model's comparison pass where one ran (the verdict pass; the
 fix's trial on the whole model is then a fix search within the fix budget), else by the fix's trial, which must not
 lower the output SQNR either. Where heuristic and measurement disagree, the item passes with a note that names
@@ -29,7 +29,7 @@ from ..core.findings import Finding
 from ..core.numbers import format_bound
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, decibels
-from .advice import Advice, equalize_fix, layer_overrides_fix, others_untried, search_further, verify
+from ..fixes import Advice, FixSearch, fix_search
 
 __all__ = ["DetectorCheck", "DynamicStaticCheck", "InputWeightEqualizationCheck", "OutlierCheck", "PerChannelCheck"]
 
@@ -111,8 +111,9 @@ class DetectorCheck(Check):
         changes = {layer: change for layer, change in proposed.items() if change is not None}
         if not changes:
             return results
-        advice = self.advise(model, list(changes), changes)
-        return [self.judged(f, advice, list(changes), model) if f.layer in changes else f for f in results]
+        search = fix_search(model)
+        advice = self.advise(model, search, list(changes), changes)
+        return [self.judged(f, advice, list(changes), model, search) if f.layer in changes else f for f in results]
 
     def screened_gains(self, model: ModelContext, layers: list[str], changes: dict[str, dict[str, Any]]
                        ) -> dict[str, tuple[float, float]] | None:
@@ -124,13 +125,14 @@ class DetectorCheck(Check):
         before = model.analysis.sqnr.layers
         return {layer: (before[layer].shadow_sqnr_db, screened.own_sqnr_db.get(layer, math.nan)) for layer in layers}
 
-    def advise(self, model: ModelContext, layers: list[str], changes: dict[str, dict[str, Any]]) -> Advice:
-        """The measured advice for the layers the heuristic names: their own SQNR with the fix from the comparison
-        pass (the screen), and the fix's trial on the whole model within the fix budget; without a screen, the
-        trial judges, outside the budget."""
+    def advise(self, model: ModelContext, search: FixSearch, layers: list[str], changes: dict[str, dict[str, Any]]
+               ) -> Advice:
+        """The measured advice for the layers the heuristic names, from the model's fix search: their own SQNR
+        with the fix from the comparison pass (the screen), and the fix's trial on the whole model within the fix
+        budget; without a screen, the trial judges, outside the budget."""
         own = self.screened_gains(model, layers, changes)
-        return verify(model, layers, lambda chosen: layer_overrides_fix(model, {c: changes[c] for c in chosen}),
-                      self.min_gain(model), screened=own, verdict=own is None)
+        return search.verify(layers, lambda chosen: search.layer_overrides({c: changes[c] for c in chosen}),
+                             self.min_gain(model), screened=own, verdict=own is None)
 
     def screen(self, model: ModelContext, layers: list[str]) -> Any | None:
         """The fix on the layers among `layers` whose heuristic verdict fails, measured in the comparison pass;
@@ -162,16 +164,18 @@ class DetectorCheck(Check):
         return changes
 
     def judged(self, found: Finding, advice: Advice, failing: Sequence[str] | None = None,
-               model: ModelContext | None = None) -> Finding:
+               model: ModelContext | None = None, search: FixSearch | None = None) -> Finding:
         """One heuristic failure after measurement. `failing`: the layers whose items fail this heuristic (default:
-        those the advice recommends); the fix they share is printed in full on the first of them it helps."""
+        those the advice recommends); the fix they share is printed in full on the first of them it helps. `model`
+        and its fix `search`: what the verdict pass measured is read from them (without them, the advice judges)."""
         details = {**found.details, "measured_gain_db": advice.first.gain(found.layer),
                    "advised": advice.helps(found.layer)}
-        measured = self.pass_gains(model, advice) if model is not None else None
+        measured = self.pass_gains(model, search, advice) if model is not None and search is not None else None
         before, after = (measured or {}).get(found.layer, (math.nan, math.nan))
-        if model is not None and after - before >= advice.min_gain and not advice.helps(found.layer):
+        if model is not None and search is not None and after - before >= advice.min_gain \
+                and not advice.helps(found.layer):
             # the verdict pass measured the gain: the item fails whatever the fix's trial found, or if it did not run
-            return found.replace(message=self.unadvised(model, found, advice, failing, (before, after)),
+            return found.replace(message=self.unadvised(model, search, found, advice, failing, (before, after)),
                                  details=details)
         if advice.helps(found.layer):
             details["fix"] = advice.fix_text()
@@ -183,26 +187,27 @@ class DetectorCheck(Check):
                 assert advice.trial is not None
                 fix = (f"Fix: the one {advice.trial.fix.setting} fix for the {len(kept)} failing {self.name} items, "
                        f"given on the item of {kept[0]} and under the summary.")
-            further = others_untried(model, advice) if model is not None else ""
+            further = search.others_untried(advice) if search is not None else ""
             return found.replace(message=f"{found.message.rstrip('.')}; {advice.claim(found.layer)}.{further} {fix}",
                                  details=details)
         seen = found.message.removeprefix(f"layer {found.layer}: ")
         heuristic = f"torch.ao's {self.name} heuristic recommends {self.recommends} ({seen})"
         return found.replace(verdict="pass", message="", note=advice.note(found.layer, heuristic), details=details)
 
-    def pass_gains(self, model: ModelContext, advice: Advice) -> Mapping[str, tuple[float, float]] | None:
+    def pass_gains(self, model: ModelContext, search: FixSearch, advice: Advice
+                   ) -> Mapping[str, tuple[float, float]] | None:
         """{layer: (own SQNR, own SQNR with the fix)} that the verdict pass measured (the screen's), or None where
         none did (the fix's trial then judges)."""
         return advice.first.own if advice.first.screened else None
 
-    def measured_setting(self, model: ModelContext, layers: Sequence[str]) -> str:
+    def measured_setting(self, model: ModelContext, search: FixSearch, layers: Sequence[str]) -> str:
         """The setting the verdict pass measured on `layers`, to paste (the screen's changes)."""
         screened = model.analysis.screened(self.name)
         changes = {layer: dict(screened.changes[layer]) for layer in layers} if screened is not None else {}
-        return layer_overrides_fix(model, changes).paste()
+        return search.layer_overrides(changes).paste()
 
-    def unadvised(self, model: ModelContext, found: Finding, advice: Advice, failing: Sequence[str] | None,
-                  measured: tuple[float, float]) -> str:
+    def unadvised(self, model: ModelContext, search: FixSearch, found: Finding, advice: Advice,
+                  failing: Sequence[str] | None, measured: tuple[float, float]) -> str:
         """The message of an item whose fix the comparison pass measured (`measured`: its own SQNR without and with
         it) to raise its own SQNR by the minimum gain, with what the fix budget measured of it on the whole model:
         not tried (and how to try it), or a trial that does not keep it (the output falls, or together with the
@@ -212,12 +217,12 @@ class DetectorCheck(Check):
                  f"input) is {before:.2f} -> {after:.2f} dB ({after - before:+.2f} dB; the minimum gain is "
                  f"{advice.min_gain:g} dB)")
         if advice.stopped:
-            gains = self.pass_gains(model, advice) or {}
+            gains = self.pass_gains(model, search, advice) or {}
             gaining = [name for name in (failing or [layer])
                        if (pair := gains.get(name)) is not None and pair[1] - pair[0] >= advice.min_gain]
             return (f"{claim}, and its effect on the model output was not measured: the model's fix budget was "
-                    f"spent.{search_further(model)} The setting the comparison pass measured on these layers: "
-                    f"qmodel(..., {self.measured_setting(model, gaining or [layer])}).")
+                    f"spent.{search.further()} The setting the comparison pass measured on these layers: "
+                    f"qmodel(..., {self.measured_setting(model, search, gaining or [layer])}).")
         note = advice.notes.get(layer, "not measured")
         return (f"{claim}, but on the whole model {note}, so it is not advised: raise {self.min_gain_setting} "
                 f"above {format_bound(after - before, 'gain_db', up=True)}, or set severity={{{self.name!r}: 'warn'}}, "
@@ -306,22 +311,20 @@ class InputWeightEqualizationCheck(DetectorCheck):
     def fix_change(self, quantized: Any) -> dict[str, Any] | None:
         return {}  # equalization is a model setting: see advise
 
-    def advise(self, model: ModelContext, layers: list[str], changes: dict[str, dict[str, Any]]) -> Advice:
-        from .equalization import equalization_advice
-
-        return equalization_advice(model, layers, smooth=False)
+    def advise(self, model: ModelContext, search: FixSearch, layers: list[str], changes: dict[str, dict[str, Any]]
+               ) -> Advice:
+        return search.equalization(layers, smooth=False)
 
     @property
     def min_gain_setting(self) -> str:
         return "equalization_min_gain_db"
 
-    def pass_gains(self, model: ModelContext, advice: Advice) -> Mapping[str, tuple[float, float]] | None:
-        from .equalization import variant_gains
+    def pass_gains(self, model: ModelContext, search: FixSearch, advice: Advice
+                   ) -> Mapping[str, tuple[float, float]] | None:
+        return search.variant_gains("input_weight")
 
-        return variant_gains(model, "input_weight")
-
-    def measured_setting(self, model: ModelContext, layers: Sequence[str]) -> str:
-        return equalize_fix(list(layers), layers).paste()
+    def measured_setting(self, model: ModelContext, search: FixSearch, layers: Sequence[str]) -> str:
+        return search.equalize(list(layers), layers).paste()
 
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         flags = entry[self.detector.RECOMMENDED_KEY]

@@ -5,10 +5,10 @@ import math
 from typing import Any
 
 from ..core.findings import Finding
+from ..core.pipeline import is_artifact
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, fraction, number
-from .advice import float_layers_fix, quantized_layer_names
-from .artifact import is_artifact
+from ..fixes import fix_search
 
 __all__ = ["ExpertCoverageCheck", "RoutingAgreementCheck", "calibrate_every_expert_fix"]
 
@@ -180,7 +180,8 @@ class RoutingAgreementCheck(Check):
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         measured, threshold = model.analysis.routing_agreement, float(model.settings.routing_agreement_min)
-        routers, quantized = model.analysis.routers, set(quantized_layer_names(model))
+        search = fix_search(model)
+        routers, quantized = model.analysis.routers, set(search.quantized_layers())
         results = []
         for block in layers:
             entry = measured.get(block)
@@ -199,7 +200,7 @@ class RoutingAgreementCheck(Check):
                         "Its experts' items and the model's output items still judge it.")))
                 continue
             value = float(entry["agreement"])
-            fix = float_layers_fix(model, [router.layer]).paste()
+            fix = search.keep_in_float([router.layer]).paste()
             message = (f"block {block}: the quantized router {router.layer} keeps the float model's top-{router.top_k} "
                        f"experts for {value:.1%} of {int(entry['tokens'])} calibration tokens, below "
                        f"routing_agreement_min {threshold:g}: the others go to other experts. Routers are small: "

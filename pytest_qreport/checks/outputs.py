@@ -11,9 +11,10 @@ import math
 from typing import Any, ClassVar
 
 from ..core.findings import Finding
+from ..core.pipeline import is_artifact
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, fraction, function, number
-from .artifact import artifact_fix_advice, is_artifact
+from ..fixes import fix_search
 from .sqnr import below, output_label
 
 __all__ = ["KlDivergenceCheck", "OutputCheck", "PerplexityCheck", "TaskMetricCheck", "Top1AgreementCheck",
@@ -71,7 +72,7 @@ class OutputCheck(Check):
             return ""
         if not is_artifact(model.analysis):
             return layer_search_pointer(model) if self.points_to_layer_search else ""
-        advice, recipe = artifact_fix_advice(model, self.name, measured_metric, threshold, model.eval_batches(), show)
+        advice, recipe = fix_search(model).output_fix(self.name, measured_metric, threshold, model.eval_batches(), show)
         if recipe is not None:
             details["recipe"] = recipe
         return advice

@@ -1,4 +1,4 @@
-"""Where the model's error comes from: the per-layer sensitivity ranking, and a verified float_layers fix."""
+"""Where the model's error comes from: the per-layer sensitivity ranking, with the model_sqnr item's measured fix."""
 from __future__ import annotations
 
 import math
@@ -6,97 +6,11 @@ from typing import Any
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
-from .advice import float_search_limit, max_float_layers, search_further
-from .artifact import DEFAULT_CANDIDATES, artifact_fix, artifact_fix_advice, is_artifact
+from ..fixes import BLOCKWISE_NOTE, DEFAULT_MAX_LAYERS, fix_search
 
-__all__ = ["BLOCKWISE_NOTE", "SensitivityCheck", "float_layers_advice", "output_fix", "output_float_layers_fix",
-           "recipe"]
+__all__ = ["SensitivityCheck"]
 
-BLOCKWISE_NOTE = ("No {search} ran: the model is analysed one block at a time (blockwise), and the {search} "
-                  "measures the whole quantized model; it runs with qmodel(blockwise=False) where the whole model's "
-                  "analysis fits in memory.")
-DEFAULT_MAX_LAYERS = 32
 DEFAULT_BATCHES = 2
-
-
-def recipe(model: ModelContext) -> dict[str, Any] | None:
-    """The formats in force, {"default": format, "layers": {glob: format}}, for a model in deployed formats."""
-    quantizer: Any = model.analysis.quantizer
-    if getattr(quantizer, "layer_preset", None) is None:
-        return None
-    return {"default": quantizer.preset.name, "layers": dict(model.settings.layer_formats or {})}
-
-
-def output_fix(model: ModelContext, target_db: float) -> tuple[str, dict[str, Any] | None]:
-    """The verified fix for a low model output SQNR and, for a model in deployed formats, its recipe
-    ({"default": format, "layers": {layer: format}}): a format_fix under a format quantizer, else float_layers."""
-    if is_artifact(model.analysis):
-        return artifact_fix_advice(model, "model_sqnr", "output_sqnr_db", target_db, model.analysis.batches,
-                                   lambda value: f"{value:.1f} dB")
-    formats = recipe(model)
-    if formats is None:
-        return float_layers_advice(model, target_db), None
-    options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
-    if options.get("fix") is False:
-        return "", formats
-    if model.analysis.blockwise:
-        return f" ({BLOCKWISE_NOTE.format(search='format search')})", formats
-    fix = model.analysis.format_fix(target_db, int(options.get("max_moves", 16)),
-                                    options.get("batches", DEFAULT_BATCHES))
-    if not fix.layer_formats:
-        return search_further(model) if fix.stopped else "", formats
-    formats["layers"].update(fix.layer_formats)
-    layers = formats["layers"]
-    if fix.reached:
-        return (f" Moving {len(fix.layer_formats)} layer(s) up the format ladder was measured to reach "
-                f"{fix.measured_db:.1f} dB: layer_formats={layers!r}"), formats
-    within = " that the search measured within the fix budget" if fix.stopped else ""
-    return (f" No set of up to {len(fix.layer_formats)} format moves{within} reaches {target_db:.1f} dB"
-            + (f".{search_further(model)} The best found" if fix.stopped else "; the best found")
-            + f", layer_formats={layers!r}, was measured at {fix.measured_db:.1f} dB."), formats
-
-
-def output_float_layers_fix(model: ModelContext, target_db: float) -> Any | None:
-    """The float_layers fix model_sqnr advises for a low output SQNR (qcore's FloatLayersFix, searched once per
-    model and kept), or None where model_sqnr searches none (its fix is off, a format quantizer, blockwise)."""
-    if is_artifact(model.analysis):
-        return artifact_fix(model, "model_sqnr", "output_sqnr_db", target_db, model.analysis.batches)
-    options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
-    if options.get("fix") is False or model.analysis.blockwise or recipe(model) is not None:
-        return None
-    if not isinstance(getattr(model.analysis.quantizer, "layer_overrides", None), dict):
-        return None
-    ranked = model.checks["sensitivity"].options if "sensitivity" in model.checks else {}
-    return model.analysis.float_layers_fix(target_db, max_float_layers(model, "model_sqnr"),
-                                           options.get("batches", DEFAULT_BATCHES),
-                                           int(options.get("candidates", DEFAULT_CANDIDATES)),
-                                           int(ranked.get("max_layers", DEFAULT_MAX_LAYERS)))
-
-
-def float_layers_advice(model: ModelContext, target_db: float) -> str:
-    """The verified fix for a low model output SQNR: a float_layers line to paste and the SQNR it reached."""
-    options = model.checks["model_sqnr"].options if "model_sqnr" in model.checks else {}
-    if options.get("fix") is False:
-        return ""
-    if not isinstance(getattr(model.analysis.quantizer, "layer_overrides", None), dict):
-        return (" (No float_layers fix is searched: this quantizer has no layer_overrides to keep layers in "
-                "float.)")
-    if model.analysis.blockwise:
-        return f" ({BLOCKWISE_NOTE.format(search='float_layers search')})"
-    fix = output_float_layers_fix(model, target_db)
-    if fix is None or not fix.float_layers:
-        return search_further(model) if fix is not None and fix.stopped else ""
-    layers = list(model.settings.float_layers or []) + list(fix.float_layers)
-    if fix.reached:
-        return (f" Keeping {len(fix.float_layers)} layer(s) in float was measured to reach {fix.measured_db:.1f} dB: "
-                f"float_layers={layers!r}")
-    if fix.stopped:
-        return (f" No set of up to {len(fix.float_layers)} layers kept in float that the search measured within the "
-                f"fix budget reaches {target_db:.1f} dB.{search_further(model)} The best found, "
-                f"float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")
-    return (f" No set of up to {len(fix.float_layers)} layers kept in float reaches {target_db:.1f} dB "
-            f"({float_search_limit(model, len(fix.float_layers), 'model_sqnr')}); the best found, "
-            f"float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")
 
 
 class SensitivityCheck(Check):
@@ -132,6 +46,7 @@ class SensitivityCheck(Check):
         result = model.analysis.sensitivity(max_layers, self.options.get("batches", DEFAULT_BATCHES), listed_count,
                                             confirmed)
         top = result.layers[:listed_count]
+        search = fix_search(model)
         listed = "; ".join(f"{entry.layer} {entry.gain_db:+.1f} dB in float" + (
             "" if math.isnan(entry.only_quantized_db) else
             f" (the output {entry.only_quantized_db:.1f} dB with this layer the only one quantized)") for entry in top)
@@ -139,13 +54,13 @@ class SensitivityCheck(Check):
                    f"(check_options={{'sensitivity': {{'max_layers': N}}}})." if result.skipped else "")
         if result.unmeasured:
             skipped += (f" {len(result.unmeasured)} layer(s) within it were not measured: the model's fix budget was "
-                        "spent." + search_further(model))
+                        "spent." + search.further())
         details: dict[str, Any] = {
             "all_quantized_db": result.all_quantized_db, "batches": result.batches, "skipped": list(result.skipped),
             "ranking": [{"layer": e.layer, "gain_db": e.gain_db, "only_quantized_db": e.only_quantized_db,
                          "only_float_db": e.only_float_db, "batches": e.batches} for e in result.layers]}
-        fix = output_fix(model, target)[0]
-        further = search_further(model)
+        fix = search.output_fix("model_sqnr", "output_sqnr_db", target, show=lambda value: f"{value:.1f} dB")[0]
+        further = search.further()
         if skipped.endswith(further) and fix.endswith(further):  # both stopped by the budget: say it once
             fix = fix[:-len(further)]
         ranked = f" (on {result.batches} batch(es)); the layers that help most when kept in float: {listed}." if top \

@@ -4,9 +4,9 @@ import json
 import math
 import pathlib
 
-from pytest_qreport.checks.advice import Advice, Fix, Trial
 from pytest_qreport.checks.detectors import OutlierCheck
 from pytest_qreport.core.findings import Finding
+from pytest_qreport.fixes import Advice, Fix, Trial
 from pytest_qreport.reports.terminal import render_summary
 from tests.helpers import run_examples
 

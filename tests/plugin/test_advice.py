@@ -301,7 +301,7 @@ def test_a_weight_that_fails_with_every_other_weight_is_offered_no_other_layers_
 
 
 def test_a_fix_that_lowers_the_output_is_not_printed():
-    from pytest_qreport.checks.advice import Fix, Trial
+    from pytest_qreport.fixes import Fix, Trial
 
     lowering = Trial(Fix("layer_overrides", {}, ("fc",)), (30.0, 29.0), {"fc": (20.0, 25.0)}, {}, {})
     assert not lowering.output_kept and lowering.gain("fc") == 5.0

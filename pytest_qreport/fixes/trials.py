@@ -1,4 +1,4 @@
-"""Verified advice: a check prints a fix only after measuring it on the model.
+"""Trials: a check prints a fix only after measuring it on the model.
 
 A fix is one qmodel() keyword with its whole value, merged with the model's own (`Fix.paste()` is the text to
 paste). `try_fix` measures the model with it, exactly as the pasted settings would, in one more calibration and
@@ -18,11 +18,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.experts import compact_expert_layers, expert_layers_of
-from ..core.registry import ModelContext
 
-__all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "NOT_TRIED", "VERDICT_TRIALS", "Advice", "Fix", "Trial", "equalize_fix",
-           "float_layers_fix", "float_search_limit", "layer_overrides_fix", "max_float_layers", "quantized_layer_names",
-           "others_untried", "search_further", "try_fix", "verify"]
+__all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "NOT_TRIED", "VERDICT_TRIALS", "Advice", "Fix", "SearchScope", "Trial",
+           "equalize_fix", "float_layers_fix", "float_search_limit", "layer_overrides_fix", "max_float_layers",
+           "quantized_layer_names", "others_untried", "search_further", "try_fix", "verify"]
+
+
+@dataclass(frozen=True)
+class SearchScope:
+    """What a fix search reads of one model: its name, settings, qcore analysis, and its checks (for their
+    check_options), taken from the plugin's ModelContext once, where a check asks for its fix search."""
+
+    name: str
+    settings: Any
+    analysis: Any
+    checks: Mapping[str, Any]
+
+    def options(self, check: str) -> Mapping[str, Any]:
+        """The model's check_options for `check` ({} where the check does not run)."""
+        return self.checks[check].options if check in self.checks else {}
 
 
 @dataclass(frozen=True)
@@ -83,19 +97,19 @@ class Trial:
         return f"{whose} {what} {before:.2f} -> {after:.2f} dB"
 
 
-def layer_overrides_fix(model: ModelContext, change: Mapping[str, Mapping[str, Any]]) -> Fix:
+def layer_overrides_fix(scope: SearchScope, change: Mapping[str, Mapping[str, Any]]) -> Fix:
     """layer_overrides with `change` merged into the model's own, glob by glob."""
-    own = dict(model.settings.layer_overrides or {})
+    own = dict(scope.settings.layer_overrides or {})
     merged = {**own, **{glob: {**own.get(glob, {}), **dict(values)} for glob, values in change.items()}}
     return Fix("layer_overrides", merged, tuple(change))
 
 
-def float_layers_fix(model: ModelContext, layers: Iterable[str]) -> Fix:
+def float_layers_fix(scope: SearchScope, layers: Iterable[str]) -> Fix:
     """float_layers with `layers` added to the model's own."""
     layers = list(layers)
-    own = list(model.settings.float_layers or [])
+    own = list(scope.settings.float_layers or [])
     added = [layer for layer in layers if layer not in own]
-    experts = expert_layers_of(model.analysis)
+    experts = expert_layers_of(scope.analysis)
     if experts:  # a block's experts by glob, not one name per expert
         added = compact_expert_layers(added, experts)
     return Fix("float_layers", own + [layer for layer in added if layer not in own], tuple(layers))
@@ -106,10 +120,10 @@ def equalize_fix(value: Any, layers: Iterable[str]) -> Fix:
     return Fix("equalize", value, tuple(layers))
 
 
-def quantized_layer_names(model: ModelContext) -> list[str]:
+def quantized_layer_names(scope: SearchScope) -> list[str]:
     """The layers the model quantizes as declared, in graph order: not those its own float_layers keep in float,
     nor layers whose format refused their shapes."""
-    analysis = model.analysis
+    analysis = scope.analysis
     kept = set(getattr(analysis, "float_layers", ()) or ())
     return [entry.layer for entry in analysis.layers
             if not getattr(entry, "format_refusal", "") and entry.layer not in kept]
@@ -118,18 +132,18 @@ def quantized_layer_names(model: ModelContext) -> list[str]:
 DEFAULT_MAX_FLOAT_LAYERS = 8
 
 
-def max_float_layers(model: ModelContext, check: str) -> int:
+def max_float_layers(scope: SearchScope, check: str) -> int:
     """The most layers a float_layers search of `check` may keep in float: check_options={check: {'max_float_layers':
     N}}, default DEFAULT_MAX_FLOAT_LAYERS."""
-    options = model.checks[check].options if check in model.checks else {}
+    options = scope.checks[check].options if check in scope.checks else {}
     return int(options.get("max_float_layers", DEFAULT_MAX_FLOAT_LAYERS))
 
 
-def float_search_limit(model: ModelContext, chosen: int, check: str) -> str:
+def float_search_limit(scope: SearchScope, chosen: int, check: str) -> str:
     """Why a float_layers search of `check` stopped at `chosen` layers short of its target: every layer but one is
     in float (the threshold is above what the quantizer gives), its max_float_layers budget, or no other layer was
     measured to help."""
-    quantized, most = len(quantized_layer_names(model)), max_float_layers(model, check)
+    quantized, most = len(quantized_layer_names(scope)), max_float_layers(scope, check)
     if chosen >= quantized - 1:
         return (f"keeping all {quantized} quantized layers in float would quantize nothing, so the threshold is "
                 "above what this quantizer gives")
@@ -139,13 +153,13 @@ def float_search_limit(model: ModelContext, chosen: int, check: str) -> str:
     return "no other layer was measured to help when kept in float"
 
 
-def _variant(model: ModelContext, fix: Fix, reads: Collection[str]) -> Any:
+def _variant(scope: SearchScope, fix: Fix, reads: Collection[str]) -> Any:
     """The model's analysis with the fix applied as the pasted setting would apply it, measuring the layers the fix
     concerns (a trial reads nothing else but the outputs; every layer when one of them is not a layer's name), and
     of their SQNRs those in `reads`."""
     from qcore.analysis import LAYER_KINDS, with_float_layers, with_layer_overrides
 
-    analysis = model.analysis
+    analysis = scope.analysis
     known = {entry.layer for entry in analysis.layers}
     layers = fix.layers if set(fix.layers) <= known else None
     kinds = LAYER_KINDS & set(reads)
@@ -163,7 +177,7 @@ def _variant(model: ModelContext, fix: Fix, reads: Collection[str]) -> Any:
     raise ValueError(f"no verified fix sets {fix.setting!r}")
 
 
-def try_fix(model: ModelContext, fix: Fix, reads: Collection[str] = KINDS, *, budgeted: bool = True,
+def try_fix(scope: SearchScope, fix: Fix, reads: Collection[str] = KINDS, *, budgeted: bool = True,
             verdict: bool = False) -> Trial:
     """The model measured with `fix`, against the model as it is: its output, and of the layers the fix concerns
     the SQNRs in `reads` (of KINDS; the others are nan). A budgeted trial is not run once the model's fix budget
@@ -173,8 +187,8 @@ def try_fix(model: ModelContext, fix: Fix, reads: Collection[str] = KINDS, *, bu
     neither limited by the fix budget nor counted in it."""
     from qcore.analysis import stage, trial_step, trials_allowed
 
-    before = model.analysis.sqnr
-    variant = _variant(model, fix, reads)  # kept per configuration: a trial measured before costs nothing
+    before = scope.analysis.sqnr
+    variant = _variant(scope, fix, reads)  # kept per configuration: a trial measured before costs nothing
     stopped = budgeted and not verdict and "sqnr" not in vars(variant) and not trials_allowed(whole=True)
     if not stopped:
         with stage(VERDICT_TRIALS if verdict else "trials"), trial_step():
@@ -199,10 +213,10 @@ VERDICT_TRIALS = "verdict trials"  # the stage of the trials a verdict waits for
 NOT_TRIED = "not measured: the model's fix budget was spent before this fix was tried"
 
 
-def search_further(model: ModelContext) -> str:
+def search_further(scope: SearchScope) -> str:
     """What a check whose fix search the budget stopped says: the setting that searches further, and the one that
     gives verdicts only."""
-    budget = model.settings.fix_budget
+    budget = scope.settings.fix_budget
     if budget == 0:
         return (" No fix was searched: fix_budget is 0 (verdicts only); measure fixes with qmodel(fix_budget=1), or "
                 "run every search to its end with qmodel(fix_budget='unlimited').")
@@ -224,12 +238,12 @@ def _larger_budget(budget: float) -> float:
     return float(math.ceil(larger)) if 1 < larger < math.inf else larger
 
 
-def others_untried(model: ModelContext, advice: Advice) -> str:
+def others_untried(scope: SearchScope, advice: Advice) -> str:
     """What an item whose printed fix was measured says before it when the fix budget left other fixes of its search
     untried (one of which might have raised the output more); '' when every one was measured."""
     if not advice.stopped:
         return ""
-    return " Other fixes of this search were not measured: the model's fix budget was spent." + search_further(model)
+    return " Other fixes of this search were not measured: the model's fix budget was spent." + search_further(scope)
 
 
 @dataclass(frozen=True)
@@ -266,7 +280,7 @@ class Advice:
         return f"{heuristic}; {self.notes.get(layer, 'not measured')}: not recommended"
 
 
-def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[list[str]], Fix], min_gain: float,
+def verify(scope: SearchScope, candidates: Iterable[str], make_fix: Callable[[list[str]], Fix], min_gain: float,
            kind: str = "own", screened: Mapping[str, tuple[float, float]] | None = None,
            verdict: bool = False) -> Advice:
     """Try the fix on every candidate layer, keep those it raises by at least `min_gain` dB (`kind` SQNR), try
@@ -280,7 +294,7 @@ def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[l
     if screened is not None and kind == "own":
         first = Trial(make_fix(candidates), (math.nan, math.nan), dict(screened), {}, {}, screened=True)
     else:
-        first = try_fix(model, make_fix(candidates), (kind,), verdict=verdict)
+        first = try_fix(scope, make_fix(candidates), (kind,), verdict=verdict)
     if first.stopped:
         return Advice(first, None, (), min_gain, kind, {layer: NOT_TRIED for layer in candidates}, stopped=True)
     notes: dict[str, str] = {}
@@ -298,7 +312,7 @@ def verify(model: ModelContext, candidates: Iterable[str], make_fix: Callable[[l
     # after a screen, the trial of the fix on the whole model is the search's first (within the budget); after a
     # trial, the confirmation of the fix it prints (always run)
     trial = first if helpful == candidates and not first.screened else \
-        try_fix(model, make_fix(helpful), (kind,), budgeted=first.screened, verdict=verdict)
+        try_fix(scope, make_fix(helpful), (kind,), budgeted=first.screened, verdict=verdict)
     if trial.stopped:
         notes.update({layer: NOT_TRIED for layer in helpful})
         return Advice(first, None, (), min_gain, kind, notes, stopped=True)

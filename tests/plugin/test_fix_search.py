@@ -1,0 +1,86 @@
+"""The fix search is one place: a check hands its model to `pytest_qreport.fixes` once, gets its fixes back, and
+prints them; the model walks into no other module of the plugin on the way (the modules a call passes the model
+to, in order, are the walk's rooms)."""
+import math
+import sys
+
+from pytest_qreport.checks import BUILTIN_CHECKS
+from pytest_qreport.core.registry import ModelContext
+from tests.helpers import analyze_with_checks
+from tests.plugin.test_advice import _features, wide_rows
+
+# the model's own methods and Check.finding, which makes a finding of a value: not a room of the fix's walk
+OWN = "pytest_qreport.core.registry"
+
+
+def _measuring(frame):
+    """Whether the call is a measurement's callback (a detector's screen, run by qcore's comparison pass when a
+    check first reads the model's SQNR): the verdict pass, not the walk to a fix."""
+    frame = frame.f_back
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("qcore"):
+            return True
+        if frame.f_code.co_name == "findings":
+            return False
+        frame = frame.f_back
+    return False
+
+
+def _walks(monkeypatch):
+    """{check name: [the rooms of each findings call's walk]}, recorded while the checks run."""
+    walks: dict[str, list[list[str]]] = {}
+
+    def traced(check_class):
+        original = check_class.findings
+
+        def findings(self, model, layers):
+            if not isinstance(model, ModelContext):
+                return original(self, model, layers)
+            rooms: list[str] = []
+
+            def profile(frame, event, arg):
+                if event != "call":
+                    return
+                module = frame.f_globals.get("__name__", "")
+                if not module.startswith("pytest_qreport") or module == OWN:
+                    return
+                arguments = frame.f_code.co_varnames[:frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]
+                if any(frame.f_locals.get(name) is model for name in arguments) and not _measuring(frame):
+                    room = "pytest_qreport.fixes" if module.startswith("pytest_qreport.fixes") else module
+                    if not rooms or rooms[-1] != room:
+                        rooms.append(room)
+
+            sys.setprofile(profile)
+            try:
+                return original(self, model, layers)
+            finally:
+                sys.setprofile(None)
+                walks.setdefault(self.name, []).append(rooms)
+
+        monkeypatch.setattr(check_class, "findings", findings)
+
+    owners = {next(k for k in check_class.__mro__ if "findings" in vars(k)) for check_class in BUILTIN_CHECKS}
+    for owner in owners:
+        traced(owner)
+    return walks
+
+
+def test_every_check_walks_its_model_into_the_fix_search_once_and_into_no_other_room(monkeypatch):
+    walks = _walks(monkeypatch)
+    found, _ = analyze_with_checks(
+        wide_rows, _features(), quantizer="int8_per_tensor", sqnr_min_db=45, weight_sqnr_min_db=45,
+        model_sqnr_min_db=60, fix_budget=math.inf,
+        checks=["sqnr", "weight_sqnr", "model_sqnr", "sensitivity", "per_channel", "outlier", "equalization",
+                "input_weight_equalization"])
+    sqnr = found[("sqnr", "layers.2")]
+    assert sqnr.verdict == "fail" and "Measured fixes:" in sqnr.message, sqnr.message
+    assert "was measured to reach" in found[("model_sqnr", "output")].message or \
+        "was measured at" in found[("model_sqnr", "output")].message
+    assert walks["sqnr"] == [["pytest_qreport.checks.sqnr", "pytest_qreport.fixes", "pytest_qreport.checks.sqnr"]]
+    for name, calls in walks.items():
+        for rooms in calls:
+            own = [room for room in rooms if room != "pytest_qreport.fixes"]
+            assert rooms.count("pytest_qreport.fixes") <= 1 and len(set(own)) <= 1, (name, rooms)
+    asked = {name for name, calls in walks.items() if any("pytest_qreport.fixes" in rooms for rooms in calls)}
+    assert {"sqnr", "weight_sqnr", "model_sqnr", "sensitivity", "per_channel"} <= asked, walks
+
