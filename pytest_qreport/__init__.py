@@ -6,6 +6,8 @@ from .core.findings import Finding, RunOutcome
 from .core.registry import Check, CheckRegistry, ModelContext
 from .core.results import ModelFacts, RunResults
 from .core.schema import Setting
+from .fixes import FixSearch, fix_search
 
-__all__ = ["Check", "CheckRegistry", "DetectorCheck", "Finding", "ModelContext", "ModelDeclaration", "ModelFacts",
-           "QReportAssertionError", "ReportError", "RunOutcome", "RunResults", "Setting", "qmodel"]
+__all__ = ["Check", "CheckRegistry", "DetectorCheck", "Finding", "FixSearch", "ModelContext", "ModelDeclaration",
+           "ModelFacts", "QReportAssertionError", "ReportError", "RunOutcome", "RunResults", "Setting", "fix_search",
+           "qmodel"]

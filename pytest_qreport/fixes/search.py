@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import equalize
 from .trials import (
-    KINDS,
     Advice,
     Fix,
     SearchScope,
@@ -99,10 +98,6 @@ class FixSearch(ABC):
                verdict: bool = False) -> Advice:
         """A heuristic's fix tried on its candidate layers and kept where it helps (trials.verify)."""
         return verify(self.scope, candidates, make_fix, min_gain, kind, screened, verdict)
-
-    def trial(self, fix: Fix, reads: Sequence[str] = KINDS) -> Trial:
-        """The model measured with `fix`, within the fix budget (trials.try_fix)."""
-        return try_fix(self.scope, fix, reads)
 
     def equalization(self, layers: list[str] | None = None, smooth: bool = True) -> Advice:
         """The best measured equalization fix (fixes.equalize.equalization_advice)."""

@@ -84,3 +84,33 @@ def test_every_check_walks_its_model_into_the_fix_search_once_and_into_no_other_
     asked = {name for name, calls in walks.items() if any("pytest_qreport.fixes" in rooms for rooms in calls)}
     assert {"sqnr", "weight_sqnr", "model_sqnr", "sensitivity", "per_channel"} <= asked, walks
 
+
+
+def test_the_guides_custom_check_prints_the_fixes_the_fix_search_measured():
+    import pathlib
+    import re
+
+    from pytest_qreport.checks import BUILTIN_CHECKS as BUILTIN
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.quantizers import model_quantizer
+    from pytest_qreport.core.settings import ModelSettings
+    from tests.helpers import PluginHook, builtin_registry
+
+    guide = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "guide" / "extending.md").read_text()
+    source = next(block for block in re.findall(r"```python\n(.*?)```", guide, re.S) if "fix_search" in block)
+    namespace: dict = {}
+    exec(source, namespace)  # the guide's example, as written there
+    check_class = namespace["WorstLayers"]
+    registry = builtin_registry()
+    registry.register(check_class)
+    batches = _features()
+    settings = ModelSettings.defaults((*BUILTIN, check_class), calibration=batches, quantizer="int8_per_tensor",
+                                      checks=["sqnr", "worst_layers"], sqnr_min_db=45, layers=["layers.2"],
+                                      fix_budget=math.inf, check_options={"worst_layers": {"min_db": 45.0}})
+    pipeline = collect_model("m", settings, registry, model_quantizer(settings, PluginHook()), wide_rows(), batches[0])
+    pipeline.analyze(lambda: batches, lambda found: None)
+    assert pipeline.findings is not None, pipeline.error
+    mine, sqnr = pipeline.findings[("worst_layers", "layers.2")], pipeline.findings[("sqnr", "layers.2")]
+    assert mine.verdict == "fail" and "per-channel weights (measured with the fix:" in mine.message, mine.message
+    printed = mine.message.split("Measured fixes: ", 1)[1]
+    assert printed in sqnr.message  # the same fixes, measured once, that the sqnr item prints
