@@ -153,9 +153,12 @@ def _materialize_lazy_modules(model: nn.Module, args: tuple, kwargs: dict) -> No
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    dynamic = _auto_batch_dims(args, kwargs)
     try:
-        exported = torch.export.export(model, args, kwargs, dynamic_shapes=_auto_batch_dims(args, kwargs), strict=False)
+        exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception:  # noqa: BLE001 - a model that refuses a dynamic batch dim still exports statically
+        if dynamic is None:
+            raise
         exported = torch.export.export(model, args, kwargs, strict=False)
     gm = exported.module()
     for node in list(gm.graph.nodes):  # the input-guard submodule is not part of the model's computation
@@ -192,15 +195,16 @@ def _drop_input_constraint_check(gm: fx.GraphModule) -> None:
             gm._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
-def _auto_batch_dims(args: tuple, kwargs: dict):
-    auto = torch.export.Dim.AUTO
-
-    def spec(value):
-        return {0: auto} if isinstance(value, torch.Tensor) and value.dim() > 0 else None
-
+def _auto_batch_dims(args: tuple, kwargs: dict) -> tuple | None:
+    """dynamic_shapes for a model called with positional tensors: their first dimension left to export (Dim.AUTO),
+    so that batches of another size run on the graph. A model called with keywords (a transformers model) is
+    exported for the first batch's shapes (None): a dynamic batch doubles its trace's cost, and the experts'
+    templates (qcore.graph.experts) copy a trace whose routed-token counts are known; a calibration batch of
+    another size is named as such when it fails (qcore.quantization.calibrate)."""
     if kwargs:
-        return {"args": tuple(spec(a) for a in args), "kwargs": {k: spec(v) for k, v in kwargs.items()}}
-    return tuple(spec(a) for a in args)
+        return None
+    auto = torch.export.Dim.AUTO
+    return tuple({0: auto} if isinstance(value, torch.Tensor) and value.dim() > 0 else None for value in args)
 
 
 def _fx_trace(model: nn.Module) -> fx.GraphModule:

@@ -65,3 +65,20 @@ def test_model_report_covers_every_bert_linear(bert):
         assert set(linears) <= set(per_layer), name
     hidden = model.config.hidden_size
     assert len(reports["outlier_detector"][1]["encoder.layer.0.attention.self.query"]["outliers_detected"]) == hidden
+
+
+def test_a_smaller_last_batch_is_named_with_the_size_the_model_was_captured_for_and_dropping_it_works():
+    from tests.models import tiny_llama
+
+    model, data = tiny_llama(layers=1)
+    smaller = {key: value[:2] for key, value in data[-1].items()}  # a dataset that does not divide by the batch
+    float_gm = qcore.capture(model, data[0], name="llama")
+    with pytest.raises(qcore.CalibrationError) as failed:
+        measure_sqnr(float_gm, [*data, smaller])
+    message = str(failed.value)
+    assert "calibration batch 3 of 4 failed" in message
+    assert message.endswith("It differs from the first batch in its batch size alone (2 rows against 4), and the "
+                            "captured model computes with the first batch's size: give every batch that size (a "
+                            "DataLoader's drop_last=True drops a smaller last batch).")
+    measured = measure_sqnr(float_gm, data)  # the advice, taken: the smaller last batch dropped
+    assert measured.layers and all(entry.batches == len(data) for entry in measured.layers.values())
