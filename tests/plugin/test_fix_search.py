@@ -114,3 +114,34 @@ def test_the_guides_custom_check_prints_the_fixes_the_fix_search_measured():
     assert mine.verdict == "fail" and "per-channel weights (measured with the fix:" in mine.message, mine.message
     printed = mine.message.split("Measured fixes: ", 1)[1]
     assert printed in sqnr.message  # the same fixes, measured once, that the sqnr item prints
+
+
+def test_in_artifact_mode_the_checks_walk_their_model_into_the_artifacts_fix_search_once(monkeypatch):
+    import copy
+
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    from pytest_qreport.checks import BUILTIN_CHECKS as BUILTIN
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.settings import ModelSettings
+    from pytest_qreport.fixes import ArtifactFixSearch, fix_search
+    from tests.helpers import builtin_registry, torchao_artifact
+
+    walks = _walks(monkeypatch)
+    reference, batches = wide_rows(), _features()
+    quantized = torchao_artifact(copy.deepcopy(reference), Int8WeightOnlyConfig())
+    settings = ModelSettings.defaults(BUILTIN, calibration=batches, quantized=lambda: quantized,
+                                      checks=["sqnr", "weight_sqnr", "model_sqnr"], sqnr_min_db=60,
+                                      weight_sqnr_min_db=60, model_sqnr_min_db=60, fix_budget=math.inf)
+    pipeline = collect_model("m", settings, builtin_registry(), None, reference, batches[0], quantized=quantized)
+    pipeline.analyze(lambda: batches, lambda found: None)
+    assert pipeline.findings is not None, pipeline.error
+    assert isinstance(fix_search(pipeline.context), ArtifactFixSearch)
+    output = pipeline.findings[("model_sqnr", "output")]
+    assert output.verdict == "fail" and "swaps the reference's modules in" in output.message, output.message
+    assert walks["model_sqnr"] == [["pytest_qreport.checks.sqnr", "pytest_qreport.fixes",
+                                    "pytest_qreport.checks.sqnr"]]
+    for name, calls in walks.items():
+        for rooms in calls:
+            assert rooms.count("pytest_qreport.fixes") <= 1 and \
+                len({room for room in rooms if room != "pytest_qreport.fixes"}) <= 1, (name, rooms)
