@@ -4,11 +4,11 @@ line to paste into the tool that made the artifact, in its words (llm-compressor
 entry, bitsandbytes' llm_int8_skip_modules, ...); the JSON's recipe holds every tool's line."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .search import DEFAULT_BATCHES, DEFAULT_CANDIDATES, FixSearch
-from .trials import Advice, max_float_layers
+from .trials import Advice, Fix, max_float_layers
 
 __all__ = ["ArtifactFixSearch"]
 
@@ -16,6 +16,19 @@ __all__ = ["ArtifactFixSearch"]
 class ArtifactFixSearch(FixSearch):
     """The fix searches of a quantized model the user ships: it is quantized already, so its one fix is keeping
     layers in float."""
+
+    def variant(self, fix: Fix, reads: Collection[str]) -> Any:
+        """The artifact with the reference's modules swapped in for the layers the fix keeps in float: the one fix
+        an artifact takes; measuring the layers it concerns where a trial reads a layer's SQNR."""
+        from qcore.analysis import LAYER_KINDS
+
+        if fix.setting != "float_layers":
+            raise ValueError(f"an artifact takes no {fix.setting} fix: it is quantized already")
+        analysis = self.scope.analysis
+        layers = fix.layers if set(fix.layers) <= {entry.layer for entry in analysis.layers} else None
+        kinds = LAYER_KINDS & set(reads)
+        per_layer = kinds or "weight" in reads  # else a trial of the outputs only, shared with the fix searches
+        return analysis.variant(float_layers=fix.value, layers=layers if per_layer else (), shadow="own" in kinds)
 
     def setting_fixes(self, failing: list[str], kind: str) -> list[tuple[str, Advice]]:
         return []  # an artifact's quantizer settings are the tool's: its fix is keeping layers in float

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .trials import Advice, SearchScope, Trial, equalize_fix, verify
+from .trials import Advice, Searcher, SearchScope, Trial, equalize_fix, verify
 
 __all__ = ["equalization_advice", "equalize_all_advice", "input_weight_advice", "smoothing_advice", "variant_gains"]
 
@@ -30,9 +30,10 @@ def variant_gains(scope: SearchScope, method: str, layers: list[str] | None = No
             if (variant := variants.get(layer, {}).get(method)) is not None}
 
 
-def input_weight_advice(scope: SearchScope, layers: list[str] | None = None) -> Advice:
+def input_weight_advice(searcher: Searcher, layers: list[str] | None = None) -> Advice:
     """equalize=[the layers whose input-weight variant gains at least the minimum], tried on the model within its
     fix budget; with `layers`, the advice concerns those (the heuristic's), the others pass unmeasured."""
+    scope = searcher.scope
     min_gain = scope.settings.equalization_min_gain_db
     chosen = _gains(scope, "input_weight")
     named = list(layers) if layers is not None else chosen
@@ -40,46 +41,49 @@ def input_weight_advice(scope: SearchScope, layers: list[str] | None = None) -> 
         empty = Advice(first=_no_trial(), trial=None, recommended=(), min_gain=min_gain, kind="own",
                        notes={layer: _variant_note(scope, layer) for layer in named})
         return empty
-    advice = verify(scope, chosen, lambda picked: equalize_fix(picked, picked), min_gain,
+    advice = verify(searcher, chosen, lambda picked: equalize_fix(picked, picked), min_gain,
                     screened=variant_gains(scope, "input_weight", chosen))
     notes = {layer: _variant_note(scope, layer) for layer in named if layer not in chosen}
     return Advice(advice.first, advice.trial, advice.recommended, min_gain, "own", {**advice.notes, **notes},
                   stopped=advice.stopped)
 
 
-def equalize_all_advice(scope: SearchScope) -> Advice | None:
+def equalize_all_advice(searcher: Searcher) -> Advice | None:
     """equalize=True (every equalizable layer) tried on the model within its fix budget, for the layers it raises
     by the minimum (None when the model has no equalizable layer)."""
+    scope = searcher.scope
     layers = list(scope.analysis.equalizable_layers)
     if not layers:
         return None
-    return verify(scope, layers, lambda picked: equalize_fix(True, layers), scope.settings.equalization_min_gain_db,
+    return verify(searcher, layers, lambda picked: equalize_fix(True, layers), scope.settings.equalization_min_gain_db,
                   screened=variant_gains(scope, "input_weight", layers))
 
 
-def smoothing_advice(scope: SearchScope) -> Advice | None:
+def smoothing_advice(searcher: Searcher) -> Advice | None:
     """equalize='smooth:search' tried on the model within its fix budget, for the layers whose smoothing variant
     gains at least the minimum (None when there are none)."""
+    scope = searcher.scope
     chosen = _gains(scope, "smoothing")
     if not chosen:
         return None
-    return verify(scope, chosen, lambda picked: equalize_fix("smooth:search", chosen),
+    return verify(searcher, chosen, lambda picked: equalize_fix("smooth:search", chosen),
                   scope.settings.equalization_min_gain_db, screened=variant_gains(scope, "smoothing", chosen))
 
 
-def equalization_advice(scope: SearchScope, layers: list[str] | None = None, smooth: bool = True) -> Advice:
+def equalization_advice(searcher: Searcher, layers: list[str] | None = None, smooth: bool = True) -> Advice:
     """The best measured equalization fix (by output SQNR): input-weight equalization of the layers its variant
     helps, or of every layer (tried when some layer's variant helps), or smoothing, each tried within the model's
     fix budget (the advice is `stopped` when the budget left one untried); `layers` are the layers the caller asks
     about (the heuristic's), for the notes. The most promising method is tried first: smoothing when its variants
     gain more in all than the input-weight ones."""
+    scope = searcher.scope
     smoothing_first = smooth and _promise(scope, "smoothing") > _promise(scope, "input_weight")
-    smoothed = smoothing_advice(scope) if smoothing_first else None
-    options: list[Advice | None] = [input_weight_advice(scope, layers)]
+    smoothed = smoothing_advice(searcher) if smoothing_first else None
+    options: list[Advice | None] = [input_weight_advice(searcher, layers)]
     if options[0] is not None and options[0].trial is not None:
-        options.append(equalize_all_advice(scope))
+        options.append(equalize_all_advice(searcher))
     if smooth:
-        options.append(smoothed if smoothing_first else smoothing_advice(scope))
+        options.append(smoothed if smoothing_first else smoothing_advice(searcher))
     stopped = any(option is not None and option.stopped for option in options)
     helping = [a for a in options if a is not None and a.recommended and a.trial is not None]
     if helping:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from . import equalize
@@ -97,11 +97,11 @@ class FixSearch(ABC):
                kind: str = "own", screened: Mapping[str, tuple[float, float]] | None = None,
                verdict: bool = False) -> Advice:
         """A heuristic's fix tried on its candidate layers and kept where it helps (trials.verify)."""
-        return verify(self.scope, candidates, make_fix, min_gain, kind, screened, verdict)
+        return verify(self, candidates, make_fix, min_gain, kind, screened, verdict)
 
     def equalization(self, layers: list[str] | None = None, smooth: bool = True) -> Advice:
         """The best measured equalization fix (fixes.equalize.equalization_advice)."""
-        return equalize.equalization_advice(self.scope, layers, smooth)
+        return equalize.equalization_advice(self, layers, smooth)
 
     def variant_gains(self, method: str, layers: list[str] | None = None) -> dict[str, tuple[float, float]]:
         """{layer: (own SQNR, own SQNR with the `method` variant)} that the comparison pass measured."""
@@ -121,7 +121,7 @@ class FixSearch(ABC):
         uncovered = [layer for layer in failing if output_fix is None or layer not in output_fix.float_layers]
         # every weight failing: keeping them all in float would quantize nothing, and changes no weight that stays
         every_weight = kind == "weight" and set(self.quantized_layers()) <= set(failing)
-        in_float = try_fix(scope, self.keep_in_float(failing), reads=()) \
+        in_float = try_fix(self, self.keep_in_float(failing), reads=()) \
             if uncovered and subset is None and not every_weight else None
         options = self.setting_fixes(failing, kind)
         fixes = MeasuredFixes()
@@ -194,7 +194,7 @@ class FixSearch(ABC):
 
         subset = sorted(failing, key=own_error)[:most]  # stable: graph order among equals
         fix = self.keep_in_float(subset)
-        return try_fix(self.scope, Fix(fix.setting, fix.value, tuple(quantized)), reads=("propagated",))
+        return try_fix(self, Fix(fix.setting, fix.value, tuple(quantized)), reads=("propagated",))
 
     def threshold_limit(self, layer: str, failing: list[str], trial: Trial | None) -> str:
         """Why no fix keeps every sqnr item passing when every quantized layer fails on its own error, and what the
@@ -246,6 +246,11 @@ class FixSearch(ABC):
     def options(self, check: str) -> Mapping[str, Any]:
         """The model's check_options for `check`."""
         return self.scope.options(check)
+
+    @abstractmethod
+    def variant(self, fix: Fix, reads: Collection[str]) -> Any:
+        """The model's analysis with `fix` applied as the pasted setting would apply it, measuring the layers the
+        fix concerns and of their SQNRs those in `reads` (a trial runs it: trials.try_fix)."""
 
     @abstractmethod
     def output_float_layers_search(self, target_db: float) -> Any | None:

@@ -3,11 +3,11 @@ format quantizer, a search up the format ladder (qcore's searches, screened on a
 every batch)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .search import BLOCKWISE_NOTE, DEFAULT_BATCHES, DEFAULT_CANDIDATES, FixSearch
-from .trials import max_float_layers
+from .trials import Fix, max_float_layers
 
 __all__ = ["DEFAULT_MAX_LAYERS", "SimulationFixSearch"]
 
@@ -16,6 +16,23 @@ DEFAULT_MAX_LAYERS = 32  # the sensitivity ranking's layers (graph order), the f
 
 class SimulationFixSearch(FixSearch):
     """The fix searches of a model quantized in simulation (qmodel without quantized=)."""
+
+    def variant(self, fix: Fix, reads: Collection[str]) -> Any:
+        """The model quantized again with the quantizer the fix gives it (layer_overrides, float_layers), or equalized
+        as it says; measuring the layers the fix concerns (every layer when one of them is not a layer's name)."""
+        from qcore.analysis import LAYER_KINDS, with_float_layers, with_layer_overrides
+
+        analysis = self.scope.analysis
+        layers = fix.layers if set(fix.layers) <= {entry.layer for entry in analysis.layers} else None
+        kinds = LAYER_KINDS & set(reads)
+        if fix.setting == "layer_overrides":
+            return analysis.variant(with_layer_overrides(analysis.quantizer, fix.value), layers=layers,
+                                    layer_kinds=kinds)
+        if fix.setting == "float_layers":
+            return analysis.variant(with_float_layers(analysis.quantizer, fix.value), layers=layers, layer_kinds=kinds)
+        if fix.setting == "equalize":
+            return analysis.variant(equalize=fix.value, layers=layers, layer_kinds=kinds)
+        raise ValueError(f"no verified fix sets {fix.setting!r}")
 
     def output_float_layers_search(self, target_db: float) -> Any | None:
         options = self.options("model_sqnr")

@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..core.experts import compact_expert_layers, expert_layers_of
 
-__all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "NOT_TRIED", "VERDICT_TRIALS", "Advice", "Fix", "SearchScope", "Trial",
-           "equalize_fix", "float_layers_fix", "float_search_limit", "layer_overrides_fix", "max_float_layers",
-           "quantized_layer_names", "others_untried", "search_further", "try_fix", "verify"]
+__all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "NOT_TRIED", "VERDICT_TRIALS", "Advice", "Fix", "SearchScope",
+           "Searcher", "Trial", "equalize_fix", "float_layers_fix", "float_search_limit", "layer_overrides_fix",
+           "max_float_layers", "quantized_layer_names", "others_untried", "search_further", "try_fix", "verify"]
 
 
 @dataclass(frozen=True)
@@ -153,31 +153,17 @@ def float_search_limit(scope: SearchScope, chosen: int, check: str) -> str:
     return "no other layer was measured to help when kept in float"
 
 
-def _variant(scope: SearchScope, fix: Fix, reads: Collection[str]) -> Any:
-    """The model's analysis with the fix applied as the pasted setting would apply it, measuring the layers the fix
-    concerns (a trial reads nothing else but the outputs; every layer when one of them is not a layer's name), and
-    of their SQNRs those in `reads`."""
-    from qcore.analysis import LAYER_KINDS, with_float_layers, with_layer_overrides
+class Searcher(Protocol):
+    """What runs a trial: the model's scope, and the analysis a fix gives it, measured as the pasted setting would
+    be (FixSearch: the simulation's and the artifact's each build their own)."""
 
-    analysis = scope.analysis
-    known = {entry.layer for entry in analysis.layers}
-    layers = fix.layers if set(fix.layers) <= known else None
-    kinds = LAYER_KINDS & set(reads)
-    if getattr(analysis, "artifact", False):  # the reference's modules swapped in: the one fix an artifact takes
-        if fix.setting != "float_layers":
-            raise ValueError(f"an artifact takes no {fix.setting} fix: it is quantized already")
-        per_layer = kinds or "weight" in reads  # else a trial of the outputs only, shared with the fix searches
-        return analysis.variant(float_layers=fix.value, layers=layers if per_layer else (), shadow="own" in kinds)
-    if fix.setting == "layer_overrides":
-        return analysis.variant(with_layer_overrides(analysis.quantizer, fix.value), layers=layers, layer_kinds=kinds)
-    if fix.setting == "float_layers":
-        return analysis.variant(with_float_layers(analysis.quantizer, fix.value), layers=layers, layer_kinds=kinds)
-    if fix.setting == "equalize":
-        return analysis.variant(equalize=fix.value, layers=layers, layer_kinds=kinds)
-    raise ValueError(f"no verified fix sets {fix.setting!r}")
+    scope: SearchScope
+
+    def variant(self, fix: Fix, reads: Collection[str]) -> Any:
+        """The model's analysis with `fix` applied, measuring the layers it concerns and of their SQNRs `reads`."""
 
 
-def try_fix(scope: SearchScope, fix: Fix, reads: Collection[str] = KINDS, *, budgeted: bool = True,
+def try_fix(searcher: Searcher, fix: Fix, reads: Collection[str] = KINDS, *, budgeted: bool = True,
             verdict: bool = False) -> Trial:
     """The model measured with `fix`, against the model as it is: its output, and of the layers the fix concerns
     the SQNRs in `reads` (of KINDS; the others are nan). A budgeted trial is not run once the model's fix budget
@@ -187,8 +173,8 @@ def try_fix(scope: SearchScope, fix: Fix, reads: Collection[str] = KINDS, *, bud
     neither limited by the fix budget nor counted in it."""
     from qcore.analysis import stage, trial_step, trials_allowed
 
-    before = scope.analysis.sqnr
-    variant = _variant(scope, fix, reads)  # kept per configuration: a trial measured before costs nothing
+    before = searcher.scope.analysis.sqnr
+    variant = searcher.variant(fix, reads)  # kept per configuration: a trial measured before costs nothing
     stopped = budgeted and not verdict and "sqnr" not in vars(variant) and not trials_allowed(whole=True)
     if not stopped:
         with stage(VERDICT_TRIALS if verdict else "trials"), trial_step():
@@ -280,7 +266,7 @@ class Advice:
         return f"{heuristic}; {self.notes.get(layer, 'not measured')}: not recommended"
 
 
-def verify(scope: SearchScope, candidates: Iterable[str], make_fix: Callable[[list[str]], Fix], min_gain: float,
+def verify(searcher: Searcher, candidates: Iterable[str], make_fix: Callable[[list[str]], Fix], min_gain: float,
            kind: str = "own", screened: Mapping[str, tuple[float, float]] | None = None,
            verdict: bool = False) -> Advice:
     """Try the fix on every candidate layer, keep those it raises by at least `min_gain` dB (`kind` SQNR), try
@@ -294,7 +280,7 @@ def verify(scope: SearchScope, candidates: Iterable[str], make_fix: Callable[[li
     if screened is not None and kind == "own":
         first = Trial(make_fix(candidates), (math.nan, math.nan), dict(screened), {}, {}, screened=True)
     else:
-        first = try_fix(scope, make_fix(candidates), (kind,), verdict=verdict)
+        first = try_fix(searcher, make_fix(candidates), (kind,), verdict=verdict)
     if first.stopped:
         return Advice(first, None, (), min_gain, kind, {layer: NOT_TRIED for layer in candidates}, stopped=True)
     notes: dict[str, str] = {}
@@ -312,7 +298,7 @@ def verify(scope: SearchScope, candidates: Iterable[str], make_fix: Callable[[li
     # after a screen, the trial of the fix on the whole model is the search's first (within the budget); after a
     # trial, the confirmation of the fix it prints (always run)
     trial = first if helpful == candidates and not first.screened else \
-        try_fix(scope, make_fix(helpful), (kind,), budgeted=first.screened, verdict=verdict)
+        try_fix(searcher, make_fix(helpful), (kind,), budgeted=first.screened, verdict=verdict)
     if trial.stopped:
         notes.update({layer: NOT_TRIED for layer in helpful})
         return Advice(first, None, (), min_gain, kind, notes, stopped=True)
