@@ -6,11 +6,9 @@ from typing import Any
 
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
-from ..fixes import BLOCKWISE_NOTE, DEFAULT_MAX_LAYERS, fix_search
+from ..fixes import BLOCKWISE_NOTE, DEFAULT_BATCHES, DEFAULT_MAX_LAYERS, fix_search
 
 __all__ = ["SensitivityCheck"]
-
-DEFAULT_BATCHES = 2
 
 
 class SensitivityCheck(Check):

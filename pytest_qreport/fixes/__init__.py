@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING
 
 from ..core.pipeline import is_artifact
 from .artifact import ArtifactFixSearch
-from .search import BLOCKWISE_NOTE, MIN_FIX_GAIN_DB, FixSearch, MeasuredFixes
+from .search import BLOCKWISE_NOTE, DEFAULT_BATCHES, MIN_FIX_GAIN_DB, FixSearch, MeasuredFixes
 from .simulation import DEFAULT_MAX_LAYERS, SimulationFixSearch
 from .trials import NOT_TRIED, VERDICT_TRIALS, Advice, Fix, SearchScope, Trial
 
 if TYPE_CHECKING:
     from ..core.registry import ModelContext
 
-__all__ = ["BLOCKWISE_NOTE", "DEFAULT_MAX_LAYERS", "MIN_FIX_GAIN_DB", "NOT_TRIED", "VERDICT_TRIALS", "Advice",
-           "ArtifactFixSearch", "Fix", "FixSearch", "MeasuredFixes", "SearchScope", "SimulationFixSearch", "Trial",
-           "fix_search"]
+__all__ = ["BLOCKWISE_NOTE", "DEFAULT_BATCHES", "DEFAULT_MAX_LAYERS", "MIN_FIX_GAIN_DB", "NOT_TRIED", "VERDICT_TRIALS",
+           "Advice", "ArtifactFixSearch", "Fix", "FixSearch", "MeasuredFixes", "SearchScope", "SimulationFixSearch",
+           "Trial", "fix_search"]
 
 def fix_search(model: ModelContext) -> FixSearch:
     """The model's fix search: the artifact's when it gates a quantized model the user ships, else the

@@ -39,7 +39,7 @@ class ArtifactFixSearch(FixSearch):
     def float_layers_search(self, check: str, metric: str, target: float, batches: list[Any]) -> Any | None:
         """The artifact's verified float_layers fix for `metric` to meet `target` (qcore's ArtifactFix, searched once
         per check and target), or None where the check's fix is off (check_options={check: {'fix': False}})."""
-        options = self.options(check)
+        options = self.scope.options(check)
         if options.get("fix") is False:
             return None
         most = max_float_layers(self.scope, check)
@@ -94,7 +94,7 @@ class ArtifactFixSearch(FixSearch):
                     "above what this quantizer gives")
         if not trials_allowed():
             return None
-        options = self.options(check)
+        options = self.scope.options(check)
         wider = min(2 * max(searched, max_float_layers(self.scope, check)), quantized - 1)
         value, screened = self.scope.analysis.largest_errors_in_float(
             metric, wider, options.get("batches", DEFAULT_BATCHES), batches)

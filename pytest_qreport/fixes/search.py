@@ -115,7 +115,8 @@ class FixSearch(ABC):
         scope = self.scope
         # the fix budget goes to the fixes most sure to help first: the model output's float_layers search, keeping
         # the failing layers in float (or, when every layer fails, the best proper subset), then the quantizer's
-        output_target, output_fix = self.output_float_layers() if failing else (None, None)
+        output_target, output_search = self.output_search() if failing else (None, None)
+        output_fix = output_search if output_search is not None and output_search.float_layers else None
         # a weight's SQNR depends on its own quantization only: keeping other layers in float leaves it as it is
         subset = self.best_proper_subset(failing) if failing and kind == "propagated" else None
         uncovered = [layer for layer in failing if output_fix is None or layer not in output_fix.float_layers]
@@ -127,7 +128,7 @@ class FixSearch(ABC):
         fixes = MeasuredFixes()
         fixes.stopped = any(advice.stopped for _, advice in options) or any(
             trial is not None and trial.stopped for trial in (subset, in_float)) or bool(
-            failing and self.output_search_stopped())
+            output_search is not None and output_search.stopped)
         if subset is not None and subset.stopped:
             subset = None
         if in_float is not None and in_float.stopped:
@@ -242,10 +243,6 @@ class FixSearch(ABC):
         runs)."""
         fix = self.output_search()[1]
         return bool(fix is not None and fix.stopped)
-
-    def options(self, check: str) -> Mapping[str, Any]:
-        """The model's check_options for `check`."""
-        return self.scope.options(check)
 
     @abstractmethod
     def variant(self, fix: Fix, reads: Collection[str]) -> Any:

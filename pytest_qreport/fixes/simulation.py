@@ -35,13 +35,13 @@ class SimulationFixSearch(FixSearch):
         raise ValueError(f"no verified fix sets {fix.setting!r}")
 
     def output_float_layers_search(self, target_db: float) -> Any | None:
-        options = self.options("model_sqnr")
+        options = self.scope.options("model_sqnr")
         analysis = self.scope.analysis
         if options.get("fix") is False or analysis.blockwise or self.recipe() is not None:
             return None
         if not isinstance(getattr(analysis.quantizer, "layer_overrides", None), dict):
             return None
-        ranked = self.options("sensitivity")
+        ranked = self.scope.options("sensitivity")
         return analysis.float_layers_fix(target_db, max_float_layers(self.scope, "model_sqnr"),
                                          options.get("batches", DEFAULT_BATCHES),
                                          int(options.get("candidates", DEFAULT_CANDIDATES)),
@@ -56,7 +56,7 @@ class SimulationFixSearch(FixSearch):
         formats = self.recipe()
         if formats is None:
             return self._float_layers_advice(target), None
-        options = self.options("model_sqnr")
+        options = self.scope.options("model_sqnr")
         if options.get("fix") is False:
             return "", formats
         analysis = self.scope.analysis
@@ -77,7 +77,7 @@ class SimulationFixSearch(FixSearch):
 
     def _float_layers_advice(self, target_db: float) -> str:
         """The verified fix for a low model output SQNR: a float_layers line to paste and the SQNR it reached."""
-        if self.options("model_sqnr").get("fix") is False:
+        if self.scope.options("model_sqnr").get("fix") is False:
             return ""
         analysis = self.scope.analysis
         if not isinstance(getattr(analysis.quantizer, "layer_overrides", None), dict):

@@ -135,7 +135,7 @@ DEFAULT_MAX_FLOAT_LAYERS = 8
 def max_float_layers(scope: SearchScope, check: str) -> int:
     """The most layers a float_layers search of `check` may keep in float: check_options={check: {'max_float_layers':
     N}}, default DEFAULT_MAX_FLOAT_LAYERS."""
-    options = scope.checks[check].options if check in scope.checks else {}
+    options = scope.options(check)
     return int(options.get("max_float_layers", DEFAULT_MAX_FLOAT_LAYERS))
 
 

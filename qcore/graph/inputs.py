@@ -8,7 +8,7 @@ import torch
 from qcore.runtime.deferred import batched_updates
 from qcore.runtime.progress import graph_run
 
-__all__ = ["as_args_kwargs", "call_model", "describe_batch", "move_to"]
+__all__ = ["as_args_kwargs", "call_model", "describe_batch", "move_to", "named_inputs"]
 
 
 def as_args_kwargs(inputs: Any) -> tuple[tuple, dict]:
@@ -40,11 +40,16 @@ def move_to(inputs: Any, device: torch.device | str) -> Any:
     return inputs
 
 
+def named_inputs(inputs: Any) -> list[tuple[str, Any]]:
+    """A batch's arguments by name: 'arg 0', 'arg 1', ... for the positional ones, the keywords' own."""
+    args, kwargs = as_args_kwargs(inputs)
+    return [(f"arg {index}", value) for index, value in enumerate(args)] + list(kwargs.items())
+
+
 def describe_batch(inputs: Any) -> str:
     """What a batch holds, for an error message: each tensor's dtype and shape by its argument
     ('input_ids: int64 [2, 16]'), other values by type."""
-    args, kwargs = as_args_kwargs(inputs)
-    named = [(f"arg {index}", value) for index, value in enumerate(args)] + list(kwargs.items())
+    named = named_inputs(inputs)
 
     def one(value: Any) -> str:
         if isinstance(value, torch.Tensor):

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from qcore.graph.inputs import as_args_kwargs, call_model, describe_batch, move_to
+from qcore.graph.inputs import call_model, describe_batch, move_to, named_inputs
 from qcore.runtime.progress import batch_done, stage
 
 __all__ = ["CalibrationError", "OutputSink", "calibrate", "model_device"]
@@ -66,8 +66,7 @@ def calibrate(model: nn.Module, batches: Iterable[Any], keep_first_output: Outpu
 
 def _tensor_shapes(batch: Any) -> list[tuple[str, torch.dtype, tuple[int, ...]]] | None:
     """(argument, dtype, shape) of each tensor a batch holds; None where it holds something else too."""
-    args, kwargs = as_args_kwargs(batch)
-    named = [(f"arg {index}", value) for index, value in enumerate(args)] + list(kwargs.items())
+    named = named_inputs(batch)
     if not named or not all(isinstance(value, torch.Tensor) and value.dim() > 0 for _, value in named):
         return None
     return [(name, value.dtype, tuple(value.shape)) for name, value in named]
