@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import operator
 import re
 from collections.abc import Callable, Iterable
@@ -15,7 +16,8 @@ from torch import fx
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
            "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
            "observation_point",
-           "last_layers", "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
+           "last_layers", "LayerPatterns", "layer_patterns",
+           "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
            "WEIGHT_VIEWS", "is_weight_value", "may_change_after", "normalize_module_path", "op_schema", "viewed_value",
            "weight_value", "written_after"]
 
@@ -70,16 +72,22 @@ WEIGHTED_KINDS = ("linear", "conv", "addmm")
 QUANTIZABLE_KINDS = ("linear", "conv", "matmul", "bmm", "addmm", "sdpa")
 
 
+# the table read the other way, the first kind of a target winning as in the table's order: one lookup a node
+_FUNCTION_KINDS: dict[Any, str] = {}
+_METHOD_KINDS: dict[str, str] = {}
+for _kind, (_functions, _methods) in _OP_TABLE.items():
+    for _function in _functions:
+        _FUNCTION_KINDS.setdefault(_function, _kind)
+    for _method in _methods:
+        _METHOD_KINDS.setdefault(_method, _kind)
+
+
 def op_kind(node: fx.Node, gm: fx.GraphModule | None = None) -> str | None:
     """Classify a node: 'linear', 'conv', 'matmul', 'bmm', 'addmm', 'add', 'mul', 'cat', 'relu', 'passthrough'."""
     if node.op == "call_function":
-        for kind, (targets, _) in _OP_TABLE.items():
-            if node.target in targets:
-                return kind
+        return _FUNCTION_KINDS.get(node.target)
     elif node.op == "call_method":
-        for kind, (_, methods) in _OP_TABLE.items():
-            if node.target in methods:
-                return kind
+        return _METHOD_KINDS.get(str(node.target))
     elif node.op == "call_module" and gm is not None and not node.meta.get(INSERTED_KEY):
         try:
             module = gm.get_submodule(str(node.target))
@@ -282,6 +290,44 @@ def matches_layer(pattern: str, *names: str) -> bool:
     """Whether a layer glob matches any of `names` (a layer's name, its module's FQN): as a glob, or as the name of
     a module that contains the layer (`head` matches `head.1`), so that a Sequential's name reaches its layers."""
     return any(name and (fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".")) for name in names)
+
+
+class LayerPatterns:
+    """Layer globs to match against many layers, as matches_layer does: a pattern without a wildcard is looked up
+    by the layer's name and the modules that contain it, so a quantizer with one override per layer does not
+    try every pattern on every layer."""
+
+    def __init__(self, patterns: Iterable[str]) -> None:
+        self.patterns = list(patterns)
+        self.literal: dict[str, list[int]] = {}
+        self.globs: list[tuple[int, str]] = []
+        for index, pattern in enumerate(self.patterns):
+            if any(character in pattern for character in "*?["):
+                self.globs.append((index, pattern))
+            else:
+                self.literal.setdefault(pattern, []).append(index)
+
+    def matching(self, *names: str) -> list[str]:
+        """The patterns that match any of `names` (matches_layer), in their given order."""
+        found: set[int] = set()
+        for name in names:
+            if not name:
+                continue
+            prefix = name  # a literal pattern matches the name itself or a module path that contains it
+            while True:
+                found.update(self.literal.get(prefix, ()))
+                cut = prefix.rfind(".")
+                if cut < 0:
+                    break
+                prefix = prefix[:cut]
+        found.update(index for index, pattern in self.globs if matches_layer(pattern, *names))
+        return [self.patterns[index] for index in sorted(found)]
+
+
+@functools.lru_cache(maxsize=64)
+def layer_patterns(patterns: tuple[str, ...]) -> LayerPatterns:
+    """The LayerPatterns of a quantizer's override keys, made once for the many layers it annotates."""
+    return LayerPatterns(patterns)
 
 
 def may_change_after(node: fx.Node, passes_through: Callable[[fx.Node], bool] | None = None,

@@ -341,7 +341,7 @@ def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, in
             not is_weight_value(quant_weight):
         return "its quantized input or weight is not in the form a variant can replace"
     copies: dict[fx.Node, fx.Node] = {}
-    result = copy_layer_into(gm_a, pair.a, pair.b, prefix, copies)
+    result = copy_layer_into(gm_a, pair.a, pair.b, prefix, copies, known=graph.float_nodes())
     input_copy = copies[quant_input]
     base = f"qcore_variant_{index}"
     gm_a.register_buffer(f"{base}_factor", variant.extras["factor"])

@@ -167,6 +167,13 @@ class ShadowGraph:
     prefix: str
     references: dict[str, fx.Node]
     shadows: dict[str, StreamingComparator]
+    known: FloatNodes | None = None  # gm's original nodes, read once for every layer copied into it
+
+    def float_nodes(self) -> FloatNodes:
+        """gm's FloatNodes for copy_layer_into, read from gm once (the shadows' own, when they made one)."""
+        if self.known is None:
+            self.known = FloatNodes(self.gm)
+        return self.known
 
 
 @dataclass
@@ -273,13 +280,13 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     extra_comparators = _add_extra_shadows(gm_a, extra_shadows, extra_pairs, references)
     if watch is not None:  # branches that stay for every batch, unlike `instrument`'s
         watch(ShadowGraph(gm_a, pairs, _SHADOW_PREFIX, references,
-                          {pair.layer: c for pair, c in zip(pairs, shadowed) if c is not None}))
+                          {pair.layer: c for pair, c in zip(pairs, shadowed) if c is not None}, floats))
     merge_repeated_shadow_inputs(gm_a.graph)
     before = set(gm_a.graph.nodes)
     finish = None
     if instrument is not None:
         finish = instrument(ShadowGraph(gm_a, pairs, _SHADOW_PREFIX, references,
-                                        {pair.layer: c for pair, c in zip(pairs, shadowed) if c is not None}))
+                                        {pair.layer: c for pair, c in zip(pairs, shadowed) if c is not None}, floats))
     kept = float_outputs is not None and propagate and instrument is None
     run_float = not kept or _truncate_after_last_logger(gm_a)
     total = len(batches) if isinstance(batches, Sized) else None

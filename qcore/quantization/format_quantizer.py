@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 
 from qcore.formats.presets import Preset, TensorFormat, preset
-from qcore.graph.ops import find_quantizable_ops, matches_layer
+from qcore.graph.ops import find_quantizable_ops, layer_patterns
 from qcore.observe.observers import ObserverBase
 from qcore.quantization.quantizer import ANNOTATION_KEY, QuantizationAnnotation, QuantizationSpec, Quantizer
 
@@ -113,12 +113,12 @@ class FormatQuantizer(Quantizer):
     def layer_preset(self, fqn: str, layer: str) -> Preset | None:
         """The preset of one layer (None: kept in float)."""
         chosen: Preset | None = self.preset
-        for pattern, override in self.layer_overrides.items():
-            if matches_layer(pattern, layer, fqn):
-                if override.get("skip"):
-                    chosen = None
-                elif "format" in override:
-                    chosen = preset(override["format"])
+        for pattern in layer_patterns(tuple(self.layer_overrides)).matching(layer, fqn):
+            override = self.layer_overrides[pattern]
+            if override.get("skip"):
+                chosen = None
+            elif "format" in override:
+                chosen = preset(override["format"])
         return chosen
 
     def annotate(self, gm: fx.GraphModule) -> fx.GraphModule:

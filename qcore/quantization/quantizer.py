@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 from qcore.formats.presets import TensorFormat
-from qcore.graph.ops import QUANTIZABLE_KINDS, find_quantizable_ops, is_inserted, matches_layer, op_kind
+from qcore.graph.ops import QUANTIZABLE_KINDS, find_quantizable_ops, is_inserted, layer_patterns, op_kind
 from qcore.observe.observers import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver
 
 __all__ = ["ANNOTATION_KEY", "DerivedQuantizationSpec", "EdgeOrNode", "FixedQParamsQuantizationSpec",
@@ -219,9 +219,8 @@ class Int8StaticQuantizer(Quantizer):
     def _settings(self, fqn: str, layer: str) -> dict:
         settings: dict[str, Any] = {"per_channel": self.per_channel, "is_dynamic": False, "skip": False,
                                     "activation_observer": self.activation_observer}
-        for pattern, override in self.layer_overrides.items():
-            if matches_layer(pattern, layer, fqn):
-                settings.update(override)
+        for pattern in layer_patterns(tuple(self.layer_overrides)).matching(layer, fqn):
+            settings.update(self.layer_overrides[pattern])
         settings["activation_observer"] = _activation_observer(settings["activation_observer"])
         return settings
 
