@@ -62,6 +62,9 @@ def test_a_capture_from_one_template_per_block_is_the_graph_traced_expert_by_exp
     model, data = tiny_moe(architecture, experts=4, batch=4)
     templated = qcore.capture(model, data[0])
     assert sum(node.target is expert_counts for node in templated.graph.nodes) == 1  # the block's one host read
+    # no parameter is fetched that no op reads (the fused ones, the reads the templates' copies replaced)
+    assert not [node.target for node in templated.graph.nodes
+                if node.op == "get_attr" and not node.users and ".experts." in str(node.target)]
     monkeypatch.setattr(capture_module, "traced_with_templates", contextlib.nullcontext)
     traced = qcore.capture(model, data[0])
     assert not any(node.target is expert_counts for node in traced.graph.nodes)
