@@ -9,10 +9,12 @@ tokens gets a range too narrow for the tokens it meets later, and the held-out t
 
 With `--cost`: the analysis of a 4-layer Qwen3-MoE (8 experts, top-2) and of the dense Qwen3 of the same depth and
 shape (its MLP as wide as two experts: the same compute per token), every default check under int8, verdicts only
-(fix_budget=0) and the default run (fix_budget=1), each against its own eager forward over the same batches (best of
-3; the analysis best of 3 at `tiny`, of 2 at `small`), in one process, at two sizes: `tiny` (hidden 128, experts of
-128, 8 batches of 4x16 tokens: per-op overhead dominates) and `small` (hidden 1024, experts of 512, 8 batches of
-4x128 tokens: compute dominates). The last column is the MoE's ratio over the dense model's.
+(fix_budget=0) and the default run (fix_budget=1), each against its own eager forward over the same batches, in one
+process, at two sizes: `tiny` (hidden 128, experts of 128, 8 batches of 4x16 tokens: per-op overhead dominates) and
+`small` (hidden 1024, experts of 512, 8 batches of 4x128 tokens: compute dominates). The two models are measured in
+alternating rounds (5 at `tiny`, 2 at `small`; each a forward, best of 3, and both analyses), each figure the fastest
+of its rounds. `moe/dense` is the MoE's ratio over the dense model's; `per round`, the range of that quotient over
+the rounds.
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
@@ -75,11 +77,10 @@ def _analysis_seconds(model, batches, fix_budget: float) -> tuple[float, int]:
     state = collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
     state.analyze(lambda: batches, lambda found: None, threads=2)
     assert not state.failed, state.error
-    print("   stages:", {stage: round(seconds, 2) for stage, seconds in state.seconds.items()})
     return time.perf_counter() - start, len(state.findings or {})
 
 
-REPEATS = {"tiny": 3, "small": 2}  # analyses per cell, the fastest quoted: the machine's speed drifts
+ROUNDS = {"tiny": 5, "small": 2}  # rounds of (forward, analysis) per model, the fastest of each quoted
 SIZES = {  # hidden, expert width, tokens per batch row, vocabulary
     "tiny": (128, 128, 16, 128),
     "small": (1024, 512, 128, 1024),
@@ -110,19 +111,35 @@ def pair(size: str):
 
 
 def cost(sizes: list[str]) -> None:
+    """The table of --cost: the two models measured in alternating rounds, so that the machine's drift (its speed
+    moves by a tenth from minute to minute) falls on both alike; each figure the fastest of its rounds, and the
+    spread of the per-round ratio beside it."""
     print(f"{'size':>6} {'fix_budget':>10} {'model':>6} {'forward s':>10} {'analysis s':>11} {'items':>6} {'ratio':>7} "
-          f"{'moe/dense':>9}")
+          f"{'moe/dense':>9} {'per round':>17}")
     for size in sizes:
         moe, dense, batches = pair(size)
-        forwards = {name: _forward_seconds(model, batches) for name, model in (("dense", dense), ("moe", moe))}
+        models = (("dense", dense), ("moe", moe))
+        forwards: dict[str, list[float]] = {name: [] for name, _ in models}
+        analyses: dict[tuple[str, float], list[float]] = {}
+        items: dict[str, int] = {}
+        for _, model in models:  # the first analysis in a process pays its one-time costs: not measured
+            _analysis_seconds(model, batches, 0.0)
+        for _ in range(ROUNDS[size]):
+            for name, model in models:
+                forwards[name].append(_forward_seconds(model, batches))
+                for budget in (0.0, 1.0):
+                    seconds, items[name] = _analysis_seconds(model, batches, budget)
+                    analyses.setdefault((name, budget), []).append(seconds)
         for budget in (0.0, 1.0):
-            ratios = {}
-            for name, model in (("dense", dense), ("moe", moe)):
-                seconds, items = min(_analysis_seconds(model, batches, budget) for _ in range(REPEATS[size]))
-                ratios[name] = seconds / forwards[name]
-                relative = f"{ratios['moe'] / ratios['dense']:>9.2f}" if name == "moe" else ""
-                print(f"{size:>6} {budget:>10g} {name:>6} {forwards[name]:>10.3f} {seconds:>11.1f} {items:>6} "
-                      f"{ratios[name]:>6.1f}x {relative}")
+            ratios = {name: min(analyses[name, budget]) / min(forwards[name]) for name, _ in models}
+            rounds = [(analyses["moe", budget][r] / forwards["moe"][r]) / (analyses["dense", budget][r]
+                                                                          / forwards["dense"][r])
+                      for r in range(ROUNDS[size])]
+            for name, _ in models:
+                relative = (f"{ratios['moe'] / ratios['dense']:>9.2f} {min(rounds):>8.2f}-{max(rounds):<8.2f}"
+                            if name == "moe" else "")
+                print(f"{size:>6} {budget:>10g} {name:>6} {min(forwards[name]):>10.3f} "
+                      f"{min(analyses[name, budget]):>11.2f} {items[name]:>6} {ratios[name]:>6.1f}x {relative}")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
