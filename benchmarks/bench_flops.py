@@ -4,6 +4,7 @@ trials, per advice that runs them, against the eager forward's over the same bat
 
     python benchmarks/bench_flops.py                 # TinyResNet, the MiniLM-shaped BERT, ResNet-18, a 4-layer Llama
     python benchmarks/bench_flops.py minilm resnet18
+    python benchmarks/bench_flops.py --fix-budget 0 minilm llama1b   # the verdict pass alone (no fix search)
 
 On the CPU an analysis is bound by these FLOPs (matmuls and convolutions are about four fifths of its time), so their
 ratio is the floor of its CPU ratio; the op count (bench_ops.py) is the GPU's. Each case also prints the share of the
@@ -95,8 +96,9 @@ def product_share(model, batches, rounds: int = 3) -> float:
     return statistics.median(shares)
 
 
-def measure(name: str) -> tuple[int, dict[tuple[str, ...], int], float]:
-    """(the forward's FLOPs over the batches, {stage path: the analysis's FLOPs there}, product_share)."""
+def measure(name: str, fix_budget: float = 1.0) -> tuple[int, dict[tuple[str, ...], int], float]:
+    """(the forward's FLOPs over the batches, {stage path: the analysis's FLOPs there}, product_share), every default
+    check under `fix_budget` (0: the verdicts alone)."""
     import torch
     from bench_analysis import _settings
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -118,8 +120,8 @@ def measure(name: str) -> tuple[int, dict[tuple[str, ...], int], float]:
     registry = CheckRegistry()
     for check in BUILTIN_CHECKS:
         registry.register(check)
-    pipeline = collect_model("model", _settings(registry.names(), batches), registry, qcore.Int8StaticQuantizer(),
-                             model, batches[0])
+    pipeline = collect_model("model", _settings(registry.names(), batches, fix_budget=fix_budget), registry,
+                             qcore.Int8StaticQuantizer(), model, batches[0])
     by_stage: dict[tuple[str, ...], int] = {}
 
     class Flops(TorchDispatchMode):
@@ -145,9 +147,12 @@ def main() -> None:
     """Each case's FLOPs against the forward's, in all and per stage."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", default=["cnn", "minilm", "resnet18", "llama4"])
+    parser.add_argument("--fix-budget", type=float, default=1.0,
+                        help="the checks' fix budget (default 1, the plugin's; 0 measures the verdict pass alone)")
     args = parser.parse_args()
+    print(f"fix_budget={args.fix_budget:g}", flush=True)
     for name in args.cases:
-        forward, by_stage, share = measure(name)
+        forward, by_stage, share = measure(name, args.fix_budget)
         total = sum(by_stage.values())
         print(f"{name}: forward {forward / 1e9:.2f} GFLOP, analysis {total / 1e9:.2f} GFLOP = {total / forward:.2f}x; "
               f"matmuls and convolutions {share:.1%} of the forward's op time on this CPU, so the analysis's alone "
