@@ -7,6 +7,7 @@ from typing import Any
 from ..core.findings import Finding
 from ..core.registry import Check, ModelContext
 from ..fixes import BLOCKWISE_NOTE, DEFAULT_BATCHES, DEFAULT_MAX_LAYERS, fix_search
+from .sqnr import decibels_text
 
 __all__ = ["SensitivityCheck"]
 
@@ -57,7 +58,7 @@ class SensitivityCheck(Check):
             "all_quantized_db": result.all_quantized_db, "batches": result.batches, "skipped": list(result.skipped),
             "ranking": [{"layer": e.layer, "gain_db": e.gain_db, "only_quantized_db": e.only_quantized_db,
                          "only_float_db": e.only_float_db, "batches": e.batches} for e in result.layers]}
-        fix = search.output_fix("model_sqnr", "output_sqnr_db", target, show=lambda value: f"{value:.1f} dB")[0]
+        fix = search.output_fix("model_sqnr", "output_sqnr_db", target, show=decibels_text)[0]
         further = search.further()
         if skipped.endswith(further) and fix.endswith(further):  # both stopped by the budget: say it once
             fix = fix[:-len(further)]

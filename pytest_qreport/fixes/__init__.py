@@ -18,6 +18,7 @@ __all__ = ["BLOCKWISE_NOTE", "DEFAULT_BATCHES", "DEFAULT_MAX_LAYERS", "MIN_FIX_G
            "Advice", "ArtifactFixSearch", "Fix", "FixSearch", "MeasuredFixes", "SearchScope", "SimulationFixSearch",
            "Trial", "fix_search"]
 
+
 def fix_search(model: ModelContext) -> FixSearch:
     """The model's fix search: the artifact's when it gates a quantized model the user ships, else the
     simulation's. Its searches are the model's (qcore keeps each configuration measured), whichever check asks."""

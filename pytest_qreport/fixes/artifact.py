@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from .search import DEFAULT_BATCHES, DEFAULT_CANDIDATES, FixSearch
-from .trials import Advice, Fix, max_float_layers
+from .trials import Advice, Fix, max_float_layers, nothing_left_quantized
 
 __all__ = ["ArtifactFixSearch"]
 
@@ -90,8 +90,7 @@ class ArtifactFixSearch(FixSearch):
         quantized = len(self.quantized_layers())
         chosen, searched = len(fix.float_layers), max(fix.searched, len(fix.float_layers))
         if chosen >= quantized - 1:
-            return (f"keeping all {quantized} quantized layers in float would quantize nothing, so the threshold is "
-                    "above what this quantizer gives")
+            return nothing_left_quantized(quantized)
         if not trials_allowed():
             return None
         options = self.scope.options(check)

@@ -21,7 +21,8 @@ from ..core.experts import compact_expert_layers, expert_layers_of
 
 __all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "NOT_TRIED", "VERDICT_TRIALS", "Advice", "Fix", "SearchScope",
            "Searcher", "Trial", "equalize_fix", "float_layers_fix", "float_search_limit", "layer_overrides_fix",
-           "max_float_layers", "quantized_layer_names", "others_untried", "search_further", "try_fix", "verify"]
+           "max_float_layers", "nothing_left_quantized", "quantized_layer_names", "others_untried", "search_further",
+           "try_fix", "verify"]
 
 
 @dataclass(frozen=True)
@@ -139,14 +140,19 @@ def max_float_layers(scope: SearchScope, check: str) -> int:
     return int(options.get("max_float_layers", DEFAULT_MAX_FLOAT_LAYERS))
 
 
+def nothing_left_quantized(quantized: int) -> str:
+    """Why a float_layers search that reached every quantized layer but one stops there."""
+    return (f"keeping all {quantized} quantized layers in float would quantize nothing, so the threshold is above "
+            "what this quantizer gives")
+
+
 def float_search_limit(scope: SearchScope, chosen: int, check: str) -> str:
     """Why a float_layers search of `check` stopped at `chosen` layers short of its target: every layer but one is
     in float (the threshold is above what the quantizer gives), its max_float_layers budget, or no other layer was
     measured to help."""
     quantized, most = len(quantized_layer_names(scope)), max_float_layers(scope, check)
     if chosen >= quantized - 1:
-        return (f"keeping all {quantized} quantized layers in float would quantize nothing, so the threshold is "
-                "above what this quantizer gives")
+        return nothing_left_quantized(quantized)
     if chosen >= most:
         return (f"max_float_layers is {most}: search further with "
                 f"qmodel(check_options={{{check!r}: {{'max_float_layers': {min(2 * most, quantized - 1)}}}}})")

@@ -329,11 +329,11 @@ def expand_expert_templates(gm: fx.GraphModule, blocks: Mapping[str, MoeBlock]) 
                 gm.graph.erase_node(original)
     # export reads every parameter of the module, used or not: the fused ones and the experts' own reads that the
     # templates' copies replaced would be fetched on every run of the graph and of each copy made of it
-    prefixes = tuple(f"{path}." for path in blocks)
-    for node in list(gm.graph.nodes):
-        if stand_ins and node.op == "get_attr" and not node.users and str(node.target).startswith(prefixes):
-            gm.graph.erase_node(node)
     if stand_ins:
+        prefixes = tuple(f"{path}." for path in blocks)
+        for node in list(gm.graph.nodes):
+            if node.op == "get_attr" and not node.users and str(node.target).startswith(prefixes):
+                gm.graph.erase_node(node)
         gm.graph.lint()
         gm.recompile()
     return len(stand_ins)
