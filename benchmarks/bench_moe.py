@@ -14,7 +14,7 @@ process, at two sizes: `tiny` (hidden 128, experts of 128, 8 batches of 4x16 tok
 `small` (hidden 1024, experts of 512, 8 batches of 4x128 tokens: compute dominates). The two models are measured in
 alternating rounds (5 at `tiny`, 2 at `small`; each a forward, best of 3, and both analyses), each figure the fastest
 of its rounds. `moe/dense` is the MoE's ratio over the dense model's; `per round`, the range of that quotient over
-the rounds.
+the rounds; below the table, each analysis's stages against its model's forward.
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
@@ -60,8 +60,9 @@ def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
     return float(compute_sqnr(held_out, quantized))
 
 
-def _analysis_seconds(model, batches, fix_budget: float) -> tuple[float, int]:
-    """(seconds from capture to every finding, items) of every default check, as the plugin runs them."""
+def _analysis_seconds(model, batches, fix_budget: float) -> tuple[float, int, int, dict[str, float]]:
+    """(seconds from capture to every finding, items, failing items, seconds per stage) of every default check, as
+    the plugin runs them."""
     import qcore
     from pytest_qreport.checks import BUILTIN_CHECKS
     from pytest_qreport.core.pipeline import collect_model
@@ -77,7 +78,9 @@ def _analysis_seconds(model, batches, fix_budget: float) -> tuple[float, int]:
     state = collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
     state.analyze(lambda: batches, lambda found: None, threads=2)
     assert not state.failed, state.error
-    return time.perf_counter() - start, len(state.findings or {})
+    findings = (state.findings or {}).values()
+    return (time.perf_counter() - start, len(findings), sum(f.verdict in ("fail", "warn") for f in findings),
+            dict(state.seconds))
 
 
 ROUNDS = {"tiny": 5, "small": 2}  # rounds of (forward, analysis) per model, the fastest of each quoted
@@ -113,33 +116,43 @@ def pair(size: str):
 def cost(sizes: list[str]) -> None:
     """The table of --cost: the two models measured in alternating rounds, so that the machine's drift (its speed
     moves by a tenth from minute to minute) falls on both alike; each figure the fastest of its rounds, and the
-    spread of the per-round ratio beside it."""
-    print(f"{'size':>6} {'fix_budget':>10} {'model':>6} {'forward s':>10} {'analysis s':>11} {'items':>6} {'ratio':>7} "
-          f"{'moe/dense':>9} {'per round':>17}")
+    spread of the per-round ratio beside it. Below it, where each analysis's time goes (its fastest round): the
+    capture, the calibration and comparison passes, the fix searches' trials and the rest (graph building and
+    reading the results), each against the model's forward."""
+    print(f"{'size':>6} {'fix_budget':>10} {'model':>6} {'forward s':>10} {'analysis s':>11} {'items':>6} "
+          f"{'failing':>7} {'ratio':>7} {'moe/dense':>9} {'per round':>17}")
+    splits = []
     for size in sizes:
         moe, dense, batches = pair(size)
         models = (("dense", dense), ("moe", moe))
         forwards: dict[str, list[float]] = {name: [] for name, _ in models}
-        analyses: dict[tuple[str, float], list[float]] = {}
+        analyses: dict[tuple[str, float], list[tuple[float, dict[str, float]]]] = {}
         items: dict[str, int] = {}
+        failing: dict[tuple[str, float], int] = {}
         for _, model in models:  # the first analysis in a process pays its one-time costs: not measured
             _analysis_seconds(model, batches, 0.0)
         for _ in range(ROUNDS[size]):
             for name, model in models:
                 forwards[name].append(_forward_seconds(model, batches))
                 for budget in (0.0, 1.0):
-                    seconds, items[name] = _analysis_seconds(model, batches, budget)
-                    analyses.setdefault((name, budget), []).append(seconds)
+                    seconds, items[name], failing[name, budget], stages = _analysis_seconds(model, batches, budget)
+                    analyses.setdefault((name, budget), []).append((seconds, stages))
         for budget in (0.0, 1.0):
-            ratios = {name: min(analyses[name, budget]) / min(forwards[name]) for name, _ in models}
-            rounds = [(analyses["moe", budget][r] / forwards["moe"][r]) / (analyses["dense", budget][r]
-                                                                          / forwards["dense"][r])
-                      for r in range(ROUNDS[size])]
+            fastest = {name: min(analyses[name, budget], key=lambda found: found[0]) for name, _ in models}
+            ratios = {name: fastest[name][0] / min(forwards[name]) for name, _ in models}
+            rounds = [(analyses["moe", budget][r][0] / forwards["moe"][r])
+                      / (analyses["dense", budget][r][0] / forwards["dense"][r]) for r in range(ROUNDS[size])]
             for name, _ in models:
                 relative = (f"{ratios['moe'] / ratios['dense']:>9.2f} {min(rounds):>8.2f}-{max(rounds):<8.2f}"
                             if name == "moe" else "")
-                print(f"{size:>6} {budget:>10g} {name:>6} {min(forwards[name]):>10.3f} "
-                      f"{min(analyses[name, budget]):>11.2f} {items[name]:>6} {ratios[name]:>6.1f}x {relative}")
+                print(f"{size:>6} {budget:>10g} {name:>6} {min(forwards[name]):>10.3f} {fastest[name][0]:>11.2f} "
+                      f"{items[name]:>6} {failing[name, budget]:>7} {ratios[name]:>6.1f}x {relative}")
+                stages = fastest[name][1]
+                splits.append(f"{size:>6} {budget:>10g} {name:>6} " + ", ".join(
+                    f"{stage} {stages.get(stage, 0.0) / min(forwards[name]):.1f}x"
+                    for stage in ("capture", "calibration", "comparison", "trials", "other")))
+    print("where the time goes, against the model's forward (the fastest round):")
+    print("\n".join(splits))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
