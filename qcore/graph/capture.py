@@ -152,14 +152,17 @@ def _materialize_lazy_modules(model: nn.Module, args: tuple, kwargs: dict) -> No
             model(*args, **kwargs)
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+def _export(model: nn.Module, args: tuple, kwargs: dict, recompile: bool = True) -> fx.GraphModule:
+    """torch.export's module of `model` on the example inputs, without its input guards. recompile=False leaves the
+    code generation to a caller that edits the graph before it runs (until then the module cannot run)."""
     dynamic = _auto_batch_dims(args, kwargs)
-    try:
-        exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
-    except Exception:  # noqa: BLE001 - a model that refuses a dynamic batch dim still exports statically
-        if dynamic is None:
-            raise
-        exported = torch.export.export(model, args, kwargs, strict=False)
+    with _code_generated_when_run():
+        try:
+            exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        except Exception:  # noqa: BLE001 - a model that refuses a dynamic batch dim still exports statically
+            if dynamic is None:
+                raise
+            exported = torch.export.export(model, args, kwargs, strict=False)
     gm = exported.module()
     for node in list(gm.graph.nodes):  # the input-guard submodule is not part of the model's computation
         if node.op == "call_module" and node.target == "_guards_fn":
@@ -167,8 +170,20 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     _drop_input_constraint_check(gm)
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return gm
+
+
+def _code_generated_when_run() -> contextlib.AbstractContextManager:
+    """A context in which the graph modules torch.export's trace makes generate their Python code when first run,
+    not after each of its passes: none of them runs, and each generation costs a pass over every node (half the
+    code generations of a capture). The module export returns is built apart and generates its code as before."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # a torch without lazy graph modules: every pass generates its code
+        return contextlib.nullcontext()
+    return _use_lazy_graph_module(True)
 
 
 def _export_experts(model: nn.Module, args: tuple, kwargs: dict, experts_record: dict[str, Any]) -> fx.GraphModule:
@@ -179,8 +194,9 @@ def _export_experts(model: nn.Module, args: tuple, kwargs: dict, experts_record:
         return _export(model, args, kwargs)
     try:
         with traced_with_templates():
-            gm = _export(model, args, kwargs)
-        expand_expert_templates(gm, fused)
+            gm = _export(model, args, kwargs, recompile=False)
+        if not expand_expert_templates(gm, fused):  # it generates the code of a graph it expanded
+            gm.recompile()
         return gm
     except Exception:  # noqa: BLE001 - a block whose template does not stand for its experts: trace them all
         return _export(model, args, kwargs)
