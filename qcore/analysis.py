@@ -551,9 +551,10 @@ class ModelAnalysis:
         self.whole_model("the quantized model")
         self.require_deterministic()
         reference = self.quantized_input_gm
-        prepared = prepare(clone_graph_module(reference, share_parameters=True), self.quantizer)
+        prepared = prepare(clone_graph_module(reference, share_parameters=True, recompile=False), self.quantizer,
+                           recompile=False)
         with diagnosed_calibration(reference, self.batches):
-            calibrate_kept(prepared, self.batches, self._observers)
+            calibrate_kept(prepared, self.batches, self._observers, recompile=True)
             quantized = convert(prepared)
         restore_model_state(quantized, reference)
         return quantized

@@ -175,7 +175,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
     kept = observers if observers is not None else CalibratedObservers()
     ahead = ObserversAhead(float_gm, quantizer or Int8StaticQuantizer(), screens, kept)
     probed = ProbedModel(float_gm, quantizer, detectors, equalization_layers, smoothing,
-                         ahead if ahead.screens else None)
+                         ahead if ahead.screens else None, recompile=False)  # generated below if it runs
     planned: list[Any] = []
     first_outputs = FirstOutputs(float_gm)  # two float runs of batch 0 from the same state: they must agree
     signatures = observers.signatures(probed.prepared) if observers is not None else {}
@@ -200,7 +200,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
             focus = set(layers or ())
             calibration_inputs.watch(probed.prepared, [op for op in find_quantizable_ops(float_gm)
                                                        if op.layer in focus], outputs=True)
-            probed.prepared.recompile()
+        probed.prepared.recompile()
 
         def read_and_unwatch() -> None:
             if calibration_inputs is not None:
@@ -281,7 +281,8 @@ class ProbedModel:
 
     def __init__(self, float_gm: fx.GraphModule, quantizer: Quantizer | None,
                  detectors: Mapping[str, DetectorBase] | None, equalization_layers: Iterable[str],
-                 smoothing: float | str | None, ahead: Probe | None = None) -> None:
+                 smoothing: float | str | None, ahead: Probe | None = None, recompile: bool = True) -> None:
+        """recompile=False leaves `prepared`'s code generation to a caller that may never run it."""
         self.float_gm, self.smoothing = float_gm, smoothing
         self.equalization_layers = list(equalization_layers)
         # one code generation for the quantizer's, the detectors' and the statistics' observers: below
@@ -313,7 +314,8 @@ class ProbedModel:
         self.ahead = ahead  # the screens' observers (qcore.measure.screens.ObserversAhead)
         if ahead is not None:
             ahead.attach(prepared)
-        prepared.recompile()
+        if recompile:
+            prepared.recompile()
         self.prepared = prepared
         self.probes: list[Probe] = [*self.statistics, *([self.detector_probe] if self.detector_probe else []),
                                     *([ahead] if ahead is not None else [])]

@@ -185,9 +185,10 @@ class SwitchableModel(SwitchedRuns):
         """resume=False: every run computes the whole graph (qcore.search.resume otherwise). `observers`: the
         activation observers calibrated earlier on this graph and these batches, whose states are taken instead of
         calibrating again."""
-        prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer or Int8StaticQuantizer())
+        prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False),
+                           quantizer or Int8StaticQuantizer(), recompile=False)
         owners = _group_owners(prepared)
-        calibrate_kept(prepared, list(batches), observers)
+        calibrate_kept(prepared, list(batches), observers, recompile=True)  # convert generates the code it runs
         self.gm = convert(prepared)
         restore_model_state(self.gm, float_gm)
         self.float_gm = float_gm
@@ -296,8 +297,9 @@ def measured_output_sqnr(float_gm: fx.GraphModule, batches: Sequence[Any], quant
     lacks). No layer's SQNR is measured: a search reads the output's. A whole-model trial: the fix budget keeps one
     in hand for the search step it follows (trial_step)."""
     with trial_step():
-        prepared = prepare(clone_graph_module(float_gm, share_parameters=True), quantizer)
-        calibrate_kept(prepared, list(batches), observers)
+        prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False), quantizer,
+                           recompile=False)
+        calibrate_kept(prepared, list(batches), observers, recompile=True)  # convert generates the code it runs
         quant_gm = convert(prepared)
         restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
         return _worst_output_sqnr([reference.unkept_batch_sums(quant_gm, batch) for batch in batches])
