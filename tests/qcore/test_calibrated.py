@@ -607,3 +607,38 @@ def test_range_observers_of_one_prepare_start_from_rows_of_a_pool_and_observe_as
         qcore.graph.capture.clone_graph_module(float_gm, share_parameters=True), Int8StaticQuantizer()),
         torch.ops.aten.lift_fresh)
     assert made == 0 and any(type(module) is MinMaxObserver for module in prepared.modules())
+
+
+def test_a_prepared_copys_code_is_generated_only_when_a_calibration_pass_runs_it(model_and_batches, monkeypatch):
+    from qcore.graph.capture import clone_graph_module
+    from qcore.quantization.calibrate import calibrate
+    from qcore.quantization.calibrated import calibrate_kept
+    from qcore.quantization.convert import convert
+    from qcore.quantization.prepare import prepare
+
+    float_gm, data = model_and_batches
+    generated = []
+    generate = torch.fx.Graph.python_code
+    monkeypatch.setattr(torch.fx.Graph, "python_code",
+                        lambda graph, *args, **kwargs: generated.append(graph) or generate(graph, *args, **kwargs))
+    kept = CalibratedObservers()
+    quantizer = Int8StaticQuantizer()
+
+    def prepared():
+        return prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False), quantizer,
+                       recompile=False)
+
+    first = prepared()
+    generated.clear()
+    calibrate_kept(first, data, kept, recompile=True)  # a pass runs it: its code first
+    assert generated == [first.graph]
+    second = prepared()
+    generated.clear()
+    calibrate_kept(second, data, kept, recompile=True)  # every observer's state is known: nothing runs it
+    assert generated == []
+    reference = prepared()
+    reference.recompile()
+    calibrate(reference, data)
+    expected = convert(reference)(data[1])
+    for quantized in (convert(first), convert(second)):
+        assert torch.equal(quantized(data[1]), expected)

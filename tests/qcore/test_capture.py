@@ -184,3 +184,62 @@ def test_a_value_filled_in_place_is_observed_as_its_reader_reads_it():
     _, quantized = qcore.quantize(model, batches[0], batches)
     with torch.no_grad():
         assert (quantized(batches[1]) - model(batches[1])).abs().max() < 0.05  # not the buffer before its fill
+
+
+@pytest.fixture
+def code_generations(monkeypatch):
+    """The number of times a graph's Python code is generated, counted from here on."""
+    counted = [0]
+    generate = torch.fx.Graph.python_code
+
+    def counting(graph, *args, **kwargs):
+        counted[0] += 1
+        return generate(graph, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.Graph, "python_code", counting)
+    return counted
+
+
+def test_a_capture_generates_code_for_the_module_it_returns_only(code_generations, monkeypatch):
+    import contextlib
+
+    import qcore.graph.capture as capture_module
+
+    model, inputs = KwargsModel().eval(), {"input_ids": torch.randint(0, 50, (2, 5)),
+                                            "attention_mask": torch.ones(2, 5)}
+    lazy = qcore.capture(model, inputs)
+    lazy_generations = code_generations[0]
+    monkeypatch.setattr(capture_module, "_code_generated_when_run", contextlib.nullcontext)
+    code_generations[0] = 0
+    eager = qcore.capture(model, inputs)
+    # torch.export's passes generate no code, and the module export builds still generates its own
+    assert 0 < lazy_generations < code_generations[0]
+    assert lazy.code == eager.code
+    assert not isinstance(lazy, torch.fx._lazy_graph_module._LazyGraphModule)
+    torch.testing.assert_close(call_model(lazy, inputs), call_model(eager, inputs))
+
+
+def test_an_moe_capture_generates_its_expanded_graphs_code_once():
+    import traceback
+
+    from qcore.graph.experts import EXPERTS_KEY
+    from tests.models import tiny_moe
+
+    model, data = tiny_moe("qwen3_moe", layers=1, experts=4, batch=2, n=2)
+    by_qcore = []
+    original = torch.fx.GraphModule.recompile
+
+    def recompile(gm):
+        caller = traceback.extract_stack()[-2].filename  # who asked for the code: qcore, or torch.export
+        if "qcore" in caller:
+            by_qcore.append(gm)
+        return original(gm)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.fx.GraphModule, "recompile", recompile)
+        gm = qcore.capture(model, data[0])
+    assert gm.meta[EXPERTS_KEY]["layers"]
+    # once, after the experts' expansion: not also after export, for a graph the expansion then changes
+    assert sum(1 for generated in by_qcore if generated is gm) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(call_model(gm, data[1]).logits, model(**data[1]).logits)
