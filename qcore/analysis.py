@@ -554,7 +554,7 @@ class ModelAnalysis:
         prepared = prepare(clone_graph_module(reference, share_parameters=True, recompile=False), self.quantizer,
                            recompile=False)
         with diagnosed_calibration(reference, self.batches):
-            calibrate_kept(prepared, self.batches, self._observers, recompile=True)
+            calibrate_kept(prepared, self.batches, self._observers)
             quantized = convert(prepared)
         restore_model_state(quantized, reference)
         return quantized

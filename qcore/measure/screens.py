@@ -143,7 +143,7 @@ def quantize_for_screen(float_gm: fx.GraphModule, batches: list[Any], quantizer:
     prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False), changed,
                        recompile=False)
     _unobserve_other_weights(prepared, set(changes))
-    calibrate_kept(prepared, batches, observers, recompile=True)  # the observers ahead calibrated most screens
+    calibrate_kept(prepared, batches, observers)  # the observers ahead calibrated most screens: no pass
     quantized = convert(prepared, keep_float_weights=False, recompile=False)
     restore_model_state(quantized, float_gm)  # calibration ran forward, which may update buffers in place
     for node in quantized.graph.nodes:  # a float per weight channel, held once (the model's); a digest tells them

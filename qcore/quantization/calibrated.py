@@ -120,20 +120,14 @@ def _taken(value: torch.Tensor, shared: bool) -> torch.Tensor:
     return value if shared else value.clone()
 
 
-def calibrate_kept(prepared: fx.GraphModule, batches: list, observers: CalibratedObservers | None,
-                   recompile: bool = False) -> None:
-    """Calibrate `prepared` on `batches` (a float graph's prepared copy), its activation observers that `observers`
-    holds taking their kept state instead: no pass when it holds every one. Those calibrated are kept in it.
-    recompile=True: `prepared`'s graph changed since its code was generated (prepare(..., recompile=False)); the
-    code is generated before a pass runs, and not at all when none does (convert generates it again)."""
-    if observers is None:
-        if recompile:
-            prepared.recompile()
+def calibrate_kept(prepared: fx.GraphModule, batches: list, observers: CalibratedObservers | None) -> None:
+    """Calibrate `prepared` on `batches` (a float graph's prepared copy, its code not generated yet:
+    prepare(..., recompile=False)), its activation observers that `observers` holds taking their kept state instead:
+    no pass when it holds every one, and then no code generated (convert generates the code that runs). Those
+    calibrated are kept in it."""
+    signatures = observers.signatures(prepared) if observers is not None else {}
+    if observers is None or observers.take(prepared, signatures):
+        prepared.recompile()
         calibrate(prepared, batches)
-        return
-    signatures = observers.signatures(prepared)
-    if observers.take(prepared, signatures):
-        if recompile:
-            prepared.recompile()
-        calibrate(prepared, batches)
-        observers.keep(prepared, signatures)
+        if observers is not None:
+            observers.keep(prepared, signatures)

@@ -188,7 +188,7 @@ class SwitchableModel(SwitchedRuns):
         prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False),
                            quantizer or Int8StaticQuantizer(), recompile=False)
         owners = _group_owners(prepared)
-        calibrate_kept(prepared, list(batches), observers, recompile=True)  # convert generates the code it runs
+        calibrate_kept(prepared, list(batches), observers)
         self.gm = convert(prepared)
         restore_model_state(self.gm, float_gm)
         self.float_gm = float_gm
@@ -299,7 +299,7 @@ def measured_output_sqnr(float_gm: fx.GraphModule, batches: Sequence[Any], quant
     with trial_step():
         prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False), quantizer,
                            recompile=False)
-        calibrate_kept(prepared, list(batches), observers, recompile=True)  # convert generates the code it runs
+        calibrate_kept(prepared, list(batches), observers)
         quant_gm = convert(prepared)
         restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
         return _worst_output_sqnr([reference.unkept_batch_sums(quant_gm, batch) for batch in batches])

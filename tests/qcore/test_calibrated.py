@@ -630,11 +630,11 @@ def test_a_prepared_copys_code_is_generated_only_when_a_calibration_pass_runs_it
 
     first = prepared()
     generated.clear()
-    calibrate_kept(first, data, kept, recompile=True)  # a pass runs it: its code first
+    calibrate_kept(first, data, kept)  # a pass runs it: its code first
     assert generated == [first.graph]
     second = prepared()
     generated.clear()
-    calibrate_kept(second, data, kept, recompile=True)  # every observer's state is known: nothing runs it
+    calibrate_kept(second, data, kept)  # every observer's state is known: nothing runs it
     assert generated == []
     reference = prepared()
     reference.recompile()
