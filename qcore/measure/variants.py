@@ -76,6 +76,9 @@ class Variant:
     rewrite_scale: torch.Tensor | None = None  # the scale s the float rewrite uses (equalize/smooth), unrounded
 
 
+_NO_TOKEN = "no calibration token reached it, so it has no input range to equalize"
+
+
 def variant_batches(batches: int) -> int:
     """How many of the calibration batches measure the equalization variants: a quarter, at least 2 (the
     variants' qparams still come from every batch)."""
@@ -135,16 +138,28 @@ def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], stati
     variants: list[Variant] = []
     unmeasured: dict[str, str] = {}
     smoothed: dict[str, dict[str, Any]] = {}
-    ranges = {index: input_ranges(probe.observer) for index, probe in enumerate(statistics)
-              if probe.kind == "input_weight"}
+    ranges = {}
+    for index, probe in enumerate(statistics):
+        if probe.kind != "input_weight":
+            continue
+        low, high = input_ranges(probe.observer)
+        if low.numel() == 0:  # an expert no calibration token was routed to: no range to equalize
+            unmeasured[probe.key.layer] = _NO_TOKEN
+            continue
+        ranges[index] = (low, high)
     scales = dict(zip(ranges, input_weight_scales(prepared, [(statistics[index].key, *found)
                                                               for index, found in ranges.items()])))
     for index, probe in enumerate(statistics):
         kind, key, observer = probe.kind, probe.key, probe.observer
         if kind == "input_weight":
+            if index not in scales:
+                continue
             scale = scales[index]
             variants.append(Variant(key.layer, kind, scale, *ranges[index], requantize=key.layer in requantized,
                                     rewrite_scale=scale))
+            continue
+        if observer.low is None or observer.low.numel() == 0:  # no calibration token reached the group's layers
+            unmeasured.update(dict.fromkeys(key.layers, _NO_TOKEN))
             continue
         alpha = observer.best_alpha() if smoothing == "search" else float(smoothing)  # type: ignore[arg-type]
         observer.first = None

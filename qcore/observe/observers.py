@@ -482,9 +482,11 @@ def _live_twin(observer: nn.Module) -> nn.Module | None:
 
 def has_qparams(observer: nn.Module) -> bool:
     """Whether the observer's qparams are known without computing them: memoized for its state as it is now, or
-    taken from a live twin (share_qparams). Either means it has observed something (no host read to tell)."""
-    if _live_twin(observer) is not None:
-        return True
+    taken from a live twin (share_qparams) whose own are known. Either means it has observed something (no host
+    read to tell); a twin's state may be one that saw nothing (an expert no token reached), which its copy shares."""
+    source = _live_twin(observer)
+    if source is not None:
+        return has_qparams(source)
     memo = observer.__dict__.get("_qparams_memo")
     return memo is not None and _same_state(memo[0], _state_key(observer))
 

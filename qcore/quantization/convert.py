@@ -92,6 +92,7 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
         replacement.meta[INSERTED_KEY] = "qdq"
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
+    reads.warn_unreached()
     _move_weight_quantization_to_first_reader(graph)
     for node in list(graph.nodes):  # rewritten weights that only fed weight observers
         if node.meta.get(REWRITTEN_KEY) and not node.users:
@@ -181,6 +182,16 @@ class _HostReads:
                   and isinstance(getattr(o, "max_val", None), torch.Tensor)]
         self.nothing = _saw_nothing_together(ranged)
         self._values: dict[ObserverBase, _QParamsValues] | None = None
+        self.unreached: list[str] = []  # the ops reading a tensor that no calibration batch reached
+
+    def warn_unreached(self) -> None:
+        """One warning for every tensor calibration never reached, naming the ops that read them (an MoE model's
+        unreached experts are many: one warning each would bury the rest)."""
+        names = list(dict.fromkeys(self.unreached))
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            warnings.warn(f"no calibration batch reached the inputs of {len(names)} op(s) ({shown}): they are "
+                          "quantized with scale 1.0 and zero point 0, as torch.ao's convert does", stacklevel=3)
 
     def saw_nothing(self, observer: ObserverBase) -> bool:
         """Whether an observer is in its initial state (no batch reached it; NaN or inf values are not nothing)."""
@@ -409,8 +420,7 @@ def _qdq_node(gm, node: fx.Node, source, observer: ObserverBase, reads: _HostRea
         return new
     if reads.saw_nothing(observer) and not observer.per_channel:
         # calibration never reached this tensor: torch.ao's convert warns and uses scale 1 and zero point 0
-        warnings.warn(f"the observer of {node.name} saw no calibration data (the batches never reach it): its "
-                      "quantization uses scale 1.0 and zero point 0, as torch.ao's convert does", stacklevel=3)
+        reads.unreached.extend(str(user.meta.get(FQN_KEY) or user.name) for user in node.users)
         values: _QParamsValues = ([1.0], [0], [float("inf")] * observer.min_val.numel(),
                                   [float("-inf")] * observer.max_val.numel())
     else:

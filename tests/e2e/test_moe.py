@@ -28,14 +28,23 @@ def qwen3_moe():
     return tiny_moe("qwen3_moe")[0]
 
 
-@qmodel(calibration="tokens", quantizer="W4A16", checks="sqnr,expert_coverage",
-        check_options={"sqnr": {"fix": False}})
-def starved_expert():
+def with_a_starved_expert():
     model = tiny_moe("qwen3_moe", experts=5)[0]
     router = model.model.layers[0].mlp.gate.weight
     with torch.no_grad():  # logits (a, -a, 0, b, -b): |a| and |b| win the top-2, expert 2 never does
         router[1], router[2], router[4] = -router[0], 0.0, -router[3]
     return model
+
+
+@qmodel(calibration="tokens", quantizer="W4A16", checks="sqnr,expert_coverage",
+        check_options={"sqnr": {"fix": False}})
+def starved_expert():
+    return with_a_starved_expert()
+
+
+@qmodel(calibration="tokens", fix_budget=0)
+def starved_expert_every_check():
+    return with_a_starved_expert()
 
 
 @qmodel(calibration="tokens", quantizer="W4A16", checks="routing_agreement", float_layers={float_layers})
@@ -77,6 +86,13 @@ def test_moe_items_are_per_expert_projection_and_name_their_worst_experts(pytest
     down = rows[("starved_expert", "sqnr", f"{block}.down_proj")]
     assert down["verdict"] == "fail" and down["details"]["unmeasured_experts"] == [2]
     assert "Not measured: expert(s) 2, which no calibration token reached" in down["message"]
+    # under every default check and static int8 activations too: the detectors and equalization measure the
+    # experts that tokens reached and say which one they could not
+    every = {key[1:]: row for key, row in rows.items() if key[0] == "starved_expert_every_check"}
+    assert every[("expert_coverage", block)]["details"]["starved_experts"][0] == 2
+    for check in ("sqnr", "input_weight_equalization", "equalization", "outlier", "dynamic_static"):
+        assert "Not measured: expert(s) 2, which no calibration token reached" in \
+            every[(check, f"{block}.down_proj")]["message"], check
     routing = rows[("qwen3_moe", "routing_agreement", block)]
     assert 0 < routing["value"] <= 1 and routing["details"]["router"] == "model.layers.0.mlp.gate"
     # the router in float, as the routing_agreement advice says: its choices are the float model's

@@ -402,6 +402,22 @@ def test_a_shared_state_that_changes_is_computed_anew():
     assert copy_.calculate_qparams()[0] < observer.calculate_qparams()[0]
 
 
+def test_a_copy_of_a_state_that_saw_nothing_is_not_taken_for_calibrated():
+    from qcore.observe.observers import has_qparams
+
+    observer, copy_ = MinMaxObserver(), MinMaxObserver()  # an input no calibration token reached (an expert's)
+    copy_.load_state_dict(observer.state_dict())
+    share_qparams(copy_, observer)
+    assert not has_qparams(copy_)  # so convert reads its state and quantizes it as one that saw nothing
+    observer(torch.linspace(-1, 1, 10))
+    copied = MinMaxObserver()
+    copied.load_state_dict(observer.state_dict())
+    share_qparams(copied, observer)
+    assert not has_qparams(copied)  # the source's qparams are not computed yet: nothing is known without a read
+    observer.calculate_qparams()
+    assert has_qparams(copied)
+
+
 def _observer_zoo():
     """Observers of every kind calculate_qparams_together takes or leaves, fed a few batches."""
     from qcore.observe.observers import MovingAverageMinMaxObserver, PerChannelMinMaxObserver

@@ -1,6 +1,7 @@
 """Fused mixture-of-experts blocks (transformers 5): captured as one Linear per expert projection, each expert
 quantized as the Linear it stands for, cross-checked against torch.ao on the tokens routed to it."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -213,6 +214,29 @@ def test_an_expert_no_token_reaches_leaves_every_pass_running():
         # nothing compared is no measurement (not a perfect one); its weight is measured as any other
         assert starved.batches == 0 and math.isnan(starved.sqnr_db) and starved.weight_sqnr_db > 15
         assert measured.layers["model.layers.0.mlp.experts.1.down_proj"].batches == len(data)
+
+
+def test_an_expert_no_token_reaches_gets_no_equalization_variant_and_the_others_do():
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.report import InputWeightEqualizationDetector
+
+    model, data = tiny_moe("qwen3_moe", experts=5)
+    router = model.model.layers[0].mlp.gate.weight
+    with torch.no_grad():  # expert 2 never wins the top-2, as above
+        router[1], router[2], router[4] = -router[0], 0.0, -router[3]
+    plan = AnalysisPlan(measurements=frozenset({"sqnr", "detectors", "equalization"}),
+                        detectors={"input_weight_equalization": InputWeightEqualizationDetector(0.5)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        analysis = ModelAnalysis(qcore.capture(model, data[0]), qcore.Int8StaticQuantizer(), data, plan=plan)
+        variants, unmeasured = analysis.equalization_variants, analysis.unmeasured_variants
+    starved = "model.layers.0.mlp.experts.2.down_proj"
+    assert starved not in variants and "no calibration token reached it" in unmeasured[starved]
+    assert "model.layers.0.mlp.experts.1.down_proj" in variants
+    assert math.isnan(analysis.sqnr.layers[starved].sqnr_db) and analysis.sqnr.worst_output().sqnr_db > 5
+    # one warning a conversion, naming the layers whose inputs calibration never reached
+    unreached = [str(w.message) for w in caught if "no calibration batch reached" in str(w.message)]
+    assert unreached and all(starved in message and "qcore_observer" not in message for message in unreached)
 
 
 def test_a_blockwise_analysis_cuts_at_the_decoder_layers_and_measures_what_the_whole_model_does():
