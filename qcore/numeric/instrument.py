@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from array import array
 from typing import Any
 
 import torch
@@ -187,7 +188,20 @@ def qparams_digest(node: fx.Node) -> str | None:
     qparams = node.meta.get(QPARAMS_KEY)
     if qparams is None:
         return None
-    return hashlib.sha256(repr(sorted(qparams.items())).encode()).hexdigest()
+    digest = hashlib.sha256()
+    for key, value in sorted(qparams.items()):
+        for part in (repr(key).encode(), _digest_bytes(value)):  # each part length-prefixed: no two read alike
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(part)
+    return digest.hexdigest()
+
+
+def _digest_bytes(value: Any) -> bytes:
+    """A qparams entry as bytes: a per-channel array's machine values as they are (writing each float's repr
+    costs about a microsecond a channel, and an MoE block has hundreds of thousands), any other entry's repr."""
+    if isinstance(value, array):
+        return b"array:" + value.typecode.encode() + value.tobytes()
+    return repr(value).encode()
 
 
 def _attribute(gm: fx.GraphModule, node: fx.Node) -> tuple:

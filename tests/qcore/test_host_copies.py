@@ -1,6 +1,8 @@
 """A whole measurement copies nothing to the host per batch: the CPU-side check of what a GPU run needs (every
 value a host sync would read, `.item()`, `float(t)`, `bool(t)`, goes through aten._local_scalar_dense)."""
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -91,3 +93,29 @@ def test_a_converted_graph_keeps_per_channel_qparams_as_compact_arrays_of_the_ob
         assert [list(meta["scale"]), list(meta["zero_point"])] in expected.values()
     for meta in per_tensor:
         assert isinstance(meta["scale"], list) and isinstance(meta["zero_point"], list)
+
+
+@given(st.lists(st.floats(min_value=1e-6, max_value=10.0), min_size=2, max_size=64), st.integers(0, 63))
+@settings(max_examples=40, deadline=None)
+def test_a_qparams_digest_tells_per_channel_qparams_apart_by_every_channel(scales, changed):
+    from array import array
+
+    from torch import fx
+
+    from qcore.numeric.instrument import qparams_digest
+    from qcore.quantization.convert import QPARAMS_KEY
+
+    def node_with(values: list[float]) -> fx.Node:
+        graph = fx.Graph()
+        node = graph.placeholder("weight")
+        node.meta[QPARAMS_KEY] = {"dtype": "torch.int8", "quant_min": -127, "quant_max": 127, "ch_axis": 0,
+                                  "scale": array("d", values), "zero_point": array("q", [0] * len(values))}
+        return node
+
+    other = list(scales)
+    other[changed % len(other)] = other[changed % len(other)] * 2
+    assert qparams_digest(node_with(scales)) == qparams_digest(node_with(list(scales)))
+    assert qparams_digest(node_with(scales)) != qparams_digest(node_with(other))
+    longer = node_with(scales)  # the same bytes split otherwise between entries read apart
+    longer.meta[QPARAMS_KEY]["zero_point"] = array("q", [0] * (len(scales) + 1))
+    assert qparams_digest(longer) != qparams_digest(node_with(scales))
