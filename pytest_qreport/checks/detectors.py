@@ -25,6 +25,7 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from ..core.experts import expert_layers_of
 from ..core.findings import Finding
 from ..core.numbers import format_bound
 from ..core.registry import Check, ModelContext
@@ -86,8 +87,15 @@ class DetectorCheck(Check):
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
         report, results = read_to_host(model.detector_report(self.name), layers, self.host_keys()), []
+        experts = expert_layers_of(model.analysis)
         for layer in layers:
             entry = report.get(layer)
+            if entry is None and layer in experts:  # its projection's item names it; expert_coverage judges it
+                results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,
+                                       value=math.nan, threshold=math.nan, verdict="skip", message=(
+                                           f"layer {layer}: no calibration token reached this expert, so the "
+                                           f"{self.name} detector saw nothing of it")))
+                continue
             if entry is None:
                 results.append(self.finding(model, layer, math.nan, math.nan, passed=False, message=(
                     f"model {model.name!r}, layer {layer}: collected, but the {self.name} detector saw no data for it; "

@@ -53,15 +53,18 @@ def router_in_float():
 '''
 
 
-def _run(pytester, *args, float_layers="['model.layers.0.mlp.gate']"):
+def _run(pytester, *args, float_layers="['model.layers.0.mlp.gate']", models=None):
     pytester.makeconftest(MOE_CONFTEST.replace("{float_layers}", float_layers))
     result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=moe.json", *args)
-    rows = json.loads((pytester.path / "moe.json").read_text())["rows"]
-    return result, {(row["model"], row["check"], row["layer"]): row for row in rows}
+    report = json.loads((pytester.path / "moe.json").read_text())
+    if models is not None:
+        models.update(report["models"])
+    return result, {(row["model"], row["check"], row["layer"]): row for row in report["rows"]}
 
 
 def test_moe_items_are_per_expert_projection_and_name_their_worst_experts(pytester):
-    result, rows = _run(pytester)
+    models: dict = {}
+    result, rows = _run(pytester, models=models)
     block = "model.layers.0.mlp.experts"
     layers = {layer for model, check, layer in rows if model == "qwen3_moe" and check in ("sqnr", "weight_sqnr")}
     assert {f"{block}.gate_up_proj", f"{block}.down_proj"} <= layers
@@ -93,6 +96,8 @@ def test_moe_items_are_per_expert_projection_and_name_their_worst_experts(pytest
     for check in ("sqnr", "input_weight_equalization", "equalization", "outlier", "dynamic_static"):
         assert "Not measured: expert(s) 2, which no calibration token reached" in \
             every[(check, f"{block}.down_proj")]["message"], check
+    # the detectors saw nothing of it: no fix to measure, so no verdict waited for a trial of the whole model
+    assert "verdict trials" not in models["starved_expert_every_check"]["seconds"]
     routing = rows[("qwen3_moe", "routing_agreement", block)]
     assert 0 < routing["value"] <= 1 and routing["details"]["router"] == "model.layers.0.mlp.gate"
     # the router in float, as the routing_agreement advice says: its choices are the float model's
