@@ -7,19 +7,21 @@ n of the rest. The printed figure is the SQNR of the held-out tokens fake-quanti
 range of every calibration token, median and worst over the experts, for each n. An expert that received few
 tokens gets a range too narrow for the tokens it meets later, and the held-out tokens clip.
 
-With `--cost`: the analysis of a 4-layer Qwen3-MoE (8 experts, top-2) and of the dense Qwen3 of the same depth and
-shape (its MLP as wide as two experts: the same compute per token), every default check under int8, verdicts only
+With `--cost`: the analysis of a Qwen3-MoE and of the dense Qwen3 of the same depth and shape (its MLP as wide as
+the top-k experts a token goes through: the same compute per token), every default check under int8, verdicts only
 (fix_budget=0) and the default run (fix_budget=1), each against its own eager forward over the same batches, in one
-process, at two sizes: `tiny` (hidden 128, experts of 128, 8 batches of 4x16 tokens: per-op overhead dominates) and
-`small` (hidden 1024, experts of 512, 8 batches of 4x128 tokens: compute dominates). The two models are measured in
-alternating rounds (5 at `tiny`, 2 at `small`; each a forward, best of 3, and both analyses), each figure the fastest
-of its rounds. `moe/dense` is the MoE's ratio over the dense model's; `per round`, the range of that quotient over
-the rounds; below the table, each analysis's stages against its model's forward.
+process, at each size asked for: `tiny` (4 blocks of 8 experts of 128, top-2, hidden 128, 8 batches of 4x16 tokens:
+per-op overhead dominates), `small` (the same with hidden 1024, experts of 512, 8 batches of 4x128 tokens: compute
+dominates) and `30b-a3b` (2 blocks shaped like Qwen3-30B-A3B's, 128 experts of 768, top-8, hidden 2048, 8 batches of
+4x128 tokens: 32 routed tokens an expert a batch, about 6 GiB; not in the default sizes). The two models are measured
+in alternating rounds (5 at `tiny`, 2 at `small`, 1 at `30b-a3b`; each a forward, best of 3, and both analyses),
+each figure the fastest of its rounds. `moe/dense` is the MoE's ratio over the dense model's; `per round`, the range
+of that quotient over the rounds; below the table, each analysis's stages against its model's forward.
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
 
-    python benchmarks/bench_moe.py [--cost [--sizes tiny,small]] [--capture]
+    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b]] [--capture]
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -83,10 +86,29 @@ def _analysis_seconds(model, batches, fix_budget: float) -> tuple[float, int, in
             dict(state.seconds))
 
 
-ROUNDS = {"tiny": 5, "small": 2}  # rounds of (forward, analysis) per model, the fastest of each quoted
-SIZES = {  # hidden, expert width, tokens per batch row, vocabulary
-    "tiny": (128, 128, 16, 128),
-    "small": (1024, 512, 128, 1024),
+ROUNDS = {"tiny": 5, "small": 2, "30b-a3b": 1}  # rounds of (forward, analysis) per model, the fastest quoted
+
+
+@dataclass(frozen=True)
+class Size:
+    """A size of --cost's pair: the MoE's shape, and tokens per batch row (8 batches of 4 rows)."""
+
+    hidden: int
+    width: int  # an expert's intermediate size
+    experts: int
+    top_k: int
+    layers: int
+    heads: int
+    head_dim: int
+    tokens: int
+    vocabulary: int
+
+
+SIZES = {
+    "tiny": Size(128, 128, 8, 2, 4, 8, 16, 16, 128),
+    "small": Size(1024, 512, 8, 2, 4, 8, 128, 128, 1024),
+    # Qwen3-30B-A3B's blocks (2 of its 48) with a small vocabulary: 32 routed tokens an expert a batch
+    "30b-a3b": Size(2048, 768, 128, 8, 2, 32, 128, 128, 1024),
 }
 
 
@@ -94,22 +116,26 @@ def pair(size: str):
     """(the MoE, the dense model of its depth and compute per token, 8 batches of 4 rows), seeded."""
     import transformers
 
-    hidden, width, tokens, vocabulary = SIZES[size]
-    common = dict(vocab_size=vocabulary, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=hidden // 8, max_position_embeddings=512, use_cache=False)
+    shape = SIZES[size]
+    common = dict(vocab_size=shape.vocabulary, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                  num_attention_heads=shape.heads, num_key_value_heads=4, head_dim=shape.head_dim,
+                  max_position_embeddings=512, use_cache=False)
+    dense_width = shape.top_k * shape.width  # the MLP of the experts a token goes through, side by side
     models = []
-    for config in (transformers.Qwen3MoeConfig(**common, intermediate_size=2 * width, moe_intermediate_size=width,
-                                               num_experts=8, num_experts_per_tok=2),
-                   transformers.Qwen3Config(**common, intermediate_size=2 * width)):
+    for config in (transformers.Qwen3MoeConfig(**common, intermediate_size=dense_width,
+                                               moe_intermediate_size=shape.width, num_experts=shape.experts,
+                                               num_experts_per_tok=shape.top_k),
+                   transformers.Qwen3Config(**common, intermediate_size=dense_width)):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
         with torch.no_grad():
             for parameter in model.parameters():
                 if parameter.dim() > 1:
-                    parameter.normal_(0.0, 0.05 if hidden <= 256 else 0.02)  # trained scale: routers choose
+                    parameter.normal_(0.0, 0.05 if shape.hidden <= 256 else 0.02)  # trained scale: routers choose
         models.append(model)
     generator = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(0, vocabulary, (4, tokens), generator=generator)} for _ in range(8)]
+    batches = [{"input_ids": torch.randint(0, shape.vocabulary, (4, shape.tokens), generator=generator)}
+               for _ in range(8)]
     return models[0], models[1], batches
 
 
@@ -150,7 +176,7 @@ def cost(sizes: list[str]) -> None:
                 stages = fastest[name][1]
                 splits.append(f"{size:>6} {budget:>10g} {name:>6} " + ", ".join(
                     f"{stage} {stages.get(stage, 0.0) / min(forwards[name]):.1f}x"
-                    for stage in ("capture", "calibration", "comparison", "trials", "other")))
+                    for stage in ("capture", "calibration", "comparison", "verdict trials", "trials", "other")))
     print("where the time goes, against the model's forward (the fastest round):")
     print("\n".join(splits))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
@@ -183,7 +209,7 @@ def main() -> None:
         capture_cost()
         return
     if "--cost" in sys.argv:
-        sizes = sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else list(SIZES)
+        sizes = sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["tiny", "small"]
         cost(sizes)
         return
     tokens = routed_tokens()
