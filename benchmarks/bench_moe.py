@@ -21,7 +21,9 @@ of that quotient over the rounds; below the table, each analysis's stages agains
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
 
-    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b]] [--capture]
+With `--experts 8,32,64,128`: the analysis of a 4-block Qwen3-MoE as its expert count grows (experts_cost).
+
+    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b]] [--experts 8,32,64,128] [--capture]
 """
 from __future__ import annotations
 
@@ -182,6 +184,64 @@ def cost(sizes: list[str]) -> None:
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
+def experts_cost(counts: list[int]) -> None:
+    """The table of --experts: a 4-block Qwen3-MoE (hidden 128, experts of 128, top-2) with more and more experts,
+    each expert routed the same tokens on average (8 batches of 4 rows of 2 x experts tokens), every default check
+    under int8, verdicts only: the analysis against the forward, its stages, the failing items and the experts no
+    calibration token reached (a few always are, at 128). Each figure the fastest of 2 rounds."""
+    import transformers
+
+    from qcore.analysis import ModelAnalysis  # noqa: F401 - imported before the first round is timed
+
+    print(f"{'experts':>7} {'expert layers':>13} {'forward s':>9} {'analysis s':>10} {'ratio':>7} {'failing':>7} "
+          f"{'unreached':>9}  stages against the forward, ms of graph building an expert layer")
+    for count in counts:
+        common = dict(vocab_size=128, hidden_size=128, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=16, max_position_embeddings=1024, use_cache=False)
+        config = transformers.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=128,
+                                             num_experts=count, num_experts_per_tok=2)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.dim() > 1:
+                    parameter.normal_(0.0, 0.05)
+        generator = torch.Generator().manual_seed(0)
+        batches = [{"input_ids": torch.randint(0, 128, (4, 2 * count), generator=generator)} for _ in range(8)]
+        unreached = sum(len(tokens) - sum(1 for t in tokens if t > 0) for tokens in _expert_tokens(model, batches))
+        _analysis_seconds(model, batches, 0.0)  # one-time costs, not measured
+        best = None
+        for _ in range(2):
+            forward = _forward_seconds(model, batches)
+            seconds, _, failing, stages = _analysis_seconds(model, batches, 0.0)
+            if best is None or seconds / forward < best[0] / best[1]:
+                best = (seconds, forward, failing, stages)
+        seconds, forward, failing, stages = best
+        layers = 4 * count * 3
+        split = ", ".join(f"{stage} {value / forward:.1f}x" for stage, value in stages.items())
+        print(f"{count:>7} {layers:>13} {forward:>9.3f} {seconds:>10.2f} {seconds / forward:>6.1f}x {failing:>7} "
+              f"{unreached:>9}  {split}; {stages.get('other', 0.0) / layers * 1e3:.1f} ms")
+
+
+def _expert_tokens(model, batches) -> list[list[int]]:
+    """The calibration tokens each expert of each block receives in the eager model."""
+    found, hooks = [], []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            counts = torch.zeros(layer.mlp.experts.num_experts, dtype=torch.long)
+
+            def count(module, inputs, output, counts=counts):
+                chosen = output[2].reshape(-1)  # the router's (logits, scores, indices)
+                counts.index_add_(0, chosen, torch.ones_like(chosen))
+            hooks.append(layer.mlp.gate.register_forward_hook(count))
+            found.append(counts)
+        for batch in batches:
+            model(**batch)
+        for hook in hooks:
+            hook.remove()
+    return [counts.tolist() for counts in found]
+
+
 def capture_cost() -> None:
     import contextlib
 
@@ -207,6 +267,9 @@ def capture_cost() -> None:
 def main() -> None:
     if "--capture" in sys.argv:
         capture_cost()
+        return
+    if "--experts" in sys.argv:
+        experts_cost([int(count) for count in sys.argv[sys.argv.index("--experts") + 1].split(",")])
         return
     if "--cost" in sys.argv:
         sizes = sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["tiny", "small"]
