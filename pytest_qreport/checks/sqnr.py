@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 from ..core.experts import expert_layers_of
@@ -59,13 +60,32 @@ def own_error_layers(measured: Any, layers: list[str], threshold: float) -> list
 
 def _first_own_error_before(model: ModelContext, layer: str, threshold: float) -> str:
     """The first layer, in graph order before `layer`, whose own error (shadow SQNR) is below `threshold`."""
+    positions, first = _first_own_error(model, threshold)
+    if first is None:
+        return ""
+    position = positions.get(layer)
+    return first[1] if position is None or first[0] < position else ""
+
+
+# per model: every failing item of a model asks, and an MoE model has thousands of layers
+_FIRST_OWN_ERRORS: weakref.WeakKeyDictionary[ModelContext, tuple[Any, dict[float, Any]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _first_own_error(model: ModelContext, threshold: float) -> tuple[dict[str, int], tuple[int, str] | None]:
+    """({layer: its graph position}, (position, name) of the first layer whose own error is below `threshold`, or
+    None), read once per model, measurement and threshold."""
     measured = model.analysis.sqnr.layers
-    for entry in model.analysis.layers:
-        if entry.layer == layer:
-            break
-        if own_error_layers(measured, [entry.layer], threshold):
-            return entry.layer
-    return ""
+    held = _FIRST_OWN_ERRORS.get(model)
+    if held is None or held[0] is not measured:  # a measurement measured again replaces the one before
+        held = _FIRST_OWN_ERRORS[model] = (measured, {})
+    found = held[1]
+    if threshold not in found:
+        names = [entry.layer for entry in model.analysis.layers]
+        first = next(((position, name) for position, name in enumerate(names)
+                      if own_error_layers(measured, [name], threshold)), None)
+        found[threshold] = ({name: position for position, name in enumerate(names)}, first)
+    return found[threshold]
 
 
 def _not_measured(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:

@@ -568,3 +568,42 @@ def test_an_equalization_item_whose_fix_the_whole_model_does_not_keep_fails_and_
     accepted, _ = analyze_with_checks(lambda: seeded(TinyEncoder), batches, **settings,
                                       equalization_min_gain_db=max(hints.values()) + 0.001)
     assert all(accepted[("equalization", layer)].verdict == "pass" for layer in failing)
+
+
+def test_the_first_layer_failing_on_its_own_is_found_once_per_model_not_once_per_item(monkeypatch):
+    import torch
+    from torch import nn
+
+    import qcore
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.checks import sqnr as sqnr_check
+    from pytest_qreport.core.registry import ModelContext
+    from pytest_qreport.core.settings import ModelSettings
+    from qcore.analysis import ModelAnalysis
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(12)]
+    with torch.no_grad():  # a wide row in layer 3: its own error and the next one's, inherited by the layers after
+        layers[3].weight[0] *= 400.0
+    model = nn.Sequential(*layers).eval()
+    batches = [torch.randn(8, 16) for _ in range(3)]
+    analysis = ModelAnalysis(qcore.capture(model, batches[0]), qcore.Int8StaticQuantizer(), batches)
+    context = ModelContext("mlp", ModelSettings.defaults(BUILTIN_CHECKS), analysis)
+    threshold, measured = 35.0, analysis.sqnr.layers
+    names = [entry.layer for entry in analysis.layers]
+
+    def brute_force(layer: str) -> str:
+        for name in names:
+            if name == layer:
+                return ""
+            if sqnr_check.own_error_layers(measured, [name], threshold):
+                return name
+        return ""
+
+    expected = {layer: brute_force(layer) for layer in names}
+    assert sum(bool(found) for found in expected.values()) >= 6  # most layers inherit an error from one before
+    calls = []
+    original = sqnr_check.own_error_layers
+    monkeypatch.setattr(sqnr_check, "own_error_layers", lambda *args: calls.append(1) or original(*args))
+    assert {layer: sqnr_check._first_own_error_before(context, layer, threshold) for layer in names} == expected
+    assert len(calls) <= len(names)  # one walk over the layers for every item, not one per item
