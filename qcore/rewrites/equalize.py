@@ -72,6 +72,8 @@ class InputEqualizationObserver(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.dim() > 5:
             raise ValueError("InputEqualizationObserver supports linear and conv inputs (2 to 5 dims)")
+        if x.numel() == 0:  # an expert no token was routed to in this batch: nothing to see
+            return x
         low, high = _minmax_along(x.detach(), self.ch_axis)
         if self.min_val.numel() == 0:
             self.min_val, self.max_val = low, high
@@ -280,6 +282,12 @@ def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterabl
         scales = {op.layer: known[("input_weight", op.layer)][1] for op in ops}
     else:
         scales = _observed_scales(result, ops, calibration)
+        unreached = [op.layer for op in ops if op.layer not in scales]
+        if unreached:  # an expert no calibration token was routed to: no range to balance, left as it is
+            shown = ", ".join(unreached[:8]) + (f" and {len(unreached) - 8} more" if len(unreached) > 8 else "")
+            warnings.warn(f"no calibration batch reached the inputs of {len(unreached)} layer(s) to equalize "
+                          f"({shown}): they are left unequalized", stacklevel=2)
+            ops = [op for op in ops if op.layer in scales]
     _apply_scales(result, ops, scales, deferred)
     result.meta["qcore_equalization_scales"] = {layer: scale.tolist() for layer, scale in scales.items()}
     return result
@@ -287,7 +295,8 @@ def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterabl
 
 def _observed_scales(result: fx.GraphModule, ops: list[QuantizableOp], calibration: Iterable[Any]
                      ) -> dict[str, torch.Tensor]:
-    """Each op's equalization scale from its input channel ranges, observed in one calibration pass of `result`."""
+    """Each op's equalization scale from its input channel ranges, observed in one calibration pass of `result`;
+    an op whose input no batch reached (an expert no token was routed to) has none."""
     observers = {}
     for index, op in enumerate(ops):
         observer = InputEqualizationObserver(ch_axis=_channel_axis(op))
@@ -299,8 +308,9 @@ def _observed_scales(result: fx.GraphModule, ops: list[QuantizableOp], calibrati
         observers[op.layer] = (observer, node)
     result.recompile()
     calibrate(result, calibration)
-    scales = dict(zip([op.layer for op in ops], input_weight_scales(
-        result, [(op, *observers[op.layer][0].get_input_minmax()) for op in ops])))
+    reached = [op for op in ops if observers[op.layer][0].min_val.numel()]
+    scales = dict(zip([op.layer for op in reached], input_weight_scales(
+        result, [(op, *observers[op.layer][0].get_input_minmax()) for op in reached])))
     for _observer, node in observers.values():
         result.graph.erase_node(node)
         delattr(result, node.target)

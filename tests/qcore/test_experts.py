@@ -239,6 +239,32 @@ def test_an_expert_no_token_reaches_gets_no_equalization_variant_and_the_others_
     assert unreached and all(starved in message and "qcore_observer" not in message for message in unreached)
 
 
+def test_equalizing_experts_that_a_batch_or_every_batch_misses_computes_the_same_function():
+    from qcore.analysis import ModelAnalysis
+    from qcore.graph.inputs import call_model
+    from qcore.rewrites.equalize import equalize
+
+    model, data = tiny_moe("qwen3_moe", experts=16)  # 64 routed tokens a batch: some experts miss some batches
+    router = model.model.layers[0].mlp.gate.weight
+    with torch.no_grad():  # logits a, -a, 0, b, -b, ...: |a| and |b| beat 0, so expert 2 is never in the top-2
+        router[1], router[2], router[4] = -router[0], 0.0, -router[3]
+    gm = qcore.capture(model, data[0])
+    tokens = routed_tokens(model, data)
+    assert not any(len(chunk) for chunk in tokens[2])
+    assert any(not len(chunk) for expert, chunks in tokens.items() if expert != 2 for chunk in chunks)
+    layers = ModelAnalysis(gm, qcore.Int8StaticQuantizer(), data).equalizable_layers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        equalized = equalize(gm, layers, data)
+    left = [str(w.message) for w in caught if "left unequalized" in str(w.message)]
+    assert len(left) == 1 and "model.layers.0.mlp.experts.2.down_proj" in left[0]
+    scales = equalized.meta["qcore_equalization_scales"]
+    assert "model.layers.0.mlp.experts.2.down_proj" not in scales and "model.layers.0.mlp.experts.1.down_proj" in scales
+    for batch in data:
+        expected, found = call_model(gm, batch), call_model(equalized, batch)
+        assert torch.allclose(found.logits, expected.logits, atol=1e-4)
+
+
 def test_a_blockwise_analysis_cuts_at_the_decoder_layers_and_measures_what_the_whole_model_does():
     from qcore.analysis import AnalysisPlan, ModelAnalysis
     from qcore.measure.blockwise import block_stack
