@@ -185,29 +185,17 @@ def cost(sizes: list[str]) -> None:
 
 
 def experts_cost(counts: list[int]) -> None:
-    """The table of --experts: a 4-block Qwen3-MoE (hidden 128, experts of 128, top-2) with more and more experts,
-    each expert routed the same tokens on average (8 batches of 4 rows of 2 x experts tokens), every default check
-    under int8, verdicts only: the analysis against the forward, its stages, the failing items and the experts no
-    calibration token reached (a few always are, at 128). Each figure the fastest of 2 rounds."""
-    import transformers
-
+    """The table of --experts: tests.models' tiny Qwen3-MoE with 4 blocks (hidden 128, experts of 128, top-2) and
+    more and more experts, each expert routed the same tokens on average (8 batches of 4 rows of 2 x experts tokens),
+    every default check under int8, verdicts only: the analysis against the forward, its stages, the failing items
+    and the experts no calibration token reached (a few always are, at 128). Each figure the fastest of 2 rounds."""
     from qcore.analysis import ModelAnalysis  # noqa: F401 - imported before the first round is timed
 
     print(f"{'experts':>7} {'expert layers':>13} {'forward s':>9} {'analysis s':>10} {'ratio':>7} {'failing':>7} "
           f"{'unreached':>9}  stages against the forward, ms of graph building an expert layer")
     for count in counts:
-        common = dict(vocab_size=128, hidden_size=128, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=16, max_position_embeddings=1024, use_cache=False)
-        config = transformers.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=128,
-                                             num_experts=count, num_experts_per_tok=2)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
-        with torch.no_grad():
-            for parameter in model.parameters():
-                if parameter.dim() > 1:
-                    parameter.normal_(0.0, 0.05)
-        generator = torch.Generator().manual_seed(0)
-        batches = [{"input_ids": torch.randint(0, 128, (4, 2 * count), generator=generator)} for _ in range(8)]
+        model, batches = tiny_moe("qwen3_moe", layers=4, experts=count, batch=4, tokens=2 * count, n=8,
+                                  positions=1024)
         unreached = sum(len(tokens) - sum(1 for t in tokens if t > 0) for tokens in _expert_tokens(model, batches))
         _analysis_seconds(model, batches, 0.0)  # one-time costs, not measured
         best = None
