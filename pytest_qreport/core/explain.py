@@ -29,14 +29,36 @@ _PACKAGE_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.dirname(os.path.ab
     {sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep})
 
 
-def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:
-    """The frames of the traceback (innermost last) that are the user's code, not torch, qcore or pytest."""
-    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+def _user_frames(error: BaseException, cause_only: bool = False) -> list[traceback.FrameSummary]:
+    """The frames of the traceback (innermost last) that are the user's code, not torch, qcore or pytest; with
+    cause_only, those of the error's cause only (where the model ran)."""
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ and not cause_only else []
     cause = error.__cause__
     if cause is not None and cause.__traceback__ is not None:
         frames = frames + traceback.extract_tb(cause.__traceback__)
     return [f for f in frames if not f.filename.startswith(_PACKAGE_DIRS) and "site-packages" not in f.filename
             and "/torch/" not in f.filename and "<" not in f.filename[:1]]
+
+
+def _qcore_frame(error: BaseException | None) -> tuple[str, str] | None:
+    """(what failed, where) for the innermost frame of `error` outside torch when it is qcore's own code (an
+    observer's, say), not the code that runs the model (qcore.graph.inputs, a graph module's generated code); else
+    None."""
+    frames = []
+    tb = error.__traceback__ if error is not None else None
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    for frame, line in reversed(frames):
+        filename = frame.f_code.co_filename
+        if "/torch/" in filename:
+            continue
+        if not filename.startswith(_PACKAGE_DIRS[0] + os.sep) or filename.endswith(os.sep + "inputs.py"):
+            return None
+        owner = frame.f_locals.get("self")
+        name = f"{type(owner).__name__}.{frame.f_code.co_name}" if owner is not None else frame.f_code.co_name
+        return name, f"{os.path.basename(filename)}:{line}"
+    return None
 
 
 def explain(model: str, stage: str, error: BaseException) -> str:
@@ -60,6 +82,11 @@ def explain(model: str, stage: str, error: BaseException) -> str:
     yours = f"\nYour code, innermost last:\n{trace.rstrip()}" if trace else ""
     if isinstance(error, qcore.CalibrationError) and error.batch is not None:  # names its stage and batch itself
         batch, _, cause = str(error).partition(" failed: ")
+        own = _qcore_frame(error.__cause__)
+        if own is not None and not _user_frames(error, cause_only=True):  # what qcore added to the model failed
+            return (f"model {model!r}: {batch} failed in qcore's {own[0]} ({own[1]}), which the analysis adds to "
+                    f"the model, not in the model: {cause}\nThe batch is not at fault: report this message to "
+                    "pytest-qreport; other models run on.")
         return (f"model {model!r}: {batch} failed{where}: {cause}\nFix the calibration batches: each must be an "
                 "input forward() takes, like the first, which the model was captured with; other models run on."
                 + yours)

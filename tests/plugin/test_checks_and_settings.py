@@ -99,3 +99,26 @@ def test_detector_entries_are_read_to_the_host_together():
     assert read["layer2"]["stat"] == 0.5 and read["layer2"]["flag"] is True and read["layer3"]["ratios"] == [3, 4, 5]
     assert isinstance(read["layer1"]["other"], torch.Tensor) and isinstance(read["layer4"]["stat"], torch.Tensor)
     assert isinstance(report["layer2"]["stat"], torch.Tensor)  # the report itself is left as it was
+
+
+def test_a_calibration_failure_in_what_qcore_adds_to_the_model_does_not_blame_the_batches():
+    from torch import nn
+
+    import qcore
+    from pytest_qreport.core.explain import explain
+    from qcore.rewrites.equalize import equalize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    batches = [torch.randn(8) for _ in range(2)]  # 1-d inputs, which the equalization observer does not take
+    with pytest.raises(qcore.CalibrationError) as raised:
+        equalize(qcore.capture(model, batches[0]), ["0", "2"], batches)
+    text = explain("m", "the analysis", raised.value)
+    assert text.startswith("model 'm': calibration batch 0 of 2 failed in qcore's InputEqualizationObserver.forward "
+                           "(equalize.py:")
+    assert "supports linear and conv inputs" in text and "The batch is not at fault" in text
+    assert "Fix the calibration batches" not in text
+    # a batch the model itself cannot take is still the batches' to fix
+    with pytest.raises(qcore.CalibrationError) as raised:
+        qcore.calibrate(qcore.capture(model, torch.randn(2, 8)), [torch.randn(2, 8), torch.randn(2, 5)])
+    assert "Fix the calibration batches" in explain("m", "the analysis", raised.value)
