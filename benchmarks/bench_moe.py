@@ -196,7 +196,8 @@ def experts_cost(counts: list[int]) -> None:
     for count in counts:
         model, batches = tiny_moe("qwen3_moe", layers=4, experts=count, batch=4, tokens=2 * count, n=8,
                                   positions=1024)
-        unreached = sum(len(tokens) - sum(1 for t in tokens if t > 0) for tokens in _expert_tokens(model, batches))
+        unreached = sum(not any(len(chunk) for chunk in chunks) for block in range(4)
+                        for chunks in routed_tokens_of(model, batches, layer=block).values())
         _analysis_seconds(model, batches, 0.0)  # one-time costs, not measured
         best = None
         for _ in range(2):
@@ -209,25 +210,6 @@ def experts_cost(counts: list[int]) -> None:
         split = ", ".join(f"{stage} {value / forward:.1f}x" for stage, value in stages.items())
         print(f"{count:>7} {layers:>13} {forward:>9.3f} {seconds:>10.2f} {seconds / forward:>6.1f}x {failing:>7} "
               f"{unreached:>9}  {split}; {stages.get('other', 0.0) / layers * 1e3:.1f} ms")
-
-
-def _expert_tokens(model, batches) -> list[list[int]]:
-    """The calibration tokens each expert of each block receives in the eager model."""
-    found, hooks = [], []
-    with torch.no_grad():
-        for layer in model.model.layers:
-            counts = torch.zeros(layer.mlp.experts.num_experts, dtype=torch.long)
-
-            def count(module, inputs, output, counts=counts):
-                chosen = output[2].reshape(-1)  # the router's (logits, scores, indices)
-                counts.index_add_(0, chosen, torch.ones_like(chosen))
-            hooks.append(layer.mlp.gate.register_forward_hook(count))
-            found.append(counts)
-        for batch in batches:
-            model(**batch)
-        for hook in hooks:
-            hook.remove()
-    return [counts.tolist() for counts in found]
 
 
 def capture_cost() -> None:

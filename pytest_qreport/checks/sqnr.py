@@ -68,24 +68,21 @@ def _first_own_error_before(model: ModelContext, layer: str, threshold: float) -
 
 
 # per model: every failing item of a model asks, and an MoE model has thousands of layers
-_FIRST_OWN_ERRORS: weakref.WeakKeyDictionary[ModelContext, tuple[Any, dict[float, Any]]] = \
+_FIRST_OWN_ERRORS: weakref.WeakKeyDictionary[ModelContext, tuple[Any, float, dict[str, int], Any]] = \
     weakref.WeakKeyDictionary()
 
 
 def _first_own_error(model: ModelContext, threshold: float) -> tuple[dict[str, int], tuple[int, str] | None]:
     """({layer: its graph position}, (position, name) of the first layer whose own error is below `threshold`, or
-    None), read once per model, measurement and threshold."""
+    None), read once per model's measurement and threshold."""
     measured = model.analysis.sqnr.layers
     held = _FIRST_OWN_ERRORS.get(model)
-    if held is None or held[0] is not measured:  # a measurement measured again replaces the one before
-        held = _FIRST_OWN_ERRORS[model] = (measured, {})
-    found = held[1]
-    if threshold not in found:
+    if held is None or held[0] is not measured or held[1] != threshold:
         names = [entry.layer for entry in model.analysis.layers]
         first = next(((position, name) for position, name in enumerate(names)
                       if own_error_layers(measured, [name], threshold)), None)
-        found[threshold] = ({name: position for position, name in enumerate(names)}, first)
-    return found[threshold]
+        held = _FIRST_OWN_ERRORS[model] = (measured, threshold, {name: i for i, name in enumerate(names)}, first)
+    return held[2], held[3]
 
 
 def _not_measured(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:

@@ -29,6 +29,9 @@ _PACKAGE_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.dirname(os.path.ab
     {sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep})
 
 
+_QCORE_DIR = _PACKAGE_DIRS[0]
+
+
 def _user_frames(error: BaseException, cause_only: bool = False) -> list[traceback.FrameSummary]:
     """The frames of the traceback (innermost last) that are the user's code, not torch, qcore or pytest; with
     cause_only, those of the error's cause only (where the model ran)."""
@@ -53,7 +56,7 @@ def _qcore_frame(error: BaseException | None) -> tuple[str, str] | None:
         filename = frame.f_code.co_filename
         if "/torch/" in filename:
             continue
-        if not filename.startswith(_PACKAGE_DIRS[0] + os.sep) or filename.endswith(os.sep + "inputs.py"):
+        if not filename.startswith(_QCORE_DIR + os.sep) or filename.endswith(os.sep + "inputs.py"):
             return None
         owner = frame.f_locals.get("self")
         name = f"{type(owner).__name__}.{frame.f_code.co_name}" if owner is not None else frame.f_code.co_name

@@ -5,7 +5,7 @@ import fnmatch
 import functools
 import operator
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import fx
 
 __all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
-           "WEIGHTED_KINDS", "aten", "fetch_attr", "find_quantizable_ops", "fused_output", "is_inserted",
+           "WEIGHTED_KINDS", "aten", "fetch_attr", "few_named", "find_quantizable_ops", "fused_output", "is_inserted",
            "observation_point",
            "last_layers", "LayerPatterns", "layer_patterns",
            "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
@@ -120,6 +120,13 @@ class QuantizableOp:
         if self.weight.meta.get(REWRITTEN_KEY):
             return str(self.weight.meta["qcore_float_weight"])
         return str(self.weight.target)
+
+
+def few_named(names: Sequence[str], shown: int = 8) -> str:
+    """The first `shown` of `names`, comma-separated, and how many more there are: a message about an MoE model's
+    experts names a few of hundreds."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def fetch_attr(module: torch.nn.Module, target: str) -> Any:

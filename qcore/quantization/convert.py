@@ -13,7 +13,15 @@ import torch
 from torch import fx, nn
 
 from qcore.graph.capture import capture, clone_graph_module
-from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QUANTIZED_WHERE_READ_KEY, REWRITTEN_KEY, fetch_attr, weight_value
+from qcore.graph.ops import (
+    FQN_KEY,
+    INSERTED_KEY,
+    QUANTIZED_WHERE_READ_KEY,
+    REWRITTEN_KEY,
+    fetch_attr,
+    few_named,
+    weight_value,
+)
 from qcore.observe.observers import ObserverBase, calculate_qparams_together, has_qparams, laid_end_to_end
 from qcore.observe.qparams import (
     fake_quantize_dynamic,
@@ -189,9 +197,8 @@ class _HostReads:
         unreached experts are many: one warning each would bury the rest)."""
         names = list(dict.fromkeys(self.unreached))
         if names:
-            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-            warnings.warn(f"no calibration batch reached the inputs of {len(names)} op(s) ({shown}): they are "
-                          "quantized with scale 1.0 and zero point 0, as torch.ao's convert does", stacklevel=3)
+            warnings.warn(f"no calibration batch reached the inputs of {len(names)} op(s) ({few_named(names)}): they "
+                          "are quantized with scale 1.0 and zero point 0, as torch.ao's convert does", stacklevel=3)
 
     def saw_nothing(self, observer: ObserverBase) -> bool:
         """Whether an observer is in its initial state (no batch reached it; NaN or inf values are not nothing)."""

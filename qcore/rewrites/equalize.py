@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.deferred import RuleFactors, rewrite
-from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QuantizableOp, find_quantizable_ops, op_kind
+from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QuantizableOp, few_named, find_quantizable_ops, op_kind
 from qcore.graph.rewritable import conv_groups, equalization_refusal, fetch_tensor, node_is_transposed
 from qcore.quantization.calibrate import calibrate
 from qcore.runtime import scratch
@@ -284,9 +284,8 @@ def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterabl
         scales = _observed_scales(result, ops, calibration)
         unreached = [op.layer for op in ops if op.layer not in scales]
         if unreached:  # an expert no calibration token was routed to: no range to balance, left as it is
-            shown = ", ".join(unreached[:8]) + (f" and {len(unreached) - 8} more" if len(unreached) > 8 else "")
             warnings.warn(f"no calibration batch reached the inputs of {len(unreached)} layer(s) to equalize "
-                          f"({shown}): they are left unequalized", stacklevel=2)
+                          f"({few_named(unreached)}): they are left unequalized", stacklevel=2)
             ops = [op for op in ops if op.layer in scales]
     _apply_scales(result, ops, scales, deferred)
     result.meta["qcore_equalization_scales"] = {layer: scale.tolist() for layer, scale in scales.items()}
