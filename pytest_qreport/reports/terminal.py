@@ -164,7 +164,7 @@ def baseline_lines(rows: list[Finding], models: Mapping[str, ModelFacts]) -> lis
 def timing_lines(models: Mapping[str, ModelFacts], top: int = 3, verbose: bool = False) -> list[str]:
     """'analysis time: 14.2 s in all; slowest: gpt2 9.1 s (capture 1.0, calibration ...), ...': where the time
     went, per model (every model when verbose, else the slowest `top`); then what the fix searches of every model
-    whose searches ran spent of its fix budget."""
+    whose searches ran spent of its fix budget, by model name."""
     timed = sorted(((facts.analysis_seconds, name, facts) for name, facts in models.items() if facts.seconds),
                    key=lambda entry: -entry[0])
     if not timed:
@@ -174,8 +174,10 @@ def timing_lines(models: Mapping[str, ModelFacts], top: int = 3, verbose: bool =
     which = "per model" if len(shown) == len(timed) else "slowest"
     listed = "; ".join(f"{printable(name)} {stage_times(facts.seconds)}" for _, name, facts in shown)
     lines = [f"analysis time: {total:.1f} s for {len(timed)} model(s); {which}: {listed}"]
-    # every model whose searches ran or stopped, slowest first: the budget's use is not only the slowest models'
-    budgets = [f"{printable(name)} {text}" for _, name, facts in timed if (text := budget_use_text(facts))]
+    # every model whose searches ran or stopped, by name: the budget's use is not only the slowest models', and the
+    # line reads the same however the run's times fell (serially or under xdist)
+    budgets = [f"{printable(name)} {text}" for _, name, facts in sorted(timed, key=lambda entry: entry[1])
+               if (text := budget_use_text(facts))]
     if budgets:
         lines.append("fix budget used: " + "; ".join(budgets))
     return lines

@@ -188,3 +188,17 @@ def test_an_equalization_verdict_comes_from_the_comparison_pass_and_its_fix_from
     _, facts = _run_sensor(pytester, f", {further.group(1)}")
     assert facts["fix_budget"]["trial_runs"] > verdicts[0.5][1]["fix_budget"]["trial_runs"]
     assert "Fix: qmodel(..., equalize=" in verdicts["unlimited"][0][failing[0]]["message"]
+
+
+def test_the_fix_budget_line_lists_models_by_name_however_their_times_fell():
+    from pytest_qreport.core.results import ModelFacts
+    from pytest_qreport.reports.terminal import timing_lines
+
+    use = {"fix_budget": 1.0, "verdict_runs": 16.0, "trial_runs": 8.0, "share": 0.5, "stopped_searches": 1}
+    lines = {}
+    for fast, slow in (("alpha", "beta"), ("beta", "alpha")):  # a serial run, then one under xdist
+        models = {name: ModelFacts(name=name, seconds={"comparison": seconds}, fix_budget=use)
+                  for name, seconds in ((fast, 1.0), (slow, 2.0))}
+        lines[fast] = timing_lines(models)[-1]
+    assert lines["alpha"] == lines["beta"]
+    assert lines["alpha"].startswith("fix budget used: alpha 50% of fix_budget=1 (8 of 16 graph runs; 1 search")
