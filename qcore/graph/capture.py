@@ -263,29 +263,31 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recom
     same parameter tensors (for a copy whose passes never write to them: no memory for a second set of weights);
     buffers, which a forward may update, are always copied. recompile=False skips the copy's code generation, for
     a caller that edits the graph and recompiles it before running it (until then the copy cannot run)."""
-    # what copy.deepcopy(gm) keeps, without deep-copying the attributes GraphModule.__init__ then drops
+    # what copy.deepcopy(gm) keeps: the graph's attribute targets, each copied once (a shared memo keeps what they
+    # share shared), without copying the module tree around them that GraphModule.__init__ would rebuild and drop
     memo: dict[int, Any] = {id(parameter): parameter for parameter in gm.parameters()} if share_parameters else {}
-    names = {str(node.target).split(".")[0] for node in gm.graph.nodes if node.op in ("get_attr", "call_module")}
-    memo.update(_buffer_clones([getattr(gm, name) for name in names], memo))
-    holder = nn.Module()
-    for name in names:
-        value = copy.deepcopy(getattr(gm, name), memo)
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-            holder.register_buffer(name, value)
-        else:
-            setattr(holder, name, value)
+    targets = list(dict.fromkeys(str(node.target) for node in gm.graph.nodes if node.op in ("get_attr", "call_module")))
+    values = {target: _attribute(gm, target) for target in targets}
+    memo.update(_buffer_clones(list(values.values()), memo))
+    copies = {target: copy.deepcopy(value, memo) for target, value in values.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         if recompile or not hasattr(gm.graph, "_codegen"):
-            clone = fx.GraphModule(holder, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+            clone = fx.GraphModule(copies, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
         else:
-            clone = fx.GraphModule(holder, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes
+            clone = fx.GraphModule({}, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes
             _copy_graph_into(gm.graph, clone.graph)
-            for node in clone.graph.nodes:
-                if node.op in ("get_attr", "call_module"):
-                    _install_attribute(holder, clone, str(node.target))
+            for target in sorted(copies, key=lambda name: name.count(".")):  # a parent before what it holds
+                _install_attribute(clone, target, copies[target])
     clone.meta = copy.deepcopy(getattr(gm, "meta", {}), memo)
     return clone
+
+
+def _attribute(module: nn.Module, path: str) -> Any:
+    """The attribute at dotted `path` of `module`."""
+    for item in path.split("."):
+        module = getattr(module, item)
+    return module
 
 
 def _buffer_clones(values: list[Any], memo: dict[int, Any]) -> dict[int, torch.Tensor]:
@@ -308,19 +310,16 @@ def _buffer_clones(values: list[Any], memo: dict[int, Any]) -> dict[int, torch.T
             and storages[(tensor.device, tensor.untyped_storage().data_ptr())] == 1}
 
 
-def _install_attribute(source: nn.Module, target: nn.Module, path: str) -> None:
-    """Give `target` the attribute at dotted `path` of `source`, as GraphModule.__init__ does for each get_attr and
-    call_module target: intermediate modules are new, empty ones, unless a parent was installed already."""
+def _install_attribute(target: nn.Module, path: str, value: Any) -> None:
+    """Give `target` `value` at dotted `path`, as GraphModule.__init__ does for each get_attr and call_module target:
+    intermediate modules are new, empty ones where none is there yet (a parent installed earlier holds its own)."""
     *prefix, field = path.split(".")
     for item in prefix:
-        source_item, target_item = getattr(source, item), getattr(target, item, None)
-        if source_item is target_item:
-            return
-        if target_item is None:
-            target_item = nn.Module()
-            setattr(target, item, target_item)
-        source, target = source_item, target_item
-    value = getattr(source, field)
+        found = getattr(target, item, None)
+        if found is None:
+            found = nn.Module()
+            setattr(target, item, found)
+        target = found
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
         target.register_buffer(field, value)
     else:

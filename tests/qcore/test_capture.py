@@ -89,6 +89,45 @@ def test_a_clone_copies_each_buffer_in_one_op_and_keeps_buffers_sharing_a_storag
     assert torch.equal(gm.own, torch.ones(3))
 
 
+class _Counter(torch.nn.Module):
+    """A call_module target with state of its own (as an observer), whose buffer another node also reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(3))
+
+    def forward(self, x):
+        self.seen.add_(1.0)
+        return x
+
+
+@pytest.mark.parametrize("recompile", [True, False])
+def test_a_clone_copies_a_module_target_once_with_what_other_nodes_read_inside_it(recompile):
+    """Each attribute the graph reads is copied once, with one memo: a module a node calls and its buffer that
+    another node reads are the same objects in the clone, apart from the original's."""
+    from qcore.graph.capture import clone_graph_module
+
+    root = torch.nn.Module()
+    root.block = torch.nn.Module()
+    root.block.counter = _Counter()
+    root.block.linear = torch.nn.Linear(3, 3)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    counted = graph.call_module("block.counter", (x,))
+    projected = graph.call_function(torch.nn.functional.linear, (counted, graph.get_attr("block.linear.weight")))
+    graph.output(graph.call_function(torch.add, (projected, graph.get_attr("block.counter.seen"))))
+    gm = torch.fx.GraphModule(root, graph)
+    clone = clone_graph_module(gm, share_parameters=True, recompile=recompile)
+    clone.recompile()
+    assert clone.block.counter is not gm.block.counter
+    assert clone.block.counter.seen.data_ptr() != gm.block.counter.seen.data_ptr()
+    assert clone.block.linear.weight is gm.block.linear.weight
+    value = torch.randn(2, 3)
+    out = clone(value)  # the clone's counter updates its own buffer, which the add then reads
+    assert torch.equal(out, torch.nn.functional.linear(value, gm.block.linear.weight) + 1.0)
+    assert torch.equal(gm.block.counter.seen, torch.zeros(3))
+
+
 @pytest.mark.parametrize("method", ["export", "fx"])
 @pytest.mark.parametrize("share_parameters", [False, True])
 def test_a_clone_without_code_generation_equals_a_full_clone_once_recompiled(method, share_parameters):
