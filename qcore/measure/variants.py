@@ -36,6 +36,7 @@ from qcore.rewrites.equalize import (
     weight_column_factor,
 )
 from qcore.runtime import deferred
+from qcore.runtime.scratch import elementwise
 
 __all__ = ["Variant", "VariantSqnr", "add_variant_shadow", "detector_channel_ranges",
            "input_ranges", "kept_producer_outputs", "make_variant_weights", "plan_variants", "rewrite_scales",
@@ -331,7 +332,9 @@ class ScaledWeightQuantizer(nn.Module):
         out = None if whole else torch.empty_like(weight)
         with torch.no_grad():
             for part in parts:  # elementwise: the same values as the whole at once
-                scaled = weight[part] / (factor[part] if factor.dim() and factor.shape[0] > 1 else factor)
+                # into a reused buffer: a fresh one each batch is new pages, each zeroed on its first write
+                scaled = elementwise(torch.div, weight[part],
+                                     factor[part] if factor.dim() and factor.shape[0] > 1 else factor)
                 if self.axis is None:
                     result = fake_quantize_per_tensor(scaled, float(self.scale.reshape(-1)[0]),
                                                       int(self.zero_point.reshape(-1)[0]), self.quant_min,

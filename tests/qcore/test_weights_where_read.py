@@ -77,6 +77,29 @@ def test_variants_of_a_model_quantized_where_read_quantize_their_weights_where_t
     assert reads and where_read.variants == plain.variants
 
 
+@pytest.mark.skipif(native.kernel() is None, reason="the reused buffers are the native kernels' (CPU float32)")
+def test_a_variants_weight_quantized_where_read_is_divided_into_a_reused_buffer_with_the_same_values():
+    """Each batch divides a variant's weight by its column factor again: into a buffer of the pool, not fresh pages
+    (an MoE block's experts are hundreds of such weights a batch), with the values of the weight quantized ahead."""
+    from qcore.runtime.scratch import reused_outputs
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(512, 1024, generator=generator)  # 2 MiB: large enough for the pool
+    factor = torch.rand(1024, generator=generator) + 0.5
+    observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.int8, qscheme=torch.per_channel_symmetric)
+    observer(weight / factor)
+    expected = fake_quantize_with(observer, weight / factor)
+    quantizer = ScaledWeightQuantizer(observer, factor)
+    with reused_outputs() as pool:
+        for _ in range(2):
+            result = quantizer(weight)
+            assert torch.equal(result, expected)
+            pooled = {buffer.untyped_storage().data_ptr() for entries in pool._buffers.values()
+                      for buffer, _, _ in entries}
+            assert result.untyped_storage().data_ptr() in pooled
+            del result
+
+
 def test_a_graph_quantized_where_read_holds_no_quantized_copy_and_quantizes_each_weight_where_it_is_read(net):
     _, batches = net
     torch.manual_seed(1)
