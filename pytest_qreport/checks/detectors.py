@@ -178,7 +178,8 @@ class DetectorCheck(Check):
         and its fix `search`: what the verdict pass measured is read from them (without them, the advice judges)."""
         details = {**found.details, "measured_gain_db": advice.first.gain(found.layer),
                    "advised": advice.helps(found.layer)}
-        measured = self.pass_gains(model, search, advice) if model is not None and search is not None else None
+        measured = self.pass_gains(model, search, advice, [found.layer]) if model is not None and search is not None \
+            else None
         before, after = (measured or {}).get(found.layer, (math.nan, math.nan))
         if model is not None and search is not None and after - before >= advice.min_gain \
                 and not advice.helps(found.layer):
@@ -202,10 +203,10 @@ class DetectorCheck(Check):
         heuristic = f"torch.ao's {self.name} heuristic recommends {self.recommends} ({seen})"
         return found.replace(verdict="pass", message="", note=advice.note(found.layer, heuristic), details=details)
 
-    def pass_gains(self, model: ModelContext, search: FixSearch, advice: Advice
+    def pass_gains(self, model: ModelContext, search: FixSearch, advice: Advice, layers: Sequence[str]
                    ) -> Mapping[str, tuple[float, float]] | None:
-        """{layer: (own SQNR, own SQNR with the fix)} that the verdict pass measured (the screen's), or None where
-        none did (the fix's trial then judges)."""
+        """{layer: (own SQNR, own SQNR with the fix)} that the verdict pass measured (the screen's), of `layers` at
+        least, or None where none did (the fix's trial then judges)."""
         return advice.first.own if advice.first.screened else None
 
     def measured_setting(self, model: ModelContext, search: FixSearch, layers: Sequence[str]) -> str:
@@ -225,8 +226,9 @@ class DetectorCheck(Check):
                  f"input) is {before:.2f} -> {after:.2f} dB ({after - before:+.2f} dB; the minimum gain is "
                  f"{advice.min_gain:g} dB)")
         if advice.stopped:
-            gains = self.pass_gains(model, search, advice) or {}
-            gaining = [name for name in (failing or [layer])
+            named = list(failing or [layer])
+            gains = self.pass_gains(model, search, advice, named) or {}
+            gaining = [name for name in named
                        if (pair := gains.get(name)) is not None and pair[1] - pair[0] >= advice.min_gain]
             return (f"{claim}, and its effect on the model output was not measured: the model's fix budget was "
                     f"spent.{search.further()} The setting the comparison pass measured on these layers: "
@@ -327,9 +329,9 @@ class InputWeightEqualizationCheck(DetectorCheck):
     def min_gain_setting(self) -> str:
         return "equalization_min_gain_db"
 
-    def pass_gains(self, model: ModelContext, search: FixSearch, advice: Advice
+    def pass_gains(self, model: ModelContext, search: FixSearch, advice: Advice, layers: Sequence[str]
                    ) -> Mapping[str, tuple[float, float]] | None:
-        return search.variant_gains("input_weight")
+        return search.variant_gains("input_weight", list(layers))  # those only: an MoE model has thousands
 
     def measured_setting(self, model: ModelContext, search: FixSearch, layers: Sequence[str]) -> str:
         return search.equalize(list(layers), layers).paste()

@@ -607,3 +607,19 @@ def test_the_first_layer_failing_on_its_own_is_found_once_per_model_not_once_per
     monkeypatch.setattr(sqnr_check, "own_error_layers", lambda *args: calls.append(1) or original(*args))
     assert {layer: sqnr_check._first_own_error_before(context, layer, threshold) for layer in names} == expected
     assert len(calls) <= len(names)  # one walk over the layers for every item, not one per item
+
+
+def test_each_equalization_item_reads_the_comparison_pass_gain_of_its_own_layer_not_of_every_layer(monkeypatch):
+    """An item's verdict reads what the verdict pass measured of its own layer: reading every layer's for each item
+    is quadratic in the layers (an MoE model has thousands of expert projections)."""
+    from pytest_qreport.fixes import equalize
+
+    asked = []
+    original = equalize.variant_gains
+    monkeypatch.setattr(equalize, "variant_gains", lambda scope, method, layers=None: asked.append(
+        len(scope.analysis.equalizable_layers) if layers is None else len(layers)) or original(scope, method, layers))
+    found, analysis = analyze_with_checks(sensor_mlp, _sensor_batches(), quantizer="int8_histogram",
+                                          checks=["input_weight_equalization"], fix_budget=math.inf)
+    items = [f for (check, _), f in found.items() if check == "input_weight_equalization"]
+    assert len(items) >= 4 and asked
+    assert sum(asked) <= len(items) + len(analysis.equalizable_layers)  # one each, and the advice's candidates
