@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from qcore.graph.experts import EXPERTS_KEY, expand_expert_templates, linearized_experts, traced_with_templates
+from qcore.graph.experts import (
+    EXPERTS_KEY,
+    expand_expert_templates,
+    install_held_back,
+    linearized_experts,
+    templates_only,
+    traced_with_templates,
+)
 from qcore.graph.fold import fold_batch_norm, fold_computed_weights, linear_from_transposed_weight_matmuls
 from qcore.graph.inputs import as_args_kwargs, describe_batch
 from qcore.graph.ops import FQN_KEY, HANDLE_KEY, normalize_module_path
@@ -193,8 +200,9 @@ def _export_experts(model: nn.Module, args: tuple, kwargs: dict, experts_record:
     if not fused:
         return _export(model, args, kwargs)
     try:
-        with traced_with_templates():
+        with traced_with_templates(), templates_only(model, fused) as held:
             gm = _export(model, args, kwargs, recompile=False)
+        install_held_back(gm, held)
         if not expand_expert_templates(gm, fused):  # it generates the code of a graph it expanded
             gm.recompile()
         return gm

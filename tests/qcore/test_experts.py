@@ -86,6 +86,35 @@ def test_a_capture_from_one_template_per_block_is_the_graph_traced_expert_by_exp
         {layer: value.sqnr_db for layer, value in b.layers.items()}
 
 
+def test_a_template_trace_exports_expert_0_alone_and_the_graph_reads_every_experts_own_weights(monkeypatch):
+    """torch.export lifts every parameter a module holds: the trace with templates sees expert 0's projections only,
+    so that a block's trace costs the same at 128 experts as at 8, and the graph then reads each expert's own
+    weights, views of the fused parameters, as a trace of every expert does; the model is left as it was."""
+    model, data = tiny_moe("qwen3_moe", layers=2, experts=16, batch=4)
+    before = [name for name, _ in model.named_modules()]
+    exported = []
+    original = torch.export.export
+
+    def export(module, *args, **kwargs):  # which experts' own parameters the exported module holds
+        exported.append(sorted({part for name, _ in module.named_parameters() if ".experts." in name
+                                and (part := name.split(".experts.")[1].split(".")[0]).isdigit()}))
+        return original(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", export)
+    gm = qcore.capture(model, data[0])
+    assert exported == [["0"]]  # one export: expert 0's own projections, no other expert's
+    assert [name for name, _ in model.named_modules()] == before
+    fused = model.model.layers[1].mlp.experts
+    for expert in range(16):
+        gate = gm.get_parameter(f"model.layers.1.mlp.experts.{expert}.gate_proj.weight")
+        down = gm.get_parameter(f"model.layers.1.mlp.experts.{expert}.down_proj.weight")
+        assert gate.untyped_storage().data_ptr() == fused.gate_up_proj.untyped_storage().data_ptr()
+        assert torch.equal(gate, fused.gate_up_proj[expert][: gate.shape[0]])
+        assert torch.equal(down, fused.down_proj[expert])
+    assert {op.layer for op in find_quantizable_ops(gm)} >= {f"model.layers.1.mlp.experts.{expert}.up_proj"
+                                                            for expert in range(16)}
+
+
 def test_a_template_whose_shape_the_trace_fixed_to_every_routed_token_is_not_copied(monkeypatch):
     """An expert computation with a reshape to its input's row count is traced with that count fixed: copied for one
     expert's run of the tokens it would not fit, so the capture traces every expert instead, and runs."""
