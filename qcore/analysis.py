@@ -31,7 +31,7 @@ from qcore.artifact import (
     BlockwiseArtifactError,
     tool_recipes,
 )
-from qcore.graph.capture import capture, clone_graph_module
+from qcore.graph.capture import capture, clone_graph_module, graph_view
 from qcore.graph.deferred import deferred_parameters, materialized, read_rewritten_where_used
 from qcore.graph.experts import ExpertLayer, MoeBlock, Router, compact_expert_layers, expert_layers, moe_blocks, routers
 from qcore.graph.inputs import call_model, move_to
@@ -111,7 +111,7 @@ class QuantizedLayer:
 
 def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = None) -> list[QuantizedLayer]:
     """The layers `quantizer` quantizes, in graph order, from one annotation of a copy. No calibration."""
-    annotated = clone_graph_module(float_gm, share_parameters=True, recompile=False)  # read, never run
+    annotated = graph_view(float_gm)  # read, never run
     (quantizer or Int8StaticQuantizer()).annotate(annotated)
     layers = []
     layer_preset = getattr(quantizer, "layer_preset", None)

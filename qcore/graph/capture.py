@@ -24,7 +24,7 @@ from qcore.graph.inputs import as_args_kwargs, describe_batch
 from qcore.graph.ops import FQN_KEY, HANDLE_KEY, normalize_module_path
 from qcore.runtime.progress import stage
 
-__all__ = ["CaptureError", "annotate_fqns_and_handles", "capture", "clone_graph_module", "module_fqn"]
+__all__ = ["CaptureError", "annotate_fqns_and_handles", "capture", "clone_graph_module", "graph_view", "module_fqn"]
 
 
 class CaptureError(RuntimeError):
@@ -289,6 +289,30 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recom
                 _install_attribute(clone, target, copies[target])
     clone.meta = copy.deepcopy(getattr(gm, "meta", {}), memo)
     return clone
+
+
+def graph_view(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over a copy of `gm`'s graph (node meta included) that reads `gm`'s own attributes: its top-level
+    modules and tensors are shared, not copied, so that it costs a graph copy, not a module per attribute path (an
+    MoE model has thousands). For passes that read the graph and write node meta only (an annotation); never run
+    it or write to its attributes. Its code is not generated."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        view = fx.GraphModule({}, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes
+        _copy_graph_into(gm.graph, view.graph)
+    for name in dict.fromkeys(str(node.target).split(".")[0] for node in view.graph.nodes
+                              if node.op in ("get_attr", "call_module")):
+        value = getattr(gm, name)
+        if isinstance(value, nn.Module):
+            view.add_module(name, value)
+        elif isinstance(value, nn.Parameter):
+            view.register_parameter(name, value)
+        elif isinstance(value, torch.Tensor):
+            view.register_buffer(name, value)
+        else:
+            setattr(view, name, value)
+    view.meta = dict(getattr(gm, "meta", {}))
+    return view
 
 
 def _attribute(module: nn.Module, path: str) -> Any:

@@ -282,3 +282,30 @@ def test_an_moe_capture_generates_its_expanded_graphs_code_once():
     assert sum(1 for generated in by_qcore if generated is gm) == 1
     with torch.no_grad():
         torch.testing.assert_close(call_model(gm, data[1]).logits, model(**data[1]).logits)
+
+
+def test_a_graph_view_reads_the_graphs_own_attributes_and_keeps_its_node_meta_apart(monkeypatch):
+    """quantized_layers annotates a view (a copy of the graph over the same attributes, no module copied): the layers
+    a clone's annotation gives, and the float graph's nodes untouched."""
+    from torch import nn
+
+    import qcore.analysis
+    from qcore.analysis import quantized_layers
+    from qcore.graph.capture import clone_graph_module, graph_view
+    from qcore.quantization.format_quantizer import FormatQuantizer
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 40), nn.ReLU(), nn.Linear(40, 8)).eval()
+    gm = qcore.capture(model, torch.randn(4, 64))
+    before = [(node.format_node(), dict(node.meta)) for node in gm.graph.nodes]
+    view = graph_view(gm)
+    assert [node.format_node() for node in view.graph.nodes] == [text for text, _ in before]
+    assert all(view.get_parameter(name) is parameter for name, parameter in gm.named_parameters())
+    for node in view.graph.nodes:
+        node.meta["written"] = True
+    assert [(node.format_node(), node.meta) for node in gm.graph.nodes] == before
+    quantizers = (qcore.Int8StaticQuantizer(per_channel=False), FormatQuantizer("NVFP4"))
+    viewed = [quantized_layers(gm, quantizer) for quantizer in quantizers]
+    assert [(node.format_node(), node.meta) for node in gm.graph.nodes] == before
+    monkeypatch.setattr(qcore.analysis, "graph_view", lambda g: clone_graph_module(g, True, recompile=False))
+    assert viewed == [quantized_layers(gm, quantizer) for quantizer in quantizers]
+    assert {entry.format_refusal.split(":")[0] for entry in viewed[1]} == {"", "NVFP4"}  # layer 4 refuses NVFP4
