@@ -280,13 +280,16 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recom
     copies = {target: copy.deepcopy(value, memo) for target, value in values.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        if recompile or not hasattr(gm.graph, "_codegen"):
-            clone = fx.GraphModule(copies, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
-        else:
-            clone = fx.GraphModule({}, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes
-            _copy_graph_into(gm.graph, clone.graph)
-            for target in sorted(copies, key=lambda name: name.count(".")):  # a parent before what it holds
+        clone = fx.GraphModule({}, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes
+        for target in copies:
+            parents = target.split(".")
+            # a module target's copy holds what it holds (GraphModule.__init__ installs it whole, alone)
+            if not any(".".join(parents[:end]) in copies for end in range(1, len(parents))):
                 _install_attribute(clone, target, copies[target])
+        if recompile or not hasattr(gm.graph, "_codegen"):
+            clone.graph = copy.deepcopy(gm.graph)  # generates its code
+        else:
+            _copy_graph_into(gm.graph, clone.graph)
     clone.meta = copy.deepcopy(getattr(gm, "meta", {}), memo)
     return clone
 
@@ -344,7 +347,7 @@ def _buffer_clones(values: list[Any], memo: dict[int, Any]) -> dict[int, torch.T
 
 def _install_attribute(target: nn.Module, path: str, value: Any) -> None:
     """Give `target` `value` at dotted `path`, as GraphModule.__init__ does for each get_attr and call_module target:
-    intermediate modules are new, empty ones where none is there yet (a parent installed earlier holds its own)."""
+    intermediate modules are new, empty ones where none is there yet."""
     *prefix, field = path.split(".")
     for item in prefix:
         found = getattr(target, item, None)
