@@ -297,8 +297,9 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recom
 def graph_view(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of `gm`'s graph (node meta included) that reads `gm`'s own attributes: its top-level
     modules and tensors are shared, not copied, so that it costs a graph copy, not a module per attribute path (an
-    MoE model has thousands). For passes that read the graph and write node meta only (an annotation); never run
-    it or write to its attributes. Its code is not generated."""
+    MoE model has thousands). For passes that read it and change only its graph, its node meta and its own top-level
+    attributes (an annotation; a prepare whose observers are only read): never run it, nor write into the modules
+    and tensors it shares. Its code is not generated."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         view = fx.GraphModule({}, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes

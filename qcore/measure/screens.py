@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from torch import fx
 
-from qcore.graph.capture import clone_graph_module
+from qcore.graph.capture import clone_graph_module, graph_view
 from qcore.graph.ops import INSERTED_KEY, find_quantizable_ops, observation_point, original_input
 from qcore.measure.probes import Probe
 from qcore.numeric.instrument import QPARAMS_DIGEST_KEY, qparams_digest
@@ -187,8 +187,8 @@ class ObserversAhead(Probe):
         for screen in self.screens:
             try:
                 changed = with_layer_overrides(self.quantizer, {layer: dict(c) for layer, c in screen.ahead.items()})
-                ahead = prepare(clone_graph_module(self.float_gm, share_parameters=True, recompile=False), changed,
-                                recompile=False)
+                # read for its observers, never run: a view of the float graph, not a copy of its module tree
+                ahead = prepare(graph_view(self.float_gm), changed, recompile=False)
             except Exception:  # noqa: BLE001 - observers ahead only save a pass: the screen calibrates its own
                 continue
             calls = {name: [value.name for value in values] for name, values in watched_values(ahead).items()}

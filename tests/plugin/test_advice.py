@@ -515,8 +515,13 @@ def test_a_screens_observers_calibrated_ahead_give_the_same_measurement_without_
         return analysis.screened("outlier"), analysis.sqnr
 
     (alone, sqnr_alone), without_ahead = screened({}), len(passes)
+    graph_before = [(node.format_node(), set(node.meta)) for node in float_gm.graph.nodes]
+    modules_before = {name: type(module) for name, module in float_gm.named_modules()}
     (ahead, sqnr_ahead), with_ahead = screened(every), len(passes) - without_ahead
     assert (without_ahead, with_ahead) == (1, 0)  # the screen's copy took every observer's state
+    # the observers ahead come from a view of the float graph (qcore.graph.capture.graph_view): it is left as it was
+    assert [(node.format_node(), set(node.meta)) for node in float_gm.graph.nodes] == graph_before
+    assert {name: type(module) for name, module in float_gm.named_modules()} == modules_before
     assert dict(ahead.own_sqnr_db) == dict(alone.own_sqnr_db) and set(ahead.own_sqnr_db) == set(named)
     assert sqnr_ahead == sqnr_alone  # the model's own measurement does not see the observers ahead
     before = len(passes)
