@@ -60,6 +60,16 @@ class WeightFit:
     finite: bool
 
 
+# a difference of float64 sums this small against them is their rounding, not a residual: a weight that is an exact
+# scaled copy of the reference (bfloat16 rounds a small error away) then fits it exactly (inf), not at 150-170 dB
+_FLOAT64_RESIDUE = 2.0 ** -46
+
+
+def _resolved(residual: float, noise: float) -> float:
+    """`residual` (noise minus what a scale fit explains), or 0.0 where float64 cannot tell it from its rounding."""
+    return residual if residual > noise * _FLOAT64_RESIDUE else 0.0
+
+
 def _fit_db(signal: float, noise: float, error_cross: float) -> tuple[float, float]:
     """(s, SQNR of the reference against weight / s) from sum(r*r), sum(d*d), sum(r*d) with d = weight - r: the
     residual of weight ~ s r is noise - error_cross^2 / signal, divided by s^2."""
@@ -68,7 +78,7 @@ def _fit_db(signal: float, noise: float, error_cross: float) -> tuple[float, flo
     factor = (signal + error_cross) / signal
     if noise <= 0:
         return factor, math.inf
-    residual = max(noise - error_cross * error_cross / signal, 0.0)
+    residual = _resolved(noise - error_cross * error_cross / signal, noise)
     if factor == 0:
         return factor, -math.inf
     return factor, sqnr_db(signal, residual / (factor * factor))
@@ -77,13 +87,27 @@ def _fit_db(signal: float, noise: float, error_cross: float) -> tuple[float, flo
 def weight_fit(reference: torch.Tensor, weight: torch.Tensor) -> WeightFit:
     """A weight's numbers against the reference's (WeightFit), from one pass of per-channel sums; a weight that a
     scale maps close to the reference (whose fits subtract nearly equal sums) is summed again in float64."""
-    fit = _fit(reference, weight, *_column_sums(reference, weight))
-    if max(fit.channel_gain_db, fit.fitted_db - fit.sqnr_db) > CLOSE_FIT_DB:
+    sums = _column_sums(reference, weight)
+    fit = _fit(reference, weight, *sums)
+    if max(fit.channel_gain_db, fit.fitted_db - fit.sqnr_db) > CLOSE_FIT_DB or _loses_digits(*sums):
         fit = _fit(reference, weight, *_column_sums(reference, weight, exact=True))
     return fit
 
 
 CLOSE_FIT_DB = 1.0  # a scale fit this much better than the weight itself: its float32 sums would lose digits
+# a fit's residual under this share of the sums it is the difference of has lost more of float32's digits than the
+# figures' 1e-4 dB may: a weight a scale maps close to the reference, or one near zeros (d = w - r is then about -r)
+_CANCELLING = 2.0 ** -8
+
+
+def _loses_digits(energy: torch.Tensor, noise: torch.Tensor, error_cross: torch.Tensor) -> bool:
+    """Whether a scale fit's residual, noise - error_cross^2 / energy, of the whole weight or of one channel, is a
+    small difference of the float32 products' sums."""
+    residual = noise - error_cross**2 / energy.clamp_min(1e-300)
+    if bool(((energy > 0) & (residual < noise * _CANCELLING)).any()):
+        return True
+    signal, total, cross = float(energy.sum()), float(noise.sum()), float(error_cross.sum())
+    return signal > 0 and total - cross * cross / signal < total * _CANCELLING
 
 
 def _fit(reference: torch.Tensor, weight: torch.Tensor, energy: torch.Tensor, noise: torch.Tensor,
@@ -97,7 +121,8 @@ def _fit(reference: torch.Tensor, weight: torch.Tensor, energy: torch.Tensor, no
         scales = (energy + error_cross) / energy.clamp_min(1e-300)
         fitting = (energy > 0) & (scales.abs() > 1e-300)
         # per channel, sum over rows of (w / c - r)^2 = (sum(d*d) - sum(r*d)^2 / sum(r*r)) / c^2
-        residual = (noise - error_cross**2 / energy.clamp_min(1e-300)).clamp_min(0)
+        residual = noise - error_cross**2 / energy.clamp_min(1e-300)
+        residual = torch.where(residual > noise * _FLOAT64_RESIDUE, residual, 0.0)
         fitted_noise = torch.where(fitting, residual / torch.where(fitting, scales, 1.0) ** 2, noise)
         gain = sqnr_db(signal, float(fitted_noise.sum())) - plain
     # all zeros gives d = -r: sum(d*d) = sum(r*r) and sum(r*d) = -sum(r*r), bit for bit; a weight too small to

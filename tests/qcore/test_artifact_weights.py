@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from qcore.artifact.weights import weight_fit
@@ -27,10 +27,16 @@ def _direct(reference, weight):
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(2, 40), columns=st.integers(2, 40), scale=st.floats(0.5, 2e4), noise=st.floats(1e-3, 0.5),
        seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+# a column whose weight is a fiftieth of the reference's: its per-channel fit subtracts nearly equal float32 sums
+@example(rows=2, columns=2, scale=0.5, noise=0.5, seed=1203, dtype=torch.float32)
+# bfloat16 rounds the error away: exact scaled copies, whole (4 x 4) and of every column (2 x 20), fit exactly
+@example(rows=4, columns=4, scale=0.5, noise=0.001, seed=1829, dtype=torch.bfloat16)
+@example(rows=2, columns=20, scale=0.5, noise=0.001, seed=1, dtype=torch.bfloat16)
 def test_weight_fit_is_the_direct_float64_computation(rows, columns, scale, noise, seed, dtype):
     """SQNR, the whole-tensor factor and its fitted SQNR, and the gain of per-channel scales, for weights scaled
     wrong (a factor up to 2e4, as a loader that applies a global scale twice) and quantization-like noise. The fits
-    are summed again in float64 where they come close."""
+    are summed again in float64 where they come close or their float32 sums cancel; an exact scaled copy fits at
+    inf."""
     generator = torch.Generator().manual_seed(seed)
     reference = torch.randn(rows, columns, generator=generator).to(dtype)
     weight = (reference.float() * scale * (1 + noise * torch.randn(rows, columns, generator=generator))).to(dtype)
@@ -40,9 +46,18 @@ def test_weight_fit_is_the_direct_float64_computation(rows, columns, scale, nois
     plain, factor, fitted, gain = _direct(reference, weight)
     assert fit.sqnr_db == pytest.approx(plain, abs=1e-4)
     assert fit.factor == pytest.approx(factor, rel=1e-5)
-    assert fit.fitted_db == pytest.approx(fitted, abs=1e-4)
-    assert fit.channel_gain_db == pytest.approx(gain, abs=1e-4)
+    _agree(fit.fitted_db, fitted)
+    _agree(fit.channel_gain_db, gain, plain)
     assert not fit.zeros and fit.finite
+
+
+def _agree(ours: float, direct: float, plain: float = 0.0) -> None:
+    """To 1e-4 dB where the fit's SQNR (`direct`, plus `plain` for a gain) is under 100 dB: float64 sums resolve its
+    residual that finely there; beyond, a scaled copy within a few float64 roundings of exact: both past it."""
+    if direct + plain < 100.0:
+        assert ours == pytest.approx(direct, abs=1e-4)
+    else:
+        assert ours + plain >= 99.0
 
 
 def test_zeros_infinite_values_and_an_equal_weight_are_told():
