@@ -47,11 +47,7 @@ def _qcore_frame(error: BaseException | None) -> tuple[str, str] | None:
     """(what failed, where) for the innermost frame of `error` outside torch when it is qcore's own code (an
     observer's, say), not the code that runs the model (qcore.graph.inputs, a graph module's generated code); else
     None."""
-    frames = []
-    tb = error.__traceback__ if error is not None else None
-    while tb is not None:
-        frames.append((tb.tb_frame, tb.tb_lineno))
-        tb = tb.tb_next
+    frames = list(traceback.walk_tb(error.__traceback__)) if error is not None else []
     for frame, line in reversed(frames):
         filename = frame.f_code.co_filename
         if "/torch/" in filename:

@@ -101,13 +101,16 @@ _CANCELLING = 2.0 ** -8
 
 
 def _loses_digits(energy: torch.Tensor, noise: torch.Tensor, error_cross: torch.Tensor) -> bool:
-    """Whether a scale fit's residual, noise - error_cross^2 / energy, of the whole weight or of one channel, is a
-    small difference of the float32 products' sums."""
-    residual = noise - error_cross**2 / energy.clamp_min(1e-300)
-    if bool(((energy > 0) & (residual < noise * _CANCELLING)).any()):
-        return True
-    signal, total, cross = float(energy.sum()), float(noise.sum()), float(error_cross.sum())
-    return signal > 0 and total - cross * cross / signal < total * _CANCELLING
+    """Whether a scale fit's residual, of one channel or of the whole weight, is a small difference of the float32
+    products' sums."""
+    return any(bool(((e > 0) & (_residual(e, n, c) < n * _CANCELLING)).any())
+               for e, n, c in ((energy, noise, error_cross), (energy.sum(), noise.sum(), error_cross.sum())))
+
+
+def _residual(energy: torch.Tensor, noise: torch.Tensor, error_cross: torch.Tensor) -> torch.Tensor:
+    """What of the error sum(d*d) a scale fit of the weight to the reference leaves, per channel (or of sums):
+    noise - error_cross^2 / energy, from sum(r*r), sum(d*d) and sum(r*d)."""
+    return noise - error_cross**2 / energy.clamp_min(1e-300)
 
 
 def _fit(reference: torch.Tensor, weight: torch.Tensor, energy: torch.Tensor, noise: torch.Tensor,
@@ -121,7 +124,7 @@ def _fit(reference: torch.Tensor, weight: torch.Tensor, energy: torch.Tensor, no
         scales = (energy + error_cross) / energy.clamp_min(1e-300)
         fitting = (energy > 0) & (scales.abs() > 1e-300)
         # per channel, sum over rows of (w / c - r)^2 = (sum(d*d) - sum(r*d)^2 / sum(r*r)) / c^2
-        residual = noise - error_cross**2 / energy.clamp_min(1e-300)
+        residual = _residual(energy, noise, error_cross)
         residual = torch.where(residual > noise * _FLOAT64_RESIDUE, residual, 0.0)
         fitted_noise = torch.where(fitting, residual / torch.where(fitting, scales, 1.0) ** 2, noise)
         gain = sqnr_db(signal, float(fitted_noise.sum())) - plain

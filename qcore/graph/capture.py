@@ -5,7 +5,7 @@ import contextlib
 import copy
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -14,7 +14,6 @@ from torch import fx, nn
 from qcore.graph.experts import (
     EXPERTS_KEY,
     expand_expert_templates,
-    install_held_back,
     linearized_experts,
     templates_only,
     traced_with_templates,
@@ -202,7 +201,10 @@ def _export_experts(model: nn.Module, args: tuple, kwargs: dict, experts_record:
     try:
         with traced_with_templates(), templates_only(model, fused) as held:
             gm = _export(model, args, kwargs, recompile=False)
-        install_held_back(gm, held)
+        for path, experts in held.items():  # the same tensors, at their paths in the model, for the expansion
+            for index, expert in experts.items():
+                for name, parameter in expert.named_parameters():
+                    _install_attribute(gm, f"{path}.{index}.{name}", parameter)
         if not expand_expert_templates(gm, fused):  # it generates the code of a graph it expanded
             gm.recompile()
         return gm
@@ -278,18 +280,7 @@ def clone_graph_module(gm: fx.GraphModule, share_parameters: bool = False, recom
     values = {target: _attribute(gm, target) for target in targets}
     memo.update(_buffer_clones(list(values.values()), memo))
     copies = {target: copy.deepcopy(value, memo) for target, value in values.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        clone = fx.GraphModule({}, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes
-        for target in copies:
-            parents = target.split(".")
-            # a module target's copy holds what it holds (GraphModule.__init__ installs it whole, alone)
-            if not any(".".join(parents[:end]) in copies for end in range(1, len(parents))):
-                _install_attribute(clone, target, copies[target])
-        if recompile or not hasattr(gm.graph, "_codegen"):
-            clone.graph = copy.deepcopy(gm.graph)  # generates its code
-        else:
-            _copy_graph_into(gm.graph, clone.graph)
+    clone = _graph_module_of(gm, copies, generate_code=recompile or not hasattr(gm.graph, "_codegen"))
     clone.meta = copy.deepcopy(getattr(gm, "meta", {}), memo)
     return clone
 
@@ -299,24 +290,31 @@ def graph_view(gm: fx.GraphModule) -> fx.GraphModule:
     modules and tensors are shared, not copied, so that it costs a graph copy, not a module per attribute path (an
     MoE model has thousands). For passes that read it and change only its graph, its node meta and its own top-level
     attributes (an annotation; a prepare whose observers are only read): never run it, nor write into the modules
-    and tensors it shares. Its code is not generated."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        view = fx.GraphModule({}, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes
-        _copy_graph_into(gm.graph, view.graph)
-    for name in dict.fromkeys(str(node.target).split(".")[0] for node in view.graph.nodes
-                              if node.op in ("get_attr", "call_module")):
-        value = getattr(gm, name)
-        if isinstance(value, nn.Module):
-            view.add_module(name, value)
-        elif isinstance(value, nn.Parameter):
-            view.register_parameter(name, value)
-        elif isinstance(value, torch.Tensor):
-            view.register_buffer(name, value)
-        else:
-            setattr(view, name, value)
+    and tensors it shares. Its code is not generated (where the graph can go without)."""
+    names = dict.fromkeys(str(node.target).split(".")[0] for node in gm.graph.nodes
+                          if node.op in ("get_attr", "call_module"))
+    view = _graph_module_of(gm, {name: getattr(gm, name) for name in names},
+                            generate_code=not hasattr(gm.graph, "_codegen"))
     view.meta = dict(getattr(gm, "meta", {}))
     return view
+
+
+def _graph_module_of(gm: fx.GraphModule, attributes: Mapping[str, Any], generate_code: bool) -> fx.GraphModule:
+    """A GraphModule with `attributes` ({dotted path: value}) and a copy of `gm`'s graph (node meta included), its
+    code generated only with `generate_code` (else it cannot run until recompiled)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        made = fx.GraphModule({}, fx.Graph(), class_name=type(gm).__name__)  # generates code for no nodes
+        for path, value in attributes.items():
+            parents = path.split(".")
+            # a module's value holds what it holds (GraphModule.__init__ installs a module target whole, alone)
+            if not any(".".join(parents[:end]) in attributes for end in range(1, len(parents))):
+                _install_attribute(made, path, value)
+        if generate_code:
+            made.graph = copy.deepcopy(gm.graph)
+        else:
+            _copy_graph_into(gm.graph, made.graph)
+    return made
 
 
 def _attribute(module: nn.Module, path: str) -> Any:

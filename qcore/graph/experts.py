@@ -25,9 +25,8 @@ from torch import fx, nn
 
 __all__ = ["EXPERTS_KEY", "ExpertLayer", "ExpertProjection", "MoeBlock", "Router", "compact_expert_layers",
            "expand_expert_templates", "expert_counts", "expert_layers", "expert_linears", "expert_projections",
-           "fused_experts_modules", "held_expert_layers", "install_held_back", "linearized_experts",
-           "module_list_experts", "moe_blocks", "routers", "templates_only", "traced_with_templates",
-           "with_experts_held"]
+           "fused_experts_modules", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks",
+           "routers", "templates_only", "traced_with_templates", "with_experts_held"]
 
 EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -282,7 +281,7 @@ def templates_only(model: nn.Module, paths: Iterable[str]) -> Iterator[dict[str,
     """While open, the linearized experts modules at `paths` hold expert 0's projections only (the template a trace
     with templates reads): torch.export lifts every parameter a module holds, read or not, so that hiding the other
     experts' makes a block's trace cost the same whatever its expert count. Yields {path: {index: expert module}} of
-    those held back, to install in the traced graph (install_held_back); the modules are restored on exit."""
+    those held back, whose parameters the traced graph is given; the modules are restored on exit."""
     held: dict[str, dict[str, nn.Module]] = {}
     originals: dict[str, dict[str, nn.Module | None]] = {}
     try:
@@ -299,23 +298,6 @@ def templates_only(model: nn.Module, paths: Iterable[str]) -> Iterator[dict[str,
             module = model.get_submodule(path)
             module._modules.clear()
             module._modules.update(children)  # in their order: named_modules() walks them as before
-
-
-def install_held_back(gm: fx.GraphModule, held: Mapping[str, Mapping[str, nn.Module]]) -> None:
-    """Give a graph traced within templates_only the parameters of the experts held back (the same tensors, at their
-    paths in the model), for expand_expert_templates's copies to read."""
-    for path, experts in held.items():
-        for index, expert in experts.items():
-            for name, parameter in expert.named_parameters():
-                *parents, field = f"{path}.{index}.{name}".split(".")
-                owner: nn.Module = gm
-                for item in parents:
-                    child = getattr(owner, item, None)
-                    if child is None:
-                        child = nn.Module()
-                        owner.add_module(item, child)
-                    owner = child
-                owner.register_parameter(field, parameter)
 
 
 def expert_counts(counts: torch.Tensor) -> list[int]:
