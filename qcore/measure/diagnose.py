@@ -219,13 +219,15 @@ class ResolutionLimit:
 
 
 def _observed_range(qparams: dict[str, Any]) -> float | None:
+    """The widest range, over the observer's channels, that its quantization grid has to cover (0 included)."""
     low, high = qparams.get("min_val"), qparams.get("max_val")
     if low is None or high is None or not low or not high:
         return None
-    widths = [max(h, 0.0) - min(lo, 0.0) for lo, h in zip(low, high)]
-    if "symmetric" in str(qparams.get("qscheme", "")):
-        widths = [2 * max(-min(lo, 0.0), max(h, 0.0)) for lo, h in zip(low, high)]
-    return max(widths)
+    # float64 holds the host lists' Python floats exactly; a channel's width in one op for every channel
+    below = torch.tensor(low, dtype=torch.float64).clamp(max=0.0)
+    above = torch.tensor(high, dtype=torch.float64).clamp(min=0.0)
+    widths = 2 * torch.maximum(-below, above) if "symmetric" in str(qparams.get("qscheme", "")) else above - below
+    return float(widths.max())
 
 
 def resolution_limits(quant_gm: fx.GraphModule) -> dict[str, tuple[ResolutionLimit, ...]]:

@@ -495,8 +495,9 @@ def _quantized_weight_rows(quant_gm: fx.GraphModule, node: fx.Node, float_node: 
     per_channel = (fake_quantize_per_channel, fake_quantize_where_read, fake_quantize_over_input)
     if node.target in per_channel and rest[2] % original.dim() == 0:
         scale, zero_point, _, quant_min, quant_max = rest
+        # each part lives for its comparison alone: a reused buffer, not fresh pages for every part of every layer
         return lambda part: fake_quantize_per_channel(original[part], scale[part], zero_point[part], 0, quant_min,
-                                                      quant_max)
+                                                      quant_max, reuse_output=True)
     if node.target is fake_quantize_finite_per_channel and rest[2] % original.dim() == 0:
         scale, zero_point, _, quant_min, quant_max = rest
         return lambda part: fake_quantize_finite_per_channel(original[part], scale[part], zero_point[part], 0,

@@ -593,3 +593,20 @@ def test_the_alpha_search_holds_one_chunk_of_quantized_weights_at_a_time():
     # alpha's scaled copy at a time, the chunk's ranges taken before)
     for path, peak in peaks.items():
         assert chunk_bytes <= peak < chunk_bytes * 1.5, path
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(-1e30, 1e30), st.floats(-1e30, 1e30)), min_size=1, max_size=40),
+       st.sampled_from(["torch.per_tensor_affine", "torch.per_channel_symmetric", "torch.per_tensor_symmetric"]))
+def test_an_observed_range_is_the_widest_channel_range_with_zero_in_it(ranges, qscheme):
+    """The range resolution_limits compares with the quantizer's resolution: each channel's [min, max] widened to
+    hold 0 (and made symmetric about it for a symmetric scheme), the widest over the channels."""
+    from qcore.measure.diagnose import _observed_range
+
+    low, high = [min(a, b) for a, b in ranges], [max(a, b) for a, b in ranges]
+    if "symmetric" in qscheme:
+        expected = max(2 * max(-min(lo, 0.0), max(hi, 0.0)) for lo, hi in zip(low, high))
+    else:
+        expected = max(max(hi, 0.0) - min(lo, 0.0) for lo, hi in zip(low, high))
+    assert _observed_range({"min_val": low, "max_val": high, "qscheme": qscheme}) == expected
+    assert _observed_range({"min_val": [], "max_val": [], "qscheme": qscheme}) is None

@@ -22,7 +22,7 @@ from qcore.observe.observers import MinMaxObserver, PerChannelMinMaxObserver
 from qcore.observe.qparams import fake_quantize_finite_per_channel, fake_quantize_per_channel_steps
 from qcore.quantization.convert import fake_quantize_over_input, fake_quantize_with, quantize_weights_where_read
 from qcore.report.detectors import OutlierDetector, PerChannelDetector
-from qcore.runtime import native
+from qcore.runtime import native, scratch
 from qcore.search.sensitivity import SwitchableModel
 from tests.models import tiny_llama
 
@@ -243,6 +243,38 @@ def test_a_large_weight_quantized_where_read_is_compared_a_few_rows_at_a_time_wi
     assert all(value is not None and 0 < value < float("inf") for value in weights.values())
     # the conv (8 x 27), fc (32 x 128), head (10 x 32) and table (10 x 6) weights, never whole: one row or a few
     assert quantized_rows and max(quantized_rows) <= 128 and len(quantized_rows) >= 8 + 32 + 10
+
+
+def test_the_parts_of_large_weights_compared_where_read_are_quantized_into_reused_buffers(monkeypatch):
+    """Each part of a weight over a million elements lives for its own comparison: the parts of two weights of one
+    shape are made in the same pooled buffer, not in fresh pages each, and the SQNRs are the quantized copies'."""
+    measure = importlib.import_module("qcore.measure.passes")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1536, 1024), nn.ReLU(), nn.Linear(1024, 1536), nn.ReLU(),
+                          nn.Linear(1536, 1024)).eval()
+    batches = [torch.randn(4, 1536) for _ in range(2)]
+    float_gm = qcore.capture(model, (batches[0],))
+    plain = measure_model(float_gm, batches).sqnr
+    buffers, rows_of = [], measure._quantized_weight_rows
+
+    def recorded(*args):
+        rows = rows_of(*args)
+        return None if rows is None else lambda part: buffers.append(
+            (tuple((made := rows(part)).shape), made.data_ptr())) or made
+
+    monkeypatch.setattr(measure, "_quantized_weight_rows", recorded)
+    with quantize_weights_where_read():
+        where_read = measure_model(float_gm, batches).sqnr
+        pooled = {buffer.data_ptr() for entries in scratch._POOL.get()._buffers.values() for buffer, _, _ in entries}
+    weights = {layer: entry.weight_sqnr_db for layer, entry in where_read.layers.items()}
+    assert weights == {layer: entry.weight_sqnr_db for layer, entry in plain.layers.items()}
+    assert all(0 < value < float("inf") for value in weights.values())
+    assert {pointer for _, pointer in buffers} <= pooled
+    assert len(buffers) >= 6  # each of the three weights (1.5 million elements) in two parts or more
+    shared = {shape: [pointer for made, pointer in buffers if made == shape] for shape, _ in buffers}
+    shared = {shape: pointers for shape, pointers in shared.items() if len(pointers) > 1}
+    assert set(shared) == {(682, 1536), (342, 1536)}  # the first and third weights' parts
+    assert all(len(set(pointers)) == 1 for pointers in shared.values()), shared
 
 
 def test_a_bf16_models_fix_trial_quantizes_each_rewritten_weight_over_itself_with_the_same_numbers():
