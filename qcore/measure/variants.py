@@ -23,7 +23,13 @@ from qcore.numeric.instrument import attach_after, copy_layer_into
 from qcore.numeric.loggers import StreamingComparator
 from qcore.numeric.matching import LayerPair
 from qcore.observe.observers import MinMaxObserver, ObserverBase, PerChannelMinMaxObserver, fresh_copy
-from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel, fake_quantize_per_tensor, row_slices
+from qcore.observe.qparams import (
+    calculate_qparams,
+    fake_quantize_divided_rows,
+    fake_quantize_per_channel,
+    fake_quantize_per_tensor,
+    row_slices,
+)
 from qcore.quantization.convert import fake_quantize_with, weights_quantized_where_read
 from qcore.quantization.quantizer import ANNOTATION_KEY
 from qcore.report import InputWeightEqualizationDetector, ReportObserver
@@ -255,11 +261,13 @@ def _weight_plan(prepared: fx.GraphModule, op: QuantizableOp, variant: Variant) 
         if "made" in extras:  # handed over once: the graph that reads it holds it from then on
             return extras.pop("made")
         column_factor = weight_column_factor(op, variant.factor, weight)
-        scaled = weight / column_factor
+        where_read = weights_quantized_where_read()  # a large model: quantized from the float weight where read
+        # where read, the divided copy is only observed: a reused buffer, not fresh pages for each variant
+        scaled = elementwise(torch.div, weight, column_factor) if where_read else weight / column_factor
         fresh = fresh_copy(weight_observer)
         with torch.no_grad():
             fresh(scaled)
-            if weights_quantized_where_read():  # a large model: quantized from the float weight where read
+            if where_read:
                 return ScaledWeightQuantizer(fresh, column_factor)
             return fake_quantize_with(fresh, scaled)
 
@@ -330,8 +338,17 @@ class ScaledWeightQuantizer(nn.Module):
         whole = weight.dim() == 0 or weight.numel() <= _ROWS_ELEMENTS or self.axis not in (None, 0)
         parts = [slice(None)] if whole else row_slices(weight, _ROWS_ELEMENTS)
         out = None if whole else torch.empty_like(weight)
+        per_column = self.axis == 0 and weight.dim() == 2 and factor.numel() == weight.shape[1] and \
+            (factor.dim() == 1 or factor.shape[0] == 1)
         with torch.no_grad():
             for part in parts:  # elementwise: the same values as the whole at once
+                if per_column:  # divided and quantized in one pass, into a reused buffer
+                    result = fake_quantize_divided_rows(weight[part], factor, self.scale[part], self.zero_point[part],
+                                                        self.quant_min, self.quant_max, reuse_output=True)
+                    if out is None:
+                        return result
+                    out[part] = result
+                    continue
                 # into a reused buffer: a fresh one each batch is new pages, each zeroed on its first write
                 scaled = elementwise(torch.div, weight[part],
                                      factor[part] if factor.dim() and factor.shape[0] > 1 else factor)

@@ -13,7 +13,7 @@ __all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRI
     "default_quant_range", "fake_quantize_dynamic", "fake_quantize_finite_per_channel", "fake_quantize_per_channel",
     "fake_quantize_per_channel_steps", "fake_quantize_per_tensor", "fused_kernels_preferred", "is_per_channel",
     "is_symmetric", "per_channel_steps", "resolve_quant_range", "row_slices", "scaled_row_extremes",
-    "fake_quantize_scaled_rows"]
+    "fake_quantize_scaled_rows", "fake_quantize_divided_rows"]
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 
@@ -273,6 +273,31 @@ def fake_quantize_scaled_rows(x: torch.Tensor, column_scales: torch.Tensor, scal
                                                 x.shape[1], inverse, steps, low, high, native.threads(x.numel()))
         quantized.append(out)
     return quantized
+
+
+def fake_quantize_divided_rows(x: torch.Tensor, column_divisor: torch.Tensor, scale: torch.Tensor,
+                               zero_point: torch.Tensor, quant_min: int, quant_max: int,
+                               reuse_output: bool = False) -> torch.Tensor:
+    """fake_quantize_per_channel(x / column_divisor, scale, zero_point, 0, ...) of a matrix x and one divisor per
+    column, to the bit; on the CPU in one pass, without the divided copy. reuse_output=True may write it into a
+    buffer of qcore.runtime.scratch's pool (a weight quantized where it is read)."""
+    divisor = column_divisor.reshape(1, -1) if column_divisor.numel() == (x.shape[-1] if x.dim() else -1) else None
+    library = _scaled_rows_native(x, divisor) if divisor is not None and x.dim() == 2 else None
+    if (library is None or zero_point.is_floating_point() or max(abs(quant_min), abs(quant_max)) > _NATIVE_RANGE
+            or not bool(zero_point.abs().le(_NATIVE_RANGE).all())):
+        divided = scratch.elementwise(torch.div, x, column_divisor) if reuse_output else x / column_divisor
+        return fake_quantize_per_channel(divided, scale, zero_point, 0, quant_min, quant_max, in_place=True)
+    assert divisor is not None
+    x, divisor = x.contiguous(), divisor.contiguous()
+    rows = x.shape[0]
+    scale, inv_scale, zero_point = per_channel_steps(scale, zero_point, 0, x)
+    inverse, steps, low, high = _row_arguments(scale, inv_scale, zero_point, quant_min, quant_max, rows)
+    reused = scratch.reused_like(x) if reuse_output else None
+    out = torch.empty_like(x) if reused is None else reused
+    library.qcore_fake_quantize_divided_rows(x.data_ptr(), divisor.data_ptr(), out.data_ptr(), rows, x.shape[1],
+                                             inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
+                                             native.threads(x.numel()))
+    return out
 
 
 def _row_arguments(scale: torch.Tensor, inv_scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,

@@ -127,22 +127,39 @@ void qcore_scaled_row_extremes(const float *x, const float *column_scales, int64
     }
 }
 
-/* qcore_fake_quantize_per_row of x scaled per column (x[r, i] * column_scale[i], rounded to float32 first), into
- * `out`: the per-row fake quantization of the scaled copy, without the copy. */
-void qcore_fake_quantize_scaled_rows(const float *x, const float *column_scale, float *out, int64_t rows,
-                                     int64_t cols, const float *inv_scale, const float *scale, const float *low,
-                                     const float *high, int64_t threads) {
+/* qcore_fake_quantize_per_row of x scaled per column (x[r, i] * column_factor[i], or x[r, i] / column_factor[i] with
+ * `divide`; rounded to float32 first, as torch's mul and div), into `out`: without the scaled copy. */
+static void fake_quantize_column_scaled_rows(const float *x, const float *column_factor, int divide, float *out,
+                                             int64_t rows, int64_t cols, const float *inv_scale, const float *scale,
+                                             const float *low, const float *high, int64_t threads) {
     threads = qcore_usable_threads(threads, MAX_PARTS);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         const float inv = inv_scale[r], step = scale[r], lo = low[r], hi = high[r];
         const float *row = x + r * cols;
         float *written = out + r * cols;
-        for (int64_t i = 0; i < cols; ++i) {
-            float scaled = row[i] * column_scale[i]; /* rounded to float32 first, as torch's mul */
-            written[i] = fake_quantized(scaled, inv, step, lo, hi);
-        }
+        if (divide)
+            for (int64_t i = 0; i < cols; ++i)
+                written[i] = fake_quantized(row[i] / column_factor[i], inv, step, lo, hi);
+        else
+            for (int64_t i = 0; i < cols; ++i)
+                written[i] = fake_quantized(row[i] * column_factor[i], inv, step, lo, hi);
     }
+}
+
+/* The smoothing alpha search's weight per alpha: each column multiplied by its scale, quantized per row. */
+void qcore_fake_quantize_scaled_rows(const float *x, const float *column_scale, float *out, int64_t rows,
+                                     int64_t cols, const float *inv_scale, const float *scale, const float *low,
+                                     const float *high, int64_t threads) {
+    fake_quantize_column_scaled_rows(x, column_scale, 0, out, rows, cols, inv_scale, scale, low, high, threads);
+}
+
+/* An equalization variant's weight quantized where it is read: each column divided by its factor, quantized per
+ * row. */
+void qcore_fake_quantize_divided_rows(const float *x, const float *column_divisor, float *out, int64_t rows,
+                                      int64_t cols, const float *inv_scale, const float *scale, const float *low,
+                                      const float *high, int64_t threads) {
+    fake_quantize_column_scaled_rows(x, column_divisor, 1, out, rows, cols, inv_scale, scale, low, high, threads);
 }
 
 /* min and max of x; the return is NaN when x holds a NaN or an infinity (0 * inf is NaN). */

@@ -8,12 +8,13 @@ from hypothesis import strategies as st
 
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
 from qcore.observe.qparams import (
+    fake_quantize_divided_rows,
     fake_quantize_per_channel,
     fake_quantize_per_tensor,
     fake_quantize_scaled_rows,
     scaled_row_extremes,
 )
-from qcore.runtime import native
+from qcore.runtime import native, scratch
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=f"no native kernel here: {native.status()}")
 RANGES = [(-128, 127), (0, 255), (-8, 7), (-(2**31), 2**31 - 1)]
@@ -104,6 +105,51 @@ def test_scaled_rows_are_ranged_and_quantized_bit_identically_to_the_torch_path(
         assert mine.shape == theirs.shape and torch.equal(mine.nan_to_num(7.0), theirs.nan_to_num(7.0))
         assert torch.equal(torch.signbit(mine), torch.signbit(theirs))
 
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.sampled_from([1, 5, 64]), cols=st.sampled_from([1, 9, 300]),
+       qrange=st.sampled_from(RANGES[:3]), symmetric=st.booleans(), specials=st.booleans(), strided=st.booleans(),
+       flat=st.booleans())
+def test_divided_rows_are_quantized_bit_identically_to_the_torch_path(seed, rows, cols, qrange, symmetric, specials,
+                                                                      strided, flat):
+    """An equalization variant's weight quantized where it is read (x / d, each column divided, quantized per row):
+    what the torch path makes from the divided copy, NaN, infinities and zero divisors included."""
+    quant_min, quant_max = qrange
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols * (2 if strided else 1), generator=g) * 4
+    x = _with_specials(x, seed) if specials else x
+    x = x[:, ::2] if strided else x
+    divisor = torch.rand(cols, generator=g) * 3 + 1e-3
+    if specials:
+        divisor[0] = 0.0
+    divisor = divisor if flat else divisor.reshape(1, cols)
+    scale = torch.rand(rows, generator=g) * 0.1 + 1e-4
+    zero_point = torch.zeros(rows, dtype=torch.int64) if symmetric else \
+        torch.randint(quant_min, quant_max + 1, (rows,), generator=g)
+    ours = fake_quantize_divided_rows(x, divisor, scale, zero_point, quant_min, quant_max)
+    expected = _torch_path(fake_quantize_per_channel, x / divisor, scale, zero_point, 0, quant_min, quant_max)
+    assert ours.shape == expected.shape and torch.equal(ours.nan_to_num(7.0), expected.nan_to_num(7.0))
+    numbers = ~expected.isnan()
+    assert torch.equal(torch.signbit(ours[numbers]), torch.signbit(expected[numbers]))
+    assert torch.equal(_torch_path(fake_quantize_divided_rows, x, divisor, scale, zero_point, quant_min,
+                                   quant_max).nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
+@needs_kernel
+def test_divided_rows_quantized_for_a_brief_read_go_into_a_reused_buffer():
+    x = torch.randn(512, 1024)
+    divisor, scale = torch.rand(1024) + 0.5, torch.rand(512) * 0.01 + 1e-3
+    zero_point = torch.zeros(512, dtype=torch.int64)
+    expected = fake_quantize_per_channel(x / divisor, scale, zero_point, 0, -128, 127)
+    with scratch.reused_outputs():
+        first = fake_quantize_divided_rows(x, divisor, scale, zero_point, -128, 127, reuse_output=True)
+        assert torch.equal(first, expected)
+        pointer = first.data_ptr()
+        del first
+        again = fake_quantize_divided_rows(x, divisor, scale, zero_point, -128, 127, reuse_output=True)
+        assert again.data_ptr() == pointer and torch.equal(again, expected)
 
 @needs_kernel
 def test_fake_quantize_keeps_the_torch_path_where_autograd_needs_it():
