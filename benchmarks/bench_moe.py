@@ -14,9 +14,10 @@ process, at each size asked for: `tiny` (4 blocks of 8 experts of 128, top-2, hi
 per-op overhead dominates), `small` (the same with hidden 1024, experts of 512, 8 batches of 4x128 tokens: compute
 dominates) and `30b-a3b` (2 blocks shaped like Qwen3-30B-A3B's, 128 experts of 768, top-8, hidden 2048, 8 batches of
 4x128 tokens: 32 routed tokens an expert a batch, about 6 GiB; not in the default sizes). The two models are measured
-in alternating rounds (5 at `tiny`, 2 at `small`, 1 at `30b-a3b`; each a forward, best of 3, and both analyses),
-each figure the fastest of its rounds. `moe/dense` is the MoE's ratio over the dense model's; `per round`, the range
-of that quotient over the rounds; below the table, each analysis's stages against its model's forward.
+in alternating rounds (11 at `tiny`, 2 at `small`, 1 at `30b-a3b`; each a forward, the fastest of passes repeated
+for a second, and both analyses), each figure the fastest of its rounds. `moe/dense` is the MoE's ratio over the
+dense model's; `median` and `per round`, the median and the range of that quotient over the rounds; below the
+table, each analysis's stages against its model's forward.
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
@@ -88,7 +89,26 @@ def _analysis_seconds(model, batches, fix_budget: float) -> tuple[float, int, in
             dict(state.seconds))
 
 
-ROUNDS = {"tiny": 5, "small": 2, "30b-a3b": 1}  # rounds of (forward, analysis) per model, the fastest quoted
+ROUNDS = {"tiny": 11, "small": 2, "30b-a3b": 1}  # rounds of (forward, analysis) per model, the fastest quoted
+STEADY_SECONDS = 1.0  # a round's forward: passes over the batches for at least this long, the fastest taken
+
+
+def steady_forward_seconds(model, batches) -> float:
+    """The fastest of at least three passes of the eager forward over `batches`, passes repeated for at least
+    STEADY_SECONDS: a toy model's pass takes 15-30 ms, whose best of three moves by a third from round to round."""
+    import torch
+
+    from qcore.graph.inputs import call_model
+
+    best, spent, passes = float("inf"), 0.0, 0
+    with torch.no_grad():
+        while passes < 3 or spent < STEADY_SECONDS:
+            start = time.perf_counter()
+            for batch in batches:
+                call_model(model, batch)
+            took = time.perf_counter() - start
+            best, spent, passes = min(best, took), spent + took, passes + 1
+    return best
 
 
 @dataclass(frozen=True)
@@ -148,7 +168,7 @@ def cost(sizes: list[str]) -> None:
     capture, the calibration and comparison passes, the fix searches' trials and the rest (graph building and
     reading the results), each against the model's forward."""
     print(f"{'size':>6} {'fix_budget':>10} {'model':>6} {'forward s':>10} {'analysis s':>11} {'items':>6} "
-          f"{'failing':>7} {'ratio':>7} {'moe/dense':>9} {'per round':>17}")
+          f"{'failing':>7} {'ratio':>7} {'moe/dense':>9} {'median':>6} {'per round':>17}")
     splits = []
     for size in sizes:
         moe, dense, batches = pair(size)
@@ -161,7 +181,7 @@ def cost(sizes: list[str]) -> None:
             _analysis_seconds(model, batches, 0.0)
         for _ in range(ROUNDS[size]):
             for name, model in models:
-                forwards[name].append(_forward_seconds(model, batches))
+                forwards[name].append(steady_forward_seconds(model, batches))
                 for budget in (0.0, 1.0):
                     seconds, items[name], failing[name, budget], stages = _analysis_seconds(model, batches, budget)
                     analyses.setdefault((name, budget), []).append((seconds, stages))
@@ -171,8 +191,8 @@ def cost(sizes: list[str]) -> None:
             rounds = [(analyses["moe", budget][r][0] / forwards["moe"][r])
                       / (analyses["dense", budget][r][0] / forwards["dense"][r]) for r in range(ROUNDS[size])]
             for name, _ in models:
-                relative = (f"{ratios['moe'] / ratios['dense']:>9.2f} {min(rounds):>8.2f}-{max(rounds):<8.2f}"
-                            if name == "moe" else "")
+                relative = (f"{ratios['moe'] / ratios['dense']:>9.2f} {statistics.median(rounds):>6.2f} "
+                            f"{min(rounds):>8.2f}-{max(rounds):<8.2f}" if name == "moe" else "")
                 print(f"{size:>6} {budget:>10g} {name:>6} {min(forwards[name]):>10.3f} {fastest[name][0]:>11.2f} "
                       f"{items[name]:>6} {failing[name, budget]:>7} {ratios[name]:>6.1f}x {relative}")
                 stages = fastest[name][1]
