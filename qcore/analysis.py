@@ -64,7 +64,7 @@ from qcore.quantization.format_quantizer import FORMAT_REFUSAL_KEY
 from qcore.quantization.quantizer import ANNOTATION_KEY, Int8StaticQuantizer, Quantizer, with_layer_overrides
 from qcore.report import ModelReport
 from qcore.report.detectors import DetectorBase
-from qcore.rewrites.equalize import cross_layer_equalize, equalize
+from qcore.rewrites.equalize import cross_layer_equalize, equalize, resolve_layers
 from qcore.rewrites.smoothing import smooth, smoothing_alpha
 from qcore.runtime.progress import (
     FixBudgetUse,
@@ -421,8 +421,8 @@ class ModelAnalysis:
         """The layers the equalize recipe equalizes (none for cross-layer, which rescales pairs)."""
         if self.equalize_recipe is True:
             return list(self.equalizable_layers)
-        if isinstance(self.equalize_recipe, (list, tuple)):
-            return list(self.equalize_recipe)
+        if isinstance(self.equalize_recipe, (list, tuple)):  # names or layer globs
+            return [op.layer for op in resolve_layers(self.float_gm, self.equalize_recipe)]
         return []
 
     def _equalized(self, layers: Any) -> fx.GraphModule:

@@ -90,15 +90,17 @@ def tiny_llama(layers=2, batch=4):
     return model, batches
 
 
-def tiny_moe(architecture="qwen3_moe", layers=1, experts=4, hidden=128, batch=2, tokens=16, n=3, positions=64):
+def tiny_moe(architecture="qwen3_moe", layers=1, experts=4, hidden=128, batch=2, tokens=16, n=3, positions=64,
+             width=128):
     """A transformers mixture-of-experts causal LM whose experts are fused 3-D parameters (transformers 5), with seeded
-    weights of trained-model scale (std 0.05: the routers' choices are not ties), and `n` batches of token ids."""
+    weights of trained-model scale (std 0.05: the routers' choices are not ties), and `n` batches of token ids.
+    `width`: a Qwen3-MoE expert's intermediate size."""
     import transformers
 
     common = dict(vocab_size=128, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, max_position_embeddings=positions, use_cache=False)
     configs = {
-        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=128,
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=width,
                                                          num_experts=experts, num_experts_per_tok=2),
         "mixtral": lambda: transformers.MixtralConfig(**common, intermediate_size=128, num_local_experts=experts,
                                                       num_experts_per_tok=2),

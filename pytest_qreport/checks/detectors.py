@@ -25,7 +25,7 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from ..core.experts import expert_layers_of
+from ..core.experts import expert_items, expert_layers_of
 from ..core.findings import Finding
 from ..core.numbers import format_bound
 from ..core.registry import Check, ModelContext
@@ -190,12 +190,15 @@ class DetectorCheck(Check):
             details["fix"] = advice.fix_text()
             # the items that keep the fix: the failing ones it helps (a model-wide fix may help passing layers too)
             kept = [layer for layer in (advice.recommended if failing is None else failing) if advice.helps(layer)]
-            if found.layer == kept[0] or len(kept) == 1:
+            # an MoE model's expert layers are items by projection: the pointer names items, as the summary does
+            experts = expert_layers_of(model.analysis) if model is not None else {}
+            items = expert_items(kept, experts)
+            if expert_items([found.layer], experts)[0] == items[0] or len(items) == 1:
                 fix = f"Fix: {advice.fix_text()}."
             else:  # one fix for every item it helps: printed in full once, on the first one's item and the summary
                 assert advice.trial is not None
-                fix = (f"Fix: the one {advice.trial.fix.setting} fix for the {len(kept)} failing {self.name} items, "
-                       f"given on the item of {kept[0]} and under the summary.")
+                fix = (f"Fix: the one {advice.trial.fix.setting} fix for the {len(items)} failing {self.name} items, "
+                       f"given on the item of {items[0]} and under the summary.")
             further = search.others_untried(advice) if search is not None else ""
             return found.replace(message=f"{found.message.rstrip('.')}; {advice.claim(found.layer)}.{further} {fix}",
                                  details=details)

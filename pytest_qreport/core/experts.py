@@ -58,10 +58,12 @@ def _badness(finding: Finding, higher_is_better: bool) -> tuple[int, float]:
     return _VERDICT_RANK.get(finding.verdict, 0), -value if higher_is_better else value
 
 
-def _shown(value: float, metric: str) -> str:
-    if math.isnan(value):
+def _shown(finding: Finding, metric: str) -> str:
+    if finding.verdict == "error":
+        return "error"
+    if math.isnan(finding.value):
         return "not measured"
-    return f"{value:.2f} dB" if metric.endswith("_db") else f"{value:.4g}"
+    return f"{finding.value:.2f} dB" if metric.endswith("_db") else f"{finding.value:.4g}"
 
 
 def expert_label(layer: str, experts: Mapping[str, Any]) -> str:
@@ -81,10 +83,16 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
     failing = [layer for layer in members if found[layer].verdict in ("fail", "warn", "error")]
     count = len({experts[layer].expert for layer in members})
     failing_experts = sorted({experts[layer].expert for layer in failing})
-    named = ", ".join(f"{expert_label(layer, experts)} ({_shown(found[layer].value, worst.metric)})"
+    in_error = {experts[layer].expert for layer in members if found[layer].verdict == "error"}
+    named = ", ".join(f"{expert_label(layer, experts)} ({_shown(found[layer], worst.metric)})"
                       for layer in ordered[:_NAMED_EXPERTS])
-    unmeasured = sorted({experts[layer].expert for layer in members if math.isnan(found[layer].value)})
-    summary = (f"{item}: {count} experts, {len(failing_experts)} failing; judged on expert "
+    # an error item says itself why it has no value: the others without one are the experts no token reached
+    unmeasured = sorted({experts[layer].expert for layer in members if math.isnan(found[layer].value)
+                         and found[layer].verdict != "error"})
+    failed = set(failing_experts) - in_error
+    tally = [f"{len(failed)} failing"] if failed or not in_error else []
+    tally += [f"{len(in_error)} in error"] if in_error else []
+    summary = (f"{item}: {count} experts, {', '.join(tally)}; judged on expert "
                f"{expert_label(ordered[0], experts)}; worst: {named}.")
     if unmeasured:
         summary += (f" Not measured: expert(s) {', '.join(map(str, unmeasured))}, which no calibration token reached "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from .runtime import quiet_torch_trace_log, torch_threads, trim_heap, young_garb
 from .settings import ModelSettings
 
 __all__ = ["ARTIFACT_SKIP", "ModelPipeline", "Stage", "analyze_in_session", "artifact_group", "collect_model",
-           "fingerprint", "format_refusal_message", "is_artifact", "on_device", "select_layers",
+           "fingerprint", "format_refusal_message", "is_artifact", "on_device", "refusal_globs", "select_layers",
            "settings_and_quantizer"]
 
 ARTIFACT_SKIP = ("concerns choosing a quantizer, and in artifact mode (quantized=) the model is quantized already; "
@@ -268,8 +268,10 @@ class ModelPipeline:
         if any(layer in refused for layer in layers):
             measurable = [layer for layer in layers if layer not in refused]
             by_layer = {f.layer: f for f in (self._layer_findings(check_name, measurable) if measurable else [])}
+            written = refusal_globs(refused, expert_layers_of(self.context.analysis))
             return [by_layer[layer] if layer in by_layer else error_finding(
-                self.name, check_name, layer, format_refusal_message(self.name, refused[layer])) for layer in layers]
+                self.name, check_name, layer, format_refusal_message(self.name, refused[layer], written[layer]))
+                for layer in layers]
         try:
             found = {f.layer: f.with_severity(severity) for f in check.findings(self.context, list(layers))
                      if f.check == check_name}
@@ -283,13 +285,33 @@ class ModelPipeline:
             f"layer {layer}; its findings() must return one per layer it is given.") for layer in layers]
 
 
-def format_refusal_message(model: str, layer: Any) -> str:
+def format_refusal_message(model: str, layer: Any, written: str | None = None) -> str:
     """Why a layer cannot take its format, and the layer_formats entry that fixes it (a format that fits any
-    shape: per output channel and per token)."""
+    shape: per output channel and per token); `written`: the entry's key, a glob where the layer is one of an MoE
+    block's experts that its format refuses alike (refusal_globs)."""
     fitting = "W8A16" if layer.format in ("W4A16", "W4A16_ASYM", "NVFP4A16", "W8A16") else "FP8_DYNAMIC"
+    key = written or layer.layer
     return (f"model {model!r}, layer {layer.layer}: it cannot be quantized as {layer.format_refusal}. Nothing is "
-            f"skipped silently: give it a format that fits with layer_formats={{{layer.layer!r}: {fitting!r}}}, or "
-            f"keep it in float with layer_formats={{{layer.layer!r}: 'float'}}.")
+            f"skipped silently: give it a format that fits with layer_formats={{{key!r}: {fitting!r}}}, or "
+            f"keep it in float with layer_formats={{{key!r}: 'float'}}.")
+
+
+def refusal_globs(refused: Mapping[str, Any], experts: Mapping[str, Any]) -> dict[str, str]:
+    """{refused layer: the layer_formats key its fix writes}: an expert's projection (or block) as a glob where its
+    format refuses every expert of it alike, so that one entry fixes the item (qcore's compact_expert_layers)."""
+    from qcore.analysis import compact_expert_layers, matches_layer
+
+    written = {layer: layer for layer in refused}
+    alike: dict[str, list[str]] = {}
+    for layer, entry in refused.items():
+        if layer in experts:
+            alike.setdefault(f"{entry.format}: {entry.format_refusal}".replace(layer, ""), []).append(layer)
+    for layers in alike.values():
+        for key in compact_expert_layers(layers, experts):
+            for layer in layers:
+                if written[layer] == layer and matches_layer(key, layer):
+                    written[layer] = key
+    return written
 
 
 def settings_and_quantizer(declaration: Any, session: dict[str, Any], registry: CheckRegistry,
@@ -466,13 +488,14 @@ def on_device(name: str, device: str, model: Any, example_inputs: Any) -> tuple[
 
 def _check_globs(name: str, settings: ModelSettings, quantizer: Any, float_gm: Any) -> None:
     """A layer glob that matches no layer is a typo or a stale name: say so, with the layer names. Checked for
-    layers, skip_layers, float_layers, layer_formats and the quantizer's own layer_overrides."""
+    layers, skip_layers, float_layers, layer_formats, equalize's layers and the quantizer's own layer_overrides."""
     import qcore
     from qcore.analysis import matches_layer
 
     ops = qcore.find_quantizable_ops(float_gm)
     given = {"layers": settings.layers, "skip_layers": settings.skip_layers, "float_layers": settings.float_layers,
              "layer_formats": list(settings.layer_formats or ()),
+             "equalize": list(settings.equalize) if isinstance(settings.equalize, (list, tuple)) else [],
              "layer_overrides": list(getattr(quantizer, "layer_overrides", None) or ())}
     special = ("output", "model")  # the whole-model items' names
     for setting, globs in given.items():

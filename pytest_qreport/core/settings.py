@@ -74,7 +74,8 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     Setting("severity", severity_pairs, None, "per-check severity, e.g. 'outlier=warn,per_channel=off' (fail, warn "
             "or off; a dict in qmodel); merged key by key", metavar="PAIRS", merge=True, shown_default="all `fail`"),
     Setting("equalize", equalize_value, None, "equalize models before quantizing: true (input-weight), cross_layer, "
-            "smooth, smooth:search, smooth:<alpha>, false, or (in qmodel) a list of layers", shown_default="off"),
+            "smooth, smooth:search, smooth:<alpha>, false, or (in qmodel) a list of layers or layer globs",
+            shown_default="off"),
     Setting("blockwise", blockwise_value, "auto", "analyse one block of the model's stack (model.layers) at a time, "
             "holding one block's quantized weights: true, false, a stack's module path, or auto (when the whole "
             "model's analysis is estimated to exceed the memory budget)", metavar="{auto,true,false,PATH}",

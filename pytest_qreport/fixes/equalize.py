@@ -41,7 +41,7 @@ def input_weight_advice(searcher: Searcher, layers: list[str] | None = None) -> 
         empty = Advice(first=_no_trial(), trial=None, recommended=(), min_gain=min_gain, kind="own",
                        notes={layer: _variant_note(scope, layer) for layer in named})
         return empty
-    advice = verify(searcher, chosen, lambda picked: equalize_fix(picked, picked), min_gain,
+    advice = verify(searcher, chosen, lambda picked: equalize_fix(picked, picked, scope), min_gain,
                     screened=variant_gains(scope, "input_weight", chosen))
     notes = {layer: _variant_note(scope, layer) for layer in named if layer not in chosen}
     return Advice(advice.first, advice.trial, advice.recommended, min_gain, "own", {**advice.notes, **notes},

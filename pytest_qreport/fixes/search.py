@@ -65,10 +65,9 @@ class FixSearch(ABC):
         """layer_overrides with `change` merged into the model's own, glob by glob."""
         return layer_overrides_fix(self.scope, change)
 
-    @staticmethod
-    def equalize(value: Any, layers: Iterable[str]) -> Fix:
-        """equalize=value (True, a list of layers, or a smoothing recipe)."""
-        return equalize_fix(value, layers)
+    def equalize(self, value: Any, layers: Iterable[str]) -> Fix:
+        """equalize=value (True, a list of layers, an MoE block's experts by glob, or a smoothing recipe)."""
+        return equalize_fix(value, layers, self.scope)
 
     def quantized_layers(self) -> list[str]:
         """The layers the model quantizes as declared, in graph order."""

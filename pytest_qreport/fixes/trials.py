@@ -20,9 +20,9 @@ from typing import Any, Protocol
 from ..core.experts import compact_expert_layers, expert_layers_of
 
 __all__ = ["DEFAULT_MAX_FLOAT_LAYERS", "KINDS", "NOT_TRIED", "VERDICT_TRIALS", "Advice", "Fix", "SearchScope",
-           "Searcher", "Trial", "equalize_fix", "float_layers_fix", "float_search_limit", "layer_overrides_fix",
-           "max_float_layers", "nothing_left_quantized", "quantized_layer_names", "others_untried", "search_further",
-           "try_fix", "verify"]
+           "Searcher", "Trial", "equalize_fix", "expert_globs", "float_layers_fix", "float_search_limit",
+           "layer_overrides_fix", "max_float_layers", "nothing_left_quantized", "quantized_layer_names",
+           "others_untried", "search_further", "try_fix", "verify"]
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,14 @@ class Trial:
 
 
 def layer_overrides_fix(scope: SearchScope, change: Mapping[str, Mapping[str, Any]]) -> Fix:
-    """layer_overrides with `change` merged into the model's own, glob by glob."""
+    """layer_overrides with `change` merged into the model's own, glob by glob; the experts of an MoE block that
+    take the same change are written as one glob (expert_globs)."""
     own = dict(scope.settings.layer_overrides or {})
-    merged = {**own, **{glob: {**own.get(glob, {}), **dict(values)} for glob, values in change.items()}}
+    alike: dict[str, tuple[dict[str, Any], list[str]]] = {}  # the layers that take one same change
+    for layer, values in change.items():
+        alike.setdefault(repr(sorted(dict(values).items())), (dict(values), []))[1].append(layer)
+    written = {glob: values for values, layers in alike.values() for glob in expert_globs(scope, layers)}
+    merged = {**own, **{glob: {**own.get(glob, {}), **values} for glob, values in written.items()}}
     return Fix("layer_overrides", merged, tuple(change))
 
 
@@ -109,15 +114,22 @@ def float_layers_fix(scope: SearchScope, layers: Iterable[str]) -> Fix:
     """float_layers with `layers` added to the model's own."""
     layers = list(layers)
     own = list(scope.settings.float_layers or [])
-    added = [layer for layer in layers if layer not in own]
-    experts = expert_layers_of(scope.analysis)
-    if experts:  # a block's experts by glob, not one name per expert
-        added = compact_expert_layers(added, experts)
+    added = expert_globs(scope, [layer for layer in layers if layer not in own])
     return Fix("float_layers", own + [layer for layer in added if layer not in own], tuple(layers))
 
 
-def equalize_fix(value: Any, layers: Iterable[str]) -> Fix:
-    """equalize=value (True, a list of layers, or a smoothing recipe)."""
+def expert_globs(scope: SearchScope, layers: Iterable[str]) -> list[str]:
+    """`layers` with an MoE block's experts written as a glob where they are every expert of a projection or of the
+    block, not one name per expert (a 128-expert block would print 128)."""
+    experts = expert_layers_of(scope.analysis)
+    return compact_expert_layers(layers, experts) if experts else list(layers)
+
+
+def equalize_fix(value: Any, layers: Iterable[str], scope: SearchScope | None = None) -> Fix:
+    """equalize=value (True, a list of layers, or a smoothing recipe); given the model's `scope`, a list writes its
+    experts by glob (expert_globs)."""
+    if scope is not None and isinstance(value, (list, tuple)):
+        value = expert_globs(scope, value)
     return Fix("equalize", value, tuple(layers))
 
 

@@ -22,7 +22,15 @@ from torch import fx, nn
 
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.deferred import RuleFactors, rewrite
-from qcore.graph.ops import FQN_KEY, INSERTED_KEY, QuantizableOp, few_named, find_quantizable_ops, op_kind
+from qcore.graph.ops import (
+    FQN_KEY,
+    INSERTED_KEY,
+    QuantizableOp,
+    few_named,
+    find_quantizable_ops,
+    matches_layer,
+    op_kind,
+)
 from qcore.graph.rewritable import conv_groups, equalization_refusal, fetch_tensor, node_is_transposed
 from qcore.quantization.calibrate import calibrate
 from qcore.runtime import scratch
@@ -219,7 +227,9 @@ def _channel_axis(op: QuantizableOp) -> int:
 
 def resolve_layers(gm: fx.GraphModule, equalization_mapping: Any) -> list[QuantizableOp]:
     """The layers named by a ModelReport equalization mapping, a torch.ao equalization_qconfig_dict
-    ({"module_name": [(fqn, qconfig)]}), a dict or a list of FQNs (graph order)."""
+    ({"module_name": [(fqn, qconfig)]}), a dict or a list of FQNs (graph order). A name that is no layer's is a
+    layer glob (`model.layers.3.mlp.experts.*.down_proj`; a module's name reaches its layers), as float_layers
+    takes."""
     if isinstance(equalization_mapping, dict) and isinstance(equalization_mapping.get("module_name"), list):
         names = [name for name, qconfig in equalization_mapping["module_name"] if qconfig is not None]
     elif isinstance(equalization_mapping, dict):
@@ -227,14 +237,20 @@ def resolve_layers(gm: fx.GraphModule, equalization_mapping: Any) -> list[Quanti
                  not (isinstance(v, dict) and v.get("equalize") is False)]
     else:
         names = list(equalization_mapping)
-    ops = {op.layer: op for op in find_quantizable_ops(gm)}
+    every = find_quantizable_ops(gm)
+    ops = {op.layer: op for op in every}
     ops.update({op.fqn: op for op in ops.values() if op.fqn not in ops})
-    missing = [n for n in names if n not in ops]
+    chosen: dict[int, QuantizableOp] = {}
+    missing = []
+    for name in names:
+        matched = [ops[name]] if name in ops else [op for op in every if matches_layer(name, op.layer, op.fqn)]
+        if not matched:
+            missing.append(name)
+        chosen.update((id(op.node), op) for op in matched)
     if missing:
         raise EqualizationError(f"layer(s) {missing} are not quantizable ops of this graph; known layers: "
-                                f"{sorted(op.layer for op in find_quantizable_ops(gm))}")
-    chosen = {id(ops[n].node): ops[n] for n in names}
-    return [op for op in find_quantizable_ops(gm) if id(op.node) in chosen]
+                                f"{sorted(op.layer for op in every)}")
+    return [op for op in every if id(op.node) in chosen]
 
 
 def get_layer_sqnr_dict(model_a: fx.GraphModule, model_b: fx.GraphModule, x: Any) -> dict[str, float]:

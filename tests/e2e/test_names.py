@@ -126,7 +126,7 @@ def test_a_module_name_reaches_the_layers_inside_it_and_a_name_that_matches_noth
     result = pytester.runpytest("--qreport", "-p", "no:cacheprovider", "--qreport-json=r.json")
     result.assert_outcomes(passed=1)  # only body is quantized: head.1 and head.3 stay in float
     settings = {"float_layers": "float_layers='heads'", "skip_layers": "skip_layers='heads'",
-                "layers": "layers='heads'",
+                "layers": "layers='heads'", "equalize": "equalize=['heads']",
                 "layer_overrides": "quantizer=qcore.Int8StaticQuantizer(layer_overrides={'heads': {'skip': True}})"}
     source = SEQUENTIAL_HEAD.replace("{options}", settings["float_layers"]).replace(
         "from pytest_qreport import qmodel", "from pytest_qreport import qmodel\nimport qcore")
@@ -135,7 +135,7 @@ def test_a_module_name_reaches_the_layers_inside_it_and_a_name_that_matches_noth
                    "    torch.manual_seed(0)\n    return Headed().eval()\n")
     pytester.makeconftest(source)
     failing = pytester.runpytest("--qreport", "-p", "no:cacheprovider")
-    failing.assert_outcomes(errors=4)
+    failing.assert_outcomes(errors=5)
     for index, key in enumerate(settings):
         name = "headed" if index == 0 else f"headed_{index}"
         assert f"model '{name}': {key} ['heads'] match no layer, nor a module holding one; layers: body, head.1, " \

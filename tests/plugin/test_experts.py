@@ -181,3 +181,122 @@ def test_a_checkpoint_holding_its_experts_as_modules_gets_one_item_per_projectio
     assert found[("weight_sqnr", f"{BLOCK}.down_proj")].details["failing_experts"] == [3]
     coverage = found[("expert_coverage", BLOCK)]
     assert coverage.verdict == "fail" and "as zeros: expert(s) 3" in coverage.message, coverage.message
+
+
+def test_a_projection_whose_experts_are_in_error_says_so_and_claims_no_unreached_expert():
+    refused = Finding(model="m", check="sqnr", layer="", metric="sqnr_db", value=math.nan, threshold=math.nan,
+                      verdict="error", message="layer refused: it cannot be quantized as W4A16.")
+    found = {f"{BLOCK}.{e}.down_proj": refused.replace(layer=f"{BLOCK}.{e}.down_proj") for e in range(4)}
+    merged = merge_expert_findings(f"{BLOCK}.down_proj", list(found), found, EXPERTS, higher_is_better=True)
+    assert merged.verdict == "error" and merged.message.startswith(
+        f"{BLOCK}.down_proj: 4 experts, 4 in error; judged on expert 0; worst: 0 (error), 1 (error)")
+    assert "no calibration token" not in merged.message and merged.details["unmeasured_experts"] == []
+    found[f"{BLOCK}.1.down_proj"] = _finding(f"{BLOCK}.1.down_proj", 12.0)
+    found[f"{BLOCK}.2.down_proj"] = _finding(f"{BLOCK}.2.down_proj", math.nan)  # an expert no token reached
+    merged = merge_expert_findings(f"{BLOCK}.down_proj", list(found), found, EXPERTS, higher_is_better=True)
+    assert f"{BLOCK}.down_proj: 4 experts, 2 failing, 2 in error;" in merged.message
+    assert "Not measured: expert(s) 2, which no calibration token reached" in merged.message
+
+
+def test_the_refusal_of_every_expert_of_a_projection_writes_its_fix_as_one_glob():
+    from types import SimpleNamespace
+
+    from pytest_qreport.core.pipeline import refusal_globs
+
+    def refusal(layer, width):
+        return SimpleNamespace(layer=layer, format="W4A16", format_refusal=f"W4A16: its weight [128, {width}]")
+
+    refused = {f"{BLOCK}.{e}.down_proj": refusal(f"{BLOCK}.{e}.down_proj", 64) for e in range(4)}
+    refused["lm_head"] = refusal("lm_head", 64)
+    refused[f"{BLOCK}.1.up_proj"] = refusal(f"{BLOCK}.1.up_proj", 96)
+    written = refusal_globs(refused, EXPERTS)
+    assert {written[f"{BLOCK}.{e}.down_proj"] for e in range(4)} == {f"{BLOCK}.*.down_proj"}
+    assert written["lm_head"] == "lm_head" and written[f"{BLOCK}.1.up_proj"] == f"{BLOCK}.1.up_proj"
+
+
+def test_an_expert_projection_its_format_refuses_is_an_error_whose_glob_fix_runs_when_pasted():
+    import ast
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    from tests.helpers import analyze_with_checks
+    from tests.models import tiny_moe
+
+    def narrow_experts():  # a down_proj of 64 input features: not a multiple of W4A16's group of 128
+        return tiny_moe("qwen3_moe", width=64)[0]
+
+    data = tiny_moe("qwen3_moe", width=64)[1]
+    settings = {"quantizer": "W4A16", "checks": ["sqnr", "weight_sqnr"]}
+    found, _ = analyze_with_checks(narrow_experts, data, **settings)
+    item = found[("sqnr", f"{BLOCK}.down_proj")]
+    assert item.verdict == "error" and item.message.startswith(f"{BLOCK}.down_proj: 4 experts, 4 in error;")
+    assert "no calibration token" not in item.message and "cannot be quantized as W4A16" in item.message
+    assert found[("sqnr", f"{BLOCK}.gate_up_proj")].verdict != "error"
+    pasted = ast.literal_eval(item.message.split("give it a format that fits with layer_formats=", 1)[1]
+                              .split(", or keep it", 1)[0])
+    assert pasted == {f"{BLOCK}.*.down_proj": "W8A16"}
+    fixed, analysis = analyze_with_checks(narrow_experts, data, **settings, layer_formats=pasted)
+    for check in ("sqnr", "weight_sqnr"):
+        down = fixed[(check, f"{BLOCK}.down_proj")]
+        assert down.verdict != "error" and sorted(down.details["experts"]) == ["0", "1", "2", "3"], down.message
+    assert {analysis.layer(f"{BLOCK}.{e}.down_proj").format for e in range(4)} == {"W8A16"}
+
+
+def test_an_equalize_fix_writes_a_projection_of_experts_as_a_glob_points_at_items_and_runs_when_pasted():
+    import ast
+    import re
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    from tests.helpers import analyze_with_checks
+    from tests.models import tiny_moe
+
+    def moe():
+        return tiny_moe("qwen3_moe", layers=2, experts=8)[0]
+
+    data = tiny_moe("qwen3_moe", layers=2, experts=8, n=4)[1]
+    checks = ["input_weight_equalization", "equalization", "model_sqnr"]
+    found, _ = analyze_with_checks(moe, data, checks=checks)
+    pointers = 0
+    for (check, _), finding in found.items():
+        pointer = re.search(r"given on the item of (\S+) and under the summary", finding.message)
+        if pointer:  # an item of this check, by its name, that prints the fix in full
+            pointers += 1
+            target = found[(check, pointer.group(1))]
+            assert target.verdict == "fail" and "Fix: qmodel(..., equalize=" in target.message, target.message
+            assert re.search(r"the one equalize fix for the (\d+) failing", finding.message).group(1) == str(
+                sum(f.verdict == "fail" and "Fix" in f.message for (c, _), f in found.items() if c == check))
+    assert pointers
+    message = found[("equalization", "model.layers.0.mlp.experts.down_proj")].message
+    pasted = ast.literal_eval(message.split("Fix: qmodel(..., equalize=", 1)[1].rsplit(")", 1)[0])
+    assert "model.layers.0.mlp.experts.*.down_proj" in pasted  # every expert of it, one glob
+    assert not any(re.fullmatch(r"model\.layers\.0\.mlp\.experts\.\d+\.down_proj", name) for name in pasted)
+    claimed = float(re.search(r"the model output [\d.]+ -> ([\d.]+) dB", message).group(1))
+    fixed, analysis = analyze_with_checks(moe, data, checks=checks, equalize=pasted)
+    assert {f"model.layers.0.mlp.experts.{e}.down_proj" for e in range(8)} <= set(analysis.equalized_layers)
+    assert fixed[("equalization", "model.layers.0.mlp.experts.down_proj")].verdict == "pass"
+    assert fixed[("model_sqnr", "output")].value == pytest.approx(claimed, abs=0.01)
+
+
+def test_a_layer_overrides_fix_writes_the_experts_taking_one_same_change_as_one_glob():
+    from types import SimpleNamespace
+
+    from pytest_qreport.fixes.trials import SearchScope, equalize_fix, layer_overrides_fix
+
+    own = {"lm_head": {"skip": True}}
+    scope = SearchScope("m", SimpleNamespace(layer_overrides=own), SimpleNamespace(expert_layers=EXPERTS), {})
+    change = {f"{BLOCK}.{e}.down_proj": {"per_channel": True} for e in range(4)}
+    change |= {f"{BLOCK}.{e}.up_proj": {"per_channel": True} for e in range(2)}
+    change[f"{BLOCK}.3.up_proj"] = {"activation_observer": "histogram"}
+    change["q_proj"] = {"per_channel": True}
+    fix = layer_overrides_fix(scope, change)
+    assert fix.value == {"lm_head": {"skip": True}, f"{BLOCK}.*.down_proj": {"per_channel": True},
+                         f"{BLOCK}.0.up_proj": {"per_channel": True}, f"{BLOCK}.1.up_proj": {"per_channel": True},
+                         "q_proj": {"per_channel": True}, f"{BLOCK}.3.up_proj": {"activation_observer": "histogram"}}
+    assert fix.layers == tuple(change)  # the layers it concerns, by name
+    every = {layer: {"per_channel": True} for layer in EXPERTS}
+    assert layer_overrides_fix(scope, every).value == {**own, BLOCK: {"per_channel": True}}
+    assert equalize_fix([f"{BLOCK}.{e}.down_proj" for e in range(4)], [], scope).value == [f"{BLOCK}.*.down_proj"]
+    assert equalize_fix(True, [], scope).value is True

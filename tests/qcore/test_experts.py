@@ -294,6 +294,27 @@ def test_equalizing_experts_that_a_batch_or_every_batch_misses_computes_the_same
         assert torch.allclose(found.logits, expected.logits, atol=1e-4)
 
 
+def test_equalizing_experts_by_glob_rewrites_the_layers_their_names_would():
+    from qcore.graph.inputs import call_model
+    from qcore.rewrites.equalize import EqualizationError, equalize
+
+    model, data = tiny_moe("qwen3_moe", layers=2, experts=8)
+    gm = qcore.capture(model, data[0])
+    named = [f"model.layers.{b}.mlp.experts.{e}.down_proj" for b in range(2) for e in range(8)]
+    named += ["model.layers.1.mlp.experts.3.up_proj"]
+    by_name = equalize(gm, named, data)
+    by_glob = equalize(gm, ["model.layers.*.mlp.experts.*.down_proj", "model.layers.1.mlp.experts.3.up_proj"], data)
+    scales = by_glob.meta["qcore_equalization_scales"]
+    assert scales == by_name.meta["qcore_equalization_scales"] and sorted(scales) == sorted(named)
+    for batch in data:
+        assert torch.equal(call_model(by_glob, batch).logits, call_model(by_name, batch).logits)
+    block = equalize(gm, ["model.layers.1.mlp.experts"], data)  # a module's name reaches the layers it holds
+    assert sorted(block.meta["qcore_equalization_scales"]) == sorted(
+        f"model.layers.1.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj"))
+    with pytest.raises(EqualizationError, match=r"model\.layers\.\*\.mlp\.experts\.\*\.down"):
+        equalize(gm, ["model.layers.*.mlp.experts.*.down"], data)
+
+
 def test_a_blockwise_analysis_cuts_at_the_decoder_layers_and_measures_what_the_whole_model_does():
     from qcore.analysis import AnalysisPlan, ModelAnalysis
     from qcore.measure.blockwise import block_stack
