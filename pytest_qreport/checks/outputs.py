@@ -15,7 +15,7 @@ from ..core.pipeline import is_artifact
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, fraction, function, number
 from ..fixes import fix_search
-from .sqnr import below, output_label
+from .sqnr import below, decibels_text, output_label
 
 __all__ = ["KlDivergenceCheck", "OutputCheck", "PerplexityCheck", "TaskMetricCheck", "Top1AgreementCheck",
            "layer_search_pointer"]
@@ -40,9 +40,18 @@ def layer_search_pointer(model: ModelContext) -> str:
     ranking = "sensitivity" in model.checks
     ranked = ranking and model.checks["sensitivity"].options.get("always")
     if "model_sqnr" in model.checks and worst is not None and worst.sqnr_db < target:
-        also = " and the sensitivity item's ranking" if ranking else ""
-        return (f" The model_sqnr item fails too ({below(worst.sqnr_db, target)}): see the layers to keep in float "
-                f"that it measured{also}.")
+        # what the model_sqnr item says of its search (it runs first; its search and this read are one, cached)
+        search = fix_search(model)
+        advice = search.output_fix("model_sqnr", "output_sqnr_db", target, show=decibels_text)[0]
+        fails = f" The model_sqnr item fails too ({below(worst.sqnr_db, target)})"
+        if "layer_formats=" in advice or "float_layers=" in advice:
+            what = "format moves" if "layer_formats=" in advice else "layers to keep in float"
+            also = " and the sensitivity item's ranking" if ranking else ""
+            return f"{fails}: see the {what} that it measured{also}."
+        further = search.further()
+        if further and advice.endswith(further):  # the budget left no search: neither it nor the ranking measured
+            return f"{fails}; within the fix budget it measured no fix, and it says how to search further."
+        return f"{fails}{': see the sensitivity item' if ranking else ''}."
     if ranked:
         return " See the sensitivity item's ranking of the layers to keep in float."
     if worst is None:

@@ -5,7 +5,7 @@ import math
 import weakref
 from typing import Any
 
-from ..core.experts import expert_layers_of
+from ..core.experts import expert_items, expert_layers_of
 from ..core.findings import Finding
 from ..core.pipeline import is_artifact
 from ..core.registry import Check, ModelContext
@@ -91,13 +91,15 @@ def _not_measured(check: Check, model: ModelContext, layer: str, threshold: floa
                                  "changed between collection and run. Re-run pytest.")
 
 
-def _failing_sqnr_layers(model: ModelContext) -> list[str]:
-    """The layers whose sqnr item fails on this run, in graph order (none when the check is off)."""
+def _failing_sqnr_items(model: ModelContext) -> list[str]:
+    """The sqnr items that fail on this run, in graph order (none when the check is off): a layer's, or an MoE
+    projection's where one of its experts fails."""
     if "sqnr" not in model.checks:
         return []
     threshold, measured = model.settings.sqnr_min_db, model.analysis.sqnr.layers
-    return [entry.layer for entry in model.analysis.layers
-            if (found := measured.get(entry.layer)) is not None and found.sqnr_db < threshold]
+    return expert_items([entry.layer for entry in model.analysis.layers
+                         if (found := measured.get(entry.layer)) is not None and found.sqnr_db < threshold],
+                        expert_layers_of(model.analysis))
 
 
 def check_finding_without_float_output(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
@@ -298,7 +300,7 @@ class ModelSqnrCheck(Check):
                 continue
             label = output_label(entry.name if name == "output" else name)
             message = f"{label}: SQNR {below(entry.sqnr_db, threshold)}."
-            starts = _failing_sqnr_layers(model) if entry.sqnr_db < threshold else []
+            starts = _failing_sqnr_items(model) if entry.sqnr_db < threshold else []
             if starts:
                 message += (f" {len(starts)} per-layer sqnr item(s) fail too, the first {starts[0]}: see them for the "
                             "layer where the error starts.")

@@ -57,15 +57,27 @@ def _check_pointers(rows, output):
             assert rows[(model, "sensitivity", "model")]["verdict"] != "skip", message
             seen.add("sensitivity item")
         if "The model_sqnr item fails too" in message:
-            assert rows[(model, "model_sqnr", "output")]["verdict"] == "fail", message
+            target = rows[(model, "model_sqnr", "output")]
+            assert target["verdict"] == "fail", message
+            if "see the layers to keep in float that it measured" in message:
+                assert "float_layers=" in target["message"], (message, target)
+            if "see the format moves that it measured" in message:
+                assert "layer_formats=" in target["message"], (message, target)
+            if "within the fix budget it measured no fix" in message:
+                assert "float_layers=" not in target["message"] and "fix_budget" in target["message"], target
+                seen.add("no fix within the budget")
+            if "the sensitivity item's ranking" in message:
+                assert rows[(model, "sensitivity", "model")]["details"]["ranking"], message
             seen.add("model_sqnr fails too")
         if "No layer search ran for the output: model_sqnr passes" in message:
             assert rows[(model, "model_sqnr", "output")]["verdict"] == "pass", message
             assert rows[(model, "sensitivity", "model")]["verdict"] == "skip", message
             seen.add("no layer search")
-        first_failing = re.search(r"per-layer sqnr item\(s\) fail too, the first (\S+):", message)
+        first_failing = re.search(r"(\d+) per-layer sqnr item\(s\) fail too, the first (\S+):", message)
         if first_failing:
-            assert rows[(model, "sqnr", first_failing.group(1))]["verdict"] == "fail", message
+            assert rows[(model, "sqnr", first_failing.group(2))]["verdict"] == "fail", message
+            assert int(first_failing.group(1)) == sum(row["verdict"] == "fail" for (m, c, _), row in rows.items()
+                                                      if m == model and c == "sqnr"), message
             seen.add("sqnr items")
         if "this layer measures" in message:   # a proper subset's claim about a layer it leaves quantized
             seen.add("left quantized")
@@ -143,3 +155,34 @@ def test_a_failing_output_gate_points_only_at_items_that_measured_layers_and_its
     failing, output = _run_forked(pytester, "--qreport-kl-max-nats", "0", "--qreport-model-sqnr-min-db", "60",
                                    "--qreport-sqnr-min-db", "0")
     assert {"model_sqnr fails too", "sensitivity item"} <= _check_pointers(failing, output)
+
+
+MOE_MODEL = """
+import pytest
+
+from pytest_qreport import qmodel
+from tests.models import tiny_moe
+
+
+@pytest.fixture
+def tokens():
+    return tiny_moe("qwen3_moe", layers=2, experts=8, width=64, n=4)[1]
+
+
+# every default check under W4A16, its experts' down_proj (64 input features) in W8A16, as the items advise
+@qmodel(calibration="tokens", quantizer="W4A16", layer_formats={"model.layers.*.mlp.experts.*.down_proj": "W8A16"})
+def moe():
+    return tiny_moe("qwen3_moe", layers=2, experts=8, width=64)[0]
+"""
+
+
+@pytest.mark.parametrize("budget", ["1", "0"])
+def test_an_moe_models_pointers_name_items_and_say_what_the_items_they_name_measured(pytester, budget):
+    """Its failing output items point at the model_sqnr item and count the sqnr items that fail, an expert
+    projection one item; with the fix budget spent before the output's layer search, they say it measured none."""
+    pytester.makeconftest(MOE_MODEL)
+    rows, output = _run_forked(pytester, "--qreport-fix-budget", budget)
+    seen = _check_pointers(rows, output)
+    assert {"model_sqnr fails too", "sqnr items"} <= seen, seen
+    if budget == "0":
+        assert "no fix within the budget" in seen
