@@ -55,6 +55,7 @@ from qcore.measure.passes import (
     measure_sqnr,
 )
 from qcore.measure.screens import Screen, ScreenedLayers
+from qcore.measure.variants import variant_batches
 from qcore.numeric.compare import KeptBudget, KeptFloatOutputs, KeptLayerInputs
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 from qcore.quantization.calibrate import calibrate, model_device
@@ -84,7 +85,7 @@ __all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "A
            "analyze_model", "calibration_digest", "compact_expert_layers", "describe", "fix_budget_use",
            "matches_layer", "measure_sqnr", "model_device", "move_to", "quantize_weights_where_read",
            "quantized_layers", "smoothing_alpha", "split_into_blocks", "stage", "tool_recipes", "tracked",
-           "trial_step", "trials_allowed", "with_float_layers", "with_layer_overrides"]
+           "trial_step", "trials_allowed", "variant_batches", "with_float_layers", "with_layer_overrides"]
 # the plugin reads qcore through this module, qcore itself, qcore.report and qcore.numeric only (an import-linter
 # contract): the names above that live deeper are re-exported for it
 

@@ -54,6 +54,15 @@ class EqualizationCheck(Check):
                                        message=f"layer {layer}: not equalized: {why}."))
                 continue
             best = max(variants.values(), key=lambda v: v.gain_db if not math.isnan(v.gain_db) else -math.inf)
+            if math.isnan(best.gain_db):  # an expert routed tokens only in the batches the variants do not measure
+                from qcore.analysis import variant_batches
+
+                results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,
+                                       value=math.nan, threshold=min_gain, verdict="skip", message=(
+                                           f"layer {layer}: not measured: the equalization variants are measured on "
+                                           f"the first {variant_batches(len(analysis.batches))} calibration "
+                                           "batches, and none of them reached its input")))
+                continue
             label = (f"smoothing into {best.producer_name} (alpha {best.alpha:g})" if best.method == "smoothing"
                      else "input-weight equalization")
             details = {"shadow_sqnr_db": best.baseline_db, "applied": applied, "method": label,

@@ -46,7 +46,7 @@ def layer_search_pointer(model: ModelContext) -> str:
         fails = f" The model_sqnr item fails too ({below(worst.sqnr_db, target)})"
         if "layer_formats=" in advice or "float_layers=" in advice:
             what = "format moves" if "layer_formats=" in advice else "layers to keep in float"
-            also = " and the sensitivity item's ranking" if ranking else ""
+            also = ", and the sensitivity item" if ranking else ""  # which ranks layers, or says why it did not
             return f"{fails}: see the {what} that it measured{also}."
         further = search.further()
         if further and advice.endswith(further):  # the budget left no search: neither it nor the ranking measured

@@ -60,8 +60,8 @@ class SensitivityCheck(Check):
                          "only_float_db": e.only_float_db, "batches": e.batches} for e in result.layers]}
         fix = search.output_fix("model_sqnr", "output_sqnr_db", target, show=decibels_text)[0]
         further = search.further()
-        if skipped.endswith(further) and fix.endswith(further):  # both stopped by the budget: say it once
-            fix = fix[:-len(further)]
+        if further and skipped.endswith(further) and further in fix:  # both stopped by the budget: say it once
+            fix = fix.replace(further, "", 1)
         ranked = f" (on {result.batches} batch(es)); the layers that help most when kept in float: {listed}." if top \
             else "; no layer was ranked."
         message = f"model output SQNR {result.all_quantized_db:.1f} dB with every layer quantized{ranked}" + \

@@ -18,6 +18,8 @@ __all__ = ["compact_expert_layers", "expert_items", "expert_label", "expert_laye
 
 _VERDICT_RANK = {"skip": 0, "pass": 1, "waived": 2, "warn": 3, "fail": 4, "error": 5}
 _NAMED_EXPERTS = 4  # the worst experts a message names
+# how a check's finding says that no calibration token reached its expert (the reference's router, in artifact mode)
+_UNREACHED = ("no calibration token", "routed no token")
 
 
 def expert_layers_of(analysis: Any) -> Mapping[str, Any]:
@@ -86,9 +88,15 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
     in_error = {experts[layer].expert for layer in members if found[layer].verdict == "error"}
     named = ", ".join(f"{expert_label(layer, experts)} ({_shown(found[layer], worst.metric)})"
                       for layer in ordered[:_NAMED_EXPERTS])
-    # an error item says itself why it has no value: the others without one are the experts no token reached
-    unmeasured = sorted({experts[layer].expert for layer in members if math.isnan(found[layer].value)
-                         and found[layer].verdict != "error"})
+    # an error item says itself why it has no value; of the others without one, those that say no calibration
+    # token reached them are named as such, the rest with their own reason
+    valueless = [layer for layer in members if math.isnan(found[layer].value) and found[layer].verdict != "error"]
+    unreached = [layer for layer in valueless
+                 if any(words in found[layer].message for words in _UNREACHED) or not found[layer].message]
+    unmeasured = sorted({experts[layer].expert for layer in unreached})
+    otherwise = sorted({experts[layer].expert for layer in valueless} - set(unmeasured))
+    why = found[next(layer for layer in valueless if experts[layer].expert == otherwise[0])].message.split(
+        ": ", 1)[-1].removeprefix("not measured: ").rstrip(".") if otherwise else ""
     failed = set(failing_experts) - in_error
     tally = [f"{len(failed)} failing"] if failed or not in_error else []
     tally += [f"{len(in_error)} in error"] if in_error else []
@@ -98,6 +106,8 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
         summary += (f" Not measured: expert(s) {', '.join(map(str, unmeasured))}, which no calibration token reached "
                     + ("(more or longer calibration batches reach them)." if artifact
                        else "(see the block's expert_coverage item)."))
+    if otherwise:
+        summary += f" Not measured: expert(s) {', '.join(map(str, otherwise))} ({why})."
     message = f"{summary} {worst.message}" if worst.message else summary
     details = dict(worst.details)
     details.update({

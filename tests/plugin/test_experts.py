@@ -22,9 +22,13 @@ EXPERTS = {f"{BLOCK}.{e}.{p}": Expert(BLOCK, f"{BLOCK}.{'down_proj' if p == 'dow
 
 
 def _finding(layer, value, threshold=20.0):
+    """The sqnr finding of an expert's layer; nan: one no calibration token reached, as the sqnr check says it."""
+    from pytest_qreport.checks.sqnr import UNREACHED
+
     verdict = "pass" if value >= threshold else "fail"
+    message = f"layer {layer}: {UNREACHED}" if math.isnan(value) else f"layer {layer}: SQNR {value:.1f} dB."
     return Finding(model="m", check="sqnr", layer=layer, metric="sqnr_db", value=value, threshold=threshold,
-                   verdict=verdict, message="" if verdict == "pass" else f"layer {layer}: SQNR {value:.1f} dB.")
+                   verdict=verdict, message="" if verdict == "pass" else message)
 
 
 def test_expert_layers_become_one_item_per_projection_at_the_first_ones_place():
@@ -300,3 +304,34 @@ def test_a_layer_overrides_fix_writes_the_experts_taking_one_same_change_as_one_
     assert layer_overrides_fix(scope, every).value == {**own, BLOCK: {"per_channel": True}}
     assert equalize_fix([f"{BLOCK}.{e}.down_proj" for e in range(4)], [], scope).value == [f"{BLOCK}.*.down_proj"]
     assert equalize_fix(True, [], scope).value is True
+
+
+def test_an_expert_without_a_value_for_another_reason_than_no_token_is_named_with_that_reason():
+    found = {f"{BLOCK}.{e}.down_proj": _finding(f"{BLOCK}.{e}.down_proj", 10.0 + e) for e in range(4)}
+    found[f"{BLOCK}.3.down_proj"] = Finding(
+        model="m", check="equalization", layer=f"{BLOCK}.3.down_proj", metric="gain_db", value=math.nan,
+        threshold=1.0, verdict="skip", message=f"layer {BLOCK}.3.down_proj: not measured: the variants missed it.")
+    merged = merge_expert_findings(f"{BLOCK}.down_proj", list(found), found, EXPERTS, higher_is_better=True)
+    assert "Not measured: expert(s) 3 (the variants missed it)." in merged.message
+    assert "no calibration token" not in merged.message and merged.details["unmeasured_experts"] == []
+
+
+def test_an_expert_routed_tokens_only_after_the_variant_batches_is_not_said_to_be_unreached():
+    import pytest
+
+    pytest.importorskip("transformers")
+    from tests.helpers import analyze_with_checks
+    from tests.models import routed_tokens, tiny_moe
+
+    def moe():
+        return tiny_moe("qwen2_moe", layers=2, experts=8)[0]
+
+    data = tiny_moe("qwen3_moe", layers=2, experts=8, n=4)[1]
+    # block 1's expert 3 gets its 20 tokens in the last batch; the variants measure the first 2
+    assert [len(chunk) for chunk in routed_tokens(moe(), data, layer=1)[3]] == [0, 0, 0, 20]
+    found, _ = analyze_with_checks(moe, data, checks=["equalization", "expert_coverage"])
+    message = found[("equalization", "model.layers.1.mlp.experts.down_proj")].message
+    assert ("Not measured: expert(s) 3 (the equalization variants are measured on the first 2 calibration batches, "
+            "and none of them reached its input).") in message
+    assert "which no calibration token reached" not in message
+    assert "3 (20)" in found[("expert_coverage", "model.layers.1.mlp.experts")].message
