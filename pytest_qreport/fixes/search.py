@@ -132,6 +132,8 @@ class FixSearch(ABC):
             subset = None
         if in_float is not None and in_float.stopped:
             in_float = None
+        # the layers the subset keeps in float: its float_layers write an MoE projection's experts as one glob
+        in_subset = _kept_in_float(subset.fix) if subset is not None else set()
         for layer in failing:
             found = [f"{label} ({advice.claim(layer)}): {advice.fix_text()}" for label, advice in options
                      if advice.helps(layer)]
@@ -144,13 +146,16 @@ class FixSearch(ABC):
                              f"output {before:.2f} -> {output_fix.measured_db:.2f} dB, {reach} model_sqnr_min_db "
                              f"{output_target:g} dB): qmodel(..., "
                              f"{self.keep_in_float(output_fix.float_layers).paste()})")
-            elif subset is not None and layer in subset.fix.value:
-                left = [name for name in subset.fix.layers if name not in subset.fix.value]
-                still = ", ".join(f"{name} at {getattr(subset, kind).get(name, (math.nan, math.nan))[1]:.2f} dB"
-                                  for name in left)
-                found.append(f"keeping it in float with the best subset of at most {len(subset.fix.layers) - 1} "
-                             f"layer(s), which leaves {still} (measured: {subset.output_claim()}): "
-                             f"qmodel(..., {subset.fix.paste()})")
+            elif subset is not None and layer in in_subset:
+                def after(name: str, measured: Trial = subset) -> float:
+                    value = getattr(measured, kind).get(name, (math.nan, math.nan))[1]
+                    return math.inf if math.isnan(value) else value
+
+                left = sorted((name for name in subset.fix.layers if name not in in_subset), key=after)
+                lowest = ", ".join(f"{name} at {after(name):.2f} dB" for name in left[:_LOWEST_NAMED])
+                found.append(f"keeping it in float with the best subset of at most {len(in_subset)} layer(s), which "
+                             f"leaves {len(left)} layer(s) quantized, the lowest {lowest} (measured: "
+                             f"{subset.output_claim()}): qmodel(..., {subset.fix.paste()})")
             elif in_float is not None and in_float.output_kept and not math.isnan(in_float.output[0]):
                 together = " with the other failing layers" if len(failing) > 1 else ""
                 short = (f", still below model_sqnr_min_db {output_target:g} dB" if output_target is not None
@@ -262,3 +267,13 @@ class FixSearch(ABC):
     def search_limit(self, chosen: int, check: str) -> str:
         """Why a float_layers search of `check` stopped at `chosen` layers short of its target."""
         return float_search_limit(self.scope, chosen, check)
+
+
+_LOWEST_NAMED = 3  # the layers a proper subset leaves quantized that its message names, lowest SQNR first
+
+
+def _kept_in_float(fix: Fix) -> set[str]:
+    """The layers among `fix.layers` that its float_layers value (names and globs) keeps in float."""
+    from qcore.analysis import matches_layer
+
+    return {name for name in fix.layers if any(matches_layer(kept, name) for kept in fix.value)}

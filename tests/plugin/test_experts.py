@@ -335,3 +335,28 @@ def test_an_expert_routed_tokens_only_after_the_variant_batches_is_not_said_to_b
             "and none of them reached its input).") in message
     assert "which no calibration token reached" not in message
     assert "3 (20)" in found[("expert_coverage", "model.layers.1.mlp.experts")].message
+
+
+def test_a_proper_subset_reads_its_expert_globs_and_names_the_lowest_layers_it_leaves_quantized():
+    import re
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    from pytest_qreport.fixes.search import _kept_in_float
+    from pytest_qreport.fixes.trials import Fix
+    from tests.helpers import analyze_with_checks
+    from tests.models import tiny_moe
+
+    layers = (f"{BLOCK}.0.down_proj", f"{BLOCK}.1.down_proj", f"{BLOCK}.0.up_proj", "q_proj", "lm_head")
+    assert _kept_in_float(Fix("float_layers", [f"{BLOCK}.*.down_proj", "q_proj"], layers)) == {
+        f"{BLOCK}.0.down_proj", f"{BLOCK}.1.down_proj", "q_proj"}
+    data = tiny_moe("qwen3_moe", layers=2, experts=8, n=4)[1]
+    found, analysis = analyze_with_checks(lambda: tiny_moe("mixtral", layers=2, experts=8)[0], data,
+                                          quantizer="NVFP4", checks=["sqnr", "model_sqnr"])
+    claims = [re.search(r"best subset of at most (\d+) layer\(s\), which leaves (\d+) layer\(s\) quantized, the "
+                        r"lowest (\S+) at ([\d.]+) dB", f.message) for f in found.values()]
+    claims = [claim for claim in claims if claim]
+    assert claims  # every layer fails on its own error under NVFP4: a proper subset is measured
+    for claim in claims:  # what it keeps and what it leaves: every quantized layer, once
+        assert int(claim.group(1)) + int(claim.group(2)) == len(analysis.layers) and int(claim.group(1)) <= 8
