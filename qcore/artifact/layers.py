@@ -217,9 +217,17 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
 
 def changed_modules(reference: nn.Module, quantized: nn.Module, layers: Iterable[str]) -> list[str]:
     """The modules outside `layers` whose own parameters differ from the reference's (SmoothQuant and AWQ fold
-    their scales into the norms before the layers they rescale)."""
+    their scales into the norms before the layers they rescale); a fused experts module's parameters that its
+    expert layers among `layers` read are theirs, not an outside module's."""
     skipped = tuple(layers)
     references = dict(reference.named_modules())
+    # a fused experts module's parameters are its expert layers' weights (and biases), read through views
+    viewed = set()
+    for name, module in quantized.named_modules():
+        if isinstance(module, ExpertProjection) and (name in skipped or any(name.startswith(prefix + ".")
+                                                                          for prefix in skipped)):
+            owner = id(module.experts_module)
+            viewed.update({(owner, module.fused), (owner, f"{module.fused}_bias")})
     changed = []
     with torch.no_grad():
         for name, module in quantized.named_modules():
@@ -227,6 +235,8 @@ def changed_modules(reference: nn.Module, quantized: nn.Module, layers: Iterable
                 continue
             twin = dict(references[name].named_parameters(recurse=False))
             for key, value in module.named_parameters(recurse=False):
+                if (id(module), key) in viewed:
+                    continue
                 other = twin.get(key)
                 if not (_plain(value) and isinstance(other, torch.Tensor) and other.shape == value.shape):
                     continue

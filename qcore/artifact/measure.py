@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -249,11 +250,32 @@ def quantized_forward_error(entered: Sequence[str], error: Exception) -> Artifac
     """The error of a quantized forward that raised, naming the last layer it entered and what to do."""
     layer = entered[-1] if entered else ""
     where = f" in layer {layer}" if layer else ""
-    fix = (f" Fix: run the artifact where its kernels run (device=...), or keep that layer in float with "
-           f"float_layers={[layer]!r}" if layer else
-           " Fix: call the quantized model as the reference is called, where its kernels run")
     text = str(error).strip().rstrip(".")
+    computes_in = _other_dtype(text)
+    if computes_in is not None:  # a loader that left the layers' computation in another dtype than the rest
+        fix = (f" Fix: load the artifact in the dtype its layers compute in, {computes_in} (transformers: "
+               f"from_pretrained(..., dtype=torch.{computes_in})), or run it where its kernels run (device=...)")
+    elif layer:
+        fix = (f" Fix: run the artifact where its kernels run (device=...), or keep that layer in float with "
+               f"float_layers={[layer]!r}")
+    else:
+        fix = " Fix: call the quantized model as the reference is called, where its kernels run"
     return ArtifactError(f"the quantized model's forward raised {type(error).__name__}{where}: {text}.{fix}")
+
+
+# how torch's errors name the dtypes a mismatch is between (float32 is the reference's: the other one is named)
+_DTYPE_WORDS = {"BFloat16": "bfloat16", "bfloat16": "bfloat16", "Half": "float16", "float16": "float16"}
+
+
+def _other_dtype(text: str) -> str | None:
+    """The half-precision dtype a dtype-mismatch error names beside float32 ('expected m1 and m2 to have the same
+    dtype, but got: float != c10::BFloat16'), or None for another error."""
+    if "dtype" not in text and "type" not in text:
+        return None
+    if not re.search(r"\b(float|Float|float32)\b", text):
+        return None
+    found = [dtype for word, dtype in _DTYPE_WORDS.items() if re.search(rf"\b{word}\b", text)]
+    return found[0] if found else None
 
 
 class _Pass:

@@ -23,8 +23,8 @@ BLOCK = "model.layers.0.mlp.experts"
 UNREACHED = 2  # make.py's router never chooses it
 
 
-def _loaded(name):
-    return transformers.AutoModelForCausalLM.from_pretrained(DATA / name, device_map="cpu").eval()
+def _loaded(name, dtype=None):
+    return transformers.AutoModelForCausalLM.from_pretrained(DATA / name, device_map="cpu", dtype=dtype).eval()
 
 
 def _batches():
@@ -32,9 +32,9 @@ def _batches():
     return [{"input_ids": torch.randint(0, 128, (2, 16), generator=generator)} for _ in range(3)]
 
 
-def _gated(name, checks=("expert_coverage", "model_sqnr")):
+def _gated(name, checks=("expert_coverage", "model_sqnr"), dtype=None):
     """{(check, item): Finding} of the checkpoint gated against its reference, as the plugin does."""
-    reference, quantized, batches = _loaded("reference"), _loaded(name), _batches()
+    reference, quantized, batches = _loaded("reference"), _loaded(name, dtype), _batches()
     settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, quantized=lambda: quantized,
                                       checks=list(checks))
     pipeline = collect_model("moe", settings, builtin_registry(), None, reference, batches[0], quantized=quantized)
@@ -88,9 +88,18 @@ def test_nvfp4_experts_loaded_without_their_global_scale_are_named_as_scaled_wro
         global_scale = float(stored.get_tensor(f"{BLOCK}.1.down_proj.weight_global_scale"))
     factor = coverage.details["weight_scale_factor"]["down_proj"][1]
     assert factor == pytest.approx(global_scale, rel=0.01)
-    # and the model as loaded cannot run on the CPU: its attention layers decompress to bfloat16 beside float32
+    # and the model as loaded cannot run on the CPU: its attention layers decompress to bfloat16 beside float32;
+    # loaded in bfloat16, as the item says, it runs, and every expert is measured as its own layer
     output = found[("model_sqnr", "output")]
     assert output.verdict == "error" and "in layer model.layers.0.self_attn.q_proj" in output.message
+    assert "load the artifact in the dtype its layers compute in, bfloat16 (transformers: from_pretrained(..., " \
+        "dtype=torch.bfloat16))" in output.message
+    loaded = _gated("nvfp4", checks=("sqnr", "expert_coverage", "model_sqnr"), dtype=torch.bfloat16)
+    assert not [key for key, finding in loaded.items() if finding.verdict == "error"]
+    assert loaded[("expert_coverage", BLOCK)].details["scaled_wrong"] == list(range(5))
+    for projection in ("gate_proj", "up_proj", "down_proj"):  # the experts module holds their own weights
+        item = loaded[("sqnr", f"{BLOCK}.{projection}")]
+        assert item.verdict == "fail" and item.value < -60 and "rescales" not in item.message, item.message
     # the checkpoint itself is sound: its values divided by the global scale are a 4-bit copy of the reference
     reference = _loaded("reference").model.layers[0].mlp.experts.down_proj[1].detach()
     with safe_open(DATA / "nvfp4" / "model.safetensors", "pt") as stored:
