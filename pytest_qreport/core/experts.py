@@ -91,12 +91,14 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
     # an error item says itself why it has no value; of the others without one, those that say no calibration
     # token reached them are named as such, the rest with their own reason
     valueless = [layer for layer in members if math.isnan(found[layer].value) and found[layer].verdict != "error"]
-    unreached = [layer for layer in valueless
-                 if any(words in found[layer].message for words in _UNREACHED) or not found[layer].message]
-    unmeasured = sorted({experts[layer].expert for layer in unreached})
-    otherwise = sorted({experts[layer].expert for layer in valueless} - set(unmeasured))
-    why = found[next(layer for layer in valueless if experts[layer].expert == otherwise[0])].message.split(
-        ": ", 1)[-1].removeprefix("not measured: ").rstrip(".") if otherwise else ""
+    unmeasured = sorted({experts[layer].expert for layer in valueless
+                         if any(words in found[layer].message for words in _UNREACHED)})
+    reasons: dict[str, set[int]] = {}  # {the finding's own reason: its experts}, for the others
+    for layer in valueless:
+        if experts[layer].expert not in unmeasured:
+            reason = found[layer].message.split(": ", 1)[-1].removeprefix("not measured: ").rstrip(".") \
+                if found[layer].message else ""
+            reasons.setdefault(reason, set()).add(experts[layer].expert)
     failed = set(failing_experts) - in_error
     tally = [f"{len(failed)} failing"] if failed or not in_error else []
     tally += [f"{len(in_error)} in error"] if in_error else []
@@ -106,8 +108,9 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
         summary += (f" Not measured: expert(s) {', '.join(map(str, unmeasured))}, which no calibration token reached "
                     + ("(more or longer calibration batches reach them)." if artifact
                        else "(see the block's expert_coverage item)."))
-    if otherwise:
-        summary += f" Not measured: expert(s) {', '.join(map(str, otherwise))} ({why})."
+    for reason, which in reasons.items():
+        summary += f" Not measured: expert(s) {', '.join(map(str, sorted(which)))}" + (f" ({reason})." if reason
+                                                                                       else ".")
     message = f"{summary} {worst.message}" if worst.message else summary
     details = dict(worst.details)
     details.update({

@@ -314,6 +314,14 @@ def test_an_expert_without_a_value_for_another_reason_than_no_token_is_named_wit
     merged = merge_expert_findings(f"{BLOCK}.down_proj", list(found), found, EXPERTS, higher_is_better=True)
     assert "Not measured: expert(s) 3 (the variants missed it)." in merged.message
     assert "no calibration token" not in merged.message and merged.details["unmeasured_experts"] == []
+    # each reason with its own experts; a finding that gives none is not said to be unreached
+    found[f"{BLOCK}.1.down_proj"] = found[f"{BLOCK}.3.down_proj"].replace(layer=f"{BLOCK}.1.down_proj", message=(
+        f"layer {BLOCK}.1.down_proj: not measured: its producer was refused."))
+    found[f"{BLOCK}.0.down_proj"] = found[f"{BLOCK}.3.down_proj"].replace(layer=f"{BLOCK}.0.down_proj", message="")
+    merged = merge_expert_findings(f"{BLOCK}.down_proj", list(found), found, EXPERTS, higher_is_better=True)
+    assert "Not measured: expert(s) 0. Not measured: expert(s) 1 (its producer was refused). Not measured: " \
+        "expert(s) 3 (the variants missed it)." in merged.message, merged.message
+    assert "no calibration token" not in merged.message
 
 
 def test_an_expert_routed_tokens_only_after_the_variant_batches_is_not_said_to_be_unreached():
