@@ -38,6 +38,7 @@ NATIVE_MAX_TOP = 128  # the kernel keeps each channel's k largest values in a so
 # channel-major channels (runs) insert value by value into that list: for a longer top k, selecting among all of a
 # channel's values is cheaper; channels-last rows insert whole blocks branchlessly and keep the list up to 128
 RUNS_MAX_TOP = 64
+_NO_SAMPLE = torch.empty(0, dtype=torch.int64)  # the exact selection's sample: none (never written)
 _STATE = frozenset({"extremes", "extreme_sums", "min_val", "max_val", "ratio_sums", "ratio_counts",
                     "constant_channels"})
 
@@ -183,9 +184,14 @@ class ReportObserver(nn.Module):
                 if self.min_val.numel():
                     return False  # a different channel count: let the torch path raise its error
                 self._init_channels(channels, values.device)
-            picks = torch.tensor(picks, dtype=torch.int64)
             workers = native.threads(values.numel())
-            scratch = torch.empty(library.qcore_scratch_floats(outer, channels, inner, top, sample.numel(), workers))
+            needed = library.qcore_scratch_floats(outer, channels, inner, top, sample.numel(), workers)
+            # a new shape (an MoE expert's token count changes every batch) plans again: the last plan's picks and
+            # scratch serve where they fit, so that a plan costs a few microseconds, not a few allocations
+            kept = self.__dict__.get("_native_scratch") or ()
+            key = tuple(picks)
+            picks = kept[1] if kept and kept[0] == key else torch.tensor(picks, dtype=torch.int64)
+            scratch = kept[3] if kept and kept[3].numel() >= needed else torch.empty(needed)
             function = library.qcore_observe
             arguments = (outer, channels, inner, top, picks.data_ptr(), picks.numel(), sample.data_ptr(),
                          sample.numel(), scratch.data_ptr(), scratch.numel(), workers,
@@ -193,8 +199,9 @@ class ReportObserver(nn.Module):
                                                             self.max_val, self.constant_channels)),
                          self.min_val.numel(), self.ratio_sums.data_ptr(), self.ratio_counts.data_ptr(),
                          min(self.ratio_sums.numel(), self.ratio_counts.numel()))
-            self._native_scratch = (picks, sample, scratch)  # keeps the memory the pointers point to
-        self._native_plan = (values.shape, function, arguments)
+            # keeps the memory the pointers point to (set in __dict__: nn.Module's __setattr__ costs more than a plan)
+            self.__dict__["_native_scratch"] = (key, picks, sample, scratch)
+        self.__dict__["_native_plan"] = (values.shape, function, arguments)
         outcome = function(values.data_ptr(), *arguments)
         if outcome == native.REFUSED:
             self._native_plan = None
@@ -213,7 +220,7 @@ class ReportObserver(nn.Module):
         axis = self.ch_axis % len(shape)
         outer, channels, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
         count = outer * inner
-        no_sample = torch.empty(0, dtype=torch.int64)
+        no_sample = _NO_SAMPLE
         if not self.percentiles:
             return outer, channels, inner, 0, [], no_sample
         ranks = [int(p * (count - 1)) + 1 for p in self.percentiles]  # 1-based, ascending

@@ -81,6 +81,25 @@ def test_native_kernel_equals_torch_path(case):
     _assert_same_state(native_observer, torch_observer)
 
 
+@needs_kernel
+@settings(max_examples=80, deadline=None)
+@given(rows=st.lists(st.integers(1, 600), min_size=2, max_size=6), channels=st.integers(1, 40),
+       percentiles=st.sampled_from([(), (0.975,), (0.9, 0.99)]), sample_size=st.sampled_from([4096, 50]),
+       seed=st.integers(0, 2**16))
+def test_a_token_count_that_changes_every_batch_plans_again_to_the_torch_paths_state(rows, channels, percentiles,
+                                                                                      sample_size, seed):
+    """An MoE expert's activations have as many rows as tokens were routed to it, a new count every batch: each plan
+    reuses the last one's picks and scratch where they fit, and the state is the torch path's."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = [torch.randn(count, channels, generator=generator) for count in rows]
+    observer_settings = dict(ch_axis=-1, percentiles=percentiles, per_channel=True, sample_size=sample_size)
+    native_observer = _observe(batches, **observer_settings)
+    with pytest.MonkeyPatch.context() as patch:
+        _torch_path(patch)
+        torch_observer = _observe(batches, **observer_settings)
+    _assert_same_state(native_observer, torch_observer)
+
+
 @settings(max_examples=60, deadline=None)
 @given(activations())
 def test_a_launch_bound_device_reduces_each_channel_in_one_op_to_the_same_state(case):
