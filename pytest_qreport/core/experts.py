@@ -117,6 +117,7 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
         "experts": {expert_label(layer, experts): found[layer].value for layer in members},
         "failing_experts": failing_experts,
         "unmeasured_experts": unmeasured,
+        "error_experts": sorted(in_error),
         "worst_expert": experts[ordered[0]].expert,
         "worst_layer": ordered[0],
     })

@@ -211,9 +211,10 @@ def _heat(value: float, low: float, high: float) -> str:
 
 
 def heat_map(title: str, rows: Sequence[str], columns: Sequence[str], values: Sequence[Sequence[float | None]],
-             unit: str = "dB") -> str | None:
+             unit: str = "dB", missing: Sequence[Sequence[str]] | None = None) -> str | None:
     """A cell per (row, column), coloured from the lowest value (red) to the highest (green); a cell without a finite
-    value is grey. Hovering a cell shows its row, column and value. None without a finite value."""
+    value is grey. Hovering a cell shows its row, column and value, or for a grey one why it has none (`missing`,
+    per cell; default "not measured"). None without a finite value."""
     finite = [float(v) for row in values for v in row if v is not None and math.isfinite(v)]
     if not finite:
         return None
@@ -237,7 +238,7 @@ def heat_map(title: str, rows: Sequence[str], columns: Sequence[str], values: Se
         for index, value in enumerate(row_values):
             measured = value is not None and math.isfinite(value)
             colour = _heat(float(value), low, high) if measured else "#cccccc"  # type: ignore[arg-type]
-            shown = f"{value:.2f} {unit}" if measured else "not measured"
+            shown = f"{value:.2f} {unit}" if measured else (missing[row_index][index] if missing else "not measured")
             body.append(f'<rect x="{left + cell * index:.1f}" y="{y + 2}" width="{cell - 1:.1f}" height="18" '
                         f'fill="{colour}"><title>{escape(row)}, expert {escape(columns[index])}: {escape(shown)}'
                         "</title></rect>")

@@ -86,6 +86,17 @@ def _expert_label_key(label: str) -> tuple[int, str]:
     return (int(expert) if expert.isdigit() else -1, half)
 
 
+def _why_unmeasured(details: dict[str, Any], label: str) -> str:
+    """What a grey cell of the expert heat map says: an expert in error, one no calibration token reached, or else
+    not measured (the item's message says why)."""
+    expert = _expert_label_key(label)[0]
+    if expert in details.get("error_experts", ()):
+        return "error (see the item)"
+    if expert in details.get("unmeasured_experts", ()):
+        return "no calibration token reached it"
+    return "not measured"
+
+
 def _expert_charts(rows: list[dict[str, Any]]) -> list[str]:
     """A block x expert heat map per check and expert projection of a mixture-of-experts model."""
     charts = []
@@ -97,8 +108,10 @@ def _expert_charts(rows: list[dict[str, Any]]) -> list[str]:
         columns = sorted({label for row in members for label in row["details"]["experts"]}, key=_expert_label_key)
         values = [[_number(row["details"]["experts"].get(label)) if label in row["details"]["experts"] else None
                    for label in columns] for row in members]
+        missing = [[_why_unmeasured(row["details"], label) for label in columns] for row in members]
         chart = heat_map(f"{check} of each expert's {projection} (dB)", [row["layer"].rsplit(".", 1)[0]
-                                                                         for row in members], columns, values)
+                                                                         for row in members], columns, values,
+                         missing=missing)
         if chart:
             charts.append(chart)
     return charts

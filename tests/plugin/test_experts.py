@@ -69,13 +69,15 @@ def test_the_html_report_draws_a_block_by_expert_heat_map():
     rows = []
     for block in range(2):
         experts = {str(e): 20.0 + e + block for e in range(3)} | {"3": math.nan}
+        why = {"unmeasured_experts": [3]} if block == 0 else {"error_experts": [3]}
         rows.append({"check": "sqnr", "layer": f"model.layers.{block}.mlp.experts.down_proj", "details":
-                     {"experts": experts}})
+                     {"experts": experts, **why}})
     charts = _expert_charts(rows)
     assert len(charts) == 1 and "sqnr of each expert&#x27;s down_proj (dB)" in charts[0]
     cells = re.findall(r'<rect [^>]*fill="(#[0-9a-f]{6})"><title>([^<]*)</title>', charts[0])
     assert len(cells) == 8
-    assert ("#cccccc", "model.layers.0.mlp.experts, expert 3: not measured") in cells
+    assert ("#cccccc", "model.layers.0.mlp.experts, expert 3: no calibration token reached it") in cells
+    assert ("#cccccc", "model.layers.1.mlp.experts, expert 3: error (see the item)") in cells
     assert any(title == "model.layers.1.mlp.experts, expert 2: 23.00 dB" for _, title in cells)
 
 
@@ -195,6 +197,7 @@ def test_a_projection_whose_experts_are_in_error_says_so_and_claims_no_unreached
     assert merged.verdict == "error" and merged.message.startswith(
         f"{BLOCK}.down_proj: 4 experts, 4 in error; judged on expert 0; worst: 0 (error), 1 (error)")
     assert "no calibration token" not in merged.message and merged.details["unmeasured_experts"] == []
+    assert merged.details["error_experts"] == [0, 1, 2, 3]  # the heat map's cells say so
     found[f"{BLOCK}.1.down_proj"] = _finding(f"{BLOCK}.1.down_proj", 12.0)
     found[f"{BLOCK}.2.down_proj"] = _finding(f"{BLOCK}.2.down_proj", math.nan)  # an expert no token reached
     merged = merge_expert_findings(f"{BLOCK}.down_proj", list(found), found, EXPERTS, higher_is_better=True)
