@@ -532,8 +532,11 @@ def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, 
         output_records[name] = OutputSqnr(name, numbers["sqnr_db"], numbers["cosine"], numbers["normalized_l2"])
     if any(math.isnan(record.sqnr_db) for record in output_records.values()):
         first = measured.first_nan()
-        where = (f"; the first layer whose output holds NaN is {first}. Fix: look at that layer's scales in the "
-                 f"artifact, or keep it in float with float_layers={[first]!r}") if first else ""
+        # an MoE block measured whole (a tool's fused experts): its experts' own weights are compared one by one
+        block = (", an MoE block's experts: its expert_coverage item names each expert whose weights hold NaN or "
+                 "infinite values") if first and first.rpartition(".")[2] == "experts" else ""
+        where = (f"; the first layer whose output holds NaN is {first}{block}. Fix: look at that layer's scales in "
+                 f"the artifact, or keep it in float with float_layers={[first]!r}") if first else ""
         raise ArtifactError(f"the quantized model's output holds NaN{where}")
     records, not_comparable = {}, {}
     changed: list[str] | None = None  # the modules outside the layers whose parameters changed, once one is rescaled

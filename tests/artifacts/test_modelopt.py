@@ -7,7 +7,7 @@ import modelopt.torch.quantization as mtq
 import pytest
 import torch
 
-from qcore.artifact import ArtifactAnalysis
+from qcore.artifact import ArtifactAnalysis, ArtifactError
 from qcore.numeric import compute_sqnr
 from tests.artifacts.checks import assert_dequantized_as_computed, assert_fix_pastes, assert_gated_like_hooks
 from tests.helpers import FRAGILE_LAYER, TINY_LLAMA_LINEARS, fragile_llama, tiny_llama, token_batches
@@ -102,7 +102,13 @@ def test_a_moe_models_fused_experts_are_read_through_modelopts_per_expert_weight
     experts = quantized.get_submodule(block)
     with torch.no_grad():
         experts.down_proj_weight_quantizers[1].amax = torch.tensor(float("nan"))
-    found = ArtifactAnalysis(model, quantized, data).checkpoint_experts[block]
+    analysis = ArtifactAnalysis(model, quantized, data)
+    found = analysis.checkpoint_experts[block]
+    # the NaN reaches the output through the block, which the comparison measures whole: the error points at the
+    # item that names the expert
+    with pytest.raises(ArtifactError, match=r"holds NaN is model\.layers\.0\.mlp\.experts, an MoE block's experts: "
+                                            r"its expert_coverage item names each expert whose weights hold NaN"):
+        _ = analysis.sqnr  # measured when first read
     reference = model.get_submodule(block)
     for name in ("gate_up_proj", "down_proj"):
         for expert in (0, 2, 3):
