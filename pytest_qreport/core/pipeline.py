@@ -302,10 +302,10 @@ def refusal_globs(refused: Mapping[str, Any], experts: Mapping[str, Any]) -> dic
     from qcore.analysis import compact_expert_layers, matches_layer
 
     written = {layer: layer for layer in refused}
-    alike: dict[str, list[str]] = {}
+    alike: dict[tuple[str, str], list[str]] = {}
     for layer, entry in refused.items():
         if layer in experts:
-            alike.setdefault(f"{entry.format}: {entry.format_refusal}".replace(layer, ""), []).append(layer)
+            alike.setdefault((entry.format, entry.format_refusal), []).append(layer)
     for layers in alike.values():
         for key in compact_expert_layers(layers, experts):
             for layer in layers:

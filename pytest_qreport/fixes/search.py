@@ -207,11 +207,9 @@ class FixSearch(ABC):
         passes)."""
         if trial is None:
             return ""
-        from qcore.analysis import matches_layer
-
         setting, threshold = "sqnr_min_db", self.scope.settings.sqnr_min_db
-        subset = [name for name in trial.fix.layers if name in failing
-                  and any(matches_layer(kept, name) for kept in trial.fix.value)]
+        kept = _kept_in_float(trial.fix)
+        subset = [name for name in trial.fix.layers if name in failing and name in kept]
         text = (f" All {len(trial.fix.layers)} quantized layers fail {setting} {threshold:g} dB on their own error: "
                 "the threshold is above what this quantizer gives, and keeping every failing layer in float would "
                 "quantize nothing.")

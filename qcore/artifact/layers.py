@@ -223,9 +223,10 @@ def changed_modules(reference: nn.Module, quantized: nn.Module, layers: Iterable
     references = dict(reference.named_modules())
     # a fused experts module's parameters are its expert layers' weights (and biases), read through views
     viewed = set()
-    for name, module in quantized.named_modules():
-        if isinstance(module, ExpertProjection) and (name in skipped or any(name.startswith(prefix + ".")
-                                                                          for prefix in skipped)):
+    modules = dict(quantized.named_modules())
+    for name in skipped:
+        module = modules.get(name)
+        if isinstance(module, ExpertProjection):
             owner = id(module.experts_module)
             viewed.update({(owner, module.fused), (owner, f"{module.fused}_bias")})
     changed = []

@@ -235,6 +235,12 @@ def _scaled_rows_native(x: torch.Tensor, column_scales: torch.Tensor) -> Any:
     return native.kernel()
 
 
+def _native_rows_take(zero_point: torch.Tensor, quant_min: int, quant_max: int) -> bool:
+    """Whether the native per-row kernels take these integer bounds and zero points (float32-exact sums)."""
+    return (not zero_point.is_floating_point() and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
+            and bool(zero_point.abs().le(_NATIVE_RANGE).all()))
+
+
 def scaled_row_extremes(x: torch.Tensor, column_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(min, max) of each row of x * s for each row s of `column_scales` ([k, columns]): two [k, rows] tensors, what
     torch.aminmax((x[None] * column_scales[:, None, :]), dim=2) gives, without the k scaled copies on the CPU."""
@@ -257,8 +263,7 @@ def fake_quantize_scaled_rows(x: torch.Tensor, column_scales: torch.Tensor, scal
     ranges), each in a fresh tensor, to the bit; on the CPU without the scaled copies."""
     rows = x.shape[0]
     library = _scaled_rows_native(x, column_scales)
-    if (library is None or zero_point.is_floating_point() or max(abs(quant_min), abs(quant_max)) > _NATIVE_RANGE
-            or not bool(zero_point.abs().le(_NATIVE_RANGE).all())):
+    if library is None or not _native_rows_take(zero_point, quant_min, quant_max):
         return [fake_quantize_per_channel(x * column_scale, scale[k * rows:(k + 1) * rows],
                                           zero_point[k * rows:(k + 1) * rows], 0, quant_min, quant_max, in_place=True)
                 for k, column_scale in enumerate(column_scales)]
@@ -283,8 +288,7 @@ def fake_quantize_divided_rows(x: torch.Tensor, column_divisor: torch.Tensor, sc
     buffer of qcore.runtime.scratch's pool (a weight quantized where it is read)."""
     divisor = column_divisor.reshape(1, -1) if column_divisor.numel() == (x.shape[-1] if x.dim() else -1) else None
     library = _scaled_rows_native(x, divisor) if divisor is not None and x.dim() == 2 else None
-    if (library is None or zero_point.is_floating_point() or max(abs(quant_min), abs(quant_max)) > _NATIVE_RANGE
-            or not bool(zero_point.abs().le(_NATIVE_RANGE).all())):
+    if library is None or not _native_rows_take(zero_point, quant_min, quant_max):
         divided = scratch.elementwise(torch.div, x, column_divisor) if reuse_output else x / column_divisor
         return fake_quantize_per_channel(divided, scale, zero_point, 0, quant_min, quant_max, in_place=True)
     assert divisor is not None
