@@ -215,7 +215,7 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
             float_outputs, layer_inputs = calibration_outputs.outputs, calibration_inputs
     variants, unmeasured, smoothed = planned
     restore_model_state(quant_gm, float_gm)  # calibration ran forward, which may update buffers in place
-    screened = _screen_copies(float_gm, batches, quantizer, screens, probed.detector_reports, kept)
+    screened = _screen_copies(float_gm, batches, quantizer, screens, probed.detector_reports, kept, quant_gm)
     comparator = (LogitsComparator() if logits else None) if propagate else None
     every = None if layers is None else set(layers)
     routing: dict[str, Any] = {}
@@ -261,14 +261,17 @@ class FirstOutputs:
 
 def _screen_copies(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer | None,
                    screens: Sequence[Screen], reports: Mapping[str, dict[str, Any]],
-                   kept: CalibratedObservers) -> list[tuple[str, dict[str, Any], ExtraShadows]]:
-    """(screen name, {layer: change}, its quantized copy to shadow) of each screen that names layers."""
+                   kept: CalibratedObservers, quant_gm: fx.GraphModule
+                   ) -> list[tuple[str, dict[str, Any], ExtraShadows]]:
+    """(screen name, {layer: change}, its quantized copy to shadow) of each screen that names layers; a copy shares
+    the weights `quant_gm` (the model's) quantized as it does."""
     found = []
     for screen in screens:
         try:
             changes = {layer: dict(change) for layer, change in screen.candidates(reports).items()}
             if changes:
-                quantized = quantize_for_screen(float_gm, batches, quantizer or Int8StaticQuantizer(), changes, kept)
+                quantized = quantize_for_screen(float_gm, batches, quantizer or Int8StaticQuantizer(), changes, kept,
+                                                quant_gm)
                 found.append((screen.name, changes, ExtraShadows(quantized, set(changes))))
         except Exception:  # noqa: BLE001 - a screen only saves a trial: its advice then runs the trial, which reports
             continue

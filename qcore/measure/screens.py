@@ -135,16 +135,19 @@ class ScreenedLayers:
 
 
 def quantize_for_screen(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quantizer,
-                        changes: Mapping[str, Mapping[str, Any]], observers: CalibratedObservers) -> fx.GraphModule:
+                        changes: Mapping[str, Mapping[str, Any]], observers: CalibratedObservers,
+                        model_quantized: fx.GraphModule | None = None) -> fx.GraphModule:
     """`float_gm` quantized with `changes` merged into `quantizer`'s layer_overrides, calibrated where `observers`
     has no twin of an activation observer, with only the changed layers' weights quantized (the others stay
-    float: the screen copies the changed layers only). ValueError for a quantizer without layer_overrides."""
+    float: the screen copies the changed layers only). A weight that `model_quantized` (the model's converted
+    graph of `float_gm`) quantized the same way is shared from it, not quantized again. ValueError for a quantizer
+    without layer_overrides."""
     changed = with_layer_overrides(quantizer, {layer: dict(change) for layer, change in changes.items()})
     prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False), changed,
                        recompile=False)
     _unobserve_other_weights(prepared, set(changes))
     calibrate_kept(prepared, batches, observers)  # the observers ahead calibrated most screens: no pass
-    quantized = convert(prepared, keep_float_weights=False, recompile=False)
+    quantized = convert(prepared, keep_float_weights=False, recompile=False, weights_from=model_quantized)
     restore_model_state(quantized, float_gm)  # calibration ran forward, which may update buffers in place
     for node in quantized.graph.nodes:  # a float per weight channel, held once (the model's); a digest tells them
         digest = qparams_digest(node)

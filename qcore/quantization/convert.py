@@ -44,6 +44,8 @@ from qcore.quantization.quantizer import Int8StaticQuantizer, Quantizer
 from qcore.runtime.scratch import reused_outputs
 
 QPARAMS_KEY = "qcore_qparams"
+# gm.meta of a converted graph: {(the float weight as _weight_identity tells it, how it was quantized): buffer name}
+QUANTIZED_WEIGHTS_KEY = "qcore_quantized_weights"
 _WHERE_READ = contextvars.ContextVar("qcore_quantize_weights_where_read", default=False)
 
 
@@ -68,15 +70,19 @@ def weights_quantized_where_read() -> bool:
     return _WHERE_READ.get()
 
 
-def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile: bool = True) -> fx.GraphModule:
+def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile: bool = True,
+            weights_from: fx.GraphModule | None = None) -> fx.GraphModule:
     """Replace every observer node of `prepared` by fake quantization with its observed qparams (in place).
 
     Weights (observed get_attr values) are quantized once, here, and stored as buffers; activations get
     quantize->dequantize nodes. keep_float_weights=False drops the float weights the graph no longer reads.
     recompile=False leaves the code generation to a caller that edits the graph further before running it.
+    `weights_from`: a graph converted earlier from the same float parameters (the model's, for a screen's copy):
+    a parameter it quantized with the same qparams or format shares that buffer instead of being quantized again.
     """
     graph = prepared.graph
     weight_cache: dict[tuple[str, str], Any] = {}
+    earlier = _QuantizedWeights(prepared, weights_from)
     reads = _HostReads(prepared)
     for node in list(graph.nodes):
         if node.meta.get(INSERTED_KEY) != "observer":
@@ -84,7 +90,7 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
         observer = prepared.get_submodule(str(node.target))
         source = node.args[0]
         if isinstance(observer, FormatObserver):
-            _convert_format_node(prepared, node, source, observer, weight_cache)
+            _convert_format_node(prepared, node, source, observer, weight_cache, earlier)
             continue
         if getattr(observer, "is_float", False) and observer.dtype == torch.float32:
             node.replace_all_uses_with(source)  # a float32 spec keeps the tensor as it is
@@ -93,7 +99,8 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
         with graph.inserting_before(node):
             if (_is_float_weight(source) and not observer.is_dynamic
                     and not getattr(observer, "is_float", False)):
-                replacement = _quantized_weight_node(prepared, source, node.target, observer, weight_cache, reads)
+                replacement = _quantized_weight_node(prepared, source, node.target, observer, weight_cache, reads,
+                                                     earlier)
             else:
                 replacement = _qdq_node(prepared, node, source, observer, reads)
         replacement.meta.update({k: v for k, v in node.meta.items() if k.startswith("qcore_") or k == "val"})
@@ -125,7 +132,7 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
 
 
 def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: FormatObserver,
-                         weight_cache: dict[tuple[str, str], str]) -> None:
+                         weight_cache: dict[tuple[str, str], str], earlier: _QuantizedWeights) -> None:
     """A deployed format's observer node becomes a fake-quantized weight buffer, or a FormatFakeQuantize call."""
     graph = gm.graph
     meta = {"format": repr(observer.format), "dynamic": observer.format.dynamic}
@@ -134,10 +141,14 @@ def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observe
             key = (_float_weight_name(source), str(node.target))
             if key not in weight_cache:
                 weight = weight_value(gm, source)
-                with torch.no_grad():
-                    quantized = fake_quantize_weight(observer.format, weight.detach(), observer.transposed)
+                how = ("format", repr(observer.format), bool(observer.transposed))
+                quantized = earlier.find(source, weight, how)
+                if quantized is None:
+                    with torch.no_grad():
+                        quantized = fake_quantize_weight(observer.format, weight.detach(), observer.transposed)
                 weight_cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
                 gm.register_buffer(weight_cache[key], quantized)
+                earlier.record(source, weight, how, weight_cache[key])
             replacement = graph.get_attr(weight_cache[key])
             replacement.meta["qcore_float_weight"] = key[0]
         else:
@@ -301,7 +312,8 @@ def _float_weight_name(source: fx.Node) -> str:
     return str(source.meta["qcore_float_weight"]) if source.meta.get(REWRITTEN_KEY) else str(source.target)
 
 
-def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache, reads: _HostReads) -> fx.Node:
+def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache, reads: _HostReads,
+                           earlier: _QuantizedWeights) -> fx.Node:
     key = (_float_weight_name(source), str(observer_name))
     if key not in cache:
         weight = weight_value(gm, source)
@@ -312,8 +324,14 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache, 
             if _WHERE_READ.get():  # a large model: quantized from the float weight where it is read
                 cache[key] = None
             else:
+                values = reads.values(observer)
+                how = ("qparams", type(observer).__qualname__, _hashable(_qparams_meta(observer, values)))
+                quantized = earlier.find(source, weight, how)
+                if quantized is None:
+                    quantized = fake_quantize_with(observer, weight.detach(), values)
                 cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
-                gm.register_buffer(cache[key], fake_quantize_with(observer, weight.detach(), reads.values(observer)))
+                gm.register_buffer(cache[key], quantized)
+                earlier.record(source, weight, how, cache[key])
     if cache[key] is None:
         node = _read_weight_quantized_where_used(gm, source, "qcore_fq_" + key[0].replace(".", "_"), observer,
                                                  reads.values(observer))
@@ -322,6 +340,44 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache, 
     node.meta[QPARAMS_KEY] = _qparams_meta(observer, reads.values(observer))
     node.meta["qcore_float_weight"] = key[0]
     return node
+
+
+class _QuantizedWeights:
+    """The weights a converted graph quantized from its float parameters, by the parameter and how it was
+    quantized (gm.meta[QUANTIZED_WEIGHTS_KEY]): what a later convert of a copy of the same float graph finds there
+    instead of quantizing the same weight with the same qparams again (a screen's copy that changes the
+    activations' observers only quantizes every weight of its layers as the model's convert did)."""
+
+    def __init__(self, gm: fx.GraphModule, earlier: fx.GraphModule | None) -> None:
+        self.gm, self.earlier = gm, earlier
+        self.known = earlier.meta.get(QUANTIZED_WEIGHTS_KEY, {}) if earlier is not None else {}
+
+    def find(self, source: fx.Node, weight: torch.Tensor, how: tuple) -> torch.Tensor | None:
+        """The earlier graph's quantized copy of `weight` made `how`, or None."""
+        identity = _weight_identity(source, weight)
+        name = self.known.get((identity, how)) if identity is not None else None
+        return fetch_attr(self.earlier, name) if name is not None else None
+
+    def record(self, source: fx.Node, weight: torch.Tensor, how: tuple, buffer: str) -> None:
+        """`buffer` of this graph holds `weight` quantized `how`."""
+        identity = _weight_identity(source, weight)
+        if identity is not None:
+            self.gm.meta.setdefault(QUANTIZED_WEIGHTS_KEY, {})[identity, how] = buffer
+
+
+def _weight_identity(source: fx.Node, weight: torch.Tensor) -> tuple | None:
+    """A float parameter as it is now: its path, memory, layout and version (a rewritten weight, computed from a
+    parameter, has none: its values are not the parameter's)."""
+    if source.op != "get_attr" or source.meta.get(REWRITTEN_KEY):
+        return None
+    return (str(source.target), weight.device.type, weight.data_ptr(), tuple(weight.shape), weight.stride(),
+            weight.dtype, weight._version)
+
+
+def _hashable(meta: dict[str, Any]) -> tuple:
+    """A qparams meta dict as a key: per-channel arrays by their machine values."""
+    return tuple((key, (value.typecode, value.tobytes()) if isinstance(value, array) else
+                  tuple(value) if isinstance(value, list) else value) for key, value in sorted(meta.items()))
 
 
 def fake_quantize_where_read(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
@@ -479,4 +535,4 @@ __all__ = ["convert", "quantize", "fake_quantize_over_input", "fake_quantize_whe
            "quantize_weights_where_read",
            "weights_quantized_where_read", "restore_model_state",
            "round_trip_through",
-           "QPARAMS_KEY", "FQN_KEY"]
+           "QPARAMS_KEY", "QUANTIZED_WEIGHTS_KEY", "FQN_KEY"]
