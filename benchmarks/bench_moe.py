@@ -24,7 +24,14 @@ block from expert 0's template (the default) against a trace of every expert, be
 
 With `--experts 8,32,64,128`: the analysis of a 4-block Qwen3-MoE as its expert count grows (experts_cost).
 
+With `--shared-weights [--sizes tiny,small]`: the MoE of `--cost`'s pair, verdicts only, with a screen's quantized
+copy sharing the weights the model's convert quantized the same way (`convert(..., weights_from=)`) and without
+(each copy quantizing its layers' weights again), in alternating rounds: the screens' copies' seconds and the
+analysis's, each the fastest of its rounds, and the MiB of quantized weights the copies share (a copy that
+quantizes them again holds them twice while the comparison pass runs).
+
     python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b]] [--experts 8,32,64,128] [--capture]
+                                   [--shared-weights [--sizes tiny,small]]
 """
 from __future__ import annotations
 
@@ -254,7 +261,53 @@ def capture_cost() -> None:
     print(f"ratio: {seconds['every expert traced'] / seconds['template per block']:.1f}x")
 
 
+def shared_weights_cost(sizes: list[str]) -> None:
+    """The table of --shared-weights."""
+    import qcore.measure.passes as passes
+    import qcore.quantization.convert as convert_module
+
+    original_find = convert_module._QuantizedWeights.find
+    quantize_for_screen = passes.quantize_for_screen
+    spent, shared_bytes = [0.0], [0]
+
+    def find(self, source, weight, how):
+        found = original_find(self, source, weight, how)
+        shared_bytes[0] += found.nbytes if found is not None else 0
+        return found
+
+    def timed_screen(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return quantize_for_screen(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    passes.quantize_for_screen = timed_screen
+    print(f"{'size':>6} {'weights':>15} {'screen copies s':>15} {'analysis s':>10} {'shared MiB':>10}")
+    for size in sizes:
+        moe, _, batches = pair(size)
+        _analysis_seconds(moe, batches, 0.0)  # one-time costs, not measured
+        best: dict[str, tuple[float, float, int]] = {}
+        for _ in range(ROUNDS[size] + 1):
+            for way in ("quantized again", "shared"):
+                convert_module._QuantizedWeights.find = find if way == "shared" else (lambda *args: None)
+                spent[0], shared_bytes[0] = 0.0, 0
+                seconds = _analysis_seconds(moe, batches, 0.0)[0]
+                if way not in best or seconds < best[way][1]:
+                    best[way] = (spent[0], seconds, shared_bytes[0])
+        convert_module._QuantizedWeights.find = original_find
+        for way, (screens, seconds, shared) in best.items():
+            print(f"{size:>6} {way:>15} {screens:>15.3f} {seconds:>10.2f} {shared / 2**20:>10.1f}")
+        print(f"{size:>6} analysis, quantized again / shared: {best['quantized again'][1] / best['shared'][1]:.3f}")
+    passes.quantize_for_screen = quantize_for_screen
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
 def main() -> None:
+    if "--shared-weights" in sys.argv:
+        shared_weights_cost(sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv
+                            else ["tiny", "small"])
+        return
     if "--capture" in sys.argv:
         capture_cost()
         return
