@@ -30,8 +30,13 @@ copy sharing the weights the model's convert quantized the same way (`convert(..
 analysis's, each the fastest of its rounds, and the MiB of quantized weights the copies share (a copy that
 quantizes them again holds them twice while the comparison pass runs).
 
+With `--grouped-floor [--sizes tiny,small]`: what the per-expert layers cost. `--cost`'s pair, verdicts only, in
+alternating rounds, and the MoE captured a third way: its experts left as transformers computes them (one grouped
+op a projection, neither quantized nor measured), the floor of an analysis that would measure a projection's
+experts as one op. Each figure the median of its rounds' analysis over forward.
+
     python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b]] [--experts 8,32,64,128] [--capture]
-                                   [--shared-weights [--sizes tiny,small]]
+                                   [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
 """
 from __future__ import annotations
 
@@ -303,7 +308,46 @@ def shared_weights_cost(sizes: list[str]) -> None:
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
+def grouped_floor(sizes: list[str]) -> None:
+    """The table of --grouped-floor."""
+    import contextlib
+
+    import qcore.graph.capture as capture_module
+
+    linearized = capture_module.linearized_experts
+
+    @contextlib.contextmanager
+    def left_grouped(model):
+        yield {"layers": {}, "blocks": {}}
+
+    print(f"{'size':>6} {'model':>32} {'items':>6} {'analysis / forward':>18} {'over dense':>10}  per round")
+    for size in sizes:
+        moe, dense, batches = pair(size)
+        cases = (("dense", dense, linearized), ("MoE, experts per layer (today)", moe, linearized),
+                 ("MoE, experts left grouped, float", moe, left_grouped))
+        for _, model, capture_with in cases:  # one-time costs, not measured
+            capture_module.linearized_experts = capture_with
+            _analysis_seconds(model, batches, 0.0)
+        rounds: dict[str, list[float]] = {}
+        items: dict[str, int] = {}
+        for _ in range(ROUNDS[size] // 2 + 1):
+            for name, model, capture_with in cases:
+                capture_module.linearized_experts = capture_with
+                forward = steady_forward_seconds(model, batches)
+                seconds, items[name], _, _ = _analysis_seconds(model, batches, 0.0)
+                rounds.setdefault(name, []).append(seconds / forward)
+        capture_module.linearized_experts = linearized
+        dense_ratio = statistics.median(rounds["dense"])
+        for name, ratios in rounds.items():
+            print(f"{size:>6} {name:>32} {items[name]:>6} {statistics.median(ratios):>17.1f}x "
+                  f"{statistics.median(ratios) / dense_ratio:>10.2f}  {', '.join(f'{r:.1f}' for r in ratios)}")
+
+
 def main() -> None:
+    if "--grouped-floor" in sys.argv:
+        grouped_floor(sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv
+                      else ["tiny", "small"])
+        return
     if "--shared-weights" in sys.argv:
         shared_weights_cost(sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv
                             else ["tiny", "small"])
