@@ -367,8 +367,8 @@ class _QuantizedWeights:
 
 def _weight_identity(source: fx.Node, weight: torch.Tensor) -> tuple | None:
     """A float parameter as it is now: its path, memory, layout and version (a rewritten weight, computed from a
-    parameter, has none: its values are not the parameter's)."""
-    if source.op != "get_attr" or source.meta.get(REWRITTEN_KEY):
+    parameter, has none: its values are not the parameter's; nor has one without memory, on the meta device)."""
+    if source.op != "get_attr" or source.meta.get(REWRITTEN_KEY) or weight.device.type == "meta":
         return None
     return (str(source.target), weight.device.type, weight.data_ptr(), tuple(weight.shape), weight.stride(),
             weight.dtype, weight._version)
