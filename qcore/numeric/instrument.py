@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from array import array
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from qcore.graph.ops import (
 )
 from qcore.numeric.matching import layer_value, nodes_by_handle
 from qcore.observe.qparams import fake_quantize_per_tensor
-from qcore.quantization.convert import QPARAMS_KEY
+from qcore.quantization.convert import QPARAMS_KEY, qparams_meta_digest
 
 __all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "merge_repeated_shadow_inputs", "makes_new_tensor",
            "grid_comes_back", "qparams_digest", "reads_only", "shadow_signature", "skip_requantizations"]
@@ -186,22 +185,7 @@ def qparams_digest(node: fx.Node) -> str | None:
     if QPARAMS_DIGEST_KEY in node.meta:
         return str(node.meta[QPARAMS_DIGEST_KEY])
     qparams = node.meta.get(QPARAMS_KEY)
-    if qparams is None:
-        return None
-    digest = hashlib.sha256()
-    for key, value in sorted(qparams.items()):
-        for part in (repr(key).encode(), _digest_bytes(value)):  # each part length-prefixed: no two read alike
-            digest.update(len(part).to_bytes(8, "little"))
-            digest.update(part)
-    return digest.hexdigest()
-
-
-def _digest_bytes(value: Any) -> bytes:
-    """A qparams entry as bytes: a per-channel array's machine values as they are (writing each float's repr
-    costs about a microsecond a channel, and an MoE block has hundreds of thousands), any other entry's repr."""
-    if isinstance(value, array):
-        return b"array:" + value.typecode.encode() + value.tobytes()
-    return repr(value).encode()
+    return qparams_meta_digest(qparams) if qparams is not None else None
 
 
 def _attribute(gm: fx.GraphModule, node: fx.Node) -> tuple:

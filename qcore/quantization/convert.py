@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import math
 import warnings
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -141,14 +142,10 @@ def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observe
             key = (_float_weight_name(source), str(node.target))
             if key not in weight_cache:
                 weight = weight_value(gm, source)
-                how = ("format", repr(observer.format), bool(observer.transposed))
-                quantized = earlier.find(source, weight, how)
-                if quantized is None:
-                    with torch.no_grad():
-                        quantized = fake_quantize_weight(observer.format, weight.detach(), observer.transposed)
                 weight_cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
-                gm.register_buffer(weight_cache[key], quantized)
-                earlier.record(source, weight, how, weight_cache[key])
+                earlier.register(weight_cache[key], source, weight, ("format", repr(observer.format),
+                                                                     bool(observer.transposed)),
+                                 lambda: fake_quantize_weight(observer.format, weight.detach(), observer.transposed))
             replacement = graph.get_attr(weight_cache[key])
             replacement.meta["qcore_float_weight"] = key[0]
         else:
@@ -315,6 +312,7 @@ def _float_weight_name(source: fx.Node) -> str:
 def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache, reads: _HostReads,
                            earlier: _QuantizedWeights) -> fx.Node:
     key = (_float_weight_name(source), str(observer_name))
+    meta = None
     if key not in cache:
         weight = weight_value(gm, source)
         with torch.no_grad():
@@ -325,19 +323,17 @@ def _quantized_weight_node(gm, source: fx.Node, observer_name, observer, cache, 
                 cache[key] = None
             else:
                 values = reads.values(observer)
-                how = ("qparams", type(observer).__qualname__, _hashable(_qparams_meta(observer, values)))
-                quantized = earlier.find(source, weight, how)
-                if quantized is None:
-                    quantized = fake_quantize_with(observer, weight.detach(), values)
+                meta = _qparams_meta(observer, values)
                 cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
-                gm.register_buffer(cache[key], quantized)
-                earlier.record(source, weight, how, cache[key])
+                earlier.register(cache[key], source, weight,
+                                 ("qparams", type(observer).__qualname__, qparams_meta_digest(meta)),
+                                 lambda: fake_quantize_with(observer, weight.detach(), values))
     if cache[key] is None:
         node = _read_weight_quantized_where_used(gm, source, "qcore_fq_" + key[0].replace(".", "_"), observer,
                                                  reads.values(observer))
     else:
         node = gm.graph.get_attr(cache[key])
-    node.meta[QPARAMS_KEY] = _qparams_meta(observer, reads.values(observer))
+    node.meta[QPARAMS_KEY] = meta if meta is not None else _qparams_meta(observer, reads.values(observer))
     node.meta["qcore_float_weight"] = key[0]
     return node
 
@@ -358,8 +354,15 @@ class _QuantizedWeights:
         name = self.known.get((identity, how)) if identity is not None else None
         return fetch_attr(self.earlier, name) if name is not None else None
 
-    def record(self, source: fx.Node, weight: torch.Tensor, how: tuple, buffer: str) -> None:
-        """`buffer` of this graph holds `weight` quantized `how`."""
+    def register(self, buffer: str, source: fx.Node, weight: torch.Tensor, how: tuple,
+                 quantize: Callable[[], torch.Tensor]) -> None:
+        """Register as `buffer` of this graph `weight` quantized `how`: the earlier graph's copy where it has one,
+        else quantize()'s; and record it for a later convert."""
+        quantized = self.find(source, weight, how)
+        if quantized is None:
+            with torch.no_grad():
+                quantized = quantize()
+        self.gm.register_buffer(buffer, quantized)
         identity = _weight_identity(source, weight)
         if identity is not None:
             self.gm.meta.setdefault(QUANTIZED_WEIGHTS_KEY, {})[identity, how] = buffer
@@ -374,10 +377,23 @@ def _weight_identity(source: fx.Node, weight: torch.Tensor) -> tuple | None:
             weight.dtype, weight._version)
 
 
-def _hashable(meta: dict[str, Any]) -> tuple:
-    """A qparams meta dict as a key: per-channel arrays by their machine values."""
-    return tuple((key, (value.typecode, value.tobytes()) if isinstance(value, array) else
-                  tuple(value) if isinstance(value, list) else value) for key, value in sorted(meta.items()))
+def qparams_meta_digest(meta: Mapping[str, Any]) -> str:
+    """A digest of a converted weight node's qparams meta (QPARAMS_KEY): equal for equal qparams, per-channel arrays
+    read by their machine values."""
+    digest = hashlib.sha256()
+    for key, value in sorted(meta.items()):
+        for part in (repr(key).encode(), _digest_bytes(value)):  # each part length-prefixed: no two read alike
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(part)
+    return digest.hexdigest()
+
+
+def _digest_bytes(value: Any) -> bytes:
+    """A qparams entry as bytes: a per-channel array's machine values as they are (writing each float's repr
+    costs about a microsecond a channel, and an MoE block has hundreds of thousands), any other entry's repr."""
+    if isinstance(value, array):
+        return b"array:" + value.typecode.encode() + value.tobytes()
+    return repr(value).encode()
 
 
 def fake_quantize_where_read(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
@@ -535,4 +551,4 @@ __all__ = ["convert", "quantize", "fake_quantize_over_input", "fake_quantize_whe
            "quantize_weights_where_read",
            "weights_quantized_where_read", "restore_model_state",
            "round_trip_through",
-           "QPARAMS_KEY", "QUANTIZED_WEIGHTS_KEY", "FQN_KEY"]
+           "qparams_meta_digest", "QPARAMS_KEY", "QUANTIZED_WEIGHTS_KEY", "FQN_KEY"]
