@@ -55,7 +55,7 @@ from qcore.measure.passes import (
     measure_sqnr,
 )
 from qcore.measure.screens import Screen, ScreenedLayers
-from qcore.measure.variants import variant_batches
+from qcore.measure.variants import NO_TOKEN_REASON, variant_batches
 from qcore.numeric.compare import KeptBudget, KeptFloatOutputs, KeptLayerInputs
 from qcore.numeric.logits import LogitsComparator, LogitsMeasurement
 from qcore.quantization.calibrate import calibrate, model_device
@@ -78,8 +78,8 @@ from qcore.runtime.progress import (
 )
 from qcore.search.sensitivity import with_float_layers
 
-__all__ = ["LAYER_KINDS", "MEASUREMENTS", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError", "ArtifactFix",
-           "ArtifactGroup", "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError",
+__all__ = ["LAYER_KINDS", "MEASUREMENTS", "NO_TOKEN_REASON", "AnalysisPlan", "ArtifactAnalysis", "ArtifactError",
+           "ArtifactFix", "ArtifactGroup", "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError",
            "BlockwiseUnsupported", "ExpertLayer", "FixBudgetUse", "MoeBlock", "Router", "LayerSqnr", "ModelAnalysis",
            "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes", "VariantSqnr",
            "analyze_model", "calibration_digest", "compact_expert_layers", "describe", "fix_budget_use",

@@ -25,7 +25,7 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from ..core.experts import expert_items, expert_layers_of
+from ..core.experts import expert_items, expert_layers_of, not_measured_details, unreached_details
 from ..core.findings import Finding
 from ..core.numbers import format_bound
 from ..core.registry import Check, ModelContext
@@ -94,7 +94,7 @@ class DetectorCheck(Check):
                 results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,
                                        value=math.nan, threshold=math.nan, verdict="skip", message=(
                                            f"layer {layer}: no calibration token reached this expert, so the "
-                                           f"{self.name} detector saw nothing of it")))
+                                           f"{self.name} detector saw nothing of it"), details=unreached_details()))
                 continue
             if entry is None:
                 results.append(self.finding(model, layer, math.nan, math.nan, passed=False, message=(
@@ -103,10 +103,12 @@ class DetectorCheck(Check):
                 continue
             quantized = model.analysis.layer(layer)
             if quantized.format != "int8":
+                why = (f"torch.ao's {self.name} heuristic and its fix concern int8 observers, so it is not judged "
+                       "here")
                 results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,
-                                       value=math.nan, threshold=math.nan, verdict="skip", message=(
-                                           f"layer {layer} is quantized as {quantized.format}: torch.ao's {self.name} "
-                                           "heuristic and its fix concern int8 observers, so it is not judged here")))
+                                       value=math.nan, threshold=math.nan, verdict="skip",
+                                       message=f"layer {layer} is quantized as {quantized.format}: {why}",
+                                       details=not_measured_details(f"quantized as {quantized.format}: {why}")))
                 continue
             results.append(self.layer_finding(model, layer, entry, quantized))
         return self.verified(model, results)

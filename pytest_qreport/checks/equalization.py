@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..core.experts import not_measured_details, unreached_details
 from ..core.findings import Finding
 from ..core.numbers import format_bound
 from ..core.registry import Check, ModelContext
@@ -47,21 +48,27 @@ class EqualizationCheck(Check):
             if not self.options.get("smooth", True):
                 variants.pop("smoothing", None)
             if not variants:
+                from qcore.analysis import NO_TOKEN_REASON
+
                 why = (refused[layer] or analysis.unmeasured_variants.get(layer)
                        or smoothing.get(layer, {}).get("refused", "") or "no equalization method applies to it")
                 results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,
                                        value=math.nan, threshold=min_gain, verdict="skip",
-                                       message=f"layer {layer}: not equalized: {why}."))
+                                       message=f"layer {layer}: not equalized: {why}.",
+                                       details=unreached_details() if why == NO_TOKEN_REASON
+                                       else not_measured_details(f"not equalized: {why}")))
                 continue
             best = max(variants.values(), key=lambda v: v.gain_db if not math.isnan(v.gain_db) else -math.inf)
             if math.isnan(best.gain_db):  # an expert routed tokens only in the batches the variants do not measure
                 from qcore.analysis import variant_batches
 
+                why = (f"the equalization variants are measured on the first "
+                       f"{variant_batches(len(analysis.batches))} calibration batches, and none of them reached its "
+                       "input")
                 results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,
-                                       value=math.nan, threshold=min_gain, verdict="skip", message=(
-                                           f"layer {layer}: not measured: the equalization variants are measured on "
-                                           f"the first {variant_batches(len(analysis.batches))} calibration "
-                                           "batches, and none of them reached its input")))
+                                       value=math.nan, threshold=min_gain, verdict="skip",
+                                       message=f"layer {layer}: not measured: {why}",
+                                       details=not_measured_details(why)))
                 continue
             label = (f"smoothing into {best.producer_name} (alpha {best.alpha:g})" if best.method == "smoothing"
                      else "input-weight equalization")

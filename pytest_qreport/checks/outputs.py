@@ -42,14 +42,13 @@ def layer_search_pointer(model: ModelContext) -> str:
     if "model_sqnr" in model.checks and worst is not None and worst.sqnr_db < target:
         # what the model_sqnr item says of its search (it runs first; its search and this read are one, cached)
         search = fix_search(model)
-        advice = search.output_fix("model_sqnr", "output_sqnr_db", target, show=decibels_text)[0]
+        advice = search.output_fix("model_sqnr", "output_sqnr_db", target, show=decibels_text)
         fails = f" The model_sqnr item fails too ({below(worst.sqnr_db, target)})"
-        if "layer_formats=" in advice or "float_layers=" in advice:
-            what = "format moves" if "layer_formats=" in advice else "layers to keep in float"
+        if advice.setting:
+            what = "format moves" if advice.setting == "layer_formats" else "layers to keep in float"
             also = ", and the sensitivity item" if ranking else ""  # which ranks layers, or says why it did not
             return f"{fails}: see the {what} that it measured{also}."
-        further = search.further()
-        if further and advice.endswith(further):  # the budget left no search: neither it nor the ranking measured
+        if advice.unsearched:  # the budget left no search: neither it nor the ranking measured
             return f"{fails}; within the fix budget it measured no fix, and it says how to search further."
         return f"{fails}{': see the sensitivity item' if ranking else ''}."
     if ranked:
@@ -81,10 +80,10 @@ class OutputCheck(Check):
             return ""
         if not is_artifact(model.analysis):
             return layer_search_pointer(model) if self.points_to_layer_search else ""
-        advice, recipe = fix_search(model).output_fix(self.name, measured_metric, threshold, model.eval_batches(), show)
-        if recipe is not None:
-            details["recipe"] = recipe
-        return advice
+        advice = fix_search(model).output_fix(self.name, measured_metric, threshold, model.eval_batches(), show)
+        if advice.recipe is not None:
+            details["recipe"] = advice.recipe
+        return advice.text
 
 
 class KlDivergenceCheck(OutputCheck):

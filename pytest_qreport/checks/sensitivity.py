@@ -58,7 +58,7 @@ class SensitivityCheck(Check):
             "all_quantized_db": result.all_quantized_db, "batches": result.batches, "skipped": list(result.skipped),
             "ranking": [{"layer": e.layer, "gain_db": e.gain_db, "only_quantized_db": e.only_quantized_db,
                          "only_float_db": e.only_float_db, "batches": e.batches} for e in result.layers]}
-        fix = search.output_fix("model_sqnr", "output_sqnr_db", target, show=decibels_text)[0]
+        fix = search.output_fix("model_sqnr", "output_sqnr_db", target, show=decibels_text).text
         further = search.further()
         if further and skipped.endswith(further) and further in fix:  # both stopped by the budget: say it once
             fix = fix.replace(further, "", 1)

@@ -5,7 +5,7 @@ import math
 import weakref
 from typing import Any
 
-from ..core.experts import expert_items, expert_layers_of
+from ..core.experts import expert_items, expert_layers_of, not_measured_details, unreached_details
 from ..core.findings import Finding
 from ..core.pipeline import is_artifact
 from ..core.registry import Check, ModelContext
@@ -86,9 +86,10 @@ def _first_own_error(model: ModelContext, threshold: float) -> tuple[dict[str, i
 
 
 def _not_measured(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
+    why = "the model's graph changed between collection and run. Re-run pytest"
     return check.finding(model, layer, math.nan, threshold, passed=False,
-                         message=f"model {model.name!r}, layer {layer}: collected but not measured: the model's graph "
-                                 "changed between collection and run. Re-run pytest.")
+                         message=f"model {model.name!r}, layer {layer}: collected but not measured: {why}.",
+                         details=not_measured_details(why))
 
 
 def _failing_sqnr_items(model: ModelContext) -> list[str]:
@@ -135,7 +136,8 @@ class SqnrCheck(Check):
                 continue
             if entry.batches == 0 and math.isnan(entry.sqnr_db):  # an expert no calibration token was routed to
                 results.append(self.finding(model, layer, math.nan, threshold, passed=False, message=(
-                    f"layer {layer}: {UNREACHED_ARTIFACT if is_artifact(model.analysis) else UNREACHED}")))
+                    f"layer {layer}: {UNREACHED_ARTIFACT if is_artifact(model.analysis) else UNREACHED}"),
+                    details=unreached_details()))
                 continue
             quantized = model.analysis.layer(layer)
             not_comparable = getattr(model.analysis, "not_comparable", {}).get(layer, "")
@@ -307,8 +309,8 @@ class ModelSqnrCheck(Check):
             details: dict = {"cosine": entry.cosine, "normalized_l2": entry.normalized_l2, "leaf": entry.name}
             formats = search.recipe()
             if entry.sqnr_db < threshold:
-                advice, formats = search.output_fix(self.name, "output_sqnr_db", threshold, show=decibels_text)
-                message += advice
+                advice = search.output_fix(self.name, "output_sqnr_db", threshold, show=decibels_text)
+                message, formats = message + advice.text, advice.recipe
             if formats is not None:  # the formats to deploy (with the fix when it fails): {"default", "layers"}
                 details["recipe"] = formats
             results.append(self.finding(model, name, entry.sqnr_db, threshold, message=message, details=details))

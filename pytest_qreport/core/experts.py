@@ -13,13 +13,34 @@ from typing import Any
 
 from .findings import Finding
 
-__all__ = ["compact_expert_layers", "expert_items", "expert_label", "expert_layers_of", "item_members",
-           "merge_expert_findings"]
+__all__ = ["NOT_MEASURED_KEY", "UNREACHED_KEY", "compact_expert_layers", "expert_items", "expert_label",
+           "expert_layers_of", "item_members", "merge_expert_findings", "not_measured_details", "unreached_details"]
 
 _VERDICT_RANK = {"skip": 0, "pass": 1, "waived": 2, "warn": 3, "fail": 4, "error": 5}
 _NAMED_EXPERTS = 4  # the worst experts a message names
-# how a check's finding says that no calibration token reached its expert (the reference's router, in artifact mode)
-_UNREACHED = ("no calibration token", "routed no token")
+# the details keys of a finding without a value: that no calibration token reached its expert (the reference's
+# router, in artifact mode), or why else it has none, in words
+UNREACHED_KEY, NOT_MEASURED_KEY = "unreached", "not_measured"
+
+
+def unreached_details() -> dict[str, Any]:
+    """The details of an expert's finding without a value because no calibration token reached the expert."""
+    return {UNREACHED_KEY: True}
+
+
+def not_measured_details(reason: str) -> dict[str, Any]:
+    """The details of a finding without a value for another reason, `reason` in words (merge_expert_findings names
+    its experts with it)."""
+    return {NOT_MEASURED_KEY: reason}
+
+
+def _unmeasured_reason(finding: Finding) -> str:
+    """Why a finding has no value, from its details; a finding of a check that gives no reason there (a user's own)
+    is read from its message, after the layer it names."""
+    reason = finding.details.get(NOT_MEASURED_KEY)
+    if reason is not None:
+        return str(reason)
+    return finding.message.split(": ", 1)[-1].removeprefix("not measured: ").rstrip(".") if finding.message else ""
 
 
 def expert_layers_of(analysis: Any) -> Mapping[str, Any]:
@@ -91,14 +112,11 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
     # an error item says itself why it has no value; of the others without one, those that say no calibration
     # token reached them are named as such, the rest with their own reason
     valueless = [layer for layer in members if math.isnan(found[layer].value) and found[layer].verdict != "error"]
-    unmeasured = sorted({experts[layer].expert for layer in valueless
-                         if any(words in found[layer].message for words in _UNREACHED)})
+    unmeasured = sorted({experts[layer].expert for layer in valueless if found[layer].details.get(UNREACHED_KEY)})
     reasons: dict[str, set[int]] = {}  # {the finding's own reason: its experts}, for the others
     for layer in valueless:
         if experts[layer].expert not in unmeasured:
-            reason = found[layer].message.split(": ", 1)[-1].removeprefix("not measured: ").rstrip(".") \
-                if found[layer].message else ""
-            reasons.setdefault(reason, set()).add(experts[layer].expert)
+            reasons.setdefault(_unmeasured_reason(found[layer]), set()).add(experts[layer].expert)
     failed = set(failing_experts) - in_error
     tally = [f"{len(failed)} failing"] if failed or not in_error else []
     tally += [f"{len(in_error)} in error"] if in_error else []
@@ -112,7 +130,7 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
         summary += f" Not measured: expert(s) {', '.join(map(str, sorted(which)))}" + (f" ({reason})." if reason
                                                                                        else ".")
     message = f"{summary} {worst.message}" if worst.message else summary
-    details = dict(worst.details)
+    details = {key: value for key, value in worst.details.items() if key not in (UNREACHED_KEY, NOT_MEASURED_KEY)}
     details.update({
         "experts": {expert_label(layer, experts): found[layer].value for layer in members},
         "failing_experts": failing_experts,

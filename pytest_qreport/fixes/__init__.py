@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..core.pipeline import is_artifact
 from .artifact import ArtifactFixSearch
-from .search import BLOCKWISE_NOTE, DEFAULT_BATCHES, MIN_FIX_GAIN_DB, FixSearch, MeasuredFixes
+from .search import BLOCKWISE_NOTE, DEFAULT_BATCHES, MIN_FIX_GAIN_DB, FixSearch, MeasuredFixes, OutputAdvice
 from .simulation import DEFAULT_MAX_LAYERS, SimulationFixSearch
 from .trials import NOT_TRIED, VERDICT_TRIALS, Advice, Fix, SearchScope, Trial
 
@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from ..core.registry import ModelContext
 
 __all__ = ["BLOCKWISE_NOTE", "DEFAULT_BATCHES", "DEFAULT_MAX_LAYERS", "MIN_FIX_GAIN_DB", "NOT_TRIED", "VERDICT_TRIALS",
-           "Advice", "ArtifactFixSearch", "Fix", "FixSearch", "MeasuredFixes", "SearchScope", "SimulationFixSearch",
-           "Trial", "fix_search"]
+           "Advice", "ArtifactFixSearch", "Fix", "FixSearch", "MeasuredFixes", "OutputAdvice", "SearchScope",
+           "SimulationFixSearch", "Trial", "fix_search"]
 
 
 def fix_search(model: ModelContext) -> FixSearch:

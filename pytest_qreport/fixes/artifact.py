@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-from .search import DEFAULT_BATCHES, DEFAULT_CANDIDATES, FixSearch
+from .search import DEFAULT_BATCHES, DEFAULT_CANDIDATES, FixSearch, OutputAdvice
 from .trials import Advice, Fix, max_float_layers, nothing_left_quantized
 
 __all__ = ["ArtifactFixSearch"]
@@ -48,15 +48,15 @@ class ArtifactFixSearch(FixSearch):
                                                     max_candidates=int(options.get("candidates", DEFAULT_CANDIDATES)))
 
     def output_fix(self, check: str, metric: str, target: float, batches: list[Any] | None = None,
-                   show: Callable[[float], str] = lambda value: f"{value:.4g}") -> tuple[str, dict[str, Any] | None]:
+                   show: Callable[[float], str] = lambda value: f"{value:.4g}") -> OutputAdvice:
         """The float_layers fix measured for `metric` to meet `target` on `batches` (default: the calibration
         batches), in the plugin's words and the tool's, and the recipe for the JSON and HTML."""
         batches = self.scope.analysis.batches if batches is None else batches
         fix = self.float_layers_search(check, metric, target, batches)
         if fix is not None and fix.stopped and not fix.float_layers:
-            return self.further(), None
+            return OutputAdvice(self.further(), unsearched=True)
         if fix is None or not fix.float_layers:
-            return "", None
+            return OutputAdvice("")
         recipes = fix.recipes
         layers = list(fix.float_layers)
         recipe: dict[str, Any] = {**recipes, "float_layers": layers, "qmodel": recipes["float_layers"],
@@ -69,15 +69,17 @@ class ArtifactFixSearch(FixSearch):
             "the tool that made the artifact was not recognised: the JSON report's recipe holds the line for each "
             "tool")
         if fix.reached:
-            return (f" Keeping {len(layers)} layer(s) in float was measured to reach {show(fix.measured)} "
-                    f"(from {show(fix.before)}): {lines}."), recipe
+            return OutputAdvice(f" Keeping {len(layers)} layer(s) in float was measured to reach {show(fix.measured)} "
+                                f"(from {show(fix.before)}): {lines}.", recipe, "float_layers")
         limit = None if fix.stopped else self._search_limit(fix, check, metric, batches, show)
         if limit is None:  # the fix budget stopped the search, or was spent before a wider one could be measured
-            return (f" No set of up to {len(layers)} layer(s) kept in float that the search measured within the fix "
-                    f"budget reaches {show(target)}.{self.further()} The best found was measured at "
-                    f"{show(fix.measured)} (from {show(fix.before)}): {lines}."), recipe
-        return (f" No set of up to {len(layers)} layer(s) kept in float reaches {show(target)} ({limit}); the best "
-                f"found was measured at {show(fix.measured)} (from {show(fix.before)}): {lines}."), recipe
+            return OutputAdvice(f" No set of up to {len(layers)} layer(s) kept in float that the search measured "
+                                f"within the fix budget reaches {show(target)}.{self.further()} The best found was "
+                                f"measured at {show(fix.measured)} (from {show(fix.before)}): {lines}.", recipe,
+                                "float_layers")
+        return OutputAdvice(f" No set of up to {len(layers)} layer(s) kept in float reaches {show(target)} ({limit}); "
+                            f"the best found was measured at {show(fix.measured)} (from {show(fix.before)}): "
+                            f"{lines}.", recipe, "float_layers")
 
     def _search_limit(self, fix: Any, check: str, metric: str, batches: list[Any],
                       show: Callable[[float], str]) -> str | None:

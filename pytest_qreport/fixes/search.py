@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from . import equalize
@@ -31,7 +32,8 @@ from .trials import (
     verify,
 )
 
-__all__ = ["BLOCKWISE_NOTE", "DEFAULT_BATCHES", "DEFAULT_CANDIDATES", "MIN_FIX_GAIN_DB", "FixSearch", "MeasuredFixes"]
+__all__ = ["BLOCKWISE_NOTE", "DEFAULT_BATCHES", "DEFAULT_CANDIDATES", "MIN_FIX_GAIN_DB", "FixSearch", "MeasuredFixes",
+           "OutputAdvice"]
 
 # a fix for a failing layer is listed when it raises the layer's SQNR by at least this much (and not the output's)
 MIN_FIX_GAIN_DB = 0.1
@@ -40,6 +42,27 @@ DEFAULT_CANDIDATES = 8  # the layers with the largest own error, each screened a
 BLOCKWISE_NOTE = ("No {search} ran: the model is analysed one block at a time (blockwise), and the {search} "
                   "measures the whole quantized model; it runs with qmodel(blockwise=False) where the whole model's "
                   "analysis fits in memory.")
+
+
+@dataclass(frozen=True)
+class OutputAdvice:
+    """What ends an output item's message: the measured fix in words (`text`); the recipe for the JSON and HTML
+    reports, or None; the setting whose measured value the text prints ("layer_formats", "float_layers", or "" when
+    it prints none); and whether the fix budget was spent before any search ran (`unsearched`: the text then says
+    how to search further)."""
+
+    text: str
+    recipe: dict[str, Any] | None = None
+    setting: str = ""
+    unsearched: bool = False
+
+    def __iter__(self) -> Iterator[Any]:
+        """(text, recipe): a check written when output_fix answered that pair unpacks it as before."""
+        return iter((self.text, self.recipe))
+
+    def __getitem__(self, index: int) -> Any:
+        """(text, recipe)[index], as the pair output_fix answered before."""
+        return (self.text, self.recipe)[index]
 
 
 class MeasuredFixes(dict):
@@ -258,9 +281,8 @@ class FixSearch(ABC):
 
     @abstractmethod
     def output_fix(self, check: str, metric: str, target: float, batches: list[Any] | None = None,
-                   show: Callable[[float], str] = lambda value: f"{value:.4g}") -> tuple[str, dict[str, Any] | None]:
-        """(the measured fix for `check`'s output `metric` to meet `target`, as the text that ends the item's
-        message; the recipe for the JSON and HTML reports, or None)."""
+                   show: Callable[[float], str] = lambda value: f"{value:.4g}") -> OutputAdvice:
+        """The measured fix for `check`'s output `metric` to meet `target` (OutputAdvice)."""
 
     def search_limit(self, chosen: int, check: str) -> str:
         """Why a float_layers search of `check` stopped at `chosen` layers short of its target."""

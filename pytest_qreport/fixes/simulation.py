@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-from .search import BLOCKWISE_NOTE, DEFAULT_BATCHES, DEFAULT_CANDIDATES, FixSearch
+from .search import BLOCKWISE_NOTE, DEFAULT_BATCHES, DEFAULT_CANDIDATES, FixSearch, OutputAdvice
 from .trials import Fix, max_float_layers
 
 __all__ = ["DEFAULT_MAX_LAYERS", "SimulationFixSearch"]
@@ -48,54 +48,61 @@ class SimulationFixSearch(FixSearch):
                                          int(ranked.get("max_layers", DEFAULT_MAX_LAYERS)))
 
     def output_fix(self, check: str, metric: str, target: float, batches: list[Any] | None = None,
-                   show: Callable[[float], str] = lambda value: f"{value:.4g}") -> tuple[str, dict[str, Any] | None]:
+                   show: Callable[[float], str] = lambda value: f"{value:.4g}") -> OutputAdvice:
         """The model_sqnr item's fix (format moves under a format quantizer, else float_layers) and the recipe of a
-        model in deployed formats; the other output checks point to the layer search instead ('', None)."""
+        model in deployed formats; the other output checks point to the layer search instead (no text)."""
         if check != "model_sqnr":
-            return "", None
+            return OutputAdvice("")
         formats = self.recipe()
         if formats is None:
-            return self._float_layers_advice(target), None
+            return self._float_layers_advice(target)
         options = self.scope.options("model_sqnr")
         if options.get("fix") is False:
-            return "", formats
+            return OutputAdvice("", formats)
         analysis = self.scope.analysis
         if analysis.blockwise:
-            return f" ({BLOCKWISE_NOTE.format(search='format search')})", formats
+            return OutputAdvice(f" ({BLOCKWISE_NOTE.format(search='format search')})", formats)
         fix = analysis.format_fix(target, int(options.get("max_moves", 16)), options.get("batches", DEFAULT_BATCHES))
         if not fix.layer_formats:
-            return self.further() if fix.stopped else "", formats
+            return OutputAdvice(self.further(), formats, unsearched=True) if fix.stopped else OutputAdvice("", formats)
         formats["layers"].update(fix.layer_formats)
         layers = formats["layers"]
         if fix.reached:
-            return (f" Moving {len(fix.layer_formats)} layer(s) up the format ladder was measured to reach "
-                    f"{fix.measured_db:.1f} dB: layer_formats={layers!r}"), formats
+            return OutputAdvice(f" Moving {len(fix.layer_formats)} layer(s) up the format ladder was measured to reach "
+                                f"{fix.measured_db:.1f} dB: layer_formats={layers!r}", formats, "layer_formats")
         within = " that the search measured within the fix budget" if fix.stopped else ""
-        return (f" No set of up to {len(fix.layer_formats)} format moves{within} reaches {target:.1f} dB"
-                + (f".{self.further()} The best found" if fix.stopped else "; the best found")
-                + f", layer_formats={layers!r}, was measured at {fix.measured_db:.1f} dB."), formats
+        return OutputAdvice(f" No set of up to {len(fix.layer_formats)} format moves{within} reaches {target:.1f} dB"
+                            + (f".{self.further()} The best found" if fix.stopped else "; the best found")
+                            + f", layer_formats={layers!r}, was measured at {fix.measured_db:.1f} dB.", formats,
+                            "layer_formats")
 
-    def _float_layers_advice(self, target_db: float) -> str:
+    def _float_layers_advice(self, target_db: float) -> OutputAdvice:
         """The verified fix for a low model output SQNR: a float_layers line to paste and the SQNR it reached."""
         if self.scope.options("model_sqnr").get("fix") is False:
-            return ""
+            return OutputAdvice("")
         analysis = self.scope.analysis
         if not isinstance(getattr(analysis.quantizer, "layer_overrides", None), dict):
-            return (" (No float_layers fix is searched: this quantizer has no layer_overrides to keep layers in "
-                    "float.)")
+            return OutputAdvice(" (No float_layers fix is searched: this quantizer has no layer_overrides to keep "
+                                "layers in float.)")
         if analysis.blockwise:
-            return f" ({BLOCKWISE_NOTE.format(search='float_layers search')})"
+            return OutputAdvice(f" ({BLOCKWISE_NOTE.format(search='float_layers search')})")
         fix = self.output_float_layers_search(target_db)
         if fix is None or not fix.float_layers:
-            return self.further() if fix is not None and fix.stopped else ""
+            return OutputAdvice(self.further(), unsearched=True) if fix is not None and fix.stopped \
+                else OutputAdvice("")
         layers = list(self.scope.settings.float_layers or []) + list(fix.float_layers)
         if fix.reached:
-            return (f" Keeping {len(fix.float_layers)} layer(s) in float was measured to reach "
-                    f"{fix.measured_db:.1f} dB: float_layers={layers!r}")
+            return OutputAdvice(f" Keeping {len(fix.float_layers)} layer(s) in float was measured to reach "
+                                f"{fix.measured_db:.1f} dB: float_layers={layers!r}", setting="float_layers")
         if fix.stopped:
-            return (f" No set of up to {len(fix.float_layers)} layers kept in float that the search measured within "
-                    f"the fix budget reaches {target_db:.1f} dB.{self.further()} The best found, "
-                    f"float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")
+            return OutputAdvice(f" No set of up to {len(fix.float_layers)} layers kept in float that the search "
+                                f"measured within the fix budget reaches {target_db:.1f} dB.{self.further()} The "
+                                f"best found, float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.",
+                                setting="float_layers")
+        return OutputAdvice(f" No set of up to {len(fix.float_layers)} layers kept in float reaches {target_db:.1f} dB "
+                            f"({self.search_limit(len(fix.float_layers), 'model_sqnr')}); the best found, "
+                            f"float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.",
+                            setting="float_layers")
         return (f" No set of up to {len(fix.float_layers)} layers kept in float reaches {target_db:.1f} dB "
                 f"({self.search_limit(len(fix.float_layers), 'model_sqnr')}); the best found, "
                 f"float_layers={layers!r}, was measured at {fix.measured_db:.1f} dB.")

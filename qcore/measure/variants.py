@@ -44,7 +44,7 @@ from qcore.rewrites.equalize import (
 from qcore.runtime import deferred
 from qcore.runtime.scratch import elementwise
 
-__all__ = ["Variant", "VariantSqnr", "add_variant_shadow", "detector_channel_ranges",
+__all__ = ["NO_TOKEN_REASON", "Variant", "VariantSqnr", "add_variant_shadow", "detector_channel_ranges",
            "input_ranges", "kept_producer_outputs", "make_variant_weights", "plan_variants", "rewrite_scales",
            "ScaledWeightQuantizer", "variant_batches", "variant_results"]
 
@@ -83,7 +83,8 @@ class Variant:
     rewrite_scale: torch.Tensor | None = None  # the scale s the float rewrite uses (equalize/smooth), unrounded
 
 
-_NO_TOKEN = "no calibration token reached it, so it has no input range to equalize"
+# why an expert that no calibration token reached has no variant (ModelMeasurement.unmeasured_variants)
+NO_TOKEN_REASON = "no calibration token reached it, so it has no input range to equalize"
 
 
 def variant_batches(batches: int) -> int:
@@ -151,7 +152,7 @@ def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], stati
             continue
         low, high = input_ranges(probe.observer)
         if low.numel() == 0:  # an expert no calibration token was routed to: no range to equalize
-            unmeasured[probe.key.layer] = _NO_TOKEN
+            unmeasured[probe.key.layer] = NO_TOKEN_REASON
             continue
         ranges[index] = (low, high)
     scales = dict(zip(ranges, input_weight_scales(prepared, [(statistics[index].key, *found)
@@ -166,7 +167,7 @@ def plan_variants(prepared: fx.GraphModule, ops: dict[str, QuantizableOp], stati
                                     rewrite_scale=scale))
             continue
         if observer.low is None or observer.low.numel() == 0:  # no calibration token reached the group's layers
-            unmeasured.update(dict.fromkeys(key.layers, _NO_TOKEN))
+            unmeasured.update(dict.fromkeys(key.layers, NO_TOKEN_REASON))
             continue
         alpha = observer.best_alpha() if smoothing == "search" else float(smoothing)  # type: ignore[arg-type]
         observer.first = None

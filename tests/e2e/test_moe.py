@@ -36,8 +36,8 @@ def with_a_starved_expert():
     return model
 
 
-@qmodel(calibration="tokens", quantizer="W4A16", checks="sqnr,expert_coverage",
-        check_options={"sqnr": {"fix": False}})
+@qmodel(calibration="tokens", quantizer="W4A16", checks="sqnr,cosine,expert_coverage",
+        severity={"cosine": "fail"}, check_options={"sqnr": {"fix": False}})
 def starved_expert():
     return with_a_starved_expert()
 
@@ -89,6 +89,8 @@ def test_moe_items_are_per_expert_projection_and_name_their_worst_experts(pytest
     down = rows[("starved_expert", "sqnr", f"{block}.down_proj")]
     assert down["verdict"] == "fail" and down["details"]["unmeasured_experts"] == [2]
     assert "Not measured: expert(s) 2, which no calibration token reached" in down["message"]
+    cosine = rows[("starved_expert", "cosine", f"{block}.down_proj")]
+    assert cosine["details"]["unmeasured_experts"] == [2] and "cosine similarity nan" not in cosine["message"]
     # under every default check and static int8 activations too: the detectors and equalization measure the
     # experts that tokens reached and say which one they could not
     every = {key[1:]: row for key, row in rows.items() if key[0] == "starved_expert_every_check"}

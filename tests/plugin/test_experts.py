@@ -4,7 +4,14 @@ import math
 import re
 from dataclasses import dataclass
 
-from pytest_qreport.core.experts import compact_expert_layers, expert_items, item_members, merge_expert_findings
+from pytest_qreport.core.experts import (
+    compact_expert_layers,
+    expert_items,
+    item_members,
+    merge_expert_findings,
+    not_measured_details,
+    unreached_details,
+)
 from pytest_qreport.core.findings import Finding
 from pytest_qreport.reports.html import _expert_charts
 
@@ -28,7 +35,8 @@ def _finding(layer, value, threshold=20.0):
     verdict = "pass" if value >= threshold else "fail"
     message = f"layer {layer}: {UNREACHED}" if math.isnan(value) else f"layer {layer}: SQNR {value:.1f} dB."
     return Finding(model="m", check="sqnr", layer=layer, metric="sqnr_db", value=value, threshold=threshold,
-                   verdict=verdict, message="" if verdict == "pass" else message)
+                   verdict=verdict, message="" if verdict == "pass" else message,
+                   details=unreached_details() if math.isnan(value) else {})
 
 
 def test_expert_layers_become_one_item_per_projection_at_the_first_ones_place():
@@ -325,6 +333,24 @@ def test_an_expert_without_a_value_for_another_reason_than_no_token_is_named_wit
     assert "Not measured: expert(s) 0. Not measured: expert(s) 1 (its producer was refused). Not measured: " \
         "expert(s) 3 (the variants missed it)." in merged.message, merged.message
     assert "no calibration token" not in merged.message
+
+
+
+def test_an_experts_reason_and_whether_a_token_reached_it_are_read_from_the_findings_details_not_its_words():
+    found = {f"{BLOCK}.{e}.down_proj": _finding(f"{BLOCK}.{e}.down_proj", 10.0 + e) for e in range(4)}
+    # a message that words it otherwise (or quotes another expert's) changes nothing: the details say it
+    found[f"{BLOCK}.1.down_proj"] = Finding(
+        model="m", check="equalization", layer=f"{BLOCK}.1.down_proj", metric="gain_db", value=math.nan,
+        threshold=1.0, verdict="skip", message="layer x: not equalized: nothing routed: no token: at all.",
+        details=unreached_details())
+    found[f"{BLOCK}.2.down_proj"] = found[f"{BLOCK}.1.down_proj"].replace(
+        layer=f"{BLOCK}.2.down_proj", message="layer x: no calibration token reached it (said of expert 0)",
+        details=not_measured_details("its producer: was refused"))
+    merged = merge_expert_findings(f"{BLOCK}.down_proj", list(found), found, EXPERTS, higher_is_better=True)
+    assert "Not measured: expert(s) 1, which no calibration token reached" in merged.message, merged.message
+    assert "Not measured: expert(s) 2 (its producer: was refused)." in merged.message, merged.message
+    assert merged.details["unmeasured_experts"] == [1]
+    assert "unreached" not in merged.details and "not_measured" not in merged.details  # the experts', not the item's
 
 
 def test_an_expert_routed_tokens_only_after_the_variant_batches_is_not_said_to_be_unreached():

@@ -145,3 +145,36 @@ def test_in_artifact_mode_the_checks_walk_their_model_into_the_artifacts_fix_sea
         for rooms in calls:
             assert rooms.count("pytest_qreport.fixes") <= 1 and \
                 len({room for room in rooms if room != "pytest_qreport.fixes"}) <= 1, (name, rooms)
+
+
+def test_an_output_fix_says_in_fields_what_its_text_prints_and_unpacks_as_the_text_and_recipe_pair(monkeypatch):
+    from pytest_qreport.checks import BUILTIN_CHECKS as BUILTIN
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.quantizers import model_quantizer
+    from pytest_qreport.core.settings import ModelSettings
+    from pytest_qreport.fixes import SimulationFixSearch
+    from tests.helpers import PluginHook, builtin_registry
+
+    answered = []
+    original = SimulationFixSearch.output_fix
+
+    def recorded(self, *args, **kwargs):
+        answered.append(original(self, *args, **kwargs))
+        return answered[-1]
+
+    monkeypatch.setattr(SimulationFixSearch, "output_fix", recorded)
+    batches, answers = _features(), {}
+    for budget in (0, math.inf):
+        settings = ModelSettings.defaults(BUILTIN, calibration=batches, quantizer="int8_per_tensor",
+                                          checks=["model_sqnr"], model_sqnr_min_db=60.0, fix_budget=budget)
+        pipeline = collect_model("m", settings, builtin_registry(), model_quantizer(settings, PluginHook()),
+                                 wide_rows(), batches[0])
+        pipeline.analyze(lambda: batches, lambda found: None)
+        assert pipeline.findings is not None, pipeline.error
+        answers[budget] = answered[-1]  # the model_sqnr item's, as it printed it
+        assert answers[budget].text in pipeline.findings[("model_sqnr", "output")].message
+    spent, searched = answers[0], answers[math.inf]
+    assert spent.unsearched and not spent.setting and "fix_budget is 0" in spent.text
+    assert searched.setting == "float_layers" and "float_layers=[" in searched.text and not searched.unsearched
+    text, recipe = searched  # a check written against the (text, recipe) pair it answered before
+    assert (text, recipe) == (searched.text, searched.recipe) and searched[0] == text
