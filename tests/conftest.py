@@ -21,6 +21,8 @@ import torch._dynamo.repro.after_dynamo  # noqa: E402, F401
 import transformers.cache_utils  # noqa: E402, F401
 import transformers.models.llama.modeling_llama  # noqa: E402, F401
 
+from qcore.runtime import native  # noqa: E402
+
 
 def _quanto_unpack(packed, bits):
     """quanto's own Python unpack kernel (optimum/quanto/library/unpack.py): `bits`-bit values out of uint8 bytes."""
@@ -61,13 +63,20 @@ def forbid_host_sync(monkeypatch):
     yield
 
 
+# qcore's native kernels, compiled once into the user's cache: pytester points HOME at each test's own folder, where
+# each run's fresh interpreters (its xdist workers, a subprocess run) would compile them again, seconds each
+NATIVE_CACHE = str(native.cache_dir())
+
+
 @pytest.fixture
 def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     """pytester whose runpytest runs in a forked child of this process (tests/forked.py). Its runs leave out the
     plugins of hypothesis and anyio, which no project of theirs uses: importing them costs each fresh interpreter
-    (a subprocess run, each xdist worker) about a second."""
+    (a subprocess run, each xdist worker) about a second; and they build qcore's native kernels in the session's
+    cache, not in the test's folder."""
     from tests.forked import run_forked
 
     monkeypatch.setenv("PYTEST_ADDOPTS", f"{os.environ.get('PYTEST_ADDOPTS', '')} -p no:hypothesispytest -p no:anyio")
+    monkeypatch.setenv("QCORE_CACHE_DIR", NATIVE_CACHE)
     monkeypatch.setattr(pytester, "runpytest", lambda *args, **kwargs: run_forked(pytester, *args, **kwargs))
     return pytester

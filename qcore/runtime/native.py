@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 from typing import Any
 
-__all__ = ["PARALLEL_MIN_NUMEL", "REFUSED", "kernel", "launch_bound", "status", "threads"]
+__all__ = ["PARALLEL_MIN_NUMEL", "REFUSED", "cache_dir", "kernel", "launch_bound", "status", "threads"]
 
 _SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("_stats.c", "_fused.c", "_formats.c"))
 _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
@@ -47,11 +47,15 @@ def _cpu_signature() -> str:
         return ""
 
 
+def cache_dir() -> pathlib.Path:
+    """Where a build goes first: $QCORE_CACHE_DIR, else qcore's folder in the user cache ($XDG_CACHE_HOME, ~/.cache)."""
+    return pathlib.Path(os.environ.get("QCORE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qcore"))
+
+
 def _cache_dirs() -> list[pathlib.Path]:
-    """Where a build may go: $QCORE_CACHE_DIR or the user cache, then a per-user folder in the temp dir."""
-    root = os.environ.get("QCORE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qcore")
-    return [pathlib.Path(root), pathlib.Path(tempfile.gettempdir()) / f"qcore-{_user_id()}"]
+    """Where a build may go: cache_dir(), then a per-user folder in the temp dir."""
+    return [cache_dir(), pathlib.Path(tempfile.gettempdir()) / f"qcore-{_user_id()}"]
 
 
 def _user_id() -> int:
