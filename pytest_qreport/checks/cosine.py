@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import math
 
-from ..core.experts import unreached_details
 from ..core.findings import Finding
-from ..core.pipeline import is_artifact
 from ..core.registry import Check, ModelContext
 from ..core.schema import Setting, fraction
-from .sqnr import UNREACHED, UNREACHED_ARTIFACT
+from .sqnr import unreached_expert_finding
 
 __all__ = ["CosineCheck"]
 
@@ -28,9 +26,7 @@ class CosineCheck(Check):
         for layer in layers:
             entry = measured.get(layer)
             if entry is not None and entry.batches == 0 and math.isnan(entry.cosine):  # an expert no token reached
-                unreached = UNREACHED_ARTIFACT if is_artifact(model.analysis) else UNREACHED
-                results.append(self.finding(model, layer, math.nan, threshold, passed=False,
-                                            message=f"layer {layer}: {unreached}", details=unreached_details()))
+                results.append(unreached_expert_finding(self, model, layer, threshold))
                 continue
             value = math.nan if entry is None else float(entry.cosine)
             message = (f"layer {layer}: cosine similarity {value:.5f} < {threshold:g} with the float output. See this "

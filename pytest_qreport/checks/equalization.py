@@ -35,6 +35,8 @@ class EqualizationCheck(Check):
         return list(model.analysis.equalization_candidates)
 
     def findings(self, model: ModelContext, layers: list[str]) -> list[Finding]:
+        from qcore.analysis import NO_TOKEN_REASON
+
         analysis, min_gain = model.analysis, model.settings.equalization_min_gain_db
         applied = bool(analysis.equalize_recipe)
         refused = {layer: analysis.layer(layer).equalization_refusal for layer in layers}
@@ -48,8 +50,6 @@ class EqualizationCheck(Check):
             if not self.options.get("smooth", True):
                 variants.pop("smoothing", None)
             if not variants:
-                from qcore.analysis import NO_TOKEN_REASON
-
                 why = (refused[layer] or analysis.unmeasured_variants.get(layer)
                        or smoothing.get(layer, {}).get("refused", "") or "no equalization method applies to it")
                 results.append(Finding(model=model.name, check=self.name, layer=layer, metric=self.metric,

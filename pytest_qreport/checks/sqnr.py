@@ -19,7 +19,8 @@ UNREACHED_ARTIFACT = ("the reference routed no token of the calibration batches 
                       "measured (its weights are compared in its weight_sqnr item). Fix: calibrate on more or longer "
                       "batches, so that the reference's router reaches every expert.")
 
-__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "output_label"]
+__all__ = ["ModelSqnrCheck", "SqnrCheck", "WeightSqnrCheck", "below", "below_resolution_advice", "output_label",
+           "unreached_expert_finding"]
 
 
 def decibels_text(value: float) -> str:
@@ -92,6 +93,13 @@ def _not_measured(check: Check, model: ModelContext, layer: str, threshold: floa
                          details=not_measured_details(why))
 
 
+def unreached_expert_finding(check: Check, model: ModelContext, layer: str, threshold: float) -> Finding:
+    """The finding of an expert layer that no calibration token was routed to: no value, and why."""
+    unreached = UNREACHED_ARTIFACT if is_artifact(model.analysis) else UNREACHED
+    return check.finding(model, layer, math.nan, threshold, passed=False, message=f"layer {layer}: {unreached}",
+                         details=unreached_details())
+
+
 def _failing_sqnr_items(model: ModelContext) -> list[str]:
     """The sqnr items that fail on this run, in graph order (none when the check is off): a layer's, or an MoE
     projection's where one of its experts fails."""
@@ -135,9 +143,7 @@ class SqnrCheck(Check):
                 results.append(_not_measured(self, model, layer, threshold))
                 continue
             if entry.batches == 0 and math.isnan(entry.sqnr_db):  # an expert no calibration token was routed to
-                results.append(self.finding(model, layer, math.nan, threshold, passed=False, message=(
-                    f"layer {layer}: {UNREACHED_ARTIFACT if is_artifact(model.analysis) else UNREACHED}"),
-                    details=unreached_details()))
+                results.append(unreached_expert_finding(self, model, layer, threshold))
                 continue
             quantized = model.analysis.layer(layer)
             not_comparable = getattr(model.analysis, "not_comparable", {}).get(layer, "")
