@@ -17,7 +17,8 @@ dominates) and `30b-a3b` (2 blocks shaped like Qwen3-30B-A3B's, 128 experts of 7
 in alternating rounds (11 at `tiny`, 2 at `small`, 1 at `30b-a3b`; each a forward, the fastest of passes repeated
 for a second, and both analyses), each figure the fastest of its rounds. `moe/dense` is the MoE's ratio over the
 dense model's; `median` and `per round`, the median and the range of that quotient over the rounds; below the
-table, each analysis's stages against its model's forward.
+table, each analysis's stages against its model's forward. `--checks sqnr,weight_sqnr,...` runs those checks instead
+of every default one: where among the checks the MoE's extra cost lies.
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
@@ -35,7 +36,8 @@ alternating rounds, and the MoE captured a third way: its experts left as transf
 op a projection, neither quantized nor measured), the floor of an analysis that would measure a projection's
 experts as one op. Each figure the median of its rounds' analysis over forward.
 
-    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b]] [--experts 8,32,64,128] [--capture]
+    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...]]
+                                   [--experts 8,32,64,128] [--capture]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
 """
 from __future__ import annotations
@@ -78,9 +80,10 @@ def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
     return float(compute_sqnr(held_out, quantized))
 
 
-def _analysis_seconds(model, batches, fix_budget: float) -> tuple[float, int, int, dict[str, float]]:
-    """(seconds from capture to every finding, items, failing items, seconds per stage) of every default check, as
-    the plugin runs them."""
+def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | None = None
+                      ) -> tuple[float, int, int, dict[str, float]]:
+    """(seconds from capture to every finding, items, failing items, seconds per stage) of `checks` (default: every
+    default check), as the plugin runs them."""
     import qcore
     from pytest_qreport.checks import BUILTIN_CHECKS
     from pytest_qreport.core.pipeline import collect_model
@@ -90,7 +93,7 @@ def _analysis_seconds(model, batches, fix_budget: float) -> tuple[float, int, in
     registry = CheckRegistry()
     for check in BUILTIN_CHECKS:
         registry.register(check)
-    checks = [check.name for check in BUILTIN_CHECKS if check.default_severity != "off"]
+    checks = checks or [check.name for check in BUILTIN_CHECKS if check.default_severity != "off"]
     settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, checks=checks, fix_budget=fix_budget)
     start = time.perf_counter()
     state = collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
@@ -173,12 +176,14 @@ def pair(size: str):
     return models[0], models[1], batches
 
 
-def cost(sizes: list[str]) -> None:
+def cost(sizes: list[str], checks: list[str] | None = None) -> None:
     """The table of --cost: the two models measured in alternating rounds, so that the machine's drift (its speed
     moves by a tenth from minute to minute) falls on both alike; each figure the fastest of its rounds, and the
     spread of the per-round ratio beside it. Below it, where each analysis's time goes (its fastest round): the
     capture, the calibration and comparison passes, the fix searches' trials and the rest (graph building and
-    reading the results), each against the model's forward."""
+    reading the results), each against the model's forward. `checks`: the checks run (default: every default
+    check)."""
+    print(f"checks: {','.join(checks) if checks else 'every default check'}")
     print(f"{'size':>6} {'fix_budget':>10} {'model':>6} {'forward s':>10} {'analysis s':>11} {'items':>6} "
           f"{'failing':>7} {'ratio':>7} {'moe/dense':>9} {'median':>6} {'per round':>17}")
     splits = []
@@ -190,12 +195,13 @@ def cost(sizes: list[str]) -> None:
         items: dict[str, int] = {}
         failing: dict[tuple[str, float], int] = {}
         for _, model in models:  # the first analysis in a process pays its one-time costs: not measured
-            _analysis_seconds(model, batches, 0.0)
+            _analysis_seconds(model, batches, 0.0, checks)
         for _ in range(ROUNDS[size]):
             for name, model in models:
                 forwards[name].append(steady_forward_seconds(model, batches))
                 for budget in (0.0, 1.0):
-                    seconds, items[name], failing[name, budget], stages = _analysis_seconds(model, batches, budget)
+                    seconds, items[name], failing[name, budget], stages = _analysis_seconds(model, batches, budget,
+                                                                                            checks)
                     analyses.setdefault((name, budget), []).append((seconds, stages))
         for budget in (0.0, 1.0):
             fastest = {name: min(analyses[name, budget], key=lambda found: found[0]) for name, _ in models}
@@ -360,7 +366,7 @@ def main() -> None:
         return
     if "--cost" in sys.argv:
         sizes = sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["tiny", "small"]
-        cost(sizes)
+        cost(sizes, sys.argv[sys.argv.index("--checks") + 1].split(",") if "--checks" in sys.argv else None)
         return
     tokens = routed_tokens()
     usable = {e: t for e, t in tokens.items() if len(t) >= 2 * COUNTS[-1]}
