@@ -129,7 +129,7 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
             continue
         weight = specs.get(op.weight) if op.weight is not None else None
         activation = next((specs[a] for a in op.activation_inputs if a in specs), None)
-        chosen = layer_preset(op.fqn, op.layer) if layer_preset is not None else None
+        chosen = layer_preset(op.fqn, op.layer, op.item) if layer_preset is not None else None
         # equalization's gains are measured with int8 observers: a layer in a deployed format is no candidate
         candidate = op.kind in ("linear", "conv") and op.weight is not None and chosen is None
         refusal = equalization_refusal(annotated, op) if candidate else ""

@@ -90,15 +90,21 @@ class QReportResult:
         _raise_assertion(f"{title}\n{self.table(offending)}" + (f"\n{hints}" if hints else ""))
 
     def assert_sqnr(self, min_db: float, layers: str = "*") -> None:
-        """Every quantized layer matching the glob `layers` has a propagated SQNR of at least `min_db`."""
+        """Every quantized layer matching the glob `layers` has a propagated SQNR of at least `min_db`; a glob that
+        names an MoE projection's item (`model.layers.3.mlp.experts.down_proj`) names its experts' layers."""
         __tracebackhide__ = True
         from ..checks.sqnr import SqnrCheck, own_error_layers
+        from ..core.experts import expert_layers_of
+        from ..core.pipeline import item_names
         from ..fixes import fix_search
 
         measured = self.analysis.sqnr.layers
-        chosen = [name for name in measured if fnmatch.fnmatchcase(name, layers)]
+        items = {layer: entry.projection for layer, entry in expert_layers_of(self.analysis).items()}
+        chosen = [name for name in measured if fnmatch.fnmatchcase(name, layers)
+                  or fnmatch.fnmatchcase(items.get(name, ""), layers)]
         if not chosen:
-            _raise_assertion(f"model {self.name!r}: no quantized layer matches {layers!r}; layers: {list(measured)}")
+            _raise_assertion(f"model {self.name!r}: no quantized layer matches {layers!r}; layers: "
+                             f"{item_names(measured, items)}")
         offending = []
         context = self._state.context
         search = fix_search(context)

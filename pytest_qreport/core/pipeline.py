@@ -52,19 +52,29 @@ class Stage(enum.Enum):
     JUDGED = "judged"
 
 
-def select_layers(names: Iterable[str], layers: list[str] | None, skip_layers: list[str] | None) -> list[str]:
+def select_layers(names: Iterable[str], layers: list[str] | None, skip_layers: list[str] | None,
+                  items: Mapping[str, str] | None = None) -> list[str]:
     """Keep names matching any `layers` glob (all if none) and no `skip_layers` glob, in order; a glob also
-    matches the layers inside the module it names (`head` matches `head.1`)."""
+    matches the layers inside the module it names (`head` matches `head.1`), and, through `items` ({layer: the name
+    of the item it is measured under}), the layers of the item it names (an MoE projection's experts)."""
     from qcore.analysis import matches_layer
 
+    items = items or {}
     kept = []
     for name in names:
-        if layers and not any(matches_layer(g, name) for g in layers):
+        aliases = (name, items.get(name, ""))
+        if layers and not any(matches_layer(g, *aliases) for g in layers):
             continue
-        if skip_layers and any(matches_layer(g, name) for g in skip_layers):
+        if skip_layers and any(matches_layer(g, *aliases) for g in skip_layers):
             continue
         kept.append(name)
     return kept
+
+
+def item_names(layers: Iterable[str], items: Mapping[str, str]) -> str:
+    """The names a layer setting may give, for a message: each layer's, an MoE projection's experts as the one name
+    of their item (a model with thousands of expert layers lists its projections)."""
+    return ", ".join(dict.fromkeys(items.get(layer) or layer for layer in layers))
 
 
 @dataclass
@@ -244,8 +254,8 @@ class ModelPipeline:
             return self._layer_findings(check_name, layers)  # skipped: no layers to ask it for
         experts = expert_layers_of(self.context.analysis)
         members = item_members(layers, select_layers(
-            self.context.checks[check_name].layers(self.context), self.settings.layers, self.settings.skip_layers),
-            experts) if experts else {}
+            self.context.checks[check_name].layers(self.context), self.settings.layers, self.settings.skip_layers,
+            {layer: entry.projection for layer, entry in experts.items()}), experts) if experts else {}
         if not members:
             return self._layer_findings(check_name, layers)
         measured = [member for item in layers for member in members.get(item, [item])]
@@ -369,6 +379,7 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     for check_name in settings.checks:
         checks[check_name] = registry.get(check_name)(settings.check_options.get(check_name))
     context = ModelContext(name, settings, analysis, checks)
+    items = {layer: entry.projection for layer, entry in analysis.expert_layers.items()}
     capture = {"method": str(float_gm.meta.get("qcore_capture_method", "export"))}
     if "qcore_export_error" in float_gm.meta:
         capture["export_error"] = str(float_gm.meta["qcore_export_error"])
@@ -379,7 +390,8 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     for check_name, check in checks.items():
         check.bind(context)
         if check.applies(context):
-            selected[check_name] = select_layers(check.layers(context), settings.layers, settings.skip_layers)
+            selected[check_name] = select_layers(check.layers(context), settings.layers, settings.skip_layers,
+                                                 items)
             pipeline.items[check_name] = expert_items(selected[check_name], analysis.expert_layers)
     context.checks = {n: c for n, c in checks.items() if n in pipeline.items}
     needs = frozenset().union(*(check.needs for check in context.checks.values()))
@@ -414,8 +426,9 @@ def collect_artifact(name: str, settings: ModelSettings, registry: CheckRegistry
     except (ArtifactMismatchError, ValueError) as error:
         raise QReportModelError(f"model {name!r}: {error}") from None
     names = [entry.layer for entry in analysis.layers]
-    _check_artifact_globs(name, settings, names)
-    float_layers = _artifact_float_layers(name, settings, names)
+    items = {layer: entry.projection for layer, entry in analysis.expert_layers.items()}
+    _check_artifact_globs(name, settings, names, items)
+    float_layers = _artifact_float_layers(name, settings, names, items)
     checks = {check_name: registry.get(check_name)(settings.check_options.get(check_name))
               for check_name in settings.checks}
     context = ModelContext(name, settings, analysis, checks)
@@ -430,7 +443,7 @@ def collect_artifact(name: str, settings: ModelSettings, registry: CheckRegistry
         if check.applies(context):
             # a layer float_layers keeps in float is the reference's module, measured by no per-layer item
             pipeline.items[check_name] = expert_items([layer for layer in select_layers(
-                check.layers(context), settings.layers, settings.skip_layers) if layer not in float_layers],
+                check.layers(context), settings.layers, settings.skip_layers, items) if layer not in float_layers],
                 analysis.expert_layers)
     context.checks = {n: c for n, c in checks.items() if n in pipeline.items}
     needs = frozenset().union(*(check.needs for check in context.checks.values() if check.measures_artifacts))
@@ -438,29 +451,34 @@ def collect_artifact(name: str, settings: ModelSettings, registry: CheckRegistry
     return pipeline
 
 
-def _artifact_float_layers(name: str, settings: ModelSettings, names: list[str]) -> list[str]:
-    """The artifact's layers that float_layers globs name (their reference modules are swapped in)."""
+def _artifact_float_layers(name: str, settings: ModelSettings, names: list[str], items: Mapping[str, str]
+                           ) -> list[str]:
+    """The artifact's layers that float_layers globs name (their reference modules are swapped in); a glob naming
+    an MoE projection's item (`items`: {layer: its item's name}) names its experts' layers."""
     from qcore.analysis import matches_layer
 
     if not settings.float_layers:
         return []
-    unmatched = [glob for glob in settings.float_layers if not any(matches_layer(glob, layer) for layer in names)]
+    unmatched = [glob for glob in settings.float_layers
+                 if not any(matches_layer(glob, layer, items.get(layer, "")) for layer in names)]
     if unmatched:
         raise QReportModelError(f"model {name!r}: float_layers {unmatched} match no quantized layer of the artifact; "
-                                f"its layers: {', '.join(names)}")
-    return [layer for layer in names if any(matches_layer(glob, layer) for glob in settings.float_layers)]
+                                f"its layers: {item_names(names, items)}")
+    return [layer for layer in names
+            if any(matches_layer(glob, layer, items.get(layer, "")) for glob in settings.float_layers)]
 
 
-def _check_artifact_globs(name: str, settings: ModelSettings, layers: list[str]) -> None:
-    """layers and skip_layers globs must match an artifact layer (or an output item)."""
+def _check_artifact_globs(name: str, settings: ModelSettings, layers: list[str], items: Mapping[str, str]) -> None:
+    """layers and skip_layers globs must match an artifact layer, an MoE projection's item (`items`: {layer: its
+    item's name}) or an output item."""
     from qcore.analysis import matches_layer
 
+    names = [*((layer, items.get(layer, "")) for layer in layers), ("output",), ("model",)]
     for setting, globs in (("layers", settings.layers), ("skip_layers", settings.skip_layers)):
-        unmatched = [glob for glob in globs or () if not any(matches_layer(glob, layer) for layer in
-                                                              [*layers, "output", "model"])]
+        unmatched = [glob for glob in globs or () if not any(matches_layer(glob, *aliases) for aliases in names)]
         if unmatched:
             raise QReportModelError(f"model {name!r}: {setting} {unmatched} match no quantized layer of the artifact; "
-                                    f"its layers: {', '.join(layers)}")
+                                    f"its layers: {item_names(layers, items)}")
     if settings.layer_formats or settings.layer_overrides or settings.equalize:
         given = [key for key in ("layer_formats", "layer_overrides", "equalize") if getattr(settings, key)]
         raise QReportModelError(f"model {name!r}: {', '.join(given)} choose how qcore quantizes a model, and in "
@@ -499,11 +517,12 @@ def _check_globs(name: str, settings: ModelSettings, quantizer: Any, float_gm: A
              "layer_overrides": list(getattr(quantizer, "layer_overrides", None) or ())}
     special = ("output", "model")  # the whole-model items' names
     for setting, globs in given.items():
-        unmatched = [g for g in globs or () if not any(matches_layer(g, op.layer, op.fqn) for op in ops)
+        unmatched = [g for g in globs or () if not any(matches_layer(g, *op.names) for op in ops)
                      and not (setting in ("layers", "skip_layers") and any(matches_layer(g, s) for s in special))]
         if unmatched:
             raise QReportModelError(f"model {name!r}: {setting} {unmatched} match no layer, nor a module holding one; "
-                                    f"layers: {', '.join(op.layer for op in ops)}")
+                                    "layers: " + item_names([op.layer for op in ops],
+                                                            {op.layer: op.item for op in ops if op.item}))
 
 
 def fingerprint(analysis: Any, equalize: Any, threads: int) -> dict[str, Any]:

@@ -23,12 +23,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from qcore.graph.ops import EXPERTS_KEY
+
 __all__ = ["EXPERTS_KEY", "ExpertLayer", "ExpertProjection", "MoeBlock", "Router", "compact_expert_layers",
            "expand_expert_templates", "expert_counts", "expert_layers", "expert_linears", "expert_projections",
            "fused_experts_modules", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks",
            "routers", "templates_only", "traced_with_templates", "with_experts_held"]
 
-EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
 _IMPLEMENTATION = "qcore_linear_experts"
 
 

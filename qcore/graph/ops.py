@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-__all__ = ["FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS", "QuantizableOp",
-           "WEIGHTED_KINDS", "aten", "fetch_attr", "few_named", "find_quantizable_ops", "fused_output", "is_inserted",
-           "observation_point",
+__all__ = ["EXPERTS_KEY", "FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS",
+           "QuantizableOp", "WEIGHTED_KINDS", "aten", "fetch_attr", "few_named", "find_quantizable_ops", "fused_output",
+           "is_inserted", "observation_point",
            "last_layers", "LayerPatterns", "layer_patterns",
            "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
            "WEIGHT_VIEWS", "is_weight_value", "may_change_after", "normalize_module_path", "op_schema", "viewed_value",
@@ -28,6 +28,7 @@ INSERTED_KEY = "qcore_inserted"  # "observer" or "qdq" on nodes that qcore adds
 QUANTIZED_WHERE_READ_KEY = "qcore_quantized_where_read"
 REWRITTEN_KEY = "qcore_rewritten_weight"  # on a rewritten (equalized, smoothed) weight computed where it is read
 LAYER_NAME_KEY = "qcore_layer_name"  # a layer's name in the whole model, on the ops of a block cut from it
+EXPERTS_KEY = "qcore_experts"  # gm.meta: {"layers": {layer: ExpertLayer}, "blocks": {path: MoeBlock}}
 
 aten = torch.ops.aten
 
@@ -110,6 +111,15 @@ class QuantizableOp:
     weight: fx.Node | None = None
     bias: fx.Node | None = None
     output: fx.Node | None = None  # the node whose value is the layer's result (a fused relu, else the op)
+    # the name of the item it is measured under, where that is not its own: an MoE expert's projection path
+    # (`model.layers.3.mlp.experts.down_proj` for `model.layers.3.mlp.experts.5.down_proj`); a layer glob naming it
+    # names the layer too
+    item: str = ""
+
+    @property
+    def names(self) -> tuple[str, str, str]:
+        """The names a layer glob may give it: its layer name, its module's FQN and its item's name."""
+        return self.layer, self.fqn, self.item
 
     @property
     def weight_target(self) -> str:
@@ -242,7 +252,13 @@ def find_quantizable_ops(gm: fx.GraphModule) -> list[QuantizableOp]:
             )
         )
     _assign_layer_names(found)
+    items = getattr(gm, "meta", {}).get(EXPERTS_KEY, {}).get("layers", {})
+    for op in found:
+        entry = items.get(op.layer)
+        if entry is not None:
+            op.item = entry.projection
     return found
+
 
 
 # ops that read a parameter as it is stored (a slice, a view, a copy): the parameter stays the weight's source

@@ -110,10 +110,11 @@ class FormatQuantizer(Quantizer):
     def __repr__(self) -> str:
         return f"FormatQuantizer({self.preset.name!r}, layer_overrides={self.layer_overrides!r})"
 
-    def layer_preset(self, fqn: str, layer: str) -> Preset | None:
-        """The preset of one layer (None: kept in float)."""
+    def layer_preset(self, fqn: str, layer: str, item: str = "") -> Preset | None:
+        """The preset of one layer (None: kept in float); `item`, the name of the item it is measured under (an MoE
+        expert's projection path), which a layer_overrides glob may name too."""
         chosen: Preset | None = self.preset
-        for pattern in layer_patterns(tuple(self.layer_overrides)).matching(layer, fqn):
+        for pattern in layer_patterns(tuple(self.layer_overrides)).matching(layer, fqn, item):
             override = self.layer_overrides[pattern]
             if override.get("skip"):
                 chosen = None
@@ -126,7 +127,7 @@ class FormatQuantizer(Quantizer):
         for op in find_quantizable_ops(gm):
             if op.kind not in FORMAT_KINDS or op.weight is None:
                 continue
-            chosen = self.layer_preset(op.fqn, op.layer)
+            chosen = self.layer_preset(op.fqn, op.layer, op.item)
             if chosen is None:
                 continue
             refusal = preset_refusal(chosen, *layer_shapes(op))

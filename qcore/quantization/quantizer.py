@@ -216,10 +216,10 @@ class Int8StaticQuantizer(Quantizer):
                 f"{getattr(self.activation_observer, '__name__', self.activation_observer)}, "
                 f"layer_overrides={self.layer_overrides!r})")
 
-    def _settings(self, fqn: str, layer: str) -> dict:
+    def _settings(self, fqn: str, layer: str, item: str = "") -> dict:
         settings: dict[str, Any] = {"per_channel": self.per_channel, "is_dynamic": False, "skip": False,
                                     "activation_observer": self.activation_observer}
-        for pattern in layer_patterns(tuple(self.layer_overrides)).matching(layer, fqn):
+        for pattern in layer_patterns(tuple(self.layer_overrides)).matching(layer, fqn, item):
             settings.update(self.layer_overrides[pattern])
         settings["activation_observer"] = _activation_observer(settings["activation_observer"])
         return settings
@@ -227,7 +227,7 @@ class Int8StaticQuantizer(Quantizer):
     def annotate(self, gm: fx.GraphModule) -> fx.GraphModule:
         """Annotate every quantizable op, then propagate to add/mul/cat and pass-through ops."""
         for op in find_quantizable_ops(gm):
-            settings = self._settings(op.fqn, op.layer)
+            settings = self._settings(op.fqn, op.layer, op.item)
             op.node.meta.pop(INPUT_OBSERVER_KEY, None)
             if settings["skip"]:
                 continue

@@ -243,7 +243,7 @@ def resolve_layers(gm: fx.GraphModule, equalization_mapping: Any) -> list[Quanti
     chosen: dict[int, QuantizableOp] = {}
     missing = []
     for name in names:
-        matched = [ops[name]] if name in ops else [op for op in every if matches_layer(name, op.layer, op.fqn)]
+        matched = [ops[name]] if name in ops else [op for op in every if matches_layer(name, *op.names)]
         if not matched:
             missing.append(name)
         chosen.update((id(op.node), op) for op in matched)

@@ -115,7 +115,7 @@ class FormatSwitchModel(SwitchedRuns):
         for index, op in enumerate(find_quantizable_ops(self.gm)):
             if op.kind not in FORMAT_KINDS or op.weight is None or op.weight.op != "get_attr":
                 continue
-            chosen = quantizer.layer_preset(op.fqn, op.layer)
+            chosen = quantizer.layer_preset(op.fqn, op.layer, op.item)
             self.shapes[op.layer] = layer_shapes(op)
             # as the quantizer does: a layer whose shapes cannot take its format stays in float
             refused = chosen is None or bool(preset_refusal(chosen, *self.shapes[op.layer]))

@@ -397,3 +397,88 @@ def test_a_proper_subset_reads_its_expert_globs_and_names_the_lowest_layers_it_l
     assert claims  # every layer fails on its own error under NVFP4: a proper subset is measured
     for claim in claims:  # what it keeps and what it leaves: every quantized layer, once
         assert int(claim.group(1)) + int(claim.group(2)) == len(analysis.layers) and int(claim.group(1)) <= 8
+
+
+
+def test_an_items_name_selects_hides_and_keeps_in_float_its_experts_in_every_layer_setting():
+    """An MoE projection's item name (`mlp.experts.down_proj`) works where a layer glob goes: layers and skip_layers
+    select and hide its item, float_layers and layer_formats act on each of its experts (the numbers the glob over
+    the experts gives), the qreport fixture's assert_sqnr(layers=) reaches its experts, and a name that matches
+    nothing is told the items' names, not every expert layer's."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from pytest_qreport.adapter.fixture import QReportResult
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.errors import QReportModelError
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.quantizers import model_quantizer
+    from pytest_qreport.core.settings import ModelSettings
+    from tests.helpers import PluginHook, analyze_with_checks, builtin_registry
+    from tests.models import tiny_moe
+
+    model, data = tiny_moe("qwen3_moe", layers=2, experts=4)  # two blocks: a stack to analyse block by block
+    down, gate_up = f"{BLOCK}.down_proj", f"{BLOCK}.gate_up_proj"
+    checks = {"checks": ["sqnr", "weight_sqnr", "model_sqnr"], "quantizer": "W4A16", "fix_budget": 0}
+    selected, _ = analyze_with_checks(lambda: model, data, layers=[down], **checks)
+    assert sorted(selected) == [("sqnr", down), ("weight_sqnr", down)]
+    hidden, _ = analyze_with_checks(lambda: model, data, skip_layers=[down], **checks)
+    assert ("sqnr", gate_up) in hidden and not [key for key in hidden if key[1] == down]
+    settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=data, **checks)
+    pipeline = collect_model("m", settings, builtin_registry(), model_quantizer(settings, PluginHook()), model, data[0])
+    pipeline.analyze(lambda: data, lambda found: None)
+    plain = pipeline.findings
+    for setting, by_name, by_glob, blockwise in (
+            ("float_layers", [down], [f"{BLOCK}.*.down_proj"], False),
+            ("float_layers", [down], [f"{BLOCK}.*.down_proj"], True),  # quantized block by block
+            ("layer_formats", {gate_up: "FP8"}, {f"{BLOCK}.*.gate_proj": "FP8", f"{BLOCK}.*.up_proj": "FP8"}, False)):
+        named, analysis = analyze_with_checks(lambda: model, data, **{setting: by_name}, blockwise=blockwise, **checks)
+        globbed, _ = analyze_with_checks(lambda: model, data, **{setting: by_glob}, blockwise=blockwise, **checks)
+        assert analysis.blockwise == blockwise and not [f for f in named.values() if f.verdict == "error"]
+        assert {key: f.value for key, f in named.items()} == {key: f.value for key, f in globbed.items()}, setting
+        assert named[("model_sqnr", "output")].value != plain[("model_sqnr", "output")].value, setting
+        assert (("sqnr", down) in named) == (setting != "float_layers")  # no item for a layer kept in float
+    result = QReportResult(pipeline, list(pipeline.findings.values()), {}, "t")
+    with pytest.raises(AssertionError, match=r"4 of 4 layers below 99"):
+        result.assert_sqnr(99.0, layers=down)
+    with pytest.raises(QReportModelError) as error:
+        analyze_with_checks(lambda: model, data, skip_layers=[f"{BLOCK}.down"], **checks)
+    assert f"mlp.gate, {gate_up}, {down}, model.layers.1.self_attn.q_proj" in str(error.value), str(error.value)
+    assert f"{BLOCK}.0." not in str(error.value)
+
+
+def test_in_artifact_mode_an_items_name_keeps_its_experts_in_float_and_hides_its_item():
+    """A checkpoint holding its experts as modules: float_layers and skip_layers take a projection's item name as
+    the glob over its experts, and a name that matches nothing is told the items' names."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    from pytest_qreport.checks import BUILTIN_CHECKS
+    from pytest_qreport.core.errors import QReportModelError
+    from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.settings import ModelSettings
+    from tests.helpers import builtin_registry, torchao_artifact
+    from tests.models import linearized_moe, tiny_moe
+
+    model, data = tiny_moe("qwen3_moe")
+    reference = linearized_moe(model)
+    quantized = torchao_artifact(reference, Int8WeightOnlyConfig())
+    down = f"{BLOCK}.down_proj"
+
+    def findings(**settings):
+        resolved = ModelSettings.defaults(BUILTIN_CHECKS, calibration=data, quantized=lambda: quantized,
+                                          checks=["sqnr", "model_sqnr"], **settings)
+        pipeline = collect_model("m", resolved, builtin_registry(), None, reference, data[0], quantized=quantized)
+        pipeline.analyze(lambda: data, lambda found: None)
+        return {key: finding.value for key, finding in pipeline.findings.items()}
+
+    named, globbed, plain = findings(float_layers=[down]), findings(float_layers=[f"{BLOCK}.*.down_proj"]), findings()
+    assert named == globbed and ("sqnr", down) in plain and ("sqnr", down) not in named
+    assert named[("model_sqnr", "output")] != plain[("model_sqnr", "output")]
+    hidden = findings(skip_layers=[down])
+    assert ("sqnr", down) not in hidden and ("sqnr", f"{BLOCK}.gate_proj") in hidden
+    with pytest.raises(QReportModelError, match=rf"its layers: .*{BLOCK}\.gate_proj, {BLOCK}\.up_proj, "
+                                                rf"{BLOCK}\.down_proj, lm_head$"):
+        findings(float_layers=[f"{BLOCK}.down"])

@@ -463,3 +463,41 @@ def test_a_fix_of_every_expert_of_a_projection_is_one_pattern_in_each_tool_that_
     assert {q.rsplit(".", 1)[0] for q in quantizers if any(fnmatch.fnmatch(q, w) for w in wildcards)} == set(names)
     assert recipes["float_layers"] == f"float_layers={patterns!r}"
     assert all(repr(name) in recipes["bitsandbytes"] for name in names)  # no patterns there: every name
+
+
+@pytest.mark.parametrize("form", ["fused", "linearized"])
+def test_a_layer_glob_naming_an_expert_projections_item_names_its_experts(form):
+    """An MoE projection's items are named by its parameter's path (`mlp.experts.down_proj`; a fused model's gate and
+    up halves by `mlp.experts.gate_up_proj`): the same name in a quantizer's layer_overrides, a format's overrides and
+    equalize names that projection's expert layers, as the glob over its experts does."""
+    from qcore.analysis import quantized_layers
+    from qcore.graph.inputs import call_model
+    from qcore.rewrites.equalize import equalize
+
+    model, data = tiny_moe("qwen3_moe", layers=2, experts=4)
+    gm = qcore.capture(model if form == "fused" else linearized_moe(model), data[0])
+    block = "model.layers.1.mlp.experts"
+    first = f"{block}.gate_up_proj" if form == "fused" else f"{block}.gate_proj"
+    halves = ("gate_proj", "up_proj") if form == "fused" else ("gate_proj",)
+    globs = {f"{block}.down_proj": [f"{block}.*.down_proj"], first: [f"{block}.*.{half}" for half in halves]}
+    ops = find_quantizable_ops(gm)
+    assert {op.layer: op.item for op in ops if op.item} == {
+        layer: entry.projection for layer, entry in expert_layers(gm).items()}
+    assert not [op for op in ops if "experts" not in op.layer and op.item]
+    for item, expert_globs in globs.items():
+        members = sorted(f"{block}.{e}.{half}" for e in range(4)
+                         for half in (("down_proj",) if item.endswith("down_proj") else halves))
+        skipped = quantized_layers(gm, qcore.Int8StaticQuantizer(layer_overrides={item: {"skip": True}}))
+        assert skipped == quantized_layers(gm, qcore.Int8StaticQuantizer(
+            layer_overrides={glob: {"skip": True} for glob in expert_globs}))
+        assert not set(members) & {layer.layer for layer in skipped}
+        fp8 = quantized_layers(gm, FormatQuantizer("W4A16", layer_overrides={item: {"format": "FP8"}}))
+        assert fp8 == quantized_layers(gm, FormatQuantizer(
+            "W4A16", layer_overrides={glob: {"format": "FP8"} for glob in expert_globs}))
+        assert sorted(layer.layer for layer in fp8 if layer.format == "FP8") == members
+    by_item = equalize(gm, [f"{block}.down_proj"], data)
+    by_glob = equalize(gm, [f"{block}.*.down_proj"], data)
+    assert sorted(by_item.meta["qcore_equalization_scales"]) == sorted(f"{block}.{e}.down_proj" for e in range(4))
+    assert by_item.meta["qcore_equalization_scales"] == by_glob.meta["qcore_equalization_scales"]
+    for batch in data:
+        assert torch.equal(call_model(by_item, batch).logits, call_model(by_glob, batch).logits)
