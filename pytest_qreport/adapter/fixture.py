@@ -94,17 +94,17 @@ class QReportResult:
         names an MoE projection's item (`model.layers.3.mlp.experts.down_proj`) names its experts' layers."""
         __tracebackhide__ = True
         from ..checks.sqnr import SqnrCheck, own_error_layers
-        from ..core.experts import expert_layers_of
-        from ..core.pipeline import item_names
+        from ..core.experts import expert_item_names, expert_layers_of
+        from ..core.pipeline import listed_layer_names
         from ..fixes import fix_search
 
         measured = self.analysis.sqnr.layers
-        items = {layer: entry.projection for layer, entry in expert_layers_of(self.analysis).items()}
+        items = expert_item_names(expert_layers_of(self.analysis))
         chosen = [name for name in measured if fnmatch.fnmatchcase(name, layers)
                   or fnmatch.fnmatchcase(items.get(name, ""), layers)]
         if not chosen:
             _raise_assertion(f"model {self.name!r}: no quantized layer matches {layers!r}; layers: "
-                             f"{item_names(measured, items)}")
+                             f"{listed_layer_names(measured, items)}")
         offending = []
         context = self._state.context
         search = fix_search(context)

@@ -13,8 +13,9 @@ from typing import Any
 
 from .findings import Finding
 
-__all__ = ["NOT_MEASURED_KEY", "UNREACHED_KEY", "compact_expert_layers", "expert_items", "expert_label",
-           "expert_layers_of", "item_members", "merge_expert_findings", "not_measured_details", "unreached_details"]
+__all__ = ["NOT_MEASURED_KEY", "UNREACHED_KEY", "compact_expert_layers", "expert_item_names", "expert_items",
+           "expert_label", "expert_layers_of", "item_members", "merge_expert_findings", "not_measured_details",
+           "unreached_details"]
 
 _VERDICT_RANK = {"skip": 0, "pass": 1, "waived": 2, "warn": 3, "fail": 4, "error": 5}
 _NAMED_EXPERTS = 4  # the worst experts a message names
@@ -46,6 +47,11 @@ def _unmeasured_reason(finding: Finding) -> str:
 def expert_layers_of(analysis: Any) -> Mapping[str, Any]:
     """{layer: qcore ExpertLayer} of a model's analysis (empty for a model without experts)."""
     return getattr(analysis, "expert_layers", None) or {}
+
+
+def expert_item_names(experts: Mapping[str, Any]) -> dict[str, str]:
+    """{expert layer: the name of its item, its projection's path}: what a layer glob may name it by."""
+    return {layer: entry.projection for layer, entry in experts.items()}
 
 
 def expert_items(layers: Iterable[str], experts: Mapping[str, Any]) -> list[str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import QReportModelError
-from .experts import expert_items, expert_layers_of, item_members, merge_expert_findings
+from .experts import expert_item_names, expert_items, expert_layers_of, item_members, merge_expert_findings
 from .explain import error_finding, explain, is_measurement_error
 from .findings import Finding
 from .judge import compare_with_baseline
@@ -71,7 +71,7 @@ def select_layers(names: Iterable[str], layers: list[str] | None, skip_layers: l
     return kept
 
 
-def item_names(layers: Iterable[str], items: Mapping[str, str]) -> str:
+def listed_layer_names(layers: Iterable[str], items: Mapping[str, str]) -> str:
     """The names a layer setting may give, for a message: each layer's, an MoE projection's experts as the one name
     of their item (a model with thousands of expert layers lists its projections)."""
     return ", ".join(dict.fromkeys(items.get(layer) or layer for layer in layers))
@@ -255,7 +255,7 @@ class ModelPipeline:
         experts = expert_layers_of(self.context.analysis)
         members = item_members(layers, select_layers(
             self.context.checks[check_name].layers(self.context), self.settings.layers, self.settings.skip_layers,
-            {layer: entry.projection for layer, entry in experts.items()}), experts) if experts else {}
+            expert_item_names(experts)), experts) if experts else {}
         if not members:
             return self._layer_findings(check_name, layers)
         measured = [member for item in layers for member in members.get(item, [item])]
@@ -379,7 +379,7 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     for check_name in settings.checks:
         checks[check_name] = registry.get(check_name)(settings.check_options.get(check_name))
     context = ModelContext(name, settings, analysis, checks)
-    items = {layer: entry.projection for layer, entry in analysis.expert_layers.items()}
+    items = expert_item_names(analysis.expert_layers)
     capture = {"method": str(float_gm.meta.get("qcore_capture_method", "export"))}
     if "qcore_export_error" in float_gm.meta:
         capture["export_error"] = str(float_gm.meta["qcore_export_error"])
@@ -426,7 +426,7 @@ def collect_artifact(name: str, settings: ModelSettings, registry: CheckRegistry
     except (ArtifactMismatchError, ValueError) as error:
         raise QReportModelError(f"model {name!r}: {error}") from None
     names = [entry.layer for entry in analysis.layers]
-    items = {layer: entry.projection for layer, entry in analysis.expert_layers.items()}
+    items = expert_item_names(analysis.expert_layers)
     _check_artifact_globs(name, settings, names, items)
     float_layers = _artifact_float_layers(name, settings, names, items)
     checks = {check_name: registry.get(check_name)(settings.check_options.get(check_name))
@@ -463,7 +463,7 @@ def _artifact_float_layers(name: str, settings: ModelSettings, names: list[str],
                  if not any(matches_layer(glob, layer, items.get(layer, "")) for layer in names)]
     if unmatched:
         raise QReportModelError(f"model {name!r}: float_layers {unmatched} match no quantized layer of the artifact; "
-                                f"its layers: {item_names(names, items)}")
+                                f"its layers: {listed_layer_names(names, items)}")
     return [layer for layer in names
             if any(matches_layer(glob, layer, items.get(layer, "")) for glob in settings.float_layers)]
 
@@ -478,7 +478,7 @@ def _check_artifact_globs(name: str, settings: ModelSettings, layers: list[str],
         unmatched = [glob for glob in globs or () if not any(matches_layer(glob, *aliases) for aliases in names)]
         if unmatched:
             raise QReportModelError(f"model {name!r}: {setting} {unmatched} match no quantized layer of the artifact; "
-                                    f"its layers: {item_names(layers, items)}")
+                                    f"its layers: {listed_layer_names(layers, items)}")
     if settings.layer_formats or settings.layer_overrides or settings.equalize:
         given = [key for key in ("layer_formats", "layer_overrides", "equalize") if getattr(settings, key)]
         raise QReportModelError(f"model {name!r}: {', '.join(given)} choose how qcore quantizes a model, and in "
@@ -521,8 +521,8 @@ def _check_globs(name: str, settings: ModelSettings, quantizer: Any, float_gm: A
                      and not (setting in ("layers", "skip_layers") and any(matches_layer(g, s) for s in special))]
         if unmatched:
             raise QReportModelError(f"model {name!r}: {setting} {unmatched} match no layer, nor a module holding one; "
-                                    "layers: " + item_names([op.layer for op in ops],
-                                                            {op.layer: op.item for op in ops if op.item}))
+                                    "layers: " + listed_layer_names([op.layer for op in ops],
+                                                                    {op.layer: op.item for op in ops if op.item}))
 
 
 def fingerprint(analysis: Any, equalize: Any, threads: int) -> dict[str, Any]:
