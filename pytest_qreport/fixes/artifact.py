@@ -64,7 +64,9 @@ class ArtifactFixSearch(FixSearch):
         recipe["tool"] = fix.tool
         if fix.tool_line:
             recipe["tool_name"], recipe["tool_line"] = fix.tool_name, fix.tool_line
-        lines = f"qmodel(..., {recipes['float_layers']}) swaps the reference's modules in; " + (
+        shared = (" (the experts among them keep their projection's input quantizer, which the tool shares "
+                  "between experts: only their weights go float)") if fix.inputs_kept_quantized else ""
+        lines = f"qmodel(..., {recipes['float_layers']}) swaps the reference's modules in{shared}; " + (
             f"in {fix.tool_name}, which made the artifact: {fix.tool_line}" if fix.tool_line else
             "the tool that made the artifact was not recognised: the JSON report's recipe holds the line for each "
             "tool")

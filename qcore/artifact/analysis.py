@@ -52,11 +52,13 @@ from qcore.artifact.tools import (
     unwrapped_artifact,
 )
 from qcore.graph.experts import (
+    PER_EXPERT_QUANTIZERS,
     ExpertLayer,
     compact_expert_layers,
     fused_experts_modules,
     held_expert_layers,
     module_list_experts,
+    quantized_per_expert,
     with_experts_held,
 )
 from qcore.measure.passes import SqnrMeasurement
@@ -99,6 +101,7 @@ class ArtifactFix:
     quanto_weights: str | None = None  # the weights qtype of a model made by quanto's own quantize()
     patterns: tuple[str, ...] = ()  # float_layers with a block's experts written as globs (compact_expert_layers)
     stopped: bool = False  # the fix budget ran out before the search did (the set is measured all the same)
+    per_expert_blocks: tuple[str, ...] = ()  # the MoE blocks whose fused experts ModelOpt quantized in place
 
     @property
     def measured_db(self) -> float:
@@ -113,7 +116,16 @@ class ArtifactFix:
     @property
     def recipes(self) -> dict[str, str]:
         """The fix as each tool's line (tool_recipes)."""
-        return tool_recipes(self.float_layers, self.skipped, self.quanto_weights, self.patterns or None)
+        return tool_recipes(self.float_layers, self.skipped, self.quanto_weights, self.patterns or None,
+                            self.per_expert_blocks)
+
+    @property
+    def inputs_kept_quantized(self) -> tuple[str, ...]:
+        """The float layers whose input stays quantized: experts of fused experts that ModelOpt quantized in place,
+        whose projection's one input quantizer is every expert's (only their weights go float, in the trial as in
+        the tool's line)."""
+        return tuple(layer for layer in self.float_layers
+                     if any(layer.startswith(block + ".") for block in self.per_expert_blocks))
 
     @property
     def tool_line(self) -> str | None:
@@ -189,7 +201,13 @@ def _plainly_fused(model: nn.Module) -> list[str]:
     """The fused experts modules of `model` that compute with their parameters as stored (no tool's per-expert
     quantizers beside them, as ModelOpt keeps)."""
     return [path for path, module in fused_experts_modules(model).items()
-            if not any(name.endswith("_weight_quantizers") for name, _ in module.named_children())]
+            if not any(name.endswith(PER_EXPERT_QUANTIZERS) for name, _ in module.named_children())]
+
+
+def _quantized_per_expert(model: nn.Module) -> list[str]:
+    """The fused experts modules of `model` that a tool quantizes in place, a weight quantizer per expert
+    (ModelOpt: qcore.graph.experts.quantized_per_expert)."""
+    return [path for path, module in fused_experts_modules(model).items() if quantized_per_expert(module)]
 
 
 class ArtifactAnalysis:
@@ -215,8 +233,14 @@ class ArtifactAnalysis:
         # experts were fused again at load (and dequantized) is viewed so too, and each expert measured (the views
         # read the fused parameters as they are, onloaded or offloaded)
         fused_again = _plainly_fused(quantized)
-        quantized = with_experts_held(quantized, fused_again)
-        reference = with_experts_held(reference, [*module_list_experts(quantized), *fused_again])
+        # experts a tool quantized in place, a weight quantizer per expert, are viewed through its quantizers, a
+        # gated expert's gate and up halves as the one projection the tool quantizes (ModelOpt)
+        per_expert = _quantized_per_expert(quantized)
+        self.per_expert_blocks = tuple(per_expert)
+        quantized = with_experts_held(quantized, [*fused_again, *per_expert])
+        reference = with_experts_held(reference, [path for path in [*module_list_experts(quantized), *fused_again]
+                                                  if path not in per_expert])
+        reference = with_experts_held(reference, per_expert, whole_gate_up=True)
         self.quantized, self.reference = quantized.eval(), reference.eval()
         self.stack, self.device = stack, device
         self.float_layers = tuple(float_layers)
@@ -603,7 +627,8 @@ class ArtifactAnalysis:
             chosen = tuple(chosen)
             fix = ArtifactFix(metric, target, before, chosen, measured, _meets(measured, target, higher),
                               trials, self.tool, self.skipped, searched, self.quanto_weights,
-                              tuple(compact_expert_layers(chosen, self.expert_layers)), stopped)
+                              tuple(compact_expert_layers(chosen, self.expert_layers)), stopped,
+                              self.per_expert_blocks)
             self._fixes[key] = fix
             return fix
 

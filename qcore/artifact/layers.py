@@ -22,7 +22,7 @@ from torch import nn
 from qcore.artifact.experts import checkpoint_experts
 from qcore.artifact.offload import module_tensor
 from qcore.artifact.tools import bookkeeping_module, dequantized_weight, tool_layer_format, tool_of_module
-from qcore.graph.experts import ExpertProjection
+from qcore.graph.experts import ExpertProjection, QuantizedExpertProjection
 
 __all__ = ["ArtifactLayer", "ArtifactMismatchError", "StateDigest", "artifact_layers", "changed_modules",
            "dequantized_weight", "state_digest"]
@@ -164,8 +164,12 @@ def artifact_layers(reference: nn.Module, quantized: nn.Module) -> list[Artifact
     found: dict[str, str] = {}
     class_only: dict[str, str] = {}
     only_quantized: list[str] = []
+    # fused experts a tool quantized in place, viewed expert by expert (qcore.graph.experts.with_experts_held): their
+    # layers are the views, not the experts module that holds the tool's quantizers
+    viewed = {name for name, module in modules if any(isinstance(child, QuantizedExpertProjection)
+                                                      for holder in module.children() for child in holder.children())}
     for name, module in modules:
-        if _under(name, bookkeeping) or _under(name, found) and name not in references:
+        if _under(name, bookkeeping) or _under(name, found) and name not in references or name in viewed:
             continue  # a tool's own state, or a quantized layer's own submodules
         twin = references.get(name)
         if twin is None:

@@ -24,7 +24,7 @@ from qcore.artifact.layers import ArtifactLayer, ArtifactMismatchError, changed_
 from qcore.artifact.offload import decompress_pending, module_tensor, read_from_offload
 from qcore.artifact.weights import WeightFit, input_channel_scales, weight_fit
 from qcore.graph.capture import without_kv_cache
-from qcore.graph.experts import ExpertProjection, held_expert_layers
+from qcore.graph.experts import ExpertProjection, QuantizedExpertProjection, held_expert_layers
 from qcore.graph.inputs import call_model
 from qcore.measure.passes import LayerSqnr, OutputSqnr, SqnrMeasurement
 from qcore.numeric.loggers import StreamingComparator
@@ -174,11 +174,13 @@ class ArtifactRun:
 
 class _FloatLayer(nn.Module):
     """The reference's module in place of a quantized one: its input cast to the reference's dtype, its output back
-    to the dtype the quantized model runs in."""
+    to the dtype the quantized model runs in. `input_quantizer`: a quantizer the tool shares between this layer and
+    others, which keeps quantizing its input (ModelOpt's one input quantizer for all the experts of a projection)."""
 
-    def __init__(self, reference: nn.Module) -> None:
+    def __init__(self, reference: nn.Module, input_quantizer: nn.Module | None = None) -> None:
         super().__init__()
         self.reference = reference
+        self.__dict__["input_quantizer"] = input_quantizer  # the tool's, not this layer's own
         tensors = [*reference.parameters(), *reference.buffers()]
         self.dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
 
@@ -186,6 +188,8 @@ class _FloatLayer(nn.Module):
         floating = [a for a in pytree.tree_leaves((args, kwargs))
                     if isinstance(a, torch.Tensor) and a.is_floating_point()]
         dtype = floating[0].dtype if floating else self.dtype
+        if self.input_quantizer is not None and args:
+            args = (self.input_quantizer(args[0]), *args[1:])
         args, kwargs = _cast((args, kwargs), self.dtype)
         return _cast(self.reference(*args, **kwargs), dtype)
 
@@ -203,8 +207,11 @@ def float_layers_swapped(quantized: nn.Module, reference: nn.Module, names: Iter
         for name in names:
             parent_name, _, child = name.rpartition(".")
             parent = quantized.get_submodule(parent_name)
-            swapped.append((parent, child, parent.get_submodule(child)))
-            setattr(parent, child, _FloatLayer(reference.get_submodule(name)))
+            original = parent.get_submodule(child)
+            swapped.append((parent, child, original))
+            # a tool's fused experts keep their projection's shared input quantizer: only the weights go float
+            shared = original.input_quantizer if isinstance(original, QuantizedExpertProjection) else None
+            setattr(parent, child, _FloatLayer(reference.get_submodule(name), shared))
         yield
     finally:
         for parent, child, original in reversed(swapped):
@@ -553,8 +560,9 @@ def _measurement(reference: nn.Module, quantized: nn.Module, kept: Mapping[str, 
             if kept[name].weighted and name not in float_layers and isinstance(reference_weight, torch.Tensor):
                 reference_weight = module_tensor(reference, f"{name}.weight")  # an offloaded one from its offload
                 with read_from_offload(quantized, name) as module:
-                    ours = module_tensor(quantized, f"{name}.weight") if isinstance(module, ExpertProjection) \
-                        else dequantized_weight(module)
+                    plain_view = isinstance(module, ExpertProjection) and \
+                        not isinstance(module, QuantizedExpertProjection)  # a tool's view computes through its own
+                    ours = module_tensor(quantized, f"{name}.weight") if plain_view else dequantized_weight(module)
                     if ours is not None and ours.numel() == reference_weight.numel() \
                             and ours.device.type != "meta" and reference_weight.device.type != "meta":
                         fitted = _weight_sqnr(reference_weight, ours)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcore.graph.experts import PER_EXPERT_QUANTIZERS
+
 __all__ = ["RECIPE_KEYS", "TOOL_NAMES", "artifact_tool", "bookkeeping_module", "dequantized_weight",
            "quanto_quantize_weights", "skipped_modules", "tool_dequantized_weight", "tool_layer_format",
            "tool_of_module", "tool_recipes", "unwrapped_artifact"]
@@ -315,13 +317,29 @@ def _version(package: str) -> tuple[int, ...] | None:
     return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
 
 
-def _modelopt_line(names: list[str]) -> str:
+def _modelopt_line(names: list[str], per_expert_blocks: Iterable[str] = ()) -> str:
+    wildcards = [_modelopt_wildcard(name, tuple(per_expert_blocks)) for name in names]
     version = _version("nvidia-modelopt")
     if version is None or version >= (0, 47):  # quant_cfg is a list of entries from 0.47 on
-        entries = ", ".join(f"{{'quantizer_name': {'*' + name + '*'!r}, 'enable': False}}" for name in names)
+        entries = ", ".join(f"{{'quantizer_name': {wildcard!r}, 'enable': False}}" for wildcard in wildcards)
         return f"config['quant_cfg'].extend([{entries}])"
-    entries = ", ".join(f"{'*' + name + '*'!r}: {{'enable': False}}" for name in names)
+    entries = ", ".join(f"{wildcard!r}: {{'enable': False}}" for wildcard in wildcards)
     return f"config['quant_cfg'].update({{{entries}}})"
+
+
+def _modelopt_wildcard(name: str, per_expert_blocks: tuple[str, ...]) -> str:
+    """ModelOpt's wildcard over the quantizers that keep layer (or glob) `name` in float. Under a block whose fused
+    experts ModelOpt quantizes in place (`per_expert_blocks`), an expert's projection (`block.3.down_proj`, all of
+    them `block.*.down_proj`, the whole block `block`) is its weight quantizers (`block.down_proj_weight_quantizers.3`):
+    ModelOpt keeps one input quantizer for all the experts of a projection, which stays (as the measured trial kept
+    it); the wildcard ends at the expert's index, so that expert 3's does not match expert 30's."""
+    for block in per_expert_blocks:
+        if name == block:
+            return f"*{block}.*{PER_EXPERT_QUANTIZERS}.*"
+        expert, _, projection = name[len(block) + 1:].partition(".") if name.startswith(block + ".") else ("", "", "")
+        if projection and "." not in projection and (expert == "*" or expert.isdigit()):
+            return f"*{block}.{projection}{PER_EXPERT_QUANTIZERS}.{expert}"
+    return f"*{name}*"
 
 
 def quanto_quantize_weights(model: nn.Module) -> str | None:
@@ -363,13 +381,15 @@ def _regex(pattern: str) -> str:
 
 
 def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head",),
-                 quanto_weights: str | None = None, patterns: Iterable[str] | None = None) -> dict[str, str]:
+                 quanto_weights: str | None = None, patterns: Iterable[str] | None = None,
+                 per_expert_blocks: Iterable[str] = ()) -> dict[str, str]:
     """The line that keeps `float_layers` unquantized in each tool that makes artifacts, by tool (and qmodel's
     float_layers); `skipped`: what the tool's setting already held (skipped_modules); `quanto_weights`: the
     weights qtype of a model made by quanto's own quantize() (quanto_quantize_weights), whose line is then that
     call's exclude, else transformers' QuantoConfig. `patterns`: the same layers written with globs (a block's
     experts as `block.*.down_proj`), for the tools that take patterns (qmodel, llm-compressor's `re:`, ModelOpt,
-    GPTQModel); the others list every name."""
+    GPTQModel); the others list every name. `per_expert_blocks`: the MoE blocks whose fused experts ModelOpt
+    quantized in place, a weight quantizer per expert (their experts' layers are those quantizers there)."""
     names = list(float_layers)
     globs = list(patterns) if patterns is not None else names
     listed = ", ".join(repr(name) if "*" not in name and name in names else repr("re:" + _regex(name))
@@ -380,7 +400,7 @@ def tool_recipes(float_layers: Iterable[str], skipped: Iterable[str] = ("lm_head
     return {
         "float_layers": f"float_layers={globs!r}",
         "llm-compressor": f"ignore=[..., {listed}]",
-        "modelopt": _modelopt_line(globs),
+        "modelopt": _modelopt_line(globs, per_expert_blocks),
         "bitsandbytes": f"BitsAndBytesConfig(..., llm_int8_skip_modules=[{kept}])",
         "quanto": f"quantize(model, weights={quanto_weights}, exclude=[{kept}])" if quanto_weights else
                   f"QuantoConfig(..., modules_to_not_convert=[{kept}])",

@@ -25,10 +25,11 @@ from torch import fx, nn
 
 from qcore.graph.ops import EXPERTS_KEY
 
-__all__ = ["EXPERTS_KEY", "ExpertLayer", "ExpertProjection", "MoeBlock", "Router", "compact_expert_layers",
+__all__ = ["EXPERTS_KEY", "PER_EXPERT_QUANTIZERS", "ExpertLayer", "ExpertProjection", "MoeBlock",
+           "QuantizedExpertProjection", "Router", "compact_expert_layers",
            "expand_expert_templates", "expert_counts", "expert_layers", "expert_linears", "expert_projections",
            "fused_experts_modules", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks",
-           "routers", "templates_only", "traced_with_templates", "with_experts_held"]
+           "quantized_per_expert", "routers", "templates_only", "traced_with_templates", "with_experts_held"]
 
 _IMPLEMENTATION = "qcore_linear_experts"
 
@@ -186,11 +187,55 @@ class ExpertProjection(nn.Linear):
         return nn.functional.linear(input, self.weight, self.bias)
 
 
-def expert_projections(module: nn.Module, expert: int) -> nn.Module:
-    """An expert's projections as ExpertProjection modules reading the fused parameters (expert_linears' layout)."""
+class QuantizedExpertProjection(ExpertProjection):
+    """One expert's projection of fused experts that a tool quantizes in place, keeping the float parameters with
+    one weight quantizer per expert and one input quantizer per projection beside them (ModelOpt's fused experts:
+    `down_proj_weight_quantizers`, `down_proj_input_quantizer`): it computes as the tool's forward computes that
+    expert, through the tool's own quantizers, held as its children `input_quantizer` and `weight_quantizer` (as
+    the tool's quantized Linear holds them)."""
+
+    def __init__(self, experts: nn.Module, fused: str, expert: int, bias: bool) -> None:
+        super().__init__(experts, fused, expert, None, bias)
+        self.input_quantizer = getattr(experts, f"{fused}_input_quantizer")
+        self.weight_quantizer = getattr(experts, f"{fused}{PER_EXPERT_QUANTIZERS}")[expert]
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's signature
+        """The projection of `input` through the tool's input quantizer and the expert's weight quantizer."""
+        return nn.functional.linear(self.input_quantizer(input), self.weight_quantizer(self.weight), self.bias)
+
+
+PER_EXPERT_QUANTIZERS = "_weight_quantizers"  # the suffix of a fused parameter's per-expert weight quantizers
+
+
+def quantized_per_expert(module: nn.Module) -> bool:
+    """Whether a fused experts module is quantized in place by a tool that keeps one weight quantizer per expert and
+    one input quantizer per projection beside each fused parameter (ModelOpt), for a layout it computes as
+    `F.linear(x, parameter[expert])` (not transposed)."""
+    if getattr(module, "is_transposed", True):
+        return False
+    count = module.down_proj.shape[0]
+    for fused in ("gate_up_proj" if getattr(module, "has_gate", False) else "up_proj", "down_proj"):
+        quantizers = getattr(module, f"{fused}{PER_EXPERT_QUANTIZERS}", None)
+        if not (isinstance(quantizers, nn.ModuleList) and len(quantizers) == count
+                and isinstance(getattr(module, f"{fused}_input_quantizer", None), nn.Module)):
+            return False
+    return True
+
+
+def expert_projections(module: nn.Module, expert: int, whole_gate_up: bool = False) -> nn.Module:
+    """An expert's projections as ExpertProjection modules reading the fused parameters (expert_linears' layout);
+    with `whole_gate_up`, a gated expert's gate and up halves as one projection, `gate_up_proj` (the layout of a
+    tool that quantizes them as one: quantized_per_expert). A module quantized_per_expert holds its experts so,
+    as QuantizedExpertProjection modules."""
     holder = nn.Module()
     bias = bool(getattr(module, "has_bias", False))
-    if module.has_gate:
+    if quantized_per_expert(module):
+        for fused in ("gate_up_proj" if module.has_gate else "up_proj", "down_proj"):
+            holder.add_module(fused, QuantizedExpertProjection(module, fused, expert, bias))
+        return holder
+    if module.has_gate and whole_gate_up:
+        holder.add_module("gate_up_proj", ExpertProjection(module, "gate_up_proj", expert, None, bias))
+    elif module.has_gate:
         for half, name in enumerate(("gate_proj", "up_proj")):
             holder.add_module(name, ExpertProjection(module, "gate_up_proj", expert, half, bias))
     else:
@@ -202,7 +247,9 @@ def expert_projections(module: nn.Module, expert: int) -> nn.Module:
 def _expert_projection(self: nn.Module, expert: int, inputs: torch.Tensor) -> torch.Tensor:
     """Expert `expert`'s projections of `inputs` through its Linear modules, as transformers' experts compute them."""
     linears = getattr(self, str(expert))
-    if self.has_gate:
+    if self.has_gate and "gate_up_proj" in linears._modules:  # gate and up as one projection (expert_projections)
+        hidden = self._apply_gate(linears.gate_up_proj(inputs))
+    elif self.has_gate:
         gate, up = linears.gate_proj(inputs), linears.up_proj(inputs)
         if getattr(type(self)._apply_gate, "__name__", "") == "_default_apply_gate":
             hidden = self.act_fn(gate) * up  # as the Linear layers it stands for: no cat to share a range
@@ -472,11 +519,12 @@ def linearized_experts(model: nn.Module) -> Iterator[dict[str, Any]]:
             delattr(module, name)
 
 
-def with_experts_held(model: nn.Module, paths: Iterable[str]) -> nn.Module:
+def with_experts_held(model: nn.Module, paths: Iterable[str], whole_gate_up: bool = False) -> nn.Module:
     """`model` as a view whose fused experts modules at `paths` hold their experts as modules too (children "0",
-    "1", ... with Linear views of the fused weights) and compute through them, one expert at a time on its routed
-    tokens: the same function, layer names that pair with a checkpoint holding its experts as modules. Nothing is
-    copied but the modules on the way to each path (their parameters are shared); `model` is left as it was."""
+    "1", ... with Linear views of the fused weights: expert_projections, `whole_gate_up` its) and compute through
+    them, one expert at a time on its routed tokens: the same function, layer names that pair with a checkpoint
+    holding its experts as modules. Nothing is copied but the modules on the way to each path (their parameters
+    are shared); `model` is left as it was."""
     fused = fused_experts_modules(model)
     # a view already holds its experts (an analysis planned again from one): nothing to make twice
     wanted = [path for path in paths if path in fused and not any(name.isdigit() for name in fused[path]._modules)]
@@ -492,7 +540,7 @@ def with_experts_held(model: nn.Module, paths: Iterable[str]) -> nn.Module:
             parent = child
         view = _shallow(fused[path])
         for expert in range(int(getattr(view, "num_experts", view.down_proj.shape[0]))):
-            view._modules[str(expert)] = expert_projections(view, expert)
+            view._modules[str(expert)] = expert_projections(view, expert, whole_gate_up)
         _set_forward(view, types.MethodType(_experts_forward, view))
         parent._modules[parts[-1]] = view
     return root
