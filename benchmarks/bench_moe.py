@@ -36,8 +36,16 @@ alternating rounds, and the MoE captured a third way: its experts left as transf
 op a projection, neither quantized nor measured), the floor of an analysis that would measure a projection's
 experts as one op. Each figure the median of its rounds' analysis over forward.
 
+With `--ops [--sizes tiny] [--checks sqnr,...]`: `--cost`'s pair, verdicts only: the aten ops one analysis runs
+(counted at dispatch, after a first analysis that is not counted) against those of the model's eager forward over
+the same batches, by op, the ops whose share of the MoE's analysis most exceeds their share of the dense model's
+first. Below it, whether the grouped forms a projection's experts measured as one op would compute with give the
+per-expert forms' values bit for bit on this machine: torch's grouped_mm against one linear per expert, and one
+fake quantization per row with each row's expert's int8 qparams (qcore's per-channel kernel) against one per-tensor
+fake quantization per expert.
+
     python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...]]
-                                   [--experts 8,32,64,128] [--capture]
+                                   [--experts 8,32,64,128] [--capture] [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
 """
 from __future__ import annotations
@@ -349,7 +357,80 @@ def grouped_floor(sizes: list[str]) -> None:
                   f"{statistics.median(ratios) / dense_ratio:>10.2f}  {', '.join(f'{r:.1f}' for r in ratios)}")
 
 
+def ops_table(sizes: list[str], checks: list[str] | None = None, rows: int = 24) -> None:
+    """The table of --ops, then the grouped forms' check (grouped_forms_agree)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qcore.graph.inputs import call_model
+
+    class CountedOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+            self.counts[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    print(f"checks: {','.join(checks) if checks else 'every default check'}")
+    for size in sizes:
+        moe, dense, batches = pair(size)
+        counted: dict[str, tuple[Counter[str], Counter[str]]] = {}
+        for name, model in (("dense", dense), ("moe", moe)):
+            _analysis_seconds(model, batches, 0.0, checks)  # its one-time work: not counted
+            with CountedOps() as forward, torch.no_grad():
+                for batch in batches:
+                    call_model(model, batch)
+            with CountedOps() as analysis:
+                _analysis_seconds(model, batches, 0.0, checks)
+            counted[name] = (forward.counts, analysis.counts)
+            run, ran = sum(forward.counts.values()), sum(analysis.counts.values())
+            print(f"{size:>7} {name:>5}: forward {run:,} ops, analysis {ran:,} ({ran / run:.1f} per forward op)")
+        per_forward = {name: {op: count / sum(forward.values()) for op, count in analysis.items()}
+                       for name, (forward, analysis) in counted.items()}
+        ops = sorted(set(per_forward["dense"]) | set(per_forward["moe"]),
+                     key=lambda op: per_forward["dense"].get(op, 0.0) - per_forward["moe"].get(op, 0.0))
+        print(f"{'op':>40} {'dense':>8} {'moe':>8}   (analysis ops per forward op; counts)")
+        for op in ops[:rows]:
+            print(f"{op[:40]:>40} {per_forward['dense'].get(op, 0.0):>8.3f} {per_forward['moe'].get(op, 0.0):>8.3f}"
+                  f"   ({counted['dense'][1][op]:,}, {counted['moe'][1][op]:,})")
+    print(f"grouped forms agree bit for bit: {grouped_forms_agree()}")
+
+
+def grouped_forms_agree() -> dict[str, bool]:
+    """Whether torch's grouped_mm gives one linear per expert's values (float32 and bfloat16, an expert with no
+    token included), and one fake quantization per row with each row's expert's int8 qparams gives one per-tensor
+    fake quantization per expert's (qcore's kernels), to the bit."""
+    from qcore.observe.qparams import fake_quantize_per_channel, fake_quantize_per_tensor
+
+    generator = torch.Generator().manual_seed(0)
+    counts = [5, 0, 17, 3, 40, 1, 9, 13]
+    inputs = torch.randn(sum(counts), 128, generator=generator)
+    weights = torch.randn(len(counts), 256, 128, generator=generator)  # [expert, out, in], as nn.Linear's
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    agree = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = inputs.to(dtype), weights.to(dtype)
+        grouped = torch.nn.functional.grouped_mm(x, w.transpose(-2, -1), offs=ends)
+        each = torch.cat([torch.nn.functional.linear(part, w[e]) for e, part in enumerate(x.split(counts))])
+        agree[f"grouped_mm {dtype}"] = torch.equal(grouped, each)
+    scales = torch.rand(len(counts), generator=generator) * 0.05 + 0.001
+    zero_points = torch.randint(-20, 20, (len(counts),), generator=generator)
+    rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    per_row = fake_quantize_per_channel(inputs * 3, scales[rows], zero_points[rows], 0, -128, 127)
+    per_expert = torch.cat([fake_quantize_per_tensor(part, float(scales[e]), int(zero_points[e]), -128, 127)
+                            for e, part in enumerate((inputs * 3).split(counts))])
+    agree["per-row int8 fake quantization"] = torch.equal(per_row, per_expert)
+    return agree
+
+
 def main() -> None:
+    if "--ops" in sys.argv:
+        ops_table(sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["tiny"],
+                  sys.argv[sys.argv.index("--checks") + 1].split(",") if "--checks" in sys.argv else None)
+        return
     if "--grouped-floor" in sys.argv:
         grouped_floor(sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv
                       else ["tiny", "small"])
