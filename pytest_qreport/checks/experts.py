@@ -169,6 +169,9 @@ class RoutingAgreementCheck(Check):
     as the float router does: a flipped choice sends a token to other experts, an error no per-layer SQNR shows."""
 
     name, order, metric, needs = "routing_agreement", 26, "agreement", frozenset({"sqnr"})
+    artifact_skip = ("compares the choice of a router that qcore quantizes with the float router's; in artifact mode "
+                     "(quantized=) the tool chose which routers to quantize: a router it quantized is a layer of the "
+                     "artifact, judged by its sqnr item, and tokens sent to other experts show in the output checks")
     settings = (Setting("routing_agreement_min", fraction(), 0.95,
                         "least share of tokens whose top-k experts the quantized router keeps", metavar="SHARE"),)
 

@@ -271,9 +271,10 @@ class ModelPipeline:
         check = self.context.checks[check_name]
         severity = self.settings.severity.get(check_name, check.default_severity)
         if is_artifact(self.context.analysis) and not check.measures_artifacts:
+            why = check.artifact_skip or ARTIFACT_SKIP
             return [Finding(model=self.name, check=check_name, layer=layer, metric=check.metric, value=math.nan,
                             threshold=math.nan, verdict="skip",
-                            message=f"model {self.name!r}: check {check_name!r} {ARTIFACT_SKIP}.") for layer in layers]
+                            message=f"model {self.name!r}: check {check_name!r} {why}.") for layer in layers]
         refused = {entry.layer: entry for entry in self.context.analysis.layers if entry.format_refusal}
         if any(layer in refused for layer in layers):
             measurable = [layer for layer in layers if layer not in refused]

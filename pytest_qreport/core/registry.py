@@ -96,6 +96,8 @@ class Check(ABC):
     # items skip, as checks that concern choosing a quantizer do), and its default severity there (None: as usual)
     measures_artifacts: ClassVar[bool] = False
     artifact_severity: ClassVar[str | None] = None
+    # why its items skip in artifact mode, where not because it concerns choosing a quantizer (ARTIFACT_SKIP)
+    artifact_skip: ClassVar[str] = ""
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self.options = dict(options or {})

@@ -220,7 +220,8 @@ def test_the_gate_names_a_modelopt_fused_projections_items_by_its_parameter_and_
         model.get_submodule(block).down_proj[2, :, 5] *= 400.0
     quantized = _moe_quantized(model, data, "INT8_DEFAULT_CFG")
     settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=data, quantized=lambda: quantized,
-                                      checks=["sqnr", "weight_sqnr", "expert_coverage", "model_sqnr"])
+                                      checks=["sqnr", "weight_sqnr", "expert_coverage", "model_sqnr",
+                                              "routing_agreement"])
     pipeline = collect_model("m", settings, builtin_registry(), None, model, data[0], quantized=quantized)
     pipeline.analyze(lambda: data, lambda found: None)
     found = pipeline.findings
@@ -233,3 +234,5 @@ def test_the_gate_names_a_modelopt_fused_projections_items_by_its_parameter_and_
     output = found["model_sqnr", "output"]
     assert "keep their projection's input quantizer" in output.message
     assert f"'*{block}.down_proj_weight_quantizers." in output.message
+    routing = found["routing_agreement", "model"]  # not measured here, saying why in its own words
+    assert routing.verdict == "skip" and "a router it quantized is a layer of the artifact" in routing.message
