@@ -28,6 +28,7 @@ from qcore.numeric.instrument import (
     copy_layer_into,
     makes_new_tensor,
     merge_repeated_shadow_inputs,
+    merge_repeated_shadow_weights,
     reads_only,
     shadow_signature,
     skip_requantizations,
@@ -282,6 +283,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
         watch(ShadowGraph(gm_a, pairs, _SHADOW_PREFIX, references,
                           {pair.layer: c for pair, c in zip(pairs, shadowed) if c is not None}, floats))
     merge_repeated_shadow_inputs(gm_a.graph)
+    merge_repeated_shadow_weights(gm_a.graph)
     before = set(gm_a.graph.nodes)
     finish = None
     if instrument is not None:

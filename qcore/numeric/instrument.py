@@ -20,9 +20,10 @@ from qcore.graph.ops import (
 )
 from qcore.numeric.matching import layer_value, nodes_by_handle
 from qcore.observe.qparams import fake_quantize_per_tensor
-from qcore.quantization.convert import QPARAMS_KEY, qparams_meta_digest
+from qcore.quantization.convert import QPARAMS_KEY, fake_quantize_where_read, qparams_meta_digest
 
-__all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "merge_repeated_shadow_inputs", "makes_new_tensor",
+__all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "merge_repeated_shadow_inputs",
+           "merge_repeated_shadow_weights", "makes_new_tensor",
            "grid_comes_back", "qparams_digest", "reads_only", "shadow_signature", "skip_requantizations"]
 
 _FLOAT_WEIGHT_KEY = "qcore_float_weight"  # the float weight a converted one was made from (convert's metadata)
@@ -234,6 +235,56 @@ def merge_repeated_shadow_inputs(graph: fx.Graph) -> int:
         node.replace_all_uses_with(kept)
         graph.erase_node(node)
     return len(repeated)
+
+
+def merge_repeated_shadow_weights(graph: fx.Graph) -> int:
+    """Let shadows that quantize one weight where it is read with the same qparams, one right after the other among
+    the graph's weight quantizations (a layer's own shadow and a screen's that changes only its activations, both
+    beside the layer), share one quantization: the later copy reads the first's, one pass over the weight a batch
+    instead of one a shadow, and the quantized weight lives only until the later shadow's matmul, a few nodes on.
+    Returns how many copies were erased."""
+    module = graph.owning_module
+    if module is None:
+        return 0
+    kept: tuple[fx.Node, tuple[Any, ...], torch.Tensor, torch.Tensor] | None = None
+    repeated = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not fake_quantize_where_read:
+            continue
+        read = _weight_read(module, node)
+        if read is None:
+            kept = None
+            continue
+        key, scale, zero_point = read
+        if kept is not None and kept[1] == key and _same_values(kept[2], scale) and _same_values(kept[3], zero_point):
+            repeated.append((node, kept[0]))
+        else:
+            kept = (node, key, scale, zero_point)
+    for node, first in repeated:
+        node.replace_all_uses_with(first)
+        graph.erase_node(node)
+    return len(repeated)
+
+
+def _weight_read(module: nn.Module, node: fx.Node) -> tuple[tuple[Any, ...], torch.Tensor, torch.Tensor] | None:
+    """(the weight's identity and the quantization's constant arguments, its scale, its zero point) of a shadow's
+    weight quantized where it is read, all read from attributes; None for any other."""
+    if node.meta.get("qcore_inserted") != "shadow" or node.kwargs or len(node.args) != 6:
+        return None
+    weight, scale, zero_point, *constants = node.args
+    if not all(isinstance(arg, fx.Node) and arg.op == "get_attr" for arg in (weight, scale, zero_point)) or \
+            any(isinstance(arg, fx.Node) for arg in constants):
+        return None
+    values = [fetch_attr(module, str(arg.target)) for arg in (weight, scale, zero_point)]
+    if not all(isinstance(value, torch.Tensor) for value in values):
+        return None
+    tensor = values[0]
+    identity = (tensor.device, tensor.dtype, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor._version)
+    return (identity, *constants), values[1], values[2]
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b))
 
 
 def skip_requantizations(graph: fx.Graph) -> int:

@@ -251,6 +251,33 @@ def test_shadows_of_one_input_share_its_fake_quantization_with_the_same_sqnrs(mo
     assert erased == [2, 0]  # the key's and the value's copies read the query's
 
 
+def test_a_screens_shadow_shares_the_layers_own_shadows_weight_quantized_where_read(monkeypatch):
+    """In a large model's analysis, weights are quantized where they are read: a screen's copy that quantizes a
+    layer's weight as the model's convert did (a screen that changes only the activations) shares the layer's own
+    shadow's quantization of it, one pass over the weight a batch instead of two, with the same records."""
+    from qcore.graph.capture import clone_graph_module
+    from qcore.numeric.compare import ExtraShadows
+    from qcore.quantization.convert import quantize_weights_where_read
+
+    compare_module = __import__("sys").modules["qcore.numeric.compare"]
+    torch.manual_seed(0)
+    data = batches((4, 8, 16), n=3)
+    with quantize_weights_where_read():
+        float_gm, quant_gm = qcore.quantize(_ThreeProjections().eval(), data[0], data)
+    screen = clone_graph_module(quant_gm, share_parameters=True)  # its qparams are copies: equal values
+    erased: list[int] = []
+
+    def shadows(merge: bool) -> tuple[dict, dict]:
+        _run_graph_pass(monkeypatch, "merge_repeated_shadow_weights", merge, erased)
+        extra = ExtraShadows(screen, {"query", "key", "value"})
+        _, records = compare_module.compare_propagated_and_shadow(float_gm, quant_gm, data, extra_shadows=[extra])
+        return {r["layer"]: r["sqnr_db"] for r in records}, extra.results
+
+    merged, apart = shadows(merge=True), shadows(merge=False)
+    assert merged == apart and set(merged[0]) == {"query", "key", "value"}
+    assert erased == [3, 0]  # each screen shadow's weight quantization reads the layer's own shadow's
+
+
 class _Heads(torch.nn.Module):
     """An attention block's projections viewed as heads and transposed before scaled_dot_product_attention."""
 
