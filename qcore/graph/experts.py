@@ -187,6 +187,9 @@ class ExpertProjection(nn.Linear):
         return nn.functional.linear(input, self.weight, self.bias)
 
 
+PER_EXPERT_QUANTIZERS = "_weight_quantizers"  # the suffix of a fused parameter's per-expert weight quantizers
+
+
 class QuantizedExpertProjection(ExpertProjection):
     """One expert's projection of fused experts that a tool quantizes in place, keeping the float parameters with
     one weight quantizer per expert and one input quantizer per projection beside them (ModelOpt's fused experts:
@@ -202,9 +205,6 @@ class QuantizedExpertProjection(ExpertProjection):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's signature
         """The projection of `input` through the tool's input quantizer and the expert's weight quantizer."""
         return nn.functional.linear(self.input_quantizer(input), self.weight_quantizer(self.weight), self.bias)
-
-
-PER_EXPERT_QUANTIZERS = "_weight_quantizers"  # the suffix of a fused parameter's per-expert weight quantizers
 
 
 def quantized_per_expert(module: nn.Module) -> bool:
