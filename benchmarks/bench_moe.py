@@ -18,7 +18,9 @@ in alternating rounds (11 at `tiny`, 2 at `small`, 1 at `30b-a3b`; each a forwar
 for a second, and both analyses), each figure the fastest of its rounds. `moe/dense` is the MoE's ratio over the
 dense model's; `median` and `per round`, the median and the range of that quotient over the rounds; below the
 table, each analysis's stages against its model's forward. `--checks sqnr,weight_sqnr,...` runs those checks instead
-of every default one: where among the checks the MoE's extra cost lies.
+of every default one: where among the checks the MoE's extra cost lies; `--tokens N` gives each batch row N tokens
+instead of the size's (an expert's share of the calibration grows with them). Last, the layers each detector's
+screen measured its fix on (a screen runs one more copy of each such layer in the comparison pass).
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
@@ -44,12 +46,13 @@ per-expert forms' values bit for bit on this machine: torch's grouped_mm against
 fake quantization per row with each row's expert's int8 qparams (qcore's per-channel kernel) against one per-tensor
 fake quantization per expert.
 
-    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...]]
+    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N]]
                                    [--experts 8,32,64,128] [--capture] [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import resource
 import statistics
@@ -88,10 +91,11 @@ def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
     return float(compute_sqnr(held_out, quantized))
 
 
-def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | None = None
-                      ) -> tuple[float, int, int, dict[str, float]]:
+def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | None = None,
+                      screened: dict[str, int] | None = None) -> tuple[float, int, int, dict[str, float]]:
     """(seconds from capture to every finding, items, failing items, seconds per stage) of `checks` (default: every
-    default check), as the plugin runs them."""
+    default check), as the plugin runs them. `screened`, when given, gets the layers each screen measured a fix on
+    in the comparison pass ({screen: layers}; "layers" is every layer the analysis measured)."""
     import qcore
     from pytest_qreport.checks import BUILTIN_CHECKS
     from pytest_qreport.core.pipeline import collect_model
@@ -107,6 +111,10 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
     state = collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
     state.analyze(lambda: batches, lambda found: None, threads=2)
     assert not state.failed, state.error
+    if screened is not None:
+        analysis = state.context.analysis
+        screened["layers"] = len(analysis.sqnr.layers)
+        screened.update({name: len(found.changes) for name, found in analysis.measurement.screens.items()})
     findings = (state.findings or {}).values()
     return (time.perf_counter() - start, len(findings), sum(f.verdict in ("fail", "warn") for f in findings),
             dict(state.seconds))
@@ -149,7 +157,7 @@ class Size:
     vocabulary: int
 
 
-SIZES = {
+SIZES: dict[str, Size] = {
     "tiny": Size(128, 128, 8, 2, 4, 8, 16, 16, 128),
     "small": Size(1024, 512, 8, 2, 4, 8, 128, 128, 1024),
     # Qwen3-30B-A3B's blocks (2 of its 48) with a small vocabulary: 32 routed tokens an expert a batch
@@ -157,11 +165,12 @@ SIZES = {
 }
 
 
-def pair(size: str):
-    """(the MoE, the dense model of its depth and compute per token, 8 batches of 4 rows), seeded."""
+def pair(size: str, tokens: int | None = None):
+    """(the MoE, the dense model of its depth and compute per token, 8 batches of 4 rows of `tokens` tokens (default:
+    the size's)), seeded."""
     import transformers
 
-    shape = SIZES[size]
+    shape = SIZES[size] if tokens is None else dataclasses.replace(SIZES[size], tokens=tokens)
     common = dict(vocab_size=shape.vocabulary, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
                   num_attention_heads=shape.heads, num_key_value_heads=4, head_dim=shape.head_dim,
                   max_position_embeddings=512, use_cache=False)
@@ -184,19 +193,21 @@ def pair(size: str):
     return models[0], models[1], batches
 
 
-def cost(sizes: list[str], checks: list[str] | None = None) -> None:
+def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None = None) -> None:
     """The table of --cost: the two models measured in alternating rounds, so that the machine's drift (its speed
     moves by a tenth from minute to minute) falls on both alike; each figure the fastest of its rounds, and the
     spread of the per-round ratio beside it. Below it, where each analysis's time goes (its fastest round): the
     capture, the calibration and comparison passes, the fix searches' trials and the rest (graph building and
-    reading the results), each against the model's forward. `checks`: the checks run (default: every default
-    check)."""
-    print(f"checks: {','.join(checks) if checks else 'every default check'}")
+    reading the results), each against the model's forward, and the layers each detector's screen measured a fix
+    on. `checks`: the checks run (default: every default check); `tokens`: tokens per batch row (default: the
+    size's)."""
+    print(f"checks: {','.join(checks) if checks else 'every default check'}"
+          + (f"; {tokens} tokens a row" if tokens else ""))
     print(f"{'size':>6} {'fix_budget':>10} {'model':>6} {'forward s':>10} {'analysis s':>11} {'items':>6} "
           f"{'failing':>7} {'ratio':>7} {'moe/dense':>9} {'median':>6} {'per round':>17}")
-    splits = []
+    splits, screens = [], []
     for size in sizes:
-        moe, dense, batches = pair(size)
+        moe, dense, batches = pair(size, tokens)
         models = (("dense", dense), ("moe", moe))
         forwards: dict[str, list[float]] = {name: [] for name, _ in models}
         analyses: dict[tuple[str, float], list[tuple[float, dict[str, float]]]] = {}
@@ -208,9 +219,13 @@ def cost(sizes: list[str], checks: list[str] | None = None) -> None:
             for name, model in models:
                 forwards[name].append(steady_forward_seconds(model, batches))
                 for budget in (0.0, 1.0):
+                    screened: dict[str, int] = {}
                     seconds, items[name], failing[name, budget], stages = _analysis_seconds(model, batches, budget,
-                                                                                            checks)
+                                                                                            checks, screened)
                     analyses.setdefault((name, budget), []).append((seconds, stages))
+                if len(forwards[name]) == 1:
+                    screens.append(f"{size:>6} {name:>6} {screened.pop('layers')} layers; " + (", ".join(
+                        f"{screen} {count}" for screen, count in sorted(screened.items())) or "no screen"))
         for budget in (0.0, 1.0):
             fastest = {name: min(analyses[name, budget], key=lambda found: found[0]) for name, _ in models}
             ratios = {name: fastest[name][0] / min(forwards[name]) for name, _ in models}
@@ -227,6 +242,8 @@ def cost(sizes: list[str], checks: list[str] | None = None) -> None:
                     for stage in ("capture", "calibration", "comparison", "verdict trials", "trials", "other")))
     print("where the time goes, against the model's forward (the fastest round):")
     print("\n".join(splits))
+    print("the layers each screen measured its fix on (fix_budget 1, the first round):")
+    print("\n".join(screens))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
@@ -447,7 +464,8 @@ def main() -> None:
         return
     if "--cost" in sys.argv:
         sizes = sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["tiny", "small"]
-        cost(sizes, sys.argv[sys.argv.index("--checks") + 1].split(",") if "--checks" in sys.argv else None)
+        cost(sizes, sys.argv[sys.argv.index("--checks") + 1].split(",") if "--checks" in sys.argv else None,
+             int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else None)
         return
     tokens = routed_tokens()
     usable = {e: t for e, t in tokens.items() if len(t) >= 2 * COUNTS[-1]}
