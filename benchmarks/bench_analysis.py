@@ -26,7 +26,11 @@ encoder (6 layers, hidden 256, vocabulary 1000), a ResNet-18 (torchvision's arch
 8 batches of 4x3x128x128), examples' TinyResNet (8 batches of 8x3x32x32, about 1-2 ms a batch: fixed costs
 show), and 8 x Linear(4096) with 200 batches of 64 rows (memory).
 
-    python benchmarks/bench_analysis.py
+With `--capture [--cases ...]`: each case's capture alone, in alternating rounds in one process, as qcore makes
+it (no Python stack trace recorded per node) and with the stack traces torch.export records by default: the
+median seconds of each and their ratio.
+
+    python benchmarks/bench_analysis.py [--cases minilm,resnet18] [--capture]
 """
 from __future__ import annotations
 
@@ -284,10 +288,50 @@ def _run(name: str, mode: str) -> dict:
     return json.loads(output.stdout.strip().splitlines()[-1])
 
 
+CAPTURE_ROUNDS = 7
+
+
+def capture_cost(names: list[str]) -> None:
+    """--capture: each case's capture as qcore makes it (no Python stack trace recorded per node) against the same
+    capture with the stack traces torch.export records by default, in alternating rounds in this process (the
+    machine's drift falls on both alike): the median of each, their ratio, and the process's peak RSS."""
+    import contextlib
+
+    import qcore.graph.capture as capturing
+    from qcore.graph.capture import capture
+
+    without_traces = capturing._without_stack_traces
+    print(f"{'case':>9} {'no traces s':>11} {'traces s':>9} {'ratio':>6} {'nodes':>6}")
+    for name in names:
+        model, batches = _case(name)
+        example = batches[0]
+        capture(model, example)  # the first capture in a process pays its one-time costs: not measured
+        seconds: dict[bool, list[float]] = {False: [], True: []}
+        nodes = 0
+        for _ in range(CAPTURE_ROUNDS):
+            for traces in (False, True):
+                capturing._without_stack_traces = contextlib.nullcontext if traces else without_traces
+                try:
+                    start = time.perf_counter()
+                    graph = capture(model, example)
+                    seconds[traces].append(time.perf_counter() - start)
+                finally:
+                    capturing._without_stack_traces = without_traces
+                nodes = len(graph.graph.nodes)
+        quick, slow = statistics.median(seconds[False]), statistics.median(seconds[True])
+        print(f"{name:>9} {quick:>11.3f} {slow:>9.3f} {quick / slow:>6.2f} {nodes:>6}")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", help="comma-separated cases to run (default: all, and the 8 x Linear(4096) one)")
+    parser.add_argument("--capture", action="store_true", help="the capture alone, without and with the stack "
+                        "traces torch.export records by default (default cases: minilm,resnet18,cnn)")
     args = parser.parse_args()
+    if args.capture:
+        capture_cost(args.cases.split(",") if args.cases else ["minilm", "resnet18", "cnn"])
+        return
     cases = (("minilm", "BERT-sized encoder (MiniLM-L6-H384 shape, 22.7M parameters)"),
              ("bert", "BERT-style encoder (6 x 256)"), ("resnet18", "ResNet-18 CNN (11.7M parameters, 4x3x128x128)"),
              ("cnn", "examples' TinyResNet CNN (8x3x32x32)"))

@@ -162,7 +162,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, recompile: bool = True)
     """torch.export's module of `model` on the example inputs, without its input guards. recompile=False leaves the
     code generation to a caller that edits the graph before it runs (until then the module cannot run)."""
     dynamic = _auto_batch_dims(args, kwargs)
-    with _code_generated_when_run():
+    with _code_generated_when_run(), _without_stack_traces():
         try:
             exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
         except Exception:  # noqa: BLE001 - a model that refuses a dynamic batch dim still exports statically
@@ -190,6 +190,23 @@ def _code_generated_when_run() -> contextlib.AbstractContextManager:
     except ImportError:  # a torch without lazy graph modules: every pass generates its code
         return contextlib.nullcontext()
     return _use_lazy_graph_module(True)
+
+
+@contextlib.contextmanager
+def _without_stack_traces() -> Iterator[None]:
+    """A context in which a trace records no Python stack trace per node (node.meta["stack_trace"]): qcore reads
+    none, its errors name the user's frames from the exception, and taking one costs a traceback extraction and
+    its symbolization for every node, a fifth of a capture."""
+    config = getattr(torch.fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):  # a torch without the setting
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 def _export_experts(model: nn.Module, args: tuple, kwargs: dict, experts_record: dict[str, Any]) -> fx.GraphModule:
