@@ -196,7 +196,7 @@ def _code_generated_when_run() -> contextlib.AbstractContextManager:
 def _without_stack_traces() -> Iterator[None]:
     """A context in which a trace records no Python stack trace per node (node.meta["stack_trace"]): qcore reads
     none, its errors name the user's frames from the exception, and taking one costs a traceback extraction and
-    its symbolization for every node, a fifth of a capture."""
+    its symbolization for every node."""
     config = getattr(torch.fx, "config", None)
     if config is None or not hasattr(config, "do_not_emit_stack_traces"):  # a torch without the setting
         yield
