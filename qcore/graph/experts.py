@@ -7,6 +7,8 @@ named as llm-compressor's linearized experts are (`mlp.experts.3.gate_proj`), an
 with them through transformers' own experts interface: each expert runs on the tokens routed to it only, so
 its activation observers see exactly those and a per-channel or per-group weight quantizer treats its slice as
 the Linear it stands for. The model computes the same function; the graph records which layer is which expert.
+`grouped_experts` is the other form: each projection of every expert one `qcore.graph.grouped.grouped_linear` over
+the routed tokens sorted by expert, a few nodes a block whatever its expert count.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from qcore.graph.ops import EXPERTS_KEY
 __all__ = ["EXPERTS_KEY", "PER_EXPERT_QUANTIZERS", "ExpertLayer", "ExpertProjection", "MoeBlock",
            "QuantizedExpertProjection", "Router", "compact_expert_layers",
            "expand_expert_templates", "expert_counts", "expert_layers", "expert_linears", "expert_projections",
-           "fused_experts_modules", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks",
+           "fused_experts_modules", "grouped_experts", "held_expert_layers", "linearized_experts",
+           "module_list_experts", "moe_blocks",
            "quantized_per_expert", "routers", "templates_only", "traced_with_templates", "with_experts_held"]
 
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -293,6 +296,77 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
                               in enumerate(zip(routed_inputs.split(sizes), routed_weights.split(sizes), strict=True))])
     # one index_add in expert order adds each token's experts in the order the per-expert sums did
     return torch.zeros_like(hidden_states).index_add(0, token_of, weighted.to(hidden_states.dtype))
+
+
+def _grouped_weight(module: nn.Module, name: str) -> torch.Tensor:
+    """Fused parameter `name` as [E, out, in] (a view of it for a transposed layout)."""
+    weight = getattr(module, name)
+    return weight.transpose(1, 2) if module.is_transposed else weight
+
+
+def _grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts computation with each projection of every expert as one grouped_linear over the routed
+    tokens sorted by expert (the experts interface's signature): the values of _experts_forward, expert by expert,
+    in a graph of a few ops per block whatever its expert count. Read straight from the fused parameters."""
+    from qcore.graph.grouped import grouped_linear
+
+    count = int(self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0])
+    chosen = top_k_index.reshape(-1)
+    order = chosen.argsort(stable=True)
+    token_of = order // top_k_index.shape[-1]
+    routed_inputs = hidden_states.index_select(0, token_of)
+    routed_weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    counts = torch.zeros(count, dtype=torch.long, device=chosen.device).index_add_(0, chosen, torch.ones_like(chosen))
+    bias = getattr(self, "has_bias", False)
+    if self.has_gate:
+        gate_weight, up_weight = _halves(self, _grouped_weight(self, "gate_up_proj"), 1)
+        gate_bias, up_bias = _halves(self, self.gate_up_proj_bias, 1) if bias else (None, None)
+        gate = grouped_linear(routed_inputs, counts, gate_weight, gate_bias)
+        up = grouped_linear(routed_inputs, counts, up_weight, up_bias)
+        if getattr(type(self)._apply_gate, "__name__", "") == "_default_apply_gate":
+            hidden = self.act_fn(gate) * up
+        elif getattr(self, "is_concatenated", True):
+            hidden = self._apply_gate(torch.cat([gate, up], dim=-1))
+        else:
+            hidden = self._apply_gate(torch.stack([gate, up], dim=-1).flatten(-2))
+    else:
+        hidden = self.act_fn(grouped_linear(routed_inputs, counts, _grouped_weight(self, "up_proj"),
+                                            self.up_proj_bias if bias else None))
+    projected = grouped_linear(hidden, counts, _grouped_weight(self, "down_proj"),
+                               self.down_proj_bias if bias else None)
+    if getattr(self, "has_post_expert_norm", False):
+        projected = self.post_expert_norm(projected)
+    weighted = projected * routed_weights
+    return torch.zeros_like(hidden_states).index_add(0, token_of, weighted.to(hidden_states.dtype))
+
+
+_GROUPED_IMPLEMENTATION = "qcore_grouped_experts"
+
+
+@contextlib.contextmanager
+def grouped_experts(model: nn.Module) -> Iterator[dict[str, MoeBlock]]:
+    """While open, every fused experts module of `model` computes each projection of all its experts as one
+    grouped_linear (_grouped_experts_forward); yields {path: MoeBlock} of those blocks. The model is restored on
+    exit. The grouped form of a capture: what a graph measuring a projection's experts as one op is traced from."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    modules = fused_experts_modules(model)
+    configs: dict[int, tuple[Any, Any]] = {}
+    blocks = {}
+    try:
+        for path, module in modules.items():
+            if _GROUPED_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+                ALL_EXPERTS_FUNCTIONS.register(_GROUPED_IMPLEMENTATION, _grouped_experts_forward)
+            count = int(getattr(module, "num_experts", module.down_proj.shape[0]))
+            blocks[path] = MoeBlock(path, count, True, "gate_proj" if module.has_gate else "up_proj")
+            config = module.config
+            configs.setdefault(id(config), (config, getattr(config, "_experts_implementation", None)))
+            config._experts_implementation = _GROUPED_IMPLEMENTATION
+        yield blocks
+    finally:
+        for config, implementation in configs.values():
+            config._experts_implementation = implementation
 
 
 @torch.library.custom_op("qcore::routed_experts_stand_in", mutates_args=())

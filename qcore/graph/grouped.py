@@ -1,0 +1,62 @@
+"""One projection of every expert of an MoE block as one op, over the routed tokens sorted by expert.
+
+A block's routed tokens arrive sorted by expert, each expert's run in token order, with the count of each run
+(what `qcore.graph.experts` computes once per block). `grouped_linear` gives each run its expert's Linear: the
+weight is the block's [E, out, in] parameter (or a view of it: a gate or up half, a transposed layout), the bias
+[E, out]. It computes each run with its expert's `F.linear`, so that a graph holding a
+projection as one node gives the values a graph holding one node per expert gives. `rows_of_experts` spreads a
+per-expert tensor (an expert's qparams, its scales) over the rows of its run, for per-row computations on them.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F  # noqa: N812 - torch's own spelling
+
+__all__ = ["grouped_linear", "rows_of_experts"]
+
+
+def _check(routed: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """ValueError for arguments that are not routed rows, one count per expert and one weight per expert."""
+    if routed.dim() != 2 or weight.dim() != 3 or counts.dim() != 1:
+        raise ValueError(f"grouped_linear takes routed rows [N, in], counts [E] and weights [E, out, in]; got "
+                         f"{tuple(routed.shape)}, {tuple(counts.shape)} and {tuple(weight.shape)}")
+    if counts.shape[0] != weight.shape[0] or routed.shape[1] != weight.shape[2]:
+        raise ValueError(f"grouped_linear: {counts.shape[0]} counts and routed rows of {routed.shape[1]} features do "
+                         f"not fit weights {tuple(weight.shape)} ([experts, out, in])")
+    if counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"grouped_linear: the counts are {counts.dtype}, not an integer dtype")
+    if bias is not None and tuple(bias.shape) != tuple(weight.shape[:2]):
+        raise ValueError(f"grouped_linear: a bias {tuple(bias.shape)} does not fit weights {tuple(weight.shape)}")
+
+
+@torch.library.custom_op("qcore::grouped_linear", mutates_args=())
+def _grouped_linear(routed: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    _check(routed, counts, weight, bias)
+    # one F.linear per expert, not torch's grouped product: F.linear picks its kernel by shape (a matrix-vector
+    # product for one row or one output), and the grouped product's values differ from it there
+    runs = routed.split(counts.tolist())
+    outputs = [F.linear(run, weight[expert], None if bias is None else bias[expert])
+               for expert, run in enumerate(runs)]
+    if not outputs:
+        return routed.new_empty((0, weight.shape[1]))
+    return torch.cat(outputs)
+
+
+@_grouped_linear.register_fake
+def _(routed: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    _check(routed, counts, weight, bias)
+    return routed.new_empty((routed.shape[0], weight.shape[1]))
+
+
+def grouped_linear(routed: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Each expert's Linear on its run of `routed` ([N, in], sorted by expert; `counts` [E] rows each): weight
+    [E, out, in], bias [E, out] or None; [N, out], as one F.linear per expert gives it, bit for bit."""
+    return torch.ops.qcore.grouped_linear(routed, counts, weight, bias)
+
+
+def rows_of_experts(values: torch.Tensor, counts: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """`values` [E, ...] with each expert's entry repeated over the rows of its run ([N, ...]): an expert's
+    qparams or scales per routed row. `rows`, the total of `counts` where known, spares a read of it."""
+    return values.repeat_interleave(counts, dim=0, output_size=rows)

@@ -1,0 +1,169 @@
+"""Observers of every expert of an MoE projection at once, over the routed rows sorted by expert.
+
+Where a projection's experts are one op (`qcore.graph.grouped`), one observer keeps every expert's statistics: its
+forward takes the routed rows and the count of each expert's run, and reduces each run as the observer of that
+expert's own Linear would reduce the tokens routed to it, in a few ops whatever the expert count (segment reductions,
+no loop over experts, no host read). An expert that a batch routed no token to is left as it was, as an observer
+left uncalled is. Ranges are [E] (per tensor) or [E, C] (per channel); `calculate_qparams` gives them per expert,
+and one expert's range that no batch reached gets scale 1 and zero point 0, as convert gives a tensor calibration
+never reached. `fake_quantize_per_expert` fake-quantizes each expert's run with its expert's qparams.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qcore.graph.grouped import rows_of_experts
+from qcore.observe.observers import ObserverBase
+from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel
+
+__all__ = ["SegmentedMinMaxObserver", "SegmentedMovingAverageMinMaxObserver", "SegmentedPerChannelMinMaxObserver",
+           "fake_quantize_per_expert"]
+
+
+def _run_extremes(x: torch.Tensor, counts: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's least and greatest value over its run of rows ([E], or [E, C] per column with `per_channel`);
+    +inf and -inf for an expert whose run is empty (a NaN stays)."""
+    rows = x.detach().reshape(x.shape[0], -1)
+    if not per_channel:  # each row's extremes first: the segment reduction then runs over a vector
+        rows_low, rows_high = rows.amin(dim=1), rows.amax(dim=1)
+    else:
+        rows_low = rows_high = rows
+    lengths = counts.to(torch.long)
+    low = torch.segment_reduce(rows_low.float(), "min", lengths=lengths, axis=0, unsafe=True)
+    high = torch.segment_reduce(rows_high.float(), "max", lengths=lengths, axis=0, unsafe=True)
+    return low, high
+
+
+class _SegmentedRangeObserver(ObserverBase):
+    """A running range per expert; qparams per expert from it."""
+
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+
+    def __init__(self, experts: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if experts < 1:
+            raise ValueError(f"a segmented observer needs at least one expert, not {experts}")
+        self.experts = experts
+        self.register_buffer("min_val", torch.full((experts,), math.inf))
+        self.register_buffer("max_val", torch.full((experts,), -math.inf))
+
+    def _check_counts(self, x: torch.Tensor, counts: torch.Tensor) -> None:
+        if counts.dim() != 1 or counts.shape[0] != self.experts:
+            raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; given counts of shape "
+                             f"{tuple(counts.shape)} for rows {tuple(x.shape)}")
+
+    @property
+    def observed(self) -> torch.Tensor:
+        """[E] bool: the experts some batch routed a token to (a device tensor: read it once, after calibration)."""
+        seen = torch.isfinite(self.min_val) | torch.isnan(self.min_val)
+        if seen.dim() == 1:
+            return seen
+        return seen.all(dim=1) if seen.shape[1] else seen.new_zeros(self.experts)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero_point) per expert ([E] or [E, C]), each from its expert's range as the observer of that
+        expert's own Linear computes them; scale 1 and zero point 0 for an expert no batch reached."""
+        scale, zero_point = calculate_qparams(self.min_val, self.max_val, self.quant_min, self.quant_max,
+                                              self.symmetric, self.eps)
+        reached = self.observed.reshape((-1,) + (1,) * (scale.dim() - 1))
+        return (torch.where(reached, scale, torch.ones_like(scale)),
+                torch.where(reached, zero_point, torch.zeros_like(zero_point)))
+
+    def extra_repr(self) -> str:
+        return f"experts={self.experts}, {super().extra_repr()}"
+
+
+class SegmentedMinMaxObserver(_SegmentedRangeObserver):
+    """Each expert's running minimum and maximum of every value routed to it (MinMaxObserver per expert)."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Observe `x`'s rows, each expert's run of `counts` rows for that expert; returns x."""
+        self._check_counts(x, counts)
+        if self.frozen or x.numel() == 0:
+            return x
+        low, high = _run_extremes(x, counts, per_channel=False)
+        torch.minimum(self.min_val, low, out=self.min_val)
+        torch.maximum(self.max_val, high, out=self.max_val)
+        return x
+
+
+class SegmentedMovingAverageMinMaxObserver(_SegmentedRangeObserver):
+    """Each expert's exponential moving average of the minimum and maximum of its run in each batch that routed a
+    token to it (MovingAverageMinMaxObserver per expert: its first batch sets the range)."""
+
+    def __init__(self, experts: int, averaging_constant: float = 0.01, **kwargs) -> None:
+        super().__init__(experts, **kwargs)
+        self.averaging_constant = averaging_constant
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Observe `x`'s rows, each expert's run of `counts` rows for that expert; returns x."""
+        self._check_counts(x, counts)
+        if self.frozen or x.numel() == 0:
+            return x
+        low, high = _run_extremes(x, counts, per_channel=False)
+        reached = counts.to(self.min_val.device) > 0
+        first = (self.min_val == math.inf) & (self.max_val == -math.inf)  # no batch yet: torch.ao's test
+        c = self.averaging_constant
+        averaged_low = self.min_val + c * (low - self.min_val)
+        averaged_high = self.max_val + c * (high - self.max_val)
+        self.min_val = torch.where(reached, torch.where(first, low, averaged_low), self.min_val)
+        self.max_val = torch.where(reached, torch.where(first, high, averaged_high), self.max_val)
+        return x
+
+
+class SegmentedPerChannelMinMaxObserver(_SegmentedRangeObserver):
+    """Each expert's running minimum and maximum per channel ([E, C]): of the routed rows' columns (`ch_axis` 1,
+    an activation's channels), or, observed once with observe_constant, of an [E, out, in] weight's rows per
+    expert (`ch_axis` 0, the output channels of each expert's [out, in] weight) or columns (`ch_axis` 1)."""
+
+    def __init__(self, experts: int, ch_axis: int = 1, qscheme: torch.qscheme = torch.per_channel_symmetric,
+                 **kwargs) -> None:
+        if ch_axis not in (0, 1):
+            raise ValueError(f"ch_axis {ch_axis}: an expert's rows or weight have channels along 0 or 1")
+        super().__init__(experts, ch_axis=ch_axis, qscheme=qscheme, **kwargs)
+        # no channels before the first batch or weight, which sets them
+        self.min_val = torch.full((experts, 0), math.inf)
+        self.max_val = torch.full((experts, 0), -math.inf)
+
+    def _grow(self, channels: int) -> None:
+        if self.min_val.shape[1] == 0:
+            self.min_val = torch.full((self.experts, channels), math.inf, device=self.min_val.device)
+            self.max_val = torch.full((self.experts, channels), -math.inf, device=self.max_val.device)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Observe the columns of `x`'s rows, each expert's run of `counts` rows for that expert; returns x."""
+        self._check_counts(x, counts)
+        if self.ch_axis != 1:
+            raise ValueError("routed rows have their channels along axis 1: observe a weight with observe_constant")
+        if self.frozen or x.numel() == 0:
+            return x
+        low, high = _run_extremes(x, counts, per_channel=True)
+        self._grow(low.shape[1])
+        torch.minimum(self.min_val, low, out=self.min_val)
+        torch.maximum(self.max_val, high, out=self.max_val)
+        return x
+
+    def observe_constant(self, value: torch.Tensor) -> None:
+        """Observe every expert's weight of `value` ([E, out, in]) once, per channel along ch_axis of each."""
+        if value.dim() != 3 or value.shape[0] != self.experts:
+            raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; given a weight of shape "
+                             f"{tuple(value.shape)}, not [experts, out, in]")
+        if self.frozen:
+            return
+        reduced = 2 if self.ch_axis == 0 else 1
+        weight = value.detach().float()
+        self.min_val, self.max_val = weight.amin(dim=reduced), weight.amax(dim=reduced)
+        self.frozen = True
+
+
+def fake_quantize_per_expert(x: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                             quant_min: int, quant_max: int) -> torch.Tensor:
+    """Each expert's run of `x`'s rows fake-quantized with that expert's per-tensor qparams (`scale` and
+    `zero_point` [E]): the values one per-tensor fake quantization per expert gives, in one per-row pass."""
+    rows = x.shape[0]
+    row_scale = rows_of_experts(scale.to(x.device), counts, rows)
+    row_zero_point = rows_of_experts(zero_point.to(x.device), counts, rows)
+    return fake_quantize_per_channel(x, row_scale, row_zero_point, 0, quant_min, quant_max)

@@ -1,0 +1,152 @@
+"""Observers of every expert at once against torch.ao's observer of each expert's own Linear, fed the rows routed
+to that expert only; one per-row fake quantization against one per-tensor fake quantization per expert."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.ao.quantization import observer as ao
+
+from qcore.observe.qparams import fake_quantize_per_tensor
+from qcore.observe.segmented import (
+    SegmentedMinMaxObserver,
+    SegmentedMovingAverageMinMaxObserver,
+    SegmentedPerChannelMinMaxObserver,
+    fake_quantize_per_expert,
+)
+
+EXPERTS = 5
+
+
+def _routed_batches(seed: int, batches: int, features: int = 6, never: int | None = 3):
+    """[(rows sorted by expert, counts)]: random runs, some empty; expert `never` reached by no batch."""
+    generator = torch.Generator().manual_seed(seed)
+    found = []
+    for index in range(batches):
+        counts = torch.randint(0, 5, (EXPERTS,), generator=generator)
+        if never is not None:
+            counts[never] = 0
+        rows = torch.randn(int(counts.sum()), features, generator=generator) * (index + 1)
+        found.append((rows, counts))
+    return found
+
+
+def _per_expert_references(make, batches):
+    """torch.ao's observer per expert, each called with its expert's run of each batch (an empty run included:
+    torch.ao's observers leave their range as it is on an empty tensor)."""
+    references = [make() for _ in range(EXPERTS)]
+    for rows, counts in batches:
+        for expert, run in enumerate(rows.split(counts.tolist())):
+            references[expert](run)
+    return references
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), batches=st.integers(1, 6),
+       scheme=st.sampled_from([(torch.per_tensor_affine, torch.quint8), (torch.per_tensor_symmetric, torch.qint8)]))
+def test_minmax_per_expert_matches_torch_ao(seed, batches, scheme):
+    qscheme, ao_dtype = scheme
+    data = _routed_batches(seed, batches)
+    ours = SegmentedMinMaxObserver(EXPERTS, dtype=torch.uint8 if ao_dtype == torch.quint8 else torch.int8,
+                                   qscheme=qscheme)
+    for rows, counts in data:
+        assert ours(rows, counts) is rows
+    references = _per_expert_references(lambda: ao.MinMaxObserver(dtype=ao_dtype, qscheme=qscheme), data)
+    scale, zero_point = ours.calculate_qparams()
+    observed = ours.observed.tolist()
+    for expert, reference in enumerate(references):
+        assert float(ours.min_val[expert]) == float(reference.min_val)
+        assert float(ours.max_val[expert]) == float(reference.max_val)
+        assert observed[expert] == bool(torch.isfinite(reference.min_val))
+        if observed[expert]:
+            ref_scale, ref_zero_point = reference.calculate_qparams()
+            assert float(scale[expert]) == float(ref_scale) and int(zero_point[expert]) == int(ref_zero_point)
+        else:  # no token reached it: what convert gives a tensor calibration never reached
+            assert float(scale[expert]) == 1.0 and int(zero_point[expert]) == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), batches=st.integers(1, 6), constant=st.sampled_from([0.01, 0.1, 0.5]))
+def test_moving_average_per_expert_matches_torch_ao(seed, batches, constant):
+    data = _routed_batches(seed, batches)
+    ours = SegmentedMovingAverageMinMaxObserver(EXPERTS, averaging_constant=constant)
+    for rows, counts in data:
+        ours(rows, counts)
+    references = _per_expert_references(
+        lambda: ao.MovingAverageMinMaxObserver(averaging_constant=constant, dtype=torch.qint8), data)
+    for expert, reference in enumerate(references):
+        assert float(ours.min_val[expert]) == float(reference.min_val)
+        assert float(ours.max_val[expert]) == float(reference.max_val)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), batches=st.integers(1, 5))
+def test_per_channel_activation_per_expert_matches_torch_ao(seed, batches):
+    data = _routed_batches(seed, batches, never=None)
+    ours = SegmentedPerChannelMinMaxObserver(EXPERTS, ch_axis=1, quant_min=-127, quant_max=127)
+    for rows, counts in data:
+        ours(rows, counts)
+    references = _per_expert_references(lambda: ao.PerChannelMinMaxObserver(
+        ch_axis=1, dtype=torch.qint8, qscheme=torch.per_channel_symmetric, quant_min=-127, quant_max=127), data)
+    scale, zero_point = ours.calculate_qparams()
+    observed = ours.observed.tolist()
+    for expert, reference in enumerate(references):
+        if reference.min_val.numel() == 0:  # torch.ao's per-channel observer saw no row of this expert
+            assert not observed[expert]
+            continue
+        assert observed[expert]
+        assert torch.equal(ours.min_val[expert], reference.min_val)
+        assert torch.equal(ours.max_val[expert], reference.max_val)
+        ref_scale, ref_zero_point = reference.calculate_qparams()
+        assert torch.equal(scale[expert], ref_scale) and torch.equal(zero_point[expert], ref_zero_point)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_per_channel_weights_per_expert_match_torch_ao(axis):
+    """A fused [E, out, in] parameter observed once: each expert's weight as torch.ao's weight observer sees it."""
+    weight = torch.randn(EXPERTS, 12, 8, generator=torch.Generator().manual_seed(1))
+    ours = SegmentedPerChannelMinMaxObserver(EXPERTS, ch_axis=axis, quant_min=-127, quant_max=127)
+    ours.observe_constant(weight)
+    ours.observe_constant(weight * 2)  # once only, as a weight is
+    scale, zero_point = ours.calculate_qparams()
+    for expert in range(EXPERTS):
+        reference = ao.PerChannelMinMaxObserver(ch_axis=axis, dtype=torch.qint8, qscheme=torch.per_channel_symmetric,
+                                                quant_min=-127, quant_max=127)
+        reference(weight[expert])
+        ref_scale, ref_zero_point = reference.calculate_qparams()
+        assert torch.equal(scale[expert], ref_scale) and torch.equal(zero_point[expert], ref_zero_point)
+
+
+def test_a_nan_stays_in_its_experts_range_alone():
+    rows = torch.tensor([[1.0, 2.0], [float("nan"), 0.0], [3.0, -4.0]])
+    ours = SegmentedMinMaxObserver(3)
+    ours(rows, torch.tensor([1, 1, 1]))
+    assert ours.min_val.isnan().tolist() == [False, True, False]
+    assert ours.observed.tolist() == [True, True, True]
+
+
+def test_counts_of_another_block_are_refused():
+    with pytest.raises(ValueError, match="keeps 5 experts"):
+        SegmentedMinMaxObserver(EXPERTS)(torch.randn(4, 3), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match=r"not \[experts, out, in\]"):
+        SegmentedPerChannelMinMaxObserver(EXPERTS, ch_axis=0).observe_constant(torch.randn(4, 3))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), scheme=st.sampled_from([(-128, 127), (0, 255), (-127, 127)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_fake_quantize_per_expert_is_one_per_tensor_fake_quantization_per_expert(seed, scheme, dtype):
+    quant_min, quant_max = scheme
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 40, (EXPERTS,), generator=generator)
+    rows = (torch.randn(int(counts.sum()), 24, generator=generator) * 3).to(dtype)
+    scale = torch.rand(EXPERTS, generator=generator) * 0.05 + 1e-3
+    zero_point = torch.randint(quant_min, quant_max + 1, (EXPERTS,), generator=generator)
+    if quant_min < 0:
+        zero_point.zero_()
+    found = fake_quantize_per_expert(rows, counts, scale, zero_point, quant_min, quant_max)
+    for expert, (run, part) in enumerate(zip(rows.split(counts.tolist()), found.split(counts.tolist()), strict=True)):
+        ours = fake_quantize_per_tensor(run, float(scale[expert]), int(zero_point[expert]), quant_min, quant_max)
+        torch_ao = torch.fake_quantize_per_tensor_affine(run.float(), float(scale[expert]), int(zero_point[expert]),
+                                                         quant_min, quant_max).to(dtype)
+        assert torch.equal(part, ours)
+        assert torch.equal(part, torch_ao)

@@ -1,0 +1,49 @@
+"""The grouped form of a capture: each projection of every expert of a block one grouped_linear node, computing what
+the capture with one Linear per expert computes, bit for bit, on batches routed otherwise than the example."""
+import pytest
+import torch
+
+import qcore
+from qcore.graph.capture import _export
+from qcore.graph.experts import fused_experts_modules, grouped_experts
+from tests.models import tiny_moe
+
+pytest.importorskip("transformers")
+
+# gpt-oss: transposed, interleaved gate/up with biases and its own gate; Qwen2-MoE and DeepSeek-V3: a shared expert
+ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3")
+
+
+def _logits(output):
+    if isinstance(output, dict):
+        return output["logits"]
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_grouped_capture_computes_what_the_per_expert_capture_does(architecture):
+    model, data = tiny_moe(architecture, layers=2, experts=4, batch=4)
+    implementation = model.config._experts_implementation
+    with grouped_experts(model) as blocks:
+        grouped = _export(model, (), data[0])
+    assert set(blocks) == set(fused_experts_modules(model)) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert model.config._experts_implementation == implementation  # the model is left as it was
+    nodes = [node for node in grouped.graph.nodes if node.target is torch.ops.qcore.grouped_linear.default]
+    assert len(nodes) == 2 * 3  # gate, up and down a block, whatever the expert count
+    assert not [node for node in grouped.graph.nodes if node.target is torch.ops.aten.linear.default
+                and ".experts." in str(node.meta.get("nn_module_stack"))]
+    per_expert = qcore.capture(model, data[0])
+    with torch.no_grad():
+        eager = _logits(model(**data[1]))
+    for batch in data[1:]:  # routed otherwise than the example the graphs were traced on
+        assert torch.equal(_logits(grouped(**batch)), _logits(per_expert(**batch)))
+    torch.testing.assert_close(_logits(grouped(**data[1])), eager, atol=2e-5, rtol=1e-4)
+
+
+def test_a_grouped_capture_costs_the_same_nodes_whatever_the_expert_count():
+    sizes = {}
+    for experts in (4, 32):
+        model, data = tiny_moe("qwen3_moe", experts=experts, batch=2)
+        with grouped_experts(model):
+            sizes[experts] = len(_export(model, (), data[0]).graph.nodes)
+    assert sizes[4] == sizes[32]
