@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import re
 import warnings
@@ -14,6 +15,7 @@ from torch import fx, nn
 from qcore.graph.experts import (
     EXPERTS_KEY,
     expand_expert_templates,
+    grouped_experts,
     linearized_experts,
     templates_only,
     traced_with_templates,
@@ -23,7 +25,8 @@ from qcore.graph.inputs import as_args_kwargs, describe_batch
 from qcore.graph.ops import FQN_KEY, HANDLE_KEY, normalize_module_path
 from qcore.runtime.progress import stage
 
-__all__ = ["CaptureError", "annotate_fqns_and_handles", "capture", "clone_graph_module", "graph_view", "module_fqn"]
+__all__ = ["CaptureError", "annotate_fqns_and_handles", "capture", "clone_graph_module", "experts_grouped",
+           "graph_view", "module_fqn"]
 
 
 class CaptureError(RuntimeError):
@@ -65,13 +68,18 @@ def _capture(model: nn.Module, example_inputs: Any, name: str | None, method: st
     if method not in ("auto", "export", "fx"):
         raise ValueError(f"capture method must be 'auto', 'export' or 'fx', not {method!r}")
     export_error: BaseException | None = None
-    with linearized_experts(model) as experts_record:
+    grouped = _EXPERTS_GROUPED.get()
+    with _experts_held(model, grouped) as experts_record:
         try:
             try:
                 if method == "fx":
                     raise CaptureError("export skipped (method='fx')")
                 with without_kv_cache(model):
-                    gm = _export_experts(model, args, kwargs, experts_record)
+                    if grouped:
+                        gm = _export(model, args, kwargs, recompile=False)
+                        _drop_unread_fused_parameters(gm, experts_record["blocks"])
+                    else:
+                        gm = _export_experts(model, args, kwargs, experts_record)
             except Exception as error:  # noqa: BLE001 - any export failure means: try FX
                 export_error = error
                 try:
@@ -96,7 +104,7 @@ def _capture(model: nn.Module, example_inputs: Any, name: str | None, method: st
                     ) from fx_error
         finally:
             model.train(was_training)
-    if experts_record["layers"]:
+    if experts_record["layers"] or experts_record.get("grouped"):
         gm.meta[EXPERTS_KEY] = experts_record
     annotate_fqns_and_handles(gm)
     fold_computed_weights(gm)
@@ -108,6 +116,42 @@ def _capture(model: nn.Module, example_inputs: Any, name: str | None, method: st
     if export_error is not None and method == "auto":  # FX took over: keep why export did not
         gm.meta["qcore_export_error"] = f"{type(export_error).__name__}: {_first_line(export_error)}"
     return gm
+
+
+_EXPERTS_GROUPED: contextvars.ContextVar[bool] = contextvars.ContextVar("qcore_experts_grouped", default=False)
+
+
+@contextlib.contextmanager
+def experts_grouped(enabled: bool = True) -> Iterator[None]:
+    """Within the block, a capture computes each projection of every expert of a fused experts block as one
+    grouped_linear node (qcore.graph.experts.grouped_experts), not one Linear per expert: the form a graph measuring
+    a projection's experts as one op is captured in. Not yet taken by the analysis's passes."""
+    token = _EXPERTS_GROUPED.set(enabled)
+    try:
+        yield
+    finally:
+        _EXPERTS_GROUPED.reset(token)
+
+
+@contextlib.contextmanager
+def _experts_held(model: nn.Module, grouped: bool) -> Iterator[dict[str, Any]]:
+    """linearized_experts(model), or with `grouped` grouped_experts(model) with its blocks as the record's."""
+    if not grouped:
+        with linearized_experts(model) as record:
+            yield record
+        return
+    with grouped_experts(model) as blocks:
+        yield {"layers": {}, "blocks": dict(blocks), "grouped": bool(blocks)}
+
+
+def _drop_unread_fused_parameters(gm: fx.GraphModule, blocks: Mapping[str, Any]) -> None:
+    """Erase the reads of the fused parameters that a grouped capture computes through views of, and generate the
+    code: export reads every parameter of a module, used or not, on every run of the graph and of its copies."""
+    prefixes = tuple(f"{path}." for path in blocks)
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users and str(node.target).startswith(prefixes):
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 @contextlib.contextmanager

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from qcore.graph.grouped import GROUPED_PREFIX, grouped_linear
 from qcore.graph.ops import EXPERTS_KEY
 
 __all__ = ["EXPERTS_KEY", "PER_EXPERT_QUANTIZERS", "ExpertLayer", "ExpertProjection", "MoeBlock",
-           "QuantizedExpertProjection", "Router", "compact_expert_layers",
-           "expand_expert_templates", "expert_counts", "expert_layers", "expert_linears", "expert_projections",
-           "fused_experts_modules", "grouped_experts", "held_expert_layers", "linearized_experts",
-           "module_list_experts", "moe_blocks",
+           "QuantizedExpertProjection", "Router", "compact_expert_layers", "expand_expert_templates", "expert_counts",
+           "expert_layers", "expert_linears", "expert_projections", "fused_experts_modules", "grouped_experts",
+           "grouped_projection_views", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks",
            "quantized_per_expert", "routers", "templates_only", "traced_with_templates", "with_experts_held"]
 
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -298,32 +298,51 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
     return torch.zeros_like(hidden_states).index_add(0, token_of, weighted.to(hidden_states.dtype))
 
 
-def _grouped_weight(module: nn.Module, name: str) -> torch.Tensor:
-    """Fused parameter `name` as [E, out, in] (a view of it for a transposed layout)."""
-    weight = getattr(module, name)
-    return weight.transpose(1, 2) if module.is_transposed else weight
+def grouped_projection_views(module: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: tensor} of a fused experts module's projections as [E, out, in] weights and [E, out] biases, views of
+    its fused parameters (a gate or up half, the transpose of a transposed layout): `grouped_gate_proj`,
+    `grouped_up_proj`, `grouped_down_proj`, and `grouped_<name>_bias` where the module has biases."""
+    views: dict[str, torch.Tensor] = {}
+    bias = getattr(module, "has_bias", False)
+    inputs = "gate_up_proj" if module.has_gate else "up_proj"
+    weight = getattr(module, inputs).detach()
+    weight = weight.transpose(1, 2) if module.is_transposed else weight
+    biases = getattr(module, f"{inputs}_bias").detach() if bias else None
+    if module.has_gate:
+        views["gate_proj"], views["up_proj"] = _halves(module, weight, 1)
+        if biases is not None:
+            views["gate_proj_bias"], views["up_proj_bias"] = _halves(module, biases, 1)
+    else:
+        views["up_proj"] = weight
+        if biases is not None:
+            views["up_proj_bias"] = biases
+    down = module.down_proj.detach()
+    views["down_proj"] = down.transpose(1, 2) if module.is_transposed else down
+    if bias:
+        views["down_proj_bias"] = module.down_proj_bias.detach()
+    return {GROUPED_PREFIX + name: view for name, view in views.items()}
 
 
 def _grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts computation with each projection of every expert as one grouped_linear over the routed
     tokens sorted by expert (the experts interface's signature): the values of _experts_forward, expert by expert,
-    in a graph of a few ops per block whatever its expert count. Read straight from the fused parameters."""
-    from qcore.graph.grouped import grouped_linear
-
+    in a graph of a few ops per block whatever its expert count. Reads the views grouped_experts gives the module."""
     count = int(self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0])
     chosen = top_k_index.reshape(-1)
+    # the counts first: an observer of the routed tokens reads them where it observes
+    counts = torch.zeros(count, dtype=torch.long, device=chosen.device).index_add_(0, chosen, torch.ones_like(chosen))
     order = chosen.argsort(stable=True)
     token_of = order // top_k_index.shape[-1]
     routed_inputs = hidden_states.index_select(0, token_of)
     routed_weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    counts = torch.zeros(count, dtype=torch.long, device=chosen.device).index_add_(0, chosen, torch.ones_like(chosen))
-    bias = getattr(self, "has_bias", False)
+
+    def projection(name: str, inputs: torch.Tensor) -> torch.Tensor:
+        return grouped_linear(inputs, counts, getattr(self, GROUPED_PREFIX + name),
+                              getattr(self, f"{GROUPED_PREFIX}{name}_bias", None))
+
     if self.has_gate:
-        gate_weight, up_weight = _halves(self, _grouped_weight(self, "gate_up_proj"), 1)
-        gate_bias, up_bias = _halves(self, self.gate_up_proj_bias, 1) if bias else (None, None)
-        gate = grouped_linear(routed_inputs, counts, gate_weight, gate_bias)
-        up = grouped_linear(routed_inputs, counts, up_weight, up_bias)
+        gate, up = projection("gate_proj", routed_inputs), projection("up_proj", routed_inputs)
         if getattr(type(self)._apply_gate, "__name__", "") == "_default_apply_gate":
             hidden = self.act_fn(gate) * up
         elif getattr(self, "is_concatenated", True):
@@ -331,10 +350,8 @@ def _grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
         else:
             hidden = self._apply_gate(torch.stack([gate, up], dim=-1).flatten(-2))
     else:
-        hidden = self.act_fn(grouped_linear(routed_inputs, counts, _grouped_weight(self, "up_proj"),
-                                            self.up_proj_bias if bias else None))
-    projected = grouped_linear(hidden, counts, _grouped_weight(self, "down_proj"),
-                               self.down_proj_bias if bias else None)
+        hidden = self.act_fn(projection("up_proj", routed_inputs))
+    projected = projection("down_proj", hidden)
     if getattr(self, "has_post_expert_norm", False):
         projected = self.post_expert_norm(projected)
     weighted = projected * routed_weights
@@ -347,17 +364,22 @@ _GROUPED_IMPLEMENTATION = "qcore_grouped_experts"
 @contextlib.contextmanager
 def grouped_experts(model: nn.Module) -> Iterator[dict[str, MoeBlock]]:
     """While open, every fused experts module of `model` computes each projection of all its experts as one
-    grouped_linear (_grouped_experts_forward); yields {path: MoeBlock} of those blocks. The model is restored on
-    exit. The grouped form of a capture: what a graph measuring a projection's experts as one op is traced from."""
+    grouped_linear (_grouped_experts_forward) on the views grouped_projection_views names, held as its parameters;
+    yields {path: MoeBlock} of those blocks. The model is restored on exit. The grouped form of a capture: what a
+    graph measuring a projection's experts as one op is traced from."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     modules = fused_experts_modules(model)
     configs: dict[int, tuple[Any, Any]] = {}
     blocks = {}
+    added: list[tuple[nn.Module, str]] = []
     try:
         for path, module in modules.items():
             if _GROUPED_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
                 ALL_EXPERTS_FUNCTIONS.register(_GROUPED_IMPLEMENTATION, _grouped_experts_forward)
+            for name, view in grouped_projection_views(module).items():  # parameters: a capture reads them by path
+                module.register_parameter(name, nn.Parameter(view, requires_grad=False))
+                added.append((module, name))
             count = int(getattr(module, "num_experts", module.down_proj.shape[0]))
             blocks[path] = MoeBlock(path, count, True, "gate_proj" if module.has_gate else "up_proj")
             config = module.config
@@ -367,6 +389,8 @@ def grouped_experts(model: nn.Module) -> Iterator[dict[str, MoeBlock]]:
     finally:
         for config, implementation in configs.values():
             config._experts_implementation = implementation
+        for module, name in added:
+            delattr(module, name)
 
 
 @torch.library.custom_op("qcore::routed_experts_stand_in", mutates_args=())

@@ -9,10 +9,15 @@ per-expert tensor (an expert's qparams, its scales) over the rows of its run, fo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import fx
 from torch.nn import functional as F  # noqa: N812 - torch's own spelling
 
-__all__ = ["grouped_linear", "rows_of_experts"]
+__all__ = ["GROUPED_PREFIX", "GroupedOp", "find_grouped_ops", "grouped_linear", "rows_of_experts"]
+
+GROUPED_PREFIX = "grouped_"  # of the [E, out, in] views of the fused parameters a grouped capture reads
 
 
 def _check(routed: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -60,3 +65,41 @@ def rows_of_experts(values: torch.Tensor, counts: torch.Tensor, rows: int | None
     """`values` [E, ...] with each expert's entry repeated over the rows of its run ([N, ...]): an expert's
     qparams or scales per routed row. `rows`, the total of `counts` where known, spares a read of it."""
     return values.repeat_interleave(counts, dim=0, output_size=rows)
+
+
+@dataclass(frozen=True)
+class GroupedOp:
+    """One grouped_linear node of a captured graph: which block and projection it is, and what it reads."""
+
+    node: fx.Node
+    block: str  # the experts module's path
+    name: str  # the projection of each expert: "gate_proj", "up_proj" or "down_proj"
+    routed: fx.Node
+    counts: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    experts: int
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """Each expert's layer name, as the per-expert capture names it (`block.3.down_proj`)."""
+        return tuple(f"{self.block}.{expert}.{self.name}" for expert in range(self.experts))
+
+
+def find_grouped_ops(gm: fx.GraphModule) -> list[GroupedOp]:
+    """The grouped_linear nodes of a graph captured with qcore.graph.experts.grouped_experts, in graph order, each
+    named by the view of the fused parameters it reads (`block.grouped_down_proj`: block `block`, `down_proj`).
+    ValueError for one whose weight is not such a view."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.qcore.grouped_linear.default:
+            continue
+        routed, counts, weight = node.args[:3]
+        bias = node.args[3] if len(node.args) > 3 else None
+        block, _, attribute = str(weight.target).rpartition(".") if weight.op == "get_attr" else ("", "", "")
+        value = weight.meta.get("val")
+        if not attribute.startswith(GROUPED_PREFIX) or value is None:
+            raise ValueError(f"{node.name} reads {weight.name}, not a grouped projection's weight of the capture")
+        found.append(GroupedOp(node, block, attribute[len(GROUPED_PREFIX):], routed, counts, weight, bias,
+                               int(value.shape[0])))
+    return found

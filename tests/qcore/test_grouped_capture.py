@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import qcore
-from qcore.graph.capture import _export
+from qcore.graph.capture import _export, experts_grouped
 from qcore.graph.experts import fused_experts_modules, grouped_experts
+from qcore.graph.grouped import find_grouped_ops
 from tests.models import tiny_moe
 
 pytest.importorskip("transformers")
@@ -30,6 +31,8 @@ def test_a_grouped_capture_computes_what_the_per_expert_capture_does(architectur
     assert model.config._experts_implementation == implementation  # the model is left as it was
     nodes = [node for node in grouped.graph.nodes if node.target is torch.ops.qcore.grouped_linear.default]
     assert len(nodes) == 2 * 3  # gate, up and down a block, whatever the expert count
+    assert [(op.block, op.name, op.experts) for op in find_grouped_ops(grouped)] == [
+        (f"model.layers.{i}.mlp.experts", name, 4) for i in range(2) for name in ("gate_proj", "up_proj", "down_proj")]
     assert not [node for node in grouped.graph.nodes if node.target is torch.ops.aten.linear.default
                 and ".experts." in str(node.meta.get("nn_module_stack"))]
     per_expert = qcore.capture(model, data[0])
@@ -47,3 +50,15 @@ def test_a_grouped_capture_costs_the_same_nodes_whatever_the_expert_count():
         with grouped_experts(model):
             sizes[experts] = len(_export(model, (), data[0]).graph.nodes)
     assert sizes[4] == sizes[32]
+
+
+def test_a_grouped_capture_reads_no_fused_parameter_and_names_its_blocks():
+    model, data = tiny_moe("qwen3_moe", layers=2, experts=4)
+    with experts_grouped():
+        gm = qcore.capture(model, data[0])
+    assert not [node.target for node in gm.graph.nodes
+                if node.op == "get_attr" and not node.users and ".experts." in str(node.target)]
+    assert gm.meta["qcore_experts"]["grouped"] and set(gm.meta["qcore_experts"]["blocks"]) == {
+        "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    assert not [name for name, _ in model.named_parameters() if "grouped_" in name]  # the model as it was
+    assert torch.equal(_logits(gm(**data[1])), _logits(qcore.capture(model, data[0])(**data[1])))
