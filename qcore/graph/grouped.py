@@ -79,6 +79,12 @@ class GroupedOp:
     weight: fx.Node
     bias: fx.Node | None
     experts: int
+    fused: str  # the fused parameter it reads: "gate_up_proj", "up_proj" or "down_proj"
+
+    @property
+    def item(self) -> str:
+        """The name its items go by: the fused parameter's path (`block.gate_up_proj` for a gate or up half)."""
+        return f"{self.block}.{self.fused}"
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -96,10 +102,13 @@ def find_grouped_ops(gm: fx.GraphModule) -> list[GroupedOp]:
             continue
         routed, counts, weight = node.args[:3]
         bias = node.args[3] if len(node.args) > 3 else None
-        block, _, attribute = str(weight.target).rpartition(".") if weight.op == "get_attr" else ("", "", "")
+        # a converted graph's weight is its quantized copy, which names the float one
+        target = str(weight.meta.get("qcore_float_weight", weight.target))
+        block, _, attribute = target.rpartition(".") if weight.op == "get_attr" else ("", "", "")
         value = weight.meta.get("val")
         if not attribute.startswith(GROUPED_PREFIX) or value is None:
             raise ValueError(f"{node.name} reads {weight.name}, not a grouped projection's weight of the capture")
-        found.append(GroupedOp(node, block, attribute[len(GROUPED_PREFIX):], routed, counts, weight, bias,
-                               int(value.shape[0])))
-    return found
+        found.append((node, block, attribute[len(GROUPED_PREFIX):], routed, counts, weight, bias, int(value.shape[0])))
+    gated = {entry[1] for entry in found if entry[2] == "gate_proj"}
+    return [GroupedOp(*entry, fused="down_proj" if entry[2] == "down_proj" else
+                      "gate_up_proj" if entry[1] in gated else entry[2]) for entry in found]

@@ -11,6 +11,7 @@ never reached. `fake_quantize_per_expert` fake-quantizes each expert's run with 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ from qcore.observe.observers import ObserverBase
 from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel
 
 __all__ = ["SegmentedMinMaxObserver", "SegmentedMovingAverageMinMaxObserver", "SegmentedPerChannelMinMaxObserver",
-           "fake_quantize_per_expert"]
+           "SegmentedRangeObserver", "fake_quantize_per_expert", "segmented_observer"]
 
 
 def _run_extremes(x: torch.Tensor, counts: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +37,9 @@ def _run_extremes(x: torch.Tensor, counts: torch.Tensor, per_channel: bool) -> t
     return low, high
 
 
-class _SegmentedRangeObserver(ObserverBase):
-    """A running range per expert; qparams per expert from it."""
+class SegmentedRangeObserver(ObserverBase):
+    """A running range per expert; qparams per expert from it. Its forward takes the rows and the experts' counts;
+    observe_constant an [E, ...] weight, each expert's slice once."""
 
     min_val: torch.Tensor
     max_val: torch.Tensor
@@ -72,11 +74,27 @@ class _SegmentedRangeObserver(ObserverBase):
         return (torch.where(reached, scale, torch.ones_like(scale)),
                 torch.where(reached, zero_point, torch.zeros_like(zero_point)))
 
+    def observe_constant(self, value: torch.Tensor) -> None:
+        """Observe every expert's slice of `value` ([E, ...], a weight) once: its least and greatest value."""
+        if value.dim() < 2 or value.shape[0] != self.experts:
+            raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; given a weight of shape "
+                             f"{tuple(value.shape)}, not [experts, ...]")
+        if self.frozen:
+            return
+        flat = value.detach().reshape(self.experts, -1).float()
+        self.min_val, self.max_val = flat.amin(dim=1), flat.amax(dim=1)
+        self.frozen = True
+
+    def fake_quantize_weight(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` ([E, ...], the weight observed) with each expert's slice fake-quantized with its qparams."""
+        scale, zero_point = self.calculate_qparams()
+        return fake_quantize_per_channel(value, scale, zero_point, 0, self.quant_min, self.quant_max)
+
     def extra_repr(self) -> str:
         return f"experts={self.experts}, {super().extra_repr()}"
 
 
-class SegmentedMinMaxObserver(_SegmentedRangeObserver):
+class SegmentedMinMaxObserver(SegmentedRangeObserver):
     """Each expert's running minimum and maximum of every value routed to it (MinMaxObserver per expert)."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -90,7 +108,7 @@ class SegmentedMinMaxObserver(_SegmentedRangeObserver):
         return x
 
 
-class SegmentedMovingAverageMinMaxObserver(_SegmentedRangeObserver):
+class SegmentedMovingAverageMinMaxObserver(SegmentedRangeObserver):
     """Each expert's exponential moving average of the minimum and maximum of its run in each batch that routed a
     token to it (MovingAverageMinMaxObserver per expert: its first batch sets the range)."""
 
@@ -114,7 +132,7 @@ class SegmentedMovingAverageMinMaxObserver(_SegmentedRangeObserver):
         return x
 
 
-class SegmentedPerChannelMinMaxObserver(_SegmentedRangeObserver):
+class SegmentedPerChannelMinMaxObserver(SegmentedRangeObserver):
     """Each expert's running minimum and maximum per channel ([E, C]): of the routed rows' columns (`ch_axis` 1,
     an activation's channels), or, observed once with observe_constant, of an [E, out, in] weight's rows per
     expert (`ch_axis` 0, the output channels of each expert's [out, in] weight) or columns (`ch_axis` 1)."""
@@ -136,10 +154,10 @@ class SegmentedPerChannelMinMaxObserver(_SegmentedRangeObserver):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Observe the columns of `x`'s rows, each expert's run of `counts` rows for that expert; returns x."""
         self._check_counts(x, counts)
+        if self.frozen or x.numel() == 0:  # a weight observed once: its calls leave it
+            return x
         if self.ch_axis != 1:
             raise ValueError("routed rows have their channels along axis 1: observe a weight with observe_constant")
-        if self.frozen or x.numel() == 0:
-            return x
         low, high = _run_extremes(x, counts, per_channel=True)
         self._grow(low.shape[1])
         torch.minimum(self.min_val, low, out=self.min_val)
@@ -158,6 +176,16 @@ class SegmentedPerChannelMinMaxObserver(_SegmentedRangeObserver):
         self.min_val, self.max_val = weight.amin(dim=reduced), weight.amax(dim=reduced)
         self.frozen = True
 
+    def fake_quantize_weight(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` ([E, out, in], the weight observed) with each expert's output channels fake-quantized with their
+        qparams: one per-row pass over the [E x out, in] rows, each row as its expert's weight alone gives it."""
+        if self.ch_axis != 0:
+            raise ValueError("a weight's channels per expert are quantized along its output channels (ch_axis 0)")
+        scale, zero_point = self.calculate_qparams()
+        rows = value.reshape(-1, value.shape[-1])
+        return fake_quantize_per_channel(rows, scale.reshape(-1), zero_point.reshape(-1), 0, self.quant_min,
+                                         self.quant_max).reshape(value.shape)
+
 
 def fake_quantize_per_expert(x: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                              quant_min: int, quant_max: int) -> torch.Tensor:
@@ -167,3 +195,20 @@ def fake_quantize_per_expert(x: torch.Tensor, counts: torch.Tensor, scale: torch
     row_scale = rows_of_experts(scale.to(x.device), counts, rows)
     row_zero_point = rows_of_experts(zero_point.to(x.device), counts, rows)
     return fake_quantize_per_channel(x, row_scale, row_zero_point, 0, quant_min, quant_max)
+
+
+_SEGMENTED = {"MinMaxObserver": SegmentedMinMaxObserver,
+              "MovingAverageMinMaxObserver": SegmentedMovingAverageMinMaxObserver,
+              "PerChannelMinMaxObserver": SegmentedPerChannelMinMaxObserver}
+
+
+def segmented_observer(observer: Any, experts: int, **kwargs: Any) -> SegmentedRangeObserver:
+    """The observer of every expert at once that stands for `observer` (a class, or one made with_args) observing
+    each expert alone; ValueError for an observer that has none (a histogram's search is per tensor)."""
+    keywords = dict(getattr(observer, "keywords", {}) or {})
+    base = getattr(observer, "func", observer)
+    segmented = _SEGMENTED.get(getattr(base, "__name__", ""))
+    if segmented is None:
+        raise ValueError(f"{getattr(base, '__name__', base)} has no form observing every expert of a grouped "
+                         f"projection at once (those that do: {', '.join(sorted(_SEGMENTED))})")
+    return segmented(experts, **{**keywords, **kwargs})

@@ -14,6 +14,7 @@ import torch
 from torch import fx, nn
 
 from qcore.graph.capture import capture, clone_graph_module
+from qcore.graph.grouped import find_grouped_ops
 from qcore.graph.ops import (
     FQN_KEY,
     INSERTED_KEY,
@@ -33,6 +34,7 @@ from qcore.observe.qparams import (
     fused_kernels_preferred,
     per_channel_steps,
 )
+from qcore.observe.segmented import SegmentedRangeObserver, fake_quantize_per_expert
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.format_quantizer import (
     FormatFakeQuantize,
@@ -92,6 +94,14 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
         source = node.args[0]
         if isinstance(observer, FormatObserver):
             _convert_format_node(prepared, node, source, observer, weight_cache, earlier)
+            continue
+        if isinstance(observer, SegmentedRangeObserver):
+            with graph.inserting_before(node):
+                replacement = _segmented_node(prepared, node, source, observer, weight_cache, reads, earlier)
+            replacement.meta.update({k: v for k, v in node.meta.items() if k.startswith("qcore_") or k == "val"})
+            replacement.meta[INSERTED_KEY] = "qdq"
+            node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
             continue
         if getattr(observer, "is_float", False) and observer.dtype == torch.float32:
             node.replace_all_uses_with(source)  # a float32 spec keeps the tensor as it is
@@ -157,6 +167,51 @@ def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observe
     replacement.meta[INSERTED_KEY] = "qdq"
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)
+
+
+def _segmented_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: SegmentedRangeObserver,
+                    cache: dict[tuple[str, str], Any], reads: _HostReads, earlier: _QuantizedWeights) -> fx.Node:
+    """A grouped projection's observer node as fake quantization per expert: its [E, ...] weight quantized once into
+    a buffer, or its rows by expert fake-quantized each with its expert's qparams (an expert no batch reached with
+    scale 1 and zero point 0, named in convert's warning)."""
+    graph = gm.graph
+    if _is_float_weight(source):
+        key = (_float_weight_name(source), str(node.target))
+        if key not in cache:
+            weight = weight_value(gm, source)
+            if reads.saw_nothing(observer):  # not calibrated: the weight is known, observe it here
+                observer.observe_constant(weight.detach())
+                reads.observed(observer)
+            meta = _qparams_meta(observer, reads.values(observer))
+            cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
+            earlier.register(cache[key], source, weight,
+                             ("qparams", type(observer).__qualname__, qparams_meta_digest(meta)),
+                             lambda: observer.fake_quantize_weight(weight.detach()))
+        new = graph.get_attr(cache[key])
+        new.meta["qcore_float_weight"] = key[0]
+    else:
+        counts = node.args[1]
+        scale, zero_point = observer.calculate_qparams()
+        reached = observer.observed.tolist()
+        if not all(reached):
+            reads.unreached.extend(_expert_readers(gm, node, [expert for expert, seen in enumerate(reached)
+                                                              if not seen]))
+        base = _free_name(gm, f"qcore_qparams_{node.name}")
+        gm.register_buffer(base + "_scale", scale.detach().float().clone())
+        gm.register_buffer(base + "_zero_point", zero_point.detach().clone())
+        new = graph.call_function(fake_quantize_per_expert, (
+            source, counts, graph.get_attr(base + "_scale"), graph.get_attr(base + "_zero_point"),
+            observer.quant_min, observer.quant_max))
+    new.meta[QPARAMS_KEY] = _qparams_meta(observer, reads.values(observer))
+    return new
+
+
+def _expert_readers(gm: fx.GraphModule, node: fx.Node, experts: list[int]) -> list[str]:
+    """The names of what reads `experts`' rows of an observed value, as the per-expert graph names them: each
+    expert's layer of a grouped projection (`block.3.down_proj`), else the reading op's module."""
+    grouped = {op.node: op for op in find_grouped_ops(gm)}
+    return [grouped[user].layers[expert] if user in grouped else str(user.meta.get(FQN_KEY) or user.name)
+            for expert in experts for user in node.users]
 
 
 def _free_name(gm: nn.Module, name: str) -> str:

@@ -18,6 +18,7 @@ from qcore.graph.ops import (
     written_after,
 )
 from qcore.observe.observers import DerivedObserver, FixedQParamsObserver, pooled_ranges
+from qcore.observe.segmented import segmented_observer
 from qcore.quantization.quantizer import (
     ANNOTATION_KEY,
     DerivedQuantizationSpec,
@@ -89,7 +90,8 @@ def _root_qspec(qspec, mapping, forest: UnionFind) -> QuantizationSpecBase:
     return qspec
 
 
-_IMPLICIT_SHARING_ATTRS = ("dtype", "is_dynamic", "quant_min", "quant_max", "qscheme", "ch_axis", "scale", "zero_point")
+_IMPLICIT_SHARING_ATTRS = ("dtype", "is_dynamic", "quant_min", "quant_max", "qscheme", "ch_axis", "scale", "zero_point",
+                           "experts")
 
 
 def _compatible(a, b) -> bool:
@@ -182,6 +184,8 @@ def group_specs(mapping: dict, group_ids: dict) -> dict[int, QuantizationSpecBas
 
 def _observer_for(qspec: QuantizationSpecBase, sources: list[nn.Module]) -> nn.Module:
     if isinstance(qspec, QuantizationSpec) and qspec.format is not None:
+        if qspec.experts is not None:
+            raise QuantizationConfigError("a format's observer does not observe a grouped projection's experts yet")
         return qspec.observer_or_fake_quant_ctr(qspec.format)
     if isinstance(qspec, QuantizationSpec):
         kwargs = {"dtype": qspec.dtype, "quant_min": qspec.quant_min, "quant_max": qspec.quant_max,
@@ -190,6 +194,11 @@ def _observer_for(qspec: QuantizationSpecBase, sources: list[nn.Module]) -> nn.M
             kwargs["qscheme"] = qspec.qscheme
         if qspec.ch_axis is not None:
             kwargs["ch_axis"] = qspec.ch_axis
+        if qspec.experts is not None:  # every expert of a grouped projection at once
+            try:
+                return segmented_observer(qspec.observer_or_fake_quant_ctr, _expert_count(qspec.experts), **kwargs)
+            except ValueError as error:
+                raise QuantizationConfigError(str(error)) from error
         return qspec.observer_or_fake_quant_ctr(**kwargs)
     if isinstance(qspec, FixedQParamsQuantizationSpec):
         return FixedQParamsObserver(qspec.scale, qspec.zero_point, dtype=qspec.dtype, quant_min=qspec.quant_min,
@@ -202,6 +211,24 @@ def _observer_for(qspec: QuantizationSpecBase, sources: list[nn.Module]) -> nn.M
             kwargs["ch_axis"] = qspec.ch_axis
         return DerivedObserver(sources, qspec.derive_qparams_fn, **kwargs)
     raise QuantizationConfigError(f"unsupported spec type {type(qspec).__name__}")
+
+
+def _expert_count(counts: fx.Node) -> int:
+    """The experts a grouped projection's counts node counts (its length, known from the trace)."""
+    value = counts.meta.get("val")
+    if value is None or value.dim() != 1:
+        raise QuantizationConfigError(f"the expert count of {counts.name} is not known from the trace")
+    return int(value.shape[0])
+
+
+def _experts_of_groups(mapping, group_ids) -> dict[int, fx.Node]:
+    """{group id: counts node} of the groups observing a grouped projection's tensors per expert."""
+    found: dict[int, fx.Node] = {}
+    for key, qspec in mapping.items():
+        counts = getattr(qspec, "experts", None)
+        if counts is not None:
+            found[group_ids[key]] = counts
+    return found
 
 
 def create_group_observers(mapping, group_ids) -> dict[int, nn.Module]:
@@ -229,12 +256,15 @@ def create_group_observers(mapping, group_ids) -> dict[int, nn.Module]:
 
 
 def _insert_observer(gm: fx.GraphModule, after: fx.Node, observer_name: str, described: fx.Node,
-                     reader: fx.Node | None = None) -> fx.Node:
+                     reader: fx.Node | None = None, counts: fx.Node | None = None) -> fx.Node:
     """Observe `after`'s value right after it, or, for one `reader`, as that reader reads it (after the ops before
-    it that write the value in place: observation_point)."""
+    it that write the value in place: observation_point). `counts`: the experts' counts of rows by expert, which
+    the observer reads too (after they are computed)."""
     anchor = after if reader is None else observation_point(after, reader, _is_observer)
+    if counts is not None and anchor < counts:
+        anchor = counts
     with gm.graph.inserting_after(anchor):
-        node = gm.graph.call_module(observer_name, (after,))
+        node = gm.graph.call_module(observer_name, (after,) if counts is None else (after, counts))
     node.meta[INSERTED_KEY] = "observer"
     node.meta[FQN_KEY] = described.meta.get(FQN_KEY, "")
     node.meta["qcore_observed_handle"] = described.meta.get(HANDLE_KEY, -1)
@@ -259,15 +289,18 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer, recompile: bool = True) ->
     for gid, observer in observers.items():
         names[gid] = f"{OBSERVER_PREFIX}{gid}"
         gm.add_submodule(names[gid], observer)
+    experts = _experts_of_groups(mapping, group_ids)
 
     for node in list(gm.graph.nodes):
         annotation = node.meta.get(ANNOTATION_KEY)
         if annotation is None or is_inserted(node):
             continue
         for producer in annotation.input_qspec_map:
-            _observe_edge(gm, producer, node, names[group_ids[(producer, node)]], group_ids)
+            group = group_ids[(producer, node)]
+            _observe_edge(gm, producer, node, names[group], group_ids, experts.get(group))
         if node in group_ids:
-            observer_node = _insert_observer(gm, node, names[group_ids[node]], node)
+            observer_node = _insert_observer(gm, node, names[group_ids[node]], node,
+                                             counts=experts.get(group_ids[node]))
             for user in list(node.users):
                 if user is not observer_node:
                     user.replace_input_with(node, observer_node)
@@ -345,7 +378,8 @@ def _observe_constants_once(gm: fx.GraphModule) -> None:
             observer.observe_constant(value)
 
 
-def _observe_edge(gm: fx.GraphModule, producer: fx.Node, consumer: fx.Node, observer_name: str, group_ids) -> None:
+def _observe_edge(gm: fx.GraphModule, producer: fx.Node, consumer: fx.Node, observer_name: str, group_ids,
+                  counts: fx.Node | None = None) -> None:
     current = _current_arg(consumer, producer)
     if current is None:
         return
@@ -355,7 +389,7 @@ def _observe_edge(gm: fx.GraphModule, producer: fx.Node, consumer: fx.Node, obse
         if user.op == "call_module" and user.target == observer_name:
             consumer.replace_input_with(current, user)
             return
-    observer_node = _insert_observer(gm, current, observer_name, producer, reader=consumer)
+    observer_node = _insert_observer(gm, current, observer_name, producer, reader=consumer, counts=counts)
     consumer.replace_input_with(current, observer_node)
 
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 import torch
 from torch import fx
 
 from qcore.formats.presets import TensorFormat
+from qcore.graph.grouped import GroupedOp, find_grouped_ops
 from qcore.graph.ops import QUANTIZABLE_KINDS, find_quantizable_ops, is_inserted, layer_patterns, op_kind
 from qcore.observe.observers import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver
 
@@ -38,6 +39,9 @@ class QuantizationSpec(QuantizationSpecBase):
     ch_axis: int | None = None
     is_dynamic: bool = False
     format: TensorFormat | None = None  # a deployed format (qcore.formats.presets), its observer's argument
+    # the counts node of a grouped projection's experts (qcore.graph.grouped) whose values the tensor holds, as
+    # rows by expert or as an [E, ...] weight: one observer of every expert at once (qcore.observe.segmented)
+    experts: fx.Node | None = None
 
     @property
     def per_channel(self) -> bool:
@@ -162,6 +166,12 @@ def with_layer_overrides(quantizer: Quantizer, overrides: dict[str, dict]) -> Qu
     return changed
 
 
+def _experts_rows(node: fx.Node) -> bool:
+    """Whether a node's output is quantized as rows by expert (a grouped projection's)."""
+    annotation = node.meta.get(ANNOTATION_KEY)
+    return annotation is not None and getattr(annotation.output_qspec, "experts", None) is not None
+
+
 def _is_quantized_output(node: object) -> bool:
     if not isinstance(node, fx.Node):
         return False
@@ -252,8 +262,27 @@ class Int8StaticQuantizer(Quantizer):
                 _annotate(op.output, {}, output)
             else:
                 _annotate(op.node, inputs, output)
+        for grouped in find_grouped_ops(gm):
+            self._annotate_grouped(grouped)
         self._propagate(gm)
         return gm
+
+    def _annotate_grouped(self, op: GroupedOp) -> None:
+        """A grouped projection quantized as each expert's Linear would be: its routed rows, its weight and its
+        output observed per expert at once. ValueError where its experts' settings differ (a per-expert override:
+        the per-expert capture takes those) or ask for dynamic activations."""
+        every = [self._settings(op.block, layer, op.item) for layer in op.layers]
+        settings = every[0]
+        if any(other != settings for other in every[1:]):
+            raise ValueError(f"{op.item}: layer_overrides give its experts different settings, which a grouped "
+                             "capture does not take yet; capture it expert by expert")
+        if settings["skip"]:
+            return
+        if settings["is_dynamic"]:
+            raise ValueError(f"{op.item}: dynamic activations per expert are not taken by a grouped capture yet")
+        inputs: dict = {op.routed: replace(int8_activation_spec(settings["activation_observer"]), experts=op.counts),
+                        op.weight: replace(int8_weight_spec(settings["per_channel"]), experts=op.counts)}
+        _annotate(op.node, inputs, replace(int8_activation_spec(self.activation_observer), experts=op.counts))
 
     def prepare_obs_or_fq_callback(self, model: fx.GraphModule, edge_or_node_to_obs_or_fq: dict) -> None:
         """A layer whose activation_observer is overridden observes the tensors it reads with it: the sharing group
@@ -278,6 +307,8 @@ class Int8StaticQuantizer(Quantizer):
             kind = op_kind(node, gm)
             if kind in QUANTIZABLE_KINDS or kind is None:
                 continue
+            if any(_experts_rows(a) for a in node.all_input_nodes):
+                continue  # rows by expert: an op over them is quantized per expert or not at all
             if kind in ("add", "mul"):
                 tensors = [a for a in node.args[:2] if isinstance(a, fx.Node)]
                 if tensors and all(_is_quantized_output(a) for a in tensors) and len(tensors) == 2:

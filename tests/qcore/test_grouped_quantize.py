@@ -1,0 +1,100 @@
+"""A grouped capture quantized as the per-expert capture is: prepare gives each grouped projection observers of every
+expert at once, convert fake-quantizes each expert's rows and weight with its own qparams, and the quantized graph
+computes what the quantized per-expert graph computes, bit for bit."""
+import re
+import warnings
+
+import pytest
+import torch
+
+import qcore
+from qcore.graph.capture import clone_graph_module, experts_grouped
+from qcore.graph.grouped import find_grouped_ops
+from qcore.observe.observers import MovingAverageMinMaxObserver
+from qcore.observe.segmented import SegmentedRangeObserver
+from qcore.quantization.calibrate import calibrate
+from qcore.quantization.convert import QPARAMS_KEY, convert
+from qcore.quantization.prepare import prepare
+from tests.models import tiny_moe
+
+pytest.importorskip("transformers")
+
+
+def _logits(output):
+    return output["logits"] if isinstance(output, dict) else output.logits
+
+
+def _quantized(gm, quantizer, batches):
+    """(the observers of every expert at once that prepare made, the converted graph)."""
+    prepared = prepare(clone_graph_module(gm), quantizer)
+    segmented = [module for module in prepared.modules() if isinstance(module, SegmentedRangeObserver)]
+    calibrate(prepared, batches)
+    return segmented, convert(prepared)
+
+
+def _both(architecture, quantizer, batches=3, **shape):
+    model, data = tiny_moe(architecture, layers=2, batch=4, n=batches + 1, **shape)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    per_expert = qcore.capture(model, data[0])
+    return _quantized(grouped, quantizer, data[:batches]), _quantized(per_expert, quantizer, data[:batches]), data
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"])
+@pytest.mark.parametrize("quantizer", [
+    qcore.Int8StaticQuantizer(),
+    qcore.Int8StaticQuantizer(per_channel=False, activation_observer=MovingAverageMinMaxObserver),
+], ids=["default", "per-tensor-moving-average"])
+def test_a_grouped_capture_quantizes_to_the_per_expert_captures_values(architecture, quantizer):
+    (segmented, grouped), (_, per_expert), data = _both(architecture, quantizer, experts=4)
+    # a gated block's 8, whatever its expert count: the routed tokens the gate and up projections read, each
+    # projection's output, the down projection's input, and each weight
+    assert len(segmented) == 2 * 8
+    for batch in data[-1:]:  # a batch calibration did not see, routed otherwise
+        assert torch.equal(_logits(grouped(**batch)), _logits(per_expert(**batch)))
+
+
+def test_each_experts_qparams_are_its_own_linears():
+    (_, grouped), (_, per_expert), _ = _both("qwen3_moe", qcore.Int8StaticQuantizer(), experts=4)
+    ops = {op.item: op for op in find_grouped_ops(grouped)}
+    qparams = {str(node.meta.get("qcore_float_weight", "")): node.meta[QPARAMS_KEY] for node in per_expert.graph.nodes
+               if QPARAMS_KEY in node.meta and node.op == "get_attr"}
+    grouped_qparams = {str(node.meta.get("qcore_float_weight", "")): node.meta[QPARAMS_KEY]
+                       for node in grouped.graph.nodes if QPARAMS_KEY in node.meta and node.op == "get_attr"}
+    block = "model.layers.0.mlp.experts"
+    down = grouped_qparams[f"{block}.grouped_down_proj"]
+    scales = list(down["scale"])
+    width = len(scales) // 4
+    for expert in range(4):  # each expert's rows of the grouped weight's per-channel scales are its Linear's
+        own = list(qparams[f"{block}.{expert}.down_proj.weight"]["scale"])
+        assert scales[expert * width:(expert + 1) * width] == own
+    assert f"{block}.down_proj" in ops
+
+
+def test_an_expert_no_calibration_token_reaches_is_named_and_quantized_as_torch_ao_converts_it():
+    """A block with more experts than its few tokens reach: convert warns naming the unreached experts, and their
+    rows get scale 1 and zero point 0, as the per-expert graph's convert gives them."""
+    model, data = tiny_moe("qwen3_moe", layers=1, experts=32, batch=1, tokens=4, n=2)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    per_expert = qcore.capture(model, data[0])
+    found, messages = {}, {}
+    for name, gm in (("grouped", grouped), ("per_expert", per_expert)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, found[name] = _quantized(gm, qcore.Int8StaticQuantizer(), data[:1])
+        messages[name] = [str(w.message) for w in caught if "no calibration batch reached" in str(w.message)]
+    assert len(messages["grouped"]) == len(messages["per_expert"]) == 1
+    # the same ops, named alike: each unreached expert's layers, and the modules of the ops between them
+    assert messages["grouped"][0].split(" (")[0] == messages["per_expert"][0].split(" (")[0]
+    assert re.search(r"model\.layers\.0\.mlp\.experts\.\d+\.gate_proj", messages["grouped"][0])
+    assert torch.equal(_logits(found["grouped"](**data[1])), _logits(found["per_expert"](**data[1])))
+
+
+def test_a_per_expert_override_is_refused_by_a_grouped_capture():
+    model, data = tiny_moe("qwen3_moe", layers=1, experts=4, batch=2, n=1)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    quantizer = qcore.Int8StaticQuantizer(layer_overrides={"model.layers.0.mlp.experts.2.down_proj": {"skip": True}})
+    with pytest.raises(ValueError, match="different settings"):
+        prepare(clone_graph_module(grouped), quantizer)
