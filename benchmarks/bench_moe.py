@@ -38,6 +38,12 @@ alternating rounds, and the MoE captured a third way: its experts left as transf
 op a projection, neither quantized nor measured), the floor of an analysis that would measure a projection's
 experts as one op. Each figure the median of its rounds' analysis over forward.
 
+With `--grouped-sqnr [--sizes tiny,small]`: the capture and `qcore.analysis.measure_sqnr` (int8 static: calibration,
+convert, and the comparison pass with every layer's shadow; no detector) of `--cost`'s pair, the MoE captured both
+ways: one Linear per expert (what the analysis runs today) and with each projection one grouped op
+(`qcore.graph.capture.experts_grouped()`, which gives every expert's records, the same values), each against its
+forward, in alternating rounds (11 at `tiny`, 2 at `small`), each figure the median of its rounds.
+
 With `--ops [--sizes tiny] [--checks sqnr,...]`: `--cost`'s pair, verdicts only: the aten ops one analysis runs
 (counted at dispatch, after a first analysis that is not counted) against those of the model's eager forward over
 the same batches, by op, the ops whose share of the MoE's analysis most exceeds their share of the dense model's
@@ -49,6 +55,7 @@ fake quantization per expert.
     python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N]]
                                    [--experts 8,32,64,128] [--capture] [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
+                                   [--grouped-sqnr [--sizes tiny,small]]
 """
 from __future__ import annotations
 
@@ -374,6 +381,40 @@ def grouped_floor(sizes: list[str]) -> None:
                   f"{statistics.median(ratios) / dense_ratio:>10.2f}  {', '.join(f'{r:.1f}' for r in ratios)}")
 
 
+def grouped_sqnr_cost(sizes: list[str]) -> None:
+    """The table of --grouped-sqnr."""
+    import qcore
+    from qcore.analysis import measure_sqnr
+    from qcore.graph.capture import experts_grouped
+
+    def measured(model, batches, grouped: bool) -> tuple[float, int]:
+        start = time.perf_counter()
+        with experts_grouped(grouped):
+            gm = qcore.capture(model, batches[0])
+        found = measure_sqnr(gm, batches, qcore.Int8StaticQuantizer())
+        return time.perf_counter() - start, len(found.layers)
+
+    print(f"{'size':>6} {'model':>26} {'layers':>6} {'sqnr / forward':>14} {'over dense':>10}  per round")
+    for size in sizes:
+        moe, dense, batches = pair(size)
+        cases = (("dense", dense, False), ("MoE, one layer per expert", moe, False),
+                 ("MoE, grouped projections", moe, True))
+        for _, model, grouped in cases:  # one-time costs, not measured
+            measured(model, batches, grouped)
+        rounds: dict[str, list[float]] = {}
+        layers: dict[str, int] = {}
+        for _ in range(ROUNDS[size]):
+            for name, model, grouped in cases:
+                forward = steady_forward_seconds(model, batches)
+                seconds, layers[name] = measured(model, batches, grouped)
+                rounds.setdefault(name, []).append(seconds / forward)
+        dense_ratio = statistics.median(rounds["dense"])
+        for name, ratios in rounds.items():
+            print(f"{size:>6} {name:>26} {layers[name]:>6} {statistics.median(ratios):>13.1f}x "
+                  f"{statistics.median(ratios) / dense_ratio:>10.2f}  {', '.join(f'{r:.1f}' for r in ratios)}")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
 def ops_table(sizes: list[str], checks: list[str] | None = None, rows: int = 24) -> None:
     """The table of --ops, then the grouped forms' check (grouped_forms_agree)."""
     from collections import Counter
@@ -447,6 +488,10 @@ def main() -> None:
     if "--ops" in sys.argv:
         ops_table(sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["tiny"],
                   sys.argv[sys.argv.index("--checks") + 1].split(",") if "--checks" in sys.argv else None)
+        return
+    if "--grouped-sqnr" in sys.argv:
+        grouped_sqnr_cost(sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv
+                          else ["tiny", "small"])
         return
     if "--grouped-floor" in sys.argv:
         grouped_floor(sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv

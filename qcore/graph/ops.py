@@ -115,6 +115,9 @@ class QuantizableOp:
     # (`model.layers.3.mlp.experts.down_proj` for `model.layers.3.mlp.experts.5.down_proj`); a layer glob naming it
     # names the layer too
     item: str = ""
+    # a grouped projection's (kind "grouped_linear": every expert of an MoE projection as one op): each expert's
+    # layer name, as the per-expert graph names it, in expert order; its counts are node.args[1]
+    expert_layers: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, str, str]:
@@ -225,11 +228,25 @@ def last_layers(gm: fx.GraphModule, layers: Iterable[str]) -> list[str]:
     return [op.layer for op in ops if op.layer in found]
 
 
-def find_quantizable_ops(gm: fx.GraphModule) -> list[QuantizableOp]:
-    """Every quantizable op in graph order, with a layer name that is unique within the graph."""
+def find_quantizable_ops(gm: fx.GraphModule, grouped: bool = False) -> list[QuantizableOp]:
+    """Every quantizable op in graph order, with a layer name that is unique within the graph. With `grouped`, a
+    grouped capture's grouped projections too (kind "grouped_linear", named `block.down_proj`, their experts'
+    layers in expert_layers): for the passes that measure them per expert."""
+    from qcore.graph.grouped import find_grouped_ops
+
     found: list[QuantizableOp] = []
+    groups = {op.node: op for op in find_grouped_ops(gm)} if grouped else {}
+    named: list[QuantizableOp] = []
     for node in gm.graph.nodes:
         if is_inserted(node):
+            continue
+        group = groups.get(node)
+        if group is not None:
+            found.append(QuantizableOp(
+                node=node, kind="grouped_linear", fqn=group.block, layer=f"{group.block}.{group.name}",
+                handle=node.meta.get(HANDLE_KEY, -1), activation_inputs=[original_input(group.routed)],
+                weight=original_input(group.weight), bias=group.bias, output=node, item=group.item,
+                expert_layers=group.layers))
             continue
         kind = op_kind(node, gm)
         if kind not in QUANTIZABLE_KINDS:
@@ -251,7 +268,8 @@ def find_quantizable_ops(gm: fx.GraphModule) -> list[QuantizableOp]:
                 output=node if kind == "sdpa" else fused_output(node, gm),
             )
         )
-    _assign_layer_names(found)
+        named.append(found[-1])
+    _assign_layer_names(named)
     items = getattr(gm, "meta", {}).get(EXPERTS_KEY, {}).get("layers", {})
     for op in found:
         entry = items.get(op.layer)

@@ -371,6 +371,11 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
         propagated_layers = [layer for layer in wanted if layer not in routed]
         if shadowed_layers is not None:
             shadowed_layers = set(shadowed_layers) | routed
+    # a grouped capture's projections: measured on the float model's tokens too, a shadow record per expert
+    grouped = [op for op in find_quantizable_ops(float_gm, grouped=True) if op.kind == "grouped_linear"
+               and (layers is None or op.layer in layers)]
+    if grouped and shadowed_layers is not None:
+        shadowed_layers = set(shadowed_layers) | {op.layer for op in grouped}
     here = [v for v in variants if v.layer in own_layers]
     baselines: dict[str, dict[str, Any]] = {}
 
@@ -403,6 +408,8 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
     records = propagated if propagate else shadow_records
     if routed and propagate:
         records = [*records, *(shadows[layer] for layer in sorted(routed & shadows.keys()))]
+    if grouped and propagate:
+        records = [*records, *(shadows[layer] for op in grouped for layer in op.expert_layers if layer in shadows)]
     return sqnr_measurement(records, shadows, weights, limits), baselines
 
 
@@ -452,6 +459,12 @@ def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, layers: Col
         if pair.a.weight is None or pair.b.weight is None or (layers is not None and pair.layer not in layers):
             continue
         original = weight_value(float_gm, pair.a.weight).detach()
+        if pair.a.kind == "grouped_linear":  # [E, out, in]: each expert's weight against its quantized copy
+            quantized = _quantized_weight_value(quant_gm, pair.b.weight, pair.a.weight, original).detach()
+            for layer, expert, expert_quantized in zip(pair.a.expert_layers, original, quantized, strict=True):
+                found[layer] = _exact_or_sqnr(expert, expert_quantized)
+            del original, quantized
+            continue
         rows = _quantized_weight_rows(quant_gm, pair.b.weight, pair.a.weight, original)
         if rows is not None:
             found[pair.layer] = rowwise_sqnr(original, rows)

@@ -33,7 +33,7 @@ from qcore.numeric.instrument import (
     shadow_signature,
     skip_requantizations,
 )
-from qcore.numeric.loggers import ActivationStash, StreamingComparator
+from qcore.numeric.loggers import ActivationStash, ExpertsComparator, StreamingComparator
 from qcore.numeric.logits import LogitsComparator
 from qcore.numeric.matching import LayerPair, layer_value, match_layers
 from qcore.quantization.calibrate import OutputSink, model_device
@@ -242,7 +242,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
         keep_layer_inputs.watch(gm_a, [pair.a for extra in extra_pairs for pair in extra], outputs=True)
     _hold(gm_a, gm_b)
     propagated: list[StreamingComparator | None] = []
-    shadowed: list[StreamingComparator | None] = []
+    shadowed: list[StreamingComparator | ExpertsComparator | None] = []
     stashes, references = [], {}
     known: dict[str, dict] = {}
     floats: FloatNodes | None = None  # gm_a's original nodes, read once for every shadow copied
@@ -255,7 +255,10 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                 known[pair.layer] = dict(record)
     for index, pair in enumerate(pairs):
         shadow_it = (shadowed_layers is None or pair.layer in shadowed_layers) and pair.layer not in known
-        propagate_it = propagate and (propagated_layers is None or pair.layer in propagated_layers)
+        # a grouped projection's experts run on the tokens routed to them, which differ between the two models once
+        # a router's choice flips: measured on the float model's tokens alone (its shadow)
+        propagate_it = propagate and (propagated_layers is None or pair.layer in propagated_layers) and \
+            pair.a.kind != "grouped_linear"
         if not (shadow_it or propagate_it or any(pair.layer in extra.layers for extra in extra_shadows)):
             shadowed.append(None)
             propagated.append(None)
@@ -268,8 +271,13 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
             floats = floats or FloatNodes(gm_a)
             shadow_value = copy_layer_into(gm_a, pair.a, pair.b, _SHADOW_PREFIX, known=floats)
             # the shadow's value is read by its comparator only, and the reference is the stash's
-            shadow = StreamingComparator(actual_held=True, reference_held=True)
-            attach_after(gm_a, shadow_value, f"qcore_shadow_compare_{index}", shadow, references[pair.layer])
+            reads: tuple[fx.Node, ...] = (references[pair.layer],)
+            if pair.a.kind == "grouped_linear":  # each expert's sums over its rows: the float graph's counts
+                shadow = ExpertsComparator(len(pair.a.expert_layers))
+                reads += (pair.a.node.args[1],)
+            else:
+                shadow = StreamingComparator(actual_held=True, reference_held=True)
+            attach_after(gm_a, shadow_value, f"qcore_shadow_compare_{index}", shadow, *reads)
         shadowed.append(shadow)
         comparator = None
         if propagate_it:
@@ -343,13 +351,21 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     if count == 0:
         raise ValueError("compare needs at least one batch")
     records = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **_result(c, count)}
-               for p, c in zip(pairs, propagated)] if propagate else []
+               for p, c in zip(pairs, propagated) if p.a.kind != "grouped_linear"] if propagate else []
     for index, comparator in enumerate(outputs):
         records.append({"layer": "output" if len(outputs) == 1 else f"output.{index}", "fqn": "", "op": "output",
                         **comparator.result()})
-    shadows = [{"layer": p.layer, "fqn": p.a.fqn, "op": p.a.kind, **(known[p.layer] if p.layer in known else
-                                                                      _result(c, count))}
-               for p, c in zip(pairs, shadowed)]
+    shadows: list[dict] = []
+    for pair, comparator in zip(pairs, shadowed):
+        if isinstance(comparator, ExpertsComparator):  # a record per expert, named as the per-expert graph names it
+            shadows.extend({"layer": layer, "fqn": layer, "op": "linear", **result}
+                           for layer, result in zip(pair.a.expert_layers, comparator.results(), strict=True))
+        elif pair.a.kind == "grouped_linear":
+            shadows.extend({"layer": layer, "fqn": layer, "op": "linear", **_result(None, count)}
+                           for layer in pair.a.expert_layers)
+        else:
+            shadows.append({"layer": pair.layer, "fqn": pair.a.fqn, "op": pair.a.kind,
+                            **(known[pair.layer] if pair.layer in known else _result(comparator, count))})
     for extra, layer, comparator in extra_comparators:
         extra.results[layer] = comparator.result()
     return records, shadows

@@ -9,7 +9,7 @@ from torch import nn
 from qcore.numeric.metrics import sqnr_from_sums
 from qcore.runtime import deferred, native
 
-__all__ = ["ActivationStash", "OutputLogger", "StreamingComparator"]
+__all__ = ["ActivationStash", "ExpertsComparator", "OutputLogger", "StreamingComparator"]
 _COMPARED_ELEMENTS = 1 << 20  # of a non-float32 pair compared at a time on the torch path (8 MB float64 each)
 
 
@@ -194,6 +194,66 @@ def _update_comparators(entries: list[tuple[StreamingComparator, torch.Tensor, t
         pairs = ((references, references), (actuals, actuals), (references, actuals), (diff, diff))
         sums = torch.stack([torch.segment_reduce(a * b, "sum", lengths=lengths, unsafe=True) for a, b in pairs], dim=1)
         torch._foreach_add_([comparator.sums for comparator, _, _ in group], list(sums.unbind(0)))
+
+
+class ExpertsComparator(nn.Module):
+    """A grouped projection's comparator: StreamingComparator's four float64 sums for each expert ([E, 4]), over
+    the rows by expert of each batch (`counts` rows each); an expert a batch gave no row counts no batch."""
+
+    sums: torch.Tensor
+    batches: torch.Tensor
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.experts = experts
+        self.register_buffer("sums", torch.zeros(experts, 4, dtype=torch.float64))
+        self.register_buffer("batches", torch.zeros(experts, dtype=torch.long))
+
+    def forward(self, actual: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Add one batch of rows by expert (the reference may be flat, as a stash holds it); returns actual."""
+        rows = actual.shape[0] if actual.dim() else 0
+        if rows == 0:
+            return actual
+        lengths = counts.to(device=actual.device, dtype=torch.long)
+        self.batches += (lengths > 0).to(self.batches.device)
+        if self._update_native(actual, reference, lengths):
+            return actual
+        act = actual.detach().reshape(rows, -1).double()
+        ref = reference.detach().reshape(rows, -1).to(act.device).double()
+        diff = ref - act
+        per_row = torch.stack([(ref * ref).sum(1), (act * act).sum(1), (ref * act).sum(1), (diff * diff).sum(1)], 1)
+        self.sums += torch.segment_reduce(per_row, "sum", lengths=lengths, axis=0, unsafe=True)
+        return actual
+
+    def _update_native(self, actual: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor) -> bool:
+        """Each expert's sums by the native kernel, as StreamingComparator's kernel sums the expert's rows alone
+        (float32 CPU values); False leaves them to torch ops."""
+        library = native.kernel()
+        if not (library is not None and actual.__class__ is reference.__class__ is torch.Tensor
+                and actual.dtype == reference.dtype == torch.float32 and actual.is_cpu and reference.is_cpu
+                and actual.numel() == reference.numel() and self.sums.is_cpu and self.sums.is_contiguous()):
+            return False
+        actual, reference = actual.detach().contiguous(), reference.detach().contiguous()
+        values = (lengths * (actual.numel() // actual.shape[0])).contiguous()  # each expert's values, laid in order
+        library.qcore_compare_sums_by_run(reference.data_ptr(), actual.data_ptr(), values.data_ptr(), values.numel(),
+                                          native.threads(native.PARALLEL_MIN_NUMEL), native.PARALLEL_MIN_NUMEL,
+                                          self.sums.data_ptr())
+        return True
+
+    def results(self) -> list[dict[str, float]]:
+        """Each expert's sqnr_db, normalized_l2, cosine and batch count, as StreamingComparator.result gives them
+        (nan for an expert no batch reached), in expert order; one host copy."""
+        found = []
+        for (ref_sq, act_sq, dot, err_sq), batches in zip(self.sums.cpu().tolist(), self.batches.tolist(),
+                                                          strict=True):
+            if batches == 0:
+                found.append({"sqnr_db": math.nan, "normalized_l2": math.nan, "cosine": math.nan, "batches": 0})
+                continue
+            cosine = dot / math.sqrt(ref_sq * act_sq) if ref_sq > 0 and act_sq > 0 else (1.0 if err_sq == 0 else 0.0)
+            normalized_l2 = math.sqrt(err_sq / ref_sq) if ref_sq > 0 else (0.0 if err_sq == 0 else math.inf)
+            found.append({"sqnr_db": sqnr_from_sums(ref_sq, err_sq), "normalized_l2": normalized_l2,
+                          "cosine": cosine, "batches": batches})
+        return found
 
 
 class TopKAgreement(nn.Module):

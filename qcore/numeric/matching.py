@@ -150,12 +150,12 @@ def match_nodes(gm_a: fx.GraphModule, gm_b: fx.GraphModule, only_quantized_layer
 
 
 def match_layers(gm_a: fx.GraphModule, gm_b: fx.GraphModule) -> list[LayerPair]:
-    """Pairs of matching quantizable ops, in gm_a's graph order."""
-    ops_b = find_quantizable_ops(gm_b)
+    """Pairs of matching quantizable ops, in gm_a's graph order; a grouped capture's grouped projections among them."""
+    ops_b = find_quantizable_ops(gm_b, grouped=True)
     by_handle = {op.handle: op for op in ops_b if op.handle >= 0}
     by_layer = {op.layer: op for op in ops_b}
     pairs = []
-    for op_a in find_quantizable_ops(gm_a):
+    for op_a in find_quantizable_ops(gm_a, grouped=True):
         op_b = by_handle.get(op_a.handle) if op_a.handle >= 0 else None
         if op_b is None or op_b.kind != op_a.kind:
             op_b = by_layer.get(op_a.layer)

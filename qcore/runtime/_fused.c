@@ -5,6 +5,10 @@
  * Products of two float32 values are exact in float64; each of LANES accumulators per sum takes every
  * LANES-th value, so the compiler vectorizes the loop without reordering any one accumulator's additions.
  *
+ * qcore_compare_sums_by_run adds them for each run of consecutive values (an MoE expert's rows of a grouped
+ * projection) to that run's four sums, each run as qcore_compare_sums alone sums it, with the threads the caller
+ * would give it alone (one below `parallel_min` values).
+ *
  * qcore_fake_quantize_per_tensor writes clamp(round_half_even(x * inv_scale), low, high) * scale + 0.0 in
  * float32, the same roundings as the torch path (qparams.fake_quantize_per_tensor), which this file is
  * compiled to keep: ISO C (-std=c99) does not contract a*b+c into one fused multiply-add.
@@ -66,6 +70,16 @@ void qcore_compare_sums(const float *ref, const float *act, int64_t n, int64_t t
     }
     for (int64_t t = 0; t < threads; ++t)
         for (int k = 0; k < 4; ++k) sums[k] += parts[t][k];
+}
+
+void qcore_compare_sums_by_run(const float *ref, const float *act, const int64_t *lengths, int64_t runs,
+                               int64_t threads, int64_t parallel_min, double *sums) {
+    int64_t start = 0;
+    for (int64_t r = 0; r < runs; ++r) {
+        int64_t n = lengths[r];
+        if (n > 0) qcore_compare_sums(ref + start, act + start, n, n < parallel_min ? 1 : threads, sums + 4 * r);
+        start += n;
+    }
 }
 
 void qcore_fake_quantize_per_tensor(const float *x, float *out, int64_t n, float inv_scale, float scale, float low,

@@ -163,6 +163,8 @@ def _load():
     library.qcore_observe_range.restype = integer
     library.qcore_compare_sums.argtypes = [pointer, pointer, integer, integer, pointer]
     library.qcore_compare_sums.restype = None
+    library.qcore_compare_sums_by_run.argtypes = [pointer, pointer, pointer, integer, integer, integer, pointer]
+    library.qcore_compare_sums_by_run.restype = None
     real = ctypes.c_float
     library.qcore_fake_quantize_per_tensor.argtypes = [pointer, pointer, integer, real, real, real, real, integer]
     library.qcore_fake_quantize_per_tensor.restype = None

@@ -1,6 +1,7 @@
 """A grouped capture quantized as the per-expert capture is: prepare gives each grouped projection observers of every
 expert at once, convert fake-quantizes each expert's rows and weight with its own qparams, and the quantized graph
 computes what the quantized per-expert graph computes, bit for bit."""
+import math
 import re
 import warnings
 
@@ -98,3 +99,53 @@ def test_a_per_expert_override_is_refused_by_a_grouped_capture():
     quantizer = qcore.Int8StaticQuantizer(layer_overrides={"model.layers.0.mlp.experts.2.down_proj": {"skip": True}})
     with pytest.raises(ValueError, match="different settings"):
         prepare(clone_graph_module(grouped), quantizer)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_measure_sqnr_of_a_grouped_capture_gives_every_experts_records_of_the_per_expert_capture(architecture):
+    """Each expert's shadow and weight SQNR from the grouped projection's per-expert sums, the output SQNR, every
+    other layer's: the per-expert graph's, to the bit."""
+    from qcore.analysis import measure_sqnr
+
+    model, data = tiny_moe(architecture, layers=2, experts=4, batch=4, n=4)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    per_expert = qcore.capture(model, data[0])
+    a = measure_sqnr(grouped, data, qcore.Int8StaticQuantizer())
+    b = measure_sqnr(per_expert, data, qcore.Int8StaticQuantizer())
+    assert set(a.layers) == set(b.layers)
+    assert "model.layers.1.mlp.experts.3.down_proj" in a.layers
+    for layer, expected in b.layers.items():
+        found = a.layers[layer]
+        for field in ("sqnr_db", "shadow_sqnr_db", "weight_sqnr_db"):
+            value, wanted = getattr(found, field), getattr(expected, field)
+            assert value == wanted or (math.isnan(value) and math.isnan(wanted)), (layer, field)
+        assert found.batches == expected.batches
+    assert a.outputs["output"].sqnr_db == b.outputs["output"].sqnr_db
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_experts_comparator_sums_each_experts_rows_as_a_comparator_of_that_expert_alone(dtype):
+    """float32 on the CPU: the native kernel's sums of each run, bit for bit; other dtypes: torch ops in float64."""
+    from qcore.numeric.loggers import ExpertsComparator, StreamingComparator
+
+    generator = torch.Generator().manual_seed(0)
+    comparator = ExpertsComparator(4)
+    alone = [StreamingComparator() for _ in range(4)]
+    for _ in range(3):
+        counts = torch.tensor([300, 0, 5, 2000])
+        reference = torch.randn(int(counts.sum()), 24, generator=generator).to(dtype)
+        actual = (reference.float() + 0.01 * torch.randn(reference.shape, generator=generator)).to(dtype)
+        comparator(actual, reference.reshape(-1), counts)
+        for expert, (ref, act) in enumerate(zip(reference.split(counts.tolist()), actual.split(counts.tolist()))):
+            alone[expert].add(ref, act)
+    for expert, found in enumerate(comparator.results()):
+        expected = alone[expert].result()
+        if expert == 1:  # no row in any batch: no measurement
+            assert found["batches"] == expected["batches"] == 0 and math.isnan(found["sqnr_db"])
+            continue
+        assert found["batches"] == expected["batches"] == 3
+        if dtype == torch.float32:
+            assert found == expected
+        else:
+            assert found["sqnr_db"] == pytest.approx(expected["sqnr_db"], abs=1e-9)
