@@ -3,24 +3,30 @@
 Where a projection's experts are one op (`qcore.graph.grouped`), one observer keeps every expert's statistics: its
 forward takes the routed rows and the count of each expert's run, and reduces each run as the observer of that
 expert's own Linear would reduce the tokens routed to it, in a few ops whatever the expert count (segment reductions,
-no loop over experts, no host read). An expert that a batch routed no token to is left as it was, as an observer
+no loop over experts, no host read), or, for an observer without such a form (a histogram), one observer per expert
+called on its run (PerExpertObservers). An expert that a batch routed no token to is left as it was, as an observer
 left uncalled is. Ranges are [E] (per tensor) or [E, C] (per channel); `calculate_qparams` gives them per expert,
 and one expert's range that no batch reached gets scale 1 and zero point 0, as convert gives a tensor calibration
 never reached. `fake_quantize_per_expert` fake-quantizes each expert's run with its expert's qparams.
 """
 from __future__ import annotations
 
+import abc
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from qcore.graph.grouped import rows_of_experts
-from qcore.observe.observers import ObserverBase
+from qcore.observe.observers import ObserverBase, calculate_qparams_together
 from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel
+from qcore.runtime import deferred
 
-__all__ = ["SegmentedMinMaxObserver", "SegmentedMovingAverageMinMaxObserver", "SegmentedPerChannelMinMaxObserver",
-           "SegmentedRangeObserver", "fake_quantize_per_expert", "segmented_observer"]
+__all__ = ["ExpertsObserver", "PerExpertObservers", "SegmentedMinMaxObserver", "SegmentedMovingAverageMinMaxObserver",
+           "SegmentedPerChannelMinMaxObserver", "SegmentedRangeObserver", "fake_quantize_per_expert",
+           "segmented_observer"]
 
 
 def _run_extremes(x: torch.Tensor, counts: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +43,28 @@ def _run_extremes(x: torch.Tensor, counts: torch.Tensor, per_channel: bool) -> t
     return low, high
 
 
-class SegmentedRangeObserver(ObserverBase):
+class ExpertsObserver(ObserverBase):
+    """An observer of every expert of a grouped projection at once: its forward takes the rows by expert and the
+    experts' counts, observe_constant an [E, ...] weight; its qparams are per expert."""
+
+    experts: int
+
+    @property
+    @abc.abstractmethod
+    def observed(self) -> torch.Tensor:
+        """[E] bool: the experts some batch routed a token to."""
+
+    @abc.abstractmethod
+    def fake_quantize_weight(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` ([E, ...], the weight observed) with each expert's slice fake-quantized with its qparams."""
+
+    def _check_counts(self, x: torch.Tensor, counts: torch.Tensor) -> None:
+        if counts.dim() != 1 or counts.shape[0] != self.experts:
+            raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; given counts of shape "
+                             f"{tuple(counts.shape)} for rows {tuple(x.shape)}")
+
+
+class SegmentedRangeObserver(ExpertsObserver):
     """A running range per expert; qparams per expert from it. Its forward takes the rows and the experts' counts;
     observe_constant an [E, ...] weight, each expert's slice once."""
 
@@ -51,11 +78,6 @@ class SegmentedRangeObserver(ObserverBase):
         self.experts = experts
         self.register_buffer("min_val", torch.full((experts,), math.inf))
         self.register_buffer("max_val", torch.full((experts,), -math.inf))
-
-    def _check_counts(self, x: torch.Tensor, counts: torch.Tensor) -> None:
-        if counts.dim() != 1 or counts.shape[0] != self.experts:
-            raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; given counts of shape "
-                             f"{tuple(counts.shape)} for rows {tuple(x.shape)}")
 
     @property
     def observed(self) -> torch.Tensor:
@@ -197,18 +219,98 @@ def fake_quantize_per_expert(x: torch.Tensor, counts: torch.Tensor, scale: torch
     return fake_quantize_per_channel(x, row_scale, row_zero_point, 0, quant_min, quant_max)
 
 
+class PerExpertObservers(ExpertsObserver):
+    """One observer per expert, each called with its expert's run of the rows alone: for observers whose statistics
+    do not reduce over experts in one op (a histogram's rebinning to each expert's range). It reads the counts to
+    the host once a batch, as the grouped projection it observes does."""
+
+    def __init__(self, observers: Sequence[ObserverBase]) -> None:
+        first = observers[0]
+        super().__init__(dtype=first.dtype, quant_min=first.quant_min, quant_max=first.quant_max,
+                         qscheme=first.qscheme, ch_axis=first.ch_axis, is_dynamic=first.is_dynamic, eps=first.eps)
+        self.experts = len(observers)
+        self.per_expert = nn.ModuleList(observers)
+
+    @property
+    def min_val(self) -> torch.Tensor:
+        """Each expert's observed minimum ([E], or [E, C] per channel; +inf before any row)."""
+        return torch.stack([_range_of(observer)[0] for observer in self.per_expert])
+
+    @property
+    def max_val(self) -> torch.Tensor:
+        """Each expert's observed maximum ([E], or [E, C] per channel; -inf before any row)."""
+        return torch.stack([_range_of(observer)[1] for observer in self.per_expert])
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Observe each expert's run of `x`'s rows (`counts` rows each) with that expert's observer; returns x."""
+        self._check_counts(x, counts)
+        if self.frozen or x.numel() == 0:
+            return x
+        for observer, run in zip(self.per_expert, x.split(counts.tolist()), strict=True):
+            if run.numel():  # an expert this batch routed no token to: left as an uncalled observer is
+                observer(run)
+        return x
+
+    @property
+    def observed(self) -> torch.Tensor:
+        """[E] bool: the experts some batch routed a token to."""
+        for observer in self.per_expert:
+            deferred.run_pending(observer)
+        return torch.stack([(torch.isfinite(low) | torch.isnan(low)).all() if low.numel() else low.new_zeros((),
+                                                                                                      dtype=torch.bool)
+                            for low in (_range_of(observer)[0] for observer in self.per_expert)])
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero_point) per expert, each its own observer's; scale 1 and zero point 0 for an expert no batch
+        reached. The experts' histogram searches run as one batched search."""
+        reached = self.observed.tolist()
+        calculate_qparams_together([o for o, seen in zip(self.per_expert, reached, strict=True) if seen])
+        found = [observer.calculate_qparams() if seen else None
+                 for observer, seen in zip(self.per_expert, reached, strict=True)]
+        like = next((pair for pair in found if pair is not None), None)
+        if like is None:
+            return torch.ones(self.experts), torch.zeros(self.experts, dtype=torch.long)
+        scales = torch.stack([pair[0] if pair is not None else torch.ones_like(like[0]) for pair in found])
+        zero_points = torch.stack([pair[1] if pair is not None else torch.zeros_like(like[1]) for pair in found])
+        return scales.reshape(self.experts, -1).squeeze(1), zero_points.reshape(self.experts, -1).squeeze(1)
+
+    def observe_constant(self, value: torch.Tensor) -> None:
+        """Observe each expert's slice of `value` ([E, ...], a weight) once, with its own observer."""
+        if value.shape[0] != self.experts:
+            raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; given a weight of shape "
+                             f"{tuple(value.shape)}")
+        if self.frozen:
+            return
+        for observer, expert in zip(self.per_expert, value.detach(), strict=True):
+            observer.observe_constant(expert)
+        self.frozen = True
+
+    def fake_quantize_weight(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` ([E, ...]) with each expert's slice fake-quantized with its own observer's qparams."""
+        scale, zero_point = self.calculate_qparams()
+        if scale.dim() == 2:  # per output channel of each expert's weight: one pass over the [E x out, in] rows
+            rows = value.reshape(-1, value.shape[-1])
+            return fake_quantize_per_channel(rows, scale.reshape(-1), zero_point.reshape(-1), 0, self.quant_min,
+                                             self.quant_max).reshape(value.shape)
+        return fake_quantize_per_channel(value, scale, zero_point, 0, self.quant_min, self.quant_max)
+
+
+def _range_of(observer: ObserverBase) -> tuple[torch.Tensor, torch.Tensor]:
+    return observer.min_val, observer.max_val
+
+
 _SEGMENTED = {"MinMaxObserver": SegmentedMinMaxObserver,
               "MovingAverageMinMaxObserver": SegmentedMovingAverageMinMaxObserver,
               "PerChannelMinMaxObserver": SegmentedPerChannelMinMaxObserver}
 
 
-def segmented_observer(observer: Any, experts: int, **kwargs: Any) -> SegmentedRangeObserver:
+def segmented_observer(observer: Any, experts: int, **kwargs: Any) -> ExpertsObserver:
     """The observer of every expert at once that stands for `observer` (a class, or one made with_args) observing
-    each expert alone; ValueError for an observer that has none (a histogram's search is per tensor)."""
+    each expert alone: its segmented form where it has one (reductions over every expert in a few ops), else one
+    of it per expert (PerExpertObservers)."""
     keywords = dict(getattr(observer, "keywords", {}) or {})
     base = getattr(observer, "func", observer)
     segmented = _SEGMENTED.get(getattr(base, "__name__", ""))
     if segmented is None:
-        raise ValueError(f"{getattr(base, '__name__', base)} has no form observing every expert of a grouped "
-                         f"projection at once (those that do: {', '.join(sorted(_SEGMENTED))})")
+        return PerExpertObservers([observer(**kwargs) for _ in range(experts)])
     return segmented(experts, **{**keywords, **kwargs})

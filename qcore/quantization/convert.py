@@ -34,7 +34,7 @@ from qcore.observe.qparams import (
     fused_kernels_preferred,
     per_channel_steps,
 )
-from qcore.observe.segmented import SegmentedRangeObserver, fake_quantize_per_expert
+from qcore.observe.segmented import ExpertsObserver, fake_quantize_per_expert
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.format_quantizer import (
     FormatFakeQuantize,
@@ -95,7 +95,7 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
         if isinstance(observer, FormatObserver):
             _convert_format_node(prepared, node, source, observer, weight_cache, earlier)
             continue
-        if isinstance(observer, SegmentedRangeObserver):
+        if isinstance(observer, ExpertsObserver):
             with graph.inserting_before(node):
                 replacement = _segmented_node(prepared, node, source, observer, weight_cache, reads, earlier)
             replacement.meta.update({k: v for k, v in node.meta.items() if k.startswith("qcore_") or k == "val"})
@@ -169,7 +169,7 @@ def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observe
     graph.erase_node(node)
 
 
-def _segmented_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: SegmentedRangeObserver,
+def _segmented_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: ExpertsObserver,
                     cache: dict[tuple[str, str], Any], reads: _HostReads, earlier: _QuantizedWeights) -> fx.Node:
     """A grouped projection's observer node as fake quantization per expert: its [E, ...] weight quantized once into
     a buffer, or its rows by expert fake-quantized each with its expert's qparams (an expert no batch reached with

@@ -195,10 +195,7 @@ def _observer_for(qspec: QuantizationSpecBase, sources: list[nn.Module]) -> nn.M
         if qspec.ch_axis is not None:
             kwargs["ch_axis"] = qspec.ch_axis
         if qspec.experts is not None:  # every expert of a grouped projection at once
-            try:
-                return segmented_observer(qspec.observer_or_fake_quant_ctr, _expert_count(qspec.experts), **kwargs)
-            except ValueError as error:
-                raise QuantizationConfigError(str(error)) from error
+            return segmented_observer(qspec.observer_or_fake_quant_ctr, _expert_count(qspec.experts), **kwargs)
         return qspec.observer_or_fake_quant_ctr(**kwargs)
     if isinstance(qspec, FixedQParamsQuantizationSpec):
         return FixedQParamsObserver(qspec.scale, qspec.zero_point, dtype=qspec.dtype, quant_min=qspec.quant_min,

@@ -1,5 +1,6 @@
-"""Observers of every expert at once against torch.ao's observer of each expert's own Linear, fed the rows routed
-to that expert only; one per-row fake quantization against one per-tensor fake quantization per expert."""
+"""Observers of every expert at once against torch.ao's observer of each expert's own Linear (a histogram: qcore's),
+fed the rows routed to that expert only; one per-row fake quantization against one per-tensor fake quantization per
+expert."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -150,3 +151,28 @@ def test_fake_quantize_per_expert_is_one_per_tensor_fake_quantization_per_expert
                                                          quant_min, quant_max).to(dtype)
         assert torch.equal(part, ours)
         assert torch.equal(part, torch_ao)
+
+
+def test_one_observer_per_expert_gives_each_expert_its_own_histograms_qparams():
+    """An observer without a form over every expert (a histogram): one per expert, each fed its expert's rows, gives
+    each expert the qparams of the histogram observer of its Linear alone (qcore's, whose search
+    test_observers.py checks against torch.ao's), bit for bit; those of an expert no batch reached are convert's
+    scale 1 and zero point 0."""
+    from qcore.observe.observers import HistogramObserver
+    from qcore.observe.segmented import PerExpertObservers, segmented_observer
+
+    data = _routed_batches(7, 4, features=64)
+    ours = segmented_observer(HistogramObserver, EXPERTS, dtype=torch.int8, quant_min=-128, quant_max=127)
+    assert isinstance(ours, PerExpertObservers)
+    for rows, counts in data:
+        ours(rows, counts)
+    references = _per_expert_references(lambda: HistogramObserver(dtype=torch.int8, quant_min=-128, quant_max=127),
+                                        data)
+    scale, zero_point = ours.calculate_qparams()
+    assert ours.observed.tolist() == [expert != 3 for expert in range(EXPERTS)]
+    for expert, reference in enumerate(references):
+        if expert == 3:
+            assert float(scale[expert]) == 1.0 and int(zero_point[expert]) == 0
+            continue
+        ref_scale, ref_zero_point = reference.calculate_qparams()
+        assert float(scale[expert]) == float(ref_scale) and int(zero_point[expert]) == int(ref_zero_point)

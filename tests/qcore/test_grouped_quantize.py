@@ -12,7 +12,7 @@ import qcore
 from qcore.graph.capture import clone_graph_module, experts_grouped
 from qcore.graph.grouped import find_grouped_ops
 from qcore.observe.observers import MovingAverageMinMaxObserver
-from qcore.observe.segmented import SegmentedRangeObserver
+from qcore.observe.segmented import ExpertsObserver, PerExpertObservers
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.convert import QPARAMS_KEY, convert
 from qcore.quantization.prepare import prepare
@@ -28,7 +28,7 @@ def _logits(output):
 def _quantized(gm, quantizer, batches):
     """(the observers of every expert at once that prepare made, the converted graph)."""
     prepared = prepare(clone_graph_module(gm), quantizer)
-    segmented = [module for module in prepared.modules() if isinstance(module, SegmentedRangeObserver)]
+    segmented = [module for module in prepared.modules() if isinstance(module, ExpertsObserver)]
     calibrate(prepared, batches)
     return segmented, convert(prepared)
 
@@ -45,12 +45,16 @@ def _both(architecture, quantizer, batches=3, **shape):
 @pytest.mark.parametrize("quantizer", [
     qcore.Int8StaticQuantizer(),
     qcore.Int8StaticQuantizer(per_channel=False, activation_observer=MovingAverageMinMaxObserver),
-], ids=["default", "per-tensor-moving-average"])
+    qcore.Int8StaticQuantizer(activation_observer="histogram"),
+], ids=["default", "per-tensor-moving-average", "histogram"])
 def test_a_grouped_capture_quantizes_to_the_per_expert_captures_values(architecture, quantizer):
     (segmented, grouped), (_, per_expert), data = _both(architecture, quantizer, experts=4)
     # a gated block's 8, whatever its expert count: the routed tokens the gate and up projections read, each
     # projection's output, the down projection's input, and each weight
     assert len(segmented) == 2 * 8
+    # a histogram has no form over every expert at once: one per expert, each called on its expert's rows
+    histograms = [observer for observer in segmented if isinstance(observer, PerExpertObservers)]
+    assert len(histograms) == (2 * 5 if quantizer.activation_observer.__name__ == "HistogramObserver" else 0)
     for batch in data[-1:]:  # a batch calibration did not see, routed otherwise
         assert torch.equal(_logits(grouped(**batch)), _logits(per_expert(**batch)))
 
