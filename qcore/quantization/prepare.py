@@ -90,8 +90,7 @@ def _root_qspec(qspec, mapping, forest: UnionFind) -> QuantizationSpecBase:
     return qspec
 
 
-_IMPLICIT_SHARING_ATTRS = ("dtype", "is_dynamic", "quant_min", "quant_max", "qscheme", "ch_axis", "scale", "zero_point",
-                           "experts")
+_IMPLICIT_SHARING_ATTRS = ("dtype", "is_dynamic", "quant_min", "quant_max", "qscheme", "ch_axis", "scale", "zero_point")
 
 
 def _compatible(a, b) -> bool:
@@ -100,7 +99,8 @@ def _compatible(a, b) -> bool:
         has_a, has_b = hasattr(a, name), hasattr(b, name)
         if has_a != has_b or (has_a and getattr(a, name) != getattr(b, name)):
             return False
-    return True
+    # rows by expert share an observer with rows of the same experts only (qcore's own field: None elsewhere)
+    return getattr(a, "experts", None) is getattr(b, "experts", None)
 
 
 def _union(forest: UnionFind, mapping, parent, child) -> None:
