@@ -102,6 +102,8 @@ def find_grouped_ops(gm: fx.GraphModule) -> list[GroupedOp]:
             continue
         routed, counts, weight = node.args[:3]
         bias = node.args[3] if len(node.args) > 3 else None
+        while weight.meta.get("qcore_inserted") == "observer" and weight.args:  # a prepared graph's weight observer
+            weight = weight.args[0]
         # a converted graph's weight is its quantized copy, which names the float one
         target = str(weight.meta.get("qcore_float_weight", weight.target))
         block, _, attribute = target.rpartition(".") if weight.op == "get_attr" else ("", "", "")

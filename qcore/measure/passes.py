@@ -401,7 +401,7 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
         logits=logits, quant_batches=quant_batches, streams=streams, layers=layers, extra_shadows=extra_shadows,
         shadowed_layers=shadowed_layers, propagated_layers=propagated_layers, float_outputs=float_outputs,
         keep_float_outputs=keep_float_outputs, known_shadows=known_shadows, layer_inputs=layer_inputs,
-        keep_layer_inputs=keep_layer_inputs, watch=watch_routers if routed and layers is None else None)
+        keep_layer_inputs=keep_layer_inputs, watch=watch_routers if (routed or grouped) and layers is None else None)
     if routing is not None:
         routing.update({block: agreement.result() for block, agreement in agreements.items()})
     shadows = {r["layer"]: r for r in shadow_records}

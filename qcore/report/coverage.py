@@ -2,7 +2,8 @@
 
 An expert no calibration token reaches gets no activation range (its static scales stay at their initial values)
 and, in GPTQ, an empty Hessian: llm-compressor then writes its weights as zeros. The detector counts the rows
-that reach each expert's first projection during the shared calibration pass.
+that reach each expert's first projection during the shared calibration pass; in a grouped capture
+(qcore.graph.grouped), where a block's experts are one op a projection, it adds up the block's counts of each batch.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 from torch import fx, nn
 
 from qcore.graph.experts import moe_blocks
+from qcore.graph.grouped import GroupedOp, find_grouped_ops
 from qcore.graph.ops import QuantizableOp, find_quantizable_ops
 from qcore.report.detectors import DetectorBase, observer_name
 
-__all__ = ["ExpertCoverageDetector", "TokenCounter"]
+__all__ = ["ExpertCoverageDetector", "ExpertTokenCounts", "TokenCounter"]
 
 
 class TokenCounter(nn.Module):
@@ -32,6 +34,22 @@ class TokenCounter(nn.Module):
         return x
 
 
+class ExpertTokenCounts(nn.Module):
+    """Adds up a grouped block's counts of the tokens each expert received ([E] a batch), on the device."""
+
+    tokens: torch.Tensor
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.register_buffer("tokens", torch.zeros(experts, dtype=torch.long))
+        self.batches = 0
+
+    def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        self.tokens += counts.to(self.tokens.device)
+        self.batches += 1
+        return counts
+
+
 class ExpertCoverageDetector(DetectorBase):
     """Calibration tokens per expert of each MoE block: {block: {"tokens": [per expert], "experts": E, ...}}."""
 
@@ -44,13 +62,27 @@ class ExpertCoverageDetector(DetectorBase):
                   for block in moe_blocks(model).values() for expert in range(block.experts)}
         return [op for op in find_quantizable_ops(model) if op.layer in firsts and op.activation_inputs]
 
+    def grouped_firsts(self, model: fx.GraphModule) -> list[GroupedOp]:
+        """A grouped capture's first projection of each block, whose counts are the block's."""
+        blocks = moe_blocks(model)
+        return [op for op in find_grouped_ops(model)
+                if op.block in blocks and op.name == blocks[op.block].first_projection]
+
     def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
-        return {observer_name(op.layer, self.get_detector_name(), "pre"): self._point(
+        points = {observer_name(op.layer, self.get_detector_name(), "pre"): self._point(
             op.node, op.activation_inputs[0], TokenCounter(), post=False) for op in self.layers(model)}
+        points.update({observer_name(f"{op.block}.{op.name}", self.get_detector_name(), "pre"): self._point(
+            op.node, op.counts, ExpertTokenCounts(op.experts), post=False) for op in self.grouped_firsts(model)})
+        return points
 
     def generate_detector_report(self, model: fx.GraphModule) -> tuple[str, dict[str, Any]]:
         found: dict[str, Any] = {}
         for path, block in moe_blocks(model).items():
+            grouped = self._observer(model, f"{path}.{block.first_projection}", "pre")
+            if isinstance(grouped, ExpertTokenCounts):
+                found[path] = {"tokens": grouped.tokens.tolist(), "experts": block.experts,
+                               "batches": grouped.batches, "first_projection": block.first_projection}
+                continue
             tokens = []
             for expert in range(block.experts):
                 counter = self._observer(model, f"{path}.{expert}.{block.first_projection}", "pre")

@@ -153,3 +153,29 @@ def test_an_experts_comparator_sums_each_experts_rows_as_a_comparator_of_that_ex
             assert found == expected
         else:
             assert found["sqnr_db"] == pytest.approx(expected["sqnr_db"], abs=1e-9)
+
+
+def test_expert_coverage_of_a_grouped_capture_counts_each_experts_tokens_from_the_blocks_counts():
+    """The coverage detector adds up each block's counts, one counter a block: the tokens the per-expert graph's
+    counters count, expert by expert; the routing agreement and every layer's SQNR as the per-expert graph's."""
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.report import ExpertCoverageDetector
+    from qcore.report.coverage import ExpertTokenCounts
+
+    model, data = tiny_moe("qwen3_moe", layers=2, experts=16, batch=1, tokens=4, n=3)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    per_expert = qcore.capture(model, data[0])
+    plan = AnalysisPlan(measurements=frozenset({"sqnr", "detectors"}),
+                        detectors={"expert_coverage": ExpertCoverageDetector()})
+    a = ModelAnalysis(grouped, qcore.Int8StaticQuantizer(), data, plan=plan)
+    b = ModelAnalysis(per_expert, qcore.Int8StaticQuantizer(), data, plan=plan)
+    assert a.measurement.detector_reports["expert_coverage"] == b.measurement.detector_reports["expert_coverage"]
+    tokens = a.measurement.detector_reports["expert_coverage"]["model.layers.1.mlp.experts"]["tokens"]
+    assert sum(tokens) == 2 * 1 * 4 * len(data) and 0 in tokens  # top-2 of every token; an expert none reached
+    assert a.routing_agreement == b.routing_agreement
+    assert {layer: entry.shadow_sqnr_db for layer, entry in a.sqnr.layers.items()} == \
+        {layer: entry.shadow_sqnr_db for layer, entry in b.sqnr.layers.items()}
+    points = ExpertCoverageDetector().determine_observer_insert_points(grouped)
+    assert len(points) == 2 and all(isinstance(point["observer_to_insert"], ExpertTokenCounts)
+                                    for point in points.values())
