@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import fx
 
 __all__ = ["EXPERTS_KEY", "FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS",
-           "QuantizableOp", "WEIGHTED_KINDS", "aten", "fetch_attr", "few_named", "find_quantizable_ops", "fused_output",
+           "QuantizableOp", "WEIGHTED_KINDS", "aten", "expert_views", "fetch_attr", "few_named", "find_quantizable_ops",
+           "fused_output",
            "is_inserted", "observation_point",
            "last_layers", "LayerPatterns", "layer_patterns",
            "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
@@ -118,6 +119,9 @@ class QuantizableOp:
     # a grouped projection's (kind "grouped_linear": every expert of an MoE projection as one op): each expert's
     # layer name, as the per-expert graph names it, in expert order; its counts are node.args[1]
     expert_layers: tuple[str, ...] = ()
+    # one expert of a grouped projection seen as its own Linear (expert_views): its index; `node` is the grouped op,
+    # whose rows of this expert, and whose weight's slice [expert], are the layer's
+    expert: int | None = None
 
     @property
     def names(self) -> tuple[str, str, str]:
@@ -226,6 +230,21 @@ def last_layers(gm: fx.GraphModule, layers: Iterable[str]) -> list[str]:
         if reaching:
             found.add(reaching[-1])
     return [op.layer for op in ops if op.layer in found]
+
+
+def expert_views(gm: fx.GraphModule) -> list[QuantizableOp]:
+    """Each expert of each grouped projection as the Linear layer it stands for (kind "linear", its layer name as
+    the per-expert graph's, `expert` its index), in graph order: for the passes that look at experts one by one
+    (ModelReport's detectors) on a grouped capture."""
+    views: list[QuantizableOp] = []
+    for op in find_quantizable_ops(gm, grouped=True):
+        if op.kind != "grouped_linear":
+            continue
+        views.extend(QuantizableOp(node=op.node, kind="linear", fqn=layer, layer=layer, handle=op.handle,
+                                   activation_inputs=list(op.activation_inputs), weight=op.weight, bias=op.bias,
+                                   output=op.node, item=op.item, expert=expert)
+                     for expert, layer in enumerate(op.expert_layers))
+    return views
 
 
 def find_quantizable_ops(gm: fx.GraphModule, grouped: bool = False) -> list[QuantizableOp]:

@@ -19,6 +19,7 @@ from qcore.graph.ops import (
     HANDLE_KEY,
     REWRITTEN_KEY,
     QuantizableOp,
+    expert_views,
     find_quantizable_ops,
     is_inserted,
     normalize_module_path,
@@ -30,7 +31,7 @@ from qcore.report.observer import ReportObserver, average_ratio_values, batch_to
 from qcore.rewrites.equalize import weight_column_ranges
 from qcore.runtime import deferred
 
-__all__ = ["DETECTOR_IS_POST_OBS_KEY", "DETECTOR_OBS_ARGS_KEY", "DETECTOR_OBS_TO_INSERT_KEY",
+__all__ = ["DETECTOR_EXPERT_KEY", "DETECTOR_IS_POST_OBS_KEY", "DETECTOR_OBS_ARGS_KEY", "DETECTOR_OBS_TO_INSERT_KEY",
     "DETECTOR_TARGET_NODE_KEY", "DetectorBase", "DetectorQConfigInfo", "DynamicStaticDetector",
     "InputWeightEqualizationDetector", "OutlierDetector", "PerChannelDetector", "channel_axis", "observer_name",
     "reported_axis"]
@@ -39,6 +40,8 @@ DETECTOR_TARGET_NODE_KEY = "target_node"
 DETECTOR_OBS_TO_INSERT_KEY = "observer_to_insert"
 DETECTOR_IS_POST_OBS_KEY = "is_post_observer"
 DETECTOR_OBS_ARGS_KEY = "observer_args"
+# on a point observing one expert of a grouped projection: (its index, the counts node of the rows by expert)
+DETECTOR_EXPERT_KEY = "expert"
 
 
 def observer_name(layer: str, detector: str, position: str) -> str:
@@ -68,10 +71,20 @@ def _module_path(node: fx.Node) -> str:
     return normalize_module_path(str(list(stack.values())[-1][0]))
 
 
+def with_expert_views(model: fx.GraphModule, ops: list[QuantizableOp]) -> list[QuantizableOp]:
+    """`ops` and, in a grouped capture, each expert of its grouped projections as its own Linear (expert_views),
+    in graph order."""
+    views = expert_views(model)
+    if not views:
+        return ops
+    order = {node: index for index, node in enumerate(model.graph.nodes)}
+    return sorted([*ops, *views], key=lambda op: (order[op.node], op.expert or 0))
+
+
 def leaf_module_ops(model: fx.GraphModule) -> list[QuantizableOp]:
     """Every leaf module call in graph order, as torch.ao's ModelReport sees it (ReLU, BatchNorm, pooling, ...):
     quantizable layers as they are, any other leaf module as an op of kind "module" fed by its first input."""
-    layers = [op for op in find_quantizable_ops(model) if op.activation_inputs]
+    layers = [op for op in with_expert_views(model, find_quantizable_ops(model)) if op.activation_inputs]
     taken = {op.fqn for op in layers}
     paths = {_module_path(n) for n in model.graph.nodes if n.op in ("call_function", "call_module", "call_method")}
     parents = {p.rsplit(".", 1)[0] for p in paths if "." in p}
@@ -131,8 +144,9 @@ class DetectorBase(abc.ABC):
         return {}
 
     def layers(self, model: fx.GraphModule) -> list[QuantizableOp]:
-        """The layers this detector looks at (linear and conv by default)."""
-        return [op for op in find_quantizable_ops(model) if op.kind in ("linear", "conv", "addmm")]
+        """The layers this detector looks at (linear and conv by default; a grouped projection's experts each)."""
+        return with_expert_views(model, [op for op in find_quantizable_ops(model)
+                                         if op.kind in ("linear", "conv", "addmm")])
 
     def _observer(self, model: fx.GraphModule, layer: str, position: str) -> ReportObserver | None:
         try:
@@ -152,9 +166,14 @@ class DetectorBase(abc.ABC):
                     found.append((op, observer))
         return found
 
-    def _point(self, node: fx.Node, observed: fx.Node, observer, post: bool) -> dict[str, Any]:
-        return {DETECTOR_TARGET_NODE_KEY: node, DETECTOR_OBS_TO_INSERT_KEY: observer,
-                DETECTOR_IS_POST_OBS_KEY: post, DETECTOR_OBS_ARGS_KEY: (observed,)}
+    def _point(self, node: fx.Node, observed: fx.Node, observer, post: bool,
+               op: QuantizableOp | None = None) -> dict[str, Any]:
+        """An insert point; `op`, an expert of a grouped projection (expert_views), observes that expert's rows."""
+        point = {DETECTOR_TARGET_NODE_KEY: node, DETECTOR_OBS_TO_INSERT_KEY: observer,
+                 DETECTOR_IS_POST_OBS_KEY: post, DETECTOR_OBS_ARGS_KEY: (observed,)}
+        if op is not None and op.expert is not None:
+            point[DETECTOR_EXPERT_KEY] = (op.expert, op.node.args[1])
+        return point
 
 
 def _to_channels(weight_ranges: torch.Tensor, channels: int) -> torch.Tensor:
@@ -212,7 +231,7 @@ class PerChannelDetector(DetectorBase):
         # a graph prepared with this very quantizer already carries its annotations
         annotated = model if model.meta.get("qcore_quantizer") is quantizer else _annotated_copy(model, quantizer)
         used = {}
-        for op in find_quantizable_ops(annotated):
+        for op in with_expert_views(annotated, find_quantizable_ops(annotated)):
             annotation = op.node.meta.get(ANNOTATION_KEY)
             spec = annotation.input_qspec_map.get(op.weight) if annotation and op.weight is not None else None
             used[op.layer] = spec is not None and getattr(spec, "qscheme", None) in (
@@ -285,9 +304,10 @@ class DynamicStaticDetector(DetectorBase):
         for op in ops:
             name = self.get_detector_name()
             points[observer_name(op.layer, name, "pre")] = self._point(
-                op.node, op.activation_inputs[0], ReportObserver(per_channel=False, ranges=next(ranges)), post=False)
+                op.node, op.activation_inputs[0], ReportObserver(per_channel=False, ranges=next(ranges)), post=False,
+                op=op)
             points[observer_name(op.layer, name, "post")] = self._point(
-                op.node, op.node, ReportObserver(per_channel=False, ranges=next(ranges)), post=True)
+                op.node, op.node, ReportObserver(per_channel=False, ranges=next(ranges)), post=True, op=op)
         return points
 
     def _classify(self, stat: float) -> str:
@@ -365,7 +385,8 @@ class InputWeightEqualizationDetector(DetectorBase):
         return "input_weight_equalization_detector"
 
     def layers(self, model: fx.GraphModule) -> list[QuantizableOp]:
-        return [op for op in find_quantizable_ops(model) if op.kind in ("linear", "conv") and op.weight is not None]
+        return with_expert_views(model, [op for op in find_quantizable_ops(model)
+                                         if op.kind in ("linear", "conv") and op.weight is not None])
 
     def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
         points = {}
@@ -373,7 +394,7 @@ class InputWeightEqualizationDetector(DetectorBase):
         for op, ranges in zip(ops, fresh_ranges(len(ops))):
             observer = ReportObserver(ch_axis=channel_axis(op, self.ch_axis), ranges=ranges)
             points[observer_name(op.layer, self.get_detector_name(), "pre")] = self._point(
-                op.node, op.activation_inputs[0], observer, post=False)
+                op.node, op.activation_inputs[0], observer, post=False, op=op)
         return points
 
     def _weight_ranges(self, model: fx.GraphModule, op: QuantizableOp) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,6 +403,8 @@ class InputWeightEqualizationDetector(DetectorBase):
         assert node is not None, f"layer {op.layer} has no weight"
         weight = _fetch(model, op.weight_target) if node.op == "get_attr" or node.meta.get(REWRITTEN_KEY) \
             else weight_value(model, node)
+        if op.expert is not None:  # one expert of a grouped projection: its slice of the [E, out, in] weight
+            weight = weight[op.expert]
         return weight_column_ranges(weight.detach())
 
     def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
@@ -493,7 +516,7 @@ class OutlierDetector(DetectorBase):
             observer = ReportObserver(ch_axis=channel_axis(op, self.ch_axis), percentiles=(self.reference_percentile,),
                                       ranges=ranges)
             points[observer_name(op.layer, self.get_detector_name(), "pre")] = self._point(
-                op.node, op.activation_inputs[0], observer, post=False)
+                op.node, op.activation_inputs[0], observer, post=False, op=op)
         return points
 
     def _info(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:

@@ -9,6 +9,7 @@ from torch import fx, nn
 from qcore.graph.capture import capture
 from qcore.graph.ops import INSERTED_KEY, observation_point
 from qcore.report.detectors import (
+    DETECTOR_EXPERT_KEY,
     DETECTOR_IS_POST_OBS_KEY,
     DETECTOR_OBS_ARGS_KEY,
     DETECTOR_OBS_TO_INSERT_KEY,
@@ -17,7 +18,7 @@ from qcore.report.detectors import (
     DetectorQConfigInfo,
     InputWeightEqualizationDetector,
 )
-from qcore.report.observer import ReportObserver
+from qcore.report.observer import ExpertsReportObservers, ReportObserver
 
 __all__ = ["ModelReport", "ModelReportError"]
 
@@ -88,9 +89,15 @@ class ModelReport:
         for detector in self._desired_report_detectors:
             points = detector.determine_observer_insert_points(self._model)
             self._detector_name_to_observer_fqns[detector.get_detector_name()] = set(points)
+            by_experts: dict[tuple, list[tuple[str, int, nn.Module]]] = {}
             for name, point in points.items():
                 observed = point[DETECTOR_OBS_ARGS_KEY][0]
                 observer = point[DETECTOR_OBS_TO_INSERT_KEY]
+                if DETECTOR_EXPERT_KEY in point:  # one expert of a grouped projection: gathered below
+                    expert, counts = point[DETECTOR_EXPERT_KEY]
+                    key = (observed, point[DETECTOR_IS_POST_OBS_KEY], counts, point[DETECTOR_TARGET_NODE_KEY])
+                    by_experts.setdefault(key, []).append((name, expert, observer))
+                    continue
                 if isinstance(observer, ReportObserver):
                     candidates = shared.setdefault((observed, point[DETECTOR_IS_POST_OBS_KEY]), [])
                     existing = next((o for o in candidates if _merge(o, observer)), None)
@@ -99,6 +106,8 @@ class ModelReport:
                         continue
                     candidates.append(observer)
                 self._insert(name, observer, observed, point[DETECTOR_TARGET_NODE_KEY])
+            for (observed, _, counts, reader), members in by_experts.items():
+                self._insert_experts(detector.get_detector_name(), members, observed, counts, reader)
         if recompile:
             self._model.recompile()
         self._prepared_flag = True
@@ -108,6 +117,22 @@ class ModelReport:
         self._model.add_submodule(name, observer)
         with self._model.graph.inserting_after(observation_point(observed, reader)):
             node = self._model.graph.call_module(name, (observed,))
+        node.meta[INSERTED_KEY] = "report"
+
+    def _insert_experts(self, detector: str, members: list[tuple[str, int, nn.Module]], observed: fx.Node,
+                        counts: fx.Node, reader: fx.Node) -> None:
+        """One call of the experts' observers on the rows by expert (ExpertsReportObservers), each observer also
+        registered under its own name, where the detector finds it as on the per-expert graph."""
+        experts = int(counts.meta["val"].shape[0]) if "val" in counts.meta else 1 + max(e for _, e, _ in members)
+        wrapper = ExpertsReportObservers({expert: observer for _, expert, observer in members}, experts)
+        name = f"{members[0][0]}__experts"
+        self._model.add_submodule(name, wrapper)
+        self._detector_name_to_observer_fqns[detector].add(name)
+        for member, _, observer in members:
+            self._model.add_submodule(member, observer)
+        anchor = max(observation_point(observed, reader), counts)
+        with self._model.graph.inserting_after(anchor):
+            node = self._model.graph.call_module(name, (observed, counts))
         node.meta[INSERTED_KEY] = "report"
 
     def _check_ready(self, action: str) -> None:

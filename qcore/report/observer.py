@@ -28,8 +28,8 @@ from torch import nn
 from qcore.runtime import deferred, native
 from qcore.runtime.native import launch_bound
 
-__all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ReportObserver", "average_ratio_values",
-           "batch_to_epoch_ratios", "fresh_ranges"]
+__all__ = ["DEFAULT_SAMPLE_SIZE", "NATIVE_MAX_NUMEL", "NATIVE_MAX_TOP", "ExpertsReportObservers", "ReportObserver",
+           "average_ratio_values", "batch_to_epoch_ratios", "fresh_ranges"]
 
 DEFAULT_SAMPLE_SIZE = 4096
 _NO_CHANNELS = torch.empty(0)  # the per-channel state before a first batch: never written to, only replaced
@@ -516,3 +516,22 @@ def _column_quantiles(sample: torch.Tensor, percentiles: tuple[float, ...], dim:
     else:
         picks = [torch.kthvalue(sample, r, dim=dim).values for r in ranks]
     return picks[0] if len(picks) == 1 else torch.stack(picks)  # one percentile: its row alone, one view fewer
+
+
+class ExpertsReportObservers(nn.Module):
+    """The report observers of the experts of a grouped projection (one per expert, each a detector's observer of
+    that expert's Linear), called with the rows by expert and their counts: each observes its expert's run alone,
+    as on the per-expert graph. It reads the counts to the host once a batch, as the grouped projection does."""
+
+    def __init__(self, observers: dict[int, nn.Module], experts: int) -> None:
+        super().__init__()
+        self.experts = experts
+        self.by_expert = nn.ModuleDict({str(expert): observer for expert, observer in observers.items()})
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        runs = x.split(counts.tolist())
+        for expert, observer in self.by_expert.items():
+            run = runs[int(expert)]
+            if run.numel():  # an expert this batch routed no token to: left as an uncalled observer is
+                observer(run)
+        return x

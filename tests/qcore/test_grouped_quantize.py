@@ -179,3 +179,51 @@ def test_expert_coverage_of_a_grouped_capture_counts_each_experts_tokens_from_th
     points = ExpertCoverageDetector().determine_observer_insert_points(grouped)
     assert len(points) == 2 and all(isinstance(point["observer_to_insert"], ExpertTokenCounts)
                                     for point in points.values())
+
+
+def _plain(value):
+    """A report entry with its tensors as lists, to compare."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def test_the_detectors_report_each_expert_of_a_grouped_capture_as_on_the_per_expert_graph():
+    """torch.ao's four detectors and expert coverage, on the shared calibration pass: each expert's entry, from its
+    own observers fed its rows by one call a projection, is the per-expert graph's; and so is every other layer's
+    (the experts' activation, which the per-expert graph observes on the first expert's rows only, aside)."""
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.report import (
+        DynamicStaticDetector,
+        ExpertCoverageDetector,
+        InputWeightEqualizationDetector,
+        OutlierDetector,
+        PerChannelDetector,
+    )
+
+    model, data = tiny_moe("qwen3_moe", layers=2, experts=8, batch=2, tokens=8, n=3)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    per_expert = qcore.capture(model, data[0])
+    reports = {}
+    for name, gm in (("grouped", grouped), ("per_expert", per_expert)):
+        detectors = {"per_channel": PerChannelDetector(quantizer=qcore.Int8StaticQuantizer(per_channel=False)),
+                     "dynamic_static": DynamicStaticDetector(), "equalization": InputWeightEqualizationDetector(0.5),
+                     "outlier": OutlierDetector(), "expert_coverage": ExpertCoverageDetector()}
+        plan = AnalysisPlan(measurements=frozenset({"sqnr", "detectors"}), detectors=detectors)
+        analysis = ModelAnalysis(gm, qcore.Int8StaticQuantizer(per_channel=False), data, plan=plan)
+        reports[name] = {key: _plain(report) for key, report in analysis.measurement.detector_reports.items()}
+    expert = "model.layers.1.mlp.experts.5.down_proj"
+    for key in ("per_channel", "dynamic_static", "equalization", "outlier"):
+        found, expected = reports["grouped"][key], reports["per_expert"][key]
+        assert expert in found, key
+        activation = [layer for layer in expected if layer.endswith("experts.act_fn")]
+        assert set(found) == set(expected), key
+        for layer in expected:
+            if layer not in activation:
+                assert found[layer] == expected[layer], (key, layer)
+    assert reports["grouped"]["expert_coverage"] == reports["per_expert"]["expert_coverage"]
