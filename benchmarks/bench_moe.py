@@ -39,10 +39,11 @@ op a projection, neither quantized nor measured), the floor of an analysis that 
 experts as one op. Each figure the median of its rounds' analysis over forward.
 
 With `--grouped-sqnr [--sizes tiny,small]`: the capture and `qcore.analysis.measure_sqnr` (int8 static: calibration,
-convert, and the comparison pass with every layer's shadow; no detector) of `--cost`'s pair, the MoE captured both
-ways: one Linear per expert (what the analysis runs today) and with each projection one grouped op
-(`qcore.graph.capture.experts_grouped()`, which gives every expert's records, the same values), each against its
-forward, in alternating rounds (11 at `tiny`, 2 at `small`), each figure the median of its rounds.
+convert, and the comparison pass with every layer's shadow; no detector), and the capture and a `ModelAnalysis` of
+the SQNR with torch.ao's four detectors and expert coverage in the same passes, of `--cost`'s pair, the MoE captured
+both ways: one Linear per expert (what the analysis runs today) and with each projection one grouped op
+(`qcore.graph.capture.experts_grouped()`, which gives every expert's records and report entries, the same values),
+each against its forward, in alternating rounds (11 at `tiny`, 2 at `small`), each figure the median of its rounds.
 
 With `--ops [--sizes tiny] [--checks sqnr,...]`: `--cost`'s pair, verdicts only: the aten ops one analysis runs
 (counted at dispatch, after a first analysis that is not counted) against those of the model's eager forward over
@@ -384,34 +385,54 @@ def grouped_floor(sizes: list[str]) -> None:
 def grouped_sqnr_cost(sizes: list[str]) -> None:
     """The table of --grouped-sqnr."""
     import qcore
-    from qcore.analysis import measure_sqnr
+    from qcore.analysis import AnalysisPlan, ModelAnalysis, measure_sqnr
     from qcore.graph.capture import experts_grouped
+    from qcore.report import (
+        DynamicStaticDetector,
+        ExpertCoverageDetector,
+        InputWeightEqualizationDetector,
+        OutlierDetector,
+        PerChannelDetector,
+    )
 
-    def measured(model, batches, grouped: bool) -> tuple[float, int]:
+    def measured(model, batches, grouped: bool, detectors: bool) -> tuple[float, int]:
         start = time.perf_counter()
         with experts_grouped(grouped):
             gm = qcore.capture(model, batches[0])
-        found = measure_sqnr(gm, batches, qcore.Int8StaticQuantizer())
-        return time.perf_counter() - start, len(found.layers)
+        if not detectors:
+            return time.perf_counter() - start, len(measure_sqnr(gm, batches, qcore.Int8StaticQuantizer()).layers)
+        plan = AnalysisPlan(measurements=frozenset({"sqnr", "detectors"}), detectors={
+            "per_channel": PerChannelDetector(), "dynamic_static": DynamicStaticDetector(),
+            "equalization": InputWeightEqualizationDetector(0.5), "outlier": OutlierDetector(),
+            "expert_coverage": ExpertCoverageDetector()})
+        analysis = ModelAnalysis(gm, qcore.Int8StaticQuantizer(), batches, plan=plan)
+        layers = len(analysis.sqnr.layers)
+        analysis.measurement  # noqa: B018 - the detectors' reports, measured in the same passes
+        return time.perf_counter() - start, layers
 
-    print(f"{'size':>6} {'model':>26} {'layers':>6} {'sqnr / forward':>14} {'over dense':>10}  per round")
+    print(f"{'size':>6} {'measured':>17} {'model':>26} {'layers':>6} {'/ forward':>9} {'over dense':>10}  per round")
     for size in sizes:
         moe, dense, batches = pair(size)
         cases = (("dense", dense, False), ("MoE, one layer per expert", moe, False),
                  ("MoE, grouped projections", moe, True))
-        for _, model, grouped in cases:  # one-time costs, not measured
-            measured(model, batches, grouped)
-        rounds: dict[str, list[float]] = {}
+        for detectors in (False, True):
+            for _, model, grouped in cases:  # one-time costs, not measured
+                measured(model, batches, grouped, detectors)
+        rounds: dict[tuple[bool, str], list[float]] = {}
         layers: dict[str, int] = {}
         for _ in range(ROUNDS[size]):
             for name, model, grouped in cases:
                 forward = steady_forward_seconds(model, batches)
-                seconds, layers[name] = measured(model, batches, grouped)
-                rounds.setdefault(name, []).append(seconds / forward)
-        dense_ratio = statistics.median(rounds["dense"])
-        for name, ratios in rounds.items():
-            print(f"{size:>6} {name:>26} {layers[name]:>6} {statistics.median(ratios):>13.1f}x "
-                  f"{statistics.median(ratios) / dense_ratio:>10.2f}  {', '.join(f'{r:.1f}' for r in ratios)}")
+                for detectors in (False, True):
+                    seconds, layers[name] = measured(model, batches, grouped, detectors)
+                    rounds.setdefault((detectors, name), []).append(seconds / forward)
+        for detectors in (False, True):
+            dense_ratio = statistics.median(rounds[detectors, "dense"])
+            for name, _, _ in cases:
+                ratios = rounds[detectors, name]
+                label = "sqnr, detectors" if detectors else "measure_sqnr"
+                print(f"{size:>6} {label:>17} {name:>26} {layers[name]:>6} {statistics.median(ratios):>8.1f}x "
+                      f"{statistics.median(ratios) / dense_ratio:>10.2f}  {', '.join(f'{r:.1f}' for r in ratios)}")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
