@@ -400,7 +400,8 @@ def grouped_sqnr_cost(sizes: list[str]) -> None:
         with experts_grouped(grouped):
             gm = qcore.capture(model, batches[0])
         if not detectors:
-            return time.perf_counter() - start, len(measure_sqnr(gm, batches, qcore.Int8StaticQuantizer()).layers)
+            layers = len(measure_sqnr(gm, batches, qcore.Int8StaticQuantizer()).layers)
+            return time.perf_counter() - start, layers
         plan = AnalysisPlan(measurements=frozenset({"sqnr", "detectors"}), detectors={
             "per_channel": PerChannelDetector(), "dynamic_static": DynamicStaticDetector(),
             "equalization": InputWeightEqualizationDetector(0.5), "outlier": OutlierDetector(),
