@@ -233,13 +233,13 @@ class PerExpertObservers(ExpertsObserver):
 
     @property
     def min_val(self) -> torch.Tensor:
-        """Each expert's observed minimum ([E], or [E, C] per channel; +inf before any row)."""
-        return torch.stack([_range_of(observer)[0] for observer in self.per_expert])
+        """Each expert's observed minimum ([E]: per-tensor observers; +inf before any row)."""
+        return torch.stack([observer.min_val for observer in self.per_expert])
 
     @property
     def max_val(self) -> torch.Tensor:
-        """Each expert's observed maximum ([E], or [E, C] per channel; -inf before any row)."""
-        return torch.stack([_range_of(observer)[1] for observer in self.per_expert])
+        """Each expert's observed maximum ([E]: per-tensor observers; -inf before any row)."""
+        return torch.stack([observer.max_val for observer in self.per_expert])
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Observe each expert's run of `x`'s rows (`counts` rows each) with that expert's observer; returns x."""
@@ -254,11 +254,12 @@ class PerExpertObservers(ExpertsObserver):
     @property
     def observed(self) -> torch.Tensor:
         """[E] bool: the experts some batch routed a token to."""
+        seen = []
         for observer in self.per_expert:
             deferred.run_pending(observer)
-        return torch.stack([(torch.isfinite(low) | torch.isnan(low)).all() if low.numel() else low.new_zeros((),
-                                                                                                      dtype=torch.bool)
-                            for low in (_range_of(observer)[0] for observer in self.per_expert)])
+            low = observer.min_val
+            seen.append((torch.isfinite(low) | torch.isnan(low)).all() if low.numel() else torch.tensor(False))
+        return torch.stack(seen)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero_point) per expert, each its own observer's; scale 1 and zero point 0 for an expert no batch
@@ -294,9 +295,6 @@ class PerExpertObservers(ExpertsObserver):
                                              self.quant_max).reshape(value.shape)
         return fake_quantize_per_channel(value, scale, zero_point, 0, self.quant_min, self.quant_max)
 
-
-def _range_of(observer: ObserverBase) -> tuple[torch.Tensor, torch.Tensor]:
-    return observer.min_val, observer.max_val
 
 
 _SEGMENTED = {"MinMaxObserver": SegmentedMinMaxObserver,

@@ -227,3 +227,13 @@ def test_the_detectors_report_each_expert_of_a_grouped_capture_as_on_the_per_exp
             if layer not in activation:
                 assert found[layer] == expected[layer], (key, layer)
     assert reports["grouped"]["expert_coverage"] == reports["per_expert"]["expert_coverage"]
+
+
+def test_a_format_refuses_a_grouped_capture_rather_than_leave_its_experts_in_float():
+    from qcore.quantization.format_quantizer import FormatQuantizer
+
+    model, data = tiny_moe("qwen3_moe", layers=1, experts=4, batch=2, n=1)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    with pytest.raises(ValueError, match="model.layers.0.mlp.experts.gate_up_proj: a format does not quantize"):
+        prepare(clone_graph_module(grouped), FormatQuantizer("W4A16"))
