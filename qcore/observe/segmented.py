@@ -26,7 +26,7 @@ from qcore.runtime import deferred
 
 __all__ = ["ExpertsObserver", "PerExpertObservers", "SegmentedMinMaxObserver", "SegmentedMovingAverageMinMaxObserver",
            "SegmentedPerChannelMinMaxObserver", "SegmentedRangeObserver", "fake_quantize_per_expert",
-           "segmented_observer"]
+           "segmented_observer", "with_float_experts"]
 
 
 def _run_extremes(x: torch.Tensor, counts: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,9 +45,11 @@ def _run_extremes(x: torch.Tensor, counts: torch.Tensor, per_channel: bool) -> t
 
 class ExpertsObserver(ObserverBase):
     """An observer of every expert of a grouped projection at once: its forward takes the rows by expert and the
-    experts' counts, observe_constant an [E, ...] weight; its qparams are per expert."""
+    experts' counts, observe_constant an [E, ...] weight; its qparams are per expert. `float_experts`: the experts
+    convert leaves in float (their statistics are kept all the same)."""
 
     experts: int
+    float_experts: tuple[int, ...] = ()
 
     @property
     @abc.abstractmethod
@@ -210,13 +212,26 @@ class SegmentedPerChannelMinMaxObserver(SegmentedRangeObserver):
 
 
 def fake_quantize_per_expert(x: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-                             quant_min: int, quant_max: int) -> torch.Tensor:
+                             quant_min: int, quant_max: int, kept_float: torch.Tensor | None = None) -> torch.Tensor:
     """Each expert's run of `x`'s rows fake-quantized with that expert's per-tensor qparams (`scale` and
-    `zero_point` [E]): the values one per-tensor fake quantization per expert gives, in one per-row pass."""
+    `zero_point` [E]): the values one per-tensor fake quantization per expert gives, in one per-row pass. The rows
+    of the experts `kept_float` ([E] bool) marks are x's own."""
     rows = x.shape[0]
     row_scale = rows_of_experts(scale.to(x.device), counts, rows)
     row_zero_point = rows_of_experts(zero_point.to(x.device), counts, rows)
-    return fake_quantize_per_channel(x, row_scale, row_zero_point, 0, quant_min, quant_max)
+    quantized = fake_quantize_per_channel(x, row_scale, row_zero_point, 0, quant_min, quant_max)
+    if kept_float is None:
+        return quantized
+    row_float = rows_of_experts(kept_float.to(x.device), counts, rows).reshape((-1,) + (1,) * (x.dim() - 1))
+    return torch.where(row_float, x, quantized)
+
+
+def with_float_experts(quantized: torch.Tensor, weight: torch.Tensor, float_experts: Sequence[int]) -> torch.Tensor:
+    """`quantized` ([E, ...], a weight's quantized copy) with the slices of `float_experts` the float `weight`'s."""
+    if float_experts:
+        kept = torch.tensor(list(float_experts), device=weight.device)
+        quantized = quantized.index_copy(0, kept, weight.index_select(0, kept).to(quantized.dtype))
+    return quantized
 
 
 class PerExpertObservers(ExpertsObserver):

@@ -34,7 +34,7 @@ from qcore.observe.qparams import (
     fused_kernels_preferred,
     per_channel_steps,
 )
-from qcore.observe.segmented import ExpertsObserver, fake_quantize_per_expert
+from qcore.observe.segmented import ExpertsObserver, fake_quantize_per_expert, with_float_experts
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.format_quantizer import (
     FormatFakeQuantize,
@@ -185,8 +185,10 @@ def _segmented_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: Ex
             meta = _qparams_meta(observer, reads.values(observer))
             cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
             earlier.register(cache[key], source, weight,
-                             ("qparams", type(observer).__qualname__, qparams_meta_digest(meta)),
-                             lambda: observer.fake_quantize_weight(weight.detach()))
+                             ("qparams", type(observer).__qualname__, qparams_meta_digest(meta),
+                              observer.float_experts),
+                             lambda: with_float_experts(observer.fake_quantize_weight(weight.detach()),
+                                                        weight.detach(), observer.float_experts))
         new = graph.get_attr(cache[key])
         new.meta["qcore_float_weight"] = key[0]
     else:
@@ -195,13 +197,19 @@ def _segmented_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: Ex
         reached = observer.observed.tolist()
         if not all(reached):
             reads.unreached.extend(_expert_readers(gm, node, [expert for expert, seen in enumerate(reached)
-                                                              if not seen]))
+                                                              if not seen and expert not in observer.float_experts]))
         base = _free_name(gm, f"qcore_qparams_{node.name}")
         gm.register_buffer(base + "_scale", scale.detach().float().clone())
         gm.register_buffer(base + "_zero_point", zero_point.detach().clone())
+        kept_float = None
+        if observer.float_experts:  # the rows of the experts left in float pass as they are
+            mask = torch.zeros(observer.experts, dtype=torch.bool, device=scale.device)
+            mask[list(observer.float_experts)] = True
+            gm.register_buffer(base + "_kept_float", mask)
+            kept_float = graph.get_attr(base + "_kept_float")
         new = graph.call_function(fake_quantize_per_expert, (
             source, counts, graph.get_attr(base + "_scale"), graph.get_attr(base + "_zero_point"),
-            observer.quant_min, observer.quant_max))
+            observer.quant_min, observer.quant_max, kept_float))
     new.meta[QPARAMS_KEY] = _qparams_meta(observer, reads.values(observer))
     return new
 

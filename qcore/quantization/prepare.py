@@ -99,8 +99,10 @@ def _compatible(a, b) -> bool:
         has_a, has_b = hasattr(a, name), hasattr(b, name)
         if has_a != has_b or (has_a and getattr(a, name) != getattr(b, name)):
             return False
-    # rows by expert share an observer with rows of the same experts only (qcore's own field: None elsewhere)
-    return getattr(a, "experts", None) is getattr(b, "experts", None)
+    # rows by expert share an observer with rows of the same experts, quantized for the same experts, only (qcore's
+    # own fields: None and () elsewhere)
+    return getattr(a, "experts", None) is getattr(b, "experts", None) and \
+        getattr(a, "float_experts", ()) == getattr(b, "float_experts", ())
 
 
 def _union(forest: UnionFind, mapping, parent, child) -> None:
@@ -195,7 +197,9 @@ def _observer_for(qspec: QuantizationSpecBase, sources: list[nn.Module]) -> nn.M
         if qspec.ch_axis is not None:
             kwargs["ch_axis"] = qspec.ch_axis
         if qspec.experts is not None:  # every expert of a grouped projection at once
-            return segmented_observer(qspec.observer_or_fake_quant_ctr, _expert_count(qspec.experts), **kwargs)
+            observer = segmented_observer(qspec.observer_or_fake_quant_ctr, _expert_count(qspec.experts), **kwargs)
+            observer.float_experts = tuple(qspec.float_experts)
+            return observer
         return qspec.observer_or_fake_quant_ctr(**kwargs)
     if isinstance(qspec, FixedQParamsQuantizationSpec):
         return FixedQParamsObserver(qspec.scale, qspec.zero_point, dtype=qspec.dtype, quant_min=qspec.quant_min,

@@ -42,6 +42,8 @@ class QuantizationSpec(QuantizationSpecBase):
     # the counts node of a grouped projection's experts (qcore.graph.grouped) whose values the tensor holds, as
     # rows by expert or as an [E, ...] weight: one observer of every expert at once (qcore.observe.segmented)
     experts: fx.Node | None = None
+    # of such a tensor: the experts it is left in float for (a layer a quantizer skips: `skip`, float_layers)
+    float_experts: tuple[int, ...] = ()
 
     @property
     def per_channel(self) -> bool:
@@ -272,17 +274,20 @@ class Int8StaticQuantizer(Quantizer):
         output observed per expert at once. ValueError where its experts' settings differ (a per-expert override:
         the per-expert capture takes those) or ask for dynamic activations."""
         every = [self._settings(op.block, layer, op.item) for layer in op.layers]
-        settings = every[0]
-        if any(other != settings for other in every[1:]):
-            raise ValueError(f"{op.item}: layer_overrides give its experts different settings, which a grouped "
-                             "capture does not take yet; capture it expert by expert")
-        if settings["skip"]:
+        float_experts = tuple(expert for expert, settings in enumerate(every) if settings["skip"])
+        quantized = [settings for settings in every if not settings["skip"]]
+        if not quantized:
             return
+        settings = quantized[0]
+        if any(other != settings for other in quantized[1:]):
+            raise ValueError(f"{op.item}: layer_overrides give its experts different settings, which a grouped "
+                             "capture does not take yet (but for skip); capture it expert by expert")
         if settings["is_dynamic"]:
             raise ValueError(f"{op.item}: dynamic activations per expert are not taken by a grouped capture yet")
-        inputs: dict = {op.routed: replace(int8_activation_spec(settings["activation_observer"]), experts=op.counts),
-                        op.weight: replace(int8_weight_spec(settings["per_channel"]), experts=op.counts)}
-        _annotate(op.node, inputs, replace(int8_activation_spec(self.activation_observer), experts=op.counts))
+        per_expert = {"experts": op.counts, "float_experts": float_experts}
+        inputs: dict = {op.routed: replace(int8_activation_spec(settings["activation_observer"]), **per_expert),
+                        op.weight: replace(int8_weight_spec(settings["per_channel"]), **per_expert)}
+        _annotate(op.node, inputs, replace(int8_activation_spec(self.activation_observer), **per_expert))
 
     def prepare_obs_or_fq_callback(self, model: fx.GraphModule, edge_or_node_to_obs_or_fq: dict) -> None:
         """A layer whose activation_observer is overridden observes the tensors it reads with it: the sharing group

@@ -237,3 +237,29 @@ def test_a_format_refuses_a_grouped_capture_rather_than_leave_its_experts_in_flo
         grouped = qcore.capture(model, data[0])
     with pytest.raises(ValueError, match="model.layers.0.mlp.experts.gate_up_proj: a format does not quantize"):
         prepare(clone_graph_module(grouped), FormatQuantizer("W4A16"))
+
+
+@pytest.mark.parametrize("skipped", [
+    {"model.layers.0.mlp.experts.2.down_proj": {"skip": True}},
+    {"model.layers.1.mlp.experts.*.gate_proj": {"skip": True}, "model.layers.0.mlp.experts.1.up_proj": {"skip": True}},
+], ids=["one-expert", "a-projection-and-an-expert"])
+def test_experts_a_layer_override_skips_stay_in_float_as_on_the_per_expert_graph(skipped):
+    """A fix that keeps experts in float (`skip`, float_layers): their rows, weights and outputs stay float, the
+    others quantized: the per-expert graph's values and records, bit for bit."""
+    from qcore.analysis import measure_sqnr
+
+    quantizer = qcore.Int8StaticQuantizer(layer_overrides=skipped)
+    (_, grouped), (_, per_expert), data = _both("qwen3_moe", quantizer, experts=4)
+    assert torch.equal(_logits(grouped(**data[-1])), _logits(per_expert(**data[-1])))
+    model, data = tiny_moe("qwen3_moe", layers=2, experts=4, batch=4, n=4)
+    with experts_grouped():
+        grouped_float = qcore.capture(model, data[0])
+    a = measure_sqnr(grouped_float, data, quantizer)
+    b = measure_sqnr(qcore.capture(model, data[0]), data, quantizer)
+    for layer, expected in b.layers.items():
+        for field in ("shadow_sqnr_db", "weight_sqnr_db"):
+            value, wanted = getattr(a.layers[layer], field), getattr(expected, field)
+            assert value == wanted or (math.isnan(value) and math.isnan(wanted)), (layer, field)
+    assert math.isinf(a.layers["model.layers.0.mlp.experts.1.up_proj" if len(skipped) > 1 else
+                               "model.layers.0.mlp.experts.2.down_proj"].shadow_sqnr_db)
+    assert a.outputs["output"].sqnr_db == b.outputs["output"].sqnr_db
