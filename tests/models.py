@@ -90,6 +90,18 @@ def tiny_llama(layers=2, batch=4):
     return model, batches
 
 
+# gpt-oss: transposed, interleaved gate/up with biases and its own gate; Qwen2-MoE: a shared expert beside them;
+# DeepSeek-V3: a shared expert, and a router that chooses by groups with a score correction bias
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3")
+
+
+def logits_of(output):
+    """The logits of a causal LM's output: a captured graph's dict, a transformers output, or a tuple's first."""
+    if isinstance(output, dict):
+        return output["logits"]
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
 def tiny_moe(architecture="qwen3_moe", layers=1, experts=4, hidden=128, batch=2, tokens=16, n=3, positions=64,
              width=128):
     """A transformers mixture-of-experts causal LM whose experts are fused 3-D parameters (transformers 5), with seeded

@@ -370,25 +370,34 @@ def grouped_experts(model: nn.Module) -> Iterator[dict[str, MoeBlock]]:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     modules = fused_experts_modules(model)
-    configs: dict[int, tuple[Any, Any]] = {}
+    if modules and _GROUPED_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(_GROUPED_IMPLEMENTATION, _grouped_experts_forward)
     blocks = {}
-    added: list[tuple[nn.Module, str]] = []
-    try:
+    with _computed_by(modules.values(), _GROUPED_IMPLEMENTATION) as added:
         for path, module in modules.items():
-            if _GROUPED_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
-                ALL_EXPERTS_FUNCTIONS.register(_GROUPED_IMPLEMENTATION, _grouped_experts_forward)
             for name, view in grouped_projection_views(module).items():  # parameters: a capture reads them by path
                 module.register_parameter(name, nn.Parameter(view, requires_grad=False))
                 added.append((module, name))
             count = int(getattr(module, "num_experts", module.down_proj.shape[0]))
             blocks[path] = MoeBlock(path, count, True, "gate_proj" if module.has_gate else "up_proj")
+        yield blocks
+
+
+@contextlib.contextmanager
+def _computed_by(modules: Iterable[nn.Module], implementation: str) -> Iterator[list[tuple[nn.Module, str]]]:
+    """While open, the configs of the experts `modules` name `implementation` as their experts implementation;
+    yields a list of (module, attribute) the caller adds to a module, deleted on exit, the configs restored."""
+    configs: dict[int, tuple[Any, Any]] = {}
+    added: list[tuple[nn.Module, str]] = []
+    try:
+        for module in modules:
             config = module.config
             configs.setdefault(id(config), (config, getattr(config, "_experts_implementation", None)))
-            config._experts_implementation = _GROUPED_IMPLEMENTATION
-        yield blocks
-    finally:
-        for config, implementation in configs.values():
             config._experts_implementation = implementation
+        yield added
+    finally:
+        for config, previous in configs.values():
+            config._experts_implementation = previous
         for module, name in added:
             delattr(module, name)
 
@@ -590,9 +599,7 @@ def linearized_experts(model: nn.Module) -> Iterator[dict[str, Any]]:
     if not modules:
         yield record
         return
-    configs: dict[int, tuple[Any, Any]] = {}
-    added: list[tuple[nn.Module, str]] = []
-    try:
+    with _computed_by(modules.values(), _IMPLEMENTATION) as added:
         for path, module in modules.items():
             _register_implementation(module)
             count = int(getattr(module, "num_experts", module.down_proj.shape[0]))
@@ -606,15 +613,7 @@ def linearized_experts(model: nn.Module) -> Iterator[dict[str, Any]]:
                     record["layers"][f"{path}.{expert}.{name}"] = ExpertLayer(path, f"{path}.{fused_names[name]}",
                                                                               expert)
             record["blocks"][path] = MoeBlock(path, count, True, "gate_proj" if module.has_gate else "up_proj")
-            config = module.config
-            configs.setdefault(id(config), (config, getattr(config, "_experts_implementation", None)))
-            config._experts_implementation = _IMPLEMENTATION
         yield record
-    finally:
-        for config, implementation in configs.values():
-            config._experts_implementation = implementation
-        for module, name in added:
-            delattr(module, name)
 
 
 def with_experts_held(model: nn.Module, paths: Iterable[str], whole_gate_up: bool = False) -> nn.Module:

@@ -13,19 +13,11 @@ from qcore.graph.experts import expert_layers, fused_experts_modules, moe_blocks
 from qcore.graph.ops import find_quantizable_ops
 from qcore.numeric import compute_sqnr
 from qcore.quantization.format_quantizer import FormatQuantizer
-from tests.models import layer_calls, linearized_moe, routed_tokens, tiny_moe
+from tests.models import MOE_ARCHITECTURES, layer_calls, linearized_moe, logits_of, routed_tokens, tiny_moe
 
 pytest.importorskip("transformers")
 
-# gpt-oss: transposed, interleaved gate/up with biases and its own gate; Qwen2-MoE: a shared expert beside them;
-# DeepSeek-V3: a shared expert, and a router that chooses by groups with a score correction bias
-ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3")
-
-
-def _logits(output):
-    if isinstance(output, dict):
-        return output["logits"]
-    return output.logits if hasattr(output, "logits") else output[0]
+ARCHITECTURES = MOE_ARCHITECTURES
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -36,7 +28,7 @@ def test_fused_experts_are_captured_as_one_linear_per_expert_projection(architec
     implementation = model.config._experts_implementation
     gm = qcore.capture(model, data[0], name=architecture)
     # another batch routes its tokens otherwise: the graph computes the model's function, not batch 0's routing
-    torch.testing.assert_close(_logits(gm(**data[1])), eager, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(logits_of(gm(**data[1])), eager, atol=2e-5, rtol=1e-4)
     experts = expert_layers(gm)
     assert sorted(experts) == sorted(f"model.layers.0.mlp.experts.{e}.{p}" for e in range(4)
                                      for p in ("gate_proj", "up_proj", "down_proj"))
@@ -79,7 +71,7 @@ def test_a_capture_from_one_template_per_block_is_the_graph_traced_expert_by_exp
         return [(op.layer, op.kind) for op in find_quantizable_ops(gm)]
 
     assert layers(templated) == layers(traced) and expert_linears(templated) == expert_linears(traced)
-    assert torch.equal(_logits(templated(**data[1])), _logits(traced(**data[1])))
+    assert torch.equal(logits_of(templated(**data[1])), logits_of(traced(**data[1])))
     quantizer = qcore.Int8StaticQuantizer()
     a, b = measure_sqnr(templated, data, quantizer), measure_sqnr(traced, data, quantizer)
     assert {layer: value.sqnr_db for layer, value in a.layers.items()} == \
@@ -130,7 +122,7 @@ def test_a_template_whose_shape_the_trace_fixed_to_every_routed_token_is_not_cop
     gm = qcore.capture(model, data[0])
     assert not any(node.target is experts_module.expert_counts for node in gm.graph.nodes)
     with torch.no_grad():
-        torch.testing.assert_close(_logits(gm(**data[1])), model(**data[1]).logits, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(logits_of(gm(**data[1])), model(**data[1]).logits, atol=2e-5, rtol=1e-4)
 
 
 def test_a_template_that_does_not_expand_falls_back_to_a_trace_of_every_expert(monkeypatch):
@@ -143,7 +135,7 @@ def test_a_template_that_does_not_expand_falls_back_to_a_trace_of_every_expert(m
     monkeypatch.setattr(capture_module, "expand_expert_templates", refuse)
     gm = qcore.capture(model, data[0])
     with torch.no_grad():
-        torch.testing.assert_close(_logits(gm(**data[1])), model(**data[1]).logits, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(logits_of(gm(**data[1])), model(**data[1]).logits, atol=2e-5, rtol=1e-4)
     assert len(expert_layers(gm)) == 12 and set(expert_layers(gm)) <= {op.layer for op in find_quantizable_ops(gm)}
 
 
@@ -175,7 +167,7 @@ def test_the_capture_computes_what_each_of_transformers_experts_implementations_
     with torch.no_grad():
         eager = model(**data[1]).logits
     gm = qcore.capture(model, data[0])
-    torch.testing.assert_close(_logits(gm(**data[1])), eager, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(logits_of(gm(**data[1])), eager, atol=2e-5, rtol=1e-4)
     assert len(expert_layers(gm)) == 12 and model.config._experts_implementation == implementation
 
 

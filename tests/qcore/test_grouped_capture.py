@@ -7,18 +7,11 @@ import qcore
 from qcore.graph.capture import _export, experts_grouped
 from qcore.graph.experts import fused_experts_modules, grouped_experts
 from qcore.graph.grouped import find_grouped_ops
-from tests.models import tiny_moe
+from tests.models import MOE_ARCHITECTURES, logits_of, tiny_moe
 
 pytest.importorskip("transformers")
 
-# gpt-oss: transposed, interleaved gate/up with biases and its own gate; Qwen2-MoE and DeepSeek-V3: a shared expert
-ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3")
-
-
-def _logits(output):
-    if isinstance(output, dict):
-        return output["logits"]
-    return output.logits if hasattr(output, "logits") else output[0]
+ARCHITECTURES = MOE_ARCHITECTURES
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -37,10 +30,10 @@ def test_a_grouped_capture_computes_what_the_per_expert_capture_does(architectur
                 and ".experts." in str(node.meta.get("nn_module_stack"))]
     per_expert = qcore.capture(model, data[0])
     with torch.no_grad():
-        eager = _logits(model(**data[1]))
+        eager = logits_of(model(**data[1]))
     for batch in data[1:]:  # routed otherwise than the example the graphs were traced on
-        assert torch.equal(_logits(grouped(**batch)), _logits(per_expert(**batch)))
-    torch.testing.assert_close(_logits(grouped(**data[1])), eager, atol=2e-5, rtol=1e-4)
+        assert torch.equal(logits_of(grouped(**batch)), logits_of(per_expert(**batch)))
+    torch.testing.assert_close(logits_of(grouped(**data[1])), eager, atol=2e-5, rtol=1e-4)
 
 
 def test_a_grouped_capture_costs_the_same_nodes_whatever_the_expert_count():
@@ -61,4 +54,4 @@ def test_a_grouped_capture_reads_no_fused_parameter_and_names_its_blocks():
     assert gm.meta["qcore_experts"]["grouped"] and set(gm.meta["qcore_experts"]["blocks"]) == {
         "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
     assert not [name for name, _ in model.named_parameters() if "grouped_" in name]  # the model as it was
-    assert torch.equal(_logits(gm(**data[1])), _logits(qcore.capture(model, data[0])(**data[1])))
+    assert torch.equal(logits_of(gm(**data[1])), logits_of(qcore.capture(model, data[0])(**data[1])))

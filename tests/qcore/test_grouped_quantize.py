@@ -16,13 +16,9 @@ from qcore.observe.segmented import ExpertsObserver, PerExpertObservers
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.convert import QPARAMS_KEY, convert
 from qcore.quantization.prepare import prepare
-from tests.models import tiny_moe
+from tests.models import logits_of, tiny_moe
 
 pytest.importorskip("transformers")
-
-
-def _logits(output):
-    return output["logits"] if isinstance(output, dict) else output.logits
 
 
 def _quantized(gm, quantizer, batches):
@@ -56,7 +52,7 @@ def test_a_grouped_capture_quantizes_to_the_per_expert_captures_values(architect
     histograms = [observer for observer in segmented if isinstance(observer, PerExpertObservers)]
     assert len(histograms) == (2 * 5 if quantizer.activation_observer.__name__ == "HistogramObserver" else 0)
     for batch in data[-1:]:  # a batch calibration did not see, routed otherwise
-        assert torch.equal(_logits(grouped(**batch)), _logits(per_expert(**batch)))
+        assert torch.equal(logits_of(grouped(**batch)), logits_of(per_expert(**batch)))
 
 
 def test_each_experts_qparams_are_its_own_linears():
@@ -93,14 +89,15 @@ def test_an_expert_no_calibration_token_reaches_is_named_and_quantized_as_torch_
     # the same ops, named alike: each unreached expert's layers, and the modules of the ops between them
     assert messages["grouped"][0].split(" (")[0] == messages["per_expert"][0].split(" (")[0]
     assert re.search(r"model\.layers\.0\.mlp\.experts\.\d+\.gate_proj", messages["grouped"][0])
-    assert torch.equal(_logits(found["grouped"](**data[1])), _logits(found["per_expert"](**data[1])))
+    assert torch.equal(logits_of(found["grouped"](**data[1])), logits_of(found["per_expert"](**data[1])))
 
 
 def test_a_per_expert_override_is_refused_by_a_grouped_capture():
     model, data = tiny_moe("qwen3_moe", layers=1, experts=4, batch=2, n=1)
     with experts_grouped():
         grouped = qcore.capture(model, data[0])
-    quantizer = qcore.Int8StaticQuantizer(layer_overrides={"model.layers.0.mlp.experts.2.down_proj": {"skip": True}})
+    quantizer = qcore.Int8StaticQuantizer(layer_overrides={"model.layers.0.mlp.experts.2.down_proj":
+                                                           {"per_channel": False}})
     with pytest.raises(ValueError, match="different settings"):
         prepare(clone_graph_module(grouped), quantizer)
 
@@ -250,7 +247,7 @@ def test_experts_a_layer_override_skips_stay_in_float_as_on_the_per_expert_graph
 
     quantizer = qcore.Int8StaticQuantizer(layer_overrides=skipped)
     (_, grouped), (_, per_expert), data = _both("qwen3_moe", quantizer, experts=4)
-    assert torch.equal(_logits(grouped(**data[-1])), _logits(per_expert(**data[-1])))
+    assert torch.equal(logits_of(grouped(**data[-1])), logits_of(per_expert(**data[-1])))
     model, data = tiny_moe("qwen3_moe", layers=2, experts=4, batch=4, n=4)
     with experts_grouped():
         grouped_float = qcore.capture(model, data[0])
