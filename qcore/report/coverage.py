@@ -45,6 +45,7 @@ class ExpertTokenCounts(nn.Module):
         self.batches = 0
 
     def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        """Add one batch's counts; returns them."""
         self.tokens += counts.to(self.tokens.device)
         self.batches += 1
         return counts

@@ -529,6 +529,7 @@ class ExpertsReportObservers(nn.Module):
         self.by_expert = nn.ModuleDict({str(expert): observer for expert, observer in observers.items()})
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Give each expert's observer its run of `x`'s rows (`counts` rows each); returns x."""
         runs = x.split(counts.tolist())
         for expert, observer in self.by_expert.items():
             run = runs[int(expert)]
