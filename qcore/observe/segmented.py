@@ -320,7 +320,12 @@ _SEGMENTED = {"MinMaxObserver": SegmentedMinMaxObserver,
 def segmented_observer(observer: Any, experts: int, **kwargs: Any) -> ExpertsObserver:
     """The observer of every expert at once that stands for `observer` (a class, or one made with_args) observing
     each expert alone: its segmented form where it has one (reductions over every expert in a few ops), else one
-    of it per expert (PerExpertObservers)."""
+    of it per expert (PerExpertObservers); for a class per expert (an object with `classes`), one of each."""
+    classes = getattr(observer, "classes", None)  # a class per expert (PerExpertObserverClasses)
+    if classes is not None:
+        if len(classes) != experts:
+            raise ValueError(f"{len(classes)} observer classes for {experts} experts")
+        return PerExpertObservers([cls(**kwargs) for cls in classes])
     keywords = dict(getattr(observer, "keywords", {}) or {})
     base = getattr(observer, "func", observer)
     segmented = _SEGMENTED.get(getattr(base, "__name__", ""))

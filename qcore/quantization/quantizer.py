@@ -13,9 +13,11 @@ from qcore.formats.presets import TensorFormat
 from qcore.graph.grouped import GroupedOp, find_grouped_ops
 from qcore.graph.ops import QUANTIZABLE_KINDS, find_quantizable_ops, is_inserted, layer_patterns, op_kind
 from qcore.observe.observers import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver
+from qcore.observe.segmented import PerExpertObservers
 
 __all__ = ["ANNOTATION_KEY", "DerivedQuantizationSpec", "EdgeOrNode", "FixedQParamsQuantizationSpec",
-    "Int8StaticQuantizer", "QuantizationAnnotation", "QuantizationSpec", "QuantizationSpecBase", "Quantizer",
+    "Int8StaticQuantizer", "PerExpertObserverClasses", "QuantizationAnnotation", "QuantizationSpec",
+    "QuantizationSpecBase", "Quantizer",
     "SharedQuantizationSpec", "int8_activation_spec", "int8_dynamic_activation_spec", "int8_weight_spec",
     "with_layer_overrides"]
 
@@ -168,6 +170,18 @@ def with_layer_overrides(quantizer: Quantizer, overrides: dict[str, dict]) -> Qu
     return changed
 
 
+@dataclass(frozen=True)
+class PerExpertObserverClasses:
+    """The activation observer class of each expert of a grouped projection, where they differ: an observer factory
+    whose observer of every expert at once is one of each class per expert (qcore.observe.segmented)."""
+
+    classes: tuple[Callable[..., torch.nn.Module], ...]
+
+    def __call__(self, **kwargs: Any) -> torch.nn.Module:
+        """One observer per expert, each of its class (PerExpertObservers)."""
+        return PerExpertObservers([observer(**kwargs) for observer in self.classes])
+
+
 def _experts_rows(node: fx.Node) -> bool:
     """Whether a node's output is quantized as rows by expert (a grouped projection's)."""
     annotation = node.meta.get(ANNOTATION_KEY)
@@ -264,30 +278,51 @@ class Int8StaticQuantizer(Quantizer):
                 _annotate(op.output, {}, output)
             else:
                 _annotate(op.node, inputs, output)
-        for grouped in find_grouped_ops(gm):
-            self._annotate_grouped(grouped)
+        grouped_ops = find_grouped_ops(gm)
+        readers = self._readers_observers(grouped_ops)
+        for grouped in grouped_ops:
+            self._annotate_grouped(grouped, readers.get(grouped.routed, {}))
         self._propagate(gm)
         return gm
 
-    def _annotate_grouped(self, op: GroupedOp) -> None:
+    def _annotate_grouped(self, op: GroupedOp, readers_observers: dict[int, Callable[..., torch.nn.Module]]
+                          ) -> None:
         """A grouped projection quantized as each expert's Linear would be: its routed rows, its weight and its
-        output observed per expert at once. ValueError where its experts' settings differ (a per-expert override:
-        the per-expert capture takes those) or ask for dynamic activations."""
+        output observed per expert at once, the experts a layer override skips left in float, and the routed rows
+        of an expert whose layer (this one, or another reading them: `readers_observers`, {expert: class}) asks
+        for another activation observer observed with it, as prepare's callback gives a per-expert graph's shared
+        input. ValueError where its quantized experts' settings differ otherwise (a per-expert override of another
+        kind: the per-expert capture takes those) or ask for dynamic activations."""
         every = [self._settings(op.block, layer, op.item) for layer in op.layers]
         float_experts = tuple(expert for expert, settings in enumerate(every) if settings["skip"])
         quantized = [settings for settings in every if not settings["skip"]]
         if not quantized:
             return
         settings = quantized[0]
-        if any(other != settings for other in quantized[1:]):
+        if any({**other, "activation_observer": None} != {**settings, "activation_observer": None}
+               for other in quantized[1:]):
             raise ValueError(f"{op.item}: layer_overrides give its experts different settings, which a grouped "
-                             "capture does not take yet (but for skip); capture it expert by expert")
+                             "capture does not take yet (but for skip and activation_observer); capture it expert by "
+                             "expert")
         if settings["is_dynamic"]:
             raise ValueError(f"{op.item}: dynamic activations per expert are not taken by a grouped capture yet")
         per_expert = {"experts": op.counts, "float_experts": float_experts}
-        inputs: dict = {op.routed: replace(int8_activation_spec(settings["activation_observer"]), **per_expert),
+        observers = [readers_observers.get(expert, self.activation_observer) for expert in range(op.experts)]
+        observer = observers[0] if len(set(observers)) == 1 else PerExpertObserverClasses(tuple(observers))
+        inputs: dict = {op.routed: replace(int8_activation_spec(observer), **per_expert),
                         op.weight: replace(int8_weight_spec(settings["per_channel"]), **per_expert)}
         _annotate(op.node, inputs, replace(int8_activation_spec(self.activation_observer), **per_expert))
+
+    def _readers_observers(self, ops: list[GroupedOp]) -> dict[fx.Node, dict[int, Callable[..., torch.nn.Module]]]:
+        """{routed rows: {expert: observer class}} of the experts whose layer reading those rows overrides the
+        activation observer (the gate's and the up projection's read the same rows)."""
+        found: dict[fx.Node, dict[int, Callable[..., torch.nn.Module]]] = {}
+        for op in ops:
+            for expert, layer in enumerate(op.layers):
+                settings = self._settings(op.block, layer, op.item)
+                if not settings["skip"] and settings["activation_observer"] is not self.activation_observer:
+                    found.setdefault(op.routed, {})[expert] = settings["activation_observer"]
+        return found
 
     def prepare_obs_or_fq_callback(self, model: fx.GraphModule, edge_or_node_to_obs_or_fq: dict) -> None:
         """A layer whose activation_observer is overridden observes the tensors it reads with it: the sharing group

@@ -260,3 +260,19 @@ def test_experts_a_layer_override_skips_stay_in_float_as_on_the_per_expert_graph
     assert math.isinf(a.layers["model.layers.0.mlp.experts.1.up_proj" if len(skipped) > 1 else
                                "model.layers.0.mlp.experts.2.down_proj"].shadow_sqnr_db)
     assert a.outputs["output"].sqnr_db == b.outputs["output"].sqnr_db
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.layers.0.mlp.experts.2.gate_proj": {"activation_observer": "histogram"}},
+    {"model.layers.1.mlp.experts.*.down_proj": {"activation_observer": "histogram"},
+     "model.layers.0.mlp.experts.1.up_proj": {"activation_observer": "histogram"},
+     "model.layers.0.mlp.experts.3.gate_proj": {"skip": True}},
+], ids=["one-experts-gate", "a-projection-an-experts-up-and-a-skip"])
+def test_experts_an_override_gives_another_observer_observe_with_it_as_on_the_per_expert_graph(overrides):
+    """The outlier screen's change (a clipping observer for named experts): each expert's rows observed with its
+    own class; an override of the gate or the up projection changes the observer of the rows both read, as
+    prepare's callback does on the per-expert graph. The values bit for bit."""
+    quantizer = qcore.Int8StaticQuantizer(layer_overrides=overrides)
+    (segmented, grouped), (_, per_expert), data = _both("qwen3_moe", quantizer, experts=4)
+    assert any(isinstance(observer, PerExpertObservers) for observer in segmented)
+    assert torch.equal(logits_of(grouped(**data[-1])), logits_of(per_expert(**data[-1])))
