@@ -50,6 +50,7 @@ class ExpertsObserver(ObserverBase):
 
     experts: int
     float_experts: tuple[int, ...] = ()
+    dynamic_experts: tuple[int, ...] = ()  # quantized from each batch's own range, not from these statistics
 
     @property
     @abc.abstractmethod
@@ -212,10 +213,19 @@ class SegmentedPerChannelMinMaxObserver(SegmentedRangeObserver):
 
 
 def fake_quantize_per_expert(x: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-                             quant_min: int, quant_max: int, kept_float: torch.Tensor | None = None) -> torch.Tensor:
+                             quant_min: int, quant_max: int, kept_float: torch.Tensor | None = None,
+                             dynamic: torch.Tensor | None = None, symmetric: bool = False) -> torch.Tensor:
     """Each expert's run of `x`'s rows fake-quantized with that expert's per-tensor qparams (`scale` and
     `zero_point` [E]): the values one per-tensor fake quantization per expert gives, in one per-row pass. The rows
-    of the experts `kept_float` ([E] bool) marks are x's own."""
+    of the experts `kept_float` ([E] bool) marks are x's own; those of the experts `dynamic` marks are quantized with
+    qparams from their own run's range in this batch (`symmetric` or affine), as fake_quantize_dynamic quantizes a
+    tensor alone."""
+    if dynamic is not None:
+        low, high = _run_extremes(x, counts, per_channel=False)
+        own_scale, own_zero_point = calculate_qparams(low, high, quant_min, quant_max, symmetric)
+        dynamic = dynamic.to(x.device)
+        scale = torch.where(dynamic, own_scale, scale.to(x.device, own_scale.dtype))
+        zero_point = torch.where(dynamic, own_zero_point, zero_point.to(x.device, own_zero_point.dtype))
     rows = x.shape[0]
     row_scale = rows_of_experts(scale.to(x.device), counts, rows)
     row_zero_point = rows_of_experts(zero_point.to(x.device), counts, rows)

@@ -196,22 +196,32 @@ def _segmented_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: Ex
         scale, zero_point = observer.calculate_qparams()
         reached = observer.observed.tolist()
         if not all(reached):
-            reads.unreached.extend(_expert_readers(gm, node, [expert for expert, seen in enumerate(reached)
-                                                              if not seen and expert not in observer.float_experts]))
+            reads.unreached.extend(_expert_readers(gm, node, [
+                expert for expert, seen in enumerate(reached)
+                if not seen and expert not in observer.float_experts and expert not in observer.dynamic_experts]))
         base = _free_name(gm, f"qcore_qparams_{node.name}")
         gm.register_buffer(base + "_scale", scale.detach().float().clone())
         gm.register_buffer(base + "_zero_point", zero_point.detach().clone())
-        kept_float = None
-        if observer.float_experts:  # the rows of the experts left in float pass as they are
-            mask = torch.zeros(observer.experts, dtype=torch.bool, device=scale.device)
-            mask[list(observer.float_experts)] = True
-            gm.register_buffer(base + "_kept_float", mask)
-            kept_float = graph.get_attr(base + "_kept_float")
+        # the rows of the experts left in float pass as they are; those of dynamic experts take their own qparams
+        masks = {suffix: _experts_mask(gm, base + suffix, observer.experts, experts, scale.device)
+                 for suffix, experts in (("_kept_float", observer.float_experts),
+                                         ("_dynamic", observer.dynamic_experts))}
         new = graph.call_function(fake_quantize_per_expert, (
             source, counts, graph.get_attr(base + "_scale"), graph.get_attr(base + "_zero_point"),
-            observer.quant_min, observer.quant_max, kept_float))
+            observer.quant_min, observer.quant_max, masks["_kept_float"], masks["_dynamic"], observer.symmetric))
     new.meta[QPARAMS_KEY] = _qparams_meta(observer, reads.values(observer))
     return new
+
+
+def _experts_mask(gm: fx.GraphModule, name: str, count: int, experts: tuple[int, ...],
+                  device: torch.device) -> fx.Node | None:
+    """A get_attr of an [E] bool buffer `name` marking `experts`; None when there are none."""
+    if not experts:
+        return None
+    mask = torch.zeros(count, dtype=torch.bool, device=device)
+    mask[list(experts)] = True
+    gm.register_buffer(name, mask)
+    return gm.graph.get_attr(name)
 
 
 def _expert_readers(gm: fx.GraphModule, node: fx.Node, experts: list[int]) -> list[str]:

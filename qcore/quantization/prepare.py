@@ -102,7 +102,8 @@ def _compatible(a, b) -> bool:
     # rows by expert share an observer with rows of the same experts, quantized for the same experts, only (qcore's
     # own fields: None and () elsewhere)
     return getattr(a, "experts", None) is getattr(b, "experts", None) and \
-        getattr(a, "float_experts", ()) == getattr(b, "float_experts", ())
+        getattr(a, "float_experts", ()) == getattr(b, "float_experts", ()) and \
+        getattr(a, "dynamic_experts", ()) == getattr(b, "dynamic_experts", ())
 
 
 def _union(forest: UnionFind, mapping, parent, child) -> None:
@@ -199,6 +200,7 @@ def _observer_for(qspec: QuantizationSpecBase, sources: list[nn.Module]) -> nn.M
         if qspec.experts is not None:  # every expert of a grouped projection at once
             observer = segmented_observer(qspec.observer_or_fake_quant_ctr, _expert_count(qspec.experts), **kwargs)
             observer.float_experts = tuple(qspec.float_experts)
+            observer.dynamic_experts = tuple(qspec.dynamic_experts)
             return observer
         return qspec.observer_or_fake_quant_ctr(**kwargs)
     if isinstance(qspec, FixedQParamsQuantizationSpec):

@@ -44,8 +44,10 @@ class QuantizationSpec(QuantizationSpecBase):
     # the counts node of a grouped projection's experts (qcore.graph.grouped) whose values the tensor holds, as
     # rows by expert or as an [E, ...] weight: one observer of every expert at once (qcore.observe.segmented)
     experts: fx.Node | None = None
-    # of such a tensor: the experts it is left in float for (a layer a quantizer skips: `skip`, float_layers)
+    # of such a tensor: the experts it is left in float for (a layer a quantizer skips: `skip`, float_layers), and
+    # those whose rows are quantized with qparams from their own range in each batch (dynamic activations)
     float_experts: tuple[int, ...] = ()
+    dynamic_experts: tuple[int, ...] = ()
 
     @property
     def per_channel(self) -> bool:
@@ -288,39 +290,47 @@ class Int8StaticQuantizer(Quantizer):
     def _annotate_grouped(self, op: GroupedOp, readers_observers: dict[int, Callable[..., torch.nn.Module]]
                           ) -> None:
         """A grouped projection quantized as each expert's Linear would be: its routed rows, its weight and its
-        output observed per expert at once, the experts a layer override skips left in float, and the routed rows
-        of an expert whose layer (this one, or another reading them: `readers_observers`, {expert: class}) asks
-        for another activation observer observed with it, as prepare's callback gives a per-expert graph's shared
+        output observed per expert at once, the experts a layer override skips left in float, those it makes
+        dynamic quantized from each batch's own range (their output left in float), and the routed rows of an
+        expert whose layer (this one, or another reading them: `readers_observers`, {expert: class}) asks for
+        another activation observer observed with it, as prepare's callback gives a per-expert graph's shared
         input. ValueError where its quantized experts' settings differ otherwise (a per-expert override of another
-        kind: the per-expert capture takes those) or ask for dynamic activations."""
+        kind: the per-expert capture takes those)."""
         every = [self._settings(op.block, layer, op.item) for layer in op.layers]
         float_experts = tuple(expert for expert, settings in enumerate(every) if settings["skip"])
         quantized = [settings for settings in every if not settings["skip"]]
         if not quantized:
             return
         settings = quantized[0]
-        if any({**other, "activation_observer": None} != {**settings, "activation_observer": None}
-               for other in quantized[1:]):
+        if any({**other, "activation_observer": None, "is_dynamic": None} !=
+               {**settings, "activation_observer": None, "is_dynamic": None} for other in quantized[1:]):
             raise ValueError(f"{op.item}: layer_overrides give its experts different settings, which a grouped "
-                             "capture does not take yet (but for skip and activation_observer); capture it expert by "
-                             "expert")
-        if settings["is_dynamic"]:
-            raise ValueError(f"{op.item}: dynamic activations per expert are not taken by a grouped capture yet")
+                             "capture does not take yet (but for skip, is_dynamic and activation_observer); capture "
+                             "it expert by expert")
+        dynamic = tuple(expert for expert, settings in enumerate(every)
+                        if settings["is_dynamic"] and not settings["skip"])
         per_expert = {"experts": op.counts, "float_experts": float_experts}
         observers = [readers_observers.get(expert, self.activation_observer) for expert in range(op.experts)]
         observer = observers[0] if len(set(observers)) == 1 else PerExpertObserverClasses(tuple(observers))
-        inputs: dict = {op.routed: replace(int8_activation_spec(observer), **per_expert),
+        inputs: dict = {op.routed: replace(int8_activation_spec(observer), **per_expert, dynamic_experts=dynamic),
                         op.weight: replace(int8_weight_spec(settings["per_channel"]), **per_expert)}
-        _annotate(op.node, inputs, replace(int8_activation_spec(self.activation_observer), **per_expert))
+        # a dynamic layer's output is left in float, as Int8StaticQuantizer leaves it on the per-expert graph
+        output = {"experts": op.counts, "float_experts": tuple(sorted({*float_experts, *dynamic}))}
+        if len(output["float_experts"]) == op.experts:
+            _annotate(op.node, inputs, None)
+            return
+        _annotate(op.node, inputs, replace(int8_activation_spec(self.activation_observer), **output))
 
     def _readers_observers(self, ops: list[GroupedOp]) -> dict[fx.Node, dict[int, Callable[..., torch.nn.Module]]]:
-        """{routed rows: {expert: observer class}} of the experts whose layer reading those rows overrides the
-        activation observer (the gate's and the up projection's read the same rows)."""
+        """{routed rows: {expert: observer class}} of the experts whose static layer reading those rows overrides
+        the activation observer (the gate's and the up projection's read the same rows)."""
         found: dict[fx.Node, dict[int, Callable[..., torch.nn.Module]]] = {}
         for op in ops:
             for expert, layer in enumerate(op.layers):
                 settings = self._settings(op.block, layer, op.item)
-                if not settings["skip"] and settings["activation_observer"] is not self.activation_observer:
+                # a dynamic layer's override names no observer of what it reads: its qparams are its own
+                if not settings["skip"] and not settings["is_dynamic"] and \
+                        settings["activation_observer"] is not self.activation_observer:
                     found.setdefault(op.routed, {})[expert] = settings["activation_observer"]
         return found
 

@@ -276,3 +276,28 @@ def test_experts_an_override_gives_another_observer_observe_with_it_as_on_the_pe
     (segmented, grouped), (_, per_expert), data = _both("qwen3_moe", quantizer, experts=4)
     assert any(isinstance(observer, PerExpertObservers) for observer in segmented)
     assert torch.equal(logits_of(grouped(**data[-1])), logits_of(per_expert(**data[-1])))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.layers.0.mlp.experts.2.gate_proj": {"is_dynamic": True}},
+    {"model.layers.1.mlp.experts.*.down_proj": {"is_dynamic": True},
+     "model.layers.0.mlp.experts.1.up_proj": {"is_dynamic": True, "activation_observer": "histogram"},
+     "model.layers.0.mlp.experts.3.down_proj": {"skip": True}},
+], ids=["one-experts-gate", "a-projection-an-experts-up-and-a-skip"])
+def test_experts_an_override_makes_dynamic_are_quantized_from_their_own_rows_as_on_the_per_expert_graph(overrides):
+    """The dynamic-vs-static screen's change: a dynamic expert's rows quantized with qparams from their own range
+    in each batch, its output left in float, the other experts static: the per-expert graph's values and records, bit
+    for bit."""
+    from qcore.analysis import measure_sqnr
+
+    quantizer = qcore.Int8StaticQuantizer(layer_overrides=overrides)
+    (_, grouped), (_, per_expert), data = _both("qwen3_moe", quantizer, experts=4)
+    for batch in data:
+        assert torch.equal(logits_of(grouped(**batch)), logits_of(per_expert(**batch)))
+    model, data = tiny_moe("qwen3_moe", layers=2, experts=4, batch=4, n=4)
+    with experts_grouped():
+        a = measure_sqnr(qcore.capture(model, data[0]), data, quantizer)
+    b = measure_sqnr(qcore.capture(model, data[0]), data, quantizer)
+    for layer, expected in b.layers.items():
+        value, wanted = a.layers[layer].shadow_sqnr_db, expected.shadow_sqnr_db
+        assert value == wanted or (math.isnan(value) and math.isnan(wanted)), layer
