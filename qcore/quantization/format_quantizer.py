@@ -16,13 +16,14 @@ import torch
 from torch import fx, nn
 
 from qcore.formats.presets import Preset, TensorFormat, preset
-from qcore.graph.grouped import find_grouped_ops
+from qcore.graph.grouped import GroupedOp, find_grouped_ops
 from qcore.graph.ops import find_quantizable_ops, layer_patterns
 from qcore.observe.observers import ObserverBase
 from qcore.quantization.quantizer import ANNOTATION_KEY, QuantizationAnnotation, QuantizationSpec, Quantizer
 
 __all__ = ["FORMAT_KINDS", "FORMAT_REFUSAL_KEY", "FormatFakeQuantize", "FormatObserver", "FormatQuantizer",
-           "fake_quantize_format", "fake_quantize_weight", "format_spec", "layer_shapes", "preset_refusal"]
+           "fake_quantize_format", "fake_quantize_weight", "format_spec", "layer_shapes", "preset_refusal",
+           "rows_alone"]
 
 FORMAT_REFUSAL_KEY = "qcore_format_refusal"  # on a layer's node: why its shapes cannot take its format
 # addmm(bias, x, W) is a linear whose weight W is stored [in, out] (transformers' Conv1D: GPT-2's layers)
@@ -38,7 +39,10 @@ def format_spec(tensor_format: TensorFormat, *, weight: bool = False, transposed
 
 def fake_quantize_weight(tensor_format: TensorFormat, weight: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     """A weight quantized to its format and back, its blocks along the input dimension: the rows of an [out, in]
-    weight, or the columns of one stored [in, out] (`transposed`)."""
+    weight, or the columns of one stored [in, out] (`transposed`); an [E, out, in] grouped projection's weight by
+    the [E x out, in] rows of its experts (a format whose scales follow the rows: rows_alone)."""
+    if weight.dim() == 3 and not transposed:
+        return tensor_format.fake_quantize(weight.reshape(-1, weight.shape[-1]), weight=True).reshape(weight.shape)
     if transposed:
         return tensor_format.fake_quantize(weight.t(), weight=True).t()
     return tensor_format.fake_quantize(weight, weight=True)
@@ -124,13 +128,10 @@ class FormatQuantizer(Quantizer):
         return chosen
 
     def annotate(self, gm: fx.GraphModule) -> fx.GraphModule:
-        """Annotate every weighted linear, conv and addmm layer with its preset's weight and input formats.
-        ValueError for a grouped capture's grouped projections, which a format does not quantize yet: left in float,
-        their experts would pass for quantized."""
-        grouped = find_grouped_ops(gm)
-        if grouped:
-            raise ValueError(f"{grouped[0].item}: a format does not quantize a grouped projection's experts yet; "
-                             "capture the model with one layer per expert (outside experts_grouped())")
+        """Annotate every weighted linear, conv and addmm layer with its preset's weight and input formats, and each
+        grouped projection of a grouped capture (_annotate_grouped)."""
+        for grouped in find_grouped_ops(gm):
+            self._annotate_grouped(grouped)
         for op in find_quantizable_ops(gm):
             if op.kind not in FORMAT_KINDS or op.weight is None:
                 continue
@@ -148,6 +149,47 @@ class FormatQuantizer(Quantizer):
             op.node.meta[ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=inputs, output_qspec=None,
                                                                   allow_implicit_sharing=False, _annotated=True)
         return gm
+
+
+    def _annotate_grouped(self, op: GroupedOp) -> None:
+        """A grouped projection in its experts' preset, each expert's rows and weight rows as its Linear's would be:
+        for a preset whose scales follow the rows (rows_alone). ValueError, naming the projection, for experts given
+        different presets, a preset with a scale over a whole tensor (FP8's, NVFP4's global one) or blocks across rows,
+        or shapes the preset refuses: left in float, the experts would pass for quantized."""
+        chosen = {self.layer_preset(op.block, layer, op.item) for layer in op.layers}
+        if chosen == {None}:
+            return
+        if len(chosen) > 1:
+            raise ValueError(f"{op.item}: its experts are given different formats, which a grouped capture does not "
+                             "take yet; capture the model with one layer per expert")
+        found = chosen.pop()
+        assert found is not None
+        if not rows_alone(found):
+            raise ValueError(f"{op.item}: {found.name}'s scales are not the rows' own (a scale over a whole tensor, "
+                             "or blocks across rows), which a grouped capture does not take per expert yet; capture "
+                             "the model with one layer per expert")
+        weight = op.weight.meta["val"]
+        refusal = preset_refusal(found, tuple(weight.shape[1:]), [(-1, int(weight.shape[2]))])
+        if refusal:
+            raise ValueError(f"{op.item}: {found.name}: {refusal}")
+        inputs: dict = {op.weight: format_spec(found.weight, weight=True)}
+        if found.activation is not None:
+            inputs[op.routed] = format_spec(found.activation)
+        op.node.meta[ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=inputs, output_qspec=None,
+                                                              allow_implicit_sharing=False, _annotated=True)
+
+
+def rows_alone(chosen: Preset) -> bool:
+    """Whether a preset's scales follow the rows of what it quantizes (per output row, per token, per group of a
+    row): an [E x out, in] stack of experts' weights, or the rows of every expert, then take each expert's values."""
+    def follows_rows(tensor_format: TensorFormat | None, weight: bool) -> bool:
+        if tensor_format is None:
+            return True
+        if FormatObserver(tensor_format).static:  # a scale over the whole tensor (FP8's, NVFP4's global one)
+            return False
+        return tensor_format.granularity in (("axis", "group") if weight else ("token", "group"))
+
+    return follows_rows(chosen.weight, True) and follows_rows(chosen.activation, False)
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
