@@ -410,10 +410,13 @@ def fresh_copy(observer: ObserverBase) -> ObserverBase:
     than cloned, its memoized qparams left behind."""
     memo: dict[int, Any] = {id(value): None for key in ("_qparams_memo", "_qparams_twin")
                             if (value := observer.__dict__.get(key)) is not None}
+    per_expert = isinstance(observer.__dict__.get("experts"), int)  # an observer of a grouped projection's experts
     for name, buffer in observer._buffers.items():
         if buffer is None:
             continue
-        if name in ("min_val", "max_val"):
+        if name in ("min_val", "max_val") and per_expert:  # each expert's range as before any row
+            memo[id(buffer)] = torch.full_like(buffer, math.inf if name == "min_val" else -math.inf)
+        elif name in ("min_val", "max_val"):
             memo[id(buffer)] = (_NO_CHANNELS if observer.per_channel else
                                 torch.tensor(math.inf if name == "min_val" else -math.inf))
         elif name == "histogram":
@@ -421,6 +424,9 @@ def fresh_copy(observer: ObserverBase) -> ObserverBase:
         else:
             memo[id(buffer)] = buffer.clone()
     fresh = copy.deepcopy(observer, memo)
+    children = observer._modules.get("per_expert")
+    if isinstance(children, nn.ModuleList):  # one observer per expert of a grouped projection: each made anew
+        fresh.per_expert = nn.ModuleList([fresh_copy(child) for child in children])
     fresh.frozen = False
     return fresh
 

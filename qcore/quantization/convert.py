@@ -154,8 +154,10 @@ def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observe
                 weight = weight_value(gm, source)
                 weight_cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
                 earlier.register(weight_cache[key], source, weight, ("format", repr(observer.format),
-                                                                     bool(observer.transposed)),
-                                 lambda: fake_quantize_weight(observer.format, weight.detach(), observer.transposed))
+                                                                     bool(observer.transposed),
+                                                                     bool(getattr(observer, "grouped_weight", False))),
+                                 lambda: fake_quantize_weight(observer.format, weight.detach(), observer.transposed,
+                                                              getattr(observer, "grouped_weight", False)))
             replacement = graph.get_attr(weight_cache[key])
             replacement.meta["qcore_float_weight"] = key[0]
         else:

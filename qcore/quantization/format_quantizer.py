@@ -30,18 +30,23 @@ FORMAT_REFUSAL_KEY = "qcore_format_refusal"  # on a layer's node: why its shapes
 FORMAT_KINDS = ("linear", "conv", "addmm")
 
 
-def format_spec(tensor_format: TensorFormat, *, weight: bool = False, transposed: bool = False) -> QuantizationSpec:
+def format_spec(tensor_format: TensorFormat, *, weight: bool = False, transposed: bool = False,
+                experts: bool = False) -> QuantizationSpec:
     """The QuantizationSpec of a tensor in a deployed format (its observer is a FormatObserver; a weight's keeps
-    nothing, since convert takes its scales from the weight itself). `transposed`: a weight stored [in, out]."""
-    observer = functools.partial(FormatObserver, keep_amax=False, transposed=transposed) if weight else FormatObserver
+    nothing, since convert takes its scales from the weight itself). `transposed`: a weight stored [in, out];
+    `experts`: an [E, out, in] grouped projection's weight."""
+    observer = functools.partial(FormatObserver, keep_amax=False, transposed=transposed, grouped_weight=experts) \
+        if weight else FormatObserver
     return QuantizationSpec(torch.int8, observer, is_dynamic=tensor_format.dynamic, format=tensor_format)
 
 
-def fake_quantize_weight(tensor_format: TensorFormat, weight: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+def fake_quantize_weight(tensor_format: TensorFormat, weight: torch.Tensor, transposed: bool = False,
+                         experts: bool = False) -> torch.Tensor:
     """A weight quantized to its format and back, its blocks along the input dimension: the rows of an [out, in]
-    weight, or the columns of one stored [in, out] (`transposed`); an [E, out, in] grouped projection's weight by
-    the [E x out, in] rows of its experts (a format whose scales follow the rows: rows_alone)."""
-    if weight.dim() == 3 and not transposed:
+    weight, or the columns of one stored [in, out] (`transposed`); with `experts`, an [E, out, in] grouped
+    projection's weight by the [E x out, in] rows of its experts (a format whose scales follow the rows:
+    rows_alone)."""
+    if experts:
         return tensor_format.fake_quantize(weight.reshape(-1, weight.shape[-1]), weight=True).reshape(weight.shape)
     if transposed:
         return tensor_format.fake_quantize(weight.t(), weight=True).t()
@@ -51,10 +56,12 @@ def fake_quantize_weight(tensor_format: TensorFormat, weight: torch.Tensor, tran
 class FormatObserver(ObserverBase):
     """Keeps the running amax of a tensor whose format has a static scale; passes everything else through."""
 
-    def __init__(self, tensor_format: TensorFormat, keep_amax: bool = True, transposed: bool = False) -> None:
+    def __init__(self, tensor_format: TensorFormat, keep_amax: bool = True, transposed: bool = False,
+                 grouped_weight: bool = False) -> None:
         super().__init__(is_dynamic=tensor_format.dynamic)
         self.format = tensor_format
         self.transposed = transposed  # a weight stored [in, out]
+        self.grouped_weight = grouped_weight  # an [E, out, in] grouped projection's: quantized by its experts' rows
         # static scales: NVFP4's global scale (its block scales are dynamic) and FP8 per tensor, unless dynamic
         self.static = keep_amax and (tensor_format.scale_format == "e4m3" or (
             not tensor_format.dynamic and tensor_format.element == "float8_e4m3fn"
@@ -172,7 +179,7 @@ class FormatQuantizer(Quantizer):
         refusal = preset_refusal(found, tuple(weight.shape[1:]), [(-1, int(weight.shape[2]))])
         if refusal:
             raise ValueError(f"{op.item}: {found.name}: {refusal}")
-        inputs: dict = {op.weight: format_spec(found.weight, weight=True)}
+        inputs: dict = {op.weight: format_spec(found.weight, weight=True, experts=True)}
         if found.activation is not None:
             inputs[op.routed] = format_spec(found.activation)
         op.node.meta[ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=inputs, output_qspec=None,

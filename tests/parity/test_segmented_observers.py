@@ -176,3 +176,32 @@ def test_one_observer_per_expert_gives_each_expert_its_own_histograms_qparams():
             continue
         ref_scale, ref_zero_point = reference.calculate_qparams()
         assert float(scale[expert]) == float(ref_scale) and int(zero_point[expert]) == int(ref_zero_point)
+
+
+def test_a_fresh_copy_of_an_observer_of_every_expert_has_seen_no_expert():
+    """A trial's observers start from fresh copies of the model's: every expert's range as before any row."""
+    from qcore.observe.observers import fresh_copy
+
+    ours = SegmentedMinMaxObserver(EXPERTS)
+    for rows, counts in _routed_batches(0, 2):
+        ours(rows, counts)
+    fresh = fresh_copy(ours)
+    assert fresh.min_val.shape == (EXPERTS,) and not fresh.observed.any()
+    assert ours.observed.any()  # the original as it was
+    rows, counts = _routed_batches(1, 1)[0]
+    fresh(rows, counts)
+    reference = SegmentedMinMaxObserver(EXPERTS)
+    reference(rows, counts)
+    assert torch.equal(fresh.min_val, reference.min_val) and torch.equal(fresh.max_val, reference.max_val)
+
+
+def test_a_fresh_copy_of_one_observer_per_expert_makes_each_anew():
+    from qcore.observe.observers import HistogramObserver, fresh_copy
+    from qcore.observe.segmented import segmented_observer
+
+    ours = segmented_observer(HistogramObserver, EXPERTS, dtype=torch.int8, quant_min=-128, quant_max=127)
+    for rows, counts in _routed_batches(0, 2, features=64):
+        ours(rows, counts)
+    fresh = fresh_copy(ours)
+    assert not fresh.observed.any() and ours.observed.any()
+    assert all(a is not b for a, b in zip(fresh.per_expert, ours.per_expert))
