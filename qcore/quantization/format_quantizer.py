@@ -22,8 +22,8 @@ from qcore.observe.observers import ObserverBase
 from qcore.quantization.quantizer import ANNOTATION_KEY, QuantizationAnnotation, QuantizationSpec, Quantizer
 
 __all__ = ["FORMAT_KINDS", "FORMAT_REFUSAL_KEY", "FormatFakeQuantize", "FormatObserver", "FormatQuantizer",
-           "fake_quantize_format", "fake_quantize_weight", "format_spec", "layer_shapes", "preset_refusal",
-           "rows_alone"]
+           "fake_quantize_format", "fake_quantize_weight", "follows_rows", "format_spec", "layer_shapes",
+           "preset_refusal"]
 
 FORMAT_REFUSAL_KEY = "qcore_format_refusal"  # on a layer's node: why its shapes cannot take its format
 # addmm(bias, x, W) is a linear whose weight W is stored [in, out] (transformers' Conv1D: GPT-2's layers)
@@ -44,10 +44,11 @@ def fake_quantize_weight(tensor_format: TensorFormat, weight: torch.Tensor, tran
                          experts: bool = False) -> torch.Tensor:
     """A weight quantized to its format and back, its blocks along the input dimension: the rows of an [out, in]
     weight, or the columns of one stored [in, out] (`transposed`); with `experts`, an [E, out, in] grouped
-    projection's weight by the [E x out, in] rows of its experts (a format whose scales follow the rows:
-    rows_alone)."""
-    if experts:
+    projection's weight, each expert's [out, in] as its Linear's."""
+    if experts and follows_rows(tensor_format, weight=True):  # one pass over every expert's rows
         return tensor_format.fake_quantize(weight.reshape(-1, weight.shape[-1]), weight=True).reshape(weight.shape)
+    if experts:  # a scale over each expert's whole weight, or blocks across its rows: expert by expert
+        return torch.stack([tensor_format.fake_quantize(expert, weight=True) for expert in weight.unbind(0)])
     if transposed:
         return tensor_format.fake_quantize(weight.t(), weight=True).t()
     return tensor_format.fake_quantize(weight, weight=True)
@@ -159,10 +160,11 @@ class FormatQuantizer(Quantizer):
 
 
     def _annotate_grouped(self, op: GroupedOp) -> None:
-        """A grouped projection in its experts' preset, each expert's rows and weight rows as its Linear's would be:
-        for a preset whose scales follow the rows (rows_alone). ValueError, naming the projection, for experts given
-        different presets, a preset with a scale over a whole tensor (FP8's, NVFP4's global one) or blocks across rows,
-        or shapes the preset refuses: left in float, the experts would pass for quantized."""
+        """A grouped projection in its experts' preset, each expert's weight and routed rows as its Linear's would
+        be: for a preset whose activation scales follow the rows (per token, per group of a row, or none).
+        ValueError, naming the projection, for experts given different presets, activations with a scale over a
+        whole tensor (FP8's, NVFP4's global one), or shapes the preset refuses: left in float, the experts would
+        pass for quantized."""
         chosen = {self.layer_preset(op.block, layer, op.item) for layer in op.layers}
         if chosen == {None}:
             return
@@ -171,10 +173,10 @@ class FormatQuantizer(Quantizer):
                              "take yet; capture the model with one layer per expert")
         found = chosen.pop()
         assert found is not None
-        if not rows_alone(found):
-            raise ValueError(f"{op.item}: {found.name}'s scales are not the rows' own (a scale over a whole tensor, "
-                             "or blocks across rows), which a grouped capture does not take per expert yet; capture "
-                             "the model with one layer per expert")
+        if found.activation is not None and not follows_rows(found.activation, weight=False):
+            raise ValueError(f"{op.item}: {found.name}'s activation scale is not the rows' own (a scale over a whole "
+                             "tensor), which a grouped capture does not take per expert yet; capture the model with "
+                             "one layer per expert")
         weight = op.weight.meta["val"]
         refusal = preset_refusal(found, tuple(weight.shape[1:]), [(-1, int(weight.shape[2]))])
         if refusal:
@@ -186,17 +188,13 @@ class FormatQuantizer(Quantizer):
                                                               allow_implicit_sharing=False, _annotated=True)
 
 
-def rows_alone(chosen: Preset) -> bool:
-    """Whether a preset's scales follow the rows of what it quantizes (per output row, per token, per group of a
-    row): an [E x out, in] stack of experts' weights, or the rows of every expert, then take each expert's values."""
-    def follows_rows(tensor_format: TensorFormat | None, weight: bool) -> bool:
-        if tensor_format is None:
-            return True
-        if FormatObserver(tensor_format).static:  # a scale over the whole tensor (FP8's, NVFP4's global one)
-            return False
-        return tensor_format.granularity in (("axis", "group") if weight else ("token", "group"))
-
-    return follows_rows(chosen.weight, True) and follows_rows(chosen.activation, False)
+def follows_rows(tensor_format: TensorFormat, weight: bool) -> bool:
+    """Whether a format's scales follow the rows of what it quantizes (per output row or group of a row of a
+    weight; per token or group of a row of an activation): the rows of every expert of a grouped projection, taken
+    together, then give each expert's values."""
+    if FormatObserver(tensor_format).static:  # a scale over the whole tensor (FP8's, NVFP4's global one)
+        return False
+    return tensor_format.granularity in (("axis", "group") if weight else ("token", "group"))
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:

@@ -226,10 +226,11 @@ def test_the_detectors_report_each_expert_of_a_grouped_capture_as_on_the_per_exp
     assert reports["grouped"]["expert_coverage"] == reports["per_expert"]["expert_coverage"]
 
 
-@pytest.mark.parametrize("preset", ["W4A16", "W8A8", "FP8_DYNAMIC", "MXFP4"])
-def test_a_format_whose_scales_follow_the_rows_quantizes_a_grouped_capture_as_the_per_expert_graph(preset):
-    """Weight scales per output row or per group of a row, activation scales per token or per group: each expert's
-    weight rows and routed rows quantized as its Linear's, the per-expert graph's values and records bit for bit."""
+@pytest.mark.parametrize("preset", ["W4A16", "W8A8", "FP8_DYNAMIC", "MXFP4", "FP8_BLOCK", "NVFP4A16"])
+def test_a_format_whose_activation_scales_follow_the_rows_quantizes_a_grouped_capture_as_the_per_expert_graph(preset):
+    """Activation scales per token or per group of a row (or none): each expert's routed rows and weight quantized as
+    its Linear's (a weight whose scales span it, NVFP4's global one or FP8's blocks, expert by expert), the
+    per-expert graph's values and records bit for bit."""
     from qcore.analysis import measure_sqnr
     from qcore.quantization.format_quantizer import FormatQuantizer
 
@@ -249,15 +250,15 @@ def test_a_format_whose_scales_follow_the_rows_quantizes_a_grouped_capture_as_th
 
 
 @pytest.mark.parametrize("preset", ["FP8", "NVFP4"])
-def test_a_format_with_a_scale_over_a_whole_tensor_refuses_a_grouped_capture(preset):
-    """FP8's per-tensor scales, NVFP4's global one: one per expert is not taken yet, and left in float the experts
-    would pass for quantized."""
+def test_a_format_with_an_activation_scale_over_a_whole_tensor_refuses_a_grouped_capture(preset):
+    """FP8's static per-tensor activation scale, NVFP4's global one: one per expert is not taken yet, and left in
+    float the experts would pass for quantized."""
     from qcore.quantization.format_quantizer import FormatQuantizer
 
     model, data = tiny_moe("qwen3_moe", layers=1, experts=4, batch=2, n=1)
     with experts_grouped():
         grouped = qcore.capture(model, data[0])
-    with pytest.raises(ValueError, match=f"model.layers.0.mlp.experts.gate_up_proj: {preset}'s scales"):
+    with pytest.raises(ValueError, match=f"model.layers.0.mlp.experts.gate_up_proj: {preset}'s activation scale"):
         prepare(clone_graph_module(grouped), FormatQuantizer(preset))
 
 
