@@ -39,7 +39,9 @@ from qcore.quantization.calibrate import calibrate
 from qcore.quantization.format_quantizer import (
     FormatFakeQuantize,
     FormatObserver,
+    PerExpertFormatObservers,
     fake_quantize_format,
+    fake_quantize_format_per_expert,
     fake_quantize_weight,
 )
 from qcore.quantization.prepare import prepare
@@ -92,6 +94,9 @@ def convert(prepared: fx.GraphModule, keep_float_weights: bool = True, recompile
             continue
         observer = prepared.get_submodule(str(node.target))
         source = node.args[0]
+        if isinstance(observer, PerExpertFormatObservers):  # each expert's rows with its own static scale
+            _convert_per_expert_format_node(prepared, node, source, observer)
+            continue
         if isinstance(observer, FormatObserver):
             _convert_format_node(prepared, node, source, observer, weight_cache, earlier)
             continue
@@ -166,6 +171,22 @@ def _convert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any, observe
             replacement = graph.call_function(fake_quantize_format, (source, graph.get_attr(name)))
     replacement.meta.update({k: v for k, v in node.meta.items() if k.startswith("qcore_") or k == "val"})
     replacement.meta[QPARAMS_KEY] = meta
+    replacement.meta[INSERTED_KEY] = "qdq"
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
+
+
+def _convert_per_expert_format_node(gm: fx.GraphModule, node: fx.Node, source: Any,
+                                    observer: PerExpertFormatObservers) -> None:
+    """A grouped projection's per-expert format observers' node as one call quantizing each expert's rows with the
+    amax its observer saw (fake_quantize_format_per_expert)."""
+    graph = gm.graph
+    name = _free_name(gm, f"qcore_format_{node.name}")
+    gm.add_submodule(name, observer.fake_quantizers())
+    with graph.inserting_before(node):
+        replacement = graph.call_function(fake_quantize_format_per_expert, (source, node.args[1], graph.get_attr(name)))
+    replacement.meta.update({k: v for k, v in node.meta.items() if k.startswith("qcore_") or k == "val"})
+    replacement.meta[QPARAMS_KEY] = {"format": repr(observer.format), "dynamic": observer.format.dynamic}
     replacement.meta[INSERTED_KEY] = "qdq"
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)

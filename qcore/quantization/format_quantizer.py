@@ -22,8 +22,8 @@ from qcore.observe.observers import ObserverBase
 from qcore.quantization.quantizer import ANNOTATION_KEY, QuantizationAnnotation, QuantizationSpec, Quantizer
 
 __all__ = ["FORMAT_KINDS", "FORMAT_REFUSAL_KEY", "FormatFakeQuantize", "FormatObserver", "FormatQuantizer",
-           "fake_quantize_format", "fake_quantize_weight", "follows_rows", "format_spec", "layer_shapes",
-           "preset_refusal"]
+           "PerExpertFormatObservers", "fake_quantize_format", "fake_quantize_format_per_expert",
+           "fake_quantize_weight", "follows_rows", "format_spec", "layer_shapes", "preset_refusal"]
 
 FORMAT_REFUSAL_KEY = "qcore_format_refusal"  # on a layer's node: why its shapes cannot take its format
 # addmm(bias, x, W) is a linear whose weight W is stored [in, out] (transformers' Conv1D: GPT-2's layers)
@@ -105,6 +105,38 @@ def fake_quantize_format(x: torch.Tensor, quantize: FormatFakeQuantize) -> torch
     return quantize(x)
 
 
+class PerExpertFormatObservers(ObserverBase):
+    """The input observers of a grouped projection's experts in a format with a static activation scale (FP8's per
+    tensor, NVFP4's global one): one FormatObserver per expert, each called on its expert's rows alone, as the
+    per-expert graph observes each expert's input. It reads the counts to the host once a batch."""
+
+    def __init__(self, tensor_format: TensorFormat, experts: int) -> None:
+        super().__init__(is_dynamic=True)  # no qparams for convert to read: each expert's amax, as its format's
+        self.format = tensor_format
+        self.per_expert = nn.ModuleList([FormatObserver(tensor_format) for _ in range(experts)])
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Give each expert's observer its run of `x`'s rows (`counts` rows each); returns x."""
+        for observer, run in zip(self.per_expert, x.split(counts.tolist()), strict=True):
+            if run.numel():
+                observer(run)
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A format's scales are not one scale and zero point: see FormatFakeQuantize."""
+        raise RuntimeError("a deployed format has no single (scale, zero_point); FormatFakeQuantize applies it")
+
+    def fake_quantizers(self) -> nn.ModuleList:
+        """Each expert's FormatFakeQuantize, with the amax its observer saw (None where no batch reached it)."""
+        return nn.ModuleList([FormatFakeQuantize(observer.format, observer.amax) for observer in self.per_expert])
+
+
+def fake_quantize_format_per_expert(x: torch.Tensor, counts: torch.Tensor, quantizers: nn.ModuleList) -> torch.Tensor:
+    """Each expert's run of `x`'s rows quantized to its format with its expert's own static scale."""
+    runs = x.split(counts.tolist())
+    return torch.cat([quantize(run) for quantize, run in zip(quantizers, runs, strict=True)])
+
+
 class FormatQuantizer(Quantizer):
     """Annotates linear, conv and addmm layers with a preset's formats.
 
@@ -161,10 +193,9 @@ class FormatQuantizer(Quantizer):
 
     def _annotate_grouped(self, op: GroupedOp) -> None:
         """A grouped projection in its experts' preset, each expert's weight and routed rows as its Linear's would
-        be: for a preset whose activation scales follow the rows (per token, per group of a row, or none).
-        ValueError, naming the projection, for experts given different presets, activations with a scale over a
-        whole tensor (FP8's, NVFP4's global one), or shapes the preset refuses: left in float, the experts would
-        pass for quantized."""
+        be (an activation scale over a whole tensor, FP8's or NVFP4's global one, observed and applied expert by
+        expert). ValueError, naming the projection, for experts given different presets or shapes the preset
+        refuses: left in float, the experts would pass for quantized."""
         chosen = {self.layer_preset(op.block, layer, op.item) for layer in op.layers}
         if chosen == {None}:
             return
@@ -173,17 +204,17 @@ class FormatQuantizer(Quantizer):
                              "take yet; capture the model with one layer per expert")
         found = chosen.pop()
         assert found is not None
-        if found.activation is not None and not follows_rows(found.activation, weight=False):
-            raise ValueError(f"{op.item}: {found.name}'s activation scale is not the rows' own (a scale over a whole "
-                             "tensor), which a grouped capture does not take per expert yet; capture the model with "
-                             "one layer per expert")
         weight = op.weight.meta["val"]
         refusal = preset_refusal(found, tuple(weight.shape[1:]), [(-1, int(weight.shape[2]))])
         if refusal:
             raise ValueError(f"{op.item}: {found.name}: {refusal}")
         inputs: dict = {op.weight: format_spec(found.weight, weight=True, experts=True)}
-        if found.activation is not None:
-            inputs[op.routed] = format_spec(found.activation)
+        if found.activation is not None and follows_rows(found.activation, weight=False):
+            inputs[op.routed] = format_spec(found.activation)  # every expert's rows at once give each its own
+        elif found.activation is not None:  # a scale over each expert's whole input: one observer per expert
+            inputs[op.routed] = QuantizationSpec(
+                torch.int8, functools.partial(PerExpertFormatObservers, experts=op.experts),
+                is_dynamic=found.activation.dynamic, format=found.activation, experts=op.counts)
         op.node.meta[ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=inputs, output_qspec=None,
                                                               allow_implicit_sharing=False, _annotated=True)
 

@@ -226,11 +226,12 @@ def test_the_detectors_report_each_expert_of_a_grouped_capture_as_on_the_per_exp
     assert reports["grouped"]["expert_coverage"] == reports["per_expert"]["expert_coverage"]
 
 
-@pytest.mark.parametrize("preset", ["W4A16", "W8A8", "FP8_DYNAMIC", "MXFP4", "FP8_BLOCK", "NVFP4A16"])
-def test_a_format_whose_activation_scales_follow_the_rows_quantizes_a_grouped_capture_as_the_per_expert_graph(preset):
-    """Activation scales per token or per group of a row (or none): each expert's routed rows and weight quantized as
-    its Linear's (a weight whose scales span it, NVFP4's global one or FP8's blocks, expert by expert), the
-    per-expert graph's values and records bit for bit."""
+@pytest.mark.parametrize("preset", ["W4A16", "W8A8", "FP8_DYNAMIC", "MXFP4", "FP8_BLOCK", "NVFP4A16", "FP8", "NVFP4"])
+def test_a_format_quantizes_a_grouped_capture_as_the_per_expert_graph(preset):
+    """Each expert's routed rows and weight quantized as its Linear's: scales that follow the rows over every
+    expert's rows at once; a weight's scales that span it (FP8's blocks, NVFP4's global one) expert by expert; an
+    activation's static scale over a whole tensor (FP8's, NVFP4's global one) observed and applied expert by expert.
+    The per-expert graph's values and records bit for bit."""
     from qcore.analysis import measure_sqnr
     from qcore.quantization.format_quantizer import FormatQuantizer
 
@@ -249,17 +250,17 @@ def test_a_format_whose_activation_scales_follow_the_rows_quantizes_a_grouped_ca
     assert math.isfinite(a.layers["model.layers.1.mlp.experts.2.down_proj"].weight_sqnr_db)  # quantized
 
 
-@pytest.mark.parametrize("preset", ["FP8", "NVFP4"])
-def test_a_format_with_an_activation_scale_over_a_whole_tensor_refuses_a_grouped_capture(preset):
-    """FP8's static per-tensor activation scale, NVFP4's global one: one per expert is not taken yet, and left in
-    float the experts would pass for quantized."""
+def test_a_format_given_experts_of_one_projection_differently_refuses_a_grouped_capture():
+    """Experts of one projection in different presets: not taken yet, and left in float they would pass for
+    quantized."""
     from qcore.quantization.format_quantizer import FormatQuantizer
 
     model, data = tiny_moe("qwen3_moe", layers=1, experts=4, batch=2, n=1)
     with experts_grouped():
         grouped = qcore.capture(model, data[0])
-    with pytest.raises(ValueError, match=f"model.layers.0.mlp.experts.gate_up_proj: {preset}'s activation scale"):
-        prepare(clone_graph_module(grouped), FormatQuantizer(preset))
+    quantizer = FormatQuantizer("W4A16", layer_overrides={"model.layers.0.mlp.experts.1.down_proj": {"format": "W8A8"}})
+    with pytest.raises(ValueError, match="model.layers.0.mlp.experts.down_proj: its experts are given different"):
+        prepare(clone_graph_module(grouped), quantizer)
 
 
 @pytest.mark.parametrize("skipped", [
