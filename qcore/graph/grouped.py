@@ -87,6 +87,11 @@ class GroupedOp:
         return f"{self.block}.{self.fused}"
 
     @property
+    def layer(self) -> str:
+        """The projection's own name, the common path of its experts' layers (`block.down_proj`)."""
+        return f"{self.block}.{self.name}"
+
+    @property
     def layers(self) -> tuple[str, ...]:
         """Each expert's layer name, as the per-expert capture names it (`block.3.down_proj`)."""
         return tuple(f"{self.block}.{expert}.{self.name}" for expert in range(self.experts))

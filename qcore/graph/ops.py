@@ -236,14 +236,15 @@ def expert_views(gm: fx.GraphModule) -> list[QuantizableOp]:
     """Each expert of each grouped projection as the Linear layer it stands for (kind "linear", its layer name as
     the per-expert graph's, `expert` its index), in graph order: for the passes that look at experts one by one
     (ModelReport's detectors) on a grouped capture."""
+    from qcore.graph.grouped import find_grouped_ops
+
     views: list[QuantizableOp] = []
-    for op in find_quantizable_ops(gm, grouped=True):
-        if op.kind != "grouped_linear":
-            continue
-        views.extend(QuantizableOp(node=op.node, kind="linear", fqn=layer, layer=layer, handle=op.handle,
-                                   activation_inputs=list(op.activation_inputs), weight=op.weight, bias=op.bias,
-                                   output=op.node, item=op.item, expert=expert)
-                     for expert, layer in enumerate(op.expert_layers))
+    for op in find_grouped_ops(gm):  # one walk over the nodes: a graph without grouped ops costs no more
+        views.extend(QuantizableOp(node=op.node, kind="linear", fqn=layer, layer=layer,
+                                   handle=op.node.meta.get(HANDLE_KEY, -1),
+                                   activation_inputs=[original_input(op.routed)], weight=original_input(op.weight),
+                                   bias=op.bias, output=op.node, item=op.item, expert=expert)
+                     for expert, layer in enumerate(op.layers))
     return views
 
 
@@ -262,7 +263,7 @@ def find_quantizable_ops(gm: fx.GraphModule, grouped: bool = False) -> list[Quan
         group = groups.get(node)
         if group is not None:
             found.append(QuantizableOp(
-                node=node, kind="grouped_linear", fqn=group.block, layer=f"{group.block}.{group.name}",
+                node=node, kind="grouped_linear", fqn=group.block, layer=group.layer,
                 handle=node.meta.get(HANDLE_KEY, -1), activation_inputs=[original_input(group.routed)],
                 weight=original_input(group.weight), bias=group.bias, output=node, item=group.item,
                 expert_layers=group.layers))

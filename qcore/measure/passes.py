@@ -22,6 +22,7 @@ from torch import fx
 
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.experts import Router, expert_layers, routers
+from qcore.graph.grouped import find_grouped_ops
 from qcore.graph.ops import QUANTIZED_WHERE_READ_KEY, find_quantizable_ops, weight_value
 from qcore.measure.diagnose import ResolutionLimit, first_non_finite, outputs_agree, resolution_limits
 from qcore.measure.probes import ChannelStatisticsProbe, DetectorProbe, Probe
@@ -372,8 +373,7 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
         if shadowed_layers is not None:
             shadowed_layers = set(shadowed_layers) | routed
     # a grouped capture's projections: measured on the float model's tokens too, a shadow record per expert
-    grouped = [op for op in find_quantizable_ops(float_gm, grouped=True) if op.kind == "grouped_linear"
-               and (layers is None or op.layer in layers)]
+    grouped = [op for op in find_grouped_ops(float_gm) if layers is None or op.layer in layers]
     if grouped and shadowed_layers is not None:
         shadowed_layers = set(shadowed_layers) | {op.layer for op in grouped}
     here = [v for v in variants if v.layer in own_layers]
@@ -409,7 +409,7 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
     if routed and propagate:
         records = [*records, *(shadows[layer] for layer in sorted(routed & shadows.keys()))]
     if grouped and propagate:
-        records = [*records, *(shadows[layer] for op in grouped for layer in op.expert_layers if layer in shadows)]
+        records = [*records, *(shadows[layer] for op in grouped for layer in op.layers if layer in shadows)]
     return sqnr_measurement(records, shadows, weights, limits), baselines
 
 
