@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel
 from qcore.runtime import deferred
 
 __all__ = ["ExpertsObserver", "PerExpertObservers", "SegmentedMinMaxObserver", "SegmentedMovingAverageMinMaxObserver",
-           "SegmentedPerChannelMinMaxObserver", "SegmentedRangeObserver", "fake_quantize_per_expert",
+           "SegmentedPerChannelMinMaxObserver", "SegmentedRangeObserver", "fake_quantize_per_expert", "observe_runs",
            "segmented_observer", "with_float_experts"]
 
 
@@ -212,6 +212,16 @@ class SegmentedPerChannelMinMaxObserver(SegmentedRangeObserver):
                                          self.quant_max).reshape(value.shape)
 
 
+def observe_runs(observers: Mapping[int, Callable[[torch.Tensor], Any]], x: torch.Tensor,
+                 counts: torch.Tensor) -> None:
+    """Call each expert's observer ({expert: observer}) on its run of `x`'s rows (`counts` rows each, read to the
+    host once), none on an empty run: an expert a batch routed no token to is left as an uncalled observer is."""
+    runs = x.split(counts.tolist())
+    for expert, observer in observers.items():
+        if runs[expert].numel():
+            observer(runs[expert])
+
+
 def fake_quantize_per_expert(x: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                              quant_min: int, quant_max: int, kept_float: torch.Tensor | None = None,
                              dynamic: torch.Tensor | None = None, symmetric: bool = False) -> torch.Tensor:
@@ -271,9 +281,7 @@ class PerExpertObservers(ExpertsObserver):
         self._check_counts(x, counts)
         if self.frozen or x.numel() == 0:
             return x
-        for observer, run in zip(self.per_expert, x.split(counts.tolist()), strict=True):
-            if run.numel():  # an expert this batch routed no token to: left as an uncalled observer is
-                observer(run)
+        observe_runs(dict(enumerate(self.per_expert)), x, counts)
         return x
 
     @property

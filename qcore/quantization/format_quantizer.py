@@ -19,6 +19,7 @@ from qcore.formats.presets import Preset, TensorFormat, preset
 from qcore.graph.grouped import GroupedOp, find_grouped_ops
 from qcore.graph.ops import find_quantizable_ops, layer_patterns
 from qcore.observe.observers import ObserverBase
+from qcore.observe.segmented import observe_runs
 from qcore.quantization.quantizer import ANNOTATION_KEY, QuantizationAnnotation, QuantizationSpec, Quantizer
 
 __all__ = ["FORMAT_KINDS", "FORMAT_REFUSAL_KEY", "FormatFakeQuantize", "FormatObserver", "FormatQuantizer",
@@ -117,9 +118,7 @@ class PerExpertFormatObservers(ObserverBase):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Give each expert's observer its run of `x`'s rows (`counts` rows each); returns x."""
-        for observer, run in zip(self.per_expert, x.split(counts.tolist()), strict=True):
-            if run.numel():
-                observer(run)
+        observe_runs(dict(enumerate(self.per_expert)), x, counts)
         return x
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:

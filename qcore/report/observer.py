@@ -25,6 +25,7 @@ import weakref
 import torch
 from torch import nn
 
+from qcore.observe.segmented import observe_runs
 from qcore.runtime import deferred, native
 from qcore.runtime.native import launch_bound
 
@@ -530,9 +531,5 @@ class ExpertsReportObservers(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Give each expert's observer its run of `x`'s rows (`counts` rows each); returns x."""
-        runs = x.split(counts.tolist())
-        for expert, observer in self.by_expert.items():
-            run = runs[int(expert)]
-            if run.numel():  # an expert this batch routed no token to: left as an uncalled observer is
-                observer(run)
+        observe_runs({int(expert): observer for expert, observer in self.by_expert.items()}, x, counts)
         return x
