@@ -247,13 +247,16 @@ def expert_projections(module: nn.Module, expert: int, whole_gate_up: bool = Fal
     return holder
 
 
-def _expert_projection(self: nn.Module, expert: int, inputs: torch.Tensor) -> torch.Tensor:
-    """Expert `expert`'s projections of `inputs` through its Linear modules, as transformers' experts compute them."""
-    linears = getattr(self, str(expert))
-    if self.has_gate and "gate_up_proj" in linears._modules:  # gate and up as one projection (expert_projections)
-        hidden = self._apply_gate(linears.gate_up_proj(inputs))
+def _expert_computation(self: nn.Module, inputs: torch.Tensor,
+                        project: Callable[[str, torch.Tensor], torch.Tensor], whole_gate_up: bool = False
+                        ) -> torch.Tensor:
+    """The experts' computation of `inputs` as transformers' experts compute it, each projection by
+    `project(name, x)` (one expert's Linear, or every expert's grouped projection); `whole_gate_up`: the gate and
+    up halves as one projection (expert_projections)."""
+    if self.has_gate and whole_gate_up:
+        hidden = self._apply_gate(project("gate_up_proj", inputs))
     elif self.has_gate:
-        gate, up = linears.gate_proj(inputs), linears.up_proj(inputs)
+        gate, up = project("gate_proj", inputs), project("up_proj", inputs)
         if getattr(type(self)._apply_gate, "__name__", "") == "_default_apply_gate":
             hidden = self.act_fn(gate) * up  # as the Linear layers it stands for: no cat to share a range
         elif getattr(self, "is_concatenated", True):
@@ -261,11 +264,33 @@ def _expert_projection(self: nn.Module, expert: int, inputs: torch.Tensor) -> to
         else:
             hidden = self._apply_gate(torch.stack([gate, up], dim=-1).flatten(-2))
     else:
-        hidden = self.act_fn(linears.up_proj(inputs))
-    projected = linears.down_proj(hidden)
+        hidden = self.act_fn(project("up_proj", inputs))
+    projected = project("down_proj", hidden)
     if getattr(self, "has_post_expert_norm", False):
         projected = self.post_expert_norm(projected)
     return projected
+
+
+def _expert_projection(self: nn.Module, expert: int, inputs: torch.Tensor) -> torch.Tensor:
+    """Expert `expert`'s projections of `inputs` through its Linear modules, as transformers' experts compute them."""
+    linears = getattr(self, str(expert))
+    return _expert_computation(self, inputs, lambda name, x: getattr(linears, name)(x),
+                               whole_gate_up="gate_up_proj" in linears._modules)
+
+
+def _routed(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each token's row of the routed tokens sorted by expert, those tokens, their routing weights, the tokens
+    routed to each expert): each expert's tokens a run, in token order."""
+    count = int(self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0])
+    chosen = top_k_index.reshape(-1)
+    order = chosen.argsort(stable=True)  # by expert, each expert's tokens in token order
+    token_of = order // top_k_index.shape[-1]
+    routed_inputs = hidden_states.index_select(0, token_of)
+    routed_weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    # a static-sized count (bincount's size depends on the largest index)
+    counts = torch.zeros(count, dtype=torch.long, device=chosen.device).index_add_(0, chosen, torch.ones_like(chosen))
+    return token_of, routed_inputs, routed_weights, counts
 
 
 def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -275,14 +300,7 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
     each expert takes its run of them, in token order: one host read of the counts per block, not one per expert.
     While a capture traces it with templates (traced_with_templates), expert 0's projections of every routed token
     stand for all the experts' (expand_expert_templates makes each expert's from them after the trace)."""
-    count = int(self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0])
-    chosen = top_k_index.reshape(-1)
-    order = chosen.argsort(stable=True)  # by expert, each expert's tokens in token order
-    token_of = order // top_k_index.shape[-1]
-    routed_inputs = hidden_states.index_select(0, token_of)
-    routed_weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    # a static-sized count (bincount's size depends on the largest index), read once
-    counts = torch.zeros(count, dtype=torch.long, device=chosen.device).index_add_(0, chosen, torch.ones_like(chosen))
+    token_of, routed_inputs, routed_weights, counts = _routed(self, hidden_states, top_k_index, top_k_weights)
     if _TEMPLATES.get():
         template = _expert_projection(self, 0, routed_inputs)
         weighted = torch.ops.qcore.routed_experts_stand_in(routed_inputs, routed_weights, counts, template)
@@ -328,33 +346,13 @@ def _grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     """transformers' experts computation with each projection of every expert as one grouped_linear over the routed
     tokens sorted by expert (the experts interface's signature): the values of _experts_forward, expert by expert,
     in a graph of a few ops per block whatever its expert count. Reads the views grouped_experts gives the module."""
-    count = int(self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0])
-    chosen = top_k_index.reshape(-1)
-    # the counts first: an observer of the routed tokens reads them where it observes
-    counts = torch.zeros(count, dtype=torch.long, device=chosen.device).index_add_(0, chosen, torch.ones_like(chosen))
-    order = chosen.argsort(stable=True)
-    token_of = order // top_k_index.shape[-1]
-    routed_inputs = hidden_states.index_select(0, token_of)
-    routed_weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    token_of, routed_inputs, routed_weights, counts = _routed(self, hidden_states, top_k_index, top_k_weights)
 
     def projection(name: str, inputs: torch.Tensor) -> torch.Tensor:
         return grouped_linear(inputs, counts, getattr(self, GROUPED_PREFIX + name),
                               getattr(self, f"{GROUPED_PREFIX}{name}_bias", None))
 
-    if self.has_gate:
-        gate, up = projection("gate_proj", routed_inputs), projection("up_proj", routed_inputs)
-        if getattr(type(self)._apply_gate, "__name__", "") == "_default_apply_gate":
-            hidden = self.act_fn(gate) * up
-        elif getattr(self, "is_concatenated", True):
-            hidden = self._apply_gate(torch.cat([gate, up], dim=-1))
-        else:
-            hidden = self._apply_gate(torch.stack([gate, up], dim=-1).flatten(-2))
-    else:
-        hidden = self.act_fn(projection("up_proj", routed_inputs))
-    projected = projection("down_proj", hidden)
-    if getattr(self, "has_post_expert_norm", False):
-        projected = self.post_expert_norm(projected)
-    weighted = projected * routed_weights
+    weighted = _expert_computation(self, routed_inputs, projection) * routed_weights
     return torch.zeros_like(hidden_states).index_add(0, token_of, weighted.to(hidden_states.dtype))
 
 
