@@ -35,7 +35,7 @@ from qcore.graph.capture import capture, clone_graph_module, graph_view
 from qcore.graph.deferred import deferred_parameters, materialized, read_rewritten_where_used
 from qcore.graph.experts import ExpertLayer, MoeBlock, Router, compact_expert_layers, expert_layers, moe_blocks, routers
 from qcore.graph.inputs import call_model, move_to
-from qcore.graph.ops import find_quantizable_ops, last_layers, matches_layer
+from qcore.graph.ops import QuantizableOp, find_quantizable_ops, last_layers, matches_layer
 from qcore.graph.rewritable import equalization_refusal
 from qcore.measure.blockwise import BlockwiseError, split_into_blocks
 from qcore.measure.diagnose import (
@@ -116,7 +116,10 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
     (quantizer or Int8StaticQuantizer()).annotate(annotated)
     layers = []
     layer_preset = getattr(quantizer, "layer_preset", None)
-    for op in find_quantizable_ops(annotated):
+    for op in find_quantizable_ops(annotated, grouped=True):
+        if op.kind == "grouped_linear":
+            layers.extend(_grouped_quantized_layers(op, layer_preset))
+            continue
         annotation = op.node.meta.get(ANNOTATION_KEY)
         specs = annotation.input_qspec_map if annotation is not None else {}
         format_refusal = str(op.node.meta.get(FORMAT_REFUSAL_KEY, ""))
@@ -140,6 +143,38 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
             clipping=bool(getattr(activation, "clips_outliers", False)),
             equalizable=candidate and not refusal, equalization_refusal=refusal if candidate else "",
             format=chosen.name if chosen is not None else "int8"))
+    return layers
+
+
+def _grouped_quantized_layers(op: QuantizableOp, layer_preset: Any) -> list[QuantizedLayer]:
+    """Each expert of an annotated grouped projection as the QuantizedLayer its Linear is on the per-expert graph:
+    the experts its specs leave in float are left out, those made dynamic say so."""
+    annotation = op.node.meta.get(ANNOTATION_KEY)
+    specs = annotation.input_qspec_map if annotation is not None else {}
+    format_refusal = str(op.node.meta.get(FORMAT_REFUSAL_KEY, ""))
+    weight = specs.get(op.weight) if op.weight is not None else None
+    activation = next((specs[a] for a in op.activation_inputs if a in specs), None)
+    if not format_refusal and weight is None and activation is None:
+        return []
+    kept_float = set(getattr(weight if weight is not None else activation, "float_experts", ()))
+    dynamic = set(getattr(activation, "dynamic_experts", ()))
+    observers = getattr(getattr(activation, "observer_or_fake_quant_ctr", None), "classes", None)
+    layers = []
+    for expert, layer in enumerate(op.expert_layers):
+        if format_refusal:  # listed, so that its items can say why it is not quantized
+            layers.append(QuantizedLayer(layer=layer, fqn=layer, op="linear", weighted=True, per_channel=False,
+                                         dynamic=False, clipping=False, equalizable=False,
+                                         format=format_refusal.split(":")[0], format_refusal=format_refusal))
+            continue
+        if expert in kept_float:
+            continue
+        chosen = layer_preset(layer, layer, op.item) if layer_preset is not None else None
+        clipping = bool(getattr(observers[expert], "clips_outliers", False)) if observers is not None else \
+            bool(getattr(activation, "clips_outliers", False))
+        layers.append(QuantizedLayer(
+            layer=layer, fqn=layer, op="linear", weighted=weight is not None,
+            per_channel=bool(getattr(weight, "per_channel", False)), dynamic=expert in dynamic, clipping=clipping,
+            equalizable=chosen is None, format=chosen.name if chosen is not None else "int8"))
     return layers
 
 

@@ -15,8 +15,11 @@ from torch import fx, nn
 from qcore.graph.experts import (
     EXPERTS_KEY,
     expand_expert_templates,
+    fused_expert_layers,
+    fused_experts_modules,
     grouped_experts,
     linearized_experts,
+    module_list_record,
     templates_only,
     traced_with_templates,
 )
@@ -125,7 +128,8 @@ _EXPERTS_GROUPED: contextvars.ContextVar[bool] = contextvars.ContextVar("qcore_e
 def experts_grouped(enabled: bool = True) -> Iterator[None]:
     """Within the block, a capture computes each projection of every expert of a fused experts block as one
     grouped_linear node (qcore.graph.experts.grouped_experts), not one Linear per expert: the form a graph measuring
-    a projection's experts as one op is captured in. Not yet taken by the analysis's passes."""
+    a projection's experts as one op is captured in. The analysis takes it but for the equalization variants and
+    rewrites and the float_layers search, which measure no expert of it yet: it is not the default."""
     token = _EXPERTS_GROUPED.set(enabled)
     try:
         yield
@@ -135,19 +139,27 @@ def experts_grouped(enabled: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _experts_held(model: nn.Module, grouped: bool) -> Iterator[dict[str, Any]]:
-    """linearized_experts(model), or with `grouped` grouped_experts(model) with its blocks as the record's."""
+    """linearized_experts(model), or with `grouped` grouped_experts(model): the record names each expert's layers as
+    the per-expert capture does (the experts held as modules too), its blocks the grouped ones."""
     if not grouped:
-        with linearized_experts(model) as record:
-            yield record
+        with linearized_experts(model) as linearized:
+            yield linearized
         return
+    record: dict[str, Any] = {"layers": {}, "blocks": {}}
+    module_list_record(model, record)  # experts held as modules stay layers of their own
     with grouped_experts(model) as blocks:
-        yield {"layers": {}, "blocks": dict(blocks), "grouped": bool(blocks)}
+        modules = fused_experts_modules(model)
+        for path, block in blocks.items():
+            record["layers"].update(fused_expert_layers(path, modules[path]))
+            record["blocks"][path] = block
+        record["grouped"] = bool(blocks)
+        yield record
 
 
 def _drop_unread_fused_parameters(gm: fx.GraphModule, blocks: Mapping[str, Any]) -> None:
     """Erase the reads of the fused parameters that a grouped capture computes through views of, and generate the
     code: export reads every parameter of a module, used or not, on every run of the graph and of its copies."""
-    prefixes = tuple(f"{path}." for path in blocks)
+    prefixes = tuple(f"{path}." for path, block in blocks.items() if block.fused)
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users and str(node.target).startswith(prefixes):
             gm.graph.erase_node(node)

@@ -30,8 +30,9 @@ from qcore.graph.ops import EXPERTS_KEY
 
 __all__ = ["EXPERTS_KEY", "PER_EXPERT_QUANTIZERS", "ExpertLayer", "ExpertProjection", "MoeBlock",
            "QuantizedExpertProjection", "Router", "compact_expert_layers", "expand_expert_templates", "expert_counts",
-           "expert_layers", "expert_linears", "expert_projections", "fused_experts_modules", "grouped_experts",
-           "grouped_projection_views", "held_expert_layers", "linearized_experts", "module_list_experts", "moe_blocks",
+           "expert_layers", "expert_linears", "expert_projections", "fused_expert_layers", "fused_experts_modules",
+           "grouped_experts", "grouped_projection_views", "held_expert_layers", "linearized_experts",
+           "module_list_experts", "module_list_record", "moe_blocks",
            "quantized_per_expert", "routers", "templates_only", "traced_with_templates", "with_experts_held"]
 
 _IMPLEMENTATION = "qcore_linear_experts"
@@ -89,12 +90,12 @@ def held_expert_layers(model: nn.Module, is_layer: Callable[[str, nn.Module], bo
     """{layer: ExpertLayer} of the layers of the experts `model` holds as modules (module_list_experts): its Linear
     modules, or those `is_layer(name, module)` accepts (a tool's quantized layers)."""
     record: dict[str, Any] = {"layers": {}, "blocks": {}}
-    _module_list_record(model, record, is_layer)
+    module_list_record(model, record, is_layer)
     return record["layers"]
 
 
-def _module_list_record(model: nn.Module, record: dict[str, Any],
-                        is_layer: Callable[[str, nn.Module], bool] | None = None) -> None:
+def module_list_record(model: nn.Module, record: dict[str, Any],
+                       is_layer: Callable[[str, nn.Module], bool] | None = None) -> None:
     """Adds each module-held expert's layers to `record`, named by their common path within the experts
     (`mlp.experts.down_proj` for `mlp.experts.3.down_proj`)."""
     accepts = is_layer or (lambda name, module: isinstance(module, nn.Linear))
@@ -593,7 +594,7 @@ def linearized_experts(model: nn.Module) -> Iterator[dict[str, Any]]:
     (module_list_experts) included. The model is restored on exit."""
     modules = fused_experts_modules(model)
     record: dict[str, Any] = {"layers": {}, "blocks": {}}
-    _module_list_record(model, record)
+    module_list_record(model, record)
     if not modules:
         yield record
         return
@@ -601,17 +602,23 @@ def linearized_experts(model: nn.Module) -> Iterator[dict[str, Any]]:
         for path, module in modules.items():
             _register_implementation(module)
             count = int(getattr(module, "num_experts", module.down_proj.shape[0]))
-            fused_names = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj" if module.has_gate else "up_proj",
-                           "down_proj": "down_proj"}
             for expert in range(count):
-                linears = expert_linears(module, expert)
-                module.add_module(str(expert), linears)
+                module.add_module(str(expert), expert_linears(module, expert))
                 added.append((module, str(expert)))
-                for name, _ in linears.named_children():
-                    record["layers"][f"{path}.{expert}.{name}"] = ExpertLayer(path, f"{path}.{fused_names[name]}",
-                                                                              expert)
+            record["layers"].update(fused_expert_layers(path, module))
             record["blocks"][path] = MoeBlock(path, count, True, "gate_proj" if module.has_gate else "up_proj")
         yield record
+
+
+def fused_expert_layers(path: str, module: nn.Module) -> dict[str, ExpertLayer]:
+    """{layer: ExpertLayer} of a fused experts module's projections, each expert's named as the per-expert capture
+    names its Linear (`path.3.down_proj`), its items by the fused parameter it reads (`path.gate_up_proj`)."""
+    names = ("gate_proj", "up_proj", "down_proj") if module.has_gate else ("up_proj", "down_proj")
+    fused = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj" if module.has_gate else "up_proj",
+             "down_proj": "down_proj"}
+    count = int(getattr(module, "num_experts", module.down_proj.shape[0]))
+    return {f"{path}.{expert}.{name}": ExpertLayer(path, f"{path}.{fused[name]}", expert)
+            for expert in range(count) for name in names}
 
 
 def with_experts_held(model: nn.Module, paths: Iterable[str], whole_gate_up: bool = False) -> nn.Module:

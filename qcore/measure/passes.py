@@ -199,8 +199,9 @@ def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Q
         calibration_inputs = KeptLayerInputs(budget=kept_budget) if calibration_outputs is not None else None
         if calibration_inputs is not None:
             focus = set(layers or ())
-            calibration_inputs.watch(probed.prepared, [op for op in find_quantizable_ops(float_gm)
-                                                       if op.layer in focus], outputs=True)
+            calibration_inputs.watch(probed.prepared, [
+                op for op in find_quantizable_ops(float_gm, grouped=True)
+                if op.layer in focus or not focus.isdisjoint(op.expert_layers)], outputs=True)
         probed.prepared.recompile()
 
         def read_and_unwatch() -> None:
@@ -373,7 +374,8 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
         if shadowed_layers is not None:
             shadowed_layers = set(shadowed_layers) | routed
     # a grouped capture's projections: measured on the float model's tokens too, a shadow record per expert
-    grouped = [op for op in find_grouped_ops(float_gm) if layers is None or op.layer in layers]
+    grouped = [op for op in find_grouped_ops(float_gm)
+               if layers is None or op.layer in layers or any(layer in layers for layer in op.layers)]
     if grouped and shadowed_layers is not None:
         shadowed_layers = set(shadowed_layers) | {op.layer for op in grouped}
     here = [v for v in variants if v.layer in own_layers]
@@ -456,7 +458,8 @@ def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, layers: Col
     found: dict[str, float] = {}
     on_device: list[tuple[LayerPair, torch.Tensor]] = []
     for pair in match_layers(float_gm, quant_gm):
-        if pair.a.weight is None or pair.b.weight is None or (layers is not None and pair.layer not in layers):
+        wanted = layers is None or pair.layer in layers or any(layer in layers for layer in pair.a.expert_layers)
+        if pair.a.weight is None or pair.b.weight is None or not wanted:
             continue
         original = weight_value(float_gm, pair.a.weight).detach()
         if pair.a.kind == "grouped_linear":  # [E, out, in]: each expert's weight against its quantized copy

@@ -21,7 +21,7 @@ from qcore.graph.capture import clone_graph_module, graph_view
 from qcore.graph.ops import INSERTED_KEY, find_quantizable_ops, observation_point, original_input
 from qcore.measure.probes import Probe
 from qcore.numeric.instrument import QPARAMS_DIGEST_KEY, qparams_digest
-from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept, watched_values
+from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept, observer_calls
 from qcore.quantization.convert import QPARAMS_KEY, convert, restore_model_state
 from qcore.quantization.prepare import prepare
 from qcore.quantization.quantizer import Quantizer, with_layer_overrides
@@ -187,6 +187,7 @@ class ObserversAhead(Probe):
     def attach(self, prepared: fx.GraphModule) -> None:
         own = set(self.observers.signatures(prepared).values())
         nodes = {node.name: node for node in prepared.graph.nodes}
+        order = {node: index for index, node in enumerate(prepared.graph.nodes)}
         for screen in self.screens:
             try:
                 changed = with_layer_overrides(self.quantizer, {layer: dict(c) for layer, c in screen.ahead.items()})
@@ -194,18 +195,23 @@ class ObserversAhead(Probe):
                 ahead = prepare(graph_view(self.float_gm), changed, recompile=False)
             except Exception:  # noqa: BLE001 - observers ahead only save a pass: the screen calibrates its own
                 continue
-            calls = {name: [value.name for value in values] for name, values in watched_values(ahead).items()}
+            calls = {name: [[getattr(arg, "name", arg) for arg in call] for call in found]
+                     for name, found in observer_calls(ahead).items()}
             for name, signature in self.observers.signatures(ahead).items():
                 if signature is None or signature in own or signature in self.observers or \
-                        not all(value in nodes for value in calls[name]):
+                        not all(arg in nodes for call in calls[name] for arg in call if isinstance(arg, str)):
                     continue
                 own.add(signature)
                 target = f"qcore_ahead_{len(self._attached)}"
                 prepared.add_submodule(target, ahead.get_submodule(name))
                 inserted = []
-                for value in calls[name]:
-                    with prepared.graph.inserting_after(observation_point(nodes[value])):  # where prepare puts one
-                        inserted.append(prepared.graph.call_module(target, (nodes[value],)))
+                for value, *rest in calls[name]:  # the watched value, then what else the observer reads (counts)
+                    args = (nodes[value], *(nodes[arg] if isinstance(arg, str) else arg for arg in rest))
+                    # where prepare puts one: after the value, and after what else it reads
+                    anchor = max([observation_point(nodes[value]), *(a for a in args[1:] if isinstance(a, fx.Node))],
+                                 key=lambda node: order[node])
+                    with prepared.graph.inserting_after(anchor):
+                        inserted.append(prepared.graph.call_module(target, args))
                     inserted[-1].meta[INSERTED_KEY] = "observer_ahead"
                 self._attached.append((target, signature, inserted))
 

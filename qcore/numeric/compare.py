@@ -234,9 +234,9 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     """
     gm_a = clone_graph_module(float_model, share_parameters=True, recompile=False)  # both are recompiled below
     gm_b = quant_model if own_quant_model else clone_graph_module(quant_model, share_parameters=True, recompile=False)
-    pairs = [pair for pair in match_layers(gm_a, gm_b) if layers is None or pair.layer in layers]
+    pairs = [pair for pair in match_layers(gm_a, gm_b) if layers is None or _names_any(pair, layers)]
     rewritten = [may_change_after(layer_value(pair.a), reads_only) for pair in pairs]  # before any node is added
-    extra_pairs = [[pair for pair in match_layers(gm_a, extra.quantized) if pair.layer in extra.layers]
+    extra_pairs = [[pair for pair in match_layers(gm_a, extra.quantized) if _names_any(pair, extra.layers)]
                    for extra in extra_shadows]
     if keep_layer_inputs is not None:  # before any node is added: a shadow's op may change what it reads
         keep_layer_inputs.watch(gm_a, [pair.a for extra in extra_pairs for pair in extra], outputs=True)
@@ -254,12 +254,12 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
             if record is not None:
                 known[pair.layer] = dict(record)
     for index, pair in enumerate(pairs):
-        shadow_it = (shadowed_layers is None or pair.layer in shadowed_layers) and pair.layer not in known
+        shadow_it = (shadowed_layers is None or _names_any(pair, shadowed_layers)) and pair.layer not in known
         # a grouped projection's experts run on the tokens routed to them, which differ between the two models once
         # a router's choice flips: measured on the float model's tokens alone (its shadow)
         propagate_it = propagate and (propagated_layers is None or pair.layer in propagated_layers) and \
             pair.a.kind != "grouped_linear"
-        if not (shadow_it or propagate_it or any(pair.layer in extra.layers for extra in extra_shadows)):
+        if not (shadow_it or propagate_it or any(_names_any(pair, extra.layers) for extra in extra_shadows)):
             shadowed.append(None)
             propagated.append(None)
             continue
@@ -311,8 +311,11 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
     device = model_device(float_model)
     count = 0
     # the shadow copies run inside the float graph: their share of a quantized graph's layers, counted as graph runs
-    shadow_count = sum(c is not None for c in shadowed) + sum(len(extra) for extra in extra_pairs)
-    shadow_share = shadow_count / max(1, len(pairs))
+    # (a grouped projection counts as its experts' layers, as the per-expert graph counts them: the fix budget, a
+    # multiple of these runs, is then the same however the experts were captured)
+    shadow_count = sum(_layer_count(pair) for pair, c in zip(pairs, shadowed) if c is not None) + \
+        sum(_layer_count(pair, extra.layers) for extra, extras in zip(extra_shadows, extra_pairs) for pair in extras)
+    shadow_share = shadow_count / max(1, sum(_layer_count(pair) for pair in pairs))
     with torch.no_grad(), stage("comparison", total):
         for batch in batches:
             if layer_inputs is not None:
@@ -366,9 +369,25 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
         else:
             shadows.append({"layer": pair.layer, "fqn": pair.a.fqn, "op": pair.a.kind,
                             **(known[pair.layer] if pair.layer in known else _result(comparator, count))})
-    for extra, layer, comparator in extra_comparators:
-        extra.results[layer] = comparator.result()
+    for extra, pair, comparator in extra_comparators:
+        if isinstance(comparator, ExpertsComparator):  # the experts the copy changed, by their layers
+            extra.results.update({layer: result for layer, result in zip(pair.a.expert_layers, comparator.results(),
+                                                                         strict=True) if layer in extra.layers})
+        else:
+            extra.results[pair.layer] = comparator.result()
     return records, shadows
+
+
+def _layer_count(pair: LayerPair, named: Collection[str] | None = None) -> int:
+    """How many layers a pair stands for (a grouped projection: its experts'), of those `named` when given."""
+    if not pair.a.expert_layers:
+        return 1
+    return sum(named is None or layer in named for layer in pair.a.expert_layers)
+
+
+def _names_any(pair: LayerPair, layers: Collection[str]) -> bool:
+    """Whether `layers` names the pair's layer, or for a grouped projection one of its experts' layers."""
+    return pair.layer in layers or any(layer in layers for layer in pair.a.expert_layers)
 
 
 def _result(comparator: StreamingComparator | None, batches: int) -> dict[str, float]:
@@ -566,20 +585,30 @@ class _KeptInput(nn.Module):
 
 
 def _add_extra_shadows(gm_a: fx.GraphModule, extras: Sequence[ExtraShadows], extra_pairs: list[list[LayerPair]],
-                       references: dict[str, fx.Node]) -> list[tuple[ExtraShadows, str, StreamingComparator]]:
-    """Each extra copy held in gm_a, its layers' shadows compared with the float layer values (`references`)."""
-    found = []
+                       references: dict[str, fx.Node]
+                       ) -> list[tuple[ExtraShadows, LayerPair, StreamingComparator | ExpertsComparator]]:
+    """Each extra copy held in gm_a, its layers' shadows compared with the float layer values (`references`); a
+    grouped projection's, expert by expert (its records are its experts' layers' that the copy names)."""
+    found: list[tuple[ExtraShadows, LayerPair, StreamingComparator | ExpertsComparator]] = []
     floats: FloatNodes | None = None
     for index, (extra, pairs) in enumerate(zip(extras, extra_pairs)):
         holder = f"qcore_screen_{index}"
         gm_a.add_submodule(holder, _QuantizedHolder(extra.quantized))
         for number, pair in enumerate(p for p in pairs if p.layer in references):
-            extra.signatures[pair.layer] = shadow_signature(extra.quantized, pair.b)
+            signature = shadow_signature(extra.quantized, pair.b)
+            extra.signatures.update({layer: signature for layer in (pair.layer, *pair.a.expert_layers)
+                                     if layer in extra.layers})
             floats = floats or FloatNodes(gm_a)
             value = copy_layer_into(gm_a, pair.a, pair.b, f"{holder}.quantized", known=floats)
-            comparator = StreamingComparator(actual_held=True, reference_held=True)  # as a shadow's
-            attach_after(gm_a, value, f"{holder}_compare_{number}", comparator, references[pair.layer])
-            found.append((extra, pair.layer, comparator))
+            comparator: StreamingComparator | ExpertsComparator
+            reads: tuple[fx.Node, ...] = (references[pair.layer],)
+            if pair.a.kind == "grouped_linear":  # each expert's sums over its rows, as the model's shadow's
+                comparator = ExpertsComparator(len(pair.a.expert_layers))
+                reads += (pair.a.node.args[1],)
+            else:
+                comparator = StreamingComparator(actual_held=True, reference_held=True)  # as a shadow's
+            attach_after(gm_a, value, f"{holder}_compare_{number}", comparator, *reads)
+            found.append((extra, pair, comparator))
     return found
 
 

@@ -25,23 +25,50 @@ from qcore.observe.observers import (
     copied,
     share_qparams,
 )
+from qcore.observe.segmented import PerExpertObservers, SegmentedMinMaxObserver, SegmentedMovingAverageMinMaxObserver
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.format_quantizer import FormatObserver
 
-__all__ = ["CalibratedObservers", "calibrate_kept", "watched_values"]
+__all__ = ["CalibratedObservers", "calibrate_kept", "observer_calls", "watched_values"]
 
 _STATEFUL = (MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver, HistogramObserver,
-             FormatObserver)
+             FormatObserver, SegmentedMinMaxObserver, SegmentedMovingAverageMinMaxObserver)
+# what an observer is told rather than sees: the experts convert leaves in float or quantizes from each batch's own
+# range, whose statistics it keeps all the same (an observer given others takes the same state, keeping its own)
+_NOT_STATE = frozenset({"training", "float_experts", "dynamic_experts"})
 _STATELESS = (PlaceholderObserver, FixedQParamsObserver, DerivedObserver)
 
 
 def watched_values(prepared: fx.GraphModule) -> dict[str, list[fx.Node]]:
     """{observer module name: the original values it watches, in the order the graph calls it on them}."""
-    watched: dict[str, list[fx.Node]] = {}
+    return {name: [call[0] for call in calls] for name, calls in observer_calls(prepared).items()}
+
+
+def observer_calls(prepared: fx.GraphModule) -> dict[str, list[tuple[fx.Node, ...]]]:
+    """{observer module name: the arguments of each of its calls, in graph order}: the original value it watches,
+    then what else it reads (an observer of a grouped projection's experts: the counts of their rows)."""
+    calls: dict[str, list[tuple[fx.Node, ...]]] = {}
     for node in prepared.graph.nodes:
         if node.op == "call_module" and node.meta.get(INSERTED_KEY) == "observer":
-            watched.setdefault(str(node.target), []).append(original_input(node.args[0]))
-    return watched
+            calls.setdefault(str(node.target), []).append((original_input(node.args[0]), *node.args[1:]))
+    return calls
+
+
+def _settings(observer: nn.Module) -> list:
+    """An observer's class and settings, and those of the observers it holds (one per expert), for its signature."""
+    own = sorted((key, repr(value)) for key, value in vars(observer).items()
+                 if not key.startswith("_") and key not in _NOT_STATE)
+    held = [_settings(child) for child in observer.children() for child in
+            (child if isinstance(child, nn.ModuleList) else [child])]
+    return [type(observer).__qualname__, own, *held]
+
+
+def _keepable(observer: nn.Module) -> bool:
+    """Whether an observer's state is what it saw (and so is one observer's of the same values and settings): the
+    range and histogram observers, of every expert at once or one per expert."""
+    if isinstance(observer, PerExpertObservers):
+        return all(type(child) in _STATEFUL for child in observer.per_expert)
+    return type(observer) in _STATEFUL
 
 
 class CalibratedObservers:
@@ -62,16 +89,17 @@ class CalibratedObservers:
         the values they watch (original node names) and their class and settings; None for one that cannot be kept
         (a user's own observer class). Observers with no state to calibrate are left out."""
         found: dict[str, str | None] = {}
-        for name, values in watched_values(prepared).items():
+        for name, calls in observer_calls(prepared).items():
             observer = prepared.get_submodule(name)
-            if isinstance(observer, _STATELESS) or any(is_weight_value(value) for value in values):
+            if isinstance(observer, _STATELESS) or any(is_weight_value(call[0]) for call in calls):
                 continue  # weights are observed at prepare, once: nothing to keep
-            if type(observer) not in _STATEFUL:
+            if not _keepable(observer):
                 found[name] = None
                 continue
-            settings = sorted((key, repr(value)) for key, value in vars(observer).items()
-                              if not key.startswith("_") and key != "training")
-            found[name] = repr((type(observer).__qualname__, [value.name for value in values], settings))
+            watched = [call[0].name if len(call) == 1 else tuple(getattr(a, "name", repr(a)) for a in call)
+                       for call in calls]
+            settings = _settings(observer)
+            found[name] = repr((settings[0], watched, *settings[1:]))
         return found
 
     def take(self, prepared: fx.GraphModule, signatures: dict[str, str | None]) -> list[str]:
@@ -89,9 +117,11 @@ class CalibratedObservers:
             for key, buffer in kept._buffers.items():
                 observer._buffers[key] = None if buffer is None else _taken(buffer, shared)
             for key, value in vars(kept).items():
-                if not key.startswith("_") and key != "training":
+                if not key.startswith("_") and key not in _NOT_STATE:
                     setattr(observer, key, _taken(value, shared) if isinstance(value, torch.Tensor) else
                             copy.copy(value))
+            for key, child in kept._modules.items():  # one observer per expert: each expert's state
+                observer._modules[key] = child if shared else copied(child)
             observer.frozen = True
             share_qparams(observer, kept)
         return missing

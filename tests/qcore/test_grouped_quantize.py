@@ -328,3 +328,34 @@ def test_experts_an_override_makes_dynamic_are_quantized_from_their_own_rows_as_
     for layer, expected in b.layers.items():
         value, wanted = a.layers[layer].shadow_sqnr_db, expected.shadow_sqnr_db
         assert value == wanted or (math.isnan(value) and math.isnan(wanted)), layer
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.layers.0.mlp.experts.1.down_proj": {"is_dynamic": True}},
+    {"model.layers.0.mlp.experts.2.gate_proj": {"skip": True}},
+], ids=["an-expert-dynamic", "an-expert-skipped"])
+def test_a_trial_takes_the_grouped_observers_state_its_experts_saw_without_a_calibration_pass(overrides):
+    """A fix trial on a grouped capture (some experts made dynamic or kept in float) takes the state the model's
+    observers of every expert calibrated to, keeping the experts it was told of: no calibration pass, and the
+    quantized graph that calibrating it anew gives, bit for bit."""
+    from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept
+
+    model, data = tiny_moe("qwen3_moe", layers=1, experts=4, batch=4, n=3)
+    with experts_grouped():
+        gm = qcore.capture(model, data[0])
+    kept = CalibratedObservers()
+    calibrate_kept(prepare(clone_graph_module(gm), qcore.Int8StaticQuantizer(), recompile=False), data, kept)
+    assert any("Segmented" in signature for signature in kept._states), "the grouped observers were kept"
+    trial = qcore.Int8StaticQuantizer(layer_overrides=overrides)
+    taken = prepare(clone_graph_module(gm), trial, recompile=False)
+    missing = kept.take(taken, kept.signatures(taken))
+    assert missing == []
+    told = [module for module in taken.modules() if isinstance(module, ExpertsObserver) and
+            (module.dynamic_experts or module.float_experts)]
+    assert told, "the trial's own experts stay dynamic or in float"
+    calibrate_kept(taken, data, kept)
+    fresh = prepare(clone_graph_module(gm), trial)
+    calibrate(fresh, data)
+    quantized, expected = convert(taken), convert(fresh)
+    for batch in data:
+        assert torch.equal(logits_of(quantized(**batch)), logits_of(expected(**batch)))
