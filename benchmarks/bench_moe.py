@@ -20,7 +20,9 @@ dense model's; `median` and `per round`, the median and the range of that quotie
 table, each analysis's stages against its model's forward. `--checks sqnr,weight_sqnr,...` runs those checks instead
 of every default one: where among the checks the MoE's extra cost lies; `--tokens N` gives each batch row N tokens
 instead of the size's (an expert's share of the calibration grows with them). Last, the layers each detector's
-screen measured its fix on (a screen runs one more copy of each such layer in the comparison pass).
+screen measured its fix on (a screen runs one more copy of each such layer in the comparison pass). `--grouped` adds
+the MoE captured with each projection of every expert one op (`experts_grouped()`) as a third model of the rounds,
+"grouped"; give it `--checks` the grouped capture measures as the per-expert one does (not the equalization checks).
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
@@ -53,7 +55,7 @@ per-expert forms' values bit for bit on this machine: torch's grouped_mm against
 fake quantization per row with each row's expert's int8 qparams (qcore's per-channel kernel) against one per-tensor
 fake quantization per expert.
 
-    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N]]
+    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N] [--grouped]]
                                    [--experts 8,32,64,128] [--capture] [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
                                    [--grouped-sqnr [--sizes tiny,small]]
@@ -201,14 +203,17 @@ def pair(size: str, tokens: int | None = None):
     return models[0], models[1], batches
 
 
-def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None = None) -> None:
+def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None = None, grouped: bool = False) -> None:
     """The table of --cost: the two models measured in alternating rounds, so that the machine's drift (its speed
     moves by a tenth from minute to minute) falls on both alike; each figure the fastest of its rounds, and the
     spread of the per-round ratio beside it. Below it, where each analysis's time goes (its fastest round): the
     capture, the calibration and comparison passes, the fix searches' trials and the rest (graph building and
     reading the results), each against the model's forward, and the layers each detector's screen measured a fix
     on. `checks`: the checks run (default: every default check); `tokens`: tokens per batch row (default: the
-    size's)."""
+    size's); `grouped`: the MoE captured a third time with each projection of every expert one op
+    (qcore.graph.capture.experts_grouped), measured in the same rounds ("grouped")."""
+    from qcore.graph.capture import experts_grouped
+
     print(f"checks: {','.join(checks) if checks else 'every default check'}"
           + (f"; {tokens} tokens a row" if tokens else ""))
     print(f"{'size':>6} {'fix_budget':>10} {'model':>6} {'forward s':>10} {'analysis s':>11} {'items':>6} "
@@ -216,20 +221,22 @@ def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None =
     splits, screens = [], []
     for size in sizes:
         moe, dense, batches = pair(size, tokens)
-        models = (("dense", dense), ("moe", moe))
+        models = (("dense", dense), ("moe", moe), *((("grouped", moe),) if grouped else ()))
         forwards: dict[str, list[float]] = {name: [] for name, _ in models}
         analyses: dict[tuple[str, float], list[tuple[float, dict[str, float]]]] = {}
         items: dict[str, int] = {}
         failing: dict[tuple[str, float], int] = {}
-        for _, model in models:  # the first analysis in a process pays its one-time costs: not measured
-            _analysis_seconds(model, batches, 0.0, checks)
+        for name, model in models:  # the first analysis in a process pays its one-time costs: not measured
+            with experts_grouped(name == "grouped"):
+                _analysis_seconds(model, batches, 0.0, checks)
         for _ in range(ROUNDS[size]):
             for name, model in models:
                 forwards[name].append(steady_forward_seconds(model, batches))
                 for budget in (0.0, 1.0):
                     screened: dict[str, int] = {}
-                    seconds, items[name], failing[name, budget], stages = _analysis_seconds(model, batches, budget,
-                                                                                            checks, screened)
+                    with experts_grouped(name == "grouped"):
+                        seconds, items[name], failing[name, budget], stages = _analysis_seconds(
+                            model, batches, budget, checks, screened)
                     analyses.setdefault((name, budget), []).append((seconds, stages))
                 if len(forwards[name]) == 1:
                     screens.append(f"{size:>6} {name:>6} {screened.pop('layers')} layers; " + (", ".join(
@@ -237,11 +244,11 @@ def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None =
         for budget in (0.0, 1.0):
             fastest = {name: min(analyses[name, budget], key=lambda found: found[0]) for name, _ in models}
             ratios = {name: fastest[name][0] / min(forwards[name]) for name, _ in models}
-            rounds = [(analyses["moe", budget][r][0] / forwards["moe"][r])
-                      / (analyses["dense", budget][r][0] / forwards["dense"][r]) for r in range(ROUNDS[size])]
             for name, _ in models:
-                relative = (f"{ratios['moe'] / ratios['dense']:>9.2f} {statistics.median(rounds):>6.2f} "
-                            f"{min(rounds):>8.2f}-{max(rounds):<8.2f}" if name == "moe" else "")
+                rounds = [(analyses[name, budget][r][0] / forwards[name][r])
+                          / (analyses["dense", budget][r][0] / forwards["dense"][r]) for r in range(ROUNDS[size])]
+                relative = (f"{ratios[name] / ratios['dense']:>9.2f} {statistics.median(rounds):>6.2f} "
+                            f"{min(rounds):>8.2f}-{max(rounds):<8.2f}" if name != "dense" else "")
                 print(f"{size:>6} {budget:>10g} {name:>6} {min(forwards[name]):>10.3f} {fastest[name][0]:>11.2f} "
                       f"{items[name]:>6} {failing[name, budget]:>7} {ratios[name]:>6.1f}x {relative}")
                 stages = fastest[name][1]
@@ -532,7 +539,8 @@ def main() -> None:
     if "--cost" in sys.argv:
         sizes = sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["tiny", "small"]
         cost(sizes, sys.argv[sys.argv.index("--checks") + 1].split(",") if "--checks" in sys.argv else None,
-             int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else None)
+             int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else None,
+             grouped="--grouped" in sys.argv)
         return
     tokens = routed_tokens()
     usable = {e: t for e, t in tokens.items() if len(t) >= 2 * COUNTS[-1]}
