@@ -67,6 +67,12 @@ def rows_of_experts(values: torch.Tensor, counts: torch.Tensor, rows: int | None
     return values.repeat_interleave(counts, dim=0, output_size=rows)
 
 
+def scale_rows_by_expert(x: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`x`'s rows by expert ([N, in]) each multiplied by its expert's per-channel `scale` ([E, in]): input-weight
+    equalization's mul before a grouped projection, one node that reads the counts."""
+    return x * rows_of_experts(scale, counts, x.shape[0])
+
+
 @dataclass(frozen=True)
 class GroupedOp:
     """One grouped_linear node of a captured graph: which block and projection it is, and what it reads."""

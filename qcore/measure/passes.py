@@ -29,11 +29,15 @@ from qcore.measure.probes import ChannelStatisticsProbe, DetectorProbe, Probe
 from qcore.measure.screens import ObserversAhead, Screen, ScreenedLayers, quantize_for_screen
 from qcore.measure.variants import (
     VariantSqnr,
+    add_grouped_variant_shadow,
     add_variant_shadow,
     detector_channel_ranges,
+    grouped_variants_of,
     kept_producer_outputs,
     make_variant_weights,
+    plan_grouped_variants,
     plan_variants,
+    produced_quantized,
     rewrite_scales,
     variant_batches,
     variant_results,
@@ -59,6 +63,7 @@ from qcore.observe.qparams import (
     fake_quantize_per_channel_steps,
     fake_quantize_per_tensor,
 )
+from qcore.observe.segmented import SegmentedPerChannelMinMaxObserver
 from qcore.quantization.calibrate import CalibrationError, OutputSink, calibrate
 from qcore.quantization.calibrated import CalibratedObservers
 from qcore.quantization.convert import convert, fake_quantize_over_input, fake_quantize_where_read, restore_model_state
@@ -309,6 +314,16 @@ class ProbedModel:
             self.statistics.append(ChannelStatisticsProbe("input_weight", op, InputEqualizationObserver(
                 ch_axis=input_channel_axis(op)), op.activation_inputs[0], f"qcore_eq_stats_{index}"))
             self.statistics[-1].attach(prepared)
+        wanted = set(self.equalization_layers)
+        for op in find_quantizable_ops(prepared, grouped=True):  # a grouped projection's experts: one probe
+            experts = [expert for expert, layer in enumerate(op.expert_layers) if layer in wanted]
+            if op.kind != "grouped_linear" or not experts:
+                continue
+            counts = op.node.args[1]
+            self.statistics.append(ChannelStatisticsProbe(
+                "grouped_input_weight", (op, experts), SegmentedPerChannelMinMaxObserver(len(op.expert_layers)),
+                op.activation_inputs[0], f"qcore_eq_grouped_stats_{len(self.statistics)}", (counts,)))
+            self.statistics[-1].attach(prepared)
         groups, self.refused = smoothing_groups(float_gm) if smoothing is not None else ([], {})
         nodes = {node.name: node for node in prepared.graph.nodes}
         for index, group in enumerate(groups):
@@ -334,8 +349,15 @@ class ProbedModel:
         for probe in self.probes:
             probe.read(self.prepared)
         variants, unmeasured, smoothed = plan_variants(
-            self.prepared, self.ops, self.statistics, self.smoothing,
-            kept_producer_outputs(self.float_gm, self.prepared, self.equalization_layers))
+            self.prepared, self.ops, [probe for probe in self.statistics if probe.kind != "grouped_input_weight"],
+            self.smoothing, kept_producer_outputs(self.float_gm, self.prepared, self.equalization_layers))
+        for probe in self.statistics:
+            if probe.kind == "grouped_input_weight":
+                op, experts = probe.key
+                found, why = plan_grouped_variants(self.prepared, op, experts, probe.observer,
+                                                   produced_quantized(self.prepared, op))
+                variants.extend(found)
+                unmeasured.update(why)
         for probe in self.probes:  # convert recompiles the graph once for all
             probe.detach(self.prepared)
         smoothed.update({layer: {"refused": reason} for layer, reason in self.refused.items()})
@@ -378,7 +400,8 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
                if layers is None or op.layer in layers or any(layer in layers for layer in op.layers)]
     if grouped and shadowed_layers is not None:
         shadowed_layers = set(shadowed_layers) | {op.layer for op in grouped}
-    here = [v for v in variants if v.layer in own_layers]
+    experts_of = {layer: op for op in find_grouped_ops(float_gm) for layer in op.layers}
+    here = [v for v in variants if v.layer in own_layers or v.layer in experts_of]
     baselines: dict[str, dict[str, Any]] = {}
 
     def instrument(graph: ShadowGraph) -> Callable[[], None]:
@@ -389,8 +412,18 @@ def compare_quantized(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, batche
             reason = add_variant_shadow(graph, by_layer[variant.layer], variant, index)
             if reason:
                 unmeasured.setdefault(variant.layer, reason)
-        # the unequalized layer's own SQNR over the same batches as its variants
-        return lambda: baselines.update({v.layer: graph.shadows[v.layer].result() for v in measured})
+        grouped = [g for g in grouped_variants_of(here) if g.op.layer in by_layer]
+        for index, variants_of_op in enumerate(grouped):
+            reason = add_grouped_variant_shadow(graph, by_layer[variants_of_op.op.layer], variants_of_op, index)
+            for variant in variants_of_op.experts.values() if reason else ():
+                unmeasured.setdefault(variant.layer, reason)
+
+        def read() -> None:  # the unequalized layer's own SQNR over the same batches as its variants
+            baselines.update({v.layer: graph.shadows[v.layer].result() for v in measured})
+            for variants_of_op in grouped:
+                results = graph.shadows[variants_of_op.op.layer].results()  # each expert's (ExpertsComparator)
+                baselines.update({v.layer: results[expert] for expert, v in variants_of_op.experts.items()})
+        return read
 
     agreements: dict[str, TopKAgreement] = {}
 

@@ -62,21 +62,28 @@ class DetectorProbe(Probe):
 class ChannelStatisticsProbe(Probe):
     """One observer of one activation's channel ranges, for an equalization or smoothing variant.
 
-    kind: "input_weight" (key: the QuantizableOp) or "smoothing" (key: the SmoothingGroup). With `node` None the
-    observer is another probe's (the input-weight equalization detector's, say) and nothing is inserted."""
+    kind: "input_weight" (key: the QuantizableOp), "grouped_input_weight" (key: (a grouped projection's
+    QuantizableOp, the experts wanted); the observer: its rows' ranges by expert) or "smoothing" (key: the
+    SmoothingGroup). With `node` None the observer is another probe's (the input-weight equalization detector's,
+    say) and nothing is inserted."""
 
     def __init__(self, kind: str, key: Any, observer: torch.nn.Module, node: fx.Node | None = None,
-                 name: str = "") -> None:
+                 name: str = "", reads: tuple[fx.Node, ...] = ()) -> None:
+        """`reads`: what else the observer is called with (a grouped projection's counts of rows by expert)."""
         self.kind, self.key, self.observer = kind, key, observer
-        self._watched, self._name = node, name
+        self._watched, self._name, self._reads = node, name, reads
         self._call: fx.Node | None = None
 
     def attach(self, prepared: fx.GraphModule) -> None:
         if self._watched is None:
             return
         prepared.add_submodule(self._name, self.observer)
-        with prepared.graph.inserting_after(observation_point(self._watched)):
-            self._call = prepared.graph.call_module(self._name, (self._watched,))
+        anchor = observation_point(self._watched)
+        if self._reads:  # after what else it reads, too
+            order = {node: index for index, node in enumerate(prepared.graph.nodes)}
+            anchor = max([anchor, *self._reads], key=lambda node: order[node])
+        with prepared.graph.inserting_after(anchor):
+            self._call = prepared.graph.call_module(self._name, (self._watched, *self._reads))
         self._call.meta[INSERTED_KEY] = "equalization_observer"
 
     def detach(self, prepared: fx.GraphModule) -> None:

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from qcore.graph.grouped import rows_of_experts
 from qcore.graph.ops import INSERTED_KEY, QuantizableOp, fetch_attr, find_quantizable_ops, is_inserted, is_weight_value
 from qcore.measure.probes import ChannelStatisticsProbe
 from qcore.numeric.compare import ShadowGraph
 from qcore.numeric.instrument import attach_after, copy_layer_into
-from qcore.numeric.loggers import StreamingComparator
+from qcore.numeric.loggers import ExpertsComparator, StreamingComparator
 from qcore.numeric.matching import LayerPair
 from qcore.observe.observers import MinMaxObserver, ObserverBase, PerChannelMinMaxObserver, fresh_copy
 from qcore.observe.qparams import (
@@ -30,12 +31,14 @@ from qcore.observe.qparams import (
     fake_quantize_per_tensor,
     row_slices,
 )
+from qcore.observe.segmented import ExpertsObserver, SegmentedMinMaxObserver, fake_quantize_per_expert
 from qcore.quantization.convert import fake_quantize_with, weights_quantized_where_read
 from qcore.quantization.quantizer import ANNOTATION_KEY
 from qcore.report import InputWeightEqualizationDetector, ReportObserver
 from qcore.report.detectors import DetectorBase, observer_name
 from qcore.rewrites.equalize import (
     InputEqualizationObserver,
+    equalization_scale_of_ranges,
     input_channel_axis,
     input_weight_scales,
     producer_layer,
@@ -44,9 +47,11 @@ from qcore.rewrites.equalize import (
 from qcore.runtime import deferred
 from qcore.runtime.scratch import elementwise
 
-__all__ = ["NO_TOKEN_REASON", "Variant", "VariantSqnr", "add_variant_shadow", "detector_channel_ranges",
-           "input_ranges", "kept_producer_outputs", "make_variant_weights", "plan_variants", "rewrite_scales",
-           "ScaledWeightQuantizer", "variant_batches", "variant_results"]
+__all__ = ["NO_TOKEN_REASON", "GroupedVariant", "Variant", "VariantSqnr", "add_grouped_variant_shadow",
+           "add_variant_shadow", "detector_channel_ranges", "grouped_variants_of", "input_ranges",
+           "kept_producer_outputs", "make_variant_weights", "op_experts", "plan_grouped_variants", "plan_variants",
+           "produced_quantized",
+           "rewrite_scales", "ScaledWeightQuantizer", "variant_batches", "variant_results"]
 
 
 @dataclass(frozen=True)
@@ -440,3 +445,187 @@ def variant_results(variants: list[Variant], shadows: dict[str, dict], unmeasure
             variant.layer, variant.method, float(variant.comparator.result()["sqnr_db"]), float(baseline),
             variant.alpha, variant.producer_name)
     return results
+
+
+@dataclass
+class GroupedVariant:
+    """One method's variants of the experts of one grouped projection, measured as one shadow of the projection:
+    each expert's factor (1 for an expert not measured) and input qparams, the weight divided by the factors and
+    quantized, and one comparator of every expert's rows. `experts` holds each measured expert's Variant, whose
+    comparator reads its expert's result."""
+
+    op: QuantizableOp  # the grouped projection (kind "grouped_linear")
+    method: str
+    factor: torch.Tensor  # [E, in]
+    scale: torch.Tensor  # [E]: each expert's input qparams with its factor
+    zero_point: torch.Tensor
+    weight: torch.Tensor  # [E, out, in], quantized
+    requantize: bool
+    experts: dict[int, Variant] = field(default_factory=dict)
+    comparator: ExpertsComparator | None = None
+    _results: list[dict[str, float]] | None = field(default=None, repr=False)
+
+    def result(self, expert: int) -> dict[str, float]:
+        """An expert's comparator result (every expert's read to the host once, after the pass)."""
+        assert self.comparator is not None
+        if self._results is None:
+            self._results = self.comparator.results()
+        return self._results[expert]
+
+
+class _ExpertVariantResult:
+    """A measured expert's view of its GroupedVariant's comparator, as a Variant's comparator is read."""
+
+    def __init__(self, grouped: GroupedVariant, expert: int) -> None:
+        self.grouped, self.expert = grouped, expert
+
+    def result(self) -> dict[str, float]:
+        return self.grouped.result(self.expert)
+
+
+def plan_grouped_variants(prepared: fx.GraphModule, op: QuantizableOp, wanted: Iterable[int], observer: Any,
+                          requantize: bool) -> tuple[list[Variant], dict[str, str]]:
+    """The input-weight equalization variants of the `wanted` experts of grouped projection `op` from `observer`
+    (the channel ranges of its routed rows, every expert's: [E, in]), each expert's the Variant the per-expert graph
+    plans for its Linear; and {expert layer: why not} for the others wanted. Its input and weight observers are
+    the prepared graph's, of every expert at once."""
+    wanted = list(wanted)
+    layers = op.expert_layers
+    input_observer = _observer_of(prepared, op.node.args[0])
+    weight_observer = _observer_of(prepared, op.node.args[2])
+    if not isinstance(input_observer, ExpertsObserver) or not isinstance(weight_observer, ExpertsObserver):
+        return [], dict.fromkeys((layers[e] for e in wanted),
+                                 "its input or weight is not quantized, so equalization changes nothing it measures")
+    if input_observer.is_dynamic or input_observer.per_channel or getattr(input_observer, "is_float", False):
+        return [], dict.fromkeys((layers[e] for e in wanted), _NOT_STATIC)
+    reached = observer.observed.tolist()  # one host read
+    unmeasured: dict[str, str] = {}
+    measured = []
+    for expert in wanted:
+        if expert in input_observer.float_experts or expert in weight_observer.float_experts:
+            unmeasured[layers[expert]] = "its input or weight is not quantized, so equalization changes nothing it " \
+                                         "measures"
+        elif expert in input_observer.dynamic_experts:
+            unmeasured[layers[expert]] = _NOT_STATIC
+        elif not reached[expert]:
+            unmeasured[layers[expert]] = NO_TOKEN_REASON
+        else:
+            measured.append(expert)
+    if not measured:
+        return [], unmeasured
+    weight = fetch_attr(prepared, op.weight_target).detach()  # [E, out, in]
+    low, high = observer.min_val, observer.max_val
+    # each expert's scale as input_weight_scales gives its Linear's: its column ranges, then the formula, elementwise
+    scale = equalization_scale_of_ranges(low, high, weight.amin(dim=1).float(), weight.amax(dim=1).float())
+    keep = torch.zeros(op_experts(op), dtype=torch.bool, device=scale.device)
+    keep[measured] = True
+    factor = torch.where(keep[:, None], scale, torch.ones_like(scale))
+    variants: list[Variant] = []
+    plans = [("input_weight", factor)]
+    if type(input_observer) is not SegmentedMinMaxObserver:
+        # a clipping or averaging observer's qparams do not follow from channel ranges: compare like with like
+        plans.append(("identity", torch.ones_like(factor)))
+    made: dict[str, GroupedVariant] = {}
+    for method, factors in plans:
+        scaled_low, scaled_high = (low * factors).amin(dim=1), (high * factors).amax(dim=1)
+        input_scale, input_zero_point = calculate_qparams(scaled_low, scaled_high, input_observer.quant_min,
+                                                          input_observer.quant_max, input_observer.symmetric,
+                                                          input_observer.eps)
+        fresh = fresh_copy(weight_observer)
+        with torch.no_grad():
+            divided = weight / factors.to(weight.dtype)[:, None, :]
+            fresh.observe_constant(divided)
+            quantized = fresh.fake_quantize_weight(divided)
+        made[method] = GroupedVariant(op, method, factors.to(weight.dtype), input_scale, input_zero_point, quantized,
+                                      requantize)
+    for expert in measured:
+        identity = None
+        if "identity" in made:
+            identity = Variant(layers[expert], "identity", torch.ones_like(scale[expert]), low[expert], high[expert],
+                               extras={"grouped": made["identity"]})
+            made["identity"].experts[expert] = identity
+            variants.append(identity)
+        variant = Variant(layers[expert], "input_weight", scale[expert], low[expert], high[expert],
+                          requantize=requantize, rewrite_scale=scale[expert], baseline=identity,
+                          extras={"grouped": made["input_weight"]})
+        made["input_weight"].experts[expert] = variant
+        variants.append(variant)
+    return variants, unmeasured
+
+
+_NOT_STATIC = "its input is not quantized statically per tensor, which is what equalization balances"
+
+
+def produced_quantized(prepared: fx.GraphModule, op: QuantizableOp) -> bool:
+    """Whether the value a layer reads is a quantized output (its producer's annotation quantizes it): input-weight
+    equalization's mul then quantizes it again, as the equalized model does."""
+    if not op.activation_inputs:
+        return False
+    source = {node.name: node for node in prepared.graph.nodes}.get(op.activation_inputs[0].name)
+    annotation = source.meta.get(ANNOTATION_KEY) if source is not None else None
+    return annotation is not None and annotation.output_qspec is not None
+
+
+def op_experts(op: QuantizableOp) -> int:
+    """How many experts a grouped projection computes."""
+    return len(op.expert_layers)
+
+
+def grouped_variants_of(variants: Iterable[Variant]) -> list[GroupedVariant]:
+    """The GroupedVariants the variants of grouped projections' experts belong to, each once, in order."""
+    found: dict[int, GroupedVariant] = {}
+    for variant in variants:
+        grouped = variant.extras.get("grouped")
+        if grouped is not None:
+            found.setdefault(id(grouped), grouped)
+    return list(found.values())
+
+
+def add_grouped_variant_shadow(graph: ShadowGraph, pair: LayerPair, grouped: GroupedVariant, index: int) -> str:
+    """Copy the quantized grouped projection into the float graph with each expert's factor on its rows, its input
+    qparams and the divided weight, compared with the float projection expert by expert; else why it cannot be."""
+    gm_a, prefix = graph.gm, graph.prefix
+    quant_input = pair.b.node.args[0]
+    quant_weight = pair.b.node.args[2] if len(pair.b.node.args) > 2 else None
+    if not (is_inserted(quant_input) and quant_input.target is fake_quantize_per_expert) or \
+            not is_weight_value(quant_weight):
+        return "its quantized input or weight is not in the form a variant can replace"
+    copies: dict[fx.Node, fx.Node] = {}
+    result = copy_layer_into(gm_a, pair.a, pair.b, prefix, copies, known=graph.float_nodes())
+    input_copy = copies[quant_input]
+    counts = input_copy.args[1]
+    base = f"qcore_grouped_variant_{index}"
+    for name, value in (("factor", grouped.factor), ("scale", grouped.scale.float()),
+                        ("zero_point", grouped.zero_point), ("weight", grouped.weight)):
+        gm_a.register_buffer(f"{base}_{name}", value)
+    quant_min, quant_max, symmetric = input_copy.args[4], input_copy.args[5], input_copy.args[8]
+    source = input_copy if grouped.requantize else input_copy.args[0]  # the producer's quantized output, or float
+    with gm_a.graph.inserting_before(copies[pair.b.node]):  # in this order, after the input's copy
+        factor = gm_a.graph.get_attr(f"{base}_factor")
+        rows = gm_a.graph.call_function(rows_of_experts, (factor, counts))
+        scaled = gm_a.graph.call_function(torch.mul, (source, rows))
+        scale = gm_a.graph.get_attr(f"{base}_scale")
+        zero_point = gm_a.graph.get_attr(f"{base}_zero_point")
+        requantized = gm_a.graph.call_function(fake_quantize_per_expert, (
+            scaled, counts, scale, zero_point, quant_min, quant_max, None, None, symmetric))
+    copies[pair.b.node].replace_input_with(input_copy, requantized)
+    for node in (factor, rows, scaled, scale, zero_point, requantized):
+        node.meta[INSERTED_KEY] = "shadow"
+    weight_copy = copies[quant_weight]
+    with gm_a.graph.inserting_before(weight_copy):
+        weight_node = gm_a.graph.get_attr(f"{base}_weight")
+    weight_node.meta[INSERTED_KEY] = "shadow"
+    weight_copy.replace_all_uses_with(weight_node)
+    for node in [weight_copy, *weight_copy.all_input_nodes]:  # the quantized graph's weight, read no more
+        if not node.users:
+            gm_a.graph.erase_node(node)
+    if not input_copy.users:  # the model's input quantization, read no more
+        for node in [input_copy, *input_copy.all_input_nodes]:
+            if not node.users and node.op in ("call_function", "get_attr") and node is not counts:
+                gm_a.graph.erase_node(node)
+    grouped.comparator = ExpertsComparator(op_experts(grouped.op))
+    attach_after(gm_a, result, f"{base}_compare", grouped.comparator, graph.references[pair.layer],
+                 pair.a.node.args[1])
+    for expert, variant in grouped.experts.items():
+        variant.comparator = _ExpertVariantResult(grouped, expert)  # type: ignore[assignment]
+    return ""

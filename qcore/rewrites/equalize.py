@@ -26,6 +26,7 @@ from qcore.graph.ops import (
     FQN_KEY,
     INSERTED_KEY,
     QuantizableOp,
+    expert_views,
     few_named,
     find_quantizable_ops,
     matches_layer,
@@ -146,6 +147,12 @@ def calculate_equalization_scale(input_obs: InputEqualizationObserver,
     return _equalization_scale(min_inputs, max_inputs, min_weights, max_weights)
 
 
+def equalization_scale_of_ranges(min_inputs: torch.Tensor, max_inputs: torch.Tensor, min_weights: torch.Tensor,
+                                 max_weights: torch.Tensor) -> torch.Tensor:
+    """calculate_equalization_scale from the input's and the weight's column ranges, elementwise (any shape)."""
+    return _equalization_scale(min_inputs, max_inputs, min_weights, max_weights)
+
+
 def _equalization_scale(min_inputs: torch.Tensor, max_inputs: torch.Tensor, min_weights: torch.Tensor,
                         max_weights: torch.Tensor) -> torch.Tensor:
     if min_inputs.numel() == 0 or min_weights.numel() == 0:
@@ -237,20 +244,20 @@ def resolve_layers(gm: fx.GraphModule, equalization_mapping: Any) -> list[Quanti
                  not (isinstance(v, dict) and v.get("equalize") is False)]
     else:
         names = list(equalization_mapping)
-    every = find_quantizable_ops(gm)
+    every = [*find_quantizable_ops(gm), *expert_views(gm)]  # a grouped projection's experts, each as its Linear
     ops = {op.layer: op for op in every}
     ops.update({op.fqn: op for op in ops.values() if op.fqn not in ops})
-    chosen: dict[int, QuantizableOp] = {}
+    chosen: dict[tuple[int, int | None], QuantizableOp] = {}
     missing = []
     for name in names:
         matched = [ops[name]] if name in ops else [op for op in every if matches_layer(name, *op.names)]
         if not matched:
             missing.append(name)
-        chosen.update((id(op.node), op) for op in matched)
+        chosen.update(((id(op.node), op.expert), op) for op in matched)
     if missing:
         raise EqualizationError(f"layer(s) {missing} are not quantizable ops of this graph; known layers: "
                                 f"{sorted(op.layer for op in every)}")
-    return [op for op in every if id(op.node) in chosen]
+    return [op for op in every if (id(op.node), op.expert) in chosen]
 
 
 def get_layer_sqnr_dict(model_a: fx.GraphModule, model_b: fx.GraphModule, x: Any) -> dict[str, float]:
@@ -297,13 +304,19 @@ def equalize(gm: fx.GraphModule, equalization_mapping: Any, calibration: Iterabl
     if known is not None and all(("input_weight", op.layer) in known for op in ops):
         scales = {op.layer: known[("input_weight", op.layer)][1] for op in ops}
     else:
-        scales = _observed_scales(result, ops, calibration)
+        batches = list(calibration)
+        scales = _observed_scales(result, [op for op in ops if op.expert is None], batches) \
+            if any(op.expert is None for op in ops) else {}
+        if any(op.expert is not None for op in ops):
+            scales.update(_observed_grouped_scales(result, [op for op in ops if op.expert is not None], batches))
         unreached = [op.layer for op in ops if op.layer not in scales]
         if unreached:  # an expert no calibration token was routed to: no range to balance, left as it is
             warnings.warn(f"no calibration batch reached the inputs of {len(unreached)} layer(s) to equalize "
                           f"({few_named(unreached)}): they are left unequalized", stacklevel=2)
             ops = [op for op in ops if op.layer in scales]
-    _apply_scales(result, ops, scales, deferred)
+    _apply_scales(result, [op for op in ops if op.expert is None], scales, deferred)
+    if any(op.expert is not None for op in ops):
+        _apply_grouped_scales(result, [op for op in ops if op.expert is not None], scales, deferred)
     result.meta["qcore_equalization_scales"] = {layer: scale.tolist() for layer, scale in scales.items()}
     return result
 
@@ -330,6 +343,74 @@ def _observed_scales(result: fx.GraphModule, ops: list[QuantizableOp], calibrati
         result.graph.erase_node(node)
         delattr(result, node.target)
     return scales
+
+
+def _observed_grouped_scales(result: fx.GraphModule, experts: list[QuantizableOp], calibration: Iterable[Any]
+                             ) -> dict[str, torch.Tensor]:
+    """Each expert's equalization scale (experts of grouped projections: expert_views), from its rows' channel
+    ranges, one observer of every expert's rows a projection, in one calibration pass; as _observed_scales gives
+    its Linear's. An expert no batch routed a token to has none."""
+    from qcore.observe.segmented import SegmentedPerChannelMinMaxObserver
+
+    by_node: dict[fx.Node, list[QuantizableOp]] = {}
+    for op in experts:
+        by_node.setdefault(op.node, []).append(op)
+    observers = []
+    for index, (node, members) in enumerate(by_node.items()):
+        observer = SegmentedPerChannelMinMaxObserver(fetch_tensor(result, members[0].weight_target).shape[0])
+        name = f"qcore_grouped_equalization_observer_{index}"
+        result.add_submodule(name, observer)
+        with result.graph.inserting_before(node):
+            call = result.graph.call_module(name, (node.args[0], node.args[1]))
+        call.meta[INSERTED_KEY] = "equalization_observer"
+        observers.append((observer, call, members))
+    result.recompile()
+    calibrate(result, calibration)
+    scales: dict[str, torch.Tensor] = {}
+    for observer, call, members in observers:
+        weight = fetch_tensor(result, members[0].weight_target).detach()
+        found = _equalization_scale(observer.min_val, observer.max_val, weight.amin(dim=1).float(),
+                                    weight.amax(dim=1).float())
+        reached = observer.observed.tolist()
+        scales.update({op.layer: found[op.expert] for op in members if reached[op.expert]})
+        result.graph.erase_node(call)
+        delattr(result, call.target)
+    return scales
+
+
+def _apply_grouped_scales(gm: fx.GraphModule, experts: list[QuantizableOp], scales: dict[str, torch.Tensor],
+                          deferred: bool = False) -> None:
+    """Input-weight equalization of experts of grouped projections: each projection's [E, out, in] weight divided
+    by each chosen expert's scale along its columns, and its rows multiplied by their expert's scale (1 for an
+    expert not chosen) before it; each expert's Linear rewritten as _apply_scales rewrites it."""
+    from qcore.graph.grouped import scale_rows_by_expert
+
+    by_node: dict[fx.Node, list[QuantizableOp]] = {}
+    for op in experts:
+        by_node.setdefault(op.node, []).append(op)
+    for node, members in by_node.items():
+        weight = fetch_tensor(gm, members[0].weight_target)
+        factor = torch.ones(weight.shape[0], weight.shape[2], dtype=torch.float32, device=weight.device)
+        for op in members:
+            factor[op.expert] = scales[op.layer].to(factor)
+
+        def rule(value: torch.Tensor, factor: torch.Tensor = factor) -> torch.Tensor:
+            return scratch.elementwise(torch.div, value, factor.to(value)[:, None, :])
+
+        rewrite(gm, members[0].weight_target, rule, deferred)
+        name = "qcore_equalization_scale_" + members[0].item.replace(".", "_")
+        while hasattr(gm, name):
+            name += "_"
+        gm.register_buffer(name, factor.to(weight.dtype))  # the model's dtype
+        source = node.args[0]
+        with gm.graph.inserting_before(node):
+            attr = gm.graph.get_attr(name)
+            mul = gm.graph.call_function(scale_rows_by_expert, (source, attr, node.args[1]))
+        mul.meta[INSERTED_KEY] = "equalization"
+        mul.meta[FQN_KEY] = members[0].fqn
+        node.replace_input_with(source, mul)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def input_weight_scale(gm: fx.GraphModule, op: QuantizableOp, input_observer: InputEqualizationObserver

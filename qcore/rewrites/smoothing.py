@@ -167,7 +167,24 @@ def smoothing_groups(gm: fx.GraphModule, layers: Sequence[str] | None = None) ->
             refused.update({name: problem for name in names})
             continue
         groups.append(group)
+    refused.update(_grouped_refusals(gm, layers))
     return groups, refused
+
+
+def _grouped_refusals(gm: fx.GraphModule, layers: Sequence[str] | None) -> dict[str, str]:
+    """{expert layer: why smoothing leaves it alone} of a grouped capture's projections: each expert reads its own
+    rows of its block's routed tokens, so no producer's channels are its alone to rescale."""
+    from qcore.graph.grouped import find_grouped_ops
+
+    refused: dict[str, str] = {}
+    for op in find_grouped_ops(gm):
+        names = [name for name in op.layers if layers is None or name in layers]
+        found = _producer_of(gm, op.routed) if names else ""
+        reason = found if isinstance(found, str) else (
+            f"it reads its expert's rows of the tokens {found[1].name} routes to every expert of its block, so no "
+            "producer's channels are its own to rescale")
+        refused.update(dict.fromkeys(names, reason))
+    return refused
 
 
 def _producer_problem(gm: fx.GraphModule, group: SmoothingGroup) -> str:
