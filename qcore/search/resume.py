@@ -70,8 +70,12 @@ def last_writes(gm: fx.GraphModule) -> dict[fx.Node, int] | None:
         elif node.op == "call_function":
             if target is not operator.getitem and not str(getattr(target, "__module__", "")).startswith("qcore."):
                 return None
+            if target is not operator.getitem:  # qcore's own: a value computed from its first input, or that input
+                aliased = aliased[:1]
         elif node.op != "call_module" or not type(gm.get_submodule(str(target))).__module__.startswith("qcore."):
             return None
+        else:
+            aliased = aliased[:1]
         for value in aliased:
             parent[root(node)] = root(value)
     last: dict[fx.Node, int] = {}

@@ -22,6 +22,7 @@ from qcore.graph.inputs import call_model, move_to
 from qcore.graph.ops import INSERTED_KEY, fetch_attr, find_quantizable_ops, is_weight_value
 from qcore.measure.screens import screened_ladder, screened_within_budget, shortest_head
 from qcore.numeric.metrics import signal_and_noise, sqnr_from_sums
+from qcore.observe.segmented import fake_quantize_per_expert
 from qcore.quantization.calibrate import model_device
 from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept
 from qcore.quantization.convert import convert, restore_model_state
@@ -111,6 +112,61 @@ class _WhereReadWeightSwitch(nn.Module):
         return self.function(*args) if self.enabled else self.original
 
 
+class _ExpertsSwitch(nn.Module):
+    """A grouped projection's fake quantization of rows by expert, for the experts switched on only: the rows of the
+    others pass as they are (its kept-float mask)."""
+
+    def __init__(self, function: Any, experts: int) -> None:
+        super().__init__()
+        self.function, self.experts = function, experts
+        self.on: tuple[bool, ...] = (True,) * experts
+        self._float: torch.Tensor | None = None  # ~on, made once a setting
+
+    def set_experts(self, on: Sequence[bool]) -> None:
+        """Which experts' rows are quantized."""
+        if tuple(on) != self.on:
+            self.on, self._float = tuple(on), None
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, *args: Any) -> torch.Tensor:
+        if not any(self.on):
+            return x
+        if all(self.on):
+            return self.function(x, counts, *args)
+        if self._float is None:
+            self._float = torch.tensor([not on for on in self.on], device=x.device)
+        scale, zero_point, quant_min, quant_max, kept_float, *rest = args
+        kept = self._float if kept_float is None else (kept_float.to(x.device) | self._float)
+        return self.function(x, counts, scale, zero_point, quant_min, quant_max, kept, *rest)
+
+
+class _ExpertsWeightSwitch(nn.Module):
+    """A grouped projection's quantized [E, ...] weight for the experts switched on, the float one's slices for the
+    others (made once a setting)."""
+
+    def __init__(self, quantized: torch.Tensor, original: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("quantized", quantized, persistent=False)
+        self.register_buffer("original", original, persistent=False)
+        self.on: tuple[bool, ...] = (True,) * quantized.shape[0]
+        self._mixed: torch.Tensor | None = None
+
+    def set_experts(self, on: Sequence[bool]) -> None:
+        """Which experts' weights are quantized."""
+        if tuple(on) != self.on:
+            self.on, self._mixed = tuple(on), None
+
+    def forward(self) -> torch.Tensor:
+        if all(self.on):
+            return self.quantized
+        if not any(self.on):
+            return self.original
+        if self._mixed is None:
+            kept = torch.tensor([expert for expert, on in enumerate(self.on) if not on], device=self.original.device)
+            self._mixed = self.quantized.index_copy(0, kept, self.original.index_select(0, kept).to(
+                self.quantized.dtype))
+        return self._mixed
+
+
 class SwitchedRuns(ABC):
     """Model-output SQNR runs of a graph whose switch modules select each layer's quantization: each setting
     measured once per set of batches, and run from the values recorded before its first change (qcore.search.resume)."""
@@ -188,21 +244,50 @@ class SwitchableModel(SwitchedRuns):
         prepared = prepare(clone_graph_module(float_gm, share_parameters=True, recompile=False),
                            quantizer or Int8StaticQuantizer(), recompile=False)
         owners = _group_owners(prepared)
+        expert_owners = _expert_owners(prepared)
         calibrate_kept(prepared, list(batches), observers)
         self.gm = convert(prepared)
         restore_model_state(self.gm, float_gm)
         self.float_gm = float_gm
-        self.layers = [layer for layer in dict.fromkeys(name for names in owners.values() for name in names)]
-        self._switches: list[tuple[nn.Module, frozenset[str]]] = []
-        self._init_runs(float_gm, self._install(owners), resume)
+        order = _layer_order(prepared)
+        self.layers = sorted(dict.fromkeys(
+            [*(name for names in owners.values() for name in names),
+             *(name for experts in expert_owners.values() for names in experts for name in names)]),
+            key=lambda name: order.get(name, (len(order), 0, 0)))
+        # in graph order, as the switch nodes: a layer's quantizer, on when one of `owners` is quantized; or a grouped
+        # projection's, one switch of every expert's, each expert on when one of its own layers is
+        self._switches: list[tuple[Any, frozenset[str] | list[frozenset[str]]]] = []
+        self._init_runs(float_gm, self._install(owners, expert_owners), resume)
 
-    def _install(self, owners: dict[str, set[str]]) -> list[fx.Node]:
+    def _install(self, owners: dict[str, set[str]], expert_owners: dict[str, list[set[str]]]) -> list[fx.Node]:
         graph = self.gm.graph
         nodes = []
         for index, node in enumerate(list(graph.nodes)):
             if node.meta.get(INSERTED_KEY) != "qdq":
                 continue
             name = f"qcore_switch_{index}"
+            experts = expert_owners.get(node.meta.get(_GROUP_KEY, ""))
+            if experts is not None and (node.op == "get_attr" or node.target is fake_quantize_per_expert):
+                if node.op == "get_attr":
+                    original = node.meta.get("qcore_float_weight")
+                    if original is None:
+                        continue
+                    switch_of_experts: Any = _ExpertsWeightSwitch(fetch_attr(self.gm, str(node.target)),
+                                                                  fetch_attr(self.gm, original))
+                    experts_args: tuple = ()
+                else:
+                    switch_of_experts, experts_args = _ExpertsSwitch(node.target, len(experts)), node.args
+                self.gm.add_submodule(name, switch_of_experts)
+                with graph.inserting_before(node):
+                    replacement = graph.call_module(name, experts_args)
+                replacement.meta.update(node.meta)
+                node.replace_all_uses_with(replacement)
+                graph.erase_node(node)
+                nodes.append(replacement)
+                self._switches.append((switch_of_experts, [frozenset(names) for names in experts]))
+                continue
+            if experts is not None:  # quantized otherwise (where read): on when any of its experts is
+                owners = {**owners, node.meta[_GROUP_KEY]: {name for names in experts for name in names}}
             if is_weight_value(node):
                 original = node.meta.get("qcore_float_weight")
                 if original is None:
@@ -233,10 +318,13 @@ class SwitchableModel(SwitchedRuns):
         chosen = set(quantized)
         majority = len(chosen) * 2 > len(self.layers)
         for switch, owners in self._switches:
-            switch.enabled = bool(owners & chosen) if owners else majority
+            if isinstance(owners, list):  # each expert's
+                switch.set_experts([bool(names & chosen) for names in owners])
+            else:
+                switch.enabled = bool(owners & chosen) if owners else majority
 
     def _switch_state(self) -> list[Any]:
-        return [switch.enabled for switch, _ in self._switches]
+        return [switch.on if isinstance(owners, list) else switch.enabled for switch, owners in self._switches]
 
 
 class FloatReference:
@@ -321,6 +409,37 @@ def _group_owners(prepared: fx.GraphModule) -> dict[str, set[str]]:
         touching += [u for u in output.users if u.meta.get(INSERTED_KEY) == "observer"]
         for observer in touching:
             owners.setdefault(str(observer.target), set()).add(op.layer)
+    return owners
+
+
+def _layer_order(prepared: fx.GraphModule) -> dict[str, tuple[int, int, int]]:
+    """{layer: its place} in graph order, a grouped capture's experts as the per-expert graph orders them: each
+    block's at its first projection's place, expert by expert, each expert's projections in the order they run."""
+    order: dict[str, tuple[int, int, int]] = {}
+    blocks: dict[str, tuple[int, int]] = {}  # block: (its first projection's place, projections so far)
+    for index, op in enumerate(find_quantizable_ops(prepared, grouped=True)):
+        if op.kind != "grouped_linear":
+            order.setdefault(op.layer, (index, 0, 0))
+            continue
+        first, seen = blocks.get(op.fqn, (index, 0))
+        blocks[op.fqn] = (first, seen + 1)
+        order.update({layer: (first, expert, seen) for expert, layer in enumerate(op.expert_layers)})
+    return order
+
+
+def _expert_owners(prepared: fx.GraphModule) -> dict[str, list[set[str]]]:
+    """{observer module name: for each expert, the layers whose rows, weight or output of that expert it observes}
+    of a grouped capture's projections (observers of every expert at once)."""
+    owners: dict[str, list[set[str]]] = {}
+    for op in find_quantizable_ops(prepared, grouped=True):
+        if op.kind != "grouped_linear":
+            continue
+        touching = [a for a in op.node.all_input_nodes if a.meta.get(INSERTED_KEY) == "observer"]
+        touching += [u for u in op.node.users if u.meta.get(INSERTED_KEY) == "observer"]
+        for observer in touching:
+            experts = owners.setdefault(str(observer.target), [set() for _ in op.expert_layers])
+            for names, layer in zip(experts, op.expert_layers, strict=True):
+                names.add(layer)
     return owners
 
 

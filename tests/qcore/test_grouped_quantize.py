@@ -359,3 +359,68 @@ def test_a_trial_takes_the_grouped_observers_state_its_experts_saw_without_a_cal
     quantized, expected = convert(taken), convert(fresh)
     for batch in data:
         assert torch.equal(logits_of(quantized(**batch)), logits_of(expected(**batch)))
+
+
+def _captures(architecture="qwen3_moe", **shape):
+    """(model, batches, the per-expert capture, the grouped capture) of a tiny MoE."""
+    model, data = tiny_moe(architecture, layers=2, experts=4, batch=4, n=4, **shape)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    return model, data, qcore.capture(model, data[0]), grouped
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "gpt_oss"])
+def test_the_equalization_variants_of_a_grouped_captures_experts_are_the_per_expert_captures(architecture):
+    """Each expert's input-weight equalization variant, measured on its projection's shadow with each expert's
+    factor, input qparams and divided weight, and its baseline: the per-expert graph's values, to the bit."""
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
+
+    _, data, per_expert, grouped = _captures(architecture)
+    plan = AnalysisPlan(measurements=frozenset({"sqnr", "equalization"}))
+    expected = ModelAnalysis(per_expert, qcore.Int8StaticQuantizer(), data, plan=plan)
+    found = ModelAnalysis(grouped, qcore.Int8StaticQuantizer(), data, plan=plan)
+    wanted = {layer: methods for layer, methods in expected.equalization_variants.items() if ".experts." in layer}
+    assert wanted
+    for layer, methods in wanted.items():
+        assert found.equalization_variants[layer] == methods, layer
+    assert found.context.rewrite_scales.keys() >= {key for key in expected.context.rewrite_scales if
+                                                    ".experts." in key[1]}
+
+
+def test_equalizing_experts_of_a_grouped_capture_rewrites_them_as_the_per_expert_capture():
+    """equalize() of expert layers (a glob, and one expert alone) on a grouped capture: each chosen expert's rows
+    scaled and its weight's columns divided, the float model's outputs those of the per-expert capture equalized
+    alike, and quantized, the same logits."""
+    from qcore.rewrites.equalize import equalize
+
+    _, data, per_expert, grouped = _captures()
+    layers = ["model.layers.0.mlp.experts.*.down_proj", "model.layers.1.mlp.experts.2.up_proj"]
+    a, b = equalize(per_expert, layers, data), equalize(grouped, layers, data)
+    for batch in data:
+        assert torch.equal(logits_of(a(**batch)), logits_of(b(**batch)))
+    (_, quantized_a), (_, quantized_b) = (_quantized(gm, qcore.Int8StaticQuantizer(), data) for gm in (a, b))
+    for batch in data:
+        assert torch.equal(logits_of(quantized_a(**batch)), logits_of(quantized_b(**batch)))
+
+
+def test_a_switchable_grouped_capture_switches_each_expert_as_the_per_expert_capture_does():
+    """The float_layers search's switchable model of a grouped capture: each expert's quantizers switched on and off
+    alone, the output SQNR the per-expert capture's for every set of layers in float, runs resumed part-way
+    included."""
+    from qcore.search.sensitivity import SwitchableModel
+
+    _, data, per_expert, grouped = _captures()
+    a, b = SwitchableModel(per_expert, data), SwitchableModel(grouped, data)
+    assert a.layers == b.layers
+    assert b._resumable.enabled
+    for model in (a, b):
+        model.quantize_only(model.layers)
+        model.record(data[:2])
+    for kept in (["model.layers.1.mlp.experts.2.down_proj"], ["model.layers.0.mlp.experts.1.gate_proj",
+                                                              "model.layers.0.mlp.experts.3.up_proj"],
+                 [layer for layer in a.layers if ".experts." in layer]):
+        values = []
+        for model in (a, b):
+            model.quantize_only([layer for layer in model.layers if layer not in kept])
+            values.append(model.run(data[:2]))
+        assert values[0] == values[1], kept
