@@ -20,9 +20,9 @@ dense model's; `median` and `per round`, the median and the range of that quotie
 table, each analysis's stages against its model's forward. `--checks sqnr,weight_sqnr,...` runs those checks instead
 of every default one: where among the checks the MoE's extra cost lies; `--tokens N` gives each batch row N tokens
 instead of the size's (an expert's share of the calibration grows with them). Last, the layers each detector's
-screen measured its fix on (a screen runs one more copy of each such layer in the comparison pass). `--grouped` adds
-the MoE captured with each projection of every expert one op (`experts_grouped()`) as a third model of the rounds,
-"grouped"; give it `--checks` the grouped capture measures as the per-expert one does (not the equalization checks).
+screen measured its fix on (a screen runs one more copy of each such layer in the comparison pass). The MoE's analysis
+captures its fused experts one op a projection, as the plugin's does; `--per-expert` adds the same MoE captured with
+one Linear per expert (`experts_grouped(False)`) as a third model of the rounds, "per-expert".
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
@@ -55,7 +55,7 @@ per-expert forms' values bit for bit on this machine: torch's grouped_mm against
 fake quantization per row with each row's expert's int8 qparams (qcore's per-channel kernel) against one per-tensor
 fake quantization per expert.
 
-    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N] [--grouped]]
+    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N] [--per-expert]]
                                    [--experts 8,32,64,128] [--capture] [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
                                    [--grouped-sqnr [--sizes tiny,small]]
@@ -203,16 +203,23 @@ def pair(size: str, tokens: int | None = None):
     return models[0], models[1], batches
 
 
-def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None = None, grouped: bool = False) -> None:
+def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None = None,
+         per_expert: bool = False) -> None:
     """The table of --cost: the two models measured in alternating rounds, so that the machine's drift (its speed
     moves by a tenth from minute to minute) falls on both alike; each figure the fastest of its rounds, and the
     spread of the per-round ratio beside it. Below it, where each analysis's time goes (its fastest round): the
     capture, the calibration and comparison passes, the fix searches' trials and the rest (graph building and
     reading the results), each against the model's forward, and the layers each detector's screen measured a fix
     on. `checks`: the checks run (default: every default check); `tokens`: tokens per batch row (default: the
-    size's); `grouped`: the MoE captured a third time with each projection of every expert one op
-    (qcore.graph.capture.experts_grouped), measured in the same rounds ("grouped")."""
+    size's); `per_expert`: the MoE analysed a third time captured with one Linear per expert
+    (experts_grouped(False)), measured in the same rounds ("per-expert"), beside the default analysis, which
+    captures the fused experts one op a projection."""
+    import contextlib
+
     from qcore.graph.capture import experts_grouped
+
+    def capture_form(name: str) -> contextlib.AbstractContextManager:
+        return experts_grouped(False) if name == "per-expert" else contextlib.nullcontext()
 
     print(f"checks: {','.join(checks) if checks else 'every default check'}"
           + (f"; {tokens} tokens a row" if tokens else ""))
@@ -221,20 +228,20 @@ def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None =
     splits, screens = [], []
     for size in sizes:
         moe, dense, batches = pair(size, tokens)
-        models = (("dense", dense), ("moe", moe), *((("grouped", moe),) if grouped else ()))
+        models = (("dense", dense), ("moe", moe), *((("per-expert", moe),) if per_expert else ()))
         forwards: dict[str, list[float]] = {name: [] for name, _ in models}
         analyses: dict[tuple[str, float], list[tuple[float, dict[str, float]]]] = {}
         items: dict[str, int] = {}
         failing: dict[tuple[str, float], int] = {}
         for name, model in models:  # the first analysis in a process pays its one-time costs: not measured
-            with experts_grouped(name == "grouped"):
+            with capture_form(name):
                 _analysis_seconds(model, batches, 0.0, checks)
         for _ in range(ROUNDS[size]):
             for name, model in models:
                 forwards[name].append(steady_forward_seconds(model, batches))
                 for budget in (0.0, 1.0):
                     screened: dict[str, int] = {}
-                    with experts_grouped(name == "grouped"):
+                    with capture_form(name):
                         seconds, items[name], failing[name, budget], stages = _analysis_seconds(
                             model, batches, budget, checks, screened)
                     analyses.setdefault((name, budget), []).append((seconds, stages))
@@ -540,7 +547,7 @@ def main() -> None:
         sizes = sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["tiny", "small"]
         cost(sizes, sys.argv[sys.argv.index("--checks") + 1].split(",") if "--checks" in sys.argv else None,
              int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else None,
-             grouped="--grouped" in sys.argv)
+             per_expert="--per-expert" in sys.argv)
         return
     tokens = routed_tokens()
     usable = {e: t for e, t in tokens.items() if len(t) >= 2 * COUNTS[-1]}

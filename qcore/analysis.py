@@ -31,7 +31,7 @@ from qcore.artifact import (
     BlockwiseArtifactError,
     tool_recipes,
 )
-from qcore.graph.capture import capture, clone_graph_module, graph_view
+from qcore.graph.capture import capture, clone_graph_module, experts_grouped, experts_grouping, graph_view
 from qcore.graph.deferred import deferred_parameters, materialized, read_rewritten_where_used
 from qcore.graph.experts import (
     ExpertLayer,
@@ -39,11 +39,12 @@ from qcore.graph.experts import (
     Router,
     compact_expert_layers,
     expert_layers,
+    fused_experts_modules,
     moe_blocks,
     routers,
 )
 from qcore.graph.inputs import call_model, move_to
-from qcore.graph.ops import QuantizableOp, find_quantizable_ops, last_layers, matches_layer
+from qcore.graph.ops import QuantizableOp, expert_views, find_quantizable_ops, last_layers, matches_layer
 from qcore.graph.rewritable import equalization_refusal
 from qcore.measure.blockwise import BlockwiseError, split_into_blocks
 from qcore.measure.diagnose import (
@@ -90,8 +91,9 @@ __all__ = ["LAYER_KINDS", "MEASUREMENTS", "NO_TOKEN_REASON", "AnalysisPlan", "Ar
            "ArtifactFix", "ArtifactGroup", "ArtifactMismatchError", "BlockwiseArtifactError", "BlockwiseError",
            "BlockwiseUnsupported", "ExpertLayer", "FixBudgetUse", "MoeBlock", "Router", "LayerSqnr", "ModelAnalysis",
            "OutputSqnr", "QuantizedLayer", "CapturedModel", "Screen", "SqnrMeasurement", "StageTimes", "VariantSqnr",
-           "analyze_model", "calibration_digest", "compact_expert_layers", "describe", "fix_budget_use",
-           "matches_layer", "measure_sqnr", "model_device", "move_to", "quantize_weights_where_read",
+           "analyze_model", "calibration_digest", "capture_for_analysis", "compact_expert_layers", "describe",
+           "expert_views", "experts_grouped", "groups_experts", "takes_grouped_capture",
+           "fix_budget_use", "matches_layer", "measure_sqnr", "model_device", "move_to", "quantize_weights_where_read",
            "quantized_layers", "smoothing_alpha", "split_into_blocks", "stage", "tool_recipes", "tracked",
            "trial_step", "trials_allowed", "variant_batches", "with_float_layers", "with_layer_overrides"]
 # the plugin reads qcore through this module, qcore itself, qcore.report and qcore.numeric only (an import-linter
@@ -916,6 +918,47 @@ def describe(value: Any) -> Any:
     return type(value).__qualname__
 
 
+def capture_for_analysis(model: nn.Module, example_inputs: Any, quantizer: Quantizer | None = None, *,
+                         name: str | None = None, grouped: bool = True) -> fx.GraphModule:
+    """`model` captured for its analysis under `quantizer`: with `grouped`, a model whose experts transformers
+    computes fused is captured with each projection of every expert as one op where its analysis measures that form
+    (groups_experts, then takes_grouped_capture); one Linear per expert otherwise, and always within
+    experts_grouped(False)."""
+    if grouped and groups_experts(model, quantizer):
+        with experts_grouped():
+            gm = capture(model, example_inputs, name=name)
+        if takes_grouped_capture(gm, quantizer):
+            return gm
+    with experts_grouped(False):
+        return capture(model, example_inputs, name=name)
+
+
+def groups_experts(model: nn.Module, quantizer: Quantizer | None = None) -> bool:
+    """Whether an analysis of `model` under `quantizer` captures its fused experts with each projection of every
+    expert as one op (experts_grouped): the per-expert capture's items and values, at a cost that follows the
+    model's compute rather than its expert count. Where every pass measures that form as it measures one Linear per
+    expert: qcore's own Int8StaticQuantizer (the default) with per-channel weights, on a model held whole in memory
+    (not offloaded); and not within experts_grouped(False)."""
+    quantizer = quantizer or Int8StaticQuantizer()
+    offloaded = getattr(model, "hf_device_map", None) or any(hasattr(module, "_hf_hook") for module in
+                                                             model.modules())
+    return experts_grouping() is not False and type(quantizer) is Int8StaticQuantizer and \
+        quantizer.per_channel and not offloaded and bool(fused_experts_modules(model))
+
+
+def takes_grouped_capture(gm: fx.GraphModule, quantizer: Quantizer | None = None) -> bool:
+    """Whether a grouped capture (groups_experts) is the one to analyse: torch.export captured it (an FX capture
+    is captured again one Linear per expert), and `quantizer` takes it (a layer override that gives one expert of a
+    projection other weight settings is refused)."""
+    if gm.meta.get("qcore_capture_method") != "export":
+        return False
+    try:
+        (quantizer or Int8StaticQuantizer()).annotate(graph_view(gm))  # read, never run
+    except ValueError:
+        return False
+    return True
+
+
 def analyze_model(model: nn.Module | fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
                   example_inputs: Any = None, equalize: Any = None, name: str | None = None) -> ModelAnalysis:
     """Capture `model` (unless it is a qcore graph) and return its analysis, with SQNR measured."""
@@ -923,7 +966,8 @@ def analyze_model(model: nn.Module | fx.GraphModule, batches: Iterable[Any], qua
     if not isinstance(model, fx.GraphModule):
         if not batches and example_inputs is None:
             raise ValueError("analyze_model needs at least one calibration batch")
-        model = capture(model, batches[0] if example_inputs is None else example_inputs, name=name)
+        model = capture_for_analysis(model, batches[0] if example_inputs is None else example_inputs, quantizer,
+                                     name=name)
     analysis = ModelAnalysis(model, quantizer, batches, equalize=equalize)
     analysis.sqnr  # noqa: B018 - measure now, so that errors surface here
     return analysis

@@ -360,7 +360,7 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     (settings.quantized), match the quantized model's layers with the reference's instead (`group`: the
     artifact_group it is measured with). Errors propagate to the caller."""
     import qcore
-    from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.analysis import AnalysisPlan, ModelAnalysis, experts_grouped, groups_experts, takes_grouped_capture
 
     if settings.quantized is not None:
         return collect_artifact(name, settings, registry, model, quantized, group)
@@ -372,7 +372,15 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     if settings.device is not None:
         model, example_inputs = on_device(name, settings.device, model, example_inputs)
     with quiet_torch_trace_log(), tracked() as times:
-        float_gm = qcore.capture(model, example_inputs, name=name)
+        # an MoE model's fused experts as one op a projection, where its analysis measures that form; not for a
+        # large model, whose weights are quantized where read, nor on another device than the CPU's
+        grouped = settings.device in (None, "cpu") and groups_experts(model, quantizer) and \
+            estimated_analysis_bytes(model)[0] < LARGE_MODEL_BYTES
+        with experts_grouped(grouped):
+            float_gm = qcore.capture(model, example_inputs, name=name)
+        if grouped and not takes_grouped_capture(float_gm, quantizer):
+            with experts_grouped(False):
+                float_gm = qcore.capture(model, example_inputs, name=name)
     _check_globs(name, settings, quantizer, float_gm)
     analysis = ModelAnalysis(float_gm, quantizer, equalize=settings.equalize,
                              blockwise=False if settings.blockwise == "auto" else settings.blockwise)
@@ -509,9 +517,9 @@ def _check_globs(name: str, settings: ModelSettings, quantizer: Any, float_gm: A
     """A layer glob that matches no layer is a typo or a stale name: say so, with the layer names. Checked for
     layers, skip_layers, float_layers, layer_formats, equalize's layers and the quantizer's own layer_overrides."""
     import qcore
-    from qcore.analysis import matches_layer
+    from qcore.analysis import expert_views, matches_layer
 
-    ops = qcore.find_quantizable_ops(float_gm)
+    ops = [*qcore.find_quantizable_ops(float_gm), *expert_views(float_gm)]  # a grouped projection's experts too
     given = {"layers": settings.layers, "skip_layers": settings.skip_layers, "float_layers": settings.float_layers,
              "layer_formats": list(settings.layer_formats or ()),
              "equalize": list(settings.equalize) if isinstance(settings.equalize, (list, tuple)) else [],

@@ -29,6 +29,7 @@ from qcore.graph.ops import FQN_KEY, HANDLE_KEY, normalize_module_path
 from qcore.runtime.progress import stage
 
 __all__ = ["CaptureError", "annotate_fqns_and_handles", "capture", "clone_graph_module", "experts_grouped",
+           "experts_grouping",
            "graph_view", "module_fqn"]
 
 
@@ -71,7 +72,7 @@ def _capture(model: nn.Module, example_inputs: Any, name: str | None, method: st
     if method not in ("auto", "export", "fx"):
         raise ValueError(f"capture method must be 'auto', 'export' or 'fx', not {method!r}")
     export_error: BaseException | None = None
-    grouped = _EXPERTS_GROUPED.get()
+    grouped = bool(_EXPERTS_GROUPED.get())
     with _experts_held(model, grouped) as experts_record:
         try:
             try:
@@ -121,7 +122,13 @@ def _capture(model: nn.Module, example_inputs: Any, name: str | None, method: st
     return gm
 
 
-_EXPERTS_GROUPED: contextvars.ContextVar[bool] = contextvars.ContextVar("qcore_experts_grouped", default=False)
+# None: not said (a capture keeps one Linear per expert; an analysis's capture chooses: capture_for_analysis)
+_EXPERTS_GROUPED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("qcore_experts_grouped", default=None)
+
+
+def experts_grouping() -> bool | None:
+    """What the experts_grouped() open here says: True, False, or None where none is open."""
+    return _EXPERTS_GROUPED.get()
 
 
 @contextlib.contextmanager

@@ -176,8 +176,8 @@ def moe():
     return tiny_moe("qwen3_moe", layers=2, experts=8, width=64)[0]
 
 
-# static int8: its output search and its sensitivity ranking both stop at the fix budget
-@qmodel(calibration="tokens")
+# static int8, its fix searches given twice its verdict pass's graph runs: its output search measures a fix
+@qmodel(calibration="tokens", fix_budget=2)
 def deepseek():
     return tiny_moe("deepseek_v3", layers=2, experts=8)[0]
 """

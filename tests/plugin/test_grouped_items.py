@@ -1,5 +1,6 @@
-"""The plugin's items of an MoE model captured with each projection of every expert as one op (a grouped capture)
-are the items of the same model captured one layer per expert: the same names, verdicts, values and messages for
+"""The plugin captures an MoE model's fused experts with each projection of every expert as one op (a grouped
+capture) where its analysis measures that form, and its items are the items of the same model captured one layer per
+expert: the same names, verdicts, values and messages for
 every default check, the detectors' screens, the equalization variants, the fix trials and the float_layers
 search on experts included, with the verdicts alone and with searches run to their end. (Within a finite fix budget
 a search may stop elsewhere: a run resumed part-way counts the share of the graph's nodes it computes, and the two
@@ -8,6 +9,7 @@ import pytest
 
 from pytest_qreport.checks import BUILTIN_CHECKS
 from qcore.graph.capture import experts_grouped
+from qcore.graph.grouped import find_grouped_ops
 from tests.helpers import analyze_with_checks
 from tests.models import tiny_moe
 
@@ -25,9 +27,11 @@ def test_a_grouped_capture_gives_the_per_expert_captures_items(architecture, fix
     settings = dict(checks=DEFAULT_CHECKS, fix_budget=fix_budget, outlier_min_gain_db=0.0,
                     dynamic_static_min_gain_db=0.0,
                     check_options={"dynamic_static": {"tolerance": 0.9}, "outlier": {"ratio_threshold": 1.5}})
-    per_expert, _ = analyze_with_checks(lambda: model, batches, **settings)
-    with experts_grouped():
-        grouped, analysis = analyze_with_checks(lambda: model, batches, **settings)
+    with experts_grouped(False):
+        per_expert, analysis = analyze_with_checks(lambda: model, batches, **settings)
+    assert not find_grouped_ops(analysis.float_gm)
+    grouped, analysis = analyze_with_checks(lambda: model, batches, **settings)  # the plugin's default
+    assert find_grouped_ops(analysis.float_gm), "the plugin captures fused experts one op a projection"
     assert analysis.expert_layers, "the grouped capture names its experts' layers"
     assert grouped.keys() == per_expert.keys()
     experts = [key for key in per_expert if ".experts." in key[1]]
@@ -41,3 +45,15 @@ def test_a_grouped_capture_gives_the_per_expert_captures_items(architecture, fix
         found = grouped[key]
         assert (found.verdict, found.message) == (expected.verdict, expected.message), key
         assert found.value == expected.value or (found.value != found.value and expected.value != expected.value), key
+
+
+def test_the_plugin_captures_experts_one_linear_each_where_the_analysis_does_not_measure_the_grouped_form():
+    """A format (its fix searches give experts of one projection different formats), per-tensor weights (the
+    per-channel fix changes one expert's), and a layer override the grouped form refuses: one Linear per expert,
+    with the items of the per-expert capture."""
+    model, batches = tiny_moe("qwen3_moe", layers=1, experts=4, n=3)
+    for settings in ({"quantizer": "W4A16"}, {"quantizer": "int8", "layer_overrides": {
+            "model.layers.0.mlp.experts.1.down_proj": {"per_channel": False}}}):
+        _, analysis = analyze_with_checks(lambda: model, batches, checks=["sqnr"], **settings)
+        assert not find_grouped_ops(analysis.float_gm), settings
+        assert "model.layers.0.mlp.experts.1.down_proj" in analysis.expert_layers
