@@ -135,8 +135,8 @@ def experts_grouping() -> bool | None:
 def experts_grouped(enabled: bool = True) -> Iterator[None]:
     """Within the block, a capture computes each projection of every expert of a fused experts block as one
     grouped_linear node (qcore.graph.experts.grouped_experts), not one Linear per expert: the form a graph measuring
-    a projection's experts as one op is captured in. The analysis takes it but for the equalization variants and
-    rewrites and the float_layers search, which measure no expert of it yet: it is not the default."""
+    a projection's experts as one op is captured in (qcore.analysis.capture_for_analysis chooses it where the analysis
+    measures that form). enabled=False: one Linear per expert, whatever an analysis's capture would choose."""
     token = _EXPERTS_GROUPED.set(enabled)
     try:
         yield

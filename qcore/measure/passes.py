@@ -273,11 +273,18 @@ def _screen_copies(float_gm: fx.GraphModule, batches: list[Any], quantizer: Quan
     """(screen name, {layer: change}, its quantized copy to shadow) of each screen that names layers; a copy shares
     the weights `quant_gm` (the model's) quantized as it does."""
     found = []
+    projection_of = {layer: op.layer for op in find_grouped_ops(float_gm) for layer in op.layers}
     for screen in screens:
         try:
             changes = {layer: dict(change) for layer, change in screen.candidates(reports).items()}
             if changes:
-                quantized = quantize_for_screen(float_gm, batches, quantizer or Int8StaticQuantizer(), changes, kept,
+                # a grouped projection's copy takes every change the screen may make to its experts: its observers
+                # of every expert are then those the calibration pass ran ahead (ObserversAhead), and each changed
+                # expert's shadow is what it is alone (an expert's quantization reads its own rows only)
+                touched = {projection_of[layer] for layer in changes if layer in projection_of}
+                copied = {**{layer: dict(change) for layer, change in screen.ahead.items()
+                             if projection_of.get(layer) in touched}, **changes}
+                quantized = quantize_for_screen(float_gm, batches, quantizer or Int8StaticQuantizer(), copied, kept,
                                                 quant_gm)
                 found.append((screen.name, changes, ExtraShadows(quantized, set(changes))))
         except Exception:  # noqa: BLE001 - a screen only saves a trial: its advice then runs the trial, which reports

@@ -33,14 +33,20 @@ def _run_extremes(x: torch.Tensor, counts: torch.Tensor, per_channel: bool) -> t
     """Each expert's least and greatest value over its run of rows ([E], or [E, C] per column with `per_channel`);
     +inf and -inf for an expert whose run is empty (a NaN stays)."""
     rows = x.detach().reshape(x.shape[0], -1)
-    if not per_channel:  # each row's extremes first: the segment reduction then runs over a vector
-        rows_low, rows_high = rows.amin(dim=1), rows.amax(dim=1)
+    if not per_channel:  # each row's extremes first: the reduction by expert then runs over a vector
+        rows_low, rows_high = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
     else:
         rows_low = rows_high = rows
-    lengths = counts.to(torch.long)
-    low = torch.segment_reduce(rows_low.float(), "min", lengths=lengths, axis=0, unsafe=True)
-    high = torch.segment_reduce(rows_high.float(), "max", lengths=lengths, axis=0, unsafe=True)
-    return low, high
+    # a scatter by each row's expert: a tenth of segment_reduce's time along the rows of a matrix on the CPU, and no
+    # host read (the rows' count is known); NaN propagates as amin/amax propagate it
+    experts = torch.arange(counts.shape[0], device=rows.device)
+    expert_of_row = rows_of_experts(experts, counts.to(rows.device), rows.shape[0])[:, None].expand(
+        -1, rows_low.shape[1])
+    shape = (counts.shape[0], rows_low.shape[1])
+    low = torch.full(shape, math.inf, device=rows.device).scatter_reduce_(0, expert_of_row, rows_low.float(), "amin")
+    high = torch.full(shape, -math.inf, device=rows.device).scatter_reduce_(0, expert_of_row, rows_high.float(),
+                                                                           "amax")
+    return (low, high) if per_channel else (low.squeeze(1), high.squeeze(1))
 
 
 class ExpertsObserver(ObserverBase):

@@ -95,6 +95,13 @@ class ModelReport:
                 observer = point[DETECTOR_OBS_TO_INSERT_KEY]
                 if DETECTOR_EXPERT_KEY in point:  # one expert of a grouped projection: gathered below
                     expert, counts = point[DETECTOR_EXPERT_KEY]
+                    if isinstance(observer, ReportObserver):  # shared as a layer's are (gate and up read one row)
+                        candidates = shared.setdefault((observed, point[DETECTOR_IS_POST_OBS_KEY], counts, expert), [])
+                        existing = next((o for o in candidates if _merge(o, observer)), None)
+                        if existing is not None:
+                            self._model.add_submodule(name, existing)  # an alias for the detector to find
+                            continue
+                        candidates.append(observer)
                     key = (observed, point[DETECTOR_IS_POST_OBS_KEY], counts, point[DETECTOR_TARGET_NODE_KEY])
                     by_experts.setdefault(key, []).append((name, expert, observer))
                     continue
