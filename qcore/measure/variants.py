@@ -375,15 +375,11 @@ class ScaledWeightQuantizer(nn.Module):
 def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, index: int) -> str:
     """Copy the quantized layer into the float graph with the variant's input factor, input qparams and weight,
     and compare it with the float layer; else the reason it cannot be."""
-    gm_a, prefix = graph.gm, graph.prefix
-    quant_input = pair.b.node.args[0]
-    quant_weight = pair.b.node.args[1] if len(pair.b.node.args) > 1 else None
-    if not (is_inserted(quant_input) and quant_input.target is fake_quantize_per_tensor) or \
-            not is_weight_value(quant_weight):
-        return "its quantized input or weight is not in the form a variant can replace"
-    copies: dict[fx.Node, fx.Node] = {}
-    result = copy_layer_into(gm_a, pair.a, pair.b, prefix, copies, known=graph.float_nodes())
-    input_copy = copies[quant_input]
+    gm_a = graph.gm
+    copied = _layer_copy(graph, pair, 1, fake_quantize_per_tensor)
+    if isinstance(copied, str):
+        return copied
+    result, copies, input_copy, weight_copy = copied
     base = f"qcore_variant_{index}"
     gm_a.register_buffer(f"{base}_factor", variant.extras["factor"])
     made = variant.extras["weight"]()
@@ -403,7 +399,6 @@ def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, in
             scaled = gm_a.graph.call_function(torch.mul, (input_copy.args[0], factor))
         input_copy.args = (scaled, *qparams)
     scaled.meta[INSERTED_KEY] = "shadow"
-    weight_copy = copies[quant_weight]
     with gm_a.graph.inserting_before(weight_copy):
         if isinstance(made, ScaledWeightQuantizer):
             gm_a.add_submodule(f"{base}_weight", made)
@@ -411,14 +406,35 @@ def add_variant_shadow(graph: ShadowGraph, pair: LayerPair, variant: Variant, in
         else:
             gm_a.register_buffer(f"{base}_weight", made)
             weight_node = gm_a.graph.get_attr(f"{base}_weight")
+    _read_instead(gm_a, weight_copy, weight_node)
+    variant.comparator = StreamingComparator()
+    attach_after(gm_a, result, f"{base}_compare", variant.comparator, graph.references[variant.layer])
+    return ""
+
+
+def _layer_copy(graph: ShadowGraph, pair: LayerPair, weight_arg: int, input_quantization: Any
+                ) -> tuple[fx.Node, dict[fx.Node, fx.Node], fx.Node, fx.Node] | str:
+    """The quantized layer copied into the float graph, for a variant to change: (its result, {quantized graph's
+    node: its copy}, the copies of its input quantization and of its weight), when its input is quantized by
+    `input_quantization` and its weight (argument `weight_arg`) is a value; else why a variant cannot replace them."""
+    quant_input = pair.b.node.args[0]
+    quant_weight = pair.b.node.args[weight_arg] if len(pair.b.node.args) > weight_arg else None
+    if not (is_inserted(quant_input) and quant_input.target is input_quantization) or \
+            not is_weight_value(quant_weight):
+        return "its quantized input or weight is not in the form a variant can replace"
+    copies: dict[fx.Node, fx.Node] = {}
+    result = copy_layer_into(graph.gm, pair.a, pair.b, graph.prefix, copies, known=graph.float_nodes())
+    return result, copies, copies[quant_input], copies[quant_weight]
+
+
+def _read_instead(gm: fx.GraphModule, weight_copy: fx.Node, weight_node: fx.Node) -> None:
+    """The variant's weight read where the copied layer read its quantized weight, which is erased (with what only
+    it read)."""
     weight_node.meta[INSERTED_KEY] = "shadow"
     weight_copy.replace_all_uses_with(weight_node)
     for node in [weight_copy, *weight_copy.all_input_nodes]:  # the quantized graph's weight, read no more
         if not node.users:
-            gm_a.graph.erase_node(node)
-    variant.comparator = StreamingComparator()
-    attach_after(gm_a, result, f"{base}_compare", variant.comparator, graph.references[variant.layer])
-    return ""
+            gm.graph.erase_node(node)
 
 
 def rewrite_scales(variants: list[Variant]) -> dict[tuple[str, str], tuple[float | None, torch.Tensor]]:
@@ -584,15 +600,11 @@ def grouped_variants_of(variants: Iterable[Variant]) -> list[GroupedVariant]:
 def add_grouped_variant_shadow(graph: ShadowGraph, pair: LayerPair, grouped: GroupedVariant, index: int) -> str:
     """Copy the quantized grouped projection into the float graph with each expert's factor on its rows, its input
     qparams and the divided weight, compared with the float projection expert by expert; else why it cannot be."""
-    gm_a, prefix = graph.gm, graph.prefix
-    quant_input = pair.b.node.args[0]
-    quant_weight = pair.b.node.args[2] if len(pair.b.node.args) > 2 else None
-    if not (is_inserted(quant_input) and quant_input.target is fake_quantize_per_expert) or \
-            not is_weight_value(quant_weight):
-        return "its quantized input or weight is not in the form a variant can replace"
-    copies: dict[fx.Node, fx.Node] = {}
-    result = copy_layer_into(gm_a, pair.a, pair.b, prefix, copies, known=graph.float_nodes())
-    input_copy = copies[quant_input]
+    gm_a = graph.gm
+    copied = _layer_copy(graph, pair, 2, fake_quantize_per_expert)
+    if isinstance(copied, str):
+        return copied
+    result, copies, input_copy, weight_copy = copied
     counts = input_copy.args[1]
     base = f"qcore_grouped_variant_{index}"
     for name, value in (("factor", grouped.factor), ("scale", grouped.scale.float()),
@@ -611,14 +623,8 @@ def add_grouped_variant_shadow(graph: ShadowGraph, pair: LayerPair, grouped: Gro
     copies[pair.b.node].replace_input_with(input_copy, requantized)
     for node in (factor, rows, scaled, scale, zero_point, requantized):
         node.meta[INSERTED_KEY] = "shadow"
-    weight_copy = copies[quant_weight]
     with gm_a.graph.inserting_before(weight_copy):
-        weight_node = gm_a.graph.get_attr(f"{base}_weight")
-    weight_node.meta[INSERTED_KEY] = "shadow"
-    weight_copy.replace_all_uses_with(weight_node)
-    for node in [weight_copy, *weight_copy.all_input_nodes]:  # the quantized graph's weight, read no more
-        if not node.users:
-            gm_a.graph.erase_node(node)
+        _read_instead(gm_a, weight_copy, gm_a.graph.get_attr(f"{base}_weight"))
     if not input_copy.users:  # the model's input quantization, read no more
         for node in [input_copy, *input_copy.all_input_nodes]:
             if not node.users and node.op in ("call_function", "get_attr") and node is not counts:

@@ -277,13 +277,7 @@ class SwitchableModel(SwitchedRuns):
                     experts_args: tuple = ()
                 else:
                     switch_of_experts, experts_args = _ExpertsSwitch(node.target, len(experts)), node.args
-                self.gm.add_submodule(name, switch_of_experts)
-                with graph.inserting_before(node):
-                    replacement = graph.call_module(name, experts_args)
-                replacement.meta.update(node.meta)
-                node.replace_all_uses_with(replacement)
-                graph.erase_node(node)
-                nodes.append(replacement)
+                nodes.append(self._replace(node, name, switch_of_experts, experts_args))
                 self._switches.append((switch_of_experts, [frozenset(names) for names in experts]))
                 continue
             if experts is not None:  # quantized otherwise (where read): on when any of its experts is
@@ -300,17 +294,22 @@ class SwitchableModel(SwitchedRuns):
                     switch, args = _WhereReadWeightSwitch(node.target, fetch_attr(self.gm, original)), node.args
             else:
                 switch, args = _Switch(node.target), node.args
-            self.gm.add_submodule(name, switch)
-            with graph.inserting_before(node):
-                replacement = graph.call_module(name, args)
-            replacement.meta.update(node.meta)
-            node.replace_all_uses_with(replacement)
-            graph.erase_node(node)
-            nodes.append(replacement)
+            nodes.append(self._replace(node, name, switch, args))
             self._switches.append((switch, frozenset(owners.get(node.meta.get(_GROUP_KEY, ""), ()))))
         graph.lint()
         self.gm.recompile()
         return nodes
+
+    def _replace(self, node: fx.Node, name: str, switch: nn.Module, args: tuple) -> fx.Node:
+        """`node` (a quantization) replaced by a call of `switch`, held as submodule `name`, on `args`."""
+        graph = self.gm.graph
+        self.gm.add_submodule(name, switch)
+        with graph.inserting_before(node):
+            replacement = graph.call_module(name, args)
+        replacement.meta.update(node.meta)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        return replacement
 
     def quantize_only(self, quantized: Iterable[str]) -> None:
         """Switch on the quantizers of `quantized` layers only (a quantizer shared by several layers is on
