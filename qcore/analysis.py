@@ -44,7 +44,14 @@ from qcore.graph.experts import (
     routers,
 )
 from qcore.graph.inputs import call_model, move_to
-from qcore.graph.ops import QuantizableOp, expert_views, find_quantizable_ops, last_layers, matches_layer
+from qcore.graph.ops import (
+    QuantizableOp,
+    expert_views,
+    find_quantizable_ops,
+    last_layers,
+    layer_places,
+    matches_layer,
+)
 from qcore.graph.rewritable import equalization_refusal
 from qcore.measure.blockwise import BlockwiseError, split_into_blocks
 from qcore.measure.diagnose import (
@@ -126,11 +133,9 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
     (quantizer or Int8StaticQuantizer()).annotate(annotated)
     layers: list[QuantizedLayer] = []
     layer_preset = getattr(quantizer, "layer_preset", None)
-    experts: dict[str, tuple[str, int, int]] = {}  # expert layer: (block, expert, its projection's place)
-    for op in find_quantizable_ops(annotated, grouped=True):
+    ops = find_quantizable_ops(annotated, grouped=True)
+    for op in ops:
         if op.kind == "grouped_linear":
-            place = sum(1 for entry in experts.values() if entry[0] == op.fqn and entry[1] == 0)
-            experts.update({layer: (op.fqn, expert, place) for expert, layer in enumerate(op.expert_layers)})
             layers.extend(_grouped_quantized_layers(op, layer_preset))
             continue
         annotation = op.node.meta.get(ANNOTATION_KEY)
@@ -156,23 +161,8 @@ def quantized_layers(float_gm: fx.GraphModule, quantizer: Quantizer | None = Non
             clipping=bool(getattr(activation, "clips_outliers", False)),
             equalizable=candidate and not refusal, equalization_refusal=refusal if candidate else "",
             format=chosen.name if chosen is not None else "int8"))
-    return _in_per_expert_order(layers, experts)
-
-
-def _in_per_expert_order(layers: list[QuantizedLayer], experts: Mapping[str, tuple[str, int, int]]
-                         ) -> list[QuantizedLayer]:
-    """`layers` with a grouped capture's expert layers in the per-expert graph's order: each block's in the places
-    its projections hold, expert by expert, each expert's projections in the order they compute."""
-    places: dict[str, list[int]] = {}
-    for index, entry in enumerate(layers):
-        if entry.layer in experts:
-            places.setdefault(experts[entry.layer][0], []).append(index)
-    ordered = list(layers)
-    for indices in places.values():
-        members = sorted((layers[index] for index in indices), key=lambda entry: experts[entry.layer][1:])
-        for index, entry in zip(indices, members, strict=True):
-            ordered[index] = entry
-    return ordered
+    places = layer_places(ops)  # a grouped capture's experts as the per-expert graph orders them
+    return sorted(layers, key=lambda entry: places[entry.layer])
 
 
 def _grouped_quantized_layers(op: QuantizableOp, layer_preset: Any) -> list[QuantizedLayer]:

@@ -16,7 +16,7 @@ from torch import fx
 __all__ = ["EXPERTS_KEY", "FQN_KEY", "HANDLE_KEY", "INSERTED_KEY", "LAYER_NAME_KEY", "QUANTIZABLE_KINDS",
            "QuantizableOp", "WEIGHTED_KINDS", "aten", "expert_views", "fetch_attr", "few_named", "find_quantizable_ops",
            "fused_output",
-           "is_inserted", "observation_point",
+           "is_inserted", "layer_places", "observation_point",
            "last_layers", "LayerPatterns", "layer_patterns",
            "matches_layer", "op_kind", "original_input", "QUANTIZED_WHERE_READ_KEY", "REWRITTEN_KEY",
            "WEIGHT_VIEWS", "is_weight_value", "may_change_after", "normalize_module_path", "op_schema", "viewed_value",
@@ -230,6 +230,22 @@ def last_layers(gm: fx.GraphModule, layers: Iterable[str]) -> list[str]:
         if reaching:
             found.add(reaching[-1])
     return [op.layer for op in ops if op.layer in found]
+
+
+def layer_places(ops: Iterable[QuantizableOp]) -> dict[str, tuple[int, int, int]]:
+    """{layer: its place} of `ops` (find_quantizable_ops(gm, grouped=True), in graph order), sorting as the per-expert
+    graph orders its layers: a grouped capture's expert layers at their block's first projection, expert by expert,
+    each expert's projections in the order they run."""
+    places: dict[str, tuple[int, int, int]] = {}
+    blocks: dict[str, tuple[int, int]] = {}  # block: (its first projection's place, projections so far)
+    for index, op in enumerate(ops):
+        if op.kind != "grouped_linear":
+            places.setdefault(op.layer, (index, 0, 0))
+            continue
+        first, seen = blocks.get(op.fqn, (index, 0))
+        blocks[op.fqn] = (first, seen + 1)
+        places.update({layer: (first, expert, seen) for expert, layer in enumerate(op.expert_layers)})
+    return places
 
 
 def expert_views(gm: fx.GraphModule) -> list[QuantizableOp]:

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from qcore.graph.capture import clone_graph_module
 from qcore.graph.inputs import call_model, move_to
-from qcore.graph.ops import INSERTED_KEY, fetch_attr, find_quantizable_ops, is_weight_value
+from qcore.graph.ops import INSERTED_KEY, fetch_attr, find_quantizable_ops, is_weight_value, layer_places
 from qcore.measure.screens import screened_ladder, screened_within_budget, shortest_head
 from qcore.numeric.metrics import signal_and_noise, sqnr_from_sums
 from qcore.observe.segmented import fake_quantize_per_expert
@@ -249,7 +249,7 @@ class SwitchableModel(SwitchedRuns):
         self.gm = convert(prepared)
         restore_model_state(self.gm, float_gm)
         self.float_gm = float_gm
-        order = _layer_order(prepared)
+        order = layer_places(find_quantizable_ops(prepared, grouped=True))
         self.layers = sorted(dict.fromkeys(
             [*(name for names in owners.values() for name in names),
              *(name for experts in expert_owners.values() for names in experts for name in names)]),
@@ -409,21 +409,6 @@ def _group_owners(prepared: fx.GraphModule) -> dict[str, set[str]]:
         for observer in touching:
             owners.setdefault(str(observer.target), set()).add(op.layer)
     return owners
-
-
-def _layer_order(prepared: fx.GraphModule) -> dict[str, tuple[int, int, int]]:
-    """{layer: its place} in graph order, a grouped capture's experts as the per-expert graph orders them: each
-    block's at its first projection's place, expert by expert, each expert's projections in the order they run."""
-    order: dict[str, tuple[int, int, int]] = {}
-    blocks: dict[str, tuple[int, int]] = {}  # block: (its first projection's place, projections so far)
-    for index, op in enumerate(find_quantizable_ops(prepared, grouped=True)):
-        if op.kind != "grouped_linear":
-            order.setdefault(op.layer, (index, 0, 0))
-            continue
-        first, seen = blocks.get(op.fqn, (index, 0))
-        blocks[op.fqn] = (first, seen + 1)
-        order.update({layer: (first, expert, seen) for expert, layer in enumerate(op.expert_layers)})
-    return order
 
 
 def _expert_owners(prepared: fx.GraphModule) -> dict[str, list[set[str]]]:
