@@ -372,10 +372,9 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
     if settings.device is not None:
         model, example_inputs = on_device(name, settings.device, model, example_inputs)
     with quiet_torch_trace_log(), tracked() as times:
-        # an MoE model's fused experts as one op a projection, where its analysis measures that form; not for a
-        # large model, whose weights are quantized where read, nor on another device than the CPU's
-        grouped = settings.device in (None, "cpu") and groups_experts(model, quantizer) and \
-            estimated_analysis_bytes(model)[0] < LARGE_MODEL_BYTES
+        # an MoE model's fused experts as one op a projection, where its analysis measures that form; not on another
+        # device than the CPU's
+        grouped = settings.device in (None, "cpu") and groups_experts(model, quantizer)
         with experts_grouped(grouped):
             float_gm = qcore.capture(model, example_inputs, name=name)
         if grouped and not takes_grouped_capture(float_gm, quantizer):

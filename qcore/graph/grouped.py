@@ -115,9 +115,11 @@ def find_grouped_ops(gm: fx.GraphModule) -> list[GroupedOp]:
         bias = node.args[3] if len(node.args) > 3 else None
         while weight.meta.get("qcore_inserted") == "observer" and weight.args:  # a prepared graph's weight observer
             weight = weight.args[0]
-        # a converted graph's weight is its quantized copy, which names the float one
-        target = str(weight.meta.get("qcore_float_weight", weight.target))
-        block, _, attribute = target.rpartition(".") if weight.op == "get_attr" else ("", "", "")
+        # a converted graph's weight is its quantized copy, or its quantization where read, which names the float one
+        float_weight = weight.meta.get("qcore_float_weight")
+        target = str(float_weight if float_weight is not None else weight.target)
+        block, _, attribute = target.rpartition(".") if weight.op == "get_attr" or float_weight is not None else (
+            "", "", "")
         value = weight.meta.get("val")
         if not attribute.startswith(GROUPED_PREFIX) or value is None:
             raise ValueError(f"{node.name} reads {weight.name}, not a grouped projection's weight of the capture")

@@ -31,7 +31,12 @@ from qcore.observe.qparams import (
     fake_quantize_per_tensor,
     row_slices,
 )
-from qcore.observe.segmented import ExpertsObserver, SegmentedMinMaxObserver, fake_quantize_per_expert
+from qcore.observe.segmented import (
+    ExpertsObserver,
+    SegmentedMinMaxObserver,
+    fake_quantize_experts_where_read,
+    fake_quantize_per_expert,
+)
 from qcore.quantization.convert import fake_quantize_with, weights_quantized_where_read
 from qcore.quantization.quantizer import ANNOTATION_KEY
 from qcore.report import InputWeightEqualizationDetector, ReportObserver
@@ -475,8 +480,11 @@ class GroupedVariant:
     factor: torch.Tensor  # [E, in]
     scale: torch.Tensor  # [E]: each expert's input qparams with its factor
     zero_point: torch.Tensor
-    weight: torch.Tensor  # [E, out, in], quantized
+    # [E, out, in], quantized; or, where weights are quantized where read, its qparams (scale, zero point), with
+    # which the float weight divided by the factors is quantized each time the shadow reads it
+    weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     requantize: bool
+    weight_range: tuple[int, int]  # the weight's quant_min and quant_max
     experts: dict[int, Variant] = field(default_factory=dict)
     comparator: ExpertsComparator | None = None
     _results: list[dict[str, float]] | None = field(default=None, repr=False)
@@ -497,6 +505,15 @@ class _ExpertVariantResult:
 
     def result(self) -> dict[str, float]:
         return self.grouped.result(self.expert)
+
+
+def fake_quantize_divided_experts(weight: torch.Tensor, factor: torch.Tensor, scale: torch.Tensor,
+                                  zero_point: torch.Tensor, quant_min: int, quant_max: int) -> torch.Tensor:
+    """A grouped projection's float [E, out, in] weight with each expert's columns divided by its factor ([E, in]),
+    fake-quantized with each expert's qparams: a GroupedVariant's weight where it is read (no copy held)."""
+    with torch.no_grad():
+        divided = elementwise(torch.div, weight, factor.to(weight.dtype)[:, None, :])
+        return fake_quantize_experts_where_read(divided, scale, zero_point, quant_min, quant_max)
 
 
 def plan_grouped_variants(prepared: fx.GraphModule, op: QuantizableOp, wanted: Iterable[int], observer: Any,
@@ -548,12 +565,16 @@ def plan_grouped_variants(prepared: fx.GraphModule, op: QuantizableOp, wanted: I
                                                           input_observer.quant_max, input_observer.symmetric,
                                                           input_observer.eps)
         fresh = fresh_copy(weight_observer)
+        where_read = weights_quantized_where_read()  # a large model: quantized from the float weight where read
         with torch.no_grad():
-            divided = weight / factors.to(weight.dtype)[:, None, :]
+            column_factors = factors.to(weight.dtype)[:, None, :]
+            # where read, the divided copy is only observed: a reused buffer, not fresh pages for each variant
+            divided = elementwise(torch.div, weight, column_factors) if where_read else weight / column_factors
             fresh.observe_constant(divided)
-            quantized = fresh.fake_quantize_weight(divided)
+            quantized = fresh.calculate_qparams() if where_read else fresh.fake_quantize_weight(divided)
+            del divided
         made[method] = GroupedVariant(op, method, factors.to(weight.dtype), input_scale, input_zero_point, quantized,
-                                      requantize)
+                                      requantize, (fresh.quant_min, fresh.quant_max))
     for expert in measured:
         identity = None
         if "identity" in made:
@@ -607,8 +628,11 @@ def add_grouped_variant_shadow(graph: ShadowGraph, pair: LayerPair, grouped: Gro
     result, copies, input_copy, weight_copy = copied
     counts = input_copy.args[1]
     base = f"qcore_grouped_variant_{index}"
+    where_read = isinstance(grouped.weight, tuple)
+    weights = (("weight_scale", grouped.weight[0]), ("weight_zero_point", grouped.weight[1])) if where_read else (
+        ("weight", grouped.weight),)
     for name, value in (("factor", grouped.factor), ("scale", grouped.scale.float()),
-                        ("zero_point", grouped.zero_point), ("weight", grouped.weight)):
+                        ("zero_point", grouped.zero_point), *weights):
         gm_a.register_buffer(f"{base}_{name}", value)
     quant_min, quant_max, symmetric = input_copy.args[4], input_copy.args[5], input_copy.args[8]
     source = input_copy if grouped.requantize else input_copy.args[0]  # the producer's quantized output, or float
@@ -624,7 +648,15 @@ def add_grouped_variant_shadow(graph: ShadowGraph, pair: LayerPair, grouped: Gro
     for node in (factor, rows, scaled, scale, zero_point, requantized):
         node.meta[INSERTED_KEY] = "shadow"
     with gm_a.graph.inserting_before(weight_copy):
-        _read_instead(gm_a, weight_copy, gm_a.graph.get_attr(f"{base}_weight"))
+        if where_read:  # the float weight the copy quantized where read, divided and quantized where read
+            weight = gm_a.graph.call_function(fake_quantize_divided_experts, (
+                weight_copy.args[0], gm_a.graph.get_attr(f"{base}_factor"), gm_a.graph.get_attr(f"{base}_weight_scale"),
+                gm_a.graph.get_attr(f"{base}_weight_zero_point"), *grouped.weight_range))
+            for node in weight.all_input_nodes[1:]:
+                node.meta[INSERTED_KEY] = "shadow"
+        else:
+            weight = gm_a.graph.get_attr(f"{base}_weight")
+        _read_instead(gm_a, weight_copy, weight)
     if not input_copy.users:  # the model's input quantization, read no more
         for node in [input_copy, *input_copy.all_input_nodes]:
             if not node.users and node.op in ("call_function", "get_attr") and node is not counts:

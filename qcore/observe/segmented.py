@@ -22,11 +22,11 @@ from torch import nn
 from qcore.graph.grouped import rows_of_experts
 from qcore.observe.observers import ObserverBase, calculate_qparams_together
 from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel
-from qcore.runtime import deferred
+from qcore.runtime import deferred, scratch
 
 __all__ = ["ExpertsObserver", "PerExpertObservers", "SegmentedMinMaxObserver", "SegmentedMovingAverageMinMaxObserver",
            "SegmentedPerChannelMinMaxObserver", "SegmentedRangeObserver", "fake_quantize_per_expert", "observe_runs",
-           "segmented_observer", "with_float_experts"]
+           "fake_quantize_experts_where_read", "segmented_observer", "with_float_experts"]
 
 
 def _run_extremes(x: torch.Tensor, counts: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,6 +257,33 @@ def with_float_experts(quantized: torch.Tensor, weight: torch.Tensor, float_expe
     if float_experts:
         kept = torch.tensor(list(float_experts), device=weight.device)
         quantized = quantized.index_copy(0, kept, weight.index_select(0, kept).to(quantized.dtype))
+    return quantized
+
+
+def fake_quantize_experts_where_read(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                                     quant_min: int, quant_max: int,
+                                     kept_float: torch.Tensor | None = None) -> torch.Tensor:
+    """A grouped projection's [E, ...] weight fake-quantized where it is read, with each expert's qparams (`scale`
+    and `zero_point` [E] per tensor, or [E, out] per output channel of each expert's [out, in] weight): the values
+    its observer's fake_quantize_weight gives, into a reused buffer where one is free (qcore.runtime.scratch). The
+    slices of the experts `kept_float` lists (an index tensor) are the float weight's."""
+    if scale.dim() == 2:
+        try:  # per output channel of each expert: one pass over the [E x out, in] rows
+            rows = weight.view(-1, weight.shape[-1])
+        except RuntimeError:  # a half of a fused parameter: each expert's rows, with no copy of the whole weight
+            quantized = scratch.reused_like(weight)
+            quantized = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if quantized is None \
+                else quantized
+            for expert in range(weight.shape[0]):
+                quantized[expert] = fake_quantize_per_channel(weight[expert], scale[expert], zero_point[expert], 0,
+                                                              quant_min, quant_max)
+        else:
+            quantized = fake_quantize_per_channel(rows, scale.reshape(-1), zero_point.reshape(-1), 0, quant_min,
+                                                  quant_max, reuse_output=True).view(weight.shape)
+    else:
+        quantized = fake_quantize_per_channel(weight, scale, zero_point, 0, quant_min, quant_max, reuse_output=True)
+    if kept_float is not None:
+        quantized.index_copy_(0, kept_float, weight.index_select(0, kept_float).to(quantized.dtype))
     return quantized
 
 

@@ -34,7 +34,12 @@ from qcore.observe.qparams import (
     fused_kernels_preferred,
     per_channel_steps,
 )
-from qcore.observe.segmented import ExpertsObserver, fake_quantize_per_expert, with_float_experts
+from qcore.observe.segmented import (
+    ExpertsObserver,
+    fake_quantize_experts_where_read,
+    fake_quantize_per_expert,
+    with_float_experts,
+)
 from qcore.quantization.calibrate import calibrate
 from qcore.quantization.format_quantizer import (
     FormatFakeQuantize,
@@ -205,6 +210,15 @@ def _segmented_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: Ex
             if reads.saw_nothing(observer):  # not calibrated: the weight is known, observe it here
                 observer.observe_constant(weight.detach())
                 reads.observed(observer)
+            if _WHERE_READ.get() and weight.dim() == 3:  # a large model: quantized from the float weight where read
+                cache[key] = None
+        if cache.get(key, "") is None:
+            new = _read_experts_weight_quantized_where_used(gm, source, "qcore_fq_" + key[0].replace(".", "_"),
+                                                            observer)
+            new.meta["qcore_float_weight"] = key[0]
+            new.meta[QPARAMS_KEY] = _qparams_meta(observer, reads.values(observer))
+            return new
+        if key not in cache:
             meta = _qparams_meta(observer, reads.values(observer))
             cache[key] = _free_name(gm, "qcore_fq_" + key[0].replace(".", "_"))
             earlier.register(cache[key], source, weight,
@@ -234,6 +248,26 @@ def _segmented_node(gm: fx.GraphModule, node: fx.Node, source: Any, observer: Ex
             observer.quant_min, observer.quant_max, masks["_kept_float"], masks["_dynamic"], observer.symmetric))
     new.meta[QPARAMS_KEY] = _qparams_meta(observer, reads.values(observer))
     return new
+
+
+def _read_experts_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Node, name: str,
+                                              observer: ExpertsObserver) -> fx.Node:
+    """A node (at the insertion point) fake-quantizing a grouped projection's float [E, ...] weight `source` reads
+    each time it runs, with each expert's qparams as buffers (fake_quantize_experts_where_read), no quantized copy;
+    the experts kept in float read the float weight's slices."""
+    scale, zero_point = observer.calculate_qparams()
+    name = _free_name(gm, name)
+    gm.register_buffer(name + "_scale", scale.detach().clone())
+    gm.register_buffer(name + "_zero_point", zero_point.detach().clone())
+    kept = None
+    if observer.float_experts:
+        gm.register_buffer(name + "_kept_float", torch.tensor(list(observer.float_experts), device=scale.device))
+        kept = gm.graph.get_attr(name + "_kept_float")
+    node = gm.graph.call_function(fake_quantize_experts_where_read, (
+        source, gm.graph.get_attr(name + "_scale"), gm.graph.get_attr(name + "_zero_point"), observer.quant_min,
+        observer.quant_max, kept))
+    node.meta[QUANTIZED_WHERE_READ_KEY] = True
+    return node
 
 
 def _experts_mask(gm: fx.GraphModule, name: str, count: int, experts: tuple[int, ...],

@@ -22,7 +22,7 @@ from qcore.graph.inputs import call_model, move_to
 from qcore.graph.ops import INSERTED_KEY, fetch_attr, find_quantizable_ops, is_weight_value, layer_places
 from qcore.measure.screens import screened_ladder, screened_within_budget, shortest_head
 from qcore.numeric.metrics import signal_and_noise, sqnr_from_sums
-from qcore.observe.segmented import fake_quantize_per_expert
+from qcore.observe.segmented import fake_quantize_experts_where_read, fake_quantize_per_expert
 from qcore.quantization.calibrate import model_device
 from qcore.quantization.calibrated import CalibratedObservers, calibrate_kept
 from qcore.quantization.convert import convert, restore_model_state
@@ -167,6 +167,34 @@ class _ExpertsWeightSwitch(nn.Module):
         return self._mixed
 
 
+class _ExpertsWhereReadWeightSwitch(nn.Module):
+    """A grouped projection's [E, ...] weight quantized where it is read (fake_quantize_experts_where_read) for the
+    experts switched on, the float weight's slices for the others."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.on: tuple[bool, ...] = (True,) * experts
+        self._off: torch.Tensor | None = None  # the experts switched off, made once a setting
+
+    def set_experts(self, on: Sequence[bool]) -> None:
+        """Which experts' weights are quantized."""
+        if tuple(on) != self.on:
+            self.on, self._off = tuple(on), None
+
+    def forward(self, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,
+                quant_max: int, kept_float: torch.Tensor | None = None) -> torch.Tensor:
+        if not any(self.on):
+            return weight
+        if all(self.on):
+            return fake_quantize_experts_where_read(weight, scale, zero_point, quant_min, quant_max, kept_float)
+        if self._off is None:
+            off = {expert for expert, on in enumerate(self.on) if not on}
+            if kept_float is not None:
+                off |= set(kept_float.tolist())
+            self._off = torch.tensor(sorted(off), device=weight.device)
+        return fake_quantize_experts_where_read(weight, scale, zero_point, quant_min, quant_max, self._off)
+
+
 class SwitchedRuns(ABC):
     """Model-output SQNR runs of a graph whose switch modules select each layer's quantization: each setting
     measured once per set of batches, and run from the values recorded before its first change (qcore.search.resume)."""
@@ -267,14 +295,18 @@ class SwitchableModel(SwitchedRuns):
                 continue
             name = f"qcore_switch_{index}"
             experts = expert_owners.get(node.meta.get(_GROUP_KEY, ""))
-            if experts is not None and (node.op == "get_attr" or node.target is fake_quantize_per_expert):
-                if node.op == "get_attr":
+            if experts is not None and (node.op == "get_attr" or node.target in (
+                    fake_quantize_per_expert, fake_quantize_experts_where_read)):
+                switch_of_experts: Any
+                experts_args: tuple = ()
+                if node.target is fake_quantize_experts_where_read:
+                    switch_of_experts, experts_args = _ExpertsWhereReadWeightSwitch(len(experts)), node.args
+                elif node.op == "get_attr":
                     original = node.meta.get("qcore_float_weight")
                     if original is None:
                         continue
-                    switch_of_experts: Any = _ExpertsWeightSwitch(fetch_attr(self.gm, str(node.target)),
-                                                                  fetch_attr(self.gm, original))
-                    experts_args: tuple = ()
+                    switch_of_experts = _ExpertsWeightSwitch(fetch_attr(self.gm, str(node.target)),
+                                                             fetch_attr(self.gm, original))
                 else:
                     switch_of_experts, experts_args = _ExpertsSwitch(node.target, len(experts)), node.args
                 nodes.append(self._replace(node, name, switch_of_experts, experts_args))

@@ -37,6 +37,16 @@ def _both(architecture, quantizer, batches=3, **shape):
     return _quantized(grouped, quantizer, data[:batches]), _quantized(per_expert, quantizer, data[:batches]), data
 
 
+def _where_read(enabled, monkeypatch):
+    """Weights quantized where they are read (a large model's analysis), into reused buffers whatever their size."""
+    from qcore.quantization.convert import quantize_weights_where_read
+    from qcore.runtime import scratch
+
+    if enabled:
+        monkeypatch.setattr(scratch, "MIN_REUSED_BYTES", 0)
+    return quantize_weights_where_read(enabled)
+
+
 @pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"])
 @pytest.mark.parametrize("quantizer", [
     qcore.Int8StaticQuantizer(),
@@ -53,6 +63,32 @@ def test_a_grouped_capture_quantizes_to_the_per_expert_captures_values(architect
     assert len(histograms) == (2 * 5 if quantizer.activation_observer.__name__ == "HistogramObserver" else 0)
     for batch in data[-1:]:  # a batch calibration did not see, routed otherwise
         assert torch.equal(logits_of(grouped(**batch)), logits_of(per_expert(**batch)))
+
+
+@pytest.mark.parametrize("quantizer", [
+    qcore.Int8StaticQuantizer(),
+    qcore.Int8StaticQuantizer(per_channel=False, activation_observer="histogram"),
+    qcore.Int8StaticQuantizer(layer_overrides={"model.layers.0.mlp.experts.1.up_proj": {"skip": True},
+                                               "model.layers.1.mlp.experts.*.down_proj": {"skip": True}}),
+], ids=["default", "per-tensor-histogram", "experts-in-float"])
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "gpt_oss"])
+def test_expert_weights_quantized_where_read_are_the_quantized_copys_values(architecture, quantizer, monkeypatch):
+    """A large model's grouped expert weights quantized where they are read (no quantized copy held; a fused
+    parameter's half each expert's rows alone), into reused buffers: the logits of the graph holding quantized
+    copies, bit for bit, and the experts kept in float read the float weight."""
+    from qcore.observe.segmented import fake_quantize_experts_where_read
+
+    model, data = tiny_moe(architecture, layers=2, batch=4, n=4, experts=4)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    _, held = _quantized(grouped, quantizer, data[:3])
+    with _where_read(True, monkeypatch):
+        _, where_read = _quantized(grouped, quantizer, data[:3])
+        reads = [node for node in where_read.graph.nodes if node.target is fake_quantize_experts_where_read]
+        # every projection of the two blocks, but for the one whose every expert stays in float
+        assert len(reads) == 2 * 3 - bool(quantizer.layer_overrides)
+        for batch in data[-1:]:
+            assert torch.equal(logits_of(where_read(**batch)), logits_of(held(**batch)))
 
 
 def test_each_experts_qparams_are_its_own_linears():
@@ -369,16 +405,22 @@ def _captures(architecture="qwen3_moe", **shape):
     return model, data, qcore.capture(model, data[0]), grouped
 
 
-@pytest.mark.parametrize("architecture", ["qwen3_moe", "gpt_oss"])
-def test_the_equalization_variants_of_a_grouped_captures_experts_are_the_per_expert_captures(architecture):
+@pytest.mark.parametrize(("architecture", "where_read"), [("qwen3_moe", False), ("gpt_oss", False),
+                                                          ("qwen3_moe", True), ("gpt_oss", True)])
+def test_the_equalization_variants_of_a_grouped_captures_experts_are_the_per_expert_captures(architecture,
+                                                                                            where_read, monkeypatch):
     """Each expert's input-weight equalization variant, measured on its projection's shadow with each expert's
-    factor, input qparams and divided weight, and its baseline: the per-expert graph's values, to the bit."""
+    factor, input qparams and divided weight, and its baseline: the per-expert graph's values, to the bit; with
+    weights quantized where they are read too."""
     from qcore.analysis import AnalysisPlan, ModelAnalysis
 
     _, data, per_expert, grouped = _captures(architecture)
     plan = AnalysisPlan(measurements=frozenset({"sqnr", "equalization"}))
-    expected = ModelAnalysis(per_expert, qcore.Int8StaticQuantizer(), data, plan=plan)
-    found = ModelAnalysis(grouped, qcore.Int8StaticQuantizer(), data, plan=plan)
+    with _where_read(where_read, monkeypatch):
+        expected = ModelAnalysis(per_expert, qcore.Int8StaticQuantizer(), data, plan=plan)
+        expected.equalization_variants  # noqa: B018 - measured within the block
+        found = ModelAnalysis(grouped, qcore.Int8StaticQuantizer(), data, plan=plan)
+        found.equalization_variants  # noqa: B018
     wanted = {layer: methods for layer, methods in expected.equalization_variants.items() if ".experts." in layer}
     assert wanted
     for layer, methods in wanted.items():
@@ -403,15 +445,22 @@ def test_equalizing_experts_of_a_grouped_capture_rewrites_them_as_the_per_expert
         assert torch.equal(logits_of(quantized_a(**batch)), logits_of(quantized_b(**batch)))
 
 
-def test_a_switchable_grouped_capture_switches_each_expert_as_the_per_expert_capture_does():
+@pytest.mark.parametrize("where_read", [False, True])
+def test_a_switchable_grouped_capture_switches_each_expert_as_the_per_expert_capture_does(where_read, monkeypatch):
     """The float_layers search's switchable model of a grouped capture: each expert's quantizers switched on and off
     alone, the output SQNR the per-expert capture's for every set of layers in float, runs resumed part-way
-    included."""
-    from qcore.search.sensitivity import SwitchableModel
-
+    included; with weights quantized where they are read too."""
     _, data, per_expert, grouped = _captures()
+    with _where_read(where_read, monkeypatch):
+        _switch_experts(data, per_expert, grouped, where_read)
+
+
+def _switch_experts(data, per_expert, grouped, where_read):
+    from qcore.search.sensitivity import SwitchableModel, _ExpertsWhereReadWeightSwitch
+
     a, b = SwitchableModel(per_expert, data), SwitchableModel(grouped, data)
     assert a.layers == b.layers
+    assert any(isinstance(switch, _ExpertsWhereReadWeightSwitch) for switch, _ in b._switches) == where_read
     assert b._resumable.enabled
     for model in (a, b):
         model.quantize_only(model.layers)
