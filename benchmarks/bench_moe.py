@@ -24,6 +24,11 @@ screen measured its fix on (a screen runs one more copy of each such layer in th
 captures its fused experts one op a projection, as the plugin's does; `--per-expert` adds the same MoE captured with
 one Linear per expert (`experts_grouped(False)`) as a third model of the rounds, "per-expert".
 
+With `--peak [--sizes small,30b-a3b]`: the peak memory of one analysis (every default check, the default run) of
+`--cost`'s dense model, its MoE (experts one op a projection) and its MoE captured one Linear per expert, each alone
+in a subprocess: its seconds and its peak resident memory above what the built pair holds (a model above 256 MiB
+of weights has them quantized where read, as the plugin does).
+
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
 
@@ -56,6 +61,7 @@ fake quantization per row with each row's expert's int8 qparams (qcore's per-cha
 fake quantization per expert.
 
     python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N] [--per-expert]]
+                                   [--peak [--sizes small,30b-a3b]]
                                    [--experts 8,32,64,128] [--capture] [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
                                    [--grouped-sqnr [--sizes tiny,small]]
@@ -267,6 +273,41 @@ def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None =
     print("the layers each screen measured its fix on (fix_budget 1, the first round):")
     print("\n".join(screens))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+
+def peak_of_one(size: str, form: str) -> None:
+    """One analysis (every default check, the default run) of `form` ("dense", "moe" or "per-expert") of the size's
+    pair, in this process: the seconds, and the peak resident memory above what the built models hold."""
+    import contextlib
+
+    from qcore.graph.capture import experts_grouped
+
+    moe, dense, batches = pair(size)
+    held = _resident_bytes()
+    with experts_grouped(False) if form == "per-expert" else contextlib.nullcontext():
+        seconds, items, _, _ = _analysis_seconds(dense if form == "dense" else moe, batches, 1.0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    print(f"{size} {form} {seconds:.1f} {items} {held / 2**30:.2f} {(peak - held) / 2**30:.2f}")
+
+
+def peak_memory(sizes: list[str]) -> None:
+    """The table of --peak: each form's analysis alone in a subprocess (so that its peak is its own)."""
+    import subprocess
+
+    print(f"{'size':>7} {'model':>10} {'analysis s':>10} {'items':>6} {'models GiB':>10} {'peak above GiB':>14}")
+    for size in sizes:
+        for form in ("dense", "moe", "per-expert"):
+            line = subprocess.run([sys.executable, __file__, "--peak-of", size, form], capture_output=True, text=True,
+                                  check=True).stdout.strip().splitlines()[-1].split()
+            print(f"{line[0]:>7} {line[1]:>10} {line[2]:>10} {line[3]:>6} {line[4]:>10} {line[5]:>14}")
 
 
 def experts_cost(counts: list[int]) -> None:
@@ -521,6 +562,13 @@ def grouped_forms_agree() -> dict[str, bool]:
 
 
 def main() -> None:
+    if "--peak-of" in sys.argv:  # one form's analysis, in a subprocess of --peak
+        at = sys.argv.index("--peak-of")
+        peak_of_one(sys.argv[at + 1], sys.argv[at + 2])
+        return
+    if "--peak" in sys.argv:
+        peak_memory(sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["small"])
+        return
     if "--ops" in sys.argv:
         ops_table(sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["tiny"],
                   sys.argv[sys.argv.index("--checks") + 1].split(",") if "--checks" in sys.argv else None)

@@ -63,7 +63,7 @@ from qcore.observe.qparams import (
     fake_quantize_per_channel_steps,
     fake_quantize_per_tensor,
 )
-from qcore.observe.segmented import SegmentedPerChannelMinMaxObserver
+from qcore.observe.segmented import ExpertsQuantizedWhereRead, SegmentedPerChannelMinMaxObserver
 from qcore.quantization.calibrate import CalibrationError, OutputSink, calibrate
 from qcore.quantization.calibrated import CalibratedObservers
 from qcore.quantization.convert import convert, fake_quantize_over_input, fake_quantize_where_read, restore_model_state
@@ -503,8 +503,11 @@ def weight_sqnrs(float_gm: fx.GraphModule, quant_gm: fx.GraphModule, layers: Col
             continue
         original = weight_value(float_gm, pair.a.weight).detach()
         if pair.a.kind == "grouped_linear":  # [E, out, in]: each expert's weight against its quantized copy
-            quantized = _quantized_weight_value(quant_gm, pair.b.weight, pair.a.weight, original).detach()
-            for layer, expert, expert_quantized in zip(pair.a.expert_layers, original, quantized, strict=True):
+            quantized = _quantized_weight_value(quant_gm, pair.b.weight, pair.a.weight, original)
+            # quantized where read: one expert's weight at a time, not the whole projection's
+            by_expert = (quantized.expert(index) for index in range(len(pair.a.expert_layers))) if isinstance(
+                quantized, ExpertsQuantizedWhereRead) else quantized.detach()
+            for layer, expert, expert_quantized in zip(pair.a.expert_layers, original, by_expert, strict=True):
                 found[layer] = _exact_or_sqnr(expert, expert_quantized)
             del original, quantized
             continue

@@ -34,7 +34,7 @@ from qcore.observe.qparams import (
 from qcore.observe.segmented import (
     ExpertsObserver,
     SegmentedMinMaxObserver,
-    fake_quantize_experts_where_read,
+    fake_quantize_divided_experts,
     fake_quantize_per_expert,
 )
 from qcore.quantization.convert import fake_quantize_with, weights_quantized_where_read
@@ -505,15 +505,6 @@ class _ExpertVariantResult:
 
     def result(self) -> dict[str, float]:
         return self.grouped.result(self.expert)
-
-
-def fake_quantize_divided_experts(weight: torch.Tensor, factor: torch.Tensor, scale: torch.Tensor,
-                                  zero_point: torch.Tensor, quant_min: int, quant_max: int) -> torch.Tensor:
-    """A grouped projection's float [E, out, in] weight with each expert's columns divided by its factor ([E, in]),
-    fake-quantized with each expert's qparams: a GroupedVariant's weight where it is read (no copy held)."""
-    with torch.no_grad():
-        divided = elementwise(torch.div, weight, factor.to(weight.dtype)[:, None, :])
-        return fake_quantize_experts_where_read(divided, scale, zero_point, quant_min, quant_max)
 
 
 def plan_grouped_variants(prepared: fx.GraphModule, op: QuantizableOp, wanted: Iterable[int], observer: Any,

@@ -22,11 +22,12 @@ from torch import nn
 from qcore.graph.grouped import rows_of_experts
 from qcore.observe.observers import ObserverBase, calculate_qparams_together
 from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel
-from qcore.runtime import deferred, scratch
+from qcore.runtime import deferred
 
-__all__ = ["ExpertsObserver", "PerExpertObservers", "SegmentedMinMaxObserver", "SegmentedMovingAverageMinMaxObserver",
-           "SegmentedPerChannelMinMaxObserver", "SegmentedRangeObserver", "fake_quantize_per_expert", "observe_runs",
-           "fake_quantize_experts_where_read", "segmented_observer", "with_float_experts"]
+__all__ = ["ExpertsObserver", "ExpertsQuantizedWhereRead", "PerExpertObservers", "SegmentedMinMaxObserver",
+           "SegmentedMovingAverageMinMaxObserver", "SegmentedPerChannelMinMaxObserver", "SegmentedRangeObserver",
+           "fake_quantize_divided_experts", "fake_quantize_experts_where_read", "fake_quantize_per_expert",
+           "observe_runs", "segmented_observer", "with_float_experts"]
 
 
 def _run_extremes(x: torch.Tensor, counts: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,28 +264,90 @@ def with_float_experts(quantized: torch.Tensor, weight: torch.Tensor, float_expe
 def fake_quantize_experts_where_read(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                                      quant_min: int, quant_max: int,
                                      kept_float: torch.Tensor | None = None) -> torch.Tensor:
-    """A grouped projection's [E, ...] weight fake-quantized where it is read, with each expert's qparams (`scale`
-    and `zero_point` [E] per tensor, or [E, out] per output channel of each expert's [out, in] weight): the values
-    its observer's fake_quantize_weight gives, into a reused buffer where one is free (qcore.runtime.scratch). The
-    slices of the experts `kept_float` lists (an index tensor) are the float weight's."""
-    if scale.dim() == 2:
-        try:  # per output channel of each expert: one pass over the [E x out, in] rows
-            rows = weight.view(-1, weight.shape[-1])
-        except RuntimeError:  # a half of a fused parameter: each expert's rows, with no copy of the whole weight
-            quantized = scratch.reused_like(weight)
-            quantized = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if quantized is None \
-                else quantized
-            for expert in range(weight.shape[0]):
-                quantized[expert] = fake_quantize_per_channel(weight[expert], scale[expert], zero_point[expert], 0,
-                                                              quant_min, quant_max)
-        else:
-            quantized = fake_quantize_per_channel(rows, scale.reshape(-1), zero_point.reshape(-1), 0, quant_min,
-                                                  quant_max, reuse_output=True).view(weight.shape)
-    else:
-        quantized = fake_quantize_per_channel(weight, scale, zero_point, 0, quant_min, quant_max, reuse_output=True)
-    if kept_float is not None:
-        quantized.index_copy_(0, kept_float, weight.index_select(0, kept_float).to(quantized.dtype))
-    return quantized
+    """A grouped projection's [E, out, in] weight fake-quantized where it is read, with each expert's qparams
+    (`scale` and `zero_point` [E] per tensor, or [E, out] per output channel of each expert's weight): the values its
+    observer's fake_quantize_weight gives. The slices of the experts `kept_float` lists (an index tensor) are the
+    float weight's. A grouped_linear that reads it quantizes each expert's weight just before that expert's matmul
+    (ExpertsQuantizedWhereRead); any other read quantizes the whole weight once."""
+    return ExpertsQuantizedWhereRead(weight, None, scale, zero_point, quant_min, quant_max, kept_float)
+
+
+def fake_quantize_divided_experts(weight: torch.Tensor, factor: torch.Tensor, scale: torch.Tensor,
+                                  zero_point: torch.Tensor, quant_min: int, quant_max: int) -> torch.Tensor:
+    """A grouped projection's float [E, out, in] weight with each expert's columns divided by its factor ([E, in]),
+    fake-quantized with each expert's qparams: an equalization variant's weight where it is read (no copy held)."""
+    return ExpertsQuantizedWhereRead(weight, factor.to(weight.dtype), scale, zero_point, quant_min, quant_max, None)
+
+
+class ExpertsQuantizedWhereRead(torch.Tensor):
+    """A grouped projection's weight quantized where it is read, not yet computed: the float [E, out, in] weight
+    (divided by each expert's column factor, for an equalization variant), each expert's qparams and the experts
+    kept in float. grouped_linear computes each expert's quantized weight right before its matmul, and none for an
+    expert no row reached: one expert's weight at a time, in cache, where the whole projection's would pass through
+    memory twice. Any other op reads the whole weight quantized, computed once."""
+
+    @staticmethod
+    def __new__(cls, weight: torch.Tensor, factor: torch.Tensor | None, scale: torch.Tensor, zero_point: torch.Tensor,
+                quant_min: int, quant_max: int, kept_float: torch.Tensor | None) -> ExpertsQuantizedWhereRead:
+        return torch.Tensor._make_wrapper_subclass(cls, weight.shape, dtype=weight.dtype,  # type: ignore[return-value]
+                                                   device=weight.device)
+
+    def __init__(self, weight: torch.Tensor, factor: torch.Tensor | None, scale: torch.Tensor,
+                 zero_point: torch.Tensor, quant_min: int, quant_max: int, kept_float: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.factor, self.scale, self.zero_point = weight.detach(), factor, scale, zero_point
+        self.quant_min, self.quant_max = quant_min, quant_max
+        self.kept: set[int] = set(kept_float.tolist()) if kept_float is not None else set()
+        self._whole: torch.Tensor | None = None
+
+    def expert(self, index: int) -> torch.Tensor:
+        """One expert's [out, in] weight, quantized (the float weight's slice for an expert kept in float)."""
+        weight = self.weight[index]
+        if index in self.kept:
+            return weight
+        if self.factor is not None:
+            weight = weight / self.factor[index]
+        scale, zero_point = self.scale[index], self.zero_point[index]
+        if scale.dim() == 0:  # per tensor: each of its rows with the expert's qparams
+            rows = weight.shape[0]
+            scale, zero_point = scale.expand(rows).contiguous(), zero_point.expand(rows).contiguous()
+        return fake_quantize_per_channel(weight, scale, zero_point, 0, self.quant_min, self.quant_max,
+                                         reuse_output=True)
+
+    def whole(self) -> torch.Tensor:
+        """The whole [E, out, in] weight quantized (computed at the first read, then kept while this lives)."""
+        if self._whole is None:
+            whole = torch.empty(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
+            with torch.no_grad():
+                for index in range(self.weight.shape[0]):
+                    whole[index] = self.expert(index)
+            self._whole = whole
+        return self._whole
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"ExpertsQuantizedWhereRead(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.qcore.grouped_linear.default and isinstance(args[2], cls) and \
+                not any(isinstance(a, cls) for a in (args[0], args[1], *args[3:])):
+            return _grouped_linear_quantizing(args[2], *args[:2], *args[3:], **kwargs)
+        unwrapped = [a.whole() if isinstance(a, cls) else a for a in args]
+        return func(*unwrapped, **{k: v.whole() if isinstance(v, cls) else v for k, v in kwargs.items()})
+
+
+def _grouped_linear_quantizing(weight: ExpertsQuantizedWhereRead, routed: torch.Tensor, counts: torch.Tensor,
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """grouped_linear with each expert's weight quantized right before its matmul: its values, bit for bit (an
+    expert's rows meet the weight the whole quantized weight holds for it, laid out alike)."""
+    runs = routed.split(counts.tolist())
+    out_features = weight.shape[1]
+    outputs = [torch.nn.functional.linear(run, weight.expert(expert), None if bias is None else bias[expert])
+               if run.shape[0] else run.new_empty((0, out_features)) for expert, run in enumerate(runs)]
+    if not outputs:
+        return routed.new_empty((0, out_features))
+    return torch.cat(outputs)
 
 
 class PerExpertObservers(ExpertsObserver):
