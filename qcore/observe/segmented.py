@@ -289,7 +289,7 @@ class ExpertsQuantizedWhereRead(torch.Tensor):
     @staticmethod
     def __new__(cls, weight: torch.Tensor, factor: torch.Tensor | None, scale: torch.Tensor, zero_point: torch.Tensor,
                 quant_min: int, quant_max: int, kept_float: torch.Tensor | None) -> ExpertsQuantizedWhereRead:
-        return torch.Tensor._make_wrapper_subclass(cls, weight.shape, dtype=weight.dtype,  # type: ignore[return-value]
+        return torch.Tensor._make_wrapper_subclass(cls, weight.shape, dtype=weight.dtype,
                                                    device=weight.device)
 
     def __init__(self, weight: torch.Tensor, factor: torch.Tensor | None, scale: torch.Tensor,
@@ -324,7 +324,7 @@ class ExpertsQuantizedWhereRead(torch.Tensor):
             self._whole = whole
         return self._whole
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def __repr__(self) -> str:
         return f"ExpertsQuantizedWhereRead(shape={tuple(self.shape)}, dtype={self.dtype})"
 
     @classmethod
