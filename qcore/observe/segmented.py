@@ -21,7 +21,7 @@ from torch import nn
 
 from qcore.graph.grouped import rows_of_experts
 from qcore.observe.observers import ObserverBase, calculate_qparams_together
-from qcore.observe.qparams import calculate_qparams, fake_quantize_per_channel
+from qcore.observe.qparams import calculate_qparams, fake_quantize_divided_rows, fake_quantize_per_channel
 from qcore.runtime import deferred
 
 __all__ = ["ExpertsObserver", "ExpertsQuantizedWhereRead", "PerExpertObservers", "SegmentedMinMaxObserver",
@@ -305,12 +305,13 @@ class ExpertsQuantizedWhereRead(torch.Tensor):
         weight = self.weight[index]
         if index in self.kept:
             return weight
-        if self.factor is not None:
-            weight = weight / self.factor[index]
         scale, zero_point = self.scale[index], self.zero_point[index]
         if scale.dim() == 0:  # per tensor: each of its rows with the expert's qparams
             rows = weight.shape[0]
             scale, zero_point = scale.expand(rows).contiguous(), zero_point.expand(rows).contiguous()
+        if self.factor is not None:  # divided and quantized in one pass
+            return fake_quantize_divided_rows(weight, self.factor[index], scale, zero_point, self.quant_min,
+                                              self.quant_max, reuse_output=True)
         return fake_quantize_per_channel(weight, scale, zero_point, 0, self.quant_min, self.quant_max,
                                          reuse_output=True)
 
