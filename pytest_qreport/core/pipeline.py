@@ -373,8 +373,10 @@ def collect_model(name: str, settings: ModelSettings, registry: CheckRegistry, q
         model, example_inputs = on_device(name, settings.device, model, example_inputs)
     with quiet_torch_trace_log(), tracked() as times:
         # an MoE model's fused experts as one op a projection, where its analysis measures that form; not on another
-        # device than the CPU's
-        grouped = settings.device in (None, "cpu") and groups_experts(model, quantizer)
+        # device than the CPU's, nor for a large model (weights quantized where read), where the grouped form holds
+        # more memory than one Linear per expert for no gain in time (the performance page)
+        grouped = settings.device in (None, "cpu") and groups_experts(model, quantizer) and \
+            estimated_analysis_bytes(model)[0] < LARGE_MODEL_BYTES
         with experts_grouped(grouped):
             float_gm = qcore.capture(model, example_inputs, name=name)
         if grouped and not takes_grouped_capture(float_gm, quantizer):

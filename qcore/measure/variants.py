@@ -559,11 +559,16 @@ def plan_grouped_variants(prepared: fx.GraphModule, op: QuantizableOp, wanted: I
         where_read = weights_quantized_where_read()  # a large model: quantized from the float weight where read
         with torch.no_grad():
             column_factors = factors.to(weight.dtype)[:, None, :]
-            # where read, the divided copy is only observed: a reused buffer, not fresh pages for each variant
-            divided = elementwise(torch.div, weight, column_factors) if where_read else weight / column_factors
-            fresh.observe_constant(divided)
-            quantized = fresh.calculate_qparams() if where_read else fresh.fake_quantize_weight(divided)
-            del divided
+            if where_read:  # only observed: a few experts' divided weights at a time, none held
+                step = max(1, _ROWS_ELEMENTS // max(1, weight[0].numel()))
+                fresh.observe_constant_in_parts(weight[start:start + step] / column_factors[start:start + step]
+                                                for start in range(0, weight.shape[0], step))
+                quantized = fresh.calculate_qparams()
+            else:
+                divided = weight / column_factors
+                fresh.observe_constant(divided)
+                quantized = fresh.fake_quantize_weight(divided)
+                del divided
         made[method] = GroupedVariant(op, method, factors.to(weight.dtype), input_scale, input_zero_point, quantized,
                                       requantize, (fresh.quant_min, fresh.quant_max))
     for expert in measured:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,11 @@ class ExpertsObserver(ObserverBase):
     def fake_quantize_weight(self, value: torch.Tensor) -> torch.Tensor:
         """`value` ([E, ...], the weight observed) with each expert's slice fake-quantized with its qparams."""
 
+    def observe_constant_in_parts(self, parts: Iterable[torch.Tensor]) -> None:
+        """observe_constant of the [E, ...] weight whose consecutive runs of experts `parts` gives, in order: what
+        observing the whole gives, with only one part made at a time where the observer reduces part by part."""
+        self.observe_constant(torch.cat(list(parts)))
+
     def _check_counts(self, x: torch.Tensor, counts: torch.Tensor) -> None:
         if counts.dim() != 1 or counts.shape[0] != self.experts:
             raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; given counts of shape "
@@ -111,10 +116,18 @@ class SegmentedRangeObserver(ExpertsObserver):
         if value.dim() < 2 or value.shape[0] != self.experts:
             raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; given a weight of shape "
                              f"{tuple(value.shape)}, not [experts, ...]")
+        self.observe_constant_in_parts([value])
+
+    def observe_constant_in_parts(self, parts: Iterable[torch.Tensor]) -> None:
+        """observe_constant of the weight `parts` gives run by run of experts, each part's extremes taken alone."""
         if self.frozen:
             return
-        flat = value.detach().reshape(self.experts, -1).float()
-        self.min_val, self.max_val = flat.amin(dim=1), flat.amax(dim=1)
+        lows, highs = [], []
+        for part in parts:
+            flat = part.detach().reshape(part.shape[0], -1)
+            lows.append(flat.amin(dim=1).float())
+            highs.append(flat.amax(dim=1).float())
+        self.min_val, self.max_val = torch.cat(lows), torch.cat(highs)
         self.frozen = True
 
     def fake_quantize_weight(self, value: torch.Tensor) -> torch.Tensor:
@@ -201,11 +214,19 @@ class SegmentedPerChannelMinMaxObserver(SegmentedRangeObserver):
         if value.dim() != 3 or value.shape[0] != self.experts:
             raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; given a weight of shape "
                              f"{tuple(value.shape)}, not [experts, out, in]")
+        self.observe_constant_in_parts([value])
+
+    def observe_constant_in_parts(self, parts: Iterable[torch.Tensor]) -> None:
+        """observe_constant of the [E, out, in] weight `parts` gives run by run of experts, each part alone."""
         if self.frozen:
             return
         reduced = 2 if self.ch_axis == 0 else 1
-        weight = value.detach().float()
-        self.min_val, self.max_val = weight.amin(dim=reduced), weight.amax(dim=reduced)
+        lows, highs = [], []
+        for part in parts:
+            weight = part.detach().float()
+            lows.append(weight.amin(dim=reduced))
+            highs.append(weight.amax(dim=reduced))
+        self.min_val, self.max_val = torch.cat(lows), torch.cat(highs)
         self.frozen = True
 
     def fake_quantize_weight(self, value: torch.Tensor) -> torch.Tensor:

@@ -153,6 +153,50 @@ def test_fake_quantize_per_expert_is_one_per_tensor_fake_quantization_per_expert
         assert torch.equal(part, torch_ao)
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), per_channel=st.booleans(), kept=st.sets(st.integers(0, EXPERTS - 1), max_size=2),
+       divided=st.booleans(), empty=st.integers(0, EXPERTS - 1))
+def test_an_expert_weight_quantized_where_read_is_torch_aos_per_expert_fake_quantization(seed, per_channel, kept,
+                                                                                        divided, empty):
+    """A grouped projection's weight quantized where read (each expert's qparams; some experts kept in float; an
+    equalization variant's columns divided first), read whole and through grouped_linear (expert by expert inside
+    the op, an expert with no row skipped): torch.ao's fake quantization of each expert's weight, and each expert's
+    F.linear of its rows with it."""
+    from qcore.graph.grouped import grouped_linear
+    from qcore.observe.segmented import (
+        ExpertsQuantizedWhereRead,
+        fake_quantize_divided_experts,
+        fake_quantize_experts_where_read,
+    )
+
+    generator = torch.Generator().manual_seed(seed)
+    fused = torch.randn(EXPERTS, 24, 16, generator=generator)
+    weight = fused[:, :12]  # the gate half of a fused gate_up parameter: a view, not contiguous
+    factor = torch.rand(EXPERTS, 16, generator=generator) + 0.5
+    scale = torch.rand((EXPERTS, 12) if per_channel else (EXPERTS,), generator=generator) * 0.05 + 1e-3
+    zero_point = torch.zeros(scale.shape, dtype=torch.long)
+    kept_float = torch.tensor(sorted(kept)) if kept else None
+    if divided:
+        lazy = fake_quantize_divided_experts(weight, factor, scale, zero_point, -128, 127)
+        kept = set()
+    else:
+        lazy = fake_quantize_experts_where_read(weight, scale, zero_point, -128, 127, kept_float)
+    assert isinstance(lazy, ExpertsQuantizedWhereRead)
+    expected = []
+    for expert in range(EXPERTS):
+        values = weight[expert] / factor[expert] if divided else weight[expert]
+        channel_scale = scale[expert] if per_channel else scale[expert].expand(12)
+        expected.append(values if expert in kept else torch.fake_quantize_per_channel_affine(
+            values, channel_scale, torch.zeros(12, dtype=torch.int32), 0, -128, 127))
+    expected = torch.stack(expected)
+    assert torch.equal(lazy + 0, expected)  # any other op reads it whole
+    counts = torch.randint(1, 4, (EXPERTS,), generator=generator)
+    counts[empty] = 0
+    rows = torch.randn(int(counts.sum()), 16, generator=generator)
+    found = grouped_linear(rows, counts, lazy)
+    assert torch.equal(found, grouped_linear(rows, counts, expected))
+
+
 def test_one_observer_per_expert_gives_each_expert_its_own_histograms_qparams():
     """An observer without a form over every expert (a histogram): one per expert, each fed its expert's rows, gives
     each expert the qparams of the histogram observer of its Linear alone (qcore's, whose search
