@@ -9,13 +9,14 @@ per-expert tensor (an expert's qparams, its scales) over the rows of its run, fo
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch.nn import functional as F  # noqa: N812 - torch's own spelling
 
-__all__ = ["GROUPED_PREFIX", "GroupedOp", "find_grouped_ops", "grouped_linear", "rows_of_experts"]
+__all__ = ["GROUPED_PREFIX", "GroupedOp", "find_grouped_ops", "grouped_linear", "linear_by_expert", "rows_of_experts"]
 
 GROUPED_PREFIX = "grouped_"  # of the [E, out, in] views of the fused parameters a grouped capture reads
 
@@ -38,13 +39,19 @@ def _check(routed: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor, bia
 def _grouped_linear(routed: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
     _check(routed, counts, weight, bias)
+    return linear_by_expert(routed, counts, weight.__getitem__, weight.shape[1], bias)
+
+
+def linear_by_expert(routed: torch.Tensor, counts: torch.Tensor, weight_of: Callable[[int], torch.Tensor],
+                     out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Each expert's run of `routed` through F.linear with `weight_of(expert)` (asked only for an expert whose run
+    has rows), concatenated: grouped_linear's values."""
     # one F.linear per expert, not torch's grouped product: F.linear picks its kernel by shape (a matrix-vector
     # product for one row or one output), and the grouped product's values differ from it there
-    runs = routed.split(counts.tolist())
-    outputs = [F.linear(run, weight[expert], None if bias is None else bias[expert])
-               for expert, run in enumerate(runs)]
+    outputs = [F.linear(run, weight_of(expert), None if bias is None else bias[expert]) if run.shape[0]
+               else run.new_empty((0, out_features)) for expert, run in enumerate(routed.split(counts.tolist()))]
     if not outputs:
-        return routed.new_empty((0, weight.shape[1]))
+        return routed.new_empty((0, out_features))
     return torch.cat(outputs)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qcore.graph.grouped import rows_of_experts
+from qcore.graph.grouped import linear_by_expert, rows_of_experts
 from qcore.observe.observers import ObserverBase, calculate_qparams_together
 from qcore.observe.qparams import calculate_qparams, fake_quantize_divided_rows, fake_quantize_per_channel
 from qcore.runtime import deferred
@@ -283,12 +283,11 @@ def with_float_experts(quantized: torch.Tensor, weight: torch.Tensor, float_expe
 
 
 def fake_quantize_experts_where_read(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-                                     quant_min: int, quant_max: int,
-                                     kept_float: torch.Tensor | None = None) -> torch.Tensor:
+                                     quant_min: int, quant_max: int, kept_float: Sequence[int] = ()) -> torch.Tensor:
     """A grouped projection's [E, out, in] weight fake-quantized where it is read, with each expert's qparams
     (`scale` and `zero_point` [E] per tensor, or [E, out] per output channel of each expert's weight): the values its
-    observer's fake_quantize_weight gives. The slices of the experts `kept_float` lists (an index tensor) are the
-    float weight's. A grouped_linear that reads it quantizes each expert's weight just before that expert's matmul
+    observer's fake_quantize_weight gives. The slices of the experts `kept_float` lists are the float weight's. A
+    grouped_linear that reads it quantizes each expert's weight just before that expert's matmul
     (ExpertsQuantizedWhereRead); any other read quantizes the whole weight once."""
     return ExpertsQuantizedWhereRead(weight, None, scale, zero_point, quant_min, quant_max, kept_float)
 
@@ -297,7 +296,7 @@ def fake_quantize_divided_experts(weight: torch.Tensor, factor: torch.Tensor, sc
                                   zero_point: torch.Tensor, quant_min: int, quant_max: int) -> torch.Tensor:
     """A grouped projection's float [E, out, in] weight with each expert's columns divided by its factor ([E, in]),
     fake-quantized with each expert's qparams: an equalization variant's weight where it is read (no copy held)."""
-    return ExpertsQuantizedWhereRead(weight, factor.to(weight.dtype), scale, zero_point, quant_min, quant_max, None)
+    return ExpertsQuantizedWhereRead(weight, factor.to(weight.dtype), scale, zero_point, quant_min, quant_max, ())
 
 
 class ExpertsQuantizedWhereRead(torch.Tensor):
@@ -309,16 +308,16 @@ class ExpertsQuantizedWhereRead(torch.Tensor):
 
     @staticmethod
     def __new__(cls, weight: torch.Tensor, factor: torch.Tensor | None, scale: torch.Tensor, zero_point: torch.Tensor,
-                quant_min: int, quant_max: int, kept_float: torch.Tensor | None) -> ExpertsQuantizedWhereRead:
+                quant_min: int, quant_max: int, kept_float: Sequence[int]) -> ExpertsQuantizedWhereRead:
         return torch.Tensor._make_wrapper_subclass(cls, weight.shape, dtype=weight.dtype,
                                                    device=weight.device)
 
     def __init__(self, weight: torch.Tensor, factor: torch.Tensor | None, scale: torch.Tensor,
-                 zero_point: torch.Tensor, quant_min: int, quant_max: int, kept_float: torch.Tensor | None) -> None:
+                 zero_point: torch.Tensor, quant_min: int, quant_max: int, kept_float: Sequence[int]) -> None:
         super().__init__()
         self.weight, self.factor, self.scale, self.zero_point = weight.detach(), factor, scale, zero_point
         self.quant_min, self.quant_max = quant_min, quant_max
-        self.kept: set[int] = set(kept_float.tolist()) if kept_float is not None else set()
+        self.kept = frozenset(kept_float)
         self._whole: torch.Tensor | None = None
 
     def expert(self, index: int) -> torch.Tensor:
@@ -354,22 +353,12 @@ class ExpertsQuantizedWhereRead(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.ops.qcore.grouped_linear.default and isinstance(args[2], cls) and \
                 not any(isinstance(a, cls) for a in (args[0], args[1], *args[3:])):
-            return _grouped_linear_quantizing(args[2], *args[:2], *args[3:], **kwargs)
+            # each expert's weight quantized right before its matmul: grouped_linear's values, bit for bit (an
+            # expert's rows meet the weight the whole quantized weight holds for it, laid out alike)
+            weight = args[2]
+            return linear_by_expert(args[0], args[1], weight.expert, weight.shape[1], *args[3:], **kwargs)
         unwrapped = [a.whole() if isinstance(a, cls) else a for a in args]
         return func(*unwrapped, **{k: v.whole() if isinstance(v, cls) else v for k, v in kwargs.items()})
-
-
-def _grouped_linear_quantizing(weight: ExpertsQuantizedWhereRead, routed: torch.Tensor, counts: torch.Tensor,
-                               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """grouped_linear with each expert's weight quantized right before its matmul: its values, bit for bit (an
-    expert's rows meet the weight the whole quantized weight holds for it, laid out alike)."""
-    runs = routed.split(counts.tolist())
-    out_features = weight.shape[1]
-    outputs = [torch.nn.functional.linear(run, weight.expert(expert), None if bias is None else bias[expert])
-               if run.shape[0] else run.new_empty((0, out_features)) for expert, run in enumerate(runs)]
-    if not outputs:
-        return routed.new_empty((0, out_features))
-    return torch.cat(outputs)
 
 
 class PerExpertObservers(ExpertsObserver):

@@ -259,13 +259,9 @@ def _read_experts_weight_quantized_where_used(gm: fx.GraphModule, source: fx.Nod
     name = _free_name(gm, name)
     gm.register_buffer(name + "_scale", scale.detach().clone())
     gm.register_buffer(name + "_zero_point", zero_point.detach().clone())
-    kept = None
-    if observer.float_experts:
-        gm.register_buffer(name + "_kept_float", torch.tensor(list(observer.float_experts), device=scale.device))
-        kept = gm.graph.get_attr(name + "_kept_float")
     node = gm.graph.call_function(fake_quantize_experts_where_read, (
         source, gm.graph.get_attr(name + "_scale"), gm.graph.get_attr(name + "_zero_point"), observer.quant_min,
-        observer.quant_max, kept))
+        observer.quant_max, tuple(observer.float_experts)))
     node.meta[QUANTIZED_WHERE_READ_KEY] = True
     return node
 

@@ -174,25 +174,17 @@ class _ExpertsWhereReadWeightSwitch(nn.Module):
     def __init__(self, experts: int) -> None:
         super().__init__()
         self.on: tuple[bool, ...] = (True,) * experts
-        self._off: torch.Tensor | None = None  # the experts switched off, made once a setting
 
     def set_experts(self, on: Sequence[bool]) -> None:
         """Which experts' weights are quantized."""
-        if tuple(on) != self.on:
-            self.on, self._off = tuple(on), None
+        self.on = tuple(on)
 
     def forward(self, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,
-                quant_max: int, kept_float: torch.Tensor | None = None) -> torch.Tensor:
+                quant_max: int, kept_float: Sequence[int] = ()) -> torch.Tensor:
         if not any(self.on):
             return weight
-        if all(self.on):
-            return fake_quantize_experts_where_read(weight, scale, zero_point, quant_min, quant_max, kept_float)
-        if self._off is None:
-            off = {expert for expert, on in enumerate(self.on) if not on}
-            if kept_float is not None:
-                off |= set(kept_float.tolist())
-            self._off = torch.tensor(sorted(off), device=weight.device)
-        return fake_quantize_experts_where_read(weight, scale, zero_point, quant_min, quant_max, self._off)
+        off = (*kept_float, *(expert for expert, on in enumerate(self.on) if not on))
+        return fake_quantize_experts_where_read(weight, scale, zero_point, quant_min, quant_max, off)
 
 
 class SwitchedRuns(ABC):

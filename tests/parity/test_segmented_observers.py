@@ -175,7 +175,7 @@ def test_an_expert_weight_quantized_where_read_is_torch_aos_per_expert_fake_quan
     factor = torch.rand(EXPERTS, 16, generator=generator) + 0.5
     scale = torch.rand((EXPERTS, 12) if per_channel else (EXPERTS,), generator=generator) * 0.05 + 1e-3
     zero_point = torch.zeros(scale.shape, dtype=torch.long)
-    kept_float = torch.tensor(sorted(kept)) if kept else None
+    kept_float = tuple(sorted(kept))
     if divided:
         lazy = fake_quantize_divided_experts(weight, factor, scale, zero_point, -128, 127)
         kept = set()
