@@ -12,6 +12,8 @@ from tests.helpers import PLUGIN_CONFTEST, SQNR_ONLY
 COUNT_CAPTURES = """
 
 import os
+import time
+
 import qcore
 import qcore.graph.capture
 import pytest_qreport.core.pipeline
@@ -23,6 +25,7 @@ def _counting_capture(*args, **kwargs):
     with open(os.path.join(os.path.dirname(__file__), "captures.txt"), "a") as log:
         log.write(kwargs.get("name") or "?")
         log.write("\\n")
+    time.sleep(float(os.environ.get("SLOW_CAPTURE_SECONDS", "0")))
     return _real_capture(*args, **kwargs)
 
 
@@ -122,7 +125,11 @@ def broken():
 """
 
 
-def test_on_a_cold_cache_under_xdist_each_model_is_captured_once_by_the_worker_that_analyses_it(pytester):
+def test_on_a_cold_cache_under_xdist_each_model_is_captured_once_by_the_worker_that_analyses_it(pytester,
+                                                                                                monkeypatch):
+    # each capture takes a second: a worker claims the next model while the other captures one, however far apart
+    # (within that second) the two start, so each captures one of the two models that capture
+    monkeypatch.setenv("SLOW_CAPTURE_SECONDS", "1")
     _project(pytester)
     conftest = pytester.path / "conftest.py"
     conftest.write_text(conftest.read_text() + BROKEN)

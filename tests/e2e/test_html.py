@@ -9,6 +9,8 @@ import subprocess
 
 import pytest
 
+from tests.conftest import NATIVE_CACHE
+from tests.forked import run_forked_in
 from tests.helpers import FRAGILE_SOURCE, STACK_SOURCE, TINY_SOURCE
 
 pytest.importorskip("jinja2")
@@ -95,11 +97,11 @@ def report(tmp_path_factory):
     folder = tmp_path_factory.mktemp("html")
     (folder / "conftest.py").write_text(REPORT_SOURCE)
     path = folder / "report.html"
-    result = subprocess.run([os.sys.executable, "-m", "pytest", "--qreport", "-n", "2", "-p", "no:cacheprovider",
-                             f"--qreport-html={path}", f"--qreport-json={folder / 'report.json'}", str(folder)],
-                            capture_output=True, text=True, cwd=folder, timeout=600,
-                            env={**os.environ, "PYTEST_ADDOPTS": "-p no:hypothesispytest -p no:anyio"})
-    assert path.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_forked_in(folder, "--qreport", "-n", "2", "-p", "no:cacheprovider", f"--qreport-html={path}",
+                           f"--qreport-json={folder / 'report.json'}", str(folder),
+                           environment={"PYTEST_ADDOPTS": "-p no:hypothesispytest -p no:anyio",
+                                        "QCORE_CACHE_DIR": NATIVE_CACHE})
+    assert path.exists(), result.stdout.str()[-3000:] + result.stderr.str()[-3000:]
     return path
 
 

@@ -224,7 +224,7 @@ def test_the_stash_keeps_a_contiguous_copy_in_the_values_own_dtype():
 
 
 @needs_kernel
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 10_000), bins=st.sampled_from([1, 7, 64, 2048]),
        sizes=st.lists(st.sampled_from([1, 5, 300, native.PARALLEL_MIN_NUMEL * 3 + 1]), min_size=1, max_size=4),
        spread=st.floats(1e-30, 1e4), constant=st.booleans(), strided=st.booleans())
