@@ -13,7 +13,7 @@ __all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRI
     "default_quant_range", "fake_quantize_dynamic", "fake_quantize_finite_per_channel", "fake_quantize_per_channel",
     "fake_quantize_per_channel_steps", "fake_quantize_per_tensor", "fused_kernels_preferred", "is_per_channel",
     "is_symmetric", "per_channel_steps", "resolve_quant_range", "row_slices", "scaled_row_extremes",
-    "fake_quantize_scaled_rows", "fake_quantize_divided_rows"]
+    "fake_quantize_scaled_rows", "fake_quantize_divided_rows", "fake_quantize_by_run"]
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 
@@ -223,6 +223,31 @@ def fake_quantize_per_channel(
 
     return _per_channel_by_rows(x, scale, inv_scale, zero_point, axis, quant_min, quant_max, in_place,
                                 float_zero_point)
+
+
+def fake_quantize_by_run(x: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                         quant_min: int, quant_max: int) -> torch.Tensor | None:
+    """fake_quantize_per_channel of `x`'s rows (axis 0) with each run's `scale` and integer `zero_point` ([E]) over
+    its `counts` rows, in one pass of the native kernel without the per-row copies of the qparams; None where the
+    kernel does not take it (the caller's per-row path computes the same values)."""
+    if not (x.__class__ in _PLAIN_TENSORS and x.dtype == torch.float32 and x.is_cpu and x.dim() >= 1
+            and not zero_point.is_floating_point() and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
+            and counts.is_cpu and scale.numel() == zero_point.numel() == counts.numel()
+            and not (x.requires_grad and torch.is_grad_enabled())):
+        return None
+    library = native.kernel()
+    if library is None or not bool(zero_point.abs().le(_NATIVE_RANGE).all()):
+        return None
+    steps, inverse, zero_point = per_channel_steps(scale, zero_point, 0, x.reshape(-1))
+    low, high = quant_min - zero_point, quant_max - zero_point  # per_row's bounds, an expert's rows alike
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    counts = counts.to(torch.int64).contiguous()
+    if library.qcore_fake_quantize_by_run(x.data_ptr(), out.data_ptr(), x.shape[0], x.numel() // max(1, x.shape[0]),
+                                          counts.numel(), counts.data_ptr(), inverse.data_ptr(), steps.data_ptr(),
+                                          low.data_ptr(), high.data_ptr(), native.threads(x.numel())) != 0:
+        raise ValueError(f"counts {counts.tolist()} are not runs of the {x.shape[0]} rows they quantize")
+    return out
 
 
 def _scaled_rows_native(x: torch.Tensor, column_scales: torch.Tensor) -> Any:

@@ -21,7 +21,8 @@ from torch import nn
 
 from qcore.graph.grouped import linear_by_expert, rows_of_experts
 from qcore.observe.observers import ObserverBase, calculate_qparams_together
-from qcore.observe.qparams import calculate_qparams, fake_quantize_divided_rows, fake_quantize_per_channel
+from qcore.observe.qparams import (calculate_qparams, fake_quantize_by_run, fake_quantize_divided_rows,
+                                   fake_quantize_per_channel)
 from qcore.runtime import deferred
 
 __all__ = ["ExpertsObserver", "ExpertsQuantizedWhereRead", "PerExpertObservers", "SegmentedMinMaxObserver",
@@ -265,9 +266,11 @@ def fake_quantize_per_expert(x: torch.Tensor, counts: torch.Tensor, scale: torch
         scale = torch.where(dynamic, own_scale, scale.to(x.device, own_scale.dtype))
         zero_point = torch.where(dynamic, own_zero_point, zero_point.to(x.device, own_zero_point.dtype))
     rows = x.shape[0]
-    row_scale = rows_of_experts(scale.to(x.device), counts, rows)
-    row_zero_point = rows_of_experts(zero_point.to(x.device), counts, rows)
-    quantized = fake_quantize_per_channel(x, row_scale, row_zero_point, 0, quant_min, quant_max)
+    quantized = fake_quantize_by_run(x, counts, scale, zero_point, quant_min, quant_max)
+    if quantized is None:  # one per-row pass with each expert's qparams repeated over its rows: the same values
+        row_scale = rows_of_experts(scale.to(x.device), counts, rows)
+        row_zero_point = rows_of_experts(zero_point.to(x.device), counts, rows)
+        quantized = fake_quantize_per_channel(x, row_scale, row_zero_point, 0, quant_min, quant_max)
     if kept_float is None:
         return quantized
     row_float = rows_of_experts(kept_float.to(x.device), counts, rows).reshape((-1,) + (1,) * (x.dim() - 1))

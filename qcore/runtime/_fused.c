@@ -17,6 +17,11 @@
  * bounds (axis-0 per-channel fake quantization of a weight, an integer zero point folded into the bounds:
  * clamp(round(v) + zp, min, max) - zp == clamp(round(v), min - zp, max - zp) for the small ranges it is given).
  *
+ * qcore_fake_quantize_by_run does the same with one scale and bounds per run of consecutive rows (an MoE expert's
+ * rows of a grouped projection, each run `counts[e]` rows long): the per-row kernel's values with each run's
+ * arguments repeated over its rows, without the repeated copies. It returns 1, writing nothing, for counts that
+ * are negative or do not add up to `rows`.
+ *
  * qcore_histogram_update is HistogramObserver's update of one float32 batch: its range, the old histogram spread
  * over the new range, and the new values' counts, with the roundings of the observer's torch path (observers.py):
  * what takes that path some thirty small torch ops and an int64 copy of the batch.
@@ -113,6 +118,45 @@ void qcore_fake_quantize_per_row(const float *x, float *out, int64_t rows, int64
         for (int64_t i = 0; i < cols; ++i)
             written[i] = fake_quantized(row[i], inv, step, lo, hi);
     }
+}
+
+int64_t qcore_fake_quantize_by_run(const float *x, float *out, int64_t rows, int64_t cols, int64_t runs,
+                                   const int64_t *counts, const float *inv_scale, const float *scale, const float *low,
+                                   const float *high, int64_t threads) {
+    int64_t *starts = malloc((size_t)(runs + 1) * sizeof(int64_t));
+    if (starts == NULL)
+        return 1;
+    starts[0] = 0;
+    for (int64_t e = 0; e < runs; ++e) {
+        if (counts[e] < 0) {
+            free(starts);
+            return 1;
+        }
+        starts[e + 1] = starts[e] + counts[e];
+    }
+    if (starts[runs] != rows) { /* counts that are not these rows' runs: nothing written */
+        free(starts);
+        return 1;
+    }
+    threads = qcore_usable_threads(threads, MAX_PARTS);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t first = 0, last = runs - 1; /* the run holding row r: the last whose start is at most r */
+        while (first < last) {
+            int64_t middle = (first + last + 1) / 2;
+            if (starts[middle] <= r)
+                first = middle;
+            else
+                last = middle - 1;
+        }
+        const float inv = inv_scale[first], step = scale[first], lo = low[first], hi = high[first];
+        const float *row = x + r * cols;
+        float *written = out + r * cols;
+        for (int64_t i = 0; i < cols; ++i)
+            written[i] = fake_quantized(row[i], inv, step, lo, hi);
+    }
+    free(starts);
+    return 0;
 }
 
 /* Each row's min and max of x scaled per column, for each of `count` column scalings: low[k * rows + r] and

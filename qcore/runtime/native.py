@@ -171,6 +171,9 @@ def _load():
     library.qcore_fake_quantize_per_row.argtypes = [pointer, pointer, integer, integer, pointer, pointer, pointer,
                                                     pointer, integer]
     library.qcore_fake_quantize_per_row.restype = None
+    library.qcore_fake_quantize_by_run.argtypes = [pointer, pointer, integer, integer, integer, pointer, pointer,
+                                                   pointer, pointer, pointer, integer]
+    library.qcore_fake_quantize_by_run.restype = integer
     library.qcore_scaled_row_extremes.argtypes = [pointer, pointer, integer, integer, integer, pointer, pointer,
                                                   integer]
     library.qcore_scaled_row_extremes.restype = None

@@ -153,6 +153,21 @@ def test_fake_quantize_per_expert_is_one_per_tensor_fake_quantization_per_expert
         assert torch.equal(part, torch_ao)
 
 
+def test_the_run_kernel_takes_only_counts_that_are_the_rows_runs():
+    from qcore.observe.qparams import fake_quantize_by_run
+    from qcore.runtime import native
+
+    if native.kernel() is None:
+        pytest.skip(f"no native kernel here: {native.status()}")
+    scale, zero_point = torch.full((2,), 0.1), torch.zeros(2, dtype=torch.long)
+    rows = torch.randn(5, 3)
+    for counts in (torch.tensor([2, 2]), torch.tensor([6, -1])):
+        with pytest.raises(ValueError, match="are not runs of the 5 rows"):
+            fake_quantize_by_run(rows, counts, scale, zero_point, -128, 127)
+    kernel = fake_quantize_by_run(rows, torch.tensor([0, 5]), scale, zero_point, -128, 127)
+    assert kernel is not None and torch.equal(kernel, fake_quantize_per_tensor(rows, 0.1, 0, -128, 127))
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), per_channel=st.booleans(), kept=st.sets(st.integers(0, EXPERTS - 1), max_size=2),
        divided=st.booleans(), empty=st.integers(0, EXPERTS - 1))
