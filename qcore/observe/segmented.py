@@ -21,8 +21,12 @@ from torch import nn
 
 from qcore.graph.grouped import linear_by_expert, rows_of_experts
 from qcore.observe.observers import ObserverBase, calculate_qparams_together
-from qcore.observe.qparams import (calculate_qparams, fake_quantize_by_run, fake_quantize_divided_rows,
-                                   fake_quantize_per_channel)
+from qcore.observe.qparams import (
+    calculate_qparams,
+    fake_quantize_by_run,
+    fake_quantize_divided_rows,
+    fake_quantize_per_channel,
+)
 from qcore.runtime import deferred
 
 __all__ = ["ExpertsObserver", "ExpertsQuantizedWhereRead", "PerExpertObservers", "SegmentedMinMaxObserver",
