@@ -942,6 +942,8 @@ def takes_grouped_capture(gm: fx.GraphModule, quantizer: Quantizer | None = None
     projection other weight settings is refused)."""
     if gm.meta.get("qcore_capture_method") != "export":
         return False
+    if quantizer is None or (type(quantizer) is Int8StaticQuantizer and not quantizer.layer_overrides):
+        return True  # every expert of a projection gets the same settings: nothing to refuse, nothing to annotate
     try:
         (quantizer or Int8StaticQuantizer()).annotate(graph_view(gm))  # read, never run
     except ValueError:

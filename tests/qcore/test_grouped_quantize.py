@@ -138,6 +138,19 @@ def test_a_per_expert_override_is_refused_by_a_grouped_capture():
         prepare(clone_graph_module(grouped), quantizer)
 
 
+def test_a_grouped_capture_is_taken_unless_an_override_gives_its_experts_different_settings():
+    from qcore.analysis import takes_grouped_capture
+
+    model, data = tiny_moe("qwen3_moe", layers=1, experts=4, batch=2, n=1)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    split = {"model.layers.0.mlp.experts.2.down_proj": {"per_channel": False}}
+    skipped = {"model.layers.0.mlp.experts.2.down_proj": {"skip": True}}
+    assert takes_grouped_capture(grouped) and takes_grouped_capture(grouped, qcore.Int8StaticQuantizer())
+    assert takes_grouped_capture(grouped, qcore.Int8StaticQuantizer(layer_overrides=skipped))
+    assert not takes_grouped_capture(grouped, qcore.Int8StaticQuantizer(layer_overrides=split))
+
+
 @pytest.mark.parametrize("architecture", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_measure_sqnr_of_a_grouped_capture_gives_every_experts_records_of_the_per_expert_capture(architecture):
     """Each expert's shadow and weight SQNR from the grouped projection's per-expert sums, the output SQNR, every
