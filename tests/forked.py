@@ -104,10 +104,7 @@ def _child(arguments: list[str], out: int, err: int) -> None:
         os.dup2(null, 0)
         os.dup2(out, 1)
         os.dup2(err, 2)
-        sys.stdin = open(0, encoding="utf8", closefd=False)  # noqa: SIM115 - the child's own streams, to its end
-        sys.stdout = open(1, "w", encoding="utf8", closefd=False, buffering=1)  # noqa: SIM115
-        sys.stderr = open(2, "w", encoding="utf8", closefd=False, buffering=1)  # noqa: SIM115
-        sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+        _streams_on_standard_descriptors()
         cwd = os.getcwd()
         sys.path.insert(0, cwd)  # as the subprocess's PYTHONPATH has it
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH", "")]))
@@ -116,11 +113,27 @@ def _child(arguments: list[str], out: int, err: int) -> None:
     except BaseException:  # noqa: BLE001 - reported on the child's stderr, its exit code says it failed
         traceback.print_exc()
     finally:
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        _exit_handlers_then_exit(code)
+
+
+def _streams_on_standard_descriptors() -> None:
+    """sys's streams anew on descriptors 0, 1 and 2 (a forked process's own, once the caller has put them there)."""
+    sys.stdin = open(0, encoding="utf8", closefd=False)  # noqa: SIM115 - the process's own streams, to its end
+    sys.stdout = open(1, "w", encoding="utf8", closefd=False, buffering=1)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf8", closefd=False, buffering=1)  # noqa: SIM115
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+
+
+def _exit_handlers_then_exit(code: int, connection: socket.socket | None = None) -> None:
+    """Run this process's own exit handlers, flush its streams, tell `connection` the code, and exit with it."""
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if connection is not None:
+        with contextlib.suppress(OSError):
+            connection.sendall(str(code).encode())
+    os._exit(code)
 
 
 def _wait(pid: int, timeout: float, arguments: list[str]) -> int:
@@ -225,10 +238,7 @@ def _worker(connection: socket.socket, fds: list[int], cwd: str, environment: di
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        sys.stdin = open(0, encoding="utf8", closefd=False)  # noqa: SIM115 - the worker's own streams
-        sys.stdout = open(1, "w", encoding="utf8", closefd=False, buffering=1)  # noqa: SIM115
-        sys.stderr = open(2, "w", encoding="utf8", closefd=False, buffering=1)  # noqa: SIM115
-        sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+        _streams_on_standard_descriptors()
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(environment)
@@ -237,14 +247,8 @@ def _worker(connection: socket.socket, fds: list[int], cwd: str, environment: di
         exec(eval(sys.stdin.readline()), {"__name__": "__main__"})  # noqa: S307 - execnet's bootstrap, as python -c
         code = 0
     except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
+        code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
     except BaseException:  # noqa: BLE001 - reported on the worker's stderr, its exit code says it failed
         traceback.print_exc()
     finally:
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        with contextlib.suppress(OSError):
-            connection.sendall(str(code).encode())
-        os._exit(code)
+        _exit_handlers_then_exit(code, connection)
