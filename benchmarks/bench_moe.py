@@ -17,8 +17,9 @@ dominates) and `30b-a3b` (2 blocks shaped like Qwen3-30B-A3B's, 128 experts of 7
 in alternating rounds (11 at `tiny`, 2 at `small`, 1 at `30b-a3b`; each a forward, the fastest of passes repeated
 for a second, and both analyses), each figure the fastest of its rounds. `moe/dense` is the MoE's ratio over the
 dense model's; `median` and `per round`, the median and the range of that quotient over the rounds; below the
-table, each analysis's stages against its model's forward. `--checks sqnr,weight_sqnr,...` runs those checks instead
-of every default one: where among the checks the MoE's extra cost lies; `--tokens N` gives each batch row N tokens
+table, each analysis's stages against its model's forward. `--rounds N` runs N rounds at every size;
+`--checks sqnr,weight_sqnr,...` runs those checks instead of every default one: where among the checks the MoE's
+extra cost lies; `--tokens N` gives each batch row N tokens
 instead of the size's (an expert's share of the calibration grows with them). Last, the layers each detector's
 screen measured its fix on (a screen runs one more copy of each such layer in the comparison pass). The MoE's analysis
 captures its fused experts one op a projection, as the plugin's does; `--per-expert` adds the same MoE captured with
@@ -60,7 +61,8 @@ per-expert forms' values bit for bit on this machine: torch's grouped_mm against
 fake quantization per row with each row's expert's int8 qparams (qcore's per-channel kernel) against one per-tensor
 fake quantization per expert.
 
-    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N] [--per-expert]]
+    python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N] [--per-expert]
+                                           [--rounds N]]
                                    [--peak [--sizes small,30b-a3b]]
                                    [--experts 8,32,64,128] [--capture] [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
@@ -591,6 +593,8 @@ def main() -> None:
     if "--experts" in sys.argv:
         experts_cost([int(count) for count in sys.argv[sys.argv.index("--experts") + 1].split(",")])
         return
+    if "--rounds" in sys.argv:  # more rounds for a tighter median where the machine's speed moves
+        ROUNDS.update(dict.fromkeys(ROUNDS, int(sys.argv[sys.argv.index("--rounds") + 1])))
     if "--cost" in sys.argv:
         sizes = sys.argv[sys.argv.index("--sizes") + 1].split(",") if "--sizes" in sys.argv else ["tiny", "small"]
         cost(sizes, sys.argv[sys.argv.index("--checks") + 1].split(",") if "--checks" in sys.argv else None,

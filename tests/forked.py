@@ -152,7 +152,7 @@ def _wait(pid: int, timeout: float, arguments: list[str]) -> int:
 
 # the client execnet starts for a worker: it hands the zygote its pipes (stdin, stdout, stderr), working directory and
 # environment, closes its own copies, and waits for the worker's process to end: the worker holds the connection
-_CLIENT = """import array, json, os, socket, sys
+_CLIENT = """import json, os, socket, sys
 connection = socket.socket(socket.AF_UNIX)
 connection.connect(sys.argv[1])
 socket.send_fds(connection, [json.dumps([os.getcwd(), dict(os.environ)]).encode()], [0, 1, 2])
