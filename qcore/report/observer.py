@@ -39,6 +39,7 @@ NATIVE_MAX_TOP = 128  # the kernel keeps each channel's k largest values in a so
 # channel-major channels (runs) insert value by value into that list: for a longer top k, selecting among all of a
 # channel's values is cheaper; channels-last rows insert whole blocks branchlessly and keep the list up to 128
 RUNS_MAX_TOP = 64
+MAX_KEPT_PLANS = 256  # shapes an observer keeps a native plan for (an MoE expert's run: one per token count)
 _NO_SAMPLE = torch.empty(0, dtype=torch.int64)  # the exact selection's sample: none (never written)
 _STATE = frozenset({"extremes", "extreme_sums", "min_val", "max_val", "ratio_sums", "ratio_counts",
                     "constant_channels"})
@@ -69,6 +70,9 @@ class ReportObserver(nn.Module):
         self._sample_key: tuple | None = None
         self._sample_index: torch.Tensor | None = None
         self._native_plan: tuple | None = None  # (shape, kernel function, its arguments after the data pointer)
+        # the plans of the shapes seen since the state last moved, by shape: an MoE expert's token count changes
+        # from batch to batch and comes back, and a plan costs several times the kernel on a small run
+        self._native_plans: dict[torch.Size, tuple] = {}
         self._native_scratch: tuple = ()
 
     def add_percentiles(self, percentiles) -> None:
@@ -95,8 +99,11 @@ class ReportObserver(nn.Module):
         if x.numel() == 0:  # an expert no token was routed to in this batch: nothing to see
             return x
         plan = self._native_plan  # the hot path: the same shape again, one native call
-        if (plan is not None and x.__class__ is torch.Tensor and x.shape == plan[0] and x.dtype == torch.float32
-                and x.is_cpu):
+        if plan is not None and x.shape != plan[0]:  # an MoE expert's token count of an earlier batch
+            plan = self.__dict__.get("_native_plans", {}).get(x.shape)
+            if plan is not None:
+                self.__dict__["_native_plan"] = plan
+        if plan is not None and x.__class__ is torch.Tensor and x.dtype == torch.float32 and x.is_cpu:
             # a strided view (attention's transposed keys) is copied: cheaper than the torch path's dozen ops
             values = x if x.is_contiguous() else x.detach().contiguous()
             if not plan[1](values.data_ptr(), *plan[2]):
@@ -193,6 +200,8 @@ class ReportObserver(nn.Module):
             key = tuple(picks)
             picks = kept[1] if kept and kept[0] == key else torch.tensor(picks, dtype=torch.int64)
             scratch = kept[3] if kept and kept[3].numel() >= needed else torch.empty(needed)
+            if kept and scratch is not kept[3]:
+                self.__dict__["_native_plans"] = {}  # the plans kept point into the smaller scratch: let it go
             function = library.qcore_observe
             arguments = (outer, channels, inner, top, picks.data_ptr(), picks.numel(), sample.data_ptr(),
                          sample.numel(), scratch.data_ptr(), scratch.numel(), workers,
@@ -202,7 +211,11 @@ class ReportObserver(nn.Module):
                          min(self.ratio_sums.numel(), self.ratio_counts.numel()))
             # keeps the memory the pointers point to (set in __dict__: nn.Module's __setattr__ costs more than a plan)
             self.__dict__["_native_scratch"] = (key, picks, sample, scratch)
-        self.__dict__["_native_plan"] = (values.shape, function, arguments)
+        plan = (values.shape, function, arguments, self.__dict__.get("_native_scratch"))  # what it points into
+        plans = self.__dict__.setdefault("_native_plans", {})
+        if len(plans) >= MAX_KEPT_PLANS:
+            plans.clear()
+        plans[values.shape] = self.__dict__["_native_plan"] = plan
         outcome = function(values.data_ptr(), *arguments)
         if outcome == native.REFUSED:
             self._native_plan = None
@@ -241,11 +254,12 @@ class ReportObserver(nn.Module):
 
     def __getstate__(self):
         state = dict(super().__getstate__())  # copies and pickles re-plan: the plan holds raw pointers
-        state.update(_native_plan=None, _native_scratch=())
+        state.update(_native_plan=None, _native_plans={}, _native_scratch=())
         return state
 
     def _drop_native_plan(self) -> None:
         self.__dict__["_native_plan"] = None
+        self.__dict__["_native_plans"] = {}
 
     def __setattr__(self, name, value):
         if name in _STATE:  # the plan holds pointers into the state buffers

@@ -188,12 +188,34 @@ def test_a_nan_batch_takes_the_torch_path_and_propagates(monkeypatch):
 
 
 @needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.sampled_from([1, 3, 17, 64, 300]), min_size=3, max_size=10),
+       percentiles=st.sampled_from([(), (0.975,), (0.9, 0.99)]), seed=st.integers(0, 2**16))
+def test_a_token_count_that_comes_back_runs_its_kept_plan_to_the_torch_paths_state(rows, percentiles, seed):
+    """An expert's token count of an earlier batch takes the plan made for it then, unless a larger scratch let the
+    kept plans go since, and the state is the torch path's: a plan holds the picks and scratch it points into."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = [torch.randn(count, 24, generator=generator) for count in rows]
+    observer_settings = dict(ch_axis=-1, percentiles=percentiles, per_channel=True)
+    native_observer = ReportObserver(**observer_settings)
+    for batch in batches:
+        kept = native_observer._native_plans.get(batch.shape)
+        native_observer(batch)
+        assert kept is None or native_observer._native_plan is kept
+        assert native_observer._native_plans[batch.shape] is native_observer._native_plan
+    with pytest.MonkeyPatch.context() as patch:
+        _torch_path(patch)
+        torch_observer = _observe(batches, **observer_settings)
+    _assert_same_state(native_observer, torch_observer)
+
+
+@needs_kernel
 def test_copies_and_pickles_replan_and_keep_counting():
     observer = _observe([torch.randn(32, 8)], ch_axis=-1, percentiles=(0.975,))
     twin = copy.deepcopy(observer)
     thawed = pickle.loads(pickle.dumps(observer))
     for clone in (twin, thawed):
-        assert clone._native_plan is None
+        assert clone._native_plan is None and not clone._native_plans
         clone(torch.randn(32, 8))
         assert clone.num_batches_tracked == 2 and clone._native_plan is not None
     assert observer.num_batches_tracked == 1
@@ -203,7 +225,7 @@ def test_copies_and_pickles_replan_and_keep_counting():
 def test_replacing_a_state_buffer_drops_the_plan():
     observer = _observe([torch.randn(32, 8)], ch_axis=-1)
     observer.min_val = observer.min_val.clone()
-    assert observer._native_plan is None
+    assert observer._native_plan is None and not observer._native_plans
     observer(torch.randn(32, 8))
     assert observer.num_batches_tracked == 2
 
