@@ -123,6 +123,14 @@ class SegmentedRangeObserver(ExpertsObserver):
                              f"{tuple(value.shape)}, not [experts, ...]")
         self.observe_constant_in_parts([value])
 
+    def _set_constant_range(self, low: torch.Tensor, high: torch.Tensor) -> None:
+        """A weight's extremes per expert (one row each), taken once: ValueError unless every expert's came."""
+        if low.shape[0] != self.experts:
+            raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; the parts of a weight gave "
+                             f"{low.shape[0]}")
+        self.min_val, self.max_val = low, high
+        self.frozen = True
+
     def observe_constant_in_parts(self, parts: Iterable[torch.Tensor]) -> None:
         """observe_constant of the weight `parts` gives run by run of experts, each part's extremes taken alone."""
         if self.frozen:
@@ -132,8 +140,7 @@ class SegmentedRangeObserver(ExpertsObserver):
             flat = part.detach().reshape(part.shape[0], -1)
             lows.append(flat.amin(dim=1).float())
             highs.append(flat.amax(dim=1).float())
-        self.min_val, self.max_val = torch.cat(lows), torch.cat(highs)
-        self.frozen = True
+        self._set_constant_range(torch.cat(lows), torch.cat(highs))
 
     def fake_quantize_weight(self, value: torch.Tensor) -> torch.Tensor:
         """`value` ([E, ...], the weight observed) with each expert's slice fake-quantized with its qparams."""
@@ -231,8 +238,7 @@ class SegmentedPerChannelMinMaxObserver(SegmentedRangeObserver):
             weight = part.detach().float()
             lows.append(weight.amin(dim=reduced))
             highs.append(weight.amax(dim=reduced))
-        self.min_val, self.max_val = torch.cat(lows), torch.cat(highs)
-        self.frozen = True
+        self._set_constant_range(torch.cat(lows), torch.cat(highs))
 
     def fake_quantize_weight(self, value: torch.Tensor) -> torch.Tensor:
         """`value` ([E, out, in], the weight observed) with each expert's output channels fake-quantized with their
@@ -427,9 +433,14 @@ class PerExpertObservers(ExpertsObserver):
         if value.shape[0] != self.experts:
             raise ValueError(f"{type(self).__name__} keeps {self.experts} experts; given a weight of shape "
                              f"{tuple(value.shape)}")
+        self.observe_constant_in_parts([value])
+
+    def observe_constant_in_parts(self, parts: Iterable[torch.Tensor]) -> None:
+        """observe_constant of the weight `parts` gives run by run of experts, each expert's slice by its observer."""
         if self.frozen:
             return
-        for observer, expert in zip(self.per_expert, value.detach(), strict=True):
+        experts = (expert for part in parts for expert in part.detach())
+        for observer, expert in zip(self.per_expert, experts, strict=True):
             observer.observe_constant(expert)
         self.frozen = True
 

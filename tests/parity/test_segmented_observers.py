@@ -117,6 +117,44 @@ def test_per_channel_weights_per_expert_match_torch_ao(axis):
         assert torch.equal(scale[expert], ref_scale) and torch.equal(zero_point[expert], ref_zero_point)
 
 
+@pytest.mark.parametrize("kind", ["minmax", "per-channel", "histogram-per-expert"])
+def test_a_weight_observed_a_few_experts_at_a_time_gives_each_expert_its_weights_qparams(kind):
+    """observe_constant_in_parts (an equalization variant's divided weight, made a few experts at a time): each
+    expert's qparams as torch.ao's weight observer gives them for that expert's weight alone (qcore's histogram:
+    as observing the whole weight at once gives them)."""
+    from qcore.observe.observers import HistogramObserver
+    from qcore.observe.segmented import PerExpertObservers
+
+    weight = torch.randn(EXPERTS, 12, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+
+    def make():
+        if kind == "minmax":
+            return SegmentedMinMaxObserver(EXPERTS, quant_min=-127, quant_max=127, qscheme=torch.per_tensor_symmetric)
+        if kind == "per-channel":
+            return SegmentedPerChannelMinMaxObserver(EXPERTS, ch_axis=0, quant_min=-127, quant_max=127)
+        return PerExpertObservers([HistogramObserver(quant_min=-127, quant_max=127) for _ in range(EXPERTS)])
+
+    parts = make()
+    parts.observe_constant_in_parts(weight[start:start + 2] for start in range(0, EXPERTS, 2))
+    scale, zero_point = parts.calculate_qparams()
+    with pytest.raises(ValueError):  # parts that leave experts out
+        make().observe_constant_in_parts([weight[:2]])
+    if kind == "histogram-per-expert":
+        whole = make()
+        whole.observe_constant(weight)
+        whole_scale, whole_zero_point = whole.calculate_qparams()
+        assert torch.equal(scale, whole_scale) and torch.equal(zero_point, whole_zero_point)
+        return
+    for expert in range(EXPERTS):
+        reference = ao.MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, quant_min=-127,
+                                      quant_max=127) if kind == "minmax" else ao.PerChannelMinMaxObserver(
+            ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric, quant_min=-127, quant_max=127)
+        reference(weight[expert].float())
+        ref_scale, ref_zero_point = reference.calculate_qparams()
+        assert torch.equal(scale[expert].reshape(ref_scale.shape), ref_scale)
+        assert torch.equal(zero_point[expert].reshape(ref_zero_point.shape).to(ref_zero_point.dtype), ref_zero_point)
+
+
 def test_a_nan_stays_in_its_experts_range_alone():
     rows = torch.tensor([[1.0, 2.0], [float("nan"), 0.0], [3.0, -4.0]])
     ours = SegmentedMinMaxObserver(3)
