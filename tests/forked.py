@@ -9,7 +9,7 @@ waits forever in its own first one with more than one thread. A run that asks fo
 which a forked child cannot use.
 
 A run under xdist (`-n N`) starts its workers the same way: the child forks a zygote before its session starts, and
-each worker execnet would start as a fresh interpreter is forked from it instead (`_WorkerZygote`), without the 5
+each worker execnet would start as a fresh interpreter is forked from it instead (`_worker_zygote`), without the 5
 seconds of imports each fresh worker spends. execnet still starts a process per worker, a small client that hands
 the zygote its pipes, its working directory and its environment, and lives as long as the worker does; the worker
 reads execnet's bootstrap from those pipes as a fresh interpreter would, and imports execnet anew. The runs that must
@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,7 @@ def _child(arguments: list[str], out: int, err: int) -> None:
         cwd = os.getcwd()
         sys.path.insert(0, cwd)  # as the subprocess's PYTHONPATH has it
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH", "")]))
-        with _WorkerZygote.for_arguments(arguments):
+        with _worker_zygote(arguments):
             code = int(pytest.main(arguments))
     except BaseException:  # noqa: BLE001 - reported on the child's stderr, its exit code says it failed
         traceback.print_exc()
@@ -165,68 +166,60 @@ sys.exit(int(code))
 """
 
 
-class _WorkerZygote:
-    """A process forked before the session starts, which forks each xdist worker on request (see the module's
-    docstring)."""
+@contextlib.contextmanager
+def _worker_zygote(arguments: list[str]) -> Iterator[None]:
+    """For a run whose arguments ask for xdist: a zygote forked now, which forks each worker execnet asks for (see
+    the module's docstring), until the run ends; nothing for any other run."""
+    if not any(arg == "-n" or arg.startswith(("-n", "--numprocesses", "--tx")) for arg in arguments):
+        yield
+        return
+    import execnet.gateway_io
 
-    def __init__(self, path: str, pid: int):
-        self.path, self.pid = path, pid
+    folder = tempfile.gettempdir() if len(tempfile.gettempdir()) < 80 else "/tmp"  # a socket's path is short
+    path = tempfile.mktemp(prefix="zygote-", suffix=".sock", dir=folder)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(16)
+    pid = os.fork()
+    if pid == 0:
+        _serve_workers(listener)  # never returns
+    listener.close()
+    original = execnet.gateway_io.popen_args
+    execnet.gateway_io.popen_args = lambda spec: (
+        original(spec) if spec.python else [sys.executable, "-S", "-c", _CLIENT, path])
+    try:
+        yield
+    finally:
+        execnet.gateway_io.popen_args = original
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
-    @classmethod
-    @contextlib.contextmanager
-    def for_arguments(cls, arguments: list[str]):
-        """A zygote for the workers of a run whose arguments ask for xdist; nothing for any other run."""
-        if not any(arg == "-n" or arg.startswith(("-n", "--numprocesses", "--tx")) for arg in arguments):
-            yield None
-            return
-        import execnet.gateway_io
 
-        folder = tempfile.gettempdir() if len(tempfile.gettempdir()) < 80 else "/tmp"  # a socket's path is short
-        path = tempfile.mktemp(prefix="zygote-", suffix=".sock", dir=folder)
-        listener = socket.socket(socket.AF_UNIX)
-        listener.bind(path)
-        listener.listen(16)
-        pid = os.fork()
-        if pid == 0:
-            cls._serve(listener)  # never returns
-        listener.close()
-        zygote = cls(path, pid)
-        original = execnet.gateway_io.popen_args
-        execnet.gateway_io.popen_args = lambda spec: (
-            original(spec) if spec.python else [sys.executable, "-S", "-c", _CLIENT, path])
+def _serve_workers(listener: socket.socket) -> None:
+    """In the zygote: fork a worker for each client that connects, until the session's process ends."""
+    parent = os.getppid()
+    listener.settimeout(0.5)
+    while os.getppid() == parent:
         try:
-            yield zygote
-        finally:
-            execnet.gateway_io.popen_args = original
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-
-    @staticmethod
-    def _serve(listener: socket.socket) -> None:
-        """In the zygote: fork a worker for each client that connects, until the session's process ends."""
-        parent = os.getppid()
-        listener.settimeout(0.5)
-        while os.getppid() == parent:
-            try:
-                connection, _ = listener.accept()
-            except TimeoutError:
-                continue
-            connection.settimeout(None)
-            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-            middle = os.fork()
-            if middle == 0:  # forks the worker and exits: the worker is nobody's child here to reap
-                listener.close()
-                if os.fork() == 0:
-                    _worker(connection, fds, *json.loads(message))  # never returns
-                os._exit(0)
-            os.waitpid(middle, 0)
-            connection.close()
-            for fd in fds:
-                os.close(fd)
-        os._exit(0)
+            connection, _ = listener.accept()
+        except TimeoutError:
+            continue
+        connection.settimeout(None)
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+        middle = os.fork()
+        if middle == 0:  # forks the worker and exits: the worker is nobody's child here to reap
+            listener.close()
+            if os.fork() == 0:
+                _worker(connection, fds, *json.loads(message))  # never returns
+            os._exit(0)
+        os.waitpid(middle, 0)
+        connection.close()
+        for fd in fds:
+            os.close(fd)
+    os._exit(0)
 
 
 def _worker(connection: socket.socket, fds: list[int], cwd: str, environment: dict[str, str]) -> None:
