@@ -18,6 +18,7 @@ in alternating rounds (11 at `tiny`, 2 at `small`, 1 at `30b-a3b`; each a forwar
 for a second, and both analyses), each figure the fastest of its rounds. `moe/dense` is the MoE's ratio over the
 dense model's; `median` and `per round`, the median and the range of that quotient over the rounds; below the
 table, each analysis's stages against its model's forward. `--rounds N` runs N rounds at every size;
+`--device cuda` runs the models, batches and analyses on a GPU (each time synchronized);
 `--checks sqnr,weight_sqnr,...` runs those checks instead of every default one: where among the checks the MoE's
 extra cost lies; `--tokens N` gives each batch row N tokens
 instead of the size's (an expert's share of the calibration grows with them). Last, the layers each detector's
@@ -62,7 +63,7 @@ fake quantization per row with each row's expert's int8 qparams (qcore's per-cha
 fake quantization per expert.
 
     python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N] [--per-expert]
-                                           [--rounds N]]
+                                           [--rounds N] [--device cuda]]
                                    [--peak [--sizes small,30b-a3b]]
                                    [--experts 8,32,64,128] [--capture] [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
@@ -124,10 +125,14 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
     for check in BUILTIN_CHECKS:
         registry.register(check)
     checks = checks or [check.name for check in BUILTIN_CHECKS if check.default_severity != "off"]
-    settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, checks=checks, fix_budget=fix_budget)
+    on_device = {"device": DEVICE} if DEVICE != "cpu" else {}
+    settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, checks=checks, fix_budget=fix_budget,
+                                      **on_device)
+    _synchronize()
     start = time.perf_counter()
     state = collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
     state.analyze(lambda: batches, lambda found: None, threads=2)
+    _synchronize()
     assert not state.failed, state.error
     if screened is not None:
         analysis = state.context.analysis
@@ -139,6 +144,13 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
 
 
 ROUNDS = {"tiny": 11, "small": 2, "30b-a3b": 1}  # rounds of (forward, analysis) per model, the fastest quoted
+DEVICE = "cpu"  # --device: where --cost's models, batches and analyses run
+
+
+def _synchronize() -> None:
+    """Wait for the GPU's queued work when --cost runs on one (nothing on the CPU)."""
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
 STEADY_SECONDS = 1.0  # a round's forward: passes over the batches for at least this long, the fastest taken
 
 
@@ -152,9 +164,11 @@ def steady_forward_seconds(model, batches) -> float:
     best, spent, passes = float("inf"), 0.0, 0
     with torch.no_grad():
         while passes < 3 or spent < STEADY_SECONDS:
+            _synchronize()
             start = time.perf_counter()
             for batch in batches:
                 call_model(model, batch)
+            _synchronize()
             took = time.perf_counter() - start
             best, spent, passes = min(best, took), spent + took, passes + 1
     return best
@@ -206,9 +220,9 @@ def pair(size: str, tokens: int | None = None):
                     parameter.normal_(0.0, 0.05 if shape.hidden <= 256 else 0.02)  # trained scale: routers choose
         models.append(model)
     generator = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(0, shape.vocabulary, (4, shape.tokens), generator=generator)}
+    batches = [{"input_ids": torch.randint(0, shape.vocabulary, (4, shape.tokens), generator=generator).to(DEVICE)}
                for _ in range(8)]
-    return models[0], models[1], batches
+    return models[0].to(DEVICE), models[1].to(DEVICE), batches
 
 
 def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None = None,
@@ -274,7 +288,8 @@ def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None =
     print("\n".join(splits))
     print("the layers each screen measured its fix on (fix_budget 1, the first round):")
     print("\n".join(screens))
-    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+          + (f"; peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if DEVICE != "cpu" else ""))
 
 
 def _resident_bytes() -> int:
@@ -593,6 +608,11 @@ def main() -> None:
     if "--experts" in sys.argv:
         experts_cost([int(count) for count in sys.argv[sys.argv.index("--experts") + 1].split(",")])
         return
+    if "--device" in sys.argv:
+        global DEVICE
+        DEVICE = sys.argv[sys.argv.index("--device") + 1]
+        if DEVICE != "cpu":
+            print(f"device: {torch.cuda.get_device_name(DEVICE)}, torch {torch.__version__}")
     if "--rounds" in sys.argv:  # more rounds for a tighter median where the machine's speed moves
         ROUNDS.update(dict.fromkeys(ROUNDS, int(sys.argv[sys.argv.index("--rounds") + 1])))
     if "--cost" in sys.argv:

@@ -194,3 +194,56 @@ def test_the_fused_per_channel_kernel_on_cuda_gives_the_torch_paths_values(dtype
     expected = qparams.fake_quantize_per_channel(x, scale, zero_point, 0, -128, 127)
     ours = qparams.fake_quantize_finite_per_channel(x, scale, zero_point.int(), 0, -128, 127)
     assert torch.equal(ours, expected) and torch.equal(ours.signbit(), expected.signbit())
+
+
+MOE_CHECKS = ["sqnr", "weight_sqnr", "expert_coverage", "routing_agreement", "model_sqnr"]
+
+
+def _moe_findings(device: str) -> dict:
+    """The MoE items of a seeded 2-block Qwen3-MoE (8 experts, top-2) analysed on `device` under int8 static."""
+    from tests.models import tiny_moe
+
+    model, batches = tiny_moe("qwen3_moe", layers=2, experts=8, batch=4, n=4)
+    pipeline = collected(model, batches, MOE_CHECKS, device=device)
+    pipeline.analyze(lambda: batches, lambda found: None)
+    assert not pipeline.failed, pipeline.error
+    return pipeline.findings
+
+
+def test_an_moe_models_expert_items_on_cuda_are_the_cpus():
+    """The fused experts are captured, quantized per expert and measured on the GPU as on the CPU: the same items,
+    every expert's weight SQNR to 0.01 dB, its activation SQNR and the model's to 1 dB (the dense test's bound), the
+    tokens each expert received and the router's agreement to a token or two (a tie broken otherwise on the GPU)."""
+    pytest.importorskip("transformers")
+    cpu, cuda = _moe_findings("cpu"), _moe_findings("cuda")
+    assert set(cpu) == set(cuda)
+    projections = [key for key in cpu if key[0] in ("sqnr", "weight_sqnr") and ".mlp.experts." in key[1]]
+    assert len(projections) == 2 * 2 * 2, sorted(cpu)  # sqnr and weight_sqnr, 2 blocks, gate_up_proj and down_proj
+    for key, found in cpu.items():
+        assert found.verdict != "error" and cuda[key].verdict != "error", (found, cuda[key])
+    for check, layer in projections:
+        ours, theirs = cuda[check, layer].details["experts"], cpu[check, layer].details["experts"]
+        assert set(ours) == set(theirs) and len(ours) == 8 * (2 if layer.endswith("gate_up_proj") else 1)
+        bound = 0.01 if check == "weight_sqnr" else 1.0
+        for expert, value in theirs.items():
+            assert abs(ours[expert] - value) < bound, (check, layer, expert, ours[expert], value)
+    for key in [key for key in cpu if key[0] == "expert_coverage"]:
+        ours, theirs = cuda[key].details["tokens"], cpu[key].details["tokens"]
+        assert sum(ours) == sum(theirs) and max(abs(a - b) for a, b in zip(ours, theirs)) <= 2, (key, ours, theirs)
+    for key in [key for key in cpu if key[0] in ("routing_agreement", "model_sqnr")]:
+        assert abs(cuda[key].value - cpu[key].value) < (0.02 if key[0] == "routing_agreement" else 1.0), key
+
+
+def test_fused_experts_captured_on_cuda_compute_what_transformers_grouped_mm_does():
+    """On the GPU transformers' default experts implementation runs torch's grouped matrix product, not the CPU's
+    fallback: the captured graph, whose experts are one Linear each, computes the same logits."""
+    pytest.importorskip("transformers")
+    from tests.models import logits_of, tiny_moe
+
+    model, batches = tiny_moe("qwen3_moe", layers=2, experts=8, batch=4, n=2)
+    model.cuda()
+    batches = [{name: value.cuda() for name, value in batch.items()} for batch in batches]
+    with torch.no_grad():
+        eager = model(**batches[1]).logits
+        graph = qcore.capture(model, batches[0])
+        torch.testing.assert_close(logits_of(graph(**batches[1])), eager, atol=1e-4, rtol=1e-3)
