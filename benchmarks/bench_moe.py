@@ -13,18 +13,18 @@ the top-k experts a token goes through: the same compute per token), every defau
 process, at each size asked for: `tiny` (4 blocks of 8 experts of 128, top-2, hidden 128, 8 batches of 4x16 tokens:
 per-op overhead dominates), `small` (the same with hidden 1024, experts of 512, 8 batches of 4x128 tokens: compute
 dominates) and `30b-a3b` (2 blocks shaped like Qwen3-30B-A3B's, 128 experts of 768, top-8, hidden 2048, 8 batches of
-4x128 tokens: 32 routed tokens an expert a batch, about 6 GiB; not in the default sizes). The two models are measured
-in alternating rounds (11 at `tiny`, 2 at `small`, 1 at `30b-a3b`; each a forward, the fastest of passes repeated
-for a second, and both analyses), each figure the fastest of its rounds. `moe/dense` is the MoE's ratio over the
-dense model's; `median` and `per round`, the median and the range of that quotient over the rounds; below the
-table, each analysis's stages against its model's forward. `--rounds N` runs N rounds at every size;
-`--device cuda` runs the models, batches and analyses on a GPU (each time synchronized);
-`--checks sqnr,weight_sqnr,...` runs those checks instead of every default one: where among the checks the MoE's
-extra cost lies; `--tokens N` gives each batch row N tokens
-instead of the size's (an expert's share of the calibration grows with them). Last, the layers each detector's
-screen measured its fix on (a screen runs one more copy of each such layer in the comparison pass). The MoE's analysis
-captures its fused experts one op a projection, as the plugin's does; `--per-expert` adds the same MoE captured with
-one Linear per expert (`experts_grouped(False)`) as a third model of the rounds, "per-expert".
+4x128 tokens: 32 routed tokens an expert a batch, about 6 GiB; not in the default sizes). The two models are
+measured in alternating rounds (11 at `tiny`, 2 at `small`, 1 at `30b-a3b`; each a forward, the fastest of passes
+repeated for a second, and both analyses), each figure the fastest of its rounds. `moe/dense` is the MoE's ratio
+over the dense model's; `median` and `per round`, the median and the range of that quotient over the rounds; below
+the table, each analysis's stages against its model's forward, and the part of them spent quantizing the weights of
+a model above 256 MiB of weights each time they are read. `--rounds N` runs N rounds at every size; `--device cuda`
+runs the models, batches and analyses on a GPU (each time synchronized); `--checks sqnr,weight_sqnr,...` runs those
+checks instead of every default one: where among the checks the MoE's extra cost lies; `--tokens N` gives each batch
+row N tokens instead of the size's (an expert's share of the calibration grows with them). Last, the layers each
+detector's screen measured its fix on (a screen runs one more copy of each such layer in the comparison pass). The
+MoE's analysis captures its fused experts one op a projection, as the plugin's does; `--per-expert` adds the same
+MoE captured with one Linear per expert (`experts_grouped(False)`) as a third model of the rounds, "per-expert".
 
 With `--peak [--sizes small,30b-a3b]`: the peak memory of one analysis (every default check, the default run) of
 `--cost`'s dense model, its MoE (experts one op a projection) and its MoE captured one Linear per expert, each alone
@@ -125,14 +125,35 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
     for check in BUILTIN_CHECKS:
         registry.register(check)
     checks = checks or [check.name for check in BUILTIN_CHECKS if check.default_severity != "off"]
+    import qcore.quantization.convert as convert_module
+
     on_device = {"device": DEVICE} if DEVICE != "cpu" else {}
     settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, checks=checks, fix_budget=fix_budget,
                                       **on_device)
-    _synchronize()
-    start = time.perf_counter()
-    state = collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
-    state.analyze(lambda: batches, lambda found: None, threads=2)
-    _synchronize()
+    where_read = [0.0]  # the seconds a large model's weights take to be quantized each time they are read
+
+    def timed(function):
+        def quantized_where_read(*arguments, **keywords):
+            started = time.perf_counter()
+            try:
+                return function(*arguments, **keywords)
+            finally:
+                where_read[0] += time.perf_counter() - started
+        return quantized_where_read
+
+    names = ("fake_quantize_where_read", "fake_quantize_experts_where_read")
+    originals = {name: getattr(convert_module, name) for name in names}
+    for name in names:  # convert builds its nodes from the module's names: the graphs call the timed ones
+        setattr(convert_module, name, timed(originals[name]))
+    try:
+        _synchronize()
+        start = time.perf_counter()
+        state = collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
+        state.analyze(lambda: batches, lambda found: None, threads=2)
+        _synchronize()
+    finally:
+        for name in names:
+            setattr(convert_module, name, originals[name])
     assert not state.failed, state.error
     if screened is not None:
         analysis = state.context.analysis
@@ -140,7 +161,7 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
         screened.update({name: len(found.changes) for name, found in analysis.measurement.screens.items()})
     findings = (state.findings or {}).values()
     return (time.perf_counter() - start, len(findings), sum(f.verdict in ("fail", "warn") for f in findings),
-            dict(state.seconds))
+            {**state.seconds, "weights quantized where read": where_read[0]})
 
 
 ROUNDS = {"tiny": 11, "small": 2, "30b-a3b": 1}  # rounds of (forward, analysis) per model, the fastest quoted
@@ -283,7 +304,9 @@ def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None =
                 stages = fastest[name][1]
                 splits.append(f"{size:>6} {budget:>10g} {name:>6} " + ", ".join(
                     f"{stage} {stages.get(stage, 0.0) / min(forwards[name]):.1f}x"
-                    for stage in ("capture", "calibration", "comparison", "verdict trials", "trials", "other")))
+                    for stage in ("capture", "calibration", "comparison", "verdict trials", "trials", "other"))
+                    + f"; of these, weights quantized where read "
+                    f"{stages.get('weights quantized where read', 0.0) / min(forwards[name]):.2f}x")
     print("where the time goes, against the model's forward (the fastest round):")
     print("\n".join(splits))
     print("the layers each screen measured its fix on (fix_budget 1, the first round):")
