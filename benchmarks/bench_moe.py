@@ -63,7 +63,8 @@ fake quantization per row with each row's expert's int8 qparams (qcore's per-cha
 fake quantization per expert.
 
     python benchmarks/bench_moe.py [--cost [--sizes tiny,small,30b-a3b] [--checks sqnr,...] [--tokens N] [--per-expert]
-                                           [--rounds N] [--device cuda]]
+                                           [--rounds N] [--device cuda]
+                                           [--quantizer W4A16]]
                                    [--peak [--sizes small,30b-a3b]]
                                    [--experts 8,32,64,128] [--capture] [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
@@ -115,9 +116,9 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
     """(seconds from capture to every finding, items, failing items, seconds per stage) of `checks` (default: every
     default check), as the plugin runs them. `screened`, when given, gets the layers each screen measured a fix on
     in the comparison pass ({screen: layers}; "layers" is every layer the analysis measured)."""
-    import qcore
     from pytest_qreport.checks import BUILTIN_CHECKS
     from pytest_qreport.core.pipeline import collect_model
+    from pytest_qreport.core.quantizers import pytest_qreport_make_quantizer
     from pytest_qreport.core.registry import CheckRegistry
     from pytest_qreport.core.settings import ModelSettings
 
@@ -148,7 +149,7 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
     try:
         _synchronize()
         start = time.perf_counter()
-        state = collect_model("model", settings, registry, qcore.Int8StaticQuantizer(), model, batches[0])
+        state = collect_model("model", settings, registry, pytest_qreport_make_quantizer(QUANTIZER), model, batches[0])
         state.analyze(lambda: batches, lambda found: None, threads=2)
         _synchronize()
     finally:
@@ -166,6 +167,7 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
 
 ROUNDS = {"tiny": 11, "small": 2, "30b-a3b": 1}  # rounds of (forward, analysis) per model, the fastest quoted
 DEVICE = "cpu"  # --device: where --cost's models, batches and analyses run
+QUANTIZER = "int8"  # --quantizer: the plugin's name of the quantizer --cost's analyses run under
 
 
 def _synchronize() -> None:
@@ -264,7 +266,7 @@ def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None =
     def capture_form(name: str) -> contextlib.AbstractContextManager:
         return experts_grouped(False) if name == "per-expert" else contextlib.nullcontext()
 
-    print(f"checks: {','.join(checks) if checks else 'every default check'}"
+    print(f"quantizer: {QUANTIZER}; checks: {','.join(checks) if checks else 'every default check'}"
           + (f"; {tokens} tokens a row" if tokens else ""))
     print(f"{'size':>6} {'fix_budget':>10} {'model':>6} {'forward s':>10} {'analysis s':>11} {'items':>6} "
           f"{'failing':>7} {'ratio':>7} {'moe/dense':>9} {'median':>6} {'per round':>17}")
@@ -549,7 +551,7 @@ def ops_table(sizes: list[str], checks: list[str] | None = None, rows: int = 24)
             self.counts[str(func)] += 1
             return func(*args, **(kwargs or {}))
 
-    print(f"checks: {','.join(checks) if checks else 'every default check'}")
+    print(f"quantizer: {QUANTIZER}; checks: {','.join(checks) if checks else 'every default check'}")
     for size in sizes:
         moe, dense, batches = pair(size)
         counted: dict[str, tuple[Counter[str], Counter[str]]] = {}
@@ -636,6 +638,9 @@ def main() -> None:
         DEVICE = sys.argv[sys.argv.index("--device") + 1]
         if DEVICE != "cpu":
             print(f"device: {torch.cuda.get_device_name(DEVICE)}, torch {torch.__version__}")
+    if "--quantizer" in sys.argv:
+        global QUANTIZER
+        QUANTIZER = sys.argv[sys.argv.index("--quantizer") + 1]
     if "--rounds" in sys.argv:  # more rounds for a tighter median where the machine's speed moves
         ROUNDS.update(dict.fromkeys(ROUNDS, int(sys.argv[sys.argv.index("--rounds") + 1])))
     if "--cost" in sys.argv:
