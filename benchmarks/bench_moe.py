@@ -111,6 +111,17 @@ def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
     return float(compute_sqnr(held_out, quantized))
 
 
+def timed_into(total: list[float], function):
+    """`function`, adding the seconds each call takes to total[0]."""
+    def timed(*arguments, **keywords):
+        started = time.perf_counter()
+        try:
+            return function(*arguments, **keywords)
+        finally:
+            total[0] += time.perf_counter() - started
+    return timed
+
+
 def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | None = None,
                       screened: dict[str, int] | None = None) -> tuple[float, int, int, dict[str, float]]:
     """(seconds from capture to every finding, items, failing items, seconds per stage) of `checks` (default: every
@@ -132,20 +143,10 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
     settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, checks=checks, fix_budget=fix_budget,
                                       **on_device)
     where_read = [0.0]  # the seconds a large model's weights take to be quantized each time they are read
-
-    def timed(function):
-        def quantized_where_read(*arguments, **keywords):
-            started = time.perf_counter()
-            try:
-                return function(*arguments, **keywords)
-            finally:
-                where_read[0] += time.perf_counter() - started
-        return quantized_where_read
-
     names = ("fake_quantize_where_read", "fake_quantize_experts_where_read")
     originals = {name: getattr(convert_module, name) for name in names}
     for name in names:  # convert builds its nodes from the module's names: the graphs call the timed ones
-        setattr(convert_module, name, timed(originals[name]))
+        setattr(convert_module, name, timed_into(where_read, originals[name]))
     try:
         _synchronize()
         start = time.perf_counter()
@@ -416,14 +417,7 @@ def shared_weights_cost(sizes: list[str]) -> None:
         shared_bytes[0] += found.nbytes if found is not None else 0
         return found
 
-    def timed_screen(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return quantize_for_screen(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - start
-
-    passes.quantize_for_screen = timed_screen
+    passes.quantize_for_screen = timed_into(spent, quantize_for_screen)
     print(f"{'size':>6} {'weights':>15} {'screen copies s':>15} {'analysis s':>10} {'shared MiB':>10}")
     for size in sizes:
         moe, _, batches = pair(size)
