@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import struct
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,8 @@ __all__ = ["FLOAT32_EPS", "PER_CHANNEL_SCHEMES", "PER_TENSOR_SCHEMES", "SYMMETRI
     "default_quant_range", "fake_quantize_dynamic", "fake_quantize_finite_per_channel", "fake_quantize_per_channel",
     "fake_quantize_per_channel_steps", "fake_quantize_per_tensor", "fused_kernels_preferred", "is_per_channel",
     "is_symmetric", "per_channel_steps", "resolve_quant_range", "row_slices", "scaled_row_extremes",
-    "fake_quantize_scaled_rows", "fake_quantize_divided_rows", "fake_quantize_by_run"]
+    "fake_quantize_scaled_rows", "fake_quantize_divided_rows", "fake_quantize_by_run", "KeptRowArguments",
+    "fake_quantize_rows"]
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 
@@ -326,6 +328,60 @@ def fake_quantize_divided_rows(x: torch.Tensor, column_divisor: torch.Tensor, sc
     library.qcore_fake_quantize_divided_rows(x.data_ptr(), divisor.data_ptr(), out.data_ptr(), rows, x.shape[1],
                                              inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
                                              native.threads(x.numel()))
+    return out
+
+
+class KeptRowArguments:
+    """The native per-row kernel's arguments of the weights quantized with the same qparams at every read (a weight
+    quantized where it is read, each batch of each pass), made once per (scale, zero point) pair instead of at each
+    read: a few small ops and a host read each time, which for an MoE's hundreds of expert weights cost as much as
+    the kernel. An entry is used only while its scale and zero point are the same tensors, unchanged (their
+    versions), for the same bounds and row count; at most `limit` are kept."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._kept: dict[tuple[int, int], tuple] = {}
+
+    def arguments(self, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, quant_min: int,
+                  quant_max: int) -> tuple[torch.Tensor, ...] | None:
+        """(1 / scale, scale, low, high) per row of `x` for fake_quantize_rows, or None where the native kernel
+        does not take this quantization (fake_quantize_per_channel then computes it)."""
+        if not (x.__class__ in _PLAIN_TENSORS and x.dtype == torch.float32 and x.is_cpu and x.dim()
+                and axis % x.dim() == 0 and not zero_point.is_floating_point() and scale.is_cpu and zero_point.is_cpu
+                and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
+                and not (x.requires_grad and torch.is_grad_enabled())):
+            return None
+        key = (id(scale), id(zero_point))
+        entry = self._kept.get(key)
+        shape = (x.shape[0], quant_min, quant_max)
+        if entry is not None and entry[0]() is scale and entry[1]() is zero_point and \
+                entry[2] == (scale._version, zero_point._version, *shape):
+            return entry[3]
+        if native.kernel() is None or not bool(zero_point.abs().le(_NATIVE_RANGE).all()):
+            return None
+        steps, inverse, point = per_channel_steps(scale, zero_point, axis, x)
+        arguments = _row_arguments(steps, inverse, point, quant_min, quant_max, x.shape[0])
+        if len(self._kept) >= self.limit:
+            self._kept.clear()
+        self._kept[key] = (weakref.ref(scale), weakref.ref(zero_point),
+                           (scale._version, zero_point._version, *shape), arguments)
+        return arguments
+
+
+def fake_quantize_rows(x: torch.Tensor, arguments: tuple[torch.Tensor, ...], reuse_output: bool = False
+                       ) -> torch.Tensor:
+    """fake_quantize_per_channel of `x` along axis 0 in one pass of the native kernel, with its row arguments made
+    already (KeptRowArguments.arguments); reuse_output=True may write it into a buffer of qcore.runtime.scratch's
+    pool."""
+    inverse, steps, low, high = arguments
+    x = x.contiguous()
+    reused = scratch.reused_like(x) if reuse_output else None
+    out = torch.empty_like(x) if reused is None else reused
+    library = native.kernel()
+    assert library is not None, "KeptRowArguments gives arguments only where the native kernel is built"
+    library.qcore_fake_quantize_per_row(x.data_ptr(), out.data_ptr(), x.shape[0], x.numel() // max(1, x.shape[0]),
+                                        inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
+                                        native.threads(x.numel()))
     return out
 
 

@@ -26,11 +26,13 @@ from qcore.graph.ops import (
 )
 from qcore.observe.observers import ObserverBase, calculate_qparams_together, has_qparams, laid_end_to_end
 from qcore.observe.qparams import (
+    KeptRowArguments,
     fake_quantize_dynamic,
     fake_quantize_finite_per_channel,
     fake_quantize_per_channel,
     fake_quantize_per_channel_steps,
     fake_quantize_per_tensor,
+    fake_quantize_rows,
     fused_kernels_preferred,
     per_channel_steps,
 )
@@ -522,10 +524,16 @@ def _digest_bytes(value: Any) -> bytes:
     return repr(value).encode()
 
 
+_KEPT_ROW_ARGUMENTS = KeptRowArguments()  # a weight quantized where read is read every batch of every pass
+
+
 def fake_quantize_where_read(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
                              quant_min: int, quant_max: int) -> torch.Tensor:
     """fake_quantize_per_channel of a weight where it is read, into a reused buffer where one is free (its result
-    lives until its layer's matmul: qcore.runtime.scratch)."""
+    lives until its layer's matmul: qcore.runtime.scratch); the native kernel's arguments made once per qparams."""
+    arguments = _KEPT_ROW_ARGUMENTS.arguments(x, scale, zero_point, axis, quant_min, quant_max)
+    if arguments is not None:
+        return fake_quantize_rows(x, arguments, reuse_output=True)
     return fake_quantize_per_channel(x, scale, zero_point, axis, quant_min, quant_max, reuse_output=True)
 
 

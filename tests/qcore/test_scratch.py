@@ -4,10 +4,12 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qcore
 from qcore.analysis import AnalysisPlan, ModelAnalysis
-from qcore.observe.qparams import fake_quantize_per_channel
+from qcore.observe.qparams import KeptRowArguments, fake_quantize_per_channel
 from qcore.quantization.convert import fake_quantize_where_read, quantize_weights_where_read
 from qcore.runtime import native, scratch
 from qcore.search.sensitivity import SwitchableModel
@@ -83,6 +85,52 @@ def test_a_weight_quantized_where_read_into_reused_buffers_keeps_the_values_it_g
             pointers.add(result.data_ptr())
             del result
         assert len(pointers) == 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), columns=st.integers(1, 70), bits=st.sampled_from([4, 8]),
+       affine=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_weight_quantized_where_read_with_kept_kernel_arguments_is_torch_aos_fake_quantization(
+        rows, columns, bits, affine, seed):
+    """The kernel's arguments are made once per scale and zero point and kept: every read, and a read after the
+    qparams changed in place, gives torch's fake_quantize_per_channel_affine of the weight, bit for bit."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, columns, generator=generator) * 0.05
+    quant_min, quant_max = (0, 2**bits - 1) if affine else (-(2 ** (bits - 1)) + 1, 2 ** (bits - 1) - 1)
+    scale = torch.rand(rows, generator=generator) * 0.01 + 1e-3
+    zero_point = (torch.randint(quant_min, quant_max + 1, (rows,), generator=generator) if affine
+                  else torch.zeros(rows, dtype=torch.int64))
+
+    def expected() -> torch.Tensor:
+        return torch.fake_quantize_per_channel_affine(weight, scale, zero_point.int(), 0, quant_min, quant_max)
+
+    for _ in range(2):  # the second read takes the kept arguments
+        assert torch.equal(fake_quantize_where_read(weight, scale, zero_point, 0, quant_min, quant_max), expected())
+    scale.mul_(1.5)  # the qparams move: their versions do, and the kept arguments are made again
+    zero_point.copy_(zero_point.flip(0))
+    assert torch.equal(fake_quantize_where_read(weight, scale, zero_point, 0, quant_min, quant_max), expected())
+    other = scale.clone() * 0.5  # another scale tensor has arguments of its own
+    assert torch.equal(fake_quantize_where_read(weight, other, zero_point, 0, quant_min, quant_max),
+                       torch.fake_quantize_per_channel_affine(weight, other, zero_point.int(), 0, quant_min, quant_max))
+
+
+def test_kept_kernel_arguments_are_for_the_same_tensors_only_and_bounded():
+    """An entry answers only for the very scale and zero point it was made from (not a later tensor at the same
+    address), and the kept entries stay within their limit."""
+    kept = KeptRowArguments(limit=3)
+    weight = torch.randn(8, 16)
+    scales = [torch.full((8,), 0.01 * (i + 1)) for i in range(5)]
+    zero_point = torch.zeros(8, dtype=torch.int64)
+    made = [kept.arguments(weight, scale, zero_point, 0, -127, 127) for scale in scales]
+    assert all(arguments is not None for arguments in made) and len(kept._kept) <= 3
+    assert kept.arguments(weight, scales[-1], zero_point, 0, -127, 127) is made[-1]  # kept: the same tensors
+    assert kept.arguments(weight, scales[-1], zero_point, 0, -100, 100) is not made[-1]  # other bounds
+    assert kept.arguments(weight, scales[-1], zero_point.float(), 0, -127, 127) is None  # float zero points
+    assert kept.arguments(weight.t(), scales[-1][:1].expand(16), zero_point[:1].expand(16), 1, -127, 127) is None
+    replaced = torch.full((8,), 0.5)
+    entry = kept._kept[(id(scales[-1]), id(zero_point))]
+    kept._kept[(id(replaced), id(zero_point))] = entry  # as if `replaced` lived where scales[-1] was
+    assert kept.arguments(weight, replaced, zero_point, 0, -127, 127) is not entry[3]
 
 
 @pytest.fixture
