@@ -31,6 +31,10 @@ With `--peak [--sizes small,30b-a3b]`: the peak memory of one analysis (every de
 in a subprocess: its seconds and its peak resident memory above what the built pair holds (a model above 256 MiB
 of weights has them quantized where read, as the plugin does).
 
+With `--where-read`: one read of an expert weight quantized where read (128 experts' [768, 2048] float32 weights,
+each read from memory), with the native kernel's arguments made at each read, kept per qparams (what convert
+builds), and the kernel alone, in alternating rounds.
+
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
 
@@ -66,7 +70,8 @@ fake quantization per expert.
                                            [--rounds N] [--device cuda]
                                            [--quantizer W4A16]]
                                    [--peak [--sizes small,30b-a3b]]
-                                   [--experts 8,32,64,128] [--capture] [--ops [--sizes tiny] [--checks ...]]
+                                   [--experts 8,32,64,128] [--capture] [--where-read]
+                                   [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
                                    [--grouped-sqnr [--sizes tiny,small]]
 """
@@ -570,6 +575,53 @@ def ops_table(sizes: list[str], checks: list[str] | None = None, rows: int = 24)
     print(f"grouped forms agree bit for bit: {grouped_forms_agree()}")
 
 
+def where_read_cost(rounds: int = 5) -> None:
+    """--where-read: what one read of an expert weight quantized where read costs, over one projection of a
+    30B-shaped block (128 experts' [768, 2048] float32 weights, 805 MB: each read comes from memory, as in an
+    analysis): the path that made the native kernel's arguments at each read (fake_quantize_per_channel into a
+    reused buffer), the read as convert builds it (fake_quantize_where_read: the arguments kept per qparams), and the
+    kernel alone; alternating rounds, each figure the fastest round's mean over the weights."""
+    from qcore.observe.qparams import KeptRowArguments, fake_quantize_per_channel
+    from qcore.quantization.convert import fake_quantize_where_read, quantize_weights_where_read
+    from qcore.runtime import native
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(768, 2048, generator=generator) * 0.02 for _ in range(128)]
+    scales = [weight.abs().amax(dim=1) / 127.5 for weight in weights]
+    zero_point = torch.zeros(768, dtype=torch.int64)
+    arguments = [KeptRowArguments().arguments(w, s, zero_point, 0, -128, 127) for w, s in zip(weights, scales)]
+    library, out = native.kernel(), torch.empty(768, 2048)
+
+    def each_argument_made(index: int) -> torch.Tensor:
+        return fake_quantize_per_channel(weights[index], scales[index], zero_point, 0, -128, 127, reuse_output=True)
+
+    def kept(index: int) -> torch.Tensor:
+        return fake_quantize_where_read(weights[index], scales[index], zero_point, 0, -128, 127)
+
+    def kernel_alone(index: int) -> None:
+        inverse, steps, low, high = arguments[index]
+        library.qcore_fake_quantize_per_row(weights[index].data_ptr(), out.data_ptr(), 768, 2048, inverse.data_ptr(),
+                                            steps.data_ptr(), low.data_ptr(), high.data_ptr(),
+                                            native.threads(out.numel()))
+
+    paths = {"arguments made at each read": each_argument_made, "arguments kept (fake_quantize_where_read)": kept,
+             "the kernel alone": kernel_alone}
+    best = dict.fromkeys(paths, float("inf"))
+    with torch.no_grad(), quantize_weights_where_read():
+        for round_index in range(rounds + 1):  # the first warms the buffers and the kept arguments: not counted
+            for name, read in paths.items():
+                start = time.perf_counter()
+                for index in range(len(weights)):
+                    read(index)
+                if round_index:
+                    best[name] = min(best[name], (time.perf_counter() - start) / len(weights))
+    for name, seconds in best.items():
+        print(f"{name:>42}: {seconds * 1e6:7.1f} us a read")
+    print(f"{'beside the kernel, made at each read / kept':>42}: "
+          f"{(best['arguments made at each read'] - best['the kernel alone']) * 1e6:.1f} us / "
+          f"{(best['arguments kept (fake_quantize_where_read)'] - best['the kernel alone']) * 1e6:.1f} us")
+
+
 def grouped_forms_agree() -> dict[str, bool]:
     """Whether torch's grouped_mm gives one linear per expert's values (float32 and bfloat16, an expert with no
     token included), and one fake quantization per row with each row's expert's int8 qparams gives one per-tensor
@@ -623,6 +675,9 @@ def main() -> None:
         return
     if "--capture" in sys.argv:
         capture_cost()
+        return
+    if "--where-read" in sys.argv:
+        where_read_cost()
         return
     if "--experts" in sys.argv:
         experts_cost([int(count) for count in sys.argv[sys.argv.index("--experts") + 1].split(",")])
