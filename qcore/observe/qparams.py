@@ -1,6 +1,7 @@
 """Quantization parameters and fake quantization (quantize then dequantize), vectorized."""
 from __future__ import annotations
 
+import functools
 import struct
 import weakref
 from collections.abc import Callable
@@ -206,23 +207,11 @@ def fake_quantize_per_channel(
     allocating a second copy; reuse_output=True may write it into a buffer of qcore.runtime.scratch's pool (a
     result that lives briefly: a weight quantized where it is read)."""
     float_zero_point = zero_point.is_floating_point()
+    native_rows = _rows_native(x, axis) and _native_rows_take(zero_point, quant_min, quant_max)
     scale, inv_scale, zero_point = per_channel_steps(scale, zero_point, axis, x)
-    if (x.__class__ in _PLAIN_TENSORS and x.dtype == torch.float32 and x.is_cpu and x.dim() and axis % x.dim() == 0
-            and not float_zero_point and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
-            and not (x.requires_grad and torch.is_grad_enabled())):
-        library = native.kernel()
-        if library is not None and bool(zero_point.abs().le(_NATIVE_RANGE).all()):  # the same roundings, one pass
-            in_place = in_place and x.is_contiguous()
-            x = x.contiguous()
-            reused = scratch.reused_like(x) if reuse_output and not in_place else None
-            out = x if in_place else torch.empty_like(x) if reused is None else reused
-            channels = x.shape[0]
-            inverse, steps, low, high = _row_arguments(scale, inv_scale, zero_point, quant_min, quant_max, channels)
-            library.qcore_fake_quantize_per_row(x.data_ptr(), out.data_ptr(), channels, x.numel() // max(1, channels),
-                                                inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
-                                                native.threads(x.numel()))
-            return out
-
+    if native_rows:  # the same roundings, one pass
+        arguments = _row_arguments(scale, inv_scale, zero_point, quant_min, quant_max, x.shape[0])
+        return fake_quantize_rows(x, arguments, reuse_output, in_place)
     return _per_channel_by_rows(x, scale, inv_scale, zero_point, axis, quant_min, quant_max, in_place,
                                 float_zero_point)
 
@@ -331,12 +320,20 @@ def fake_quantize_divided_rows(x: torch.Tensor, column_divisor: torch.Tensor, sc
     return out
 
 
+def _rows_native(x: torch.Tensor, axis: int) -> bool:
+    """Whether the native per-row kernel takes `x` quantized along `axis`: a float32 CPU tensor outside autograd,
+    its rows along axis 0 (the qparams: _native_rows_take)."""
+    return (x.__class__ in _PLAIN_TENSORS and x.dtype == torch.float32 and x.is_cpu and x.dim() > 0
+            and axis % x.dim() == 0 and not (x.requires_grad and torch.is_grad_enabled())
+            and native.kernel() is not None)
+
+
 class KeptRowArguments:
     """The native per-row kernel's arguments of the weights quantized with the same qparams at every read (a weight
     quantized where it is read, each batch of each pass), made once per (scale, zero point) pair instead of at each
     read: a few small ops and a host read each time, which for an MoE's hundreds of expert weights cost as much as
     the kernel. An entry is used only while its scale and zero point are the same tensors, unchanged (their
-    versions), for the same bounds and row count; at most `limit` are kept."""
+    versions), for the same bounds and row count; it goes with its scale, and at most `limit` are kept."""
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
@@ -346,39 +343,43 @@ class KeptRowArguments:
                   quant_max: int) -> tuple[torch.Tensor, ...] | None:
         """(1 / scale, scale, low, high) per row of `x` for fake_quantize_rows, or None where the native kernel
         does not take this quantization (fake_quantize_per_channel then computes it)."""
-        if not (x.__class__ in _PLAIN_TENSORS and x.dtype == torch.float32 and x.is_cpu and x.dim()
-                and axis % x.dim() == 0 and not zero_point.is_floating_point() and scale.is_cpu and zero_point.is_cpu
-                and max(abs(quant_min), abs(quant_max)) <= _NATIVE_RANGE
-                and not (x.requires_grad and torch.is_grad_enabled())):
+        if not _rows_native(x, axis):
             return None
         key = (id(scale), id(zero_point))
         entry = self._kept.get(key)
-        shape = (x.shape[0], quant_min, quant_max)
-        if entry is not None and entry[0]() is scale and entry[1]() is zero_point and \
-                entry[2] == (scale._version, zero_point._version, *shape):
+        state = (scale._version, zero_point._version, x.shape[0], quant_min, quant_max)
+        if entry is not None and entry[0]() is scale and entry[1]() is zero_point and entry[2] == state:
             return entry[3]
-        if native.kernel() is None or not bool(zero_point.abs().le(_NATIVE_RANGE).all()):
+        if not (scale.is_cpu and zero_point.is_cpu and _native_rows_take(zero_point, quant_min, quant_max)):
             return None
         steps, inverse, point = per_channel_steps(scale, zero_point, axis, x)
-        arguments = _row_arguments(steps, inverse, point, quant_min, quant_max, x.shape[0])
+        # their own copies: a view of the scale would keep it alive, and its entry with it
+        arguments = tuple(value.clone() for value in _row_arguments(steps, inverse, point, quant_min, quant_max,
+                                                                    x.shape[0]))
         if len(self._kept) >= self.limit:
             self._kept.clear()
-        self._kept[key] = (weakref.ref(scale), weakref.ref(zero_point),
-                           (scale._version, zero_point._version, *shape), arguments)
+        forget = functools.partial(self._forget, key)  # the entry goes with its scale: ids are used again
+        self._kept[key] = (weakref.ref(scale, forget), weakref.ref(zero_point), state, arguments)
         return arguments
 
+    def _forget(self, key: tuple[int, int], gone: weakref.ref) -> None:
+        entry = self._kept.get(key)
+        if entry is not None and entry[0] is gone:  # not a later entry of a tensor at the same address
+            del self._kept[key]
 
-def fake_quantize_rows(x: torch.Tensor, arguments: tuple[torch.Tensor, ...], reuse_output: bool = False
-                       ) -> torch.Tensor:
+
+def fake_quantize_rows(x: torch.Tensor, arguments: tuple[torch.Tensor, ...], reuse_output: bool = False,
+                       in_place: bool = False) -> torch.Tensor:
     """fake_quantize_per_channel of `x` along axis 0 in one pass of the native kernel, with its row arguments made
-    already (KeptRowArguments.arguments); reuse_output=True may write it into a buffer of qcore.runtime.scratch's
-    pool."""
+    already (_row_arguments; KeptRowArguments.arguments keeps them); reuse_output=True may write it into a buffer of
+    qcore.runtime.scratch's pool, in_place=True over a contiguous x."""
     inverse, steps, low, high = arguments
+    in_place = in_place and x.is_contiguous()
     x = x.contiguous()
-    reused = scratch.reused_like(x) if reuse_output else None
-    out = torch.empty_like(x) if reused is None else reused
+    reused = scratch.reused_like(x) if reuse_output and not in_place else None
+    out = x if in_place else torch.empty_like(x) if reused is None else reused
     library = native.kernel()
-    assert library is not None, "KeptRowArguments gives arguments only where the native kernel is built"
+    assert library is not None, "the native rows kernel is asked for only where it is built"
     library.qcore_fake_quantize_per_row(x.data_ptr(), out.data_ptr(), x.shape[0], x.numel() // max(1, x.shape[0]),
                                         inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
                                         native.threads(x.numel()))

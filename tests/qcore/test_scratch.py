@@ -133,6 +133,19 @@ def test_kept_kernel_arguments_are_for_the_same_tensors_only_and_bounded():
     assert kept.arguments(weight, replaced, zero_point, 0, -127, 127) is not entry[3]
 
 
+def test_kept_kernel_arguments_go_with_their_scale():
+    """An entry does not outlive the scale it was made for: a long session's dropped graphs leave none behind."""
+    kept = KeptRowArguments()
+    weight, zero_point = torch.randn(8, 16), torch.zeros(8, dtype=torch.int64)
+    scales = [torch.full((8,), 0.01 * (i + 1)) for i in range(3)]
+    for scale in scales:
+        assert kept.arguments(weight, scale, zero_point, 0, -127, 127) is not None
+    assert len(kept._kept) == 3
+    del scale, scales[0]
+    assert len(kept._kept) == 2
+    assert kept.arguments(weight, scales[0], zero_point, 0, -127, 127) is not None and len(kept._kept) == 2
+
+
 @pytest.fixture
 def every_weight_reused(monkeypatch):
     """Tiny models' weights go through the pool too."""
