@@ -77,6 +77,7 @@ fake quantization per expert.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import resource
@@ -127,6 +128,42 @@ def timed_into(total: list[float], function):
     return timed
 
 
+@contextlib.contextmanager
+def where_read_timed(total: list[float]):
+    """Within the block, total[0] gains the seconds that weights quantized where read take: the quantizations that
+    convert's fake_quantize_where_read and fake_quantize_over_input make (timed where they call the kernels), and each
+    expert of a grouped projection quantized before its matmul. The graphs still call convert's own functions: qcore
+    tells those nodes by their target (a screen's shadow that changes only activations shares the model's shadow's
+    quantization: merge_repeated_shadow_weights), which a timed stand-in in their place would defeat."""
+    import qcore.quantization.convert as convert_module
+    from qcore.observe.segmented import ExpertsQuantizedWhereRead
+
+    callers = {convert_module.fake_quantize_where_read.__code__, convert_module.fake_quantize_over_input.__code__}
+
+    def timed_from_where_read(function):
+        def timed(*arguments, **keywords):
+            if sys._getframe(1).f_code not in callers:
+                return function(*arguments, **keywords)
+            started = time.perf_counter()
+            try:
+                return function(*arguments, **keywords)
+            finally:
+                total[0] += time.perf_counter() - started
+        return timed
+
+    kernels = {name: getattr(convert_module, name) for name in ("fake_quantize_rows", "fake_quantize_per_channel")}
+    expert = ExpertsQuantizedWhereRead.expert
+    try:
+        for name, function in kernels.items():
+            setattr(convert_module, name, timed_from_where_read(function))
+        ExpertsQuantizedWhereRead.expert = timed_into(total, expert)
+        yield
+    finally:
+        for name, function in kernels.items():
+            setattr(convert_module, name, function)
+        ExpertsQuantizedWhereRead.expert = expert
+
+
 def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | None = None,
                       screened: dict[str, int] | None = None) -> tuple[float, int, int, dict[str, float]]:
     """(seconds from capture to every finding, items, failing items, seconds per stage) of `checks` (default: every
@@ -142,25 +179,16 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
     for check in BUILTIN_CHECKS:
         registry.register(check)
     checks = checks or [check.name for check in BUILTIN_CHECKS if check.default_severity != "off"]
-    import qcore.quantization.convert as convert_module
-
     on_device = {"device": DEVICE} if DEVICE != "cpu" else {}
     settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, checks=checks, fix_budget=fix_budget,
                                       **on_device)
     where_read = [0.0]  # the seconds a large model's weights take to be quantized each time they are read
-    names = ("fake_quantize_where_read", "fake_quantize_experts_where_read")
-    originals = {name: getattr(convert_module, name) for name in names}
-    for name in names:  # convert builds its nodes from the module's names: the graphs call the timed ones
-        setattr(convert_module, name, timed_into(where_read, originals[name]))
-    try:
+    with where_read_timed(where_read):
         _synchronize()
         start = time.perf_counter()
         state = collect_model("model", settings, registry, pytest_qreport_make_quantizer(QUANTIZER), model, batches[0])
         state.analyze(lambda: batches, lambda found: None, threads=2)
         _synchronize()
-    finally:
-        for name in names:
-            setattr(convert_module, name, originals[name])
     assert not state.failed, state.error
     if screened is not None:
         analysis = state.context.analysis
@@ -265,7 +293,6 @@ def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None =
     size's); `per_expert`: the MoE analysed a third time captured with one Linear per expert
     (experts_grouped(False)), measured in the same rounds ("per-expert"), beside the default analysis, which
     captures the fused experts one op a projection."""
-    import contextlib
 
     from qcore.graph.capture import experts_grouped
 
@@ -334,7 +361,6 @@ def _resident_bytes() -> int:
 def peak_of_one(size: str, form: str) -> None:
     """One analysis (every default check, the default run) of `form` ("dense", "moe" or "per-expert") of the size's
     pair, in this process: the seconds, and the peak resident memory above what the built models hold."""
-    import contextlib
 
     from qcore.graph.capture import experts_grouped
 
@@ -387,7 +413,6 @@ def experts_cost(counts: list[int]) -> None:
 
 
 def capture_cost() -> None:
-    import contextlib
 
     import qcore.graph.capture as capture_module
 
@@ -445,7 +470,6 @@ def shared_weights_cost(sizes: list[str]) -> None:
 
 def grouped_floor(sizes: list[str]) -> None:
     """The table of --grouped-floor."""
-    import contextlib
 
     import qcore.graph.capture as capture_module
 
