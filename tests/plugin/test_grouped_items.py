@@ -68,3 +68,39 @@ def test_the_plugin_captures_a_large_models_experts_one_linear_each(monkeypatch)
     _, analysis = analyze_with_checks(lambda: model, batches, checks=["sqnr"])
     assert not find_grouped_ops(analysis.float_gm)
     assert "model.layers.0.mlp.experts.1.down_proj" in analysis.expert_layers
+
+
+def test_a_large_moes_outlier_screen_reads_each_expert_weight_as_the_experts_own_shadow_quantized_it(monkeypatch):
+    """A large model's weights are quantized where read. The outlier screen changes only an expert's activation
+    observer, so its shadow of the expert reads the weight the expert's own shadow quantized: one pass over each
+    expert weight a batch in the float graph, not one a shadow (an expert weight serves the few tokens routed to it,
+    and a second pass a batch for each is a large share of a 30B-shaped MoE's analysis)."""
+    import importlib
+
+    from qcore.numeric import instrument
+    from qcore.quantization.convert import fake_quantize_where_read
+
+    compare = importlib.import_module("qcore.numeric.compare")  # the module: qcore.numeric's `compare` is a function
+
+    monkeypatch.setattr(pipelines, "LARGE_MODEL_BYTES", 0)
+    passes = []
+
+    def merged_then_counted(graph):
+        merged = instrument.merge_repeated_shadow_weights(graph)
+        reads = [instrument._weight_read(graph.owning_module, node) for node in graph.nodes
+                 if node.op == "call_function" and node.target is fake_quantize_where_read]
+        weights = [read[0] for read in reads if read is not None]
+        passes.append((merged, len(weights), len(set(weights))))
+        return merged
+
+    monkeypatch.setattr(compare, "merge_repeated_shadow_weights", merged_then_counted)
+    model, batches = tiny_moe("qwen3_moe", layers=1, experts=4, n=3)
+    found, analysis = analyze_with_checks(lambda: model, batches, checks=["sqnr", "outlier"], fix_budget=0.0,
+                                          outlier_min_gain_db=0.0, check_options={"outlier": {"ratio_threshold": 1.5}})
+    assert not find_grouped_ops(analysis.float_gm)
+    screened = [layer for layer in analysis.measurement.screens["outlier"].changes if ".experts." in layer]
+    assert screened and any(finding.verdict == "fail" for (check, item), finding in found.items()
+                            if check == "outlier" and ".experts." in item)
+    merged, reads, weights = passes[0]
+    assert merged >= len(screened), "each screened expert's shadow read its own shadow's quantized weight"
+    assert reads == weights, "no weight is quantized twice with the same qparams in one float-graph run"
