@@ -117,9 +117,12 @@ def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
     return float(compute_sqnr(held_out, quantized))
 
 
-def timed_into(total: list[float], function):
-    """`function`, adding the seconds each call takes to total[0]."""
+def timed_into(total: list[float], function, called_from: set | None = None):
+    """`function`, adding the seconds each call takes to total[0]; with `called_from` (code objects), only those of
+    the calls made from those functions' code."""
     def timed(*arguments, **keywords):
+        if called_from is not None and sys._getframe(1).f_code not in called_from:
+            return function(*arguments, **keywords)
         started = time.perf_counter()
         try:
             return function(*arguments, **keywords)
@@ -139,23 +142,11 @@ def where_read_timed(total: list[float]):
     from qcore.observe.segmented import ExpertsQuantizedWhereRead
 
     callers = {convert_module.fake_quantize_where_read.__code__, convert_module.fake_quantize_over_input.__code__}
-
-    def timed_from_where_read(function):
-        def timed(*arguments, **keywords):
-            if sys._getframe(1).f_code not in callers:
-                return function(*arguments, **keywords)
-            started = time.perf_counter()
-            try:
-                return function(*arguments, **keywords)
-            finally:
-                total[0] += time.perf_counter() - started
-        return timed
-
     kernels = {name: getattr(convert_module, name) for name in ("fake_quantize_rows", "fake_quantize_per_channel")}
     expert = ExpertsQuantizedWhereRead.expert
     try:
         for name, function in kernels.items():
-            setattr(convert_module, name, timed_from_where_read(function))
+            setattr(convert_module, name, timed_into(total, function, callers))
         ExpertsQuantizedWhereRead.expert = timed_into(total, expert)
         yield
     finally:
