@@ -345,17 +345,43 @@ class KeptRowArguments:
         does not take this quantization (fake_quantize_per_channel then computes it)."""
         if not _rows_native(x, axis):
             return None
+        return self._kept_arguments(scale, zero_point, x.shape[0], quant_min, quant_max, lambda: (scale, zero_point),
+                                    x)
+
+    def expert_arguments(self, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, expert: int,
+                         quant_min: int, quant_max: int) -> tuple[torch.Tensor, ...] | None:
+        """arguments() of one expert's [out, in] slice `weight` of a grouped projection's weight, with every expert's
+        qparams (`scale` and `zero_point` [E] per tensor or [E, out] per output channel): made once for all the
+        experts, the expert's rows a slice of them; None where the native kernel does not take them."""
+        if not _rows_native(weight, 0) or scale.dim() not in (1, 2) or scale.shape != zero_point.shape:
+            return None
+        experts, rows = scale.shape[0], weight.shape[0]
+        if scale.dim() == 2 and scale.shape[1] != rows:
+            return None
+        arguments = self._kept_arguments(scale, zero_point, experts * rows, quant_min, quant_max, lambda: (
+            (scale.reshape(-1), zero_point.reshape(-1)) if scale.dim() == 2 else
+            (scale.repeat_interleave(rows), zero_point.repeat_interleave(rows))), weight)
+        if arguments is None:
+            return None
+        return tuple(value[expert * rows:(expert + 1) * rows] for value in arguments)
+
+    def _kept_arguments(self, scale: torch.Tensor, zero_point: torch.Tensor, rows: int, quant_min: int,
+                        quant_max: int, laid_out: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                        like: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The kept arguments of `rows` rows quantized with `scale` and `zero_point` (`laid_out()` gives them one per
+        row, along axis 0 of `like`), made and kept where no valid entry has them."""
         key = (id(scale), id(zero_point))
         entry = self._kept.get(key)
-        state = (scale._version, zero_point._version, x.shape[0], quant_min, quant_max)
+        state = (scale._version, zero_point._version, rows, quant_min, quant_max)
         if entry is not None and entry[0]() is scale and entry[1]() is zero_point and entry[2] == state:
             return entry[3]
         if not (scale.is_cpu and zero_point.is_cpu and _native_rows_take(zero_point, quant_min, quant_max)):
             return None
-        steps, inverse, point = per_channel_steps(scale, zero_point, axis, x)
+        row_scale, row_zero_point = laid_out()
+        steps, inverse, point = per_channel_steps(row_scale, row_zero_point, 0, like)
         # their own copies: a view of the scale would keep it alive, and its entry with it
         arguments = tuple(value.clone() for value in _row_arguments(steps, inverse, point, quant_min, quant_max,
-                                                                    x.shape[0]))
+                                                                    rows))
         if len(self._kept) >= self.limit:
             self._kept.clear()
         forget = functools.partial(self._forget, key)  # the entry goes with its scale: ids are used again

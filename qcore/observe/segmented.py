@@ -22,10 +22,12 @@ from torch import nn
 from qcore.graph.grouped import linear_by_expert, rows_of_experts
 from qcore.observe.observers import ObserverBase, calculate_qparams_together
 from qcore.observe.qparams import (
+    KeptRowArguments,
     calculate_qparams,
     fake_quantize_by_run,
     fake_quantize_divided_rows,
     fake_quantize_per_channel,
+    fake_quantize_rows,
 )
 from qcore.runtime import deferred
 
@@ -312,6 +314,11 @@ def fake_quantize_divided_experts(weight: torch.Tensor, factor: torch.Tensor, sc
     return ExpertsQuantizedWhereRead(weight, factor.to(weight.dtype), scale, zero_point, quant_min, quant_max, ())
 
 
+# the native kernel's arguments of every expert's rows, made once per qparams: a grouped projection's weight quantized
+# where read is read every batch of every pass, one expert at a time
+_KEPT_EXPERT_ARGUMENTS = KeptRowArguments()
+
+
 class ExpertsQuantizedWhereRead(torch.Tensor):
     """A grouped projection's weight quantized where it is read, not yet computed: the float [E, out, in] weight
     (divided by each expert's column factor, for an equalization variant), each expert's qparams and the experts
@@ -338,6 +345,11 @@ class ExpertsQuantizedWhereRead(torch.Tensor):
         weight = self.weight[index]
         if index in self.kept:
             return weight
+        if self.factor is None:
+            arguments = _KEPT_EXPERT_ARGUMENTS.expert_arguments(weight, self.scale, self.zero_point, index,
+                                                                self.quant_min, self.quant_max)
+            if arguments is not None:
+                return fake_quantize_rows(weight, arguments, reuse_output=True)
         scale, zero_point = self.scale[index], self.zero_point[index]
         if scale.dim() == 0:  # per tensor: each of its rows with the expert's qparams
             rows = weight.shape[0]

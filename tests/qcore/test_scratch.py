@@ -114,6 +114,44 @@ def test_a_weight_quantized_where_read_with_kept_kernel_arguments_is_torch_aos_f
                        torch.fake_quantize_per_channel_affine(weight, other, zero_point.int(), 0, quant_min, quant_max))
 
 
+@settings(max_examples=25, deadline=None)
+@given(experts=st.integers(1, 6), rows=st.integers(1, 24), columns=st.integers(1, 40), bits=st.sampled_from([4, 8]),
+       affine=st.booleans(), per_tensor=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_grouped_weight_quantized_where_read_with_kept_kernel_arguments_is_torch_aos_per_expert(
+        experts, rows, columns, bits, affine, per_tensor, seed):
+    """A grouped projection's [E, out, in] weight quantized where read, expert by expert, with the kernel's arguments
+    of every expert made once per qparams: each expert's weight is torch's fake quantization of it with its own
+    qparams (per output channel, or per tensor), bit for bit, on every read and after the qparams change in place;
+    an expert kept in float reads its float slice."""
+    from qcore.observe.segmented import fake_quantize_experts_where_read
+
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(experts, rows, columns, generator=generator) * 0.05
+    quant_min, quant_max = (0, 2**bits - 1) if affine else (-(2 ** (bits - 1)) + 1, 2 ** (bits - 1) - 1)
+    shape = (experts,) if per_tensor else (experts, rows)
+    scale = torch.rand(shape, generator=generator) * 0.01 + 1e-3
+    zero_point = (torch.randint(quant_min, quant_max + 1, shape, generator=generator) if affine
+                  else torch.zeros(shape, dtype=torch.int64))
+    kept_float = (experts - 1,) if experts > 1 else ()
+
+    def expected(expert: int) -> torch.Tensor:
+        if expert in kept_float:
+            return weight[expert]
+        if per_tensor:
+            return torch.fake_quantize_per_tensor_affine(weight[expert], float(scale[expert]),
+                                                         int(zero_point[expert]), quant_min, quant_max)
+        return torch.fake_quantize_per_channel_affine(weight[expert], scale[expert], zero_point[expert].int(), 0,
+                                                      quant_min, quant_max)
+
+    for _ in range(2):  # the second read takes the kept arguments
+        read = fake_quantize_experts_where_read(weight, scale, zero_point, quant_min, quant_max, kept_float)
+        assert all(torch.equal(read.expert(expert), expected(expert)) for expert in range(experts))
+    scale.mul_(1.5)  # the qparams move: their versions do, and the kept arguments are made again
+    zero_point.copy_(zero_point.flip(0))
+    read = fake_quantize_experts_where_read(weight, scale, zero_point, quant_min, quant_max, kept_float)
+    assert all(torch.equal(read.expert(expert), expected(expert)) for expert in range(experts))
+
+
 def test_kept_kernel_arguments_are_for_the_same_tensors_only_and_bounded():
     """An entry answers only for the very scale and zero point it was made from (not a later tensor at the same
     address), and the kept entries stay within their limit."""
