@@ -594,16 +594,21 @@ def where_read_cost(rounds: int = 5) -> None:
     """--where-read: what one read of an expert weight quantized where read costs, over one projection of a
     30B-shaped block (128 experts' [768, 2048] float32 weights, 805 MB: each read comes from memory, as in an
     analysis): the path that made the native kernel's arguments at each read (fake_quantize_per_channel into a
-    reused buffer), the read as convert builds it (fake_quantize_where_read: the arguments kept per qparams), and the
-    kernel alone; alternating rounds, each figure the fastest round's mean over the weights."""
+    reused buffer), the read as convert builds it (fake_quantize_where_read: the arguments kept per qparams), one
+    expert of the same weights held as a grouped projection's [128, 768, 2048] weight (ExpertsQuantizedWhereRead:
+    every expert's arguments kept per qparams), and the kernel alone; alternating rounds, each figure the fastest
+    round's mean over the weights."""
     from qcore.observe.qparams import KeptRowArguments, fake_quantize_per_channel
+    from qcore.observe.segmented import fake_quantize_experts_where_read
     from qcore.quantization.convert import fake_quantize_where_read, quantize_weights_where_read
     from qcore.runtime import native
 
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(768, 2048, generator=generator) * 0.02 for _ in range(128)]
-    scales = [weight.abs().amax(dim=1) / 127.5 for weight in weights]
+    grouped_weight = torch.randn(128, 768, 2048, generator=generator) * 0.02
+    grouped_scale = grouped_weight.abs().amax(dim=2) / 127.5
+    weights, scales = list(grouped_weight), list(grouped_scale)  # each expert's views
     zero_point = torch.zeros(768, dtype=torch.int64)
+    grouped_zero_point = torch.zeros(128, 768, dtype=torch.int64)
     arguments = [KeptRowArguments().arguments(w, s, zero_point, 0, -128, 127) for w, s in zip(weights, scales)]
     library, out = native.kernel(), torch.empty(768, 2048)
 
@@ -613,6 +618,10 @@ def where_read_cost(rounds: int = 5) -> None:
     def kept(index: int) -> torch.Tensor:
         return fake_quantize_where_read(weights[index], scales[index], zero_point, 0, -128, 127)
 
+    def grouped_expert(index: int) -> torch.Tensor:  # made at each graph run, its experts read one by one
+        return fake_quantize_experts_where_read(grouped_weight, grouped_scale, grouped_zero_point, -128,
+                                                127).expert(index)
+
     def kernel_alone(index: int) -> None:
         inverse, steps, low, high = arguments[index]
         library.qcore_fake_quantize_per_row(weights[index].data_ptr(), out.data_ptr(), 768, 2048, inverse.data_ptr(),
@@ -620,7 +629,7 @@ def where_read_cost(rounds: int = 5) -> None:
                                             native.threads(out.numel()))
 
     paths = {"arguments made at each read": each_argument_made, "arguments kept (fake_quantize_where_read)": kept,
-             "the kernel alone": kernel_alone}
+             "a grouped projection's expert, arguments kept": grouped_expert, "the kernel alone": kernel_alone}
     best = dict.fromkeys(paths, float("inf"))
     with torch.no_grad(), quantize_weights_where_read():
         for round_index in range(rounds + 1):  # the first warms the buffers and the kept arguments: not counted
@@ -635,6 +644,8 @@ def where_read_cost(rounds: int = 5) -> None:
     print(f"{'beside the kernel, made at each read / kept':>42}: "
           f"{(best['arguments made at each read'] - best['the kernel alone']) * 1e6:.1f} us / "
           f"{(best['arguments kept (fake_quantize_where_read)'] - best['the kernel alone']) * 1e6:.1f} us")
+    grouped = best["a grouped projection's expert, arguments kept"]
+    print(f"{'beside the kernel, a grouped expert':>42}: {(grouped - best['the kernel alone']) * 1e6:.1f} us")
 
 
 def grouped_forms_agree() -> dict[str, bool]:
