@@ -33,7 +33,8 @@ of weights has them quantized where read, as the plugin does).
 
 With `--where-read`: one read of an expert weight quantized where read (128 experts' [768, 2048] float32 weights,
 each read from memory), with the native kernel's arguments made at each read, kept per qparams (what convert
-builds), and the kernel alone, in alternating rounds.
+builds), one expert of the same weights held as a grouped projection's weight (every expert's arguments kept), and
+the kernel alone, in alternating rounds.
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
@@ -284,7 +285,6 @@ def cost(sizes: list[str], checks: list[str] | None = None, tokens: int | None =
     size's); `per_expert`: the MoE analysed a third time captured with one Linear per expert
     (experts_grouped(False)), measured in the same rounds ("per-expert"), beside the default analysis, which
     captures the fused experts one op a projection."""
-
     from qcore.graph.capture import experts_grouped
 
     def capture_form(name: str) -> contextlib.AbstractContextManager:
@@ -352,7 +352,6 @@ def _resident_bytes() -> int:
 def peak_of_one(size: str, form: str) -> None:
     """One analysis (every default check, the default run) of `form` ("dense", "moe" or "per-expert") of the size's
     pair, in this process: the seconds, and the peak resident memory above what the built models hold."""
-
     from qcore.graph.capture import experts_grouped
 
     moe, dense, batches = pair(size)
@@ -404,7 +403,6 @@ def experts_cost(counts: list[int]) -> None:
 
 
 def capture_cost() -> None:
-
     import qcore.graph.capture as capture_module
 
     model, batches = tiny_moe("qwen3_moe", layers=2, experts=128, batch=8, tokens=32)
@@ -461,7 +459,6 @@ def shared_weights_cost(sizes: list[str]) -> None:
 
 def grouped_floor(sizes: list[str]) -> None:
     """The table of --grouped-floor."""
-
     import qcore.graph.capture as capture_module
 
     linearized = capture_module.linearized_experts

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import qcore
 from qcore.analysis import AnalysisPlan, ModelAnalysis
 from qcore.observe.qparams import KeptRowArguments, fake_quantize_per_channel
+from qcore.observe.segmented import fake_quantize_experts_where_read
 from qcore.quantization.convert import fake_quantize_where_read, quantize_weights_where_read
 from qcore.runtime import native, scratch
 from qcore.search.sensitivity import SwitchableModel
@@ -123,8 +124,6 @@ def test_a_grouped_weight_quantized_where_read_with_kept_kernel_arguments_is_tor
     of every expert made once per qparams: each expert's weight is torch's fake quantization of it with its own
     qparams (per output channel, or per tensor), bit for bit, on every read and after the qparams change in place;
     an expert kept in float reads its float slice."""
-    from qcore.observe.segmented import fake_quantize_experts_where_read
-
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(experts, rows, columns, generator=generator) * 0.05
     quant_min, quant_max = (0, 2**bits - 1) if affine else (-(2 ** (bits - 1)) + 1, 2 ** (bits - 1) - 1)
