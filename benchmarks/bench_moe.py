@@ -36,6 +36,10 @@ each read from memory), with the native kernel's arguments made at each read, ke
 builds), one expert of the same weights held as a grouped projection's weight (every expert's arguments kept), and
 the kernel alone, in alternating rounds.
 
+With `--where-read-trace [--sizes 30b-a3b]`: each read of one verdicts-only analysis of the MoE (weights quantized
+where read) timed apart, by graph run in order, against the same kernel over the model's own expert weights in a
+loop apart from the analysis (where_read_trace).
+
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
 
@@ -72,6 +76,7 @@ fake quantization per expert.
                                            [--quantizer W4A16]]
                                    [--peak [--sizes small,30b-a3b]]
                                    [--experts 8,32,64,128] [--capture] [--where-read]
+                                   [--where-read-trace [--sizes 30b-a3b]]
                                    [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
                                    [--grouped-sqnr [--sizes tiny,small]]
@@ -80,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import pathlib
 import resource
 import statistics
@@ -645,6 +651,82 @@ def where_read_cost(rounds: int = 5) -> None:
     print(f"{'beside the kernel, a grouped expert':>42}: {(grouped - best['the kernel alone']) * 1e6:.1f} us")
 
 
+def where_read_trace(size: str = "30b-a3b") -> None:
+    """--where-read-trace: each weight quantized where read in one verdicts-only analysis of --cost's MoE at `size`
+    (every default check), timed apart and grouped by graph run in the order they ran: the graph's code (the float
+    graph with its shadows, the quantized graph, the float graph once its first batches' instruments are gone), the
+    reads of that run, their median and their tenth and ninetieth percentiles. Then the same kernel over the model's
+    own first block's gate weights in a loop apart from an analysis, in the same process, and the quotient of the
+    medians. OMP_WAIT_POLICY, as the environment sets it, is printed: the read's time inside an analysis depends on
+    it."""
+    import qcore.quantization.convert as convert_module
+    from qcore.quantization.convert import fake_quantize_where_read, quantize_weights_where_read
+
+    callers = {convert_module.fake_quantize_where_read.__code__, convert_module.fake_quantize_over_input.__code__}
+    reads: list[tuple[str, float]] = []  # (the graph code that read the weight, seconds)
+
+    def recorded(function):
+        def read(*arguments, **keywords):
+            if sys._getframe(1).f_code not in callers:
+                return function(*arguments, **keywords)
+            frame = sys._getframe(2)
+            while frame is not None and not frame.f_code.co_filename.startswith("<eval_with_key>"):
+                frame = frame.f_back
+            started = time.perf_counter()
+            try:
+                return function(*arguments, **keywords)
+            finally:
+                reads.append((frame.f_code.co_filename if frame is not None else "outside a graph",
+                              time.perf_counter() - started))
+        return read
+
+    def quantiles(seconds: list[float]) -> tuple[float, float, float]:
+        ordered = sorted(seconds)
+        return tuple(ordered[int(q * (len(ordered) - 1))] * 1e6 for q in (0.1, 0.5, 0.9))
+
+    moe, _, batches = pair(size)
+    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(not set)')}; torch threads "
+          f"{torch.get_num_threads()}; {size}, verdicts only")
+    _analysis_seconds(moe, batches, 0.0)  # one-time costs, not traced
+    kernels = {name: getattr(convert_module, name) for name in ("fake_quantize_rows", "fake_quantize_per_channel")}
+    try:
+        for name, function in kernels.items():
+            setattr(convert_module, name, recorded(function))
+        seconds = _analysis_seconds(moe, batches, 0.0)[0]
+    finally:
+        for name, function in kernels.items():
+            setattr(convert_module, name, function)
+    graphs: dict[str, str] = {}
+    runs: list[tuple[str, list[float]]] = []
+    for graph, read_seconds in reads:
+        label = graphs.setdefault(graph, f"graph {len(graphs) + 1}")
+        if not runs or runs[-1][0] != label:
+            runs.append((label, []))
+        runs[-1][1].append(read_seconds)
+    print(f"analysis {seconds:.1f} s; {len(reads)} reads, {sum(s for _, s in reads):.2f} s")
+    print(f"{'run':>4} {'graph':>8} {'reads':>6} {'p10 us':>7} {'median us':>9} {'p90 us':>7}")
+    for index, (label, read_seconds) in enumerate(runs):
+        low, middle, high = quantiles(read_seconds)
+        print(f"{index + 1:>4} {label:>8} {len(read_seconds):>6} {low:>7.0f} {middle:>9.0f} {high:>7.0f}")
+    experts = moe.model.layers[0].mlp.experts
+    rows = experts.gate_up_proj.shape[1] // 2
+    weights = [experts.gate_up_proj[expert, :rows].detach() for expert in range(experts.gate_up_proj.shape[0])]
+    scale = torch.stack([w.abs().amax(dim=1) for w in weights]).amax(dim=0) / 127.5
+    zero_point = torch.zeros(rows, dtype=torch.int64)
+    apart: list[float] = []
+    with torch.no_grad(), quantize_weights_where_read():
+        for round_index in range(6):  # the first warms the buffer and the kept arguments: not counted
+            for weight in weights:
+                started = time.perf_counter()
+                fake_quantize_where_read(weight, scale, zero_point, 0, -128, 127)
+                if round_index:
+                    apart.append(time.perf_counter() - started)
+    low, middle, high = quantiles(apart)
+    inside = quantiles([s for _, s in reads])[1]
+    print(f"apart from an analysis, {len(apart)} reads of the first block's gate weights: p10 {low:.0f} us, median "
+          f"{middle:.0f} us, p90 {high:.0f} us; the analysis's median over it: {inside / middle:.2f}x")
+
+
 def grouped_forms_agree() -> dict[str, bool]:
     """Whether torch's grouped_mm gives one linear per expert's values (float32 and bfloat16, an expert with no
     token included), and one fake quantization per row with each row's expert's int8 qparams gives one per-tensor
@@ -698,6 +780,9 @@ def main() -> None:
         return
     if "--capture" in sys.argv:
         capture_cost()
+        return
+    if "--where-read-trace" in sys.argv:
+        where_read_trace(sys.argv[sys.argv.index("--sizes") + 1] if "--sizes" in sys.argv else "30b-a3b")
         return
     if "--where-read" in sys.argv:
         where_read_cost()
