@@ -667,7 +667,8 @@ def where_read_trace(size: str = "30b-a3b") -> None:
 
     def recorded(function):
         def read(*arguments, **keywords):
-            if sys._getframe(1).f_code not in callers:
+            # called from convert's where-read functions, through _analysis_seconds's own timing wrapper
+            if not {sys._getframe(depth).f_code for depth in (1, 2)} & callers:
                 return function(*arguments, **keywords)
             frame = sys._getframe(2)
             while frame is not None and not frame.f_code.co_filename.startswith("<eval_with_key>"):
