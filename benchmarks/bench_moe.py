@@ -668,7 +668,8 @@ def where_read_trace(size: str = "30b-a3b") -> None:
     def recorded(function):
         def read(*arguments, **keywords):
             # called from convert's where-read functions, through _analysis_seconds's own timing wrapper
-            if not {sys._getframe(depth).f_code for depth in (1, 2)} & callers:
+            caller = sys._getframe(1)
+            if caller.f_code not in callers and (caller.f_back is None or caller.f_back.f_code not in callers):
                 return function(*arguments, **keywords)
             frame = sys._getframe(2)
             while frame is not None and not frame.f_code.co_filename.startswith("<eval_with_key>"):
