@@ -124,9 +124,10 @@ def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
     return float(compute_sqnr(held_out, quantized))
 
 
-def timed_into(total: list[float], function, called_from: set | None = None):
+def timed_into(total: list[float], function, called_from: set | None = None, each: list | None = None):
     """`function`, adding the seconds each call takes to total[0]; with `called_from` (code objects), only those of
-    the calls made from those functions' code."""
+    the calls made from those functions' code; with `each`, each timed call's (the graph code it was made from,
+    seconds) appended to it too."""
     def timed(*arguments, **keywords):
         if called_from is not None and sys._getframe(1).f_code not in called_from:
             return function(*arguments, **keywords)
@@ -134,13 +135,24 @@ def timed_into(total: list[float], function, called_from: set | None = None):
         try:
             return function(*arguments, **keywords)
         finally:
-            total[0] += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            total[0] += seconds
+            if each is not None:
+                each.append((_graph_code(sys._getframe(1)), seconds))
     return timed
 
 
+def _graph_code(frame) -> str:
+    """The generated code of the graph whose run `frame` belongs to ("<eval_with_key>.N"), or "outside a graph"."""
+    while frame is not None and not frame.f_code.co_filename.startswith("<eval_with_key>"):
+        frame = frame.f_back
+    return frame.f_code.co_filename if frame is not None else "outside a graph"
+
+
 @contextlib.contextmanager
-def where_read_timed(total: list[float]):
-    """Within the block, total[0] gains the seconds that weights quantized where read take: the quantizations that
+def where_read_timed(total: list[float], each: list | None = None):
+    """Within the block, total[0] gains the seconds that weights quantized where read take (and `each`, when given,
+    each read's graph code and seconds): the quantizations that
     convert's fake_quantize_where_read and fake_quantize_over_input make (timed where they call the kernels), and each
     expert of a grouped projection quantized before its matmul. The graphs still call convert's own functions: qcore
     tells those nodes by their target (a screen's shadow that changes only activations shares the model's shadow's
@@ -153,8 +165,8 @@ def where_read_timed(total: list[float]):
     expert = ExpertsQuantizedWhereRead.expert
     try:
         for name, function in kernels.items():
-            setattr(convert_module, name, timed_into(total, function, callers))
-        ExpertsQuantizedWhereRead.expert = timed_into(total, expert)
+            setattr(convert_module, name, timed_into(total, function, callers, each))
+        ExpertsQuantizedWhereRead.expert = timed_into(total, expert, each=each)
         yield
     finally:
         for name, function in kernels.items():
@@ -163,7 +175,8 @@ def where_read_timed(total: list[float]):
 
 
 def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | None = None,
-                      screened: dict[str, int] | None = None) -> tuple[float, int, int, dict[str, float]]:
+                      screened: dict[str, int] | None = None,
+                      reads: list | None = None) -> tuple[float, int, int, dict[str, float]]:
     """(seconds from capture to every finding, items, failing items, seconds per stage) of `checks` (default: every
     default check), as the plugin runs them. `screened`, when given, gets the layers each screen measured a fix on
     in the comparison pass ({screen: layers}; "layers" is every layer the analysis measured)."""
@@ -181,7 +194,7 @@ def _analysis_seconds(model, batches, fix_budget: float, checks: list[str] | Non
     settings = ModelSettings.defaults(BUILTIN_CHECKS, calibration=batches, checks=checks, fix_budget=fix_budget,
                                       **on_device)
     where_read = [0.0]  # the seconds a large model's weights take to be quantized each time they are read
-    with where_read_timed(where_read):
+    with where_read_timed(where_read, reads):
         _synchronize()
         start = time.perf_counter()
         state = collect_model("model", settings, registry, pytest_qreport_make_quantizer(QUANTIZER), model, batches[0])
@@ -659,28 +672,7 @@ def where_read_trace(size: str = "30b-a3b") -> None:
     own first block's gate weights in a loop apart from an analysis, in the same process, and the quotient of the
     medians. OMP_WAIT_POLICY, as the environment sets it, is printed: the read's time inside an analysis depends on
     it."""
-    import qcore.quantization.convert as convert_module
     from qcore.quantization.convert import fake_quantize_where_read, quantize_weights_where_read
-
-    callers = {convert_module.fake_quantize_where_read.__code__, convert_module.fake_quantize_over_input.__code__}
-    reads: list[tuple[str, float]] = []  # (the graph code that read the weight, seconds)
-
-    def recorded(function):
-        def read(*arguments, **keywords):
-            # called from convert's where-read functions, through _analysis_seconds's own timing wrapper
-            caller = sys._getframe(1)
-            if caller.f_code not in callers and (caller.f_back is None or caller.f_back.f_code not in callers):
-                return function(*arguments, **keywords)
-            frame = sys._getframe(2)
-            while frame is not None and not frame.f_code.co_filename.startswith("<eval_with_key>"):
-                frame = frame.f_back
-            started = time.perf_counter()
-            try:
-                return function(*arguments, **keywords)
-            finally:
-                reads.append((frame.f_code.co_filename if frame is not None else "outside a graph",
-                              time.perf_counter() - started))
-        return read
 
     def quantiles(seconds: list[float]) -> tuple[float, float, float]:
         ordered = sorted(seconds)
@@ -690,14 +682,8 @@ def where_read_trace(size: str = "30b-a3b") -> None:
     print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(not set)')}; torch threads "
           f"{torch.get_num_threads()}; {size}, verdicts only")
     _analysis_seconds(moe, batches, 0.0)  # one-time costs, not traced
-    kernels = {name: getattr(convert_module, name) for name in ("fake_quantize_rows", "fake_quantize_per_channel")}
-    try:
-        for name, function in kernels.items():
-            setattr(convert_module, name, recorded(function))
-        seconds = _analysis_seconds(moe, batches, 0.0)[0]
-    finally:
-        for name, function in kernels.items():
-            setattr(convert_module, name, function)
+    reads: list[tuple[str, float]] = []  # (the graph code that read the weight, seconds)
+    seconds = _analysis_seconds(moe, batches, 0.0, reads=reads)[0]
     graphs: dict[str, str] = {}
     runs: list[tuple[str, list[float]]] = []
     for graph, read_seconds in reads:
