@@ -27,13 +27,24 @@
  * what takes that path some thirty small torch ops and an int64 copy of the batch.
  *
  * With OpenMP (the runtime torch already loaded), up to `threads` threads take contiguous parts.
+ *
+ * The per-row kernels write with streaming (non-temporal) stores when asked (`stream`): a weight quantized where it
+ * is read goes into a reused buffer that the matmul's threads read next, each its own share, which is not the share
+ * each of these threads wrote. With plain stores, each line another core read last time is fetched back before it
+ * is written; when the two cores sit in different core complexes (as a cloud VM's vCPUs can, from one second to
+ * the next) that costs five times the kernel. A streamed full line needs no fetch. The values are the same.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #define LANES 8
+#define TILE 64 /* values a streamed row is computed into, in L1, before they are streamed out: 4 lines */
 #define MAX_PARTS 64
 
 int64_t qcore_usable_threads(int64_t threads, int64_t most); /* _stats.c */
@@ -107,17 +118,82 @@ static inline float fake_quantized(float v, float inv, float step, float lo, flo
     return v * step + 0.0f;
 }
 
-void qcore_fake_quantize_per_row(const float *x, float *out, int64_t rows, int64_t cols, const float *inv_scale,
-                                 const float *scale, const float *low, const float *high, int64_t threads) {
-    threads = qcore_usable_threads(threads, MAX_PARTS);
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float inv = inv_scale[r], step = scale[r], lo = low[r], hi = high[r];
-        const float *row = x + r * cols;
-        float *written = out + r * cols;
-        for (int64_t i = 0; i < cols; ++i)
-            written[i] = fake_quantized(row[i], inv, step, lo, hi);
+/* n floats of `tile` copied to `out` with streaming stores where the CPU has them (plain stores up to the first
+ * aligned address and after the last full vector). */
+static void store_streaming(float *out, const float *tile, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
+#if defined(__AVX512F__)
+    const int64_t width = 16;
+#elif defined(__AVX__)
+    const int64_t width = 8;
+#else
+    const int64_t width = 4;
+#endif
+    for (; i < n && ((uintptr_t)(out + i) & (uintptr_t)(width * 4 - 1)); ++i) out[i] = tile[i];
+    for (; i + width <= n; i += width) {
+#if defined(__AVX512F__)
+        _mm512_stream_ps(out + i, _mm512_loadu_ps(tile + i));
+#elif defined(__AVX__)
+        _mm256_stream_ps(out + i, _mm256_loadu_ps(tile + i));
+#else
+        _mm_stream_ps(out + i, _mm_loadu_ps(tile + i));
+#endif
     }
+#endif
+    if (i < n) memcpy(out + i, tile + i, (size_t)(n - i) * sizeof(float));
+}
+
+/* Orders this thread's streaming stores before whatever it does next (the team's barrier, the return). */
+static void streamed(int stream) {
+#if defined(__SSE2__)
+    if (stream) _mm_sfence();
+#else
+    (void)stream;
+#endif
+}
+
+/* One row's fake quantization: of `row` itself, or of row[i] * column_factor[i] (row[i] / column_factor[i] with
+ * `divide`; rounded to float32 first, as torch's mul and div), into `written`; with `stream`, a tile at a time,
+ * streamed out. */
+static void fake_quantize_row(const float *row, const float *column_factor, int divide, float *written, int64_t cols,
+                              float inv, float step, float lo, float hi, int stream) {
+    float tile[TILE];
+    for (int64_t start = 0; start < cols; start += TILE) {
+        const int64_t n = cols - start < TILE ? cols - start : TILE;
+        const float *from = row + start;
+        float *to = stream ? tile : written + start;
+        if (column_factor == NULL)
+            for (int64_t i = 0; i < n; ++i) to[i] = fake_quantized(from[i], inv, step, lo, hi);
+        else if (divide)
+            for (int64_t i = 0; i < n; ++i)
+                to[i] = fake_quantized(from[i] / column_factor[start + i], inv, step, lo, hi);
+        else
+            for (int64_t i = 0; i < n; ++i)
+                to[i] = fake_quantized(from[i] * column_factor[start + i], inv, step, lo, hi);
+        if (stream) store_streaming(written + start, tile, n);
+    }
+}
+
+/* Every row's fake quantization (see fake_quantize_row), rows split among up to `threads` threads. */
+static void fake_quantize_rows(const float *x, const float *column_factor, int divide, float *out, int64_t rows,
+                               int64_t cols, const float *inv_scale, const float *scale, const float *low,
+                               const float *high, int64_t threads, int64_t stream) {
+    threads = qcore_usable_threads(threads, MAX_PARTS);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < rows; ++r)
+            fake_quantize_row(x + r * cols, column_factor, divide, out + r * cols, cols, inv_scale[r], scale[r],
+                              low[r], high[r], stream != 0);
+        streamed(stream != 0);
+    }
+}
+
+void qcore_fake_quantize_per_row(const float *x, float *out, int64_t rows, int64_t cols, const float *inv_scale,
+                                 const float *scale, const float *low, const float *high, int64_t threads,
+                                 int64_t stream) {
+    fake_quantize_rows(x, NULL, 0, out, rows, cols, inv_scale, scale, low, high, threads, stream);
 }
 
 int64_t qcore_fake_quantize_by_run(const float *x, float *out, int64_t rows, int64_t cols, int64_t runs,
@@ -185,39 +261,19 @@ void qcore_scaled_row_extremes(const float *x, const float *column_scales, int64
     }
 }
 
-/* qcore_fake_quantize_per_row of x scaled per column (x[r, i] * column_factor[i], or x[r, i] / column_factor[i] with
- * `divide`; rounded to float32 first, as torch's mul and div), into `out`: without the scaled copy. */
-static void fake_quantize_column_scaled_rows(const float *x, const float *column_factor, int divide, float *out,
-                                             int64_t rows, int64_t cols, const float *inv_scale, const float *scale,
-                                             const float *low, const float *high, int64_t threads) {
-    threads = qcore_usable_threads(threads, MAX_PARTS);
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float inv = inv_scale[r], step = scale[r], lo = low[r], hi = high[r];
-        const float *row = x + r * cols;
-        float *written = out + r * cols;
-        if (divide)
-            for (int64_t i = 0; i < cols; ++i)
-                written[i] = fake_quantized(row[i] / column_factor[i], inv, step, lo, hi);
-        else
-            for (int64_t i = 0; i < cols; ++i)
-                written[i] = fake_quantized(row[i] * column_factor[i], inv, step, lo, hi);
-    }
-}
-
 /* The smoothing alpha search's weight per alpha: each column multiplied by its scale, quantized per row. */
 void qcore_fake_quantize_scaled_rows(const float *x, const float *column_scale, float *out, int64_t rows,
                                      int64_t cols, const float *inv_scale, const float *scale, const float *low,
-                                     const float *high, int64_t threads) {
-    fake_quantize_column_scaled_rows(x, column_scale, 0, out, rows, cols, inv_scale, scale, low, high, threads);
+                                     const float *high, int64_t threads, int64_t stream) {
+    fake_quantize_rows(x, column_scale, 0, out, rows, cols, inv_scale, scale, low, high, threads, stream);
 }
 
 /* An equalization variant's weight quantized where it is read: each column divided by its factor, quantized per
  * row. */
 void qcore_fake_quantize_divided_rows(const float *x, const float *column_divisor, float *out, int64_t rows,
                                       int64_t cols, const float *inv_scale, const float *scale, const float *low,
-                                      const float *high, int64_t threads) {
-    fake_quantize_column_scaled_rows(x, column_divisor, 1, out, rows, cols, inv_scale, scale, low, high, threads);
+                                      const float *high, int64_t threads, int64_t stream) {
+    fake_quantize_rows(x, column_divisor, 1, out, rows, cols, inv_scale, scale, low, high, threads, stream);
 }
 
 /* min and max of x; the return is NaN when x holds a NaN or an infinity (0 * inf is NaN). */

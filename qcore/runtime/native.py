@@ -27,7 +27,8 @@ import subprocess
 import tempfile
 from typing import Any
 
-__all__ = ["PARALLEL_MIN_NUMEL", "REFUSED", "cache_dir", "kernel", "launch_bound", "status", "threads"]
+__all__ = ["PARALLEL_MIN_NUMEL", "REFUSED", "STREAM_MIN_BYTES", "cache_dir", "kernel", "launch_bound", "status",
+           "streams", "threads"]
 
 _SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("_stats.c", "_fused.c", "_formats.c"))
 _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
@@ -36,6 +37,8 @@ _LIBRARIES = ("-lm",)  # after the source, where linkers look for them
 _VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())
 REFUSED = 2  # qcore_observe's answer when its arguments do not fit its buffers
 PARALLEL_MIN_NUMEL = 1 << 15  # below this, waking a second thread costs more than it saves
+# from this size a quantized weight outgrows a core's L2 cache: its lines are streamed to memory (see _fused.c)
+STREAM_MIN_BYTES = 1 << 20
 _state: dict[str, object] = {}
 
 
@@ -169,7 +172,7 @@ def _load():
     library.qcore_fake_quantize_per_tensor.argtypes = [pointer, pointer, integer, real, real, real, real, integer]
     library.qcore_fake_quantize_per_tensor.restype = None
     library.qcore_fake_quantize_per_row.argtypes = [pointer, pointer, integer, integer, pointer, pointer, pointer,
-                                                    pointer, integer]
+                                                    pointer, integer, integer]
     library.qcore_fake_quantize_per_row.restype = None
     library.qcore_fake_quantize_by_run.argtypes = [pointer, pointer, integer, integer, integer, pointer, pointer,
                                                    pointer, pointer, pointer, integer]
@@ -178,7 +181,7 @@ def _load():
                                                   integer]
     library.qcore_scaled_row_extremes.restype = None
     library.qcore_fake_quantize_scaled_rows.argtypes = [pointer, pointer, pointer, integer, integer, pointer, pointer,
-                                                        pointer, pointer, integer]
+                                                        pointer, pointer, integer, integer]
     library.qcore_fake_quantize_scaled_rows.restype = None
     library.qcore_fake_quantize_divided_rows.argtypes = library.qcore_fake_quantize_scaled_rows.argtypes
     library.qcore_fake_quantize_divided_rows.restype = None
@@ -213,6 +216,11 @@ def threads(numel: int) -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def streams(nbytes: int) -> int:
+    """Whether the per-row kernels write an output of `nbytes` with streaming stores (1) or plain ones (0)."""
+    return int(nbytes >= STREAM_MIN_BYTES)
 
 
 def kernel():

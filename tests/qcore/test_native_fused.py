@@ -1,4 +1,5 @@
 """The fused native kernels (qcore/_fused.c) compute what their torch paths compute."""
+import contextlib
 import math
 
 import pytest
@@ -8,9 +9,11 @@ from hypothesis import strategies as st
 
 from qcore.numeric.loggers import ActivationStash, StreamingComparator
 from qcore.observe.qparams import (
+    KeptRowArguments,
     fake_quantize_divided_rows,
     fake_quantize_per_channel,
     fake_quantize_per_tensor,
+    fake_quantize_rows,
     fake_quantize_scaled_rows,
     scaled_row_extremes,
 )
@@ -135,6 +138,65 @@ def test_divided_rows_are_quantized_bit_identically_to_the_torch_path(seed, rows
     assert torch.equal(torch.signbit(ours[numbers]), torch.signbit(expected[numbers]))
     assert torch.equal(_torch_path(fake_quantize_divided_rows, x, divisor, scale, zero_point, quant_min,
                                    quant_max).nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
+@contextlib.contextmanager
+def _streaming_from(nbytes: int):
+    """Within the block the per-row kernels stream every output of `nbytes` bytes or more."""
+    kept = native.STREAM_MIN_BYTES
+    native.STREAM_MIN_BYTES = nbytes
+    try:
+        yield
+    finally:
+        native.STREAM_MIN_BYTES = kept
+
+
+def _same_values(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    return torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0)) and torch.equal(
+        torch.signbit(ours[~theirs.isnan()]), torch.signbit(theirs[~theirs.isnan()]))
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.sampled_from([1, 5, 64]), cols=st.sampled_from([1, 9, 300, 515, 1031]),
+       offset=st.sampled_from([0, 1, 3]), specials=st.booleans())
+def test_streamed_rows_are_the_plain_rows_bit_for_bit(seed, rows, cols, offset, specials):
+    """Each per-row kernel's output written with streaming stores holds the values plain stores write, the torch
+    path's, whatever the row length (tile and vector tails) and the output's alignment (written in place at an
+    offset of `offset` floats)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * 4
+    x = _with_specials(x, seed) if specials else x
+    scale = torch.rand(rows, generator=g) * 0.1 + 1e-4
+    zero_point = torch.randint(-20, 21, (rows,), generator=g)
+    divisor = torch.rand(cols, generator=g) * 3 + 1e-3
+    column_scales = torch.rand(2, cols, generator=g) * 3 + 1e-3
+    expected = _torch_path(fake_quantize_per_channel, x, scale, zero_point, 0, -128, 127)
+    divided = _torch_path(fake_quantize_divided_rows, x, divisor, scale, zero_point, -128, 127)
+    scaled = _torch_path(fake_quantize_scaled_rows, x, column_scales, scale.repeat(2), zero_point.repeat(2) * 0, -127,
+                         127)
+    arguments = KeptRowArguments().arguments(x, scale, zero_point, 0, -128, 127)
+    for threshold in (0, 1 << 40):  # every output streamed, then none
+        with _streaming_from(threshold):
+            assert native.streams(x.numel() * 4) == (threshold == 0)
+            assert _same_values(fake_quantize_per_channel(x, scale, zero_point, 0, -128, 127), expected)
+            assert _same_values(fake_quantize_divided_rows(x, divisor, scale, zero_point, -128, 127), divided)
+            for ours, theirs in zip(fake_quantize_scaled_rows(x, column_scales, scale.repeat(2),
+                                                              zero_point.repeat(2) * 0, -127, 127), scaled):
+                assert _same_values(ours, theirs)
+            at_offset = torch.empty(x.numel() + offset)[offset:].view(rows, cols)
+            at_offset.copy_(x)
+            assert at_offset.data_ptr() % 64 == (at_offset.untyped_storage().data_ptr() + 4 * offset) % 64
+            assert _same_values(fake_quantize_rows(at_offset, arguments, in_place=True), expected)
+
+
+@needs_kernel
+def test_a_weight_larger_than_a_cores_cache_is_streamed_with_the_same_values():
+    x = torch.randn(768, 512) * 0.02  # 1.5 MiB
+    scale, zero_point = x.abs().amax(dim=1) / 127.5, torch.zeros(768, dtype=torch.int64)
+    assert native.streams(x.numel() * 4) == 1
+    assert torch.equal(fake_quantize_per_channel(x, scale, zero_point, 0, -128, 127),
+                       _torch_path(fake_quantize_per_channel, x, scale, zero_point, 0, -128, 127))
 
 
 @needs_kernel
