@@ -29,10 +29,11 @@
  * With OpenMP (the runtime torch already loaded), up to `threads` threads take contiguous parts.
  *
  * The per-row kernels write with streaming (non-temporal) stores when asked (`stream`): a weight quantized where it
- * is read goes into a reused buffer that the matmul's threads read next, each its own share, which is not the share
- * each of these threads wrote. With plain stores, each line another core read last time is fetched back before it
- * is written; when the two cores sit in different core complexes (as a cloud VM's vCPUs can, from one second to
- * the next) that costs five times the kernel. A streamed full line needs no fetch. The values are the same.
+ * is read goes into a reused buffer that the matmul's threads read next, each its own share, which need not be
+ * the share each of these threads wrote. With plain stores, each line another core read last time is fetched back
+ * before it is written; when the two cores sit in different core complexes (as a cloud VM's vCPUs can, from one
+ * second to the next) that costs five times the kernel. A streamed full line needs no fetch. The values are the
+ * same.
  */
 #include <float.h>
 #include <math.h>
@@ -159,8 +160,9 @@ static void streamed(int stream) {
 static void fake_quantize_row(const float *row, const float *column_factor, int divide, float *written, int64_t cols,
                               float inv, float step, float lo, float hi, int stream) {
     float tile[TILE];
-    for (int64_t start = 0; start < cols; start += TILE) {
-        const int64_t n = cols - start < TILE ? cols - start : TILE;
+    const int64_t span = stream ? TILE : cols; /* plain stores: the whole row in one loop */
+    for (int64_t start = 0; start < cols; start += span) {
+        const int64_t n = cols - start < span ? cols - start : span;
         const float *from = row + start;
         float *to = stream ? tile : written + start;
         if (column_factor == NULL)
