@@ -40,11 +40,13 @@ With `--where-read-trace [--sizes 30b-a3b]`: each read of one verdicts-only anal
 where read) timed apart, by graph run in order, against the same kernel over the model's own expert weights in a
 loop apart from the analysis (where_read_trace).
 
-With `--where-read-stores [--seconds 60]`: an expert weight quantized where read into its reused buffer, then its
-matmul over 32 routed tokens (what each expert of an analysis's graph runs does), with the kernel's plain stores
-and its streaming stores alternately, over the same 128 experts' [768, 2048] float32 weights: the medians of each
-2-second window. A cloud VM's two vCPUs move between sharing an L3 and not, from one window to the next; the
-plain stores' read takes five times as long in the windows where they do not (where_read_stores).
+With `--where-read-stores [--seconds 60] [--threads N]`: an expert weight quantized where read into its reused
+buffer, then its matmul over 32 routed tokens (what each expert of an analysis's graph runs does), with the
+kernel's plain stores and its streaming stores alternately, over the same 128 experts' [768, 2048] float32
+weights: the medians of each 2-second window. A cloud VM's two vCPUs move between sharing an L3 and not, from one
+window to the next; the plain stores' read takes five times as long in the windows where they do not
+(where_read_stores). `--threads 1` runs torch on one thread, streaming forced on: the case where the plugin keeps
+plain stores.
 
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
@@ -82,7 +84,8 @@ fake quantization per expert.
                                            [--quantizer W4A16]]
                                    [--peak [--sizes small,30b-a3b]]
                                    [--experts 8,32,64,128] [--capture] [--where-read]
-                                   [--where-read-trace [--sizes 30b-a3b]] [--where-read-stores [--seconds 60]]
+                                   [--where-read-trace [--sizes 30b-a3b]]
+                                   [--where-read-stores [--seconds 60] [--threads N]]
                                    [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
                                    [--grouped-sqnr [--sizes tiny,small]]
@@ -721,10 +724,11 @@ def where_read_trace(size: str = "30b-a3b") -> None:
           f"{middle:.0f} us, p90 {high:.0f} us; the analysis's median over it: {inside / middle:.2f}x")
 
 
-def where_read_stores(seconds: float = 60.0) -> None:
+def where_read_stores(seconds: float = 60.0, threads: int | None = None) -> None:
     """--where-read-stores: each of 128 expert weights ([768, 2048] float32) quantized where read into its reused
     buffer and read by its matmul over 32 tokens, with the per-row kernel's plain stores and its streaming stores
-    alternately, for `seconds`: per 2-second window, the medians of the read and of the matmul after it, for each."""
+    alternately, for `seconds`: per 2-second window, the medians of the read and of the matmul after it, for each.
+    `threads`: torch's threads for the run (streaming forced on even with one, where the plugin keeps plain stores)."""
     from qcore.quantization.convert import fake_quantize_where_read, quantize_weights_where_read
     from qcore.runtime import native, scratch
 
@@ -733,8 +737,10 @@ def where_read_stores(seconds: float = 60.0) -> None:
     scale = grouped_weight.abs().amax(dim=2).amax(dim=0) / 127.5
     zero_point = torch.zeros(768, dtype=torch.int64)
     tokens = torch.randn(32, 2048, generator=generator)
-    stores = {"plain": 1 << 62, "streaming": 0}  # STREAM_MIN_BYTES for each
-    kept = native.STREAM_MIN_BYTES
+    if threads is not None:
+        torch.set_num_threads(threads)
+    stores = {"plain": 0, "streaming": 1}  # what native.streams answers for each
+    kept = native.streams
     print(f"torch threads {torch.get_num_threads()}; {native.status()}; read + matmul medians per 2 s window, us")
     print(f"{'s':>4} " + " ".join(f"{name + ' read':>15} {name + ' matmul':>15}" for name in stores))
     totals: dict[str, list[float]] = {name: [] for name in stores}
@@ -746,8 +752,8 @@ def where_read_stores(seconds: float = 60.0) -> None:
                 reads = {name: ([], []) for name in stores}
                 while time.perf_counter() - window < 2.0:
                     for weight in grouped_weight:
-                        for name, threshold in stores.items():
-                            native.STREAM_MIN_BYTES = threshold
+                        for name, streaming in stores.items():
+                            native.streams = lambda nbytes, streaming=streaming: streaming
                             start = time.perf_counter()
                             quantized = fake_quantize_where_read(weight, scale, zero_point, 0, -128, 127)
                             middle = time.perf_counter()
@@ -762,7 +768,7 @@ def where_read_stores(seconds: float = 60.0) -> None:
                 print(f"{time.perf_counter() - started:>4.0f} " + " ".join(
                     f"{read * 1e6:>15.0f} {matmul * 1e6:>15.0f}" for read, matmul in medians.values()), flush=True)
     finally:
-        native.STREAM_MIN_BYTES = kept
+        native.streams = kept
     plain, streaming = (statistics.median(totals[name]) for name in stores)
     print(f"read + matmul, median window: plain {plain * 1e6:.0f} us, streaming {streaming * 1e6:.0f} us "
           f"(streaming/plain {streaming / plain:.2f}x)")
@@ -823,7 +829,8 @@ def main() -> None:
         capture_cost()
         return
     if "--where-read-stores" in sys.argv:
-        where_read_stores(float(sys.argv[sys.argv.index("--seconds") + 1]) if "--seconds" in sys.argv else 60.0)
+        where_read_stores(float(sys.argv[sys.argv.index("--seconds") + 1]) if "--seconds" in sys.argv else 60.0,
+                          int(sys.argv[sys.argv.index("--threads") + 1]) if "--threads" in sys.argv else None)
         return
     if "--where-read-trace" in sys.argv:
         where_read_trace(sys.argv[sys.argv.index("--sizes") + 1] if "--sizes" in sys.argv else "30b-a3b")

@@ -37,7 +37,8 @@ _LIBRARIES = ("-lm",)  # after the source, where linkers look for them
 _VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())
 REFUSED = 2  # qcore_observe's answer when its arguments do not fit its buffers
 PARALLEL_MIN_NUMEL = 1 << 15  # below this, waking a second thread costs more than it saves
-# from this size a quantized weight outgrows a core's L2 cache: its lines are streamed to memory (see _fused.c)
+# from this size a quantized weight outgrows a core's L2 cache: with more than one torch thread its lines are
+# streamed to memory (see _fused.c)
 STREAM_MIN_BYTES = 1 << 20
 _state: dict[str, object] = {}
 
@@ -220,7 +221,10 @@ def threads(numel: int) -> int:
 
 def streams(nbytes: int) -> int:
     """Whether the per-row kernels write an output of `nbytes` with streaming stores (1) or plain ones (0)."""
-    return int(nbytes >= STREAM_MIN_BYTES)
+    import torch
+
+    # one torch thread: the core that writes the weight is the one whose matmul reads it, and it finds it in cache
+    return int(nbytes >= STREAM_MIN_BYTES and torch.get_num_threads() > 1)
 
 
 def kernel():

@@ -142,13 +142,16 @@ def test_divided_rows_are_quantized_bit_identically_to_the_torch_path(seed, rows
 
 @contextlib.contextmanager
 def _streaming_from(nbytes: int):
-    """Within the block the per-row kernels stream every output of `nbytes` bytes or more."""
-    kept = native.STREAM_MIN_BYTES
+    """Within the block the per-row kernels stream every output of `nbytes` bytes or more (torch runs two threads
+    at least: with one, nothing is streamed)."""
+    kept, threads = native.STREAM_MIN_BYTES, torch.get_num_threads()
     native.STREAM_MIN_BYTES = nbytes
+    torch.set_num_threads(max(2, threads))
     try:
         yield
     finally:
         native.STREAM_MIN_BYTES = kept
+        torch.set_num_threads(threads)
 
 
 def _same_values(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
@@ -191,12 +194,19 @@ def test_streamed_rows_are_the_plain_rows_bit_for_bit(seed, rows, cols, offset, 
 
 
 @needs_kernel
-def test_a_weight_larger_than_a_cores_cache_is_streamed_with_the_same_values():
+def test_a_weight_larger_than_a_cores_cache_is_streamed_with_the_same_values_where_torch_runs_threads():
     x = torch.randn(768, 512) * 0.02  # 1.5 MiB
     scale, zero_point = x.abs().amax(dim=1) / 127.5, torch.zeros(768, dtype=torch.int64)
-    assert native.streams(x.numel() * 4) == 1
-    assert torch.equal(fake_quantize_per_channel(x, scale, zero_point, 0, -128, 127),
-                       _torch_path(fake_quantize_per_channel, x, scale, zero_point, 0, -128, 127))
+    expected = _torch_path(fake_quantize_per_channel, x, scale, zero_point, 0, -128, 127)
+    threads = torch.get_num_threads()
+    try:
+        for torch_threads, streamed in ((2, 1), (1, 0)):
+            torch.set_num_threads(torch_threads)
+            assert native.streams(x.numel() * 4) == streamed
+            assert native.streams(native.STREAM_MIN_BYTES - 4) == 0
+            assert torch.equal(fake_quantize_per_channel(x, scale, zero_point, 0, -128, 127), expected)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernel
