@@ -292,7 +292,7 @@ def fake_quantize_scaled_rows(x: torch.Tensor, column_scales: torch.Tensor, scal
         inverse, steps, low, high = (value[k * rows:(k + 1) * rows].data_ptr() for value in arguments)
         library.qcore_fake_quantize_scaled_rows(x.data_ptr(), column_scale.data_ptr(), out.data_ptr(), rows,
                                                 x.shape[1], inverse, steps, low, high, native.threads(x.numel()),
-                                                native.streams(out.numel() * out.element_size()))
+                                                native.streams(out.nbytes))
         quantized.append(out)
     return quantized
 
@@ -317,8 +317,7 @@ def fake_quantize_divided_rows(x: torch.Tensor, column_divisor: torch.Tensor, sc
     out = torch.empty_like(x) if reused is None else reused
     library.qcore_fake_quantize_divided_rows(x.data_ptr(), divisor.data_ptr(), out.data_ptr(), rows, x.shape[1],
                                              inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
-                                             native.threads(x.numel()),
-                                             native.streams(out.numel() * out.element_size()))
+                                             native.threads(x.numel()), native.streams(out.nbytes))
     return out
 
 
@@ -410,7 +409,7 @@ def fake_quantize_rows(x: torch.Tensor, arguments: tuple[torch.Tensor, ...], reu
     assert library is not None, "the native rows kernel is asked for only where it is built"
     library.qcore_fake_quantize_per_row(x.data_ptr(), out.data_ptr(), x.shape[0], x.numel() // max(1, x.shape[0]),
                                         inverse.data_ptr(), steps.data_ptr(), low.data_ptr(), high.data_ptr(),
-                                        native.threads(x.numel()), native.streams(out.numel() * out.element_size()))
+                                        native.threads(x.numel()), native.streams(out.nbytes))
     return out
 
 

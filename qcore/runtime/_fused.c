@@ -123,7 +123,7 @@ static inline float fake_quantized(float v, float inv, float step, float lo, flo
  * aligned address and after the last full vector). */
 static void store_streaming(float *out, const float *tile, int64_t n) {
     int64_t i = 0;
-#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
+#if defined(__SSE2__) /* AVX and AVX-512 builds define it too */
 #if defined(__AVX512F__)
     const int64_t width = 16;
 #elif defined(__AVX__)
