@@ -3,7 +3,7 @@
  * qcore_compare_sums adds sum(ref^2), sum(act^2), sum(ref*act) and sum((ref-act)^2) of two float32 arrays to
  * four float64 sums: what StreamingComparator's torch path computes with nine ops and two float64 copies.
  * Products of two float32 values are exact in float64; each of LANES accumulators per sum takes every
- * LANES-th value, so the compiler vectorizes the loop without reordering any one accumulator's additions.
+ * LANES-th value, so the loop runs as vectors without reordering any one accumulator's additions.
  *
  * qcore_compare_sums_by_run adds them for each run of consecutive values (an MoE expert's rows of a grouped
  * projection) to that run's four sums, each run as qcore_compare_sums alone sums it, with the threads the caller
@@ -50,9 +50,40 @@
 
 int64_t qcore_usable_threads(int64_t threads, int64_t most); /* _stats.c */
 
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_convertvector)
+#define HAS_LANE_VECTORS 1
+/* LANES values as one vector each: the compiler widens LANES floats to LANES doubles with the CPU's conversions
+ * (one 512-bit register with AVX-512), where its own vectorizer packs the four sums of one value instead and
+ * converts and multiplies one value at a time. */
+typedef float lane_floats __attribute__((vector_size(LANES * sizeof(float))));
+typedef double lane_doubles __attribute__((vector_size(LANES * sizeof(double))));
+#endif
+#endif
+
 static void sums_part(const float *restrict ref, const float *restrict act, int64_t n, double *restrict out) {
     double rr[LANES] = {0}, aa[LANES] = {0}, ra[LANES] = {0}, ee[LANES] = {0};
     int64_t i = 0;
+#if defined(HAS_LANE_VECTORS)
+    /* the same additions into the same accumulators, lane j taking every LANES-th value, so the sums are the
+     * scalar loop's to the bit (-std=c99 contracts no multiply-add here either) */
+    lane_doubles vrr = {0}, vaa = {0}, vra = {0}, vee = {0};
+    for (; i + LANES <= n; i += LANES) {
+        lane_floats rf, af;
+        memcpy(&rf, ref + i, sizeof rf);
+        memcpy(&af, act + i, sizeof af);
+        lane_doubles r = __builtin_convertvector(rf, lane_doubles), a = __builtin_convertvector(af, lane_doubles);
+        lane_doubles d = r - a;
+        vrr += r * r;
+        vaa += a * a;
+        vra += r * a;
+        vee += d * d;
+    }
+    memcpy(rr, &vrr, sizeof rr);
+    memcpy(aa, &vaa, sizeof aa);
+    memcpy(ra, &vra, sizeof ra);
+    memcpy(ee, &vee, sizeof ee);
+#else
     for (; i + LANES <= n; i += LANES)
         for (int j = 0; j < LANES; ++j) {
             double r = ref[i + j], a = act[i + j], d = r - a;
@@ -61,6 +92,7 @@ static void sums_part(const float *restrict ref, const float *restrict act, int6
             ra[j] += r * a;
             ee[j] += d * d;
         }
+#endif
     for (int j = 0; i < n; ++i, ++j) {
         double r = ref[i], a = act[i], d = r - a;
         rr[j] += r * r;

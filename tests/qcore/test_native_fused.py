@@ -255,6 +255,35 @@ def test_comparator_sums_match_the_torch_path(seed, numel, noise, transposed):
     assert torch.allclose(ours, expected, rtol=1e-12, atol=0.0)
 
 
+def _lane_ordered_sums(reference: torch.Tensor, actual: torch.Tensor, lanes: int = 8) -> torch.Tensor:
+    """The four float64 sums added as the kernel's one-thread loop adds them: lane j takes the values j, j + lanes,
+    ... in order, the tail's values go to lanes 0, 1, ... after them, and the lanes are added 0 to lanes - 1."""
+    r, a = reference.double(), actual.double()
+    terms = torch.stack([r * r, a * a, r * a, (r - a) * (r - a)])  # each product exact in float64
+    full = r.numel() - r.numel() % lanes
+    body = terms[:, :full].reshape(4, -1, lanes)
+    sums = torch.zeros(4, lanes, dtype=torch.float64)
+    for row in range(body.shape[1]):  # row by row: the kernel's order, not a reduction tree's
+        sums += body[:, row]
+    sums[:, : r.numel() - full] += terms[:, full:]
+    total = torch.zeros(4, dtype=torch.float64)
+    for lane in range(lanes):
+        total += sums[:, lane]
+    return total
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), numel=st.sampled_from([1, 7, 8, 9, 31, 1000, 4099]), noise=st.floats(1e-6, 1.0))
+def test_comparator_kernel_adds_each_lane_in_order_bit_for_bit(seed, numel, noise):
+    g = torch.Generator().manual_seed(seed)
+    reference = torch.randn(numel, generator=g) * 10
+    actual = reference + noise * torch.randn(numel, generator=g)
+    sums = torch.zeros(4, dtype=torch.float64)
+    native.kernel().qcore_compare_sums(reference.data_ptr(), actual.data_ptr(), numel, 1, sums.data_ptr())
+    assert torch.equal(sums, _lane_ordered_sums(reference, actual))
+
+
 @needs_kernel
 def test_comparator_results_from_both_paths_agree_in_sqnr():
     g = torch.Generator().manual_seed(3)
