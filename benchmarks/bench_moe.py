@@ -48,6 +48,13 @@ window to the next; the plain stores' read takes five times as long in the windo
 (where_read_stores). `--threads 1` runs torch on one thread, streaming forced on: the case where the plugin keeps
 plain stores.
 
+With `--compare-sums`: qcore's comparator-sums kernel (every comparator's update, every weight's SQNR) with its sums
+added as lane vectors, as qcore builds it, against the same source built with the scalar loop, at an MoE expert's
+sizes and a dense layer's, their sums checked bit for bit (compare_sums_cost).
+
+With `--native-calls [--sizes 30b-a3b]`: each native kernel's calls and time in one verdicts-only analysis of
+`--cost`'s dense model and its MoE, against each forward (native_calls).
+
 With `--capture`: the capture of a 2-block Qwen3-MoE with 128 experts per block (hidden 128), traced once per
 block from expert 0's template (the default) against a trace of every expert, best of 2 each.
 
@@ -86,6 +93,7 @@ fake quantization per expert.
                                    [--experts 8,32,64,128] [--capture] [--where-read]
                                    [--where-read-trace [--sizes 30b-a3b]]
                                    [--where-read-stores [--seconds 60] [--threads N]]
+                                   [--compare-sums] [--native-calls [--sizes 30b-a3b]]
                                    [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
                                    [--grouped-sqnr [--sizes tiny,small]]
@@ -673,6 +681,94 @@ def where_read_cost(rounds: int = 5) -> None:
     print(f"{'beside the kernel, a grouped expert':>42}: {(grouped - best['the kernel alone']) * 1e6:.1f} us")
 
 
+def compare_sums_cost(rounds: int = 7) -> None:
+    """--compare-sums: qcore_compare_sums (a comparator's update, a weight's SQNR) as qcore builds it, with its sums
+    added as lane vectors, against the same source built with the scalar loop (-DQCORE_SCALAR_SUMS), both with
+    qcore's compiler flags, at the sizes a 30B-shaped MoE's experts hand it (32 tokens of 768 and of 2048) and a
+    dense layer's; each figure the fastest of `rounds` rounds, and the sums checked bit for bit."""
+    import ctypes
+    import subprocess
+    import tempfile
+
+    from qcore.runtime import native
+
+    native.kernel()
+    flags = [*native._FLAGS, *(("-march=native", "-fopenmp") if native._state.get("openmp") else ())]
+    builds = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, extra in (("scalar loop", ["-DQCORE_SCALAR_SUMS"]), ("lane vectors", [])):
+            target = f"{folder}/{name.replace(' ', '_')}.so"
+            subprocess.run(["cc", *flags, *extra, "-o", target, *map(str, native._SOURCES), *native._LIBRARIES],
+                           check=True)
+            library = ctypes.CDLL(target)
+            library.qcore_compare_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                   ctypes.c_void_p]
+            builds[name] = library
+    generator = torch.Generator().manual_seed(0)
+    print(f"flags: {' '.join(flags)}; torch threads {torch.get_num_threads()}")
+    print(f"{'values':>9} {'threads':>7} {'scalar loop us':>14} {'lane vectors us':>15} {'ratio':>6}")
+    for numel in (32 * 768, 32 * 2048, 512 * 6144):
+        reference = torch.randn(numel, generator=generator)
+        actual = reference + 0.01 * torch.randn(numel, generator=generator)
+        for threads in sorted({1, native.threads(numel)}):
+            sums = {name: torch.zeros(4, dtype=torch.float64) for name in builds}
+            for name, library in builds.items():
+                library.qcore_compare_sums(reference.data_ptr(), actual.data_ptr(), numel, threads,
+                                           sums[name].data_ptr())
+            assert torch.equal(sums["scalar loop"], sums["lane vectors"]), sums
+            calls = max(20, 4_000_000 // numel)
+            best = dict.fromkeys(builds, float("inf"))
+            out = torch.zeros(4, dtype=torch.float64)
+            for _ in range(rounds):  # alternating, so that the machine's drift falls on both
+                for name, library in builds.items():
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        library.qcore_compare_sums(reference.data_ptr(), actual.data_ptr(), numel, threads,
+                                                   out.data_ptr())
+                    best[name] = min(best[name], (time.perf_counter() - start) / calls)
+            print(f"{numel:>9} {threads:>7} {best['scalar loop'] * 1e6:>14.1f} {best['lane vectors'] * 1e6:>15.1f} "
+                  f"{best['lane vectors'] / best['scalar loop']:>5.2f}x")
+    print("sums bit for bit equal: True")
+
+
+def native_calls(size: str = "30b-a3b") -> None:
+    """--native-calls: the time each of qcore's native kernels takes in one verdicts-only analysis of --cost's two
+    models at `size` (every default check; each model's first analysis warms its one-time costs and is not counted),
+    against each model's forward: calls, median call and total."""
+    from qcore.runtime import native
+
+    moe, dense, batches = pair(size)
+    library = native.kernel()
+    names = [name for name in dir(library) if name.startswith("qcore_") and name != "qcore_usable_threads"]
+    spent: dict[str, list[float]] = {}
+
+    def timed(function, name):
+        def call(*arguments):
+            start = time.perf_counter()
+            result = function(*arguments)
+            spent.setdefault(name, []).append(time.perf_counter() - start)
+            return result
+        return call
+
+    kernels = {name: getattr(library, name) for name in names}
+    try:
+        for name, function in kernels.items():
+            setattr(library, name, timed(function, name))
+        for label, model in (("dense", dense), ("moe", moe)):
+            _analysis_seconds(model, batches, 0.0)
+            forward = steady_forward_seconds(model, batches)
+            spent.clear()
+            seconds = _analysis_seconds(model, batches, 0.0)[0]
+            print(f"{label}: forward {forward:.2f} s, analysis {seconds:.1f} s ({seconds / forward:.1f}x), native "
+                  f"kernels {sum(map(sum, spent.values())):.2f} s ({sum(map(sum, spent.values())) / forward:.2f}x)")
+            for name, calls in sorted(spent.items(), key=lambda item: -sum(item[1])):
+                print(f"  {name:>34} {len(calls):>7} calls, median {statistics.median(calls) * 1e6:8.1f} us, "
+                      f"{sum(calls):6.2f} s, {sum(calls) / forward:.2f}x its forward")
+    finally:
+        for name, function in kernels.items():
+            setattr(library, name, function)
+
+
 def where_read_trace(size: str = "30b-a3b") -> None:
     """--where-read-trace: each weight quantized where read in one verdicts-only analysis of --cost's MoE at `size`
     (every default check), timed apart and grouped by graph run in the order they ran: the graph's code (the float
@@ -837,6 +933,12 @@ def main() -> None:
         return
     if "--where-read" in sys.argv:
         where_read_cost()
+        return
+    if "--compare-sums" in sys.argv:
+        compare_sums_cost()
+        return
+    if "--native-calls" in sys.argv:
+        native_calls(sys.argv[sys.argv.index("--sizes") + 1] if "--sizes" in sys.argv else "30b-a3b")
         return
     if "--experts" in sys.argv:
         experts_cost([int(count) for count in sys.argv[sys.argv.index("--experts") + 1].split(",")])

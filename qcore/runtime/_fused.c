@@ -64,7 +64,7 @@ typedef double lane_doubles __attribute__((vector_size(LANES * sizeof(double))))
 static void sums_part(const float *restrict ref, const float *restrict act, int64_t n, double *restrict out) {
     double rr[LANES] = {0}, aa[LANES] = {0}, ra[LANES] = {0}, ee[LANES] = {0};
     int64_t i = 0;
-#if defined(HAS_LANE_VECTORS)
+#if defined(HAS_LANE_VECTORS) && !defined(QCORE_SCALAR_SUMS) /* bench_moe.py --compare-sums builds both */
     /* the same additions into the same accumulators, lane j taking every LANES-th value, so the sums are the
      * scalar loop's to the bit (-std=c99 contracts no multiply-add here either) */
     lane_doubles vrr = {0}, vaa = {0}, vra = {0}, vee = {0};
