@@ -687,6 +687,7 @@ def compare_sums_cost(rounds: int = 7) -> None:
     qcore's compiler flags, at the sizes a 30B-shaped MoE's experts hand it (32 tokens of 768 and of 2048) and a
     dense layer's; each figure the fastest of `rounds` rounds, and the sums checked bit for bit."""
     import ctypes
+    import shlex
     import subprocess
     import tempfile
 
@@ -698,8 +699,8 @@ def compare_sums_cost(rounds: int = 7) -> None:
     with tempfile.TemporaryDirectory() as folder:
         for name, extra in (("scalar loop", ["-DQCORE_SCALAR_SUMS"]), ("lane vectors", [])):
             target = f"{folder}/{name.replace(' ', '_')}.so"
-            subprocess.run(["cc", *flags, *extra, "-o", target, *map(str, native._SOURCES), *native._LIBRARIES],
-                           check=True)
+            subprocess.run([*shlex.split(os.environ.get("CC", "cc")), *flags, *extra, "-o", target,
+                            *map(str, native._SOURCES), *native._LIBRARIES], check=True)
             library = ctypes.CDLL(target)
             library.qcore_compare_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                                    ctypes.c_void_p]

@@ -53,9 +53,9 @@ int64_t qcore_usable_threads(int64_t threads, int64_t most); /* _stats.c */
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_convertvector)
 #define HAS_LANE_VECTORS 1
-/* LANES values as one vector each: the compiler widens LANES floats to LANES doubles with the CPU's conversions
- * (one 512-bit register with AVX-512), where its own vectorizer packs the four sums of one value instead and
- * converts and multiplies one value at a time. */
+/* LANES values as one vector each: the compiler widens LANES floats to LANES doubles with the CPU's packed
+ * conversions, in whatever registers it prefers, where its own vectorizer packs the four sums of one value instead
+ * and converts and multiplies one value at a time. */
 typedef float lane_floats __attribute__((vector_size(LANES * sizeof(float))));
 typedef double lane_doubles __attribute__((vector_size(LANES * sizeof(double))));
 #endif
