@@ -659,7 +659,7 @@ def where_read_cost(rounds: int = 5) -> None:
         inverse, steps, low, high = arguments[index]
         library.qcore_fake_quantize_per_row(weights[index].data_ptr(), out.data_ptr(), 768, 2048, inverse.data_ptr(),
                                             steps.data_ptr(), low.data_ptr(), high.data_ptr(),
-                                            native.threads(out.numel()), native.streams(out.numel() * 4))
+                                            native.threads(out.numel()), native.streams(out.nbytes))
 
     paths = {"arguments made at each read": each_argument_made, "arguments kept (fake_quantize_where_read)": kept,
              "a grouped projection's expert, arguments kept": grouped_expert, "the kernel alone": kernel_alone}
@@ -740,31 +740,27 @@ def native_calls(size: str = "30b-a3b") -> None:
 
     moe, dense, batches = pair(size)
     library = native.kernel()
-    names = [name for name in dir(library) if name.startswith("qcore_") and name != "qcore_usable_threads"]
-    spent: dict[str, list[float]] = {}
-
-    def timed(function, name):
-        def call(*arguments):
-            start = time.perf_counter()
-            result = function(*arguments)
-            spent.setdefault(name, []).append(time.perf_counter() - start)
-            return result
-        return call
-
-    kernels = {name: getattr(library, name) for name in names}
+    kernels = {name: getattr(library, name) for name in dir(library)
+               if name.startswith("qcore_") and name != "qcore_usable_threads"}
+    totals: dict[str, list[float]] = {name: [0.0] for name in kernels}
+    each: dict[str, list[tuple[str, float]]] = {name: [] for name in kernels}  # (graph code, seconds) a call
     try:
         for name, function in kernels.items():
-            setattr(library, name, timed(function, name))
+            setattr(library, name, timed_into(totals[name], function, each=each[name]))
         for label, model in (("dense", dense), ("moe", moe)):
             _analysis_seconds(model, batches, 0.0)
             forward = steady_forward_seconds(model, batches)
-            spent.clear()
+            for name in kernels:
+                totals[name][0] = 0.0
+                each[name].clear()
             seconds = _analysis_seconds(model, batches, 0.0)[0]
+            native_seconds = sum(total[0] for total in totals.values())
             print(f"{label}: forward {forward:.2f} s, analysis {seconds:.1f} s ({seconds / forward:.1f}x), native "
-                  f"kernels {sum(map(sum, spent.values())):.2f} s ({sum(map(sum, spent.values())) / forward:.2f}x)")
-            for name, calls in sorted(spent.items(), key=lambda item: -sum(item[1])):
-                print(f"  {name:>34} {len(calls):>7} calls, median {statistics.median(calls) * 1e6:8.1f} us, "
-                      f"{sum(calls):6.2f} s, {sum(calls) / forward:.2f}x its forward")
+                  f"kernels {native_seconds:.2f} s ({native_seconds / forward:.2f}x)")
+            for name in sorted((name for name in kernels if each[name]), key=lambda name: -totals[name][0]):
+                median = statistics.median(took for _, took in each[name])
+                print(f"  {name:>34} {len(each[name]):>7} calls, median {median * 1e6:8.1f} us, "
+                      f"{totals[name][0]:6.2f} s, {totals[name][0] / forward:.2f}x its forward")
     finally:
         for name, function in kernels.items():
             setattr(library, name, function)
