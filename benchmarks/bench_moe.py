@@ -52,6 +52,10 @@ With `--compare-sums`: qcore's comparator-sums kernel (every comparator's update
 added as lane vectors, as qcore builds it, against the same source built with the scalar loop, at an MoE expert's
 sizes and a dense layer's, their sums checked bit for bit (compare_sums_cost).
 
+With `--shadow-pairs`: a layer's own shadow and a screen's shadow multiplying by one weight as two matmuls and as one
+over both inputs' rows (qcore's linear_on_rows_together), at an MoE expert's rows and weights and around the size
+limit, their results' largest difference beside (shadow_pairs_cost).
+
 With `--native-calls [--sizes 30b-a3b]`: each native kernel's calls and time in one verdicts-only analysis of
 `--cost`'s dense model and its MoE, against each forward (native_calls).
 
@@ -93,7 +97,7 @@ fake quantization per expert.
                                    [--experts 8,32,64,128] [--capture] [--where-read]
                                    [--where-read-trace [--sizes 30b-a3b]]
                                    [--where-read-stores [--seconds 60] [--threads N]]
-                                   [--compare-sums] [--native-calls [--sizes 30b-a3b]]
+                                   [--compare-sums] [--shadow-pairs] [--native-calls [--sizes 30b-a3b]]
                                    [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
                                    [--grouped-sqnr [--sizes tiny,small]]
@@ -732,6 +736,38 @@ def compare_sums_cost(rounds: int = 7) -> None:
     print("sums bit for bit equal: True")
 
 
+def shadow_pairs_cost(rounds: int = 7) -> None:
+    """--shadow-pairs: a layer's own shadow and a screen's shadow multiplying by one weight, as two matmuls and as
+    qcore's linear_on_rows_together (one matmul over both inputs' rows where they are few and the weight large), at
+    the rows a 30B-shaped MoE's expert gets a batch (32 on average) and around the size limit; each figure the
+    fastest of `rounds` alternating rounds, over 16 weights read from memory in turn, and the largest difference
+    between the two results."""
+    from qcore.numeric.instrument import _FEW_ROWS, _LARGE_WEIGHT, linear_on_rows_together
+
+    linear = torch.ops.aten.linear.default
+    generator = torch.Generator().manual_seed(0)
+    print(f"torch threads {torch.get_num_threads()}; together where rows <= {_FEW_ROWS} and the weight has "
+          f">= {_LARGE_WEIGHT} elements")
+    print(f"{'weight':>11} {'rows':>5} {'two matmuls us':>14} {'together us':>11} {'ratio':>6} {'max difference':>14}")
+    for out_features, in_features in ((768, 2048), (2048, 768), (512, 1024), (128, 128)):
+        weights = [torch.randn(out_features, in_features, generator=generator) for _ in range(16)]
+        for rows in (8, 32, 64, 128, 256):
+            first, second = (torch.randn(rows, in_features, generator=generator) for _ in range(2))
+            ways = {"two": lambda w, a=first, b=second: (linear(a, w), linear(b, w)),
+                    "together": lambda w, a=first, b=second: linear_on_rows_together(a, b, w)}
+            difference = max(float((a - b).abs().max()) for a, b in zip(ways["two"](weights[0]),
+                                                                        ways["together"](weights[0])))
+            best = dict.fromkeys(ways, float("inf"))
+            for _ in range(rounds):  # alternating, so that the machine's drift falls on both
+                for name, way in ways.items():
+                    start = time.perf_counter()
+                    for weight in weights:
+                        way(weight)
+                    best[name] = min(best[name], (time.perf_counter() - start) / len(weights))
+            print(f"{out_features:>5}x{in_features:<5} {rows:>5} {best['two'] * 1e6:>14.0f} "
+                  f"{best['together'] * 1e6:>11.0f} {best['together'] / best['two']:>5.2f}x {difference:>14.2g}")
+
+
 def native_calls(size: str = "30b-a3b") -> None:
     """--native-calls: the time each of qcore's native kernels takes in one verdicts-only analysis of --cost's two
     models at `size` (every default check; each model's first analysis warms its one-time costs and is not counted),
@@ -933,6 +969,9 @@ def main() -> None:
         return
     if "--compare-sums" in sys.argv:
         compare_sums_cost()
+        return
+    if "--shadow-pairs" in sys.argv:
+        shadow_pairs_cost()
         return
     if "--native-calls" in sys.argv:
         native_calls(sys.argv[sys.argv.index("--sizes") + 1] if "--sizes" in sys.argv else "30b-a3b")

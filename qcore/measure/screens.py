@@ -5,8 +5,9 @@ per-layer quantizer change (`layer_overrides`). A screen quantizes the model wit
 (its new activation observers calibrated in one more pass; those it shares with the model's are taken as they
 are), and the comparison pass that follows runs each named layer of that quantized copy on its float input as
 one more shadow: each layer's own SQNR with the fix, over every batch, exactly as a separate trial of the same
-quantizer would measure it, without that trial's float and quantized passes. Only the named layers' weights
-are quantized in the copy.
+quantizer would measure it, without that trial's float and quantized passes (to the last bit of a row's sums
+where a large weight's few rows run in one matmul with the layer's own shadow: pair_shadow_matmuls). Only the named
+layers' weights are quantized in the copy.
 """
 from __future__ import annotations
 

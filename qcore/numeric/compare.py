@@ -29,6 +29,7 @@ from qcore.numeric.instrument import (
     makes_new_tensor,
     merge_repeated_shadow_inputs,
     merge_repeated_shadow_weights,
+    pair_shadow_matmuls,
     reads_only,
     shadow_signature,
     skip_requantizations,
@@ -292,6 +293,7 @@ def compare_propagated_and_shadow(float_model: fx.GraphModule, quant_model: fx.G
                           {pair.layer: c for pair, c in zip(pairs, shadowed) if c is not None}, floats))
     merge_repeated_shadow_inputs(gm_a.graph)
     merge_repeated_shadow_weights(gm_a.graph)
+    pair_shadow_matmuls(gm_a.graph)
     before = set(gm_a.graph.nodes)
     finish = None
     if instrument is not None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import operator
 from typing import Any
 
 import torch
@@ -10,6 +12,7 @@ from torch import fx, nn
 
 from qcore.graph.ops import (
     HANDLE_KEY,
+    INSERTED_KEY,
     REWRITTEN_KEY,
     QuantizableOp,
     fetch_attr,
@@ -22,8 +25,9 @@ from qcore.numeric.matching import layer_value, nodes_by_handle
 from qcore.observe.qparams import fake_quantize_per_tensor
 from qcore.quantization.convert import QPARAMS_KEY, fake_quantize_where_read, qparams_meta_digest
 
-__all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "merge_repeated_shadow_inputs",
-           "merge_repeated_shadow_weights", "makes_new_tensor",
+__all__ = ["QPARAMS_DIGEST_KEY", "attach_after", "copy_layer_into", "linear_on_rows_together",
+           "merge_repeated_shadow_inputs", "merge_repeated_shadow_weights", "makes_new_tensor",
+           "pair_shadow_matmuls",
            "grid_comes_back", "qparams_digest", "reads_only", "shadow_signature", "skip_requantizations"]
 
 _FLOAT_WEIGHT_KEY = "qcore_float_weight"  # the float weight a converted one was made from (convert's metadata)
@@ -264,6 +268,130 @@ def merge_repeated_shadow_weights(graph: fx.Graph) -> int:
         node.replace_all_uses_with(first)
         graph.erase_node(node)
     return len(repeated)
+
+
+# A matmul of few rows against a large weight spends most of its time reading the weight: one matmul over two inputs'
+# rows reads it once, and takes less time than one matmul each. From a few hundred rows on, or against a small
+# weight, it takes no less (benchmarks/bench_moe.py --shadow-pairs).
+_FEW_ROWS = 128  # of each input: together at most twice this
+_LARGE_WEIGHT = 1 << 19  # elements
+
+
+def linear_on_rows_together(first: torch.Tensor, second: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(first), linear(second)) with one weight: one matmul over both inputs' rows where they are few and the
+    weight large, else one matmul each. A row's sums may then round otherwise in their last bit than alone (the
+    matmul's blocking follows its row count), as they may between two batch sizes."""
+    linear = torch.ops.aten.linear.default
+    features = first.shape[-1] if first.dim() else 0
+    rows = (math.prod(first.shape[:-1]), math.prod(second.shape[:-1])) if first.dim() and second.dim() else (0, 0)
+    together = (first.dim() >= 1 and second.dim() >= 1 and second.shape[-1] == features and weight.dim() == 2
+                and weight.numel() >= _LARGE_WEIGHT and max(rows) <= _FEW_ROWS and first.dtype == second.dtype
+                and first.device == second.device)
+    if not together:
+        return linear(first, weight, bias), linear(second, weight, bias)
+    out = linear(torch.cat([first.reshape(rows[0], features), second.reshape(rows[1], features)]), weight, bias)
+    return (out[:rows[0]].view(*first.shape[:-1], out.shape[-1]),
+            out[rows[0]:].view(*second.shape[:-1], out.shape[-1]))
+
+
+# what may lie between two shadow matmuls paired into one: nothing that writes into a buffer reused later (a weight
+# quantized where read, a module's), so that each matmul's operands still hold their values where the pair runs
+_BETWEEN_PAIRED = (fake_quantize_per_tensor,)
+
+
+def pair_shadow_matmuls(graph: fx.Graph) -> int:
+    """Let two shadow copies of one layer that multiply by the same weight one right after the other (a layer's own
+    shadow and a screen's that changes only its activations, after merge_repeated_shadow_weights) run as one
+    linear_on_rows_together: a large weight is then read once for the few rows an expert gets, not once a copy.
+    Between the two, only per-tensor fake quantizations and attribute reads may lie; what reads the first copy's
+    result there moves after the pair. Returns how many pairs were made."""
+    module = graph.owning_module
+    if module is None:
+        return 0
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    pairs: list[tuple[fx.Node, fx.Node]] = []
+    earlier: fx.Node | None = None
+    for node in graph.nodes:
+        if _shadow_linear(node):
+            if earlier is not None and _same_operand(module, earlier.args[1], node.args[1]) and \
+                    _same_operand(module, _bias(earlier), _bias(node)):
+                pairs.append((earlier, node))
+                earlier = None
+            else:
+                earlier = node
+        elif node.op not in ("get_attr", "placeholder") and not (
+                node.op == "call_function" and node.target in _BETWEEN_PAIRED):
+            earlier = None
+    made = 0
+    for first, second in pairs:
+        moved = _read_between(first, second, order)
+        if moved is None:
+            continue
+        with graph.inserting_before(second):
+            together = graph.call_function(linear_on_rows_together,
+                                           (first.args[0], second.args[0], second.args[1], _bias(second)))
+            results = [graph.call_function(operator.getitem, (together, index)) for index in (0, 1)]
+        together.meta[INSERTED_KEY] = "shadow"
+        for copy, result in zip((first, second), results):
+            result.meta.update(copy.meta)
+            copy.replace_all_uses_with(result)
+        anchor = results[1]
+        for node in moved:
+            anchor.append(node)
+            anchor = node
+        graph.erase_node(second)
+        graph.erase_node(first)
+        made += 1
+    return made
+
+
+def _shadow_linear(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.aten.linear.default and \
+        node.meta.get(INSERTED_KEY) == "shadow" and not node.kwargs and len(node.args) in (2, 3) and \
+        isinstance(node.args[0], fx.Node) and isinstance(node.args[1], fx.Node)
+
+
+def _bias(node: fx.Node) -> Any:
+    return node.args[2] if len(node.args) > 2 else None
+
+
+def _same_operand(module: nn.Module, a: Any, b: Any) -> bool:
+    """Whether two arguments are one value: the same node or constant, or attributes holding one tensor."""
+    if a is b:
+        return True
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.op == b.op == "get_attr"):
+        return False
+    try:
+        first, second = fetch_attr(module, str(a.target)), fetch_attr(module, str(b.target))
+    except AttributeError:
+        return False
+    return first is second
+
+
+def _read_between(first: fx.Node, second: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | None:
+    """The nodes between `first` and `second` that read `first`'s result, directly or not, in graph order (moved
+    after the pair); None when `second` reads one of them or `first` itself."""
+    start, end = order[first], order[second]
+    reading, pending = set(), list(first.users)
+    while pending:
+        node = pending.pop()
+        if node in reading or order.get(node, end) >= end:
+            continue
+        reading.add(node)
+        pending.extend(node.users)
+    needed, pending = set(), list(second.all_input_nodes)
+    while pending:
+        node = pending.pop()
+        if node in needed or order.get(node, -1) <= start:
+            if node is first:
+                return None
+            continue
+        needed.add(node)
+        pending.extend(node.all_input_nodes)
+    if reading & needed:
+        return None
+    return sorted(reading, key=order.__getitem__)
 
 
 def _weight_read(module: nn.Module, node: fx.Node) -> tuple[tuple[Any, ...], torch.Tensor, torch.Tensor] | None:
