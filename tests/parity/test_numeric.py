@@ -278,6 +278,55 @@ def test_a_screens_shadow_shares_the_layers_own_shadows_weight_quantized_where_r
     assert erased == [3, 0]  # each screen shadow's weight quantization reads the layer's own shadow's
 
 
+class _WideProjections(torch.nn.Module):
+    """Two projections of one input whose weights (2^19 elements) are large against the rows a batch gives them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.gate = torch.nn.Linear(1024, 512), torch.nn.Linear(1024, 512, bias=False)
+
+    def forward(self, x):
+        return self.up(x) * self.gate(x)
+
+
+def test_a_screens_shadow_and_the_layers_own_multiply_by_the_weight_read_once_in_one_matmul(monkeypatch):
+    """Where weights are quantized where read, a screen's copy that changes only the activations shares the layer's
+    own shadow's read of the weight (merge_repeated_shadow_weights), and with few rows both shadows then run as one
+    matmul (pair_shadow_matmuls): one matmul a layer a batch fewer, the same records to a row's last bit."""
+    from qcore.graph.capture import clone_graph_module
+    from qcore.numeric.compare import ExtraShadows
+    from qcore.quantization.convert import quantize_weights_where_read
+    from tests.helpers import count_op_calls
+
+    compare_module = __import__("sys").modules["qcore.numeric.compare"]
+    torch.manual_seed(0)
+    data = batches((4, 8, 1024), n=3)  # 32 rows a batch
+    with quantize_weights_where_read():
+        float_gm, quant_gm = qcore.quantize(_WideProjections().eval(), data[0], data)
+    screen = clone_graph_module(quant_gm, share_parameters=True)
+    paired: list[int] = []
+
+    def shadows(pair: bool) -> tuple[int, dict, dict]:
+        _run_graph_pass(monkeypatch, "pair_shadow_matmuls", pair, paired)
+        extra = ExtraShadows(screen, {"up", "gate"})
+
+        def compared():
+            return compare_module.compare_propagated_and_shadow(float_gm, quant_gm, data, extra_shadows=[extra])
+
+        addmm, (mm, (_, records)) = count_op_calls(lambda: count_op_calls(compared, torch.ops.aten.mm),
+                                                   torch.ops.aten.addmm)
+        return addmm + mm, {r["layer"]: r["sqnr_db"] for r in records}, extra.results
+
+    matmuls, own, screened = shadows(pair=True)
+    matmuls_apart, own_apart, screened_apart = shadows(pair=False)
+    assert paired == [2, 0]  # up's and gate's pairs
+    assert matmuls_apart - matmuls == 2 * len(data)
+    assert own.keys() == own_apart.keys() == {"up", "gate"}
+    for layer in own:
+        assert own[layer] == pytest.approx(own_apart[layer], abs=1e-3)
+        assert screened[layer]["sqnr_db"] == pytest.approx(screened_apart[layer]["sqnr_db"], abs=1e-3)
+
+
 class _Heads(torch.nn.Module):
     """An attention block's projections viewed as heads and transposed before scaled_dot_product_attention."""
 
