@@ -56,6 +56,10 @@ With `--shadow-pairs`: a layer's own shadow and a screen's shadow multiplying by
 over both inputs' rows (qcore's linear_on_rows_together), at an MoE expert's rows and weights and around the size
 limit, their results' largest difference beside (shadow_pairs_cost).
 
+With `--functions [--sizes 30b-a3b]`: the seconds the comparison pass's graph runs, calibration and the graph building
+around them take in one verdicts-only analysis of `--cost`'s dense model and its MoE, against each forward
+(function_times).
+
 With `--native-calls [--sizes 30b-a3b]`: each native kernel's calls and time in one verdicts-only analysis of
 `--cost`'s dense model and its MoE, against each forward (native_calls).
 
@@ -97,7 +101,8 @@ fake quantization per expert.
                                    [--experts 8,32,64,128] [--capture] [--where-read]
                                    [--where-read-trace [--sizes 30b-a3b]]
                                    [--where-read-stores [--seconds 60] [--threads N]]
-                                   [--compare-sums] [--shadow-pairs] [--native-calls [--sizes 30b-a3b]]
+                                   [--compare-sums] [--shadow-pairs] [--functions [--sizes 30b-a3b]]
+                                   [--native-calls [--sizes 30b-a3b]]
                                    [--ops [--sizes tiny] [--checks ...]]
                                    [--shared-weights [--sizes tiny,small]] [--grouped-floor [--sizes tiny,small]]
                                    [--grouped-sqnr [--sizes tiny,small]]
@@ -113,6 +118,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -802,6 +808,79 @@ def native_calls(size: str = "30b-a3b") -> None:
             setattr(library, name, function)
 
 
+# (module, attribute) of the functions --functions times; several run inside others (the comparison pass's graph
+# runs inside compare_propagated_and_shadow, inside measure_model), so the figures overlap
+TIMED_FUNCTIONS = (
+    ("qcore.measure.passes", "measure_model"), ("qcore.numeric.compare", "compare_propagated_and_shadow"),
+    ("qcore.numeric.compare", "run_both"), ("qcore.quantization.calibrate", "calibrate"),
+    ("qcore.measure.passes", "ProbedModel.read"), ("qcore.measure.variants", "plan_variants"),
+    ("qcore.measure.passes", "_screen_copies"), ("qcore.measure.screens", "quantize_for_screen"),
+    ("torch.fx.graph_module", "GraphModule.recompile"), ("qcore.quantization.convert", "convert"),
+    ("qcore.measure.passes", "ProbedModel.__init__"), ("qcore.quantization.prepare", "prepare"),
+    ("qcore.measure.variants", "add_variant_shadow"), ("qcore.measure.passes", "weight_sqnrs"),
+    ("qcore.numeric.compare", "_remove_nodes_since"), ("qcore.numeric.compare", "_add_extra_shadows"),
+)
+
+
+def function_times(size: str = "30b-a3b") -> None:
+    """--functions: the seconds a few of qcore's functions take in one verdicts-only analysis of each of --cost's
+    two models at `size` (each model's first analysis warms its one-time costs and is not counted), against each
+    model's forward: the comparison pass's graph runs, calibration, and the graph building around them. A function
+    is timed where it is defined and wherever a module imported it by name; a call inside a call of itself counts
+    once."""
+    import importlib
+
+    moe, dense, batches = pair(size)
+    totals: dict[str, list[float]] = {}
+    calls: dict[str, int] = {}
+    restore: list[tuple[Any, str, Any]] = []
+
+    def timing(label: str, function):
+        running = [False]
+
+        def timed(*arguments, **keywords):
+            if running[0]:
+                return function(*arguments, **keywords)
+            running[0] = True
+            start = time.perf_counter()
+            try:
+                return function(*arguments, **keywords)
+            finally:
+                totals[label][0] += time.perf_counter() - start
+                calls[label] += 1
+                running[0] = False
+        return timed
+
+    try:
+        for module_name, attribute in TIMED_FUNCTIONS:
+            owner = importlib.import_module(module_name)
+            *path, name = attribute.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            function = getattr(owner, name)
+            label = f"{module_name.rsplit('.', 1)[-1]}.{attribute}"
+            totals[label], calls[label] = [0.0], 0
+            timed = timing(label, function)
+            holders = [owner, *(module for module in list(sys.modules.values()) if module is not None
+                                and module is not owner and getattr(module, name, None) is function)]
+            for holder in holders:
+                restore.append((holder, name, function))
+                setattr(holder, name, timed)
+        for label, model in (("dense", dense), ("moe", moe)):
+            _analysis_seconds(model, batches, 0.0)
+            forward = steady_forward_seconds(model, batches)
+            for name in totals:
+                totals[name][0], calls[name] = 0.0, 0
+            seconds = _analysis_seconds(model, batches, 0.0)[0]
+            print(f"{label}: forward {forward:.2f} s, analysis {seconds:.1f} s ({seconds / forward:.2f}x)")
+            for name in sorted(totals, key=lambda name: -totals[name][0]):
+                print(f"  {name:>48} {calls[name]:>6} calls {totals[name][0]:7.2f} s "
+                      f"{totals[name][0] / forward:6.3f}x its forward")
+    finally:
+        for holder, name, function in reversed(restore):
+            setattr(holder, name, function)
+
+
 def where_read_trace(size: str = "30b-a3b") -> None:
     """--where-read-trace: each weight quantized where read in one verdicts-only analysis of --cost's MoE at `size`
     (every default check), timed apart and grouped by graph run in the order they ran: the graph's code (the float
@@ -972,6 +1051,9 @@ def main() -> None:
         return
     if "--shadow-pairs" in sys.argv:
         shadow_pairs_cost()
+        return
+    if "--functions" in sys.argv:
+        function_times(sys.argv[sys.argv.index("--sizes") + 1] if "--sizes" in sys.argv else "30b-a3b")
         return
     if "--native-calls" in sys.argv:
         native_calls(sys.argv[sys.argv.index("--sizes") + 1] if "--sizes" in sys.argv else "30b-a3b")
