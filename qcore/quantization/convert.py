@@ -7,7 +7,7 @@ import hashlib
 import math
 import warnings
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -303,13 +303,15 @@ def _qparams_meta(observer: ObserverBase, values: _QParamsValues) -> dict[str, A
     return meta
 
 
-_QParamsValues = tuple[list[float], list[Any], "list[float] | None", "list[float] | None"]
+# per tensor, lists of one value; per channel, host arrays (_read_values) or lists
+_QParamsValues = tuple[Sequence[float], Sequence[Any], "Sequence[float] | None", "Sequence[float] | None"]
 
 
-def _compact(values: list[Any] | None) -> Any:
+def _compact(values: Sequence[Any] | None) -> Any:
     """A per-channel list of host values as an array.array (8 bytes a value where a list holds a 32-byte object per
-    channel: a converted LLM's weights have hundreds of thousands); a per-tensor one (one value) as it is."""
-    if values is None or len(values) <= 1:
+    channel: a converted LLM's weights have hundreds of thousands); an array, or a per-tensor one (one value), as it
+    is."""
+    if values is None or len(values) <= 1 or isinstance(values, array):
         return values
     return array("q" if type(values[0]) is int else "d", values)  # one tensor's tolist(): one type
 
@@ -391,12 +393,16 @@ def _read_values(observers: list[ObserverBase]) -> dict[ObserverBase, _QParamsVa
             place.append((key, len(column)))
             column.append(part)
         places.append((observer, place))
-    host: dict[tuple[torch.device, torch.dtype, bool], list[list[Any]]] = {}
+    host: dict[tuple[torch.device, torch.dtype, bool], list[Any]] = {}
     for key, column in columns.items():
-        flat = laid_end_to_end(column).tolist()
+        laid = laid_end_to_end(column)
+        # per-channel values as arrays made from the tensor's bytes (_compact keeps them), not one Python object a
+        # value: an MoE's converts read millions; a per-tensor value, and a scalar, as a list
+        flat: Any = laid.tolist() if key[2] else _host_array(laid)
         at, lists = 0, []
         for part in column:
-            lists.append(flat[at:at + part.numel()])
+            piece = flat[at:at + part.numel()]
+            lists.append(piece.tolist() if isinstance(piece, array) and len(piece) <= 1 else piece)
             at += part.numel()
         host[key] = lists
     values: dict[ObserverBase, _QParamsValues] = {}
@@ -405,6 +411,16 @@ def _read_values(observers: list[ObserverBase]) -> dict[ObserverBase, _QParamsVa
         values[observer] = (lists[0], lists[1], lists[2] if len(lists) > 2 else None,
                             lists[3] if len(lists) > 3 else None)
     return values
+
+
+def _host_array(values: torch.Tensor) -> array:
+    """A tensor's values in one host array: float64 ("d") for a floating dtype, int64 ("q") for any other, the values
+    tolist() gives (float32, float16 and bfloat16 values are float64 values exactly)."""
+    floating = values.is_floating_point()
+    laid = values.detach().to("cpu", torch.float64 if floating else torch.int64).contiguous()
+    host = array("d" if floating else "q")
+    host.frombytes(laid.numpy().tobytes())
+    return host
 
 
 def fake_quantize_with(observer: ObserverBase, value: torch.Tensor, values: _QParamsValues | None = None
