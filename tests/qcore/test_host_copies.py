@@ -119,3 +119,17 @@ def test_a_qparams_digest_tells_per_channel_qparams_apart_by_every_channel(scale
     longer = node_with(scales)  # the same bytes split otherwise between entries read apart
     longer.meta[QPARAMS_KEY]["zero_point"] = array("q", [0] * (len(scales) + 1))
     assert qparams_digest(longer) != qparams_digest(node_with(scales))
+
+
+@given(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=0, max_size=64),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64]))
+@settings(max_examples=60, deadline=None)
+def test_convert_reads_a_tensors_values_to_a_host_array_as_tolist_gives_them(values, dtype):
+    from qcore.quantization.convert import _host_array
+
+    tensor = torch.tensor(values, dtype=torch.float32).to(dtype) if dtype.is_floating_point else \
+        torch.tensor([int(v) if v == v and abs(v) < 2**31 else 0 for v in values], dtype=dtype)
+    host = _host_array(tensor)
+    expected = tensor.tolist()
+    assert host.typecode == ("d" if dtype.is_floating_point else "q") and len(host) == len(expected)
+    assert all((a == b and type(a) is type(b)) or (a != a and b != b) for a, b in zip(host, expected))
