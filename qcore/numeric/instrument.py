@@ -283,13 +283,13 @@ def linear_on_rows_together(first: torch.Tensor, second: torch.Tensor, weight: t
     weight large, else one matmul each. A row's sums may then round otherwise in their last bit than alone (the
     matmul's blocking follows its row count), as they may between two batch sizes."""
     linear = torch.ops.aten.linear.default
-    features = first.shape[-1] if first.dim() else 0
-    rows = (math.prod(first.shape[:-1]), math.prod(second.shape[:-1])) if first.dim() and second.dim() else (0, 0)
-    together = (first.dim() >= 1 and second.dim() >= 1 and second.shape[-1] == features and weight.dim() == 2
-                and weight.numel() >= _LARGE_WEIGHT and max(rows) <= _FEW_ROWS and first.dtype == second.dtype
+    rows = (math.prod(first.shape[:-1]), math.prod(second.shape[:-1]))  # a linear's input has a feature dimension
+    together = (weight.dim() == 2 and weight.numel() >= _LARGE_WEIGHT and max(rows) <= _FEW_ROWS
+                and first.shape[-1] == second.shape[-1] and first.dtype == second.dtype
                 and first.device == second.device)
     if not together:
         return linear(first, weight, bias), linear(second, weight, bias)
+    features = first.shape[-1]
     out = linear(torch.cat([first.reshape(rows[0], features), second.reshape(rows[1], features)]), weight, bias)
     return (out[:rows[0]].view(*first.shape[:-1], out.shape[-1]),
             out[rows[0]:].view(*second.shape[:-1], out.shape[-1]))
