@@ -151,17 +151,22 @@ def held_out_sqnr(tokens: torch.Tensor, count: int) -> float:
     return float(compute_sqnr(held_out, quantized))
 
 
-def timed_into(total: list[float], function, called_from: set | None = None, each: list | None = None):
+def timed_into(total: list[float], function, called_from: set | None = None, each: list | None = None,
+               outermost: bool = False):
     """`function`, adding the seconds each call takes to total[0]; with `called_from` (code objects), only those of
     the calls made from those functions' code; with `each`, each timed call's (the graph code it was made from,
-    seconds) appended to it too."""
+    seconds) appended to it too; with `outermost`, a call made inside a timed call is not timed again."""
+    running = [False]
+
     def timed(*arguments, **keywords):
-        if called_from is not None and sys._getframe(1).f_code not in called_from:
+        if (called_from is not None and sys._getframe(1).f_code not in called_from) or running[0]:
             return function(*arguments, **keywords)
+        running[0] = outermost
         started = time.perf_counter()
         try:
             return function(*arguments, **keywords)
         finally:
+            running[0] = False
             seconds = time.perf_counter() - started
             total[0] += seconds
             if each is not None:
@@ -832,24 +837,8 @@ def function_times(size: str = "30b-a3b") -> None:
 
     moe, dense, batches = pair(size)
     totals: dict[str, list[float]] = {}
-    calls: dict[str, int] = {}
+    calls: dict[str, list] = {}  # each timed call's (graph code, seconds)
     restore: list[tuple[Any, str, Any]] = []
-
-    def timing(label: str, function):
-        running = [False]
-
-        def timed(*arguments, **keywords):
-            if running[0]:
-                return function(*arguments, **keywords)
-            running[0] = True
-            start = time.perf_counter()
-            try:
-                return function(*arguments, **keywords)
-            finally:
-                totals[label][0] += time.perf_counter() - start
-                calls[label] += 1
-                running[0] = False
-        return timed
 
     try:
         for module_name, attribute in TIMED_FUNCTIONS:
@@ -859,8 +848,8 @@ def function_times(size: str = "30b-a3b") -> None:
                 owner = getattr(owner, part)
             function = getattr(owner, name)
             label = f"{module_name.rsplit('.', 1)[-1]}.{attribute}"
-            totals[label], calls[label] = [0.0], 0
-            timed = timing(label, function)
+            totals[label], calls[label] = [0.0], []
+            timed = timed_into(totals[label], function, each=calls[label], outermost=True)
             holders = [owner, *(module for module in list(sys.modules.values()) if module is not None
                                 and module is not owner and getattr(module, name, None) is function)]
             for holder in holders:
@@ -870,11 +859,12 @@ def function_times(size: str = "30b-a3b") -> None:
             _analysis_seconds(model, batches, 0.0)
             forward = steady_forward_seconds(model, batches)
             for name in totals:
-                totals[name][0], calls[name] = 0.0, 0
+                totals[name][0] = 0.0
+                calls[name].clear()
             seconds = _analysis_seconds(model, batches, 0.0)[0]
             print(f"{label}: forward {forward:.2f} s, analysis {seconds:.1f} s ({seconds / forward:.2f}x)")
             for name in sorted(totals, key=lambda name: -totals[name][0]):
-                print(f"  {name:>48} {calls[name]:>6} calls {totals[name][0]:7.2f} s "
+                print(f"  {name:>48} {len(calls[name]):>6} calls {totals[name][0]:7.2f} s "
                       f"{totals[name][0] / forward:6.3f}x its forward")
     finally:
         for holder, name, function in reversed(restore):
