@@ -779,6 +779,19 @@ def shadow_pairs_cost(rounds: int = 7) -> None:
                   f"{best['together'] * 1e6:>11.0f} {best['together'] / best['two']:>5.2f}x {difference:>14.2g}")
 
 
+def _timed_analysis_of_each(models, batches, totals: dict[str, list[float]], each: dict[str, list]):
+    """For each (label, model): a first analysis that pays its one-time costs, the steady forward, then one
+    verdicts-only analysis with the timers' `totals` and `each` cleared before it; yields (label, forward seconds,
+    analysis seconds)."""
+    for label, model in models:
+        _analysis_seconds(model, batches, 0.0)
+        forward = steady_forward_seconds(model, batches)
+        for name in totals:
+            totals[name][0] = 0.0
+            each[name].clear()
+        yield label, forward, _analysis_seconds(model, batches, 0.0)[0]
+
+
 def native_calls(size: str = "30b-a3b") -> None:
     """--native-calls: the time each of qcore's native kernels takes in one verdicts-only analysis of --cost's two
     models at `size` (every default check; each model's first analysis warms its one-time costs and is not counted),
@@ -794,13 +807,8 @@ def native_calls(size: str = "30b-a3b") -> None:
     try:
         for name, function in kernels.items():
             setattr(library, name, timed_into(totals[name], function, each=each[name]))
-        for label, model in (("dense", dense), ("moe", moe)):
-            _analysis_seconds(model, batches, 0.0)
-            forward = steady_forward_seconds(model, batches)
-            for name in kernels:
-                totals[name][0] = 0.0
-                each[name].clear()
-            seconds = _analysis_seconds(model, batches, 0.0)[0]
+        for label, forward, seconds in _timed_analysis_of_each((("dense", dense), ("moe", moe)), batches, totals,
+                                                               each):
             native_seconds = sum(total[0] for total in totals.values())
             print(f"{label}: forward {forward:.2f} s, analysis {seconds:.1f} s ({seconds / forward:.1f}x), native "
                   f"kernels {native_seconds:.2f} s ({native_seconds / forward:.2f}x)")
@@ -855,13 +863,8 @@ def function_times(size: str = "30b-a3b") -> None:
             for holder in holders:
                 restore.append((holder, name, function))
                 setattr(holder, name, timed)
-        for label, model in (("dense", dense), ("moe", moe)):
-            _analysis_seconds(model, batches, 0.0)
-            forward = steady_forward_seconds(model, batches)
-            for name in totals:
-                totals[name][0] = 0.0
-                calls[name].clear()
-            seconds = _analysis_seconds(model, batches, 0.0)[0]
+        for label, forward, seconds in _timed_analysis_of_each((("dense", dense), ("moe", moe)), batches, totals,
+                                                               calls):
             print(f"{label}: forward {forward:.2f} s, analysis {seconds:.1f} s ({seconds / forward:.2f}x)")
             for name in sorted(totals, key=lambda name: -totals[name][0]):
                 print(f"  {name:>48} {len(calls[name]):>6} calls {totals[name][0]:7.2f} s "
