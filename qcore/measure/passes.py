@@ -75,6 +75,7 @@ from qcore.rewrites.equalize import (
     input_channel_axis,
 )
 from qcore.rewrites.smoothing import group_observer, smoothing_groups
+from qcore.runtime.collector import full_collections_deferred
 
 __all__ = ["LAYER_KINDS", "FirstOutputs", "LayerSqnr", "ModelMeasurement", "OutputSqnr", "ProbedModel",
            "SqnrMeasurement", "VariantSqnr", "calibrate_and_convert", "compare_quantized", "diagnosed_calibration",
@@ -154,6 +155,7 @@ class ModelMeasurement:
     routing: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
 
 
+@full_collections_deferred()  # its graphs all live until it returns
 def measure_model(float_gm: fx.GraphModule, batches: Iterable[Any], quantizer: Quantizer | None = None, *,
                   propagate: bool = True, detectors: Mapping[str, DetectorBase] | None = None,
                   equalization_layers: Iterable[str] = (), smoothing: float | str | None = None,

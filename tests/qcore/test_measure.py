@@ -29,6 +29,7 @@ from qcore.report import InputWeightEqualizationDetector, OutlierDetector
 from qcore.report.detectors import DynamicStaticDetector
 from qcore.rewrites.equalize import equalize
 from qcore.rewrites.smoothing import smooth
+from qcore.runtime.collector import full_collections_deferred
 from tests.models import SmallCNN, SmallMLP
 
 
@@ -196,6 +197,41 @@ def test_the_analysis_collects_its_own_garbage_graphs_without_traversing_older_o
         gc.collect()  # as an automatic collection would, during the analysis
         assert gone() is None
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_a_measurement_runs_no_full_collection_and_its_cyclic_garbage_goes_at_the_next_one():
+    """Its graphs live until it returns: a full collection during it would scan them and free nothing."""
+    graph = qcore.capture(SkewedMLP().eval(), torch.randn(2, 16))
+    full_collections = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full_collections.append(info)
+
+    def measured_under_eager_collections(measure):
+        threshold = gc.get_threshold()
+        gc.collect()
+        gc.freeze()
+        gc.collect()  # no long-lived objects left: a full collection comes due as soon as the measurement makes some
+        gc.set_threshold(20, 1, 1)
+        gc.callbacks.append(count)
+        try:
+            full_collections.clear()
+            measure(graph, _skewed(4), detectors=_detectors(), equalization_layers=["fc2"], smoothing="search")
+            return len(full_collections), gc.get_threshold()
+        finally:
+            gc.callbacks.remove(count)
+            gc.set_threshold(*threshold)
+            gc.unfreeze()
+
+    assert measured_under_eager_collections(measure_model.__wrapped__)[0] > 0  # the measurement undeferred
+    assert measured_under_eager_collections(measure_model) == (0, (20, 1, 1))
+
+    threshold = gc.get_threshold()
+    with pytest.raises(RuntimeError), full_collections_deferred():
+        assert gc.get_threshold()[:2] == threshold[:2] and gc.get_threshold()[2] > threshold[2]
+        raise RuntimeError("a measurement that fails")
+    assert gc.get_threshold() == threshold
 
 
 def test_large_allocations_are_mapped_for_big_models_only_and_the_threshold_is_set_back(monkeypatch):
