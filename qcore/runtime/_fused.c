@@ -302,6 +302,44 @@ void qcore_fake_quantize_scaled_rows(const float *x, const float *column_scale, 
     fake_quantize_rows(x, column_scale, 0, out, rows, cols, inv_scale, scale, low, high, threads, stream);
 }
 
+/* One row of x scaled elementwise: row[i] * factor[i] (or / with `divide`), with `per_column` one factor a column,
+ * else row[i] * *factor for the row's one factor; rounded to float32 as torch's mul and div; with `stream`, a tile at
+ * a time, streamed out. */
+static void scale_row(const float *row, const float *factor, int per_column, int divide, float *written,
+                      int64_t cols, int stream) {
+    float tile[TILE];
+    const int64_t span = stream ? TILE : cols;
+    for (int64_t start = 0; start < cols; start += span) {
+        const int64_t n = cols - start < span ? cols - start : span;
+        const float *from = row + start;
+        float *to = stream ? tile : written + start;
+        if (per_column && divide)
+            for (int64_t i = 0; i < n; ++i) to[i] = from[i] / factor[start + i];
+        else if (per_column)
+            for (int64_t i = 0; i < n; ++i) to[i] = from[i] * factor[start + i];
+        else if (divide)
+            for (int64_t i = 0; i < n; ++i) to[i] = from[i] / factor[0];
+        else
+            for (int64_t i = 0; i < n; ++i) to[i] = from[i] * factor[0];
+        if (stream) store_streaming(written + start, tile, n);
+    }
+}
+
+/* A rewritten weight (input-weight equalization, smoothing) computed where it is read: x [rows, cols] times or
+ * divided by one factor a column (`per_column`) or one a row, into `out`, rows split among up to `threads` threads. */
+void qcore_scale_lines(const float *x, const float *factor, int64_t per_column, int64_t divide, float *out,
+                       int64_t rows, int64_t cols, int64_t threads, int64_t stream) {
+    threads = qcore_usable_threads(threads, MAX_PARTS);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < rows; ++r)
+            scale_row(x + r * cols, per_column ? factor : factor + r, per_column != 0, divide != 0, out + r * cols,
+                      cols, stream != 0);
+        streamed(stream != 0);
+    }
+}
+
 /* An equalization variant's weight quantized where it is read: each column divided by its factor, quantized per
  * row. */
 void qcore_fake_quantize_divided_rows(const float *x, const float *column_divisor, float *out, int64_t rows,

@@ -186,6 +186,9 @@ def _load():
     library.qcore_fake_quantize_scaled_rows.restype = None
     library.qcore_fake_quantize_divided_rows.argtypes = library.qcore_fake_quantize_scaled_rows.argtypes
     library.qcore_fake_quantize_divided_rows.restype = None
+    library.qcore_scale_lines.argtypes = [pointer, pointer, integer, integer, pointer, integer, integer, integer,
+                                          integer]
+    library.qcore_scale_lines.restype = None
     library.qcore_histogram_update.argtypes = [pointer, integer, integer, pointer, integer, pointer, pointer]
     library.qcore_histogram_update.restype = integer
     library.qcore_fake_quantize_mx.argtypes = [pointer, pointer, integer, integer, integer, integer]

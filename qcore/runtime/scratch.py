@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from qcore.runtime import native
 
-__all__ = ["ScratchBuffers", "elementwise", "reused_like", "reused_outputs"]
+__all__ = ["ScratchBuffers", "broadcasts_to", "elementwise", "reused_like", "reused_outputs"]
 
 # smaller allocations come from the heap's free lists already
 MIN_REUSED_BYTES = 1 << 20
@@ -81,9 +81,42 @@ def reused_like(x: torch.Tensor) -> torch.Tensor | None:
 
 def elementwise(op: Callable[..., torch.Tensor], x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """op(x, other) of a binary elementwise op (torch.mul, torch.div), into a reused buffer where one is free and the
-    result has x's shape and dtype: the same values."""
+    result has x's shape and dtype: the same values. A matrix times or divided by one factor a column or one a row
+    (a weight rewritten where it is read) is one pass of the native kernel, whose large outputs are streamed out as
+    the rows kernels' are: written with plain stores, as torch's op writes them, such an output costs up to three
+    times as much in an analysis whose matmuls read the weights on the other core."""
     if ((other.is_floating_point() and other.dtype != x.dtype) or other.requires_grad
-            or torch.broadcast_shapes(x.shape, other.shape) != x.shape):
+            or not broadcasts_to(other.shape, x.shape)):
         return op(x, other)
     out = reused_like(x)
-    return op(x, other) if out is None else op(x, other, out=out)
+    if out is None:
+        return op(x, other)
+    lines = _factor_lines(x, other) if op is torch.mul or op is torch.div else None
+    if lines is None:
+        return op(x, other, out=out)
+    library = native.kernel()
+    assert library is not None  # reused_like hands out buffers only where it is built
+    x, factors = x.contiguous(), other.contiguous()
+    library.qcore_scale_lines(x.data_ptr(), factors.data_ptr(), int(lines == "columns"), int(op is torch.div),
+                              out.data_ptr(), x.shape[0], x.shape[1], native.threads(x.numel()),
+                              native.streams(out.nbytes))
+    return out
+
+
+def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether a tensor of `shape` broadcasts to `target` without widening it (torch.broadcast_shapes(target,
+    shape) == target), without torch's checks: a weight rewritten where it is read asks at every read."""
+    return len(shape) <= len(target) and all(size == 1 or size == wanted
+                                             for size, wanted in zip(reversed(shape), reversed(target)))
+
+
+def _factor_lines(x: torch.Tensor, other: torch.Tensor) -> str | None:
+    """"columns" where `other` is one float32 factor a column of the matrix x ([1, columns] or [columns]), "rows"
+    where it is one a row ([rows, 1]), else None."""
+    if x.dim() != 2 or other.dtype != torch.float32 or other.device != x.device:
+        return None
+    if tuple(other.shape) in ((1, x.shape[1]), (x.shape[1],)):
+        return "columns"
+    if tuple(other.shape) == (x.shape[0], 1):
+        return "rows"
+    return None

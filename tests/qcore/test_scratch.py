@@ -69,6 +69,49 @@ def test_elementwise_gives_the_values_of_the_op_and_leaves_what_it_cannot_write_
         assert promoted.dtype == torch.float64
 
 
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 600), more_columns=st.integers(0, 64), lines=st.sampled_from(["columns", "rows", "flat"]),
+       divide=st.booleans(), specials=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_matrix_scaled_by_columns_or_rows_in_the_native_kernel_is_torchs_mul_and_div_to_the_bit(
+        rows, more_columns, lines, divide, specials, seed):
+    """A weight rewritten where it is read (equalization, smoothing) is scaled in one native pass into a reused
+    buffer, with no torch op, and gives torch's values bit for bit: NaN, infinities, signed zeros and subnormals
+    in the weight and in the factors included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    columns = -(-scratch.MIN_REUSED_BYTES // (4 * rows)) + more_columns  # 1 MiB or more: the pool's sizes
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, columns, generator=generator)
+    factor = torch.rand((rows, 1) if lines == "rows" else (columns,) if lines == "flat" else (1, columns),
+                        generator=generator) + 0.25
+    if specials:
+        for tensor in (x.view(-1), factor.view(-1)):
+            picked = torch.randint(0, tensor.numel(), (6,), generator=generator)
+            tensor[picked] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-41])
+    op = torch.div if divide else torch.mul
+    dispatched = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            dispatched.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with scratch.reused_outputs():
+        with Recorder():
+            scaled = scratch.elementwise(op, x, factor)
+        assert not [name for name in dispatched if "div" in name or "mul" in name]
+        assert torch.equal(scaled.view(torch.int32), op(x, factor).view(torch.int32))
+
+
+@given(shape=st.lists(st.integers(0, 3), max_size=4), target=st.lists(st.integers(0, 3), max_size=4))
+def test_broadcasts_to_is_torchs_broadcast_keeping_the_target(shape, target):
+    try:
+        keeps = torch.broadcast_shapes(tuple(target), tuple(shape)) == tuple(target)
+    except RuntimeError:
+        keeps = False
+    assert scratch.broadcasts_to(shape, target) == keeps
+
+
 def test_a_weight_quantized_where_read_into_reused_buffers_keeps_the_values_it_gave():
     torch.manual_seed(0)
     weights = [torch.randn(LARGE) for _ in range(3)]
