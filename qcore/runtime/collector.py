@@ -17,7 +17,7 @@ def full_collections_deferred() -> Iterator[None]:
     collected as before.
 
     A measurement builds graphs that all live until it returns: a prepared copy, a quantized one, the float graph
-    with its shadows, a screen's copies. Each node is several tracked objects (an MoE's graphs are hundreds of
+    with its shadows, a screen's copies. Each node is several tracked objects (an MoE's graphs hold hundreds of
     thousands), and CPython runs a full collection whenever the objects that survived the younger generations have
     grown by a quarter, so a measurement's full collections scan its own graphs again and again and find nothing
     to free. Garbage in cycles made during the block is collected with its generation while young, or else at the
