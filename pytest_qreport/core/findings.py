@@ -13,6 +13,9 @@ VERDICTS = ("pass", "fail", "warn", "waived", "error", "skip")
 BASELINE_STATUSES = ("", "ok", "new", "regressed", "improved")
 
 
+_PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
+
+
 def to_builtins(value: Any) -> Any:
     """`value` as JSON-like builtins: tensors and numpy values become lists or numbers, tuples lists."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -20,6 +23,8 @@ def to_builtins(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): to_builtins(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
+        if _PLAIN_TYPES.issuperset(map(type, value)):  # a list of numbers (an MoE's per-expert values) as it is
+            return list(value)
         return [to_builtins(v) for v in value]
     if hasattr(value, "tolist"):  # torch tensors, numpy arrays and scalars
         return to_builtins(value.tolist())
