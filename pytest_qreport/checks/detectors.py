@@ -20,6 +20,7 @@ stands unmeasured)::
 """
 from __future__ import annotations
 
+import itertools
 import math
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
@@ -383,12 +384,14 @@ class OutlierCheck(DetectorCheck):
 
     def layer_finding(self, model, layer, entry, quantized) -> Finding:
         d = self.detector
-        ratios = numbers(entry[d.COMP_METRIC_KEY])
-        outliers = [i for i, flag in enumerate(entry[d.OUTLIER_KEY]) if flag]
-        finite = [r for r in ratios if not math.isnan(r)]
+        ratios, flags = numbers(entry[d.COMP_METRIC_KEY]), numbers(entry[d.OUTLIER_KEY])
+        counts = numbers(entry[d.CONSTANT_COUNTS_KEY])
+        # the channels' positions in C (itertools): an MoE's experts have hundreds of thousands of channels
+        outliers = list(itertools.compress(range(len(flags)), flags))
+        finite = list(itertools.filterfalse(math.isnan, ratios))
         details = {"outlier_channels": outliers, "max_ratio": max(finite) if finite else math.nan,
                    "threshold": float(d.ratio_threshold), "channels": len(ratios),
-                   "constant_channels": [i for i, n in enumerate(numbers(entry[d.CONSTANT_COUNTS_KEY])) if n]}
+                   "constant_channels": list(itertools.compress(range(len(counts)), counts))}
         shown = ", ".join(str(c) for c in outliers[:8])
         more = "" if len(outliers) <= 8 else f" and {len(outliers) - 8} more"
         reference = f"{d.reference_percentile:.1%}".replace(".0%", "%")
