@@ -83,6 +83,7 @@ from qcore.report import ModelReport
 from qcore.report.detectors import DetectorBase
 from qcore.rewrites.equalize import cross_layer_equalize, equalize, resolve_layers
 from qcore.rewrites.smoothing import smooth, smoothing_alpha
+from qcore.runtime.collector import full_collections_deferred
 from qcore.runtime.progress import (
     FixBudgetUse,
     StageTimes,
@@ -524,6 +525,12 @@ class ModelAnalysis:
     def measurement(self) -> ModelMeasurement:
         """The model as quantized, measured in one calibration and one comparison pass, with what the plan names
         (the detectors and variants only when the model is not equalized: they concern the original graph)."""
+        # a large model's graphs go in the one full collection _measured() runs at its end: none comes due before it
+        with full_collections_deferred():
+            return self._measured()
+
+    def _measured(self) -> ModelMeasurement:
+        """The measurement, made (see `measurement`)."""
         if self.context.determinism_known:  # already known (a failed measurement is not kept)
             self.require_deterministic()
         original = not self.equalize_recipe
