@@ -73,6 +73,7 @@ from qcore.report.detectors import DetectorBase
 from qcore.rewrites.equalize import (
     InputEqualizationObserver,
     input_channel_axis,
+    weight_column_ranges_shared,
 )
 from qcore.rewrites.smoothing import group_observer, smoothing_groups
 from qcore.runtime.collector import full_collections_deferred
@@ -351,6 +352,10 @@ class ProbedModel:
 
     def read(self) -> tuple[list[Any], dict[str, str], dict[str, dict[str, Any]]]:
         """After calibration: read and remove the probes; (variants to measure, {layer: why not}, smoothing)."""
+        with weight_column_ranges_shared():  # the detectors' reports and the variants' plan read the same weights
+            return self._read()
+
+    def _read(self) -> tuple[list[Any], dict[str, str], dict[str, dict[str, Any]]]:
         if self.ahead is not None:  # its observers are not the variants' to see
             self.ahead.read(self.prepared)
             self.ahead.detach(self.prepared)

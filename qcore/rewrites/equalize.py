@@ -12,9 +12,11 @@ input channel i multiplied by s_i.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
 from collections import namedtuple
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +42,7 @@ __all__ = ["EqualizationError", "EqualizationQConfig", "InputEqualizationObserve
     "calculate_equalization_scale", "cross_layer_equalize", "cross_layer_pairs", "default_equalization_qconfig",
     "equalization_refusal", "equalize", "get_equalization_qconfig_dict", "get_layer_sqnr_dict", "input_channel_axis",
     "input_weight_scale", "input_weight_scales", "node_is_transposed", "producer_layer", "resolve_layers",
-    "weight_column_factor", "weight_column_ranges"]
+    "weight_column_factor", "weight_column_ranges", "weight_column_ranges_shared"]
 
 
 class EqualizationError(ValueError):
@@ -53,8 +55,36 @@ def _minmax_along(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tenso
     return x.amin(dim=others).float(), x.amax(dim=others).float()
 
 
+# {(the weight's address, device, dtype, shape, strides, version): (the weight, its column ranges)} within
+# weight_column_ranges_shared(); the weight is held so that no other tensor takes its address meanwhile
+_SHARED_RANGES: contextvars.ContextVar[dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] | None] = \
+    contextvars.ContextVar("qcore_weight_column_ranges_shared", default=None)
+
+
+@contextlib.contextmanager
+def weight_column_ranges_shared() -> Iterator[None]:
+    """Within the block, weight_column_ranges reduces each weight once (the same storage, view and version):
+    the input-weight equalization detector and the equalization variants' plan both read every layer's."""
+    token = _SHARED_RANGES.set({})
+    try:
+        yield
+    finally:
+        _SHARED_RANGES.reset(token)
+
+
 def weight_column_ranges(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max (float32) of each weight column (axis 1, the input channels)."""
+    """Min and max (float32) of each weight column (axis 1, the input channels); the same tensors for the same
+    weight within weight_column_ranges_shared(), which their readers never change in place."""
+    shared = _SHARED_RANGES.get()
+    if shared is None:
+        return _column_ranges(w)
+    key = (w.data_ptr(), w.device, w.dtype, tuple(w.shape), w.stride(), w._version)
+    if key not in shared:
+        shared[key] = (w, _column_ranges(w))
+    return shared[key][1]
+
+
+def _column_ranges(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # a conv's kernel window first: twice as fast as one reduction over dims (0, 2, 3)
     if w.dim() == 2:
         return _minmax_along(w, 1)
@@ -123,7 +153,7 @@ class WeightEqualizationObserver(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if w.dim() < 2 or w.dim() > 5:
             raise ValueError("WeightEqualizationObserver supports linear and conv weights (2 to 5 dims)")
-        low, high = weight_column_ranges(w.detach())
+        low, high = _column_ranges(w.detach())  # held as buffers: never the shared ranges
         if self.min_val.numel() == 0:
             self.min_val, self.max_val = low, high
         else:

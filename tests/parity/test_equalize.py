@@ -63,6 +63,35 @@ def test_weight_column_ranges_equal_one_reduction_over_the_other_dims(shape, see
     torch.testing.assert_close(observer.max_val, w.amax(dim=others), rtol=0, atol=0, equal_nan=True)
 
 
+
+def test_shared_weight_column_ranges_reduce_each_weight_once_and_see_a_change_in_place(monkeypatch):
+    """Within weight_column_ranges_shared() the detector and the variants' plan share one reduction of a weight
+    (a view of it, detached or not, is the same weight); a weight changed in place, or another view, is reduced
+    again; outside the block every call reduces."""
+    import qcore.rewrites.equalize as equalize_module
+
+    reductions = []
+    reduce = equalize_module._column_ranges
+    monkeypatch.setattr(equalize_module, "_column_ranges", lambda w: reductions.append(w.shape) or reduce(w))
+    weight = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(0))
+    with equalize_module.weight_column_ranges_shared():
+        first = equalize_module.weight_column_ranges(weight[1].detach())
+        again = equalize_module.weight_column_ranges(weight[1])
+        assert again[0] is first[0] and again[1] is first[1] and len(reductions) == 1
+        equalize_module.weight_column_ranges(weight[2])  # another expert's slice
+        assert len(reductions) == 2
+        with torch.no_grad():
+            weight[1, 0, 0] = 100.0
+        changed = equalize_module.weight_column_ranges(weight[1])
+        assert len(reductions) == 3 and float(changed[1][0]) == 100.0
+    for low, high in (first, changed):
+        assert low.dtype == high.dtype == torch.float32
+    torch.testing.assert_close(changed[0], weight[1].amin(dim=0), rtol=0, atol=0)
+    equalize_module.weight_column_ranges(weight[1])
+    equalize_module.weight_column_ranges(weight[1])
+    assert len(reductions) == 5
+
+
 class Linear2(nn.Module):
     def __init__(self, width=6):
         super().__init__()
