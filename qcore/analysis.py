@@ -522,15 +522,10 @@ class ModelAnalysis:
                 "or take them (noise, sampling) out of the forward that is checked.")
 
     @cached_property
+    @full_collections_deferred()  # a large model's graphs go in the one full collection it runs at its end
     def measurement(self) -> ModelMeasurement:
         """The model as quantized, measured in one calibration and one comparison pass, with what the plan names
         (the detectors and variants only when the model is not equalized: they concern the original graph)."""
-        # a large model's graphs go in the one full collection _measured() runs at its end: none comes due before it
-        with full_collections_deferred():
-            return self._measured()
-
-    def _measured(self) -> ModelMeasurement:
-        """The measurement, made (see `measurement`)."""
         if self.context.determinism_known:  # already known (a failed measurement is not kept)
             self.require_deterministic()
         original = not self.equalize_recipe

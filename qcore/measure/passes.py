@@ -350,12 +350,9 @@ class ProbedModel:
         self.probes: list[Probe] = [*self.statistics, *([self.detector_probe] if self.detector_probe else []),
                                     *([ahead] if ahead is not None else [])]
 
+    @weight_column_ranges_shared()  # the detectors' reports and the variants' plan read the same weights
     def read(self) -> tuple[list[Any], dict[str, str], dict[str, dict[str, Any]]]:
         """After calibration: read and remove the probes; (variants to measure, {layer: why not}, smoothing)."""
-        with weight_column_ranges_shared():  # the detectors' reports and the variants' plan read the same weights
-            return self._read()
-
-    def _read(self) -> tuple[list[Any], dict[str, str], dict[str, dict[str, Any]]]:
         if self.ahead is not None:  # its observers are not the variants' to see
             self.ahead.read(self.prepared)
             self.ahead.detach(self.prepared)
