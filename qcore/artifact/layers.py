@@ -100,9 +100,14 @@ def _same_class(a: type, b: type) -> bool:
     return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
-def _accelerate_forward(module: nn.Module) -> bool:
-    """Whether the module's replaced forward is accelerate's hook wrapper (device placement, offload), not a tool's."""
-    return "_old_forward" in vars(module) and getattr(module, "_hf_hook", None) is not None
+def _placement_forward(module: nn.Module) -> bool:
+    """Whether the module's replaced forward places its tensors rather than quantizing: accelerate's hook wrapper, or
+    compressed-tensors' offload wrapper (which a model loaded from its checkpoint gets at its first forward, every
+    module of it, quantized or not)."""
+    if "_old_forward" in vars(module) and getattr(module, "_hf_hook", None) is not None:
+        return True
+    return "_original_forward_func" in vars(module) and \
+        type(module._parameters).__module__.startswith("compressed_tensors.offload.")
 
 
 def _format(module: nn.Module, reference: nn.Module | None, weights: Any = None) -> str:
@@ -128,7 +133,7 @@ def _format(module: nn.Module, reference: nn.Module | None, weights: Any = None)
     extra = sorted(set(own) - set(reference_own))
     if extra:
         return f"{type(module).__name__} with {', '.join(extra)}"
-    if "forward" in vars(module) and not _accelerate_forward(module):
+    if "forward" in vars(module) and not _placement_forward(module):
         return f"{type(module).__name__} with a replaced forward"
     if isinstance(weight, torch.Tensor) and weight.shape != ref_weight.shape:
         return f"{type(module).__name__} with a weight of shape {tuple(weight.shape)}"

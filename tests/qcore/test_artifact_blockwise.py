@@ -56,6 +56,19 @@ def _same(whole, blockwise):
     assert whole.logits == blockwise.logits
 
 
+def test_a_compressed_tensors_checkpoints_layers_are_the_same_after_its_first_forward(checkpoints):
+    """compressed-tensors wraps every module's forward in its offload wrapper at the model's first forward: a
+    placement, not a quantization, so the unquantized embedding and head are no layers before it or after it."""
+    reference, quantized = _whole(checkpoints / "float"), _whole(checkpoints / "w4a16")
+    before = [layer.name for layer in artifact_layers(reference, quantized)]
+    with torch.no_grad():
+        quantized(**token_batches(1)[0])
+    assert "_original_forward_func" in vars(quantized.model.embed_tokens)  # the wrapper this test is about
+    after = [layer.name for layer in artifact_layers(reference, quantized)]
+    assert after == before
+    assert "model.embed_tokens" not in after and "lm_head" not in after and len(after) == 28
+
+
 def test_block_by_block_equals_the_whole_pass_for_a_compressed_tensors_and_a_torchao_artifact(checkpoints):
     batches = token_batches(3)
     reference = _whole(checkpoints / "float")
