@@ -372,9 +372,13 @@ class OutlierCheck(DetectorCheck):
                         "many dB", metavar="DB"),)
 
     def make_detector(self, quantizer: Any) -> Any:
-        from qcore.report import OutlierDetector
+        from qcore.report import OutlierDetector, percentile_estimate_tokens
 
-        return OutlierDetector(**self.merged_options)
+        options = self.merged_options
+        # an expert's batch is what its router sent it, often a few tokens, over which the heuristic's ratio
+        # compares the two largest values: such a batch gives none (0 in check_options: every batch, as torch.ao)
+        options.setdefault("expert_min_batch_tokens", percentile_estimate_tokens(options["reference_percentile"]))
+        return OutlierDetector(**options)
 
     def fix_change(self, quantized: Any) -> dict[str, Any] | None:
         return {"activation_observer": "histogram"}
@@ -386,6 +390,15 @@ class OutlierCheck(DetectorCheck):
         d = self.detector
         ratios, flags = numbers(entry[d.COMP_METRIC_KEY]), numbers(entry[d.OUTLIER_KEY])
         counts = numbers(entry[d.CONSTANT_COUNTS_KEY])
+        fewest = d.expert_min_batch_tokens
+        if fewest and all(map(math.isnan, ratios)) and layer in expert_layers_of(model.analysis):
+            reference = f"{d.reference_percentile:.1%}".replace(".0%", "%")
+            why = (f"every calibration batch routed the expert fewer than {fewest} tokens (with a nonzero input), "
+                   f"too few to estimate the {reference} percentile the heuristic compares the maximum with; more "
+                   "tokens per calibration batch (longer or more sequences) reach that")
+            return Finding(model=model.name, check=self.name, layer=layer, metric=self.metric, value=math.nan,
+                           threshold=float(d.ratio_threshold), verdict="skip",
+                           message=f"layer {layer}: not judged: {why}", details=not_measured_details(why))
         # the channels' positions in C (itertools): an MoE's experts have hundreds of thousands of channels
         outliers = list(itertools.compress(range(len(flags)), flags))
         finite = list(itertools.filterfalse(math.isnan, ratios))

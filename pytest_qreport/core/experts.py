@@ -126,8 +126,11 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
     failed = set(failing_experts) - in_error
     tally = [f"{len(failed)} failing"] if failed or not in_error else []
     tally += [f"{len(in_error)} in error"] if in_error else []
-    summary = (f"{item}: {count} experts, {', '.join(tally)}; judged on expert "
-               f"{expert_label(ordered[0], experts)}; worst: {named}.")
+    if len(valueless) == len(members):  # no expert to judge it on: the reasons say why
+        summary = f"{item}: {count} experts, none measured."
+    else:
+        summary = (f"{item}: {count} experts, {', '.join(tally)}; judged on expert "
+                   f"{expert_label(ordered[0], experts)}; worst: {named}.")
     if unmeasured:
         summary += (f" Not measured: expert(s) {', '.join(map(str, unmeasured))}, which no calibration token reached "
                     + ("(more or longer calibration batches reach them)." if artifact
@@ -135,7 +138,8 @@ def merge_expert_findings(item: str, members: Sequence[str], found: Mapping[str,
     for reason, which in reasons.items():
         summary += f" Not measured: expert(s) {', '.join(map(str, sorted(which)))}" + (f" ({reason})." if reason
                                                                                        else ".")
-    message = f"{summary} {worst.message}" if worst.message else summary
+    # a valueless expert's own message is its reason, given above
+    message = f"{summary} {worst.message}" if worst.message and ordered[0] not in valueless else summary
     details = {key: value for key, value in worst.details.items() if key not in (UNREACHED_KEY, NOT_MEASURED_KEY)}
     details.update({
         "experts": {expert_label(layer, experts): found[layer].value for layer in members},

@@ -7,10 +7,12 @@ from qcore.report.detectors import (
     InputWeightEqualizationDetector,
     OutlierDetector,
     PerChannelDetector,
+    percentile_estimate_tokens,
 )
 from qcore.report.model_report import ModelReport, ModelReportError
 from qcore.report.observer import ReportObserver
 
 __all__ = ["DetectorBase", "DetectorQConfigInfo", "DynamicStaticDetector", "ExpertCoverageDetector",
            "InputWeightEqualizationDetector", "TokenCounter",
-           "ModelReport", "ModelReportError", "OutlierDetector", "PerChannelDetector", "ReportObserver"]
+           "ModelReport", "ModelReportError", "OutlierDetector", "PerChannelDetector", "ReportObserver",
+           "percentile_estimate_tokens"]

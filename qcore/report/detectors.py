@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import abc
 import itertools
+import math
 import re
 from typing import Any
 
 import torch
 from torch import fx
 
+from qcore.graph.experts import expert_layers
 from qcore.graph.ops import (
     HANDLE_KEY,
     REWRITTEN_KEY,
@@ -34,7 +36,7 @@ from qcore.runtime import deferred
 __all__ = ["DETECTOR_EXPERT_KEY", "DETECTOR_IS_POST_OBS_KEY", "DETECTOR_OBS_ARGS_KEY", "DETECTOR_OBS_TO_INSERT_KEY",
     "DETECTOR_TARGET_NODE_KEY", "DetectorBase", "DetectorQConfigInfo", "DynamicStaticDetector",
     "InputWeightEqualizationDetector", "OutlierDetector", "PerChannelDetector", "channel_axis", "observer_name",
-    "reported_axis"]
+    "percentile_estimate_tokens", "reported_axis"]
 
 DETECTOR_TARGET_NODE_KEY = "target_node"
 DETECTOR_OBS_TO_INSERT_KEY = "observer_to_insert"
@@ -49,6 +51,15 @@ def observer_name(layer: str, detector: str, position: str) -> str:
     torch.ao's DEFAULT_PRE_OBSERVER_NAME or DEFAULT_POST_OBSERVER_NAME."""
     suffix = DetectorBase.DEFAULT_PRE_OBSERVER_NAME if position == "pre" else DetectorBase.DEFAULT_POST_OBSERVER_NAME
     return "qcore_report__" + re.sub(r"\W", "_", layer) + f"__{detector}__{suffix}"
+
+
+def percentile_estimate_tokens(percentile: float) -> int:
+    """The fewest values of a channel in a batch that estimate its `percentile` (a fraction): 1 / (1 - percentile),
+    the fewest of which one value is expected above it. Over fewer, torch.quantile's "lower" percentile is the
+    batch's second-largest value (its only one, of one), so q100 / q_p compares its two largest values."""
+    if percentile >= 1:
+        return 1
+    return max(1, math.ceil(round(1 / (1 - percentile), 9)))  # 1 / (1 - 0.975) is 40.00000000000004
 
 
 def channel_axis(op: QuantizableOp, conv_axis: int) -> int:
@@ -491,16 +502,25 @@ class OutlierDetector(DetectorBase):
     CONSTANT_COUNTS_KEY = "constant_batch_counts"
 
     def __init__(self, ratio_threshold: float = 3.5, reference_percentile: float = 0.975,
-                 fraction_batches_used_threshold: float = 0.95, ch_axis: int = 1) -> None:
+                 fraction_batches_used_threshold: float = 0.95, ch_axis: int = 1,
+                 expert_min_batch_tokens: int = 0) -> None:
+        """`expert_min_batch_tokens`: an expert's batch (the tokens its router sent it) with fewer tokens gives
+        no ratio, as an all-zero channel's does not (0: every batch counts, as in torch.ao; see
+        percentile_estimate_tokens)."""
         super().__init__()
         if not 0 <= reference_percentile <= 1:
             raise ValueError("reference_percentile must be between 0 and 1")
         if not 0 <= fraction_batches_used_threshold <= 1:
             raise ValueError("fraction_batches_used_threshold must be between 0 and 1")
+        if isinstance(expert_min_batch_tokens, bool) or not isinstance(expert_min_batch_tokens, int) or \
+                expert_min_batch_tokens < 0:
+            raise ValueError(f"expert_min_batch_tokens must be a whole number of at least 0, got "
+                             f"{expert_min_batch_tokens!r}")
         self.ratio_threshold = ratio_threshold
         self.reference_percentile = reference_percentile
         self.fraction_batches_used_threshold = fraction_batches_used_threshold
         self.ch_axis = ch_axis
+        self.expert_min_batch_tokens = expert_min_batch_tokens
 
     def get_detector_name(self) -> str:
         return "outlier_detector"
@@ -512,9 +532,11 @@ class OutlierDetector(DetectorBase):
     def determine_observer_insert_points(self, model: fx.GraphModule) -> dict[str, dict[str, Any]]:
         points = {}
         ops = self.layers(model)
+        experts = expert_layers(model)
         for op, ranges in zip(ops, fresh_ranges(len(ops))):
+            fewest = self.expert_min_batch_tokens if op.expert is not None or op.layer in experts else 0
             observer = ReportObserver(ch_axis=channel_axis(op, self.ch_axis), percentiles=(self.reference_percentile,),
-                                      ranges=ranges)
+                                      ranges=ranges, min_ratio_values=fewest)
             points[observer_name(op.layer, self.get_detector_name(), "pre")] = self._point(
                 op.node, op.activation_inputs[0], observer, post=False, op=op)
         return points

@@ -27,6 +27,10 @@ def _merge(existing: ReportObserver, wanted: ReportObserver) -> bool:
     """Fold `wanted` into `existing` when one observer can serve both; True if it did."""
     if existing.per_channel and wanted.per_channel and existing.ch_axis != wanted.ch_axis:
         return False
+    if existing.percentiles and wanted.percentiles and existing.min_ratio_values != wanted.min_ratio_values:
+        return False  # their ratios would come from different batches
+    if wanted.percentiles:
+        existing.min_ratio_values = wanted.min_ratio_values
     if wanted.per_channel and not existing.per_channel:
         existing.ch_axis = wanted.ch_axis
     existing.per_channel = existing.per_channel or wanted.per_channel

@@ -50,10 +50,15 @@ class ReportObserver(nn.Module):
 
     def __init__(self, ch_axis: int = 1, percentiles: tuple[float, ...] = (), per_channel: bool = True,
                  sample_size: int = DEFAULT_SAMPLE_SIZE, seed: int = 0,
-                 ranges: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """`ranges`: the starting (extremes, extreme_sums), from fresh_ranges (made anew when None)."""
+                 ranges: tuple[torch.Tensor, torch.Tensor] | None = None, min_ratio_values: int = 0) -> None:
+        """`ranges`: the starting (extremes, extreme_sums), from fresh_ranges (made anew when None).
+        `min_ratio_values`: a batch with fewer values per channel adds no percentile ratio (its ranges count as
+        any batch's), as a batch where the channel is all zero adds none: too few values estimate no percentile."""
         super().__init__()
+        if min_ratio_values < 0:
+            raise ValueError(f"min_ratio_values must be at least 0, got {min_ratio_values}")
         self.ch_axis = ch_axis
+        self.min_ratio_values = int(min_ratio_values)
         self.per_channel = per_channel or bool(percentiles)
         self.percentiles: tuple[float, ...] = tuple(sorted(set(percentiles)))
         self.sample_size = sample_size
@@ -98,6 +103,9 @@ class ReportObserver(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:  # an expert no token was routed to in this batch: nothing to see
             return x
+        if self.min_ratio_values and self.percentiles and x.dim() and \
+                x.numel() < self.min_ratio_values * x.shape[self.ch_axis % x.dim()]:
+            return self._observe(x, native=False, ratios=False)  # the native kernel computes ratios: torch ops
         plan = self._native_plan  # the hot path: the same shape again, one native call
         if plan is not None and x.shape != plan[0]:  # an MoE expert's token count of an earlier batch
             plan = self.__dict__.get("_native_plans", {}).get(x.shape)
@@ -112,7 +120,7 @@ class ReportObserver(nn.Module):
             return self._observe(x, native=False)  # a NaN: torch ops propagate it
         return self._observe(x)
 
-    def _observe(self, x: torch.Tensor, native: bool = True) -> torch.Tensor:
+    def _observe(self, x: torch.Tensor, native: bool = True, ratios: bool = True) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
             return x
         values = x.detach() if x.requires_grad else x  # detach is an op even under no_grad
@@ -138,7 +146,7 @@ class ReportObserver(nn.Module):
             low_c, high_c = source.amin(dim=others), source.amax(dim=others)
         if self.min_val.numel() == 0:
             self._init_channels(low_c.numel(), low_c.device)
-        if low_c.dim() == 1 and self._queueable(low_c.numel()):
+        if low_c.dim() == 1 and (ratios or not self.percentiles) and self._queueable(low_c.numel()):
             quantiles = self._batch_quantiles(values, rows, axis) if self.percentiles else None
             if deferred.defer(self, _update_reports, 0, lambda: (self, low_c, high_c, quantiles)):
                 return x
@@ -148,7 +156,7 @@ class ReportObserver(nn.Module):
         torch.minimum(self.min_val, low_c, out=self.min_val)
         torch.maximum(self.max_val, high_c, out=self.max_val)
         self.constant_channels.add_(high_c == low_c)
-        if self.percentiles:
+        if self.percentiles and ratios:
             self._add_ratios(self._batch_quantiles(values, rows, axis), high_c)
         return x
 
@@ -375,7 +383,8 @@ class ReportObserver(nn.Module):
         return self.ratio_counts[self.percentiles.index(percentile)]
 
     def extra_repr(self) -> str:
-        return f"ch_axis={self.ch_axis}, percentiles={self.percentiles}, per_channel={self.per_channel}"
+        fewest = f", min_ratio_values={self.min_ratio_values}" if self.min_ratio_values else ""
+        return f"ch_axis={self.ch_axis}, percentiles={self.percentiles}, per_channel={self.per_channel}{fewest}"
 
 
 def fresh_ranges(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

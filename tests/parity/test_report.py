@@ -503,3 +503,53 @@ def test_reports_of_all_layers_at_once_equal_each_layers_own():
     assert _same(again["conv2"]["outlier_detection_percentile_ratios"], torch.where(ratios < 1, 1 / ratios, ratios))
     assert all(_same(again[layer][key], outliers[layer][key]) for layer in outliers if layer != "conv2"
                for key in ("outlier_detection_percentile_ratios", "input_activation_per_channel_max"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.integers(1, 90), min_size=1, max_size=8), fewest=st.integers(0, 60), seed=st.integers(0, 99),
+       queued=st.booleans())
+def test_an_observer_leaves_batches_of_fewer_values_out_of_its_ratios_as_torch_ao_fed_only_the_others(
+        rows, fewest, seed, queued):
+    """min_ratio_values: the ratios of torch.ao's observer fed only the batches of at least that many rows, the
+    ranges of torch.ao's observer fed every batch (the native kernel, the torch ops, and their queued form)."""
+    import contextlib
+
+    from torch.ao.quantization.fx._model_report.model_report_observer import ModelReportObserver
+
+    from qcore.report import ReportObserver
+    from qcore.runtime import deferred
+
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randn(n, 12, generator=g) * torch.rand(12, generator=g) * 4 for n in rows]
+    ours = ReportObserver(ch_axis=-1, percentiles=(0.975,), min_ratio_values=fewest)
+    kept, every = (ModelReportObserver(ch_axis=1, comp_percentile=0.975) for _ in range(2))
+    for batch in batches:
+        with deferred.batched_updates() if queued else contextlib.nullcontext():
+            ours(batch)
+        every(batch)
+        if batch.shape[0] >= fewest:
+            kept(batch)
+    used = ours.batches_used(0.975)
+    assert used.tolist() == (kept.percentile_batches_tracked.tolist() if any(n >= fewest for n in rows)
+                             else [0.0] * 12)
+    if any(n >= fewest for n in rows):
+        assert _close(ours.average_ratios(0.975), kept.average_percentile_ratio)
+    else:
+        assert torch.isnan(ours.average_ratios(0.975)).all()  # no batch gave a ratio
+    assert torch.equal(ours.min_val, every.min_val) and torch.equal(ours.max_val, every.max_val)
+    assert _close(ours.average_batch_activation_range, every.average_batch_activation_range)
+    assert _close(ours.constant_channels, every.constant_channels) and ours.num_batches_tracked == len(rows)
+
+
+def test_a_shared_observer_takes_the_fewest_values_of_the_detector_that_wants_ratios():
+    """Observers two detectors share at one place: the percentile ratios' batch rule travels with the ratios."""
+    from qcore.report import ReportObserver
+    from qcore.report.model_report import _merge
+
+    ranges = ReportObserver(ch_axis=-1)
+    assert _merge(ranges, ReportObserver(ch_axis=-1, percentiles=(0.975,), min_ratio_values=40))
+    assert ranges.percentiles == (0.975,) and ranges.min_ratio_values == 40
+    assert _merge(ranges, ReportObserver(ch_axis=-1)) and ranges.min_ratio_values == 40
+    assert not _merge(ranges, ReportObserver(ch_axis=-1, percentiles=(0.9,), min_ratio_values=10))
+    with pytest.raises(ValueError, match="min_ratio_values"):
+        ReportObserver(min_ratio_values=-1)

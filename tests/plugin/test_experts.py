@@ -482,3 +482,38 @@ def test_in_artifact_mode_an_items_name_keeps_its_experts_in_float_and_hides_its
     with pytest.raises(QReportModelError, match=rf"its layers: .*{BLOCK}\.gate_proj, {BLOCK}\.up_proj, "
                                                 rf"{BLOCK}\.down_proj, lm_head$"):
         findings(float_layers=[f"{BLOCK}.down"])
+
+
+def test_the_outlier_check_judges_an_expert_on_its_batches_of_enough_tokens_and_says_when_it_had_none():
+    """An expert's batch is what its router sent it. Over fewer than 40 tokens the heuristic's 97.5th percentile is
+    the batch's second-largest value, so such batches give no ratio: with a few tokens an expert a batch, the
+    expert projections' outlier items say that no expert was measured and why, and the screen measures the fix on
+    no expert; with the longer batches the message asks for, every expert is judged."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from tests.helpers import analyze_with_checks
+    from tests.models import tiny_moe
+
+    model, short = tiny_moe("qwen3_moe", experts=4, batch=2, tokens=16, n=3)  # 16 tokens an expert a batch
+    found, analysis = analyze_with_checks(lambda: model, short, checks=["outlier"])
+    for projection in ("gate_up_proj", "down_proj"):
+        item = found[("outlier", f"{BLOCK}.{projection}")]
+        assert item.verdict == "skip" and item.message.startswith(f"{BLOCK}.{projection}: 4 experts, none measured. "
+                                                                  "Not measured: expert(s) 0, 1, 2, 3 (every "
+                                                                  "calibration batch routed the expert fewer than 40 "
+                                                                  "tokens"), item.message
+        assert "more tokens per calibration batch (longer or more sequences)" in item.message
+        assert all(math.isnan(value) for value in item.details["experts"].values())
+    screened = analysis.screened("outlier")
+    assert screened is None or not any(".experts." in layer for layer in screened.changes)
+    model, long = tiny_moe("qwen3_moe", experts=4, batch=4, tokens=64, n=3)  # 128 tokens an expert a batch
+    found, _ = analyze_with_checks(lambda: model, long, checks=["outlier"])
+    for projection in ("gate_up_proj", "down_proj"):
+        item = found[("outlier", f"{BLOCK}.{projection}")]
+        assert "Not measured" not in item.message and item.verdict in ("pass", "fail")
+        assert all(math.isfinite(value) for value in item.details["experts"].values())
+    # torch.ao's rule, every batch, on request: the short batches' experts are judged too
+    found, _ = analyze_with_checks(lambda: model, short, checks=["outlier"],
+                                   check_options={"outlier": {"expert_min_batch_tokens": 0}})
+    assert all(math.isfinite(value) for value in found[("outlier", f"{BLOCK}.down_proj")].details["experts"].values())

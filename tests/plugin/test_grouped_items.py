@@ -23,11 +23,13 @@ DEFAULT_CHECKS = [check.name for check in BUILTIN_CHECKS if check.default_severi
                                                           ("deepseek_v3", 0.0)])
 def test_a_grouped_capture_gives_the_per_expert_captures_items(architecture, fix_budget):
     """Thresholds that make the dynamic-vs-static and the outlier items fail, so that their screens measure each
-    expert's fix in the comparison pass and, with a fix budget, their trials the whole model with it."""
+    expert's fix in the comparison pass and, with a fix budget, their trials the whole model with it (the outlier
+    heuristic on every batch, as torch.ao's: these experts see a few tokens a batch)."""
     model, batches = tiny_moe(architecture, layers=2, experts=4, n=4)
     settings = dict(checks=DEFAULT_CHECKS, fix_budget=fix_budget, outlier_min_gain_db=0.0,
                     dynamic_static_min_gain_db=0.0,
-                    check_options={"dynamic_static": {"tolerance": 0.9}, "outlier": {"ratio_threshold": 1.5}})
+                    check_options={"dynamic_static": {"tolerance": 0.9},
+                                   "outlier": {"ratio_threshold": 1.5, "expert_min_batch_tokens": 0}})
     with experts_grouped(False):
         per_expert, analysis = analyze_with_checks(lambda: model, batches, **settings)
     assert not find_grouped_ops(analysis.float_gm)
@@ -96,7 +98,9 @@ def test_a_large_moes_outlier_screen_reads_each_expert_weight_as_the_experts_own
     monkeypatch.setattr(compare, "merge_repeated_shadow_weights", merged_then_counted)
     model, batches = tiny_moe("qwen3_moe", layers=1, experts=4, n=3)
     found, analysis = analyze_with_checks(lambda: model, batches, checks=["sqnr", "outlier"], fix_budget=0.0,
-                                          outlier_min_gain_db=0.0, check_options={"outlier": {"ratio_threshold": 1.5}})
+                                          outlier_min_gain_db=0.0,
+                                          check_options={"outlier": {"ratio_threshold": 1.5,
+                                                                     "expert_min_batch_tokens": 0}})
     assert not find_grouped_ops(analysis.float_gm)
     screened = [layer for layer in analysis.measurement.screens["outlier"].changes if ".experts." in layer]
     assert screened and any(finding.verdict == "fail" for (check, item), finding in found.items()

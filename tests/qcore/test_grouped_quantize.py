@@ -10,6 +10,7 @@ import torch
 
 import qcore
 from qcore.graph.capture import clone_graph_module, experts_grouped
+from qcore.graph.experts import expert_layers
 from qcore.graph.grouped import find_grouped_ops
 from qcore.observe.observers import MovingAverageMinMaxObserver
 from qcore.observe.segmented import ExpertsObserver, PerExpertObservers
@@ -486,3 +487,34 @@ def _switch_experts(data, per_expert, grouped, where_read):
             model.quantize_only([layer for layer in model.layers if layer not in kept])
             values.append(model.run(data[:2]))
         assert values[0] == values[1], kept
+
+
+def test_an_experts_outlier_ratios_leave_out_its_batches_of_few_tokens_alike_in_either_capture():
+    """expert_min_batch_tokens: an expert's batch of fewer tokens gives no ratio, in the grouped capture as one
+    Linear per expert; the other layers' entries are torch.ao's rule's (every batch)."""
+    from qcore.analysis import AnalysisPlan, ModelAnalysis
+    from qcore.report import OutlierDetector
+
+    model, data = tiny_moe("qwen3_moe", layers=1, experts=8, batch=2, tokens=8, n=4)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    per_expert = qcore.capture(model, data[0])
+    reports = {}
+    for name, gm in (("grouped", grouped), ("per_expert", per_expert)):
+        for fewest in (0, 4):
+            plan = AnalysisPlan(measurements=frozenset({"detectors"}),
+                                detectors={"outlier": OutlierDetector(expert_min_batch_tokens=fewest)})
+            analysis = ModelAnalysis(gm, qcore.Int8StaticQuantizer(per_channel=False), data, plan=plan)
+            reports[name, fewest] = _plain(analysis.measurement.detector_reports["outlier"])
+    experts = set(expert_layers(per_expert))
+    for layer, entry in reports["per_expert", 4].items():  # the experts' activation aside (the test above)
+        assert layer.endswith("experts.act_fn") or reports["grouped", 4][layer] == entry, layer
+    every, fewer = reports["per_expert", 0], reports["per_expert", 4]
+    assert set(every) == set(fewer) and experts < set(every)
+    used = "outlier_detection_batches_used"
+    for layer in set(every) - experts:
+        assert fewer[layer] == every[layer], layer
+    assert all(b <= a for layer in experts for a, b in zip(every[layer][used], fewer[layer][used]))
+    left_out = [layer for layer in experts if fewer[layer][used] != every[layer][used]]
+    kept = [layer for layer in experts if any(fewer[layer][used])]
+    assert left_out and kept, "some experts saw fewer than 4 tokens in a batch, and some 4 or more"

@@ -73,12 +73,15 @@ def test_an_moe_models_outlier_screen_shares_every_expert_weight_and_measures_wh
         return found
 
     monkeypatch.setattr(convert_module._QuantizedWeights, "find", counted)
-    findings, analysis = analyze_with_checks(lambda: model, batches, checks=checks)
+    # the heuristic on every batch, as torch.ao's: it names experts that saw a few tokens in a batch
+    every_batch = {"outlier": {"expert_min_batch_tokens": 0}}
+    findings, analysis = analyze_with_checks(lambda: model, batches, checks=checks, check_options=every_batch)
     screened = analysis.screened("outlier")
     assert screened is not None and len(screened.own_sqnr_db) >= 16  # the experts' projections among them
     assert any(".experts." in name for name in asked) and all(shared), asked  # histogram observers: weights as before
     monkeypatch.setattr(convert_module._QuantizedWeights, "find", lambda self, source, weight, how: None)
-    findings_alone, analysis_alone = analyze_with_checks(lambda: model, batches, checks=checks)
+    findings_alone, analysis_alone = analyze_with_checks(lambda: model, batches, checks=checks,
+                                                         check_options=every_batch)
     assert analysis_alone.screened("outlier").own_sqnr_db == screened.own_sqnr_db
     assert {key: finding.verdict for key, finding in findings.items()} == \
         {key: finding.verdict for key, finding in findings_alone.items()}
@@ -142,7 +145,9 @@ def test_a_screens_shadow_and_the_layers_own_multiply_by_one_weight_at_once_and_
 
     def analyzed():
         with experts_grouped(False):  # one Linear per expert, as the plugin captures a large MoE
-            return analyze_with_checks(lambda: model, batches, checks=checks)
+            # the heuristic on every batch, as torch.ao's: it names experts that saw a few tokens in a batch
+            return analyze_with_checks(lambda: model, batches, checks=checks,
+                                       check_options={"outlier": {"expert_min_batch_tokens": 0}})
 
     monkeypatch.setattr(compare, "pair_shadow_matmuls", paired)
     matmuls, (findings, analysis) = _matmuls(analyzed)
