@@ -376,7 +376,7 @@ class OutlierCheck(DetectorCheck):
 
         options = self.merged_options
         # an expert's batch is what its router sent it, often a few tokens, over which the heuristic's ratio
-        # compares the two largest values: such a batch gives none (0 in check_options: every batch, as torch.ao)
+        # compares two of the top values: such a batch gives none (0 in check_options: every batch, as torch.ao)
         options.setdefault("expert_min_batch_tokens", percentile_estimate_tokens(options["reference_percentile"]))
         return OutlierDetector(**options)
 
