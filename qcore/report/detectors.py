@@ -508,8 +508,8 @@ class OutlierDetector(DetectorBase):
                  fraction_batches_used_threshold: float = 0.95, ch_axis: int = 1,
                  expert_min_batch_tokens: int = 0) -> None:
         """`expert_min_batch_tokens`: an expert's batch (the tokens its router sent it) with fewer tokens gives
-        no ratio, as an all-zero channel's does not (0: every batch counts, as in torch.ao; see
-        percentile_estimate_tokens)."""
+        no ratio, as a batch where a channel is all zero gives none for it (0: every batch counts, as in torch.ao;
+        see percentile_estimate_tokens)."""
         super().__init__()
         if not 0 <= reference_percentile <= 1:
             raise ValueError("reference_percentile must be between 0 and 1")
