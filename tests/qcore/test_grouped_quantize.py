@@ -239,6 +239,15 @@ def _plain(value):
     return value
 
 
+def _grouped_and_per_expert(**shape):
+    """A tiny Qwen3-MoE's batches and its two captures: {"grouped": one op a projection, "per_expert": one Linear per
+    expert}."""
+    model, data = tiny_moe("qwen3_moe", **shape)
+    with experts_grouped():
+        grouped = qcore.capture(model, data[0])
+    return data, {"grouped": grouped, "per_expert": qcore.capture(model, data[0])}
+
+
 def test_the_detectors_report_each_expert_of_a_grouped_capture_as_on_the_per_expert_graph():
     """torch.ao's four detectors and expert coverage, on the shared calibration pass: each expert's entry, from its
     own observers fed its rows by one call a projection, is the per-expert graph's; and so is every other layer's
@@ -252,12 +261,9 @@ def test_the_detectors_report_each_expert_of_a_grouped_capture_as_on_the_per_exp
         PerChannelDetector,
     )
 
-    model, data = tiny_moe("qwen3_moe", layers=2, experts=8, batch=2, tokens=8, n=3)
-    with experts_grouped():
-        grouped = qcore.capture(model, data[0])
-    per_expert = qcore.capture(model, data[0])
+    data, captures = _grouped_and_per_expert(layers=2, experts=8, batch=2, tokens=8, n=3)
     reports = {}
-    for name, gm in (("grouped", grouped), ("per_expert", per_expert)):
+    for name, gm in captures.items():
         detectors = {"per_channel": PerChannelDetector(quantizer=qcore.Int8StaticQuantizer(per_channel=False)),
                      "dynamic_static": DynamicStaticDetector(), "equalization": InputWeightEqualizationDetector(0.5),
                      "outlier": OutlierDetector(), "expert_coverage": ExpertCoverageDetector()}
@@ -495,18 +501,15 @@ def test_an_experts_outlier_ratios_leave_out_its_batches_of_few_tokens_alike_in_
     from qcore.analysis import AnalysisPlan, ModelAnalysis
     from qcore.report import OutlierDetector
 
-    model, data = tiny_moe("qwen3_moe", layers=1, experts=8, batch=2, tokens=8, n=4)
-    with experts_grouped():
-        grouped = qcore.capture(model, data[0])
-    per_expert = qcore.capture(model, data[0])
+    data, captures = _grouped_and_per_expert(layers=1, experts=8, batch=2, tokens=8, n=4)
     reports = {}
-    for name, gm in (("grouped", grouped), ("per_expert", per_expert)):
+    for name, gm in captures.items():
         for fewest in (0, 4):
             plan = AnalysisPlan(measurements=frozenset({"detectors"}),
                                 detectors={"outlier": OutlierDetector(expert_min_batch_tokens=fewest)})
             analysis = ModelAnalysis(gm, qcore.Int8StaticQuantizer(per_channel=False), data, plan=plan)
             reports[name, fewest] = _plain(analysis.measurement.detector_reports["outlier"])
-    experts = set(expert_layers(per_expert))
+    experts = set(expert_layers(captures["per_expert"]))
     for layer, entry in reports["per_expert", 4].items():  # the experts' activation aside (the test above)
         assert layer.endswith("experts.act_fn") or reports["grouped", 4][layer] == entry, layer
     every, fewer = reports["per_expert", 0], reports["per_expert", 4]
