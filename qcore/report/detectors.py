@@ -62,7 +62,7 @@ def percentile_estimate_tokens(percentile: float, above: int = 3) -> int:
     (benchmarks/bench_outlier_ratio.py); an expert projection has thousands of channels."""
     if percentile >= 1:
         return 1
-    return max(1, math.ceil(round(above / (1 - percentile), 9)))  # 1 / (1 - 0.975) is 40.00000000000004
+    return math.ceil(round(above / (1 - percentile), 9))  # 1 / (1 - 0.975) is 40.00000000000004
 
 
 def channel_axis(op: QuantizableOp, conv_axis: int) -> int:

@@ -63,7 +63,6 @@ def test_weight_column_ranges_equal_one_reduction_over_the_other_dims(shape, see
     torch.testing.assert_close(observer.max_val, w.amax(dim=others), rtol=0, atol=0, equal_nan=True)
 
 
-
 def test_shared_weight_column_ranges_reduce_each_weight_once_and_see_a_change_in_place(monkeypatch):
     """Within weight_column_ranges_shared() the detector and the variants' plan share one reduction of a weight
     (a view of it, detached or not, is the same weight); a weight changed in place, or another view, is reduced
